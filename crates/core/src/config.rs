@@ -1,0 +1,567 @@
+//! The YAML configuration: instance, shards, routing and namespace policies.
+//!
+//! Every struct denies unknown fields and uses kebab-case names; durations are written like
+//! `10s` or `250ms`. `${VAR}` (or `${VAR:-default}`) in the text is replaced from the
+//! environment before parsing, so secrets stay out of the file. Every error names the file,
+//! the line and column, and the field. `config/reference.yaml` documents every field.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Virtual nodes per unit of shard weight: enough that, over 100,000 keys, the busiest of up
+/// to 8 equal shards carries at most 1.1x the mean (pinned by a ring test).
+pub const DEFAULT_VIRTUAL_NODES: u32 = 512;
+/// Lease length when neither the call nor the namespace says: long enough to ride out a few
+/// missed renewals (renewal runs every ttl/3), short enough that a crash frees keys quickly.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
+/// How long `acquire` waits by default before giving up with `Error::Timeout`.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
+/// First backoff step while waiting: about one round trip to a loaded shard.
+pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(2);
+/// Longest backoff step: bounds how late a waiter notices a released lock.
+pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_millis(100);
+/// Connections per shard pool: a lock statement is short, so a few connections serve many
+/// callers; raise it for many concurrent transaction locks.
+pub const DEFAULT_POOL_MAX_SIZE: usize = 16;
+/// How long a caller may wait for a free pooled connection.
+pub const DEFAULT_POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long opening a connection may take before the shard counts as unreachable.
+pub const DEFAULT_POOL_CREATE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long checking a pooled connection (reset or ping) may take before it is discarded.
+pub const DEFAULT_POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Pooled connections idle longer than this are pinged before reuse.
+pub const DEFAULT_POOL_IDLE_CHECK: Duration = Duration::from_secs(30);
+/// Upper bound for one lock statement; a lease statement is a primary-key operation.
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The namespace used when a call names none.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Config {
+    /// This process.
+    pub instance: InstanceConfig,
+    /// The MySQL shards locks are spread over (at least one).
+    pub shards: Vec<ShardConfig>,
+    /// Placement of keys on shards.
+    pub routing: RoutingConfig,
+    /// Lock policies by namespace; `default` always exists.
+    pub namespaces: BTreeMap<String, NamespaceConfig>,
+}
+
+/// Who this process is.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct InstanceConfig {
+    /// The instance id written into every owner (`<id>:<grant seq>`). Absent or `auto`:
+    /// derived from host name, process id and a random suffix, unique per process start.
+    pub id: Option<String>,
+}
+
+/// One MySQL shard.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ShardConfig {
+    /// Unique name used in errors, metrics and placement. Renaming a shard moves its keys.
+    pub name: String,
+    /// `mysql://user:password@host:port/database`; the database must exist.
+    pub url: String,
+    /// Relative share of keys (1 = one share).
+    pub weight: u32,
+    /// Upper bound for one lock statement on this shard.
+    #[serde(with = "humantime_serde")]
+    pub statement_timeout: Duration,
+    /// The connection pool.
+    pub pool: PoolConfig,
+}
+
+impl Default for ShardConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            url: String::new(),
+            weight: 1,
+            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+            pool: PoolConfig::default(),
+        }
+    }
+}
+
+/// A shard's connection pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct PoolConfig {
+    /// Most connections open at once.
+    pub max_size: usize,
+    /// Longest wait for a free connection.
+    #[serde(with = "humantime_serde")]
+    pub wait_timeout: Duration,
+    /// Longest time to open a connection.
+    #[serde(with = "humantime_serde")]
+    pub create_timeout: Duration,
+    /// Longest time to check a pooled connection before reuse.
+    #[serde(with = "humantime_serde")]
+    pub recycle_timeout: Duration,
+    /// Connections idle longer than this are pinged before reuse.
+    #[serde(with = "humantime_serde")]
+    pub idle_check: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            max_size: DEFAULT_POOL_MAX_SIZE,
+            wait_timeout: DEFAULT_POOL_WAIT_TIMEOUT,
+            create_timeout: DEFAULT_POOL_CREATE_TIMEOUT,
+            recycle_timeout: DEFAULT_POOL_RECYCLE_TIMEOUT,
+            idle_check: DEFAULT_POOL_IDLE_CHECK,
+        }
+    }
+}
+
+/// Placement of keys on shards.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct RoutingConfig {
+    /// Ring points per unit of shard weight.
+    pub virtual_nodes: u32,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self { virtual_nodes: DEFAULT_VIRTUAL_NODES }
+    }
+}
+
+/// The lock policy of a namespace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct NamespaceConfig {
+    /// Lease length.
+    #[serde(with = "humantime_serde")]
+    pub ttl: Duration,
+    /// How often held leases are renewed; default ttl/3.
+    #[serde(with = "humantime_serde")]
+    pub renew_interval: Option<Duration>,
+    /// How long `acquire` waits by default.
+    #[serde(with = "humantime_serde")]
+    pub wait: Duration,
+    /// First backoff step while waiting.
+    #[serde(with = "humantime_serde")]
+    pub backoff_base: Duration,
+    /// Longest backoff step while waiting.
+    #[serde(with = "humantime_serde")]
+    pub backoff_cap: Duration,
+}
+
+impl Default for NamespaceConfig {
+    fn default() -> Self {
+        Self {
+            ttl: DEFAULT_TTL,
+            renew_interval: None,
+            wait: DEFAULT_WAIT,
+            backoff_base: DEFAULT_BACKOFF_BASE,
+            backoff_cap: DEFAULT_BACKOFF_CAP,
+        }
+    }
+}
+
+impl NamespaceConfig {
+    /// The renewal period for a lease of `ttl` in this namespace.
+    pub fn renew_interval_for(&self, ttl: Duration) -> Duration {
+        match self.renew_interval {
+            Some(every) if ttl == self.ttl => every,
+            _ => ttl / 3,
+        }
+    }
+}
+
+impl Config {
+    /// Parses and validates YAML text (after `${VAR}` substitution).
+    pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
+        Self::parse(text, None)
+    }
+
+    /// Reads, parses and validates a YAML file.
+    pub fn from_yaml_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            path: Some(path.to_owned()),
+            message: format!("cannot read the file: {e}"),
+            ..ConfigError::default()
+        })?;
+        Self::parse(&text, Some(path))
+    }
+
+    fn parse(raw: &str, path: Option<&Path>) -> Result<Self, ConfigError> {
+        let with_path = |mut e: ConfigError| {
+            e.path = path.map(Path::to_owned);
+            e
+        };
+        let text = substitute_env(raw).map_err(with_path)?;
+        let de = serde_yaml::Deserializer::from_str(&text);
+        let mut config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let field = e.path().to_string();
+            let inner = e.into_inner();
+            let location = inner.location();
+            let message = inner.to_string();
+            // serde_yaml appends " at line L column C"; we report those separately.
+            let message = match message.find(" at line ") {
+                Some(at) => message[..at].to_owned(),
+                None => message,
+            };
+            with_path(ConfigError {
+                line: location.as_ref().map(|l| l.line()),
+                column: location.as_ref().map(|l| l.column()),
+                field: (field != ".").then_some(field),
+                message,
+                path: None,
+            })
+        })?;
+        config.namespaces.entry(DEFAULT_NAMESPACE.to_owned()).or_default();
+        config.validate().map_err(|mut e| {
+            if let Some(field) = &e.field {
+                if let Some((line, column)) = locate(&text, field) {
+                    e.line = Some(line);
+                    e.column = Some(column);
+                }
+            }
+            with_path(e)
+        })?;
+        Ok(config)
+    }
+
+    /// Checks values that parse but make no sense. The error names the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field: String, message: String| ConfigError {
+            field: Some(field),
+            message,
+            ..ConfigError::default()
+        };
+        if let Some(id) = &self.instance.id {
+            if id.is_empty() || id.len() > 100 || id.contains(':') {
+                return Err(invalid(
+                    "instance.id".into(),
+                    "must be 1 to 100 bytes without ':' (it prefixes every owner), or `auto`".into(),
+                ));
+            }
+        }
+        if self.shards.is_empty() {
+            return Err(invalid("shards".into(), "at least one shard is required".into()));
+        }
+        for (i, shard) in self.shards.iter().enumerate() {
+            let field = |f: &str| format!("shards[{i}].{f}");
+            let name_ok = !shard.name.is_empty()
+                && shard.name.len() <= 64
+                && shard.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if !name_ok {
+                return Err(invalid(
+                    field("name"),
+                    format!("`{}` is not a valid shard name: use 1-64 of [A-Za-z0-9_-]", shard.name),
+                ));
+            }
+            if let Some(j) = self.shards[..i].iter().position(|s| s.name == shard.name) {
+                return Err(invalid(
+                    field("name"),
+                    format!("shard name `{}` is already used by shards[{j}]", shard.name),
+                ));
+            }
+            if !shard.url.starts_with("mysql://") {
+                return Err(invalid(
+                    field("url"),
+                    "must look like mysql://user:password@host:port/database".into(),
+                ));
+            }
+            if shard.weight == 0 || shard.weight > 100 {
+                return Err(invalid(field("weight"), "must be between 1 and 100".into()));
+            }
+            if shard.pool.max_size == 0 {
+                return Err(invalid(field("pool.max-size"), "must be at least 1".into()));
+            }
+            if shard.statement_timeout.is_zero() {
+                return Err(invalid(field("statement-timeout"), "must be greater than zero".into()));
+            }
+        }
+        if self.routing.virtual_nodes == 0 || self.routing.virtual_nodes > 10_000 {
+            return Err(invalid(
+                "routing.virtual-nodes".into(),
+                "must be between 1 and 10000".into(),
+            ));
+        }
+        for (name, ns) in &self.namespaces {
+            let field = |f: &str| format!("namespaces.{name}.{f}");
+            if name.is_empty() || name.len() > 64 {
+                return Err(invalid(format!("namespaces.{name}"), "names are 1-64 bytes".into()));
+            }
+            check_ttl(ns.ttl).map_err(|m| invalid(field("ttl"), m))?;
+            if let Some(every) = ns.renew_interval {
+                if every.is_zero() || every >= ns.ttl {
+                    return Err(invalid(
+                        field("renew-interval"),
+                        format!("must be above zero and below the ttl ({:?})", ns.ttl),
+                    ));
+                }
+            }
+            if ns.backoff_base.is_zero() || ns.backoff_cap < ns.backoff_base {
+                return Err(invalid(
+                    field("backoff-base"),
+                    "backoff-base must be above zero and at most backoff-cap".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The policy of `namespace`, if configured.
+    pub fn namespace(&self, namespace: &str) -> Option<&NamespaceConfig> {
+        self.namespaces.get(namespace)
+    }
+}
+
+/// The shortest lease accepted: renewal must fit comfortably inside it.
+pub const MIN_TTL: Duration = Duration::from_millis(100);
+/// The longest lease accepted (stored as milliseconds in an unsigned 32-bit column).
+pub const MAX_TTL: Duration = Duration::from_secs(86_400);
+
+/// Checks a lease length, for the file and for per-call overrides alike.
+pub fn check_ttl(ttl: Duration) -> Result<(), String> {
+    if ttl < MIN_TTL || ttl > MAX_TTL {
+        Err(format!("a lease must last between {MIN_TTL:?} and {MAX_TTL:?}, got {ttl:?}"))
+    } else {
+        Ok(())
+    }
+}
+
+/// A configuration error: which file, where in it, which field, and what is wrong.
+#[derive(Debug, Clone, Default, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    /// The file, when the config came from one.
+    pub path: Option<PathBuf>,
+    /// 1-based line.
+    pub line: Option<usize>,
+    /// 1-based column.
+    pub column: Option<usize>,
+    /// The field, as a path like `shards[1].url`.
+    pub field: Option<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.path {
+            Some(p) => write!(f, "{}", p.display())?,
+            None => f.write_str("<config>")?,
+        }
+        if let Some(line) = self.line {
+            write!(f, ":{line}")?;
+            if let Some(col) = self.column {
+                write!(f, ":{col}")?;
+            }
+        }
+        f.write_str(": ")?;
+        if let Some(field) = &self.field {
+            write!(f, "field `{field}`: ")?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+impl ConfigError {
+    /// An error about `field` (a path like `shards[0].url`) with no location yet.
+    pub fn field(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { field: Some(field.into()), message: message.into(), ..Self::default() }
+    }
+}
+
+/// Replaces `${VAR}` and `${VAR:-default}` from the environment; `$$` stands for `$`.
+fn substitute_env(text: &str) -> Result<String, ConfigError> {
+    let mut out = String::with_capacity(text.len());
+    for (line_no, line) in text.split_inclusive('\n').enumerate() {
+        let mut rest = line;
+        while let Some(at) = rest.find('$') {
+            out.push_str(&rest[..at]);
+            let tail = &rest[at..];
+            if let Some(after) = tail.strip_prefix("$$") {
+                out.push('$');
+                rest = after;
+            } else if let Some(body) = tail.strip_prefix("${") {
+                let column = line.len() - tail.len() + 1;
+                let err = |message: String| ConfigError {
+                    line: Some(line_no + 1),
+                    column: Some(column),
+                    message,
+                    ..ConfigError::default()
+                };
+                let end = body
+                    .find('}')
+                    .ok_or_else(|| err("`${` without a closing `}`".to_owned()))?;
+                let (name, default) = match body[..end].split_once(":-") {
+                    Some((n, d)) => (n, Some(d)),
+                    None => (&body[..end], None),
+                };
+                if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                    return Err(err(format!("`${{{}}}` is not a valid variable reference", &body[..end])));
+                }
+                match (std::env::var(name), default) {
+                    (Ok(value), _) => out.push_str(&value),
+                    (Err(_), Some(d)) => out.push_str(d),
+                    (Err(_), None) => {
+                        return Err(err(format!(
+                            "environment variable `{name}` is not set (write `${{{name}:-default}}` to allow a default)"
+                        )))
+                    }
+                }
+                rest = &body[end + 1..];
+            } else {
+                out.push('$');
+                rest = &tail[1..];
+            }
+        }
+        out.push_str(rest);
+    }
+    Ok(out)
+}
+
+/// One significant line of block YAML: its 1-based number, the indent of its content (list
+/// dashes count as indentation) and whether it starts a list item.
+struct YamlLine<'a> {
+    number: usize,
+    indent: usize,
+    item: bool,
+    content: &'a str,
+}
+
+fn yaml_lines(text: &str) -> Vec<YamlLine<'_>> {
+    text.lines()
+        .enumerate()
+        .filter_map(|(i, raw)| {
+            let trimmed = raw.trim_start();
+            if trimmed.is_empty() || trimmed.starts_with('#') || trimmed == "---" {
+                return None;
+            }
+            let mut indent = raw.len() - trimmed.len();
+            let mut content = trimmed;
+            let mut item = false;
+            while let Some(rest) = content.strip_prefix("- ") {
+                let rest_trim = rest.trim_start();
+                indent += content.len() - rest_trim.len();
+                content = rest_trim;
+                item = true;
+            }
+            Some(YamlLine { number: i + 1, indent, item, content })
+        })
+        .collect()
+}
+
+/// Finds the line and column of `field` (`a.b[2].c`) in block-style YAML, for validation
+/// errors that serde cannot place. Returns `None` where the text is not plain block style.
+fn locate(text: &str, field: &str) -> Option<(usize, usize)> {
+    let lines = yaml_lines(text);
+    let (mut lo, mut hi) = (0usize, lines.len());
+    let mut found = None;
+    let mut parent_indent: Option<usize> = None;
+    for seg in field.split('.') {
+        let (key, index) = match seg.find('[') {
+            Some(b) => (&seg[..b], seg[b + 1..seg.len() - 1].parse::<usize>().ok()),
+            None => (seg, None),
+        };
+        let depth = lines[lo..hi]
+            .iter()
+            .filter(|l| parent_indent.is_none_or(|p| l.indent > p))
+            .map(|l| l.indent)
+            .min()?;
+        let at = (lo..hi).find(|&i| {
+            let l = &lines[i];
+            l.indent == depth && (l.content.starts_with(&format!("{key}:")) || l.content == key)
+        })?;
+        found = Some((lines[at].number, lines[at].indent + 1));
+        lo = at + 1;
+        hi = (lo..hi).find(|&i| lines[i].indent <= depth).unwrap_or(hi);
+        parent_indent = Some(depth);
+        if let Some(index) = index {
+            let items: Vec<usize> = (lo..hi).filter(|&i| lines[i].item).collect();
+            let item_indent = items.iter().map(|&i| lines[i].indent).min()?;
+            let items: Vec<usize> = items.into_iter().filter(|&i| lines[i].indent == item_indent).collect();
+            let start = *items.get(index)?;
+            found = Some((lines[start].number, lines[start].indent + 1));
+            let end = items.get(index + 1).copied().unwrap_or(hi);
+            lo = start;
+            hi = end;
+            parent_indent = Some(item_indent - 1);
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "\
+shards:
+  - name: s1
+    url: mysql://root@127.0.0.1:33061/shardlock
+  - name: s2
+    url: mysql://root@127.0.0.1:33062/shardlock
+    weight: 2
+namespaces:
+  stock:
+    ttl: 5s
+";
+
+    #[test]
+    fn parses_and_fills_defaults() {
+        let c = Config::from_yaml_str(GOOD).unwrap();
+        assert_eq!(c.shards.len(), 2);
+        assert_eq!(c.shards[1].weight, 2);
+        assert_eq!(c.namespaces["stock"].ttl, Duration::from_secs(5));
+        assert_eq!(c.namespaces["default"].ttl, DEFAULT_TTL);
+        assert_eq!(c.routing.virtual_nodes, DEFAULT_VIRTUAL_NODES);
+    }
+
+    #[test]
+    fn unknown_field_names_line_column_and_field() {
+        let text = GOOD.replace("    weight: 2\n", "    wieght: 2\n");
+        let e = Config::from_yaml_str(&text).unwrap_err();
+        assert_eq!(e.line, Some(6), "{e}");
+        assert!(e.message.contains("unknown field `wieght`"), "{e}");
+        assert_eq!(e.field.as_deref(), Some("shards[1].wieght"), "{e}");
+    }
+
+    #[test]
+    fn broken_yaml_reports_line_and_column() {
+        let e = Config::from_yaml_str("shards:\n  - name: s1\n    url: [oops\n").unwrap_err();
+        assert!(e.line.is_some() && e.column.is_some(), "{e}");
+    }
+
+    #[test]
+    fn validation_errors_are_located() {
+        let text = GOOD.replace("ttl: 5s", "ttl: 0s");
+        let e = Config::from_yaml_str(&text).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("namespaces.stock.ttl"));
+        assert_eq!((e.line, e.column), (Some(9), Some(5)), "{e}");
+        let text = GOOD.replace("name: s2", "name: s1");
+        let e = Config::from_yaml_str(&text).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("shards[1].name"));
+        assert_eq!(e.line, Some(4), "{e}");
+        assert!(e.to_string().starts_with("<config>:4:"), "{e}");
+    }
+
+    #[test]
+    fn substitutes_environment_variables() {
+        std::env::set_var("SHARDLOCK_TEST_PASSWORD", "s3cret");
+        let text = GOOD.replace("root@", "root:${SHARDLOCK_TEST_PASSWORD}@").replace("33062", "${SHARDLOCK_TEST_NO_SUCH_PORT:-33099}");
+        let c = Config::from_yaml_str(&text).unwrap();
+        assert!(c.shards[0].url.contains("root:s3cret@"));
+        assert!(c.shards[1].url.contains(":33099/"));
+        let e = Config::from_yaml_str(&GOOD.replace("33061", "${SHARDLOCK_TEST_UNSET_VAR}")).unwrap_err();
+        assert_eq!(e.line, Some(3));
+        assert!(e.message.contains("SHARDLOCK_TEST_UNSET_VAR"), "{e}");
+    }
+}

@@ -1,0 +1,213 @@
+//! Runtime errors of shardlock and the classification of backend failures.
+
+use std::time::Duration;
+
+use crate::config::ConfigError;
+
+/// `Result` with shardlock's [`Error`] as the default error type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything a lock operation can fail with.
+///
+/// Each message says what happened and what to do next. Deadlocks (MySQL 1213) and lock wait
+/// timeouts (1205) never appear here: the library retries them itself.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The lock was not granted within the caller's `wait`.
+    #[error(
+        "lock `{key}` was not granted within {waited:?}: another owner holds it; \
+         retry later or pass a longer wait"
+    )]
+    Timeout {
+        /// The key asked for.
+        key: String,
+        /// How long the caller waited.
+        waited: Duration,
+    },
+    /// The shard that owns the key cannot be reached; keys are never rerouted elsewhere.
+    #[error(
+        "shard `{shard}` is unavailable ({source}); the key is not moved to another shard, \
+         retry once the shard is back"
+    )]
+    Unavailable {
+        /// The shard's configured name.
+        shard: String,
+        /// What the backend reported.
+        #[source]
+        source: BackendError,
+    },
+    /// The lease is gone: it expired before it could be renewed, was taken over, or was
+    /// force-released. Work done under it may not have been exclusive.
+    #[error(
+        "lease on `{key}` was lost (expired, taken over or force-released); abandon the \
+         critical section and let fenced writes reject what it would still write"
+    )]
+    LockLost {
+        /// The key whose lease was lost.
+        key: String,
+    },
+    /// The key is empty or too long.
+    #[error("invalid lock key: {reason}")]
+    InvalidKey {
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// A caller-supplied value (an option, not the YAML file) is out of range.
+    #[error("invalid argument `{name}`: {reason}")]
+    InvalidArgument {
+        /// The option's name.
+        name: &'static str,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// The configuration is invalid; the error names the file, line, column and field.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The shard answered with an error that is not an outage (a schema problem, say).
+    #[error("shard `{shard}` failed: {source}")]
+    Backend {
+        /// The shard's configured name.
+        shard: String,
+        /// What the backend reported, kept with its MySQL source.
+        #[source]
+        source: BackendError,
+    },
+    /// A fenced write found a fence at least as new as the caller's: a newer holder has
+    /// written, so this holder's write was not applied.
+    #[error(
+        "fenced write rejected: fence {fence} is older than the one already stored; a newer \
+         holder of the lock has written, so this write was not applied"
+    )]
+    FenceRejected {
+        /// The caller's (stale) fence.
+        fence: u64,
+    },
+    /// The router was shut down; no new locks are granted.
+    #[error("the lock router has been shut down; create a new one")]
+    Shutdown,
+}
+
+impl Error {
+    /// Whether the shard could not be reached (as opposed to a logical outcome).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Error::Unavailable { .. })
+    }
+}
+
+/// What kind of backend failure happened; drives retries and (later) the breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BackendErrorKind {
+    /// InnoDB deadlock (1213): retried inside the library.
+    Deadlock,
+    /// InnoDB lock wait timeout (1205): retried inside the library.
+    LockWaitTimeout,
+    /// The connection could not be established or was lost mid-statement.
+    Connection,
+    /// The statement or the pool did not answer in time.
+    Timeout,
+    /// The server refused new connections (1040 and friends).
+    TooManyConnections,
+    /// The server is read-only (1290, 1792, 1836).
+    ReadOnly,
+    /// The server is shutting down or killed the query (1053, 1927, 1317).
+    ServerGone,
+    /// Anything else: SQL or schema errors that retrying will not fix.
+    Other,
+}
+
+impl BackendErrorKind {
+    /// Errors that the library retries by itself, at once, before reporting anything.
+    pub fn is_retryable(self) -> bool {
+        matches!(self, Self::Deadlock | Self::LockWaitTimeout)
+    }
+
+    /// Errors that mean the shard itself is in trouble (they make a shard "unavailable").
+    pub fn is_infrastructure(self) -> bool {
+        matches!(
+            self,
+            Self::Connection
+                | Self::Timeout
+                | Self::TooManyConnections
+                | Self::ReadOnly
+                | Self::ServerGone
+        )
+    }
+
+    /// The kind for a MySQL server error number.
+    pub fn from_mysql_code(code: u16) -> Self {
+        match code {
+            1213 => Self::Deadlock,
+            1205 => Self::LockWaitTimeout,
+            1040 | 1203 | 1226 => Self::TooManyConnections,
+            1290 | 1792 | 1836 => Self::ReadOnly,
+            1053 | 1077 | 1152 | 1158 | 1159 | 1160 | 1161 | 1317 | 1927 | 4031 => {
+                Self::ServerGone
+            }
+            _ => Self::Other,
+        }
+    }
+}
+
+/// A backend failure: its kind, the MySQL error number when there is one, and the source.
+#[derive(Debug, thiserror::Error)]
+#[error("{kind:?}{}: {source}", code.map(|c| format!(" (MySQL error {c})")).unwrap_or_default())]
+pub struct BackendError {
+    /// The classification.
+    pub kind: BackendErrorKind,
+    /// The MySQL server error number, if the server answered with one.
+    pub code: Option<u16>,
+    /// The underlying error (a `mysql_async::Error` for the MySQL backend).
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync + 'static>,
+}
+
+impl BackendError {
+    /// A backend error of `kind` with the given source.
+    pub fn new(
+        kind: BackendErrorKind,
+        code: Option<u16>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        Self { kind, code, source: source.into() }
+    }
+
+    /// A statement or pool timeout.
+    pub fn timeout(what: impl Into<String>) -> Self {
+        Self::new(BackendErrorKind::Timeout, None, what.into())
+    }
+
+    /// Turns this into the caller-facing error for `shard`.
+    pub fn into_error(self, shard: &str) -> Error {
+        if self.kind.is_infrastructure() {
+            Error::Unavailable { shard: shard.to_owned(), source: self }
+        } else {
+            Error::Backend { shard: shard.to_owned(), source: self }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_mysql_codes_by_number() {
+        assert!(BackendErrorKind::from_mysql_code(1213).is_retryable());
+        assert!(BackendErrorKind::from_mysql_code(1205).is_retryable());
+        assert!(BackendErrorKind::from_mysql_code(1290).is_infrastructure());
+        assert!(BackendErrorKind::from_mysql_code(1040).is_infrastructure());
+        let syntax = BackendErrorKind::from_mysql_code(1064);
+        assert!(!syntax.is_retryable() && !syntax.is_infrastructure());
+    }
+
+    #[test]
+    fn infrastructure_failures_become_unavailable() {
+        let e = BackendError::timeout("statement").into_error("s1");
+        assert!(matches!(e, Error::Unavailable { ref shard, .. } if shard == "s1"));
+        let e = BackendError::new(BackendErrorKind::Other, Some(1146), "no table").into_error("s2");
+        assert!(matches!(e, Error::Backend { .. }));
+        assert!(e.to_string().contains("s2"));
+    }
+}

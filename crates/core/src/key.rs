@@ -1,0 +1,106 @@
+//! Lock keys: validation and the bytes stored as the lease row's primary key.
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// The longest key accepted, in bytes of UTF-8.
+pub const MAX_KEY_BYTES: usize = 1024;
+
+/// Keys longer than this many bytes are stored as a digest (see [`LockKey::stored`]).
+pub const MAX_STORED_KEY_BYTES: usize = 255;
+
+/// Marks a digest in the stored key. It is `0xFF`, a byte that never occurs in UTF-8, so a
+/// digest can never equal a literal key.
+const DIGEST_MARK: u8 = 0xFF;
+
+/// A validated lock key and the bytes that identify it on its shard.
+///
+/// Keys are compared byte for byte: `Order:1` and `order:1` are different locks. A key of at
+/// most [`MAX_STORED_KEY_BYTES`] bytes is stored as itself. A longer key (up to
+/// [`MAX_KEY_BYTES`]) is stored as `0xFF` followed by the 32-byte SHA-256 of the key; the
+/// marker byte cannot appear in UTF-8, so digests and literal keys never collide.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LockKey {
+    text: String,
+    stored: Vec<u8>,
+}
+
+impl LockKey {
+    /// Validates `key`: non-empty and at most [`MAX_KEY_BYTES`] bytes.
+    pub fn new(key: &str) -> Result<Self> {
+        if key.is_empty() {
+            return Err(Error::InvalidKey { reason: "the key is empty".into() });
+        }
+        if key.len() > MAX_KEY_BYTES {
+            return Err(Error::InvalidKey {
+                reason: format!(
+                    "the key is {} bytes long; the limit is {MAX_KEY_BYTES} bytes \
+                     (hash long identifiers into the key yourself if they can grow)",
+                    key.len()
+                ),
+            });
+        }
+        let stored = if key.len() <= MAX_STORED_KEY_BYTES {
+            key.as_bytes().to_vec()
+        } else {
+            let mut stored = Vec::with_capacity(33);
+            stored.push(DIGEST_MARK);
+            stored.extend_from_slice(&Sha256::digest(key.as_bytes()));
+            stored
+        };
+        Ok(Self { text: key.to_owned(), stored })
+    }
+
+    /// The key as the caller wrote it.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// The bytes stored in the lease row's primary key.
+    pub fn stored(&self) -> &[u8] {
+        &self.stored
+    }
+
+    /// Whether the stored form is a digest.
+    pub fn is_digest(&self) -> bool {
+        self.stored.first() == Some(&DIGEST_MARK)
+    }
+}
+
+impl std::fmt::Display for LockKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_empty_and_oversized_keys() {
+        assert!(matches!(LockKey::new(""), Err(Error::InvalidKey { .. })));
+        let big = "k".repeat(2048);
+        let err = LockKey::new(&big).unwrap_err();
+        assert!(err.to_string().contains("2048 bytes"), "{err}");
+        assert!(LockKey::new(&"k".repeat(MAX_KEY_BYTES)).is_ok());
+    }
+
+    #[test]
+    fn short_keys_are_stored_literally_long_keys_as_digest() {
+        let k = LockKey::new("order:1").unwrap();
+        assert_eq!(k.stored(), b"order:1");
+        assert!(!k.is_digest());
+        let long = "x".repeat(MAX_STORED_KEY_BYTES + 1);
+        let d = LockKey::new(&long).unwrap();
+        assert!(d.is_digest());
+        assert_eq!(d.stored().len(), 33);
+        assert_ne!(d.stored(), LockKey::new(&"x".repeat(MAX_STORED_KEY_BYTES + 2)).unwrap().stored());
+    }
+
+    #[test]
+    fn keys_differing_in_case_differ() {
+        assert_ne!(LockKey::new("Order:1").unwrap().stored(), LockKey::new("order:1").unwrap().stored());
+    }
+}

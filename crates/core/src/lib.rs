@@ -1,0 +1,18 @@
+//! The pure logic of shardlock: configuration, errors, lock keys, the routing ring and backoff.
+//!
+//! Nothing in this crate performs I/O; the MySQL backend (`shardlock-mysql`) and the facade
+//! (`shardlock`) build on it. Users depend on the facade, which re-exports what they need.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+mod backoff;
+pub mod config;
+mod error;
+mod key;
+mod ring;
+
+pub use backoff::Backoff;
+pub use config::{Config, ConfigError};
+pub use error::{BackendError, BackendErrorKind, Error, Result};
+pub use key::{LockKey, MAX_KEY_BYTES, MAX_STORED_KEY_BYTES};
+pub use ring::{Ring, RingHash};
