@@ -1,1 +1,21 @@
-//! placeholder
+//! Throwaway MariaDB shards on loopback and real fault injection, for shardlock's tests and
+//! for `shardlock dev`.
+//!
+//! [`Cluster::start`] starts N `mariadbd` processes on free loopback ports, each in its own
+//! temporary data directory copied from one initialised template (made once per machine by
+//! `mariadb-install-db`, under a file lock so parallel test processes share it). Servers are
+//! killed and their directories removed when the [`Cluster`] is dropped, and also when the
+//! process that started them dies: each server runs under a small `sh` guardian that kills it
+//! as soon as our end of its stdin closes.
+//!
+//! Faults are real: [`Shard::kill`] (SIGKILL), [`Shard::pause`] / [`Shard::resume`]
+//! (SIGSTOP / SIGCONT) and [`Shard::restart`]. [`Worker`] runs a second OS process (the test
+//! binary itself, re-entered at a named function) that tests can signal in the same ways.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+mod server;
+mod worker;
+
+pub use server::{dev_config_yaml, Cluster, DevCluster, Shard, DATABASE};
+pub use worker::{worker_main, Worker, WORKER_ENV};

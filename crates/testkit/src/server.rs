@@ -1,0 +1,439 @@
+//! Starting, faulting and stopping local `mariadbd` shards.
+
+use std::fs::{self, File};
+use std::io::{self, BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use mysql_async::prelude::Queryable;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// The database every shard serves locks from.
+pub const DATABASE: &str = "shardlock";
+
+/// Bumped whenever the template's contents must change.
+const TEMPLATE_VERSION: &str = "v1";
+/// How long a server may take to accept connections (crash recovery after SIGKILL included).
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Several local shards, killed and deleted on drop.
+#[derive(Debug)]
+pub struct Cluster {
+    shards: Vec<Shard>,
+}
+
+impl Cluster {
+    /// Starts `n` shards named `s1..sN` in parallel and waits until each accepts connections
+    /// and has the [`DATABASE`] database.
+    pub async fn start(n: usize) -> io::Result<Self> {
+        let template = template_dir()?;
+        let mut starting = Vec::with_capacity(n);
+        for i in 0..n {
+            let dir = tempfile::Builder::new().prefix("shardlock-shard-").tempdir()?;
+            copy_dir(&template, dir.path())?;
+            starting.push(Shard::launch(format!("s{}", i + 1), dir)?);
+        }
+        let mut shards = Vec::with_capacity(n);
+        for shard in starting {
+            shard.wait_ready().await?;
+            shards.push(shard);
+        }
+        Ok(Self { shards })
+    }
+
+    /// The shards, in name order.
+    pub fn shards(&self) -> &[Shard] {
+        &self.shards
+    }
+
+    /// Shard `i` (0-based).
+    pub fn shard(&self, i: usize) -> &Shard {
+        &self.shards[i]
+    }
+
+    /// A shardlock YAML config listing every shard, followed by `extra` (top-level sections
+    /// such as `namespaces:`).
+    pub fn config_yaml(&self, extra: &str) -> String {
+        let mut yaml = String::from("shards:\n");
+        for s in &self.shards {
+            yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name, s.url()));
+        }
+        yaml.push_str(extra);
+        yaml
+    }
+}
+
+/// One local `mariadbd` with its data directory.
+#[derive(Debug)]
+pub struct Shard {
+    name: String,
+    port: u16,
+    dir: tempfile::TempDir,
+    process: Mutex<Option<Guarded>>,
+}
+
+/// A running server under its `sh` guardian.
+#[derive(Debug)]
+struct Guarded {
+    guardian: Child,
+    // Closing this makes the guardian kill the server.
+    stdin: ChildStdin,
+    server_pid: Pid,
+}
+
+impl Shard {
+    fn launch(name: String, dir: tempfile::TempDir) -> io::Result<Self> {
+        let port = free_port()?;
+        let shard = Self { name, port, dir, process: Mutex::new(None) };
+        shard.spawn()?;
+        Ok(shard)
+    }
+
+    fn spawn(&self) -> io::Result<()> {
+        let mut guardian = Command::new("sh")
+            .arg("-c")
+            .arg(r#""$@" & pid=$!; echo $pid; read line; kill -9 $pid 2>/dev/null; wait $pid"#)
+            .arg("sh")
+            .arg(mariadbd()?)
+            .args(server_args(self.dir.path(), self.port))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let mut first = String::new();
+        BufReader::new(guardian.stdout.take().expect("piped")).read_line(&mut first)?;
+        let server_pid = first
+            .trim()
+            .parse()
+            .map(Pid::from_raw)
+            .map_err(|_| io::Error::other(format!("guardian printed `{first}` instead of a pid")))?;
+        let stdin = guardian.stdin.take().expect("piped");
+        *self.process.lock().unwrap() = Some(Guarded { guardian, stdin, server_pid });
+        Ok(())
+    }
+
+    /// The shard's name (`s1`, `s2`, ...).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The loopback port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `mysql://root@127.0.0.1:PORT/shardlock`.
+    pub fn url(&self) -> String {
+        format!("mysql://root@127.0.0.1:{}/{DATABASE}", self.port)
+    }
+
+    /// The server's process id, while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.process.lock().unwrap().as_ref().map(|g| g.server_pid.as_raw())
+    }
+
+    fn signal(&self, signal: Signal) -> io::Result<()> {
+        let pid = self.pid().ok_or_else(|| io::Error::other("shard is not running"))?;
+        kill(Pid::from_raw(pid), signal).map_err(io::Error::from)
+    }
+
+    /// SIGKILL: the server dies at once, without flushing or closing connections cleanly.
+    pub fn kill(&self) -> io::Result<()> {
+        if let Some(mut g) = self.process.lock().unwrap().take() {
+            let _ = kill(g.server_pid, Signal::SIGKILL);
+            drop(g.stdin);
+            g.guardian.wait()?;
+        }
+        Ok(())
+    }
+
+    /// SIGSTOP: the server freezes; its sockets stay open but nothing answers.
+    pub fn pause(&self) -> io::Result<()> {
+        self.signal(Signal::SIGSTOP)
+    }
+
+    /// SIGCONT after [`Shard::pause`].
+    pub fn resume(&self) -> io::Result<()> {
+        self.signal(Signal::SIGCONT)
+    }
+
+    /// Starts the server again on the same port and data (after [`Shard::kill`]) and waits
+    /// until it accepts connections.
+    pub async fn restart(&self) -> io::Result<()> {
+        self.kill()?;
+        self.spawn()?;
+        self.wait_ready().await
+    }
+
+    /// Opens a plain connection (for test assertions and setup).
+    pub async fn connect(&self) -> mysql_async::Result<mysql_async::Conn> {
+        mysql_async::Conn::from_url(self.url()).await
+    }
+
+    /// A global status counter, e.g. `Com_update` or `Innodb_deadlocks`.
+    pub async fn global_status(&self, name: &str) -> mysql_async::Result<u64> {
+        let mut conn = self.connect().await?;
+        let row: Option<(String, String)> = conn
+            .exec_first("SHOW GLOBAL STATUS WHERE Variable_name = ?", (name,))
+            .await?;
+        conn.disconnect().await?;
+        Ok(row.and_then(|(_, v)| v.parse().ok()).unwrap_or(0))
+    }
+
+    async fn wait_ready(&self) -> io::Result<()> {
+        wait_ready(self.port, self.dir.path(), || {
+            let mut p = self.process.lock().unwrap();
+            match p.as_mut().map(|g| g.guardian.try_wait()) {
+                Some(Ok(None)) => false,
+                _ => true,
+            }
+        })
+        .await
+    }
+}
+
+impl Drop for Shard {
+    fn drop(&mut self) {
+        let _ = self.kill();
+    }
+}
+
+/// Waits until the server on `port` answers and has our database; gives up when `exited`
+/// says the process is gone or after [`READY_TIMEOUT`], with the end of its error log.
+async fn wait_ready(port: u16, dir: &Path, exited: impl Fn() -> bool) -> io::Result<()> {
+    let started = Instant::now();
+    let root_url = format!("mysql://root@127.0.0.1:{port}");
+    loop {
+        if let Ok(mut conn) = mysql_async::Conn::from_url(root_url.as_str()).await {
+            let created = conn.query_drop(format!("CREATE DATABASE IF NOT EXISTS {DATABASE}")).await;
+            let _ = conn.disconnect().await;
+            if created.is_ok() {
+                return Ok(());
+            }
+        }
+        if exited() || started.elapsed() > READY_TIMEOUT {
+            return Err(io::Error::other(format!(
+                "mariadbd on port {port} did not become ready; end of its log:\n{}",
+                log_tail(dir)
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn log_tail(dir: &Path) -> String {
+    let log = fs::read_to_string(dir.join("error.log")).unwrap_or_default();
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+fn server_args(dir: &Path, port: u16) -> Vec<String> {
+    let d = dir.display();
+    let mut args = vec![
+        "--no-defaults".to_owned(),
+        format!("--datadir={d}"),
+        format!("--port={port}"),
+        "--bind-address=127.0.0.1".to_owned(),
+        format!("--socket={d}/mysqld.sock"),
+        format!("--pid-file={d}/mysqld.pid"),
+        format!("--log-error={d}/error.log"),
+        // Throwaway servers: durability is traded for speed, never correctness of locking.
+        "--innodb-buffer-pool-size=64M".to_owned(),
+        "--innodb-log-file-size=32M".to_owned(),
+        "--innodb-flush-log-at-trx-commit=2".to_owned(),
+        "--innodb-doublewrite=0".to_owned(),
+        "--skip-log-bin".to_owned(),
+        "--performance-schema=OFF".to_owned(),
+        "--max-connections=1000".to_owned(),
+        "--skip-name-resolve".to_owned(),
+    ];
+    if nix::unistd::geteuid().is_root() {
+        // mariadbd refuses to run as root unless told to.
+        args.push("--user=root".to_owned());
+    }
+    args
+}
+
+fn mariadbd() -> io::Result<PathBuf> {
+    find_program("mariadbd", &["/usr/sbin/mariadbd", "/usr/local/mysql/bin/mariadbd"])
+}
+
+fn find_program(name: &str, fallbacks: &[&str]) -> io::Result<PathBuf> {
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join(name));
+    on_path
+        .chain(fallbacks.iter().map(PathBuf::from))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("`{name}` not found on PATH: install the MariaDB server (apt-get install mariadb-server)"),
+            )
+        })
+}
+
+fn free_port() -> io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The initialised data directory every shard starts from, made once per machine.
+fn template_dir() -> io::Result<PathBuf> {
+    let root = std::env::temp_dir().join("shardlock-testkit");
+    fs::create_dir_all(&root)?;
+    let template = root.join(format!("template-{TEMPLATE_VERSION}"));
+    let ready = template.join("SHARDLOCK_TEMPLATE_READY");
+    if ready.exists() {
+        return Ok(template);
+    }
+    let lock = File::create(root.join("template.lock"))?;
+    lock.lock()?;
+    if ready.exists() {
+        return Ok(template);
+    }
+    let _ = fs::remove_dir_all(&template);
+    let staging = root.join(format!("template-{TEMPLATE_VERSION}.tmp{}", std::process::id()));
+    let _ = fs::remove_dir_all(&staging);
+    fs::create_dir_all(&staging)?;
+    let mut install = Command::new(find_program(
+        "mariadb-install-db",
+        &["/usr/bin/mariadb-install-db", "/usr/bin/mysql_install_db"],
+    )?);
+    install
+        .arg("--no-defaults")
+        .arg(format!("--datadir={}", staging.display()))
+        .arg("--auth-root-authentication-method=normal")
+        .arg("--skip-test-db");
+    if nix::unistd::geteuid().is_root() {
+        install.arg("--user=root");
+    }
+    let out = install.output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!(
+            "mariadb-install-db failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    File::create(staging.join("SHARDLOCK_TEMPLATE_READY"))?.write_all(b"ok\n")?;
+    fs::rename(&staging, &template)?;
+    Ok(template)
+}
+
+fn copy_dir(from: &Path, to: &Path) -> io::Result<()> {
+    let status = Command::new("cp").arg("-a").arg(format!("{}/.", from.display())).arg(to).status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!("cp -a {} {} failed", from.display(), to.display())))
+    }
+}
+
+/// The local shards of `shardlock dev`: fixed ports, data kept under one directory, servers
+/// detached so they outlive the command that started them.
+#[derive(Debug)]
+pub struct DevCluster {
+    root: PathBuf,
+    ports: Vec<u16>,
+}
+
+impl DevCluster {
+    /// The dev cluster rooted at `root` on `ports` (one shard per port, named `s1..`).
+    pub fn new(root: impl Into<PathBuf>, ports: Vec<u16>) -> Self {
+        Self { root: root.into(), ports }
+    }
+
+    fn shard_dir(&self, i: usize) -> PathBuf {
+        self.root.join(format!("s{}", i + 1))
+    }
+
+    /// Whether every shard answers.
+    pub async fn is_up(&self) -> bool {
+        for port in &self.ports {
+            let url = format!("mysql://root@127.0.0.1:{port}/{DATABASE}");
+            match mysql_async::Conn::from_url(url).await {
+                Ok(conn) => drop(conn.disconnect().await),
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    /// Starts every shard that is not running (initialising its data directory the first
+    /// time) and waits until all accept connections. Returns how many were started.
+    pub async fn up(&self) -> io::Result<usize> {
+        let mut started = Vec::new();
+        for (i, &port) in self.ports.iter().enumerate() {
+            let url = format!("mysql://root@127.0.0.1:{port}");
+            if let Ok(conn) = mysql_async::Conn::from_url(url).await {
+                let _ = conn.disconnect().await;
+                continue;
+            }
+            let dir = self.shard_dir(i);
+            if !dir.join("SHARDLOCK_TEMPLATE_READY").exists() {
+                let _ = fs::remove_dir_all(&dir);
+                fs::create_dir_all(&dir)?;
+                copy_dir(&template_dir()?, &dir)?;
+            }
+            let log = File::create(dir.join("console.log"))?;
+            let child = Command::new(mariadbd()?)
+                .args(server_args(&dir, port))
+                .stdin(Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log)
+                .process_group(0)
+                .spawn()?;
+            fs::write(dir.join("server.pid"), child.id().to_string())?;
+            started.push((port, dir));
+        }
+        for (port, dir) in &started {
+            wait_ready(*port, dir, || false).await?;
+        }
+        Ok(started.len())
+    }
+
+    /// Stops every shard started by [`DevCluster::up`] (SIGTERM, then SIGKILL after 20 s).
+    /// With `wipe`, deletes their data too. Returns how many were stopped.
+    pub fn down(&self, wipe: bool) -> io::Result<usize> {
+        let mut stopped = 0;
+        for i in 0..self.ports.len() {
+            let dir = self.shard_dir(i);
+            let Ok(pid) = fs::read_to_string(dir.join("server.pid")) else { continue };
+            let Ok(pid) = pid.trim().parse::<i32>() else { continue };
+            let pid = Pid::from_raw(pid);
+            if kill(pid, Signal::SIGTERM).is_ok() {
+                stopped += 1;
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while kill(pid, None).is_ok() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let _ = kill(pid, Signal::SIGKILL);
+            }
+            let _ = fs::remove_file(dir.join("server.pid"));
+        }
+        if wipe {
+            let _ = fs::remove_dir_all(&self.root);
+        }
+        Ok(stopped)
+    }
+}
+
+use std::os::unix::process::CommandExt as _;
+
+/// The shardlock config for a dev cluster on `ports`, with `extra` appended.
+pub fn dev_config_yaml(ports: &[u16], extra: &str) -> String {
+    let mut yaml = String::from("shards:\n");
+    for (i, port) in ports.iter().enumerate() {
+        yaml.push_str(&format!(
+            "  - name: s{}\n    url: mysql://root@127.0.0.1:{port}/{DATABASE}\n",
+            i + 1
+        ));
+    }
+    yaml.push_str(extra);
+    yaml
+}
