@@ -1,1 +1,22 @@
-//! placeholder
+//! shardlock's MySQL backend: one deadpool pool of `mysql_async` connections per shard, the
+//! lease statements, and the versioned migrations.
+//!
+//! The SQL runs on MySQL 8.0+ and MariaDB 10.6+: no `RETURNING`, no sequences, no `VALUES()`
+//! in `ON DUPLICATE KEY UPDATE` (deprecated in MySQL 8). Time is always the shard's clock.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+mod error;
+mod lease;
+mod migrate;
+mod pool;
+mod shard;
+
+pub use error::classify;
+pub use lease::{LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
+pub use migrate::{MigrateReport, MIGRATIONS};
+pub use pool::{ShardConn, ShardManager, ShardPool};
+pub use shard::{PoolStatus, Shard};
+
+/// Re-exported so callers can run their own SQL on a shard connection.
+pub use mysql_async;

@@ -1,0 +1,206 @@
+//! The lease statements. Each is one round trip; time is the shard's clock.
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Params, Value};
+
+/// Shard clock in milliseconds since the epoch (sessions run in UTC, see `session_setup`).
+macro_rules! now_ms {
+    () => {
+        "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)"
+    };
+}
+/// Shard clock in microseconds since the epoch: the floor of every new fence.
+macro_rules! now_us {
+    () => {
+        "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)"
+    };
+}
+
+/// Acquire in one statement, for a free row, a released row or an expired lease alike.
+///
+/// `owner` is unique per attempt, so after the first assignment `owner = ?` means "this
+/// attempt won". The winner's new fence is handed back through `LAST_INSERT_ID(expr)`, which
+/// the server reports in the OK packet; a loser sets `LAST_INSERT_ID(0)` (and marks the row
+/// as wanted). Assignments run left to right, so `owner` must come first. A row held by a live
+/// lease is never taken; nothing is deleted, so there is no insert/delete churn on hot rows.
+///
+/// Parameters: key, owner, fence floor, ttl, ttl | owner, owner, fence floor, owner, ttl,
+/// owner, ttl, owner, owner.
+const ACQUIRE: &str = concat!(
+    "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, wanted_at) ",
+    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)), ?, ", now_ms!(), " + ?, ", now_ms!(), ", NULL) ",
+    "ON DUPLICATE KEY UPDATE ",
+    "owner = IF(owner IS NULL OR expires_at <= ", now_ms!(), ", ?, owner), ",
+    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ?)), fence + LAST_INSERT_ID(0)), ",
+    "ttl_ms = IF(owner = ?, ?, ttl_ms), ",
+    "expires_at = IF(owner = ?, ", now_ms!(), " + ?, expires_at), ",
+    "acquired_at = IF(owner = ?, ", now_ms!(), ", acquired_at), ",
+    "wanted_at = IF(owner = ?, NULL, ", now_ms!(), ")"
+);
+
+/// Owner-checked release: only the row carrying our owner is touched. The row stays (with its
+/// fence) so the next grant's fence is larger; the cleaner removes old released rows.
+const RELEASE: &str = "UPDATE shardlock_lease SET owner = NULL, expires_at = 0, wanted_at = NULL \
+                       WHERE lock_key = ? AND owner = ?";
+
+/// Renewal of many leases in one statement. Owners are unique per grant and each is written
+/// to one key only, so `key IN (...) AND owner IN (...)` matches exactly our (key, owner)
+/// pairs while letting the server use the primary key. Only live leases are extended: one that
+/// already expired on the shard's clock stays lost even if nobody took it yet.
+const RENEW_HEAD: &str = concat!(
+    "UPDATE shardlock_lease SET expires_at = ", now_ms!(), " + ttl_ms WHERE expires_at > ", now_ms!(),
+    " AND lock_key IN "
+);
+const HELD_HEAD: &str = concat!(
+    "SELECT lock_key FROM shardlock_lease WHERE expires_at > ", now_ms!(), " AND lock_key IN "
+);
+
+const INSPECT: &str = concat!(
+    "SELECT owner, fence, ttl_ms, expires_at, acquired_at, wanted_at, ", now_ms!(),
+    " FROM shardlock_lease WHERE lock_key = ?"
+);
+
+const COUNT_HELD: &str = concat!(
+    "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL AND expires_at > ", now_ms!()
+);
+
+/// Most leases renewed by one statement (two parameters each, well under the 65,535 limit).
+pub const MAX_RENEW_BATCH: usize = 4096;
+
+pub(crate) async fn acquire(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+    ttl_ms: u32,
+    fence_floor: u64,
+) -> mysql_async::Result<Option<u64>> {
+    let params: Vec<Value> = vec![
+        key.into(),
+        owner.into(),
+        fence_floor.into(),
+        ttl_ms.into(),
+        ttl_ms.into(),
+        owner.into(),
+        owner.into(),
+        fence_floor.into(),
+        owner.into(),
+        ttl_ms.into(),
+        owner.into(),
+        ttl_ms.into(),
+        owner.into(),
+        owner.into(),
+    ];
+    conn.exec_drop(ACQUIRE, Params::Positional(params)).await?;
+    Ok(conn.last_insert_id().filter(|&fence| fence > 0))
+}
+
+pub(crate) async fn release(conn: &mut Conn, key: &[u8], owner: &str) -> mysql_async::Result<bool> {
+    conn.exec_drop(RELEASE, (key, owner)).await?;
+    Ok(conn.affected_rows() == 1)
+}
+
+/// What a renewal found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenewOutcome {
+    /// For each lease passed in, whether it is still ours and was extended.
+    pub held: Vec<bool>,
+    /// Statements it took (1, or 2 when some lease was not found and had to be told apart).
+    pub statements: u32,
+}
+
+/// Builds `(?, ?, ...)` with `n` rounded up to a power of two, so that the statement cache
+/// sees a handful of shapes rather than one per batch size. Padding repeats the last element,
+/// which changes nothing in an `IN` list.
+fn padded_in_list<'a>(items: impl ExactSizeIterator<Item = &'a [u8]> + Clone) -> (String, Vec<Value>) {
+    let n = items.len().max(1).next_power_of_two();
+    let mut values: Vec<Value> = items.clone().map(Value::from).collect();
+    let last = values.last().cloned().unwrap_or(Value::NULL);
+    values.resize(n, last);
+    let mut list = String::with_capacity(n * 3 + 2);
+    list.push('(');
+    for i in 0..n {
+        list.push_str(if i == 0 { "?" } else { ",?" });
+    }
+    list.push(')');
+    (list, values)
+}
+
+pub(crate) async fn renew(conn: &mut Conn, leases: &[(&[u8], &str)]) -> mysql_async::Result<RenewOutcome> {
+    debug_assert!(!leases.is_empty() && leases.len() <= MAX_RENEW_BATCH);
+    let (keys_sql, mut params) = padded_in_list(leases.iter().map(|(k, _)| *k));
+    let (owners_sql, owners) = padded_in_list(leases.iter().map(|(_, o)| o.as_bytes()));
+    params.extend(owners);
+    let tail = format!("{keys_sql} AND owner IN {owners_sql}");
+    conn.exec_drop(format!("{RENEW_HEAD}{tail}"), Params::Positional(params.clone())).await?;
+    if conn.affected_rows() as usize == leases.len() {
+        return Ok(RenewOutcome { held: vec![true; leases.len()], statements: 1 });
+    }
+    // Some lease was not extended: find out which ones are still ours.
+    let still: Vec<Vec<u8>> = conn.exec(format!("{HELD_HEAD}{tail}"), Params::Positional(params)).await?;
+    let held = leases.iter().map(|(k, _)| still.iter().any(|s| s.as_slice() == *k)).collect();
+    Ok(RenewOutcome { held, statements: 2 })
+}
+
+/// A lease row as stored, with the shard's clock at the time it was read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRow {
+    /// The holder, or `None` when released.
+    pub owner: Option<String>,
+    /// The fence of the latest grant.
+    pub fence: u64,
+    /// Lease length of the latest grant, ms.
+    pub ttl_ms: u32,
+    /// Shard clock (ms) when the lease ends unless renewed.
+    pub expires_at_ms: i64,
+    /// Shard clock (ms) of the latest grant.
+    pub acquired_at_ms: i64,
+    /// Shard clock (ms) of the latest failed attempt by someone else.
+    pub wanted_at_ms: Option<i64>,
+    /// The shard's clock (ms) when this row was read.
+    pub now_ms: i64,
+}
+
+impl LeaseRow {
+    /// Whether a live lease holds the key.
+    pub fn is_held(&self) -> bool {
+        self.owner.is_some() && self.expires_at_ms > self.now_ms
+    }
+}
+
+type InspectRow = (Option<Vec<u8>>, u64, u32, i64, i64, Option<i64>, i64);
+
+pub(crate) async fn inspect(conn: &mut Conn, key: &[u8]) -> mysql_async::Result<Option<LeaseRow>> {
+    let row: Option<InspectRow> = conn.exec_first(INSPECT, (key,)).await?;
+    Ok(row.map(|(owner, fence, ttl_ms, expires_at_ms, acquired_at_ms, wanted_at_ms, now_ms)| LeaseRow {
+        owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+        fence,
+        ttl_ms,
+        expires_at_ms,
+        acquired_at_ms,
+        wanted_at_ms,
+        now_ms,
+    }))
+}
+
+pub(crate) async fn count_held(conn: &mut Conn) -> mysql_async::Result<u64> {
+    Ok(conn.query_first(COUNT_HELD).await?.unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_lists_are_padded_to_powers_of_two() {
+        let keys: Vec<&[u8]> = vec![b"a", b"b", b"c"];
+        let (sql, values) = padded_in_list(keys.iter().copied());
+        assert_eq!(sql, "(?,?,?,?)");
+        assert_eq!(values.len(), 4);
+        assert_eq!(values[3], Value::from(&b"c"[..]));
+    }
+
+    #[test]
+    fn acquire_binds_as_many_parameters_as_it_has_placeholders() {
+        assert_eq!(ACQUIRE.matches('?').count(), 14);
+    }
+}

@@ -1,0 +1,94 @@
+//! Versioned migrations, applied in order, recorded in `shardlock_schema_version`.
+
+use mysql_async::prelude::Queryable;
+use mysql_async::Conn;
+
+/// The migrations, in order: `(version, name, SQL)`. The SQL lives in `migrations/`.
+pub const MIGRATIONS: &[(u32, &str, &str)] =
+    &[(1, "lease_table", include_str!("../../../migrations/0001_lease_table.sql"))];
+
+const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\
+     version INT UNSIGNED NOT NULL PRIMARY KEY, \
+     name VARCHAR(200) NOT NULL, \
+     applied_at TIMESTAMP(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)) ENGINE=InnoDB";
+
+/// What `migrate` did on one shard.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigrateReport {
+    /// Versions applied by this call.
+    pub applied: Vec<u32>,
+    /// The schema version now.
+    pub version: u32,
+}
+
+/// Applies missing migrations. Concurrent callers serialize on a named server lock, and every
+/// statement is idempotent, so running it twice (or from two processes) is harmless.
+pub(crate) async fn migrate(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
+    let got: Option<i64> = conn.query_first("SELECT GET_LOCK('shardlock.migrate', 30)").await?;
+    if got != Some(1) {
+        return Err(mysql_async::Error::Other(
+            "another process held the migration lock for 30 s".into(),
+        ));
+    }
+    let result = apply(conn).await;
+    let _ = conn.query_drop("DO RELEASE_LOCK('shardlock.migrate')").await;
+    result
+}
+
+async fn apply(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
+    conn.query_drop(VERSION_TABLE).await?;
+    let done: Vec<u32> = conn.query("SELECT version FROM shardlock_schema_version").await?;
+    let mut report = MigrateReport::default();
+    for &(version, name, sql) in MIGRATIONS {
+        if !done.contains(&version) {
+            for statement in statements(sql) {
+                conn.query_drop(statement).await?;
+            }
+            conn.exec_drop(
+                "INSERT INTO shardlock_schema_version (version, name) VALUES (?, ?)",
+                (version, name),
+            )
+            .await?;
+            report.applied.push(version);
+        }
+        report.version = version;
+    }
+    Ok(report)
+}
+
+/// Splits a migration file into statements: `;` at the end of a line ends one; `--` lines are
+/// comments.
+fn statements(sql: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut current = String::new();
+    for line in sql.lines() {
+        let trimmed = line.trim();
+        if trimmed.starts_with("--") || trimmed.is_empty() {
+            continue;
+        }
+        current.push_str(line);
+        current.push('\n');
+        if trimmed.ends_with(';') {
+            let stmt = current.trim().trim_end_matches(';').to_owned();
+            out.push(stmt);
+            current.clear();
+        }
+    }
+    if !current.trim().is_empty() {
+        out.push(current.trim().to_owned());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migration_files_split_into_statements() {
+        let s = statements(MIGRATIONS[0].2);
+        assert_eq!(s.len(), 1);
+        assert!(s[0].starts_with("CREATE TABLE IF NOT EXISTS shardlock_lease"));
+        assert!(s[0].contains("VARBINARY(255)"));
+    }
+}

@@ -1,0 +1,98 @@
+//! The per-shard connection pool: deadpool managing `mysql_async` connections.
+
+use std::time::Duration;
+
+use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Opts};
+
+/// A pooled connection and what the pool must know about its state.
+#[derive(Debug)]
+pub struct ShardConn {
+    conn: Conn,
+    /// Set while a statement is on the wire. Still set when the connection comes back means
+    /// the future was dropped mid-statement: the session state is unknown, so it is discarded.
+    in_flight: bool,
+    /// Set when the session state was changed (a transaction, `GET_LOCK`, the caller's own
+    /// SQL); the connection is reset before reuse.
+    dirty: bool,
+    /// Set after a transport error: the connection is discarded.
+    broken: bool,
+}
+
+impl ShardConn {
+    /// Runs `f` on the connection, tracking whether it completed and whether it broke.
+    pub(crate) async fn run<T>(
+        &mut self,
+        f: impl AsyncFnOnce(&mut Conn) -> mysql_async::Result<T>,
+    ) -> mysql_async::Result<T> {
+        self.in_flight = true;
+        let result = f(&mut self.conn).await;
+        self.in_flight = false;
+        if let Err(e) = &result {
+            self.broken |= e.is_fatal();
+        }
+        result
+    }
+
+    /// The raw connection for the caller's own SQL; it will be reset before anyone reuses it.
+    pub fn raw(&mut self) -> &mut Conn {
+        self.dirty = true;
+        &mut self.conn
+    }
+}
+
+/// deadpool's manager for one shard.
+#[derive(Debug)]
+pub struct ShardManager {
+    opts: Opts,
+    idle_check: Duration,
+}
+
+/// One shard's pool.
+pub type ShardPool = managed::Pool<ShardManager>;
+
+impl ShardManager {
+    /// A manager connecting with `opts`; idle connections older than `idle_check` are pinged
+    /// before reuse.
+    pub fn new(opts: Opts, idle_check: Duration) -> Self {
+        Self { opts, idle_check }
+    }
+}
+
+impl managed::Manager for ShardManager {
+    type Type = ShardConn;
+    type Error = mysql_async::Error;
+
+    async fn create(&self) -> Result<ShardConn, mysql_async::Error> {
+        let conn = Conn::new(self.opts.clone()).await?;
+        Ok(ShardConn { conn, in_flight: false, dirty: false, broken: false })
+    }
+
+    async fn recycle(&self, c: &mut ShardConn, metrics: &Metrics) -> RecycleResult<mysql_async::Error> {
+        if c.in_flight || c.broken {
+            return Err(RecycleError::message("cancelled mid-statement or broken; discarded"));
+        }
+        if c.dirty {
+            // COM_RESET_CONNECTION: ends transactions, frees GET_LOCK locks and temporary
+            // tables, then mysql_async re-runs our setup statements.
+            if !c.conn.reset().await? {
+                return Err(RecycleError::message("server cannot reset sessions; discarded"));
+            }
+            c.dirty = false;
+        } else if metrics.last_used() > self.idle_check {
+            c.conn.ping().await?;
+        }
+        Ok(())
+    }
+}
+
+/// Statements run on every new (and every reset) connection.
+pub(crate) fn session_setup(lock_wait_timeout_secs: u64) -> Vec<String> {
+    vec![
+        // Shard time is read as UNIX_TIMESTAMP(NOW(n)); in UTC it has no DST ambiguity.
+        "SET time_zone = '+00:00'".to_owned(),
+        // A queued lock statement never outlives our own statement timeout by much.
+        format!("SET SESSION innodb_lock_wait_timeout = {}", lock_wait_timeout_secs.max(1)),
+    ]
+}

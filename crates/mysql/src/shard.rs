@@ -1,0 +1,185 @@
+//! One shard: its pool, its statement timeout, and the lease operations on it.
+
+use std::time::Duration;
+
+use deadpool::Runtime;
+use rand::Rng;
+use mysql_async::{Conn, Opts, OptsBuilder};
+use shardlock_core::config::ShardConfig;
+use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
+use tokio::time::Instant;
+
+use crate::error::{classify, classify_pool};
+use crate::lease::{self, LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
+use crate::migrate::{self, MigrateReport};
+use crate::pool::{session_setup, ShardConn, ShardManager, ShardPool};
+
+/// A shard: a named MySQL server (or schema) holding lease rows.
+#[derive(Debug)]
+pub struct Shard {
+    name: String,
+    pool: ShardPool,
+    statement_timeout: Duration,
+}
+
+/// The pool's state, for `status` and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// Most connections allowed.
+    pub max_size: usize,
+    /// Connections open now.
+    pub size: usize,
+    /// Idle connections ready for use.
+    pub available: usize,
+    /// Callers waiting for a connection.
+    pub waiting: usize,
+}
+
+impl Shard {
+    /// Builds the shard's pool from its config (`index` is its position in `shards`, for
+    /// error messages). Connects lazily: nothing is opened until first use.
+    pub fn new(config: &ShardConfig, index: usize) -> Result<Self, ConfigError> {
+        let opts = Opts::from_url(&config.url).map_err(|e| {
+            ConfigError::field(format!("shards[{index}].url"), format!("cannot parse the URL: {e}"))
+        })?;
+        let opts = OptsBuilder::from_opts(opts)
+            .client_found_rows(true)
+            .tcp_nodelay(true)
+            .stmt_cache_size(128)
+            .setup(session_setup(config.statement_timeout.as_secs()));
+        let pool = ShardPool::builder(ShardManager::new(opts.into(), config.pool.idle_check))
+            .max_size(config.pool.max_size)
+            .wait_timeout(Some(config.pool.wait_timeout))
+            .create_timeout(Some(config.pool.create_timeout))
+            .recycle_timeout(Some(config.pool.recycle_timeout))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| ConfigError::field(format!("shards[{index}].pool"), e.to_string()))?;
+        Ok(Self { name: config.name.clone(), pool, statement_timeout: config.statement_timeout })
+    }
+
+    /// The shard's configured name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The configured upper bound of one statement.
+    pub fn statement_timeout(&self) -> Duration {
+        self.statement_timeout
+    }
+
+    /// Runs `f` on a pooled connection within `timeout`.
+    ///
+    /// Deadlocks and lock wait timeouts are retried until the time is up; so is a broken
+    /// connection (a stale pooled one after a shard restart, say), once. `f` must therefore be
+    /// idempotent in effect, as every lease statement is (a retried acquire by the same owner
+    /// finds its own row).
+    ///
+    /// Cancellation: dropping the future mid-statement discards the connection (the pool sees
+    /// it was in flight); whether the statement took effect on the server is then unknown.
+    pub async fn with_conn<T>(
+        &self,
+        timeout: Duration,
+        f: impl AsyncFn(&mut Conn) -> mysql_async::Result<T>,
+    ) -> Result<T, BackendError> {
+        let deadline = Instant::now() + timeout;
+        let mut reconnected = false;
+        loop {
+            let attempt = tokio::time::timeout_at(deadline, async {
+                let mut conn = self.pool.get().await.map_err(classify_pool)?;
+                conn.run(&f).await.map_err(classify)
+            })
+            .await;
+            let err = match attempt {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(e)) => e,
+                Err(_) => {
+                    return Err(BackendError::timeout(format!(
+                        "no answer within {timeout:?} (statement-timeout)"
+                    )))
+                }
+            };
+            let retry = err.kind.is_retryable()
+                || (err.kind == BackendErrorKind::Connection && !std::mem::replace(&mut reconnected, true));
+            if !retry || Instant::now() + Duration::from_millis(2) >= deadline {
+                return Err(err);
+            }
+            if err.kind.is_retryable() {
+                tracing::debug!(shard = %self.name, code = ?err.code, "retrying after a deadlock or lock wait timeout");
+                let jitter = rand::rng().random_range(1..=4);
+                tokio::time::sleep(Duration::from_millis(jitter)).await;
+            }
+        }
+    }
+
+    /// Tries to take `key` for `owner` for `ttl` in one statement. `Some(fence)` when granted
+    /// (the fence is above `fence_floor` and above every earlier fence of the key on this
+    /// shard); `None` when a live lease of someone else holds it.
+    pub async fn acquire(
+        &self,
+        key: &[u8],
+        owner: &str,
+        ttl: Duration,
+        fence_floor: u64,
+    ) -> Result<Option<u64>, BackendError> {
+        let ttl_ms = u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX);
+        self.with_conn(self.statement_timeout, async |c| lease::acquire(c, key, owner, ttl_ms, fence_floor).await)
+            .await
+    }
+
+    /// Releases `key` if `owner` still holds it; `false` when it did not (the lease was lost).
+    pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
+        self.with_conn(self.statement_timeout, async |c| lease::release(c, key, owner).await).await
+    }
+
+    /// Extends every live lease in `leases` (key, owner) by its own ttl, in one statement per
+    /// [`MAX_RENEW_BATCH`] leases, within `timeout` overall.
+    pub async fn renew(&self, leases: &[(&[u8], &str)], timeout: Duration) -> Result<RenewOutcome, BackendError> {
+        let mut outcome = RenewOutcome { held: Vec::with_capacity(leases.len()), statements: 0 };
+        let deadline = Instant::now() + timeout;
+        for chunk in leases.chunks(MAX_RENEW_BATCH) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let part = self.with_conn(left, async |c| lease::renew(c, chunk).await).await?;
+            outcome.held.extend(part.held);
+            outcome.statements += part.statements;
+        }
+        Ok(outcome)
+    }
+
+    /// The lease row of `key`, if the key was ever granted here.
+    pub async fn inspect(&self, key: &[u8]) -> Result<Option<LeaseRow>, BackendError> {
+        self.with_conn(self.statement_timeout, async |c| lease::inspect(c, key).await).await
+    }
+
+    /// How many live leases the shard holds (all instances).
+    pub async fn count_held(&self) -> Result<u64, BackendError> {
+        self.with_conn(self.statement_timeout, async |c| lease::count_held(c).await).await
+    }
+
+    /// Applies missing migrations.
+    pub async fn migrate(&self) -> Result<MigrateReport, BackendError> {
+        let mut conn = tokio::time::timeout(self.statement_timeout, self.pool.get())
+            .await
+            .map_err(|_| BackendError::timeout("connecting to migrate"))?
+            .map_err(classify_pool)?;
+        // GET_LOCK state: reset before reuse.
+        let conn: &mut ShardConn = &mut conn;
+        migrate::migrate(conn.raw()).await.map_err(classify)
+    }
+
+    /// A pooled connection for the caller's own SQL; it is reset before anyone reuses it.
+    pub async fn connection(&self) -> Result<deadpool::managed::Object<ShardManager>, BackendError> {
+        self.pool.get().await.map_err(classify_pool)
+    }
+
+    /// The pool's state.
+    pub fn pool_status(&self) -> PoolStatus {
+        let s = self.pool.status();
+        PoolStatus { max_size: s.max_size, size: s.size, available: s.available, waiting: s.waiting }
+    }
+
+    /// Closes the pool: idle connections are dropped, new `get`s fail.
+    pub fn close(&self) {
+        self.pool.close();
+    }
+}
