@@ -17,7 +17,11 @@ pub struct Backoff {
 impl Backoff {
     /// A backoff starting at `base` and never exceeding `cap`.
     pub fn new(base: Duration, cap: Duration) -> Self {
-        Self { base, cap: cap.max(base), attempt: 0 }
+        Self {
+            base,
+            cap: cap.max(base),
+            attempt: 0,
+        }
     }
 
     /// The next delay.

@@ -134,7 +134,9 @@ pub struct RoutingConfig {
 
 impl Default for RoutingConfig {
     fn default() -> Self {
-        Self { virtual_nodes: DEFAULT_VIRTUAL_NODES }
+        Self {
+            virtual_nodes: DEFAULT_VIRTUAL_NODES,
+        }
     }
 }
 
@@ -223,7 +225,10 @@ impl Config {
                 path: None,
             })
         })?;
-        config.namespaces.entry(DEFAULT_NAMESPACE.to_owned()).or_default();
+        config
+            .namespaces
+            .entry(DEFAULT_NAMESPACE.to_owned())
+            .or_default();
         config.validate().map_err(|mut e| {
             if let Some(field) = &e.field {
                 if let Some((line, column)) = locate(&text, field) {
@@ -247,22 +252,32 @@ impl Config {
             if id.is_empty() || id.len() > 100 || id.contains(':') {
                 return Err(invalid(
                     "instance.id".into(),
-                    "must be 1 to 100 bytes without ':' (it prefixes every owner), or `auto`".into(),
+                    "must be 1 to 100 bytes without ':' (it prefixes every owner), or `auto`"
+                        .into(),
                 ));
             }
         }
         if self.shards.is_empty() {
-            return Err(invalid("shards".into(), "at least one shard is required".into()));
+            return Err(invalid(
+                "shards".into(),
+                "at least one shard is required".into(),
+            ));
         }
         for (i, shard) in self.shards.iter().enumerate() {
             let field = |f: &str| format!("shards[{i}].{f}");
             let name_ok = !shard.name.is_empty()
                 && shard.name.len() <= 64
-                && shard.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+                && shard
+                    .name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
             if !name_ok {
                 return Err(invalid(
                     field("name"),
-                    format!("`{}` is not a valid shard name: use 1-64 of [A-Za-z0-9_-]", shard.name),
+                    format!(
+                        "`{}` is not a valid shard name: use 1-64 of [A-Za-z0-9_-]",
+                        shard.name
+                    ),
                 ));
             }
             if let Some(j) = self.shards[..i].iter().position(|s| s.name == shard.name) {
@@ -284,7 +299,10 @@ impl Config {
                 return Err(invalid(field("pool.max-size"), "must be at least 1".into()));
             }
             if shard.statement_timeout.is_zero() {
-                return Err(invalid(field("statement-timeout"), "must be greater than zero".into()));
+                return Err(invalid(
+                    field("statement-timeout"),
+                    "must be greater than zero".into(),
+                ));
             }
         }
         if self.routing.virtual_nodes == 0 || self.routing.virtual_nodes > 10_000 {
@@ -296,7 +314,10 @@ impl Config {
         for (name, ns) in &self.namespaces {
             let field = |f: &str| format!("namespaces.{name}.{f}");
             if name.is_empty() || name.len() > 64 {
-                return Err(invalid(format!("namespaces.{name}"), "names are 1-64 bytes".into()));
+                return Err(invalid(
+                    format!("namespaces.{name}"),
+                    "names are 1-64 bytes".into(),
+                ));
             }
             check_ttl(ns.ttl).map_err(|m| invalid(field("ttl"), m))?;
             if let Some(every) = ns.renew_interval {
@@ -331,7 +352,9 @@ pub const MAX_TTL: Duration = Duration::from_secs(86_400);
 /// Checks a lease length, for the file and for per-call overrides alike.
 pub fn check_ttl(ttl: Duration) -> Result<(), String> {
     if ttl < MIN_TTL || ttl > MAX_TTL {
-        Err(format!("a lease must last between {MIN_TTL:?} and {MAX_TTL:?}, got {ttl:?}"))
+        Err(format!(
+            "a lease must last between {MIN_TTL:?} and {MAX_TTL:?}, got {ttl:?}"
+        ))
     } else {
         Ok(())
     }
@@ -373,9 +396,28 @@ impl fmt::Display for ConfigError {
 }
 
 impl ConfigError {
+    /// Adds the file and, for an error that names a field, the field's line and column in
+    /// `text` (the YAML the config was parsed from).
+    pub fn located(mut self, text: &str, path: Option<&Path>) -> Self {
+        if self.line.is_none() {
+            if let Some((line, column)) = self.field.as_deref().and_then(|f| locate(text, f)) {
+                self.line = Some(line);
+                self.column = Some(column);
+            }
+        }
+        if self.path.is_none() {
+            self.path = path.map(Path::to_owned);
+        }
+        self
+    }
+
     /// An error about `field` (a path like `shards[0].url`) with no location yet.
     pub fn field(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self { field: Some(field.into()), message: message.into(), ..Self::default() }
+        Self {
+            field: Some(field.into()),
+            message: message.into(),
+            ..Self::default()
+        }
     }
 }
 
@@ -405,8 +447,12 @@ fn substitute_env(text: &str) -> Result<String, ConfigError> {
                     Some((n, d)) => (n, Some(d)),
                     None => (&body[..end], None),
                 };
-                if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-                    return Err(err(format!("`${{{}}}` is not a valid variable reference", &body[..end])));
+                if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                {
+                    return Err(err(format!(
+                        "`${{{}}}` is not a valid variable reference",
+                        &body[..end]
+                    )));
                 }
                 match (std::env::var(name), default) {
                     (Ok(value), _) => out.push_str(&value),
@@ -454,7 +500,12 @@ fn yaml_lines(text: &str) -> Vec<YamlLine<'_>> {
                 content = rest_trim;
                 item = true;
             }
-            Some(YamlLine { number: i + 1, indent, item, content })
+            Some(YamlLine {
+                number: i + 1,
+                indent,
+                item,
+                content,
+            })
         })
         .collect()
 }
@@ -487,7 +538,10 @@ fn locate(text: &str, field: &str) -> Option<(usize, usize)> {
         if let Some(index) = index {
             let items: Vec<usize> = (lo..hi).filter(|&i| lines[i].item).collect();
             let item_indent = items.iter().map(|&i| lines[i].indent).min()?;
-            let items: Vec<usize> = items.into_iter().filter(|&i| lines[i].indent == item_indent).collect();
+            let items: Vec<usize> = items
+                .into_iter()
+                .filter(|&i| lines[i].indent == item_indent)
+                .collect();
             let start = *items.get(index)?;
             found = Some((lines[start].number, lines[start].indent + 1));
             let end = items.get(index + 1).copied().unwrap_or(hi);
@@ -556,11 +610,14 @@ namespaces:
     #[test]
     fn substitutes_environment_variables() {
         std::env::set_var("SHARDLOCK_TEST_PASSWORD", "s3cret");
-        let text = GOOD.replace("root@", "root:${SHARDLOCK_TEST_PASSWORD}@").replace("33062", "${SHARDLOCK_TEST_NO_SUCH_PORT:-33099}");
+        let text = GOOD
+            .replace("root@", "root:${SHARDLOCK_TEST_PASSWORD}@")
+            .replace("33062", "${SHARDLOCK_TEST_NO_SUCH_PORT:-33099}");
         let c = Config::from_yaml_str(&text).unwrap();
         assert!(c.shards[0].url.contains("root:s3cret@"));
         assert!(c.shards[1].url.contains(":33099/"));
-        let e = Config::from_yaml_str(&GOOD.replace("33061", "${SHARDLOCK_TEST_UNSET_VAR}")).unwrap_err();
+        let e = Config::from_yaml_str(&GOOD.replace("33061", "${SHARDLOCK_TEST_UNSET_VAR}"))
+            .unwrap_err();
         assert_eq!(e.line, Some(3));
         assert!(e.message.contains("SHARDLOCK_TEST_UNSET_VAR"), "{e}");
     }

@@ -142,9 +142,7 @@ impl BackendErrorKind {
             1205 => Self::LockWaitTimeout,
             1040 | 1203 | 1226 => Self::TooManyConnections,
             1290 | 1792 | 1836 => Self::ReadOnly,
-            1053 | 1077 | 1152 | 1158 | 1159 | 1160 | 1161 | 1317 | 1927 | 4031 => {
-                Self::ServerGone
-            }
+            1053 | 1077 | 1152 | 1158 | 1159 | 1160 | 1161 | 1317 | 1927 | 4031 => Self::ServerGone,
             _ => Self::Other,
         }
     }
@@ -170,7 +168,11 @@ impl BackendError {
         code: Option<u16>,
         source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     ) -> Self {
-        Self { kind, code, source: source.into() }
+        Self {
+            kind,
+            code,
+            source: source.into(),
+        }
     }
 
     /// A statement or pool timeout.
@@ -181,9 +183,15 @@ impl BackendError {
     /// Turns this into the caller-facing error for `shard`.
     pub fn into_error(self, shard: &str) -> Error {
         if self.kind.is_infrastructure() {
-            Error::Unavailable { shard: shard.to_owned(), source: self }
+            Error::Unavailable {
+                shard: shard.to_owned(),
+                source: self,
+            }
         } else {
-            Error::Backend { shard: shard.to_owned(), source: self }
+            Error::Backend {
+                shard: shard.to_owned(),
+                source: self,
+            }
         }
     }
 }

@@ -30,7 +30,9 @@ impl LockKey {
     /// Validates `key`: non-empty and at most [`MAX_KEY_BYTES`] bytes.
     pub fn new(key: &str) -> Result<Self> {
         if key.is_empty() {
-            return Err(Error::InvalidKey { reason: "the key is empty".into() });
+            return Err(Error::InvalidKey {
+                reason: "the key is empty".into(),
+            });
         }
         if key.len() > MAX_KEY_BYTES {
             return Err(Error::InvalidKey {
@@ -49,7 +51,10 @@ impl LockKey {
             stored.extend_from_slice(&Sha256::digest(key.as_bytes()));
             stored
         };
-        Ok(Self { text: key.to_owned(), stored })
+        Ok(Self {
+            text: key.to_owned(),
+            stored,
+        })
     }
 
     /// The key as the caller wrote it.
@@ -96,11 +101,19 @@ mod tests {
         let d = LockKey::new(&long).unwrap();
         assert!(d.is_digest());
         assert_eq!(d.stored().len(), 33);
-        assert_ne!(d.stored(), LockKey::new(&"x".repeat(MAX_STORED_KEY_BYTES + 2)).unwrap().stored());
+        assert_ne!(
+            d.stored(),
+            LockKey::new(&"x".repeat(MAX_STORED_KEY_BYTES + 2))
+                .unwrap()
+                .stored()
+        );
     }
 
     #[test]
     fn keys_differing_in_case_differ() {
-        assert_ne!(LockKey::new("Order:1").unwrap().stored(), LockKey::new("order:1").unwrap().stored());
+        assert_ne!(
+            LockKey::new("Order:1").unwrap().stored(),
+            LockKey::new("order:1").unwrap().stored()
+        );
     }
 }

@@ -96,7 +96,10 @@ pub struct Ring {
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ring").field("shards", &self.shards).field("vnodes", &self.ring.len()).finish()
+        f.debug_struct("Ring")
+            .field("shards", &self.shards)
+            .field("vnodes", &self.ring.len())
+            .finish()
     }
 }
 
@@ -114,7 +117,10 @@ impl Ring {
             })
             .collect();
         let shards = nodes.len();
-        Self { ring: StaticHashRing::new(RingHash, nodes.into_iter()), shards }
+        Self {
+            ring: StaticHashRing::new(RingHash, nodes.into_iter()),
+            shards,
+        }
     }
 
     /// The index of the shard that owns `point` (a key's bytes, or a bucket's name).
@@ -166,17 +172,34 @@ mod tests {
         assert_eq!(got, GOLDEN);
     }
     const GOLDEN_KEYS: [&str; 12] = [
-        "order:1001", "order:1002", "sku:42", "user:7", "Order:1001", "k", "stock:9", "job:x",
-        "coupon:ABC", "payment:77", "a", "\u{1F512}",
+        "order:1001",
+        "order:1002",
+        "sku:42",
+        "user:7",
+        "Order:1001",
+        "k",
+        "stock:9",
+        "job:x",
+        "coupon:ABC",
+        "payment:77",
+        "a",
+        "\u{1F512}",
     ];
-    const GOLDEN: [&str; 12] =
-        ["s1", "s1", "s3", "s3", "s1", "s3", "s1", "s1", "s2", "s3", "s3", "s2"];
+    const GOLDEN: [&str; 12] = [
+        "s1", "s1", "s3", "s3", "s1", "s3", "s1", "s1", "s2", "s3", "s3", "s2",
+    ];
 
     #[test]
     fn ring_hash_is_pinned() {
         use consistent_hash::RingHash as _;
-        assert_eq!(RingHash.hash_item(&Point(b"order:1001")), 15925242615169772569);
-        assert_eq!(RingHash.hash_vnode(&ShardName("s1".into()), 7), 11251037760922165313);
+        assert_eq!(
+            RingHash.hash_item(&Point(b"order:1001")),
+            15925242615169772569
+        );
+        assert_eq!(
+            RingHash.hash_vnode(&ShardName("s1".into()), 7),
+            11251037760922165313
+        );
     }
 
     #[test]
@@ -190,7 +213,11 @@ mod tests {
             }
             let mean = 100_000.0 / n as f64;
             let max = *counts.iter().max().unwrap() as f64;
-            assert!(max <= 1.1 * mean, "{n} shards: {counts:?} (max/mean {:.3})", max / mean);
+            assert!(
+                max <= 1.1 * mean,
+                "{n} shards: {counts:?} (max/mean {:.3})",
+                max / mean
+            );
         }
     }
 
@@ -207,19 +234,29 @@ mod tests {
                 let (a, b) = (before.locate(k.as_bytes()), after.locate(k.as_bytes()));
                 if before_names[a] != after_names[b] {
                     moved += 1;
-                    assert_eq!(after_names[b], format!("s{}", n + 1), "{k} moved between old shards");
+                    assert_eq!(
+                        after_names[b],
+                        format!("s{}", n + 1),
+                        "{k} moved between old shards"
+                    );
                 }
             }
             let share = moved as f64 / 100_000.0;
             let expected = 1.0 / (n + 1) as f64;
-            assert!((share - expected).abs() < 0.2 * expected, "{n}->{}: moved {share:.4}, expected ~{expected:.4}", n + 1);
+            assert!(
+                (share - expected).abs() < 0.2 * expected,
+                "{n}->{}: moved {share:.4}, expected ~{expected:.4}",
+                n + 1
+            );
         }
     }
 
     #[test]
     fn weights_scale_the_share() {
         let r = Ring::new([("a", 1), ("b", 3)], DEFAULT_VIRTUAL_NODES);
-        let b = (0..40_000).filter(|i| r.locate(format!("k{i}").as_bytes()) == 1).count();
+        let b = (0..40_000)
+            .filter(|i| r.locate(format!("k{i}").as_bytes()) == 1)
+            .count();
         let share = b as f64 / 40_000.0;
         assert!((share - 0.75).abs() < 0.05, "{share}");
     }

@@ -30,12 +30,14 @@ pub(crate) fn classify_pool(e: PoolError<mysql_async::Error>) -> BackendError {
             None,
             "connecting took longer than pool.create-timeout",
         ),
-        PoolError::Timeout(TimeoutType::Recycle) => {
-            BackendError::timeout("checking a pooled connection took longer than pool.recycle-timeout")
-        }
-        PoolError::Closed => {
-            BackendError::new(BackendErrorKind::ServerGone, None, "the shard's pool was closed")
-        }
+        PoolError::Timeout(TimeoutType::Recycle) => BackendError::timeout(
+            "checking a pooled connection took longer than pool.recycle-timeout",
+        ),
+        PoolError::Closed => BackendError::new(
+            BackendErrorKind::ServerGone,
+            None,
+            "the shard's pool was closed",
+        ),
         other => BackendError::new(BackendErrorKind::Other, None, other.to_string()),
     }
 }

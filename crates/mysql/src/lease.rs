@@ -48,20 +48,27 @@ const RELEASE: &str = "UPDATE shardlock_lease SET owner = NULL, expires_at = 0, 
 /// pairs while letting the server use the primary key. Only live leases are extended: one that
 /// already expired on the shard's clock stays lost even if nobody took it yet.
 const RENEW_HEAD: &str = concat!(
-    "UPDATE shardlock_lease SET expires_at = ", now_ms!(), " + ttl_ms WHERE expires_at > ", now_ms!(),
+    "UPDATE shardlock_lease SET expires_at = ",
+    now_ms!(),
+    " + ttl_ms WHERE expires_at > ",
+    now_ms!(),
     " AND lock_key IN "
 );
 const HELD_HEAD: &str = concat!(
-    "SELECT lock_key FROM shardlock_lease WHERE expires_at > ", now_ms!(), " AND lock_key IN "
+    "SELECT lock_key FROM shardlock_lease WHERE expires_at > ",
+    now_ms!(),
+    " AND lock_key IN "
 );
 
 const INSPECT: &str = concat!(
-    "SELECT owner, fence, ttl_ms, expires_at, acquired_at, wanted_at, ", now_ms!(),
+    "SELECT owner, fence, ttl_ms, expires_at, acquired_at, wanted_at, ",
+    now_ms!(),
     " FROM shardlock_lease WHERE lock_key = ?"
 );
 
 const COUNT_HELD: &str = concat!(
-    "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL AND expires_at > ", now_ms!()
+    "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL AND expires_at > ",
+    now_ms!()
 );
 
 /// Most leases renewed by one statement (two parameters each, well under the 65,535 limit).
@@ -111,7 +118,9 @@ pub struct RenewOutcome {
 /// Builds `(?, ?, ...)` with `n` rounded up to a power of two, so that the statement cache
 /// sees a handful of shapes rather than one per batch size. Padding repeats the last element,
 /// which changes nothing in an `IN` list.
-fn padded_in_list<'a>(items: impl ExactSizeIterator<Item = &'a [u8]> + Clone) -> (String, Vec<Value>) {
+fn padded_in_list<'a>(
+    items: impl ExactSizeIterator<Item = &'a [u8]> + Clone,
+) -> (String, Vec<Value>) {
     let n = items.len().max(1).next_power_of_two();
     let mut values: Vec<Value> = items.clone().map(Value::from).collect();
     let last = values.last().cloned().unwrap_or(Value::NULL);
@@ -125,20 +134,38 @@ fn padded_in_list<'a>(items: impl ExactSizeIterator<Item = &'a [u8]> + Clone) ->
     (list, values)
 }
 
-pub(crate) async fn renew(conn: &mut Conn, leases: &[(&[u8], &str)]) -> mysql_async::Result<RenewOutcome> {
+pub(crate) async fn renew(
+    conn: &mut Conn,
+    leases: &[(&[u8], &str)],
+) -> mysql_async::Result<RenewOutcome> {
     debug_assert!(!leases.is_empty() && leases.len() <= MAX_RENEW_BATCH);
     let (keys_sql, mut params) = padded_in_list(leases.iter().map(|(k, _)| *k));
     let (owners_sql, owners) = padded_in_list(leases.iter().map(|(_, o)| o.as_bytes()));
     params.extend(owners);
     let tail = format!("{keys_sql} AND owner IN {owners_sql}");
-    conn.exec_drop(format!("{RENEW_HEAD}{tail}"), Params::Positional(params.clone())).await?;
+    conn.exec_drop(
+        format!("{RENEW_HEAD}{tail}"),
+        Params::Positional(params.clone()),
+    )
+    .await?;
     if conn.affected_rows() as usize == leases.len() {
-        return Ok(RenewOutcome { held: vec![true; leases.len()], statements: 1 });
+        return Ok(RenewOutcome {
+            held: vec![true; leases.len()],
+            statements: 1,
+        });
     }
     // Some lease was not extended: find out which ones are still ours.
-    let still: Vec<Vec<u8>> = conn.exec(format!("{HELD_HEAD}{tail}"), Params::Positional(params)).await?;
-    let held = leases.iter().map(|(k, _)| still.iter().any(|s| s.as_slice() == *k)).collect();
-    Ok(RenewOutcome { held, statements: 2 })
+    let still: Vec<Vec<u8>> = conn
+        .exec(format!("{HELD_HEAD}{tail}"), Params::Positional(params))
+        .await?;
+    let held = leases
+        .iter()
+        .map(|(k, _)| still.iter().any(|s| s.as_slice() == *k))
+        .collect();
+    Ok(RenewOutcome {
+        held,
+        statements: 2,
+    })
 }
 
 /// A lease row as stored, with the shard's clock at the time it was read.
@@ -171,15 +198,17 @@ type InspectRow = (Option<Vec<u8>>, u64, u32, i64, i64, Option<i64>, i64);
 
 pub(crate) async fn inspect(conn: &mut Conn, key: &[u8]) -> mysql_async::Result<Option<LeaseRow>> {
     let row: Option<InspectRow> = conn.exec_first(INSPECT, (key,)).await?;
-    Ok(row.map(|(owner, fence, ttl_ms, expires_at_ms, acquired_at_ms, wanted_at_ms, now_ms)| LeaseRow {
-        owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
-        fence,
-        ttl_ms,
-        expires_at_ms,
-        acquired_at_ms,
-        wanted_at_ms,
-        now_ms,
-    }))
+    Ok(row.map(
+        |(owner, fence, ttl_ms, expires_at_ms, acquired_at_ms, wanted_at_ms, now_ms)| LeaseRow {
+            owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+            fence,
+            ttl_ms,
+            expires_at_ms,
+            acquired_at_ms,
+            wanted_at_ms,
+            now_ms,
+        },
+    ))
 }
 
 pub(crate) async fn count_held(conn: &mut Conn) -> mysql_async::Result<u64> {

@@ -4,8 +4,11 @@ use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
 
 /// The migrations, in order: `(version, name, SQL)`. The SQL lives in `migrations/`.
-pub const MIGRATIONS: &[(u32, &str, &str)] =
-    &[(1, "lease_table", include_str!("../../../migrations/0001_lease_table.sql"))];
+pub const MIGRATIONS: &[(u32, &str, &str)] = &[(
+    1,
+    "lease_table",
+    include_str!("../../../migrations/0001_lease_table.sql"),
+)];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\
      version INT UNSIGNED NOT NULL PRIMARY KEY, \
@@ -24,20 +27,26 @@ pub struct MigrateReport {
 /// Applies missing migrations. Concurrent callers serialize on a named server lock, and every
 /// statement is idempotent, so running it twice (or from two processes) is harmless.
 pub(crate) async fn migrate(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
-    let got: Option<i64> = conn.query_first("SELECT GET_LOCK('shardlock.migrate', 30)").await?;
+    let got: Option<i64> = conn
+        .query_first("SELECT GET_LOCK('shardlock.migrate', 30)")
+        .await?;
     if got != Some(1) {
         return Err(mysql_async::Error::Other(
             "another process held the migration lock for 30 s".into(),
         ));
     }
     let result = apply(conn).await;
-    let _ = conn.query_drop("DO RELEASE_LOCK('shardlock.migrate')").await;
+    let _ = conn
+        .query_drop("DO RELEASE_LOCK('shardlock.migrate')")
+        .await;
     result
 }
 
 async fn apply(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
     conn.query_drop(VERSION_TABLE).await?;
-    let done: Vec<u32> = conn.query("SELECT version FROM shardlock_schema_version").await?;
+    let done: Vec<u32> = conn
+        .query("SELECT version FROM shardlock_schema_version")
+        .await?;
     let mut report = MigrateReport::default();
     for &(version, name, sql) in MIGRATIONS {
         if !done.contains(&version) {

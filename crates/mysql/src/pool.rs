@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
+use futures_util::future::BoxFuture;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};
 
@@ -24,7 +25,7 @@ impl ShardConn {
     /// Runs `f` on the connection, tracking whether it completed and whether it broke.
     pub(crate) async fn run<T>(
         &mut self,
-        f: impl AsyncFnOnce(&mut Conn) -> mysql_async::Result<T>,
+        f: impl FnOnce(&mut Conn) -> BoxFuture<'_, mysql_async::Result<T>>,
     ) -> mysql_async::Result<T> {
         self.in_flight = true;
         let result = f(&mut self.conn).await;
@@ -66,18 +67,31 @@ impl managed::Manager for ShardManager {
 
     async fn create(&self) -> Result<ShardConn, mysql_async::Error> {
         let conn = Conn::new(self.opts.clone()).await?;
-        Ok(ShardConn { conn, in_flight: false, dirty: false, broken: false })
+        Ok(ShardConn {
+            conn,
+            in_flight: false,
+            dirty: false,
+            broken: false,
+        })
     }
 
-    async fn recycle(&self, c: &mut ShardConn, metrics: &Metrics) -> RecycleResult<mysql_async::Error> {
+    async fn recycle(
+        &self,
+        c: &mut ShardConn,
+        metrics: &Metrics,
+    ) -> RecycleResult<mysql_async::Error> {
         if c.in_flight || c.broken {
-            return Err(RecycleError::message("cancelled mid-statement or broken; discarded"));
+            return Err(RecycleError::message(
+                "cancelled mid-statement or broken; discarded",
+            ));
         }
         if c.dirty {
             // COM_RESET_CONNECTION: ends transactions, frees GET_LOCK locks and temporary
             // tables, then mysql_async re-runs our setup statements.
             if !c.conn.reset().await? {
-                return Err(RecycleError::message("server cannot reset sessions; discarded"));
+                return Err(RecycleError::message(
+                    "server cannot reset sessions; discarded",
+                ));
             }
             c.dirty = false;
         } else if metrics.last_used() > self.idle_check {
@@ -93,6 +107,9 @@ pub(crate) fn session_setup(lock_wait_timeout_secs: u64) -> Vec<String> {
         // Shard time is read as UNIX_TIMESTAMP(NOW(n)); in UTC it has no DST ambiguity.
         "SET time_zone = '+00:00'".to_owned(),
         // A queued lock statement never outlives our own statement timeout by much.
-        format!("SET SESSION innodb_lock_wait_timeout = {}", lock_wait_timeout_secs.max(1)),
+        format!(
+            "SET SESSION innodb_lock_wait_timeout = {}",
+            lock_wait_timeout_secs.max(1)
+        ),
     ]
 }

@@ -3,8 +3,9 @@
 use std::time::Duration;
 
 use deadpool::Runtime;
-use rand::Rng;
+use futures_util::future::BoxFuture;
 use mysql_async::{Conn, Opts, OptsBuilder};
+use rand::Rng;
 use shardlock_core::config::ShardConfig;
 use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
@@ -40,7 +41,10 @@ impl Shard {
     /// error messages). Connects lazily: nothing is opened until first use.
     pub fn new(config: &ShardConfig, index: usize) -> Result<Self, ConfigError> {
         let opts = Opts::from_url(&config.url).map_err(|e| {
-            ConfigError::field(format!("shards[{index}].url"), format!("cannot parse the URL: {e}"))
+            ConfigError::field(
+                format!("shards[{index}].url"),
+                format!("cannot parse the URL: {e}"),
+            )
         })?;
         let opts = OptsBuilder::from_opts(opts)
             .client_found_rows(true)
@@ -55,7 +59,11 @@ impl Shard {
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(|e| ConfigError::field(format!("shards[{index}].pool"), e.to_string()))?;
-        Ok(Self { name: config.name.clone(), pool, statement_timeout: config.statement_timeout })
+        Ok(Self {
+            name: config.name.clone(),
+            pool,
+            statement_timeout: config.statement_timeout,
+        })
     }
 
     /// The shard's configured name.
@@ -80,7 +88,7 @@ impl Shard {
     pub async fn with_conn<T>(
         &self,
         timeout: Duration,
-        f: impl AsyncFn(&mut Conn) -> mysql_async::Result<T>,
+        f: impl Fn(&mut Conn) -> BoxFuture<'_, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
         let deadline = Instant::now() + timeout;
         let mut reconnected = false;
@@ -100,7 +108,8 @@ impl Shard {
                 }
             };
             let retry = err.kind.is_retryable()
-                || (err.kind == BackendErrorKind::Connection && !std::mem::replace(&mut reconnected, true));
+                || (err.kind == BackendErrorKind::Connection
+                    && !std::mem::replace(&mut reconnected, true));
             if !retry || Instant::now() + Duration::from_millis(2) >= deadline {
                 return Err(err);
             }
@@ -123,23 +132,54 @@ impl Shard {
         fence_floor: u64,
     ) -> Result<Option<u64>, BackendError> {
         let ttl_ms = u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX);
-        self.with_conn(self.statement_timeout, async |c| lease::acquire(c, key, owner, ttl_ms, fence_floor).await)
-            .await
+        let (key, owner) = (key.to_vec(), owner.to_owned());
+        self.with_conn(self.statement_timeout, |c| {
+            let (key, owner) = (key.clone(), owner.clone());
+            Box::pin(async move { lease::acquire(c, &key, &owner, ttl_ms, fence_floor).await })
+        })
+        .await
     }
 
     /// Releases `key` if `owner` still holds it; `false` when it did not (the lease was lost).
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
-        self.with_conn(self.statement_timeout, async |c| lease::release(c, key, owner).await).await
+        let (key, owner) = (key.to_vec(), owner.to_owned());
+        self.with_conn(self.statement_timeout, |c| {
+            let (key, owner) = (key.clone(), owner.clone());
+            Box::pin(async move { lease::release(c, &key, &owner).await })
+        })
+        .await
     }
 
     /// Extends every live lease in `leases` (key, owner) by its own ttl, in one statement per
     /// [`MAX_RENEW_BATCH`] leases, within `timeout` overall.
-    pub async fn renew(&self, leases: &[(&[u8], &str)], timeout: Duration) -> Result<RenewOutcome, BackendError> {
-        let mut outcome = RenewOutcome { held: Vec::with_capacity(leases.len()), statements: 0 };
+    pub async fn renew(
+        &self,
+        leases: &[(&[u8], &str)],
+        timeout: Duration,
+    ) -> Result<RenewOutcome, BackendError> {
+        let mut outcome = RenewOutcome {
+            held: Vec::with_capacity(leases.len()),
+            statements: 0,
+        };
         let deadline = Instant::now() + timeout;
         for chunk in leases.chunks(MAX_RENEW_BATCH) {
             let left = deadline.saturating_duration_since(Instant::now());
-            let part = self.with_conn(left, async |c| lease::renew(c, chunk).await).await?;
+            let chunk: Vec<(Vec<u8>, String)> = chunk
+                .iter()
+                .map(|(k, o)| (k.to_vec(), o.to_string()))
+                .collect();
+            let part = self
+                .with_conn(left, |c| {
+                    let chunk = chunk.clone();
+                    Box::pin(async move {
+                        let pairs: Vec<(&[u8], &str)> = chunk
+                            .iter()
+                            .map(|(k, o)| (k.as_slice(), o.as_str()))
+                            .collect();
+                        lease::renew(c, &pairs).await
+                    })
+                })
+                .await?;
             outcome.held.extend(part.held);
             outcome.statements += part.statements;
         }
@@ -148,12 +188,18 @@ impl Shard {
 
     /// The lease row of `key`, if the key was ever granted here.
     pub async fn inspect(&self, key: &[u8]) -> Result<Option<LeaseRow>, BackendError> {
-        self.with_conn(self.statement_timeout, async |c| lease::inspect(c, key).await).await
+        let key = key.to_vec();
+        self.with_conn(self.statement_timeout, |c| {
+            let key = key.clone();
+            Box::pin(async move { lease::inspect(c, &key).await })
+        })
+        .await
     }
 
     /// How many live leases the shard holds (all instances).
     pub async fn count_held(&self) -> Result<u64, BackendError> {
-        self.with_conn(self.statement_timeout, async |c| lease::count_held(c).await).await
+        self.with_conn(self.statement_timeout, |c| Box::pin(lease::count_held(c)))
+            .await
     }
 
     /// Applies missing migrations.
@@ -168,14 +214,21 @@ impl Shard {
     }
 
     /// A pooled connection for the caller's own SQL; it is reset before anyone reuses it.
-    pub async fn connection(&self) -> Result<deadpool::managed::Object<ShardManager>, BackendError> {
+    pub async fn connection(
+        &self,
+    ) -> Result<deadpool::managed::Object<ShardManager>, BackendError> {
         self.pool.get().await.map_err(classify_pool)
     }
 
     /// The pool's state.
     pub fn pool_status(&self) -> PoolStatus {
         let s = self.pool.status();
-        PoolStatus { max_size: s.max_size, size: s.size, available: s.available, waiting: s.waiting }
+        PoolStatus {
+            max_size: s.max_size,
+            size: s.size,
+            available: s.available,
+            waiting: s.waiting,
+        }
     }
 
     /// Closes the pool: idle connections are dropped, new `get`s fail.

@@ -33,7 +33,9 @@ impl Cluster {
         let template = template_dir()?;
         let mut starting = Vec::with_capacity(n);
         for i in 0..n {
-            let dir = tempfile::Builder::new().prefix("shardlock-shard-").tempdir()?;
+            let dir = tempfile::Builder::new()
+                .prefix("shardlock-shard-")
+                .tempdir()?;
             copy_dir(&template, dir.path())?;
             starting.push(Shard::launch(format!("s{}", i + 1), dir)?);
         }
@@ -88,7 +90,12 @@ struct Guarded {
 impl Shard {
     fn launch(name: String, dir: tempfile::TempDir) -> io::Result<Self> {
         let port = free_port()?;
-        let shard = Self { name, port, dir, process: Mutex::new(None) };
+        let shard = Self {
+            name,
+            port,
+            dir,
+            process: Mutex::new(None),
+        };
         shard.spawn()?;
         Ok(shard)
     }
@@ -106,13 +113,15 @@ impl Shard {
             .spawn()?;
         let mut first = String::new();
         BufReader::new(guardian.stdout.take().expect("piped")).read_line(&mut first)?;
-        let server_pid = first
-            .trim()
-            .parse()
-            .map(Pid::from_raw)
-            .map_err(|_| io::Error::other(format!("guardian printed `{first}` instead of a pid")))?;
+        let server_pid = first.trim().parse().map(Pid::from_raw).map_err(|_| {
+            io::Error::other(format!("guardian printed `{first}` instead of a pid"))
+        })?;
         let stdin = guardian.stdin.take().expect("piped");
-        *self.process.lock().unwrap() = Some(Guarded { guardian, stdin, server_pid });
+        *self.process.lock().unwrap() = Some(Guarded {
+            guardian,
+            stdin,
+            server_pid,
+        });
         Ok(())
     }
 
@@ -133,11 +142,17 @@ impl Shard {
 
     /// The server's process id, while it runs.
     pub fn pid(&self) -> Option<i32> {
-        self.process.lock().unwrap().as_ref().map(|g| g.server_pid.as_raw())
+        self.process
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|g| g.server_pid.as_raw())
     }
 
     fn signal(&self, signal: Signal) -> io::Result<()> {
-        let pid = self.pid().ok_or_else(|| io::Error::other("shard is not running"))?;
+        let pid = self
+            .pid()
+            .ok_or_else(|| io::Error::other("shard is not running"))?;
         kill(Pid::from_raw(pid), signal).map_err(io::Error::from)
     }
 
@@ -176,12 +191,22 @@ impl Shard {
 
     /// A global status counter, e.g. `Com_update` or `Innodb_deadlocks`.
     pub async fn global_status(&self, name: &str) -> mysql_async::Result<u64> {
+        self.global_status_sum(&[name]).await
+    }
+
+    /// The sum of several global status counters, read in one statement (a `SELECT`, so it
+    /// does not disturb `Com_insert`, `Com_update` or `Com_delete`).
+    pub async fn global_status_sum(&self, names: &[&str]) -> mysql_async::Result<u64> {
         let mut conn = self.connect().await?;
-        let row: Option<(String, String)> = conn
-            .exec_first("SHOW GLOBAL STATUS WHERE Variable_name = ?", (name,))
-            .await?;
+        let list = vec!["?"; names.len()].join(",");
+        let sql = format!(
+            "SELECT CAST(COALESCE(SUM(VARIABLE_VALUE), 0) AS UNSIGNED) \
+             FROM information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME IN ({list})"
+        );
+        let upper: Vec<String> = names.iter().map(|n| n.to_uppercase()).collect();
+        let sum: Option<u64> = conn.exec_first(sql, upper).await?;
         conn.disconnect().await?;
-        Ok(row.and_then(|(_, v)| v.parse().ok()).unwrap_or(0))
+        Ok(sum.unwrap_or(0))
     }
 
     async fn wait_ready(&self) -> io::Result<()> {
@@ -209,7 +234,9 @@ async fn wait_ready(port: u16, dir: &Path, exited: impl Fn() -> bool) -> io::Res
     let root_url = format!("mysql://root@127.0.0.1:{port}");
     loop {
         if let Ok(mut conn) = mysql_async::Conn::from_url(root_url.as_str()).await {
-            let created = conn.query_drop(format!("CREATE DATABASE IF NOT EXISTS {DATABASE}")).await;
+            let created = conn
+                .query_drop(format!("CREATE DATABASE IF NOT EXISTS {DATABASE}"))
+                .await;
             let _ = conn.disconnect().await;
             if created.is_ok() {
                 return Ok(());
@@ -259,7 +286,10 @@ fn server_args(dir: &Path, port: u16) -> Vec<String> {
 }
 
 fn mariadbd() -> io::Result<PathBuf> {
-    find_program("mariadbd", &["/usr/sbin/mariadbd", "/usr/local/mysql/bin/mariadbd"])
+    find_program(
+        "mariadbd",
+        &["/usr/sbin/mariadbd", "/usr/local/mysql/bin/mariadbd"],
+    )
 }
 
 fn find_program(name: &str, fallbacks: &[&str]) -> io::Result<PathBuf> {
@@ -297,7 +327,10 @@ fn template_dir() -> io::Result<PathBuf> {
         return Ok(template);
     }
     let _ = fs::remove_dir_all(&template);
-    let staging = root.join(format!("template-{TEMPLATE_VERSION}.tmp{}", std::process::id()));
+    let staging = root.join(format!(
+        "template-{TEMPLATE_VERSION}.tmp{}",
+        std::process::id()
+    ));
     let _ = fs::remove_dir_all(&staging);
     fs::create_dir_all(&staging)?;
     let mut install = Command::new(find_program(
@@ -326,11 +359,19 @@ fn template_dir() -> io::Result<PathBuf> {
 }
 
 fn copy_dir(from: &Path, to: &Path) -> io::Result<()> {
-    let status = Command::new("cp").arg("-a").arg(format!("{}/.", from.display())).arg(to).status()?;
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg(format!("{}/.", from.display()))
+        .arg(to)
+        .status()?;
     if status.success() {
         Ok(())
     } else {
-        Err(io::Error::other(format!("cp -a {} {} failed", from.display(), to.display())))
+        Err(io::Error::other(format!(
+            "cp -a {} {} failed",
+            from.display(),
+            to.display()
+        )))
     }
 }
 
@@ -345,7 +386,10 @@ pub struct DevCluster {
 impl DevCluster {
     /// The dev cluster rooted at `root` on `ports` (one shard per port, named `s1..`).
     pub fn new(root: impl Into<PathBuf>, ports: Vec<u16>) -> Self {
-        Self { root: root.into(), ports }
+        Self {
+            root: root.into(),
+            ports,
+        }
     }
 
     fn shard_dir(&self, i: usize) -> PathBuf {
@@ -403,8 +447,12 @@ impl DevCluster {
         let mut stopped = 0;
         for i in 0..self.ports.len() {
             let dir = self.shard_dir(i);
-            let Ok(pid) = fs::read_to_string(dir.join("server.pid")) else { continue };
-            let Ok(pid) = pid.trim().parse::<i32>() else { continue };
+            let Ok(pid) = fs::read_to_string(dir.join("server.pid")) else {
+                continue;
+            };
+            let Ok(pid) = pid.trim().parse::<i32>() else {
+                continue;
+            };
             let pid = Pid::from_raw(pid);
             if kill(pid, Signal::SIGTERM).is_ok() {
                 stopped += 1;

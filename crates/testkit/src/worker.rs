@@ -42,17 +42,27 @@ impl Worker {
     /// Starts the worker with `role` and extra environment variables.
     pub fn spawn(entry: &str, role: &str, env: &[(&str, String)]) -> io::Result<Self> {
         let mut cmd = Command::new(std::env::current_exe()?);
-        cmd.args([entry, "--exact", "--nocapture", "--include-ignored", "--test-threads=1"])
-            .env(WORKER_ENV, role)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true);
+        cmd.args([
+            entry,
+            "--exact",
+            "--nocapture",
+            "--include-ignored",
+            "--test-threads=1",
+        ])
+        .env(WORKER_ENV, role)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
         for (k, v) in env {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn()?;
-        let pid = Pid::from_raw(child.id().ok_or_else(|| io::Error::other("worker exited at once"))? as i32);
+        let pid = Pid::from_raw(
+            child
+                .id()
+                .ok_or_else(|| io::Error::other("worker exited at once"))? as i32,
+        );
         let stdout = BufReader::new(child.stdout.take().expect("piped")).lines();
         Ok(Self { child, stdout, pid })
     }

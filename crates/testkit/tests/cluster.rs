@@ -11,16 +11,24 @@ async fn shards_start_fault_and_restart() {
     let cluster = Cluster::start(3).await.expect("start 3 shards");
     eprintln!("3 shards ready in {:?}", started.elapsed());
     let ports: Vec<u16> = cluster.shards().iter().map(|s| s.port()).collect();
-    assert_eq!(ports.iter().collect::<std::collections::HashSet<_>>().len(), 3);
+    assert_eq!(
+        ports.iter().collect::<std::collections::HashSet<_>>().len(),
+        3
+    );
 
     let s1 = cluster.shard(0);
     let mut conn = s1.connect().await.unwrap();
-    conn.query_drop("CREATE TABLE t (id INT PRIMARY KEY) ENGINE=InnoDB").await.unwrap();
+    conn.query_drop("CREATE TABLE t (id INT PRIMARY KEY) ENGINE=InnoDB")
+        .await
+        .unwrap();
     conn.query_drop("INSERT INTO t VALUES (7)").await.unwrap();
     drop(conn);
 
     s1.kill().unwrap();
-    assert!(s1.connect().await.is_err(), "a killed shard must refuse connections");
+    assert!(
+        s1.connect().await.is_err(),
+        "a killed shard must refuse connections"
+    );
     s1.restart().await.unwrap();
     let mut conn = s1.connect().await.unwrap();
     let v: Option<i32> = conn.query_first("SELECT id FROM t").await.unwrap();

@@ -1,0 +1,245 @@
+//! The lease keeper: per shard, one background task renews every lease this process holds
+//! there with one statement per tick, and reports leases that can no longer be trusted.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use shardlock_core::LockKey;
+use shardlock_mysql::Shard;
+use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
+
+use crate::queue::Turn;
+
+/// One granted lease, shared by its guard(s) and the keeper.
+#[derive(Debug)]
+pub(crate) struct LeaseState {
+    pub(crate) id: u64,
+    pub(crate) key: LockKey,
+    pub(crate) owner: String,
+    pub(crate) fence: u64,
+    pub(crate) ttl: Duration,
+    pub(crate) renew_every: Duration,
+    /// Local, conservative end of the lease: measured from *before* the statement that granted
+    /// or last renewed it was sent, so it never runs past the shard's own expiry.
+    deadline: Mutex<Instant>,
+    lost: watch::Sender<bool>,
+    /// Guards sharing this lease (explicit reentrancy); the last one releases it.
+    pub(crate) holds: AtomicUsize,
+    /// This process's turn on the key: held until the lease is released, so local waiters
+    /// queue in memory instead of polling the shard.
+    pub(crate) turn: Mutex<Option<Turn>>,
+}
+
+impl LeaseState {
+    pub(crate) fn new(
+        id: u64,
+        key: LockKey,
+        owner: String,
+        fence: u64,
+        ttl: Duration,
+        renew_every: Duration,
+        sent: Instant,
+        turn: Turn,
+    ) -> Self {
+        Self {
+            id,
+            key,
+            owner,
+            fence,
+            ttl,
+            renew_every,
+            deadline: Mutex::new(sent + ttl),
+            lost: watch::channel(false).0,
+            holds: AtomicUsize::new(1),
+            turn: Mutex::new(Some(turn)),
+        }
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        *self.deadline.lock().unwrap()
+    }
+
+    fn extend(&self, to: Instant) {
+        let mut d = self.deadline.lock().unwrap();
+        if to > *d {
+            *d = to;
+        }
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        *self.lost.borrow()
+    }
+
+    pub(crate) fn subscribe_lost(&self) -> watch::Receiver<bool> {
+        self.lost.subscribe()
+    }
+
+    /// Marks the lease lost (once) and says why.
+    pub(crate) fn mark_lost(&self, why: &'static str, stats: &Stats) {
+        if !self.lost.send_replace(true) {
+            stats.lost.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(key = %self.key, fence = self.fence, owner = %self.owner, why, "shardlock lease lost");
+        }
+    }
+}
+
+/// Counters of this router, since it started.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    pub(crate) grants: AtomicU64,
+    pub(crate) acquire_statements: AtomicU64,
+    pub(crate) timeouts: AtomicU64,
+    pub(crate) releases: AtomicU64,
+    pub(crate) lost: AtomicU64,
+    pub(crate) renew_ticks: AtomicU64,
+    pub(crate) renew_statements: AtomicU64,
+    pub(crate) renew_failures: AtomicU64,
+}
+
+/// A shard and the leases this process holds on it.
+#[derive(Debug)]
+pub(crate) struct ShardState {
+    pub(crate) shard: Shard,
+    leases: Mutex<HashMap<u64, Arc<LeaseState>>>,
+    wake: Arc<Notify>,
+    pub(crate) stats: Arc<Stats>,
+}
+
+impl ShardState {
+    pub(crate) fn new(shard: Shard, stats: Arc<Stats>) -> Arc<Self> {
+        Arc::new(Self {
+            shard,
+            leases: Mutex::default(),
+            wake: Arc::default(),
+            stats,
+        })
+    }
+
+    pub(crate) fn insert(&self, lease: Arc<LeaseState>) {
+        self.leases.lock().unwrap().insert(lease.id, lease);
+        self.wake.notify_one();
+    }
+
+    pub(crate) fn remove(&self, id: u64) -> Option<Arc<LeaseState>> {
+        self.leases.lock().unwrap().remove(&id)
+    }
+
+    pub(crate) fn held(&self) -> Vec<Arc<LeaseState>> {
+        self.leases.lock().unwrap().values().cloned().collect()
+    }
+
+    /// When the keeper must act next: the renewal tick, or the earliest local deadline (a
+    /// lease whose renewals keep failing is reported lost exactly then, not later).
+    fn plan(&self, next_tick: &mut Option<Instant>) -> Option<Instant> {
+        let leases = self.leases.lock().unwrap();
+        let period = leases.values().map(|l| l.renew_every).min()?;
+        let now = Instant::now();
+        let tick = match *next_tick {
+            Some(t) if t <= now + period => t,
+            _ => now + period,
+        };
+        *next_tick = Some(tick);
+        let earliest = leases.values().map(|l| l.deadline()).min()?;
+        Some(tick.min(earliest))
+    }
+
+    /// Reports expired leases, and renews the rest if the tick is due.
+    async fn tick(&self, next_tick: &mut Option<Instant>) {
+        let now = Instant::now();
+        let mut leases = self.held();
+        leases.retain(|l| {
+            if l.deadline() <= now {
+                self.remove(l.id);
+                l.mark_lost("not renewed before its lease ended", &self.stats);
+                false
+            } else {
+                true
+            }
+        });
+        let Some(period) = leases.iter().map(|l| l.renew_every).min() else {
+            *next_tick = None;
+            return;
+        };
+        if next_tick.is_some_and(|t| t > now) {
+            return;
+        }
+        self.stats.renew_ticks.fetch_add(1, Ordering::Relaxed);
+        // Bounded by the soonest local deadline: a renewal that answers after the lease ended
+        // is worthless.
+        let earliest = leases
+            .iter()
+            .map(|l| l.deadline())
+            .min()
+            .expect("non-empty");
+        let timeout = self.shard.statement_timeout().min(earliest - now);
+        let pairs: Vec<(&[u8], &str)> = leases
+            .iter()
+            .map(|l| (l.key.stored(), l.owner.as_str()))
+            .collect();
+        let sent = Instant::now();
+        match self.shard.renew(&pairs, timeout).await {
+            Ok(outcome) => {
+                self.stats
+                    .renew_statements
+                    .fetch_add(outcome.statements as u64, Ordering::Relaxed);
+                for (lease, held) in leases.iter().zip(outcome.held) {
+                    if held {
+                        lease.extend(sent + lease.ttl);
+                    } else if self.remove(lease.id).is_some() {
+                        // Still registered, so not released meanwhile: someone else has it.
+                        lease.mark_lost(
+                            "taken over, force-released or expired on the shard",
+                            &self.stats,
+                        );
+                    }
+                }
+                *next_tick = Some(sent + period);
+                tracing::trace!(
+                    shard = self.shard.name(),
+                    leases = leases.len(),
+                    "shardlock renewed leases"
+                );
+            }
+            Err(e) => {
+                self.stats.renew_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(shard = self.shard.name(), error = %e, leases = leases.len(), "shardlock renewal failed; retrying");
+                // Retry soon; leases are reported lost only when their deadline passes.
+                *next_tick = Some(Instant::now() + (period / 4).max(Duration::from_millis(20)));
+            }
+        }
+    }
+}
+
+/// Starts the keeper of `state`. It holds only a `Weak` reference between ticks and stops when
+/// the shard state is dropped or `closed` turns true.
+pub(crate) fn spawn_keeper(state: &Arc<ShardState>, mut closed: watch::Receiver<bool>) {
+    let weak: Weak<ShardState> = Arc::downgrade(state);
+    let wake = state.wake.clone();
+    tokio::spawn(async move {
+        let mut next_tick = None;
+        loop {
+            let wake_at = match weak.upgrade() {
+                Some(state) => state.plan(&mut next_tick),
+                None => return,
+            };
+            let sleep = async {
+                match wake_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = closed.wait_for(|c| *c) => return,
+                _ = wake.notified() => continue,
+                _ = sleep => {}
+            }
+            match weak.upgrade() {
+                Some(state) => state.tick(&mut next_tick).await,
+                None => return,
+            }
+        }
+    });
+}

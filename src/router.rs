@@ -1,0 +1,414 @@
+//! The lock router: validates keys, places them on shards, waits, and grants guards.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use futures_util::future::join_all;
+use shardlock_core::config::{check_ttl, DEFAULT_NAMESPACE};
+use shardlock_core::{Backoff, Config, ConfigError, Error, LockKey, Result, Ring};
+use shardlock_mysql::{LeaseRow, MigrateReport, PoolStatus, Shard};
+use tokio::sync::{oneshot, watch};
+use tokio::time::Instant;
+
+use crate::guard::{release_lease, LockGuard};
+use crate::keeper::{spawn_keeper, LeaseState, ShardState, Stats};
+use crate::options::AcquireOptions;
+use crate::queue::KeyQueues;
+
+/// Routes lock keys to MySQL shards and grants leases on them.
+///
+/// Cheap to clone (it is an `Arc` inside); share one per process. It must be created inside a
+/// Tokio runtime: every shard gets a background lease keeper.
+#[derive(Debug, Clone)]
+pub struct LockRouter {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    instance_id: String,
+    grant_seq: AtomicU64,
+    topology: ArcSwap<Topology>,
+    queues: Arc<KeyQueues>,
+    stats: Arc<Stats>,
+    closed: watch::Sender<bool>,
+}
+
+/// Everything that placement depends on, swapped as one.
+#[derive(Debug)]
+struct Topology {
+    config: Arc<Config>,
+    ring: Ring,
+    shards: Vec<Arc<ShardState>>,
+}
+
+/// Counters of one router since it started (this process only).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LockStats {
+    /// Locks granted.
+    pub grants: u64,
+    /// Acquire statements sent to shards (one per attempt).
+    pub acquire_statements: u64,
+    /// Acquires that gave up after their wait.
+    pub timeouts: u64,
+    /// Leases released (explicitly or on drop).
+    pub releases: u64,
+    /// Leases reported lost.
+    pub lost: u64,
+    /// Renewal ticks that renewed at least one lease (summed over shards).
+    pub renew_ticks: u64,
+    /// Renewal statements sent (summed over shards).
+    pub renew_statements: u64,
+    /// Renewal attempts that failed (summed over shards).
+    pub renew_failures: u64,
+}
+
+/// One shard as `status` sees it.
+#[derive(Debug, Clone)]
+pub struct ShardStatus {
+    /// The shard's name.
+    pub name: String,
+    /// Whether it answered.
+    pub reachable: bool,
+    /// Why not, if it did not.
+    pub error: Option<String>,
+    /// Live leases on the shard, all instances (when reachable).
+    pub held_leases: Option<u64>,
+    /// Leases this process holds there.
+    pub local_leases: usize,
+    /// The connection pool.
+    pub pool: PoolStatus,
+}
+
+impl LockRouter {
+    /// A router for `config` (already validated by [`Config::from_yaml_str`] or
+    /// [`Config::validate`]). Connects lazily; call [`LockRouter::migrate`] once per deployment.
+    pub async fn new(config: Config) -> Result<Self> {
+        config.validate()?;
+        Self::build(config, None, None)
+    }
+
+    /// Parses YAML text (see `config/reference.yaml`) and builds the router.
+    pub async fn from_yaml_str(text: &str) -> Result<Self> {
+        let config = Config::from_yaml_str(text)?;
+        Self::build(config, Some(text), None)
+    }
+
+    /// Reads a YAML file and builds the router; errors name the file, line, column and field.
+    pub async fn from_yaml_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let config = Config::from_yaml_file(path)?;
+        let text = std::fs::read_to_string(path).ok();
+        Self::build(config, text.as_deref(), Some(path))
+    }
+
+    fn build(config: Config, text: Option<&str>, path: Option<&Path>) -> Result<Self> {
+        let stats = Arc::new(Stats::default());
+        let (closed, _) = watch::channel(false);
+        let mut shards = Vec::with_capacity(config.shards.len());
+        for (i, sc) in config.shards.iter().enumerate() {
+            let shard = Shard::new(sc, i).map_err(|e| locate(e, text, path))?;
+            let state = ShardState::new(shard, stats.clone());
+            spawn_keeper(&state, closed.subscribe());
+            shards.push(state);
+        }
+        let ring = Ring::new(
+            config.shards.iter().map(|s| (s.name.as_str(), s.weight)),
+            config.routing.virtual_nodes,
+        );
+        let instance_id = match config.instance.id.as_deref() {
+            None | Some("auto") => auto_instance_id(),
+            Some(id) => id.to_owned(),
+        };
+        let topology = Topology {
+            config: Arc::new(config),
+            ring,
+            shards,
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                instance_id,
+                grant_seq: AtomicU64::new(0),
+                topology: ArcSwap::from_pointee(topology),
+                queues: Arc::default(),
+                stats,
+                closed,
+            }),
+        })
+    }
+
+    /// This process's instance id (the first part of every owner it writes).
+    pub fn instance_id(&self) -> &str {
+        &self.inner.instance_id
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Arc<Config> {
+        self.inner.topology.load().config.clone()
+    }
+
+    /// Creates or upgrades shardlock's tables on every shard; idempotent and safe to run from
+    /// several processes at once. Returns what each shard applied.
+    pub async fn migrate(&self) -> Result<Vec<(String, MigrateReport)>> {
+        let topology = self.inner.topology.load_full();
+        let runs = topology.shards.iter().map(|s| async move {
+            let report = s
+                .shard
+                .migrate()
+                .await
+                .map_err(|e| e.into_error(s.shard.name()))?;
+            Ok::<_, Error>((s.shard.name().to_owned(), report))
+        });
+        let mut out = Vec::new();
+        for result in join_all(runs).await {
+            out.push(result?);
+        }
+        Ok(out)
+    }
+
+    /// The shard that owns `key` now.
+    pub fn shard_for(&self, key: &str) -> Result<String> {
+        let key = LockKey::new(key)?;
+        let topology = self.inner.topology.load();
+        Ok(
+            topology.shards[topology.ring.locate(key.as_str().as_bytes())]
+                .shard
+                .name()
+                .to_owned(),
+        )
+    }
+
+    /// Acquires `key`, waiting up to the wait of `opts` (or of its namespace).
+    ///
+    /// Errors: [`Error::Timeout`] when not granted in time, [`Error::InvalidKey`],
+    /// [`Error::Unavailable`] when the key's shard cannot be reached.
+    ///
+    /// Inside this process only one task polls the shard for a key; the others wait in memory
+    /// in FIFO order. Between polls the waiter backs off exponentially with jitter.
+    ///
+    /// Cancellation: dropping the future at any point leaves no lease behind. An attempt in
+    /// flight completes in its own task and, if it won, releases the lease it got.
+    pub async fn acquire(&self, key: &str, opts: AcquireOptions) -> Result<LockGuard> {
+        let started = Instant::now();
+        match self.acquire_inner(key, &opts, false).await? {
+            Some(guard) => Ok(guard),
+            None => {
+                self.inner.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                Err(Error::Timeout {
+                    key: key.to_owned(),
+                    waited: started.elapsed(),
+                })
+            }
+        }
+    }
+
+    /// Tries once: `Ok(None)` when someone else holds `key` (in this process or another).
+    /// Cancellation as for [`LockRouter::acquire`].
+    pub async fn try_acquire(&self, key: &str, opts: AcquireOptions) -> Result<Option<LockGuard>> {
+        self.acquire_inner(key, &opts, true).await
+    }
+
+    async fn acquire_inner(
+        &self,
+        key: &str,
+        opts: &AcquireOptions,
+        once: bool,
+    ) -> Result<Option<LockGuard>> {
+        let key = LockKey::new(key)?;
+        if *self.inner.closed.borrow() {
+            return Err(Error::Shutdown);
+        }
+        let topology = self.inner.topology.load_full();
+        let ns_name = opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
+        let ns = topology
+            .config
+            .namespace(ns_name)
+            .ok_or_else(|| Error::InvalidArgument {
+                name: "namespace",
+                reason: format!(
+                    "`{ns_name}` is not configured; add it under `namespaces:` or use `default`"
+                ),
+            })?;
+        let ttl = opts.ttl.unwrap_or(ns.ttl);
+        check_ttl(ttl).map_err(|reason| Error::InvalidArgument {
+            name: "ttl",
+            reason,
+        })?;
+        let wait = if once {
+            Duration::ZERO
+        } else {
+            opts.wait.unwrap_or(ns.wait)
+        };
+        let deadline = Instant::now() + wait;
+        let shard = topology.shards[topology.ring.locate(key.as_str().as_bytes())].clone();
+
+        // One poller per key in this process: wait for our turn in memory first.
+        let mut turn = self.inner.queues.join(key.stored());
+        if tokio::time::timeout_at(deadline, turn.wait())
+            .await
+            .is_err()
+        {
+            return Ok(None);
+        }
+        let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
+        loop {
+            let id = self.inner.grant_seq.fetch_add(1, Ordering::Relaxed) + 1;
+            let owner = format!("{}:{id}", self.inner.instance_id);
+            let sent = Instant::now();
+            if let Some(fence) = self.attempt(&shard, &key, &owner, ttl).await? {
+                self.inner.stats.grants.fetch_add(1, Ordering::Relaxed);
+                let renew_every = ns.renew_interval_for(ttl);
+                let lease = Arc::new(LeaseState::new(
+                    id,
+                    key,
+                    owner,
+                    fence,
+                    ttl,
+                    renew_every,
+                    sent,
+                    turn,
+                ));
+                shard.insert(lease.clone());
+                return Ok(Some(LockGuard {
+                    lease,
+                    shard,
+                    done: false,
+                }));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
+        }
+    }
+
+    /// One acquire statement, run in its own task so that it always completes: if the caller
+    /// went away meanwhile and the attempt won, the task releases the lease itself.
+    async fn attempt(
+        &self,
+        shard: &Arc<ShardState>,
+        key: &LockKey,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>> {
+        self.inner
+            .stats
+            .acquire_statements
+            .fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        let (task_shard, task_key, task_owner) = (shard.clone(), key.clone(), owner.to_owned());
+        tokio::spawn(async move {
+            let result = task_shard
+                .shard
+                .acquire(task_key.stored(), &task_owner, ttl, 0)
+                .await;
+            if let Err(Ok(Some(_fence))) = tx.send(result) {
+                let _ = task_shard
+                    .shard
+                    .release(task_key.stored(), &task_owner)
+                    .await;
+            }
+        });
+        let result = rx.await.map_err(|_| Error::Shutdown)?;
+        result.map_err(|e| e.into_error(shard.shard.name()))
+    }
+
+    /// Where `key` lives and what its lease row says.
+    pub async fn inspect(&self, key: &str) -> Result<(String, Option<LeaseRow>)> {
+        let key = LockKey::new(key)?;
+        let topology = self.inner.topology.load_full();
+        let shard = &topology.shards[topology.ring.locate(key.as_str().as_bytes())];
+        let row = shard
+            .shard
+            .inspect(key.stored())
+            .await
+            .map_err(|e| e.into_error(shard.shard.name()))?;
+        Ok((shard.shard.name().to_owned(), row))
+    }
+
+    /// Every shard's reachability, pool and lease counts.
+    pub async fn status(&self) -> Vec<ShardStatus> {
+        let topology = self.inner.topology.load_full();
+        let probes = topology.shards.iter().map(|s| async move {
+            let held = s.shard.count_held().await;
+            ShardStatus {
+                name: s.shard.name().to_owned(),
+                reachable: held.is_ok(),
+                error: held.as_ref().err().map(|e| e.to_string()),
+                held_leases: held.ok(),
+                local_leases: s.held().len(),
+                pool: s.shard.pool_status(),
+            }
+        });
+        join_all(probes).await
+    }
+
+    /// This router's counters.
+    pub fn stats(&self) -> LockStats {
+        let s = &self.inner.stats;
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        LockStats {
+            grants: get(&s.grants),
+            acquire_statements: get(&s.acquire_statements),
+            timeouts: get(&s.timeouts),
+            releases: get(&s.releases),
+            lost: get(&s.lost),
+            renew_ticks: get(&s.renew_ticks),
+            renew_statements: get(&s.renew_statements),
+            renew_failures: get(&s.renew_failures),
+        }
+    }
+
+    /// Stops granting, releases every lease this router holds, stops the keepers and closes
+    /// the pools. Guards still alive afterwards report their lease as lost.
+    pub async fn shutdown(&self) -> Result<()> {
+        self.inner.closed.send_replace(true);
+        let topology = self.inner.topology.load_full();
+        let releases = topology.shards.iter().flat_map(|s| {
+            s.held().into_iter().map(move |lease| {
+                let s = s.clone();
+                async move {
+                    let r = release_lease(s.clone(), lease.clone()).await;
+                    lease.mark_lost("router shut down", &s.stats);
+                    r
+                }
+            })
+        });
+        let mut first_error = None;
+        for r in join_all(releases).await {
+            if let Err(e) = r {
+                first_error.get_or_insert(e);
+            }
+        }
+        for s in &topology.shards {
+            s.shard.close();
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+fn locate(e: ConfigError, text: Option<&str>, path: Option<&Path>) -> ConfigError {
+    match text {
+        Some(text) => e.located(text, path),
+        None => e,
+    }
+}
+
+/// `<host>-<pid>-<random>`: unique per process start, readable in `inspect`.
+fn auto_instance_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().replace(':', "-"))
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned());
+    format!(
+        "{host}-{}-{:04x}",
+        std::process::id(),
+        rand::random::<u16>()
+    )
+}

@@ -1,0 +1,88 @@
+//! Shared setup for the integration tests: real MariaDB shards started by the testkit.
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::Duration;
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::LockRouter;
+use shardlock_testkit::{Cluster, Shard};
+
+/// Environment variable carrying the YAML config to worker processes.
+pub const CONFIG_ENV: &str = "SHARDLOCK_TEST_CONFIG";
+
+/// `n` fresh shards and a migrated router over them; `extra` is appended to the YAML.
+pub async fn start(n: usize, extra: &str) -> (Cluster, LockRouter, String) {
+    let cluster = Cluster::start(n).await.expect("start shards");
+    let yaml = cluster.config_yaml(extra);
+    let router = LockRouter::from_yaml_str(&yaml).await.expect("router");
+    router.migrate().await.expect("migrate");
+    (cluster, router, yaml)
+}
+
+/// The router of a worker process, from the config its parent passed.
+pub async fn worker_router() -> LockRouter {
+    let yaml = std::env::var(CONFIG_ENV).expect("worker needs its config");
+    LockRouter::from_yaml_str(&yaml)
+        .await
+        .expect("worker router")
+}
+
+/// Statements that write rows (INSERT, UPDATE, DELETE), from the server's own counters.
+/// Lock statements are all writes; reads by the tests themselves are not counted.
+pub async fn dml_statements(shard: &Shard) -> u64 {
+    shard
+        .global_status_sum(&["Com_insert", "Com_update", "Com_delete"])
+        .await
+        .unwrap()
+}
+
+/// Sum of a global status counter over all shards.
+pub async fn status_sum(cluster: &Cluster, name: &str) -> u64 {
+    let mut sum = 0;
+    for s in cluster.shards() {
+        sum += s.global_status(name).await.unwrap();
+    }
+    sum
+}
+
+/// Number of live lease rows on every shard together.
+pub async fn live_leases(cluster: &Cluster) -> u64 {
+    let mut total = 0;
+    for s in cluster.shards() {
+        let mut c = s.connect().await.unwrap();
+        let n: Option<u64> = c
+            .query_first(
+                "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL \
+                 AND expires_at > CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
+            )
+            .await
+            .unwrap();
+        total += n.unwrap_or(0);
+    }
+    total
+}
+
+/// Polls `check` every 20 ms until it is true or `limit` passes; returns whether it became true.
+pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A second router (another "instance") over the same cluster.
+pub async fn worker_router_from(cluster: &Cluster) -> LockRouter {
+    LockRouter::from_yaml_str(&cluster.config_yaml(""))
+        .await
+        .unwrap()
+}

@@ -1,0 +1,209 @@
+//! Lease semantics on real shards: grant, contention, owner-checked release, fences, one round
+//! trip per acquire and per release, byte-exact keys, reentrancy.
+
+mod common;
+
+use std::time::Duration;
+
+use shardlock::{AcquireOptions, Error};
+
+fn once() -> AcquireOptions {
+    AcquireOptions::new().wait(Duration::ZERO)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn grant_contend_release_and_fences_rise() {
+    let (_cluster, router, yaml) = common::start(3, "").await;
+    let other = shardlock::LockRouter::from_yaml_str(&yaml).await.unwrap();
+
+    let g = router
+        .acquire("order:1001", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(g.is_held());
+    assert_eq!(g.shard(), router.shard_for("order:1001").unwrap());
+    assert!(
+        other
+            .try_acquire("order:1001", once())
+            .await
+            .unwrap()
+            .is_none(),
+        "held elsewhere"
+    );
+    let err = other
+        .acquire(
+            "order:1001",
+            AcquireOptions::new().wait(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+
+    let (shard, row) = router.inspect("order:1001").await.unwrap();
+    let row = row.unwrap();
+    assert_eq!(shard, g.shard());
+    assert_eq!(row.owner.as_deref(), Some(g.owner()));
+    assert_eq!(row.fence, g.fence());
+    assert!(row.is_held());
+
+    let first = g.fence();
+    g.release().await.unwrap();
+    let g2 = other
+        .try_acquire("order:1001", once())
+        .await
+        .unwrap()
+        .expect("free after release");
+    assert!(g2.fence() > first, "fence {} after {first}", g2.fence());
+    let third = router.acquire(
+        "order:1001",
+        AcquireOptions::new().wait(Duration::from_secs(5)),
+    );
+    let (third, released) = tokio::join!(third, async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        g2.release().await
+    });
+    released.unwrap();
+    let third = third.unwrap();
+    assert!(third.fence() > first);
+    third.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_statement_per_acquire_and_per_release() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let shard = cluster.shard(0);
+    // Warm the pool and the statement cache.
+    router
+        .acquire("warm", once())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let before = common::dml_statements(shard).await;
+    let cycles = 50;
+    for i in 0..cycles {
+        let g = router.acquire(&format!("k{i}"), once()).await.unwrap();
+        g.release().await.unwrap();
+    }
+    let after_cycles = common::dml_statements(shard).await;
+    assert_eq!(
+        after_cycles - before,
+        2 * cycles,
+        "two statements per lock cycle"
+    );
+
+    // A lease left behind by a crashed holder (expired on the shard's clock) is taken over in
+    // one statement too.
+    use shardlock::mysql_async::prelude::Queryable;
+    let mut conn = shard.connect().await.unwrap();
+    conn.query_drop(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         VALUES ('stale', 'crashed:1', 5, 1000, 0, 0)",
+    )
+    .await
+    .unwrap();
+    let before = common::dml_statements(shard).await;
+    let took = router.acquire("stale", once()).await.unwrap();
+    assert_eq!(
+        common::dml_statements(shard).await - before,
+        1,
+        "takeover is one statement"
+    );
+    assert!(took.fence() > 5);
+    took.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keys_are_compared_byte_for_byte_and_stored_literally() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let a = router.acquire("Order:1", once()).await.unwrap();
+    let b = router
+        .try_acquire("order:1", once())
+        .await
+        .unwrap()
+        .expect("case differs: another lock");
+    let nasty = "k'; DROP TABLE shardlock_lease; -- \\ \" %_ \u{0}";
+    let c = router.acquire(nasty, once()).await.unwrap();
+    let long = "L".repeat(1024);
+    let d = router.acquire(&long, once()).await.unwrap();
+    let long2 = format!("{}M", "L".repeat(1023));
+    let e = router.acquire(&long2, once()).await.unwrap();
+    assert!(router.try_acquire(&long, once()).await.unwrap().is_none());
+
+    use shardlock::mysql_async::prelude::Queryable;
+    let mut conn = cluster.shard(0).connect().await.unwrap();
+    let keys: Vec<Vec<u8>> = conn
+        .query("SELECT lock_key FROM shardlock_lease")
+        .await
+        .unwrap();
+    assert!(
+        keys.contains(&nasty.as_bytes().to_vec()),
+        "stored literally"
+    );
+    assert!(keys.contains(&b"Order:1".to_vec()) && keys.contains(&b"order:1".to_vec()));
+    assert_eq!(
+        keys.iter()
+            .filter(|k| k.len() == 33 && k[0] == 0xFF)
+            .count(),
+        2,
+        "long keys as digests"
+    );
+    for g in [a, b, c, d, e] {
+        g.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reentrancy_is_explicit_and_counted() {
+    let (_cluster, router, _) = common::start(1, "").await;
+    let g = router.acquire("job:1", once()).await.unwrap();
+    // Not implicit: a second acquire in the same process waits like anyone else.
+    assert!(router.try_acquire("job:1", once()).await.unwrap().is_none());
+    let inner = g.reenter().unwrap();
+    assert_eq!((inner.fence(), g.holds()), (g.fence(), 2));
+    inner.release().await.unwrap();
+    assert!(
+        router.try_acquire("job:1", once()).await.unwrap().is_none(),
+        "outer hold remains"
+    );
+    g.release().await.unwrap();
+    let last = router
+        .try_acquire("job:1", once())
+        .await
+        .unwrap()
+        .expect("free after the last hold");
+    last.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_taken_over_lease_is_reported_lost_and_release_leaves_the_new_row() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let ttl = AcquireOptions::new()
+        .ttl(Duration::from_millis(600))
+        .wait(Duration::ZERO);
+    let g = router.acquire("pay:9", ttl).await.unwrap();
+    // Another owner takes the row over behind our back (as after a force-release).
+    use shardlock::mysql_async::prelude::Queryable;
+    let mut conn = cluster.shard(0).connect().await.unwrap();
+    conn.query_drop("UPDATE shardlock_lease SET owner = 'intruder:1', fence = fence + 1 WHERE lock_key = 'pay:9'")
+        .await
+        .unwrap();
+    // The next renewal (every ttl/3) notices.
+    tokio::time::timeout(Duration::from_secs(2), g.lost())
+        .await
+        .expect("lost() completes");
+    assert!(!g.is_held());
+    let err = g.release().await.unwrap_err();
+    assert!(matches!(err, Error::LockLost { .. }), "{err}");
+    let owner: Option<String> = conn
+        .query_first("SELECT owner FROM shardlock_lease WHERE lock_key = 'pay:9'")
+        .await
+        .unwrap();
+    assert_eq!(
+        owner.as_deref(),
+        Some("intruder:1"),
+        "someone else's lease is left intact"
+    );
+    assert_eq!(router.stats().lost, 1);
+}
