@@ -422,9 +422,14 @@ impl ConfigError {
 }
 
 /// Replaces `${VAR}` and `${VAR:-default}` from the environment; `$$` stands for `$`.
+/// Whole-line comments are left alone.
 fn substitute_env(text: &str) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(text.len());
     for (line_no, line) in text.split_inclusive('\n').enumerate() {
+        if line.trim_start().starts_with('#') {
+            out.push_str(line);
+            continue;
+        }
         let mut rest = line;
         while let Some(at) = rest.find('$') {
             out.push_str(&rest[..at]);
