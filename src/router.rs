@@ -286,8 +286,10 @@ impl LockRouter {
         }
     }
 
-    /// One acquire statement, run in its own task so that it always completes: if the caller
-    /// went away meanwhile and the attempt won, the task releases the lease itself.
+    /// One acquire statement, run in its own task so that it always completes. If the caller
+    /// goes away meanwhile, whoever sees a winning result last releases it: the task (when the
+    /// caller was gone before the answer) or [`PendingAttempt`]'s drop (when the answer was
+    /// already sent but not yet taken).
     async fn attempt(
         &self,
         shard: &Arc<ShardState>,
@@ -313,8 +315,18 @@ impl LockRouter {
                     .await;
             }
         });
-        let result = rx.await.map_err(|_| Error::Shutdown)?;
-        result.map_err(|e| e.into_error(shard.shard.name()))
+        let mut pending = PendingAttempt {
+            rx,
+            shard: shard.clone(),
+            key: key.clone(),
+            owner: owner.to_owned(),
+            taken: false,
+        };
+        let result = (&mut pending.rx).await;
+        pending.taken = true;
+        result
+            .map_err(|_| Error::Shutdown)?
+            .map_err(|e| e.into_error(shard.shard.name()))
     }
 
     /// Where `key` lives and what its lease row says.
@@ -388,6 +400,37 @@ impl LockRouter {
             s.shard.close();
         }
         first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// The caller's end of an attempt in flight (see [`LockRouter::attempt`]).
+struct PendingAttempt {
+    rx: oneshot::Receiver<std::result::Result<Option<u64>, shardlock_core::BackendError>>,
+    shard: Arc<ShardState>,
+    key: LockKey,
+    owner: String,
+    taken: bool,
+}
+
+impl Drop for PendingAttempt {
+    fn drop(&mut self) {
+        if self.taken {
+            return;
+        }
+        // After close() the task can no longer send; a grant sent before is ours to undo.
+        self.rx.close();
+        if let Ok(Ok(Some(_fence))) = self.rx.try_recv() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let (shard, key, owner) = (
+                    self.shard.clone(),
+                    self.key.clone(),
+                    std::mem::take(&mut self.owner),
+                );
+                runtime.spawn(async move {
+                    let _ = shard.shard.release(key.stored(), &owner).await;
+                });
+            }
+        }
     }
 }
 

@@ -13,39 +13,93 @@ async fn bad_keys_and_options_are_rejected_before_touching_a_shard() {
 
     let err = router.acquire("", AcquireOptions::new()).await.unwrap_err();
     assert!(matches!(err, Error::InvalidKey { .. }), "{err}");
-    let err = router.acquire(&"k".repeat(2048), AcquireOptions::new()).await.unwrap_err();
-    assert!(matches!(err, Error::InvalidKey { .. }) && err.to_string().contains("2048"), "{err}");
-    let err = router.acquire("k", AcquireOptions::new().ttl(Duration::ZERO)).await.unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { name: "ttl", .. }), "{err}");
-    let err = router.acquire("k", AcquireOptions::new().namespace("nope")).await.unwrap_err();
-    assert!(err.to_string().contains("`nope` is not configured"), "{err}");
-    assert!(matches!(router.shard_for(""), Err(Error::InvalidKey { .. })));
+    let err = router
+        .acquire(&"k".repeat(2048), AcquireOptions::new())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidKey { .. }) && err.to_string().contains("2048"),
+        "{err}"
+    );
+    let err = router
+        .acquire("k", AcquireOptions::new().ttl(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument { name: "ttl", .. }),
+        "{err}"
+    );
+    let err = router
+        .acquire("k", AcquireOptions::new().namespace("nope"))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("`nope` is not configured"),
+        "{err}"
+    );
+    assert!(matches!(
+        router.shard_for(""),
+        Err(Error::InvalidKey { .. })
+    ));
 
-    assert_eq!(common::dml_statements(cluster.shard(0)).await, before, "nothing was written");
+    assert_eq!(
+        common::dml_statements(cluster.shard(0)).await,
+        before,
+        "nothing was written"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unreachable_shard_is_named_and_others_keep_working() {
     let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
     // A port nobody listens on: bind, note the port, close.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let yaml = format!(
         "{}  - name: ghost\n    url: mysql://root@127.0.0.1:{dead}/shardlock\n    statement-timeout: 500ms\n    pool:\n      create-timeout: 300ms\n",
         cluster.config_yaml("")
     );
     let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
     let err = router.migrate().await.unwrap_err();
-    assert!(matches!(&err, Error::Unavailable { shard, .. } if shard == "ghost"), "{err}");
+    assert!(
+        matches!(&err, Error::Unavailable { shard, .. } if shard == "ghost"),
+        "{err}"
+    );
     assert!(err.to_string().contains("ghost"), "{err}");
 
     // Find keys on each shard: the live one works, the dead one fails fast and by name.
-    let on = |name: &str| (0..).map(|i| format!("key:{i}")).find(|k| router.shard_for(k).unwrap() == name).unwrap();
+    let on = |name: &str| {
+        (0..)
+            .map(|i| format!("key:{i}"))
+            .find(|k| router.shard_for(k).unwrap() == name)
+            .unwrap()
+    };
     let (live_key, dead_key) = (on("s1"), on("ghost"));
-    shardlock::LockRouter::from_yaml_str(&cluster.config_yaml("")).await.unwrap().migrate().await.unwrap();
-    let g = router.acquire(&live_key, AcquireOptions::new()).await.unwrap();
+    shardlock::LockRouter::from_yaml_str(&cluster.config_yaml(""))
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let g = router
+        .acquire(&live_key, AcquireOptions::new())
+        .await
+        .unwrap();
     let started = std::time::Instant::now();
-    let err = router.acquire(&dead_key, AcquireOptions::new().wait(Duration::from_secs(5))).await.unwrap_err();
-    assert!(matches!(&err, Error::Unavailable { shard, .. } if shard == "ghost"), "{err}");
+    let err = router
+        .acquire(
+            &dead_key,
+            AcquireOptions::new().wait(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Unavailable { shard, .. } if shard == "ghost"),
+        "{err}"
+    );
     eprintln!("unreachable shard reported after {:?}", started.elapsed());
     g.release().await.unwrap();
 }
@@ -54,26 +108,52 @@ async fn unreachable_shard_is_named_and_others_keep_working() {
 async fn config_errors_name_file_line_column_and_field() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("broken.yaml");
-    std::fs::write(&path, "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n  - name: [unclosed\n").unwrap();
+    std::fs::write(
+        &path,
+        "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n  - name: [unclosed\n",
+    )
+    .unwrap();
     let err = LockRouter::from_yaml_file(&path).await.unwrap_err();
-    let Error::Config(e) = &err else { panic!("{err}") };
+    let Error::Config(e) = &err else {
+        panic!("{err}")
+    };
     assert_eq!(e.path.as_deref(), Some(path.as_path()));
     assert!(e.line.is_some() && e.column.is_some(), "{err}");
-    assert!(err.to_string().starts_with(&path.display().to_string()), "{err}");
+    assert!(
+        err.to_string().starts_with(&path.display().to_string()),
+        "{err}"
+    );
 
     std::fs::write(&path, "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n    pool:\n      max-sise: 3\n").unwrap();
     let err = LockRouter::from_yaml_file(&path).await.unwrap_err();
-    let Error::Config(e) = &err else { panic!("{err}") };
-    assert_eq!((e.line, e.field.as_deref()), (Some(5), Some("shards[0].pool.max-sise")), "{err}");
+    let Error::Config(e) = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(
+        (e.line, e.field.as_deref()),
+        (Some(5), Some("shards[0].pool.max-sise")),
+        "{err}"
+    );
     assert!(e.message.contains("unknown field `max-sise`"), "{err}");
 
     std::fs::write(&path, "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\nnamespaces:\n  stock:\n    ttl: 0s\n").unwrap();
     let err = LockRouter::from_yaml_file(&path).await.unwrap_err();
-    assert!(err.to_string().contains(":6:5: field `namespaces.stock.ttl`"), "{err}");
+    assert!(
+        err.to_string()
+            .contains(":6:5: field `namespaces.stock.ttl`"),
+        "{err}"
+    );
 
-    std::fs::write(&path, "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:notaport/x\n").unwrap();
+    std::fs::write(
+        &path,
+        "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:notaport/x\n",
+    )
+    .unwrap();
     let err = LockRouter::from_yaml_file(&path).await.unwrap_err();
-    assert!(err.to_string().contains(":3:5: field `shards[0].url`"), "{err}");
+    assert!(
+        err.to_string().contains(":3:5: field `shards[0].url`"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -82,7 +162,8 @@ fn reference_and_shipped_configs_parse() {
     for file in ["reference.yaml", "local.yaml", "production.yaml"] {
         // production.yaml reads its password from the environment.
         std::env::set_var("SHARDLOCK_DB_PASSWORD", "example");
-        let c = shardlock::Config::from_yaml_file(root.join(file)).unwrap_or_else(|e| panic!("{e}"));
+        let c =
+            shardlock::Config::from_yaml_file(root.join(file)).unwrap_or_else(|e| panic!("{e}"));
         assert!(!c.shards.is_empty(), "{file}");
     }
 }

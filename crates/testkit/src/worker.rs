@@ -23,7 +23,7 @@ pub fn worker_main() -> Option<String> {
 #[macro_export]
 macro_rules! report {
     ($($arg:tt)*) => {{
-        println!("@@ {}", format!($($arg)*));
+        println!("\n@@ {}", format!($($arg)*));
     }};
 }
 
@@ -70,8 +70,9 @@ impl Worker {
     /// The next protocol line, without its prefix; `None` once the worker's stdout closes.
     pub async fn line(&mut self) -> io::Result<Option<String>> {
         while let Some(line) = self.stdout.next_line().await? {
-            if let Some(rest) = line.strip_prefix(LINE_PREFIX) {
-                return Ok(Some(rest.to_owned()));
+            // libtest may have printed "test worker ... " on the same line first.
+            if let Some(at) = line.find(LINE_PREFIX) {
+                return Ok(Some(line[at + LINE_PREFIX.len()..].to_owned()));
             }
         }
         Ok(None)

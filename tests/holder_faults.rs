@@ -1,0 +1,151 @@
+//! A holder process that freezes or dies: its lease ends on the shard's clock, another
+//! process takes over with a larger fence, and the old holder can do no harm.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::{Conn, Value};
+use shardlock::{AcquireOptions, Error};
+use shardlock_testkit::{report, worker_main, Worker};
+
+const KEY: &str = "payment:42";
+const TTL: Duration = Duration::from_millis(1500);
+const APP_ENV: &str = "SHARDLOCK_TEST_APP_URL";
+
+async fn app_table(url: &str) -> Conn {
+    let mut app = Conn::from_url(url).await.unwrap();
+    app.query_drop("CREATE TABLE IF NOT EXISTS ledger (id INT PRIMARY KEY, writer VARCHAR(32), fence BIGINT UNSIGNED NOT NULL)")
+        .await
+        .unwrap();
+    app.query_drop("INSERT IGNORE INTO ledger VALUES (1, 'nobody', 0)")
+        .await
+        .unwrap();
+    app
+}
+
+const FENCED_WRITE: &str =
+    "UPDATE ledger SET writer = :writer, fence = :fence WHERE id = 1 AND fence < :fence";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_paused_holder_loses_the_key_and_cannot_write_or_release_after_resuming() {
+    let (cluster, router, yaml) = common::start(1, "").await;
+    let app_url = cluster.shard(0).url();
+    let mut app = app_table(&app_url).await;
+    let env = [(common::CONFIG_ENV, yaml), (APP_ENV, app_url)];
+    let mut holder = Worker::spawn("worker", "pausable-holder", &env).unwrap();
+    let old_fence: u64 = holder.expect("acquired").await.unwrap().parse().unwrap();
+
+    holder.pause().unwrap();
+    let started = Instant::now();
+    let guard = router
+        .acquire(KEY, AcquireOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .expect("the frozen holder's lease ends after its ttl");
+    eprintln!("took over after {:?} (ttl {TTL:?})", started.elapsed());
+    assert!(guard.fence() > old_fence);
+    shardlock::fenced_exec(
+        &mut app,
+        FENCED_WRITE,
+        [("writer", Value::from("new"))],
+        guard.fence(),
+    )
+    .await
+    .unwrap();
+
+    holder.resume().unwrap();
+    assert_eq!(holder.expect("lost").await.unwrap(), "");
+    assert_eq!(holder.expect("release").await.unwrap(), "lock-lost");
+    assert_eq!(holder.expect("write").await.unwrap(), "rejected");
+    let (status, _) = holder.finish().await.unwrap();
+    assert!(status.success());
+
+    let (_, row) = router.inspect(KEY).await.unwrap();
+    let row = row.unwrap();
+    assert_eq!(
+        row.owner.as_deref(),
+        Some(guard.owner()),
+        "the new holder's row is intact"
+    );
+    assert!(row.is_held());
+    let writer: Option<String> = app
+        .query_first("SELECT writer FROM ledger WHERE id = 1")
+        .await
+        .unwrap();
+    assert_eq!(writer.as_deref(), Some("new"));
+    guard.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_holders_key_is_free_after_the_ttl() {
+    let (_cluster, router, yaml) = common::start(1, "").await;
+    let env = [(common::CONFIG_ENV, yaml), (APP_ENV, String::new())];
+    let mut holder = Worker::spawn("worker", "holder", &env).unwrap();
+    let old_fence: u64 = holder.expect("acquired").await.unwrap().parse().unwrap();
+    holder.kill().await.unwrap();
+
+    // Still held right after the crash: nobody but the shard's clock may end a lease.
+    let once = AcquireOptions::new().wait(Duration::ZERO);
+    assert!(router.try_acquire(KEY, once).await.unwrap().is_none());
+    let started = Instant::now();
+    let guard = router
+        .acquire(KEY, AcquireOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    eprintln!(
+        "acquired {:?} after the kill (ttl {TTL:?})",
+        started.elapsed()
+    );
+    assert!(guard.fence() > old_fence);
+    guard.release().await.unwrap();
+}
+
+/// Holds KEY and reports; after being frozen and resumed, reports what it observes.
+async fn holder(pausable: bool) {
+    let router = common::worker_router().await;
+    let guard = router
+        .acquire(KEY, AcquireOptions::new().ttl(TTL))
+        .await
+        .unwrap();
+    report!("acquired {}", guard.fence());
+    if !pausable {
+        std::future::pending::<()>().await;
+    }
+    tokio::time::timeout(Duration::from_secs(30), guard.lost())
+        .await
+        .expect("lost() after resume");
+    assert!(!guard.is_held());
+    report!("lost");
+    let fence = guard.fence();
+    match guard.release().await {
+        Err(Error::LockLost { .. }) => report!("release lock-lost"),
+        other => report!("release {other:?}"),
+    }
+    let mut app = Conn::from_url(std::env::var(APP_ENV).unwrap())
+        .await
+        .unwrap();
+    match shardlock::fenced_exec(
+        &mut app,
+        FENCED_WRITE,
+        [("writer", Value::from("old"))],
+        fence,
+    )
+    .await
+    {
+        Err(Error::FenceRejected { .. }) => report!("write rejected"),
+        other => report!("write {other:?}"),
+    }
+}
+
+#[test]
+#[ignore = "entry point of the worker processes spawned by the tests in this file"]
+fn worker() {
+    let Some(role) = worker_main() else { return };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    match role.as_str() {
+        "holder" => rt.block_on(holder(false)),
+        "pausable-holder" => rt.block_on(holder(true)),
+        other => panic!("unknown role {other}"),
+    }
+}

@@ -1,0 +1,53 @@
+//! Renewal is batched: 1,000 leases on three shards survive three ttls, and the shards' own
+//! counters show one renewal statement per shard per tick.
+
+mod common;
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use shardlock::AcquireOptions;
+
+const LEASES: usize = 1000;
+const TTL: Duration = Duration::from_millis(1500);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
+    let (cluster, router, _) = common::start(3, "").await;
+    let opts = AcquireOptions::new().ttl(TTL).wait(Duration::ZERO);
+    let guards: Vec<_> = join_all((0..LEASES).map(|i| {
+        let (router, opts) = (router.clone(), opts.clone());
+        async move { router.acquire(&format!("lease:{i}"), opts).await.unwrap() }
+    }))
+    .await;
+    for s in ["s1", "s2", "s3"] {
+        assert!(
+            guards.iter().any(|g| g.shard() == s),
+            "leases on every shard"
+        );
+    }
+
+    let updates_before = common::status_sum(&cluster, "Com_update").await;
+    let stats_before = router.stats();
+    tokio::time::sleep(TTL * 3).await;
+    let stats = router.stats();
+    let updates = common::status_sum(&cluster, "Com_update").await - updates_before;
+
+    assert!(guards.iter().all(|g| g.is_held()), "no lease lost");
+    assert_eq!(stats.lost, 0);
+    let ticks = stats.renew_ticks - stats_before.renew_ticks;
+    let statements = stats.renew_statements - stats_before.renew_statements;
+    eprintln!("{ticks} renewal ticks, {statements} renewal statements, {updates} UPDATEs counted by the shards");
+    // ttl/3 ticks over 3 ttls: about 9 per shard.
+    assert!((3 * 8..=3 * 10).contains(&ticks), "{ticks} ticks");
+    assert_eq!(statements, ticks, "one statement per shard per tick");
+    assert_eq!(
+        updates, statements,
+        "the shards saw exactly those statements"
+    );
+
+    for g in guards {
+        g.release().await.unwrap();
+    }
+    assert_eq!(common::live_leases(&cluster).await, 0);
+}
