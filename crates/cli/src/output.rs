@@ -1,0 +1,85 @@
+//! Text and JSON output of the read commands.
+
+use serde_json::json;
+use shardlock::{LeaseRow, LockRouter, MigrateReport, ShardStatus};
+
+pub(crate) fn migrate(reports: &[(String, MigrateReport)], as_json: bool) {
+    if as_json {
+        let shards: Vec<_> = reports
+            .iter()
+            .map(|(name, r)| json!({"shard": name, "applied": r.applied, "version": r.version}))
+            .collect();
+        println!("{}", json!({ "shards": shards }));
+        return;
+    }
+    for (name, r) in reports {
+        if r.applied.is_empty() {
+            println!("{name}: up to date (schema version {})", r.version);
+        } else {
+            println!("{name}: applied {:?}, now at schema version {}", r.applied, r.version);
+        }
+    }
+}
+
+pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool) {
+    if as_json {
+        let shards: Vec<_> = status
+            .iter()
+            .map(|s| {
+                json!({
+                    "shard": s.name,
+                    "reachable": s.reachable,
+                    "error": s.error,
+                    "held_leases": s.held_leases,
+                    "pool": {"max_size": s.pool.max_size, "size": s.pool.size, "available": s.pool.available, "waiting": s.pool.waiting},
+                })
+            })
+            .collect();
+        println!("{}", json!({ "instance": router.instance_id(), "shards": shards }));
+        return;
+    }
+    println!("{:<12} {:<11} {:>12} {:>18}", "SHARD", "REACHABLE", "HELD LEASES", "POOL size/avail/wait");
+    for s in status {
+        let held = s.held_leases.map_or("-".to_owned(), |n| n.to_string());
+        let pool = format!("{}/{}/{} (max {})", s.pool.size, s.pool.available, s.pool.waiting, s.pool.max_size);
+        println!("{:<12} {:<11} {:>12} {:>18}", s.name, if s.reachable { "yes" } else { "NO" }, held, pool);
+        if let Some(e) = &s.error {
+            println!("             {e}");
+        }
+    }
+}
+
+pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: bool) {
+    if as_json {
+        let lease = row.map(|r| {
+            json!({
+                "held": r.is_held(),
+                "owner": r.owner,
+                "fence": r.fence,
+                "ttl_ms": r.ttl_ms,
+                "expires_at_ms": r.expires_at_ms,
+                "expires_in_ms": r.expires_at_ms - r.now_ms,
+                "acquired_at_ms": r.acquired_at_ms,
+                "wanted_at_ms": r.wanted_at_ms,
+            })
+        });
+        println!("{}", json!({ "key": key, "shard": shard, "lease": lease }));
+        return;
+    }
+    println!("key:     {key}");
+    println!("shard:   {shard}");
+    match row {
+        None => println!("lease:   never granted on this shard"),
+        Some(r) if r.is_held() => {
+            println!("holder:  {}", r.owner.as_deref().unwrap_or("-"));
+            println!("fence:   {}", r.fence);
+            println!("expires: in {} ms (shard clock), lease {} ms", r.expires_at_ms - r.now_ms, r.ttl_ms);
+            println!("held:    {} ms", r.now_ms - r.acquired_at_ms);
+        }
+        Some(r) => {
+            let why = if r.owner.is_some() { "expired (holder stopped renewing)" } else { "released" };
+            println!("lease:   free, {why}");
+            println!("fence:   {} (the next grant gets a larger one)", r.fence);
+        }
+    }
+}
