@@ -4,19 +4,21 @@
 --              and `order:1` are different locks. Keys over 255 bytes are stored as 0xFF
 --              followed by the key's SHA-256 (0xFF never occurs in UTF-8).
 -- owner        '<instance id>:<grant seq>' of the holder; NULL once released.
--- fence        the fencing token of the latest grant: shard-clock microseconds, raised by at
---              least one on every grant, so it only goes up per key.
+-- fence        the fencing token of the latest grant: one more than the previous grant's; a new
+--              row starts at the shard clock in microseconds, so a key whose row was deleted
+--              still gets a fence above every earlier one.
 -- ttl_ms       the lease length of the latest grant; renewal extends expires_at by it.
--- expires_at   shard clock (ms since the epoch, UTC) at which the lease ends unless renewed.
--- acquired_at  shard clock (ms) of the latest grant.
--- wanted_at    shard clock (ms) of the latest failed attempt by another owner; cleared on grant.
+-- expires_at   shard clock (UTC, sessions run with time_zone '+00:00') at which the lease ends
+--              unless renewed.
+-- acquired_at  shard clock of the latest grant.
+-- wanted_at    shard clock of the latest failed attempt by another owner; cleared on grant.
 CREATE TABLE IF NOT EXISTS shardlock_lease (
   lock_key    VARBINARY(255)  NOT NULL,
   owner       VARBINARY(191)  NULL,
   fence       BIGINT UNSIGNED NOT NULL,
   ttl_ms      INT UNSIGNED    NOT NULL,
-  expires_at  BIGINT          NOT NULL,
-  acquired_at BIGINT          NOT NULL,
-  wanted_at   BIGINT          NULL,
+  expires_at  DATETIME(3)     NOT NULL,
+  acquired_at DATETIME(3)     NOT NULL,
+  wanted_at   DATETIME(3)     NULL,
   PRIMARY KEY (lock_key)
 ) ENGINE=InnoDB DEFAULT CHARSET=binary;

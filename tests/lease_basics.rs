@@ -99,7 +99,7 @@ async fn one_statement_per_acquire_and_per_release() {
     let mut conn = shard.connect().await.unwrap();
     conn.query_drop(
         "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
-         VALUES ('stale', 'crashed:1', 5, 1000, 0, 0)",
+         VALUES ('stale', 'crashed:1', 5, 1000, '2020-01-01', '2020-01-01')",
     )
     .await
     .unwrap();

@@ -1,2 +1,402 @@
-pub(crate) async fn run(_s: &crate::ConfigSource, _a: BenchArgs, _j: bool) -> Result<(), crate::AnyError> { Ok(()) }
-#[derive(Debug, clap::Args)] pub(crate) struct BenchArgs {}
+//! `shardlock bench`: lock throughput against baselines measured in the same run on the same
+//! shard, plus counts that do not depend on machine noise (statements per lock cycle, InnoDB
+//! deadlocks provoked).
+//!
+//! Runs are interleaved (shardlock, baseline, shardlock, baseline, ...) and each side reports
+//! its median round, so that drift on a shared machine (background purge, other load) hits
+//! both sides alike.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::{Error as MyError, Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts};
+use shardlock::{AcquireOptions, Backoff, LockRouter};
+
+use crate::{dev, AnyError, ConfigSource};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum Scenario {
+    /// Distinct keys, acquire + release, against raw INSERT + owner-checked DELETE.
+    Uncontended,
+    /// One key, many tasks in one process, against the naive hand-rolled algorithm.
+    HotKey,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    /// Scenarios to run (repeat the flag for several).
+    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey])]
+    scenario: Vec<Scenario>,
+    /// How long each round runs.
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Interleaved rounds per side; each side reports its median round.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    rounds: u32,
+    /// Concurrent tasks in the uncontended scenario.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    tasks: u32,
+    /// Concurrent tasks on the hot key.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    hot_tasks: u32,
+    /// Directory for the JSON report (`bench-<time>.json` and `latest.json`).
+    #[arg(long, default_value = "target/shardlock-bench")]
+    out: PathBuf,
+}
+
+/// One measured round.
+#[derive(Debug, Default, Clone, Serialize)]
+struct Measurement {
+    name: String,
+    ops: u64,
+    seconds: f64,
+    ops_per_sec: f64,
+    /// Statements that wrote rows (INSERT/UPDATE/DELETE), counted by the server, per op.
+    statements_per_op: f64,
+    /// Errors 1213/1205 that reached the caller's code.
+    deadlock_errors_surfaced: u64,
+    /// `Innodb_deadlocks` increase on the shard during the round.
+    innodb_deadlocks: u64,
+    /// Other errors.
+    errors: u64,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Comparison {
+    scenario: Scenario,
+    /// The median round of each side.
+    shardlock: Measurement,
+    baseline: Measurement,
+    /// shardlock's median ops/s divided by the baseline's.
+    ratio: f64,
+    /// Every round's ops/s, in the order run.
+    shardlock_rounds: Vec<f64>,
+    baseline_rounds: Vec<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    shard: String,
+    round_secs: f64,
+    rounds: u32,
+    tasks: u32,
+    hot_tasks: u32,
+    comparisons: Vec<Comparison>,
+}
+
+pub(crate) async fn run(source: &ConfigSource, args: BenchArgs, as_json: bool) -> Result<(), AnyError> {
+    if source.is_local_default() {
+        dev::ensure_up().await?;
+    }
+    // Everything runs on the first shard, so that shardlock and the baselines share one server.
+    let mut config = source.config.clone();
+    config.shards.truncate(1);
+    let shard = config.shards[0].clone();
+    let router = LockRouter::new(config).await?;
+    router.migrate().await?;
+    let pool = baseline_pool(&shard.url, shard.pool.max_size)?;
+    prepare_baseline_tables(&pool).await?;
+    let counters = Counters { pool: pool.clone() };
+    let run_id = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis();
+
+    let mut comparisons = Vec::new();
+    for &scenario in &args.scenario {
+        let (mut ours, mut base) = (Vec::new(), Vec::new());
+        for round in 0..args.rounds {
+            let tag = format!("{run_id}:{round}");
+            match scenario {
+                Scenario::Uncontended => {
+                    ours.push(uncontended_shardlock(&router, &tag, &args, &counters).await?);
+                    base.push(uncontended_raw(&pool, &tag, &args, &counters).await?);
+                }
+                Scenario::HotKey => {
+                    ours.push(hot_key_shardlock(&router, &tag, &args, &counters).await?);
+                    base.push(hot_key_naive(&pool, &tag, &args, &counters).await?);
+                }
+            }
+        }
+        let rounds = |ms: &[Measurement]| ms.iter().map(|m| m.ops_per_sec).collect::<Vec<_>>();
+        let (ours_rounds, base_rounds) = (rounds(&ours), rounds(&base));
+        let (ours, base) = (median(ours), median(base));
+        let ratio = ours.ops_per_sec / base.ops_per_sec.max(f64::MIN_POSITIVE);
+        comparisons.push(Comparison {
+            scenario,
+            shardlock: ours,
+            baseline: base,
+            ratio,
+            shardlock_rounds: ours_rounds,
+            baseline_rounds: base_rounds,
+        });
+    }
+    router.shutdown().await?;
+
+    let report = Report {
+        shard: shard.name.clone(),
+        round_secs: args.duration.as_secs_f64(),
+        rounds: args.rounds,
+        tasks: args.tasks,
+        hot_tasks: args.hot_tasks,
+        comparisons,
+    };
+    std::fs::create_dir_all(&args.out)?;
+    let json = serde_json::to_string_pretty(&report)?;
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
+    let file = args.out.join(format!("bench-{stamp}.json"));
+    std::fs::write(&file, &json)?;
+    std::fs::write(args.out.join("latest.json"), &json)?;
+    if as_json {
+        println!("{json}");
+    } else {
+        print_report(&report);
+        println!("\nreport: {}", file.display());
+    }
+    Ok(())
+}
+
+/// The round with the median ops/s.
+fn median(mut rounds: Vec<Measurement>) -> Measurement {
+    rounds.sort_by(|a, b| a.ops_per_sec.total_cmp(&b.ops_per_sec));
+    rounds.swap_remove(rounds.len() / 2)
+}
+
+async fn uncontended_shardlock(router: &LockRouter, tag: &str, args: &BenchArgs, counters: &Counters) -> Result<Measurement, AnyError> {
+    let (router, tag) = (router.clone(), tag.to_owned());
+    measure("shardlock acquire+release, distinct keys", args.duration, args.tasks, counters, move |task, i| {
+        let (router, key) = (router.clone(), format!("bench:u:{tag}:{task}:{i}"));
+        async move {
+            let guard = router.try_acquire(&key, AcquireOptions::new()).await?.ok_or("a distinct key was busy")?;
+            guard.release().await?;
+            Ok(())
+        }
+    })
+    .await
+}
+
+async fn uncontended_raw(pool: &Pool, tag: &str, args: &BenchArgs, counters: &Counters) -> Result<Measurement, AnyError> {
+    let (pool, tag) = (pool.clone(), tag.to_owned());
+    measure("raw INSERT + owner-checked DELETE", args.duration, args.tasks, counters, move |task, i| {
+        let (pool, key) = (pool.clone(), format!("bench:r:{tag}:{task}:{i}"));
+        async move {
+            let mut c = pool.get_conn().await?;
+            c.exec_drop(
+                "INSERT INTO bench_raw_lock (lock_key, owner, expires_at) VALUES (?, ?, NOW(3) + INTERVAL 10 SECOND)",
+                (&key, "bench-owner"),
+            )
+            .await?;
+            c.exec_drop("DELETE FROM bench_raw_lock WHERE lock_key = ? AND owner = ?", (&key, "bench-owner")).await?;
+            Ok(())
+        }
+    })
+    .await
+}
+
+async fn hot_key_shardlock(router: &LockRouter, tag: &str, args: &BenchArgs, counters: &Counters) -> Result<Measurement, AnyError> {
+    let (router, key) = (router.clone(), format!("bench:hot:{tag}"));
+    measure("shardlock, one hot key", args.duration, args.hot_tasks, counters, move |_, _| {
+        let (router, key) = (router.clone(), key.clone());
+        async move {
+            let guard = router.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(60))).await?;
+            guard.release().await?;
+            Ok(())
+        }
+    })
+    .await
+}
+
+/// The lock every team writes first: INSERT; on a duplicate, take over if expired; DELETE by
+/// owner on release; exponential backoff with jitter between tries (shardlock's default
+/// steps). Deadlocks and lock wait timeouts reach this code; it counts them and tries again.
+async fn hot_key_naive(pool: &Pool, tag: &str, args: &BenchArgs, counters: &Counters) -> Result<Measurement, AnyError> {
+    let (pool, key) = (pool.clone(), format!("bench:naive:{tag}"));
+    measure("naive hand-rolled lock, one hot key", args.duration, args.hot_tasks, counters, move |task, i| {
+        let (pool, key, owner) = (pool.clone(), key.clone(), format!("{task}:{i}"));
+        async move {
+            let mut backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(100));
+            let mut c = pool.get_conn().await?;
+            loop {
+                let inserted = c
+                    .exec_drop(
+                        "INSERT INTO bench_naive_lock (lock_key, owner, expires_at) VALUES (?, ?, NOW(3) + INTERVAL 10 SECOND)",
+                        (&key, &owner),
+                    )
+                    .await;
+                let won = match inserted {
+                    Ok(()) => true,
+                    Err(MyError::Server(e)) if e.code == 1062 => {
+                        c.exec_drop(
+                            "UPDATE bench_naive_lock SET owner = ?, expires_at = NOW(3) + INTERVAL 10 SECOND \
+                             WHERE lock_key = ? AND expires_at < NOW(3)",
+                            (&owner, &key),
+                        )
+                        .await
+                        .map_err(surface)?;
+                        c.affected_rows() == 1
+                    }
+                    Err(e) => return Err(surface(e)),
+                };
+                if won {
+                    break;
+                }
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+            c.exec_drop("DELETE FROM bench_naive_lock WHERE lock_key = ? AND owner = ?", (&key, &owner))
+                .await
+                .map_err(surface)?;
+            Ok(())
+        }
+    })
+    .await
+}
+
+fn print_report(report: &Report) {
+    println!("\nshard {} · {} interleaved rounds of {:.0} s, median round shown", report.shard, report.rounds, report.round_secs);
+    println!(
+        "{:<40} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9}",
+        "", "ops/s", "stmts/op", "p50 ms", "p99 ms", "dl errs", "InnoDB dl"
+    );
+    for c in &report.comparisons {
+        for m in [&c.shardlock, &c.baseline] {
+            println!(
+                "{:<40} {:>9.0} {:>9.2} {:>8.2} {:>8.2} {:>8} {:>9}",
+                m.name, m.ops_per_sec, m.statements_per_op, m.p50_ms, m.p99_ms, m.deadlock_errors_surfaced, m.innodb_deadlocks
+            );
+        }
+        println!("  -> {:?}: shardlock at {:.2}x the baseline\n", c.scenario, c.ratio);
+    }
+}
+
+/// The baselines' pool: as many connections as the shard's shardlock pool, and (like
+/// shardlock's pool) no session reset on every return, so prepared statements stay cached.
+fn baseline_pool(url: &str, max: usize) -> Result<Pool, AnyError> {
+    let constraints = PoolConstraints::new(1, max.max(1)).ok_or("pool size")?;
+    let opts = OptsBuilder::from_opts(Opts::from_url(url)?)
+        .pool_opts(PoolOpts::default().with_constraints(constraints).with_reset_connection(false))
+        .setup(vec!["SET time_zone = '+00:00'"]);
+    Ok(Pool::new(opts))
+}
+
+async fn prepare_baseline_tables(pool: &Pool) -> Result<(), AnyError> {
+    let mut c = pool.get_conn().await?;
+    for table in ["bench_raw_lock", "bench_naive_lock"] {
+        c.query_drop(format!("DROP TABLE IF EXISTS {table}")).await?;
+        c.query_drop(format!(
+            "CREATE TABLE {table} (lock_key VARBINARY(255) PRIMARY KEY, \
+             owner VARBINARY(191) NOT NULL, expires_at DATETIME(3) NOT NULL) ENGINE=InnoDB"
+        ))
+        .await?;
+    }
+    Ok(())
+}
+
+/// Marks deadlocks and lock wait timeouts so `measure` can count them.
+fn surface(e: MyError) -> AnyError {
+    match &e {
+        MyError::Server(s) if s.code == 1213 || s.code == 1205 => Box::new(DeadlockSurfaced(e)),
+        _ => e.into(),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("deadlock or lock wait timeout reached the caller: {0}")]
+struct DeadlockSurfaced(MyError);
+
+/// Server-side counters of the benchmark shard.
+struct Counters {
+    pool: Pool,
+}
+
+impl Counters {
+    /// (row-writing statements, InnoDB deadlocks) so far.
+    async fn read(&self) -> Result<(u64, u64), AnyError> {
+        let mut c = self.pool.get_conn().await?;
+        let row: Option<(u64, u64)> = c
+            .query_first(
+                "SELECT CAST(SUM(IF(VARIABLE_NAME IN ('COM_INSERT','COM_UPDATE','COM_DELETE'), VARIABLE_VALUE, 0)) AS UNSIGNED), \
+                        CAST(SUM(IF(VARIABLE_NAME = 'INNODB_DEADLOCKS', VARIABLE_VALUE, 0)) AS UNSIGNED) \
+                 FROM information_schema.GLOBAL_STATUS",
+            )
+            .await?;
+        Ok(row.unwrap_or_default())
+    }
+}
+
+/// Runs `op(task, i)` in `tasks` concurrent loops for `duration` and measures it.
+async fn measure<F, Fut>(name: &str, duration: Duration, tasks: u32, counters: &Counters, op: F) -> Result<Measurement, AnyError>
+where
+    F: Fn(u32, u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), AnyError>> + Send,
+{
+    let bar = ProgressBar::new(duration.as_millis() as u64).with_style(
+        ProgressStyle::with_template("{prefix:<40} [{bar:30}] {msg}").expect("valid template").progress_chars("=> "),
+    );
+    bar.set_prefix(name.to_owned());
+    let (statements_before, deadlocks_before) = counters.read().await?;
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let stop = started + duration;
+    let handles: Vec<_> = (0..tasks)
+        .map(|task| {
+            let (op, done) = (op.clone(), done.clone());
+            tokio::spawn(async move {
+                let (mut latencies, mut surfaced, mut errors) = (Vec::new(), 0u64, 0u64);
+                let mut i = 0;
+                while Instant::now() < stop {
+                    let t = Instant::now();
+                    match op(task, i).await {
+                        Ok(()) => {
+                            latencies.push(t.elapsed().as_micros() as u32);
+                            done.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) if e.is::<DeadlockSurfaced>() => surfaced += 1,
+                        Err(e) => {
+                            errors += 1;
+                            if errors == 1 {
+                                eprintln!("bench error: {e}");
+                            }
+                        }
+                    }
+                    i += 1;
+                }
+                (latencies, surfaced, errors)
+            })
+        })
+        .collect();
+    while Instant::now() < stop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        bar.set_position(started.elapsed().as_millis() as u64);
+        bar.set_message(format!("{} ops", done.load(Ordering::Relaxed)));
+    }
+    let mut latencies = Vec::new();
+    let mut m = Measurement { name: name.to_owned(), ..Default::default() };
+    for h in handles {
+        let (l, surfaced, errors) = h.await?;
+        latencies.extend(l);
+        m.deadlock_errors_surfaced += surfaced;
+        m.errors += errors;
+    }
+    let elapsed = started.elapsed();
+    bar.finish_and_clear();
+    let (statements_after, deadlocks_after) = counters.read().await?;
+    latencies.sort_unstable();
+    let pct = |p: f64| latencies.get(((latencies.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0) as f64 / 1000.0;
+    m.ops = latencies.len() as u64;
+    m.seconds = elapsed.as_secs_f64();
+    m.ops_per_sec = m.ops as f64 / m.seconds;
+    m.statements_per_op = (statements_after - statements_before) as f64 / m.ops.max(1) as f64;
+    m.innodb_deadlocks = deadlocks_after - deadlocks_before;
+    m.p50_ms = pct(0.50);
+    m.p99_ms = pct(0.99);
+    m.max_ms = pct(1.0);
+    eprintln!("{name}: {:.0} ops/s", m.ops_per_sec);
+    Ok(m)
+}

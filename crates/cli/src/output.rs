@@ -57,10 +57,9 @@ pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: b
                 "owner": r.owner,
                 "fence": r.fence,
                 "ttl_ms": r.ttl_ms,
-                "expires_at_ms": r.expires_at_ms,
-                "expires_in_ms": r.expires_at_ms - r.now_ms,
-                "acquired_at_ms": r.acquired_at_ms,
-                "wanted_at_ms": r.wanted_at_ms,
+                "expires_in_ms": r.expires_in_ms,
+                "held_for_ms": r.held_for_ms,
+                "wanted_ms_ago": r.wanted_ms_ago,
             })
         });
         println!("{}", json!({ "key": key, "shard": shard, "lease": lease }));
@@ -73,8 +72,11 @@ pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: b
         Some(r) if r.is_held() => {
             println!("holder:  {}", r.owner.as_deref().unwrap_or("-"));
             println!("fence:   {}", r.fence);
-            println!("expires: in {} ms (shard clock), lease {} ms", r.expires_at_ms - r.now_ms, r.ttl_ms);
-            println!("held:    {} ms", r.now_ms - r.acquired_at_ms);
+            println!("expires: in {} ms (shard clock), lease {} ms", r.expires_in_ms, r.ttl_ms);
+            println!("held:    {} ms", r.held_for_ms);
+            if let Some(ago) = r.wanted_ms_ago {
+                println!("wanted:  by another owner {ago} ms ago");
+            }
         }
         Some(r) => {
             let why = if r.owner.is_some() { "expired (holder stopped renewing)" } else { "released" };

@@ -3,13 +3,7 @@
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params, Value};
 
-/// Shard clock in milliseconds since the epoch (sessions run in UTC, see `session_setup`).
-macro_rules! now_ms {
-    () => {
-        "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)"
-    };
-}
-/// Shard clock in microseconds since the epoch: the floor of every new fence.
+/// Shard clock in microseconds since the epoch: where a new row's fence starts.
 macro_rules! now_us {
     () => {
         "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)"
@@ -23,53 +17,44 @@ macro_rules! now_us {
 /// the server reports in the OK packet; a loser sets `LAST_INSERT_ID(0)` (and marks the row
 /// as wanted). Assignments run left to right, so `owner` must come first. A row held by a live
 /// lease is never taken; nothing is deleted, so there is no insert/delete churn on hot rows.
+/// Times are `NOW(3)` of the shard, in UTC; the statement is kept small because the server
+/// re-resolves every expression of a prepared statement on each execution.
 ///
-/// Parameters: key, owner, fence floor, ttl, ttl | owner, owner, fence floor, owner, ttl,
-/// owner, ttl, owner, owner.
+/// Parameters: key, owner, fence floor, ttl ms, ttl us | owner, owner, fence floor, owner,
+/// ttl ms, owner, ttl us, owner, owner.
 const ACQUIRE: &str = concat!(
     "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, wanted_at) ",
-    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)), ?, ", now_ms!(), " + ?, ", now_ms!(), ", NULL) ",
+    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)), ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), NULL) ",
     "ON DUPLICATE KEY UPDATE ",
-    "owner = IF(owner IS NULL OR expires_at <= ", now_ms!(), ", ?, owner), ",
-    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ?)), fence + LAST_INSERT_ID(0)), ",
+    "owner = IF(owner IS NULL OR expires_at <= NOW(3), ?, owner), ",
+    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ?)), fence + LAST_INSERT_ID(0)), ",
     "ttl_ms = IF(owner = ?, ?, ttl_ms), ",
-    "expires_at = IF(owner = ?, ", now_ms!(), " + ?, expires_at), ",
-    "acquired_at = IF(owner = ?, ", now_ms!(), ", acquired_at), ",
-    "wanted_at = IF(owner = ?, NULL, ", now_ms!(), ")"
+    "expires_at = IF(owner = ?, NOW(3) + INTERVAL ? MICROSECOND, expires_at), ",
+    "acquired_at = IF(owner = ?, NOW(3), acquired_at), ",
+    "wanted_at = IF(owner = ?, NULL, NOW(3))"
 );
 
 /// Owner-checked release: only the row carrying our owner is touched. The row stays (with its
 /// fence) so the next grant's fence is larger; the cleaner removes old released rows.
-const RELEASE: &str = "UPDATE shardlock_lease SET owner = NULL, expires_at = 0, wanted_at = NULL \
+const RELEASE: &str = "UPDATE shardlock_lease SET owner = NULL, expires_at = NOW(3), wanted_at = NULL \
                        WHERE lock_key = ? AND owner = ?";
 
 /// Renewal of many leases in one statement. Owners are unique per grant and each is written
 /// to one key only, so `key IN (...) AND owner IN (...)` matches exactly our (key, owner)
 /// pairs while letting the server use the primary key. Only live leases are extended: one that
 /// already expired on the shard's clock stays lost even if nobody took it yet.
-const RENEW_HEAD: &str = concat!(
-    "UPDATE shardlock_lease SET expires_at = ",
-    now_ms!(),
-    " + ttl_ms WHERE expires_at > ",
-    now_ms!(),
-    " AND lock_key IN "
-);
-const HELD_HEAD: &str = concat!(
-    "SELECT lock_key FROM shardlock_lease WHERE expires_at > ",
-    now_ms!(),
-    " AND lock_key IN "
-);
+const RENEW_HEAD: &str = "UPDATE shardlock_lease SET expires_at = NOW(3) + INTERVAL ttl_ms * 1000 MICROSECOND \
+                          WHERE expires_at > NOW(3) AND lock_key IN ";
+const HELD_HEAD: &str = "SELECT lock_key FROM shardlock_lease WHERE expires_at > NOW(3) AND lock_key IN ";
 
-const INSPECT: &str = concat!(
-    "SELECT owner, fence, ttl_ms, expires_at, acquired_at, wanted_at, ",
-    now_ms!(),
-    " FROM shardlock_lease WHERE lock_key = ?"
-);
+/// Durations relative to the shard's clock, in milliseconds.
+const INSPECT: &str = "SELECT owner, fence, ttl_ms, \
+     CAST(TIMESTAMPDIFF(MICROSECOND, NOW(3), expires_at) DIV 1000 AS SIGNED), \
+     CAST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000 AS SIGNED), \
+     CAST(TIMESTAMPDIFF(MICROSECOND, wanted_at, NOW(3)) DIV 1000 AS SIGNED) \
+     FROM shardlock_lease WHERE lock_key = ?";
 
-const COUNT_HELD: &str = concat!(
-    "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL AND expires_at > ",
-    now_ms!()
-);
+const COUNT_HELD: &str = "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL AND expires_at > NOW(3)";
 
 /// Most leases renewed by one statement (two parameters each, well under the 65,535 limit).
 pub const MAX_RENEW_BATCH: usize = 4096;
@@ -81,19 +66,20 @@ pub(crate) async fn acquire(
     ttl_ms: u32,
     fence_floor: u64,
 ) -> mysql_async::Result<Option<u64>> {
+    let ttl_us = u64::from(ttl_ms) * 1000;
     let params: Vec<Value> = vec![
         key.into(),
         owner.into(),
         fence_floor.into(),
         ttl_ms.into(),
-        ttl_ms.into(),
+        ttl_us.into(),
         owner.into(),
         owner.into(),
         fence_floor.into(),
         owner.into(),
         ttl_ms.into(),
         owner.into(),
-        ttl_ms.into(),
+        ttl_us.into(),
         owner.into(),
         owner.into(),
     ];
@@ -168,7 +154,7 @@ pub(crate) async fn renew(
     })
 }
 
-/// A lease row as stored, with the shard's clock at the time it was read.
+/// A lease row as stored, with times relative to the shard's clock when it was read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseRow {
     /// The holder, or `None` when released.
@@ -177,38 +163,33 @@ pub struct LeaseRow {
     pub fence: u64,
     /// Lease length of the latest grant, ms.
     pub ttl_ms: u32,
-    /// Shard clock (ms) when the lease ends unless renewed.
-    pub expires_at_ms: i64,
-    /// Shard clock (ms) of the latest grant.
-    pub acquired_at_ms: i64,
-    /// Shard clock (ms) of the latest failed attempt by someone else.
-    pub wanted_at_ms: Option<i64>,
-    /// The shard's clock (ms) when this row was read.
-    pub now_ms: i64,
+    /// Milliseconds until the lease ends unless renewed (negative: ended that long ago).
+    pub expires_in_ms: i64,
+    /// Milliseconds since the latest grant.
+    pub held_for_ms: i64,
+    /// Milliseconds since someone else last failed to take the key, if ever since the grant.
+    pub wanted_ms_ago: Option<i64>,
 }
 
 impl LeaseRow {
     /// Whether a live lease holds the key.
     pub fn is_held(&self) -> bool {
-        self.owner.is_some() && self.expires_at_ms > self.now_ms
+        self.owner.is_some() && self.expires_in_ms > 0
     }
 }
 
-type InspectRow = (Option<Vec<u8>>, u64, u32, i64, i64, Option<i64>, i64);
+type InspectRow = (Option<Vec<u8>>, u64, u32, i64, i64, Option<i64>);
 
 pub(crate) async fn inspect(conn: &mut Conn, key: &[u8]) -> mysql_async::Result<Option<LeaseRow>> {
     let row: Option<InspectRow> = conn.exec_first(INSPECT, (key,)).await?;
-    Ok(row.map(
-        |(owner, fence, ttl_ms, expires_at_ms, acquired_at_ms, wanted_at_ms, now_ms)| LeaseRow {
-            owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
-            fence,
-            ttl_ms,
-            expires_at_ms,
-            acquired_at_ms,
-            wanted_at_ms,
-            now_ms,
-        },
-    ))
+    Ok(row.map(|(owner, fence, ttl_ms, expires_in_ms, held_for_ms, wanted_ms_ago)| LeaseRow {
+        owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+        fence,
+        ttl_ms,
+        expires_in_ms,
+        held_for_ms,
+        wanted_ms_ago,
+    }))
 }
 
 pub(crate) async fn count_held(conn: &mut Conn) -> mysql_async::Result<u64> {
