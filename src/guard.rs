@@ -4,9 +4,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use shardlock_core::{Error, Result};
+use shardlock_mysql::HandoffOutcome;
 use tokio::time::Instant;
 
 use crate::keeper::{LeaseState, ShardState};
+use crate::queue::Turn;
 
 /// Where a lock is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -129,21 +131,73 @@ impl Drop for LockGuard {
     }
 }
 
-/// Stops renewing, deletes nothing: marks our row released if it is still ours, then lets the
-/// next local waiter poll.
+/// Ends a lease: stops renewing it, then, if a task of this process waits for the key, hands
+/// the lease to it in one statement (a new grant with a larger fence); otherwise marks the row
+/// released (deleting nothing, so the fence survives) and lets the next local waiter poll.
 pub(crate) async fn release_lease(shard: Arc<ShardState>, lease: Arc<LeaseState>) -> Result<()> {
     shard.remove(lease.id);
+    let stats = &shard.shared.stats;
+    stats.releases.fetch_add(1, Ordering::Relaxed);
+    let turn = lease.turn.lock().unwrap().take();
+    let lost = || {
+        lease.mark_lost("already taken over when released", &shard.shared.stats);
+        Error::LockLost {
+            key: lease.key.as_str().to_owned(),
+        }
+    };
+    let next = turn.as_ref().and_then(Turn::next_waiter);
+    if let Some(next) = next {
+        let turn = turn.expect("a waiter was found through the turn");
+        let (id, owner) = shard.shared.next_owner();
+        let sent = Instant::now();
+        let outcome = shard
+            .shard
+            .handoff(lease.key.stored(), &lease.owner, &owner, next.want.ttl)
+            .await;
+        return match outcome {
+            Ok(HandoffOutcome::Granted(fence)) => {
+                stats.grants.fetch_add(1, Ordering::Relaxed);
+                stats.handoffs.fetch_add(1, Ordering::Relaxed);
+                let want = next.want;
+                let state = LeaseState::new(
+                    id,
+                    lease.key.clone(),
+                    owner,
+                    fence,
+                    want.ttl,
+                    want.renew_every,
+                    sent,
+                    turn,
+                );
+                let state = Arc::new(state);
+                shard.insert(state.clone());
+                next.grant(LockGuard {
+                    lease: state,
+                    shard: shard.clone(),
+                    done: false,
+                });
+                Ok(())
+            }
+            Ok(HandoffOutcome::Released) => {
+                // Another process asked for the key: let it in before our next poll.
+                next.turn(turn, true);
+                Ok(())
+            }
+            Ok(HandoffOutcome::NotOurs) => {
+                next.turn(turn, false);
+                Err(lost())
+            }
+            Err(e) => {
+                next.turn(turn, false);
+                Err(e.into_error(shard.shard.name()))
+            }
+        };
+    }
     let result = shard.shard.release(lease.key.stored(), &lease.owner).await;
-    lease.turn.lock().unwrap().take();
-    shard.stats.releases.fetch_add(1, Ordering::Relaxed);
+    drop(turn);
     match result {
         Ok(true) => Ok(()),
-        Ok(false) => {
-            lease.mark_lost("already taken over when released", &shard.stats);
-            Err(Error::LockLost {
-                key: lease.key.as_str().to_owned(),
-            })
-        }
+        Ok(false) => Err(lost()),
         Err(e) => Err(e.into_error(shard.shard.name())),
     }
 }

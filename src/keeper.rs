@@ -11,7 +11,7 @@ use shardlock_mysql::Shard;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
-use crate::queue::Turn;
+use crate::queue::{KeyQueues, Turn};
 
 /// One granted lease, shared by its guard(s) and the keeper.
 #[derive(Debug)]
@@ -86,10 +86,37 @@ impl LeaseState {
     }
 }
 
+/// What every shard of a router shares: who we are, grant numbers, counters, key queues.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) instance_id: String,
+    grant_seq: AtomicU64,
+    pub(crate) stats: Stats,
+    pub(crate) queues: Arc<KeyQueues>,
+}
+
+impl Shared {
+    pub(crate) fn new(instance_id: String) -> Self {
+        Self {
+            instance_id,
+            grant_seq: AtomicU64::new(0),
+            stats: Stats::default(),
+            queues: Arc::default(),
+        }
+    }
+
+    /// A new grant number and the owner string written for it: `<instance id>:<grant seq>`.
+    pub(crate) fn next_owner(&self) -> (u64, String) {
+        let id = self.grant_seq.fetch_add(1, Ordering::Relaxed) + 1;
+        (id, format!("{}:{id}", self.instance_id))
+    }
+}
+
 /// Counters of this router, since it started.
 #[derive(Debug, Default)]
 pub(crate) struct Stats {
     pub(crate) grants: AtomicU64,
+    pub(crate) handoffs: AtomicU64,
     pub(crate) acquire_statements: AtomicU64,
     pub(crate) timeouts: AtomicU64,
     pub(crate) releases: AtomicU64,
@@ -105,22 +132,33 @@ pub(crate) struct ShardState {
     pub(crate) shard: Shard,
     leases: Mutex<HashMap<u64, Arc<LeaseState>>>,
     wake: Arc<Notify>,
-    pub(crate) stats: Arc<Stats>,
+    /// The shortest renewal period of the leases held here, in ms (`u64::MAX` when none), so
+    /// that the keeper is only woken when a new lease needs an earlier tick.
+    shortest_ms: AtomicU64,
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl ShardState {
-    pub(crate) fn new(shard: Shard, stats: Arc<Stats>) -> Arc<Self> {
+    pub(crate) fn new(shard: Shard, shared: Arc<Shared>) -> Arc<Self> {
         Arc::new(Self {
             shard,
             leases: Mutex::default(),
             wake: Arc::default(),
-            stats,
+            shortest_ms: AtomicU64::new(u64::MAX),
+            shared,
         })
     }
 
     pub(crate) fn insert(&self, lease: Arc<LeaseState>) {
-        self.leases.lock().unwrap().insert(lease.id, lease);
-        self.wake.notify_one();
+        let every = lease.renew_every.as_millis() as u64;
+        let was_empty = {
+            let mut leases = self.leases.lock().unwrap();
+            leases.insert(lease.id, lease);
+            leases.len() == 1
+        };
+        if self.shortest_ms.fetch_min(every, Ordering::AcqRel) > every || was_empty {
+            self.wake.notify_one();
+        }
     }
 
     pub(crate) fn remove(&self, id: u64) -> Option<Arc<LeaseState>> {
@@ -153,7 +191,7 @@ impl ShardState {
         leases.retain(|l| {
             if l.deadline() <= now {
                 self.remove(l.id);
-                l.mark_lost("not renewed before its lease ended", &self.stats);
+                l.mark_lost("not renewed before its lease ended", &self.shared.stats);
                 false
             } else {
                 true
@@ -161,12 +199,18 @@ impl ShardState {
         });
         let Some(period) = leases.iter().map(|l| l.renew_every).min() else {
             *next_tick = None;
+            self.shortest_ms.store(u64::MAX, Ordering::Release);
             return;
         };
+        self.shortest_ms
+            .store(period.as_millis() as u64, Ordering::Release);
         if next_tick.is_some_and(|t| t > now) {
             return;
         }
-        self.stats.renew_ticks.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .stats
+            .renew_ticks
+            .fetch_add(1, Ordering::Relaxed);
         // Bounded by the soonest local deadline: a renewal that answers after the lease ended
         // is worthless.
         let earliest = leases
@@ -182,7 +226,8 @@ impl ShardState {
         let sent = Instant::now();
         match self.shard.renew(&pairs, timeout).await {
             Ok(outcome) => {
-                self.stats
+                self.shared
+                    .stats
                     .renew_statements
                     .fetch_add(outcome.statements as u64, Ordering::Relaxed);
                 for (lease, held) in leases.iter().zip(outcome.held) {
@@ -192,7 +237,7 @@ impl ShardState {
                         // Still registered, so not released meanwhile: someone else has it.
                         lease.mark_lost(
                             "taken over, force-released or expired on the shard",
-                            &self.stats,
+                            &self.shared.stats,
                         );
                     }
                 }
@@ -204,7 +249,10 @@ impl ShardState {
                 );
             }
             Err(e) => {
-                self.stats.renew_failures.fetch_add(1, Ordering::Relaxed);
+                self.shared
+                    .stats
+                    .renew_failures
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(shard = self.shard.name(), error = %e, leases = leases.len(), "shardlock renewal failed; retrying");
                 // Retry soon; leases are reported lost only when their deadline passes.
                 *next_tick = Some(Instant::now() + (period / 4).max(Duration::from_millis(20)));

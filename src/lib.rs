@@ -40,6 +40,7 @@ pub use router::{LockRouter, LockStats, ShardStatus};
 
 pub use shardlock_core::config;
 pub use shardlock_core::{
-    Backoff, BackendError, BackendErrorKind, Config, ConfigError, Error, LockKey, Result, Ring, RingHash,
+    BackendError, BackendErrorKind, Backoff, Config, ConfigError, Error, LockKey, Result, Ring,
+    RingHash,
 };
 pub use shardlock_mysql::{mysql_async, LeaseRow, MigrateReport, PoolStatus, MIGRATIONS};

@@ -1,43 +1,119 @@
 //! The in-process queue per key: only one task of this process polls the shard for a key;
-//! the others wait here, in memory, in FIFO order.
+//! the others wait here, in memory, in FIFO order. When the holder releases, the next waiter
+//! either gets the lease handed over (one statement that moves the row to it) or its turn to
+//! poll.
 
-use std::collections::HashMap;
+use std::collections::hash_map::Entry as MapEntry;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
+use tokio::sync::oneshot;
 
-/// One async mutex per key that somebody in this process holds or waits for. Entries are
-/// removed as soon as nobody uses them, so memory is bounded by the keys in use.
-#[derive(Debug, Default)]
-pub(crate) struct KeyQueues {
-    map: Mutex<HashMap<Vec<u8>, Arc<AsyncMutex<()>>>>,
+use crate::guard::LockGuard;
+
+/// What a waiter asks for, so that a hand-off can grant exactly that.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Want {
+    pub(crate) ttl: Duration,
+    pub(crate) renew_every: Duration,
 }
 
-/// A place in a key's queue; holding its turn means "this task is the key's poller or holder".
+/// What a waiter receives.
 #[derive(Debug)]
-pub(crate) struct Turn {
-    queues: Arc<KeyQueues>,
-    key: Vec<u8>,
-    mutex: Option<Arc<AsyncMutex<()>>>,
-    guard: Option<OwnedMutexGuard<()>>,
+pub(crate) enum Handoff {
+    /// Its turn to poll the shard. `yield_first`: the key was just released because another
+    /// process wants it, so give that process a moment before polling.
+    Turn { turn: Turn, yield_first: bool },
+    /// The lease itself, moved to this waiter by the releasing holder.
+    Granted(LockGuard),
+}
+
+/// One queue per key that somebody in this process holds or waits for. An entry exists
+/// exactly while the key is busy here, so memory is bounded by the keys in use.
+#[derive(Debug, Default)]
+pub(crate) struct KeyQueues {
+    map: Mutex<HashMap<Vec<u8>, VecDeque<Slot>>>,
+    next_id: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Slot {
+    id: u64,
+    tx: oneshot::Sender<Handoff>,
+    want: Want,
+}
+
+/// The result of entering a key's queue.
+#[derive(Debug)]
+pub(crate) enum Entry {
+    /// Nobody here was busy with the key: this task polls.
+    Turn(Turn),
+    /// Someone is: wait for a [`Handoff`].
+    Queued(Waiter),
 }
 
 impl KeyQueues {
-    /// Joins the queue of `key`; call [`Turn::wait`] to wait for its turn.
-    pub(crate) fn join(self: &Arc<Self>, key: &[u8]) -> Turn {
-        let mutex = self
-            .map
-            .lock()
-            .unwrap()
-            .entry(key.to_vec())
-            .or_default()
-            .clone();
-        Turn {
-            queues: self.clone(),
-            key: key.to_vec(),
-            mutex: Some(mutex),
-            guard: None,
+    pub(crate) fn enter(self: &Arc<Self>, key: &[u8], want: Want) -> Entry {
+        let mut map = self.map.lock().unwrap();
+        match map.entry(key.to_vec()) {
+            MapEntry::Vacant(v) => {
+                v.insert(VecDeque::new());
+                Entry::Turn(Turn {
+                    queues: self.clone(),
+                    key: key.to_vec(),
+                    live: true,
+                })
+            }
+            MapEntry::Occupied(mut o) => {
+                let (tx, rx) = oneshot::channel();
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                o.get_mut().push_back(Slot { id, tx, want });
+                Entry::Queued(Waiter {
+                    queues: self.clone(),
+                    key: key.to_vec(),
+                    id,
+                    rx,
+                    done: false,
+                })
+            }
         }
+    }
+
+    /// Gives the key's turn to the next live waiter, or marks the key idle.
+    fn pass_on(self: &Arc<Self>, key: &[u8], yield_first: bool) {
+        loop {
+            let slot = {
+                let mut map = self.map.lock().unwrap();
+                let Some(waiters) = map.get_mut(key) else {
+                    return;
+                };
+                match waiters.pop_front() {
+                    Some(slot) => slot,
+                    None => {
+                        map.remove(key);
+                        return;
+                    }
+                }
+            };
+            let turn = Turn {
+                queues: self.clone(),
+                key: key.to_vec(),
+                live: true,
+            };
+            match slot.tx.send(Handoff::Turn { turn, yield_first }) {
+                Ok(()) => return,
+                // That waiter gave up meanwhile: try the next one.
+                Err(Handoff::Turn { mut turn, .. }) => turn.live = false,
+                Err(Handoff::Granted(_)) => unreachable!("a turn was sent"),
+            }
+        }
+    }
+
+    /// Tasks waiting in some key's queue now.
+    pub(crate) fn waiting(&self) -> usize {
+        self.map.lock().unwrap().values().map(VecDeque::len).sum()
     }
 
     #[cfg(test)]
@@ -46,52 +122,168 @@ impl KeyQueues {
     }
 }
 
+/// This task's turn on a key: while it lives, no other task of this process polls the shard
+/// for the key. Dropping it passes the turn to the next waiter.
+#[derive(Debug)]
+pub(crate) struct Turn {
+    queues: Arc<KeyQueues>,
+    key: Vec<u8>,
+    live: bool,
+}
+
 impl Turn {
-    /// Waits until every task ahead in the queue has left it. Cancel-safe: dropping the future
-    /// (or the `Turn`) just leaves the queue.
-    pub(crate) async fn wait(&mut self) {
-        let mutex = self.mutex.clone().expect("turn is live");
-        self.guard = Some(mutex.lock_owned().await);
+    /// Takes the next waiter that still waits, so that the holder can hand it the lease or
+    /// this turn. The key stays busy meanwhile.
+    pub(crate) fn next_waiter(&self) -> Option<Handover> {
+        let mut map = self.queues.map.lock().unwrap();
+        let waiters = map.get_mut(&self.key)?;
+        while let Some(slot) = waiters.pop_front() {
+            if !slot.tx.is_closed() {
+                return Some(Handover {
+                    tx: slot.tx,
+                    want: slot.want,
+                });
+            }
+        }
+        None
     }
 }
 
 impl Drop for Turn {
     fn drop(&mut self) {
-        self.guard.take();
-        let mut map = self.queues.map.lock().unwrap();
-        drop(self.mutex.take());
-        if map
-            .get(&self.key)
-            .is_some_and(|m| Arc::strong_count(m) == 1)
-        {
-            map.remove(&self.key);
+        if self.live {
+            self.queues.pass_on(&self.key, false);
         }
+    }
+}
+
+/// A waiter taken off the queue by [`Turn::next_waiter`]: give it the lease or the turn.
+#[derive(Debug)]
+pub(crate) struct Handover {
+    tx: oneshot::Sender<Handoff>,
+    pub(crate) want: Want,
+}
+
+impl Handover {
+    /// Hands the waiter a lease (whose lease state carries the turn).
+    pub(crate) fn grant(self, guard: LockGuard) {
+        // If it gave up meanwhile, the guard comes back and dropping it releases the lease.
+        drop(self.tx.send(Handoff::Granted(guard)));
+    }
+
+    /// Gives the waiter the turn to poll.
+    pub(crate) fn turn(self, turn: Turn, yield_first: bool) {
+        // If it gave up meanwhile, the turn comes back and dropping it passes it on.
+        drop(self.tx.send(Handoff::Turn { turn, yield_first }));
+    }
+}
+
+/// A task waiting in a key's queue.
+#[derive(Debug)]
+pub(crate) struct Waiter {
+    queues: Arc<KeyQueues>,
+    key: Vec<u8>,
+    id: u64,
+    rx: oneshot::Receiver<Handoff>,
+    done: bool,
+}
+
+impl Waiter {
+    /// Waits for the lease or a turn. Cancel-safe: dropping the future (or the `Waiter`)
+    /// leaves the queue, and anything already sent to it is released or passed on.
+    pub(crate) async fn wait(&mut self) -> Option<Handoff> {
+        let handoff = (&mut self.rx).await.ok();
+        self.done = true;
+        handoff
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        if let Some(waiters) = self.queues.map.lock().unwrap().get_mut(&self.key) {
+            waiters.retain(|s| s.id != self.id);
+        }
+        self.rx.close();
+        // Sent before we left: dropping it passes the turn on or releases the lease.
+        drop(self.rx.try_recv());
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+
+    fn want() -> Want {
+        Want {
+            ttl: Duration::from_secs(1),
+            renew_every: Duration::from_millis(300),
+        }
+    }
+
+    fn turn_of(e: Entry) -> Turn {
+        match e {
+            Entry::Turn(t) => t,
+            Entry::Queued(_) => panic!("expected a turn"),
+        }
+    }
+
+    fn waiter_of(e: Entry) -> Waiter {
+        match e {
+            Entry::Queued(w) => w,
+            Entry::Turn(_) => panic!("expected to wait"),
+        }
+    }
 
     #[tokio::test(start_paused = true)]
-    async fn one_turn_at_a_time_and_entries_are_dropped() {
+    async fn turns_pass_in_fifo_order_and_cancelled_waiters_are_skipped() {
         let q = Arc::new(KeyQueues::default());
-        let mut a = q.join(b"k");
-        a.wait().await;
-        let mut b = q.join(b"k");
-        assert!(tokio::time::timeout(Duration::from_millis(10), b.wait())
-            .await
-            .is_err());
-        drop(a);
-        b.wait().await;
-        let mut c = q.join(b"k");
-        // A cancelled waiter leaves no trace.
-        assert!(tokio::time::timeout(Duration::from_millis(10), c.wait())
-            .await
-            .is_err());
-        drop(c);
-        drop(b);
+        let first = turn_of(q.enter(b"k", want()));
+        let mut second = waiter_of(q.enter(b"k", want()));
+        let third = waiter_of(q.enter(b"k", want()));
+        let mut fourth = waiter_of(q.enter(b"k", want()));
+        drop(third); // gives up while waiting
+        assert!(
+            tokio::time::timeout(Duration::from_millis(10), second.wait())
+                .await
+                .is_err()
+        );
+        drop(first);
+        let Some(Handoff::Turn {
+            turn: t2,
+            yield_first: false,
+        }) = second.wait().await
+        else {
+            panic!()
+        };
+        let handover = t2.next_waiter().expect("fourth waits");
+        handover.turn(t2, true);
+        let Some(Handoff::Turn {
+            turn: t4,
+            yield_first: true,
+        }) = fourth.wait().await
+        else {
+            panic!()
+        };
+        drop(t4);
+        assert_eq!(q.len(), 0, "idle keys leave no entry");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_sent_to_a_waiter_that_just_left_is_passed_on() {
+        let q = Arc::new(KeyQueues::default());
+        let first = turn_of(q.enter(b"k", want()));
+        let second = waiter_of(q.enter(b"k", want()));
+        let mut third = waiter_of(q.enter(b"k", want()));
+        let handover = first.next_waiter().expect("second waits");
+        handover.turn(first, false); // delivered to `second`...
+        drop(second); // ...which is dropped before reading it
+        let Some(Handoff::Turn { turn, .. }) = third.wait().await else {
+            panic!()
+        };
+        drop(turn);
         assert_eq!(q.len(), 0);
     }
 }

@@ -14,9 +14,9 @@ use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
 use crate::guard::{release_lease, LockGuard};
-use crate::keeper::{spawn_keeper, LeaseState, ShardState, Stats};
+use crate::keeper::{spawn_keeper, LeaseState, ShardState, Shared};
 use crate::options::AcquireOptions;
-use crate::queue::KeyQueues;
+use crate::queue::{Entry, Handoff, Want};
 
 /// Routes lock keys to MySQL shards and grants leases on them.
 ///
@@ -29,11 +29,8 @@ pub struct LockRouter {
 
 #[derive(Debug)]
 struct Inner {
-    instance_id: String,
-    grant_seq: AtomicU64,
+    shared: Arc<Shared>,
     topology: ArcSwap<Topology>,
-    queues: Arc<KeyQueues>,
-    stats: Arc<Stats>,
     closed: watch::Sender<bool>,
 }
 
@@ -48,8 +45,11 @@ struct Topology {
 /// Counters of one router since it started (this process only).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LockStats {
-    /// Locks granted.
+    /// Locks granted (hand-offs included).
     pub grants: u64,
+    /// Grants handed from a releasing holder to a waiting task of this process in the same
+    /// statement as the release.
+    pub handoffs: u64,
     /// Acquire statements sent to shards (one per attempt).
     pub acquire_statements: u64,
     /// Acquires that gave up after their wait.
@@ -64,6 +64,8 @@ pub struct LockStats {
     pub renew_statements: u64,
     /// Renewal attempts that failed (summed over shards).
     pub renew_failures: u64,
+    /// Tasks waiting in memory for a key another task of this router holds or polls (now).
+    pub queued: u64,
 }
 
 /// One shard as `status` sees it.
@@ -106,12 +108,16 @@ impl LockRouter {
     }
 
     fn build(config: Config, text: Option<&str>, path: Option<&Path>) -> Result<Self> {
-        let stats = Arc::new(Stats::default());
+        let instance_id = match config.instance.id.as_deref() {
+            None | Some("auto") => auto_instance_id(),
+            Some(id) => id.to_owned(),
+        };
+        let shared = Arc::new(Shared::new(instance_id));
         let (closed, _) = watch::channel(false);
         let mut shards = Vec::with_capacity(config.shards.len());
         for (i, sc) in config.shards.iter().enumerate() {
             let shard = Shard::new(sc, i).map_err(|e| locate(e, text, path))?;
-            let state = ShardState::new(shard, stats.clone());
+            let state = ShardState::new(shard, shared.clone());
             spawn_keeper(&state, closed.subscribe());
             shards.push(state);
         }
@@ -119,10 +125,6 @@ impl LockRouter {
             config.shards.iter().map(|s| (s.name.as_str(), s.weight)),
             config.routing.virtual_nodes,
         );
-        let instance_id = match config.instance.id.as_deref() {
-            None | Some("auto") => auto_instance_id(),
-            Some(id) => id.to_owned(),
-        };
         let topology = Topology {
             config: Arc::new(config),
             ring,
@@ -130,11 +132,8 @@ impl LockRouter {
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                instance_id,
-                grant_seq: AtomicU64::new(0),
+                shared,
                 topology: ArcSwap::from_pointee(topology),
-                queues: Arc::default(),
-                stats,
                 closed,
             }),
         })
@@ -142,7 +141,7 @@ impl LockRouter {
 
     /// This process's instance id (the first part of every owner it writes).
     pub fn instance_id(&self) -> &str {
-        &self.inner.instance_id
+        &self.inner.shared.instance_id
     }
 
     /// The configuration in force.
@@ -196,7 +195,11 @@ impl LockRouter {
         match self.acquire_inner(key, &opts, false).await? {
             Some(guard) => Ok(guard),
             None => {
-                self.inner.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                self.inner
+                    .shared
+                    .stats
+                    .timeouts
+                    .fetch_add(1, Ordering::Relaxed);
                 Err(Error::Timeout {
                     key: key.to_owned(),
                     waited: started.elapsed(),
@@ -245,29 +248,50 @@ impl LockRouter {
         let deadline = Instant::now() + wait;
         let shard = topology.shards[topology.ring.locate(key.as_str().as_bytes())].clone();
 
-        // One poller per key in this process: wait for our turn in memory first.
-        let mut turn = self.inner.queues.join(key.stored());
-        if tokio::time::timeout_at(deadline, turn.wait())
-            .await
-            .is_err()
-        {
-            return Ok(None);
-        }
+        // One poller per key in this process: the others wait in memory, and may be handed the
+        // lease directly by the holder when it releases.
+        let want = Want {
+            ttl,
+            renew_every: ns.renew_interval_for(ttl),
+        };
+        let turn = match self.inner.shared.queues.enter(key.stored(), want) {
+            Entry::Turn(turn) => turn,
+            Entry::Queued(mut waiter) => {
+                match tokio::time::timeout_at(deadline, waiter.wait()).await {
+                    Err(_) => return Ok(None),
+                    Ok(None) => return Err(Error::Shutdown),
+                    Ok(Some(Handoff::Granted(guard))) => return Ok(Some(guard)),
+                    Ok(Some(Handoff::Turn { turn, yield_first })) => {
+                        if yield_first {
+                            // The key was released for another process; give it one backoff step.
+                            let now = Instant::now();
+                            tokio::time::sleep(
+                                ns.backoff_cap.min(deadline.saturating_duration_since(now)),
+                            )
+                            .await;
+                        }
+                        turn
+                    }
+                }
+            }
+        };
         let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
         loop {
-            let id = self.inner.grant_seq.fetch_add(1, Ordering::Relaxed) + 1;
-            let owner = format!("{}:{id}", self.inner.instance_id);
+            let (id, owner) = self.inner.shared.next_owner();
             let sent = Instant::now();
             if let Some(fence) = self.attempt(&shard, &key, &owner, ttl).await? {
-                self.inner.stats.grants.fetch_add(1, Ordering::Relaxed);
-                let renew_every = ns.renew_interval_for(ttl);
+                self.inner
+                    .shared
+                    .stats
+                    .grants
+                    .fetch_add(1, Ordering::Relaxed);
                 let lease = Arc::new(LeaseState::new(
                     id,
                     key,
                     owner,
                     fence,
                     ttl,
-                    renew_every,
+                    want.renew_every,
                     sent,
                     turn,
                 ));
@@ -298,6 +322,7 @@ impl LockRouter {
         ttl: Duration,
     ) -> Result<Option<u64>> {
         self.inner
+            .shared
             .stats
             .acquire_statements
             .fetch_add(1, Ordering::Relaxed);
@@ -361,10 +386,11 @@ impl LockRouter {
 
     /// This router's counters.
     pub fn stats(&self) -> LockStats {
-        let s = &self.inner.stats;
+        let s = &self.inner.shared.stats;
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         LockStats {
             grants: get(&s.grants),
+            handoffs: get(&s.handoffs),
             acquire_statements: get(&s.acquire_statements),
             timeouts: get(&s.timeouts),
             releases: get(&s.releases),
@@ -372,6 +398,7 @@ impl LockRouter {
             renew_ticks: get(&s.renew_ticks),
             renew_statements: get(&s.renew_statements),
             renew_failures: get(&s.renew_failures),
+            queued: self.inner.shared.queues.waiting() as u64,
         }
     }
 
@@ -385,7 +412,7 @@ impl LockRouter {
                 let s = s.clone();
                 async move {
                     let r = release_lease(s.clone(), lease.clone()).await;
-                    lease.mark_lost("router shut down", &s.stats);
+                    lease.mark_lost("router shut down", &s.shared.stats);
                     r
                 }
             })

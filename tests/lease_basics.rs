@@ -207,3 +207,79 @@ async fn a_taken_over_lease_is_reported_lost_and_release_leaves_the_new_row() {
     );
     assert_eq!(router.stats().lost, 1);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_waiter_is_handed_the_lease_by_the_release_statement() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let g = router.acquire("sku:7", once()).await.unwrap();
+    let waiter = tokio::spawn({
+        let router = router.clone();
+        async move {
+            router
+                .acquire("sku:7", AcquireOptions::new().wait(Duration::from_secs(10)))
+                .await
+        }
+    });
+    assert!(
+        common::eventually(Duration::from_secs(5), || async {
+            router.stats().queued == 1
+        })
+        .await
+    );
+    let before = common::dml_statements(cluster.shard(0)).await;
+    let first = g.fence();
+    g.release().await.unwrap();
+    let next = waiter.await.unwrap().unwrap();
+    assert_eq!(
+        common::dml_statements(cluster.shard(0)).await - before,
+        1,
+        "release and grant in one statement"
+    );
+    assert_eq!(router.stats().handoffs, 1);
+    assert!(next.fence() > first);
+    let (_, row) = router.inspect("sku:7").await.unwrap();
+    assert_eq!(
+        row.unwrap().owner.as_deref(),
+        Some(next.owner()),
+        "the row names the new holder"
+    );
+    next.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_wanted_by_another_process_is_released_to_it_not_handed_off() {
+    // A long backoff cap: the local waiter yields that long after such a release.
+    let (_cluster, router, yaml) =
+        common::start(1, "namespaces:\n  default:\n    backoff-cap: 3s\n").await;
+    let other = shardlock::LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let g = router.acquire("sku:8", once()).await.unwrap();
+    let local = tokio::spawn({
+        let router = router.clone();
+        async move {
+            router
+                .acquire("sku:8", AcquireOptions::new().wait(Duration::from_secs(20)))
+                .await
+        }
+    });
+    assert!(
+        common::eventually(Duration::from_secs(5), || async {
+            router.stats().queued == 1
+        })
+        .await
+    );
+    // The other process fails once, which marks the row as wanted.
+    assert!(other.try_acquire("sku:8", once()).await.unwrap().is_none());
+    g.release().await.unwrap();
+    assert_eq!(
+        router.stats().handoffs,
+        0,
+        "not handed off past a waiting process"
+    );
+    let theirs = other
+        .try_acquire("sku:8", once())
+        .await
+        .unwrap()
+        .expect("released for everyone");
+    theirs.release().await.unwrap();
+    local.await.unwrap().unwrap().release().await.unwrap();
+}

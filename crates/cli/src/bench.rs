@@ -15,7 +15,9 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::mysql_async::{Error as MyError, Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts};
+use shardlock::mysql_async::{
+    Error as MyError, Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts,
+};
 use shardlock::{AcquireOptions, Backoff, LockRouter};
 
 use crate::{dev, AnyError, ConfigSource};
@@ -94,7 +96,11 @@ struct Report {
     comparisons: Vec<Comparison>,
 }
 
-pub(crate) async fn run(source: &ConfigSource, args: BenchArgs, as_json: bool) -> Result<(), AnyError> {
+pub(crate) async fn run(
+    source: &ConfigSource,
+    args: BenchArgs,
+    as_json: bool,
+) -> Result<(), AnyError> {
     if source.is_local_default() {
         dev::ensure_up().await?;
     }
@@ -107,7 +113,9 @@ pub(crate) async fn run(source: &ConfigSource, args: BenchArgs, as_json: bool) -
     let pool = baseline_pool(&shard.url, shard.pool.max_size)?;
     prepare_baseline_tables(&pool).await?;
     let counters = Counters { pool: pool.clone() };
-    let run_id = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis();
+    let run_id = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis();
 
     let mut comparisons = Vec::new();
     for &scenario in &args.scenario {
@@ -150,7 +158,9 @@ pub(crate) async fn run(source: &ConfigSource, args: BenchArgs, as_json: bool) -
     };
     std::fs::create_dir_all(&args.out)?;
     let json = serde_json::to_string_pretty(&report)?;
-    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
     let file = args.out.join(format!("bench-{stamp}.json"));
     std::fs::write(&file, &json)?;
     std::fs::write(args.out.join("latest.json"), &json)?;
@@ -169,20 +179,39 @@ fn median(mut rounds: Vec<Measurement>) -> Measurement {
     rounds.swap_remove(rounds.len() / 2)
 }
 
-async fn uncontended_shardlock(router: &LockRouter, tag: &str, args: &BenchArgs, counters: &Counters) -> Result<Measurement, AnyError> {
+async fn uncontended_shardlock(
+    router: &LockRouter,
+    tag: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> Result<Measurement, AnyError> {
     let (router, tag) = (router.clone(), tag.to_owned());
-    measure("shardlock acquire+release, distinct keys", args.duration, args.tasks, counters, move |task, i| {
-        let (router, key) = (router.clone(), format!("bench:u:{tag}:{task}:{i}"));
-        async move {
-            let guard = router.try_acquire(&key, AcquireOptions::new()).await?.ok_or("a distinct key was busy")?;
-            guard.release().await?;
-            Ok(())
-        }
-    })
+    measure(
+        "shardlock acquire+release, distinct keys",
+        args.duration,
+        args.tasks,
+        counters,
+        move |task, i| {
+            let (router, key) = (router.clone(), format!("bench:u:{tag}:{task}:{i}"));
+            async move {
+                let guard = router
+                    .try_acquire(&key, AcquireOptions::new())
+                    .await?
+                    .ok_or("a distinct key was busy")?;
+                guard.release().await?;
+                Ok(())
+            }
+        },
+    )
     .await
 }
 
-async fn uncontended_raw(pool: &Pool, tag: &str, args: &BenchArgs, counters: &Counters) -> Result<Measurement, AnyError> {
+async fn uncontended_raw(
+    pool: &Pool,
+    tag: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> Result<Measurement, AnyError> {
     let (pool, tag) = (pool.clone(), tag.to_owned());
     measure("raw INSERT + owner-checked DELETE", args.duration, args.tasks, counters, move |task, i| {
         let (pool, key) = (pool.clone(), format!("bench:r:{tag}:{task}:{i}"));
@@ -200,23 +229,41 @@ async fn uncontended_raw(pool: &Pool, tag: &str, args: &BenchArgs, counters: &Co
     .await
 }
 
-async fn hot_key_shardlock(router: &LockRouter, tag: &str, args: &BenchArgs, counters: &Counters) -> Result<Measurement, AnyError> {
+async fn hot_key_shardlock(
+    router: &LockRouter,
+    tag: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> Result<Measurement, AnyError> {
     let (router, key) = (router.clone(), format!("bench:hot:{tag}"));
-    measure("shardlock, one hot key", args.duration, args.hot_tasks, counters, move |_, _| {
-        let (router, key) = (router.clone(), key.clone());
-        async move {
-            let guard = router.acquire(&key, AcquireOptions::new().wait(Duration::from_secs(60))).await?;
-            guard.release().await?;
-            Ok(())
-        }
-    })
+    measure(
+        "shardlock, one hot key",
+        args.duration,
+        args.hot_tasks,
+        counters,
+        move |_, _| {
+            let (router, key) = (router.clone(), key.clone());
+            async move {
+                let guard = router
+                    .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(60)))
+                    .await?;
+                guard.release().await?;
+                Ok(())
+            }
+        },
+    )
     .await
 }
 
 /// The lock every team writes first: INSERT; on a duplicate, take over if expired; DELETE by
 /// owner on release; exponential backoff with jitter between tries (shardlock's default
 /// steps). Deadlocks and lock wait timeouts reach this code; it counts them and tries again.
-async fn hot_key_naive(pool: &Pool, tag: &str, args: &BenchArgs, counters: &Counters) -> Result<Measurement, AnyError> {
+async fn hot_key_naive(
+    pool: &Pool,
+    tag: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> Result<Measurement, AnyError> {
     let (pool, key) = (pool.clone(), format!("bench:naive:{tag}"));
     measure("naive hand-rolled lock, one hot key", args.duration, args.hot_tasks, counters, move |task, i| {
         let (pool, key, owner) = (pool.clone(), key.clone(), format!("{task}:{i}"));
@@ -259,7 +306,10 @@ async fn hot_key_naive(pool: &Pool, tag: &str, args: &BenchArgs, counters: &Coun
 }
 
 fn print_report(report: &Report) {
-    println!("\nshard {} · {} interleaved rounds of {:.0} s, median round shown", report.shard, report.rounds, report.round_secs);
+    println!(
+        "\nshard {} · {} interleaved rounds of {:.0} s, median round shown",
+        report.shard, report.rounds, report.round_secs
+    );
     println!(
         "{:<40} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9}",
         "", "ops/s", "stmts/op", "p50 ms", "p99 ms", "dl errs", "InnoDB dl"
@@ -268,10 +318,19 @@ fn print_report(report: &Report) {
         for m in [&c.shardlock, &c.baseline] {
             println!(
                 "{:<40} {:>9.0} {:>9.2} {:>8.2} {:>8.2} {:>8} {:>9}",
-                m.name, m.ops_per_sec, m.statements_per_op, m.p50_ms, m.p99_ms, m.deadlock_errors_surfaced, m.innodb_deadlocks
+                m.name,
+                m.ops_per_sec,
+                m.statements_per_op,
+                m.p50_ms,
+                m.p99_ms,
+                m.deadlock_errors_surfaced,
+                m.innodb_deadlocks
             );
         }
-        println!("  -> {:?}: shardlock at {:.2}x the baseline\n", c.scenario, c.ratio);
+        println!(
+            "  -> {:?}: shardlock at {:.2}x the baseline\n",
+            c.scenario, c.ratio
+        );
     }
 }
 
@@ -280,7 +339,11 @@ fn print_report(report: &Report) {
 fn baseline_pool(url: &str, max: usize) -> Result<Pool, AnyError> {
     let constraints = PoolConstraints::new(1, max.max(1)).ok_or("pool size")?;
     let opts = OptsBuilder::from_opts(Opts::from_url(url)?)
-        .pool_opts(PoolOpts::default().with_constraints(constraints).with_reset_connection(false))
+        .pool_opts(
+            PoolOpts::default()
+                .with_constraints(constraints)
+                .with_reset_connection(false),
+        )
         .setup(vec!["SET time_zone = '+00:00'"]);
     Ok(Pool::new(opts))
 }
@@ -288,7 +351,8 @@ fn baseline_pool(url: &str, max: usize) -> Result<Pool, AnyError> {
 async fn prepare_baseline_tables(pool: &Pool) -> Result<(), AnyError> {
     let mut c = pool.get_conn().await?;
     for table in ["bench_raw_lock", "bench_naive_lock"] {
-        c.query_drop(format!("DROP TABLE IF EXISTS {table}")).await?;
+        c.query_drop(format!("DROP TABLE IF EXISTS {table}"))
+            .await?;
         c.query_drop(format!(
             "CREATE TABLE {table} (lock_key VARBINARY(255) PRIMARY KEY, \
              owner VARBINARY(191) NOT NULL, expires_at DATETIME(3) NOT NULL) ENGINE=InnoDB"
@@ -331,13 +395,21 @@ impl Counters {
 }
 
 /// Runs `op(task, i)` in `tasks` concurrent loops for `duration` and measures it.
-async fn measure<F, Fut>(name: &str, duration: Duration, tasks: u32, counters: &Counters, op: F) -> Result<Measurement, AnyError>
+async fn measure<F, Fut>(
+    name: &str,
+    duration: Duration,
+    tasks: u32,
+    counters: &Counters,
+    op: F,
+) -> Result<Measurement, AnyError>
 where
     F: Fn(u32, u64) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = Result<(), AnyError>> + Send,
 {
     let bar = ProgressBar::new(duration.as_millis() as u64).with_style(
-        ProgressStyle::with_template("{prefix:<40} [{bar:30}] {msg}").expect("valid template").progress_chars("=> "),
+        ProgressStyle::with_template("{prefix:<40} [{bar:30}] {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
     );
     bar.set_prefix(name.to_owned());
     let (statements_before, deadlocks_before) = counters.read().await?;
@@ -377,7 +449,10 @@ where
         bar.set_message(format!("{} ops", done.load(Ordering::Relaxed)));
     }
     let mut latencies = Vec::new();
-    let mut m = Measurement { name: name.to_owned(), ..Default::default() };
+    let mut m = Measurement {
+        name: name.to_owned(),
+        ..Default::default()
+    };
     for h in handles {
         let (l, surfaced, errors) = h.await?;
         latencies.extend(l);
@@ -388,7 +463,13 @@ where
     bar.finish_and_clear();
     let (statements_after, deadlocks_after) = counters.read().await?;
     latencies.sort_unstable();
-    let pct = |p: f64| latencies.get(((latencies.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0) as f64 / 1000.0;
+    let pct = |p: f64| {
+        latencies
+            .get(((latencies.len() as f64 - 1.0) * p) as usize)
+            .copied()
+            .unwrap_or(0) as f64
+            / 1000.0
+    };
     m.ops = latencies.len() as u64;
     m.seconds = elapsed.as_secs_f64();
     m.ops_per_sec = m.ops as f64 / m.seconds;

@@ -79,20 +79,34 @@ pub(crate) async fn run(source: &ConfigSource, args: DemoArgs) -> Result<(), Any
     for _ in 0..args.processes {
         let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
         cmd.args(source.child_args())
-            .args(["demo", "--worker", "--skus", &args.skus.to_string(), "--buyers", &args.buyers.to_string()])
+            .args([
+                "demo",
+                "--worker",
+                "--skus",
+                &args.skus.to_string(),
+                "--buyers",
+                &args.buyers.to_string(),
+            ])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true);
         children.push(cmd.spawn()?);
     }
     let bar = ProgressBar::new(total).with_style(
-        ProgressStyle::with_template("{spinner} selling [{bar:40}] {pos}/{len} units {per_sec} {elapsed}")
-            .expect("valid template")
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "{spinner} selling [{bar:40}] {pos}/{len} units {per_sec} {elapsed}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
     );
     let mut reports = Vec::new();
-    let mut outputs: Vec<_> = children.iter_mut().map(|c| c.stdout.take().expect("piped")).collect();
-    let waits = children.into_iter().map(|mut c| tokio::spawn(async move { c.wait().await }));
+    let mut outputs: Vec<_> = children
+        .iter_mut()
+        .map(|c| c.stdout.take().expect("piped"))
+        .collect();
+    let waits = children
+        .into_iter()
+        .map(|mut c| tokio::spawn(async move { c.wait().await }));
     let waits: Vec<_> = waits.collect();
     while !waits.iter().all(|w| w.is_finished()) {
         bar.set_position(count_orders(&shards).await?);
@@ -108,7 +122,10 @@ pub(crate) async fn run(source: &ConfigSource, args: DemoArgs) -> Result<(), Any
         if !status.success() {
             return Err(format!("a buyer process failed ({status})").into());
         }
-        let line = text.lines().last().ok_or("a buyer process printed no report")?;
+        let line = text
+            .lines()
+            .last()
+            .ok_or("a buyer process printed no report")?;
         reports.push(serde_json::from_str::<WorkerReport>(line)?);
     }
     summarize(&router, &shards, &args, &reports, elapsed).await
@@ -116,17 +133,31 @@ pub(crate) async fn run(source: &ConfigSource, args: DemoArgs) -> Result<(), Any
 
 /// A pool per shard for the demo's own tables (which live next to the locks).
 fn shard_pools(source: &ConfigSource) -> Vec<(String, Pool)> {
-    source.config.shards.iter().map(|s| (s.name.clone(), Pool::new(s.url.as_str()))).collect()
+    source
+        .config
+        .shards
+        .iter()
+        .map(|s| (s.name.clone(), Pool::new(s.url.as_str())))
+        .collect()
 }
 
 fn pool_of<'a>(shards: &'a [(String, Pool)], name: &str) -> &'a Pool {
-    &shards.iter().find(|(n, _)| n == name).expect("shard of the config").1
+    &shards
+        .iter()
+        .find(|(n, _)| n == name)
+        .expect("shard of the config")
+        .1
 }
 
-async fn setup_tables(router: &LockRouter, shards: &[(String, Pool)], args: &DemoArgs) -> Result<(), AnyError> {
+async fn setup_tables(
+    router: &LockRouter,
+    shards: &[(String, Pool)],
+    args: &DemoArgs,
+) -> Result<(), AnyError> {
     for (_, pool) in shards {
         let mut c = pool.get_conn().await?;
-        c.query_drop("DROP TABLE IF EXISTS demo_stock, demo_orders").await?;
+        c.query_drop("DROP TABLE IF EXISTS demo_stock, demo_orders")
+            .await?;
         c.query_drop(
             "CREATE TABLE demo_stock (sku VARCHAR(32) PRIMARY KEY, initial INT NOT NULL, \
              stock INT NOT NULL, fence BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB",
@@ -141,7 +172,11 @@ async fn setup_tables(router: &LockRouter, shards: &[(String, Pool)], args: &Dem
     for i in 0..args.skus {
         let key = sku_key(i);
         let mut c = pool_of(shards, &router.shard_for(&key)?).get_conn().await?;
-        c.exec_drop("INSERT INTO demo_stock VALUES (?, ?, ?, 0)", (&key, args.stock, args.stock)).await?;
+        c.exec_drop(
+            "INSERT INTO demo_stock VALUES (?, ?, ?, 0)",
+            (&key, args.stock, args.stock),
+        )
+        .await?;
     }
     Ok(())
 }
@@ -150,7 +185,10 @@ async fn count_orders(shards: &[(String, Pool)]) -> Result<u64, AnyError> {
     let mut n = 0;
     for (_, pool) in shards {
         let mut c = pool.get_conn().await?;
-        n += c.query_first::<u64, _>("SELECT COUNT(*) FROM demo_orders").await?.unwrap_or(0);
+        n += c
+            .query_first::<u64, _>("SELECT COUNT(*) FROM demo_orders")
+            .await?
+            .unwrap_or(0);
     }
     Ok(n)
 }
@@ -165,8 +203,11 @@ async fn buyer_process(source: &ConfigSource, args: &DemoArgs) -> Result<(), Any
     };
     let mut tasks = Vec::new();
     for buyer in 0..args.buyers {
-        let (router, shards, opts, skus) = (router.clone(), shards.clone(), opts.clone(), args.skus);
-        tasks.push(tokio::spawn(async move { buyer_task(&router, &shards, opts, skus, buyer).await }));
+        let (router, shards, opts, skus) =
+            (router.clone(), shards.clone(), opts.clone(), args.skus);
+        tasks.push(tokio::spawn(async move {
+            buyer_task(&router, &shards, opts, skus, buyer).await
+        }));
     }
     let mut report = WorkerReport::default();
     for t in tasks {
@@ -194,7 +235,9 @@ async fn buyer_task(
     let mut open: Vec<u32> = (0..skus).collect();
     let mut report = WorkerReport::default();
     loop {
-        let Some(&sku) = open.choose(&mut rand::rng()) else { break };
+        let Some(&sku) = open.choose(&mut rand::rng()) else {
+            break;
+        };
         let key = sku_key(sku);
         let asked = Instant::now();
         let guard = match router.acquire(&key, opts.clone()).await {
@@ -214,7 +257,10 @@ async fn buyer_task(
         // would read the same value and oversell.
         let mut conn: Conn = pool_of(shards, guard.shard()).get_conn().await?;
         let mut tx = conn.start_transaction(TxOpts::default()).await?;
-        let stock: i32 = tx.exec_first("SELECT stock FROM demo_stock WHERE sku = ?", (&key,)).await?.unwrap_or(0);
+        let stock: i32 = tx
+            .exec_first("SELECT stock FROM demo_stock WHERE sku = ?", (&key,))
+            .await?
+            .unwrap_or(0);
         if stock <= 0 {
             tx.rollback().await?;
             open.retain(|&s| s != sku);
@@ -226,8 +272,11 @@ async fn buyer_task(
                 guard.fence(),
             )
             .await?;
-            tx.exec_drop("INSERT INTO demo_orders (sku, buyer, fence) VALUES (?, ?, ?)", (&key, &me, guard.fence()))
-                .await?;
+            tx.exec_drop(
+                "INSERT INTO demo_orders (sku, buyer, fence) VALUES (?, ?, ?)",
+                (&key, &me, guard.fence()),
+            )
+            .await?;
             tx.commit().await?;
             report.orders += 1;
         }
@@ -245,16 +294,29 @@ async fn summarize(
     elapsed: Duration,
 ) -> Result<(), AnyError> {
     println!();
-    println!("{:<10} {:<8} {:>7} {:>6} {:>6}  {}", "SKU", "SHARD", "STOCK", "SOLD", "LEFT", "FENCES");
+    println!(
+        "{:<10} {:<8} {:>7} {:>6} {:>6}  {}",
+        "SKU", "SHARD", "STOCK", "SOLD", "LEFT", "FENCES"
+    );
     let mut problems = Vec::new();
     let (mut sold_total, mut initial_total) = (0i64, 0i64);
     for i in 0..args.skus {
         let key = sku_key(i);
         let shard = router.shard_for(&key)?;
         let mut c = pool_of(shards, &shard).get_conn().await?;
-        let (initial, left): (i64, i64) =
-            c.exec_first("SELECT initial, stock FROM demo_stock WHERE sku = ?", (&key,)).await?.ok_or("stock row vanished")?;
-        let fences: Vec<u64> = c.exec("SELECT fence FROM demo_orders WHERE sku = ? ORDER BY id", (&key,)).await?;
+        let (initial, left): (i64, i64) = c
+            .exec_first(
+                "SELECT initial, stock FROM demo_stock WHERE sku = ?",
+                (&key,),
+            )
+            .await?
+            .ok_or("stock row vanished")?;
+        let fences: Vec<u64> = c
+            .exec(
+                "SELECT fence FROM demo_orders WHERE sku = ? ORDER BY id",
+                (&key,),
+            )
+            .await?;
         let sold = fences.len() as i64;
         let rising = fences.windows(2).all(|w| w[0] < w[1]);
         println!(
@@ -267,10 +329,14 @@ async fn summarize(
             if rising { "rising" } else { "OUT OF ORDER" }
         );
         if sold > initial || left < 0 || sold + left != initial {
-            problems.push(format!("{key}: {initial} in stock, {sold} orders, {left} left"));
+            problems.push(format!(
+                "{key}: {initial} in stock, {sold} orders, {left} left"
+            ));
         }
         if !rising {
-            problems.push(format!("{key}: fences of its orders do not rise in commit order"));
+            problems.push(format!(
+                "{key}: fences of its orders do not rise in commit order"
+            ));
         }
         sold_total += sold;
         initial_total += initial;
@@ -309,12 +375,20 @@ async fn summarize(
         totals.wait_us_max as f64 / 1000.0,
     );
     let placement: HashMap<String, usize> = (0..args.skus).fold(HashMap::new(), |mut m, i| {
-        *m.entry(router.shard_for(&sku_key(i)).unwrap_or_default()).or_default() += 1;
+        *m.entry(router.shard_for(&sku_key(i)).unwrap_or_default())
+            .or_default() += 1;
         m
     });
     let mut placement: Vec<_> = placement.into_iter().collect();
     placement.sort();
-    println!("Shards: {}", placement.iter().map(|(s, n)| format!("{s} holds {n} SKUs")).collect::<Vec<_>>().join(", "));
+    println!(
+        "Shards: {}",
+        placement
+            .iter()
+            .map(|(s, n)| format!("{s} holds {n} SKUs"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     if problems.is_empty() {
         Ok(())
     } else {

@@ -29,7 +29,9 @@ fn dev_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("SHARDLOCK_DEV_DIR") {
         return dir.into();
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
     home.join(".local/share/shardlock/dev")
 }
 
@@ -43,7 +45,11 @@ pub(crate) async fn ensure_up() -> Result<(), AnyError> {
     if cluster.is_up().await {
         return Ok(());
     }
-    eprintln!("starting 3 local MariaDB shards on 127.0.0.1:{:?} (data in {})", DEV_PORTS, dev_dir().display());
+    eprintln!(
+        "starting 3 local MariaDB shards on 127.0.0.1:{:?} (data in {})",
+        DEV_PORTS,
+        dev_dir().display()
+    );
     cluster.up().await?;
     Ok(())
 }
@@ -54,7 +60,10 @@ pub(crate) async fn run(action: &DevAction, as_json: bool) -> Result<(), AnyErro
         DevAction::Up => {
             let started = cluster.up().await?;
             if as_json {
-                println!("{}", json!({"started": started, "ports": DEV_PORTS, "dir": dev_dir()}));
+                println!(
+                    "{}",
+                    json!({"started": started, "ports": DEV_PORTS, "dir": dev_dir()})
+                );
             } else {
                 println!(
                     "3 shards up on 127.0.0.1:{:?} ({started} started now); data in {}",
@@ -69,7 +78,10 @@ pub(crate) async fn run(action: &DevAction, as_json: bool) -> Result<(), AnyErro
             if as_json {
                 println!("{}", json!({"stopped": stopped, "wiped": wipe}));
             } else {
-                println!("stopped {stopped} shards{}", if *wipe { ", data deleted" } else { "" });
+                println!(
+                    "stopped {stopped} shards{}",
+                    if *wipe { ", data deleted" } else { "" }
+                );
             }
         }
     }

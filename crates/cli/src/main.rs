@@ -71,9 +71,17 @@ impl ConfigSource {
                     ..Default::default()
                 })?;
                 let config = Config::from_yaml_file(&p)?;
-                Ok(Self { path: Some(p), config, text })
+                Ok(Self {
+                    path: Some(p),
+                    config,
+                    text,
+                })
             }
-            None => Ok(Self { path: None, config: Config::from_yaml_str(LOCAL_YAML)?, text: LOCAL_YAML.to_owned() }),
+            None => Ok(Self {
+                path: None,
+                config: Config::from_yaml_str(LOCAL_YAML)?,
+                text: LOCAL_YAML.to_owned(),
+            }),
         }
     }
 
@@ -101,11 +109,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SHARDLOCK_LOG").unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_env("SHARDLOCK_LOG")
+                .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     match runtime.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

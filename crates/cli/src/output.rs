@@ -16,7 +16,10 @@ pub(crate) fn migrate(reports: &[(String, MigrateReport)], as_json: bool) {
         if r.applied.is_empty() {
             println!("{name}: up to date (schema version {})", r.version);
         } else {
-            println!("{name}: applied {:?}, now at schema version {}", r.applied, r.version);
+            println!(
+                "{name}: applied {:?}, now at schema version {}",
+                r.applied, r.version
+            );
         }
     }
 }
@@ -35,14 +38,29 @@ pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool)
                 })
             })
             .collect();
-        println!("{}", json!({ "instance": router.instance_id(), "shards": shards }));
+        println!(
+            "{}",
+            json!({ "instance": router.instance_id(), "shards": shards })
+        );
         return;
     }
-    println!("{:<12} {:<11} {:>12} {:>18}", "SHARD", "REACHABLE", "HELD LEASES", "POOL size/avail/wait");
+    println!(
+        "{:<12} {:<11} {:>12} {:>18}",
+        "SHARD", "REACHABLE", "HELD LEASES", "POOL size/avail/wait"
+    );
     for s in status {
         let held = s.held_leases.map_or("-".to_owned(), |n| n.to_string());
-        let pool = format!("{}/{}/{} (max {})", s.pool.size, s.pool.available, s.pool.waiting, s.pool.max_size);
-        println!("{:<12} {:<11} {:>12} {:>18}", s.name, if s.reachable { "yes" } else { "NO" }, held, pool);
+        let pool = format!(
+            "{}/{}/{} (max {})",
+            s.pool.size, s.pool.available, s.pool.waiting, s.pool.max_size
+        );
+        println!(
+            "{:<12} {:<11} {:>12} {:>18}",
+            s.name,
+            if s.reachable { "yes" } else { "NO" },
+            held,
+            pool
+        );
         if let Some(e) = &s.error {
             println!("             {e}");
         }
@@ -72,14 +90,21 @@ pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: b
         Some(r) if r.is_held() => {
             println!("holder:  {}", r.owner.as_deref().unwrap_or("-"));
             println!("fence:   {}", r.fence);
-            println!("expires: in {} ms (shard clock), lease {} ms", r.expires_in_ms, r.ttl_ms);
+            println!(
+                "expires: in {} ms (shard clock), lease {} ms",
+                r.expires_in_ms, r.ttl_ms
+            );
             println!("held:    {} ms", r.held_for_ms);
             if let Some(ago) = r.wanted_ms_ago {
                 println!("wanted:  by another owner {ago} ms ago");
             }
         }
         Some(r) => {
-            let why = if r.owner.is_some() { "expired (holder stopped renewing)" } else { "released" };
+            let why = if r.owner.is_some() {
+                "expired (holder stopped renewing)"
+            } else {
+                "released"
+            };
             println!("lease:   free, {why}");
             println!("fence:   {} (the next grant gets a larger one)", r.fence);
         }

@@ -36,16 +36,79 @@ const ACQUIRE: &str = concat!(
 
 /// Owner-checked release: only the row carrying our owner is touched. The row stays (with its
 /// fence) so the next grant's fence is larger; the cleaner removes old released rows.
-const RELEASE: &str = "UPDATE shardlock_lease SET owner = NULL, expires_at = NOW(3), wanted_at = NULL \
+const RELEASE: &str =
+    "UPDATE shardlock_lease SET owner = NULL, expires_at = NOW(3), wanted_at = NULL \
                        WHERE lock_key = ? AND owner = ?";
+
+/// Release that hands the lease straight to a waiting owner of this process, in one
+/// statement, unless another process marked the row as wanted since the grant: then it is
+/// released for everyone. The new grant's fence comes back through `LAST_INSERT_ID(expr)` as
+/// in [`ACQUIRE`]; a plain release reports 0.
+///
+/// Parameters: new owner ×3, ttl ms, new owner, ttl us, new owner | key, old owner.
+const HANDOFF: &str = concat!(
+    "UPDATE shardlock_lease SET ",
+    "owner = IF(wanted_at IS NULL, ?, NULL), ",
+    "fence = IF(owner <=> ?, LAST_INSERT_ID(fence + 1), fence + LAST_INSERT_ID(0)), ",
+    "ttl_ms = IF(owner <=> ?, ?, ttl_ms), ",
+    "expires_at = IF(owner <=> ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3)), ",
+    "acquired_at = IF(owner <=> ?, NOW(3), acquired_at), ",
+    "wanted_at = NULL ",
+    "WHERE lock_key = ? AND owner = ?"
+);
+
+/// What a hand-off did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandoffOutcome {
+    /// The lease moved to the new owner, with this fence.
+    Granted(u64),
+    /// Another process wants the key: it was released instead.
+    Released,
+    /// The old owner no longer held it; nothing changed.
+    NotOurs,
+}
+
+pub(crate) async fn handoff(
+    conn: &mut Conn,
+    key: &[u8],
+    old_owner: &str,
+    new_owner: &str,
+    ttl_ms: u32,
+) -> mysql_async::Result<HandoffOutcome> {
+    let ttl_us = u64::from(ttl_ms) * 1000;
+    let params: Vec<Value> = vec![
+        new_owner.into(),
+        new_owner.into(),
+        new_owner.into(),
+        ttl_ms.into(),
+        new_owner.into(),
+        ttl_us.into(),
+        new_owner.into(),
+        key.into(),
+        old_owner.into(),
+    ];
+    conn.exec_drop(HANDOFF, Params::Positional(params)).await?;
+    Ok(
+        match (
+            conn.affected_rows(),
+            conn.last_insert_id().filter(|&f| f > 0),
+        ) {
+            (0, _) => HandoffOutcome::NotOurs,
+            (_, Some(fence)) => HandoffOutcome::Granted(fence),
+            (_, None) => HandoffOutcome::Released,
+        },
+    )
+}
 
 /// Renewal of many leases in one statement. Owners are unique per grant and each is written
 /// to one key only, so `key IN (...) AND owner IN (...)` matches exactly our (key, owner)
 /// pairs while letting the server use the primary key. Only live leases are extended: one that
 /// already expired on the shard's clock stays lost even if nobody took it yet.
-const RENEW_HEAD: &str = "UPDATE shardlock_lease SET expires_at = NOW(3) + INTERVAL ttl_ms * 1000 MICROSECOND \
+const RENEW_HEAD: &str =
+    "UPDATE shardlock_lease SET expires_at = NOW(3) + INTERVAL ttl_ms * 1000 MICROSECOND \
                           WHERE expires_at > NOW(3) AND lock_key IN ";
-const HELD_HEAD: &str = "SELECT lock_key FROM shardlock_lease WHERE expires_at > NOW(3) AND lock_key IN ";
+const HELD_HEAD: &str =
+    "SELECT lock_key FROM shardlock_lease WHERE expires_at > NOW(3) AND lock_key IN ";
 
 /// Durations relative to the shard's clock, in milliseconds.
 const INSPECT: &str = "SELECT owner, fence, ttl_ms, \
@@ -54,7 +117,8 @@ const INSPECT: &str = "SELECT owner, fence, ttl_ms, \
      CAST(TIMESTAMPDIFF(MICROSECOND, wanted_at, NOW(3)) DIV 1000 AS SIGNED) \
      FROM shardlock_lease WHERE lock_key = ?";
 
-const COUNT_HELD: &str = "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL AND expires_at > NOW(3)";
+const COUNT_HELD: &str =
+    "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL AND expires_at > NOW(3)";
 
 /// Most leases renewed by one statement (two parameters each, well under the 65,535 limit).
 pub const MAX_RENEW_BATCH: usize = 4096;
@@ -182,14 +246,16 @@ type InspectRow = (Option<Vec<u8>>, u64, u32, i64, i64, Option<i64>);
 
 pub(crate) async fn inspect(conn: &mut Conn, key: &[u8]) -> mysql_async::Result<Option<LeaseRow>> {
     let row: Option<InspectRow> = conn.exec_first(INSPECT, (key,)).await?;
-    Ok(row.map(|(owner, fence, ttl_ms, expires_in_ms, held_for_ms, wanted_ms_ago)| LeaseRow {
-        owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
-        fence,
-        ttl_ms,
-        expires_in_ms,
-        held_for_ms,
-        wanted_ms_ago,
-    }))
+    Ok(row.map(
+        |(owner, fence, ttl_ms, expires_in_ms, held_for_ms, wanted_ms_ago)| LeaseRow {
+            owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+            fence,
+            ttl_ms,
+            expires_in_ms,
+            held_for_ms,
+            wanted_ms_ago,
+        },
+    ))
 }
 
 pub(crate) async fn count_held(conn: &mut Conn) -> mysql_async::Result<u64> {
@@ -212,5 +278,6 @@ mod tests {
     #[test]
     fn acquire_binds_as_many_parameters_as_it_has_placeholders() {
         assert_eq!(ACQUIRE.matches('?').count(), 14);
+        assert_eq!(HANDOFF.matches('?').count(), 9);
     }
 }

@@ -11,7 +11,7 @@ use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
 
 use crate::error::{classify, classify_pool};
-use crate::lease::{self, LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
+use crate::lease::{self, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{session_setup, ShardConn, ShardManager, ShardPool};
 
@@ -146,6 +146,25 @@ impl Shard {
         self.with_conn(self.statement_timeout, |c| {
             let (key, owner) = (key.clone(), owner.clone());
             Box::pin(async move { lease::release(c, &key, &owner).await })
+        })
+        .await
+    }
+
+    /// Releases `key` held by `old_owner`, handing it to `new_owner` for `ttl` in the same
+    /// statement unless another process asked for the key since it was granted.
+    pub async fn handoff(
+        &self,
+        key: &[u8],
+        old_owner: &str,
+        new_owner: &str,
+        ttl: Duration,
+    ) -> Result<HandoffOutcome, BackendError> {
+        let ttl_ms = u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX);
+        let (key, old_owner, new_owner) =
+            (key.to_vec(), old_owner.to_owned(), new_owner.to_owned());
+        self.with_conn(self.statement_timeout, |c| {
+            let (key, old_owner, new_owner) = (key.clone(), old_owner.clone(), new_owner.clone());
+            Box::pin(async move { lease::handoff(c, &key, &old_owner, &new_owner, ttl_ms).await })
         })
         .await
     }
