@@ -7,7 +7,7 @@ use shardlock_core::{Error, Result};
 use shardlock_mysql::HandoffOutcome;
 use tokio::time::Instant;
 
-use crate::keeper::{LeaseState, ShardState};
+use crate::keeper::{Grant, LeaseState, ShardState};
 use crate::queue::Turn;
 
 /// Where a lock is held.
@@ -159,16 +159,13 @@ pub(crate) async fn release_lease(shard: Arc<ShardState>, lease: Arc<LeaseState>
                 stats.grants.fetch_add(1, Ordering::Relaxed);
                 stats.handoffs.fetch_add(1, Ordering::Relaxed);
                 let want = next.want;
-                let state = LeaseState::new(
+                let grant = Grant {
                     id,
-                    lease.key.clone(),
                     owner,
                     fence,
-                    want.ttl,
-                    want.renew_every,
                     sent,
-                    turn,
-                );
+                };
+                let state = LeaseState::new(lease.key.clone(), grant, want, turn);
                 let state = Arc::new(state);
                 shard.insert(state.clone());
                 next.grant(LockGuard {

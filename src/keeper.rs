@@ -11,7 +11,7 @@ use shardlock_mysql::Shard;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
-use crate::queue::{KeyQueues, Turn};
+use crate::queue::{KeyQueues, Turn, Want};
 
 /// One granted lease, shared by its guard(s) and the keeper.
 #[derive(Debug)]
@@ -33,25 +33,26 @@ pub(crate) struct LeaseState {
     pub(crate) turn: Mutex<Option<Turn>>,
 }
 
+/// What the shard granted: to which owner (grant `id`), with which fence, and when the
+/// granting statement was sent.
+#[derive(Debug)]
+pub(crate) struct Grant {
+    pub(crate) id: u64,
+    pub(crate) owner: String,
+    pub(crate) fence: u64,
+    pub(crate) sent: Instant,
+}
+
 impl LeaseState {
-    pub(crate) fn new(
-        id: u64,
-        key: LockKey,
-        owner: String,
-        fence: u64,
-        ttl: Duration,
-        renew_every: Duration,
-        sent: Instant,
-        turn: Turn,
-    ) -> Self {
+    pub(crate) fn new(key: LockKey, grant: Grant, want: Want, turn: Turn) -> Self {
         Self {
-            id,
+            id: grant.id,
             key,
-            owner,
-            fence,
-            ttl,
-            renew_every,
-            deadline: Mutex::new(sent + ttl),
+            owner: grant.owner,
+            fence: grant.fence,
+            ttl: want.ttl,
+            renew_every: want.renew_every,
+            deadline: Mutex::new(grant.sent + want.ttl),
             lost: watch::channel(false).0,
             holds: AtomicUsize::new(1),
             turn: Mutex::new(Some(turn)),

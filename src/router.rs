@@ -14,7 +14,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
 use crate::guard::{release_lease, LockGuard};
-use crate::keeper::{spawn_keeper, LeaseState, ShardState, Shared};
+use crate::keeper::{spawn_keeper, Grant, LeaseState, ShardState, Shared};
 use crate::options::AcquireOptions;
 use crate::queue::{Entry, Handoff, Want};
 
@@ -285,16 +285,13 @@ impl LockRouter {
                     .stats
                     .grants
                     .fetch_add(1, Ordering::Relaxed);
-                let lease = Arc::new(LeaseState::new(
+                let grant = Grant {
                     id,
-                    key,
                     owner,
                     fence,
-                    ttl,
-                    want.renew_every,
                     sent,
-                    turn,
-                ));
+                };
+                let lease = Arc::new(LeaseState::new(key, grant, want, turn));
                 shard.insert(lease.clone());
                 return Ok(Some(LockGuard {
                     lease,

@@ -234,10 +234,7 @@ async fn buyer_task(
     let me = format!("{}/{buyer}", router.instance_id());
     let mut open: Vec<u32> = (0..skus).collect();
     let mut report = WorkerReport::default();
-    loop {
-        let Some(&sku) = open.choose(&mut rand::rng()) else {
-            break;
-        };
+    while let Some(sku) = pick(&open) {
         let key = sku_key(sku);
         let asked = Instant::now();
         let guard = match router.acquire(&key, opts.clone()).await {
@@ -286,6 +283,11 @@ async fn buyer_task(
     Ok(report)
 }
 
+/// A random SKU still on sale (the RNG is not kept across awaits: it is not `Send`).
+fn pick(open: &[u32]) -> Option<u32> {
+    open.choose(&mut rand::rng()).copied()
+}
+
 async fn summarize(
     router: &LockRouter,
     shards: &[(String, Pool)],
@@ -295,8 +297,8 @@ async fn summarize(
 ) -> Result<(), AnyError> {
     println!();
     println!(
-        "{:<10} {:<8} {:>7} {:>6} {:>6}  {}",
-        "SKU", "SHARD", "STOCK", "SOLD", "LEFT", "FENCES"
+        "{:<10} {:<8} {:>7} {:>6} {:>6}  FENCES",
+        "SKU", "SHARD", "STOCK", "SOLD", "LEFT"
     );
     let mut problems = Vec::new();
     let (mut sold_total, mut initial_total) = (0i64, 0i64);

@@ -212,10 +212,7 @@ impl Shard {
     async fn wait_ready(&self) -> io::Result<()> {
         wait_ready(self.port, self.dir.path(), || {
             let mut p = self.process.lock().unwrap();
-            match p.as_mut().map(|g| g.guardian.try_wait()) {
-                Some(Ok(None)) => false,
-                _ => true,
-            }
+            !matches!(p.as_mut().map(|g| g.guardian.try_wait()), Some(Ok(None)))
         })
         .await
     }
