@@ -5,6 +5,7 @@ use std::io::{self, BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -41,7 +42,7 @@ impl Cluster {
         }
         let mut shards = Vec::with_capacity(n);
         for shard in starting {
-            shard.wait_ready().await?;
+            shard.wait_ready_or_move().await?;
             shards.push(shard);
         }
         Ok(Self { shards })
@@ -73,7 +74,7 @@ impl Cluster {
 #[derive(Debug)]
 pub struct Shard {
     name: String,
-    port: u16,
+    port: AtomicU16,
     dir: tempfile::TempDir,
     process: Mutex<Option<Guarded>>,
 }
@@ -92,7 +93,7 @@ impl Shard {
         let port = free_port()?;
         let shard = Self {
             name,
-            port,
+            port: AtomicU16::new(port),
             dir,
             process: Mutex::new(None),
         };
@@ -106,7 +107,7 @@ impl Shard {
             .arg(r#""$@" & pid=$!; echo $pid; read line; kill -9 $pid 2>/dev/null; wait $pid"#)
             .arg("sh")
             .arg(mariadbd()?)
-            .args(server_args(self.dir.path(), self.port))
+            .args(server_args(self.dir.path(), self.port()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -132,12 +133,12 @@ impl Shard {
 
     /// The loopback port it listens on.
     pub fn port(&self) -> u16 {
-        self.port
+        self.port.load(Ordering::Relaxed)
     }
 
     /// `mysql://root@127.0.0.1:PORT/shardlock`.
     pub fn url(&self) -> String {
-        format!("mysql://root@127.0.0.1:{}/{DATABASE}", self.port)
+        format!("mysql://root@127.0.0.1:{}/{DATABASE}", self.port())
     }
 
     /// The server's process id, while it runs.
@@ -209,8 +210,25 @@ impl Shard {
         Ok(sum.unwrap_or(0))
     }
 
+    /// Waits until the server answers; if another process took its port between our probe
+    /// and its start, moves it to a new free port and tries again.
+    async fn wait_ready_or_move(&self) -> io::Result<()> {
+        let mut tries = 0;
+        loop {
+            match self.wait_ready().await {
+                Err(e) if tries < 5 && e.to_string().contains("already in use") => {
+                    tries += 1;
+                    self.kill()?;
+                    self.port.store(free_port()?, Ordering::Relaxed);
+                    self.spawn()?;
+                }
+                other => return other,
+            }
+        }
+    }
+
     async fn wait_ready(&self) -> io::Result<()> {
-        wait_ready(self.port, self.dir.path(), || {
+        wait_ready(self.port(), self.dir.path(), || {
             let mut p = self.process.lock().unwrap();
             !matches!(p.as_mut().map(|g| g.guardian.try_wait()), Some(Ok(None)))
         })

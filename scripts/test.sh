@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, docs, then every test against real MariaDB shards
+# that the tests start themselves (mariadbd on loopback ports, throwaway data directories).
+# Installs what is missing on a fresh Debian machine when run as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_install=()
+command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ] || need_install+=(mariadb-server)
+command -v mariadb-install-db >/dev/null 2>&1 || need_install+=(mariadb-server)
+if [ ${#need_install[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "installing ${need_install[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_install[@]}" >/dev/null
+  else
+    echo "the tests need the MariaDB server binaries: sudo apt-get install mariadb-server" >&2
+    exit 1
+  fi
+fi
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "installing cargo-nextest"
+  cargo install --locked cargo-nextest
+fi
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+RUSTDOCFLAGS="-D warnings -D rustdoc::broken_intra_doc_links" cargo doc --workspace --no-deps --locked --quiet
+profile=default
+[ "${CI:-}" = true ] && profile=ci
+cargo nextest run --workspace --locked --profile "$profile"
