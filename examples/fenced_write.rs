@@ -33,7 +33,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
          (id INT PRIMARY KEY, balance BIGINT NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
     )
     .await?;
-    app.query_drop("INSERT IGNORE INTO example_account VALUES (7, 100, 0)").await?;
+    app.query_drop("INSERT IGNORE INTO example_account VALUES (7, 100, 0)")
+        .await?;
 
     let update = "UPDATE example_account SET balance = balance - :amount, fence = :fence \
                   WHERE id = :id AND fence < :fence";
@@ -56,7 +57,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("expected a rejected write, got {other:?}").into()),
     }
     current.release().await?;
-    let balance: Option<i64> = app.query_first("SELECT balance FROM example_account WHERE id = 7").await?;
+    let balance: Option<i64> = app
+        .query_first("SELECT balance FROM example_account WHERE id = 7")
+        .await?;
     println!("balance now {}", balance.unwrap_or_default());
     router.shutdown().await?;
     Ok(())

@@ -26,6 +26,8 @@ fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings -D rustdoc::broken_intra_doc_links" cargo doc --workspace --no-deps --locked --quiet
+# nextest does not run doctests; run them first so that nextest's summary closes the output.
+cargo test --doc --workspace --locked
 profile=default
 [ "${CI:-}" = true ] && profile=ci
 cargo nextest run --workspace --locked --profile "$profile"

@@ -145,7 +145,11 @@ pub(crate) async fn release_lease(shard: Arc<ShardState>, lease: Arc<LeaseState>
             key: lease.key.as_str().to_owned(),
         }
     };
-    let next = turn.as_ref().and_then(Turn::next_waiter);
+    // No hand-offs once the router shuts down: waiters then find it closed.
+    let next = turn
+        .as_ref()
+        .filter(|_| !shard.shared.is_closed())
+        .and_then(Turn::next_waiter);
     if let Some(next) = next {
         let turn = turn.expect("a waiter was found through the turn");
         let (id, owner) = shard.shared.next_owner();

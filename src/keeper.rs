@@ -94,6 +94,8 @@ pub(crate) struct Shared {
     grant_seq: AtomicU64,
     pub(crate) stats: Stats,
     pub(crate) queues: Arc<KeyQueues>,
+    /// Turns true at shutdown: no new grants, no hand-offs; keepers stop.
+    pub(crate) closed: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -103,10 +105,15 @@ impl Shared {
             grant_seq: AtomicU64::new(0),
             stats: Stats::default(),
             queues: Arc::default(),
+            closed: watch::channel(false).0,
         }
     }
 
     /// A new grant number and the owner string written for it: `<instance id>:<grant seq>`.
+    pub(crate) fn is_closed(&self) -> bool {
+        *self.closed.borrow()
+    }
+
     pub(crate) fn next_owner(&self) -> (u64, String) {
         let id = self.grant_seq.fetch_add(1, Ordering::Relaxed) + 1;
         (id, format!("{}:{id}", self.instance_id))

@@ -10,7 +10,7 @@ use futures_util::future::join_all;
 use shardlock_core::config::{check_ttl, DEFAULT_NAMESPACE};
 use shardlock_core::{Backoff, Config, ConfigError, Error, LockKey, Result, Ring};
 use shardlock_mysql::{LeaseRow, MigrateReport, PoolStatus, Shard};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::guard::{release_lease, LockGuard};
@@ -31,7 +31,6 @@ pub struct LockRouter {
 struct Inner {
     shared: Arc<Shared>,
     topology: ArcSwap<Topology>,
-    closed: watch::Sender<bool>,
 }
 
 /// Everything that placement depends on, swapped as one.
@@ -113,12 +112,11 @@ impl LockRouter {
             Some(id) => id.to_owned(),
         };
         let shared = Arc::new(Shared::new(instance_id));
-        let (closed, _) = watch::channel(false);
         let mut shards = Vec::with_capacity(config.shards.len());
         for (i, sc) in config.shards.iter().enumerate() {
             let shard = Shard::new(sc, i).map_err(|e| locate(e, text, path))?;
             let state = ShardState::new(shard, shared.clone());
-            spawn_keeper(&state, closed.subscribe());
+            spawn_keeper(&state, shared.closed.subscribe());
             shards.push(state);
         }
         let ring = Ring::new(
@@ -134,7 +132,6 @@ impl LockRouter {
             inner: Arc::new(Inner {
                 shared,
                 topology: ArcSwap::from_pointee(topology),
-                closed,
             }),
         })
     }
@@ -221,7 +218,7 @@ impl LockRouter {
         once: bool,
     ) -> Result<Option<LockGuard>> {
         let key = LockKey::new(key)?;
-        if *self.inner.closed.borrow() {
+        if self.inner.shared.is_closed() {
             return Err(Error::Shutdown);
         }
         let topology = self.inner.topology.load_full();
@@ -277,6 +274,9 @@ impl LockRouter {
         };
         let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
         loop {
+            if self.inner.shared.is_closed() {
+                return Err(Error::Shutdown);
+            }
             let (id, owner) = self.inner.shared.next_owner();
             let sent = Instant::now();
             if let Some(fence) = self.attempt(&shard, &key, &owner, ttl).await? {
@@ -402,7 +402,7 @@ impl LockRouter {
     /// Stops granting, releases every lease this router holds, stops the keepers and closes
     /// the pools. Guards still alive afterwards report their lease as lost.
     pub async fn shutdown(&self) -> Result<()> {
-        self.inner.closed.send_replace(true);
+        self.inner.shared.closed.send_replace(true);
         let topology = self.inner.topology.load_full();
         let releases = topology.shards.iter().flat_map(|s| {
             s.held().into_iter().map(move |lease| {

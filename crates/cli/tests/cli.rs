@@ -19,15 +19,24 @@ fn shardlock(config: &Path, args: &[&str]) -> Output {
 }
 
 fn json(out: &Output) -> Value {
-    assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+    assert!(
+        out.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 async fn cluster_with_config(n: usize) -> (Cluster, tempfile::TempDir, PathBuf) {
     let cluster = Cluster::start(n).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("shardlock.yaml");
-    std::fs::write(&path, cluster.config_yaml("namespaces:\n  stock:\n    ttl: 5s\n    wait: 5s\n")).unwrap();
+    std::fs::write(
+        &path,
+        cluster.config_yaml("namespaces:\n  stock:\n    ttl: 5s\n    wait: 5s\n"),
+    )
+    .unwrap();
     (cluster, dir, path)
 }
 
@@ -37,16 +46,26 @@ async fn migrate_status_and_inspect() {
     let first = json(&shardlock(&config, &["--json", "migrate"]));
     assert_eq!(first["shards"][0]["applied"], serde_json::json!([1]));
     let again = json(&shardlock(&config, &["--json", "migrate"]));
-    assert_eq!(again["shards"][1]["applied"], serde_json::json!([]), "idempotent");
+    assert_eq!(
+        again["shards"][1]["applied"],
+        serde_json::json!([]),
+        "idempotent"
+    );
 
     let router = LockRouter::from_yaml_file(&config).await.unwrap();
-    let guard = router.acquire("order:1001", AcquireOptions::new()).await.unwrap();
+    let guard = router
+        .acquire("order:1001", AcquireOptions::new())
+        .await
+        .unwrap();
 
     let status = json(&shardlock(&config, &["--json", "status"]));
     let shards = status["shards"].as_array().unwrap();
     assert_eq!(shards.len(), 2);
     assert!(shards.iter().all(|s| s["reachable"] == true));
-    let held: u64 = shards.iter().map(|s| s["held_leases"].as_u64().unwrap()).sum();
+    let held: u64 = shards
+        .iter()
+        .map(|s| s["held_leases"].as_u64().unwrap())
+        .sum();
     assert_eq!(held, 1);
 
     let inspect = json(&shardlock(&config, &["--json", "inspect", "order:1001"]));
@@ -72,20 +91,38 @@ async fn bad_input_gets_a_clear_error() {
     let out = shardlock(&missing, &["status"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("missing.yaml") && err.contains("cannot read"), "{err}");
+    assert!(
+        err.contains("missing.yaml") && err.contains("cannot read"),
+        "{err}"
+    );
 
     let broken = dir.path().join("broken.yaml");
-    std::fs::write(&broken, "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n    colour: blue\n").unwrap();
+    std::fs::write(
+        &broken,
+        "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n    colour: blue\n",
+    )
+    .unwrap();
     let err = String::from_utf8_lossy(&shardlock(&broken, &["status"]).stderr).into_owned();
-    assert!(err.contains("broken.yaml:4:5") && err.contains("shards[0].colour"), "{err}");
+    assert!(
+        err.contains("broken.yaml:4:5") && err.contains("shards[0].colour"),
+        "{err}"
+    );
 
     let fine = dir.path().join("fine.yaml");
-    std::fs::write(&fine, "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n").unwrap();
+    std::fs::write(
+        &fine,
+        "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n",
+    )
+    .unwrap();
     let out = shardlock(&fine, &["inspect", ""]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid lock key"));
     let out = shardlock(&fine, &["bench", "--rounds", "0"]);
-    assert_eq!(out.status.code(), Some(2), "clap rejects out-of-range arguments");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "clap rejects out-of-range arguments"
+    );
     let out = shardlock(&fine, &["status"]);
     assert!(!out.status.success(), "an unreachable shard fails status");
     assert!(String::from_utf8_lossy(&out.stdout).contains("NO"));
@@ -94,9 +131,26 @@ async fn bad_input_gets_a_clear_error() {
 #[tokio::test(flavor = "multi_thread")]
 async fn demo_sells_all_stock_and_oversells_nothing() {
     let (_cluster, _dir, config) = cluster_with_config(3).await;
-    let out = shardlock(&config, &["demo", "--skus", "6", "--stock", "40", "--processes", "2", "--buyers", "8"]);
+    let out = shardlock(
+        &config,
+        &[
+            "demo",
+            "--skus",
+            "6",
+            "--stock",
+            "40",
+            "--processes",
+            "2",
+            "--buyers",
+            "8",
+        ],
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("240 of 240 units sold"), "{stdout}");
     assert!(stdout.contains("nothing oversold"), "{stdout}");
 }
@@ -107,20 +161,39 @@ async fn bench_reports_statement_and_deadlock_counts() {
     let out_dir = dir.path().join("bench");
     let report = json(&shardlock(
         &config,
-        &["--json", "bench", "--duration", "1s", "--rounds", "1", "--out", out_dir.to_str().unwrap()],
+        &[
+            "--json",
+            "bench",
+            "--duration",
+            "1s",
+            "--rounds",
+            "1",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ],
     ));
     assert!(out_dir.join("latest.json").exists());
     let comparisons = report["comparisons"].as_array().unwrap();
     let uncontended = &comparisons[0];
     assert_eq!(uncontended["scenario"], "uncontended");
-    let per_cycle = uncontended["shardlock"]["statements_per_op"].as_f64().unwrap();
-    assert!((per_cycle - 2.0).abs() < 0.01, "two statements per lock cycle, got {per_cycle}");
+    let per_cycle = uncontended["shardlock"]["statements_per_op"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (per_cycle - 2.0).abs() < 0.01,
+        "two statements per lock cycle, got {per_cycle}"
+    );
     let hot = &comparisons[1];
     let ours = &hot["shardlock"];
     assert_eq!(ours["deadlock_errors_surfaced"], 0);
     assert_eq!(ours["innodb_deadlocks"], 0);
     assert!(ours["ops"].as_u64().unwrap() > 0);
-    let (ours_stmts, naive_stmts) =
-        (ours["statements_per_op"].as_f64().unwrap(), hot["baseline"]["statements_per_op"].as_f64().unwrap());
-    assert!(ours_stmts < naive_stmts, "fewer statements per acquisition: {ours_stmts} vs {naive_stmts}");
+    let (ours_stmts, naive_stmts) = (
+        ours["statements_per_op"].as_f64().unwrap(),
+        hot["baseline"]["statements_per_op"].as_f64().unwrap(),
+    );
+    assert!(
+        ours_stmts < naive_stmts,
+        "fewer statements per acquisition: {ours_stmts} vs {naive_stmts}"
+    );
 }
