@@ -15,14 +15,14 @@ const TTL: Duration = Duration::from_millis(1500);
 const APP_ENV: &str = "SHARDLOCK_TEST_APP_URL";
 
 async fn app_table(url: &str) -> Conn {
-    let mut app = Conn::from_url(url).await.unwrap();
-    app.query_drop("CREATE TABLE IF NOT EXISTS ledger (id INT PRIMARY KEY, writer VARCHAR(32), fence BIGINT UNSIGNED NOT NULL)")
-        .await
-        .unwrap();
-    app.query_drop("INSERT IGNORE INTO ledger VALUES (1, 'nobody', 0)")
-        .await
-        .unwrap();
-    app
+    common::app_conn(
+        url,
+        &[
+            "CREATE TABLE ledger (id INT PRIMARY KEY, writer VARCHAR(32), fence BIGINT UNSIGNED NOT NULL)",
+            "INSERT INTO ledger VALUES (1, 'nobody', 0)",
+        ],
+    )
+    .await
 }
 
 const FENCED_WRITE: &str =

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use rand::Rng;
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::mysql_async::{Conn, TxOpts, Value};
+use shardlock::mysql_async::{TxOpts, Value};
 use shardlock::AcquireOptions;
 use shardlock_testkit::{report, worker_main, Worker};
 
@@ -23,13 +23,14 @@ async fn two_processes_never_overlap_and_fences_rise_in_commit_order() {
     let (cluster, _router, yaml) = common::start(3, "").await;
     // The application's own tables live on s1 (any MySQL would do).
     let app_url = cluster.shard(0).url();
-    let mut app = Conn::from_url(app_url.as_str()).await.unwrap();
-    app.query_drop("CREATE TABLE counters (k VARCHAR(32) PRIMARY KEY, value BIGINT NOT NULL, fence BIGINT UNSIGNED NOT NULL)")
-        .await
-        .unwrap();
-    app.query_drop("CREATE TABLE writes (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(32) NOT NULL, fence BIGINT UNSIGNED NOT NULL)")
-        .await
-        .unwrap();
+    let mut app = common::app_conn(
+        &app_url,
+        &[
+            "CREATE TABLE counters (k VARCHAR(32) PRIMARY KEY, value BIGINT NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
+            "CREATE TABLE writes (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(32) NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
+        ],
+    )
+    .await;
     app.exec_batch(
         "INSERT INTO counters VALUES (?, 0, 0)",
         (0..KEYS).map(|i| (format!("c:{i}"),)),

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::Conn;
 use shardlock::LockRouter;
 use shardlock_testkit::{Cluster, Shard};
 
@@ -84,4 +85,15 @@ pub async fn worker_router_from(cluster: &Cluster) -> LockRouter {
     LockRouter::from_yaml_str(&cluster.config_yaml(""))
         .await
         .unwrap()
+}
+
+/// A connection to `url` (the application's own database) after running `setup` on it.
+pub async fn app_conn(url: &str, setup: &[&str]) -> Conn {
+    let mut app = Conn::from_url(url).await.unwrap();
+    for statement in setup {
+        app.query_drop(*statement)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+    app
 }

@@ -23,7 +23,7 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1000))]
     skus: u32,
     /// Units of stock per SKU.
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     stock: u32,
     /// Buyer processes.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
@@ -43,6 +43,7 @@ struct WorkerReport {
     grants: u64,
     timeouts: u64,
     acquire_statements: u64,
+    handoffs: u64,
     wait_us_total: u64,
     wait_us_max: u64,
 }
@@ -218,7 +219,9 @@ async fn buyer_process(source: &ConfigSource, args: &DemoArgs) -> Result<(), Any
         report.wait_us_total += r.wait_us_total;
         report.wait_us_max = report.wait_us_max.max(r.wait_us_max);
     }
-    report.acquire_statements = router.stats().acquire_statements;
+    let stats = router.stats();
+    report.acquire_statements = stats.acquire_statements;
+    report.handoffs = stats.handoffs;
     router.shutdown().await?;
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
@@ -348,6 +351,7 @@ async fn summarize(
         totals.grants += r.grants;
         totals.timeouts += r.timeouts;
         totals.acquire_statements += r.acquire_statements;
+        totals.handoffs += r.handoffs;
         totals.wait_us_total += r.wait_us_total;
         totals.wait_us_max = totals.wait_us_max.max(r.wait_us_max);
     }
@@ -365,11 +369,12 @@ async fn summarize(
     }
     let grants = totals.grants.max(1);
     println!(
-        "Locks:  {} grants in {:.1} s ({:.0}/s), {} timeouts, {} acquire statements ({:.2} per grant), \
-         wait mean {:.1} ms, max {:.1} ms",
+        "Locks:  {} grants in {:.1} s ({:.0}/s), {} of them handed over by the release statement, \
+         {} timeouts,\n        {} acquire statements ({:.2} per grant), wait mean {:.1} ms, max {:.1} ms",
         totals.grants,
         elapsed.as_secs_f64(),
         totals.grants as f64 / elapsed.as_secs_f64(),
+        totals.handoffs,
         totals.timeouts,
         totals.acquire_statements,
         totals.acquire_statements as f64 / grants as f64,
