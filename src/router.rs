@@ -101,9 +101,9 @@ impl LockRouter {
     /// Reads a YAML file and builds the router; errors name the file, line, column and field.
     pub async fn from_yaml_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let config = Config::from_yaml_file(path)?;
-        let text = std::fs::read_to_string(path).ok();
-        Self::build(config, text.as_deref(), Some(path))
+        let text = shardlock_core::config::read_file(path)?;
+        let config = Config::from_yaml_text(&text, path)?;
+        Self::build(config, Some(&text), Some(path))
     }
 
     fn build(config: Config, text: Option<&str>, path: Option<&Path>) -> Result<Self> {

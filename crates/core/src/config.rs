@@ -192,12 +192,12 @@ impl Config {
     /// Reads, parses and validates a YAML file.
     pub fn from_yaml_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            path: Some(path.to_owned()),
-            message: format!("cannot read the file: {e}"),
-            ..ConfigError::default()
-        })?;
-        Self::parse(&text, Some(path))
+        Self::parse(&read_file(path)?, Some(path))
+    }
+
+    /// Parses and validates YAML text that was read from `path` (errors name the file).
+    pub fn from_yaml_text(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        Self::parse(text, Some(path))
     }
 
     fn parse(raw: &str, path: Option<&Path>) -> Result<Self, ConfigError> {
@@ -342,6 +342,15 @@ impl Config {
     pub fn namespace(&self, namespace: &str) -> Option<&NamespaceConfig> {
         self.namespaces.get(namespace)
     }
+}
+
+/// Reads a config file; the error names it.
+pub fn read_file(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|e| ConfigError {
+        path: Some(path.to_owned()),
+        message: format!("cannot read the file: {e}"),
+        ..ConfigError::default()
+    })
 }
 
 /// The shortest lease accepted: renewal must fit comfortably inside it.
