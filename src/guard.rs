@@ -1,14 +1,17 @@
-//! The guard of a held lock.
+//! The guard of a held lock, and how a hold ends: handed over in memory, handed over by the
+//! release statement, or released.
 
-use std::sync::atomic::Ordering;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use shardlock_core::{Error, Result};
-use shardlock_mysql::HandoffOutcome;
+use shardlock_mysql::{GrantRequest, HandoffOutcome};
 use tokio::time::Instant;
 
 use crate::keeper::{Grant, LeaseState, ShardState};
-use crate::queue::Turn;
+use crate::queue::{Handover, Turn};
 
 /// Where a lock is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -19,6 +22,26 @@ pub enum LockMode {
     /// An in-process lock while the shard is unavailable (only with the `local` failure
     /// policy): mutual exclusion inside this process only.
     LocalFallback,
+}
+
+/// One grant to one task: its fence, and how many guards share it (explicit reentrancy).
+#[derive(Debug)]
+pub(crate) struct Hold {
+    pub(crate) lease: Arc<LeaseState>,
+    pub(crate) shard: Arc<ShardState>,
+    pub(crate) fence: u64,
+    guards: AtomicUsize,
+}
+
+impl Hold {
+    pub(crate) fn new(lease: Arc<LeaseState>, shard: Arc<ShardState>, fence: u64) -> Arc<Self> {
+        Arc::new(Self {
+            lease,
+            shard,
+            fence,
+            guards: AtomicUsize::new(1),
+        })
+    }
 }
 
 /// A held lock. Release it with [`LockGuard::release`]; dropping it releases in the
@@ -32,25 +55,28 @@ pub enum LockMode {
 #[derive(Debug)]
 #[must_use = "dropping the guard releases the lock at once"]
 pub struct LockGuard {
-    pub(crate) lease: Arc<LeaseState>,
-    pub(crate) shard: Arc<ShardState>,
-    pub(crate) done: bool,
+    hold: Arc<Hold>,
+    done: bool,
 }
 
 impl LockGuard {
+    pub(crate) fn new(hold: Arc<Hold>) -> Self {
+        Self { hold, done: false }
+    }
+
     /// The fencing token of this grant: larger than that of every earlier grant of the key.
     pub fn fence(&self) -> u64 {
-        self.lease.fence
+        self.hold.fence
     }
 
     /// The key, as given to `acquire`.
     pub fn key(&self) -> &str {
-        self.lease.key.as_str()
+        self.hold.lease.key.as_str()
     }
 
     /// The name of the shard that holds the lease.
     pub fn shard(&self) -> &str {
-        self.shard.shard.name()
+        self.hold.shard.shard.name()
     }
 
     /// Where the lock is held.
@@ -58,47 +84,47 @@ impl LockGuard {
         LockMode::Remote
     }
 
-    /// The owner written in the lease row: `<instance id>:<grant seq>`.
+    /// The owner written in the lease row: `<instance id>:<grant seq>`. Grants handed over in
+    /// memory share the row, and so the owner, of the grant they follow.
     pub fn owner(&self) -> &str {
-        &self.lease.owner
+        &self.hold.lease.owner
     }
 
     /// False once the lease is known lost or its local deadline passed without renewal.
     pub fn is_held(&self) -> bool {
-        !self.lease.is_lost() && Instant::now() < self.lease.deadline()
+        self.hold.lease.is_live()
     }
 
     /// Completes when the lease is lost: renewal failed until the lease ended, or the key was
     /// taken over or force-released. Never completes for a lease that stays held.
     /// Cancel-safe.
     pub async fn lost(&self) {
-        let mut rx = self.lease.subscribe_lost();
+        let mut rx = self.hold.lease.subscribe_lost();
         let _ = rx.wait_for(|lost| *lost).await;
     }
 
-    /// Re-enters the lock: returns another guard of the same lease (same fence). The lease is
-    /// released when the last guard is released or dropped. Reentrancy is only ever explicit.
+    /// Re-enters the lock: returns another guard of the same grant (same fence). The lock is
+    /// released when the last of them is released or dropped. Reentrancy is only ever
+    /// explicit.
     pub fn reenter(&self) -> Result<LockGuard> {
-        if self.lease.is_lost() {
+        if self.hold.lease.is_lost() {
             return Err(Error::LockLost {
                 key: self.key().to_owned(),
             });
         }
-        self.lease.holds.fetch_add(1, Ordering::AcqRel);
-        Ok(LockGuard {
-            lease: self.lease.clone(),
-            shard: self.shard.clone(),
-            done: false,
-        })
+        self.hold.guards.fetch_add(1, Ordering::AcqRel);
+        Ok(LockGuard::new(self.hold.clone()))
     }
 
-    /// How many guards share this lease.
+    /// How many guards share this grant.
     pub fn holds(&self) -> usize {
-        self.lease.holds.load(Ordering::Acquire)
+        self.hold.guards.load(Ordering::Acquire)
     }
 
-    /// Releases the lock (owner-checked: only our own lease row is touched). With reentrant
-    /// guards still alive, this only gives up this guard's hold.
+    /// Releases the lock. With reentrant guards still alive, this only gives up this guard's
+    /// hold. If a task of this process waits for the key, it is handed the lock (in memory
+    /// while the lease allows, else by the release statement itself); otherwise the lease row
+    /// is released, owner-checked: only our own row is touched.
     ///
     /// Returns [`Error::LockLost`] if the lease was no longer ours (someone else's lease is
     /// left intact), and a backend error if the shard could not be reached (the lease is no
@@ -108,97 +134,163 @@ impl LockGuard {
     /// dropped.
     pub async fn release(mut self) -> Result<()> {
         self.done = true;
-        if self.lease.holds.fetch_sub(1, Ordering::AcqRel) > 1 {
+        if self.hold.guards.fetch_sub(1, Ordering::AcqRel) > 1 {
             return Ok(());
         }
-        let task = tokio::spawn(release_lease(self.shard.clone(), self.lease.clone()));
-        task.await.map_err(|_| Error::Shutdown)?
+        match end_hold(&self.hold) {
+            None => Ok(()),
+            Some(shard_work) => tokio::spawn(shard_work)
+                .await
+                .map_err(|_| Error::Shutdown)?,
+        }
     }
 }
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        if self.done || self.lease.holds.fetch_sub(1, Ordering::AcqRel) > 1 {
+        if self.done || self.hold.guards.fetch_sub(1, Ordering::AcqRel) > 1 {
             return;
         }
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(release_lease(self.shard.clone(), self.lease.clone()));
+        if let Some(shard_work) = end_hold(&self.hold) {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(shard_work)),
+                // No runtime to release on: stop renewing; the lease ends by expiry.
+                Err(_) => drop(self.hold.shard.remove(self.hold.lease.id)),
             }
-            // No runtime to release on: stop renewing; the lease ends by expiry.
-            Err(_) => drop(self.shard.remove(self.lease.id)),
         }
     }
 }
 
-/// Ends a lease: stops renewing it, then, if a task of this process waits for the key, hands
-/// the lease to it in one statement (a new grant with a larger fence); otherwise marks the row
-/// released (deleting nothing, so the fence survives) and lets the next local waiter poll.
-pub(crate) async fn release_lease(shard: Arc<ShardState>, lease: Arc<LeaseState>) -> Result<()> {
-    shard.remove(lease.id);
-    let stats = &shard.shared.stats;
-    stats.releases.fetch_add(1, Ordering::Relaxed);
-    let turn = lease.turn.lock().unwrap().take();
-    let lost = || {
-        lease.mark_lost("already taken over when released", &shard.shared.stats);
-        Error::LockLost {
-            key: lease.key.as_str().to_owned(),
-        }
-    };
+/// A release or hand-off statement still to run.
+type ShardWork = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
+
+/// Ends a hold. A waiting task of this process is handed the lock in memory when the lease
+/// allows it (returns `None`: done); otherwise returns the shard work to run: the release
+/// statement, which also hands the lease to the waiter unless another process asked for it.
+fn end_hold(hold: &Hold) -> Option<ShardWork> {
+    let (lease, shard) = (&hold.lease, &hold.shard);
+    let closed = shard.shared.is_closed();
+    let mut turn_slot = lease.turn.lock().unwrap();
     // No hand-offs once the router shuts down: waiters then find it closed.
-    let next = turn
+    let next = turn_slot
         .as_ref()
-        .filter(|_| !shard.shared.is_closed())
+        .filter(|_| !closed)
         .and_then(Turn::next_waiter);
     if let Some(next) = next {
-        let turn = turn.expect("a waiter was found through the turn");
-        let (id, owner) = shard.shared.next_owner();
-        let sent = Instant::now();
-        let outcome = shard
-            .shard
-            .handoff(lease.key.stored(), &lease.owner, &owner, next.want.ttl)
-            .await;
-        return match outcome {
-            Ok(HandoffOutcome::Granted(fence)) => {
-                stats.grants.fetch_add(1, Ordering::Relaxed);
-                stats.handoffs.fetch_add(1, Ordering::Relaxed);
-                let want = next.want;
-                let grant = Grant {
-                    id,
-                    owner,
-                    fence,
-                    sent,
-                };
-                let state = LeaseState::new(lease.key.clone(), grant, want, turn);
-                let state = Arc::new(state);
-                shard.insert(state.clone());
-                next.grant(LockGuard {
-                    lease: state,
-                    shard: shard.clone(),
-                    done: false,
-                });
-                Ok(())
-            }
-            Ok(HandoffOutcome::Released) => {
-                // Another process asked for the key: let it in before our next poll.
-                next.turn(turn, true);
-                Ok(())
-            }
-            Ok(HandoffOutcome::NotOurs) => {
-                next.turn(turn, false);
-                Err(lost())
-            }
-            Err(e) => {
-                next.turn(turn, false);
-                Err(e.into_error(shard.shard.name()))
-            }
-        };
+        if let Some(fence) = lease.local_fence() {
+            shard.shared.stats.grants.fetch_add(1, Ordering::Relaxed);
+            shard
+                .shared
+                .stats
+                .local_handoffs
+                .fetch_add(1, Ordering::Relaxed);
+            next.grant(LockGuard::new(Hold::new(
+                lease.clone(),
+                shard.clone(),
+                fence,
+            )));
+            return None;
+        }
+        let turn = turn_slot
+            .take()
+            .expect("a waiter was found through the turn");
+        return Some(Box::pin(handoff_through_shard(
+            shard.clone(),
+            lease.clone(),
+            turn,
+            next,
+        )));
     }
+    let turn = turn_slot.take();
+    drop(turn_slot);
+    Some(Box::pin(release_through_shard(
+        shard.clone(),
+        lease.clone(),
+        turn,
+    )))
+}
+
+/// The release statement that also grants the lease to `next`, with a fresh range of fences,
+/// unless another process marked the row as wanted: then the key is released for everyone and
+/// `next` gets the turn to poll after yielding.
+async fn handoff_through_shard(
+    shard: Arc<ShardState>,
+    lease: Arc<LeaseState>,
+    turn: Turn,
+    next: Handover,
+) -> Result<()> {
+    shard.remove(lease.id);
+    let shared = &shard.shared;
+    shared.stats.releases.fetch_add(1, Ordering::Relaxed);
+    let (id, owner) = shared.next_owner();
+    let want = next.want;
+    let req = GrantRequest {
+        key: lease.key.stored().to_vec(),
+        owner,
+        ttl_ms: want.ttl_ms(),
+        fence_floor: 0,
+        reserve: want.handoff_max_count,
+    };
+    let sent = Instant::now();
+    match shard.shard.handoff(&lease.owner, &req).await {
+        Ok(HandoffOutcome::Granted(fence)) => {
+            shared.stats.grants.fetch_add(1, Ordering::Relaxed);
+            shared.stats.handoffs.fetch_add(1, Ordering::Relaxed);
+            let grant = Grant {
+                id,
+                owner: req.owner,
+                fence,
+                reserve: req.reserve,
+                sent,
+            };
+            let state = Arc::new(LeaseState::new(
+                lease.key.clone(),
+                grant,
+                want,
+                want.handoff_max_time,
+                turn,
+            ));
+            shard.insert(state.clone());
+            next.grant(LockGuard::new(Hold::new(state, shard.clone(), fence)));
+            Ok(())
+        }
+        Ok(HandoffOutcome::Released) => {
+            // Another process asked for the key: let it in before our next poll.
+            next.turn(turn, true);
+            Ok(())
+        }
+        Ok(HandoffOutcome::NotOurs) => {
+            next.turn(turn, false);
+            Err(lost(&shard, &lease))
+        }
+        Err(e) => {
+            next.turn(turn, false);
+            Err(e.into_error(shard.shard.name()))
+        }
+    }
+}
+
+/// The owner-checked release statement. Nothing is deleted, so the fence survives; the turn
+/// passes to the next local waiter once the row is free.
+pub(crate) async fn release_through_shard(
+    shard: Arc<ShardState>,
+    lease: Arc<LeaseState>,
+    turn: Option<Turn>,
+) -> Result<()> {
+    shard.remove(lease.id);
+    shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
     let result = shard.shard.release(lease.key.stored(), &lease.owner).await;
     drop(turn);
     match result {
         Ok(true) => Ok(()),
-        Ok(false) => Err(lost()),
+        Ok(false) => Err(lost(&shard, &lease)),
         Err(e) => Err(e.into_error(shard.shard.name())),
+    }
+}
+
+fn lost(shard: &ShardState, lease: &LeaseState) -> Error {
+    lease.mark_lost("already taken over when released", &shard.shared.stats);
+    Error::LockLost {
+        key: lease.key.as_str().to_owned(),
     }
 }

@@ -2,7 +2,7 @@
 //! there with one statement per tick, and reports leases that can no longer be trusted.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -13,50 +13,81 @@ use tokio::time::Instant;
 
 use crate::queue::{KeyQueues, Turn, Want};
 
-/// One granted lease, shared by its guard(s) and the keeper.
+/// A lease row granted to this process, shared by the keeper and by the holds (guards) made
+/// under it: the first, and those handed over in memory after it.
 #[derive(Debug)]
 pub(crate) struct LeaseState {
     pub(crate) id: u64,
     pub(crate) key: LockKey,
     pub(crate) owner: String,
-    pub(crate) fence: u64,
     pub(crate) ttl: Duration,
     pub(crate) renew_every: Duration,
     /// Local, conservative end of the lease: measured from *before* the statement that granted
     /// or last renewed it was sent, so it never runs past the shard's own expiry.
     deadline: Mutex<Instant>,
     lost: watch::Sender<bool>,
-    /// Guards sharing this lease (explicit reentrancy); the last one releases it.
-    pub(crate) holds: AtomicUsize,
+    /// The next fence to hand out in memory, and the last one reserved on the shard.
+    next_fence: AtomicU64,
+    fence_top: u64,
+    /// In-memory hand-offs end this long after the shard grant.
+    local_until: Instant,
     /// This process's turn on the key: held until the lease is released, so local waiters
     /// queue in memory instead of polling the shard.
     pub(crate) turn: Mutex<Option<Turn>>,
 }
 
-/// What the shard granted: to which owner (grant `id`), with which fence, and when the
-/// granting statement was sent.
+/// What the shard granted: to which owner (grant `id`), its first fence and how many more
+/// were reserved after it, and when the granting statement was sent.
 #[derive(Debug)]
 pub(crate) struct Grant {
     pub(crate) id: u64,
     pub(crate) owner: String,
     pub(crate) fence: u64,
+    pub(crate) reserve: u32,
     pub(crate) sent: Instant,
 }
 
 impl LeaseState {
-    pub(crate) fn new(key: LockKey, grant: Grant, want: Want, turn: Turn) -> Self {
+    /// The lease of `grant`; in-memory hand-offs may follow it for `local_for`.
+    pub(crate) fn new(
+        key: LockKey,
+        grant: Grant,
+        want: Want,
+        local_for: Duration,
+        turn: Turn,
+    ) -> Self {
         Self {
             id: grant.id,
             key,
             owner: grant.owner,
-            fence: grant.fence,
             ttl: want.ttl,
             renew_every: want.renew_every,
             deadline: Mutex::new(grant.sent + want.ttl),
             lost: watch::channel(false).0,
-            holds: AtomicUsize::new(1),
+            next_fence: AtomicU64::new(grant.fence + 1),
+            fence_top: grant.fence + u64::from(grant.reserve),
+            local_until: grant.sent + local_for,
             turn: Mutex::new(Some(turn)),
         }
+    }
+
+    /// Whether the lease is surely still ours on the shard.
+    pub(crate) fn is_live(&self) -> bool {
+        !self.is_lost() && Instant::now() < self.deadline()
+    }
+
+    /// A fence for an in-memory hand-off, if this lease may still make one: it is live, its
+    /// reserved fences are not used up, and its time for local hand-offs has not run out.
+    pub(crate) fn local_fence(&self) -> Option<u64> {
+        if Instant::now() >= self.local_until || !self.is_live() {
+            return None;
+        }
+        // Holds of one lease follow each other, so nobody else takes fences meanwhile.
+        let fence = self.next_fence.load(Ordering::Acquire);
+        (fence <= self.fence_top).then(|| {
+            self.next_fence.store(fence + 1, Ordering::Release);
+            fence
+        })
     }
 
     pub(crate) fn deadline(&self) -> Instant {
@@ -82,7 +113,7 @@ impl LeaseState {
     pub(crate) fn mark_lost(&self, why: &'static str, stats: &Stats) {
         if !self.lost.send_replace(true) {
             stats.lost.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(key = %self.key, fence = self.fence, owner = %self.owner, why, "shardlock lease lost");
+            tracing::warn!(key = %self.key, owner = %self.owner, why, "shardlock lease lost");
         }
     }
 }
@@ -125,6 +156,7 @@ impl Shared {
 pub(crate) struct Stats {
     pub(crate) grants: AtomicU64,
     pub(crate) handoffs: AtomicU64,
+    pub(crate) local_handoffs: AtomicU64,
     pub(crate) acquire_statements: AtomicU64,
     pub(crate) timeouts: AtomicU64,
     pub(crate) releases: AtomicU64,

@@ -18,6 +18,16 @@ use crate::guard::LockGuard;
 pub(crate) struct Want {
     pub(crate) ttl: Duration,
     pub(crate) renew_every: Duration,
+    /// Fences to reserve for in-memory hand-offs after a shard grant.
+    pub(crate) handoff_max_count: u32,
+    /// How long in-memory hand-offs may follow a shard grant.
+    pub(crate) handoff_max_time: Duration,
+}
+
+impl Want {
+    pub(crate) fn ttl_ms(&self) -> u32 {
+        u32::try_from(self.ttl.as_millis()).unwrap_or(u32::MAX)
+    }
 }
 
 /// What a waiter receives.
@@ -220,6 +230,8 @@ mod tests {
         Want {
             ttl: Duration::from_secs(1),
             renew_every: Duration::from_millis(300),
+            handoff_max_count: 8,
+            handoff_max_time: Duration::from_millis(20),
         }
     }
 

@@ -9,11 +9,11 @@ use arc_swap::ArcSwap;
 use futures_util::future::join_all;
 use shardlock_core::config::{check_ttl, DEFAULT_NAMESPACE};
 use shardlock_core::{Backoff, Config, ConfigError, Error, LockKey, Result, Ring};
-use shardlock_mysql::{LeaseRow, MigrateReport, PoolStatus, Shard};
+use shardlock_mysql::{GrantRequest, LeaseRow, MigrateReport, PoolStatus, Shard};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::guard::{release_lease, LockGuard};
+use crate::guard::{release_through_shard, Hold, LockGuard};
 use crate::keeper::{spawn_keeper, Grant, LeaseState, ShardState, Shared};
 use crate::options::AcquireOptions;
 use crate::queue::{Entry, Handoff, Want};
@@ -49,6 +49,10 @@ pub struct LockStats {
     /// Grants handed from a releasing holder to a waiting task of this process in the same
     /// statement as the release.
     pub handoffs: u64,
+    /// Grants handed from a releasing holder to a waiting task of this process in memory,
+    /// without a statement (each with a new, larger fence from the range the shard grant
+    /// reserved).
+    pub local_handoffs: u64,
     /// Acquire statements sent to shards (one per attempt).
     pub acquire_statements: u64,
     /// Acquires that gave up after their wait.
@@ -250,6 +254,8 @@ impl LockRouter {
         let want = Want {
             ttl,
             renew_every: ns.renew_interval_for(ttl),
+            handoff_max_count: ns.handoff_max_count,
+            handoff_max_time: ns.handoff_max_time,
         };
         let turn = match self.inner.shared.queues.enter(key.stored(), want) {
             Entry::Turn(turn) => turn,
@@ -278,8 +284,15 @@ impl LockRouter {
                 return Err(Error::Shutdown);
             }
             let (id, owner) = self.inner.shared.next_owner();
+            let req = GrantRequest {
+                key: key.stored().to_vec(),
+                owner,
+                ttl_ms: want.ttl_ms(),
+                fence_floor: 0,
+                reserve: want.handoff_max_count,
+            };
             let sent = Instant::now();
-            if let Some(fence) = self.attempt(&shard, &key, &owner, ttl).await? {
+            if let Some(fence) = self.attempt(&shard, &req).await? {
                 self.inner
                     .shared
                     .stats
@@ -287,17 +300,20 @@ impl LockRouter {
                     .fetch_add(1, Ordering::Relaxed);
                 let grant = Grant {
                     id,
-                    owner,
+                    owner: req.owner,
                     fence,
+                    reserve: req.reserve,
                     sent,
                 };
-                let lease = Arc::new(LeaseState::new(key, grant, want, turn));
+                let lease = Arc::new(LeaseState::new(
+                    key,
+                    grant,
+                    want,
+                    want.handoff_max_time,
+                    turn,
+                ));
                 shard.insert(lease.clone());
-                return Ok(Some(LockGuard {
-                    lease,
-                    shard,
-                    done: false,
-                }));
+                return Ok(Some(LockGuard::new(Hold::new(lease, shard, fence))));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -311,37 +327,28 @@ impl LockRouter {
     /// goes away meanwhile, whoever sees a winning result last releases it: the task (when the
     /// caller was gone before the answer) or [`PendingAttempt`]'s drop (when the answer was
     /// already sent but not yet taken).
-    async fn attempt(
-        &self,
-        shard: &Arc<ShardState>,
-        key: &LockKey,
-        owner: &str,
-        ttl: Duration,
-    ) -> Result<Option<u64>> {
+    async fn attempt(&self, shard: &Arc<ShardState>, req: &GrantRequest) -> Result<Option<u64>> {
         self.inner
             .shared
             .stats
             .acquire_statements
             .fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        let (task_shard, task_key, task_owner) = (shard.clone(), key.clone(), owner.to_owned());
+        let (task_shard, task_req) = (shard.clone(), req.clone());
         tokio::spawn(async move {
-            let result = task_shard
-                .shard
-                .acquire(task_key.stored(), &task_owner, ttl, 0)
-                .await;
+            let result = task_shard.shard.acquire(&task_req).await;
             if let Err(Ok(Some(_fence))) = tx.send(result) {
                 let _ = task_shard
                     .shard
-                    .release(task_key.stored(), &task_owner)
+                    .release(&task_req.key, &task_req.owner)
                     .await;
             }
         });
         let mut pending = PendingAttempt {
             rx,
             shard: shard.clone(),
-            key: key.clone(),
-            owner: owner.to_owned(),
+            key: req.key.clone(),
+            owner: req.owner.clone(),
             taken: false,
         };
         let result = (&mut pending.rx).await;
@@ -388,6 +395,7 @@ impl LockRouter {
         LockStats {
             grants: get(&s.grants),
             handoffs: get(&s.handoffs),
+            local_handoffs: get(&s.local_handoffs),
             acquire_statements: get(&s.acquire_statements),
             timeouts: get(&s.timeouts),
             releases: get(&s.releases),
@@ -408,7 +416,8 @@ impl LockRouter {
             s.held().into_iter().map(move |lease| {
                 let s = s.clone();
                 async move {
-                    let r = release_lease(s.clone(), lease.clone()).await;
+                    let turn = lease.turn.lock().unwrap().take();
+                    let r = release_through_shard(s.clone(), lease.clone(), turn).await;
                     lease.mark_lost("router shut down", &s.shared.stats);
                     r
                 }
@@ -431,7 +440,7 @@ impl LockRouter {
 struct PendingAttempt {
     rx: oneshot::Receiver<std::result::Result<Option<u64>, shardlock_core::BackendError>>,
     shard: Arc<ShardState>,
-    key: LockKey,
+    key: Vec<u8>,
     owner: String,
     taken: bool,
 }
@@ -447,11 +456,11 @@ impl Drop for PendingAttempt {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let (shard, key, owner) = (
                     self.shard.clone(),
-                    self.key.clone(),
+                    std::mem::take(&mut self.key),
                     std::mem::take(&mut self.owner),
                 );
                 runtime.spawn(async move {
-                    let _ = shard.shard.release(key.stored(), &owner).await;
+                    let _ = shard.shard.release(&key, &owner).await;
                 });
             }
         }

@@ -43,7 +43,10 @@ async fn grant_contend_release_and_fences_rise() {
     let row = row.unwrap();
     assert_eq!(shard, g.shard());
     assert_eq!(row.owner.as_deref(), Some(g.owner()));
-    assert_eq!(row.fence, g.fence());
+    assert!(
+        row.fence >= g.fence(),
+        "the row stores the top of the fences reserved for this grant"
+    );
     assert!(row.is_held());
 
     let first = g.fence();
@@ -210,7 +213,9 @@ async fn a_taken_over_lease_is_reported_lost_and_release_leaves_the_new_row() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_local_waiter_is_handed_the_lease_by_the_release_statement() {
-    let (cluster, router, _) = common::start(1, "").await;
+    // No in-memory hand-offs: the shard serves every grant.
+    let (cluster, router, _) =
+        common::start(1, "namespaces:\n  default:\n    handoff-max-count: 0\n").await;
     let g = router.acquire("sku:7", once()).await.unwrap();
     let waiter = tokio::spawn({
         let router = router.clone();
@@ -248,9 +253,13 @@ async fn a_local_waiter_is_handed_the_lease_by_the_release_statement() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_key_wanted_by_another_process_is_released_to_it_not_handed_off() {
-    // A long backoff cap: the local waiter yields that long after such a release.
-    let (_cluster, router, yaml) =
-        common::start(1, "namespaces:\n  default:\n    backoff-cap: 3s\n").await;
+    // A long backoff cap: the local waiter yields that long after such a release. No
+    // in-memory hand-offs: the release goes through the shard, where the mark is seen.
+    let (_cluster, router, yaml) = common::start(
+        1,
+        "namespaces:\n  default:\n    backoff-cap: 3s\n    handoff-max-count: 0\n",
+    )
+    .await;
     let other = shardlock::LockRouter::from_yaml_str(&yaml).await.unwrap();
     let g = router.acquire("sku:8", once()).await.unwrap();
     let local = tokio::spawn({
@@ -282,4 +291,59 @@ async fn a_key_wanted_by_another_process_is_released_to_it_not_handed_off() {
         .expect("released for everyone");
     theirs.release().await.unwrap();
     local.await.unwrap().unwrap().release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_memory_hand_offs_take_fences_the_shard_reserved() {
+    let (cluster, router, yaml) = common::start(
+        1,
+        "namespaces:\n  default:\n    handoff-max-count: 3\n    handoff-max-time: 5s\n",
+    )
+    .await;
+    let g = router.acquire("sku:9", once()).await.unwrap();
+    let waiters: Vec<_> = (0..5)
+        .map(|_| {
+            let router = router.clone();
+            tokio::spawn(async move {
+                let g = router
+                    .acquire("sku:9", AcquireOptions::new().wait(Duration::from_secs(10)))
+                    .await?;
+                let fence = g.fence();
+                g.release().await?;
+                Ok::<_, shardlock::Error>(fence)
+            })
+        })
+        .collect();
+    assert!(
+        common::eventually(Duration::from_secs(5), || async {
+            router.stats().queued == 5
+        })
+        .await
+    );
+    let before = common::dml_statements(cluster.shard(0)).await;
+    let first = g.fence();
+    g.release().await.unwrap();
+    let mut fences = vec![first];
+    for w in waiters {
+        fences.push(w.await.unwrap().unwrap());
+    }
+    let statements = common::dml_statements(cluster.shard(0)).await - before;
+    let stats = router.stats();
+    // Three grants in memory (the reserve), then one through the shard, whose reserve covers
+    // the last waiter; then the final release.
+    assert_eq!((stats.local_handoffs, stats.handoffs), (4, 1), "{stats:?}");
+    assert_eq!(statements, 2, "one hand-off statement and one release");
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "fences rise: {fences:?}"
+    );
+    // Whoever gets the key next through the shard is above every fence handed out here.
+    let other = shardlock::LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let next = other.acquire("sku:9", once()).await.unwrap();
+    assert!(
+        next.fence() > *fences.last().unwrap(),
+        "{} after {fences:?}",
+        next.fence()
+    );
+    next.release().await.unwrap();
 }

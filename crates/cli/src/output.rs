@@ -89,7 +89,7 @@ pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: b
         None => println!("lease:   never granted on this shard"),
         Some(r) if r.is_held() => {
             println!("holder:  {}", r.owner.as_deref().unwrap_or("-"));
-            println!("fence:   {}", r.fence);
+            println!("fence:   up to {} (reserved by the current grant)", r.fence);
             println!(
                 "expires: in {} ms (shard clock), lease {} ms",
                 r.expires_in_ms, r.ttl_ms

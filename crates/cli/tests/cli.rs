@@ -72,7 +72,10 @@ async fn migrate_status_and_inspect() {
     assert_eq!(inspect["shard"], guard.shard());
     assert_eq!(inspect["lease"]["held"], true);
     assert_eq!(inspect["lease"]["owner"], guard.owner());
-    assert_eq!(inspect["lease"]["fence"], guard.fence());
+    assert!(
+        inspect["lease"]["fence"].as_u64().unwrap() >= guard.fence(),
+        "the top of the grant's fences"
+    );
     assert!(inspect["lease"]["expires_in_ms"].as_i64().unwrap() > 0);
     let text = shardlock(&config, &["inspect", "order:1001"]);
     assert!(String::from_utf8_lossy(&text.stdout).contains(guard.owner()));

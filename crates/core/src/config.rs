@@ -24,6 +24,13 @@ pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
 pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(2);
 /// Longest backoff step: bounds how late a waiter notices a released lock.
 pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_millis(100);
+/// Fences reserved per shard grant for in-memory hand-offs: a process alone on a hot key
+/// makes this many grants per round trip to the shard.
+pub const DEFAULT_HANDOFF_MAX_COUNT: u32 = 128;
+/// How long a process may keep handing a key over in memory before it goes back to the shard
+/// (where it yields if another process asked for the key). Other processes wait at most about
+/// this plus one of their backoff steps, a few round trips on a busy shard.
+pub const DEFAULT_HANDOFF_MAX_TIME: Duration = Duration::from_millis(20);
 /// Connections per shard pool: a lock statement is short, so a few connections serve many
 /// callers; raise it for many concurrent transaction locks.
 pub const DEFAULT_POOL_MAX_SIZE: usize = 16;
@@ -159,6 +166,11 @@ pub struct NamespaceConfig {
     /// Longest backoff step while waiting.
     #[serde(with = "humantime_serde")]
     pub backoff_cap: Duration,
+    /// In-memory hand-offs per shard grant (0: every grant goes through the shard).
+    pub handoff_max_count: u32,
+    /// How long a chain of in-memory hand-offs may run before going back to the shard.
+    #[serde(with = "humantime_serde")]
+    pub handoff_max_time: Duration,
 }
 
 impl Default for NamespaceConfig {
@@ -169,6 +181,8 @@ impl Default for NamespaceConfig {
             wait: DEFAULT_WAIT,
             backoff_base: DEFAULT_BACKOFF_BASE,
             backoff_cap: DEFAULT_BACKOFF_CAP,
+            handoff_max_count: DEFAULT_HANDOFF_MAX_COUNT,
+            handoff_max_time: DEFAULT_HANDOFF_MAX_TIME,
         }
     }
 }
@@ -327,6 +341,18 @@ impl Config {
                         format!("must be above zero and below the ttl ({:?})", ns.ttl),
                     ));
                 }
+            }
+            if ns.handoff_max_count > 1_000_000 {
+                return Err(invalid(
+                    field("handoff-max-count"),
+                    "must be at most 1000000".into(),
+                ));
+            }
+            if ns.handoff_max_time >= ns.ttl {
+                return Err(invalid(
+                    field("handoff-max-time"),
+                    format!("must be below the ttl ({:?})", ns.ttl),
+                ));
             }
             if ns.backoff_base.is_zero() || ns.backoff_cap < ns.backoff_base {
                 return Err(invalid(

@@ -10,24 +10,45 @@ macro_rules! now_us {
     };
 }
 
+/// What a grant asks of the shard: the row `key` for `owner` for `ttl`, with a first fence
+/// above `fence_floor` (and above every earlier fence of the key), and `reserve` more fences
+/// set aside after it.
+///
+/// The reserved fences are for grants this process makes in memory (local hand-offs) without
+/// another round trip: the row stores the top of the range, so whoever is granted the key next
+/// through the shard gets a fence above all of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrantRequest {
+    /// The stored key.
+    pub key: Vec<u8>,
+    /// The new owner, unique per grant.
+    pub owner: String,
+    /// Lease length in ms.
+    pub ttl_ms: u32,
+    /// The first fence is above this (used when a key moves between shards).
+    pub fence_floor: u64,
+    /// Fences reserved after the first one.
+    pub reserve: u32,
+}
+
 /// Acquire in one statement, for a free row, a released row or an expired lease alike.
 ///
 /// `owner` is unique per attempt, so after the first assignment `owner = ?` means "this
-/// attempt won". The winner's new fence is handed back through `LAST_INSERT_ID(expr)`, which
-/// the server reports in the OK packet; a loser sets `LAST_INSERT_ID(0)` (and marks the row
-/// as wanted). Assignments run left to right, so `owner` must come first. A row held by a live
+/// attempt won". The winner's first fence is handed back through `LAST_INSERT_ID(expr)`,
+/// which the server reports in the OK packet (the stored fence is that plus the reserve); a
+/// loser sets `LAST_INSERT_ID(0)` (and marks the row as wanted). Assignments run left to right, so `owner` must come first. A row held by a live
 /// lease is never taken; nothing is deleted, so there is no insert/delete churn on hot rows.
 /// Times are `NOW(3)` of the shard, in UTC; the statement is kept small because the server
 /// re-resolves every expression of a prepared statement on each execution.
 ///
-/// Parameters: key, owner, fence floor, ttl ms, ttl us | owner, owner, fence floor, owner,
-/// ttl ms, owner, ttl us, owner, owner.
+/// Parameters: key, owner, fence floor, reserve, ttl ms, ttl us | owner, owner, fence floor,
+/// reserve, owner, ttl ms, owner, ttl us, owner, owner.
 const ACQUIRE: &str = concat!(
     "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, wanted_at) ",
-    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)), ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), NULL) ",
+    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), NULL) ",
     "ON DUPLICATE KEY UPDATE ",
     "owner = IF(owner IS NULL OR expires_at <= NOW(3), ?, owner), ",
-    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ?)), fence + LAST_INSERT_ID(0)), ",
+    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ?)) + ?, fence + LAST_INSERT_ID(0)), ",
     "ttl_ms = IF(owner = ?, ?, ttl_ms), ",
     "expires_at = IF(owner = ?, NOW(3) + INTERVAL ? MICROSECOND, expires_at), ",
     "acquired_at = IF(owner = ?, NOW(3), acquired_at), ",
@@ -45,11 +66,12 @@ const RELEASE: &str =
 /// released for everyone. The new grant's fence comes back through `LAST_INSERT_ID(expr)` as
 /// in [`ACQUIRE`]; a plain release reports 0.
 ///
-/// Parameters: new owner ×3, ttl ms, new owner, ttl us, new owner | key, old owner.
+/// Parameters: new owner ×2, reserve, new owner, ttl ms, new owner, ttl us, new owner | key,
+/// old owner.
 const HANDOFF: &str = concat!(
     "UPDATE shardlock_lease SET ",
     "owner = IF(wanted_at IS NULL, ?, NULL), ",
-    "fence = IF(owner <=> ?, LAST_INSERT_ID(fence + 1), fence + LAST_INSERT_ID(0)), ",
+    "fence = IF(owner <=> ?, LAST_INSERT_ID(fence + 1) + ?, fence + LAST_INSERT_ID(0)), ",
     "ttl_ms = IF(owner <=> ?, ?, ttl_ms), ",
     "expires_at = IF(owner <=> ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3)), ",
     "acquired_at = IF(owner <=> ?, NOW(3), acquired_at), ",
@@ -70,21 +92,21 @@ pub enum HandoffOutcome {
 
 pub(crate) async fn handoff(
     conn: &mut Conn,
-    key: &[u8],
     old_owner: &str,
-    new_owner: &str,
-    ttl_ms: u32,
+    to: &GrantRequest,
 ) -> mysql_async::Result<HandoffOutcome> {
-    let ttl_us = u64::from(ttl_ms) * 1000;
+    let ttl_us = u64::from(to.ttl_ms) * 1000;
+    let new_owner = to.owner.as_str();
     let params: Vec<Value> = vec![
         new_owner.into(),
         new_owner.into(),
+        to.reserve.into(),
         new_owner.into(),
-        ttl_ms.into(),
+        to.ttl_ms.into(),
         new_owner.into(),
         ttl_us.into(),
         new_owner.into(),
-        key.into(),
+        to.key.as_slice().into(),
         old_owner.into(),
     ];
     conn.exec_drop(HANDOFF, Params::Positional(params)).await?;
@@ -125,23 +147,23 @@ pub const MAX_RENEW_BATCH: usize = 4096;
 
 pub(crate) async fn acquire(
     conn: &mut Conn,
-    key: &[u8],
-    owner: &str,
-    ttl_ms: u32,
-    fence_floor: u64,
+    req: &GrantRequest,
 ) -> mysql_async::Result<Option<u64>> {
-    let ttl_us = u64::from(ttl_ms) * 1000;
+    let ttl_us = u64::from(req.ttl_ms) * 1000;
+    let owner = req.owner.as_str();
     let params: Vec<Value> = vec![
-        key.into(),
+        req.key.as_slice().into(),
         owner.into(),
-        fence_floor.into(),
-        ttl_ms.into(),
+        req.fence_floor.into(),
+        req.reserve.into(),
+        req.ttl_ms.into(),
         ttl_us.into(),
         owner.into(),
         owner.into(),
-        fence_floor.into(),
+        req.fence_floor.into(),
+        req.reserve.into(),
         owner.into(),
-        ttl_ms.into(),
+        req.ttl_ms.into(),
         owner.into(),
         ttl_us.into(),
         owner.into(),
@@ -223,7 +245,8 @@ pub(crate) async fn renew(
 pub struct LeaseRow {
     /// The holder, or `None` when released.
     pub owner: Option<String>,
-    /// The fence of the latest grant.
+    /// The highest fence reserved by the latest grant (its first fence plus the fences set
+    /// aside for in-memory hand-offs); the next grant through the shard gets a larger one.
     pub fence: u64,
     /// Lease length of the latest grant, ms.
     pub ttl_ms: u32,
@@ -277,7 +300,7 @@ mod tests {
 
     #[test]
     fn acquire_binds_as_many_parameters_as_it_has_placeholders() {
-        assert_eq!(ACQUIRE.matches('?').count(), 14);
-        assert_eq!(HANDOFF.matches('?').count(), 9);
+        assert_eq!(ACQUIRE.matches('?').count(), 16);
+        assert_eq!(HANDOFF.matches('?').count(), 10);
     }
 }

@@ -13,7 +13,7 @@ mod pool;
 mod shard;
 
 pub use error::classify;
-pub use lease::{HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
+pub use lease::{GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
 pub use migrate::{MigrateReport, MIGRATIONS};
 pub use pool::{ShardConn, ShardManager, ShardPool};
 pub use shard::{PoolStatus, Shard};

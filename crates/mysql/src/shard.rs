@@ -11,7 +11,7 @@ use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
 
 use crate::error::{classify, classify_pool};
-use crate::lease::{self, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
+use crate::lease::{self, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{session_setup, ShardConn, ShardManager, ShardPool};
 
@@ -121,21 +121,13 @@ impl Shard {
         }
     }
 
-    /// Tries to take `key` for `owner` for `ttl` in one statement. `Some(fence)` when granted
-    /// (the fence is above `fence_floor` and above every earlier fence of the key on this
-    /// shard); `None` when a live lease of someone else holds it.
-    pub async fn acquire(
-        &self,
-        key: &[u8],
-        owner: &str,
-        ttl: Duration,
-        fence_floor: u64,
-    ) -> Result<Option<u64>, BackendError> {
-        let ttl_ms = u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX);
-        let (key, owner) = (key.to_vec(), owner.to_owned());
+    /// Tries to grant `req` in one statement. `Some(first fence)` when granted (fences
+    /// `first ..= first + req.reserve` are this grant's); `None` when a live lease of someone
+    /// else holds the key.
+    pub async fn acquire(&self, req: &GrantRequest) -> Result<Option<u64>, BackendError> {
         self.with_conn(self.statement_timeout, |c| {
-            let (key, owner) = (key.clone(), owner.clone());
-            Box::pin(async move { lease::acquire(c, &key, &owner, ttl_ms, fence_floor).await })
+            let req = req.clone();
+            Box::pin(async move { lease::acquire(c, &req).await })
         })
         .await
     }
@@ -150,21 +142,16 @@ impl Shard {
         .await
     }
 
-    /// Releases `key` held by `old_owner`, handing it to `new_owner` for `ttl` in the same
-    /// statement unless another process asked for the key since it was granted.
+    /// Releases the key of `to` held by `old_owner`, granting it to `to` in the same statement
+    /// unless another process asked for the key since it was granted.
     pub async fn handoff(
         &self,
-        key: &[u8],
         old_owner: &str,
-        new_owner: &str,
-        ttl: Duration,
+        to: &GrantRequest,
     ) -> Result<HandoffOutcome, BackendError> {
-        let ttl_ms = u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX);
-        let (key, old_owner, new_owner) =
-            (key.to_vec(), old_owner.to_owned(), new_owner.to_owned());
         self.with_conn(self.statement_timeout, |c| {
-            let (key, old_owner, new_owner) = (key.clone(), old_owner.clone(), new_owner.clone());
-            Box::pin(async move { lease::handoff(c, &key, &old_owner, &new_owner, ttl_ms).await })
+            let (old_owner, to) = (old_owner.to_owned(), to.clone());
+            Box::pin(async move { lease::handoff(c, &old_owner, &to).await })
         })
         .await
     }
