@@ -29,13 +29,18 @@ pub(crate) enum Scenario {
     Uncontended,
     /// One key, many tasks in one process, against the naive hand-rolled algorithm.
     HotKey,
+    /// One key, many tasks in one process, against Redis `SET NX PX` + owner-checked delete.
+    HotKeyRedis,
 }
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
     /// Scenarios to run (repeat the flag for several).
-    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey])]
+    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey, Scenario::HotKeyRedis])]
     scenario: Vec<Scenario>,
+    /// The Redis server for the `hot-key-redis` baseline (skipped when it does not answer).
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    redis: String,
     /// How long each round runs.
     #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
     duration: Duration,
@@ -119,6 +124,19 @@ pub(crate) async fn run(
 
     let mut comparisons = Vec::new();
     for &scenario in &args.scenario {
+        let redis = match scenario {
+            Scenario::HotKeyRedis => match redis_connection(&args.redis).await {
+                Ok(conn) => Some(conn),
+                Err(e) => {
+                    eprintln!(
+                        "skipping hot-key-redis: Redis at {} does not answer ({e})",
+                        args.redis
+                    );
+                    continue;
+                }
+            },
+            _ => None,
+        };
         let (mut ours, mut base) = (Vec::new(), Vec::new());
         for round in 0..args.rounds {
             let tag = format!("{run_id}:{round}");
@@ -130,6 +148,11 @@ pub(crate) async fn run(
                 Scenario::HotKey => {
                     ours.push(hot_key_shardlock(&router, &tag, &args, &counters).await?);
                     base.push(hot_key_naive(&pool, &tag, &args, &counters).await?);
+                }
+                Scenario::HotKeyRedis => {
+                    let redis = redis.clone().expect("connected above");
+                    ours.push(hot_key_shardlock(&router, &tag, &args, &counters).await?);
+                    base.push(hot_key_redis(redis, &tag, &args, &counters).await?);
                 }
             }
         }
@@ -302,6 +325,70 @@ async fn hot_key_naive(
             Ok(())
         }
     })
+    .await
+}
+
+async fn redis_connection(url: &str) -> Result<redis::aio::MultiplexedConnection, AnyError> {
+    let client = redis::Client::open(url)?;
+    let conn = tokio::time::timeout(
+        Duration::from_secs(2),
+        client.get_multiplexed_async_connection(),
+    )
+    .await??;
+    Ok(conn)
+}
+
+/// The usual Redis lock: `SET key owner NX PX ttl`; on failure back off (shardlock's default
+/// steps) and retry; release with a script that deletes the key only if it still holds our
+/// owner. All tasks share one multiplexed connection, as a service would.
+async fn hot_key_redis(
+    conn: redis::aio::MultiplexedConnection,
+    tag: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> Result<Measurement, AnyError> {
+    let key = format!("shardlock-bench:hot:{tag}");
+    let release = redis::Script::new(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end",
+    );
+    measure(
+        "redis SET NX PX, one hot key",
+        args.duration,
+        args.hot_tasks,
+        counters,
+        move |task, i| {
+            let (mut conn, key, release, owner) = (
+                conn.clone(),
+                key.clone(),
+                release.clone(),
+                format!("{task}:{i}"),
+            );
+            async move {
+                let mut backoff =
+                    Backoff::new(Duration::from_millis(2), Duration::from_millis(100));
+                loop {
+                    let set: Option<String> = redis::cmd("SET")
+                        .arg(&key)
+                        .arg(&owner)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(10_000)
+                        .query_async(&mut conn)
+                        .await?;
+                    if set.is_some() {
+                        break;
+                    }
+                    tokio::time::sleep(backoff.next_delay()).await;
+                }
+                let _: i64 = release
+                    .key(&key)
+                    .arg(&owner)
+                    .invoke_async(&mut conn)
+                    .await?;
+                Ok(())
+            }
+        },
+    )
     .await
 }
 
