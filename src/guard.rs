@@ -74,6 +74,12 @@ impl LockGuard {
         self.hold.lease.key.as_str()
     }
 
+    /// The bucket, for a lock taken with [`crate::LockRouter::acquire_bucket`] or
+    /// [`crate::LockRouter::acquire_all_buckets`].
+    pub fn bucket(&self) -> Option<u32> {
+        self.hold.lease.key.bucket_number()
+    }
+
     /// The name of the shard that holds the lease.
     pub fn shard(&self) -> &str {
         self.hold.shard.shard.name()

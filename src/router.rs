@@ -173,12 +173,10 @@ impl LockRouter {
     pub fn shard_for(&self, key: &str) -> Result<String> {
         let key = LockKey::new(key)?;
         let topology = self.inner.topology.load();
-        Ok(
-            topology.shards[topology.ring.locate(key.as_str().as_bytes())]
-                .shard
-                .name()
-                .to_owned(),
-        )
+        Ok(topology.shards[topology.ring.locate(key.placement())]
+            .shard
+            .name()
+            .to_owned())
     }
 
     /// Acquires `key`, waiting up to the wait of `opts` (or of its namespace).
@@ -192,8 +190,112 @@ impl LockRouter {
     /// Cancellation: dropping the future at any point leaves no lease behind. An attempt in
     /// flight completes in its own task and, if it won, releases the lease it got.
     pub async fn acquire(&self, key: &str, opts: AcquireOptions) -> Result<LockGuard> {
+        let key = LockKey::new(key)?;
+        self.acquire_key(key, &opts, None).await
+    }
+
+    /// Tries once: `Ok(None)` when someone else holds `key` (in this process or another).
+    /// Cancellation as for [`LockRouter::acquire`].
+    pub async fn try_acquire(&self, key: &str, opts: AcquireOptions) -> Result<Option<LockGuard>> {
+        let key = LockKey::new(key)?;
+        self.acquire_inner(key, &opts, Some(Duration::ZERO)).await
+    }
+
+    /// Acquires one bucket of a hot key: bucket `hash(hint) % buckets` of the namespace's
+    /// `buckets` sub-locks, each placed on the ring on its own. With `bucket-spill`, every other
+    /// bucket is tried once (in order after the hint's) before waiting for the hint's own.
+    /// [`LockGuard::bucket`] says which one was granted.
+    ///
+    /// Use it when the protected resource can be split the same way (stock counted per bucket
+    /// row, say). Errors and cancellation as for [`LockRouter::acquire`].
+    pub async fn acquire_bucket(
+        &self,
+        key: &str,
+        hint: &str,
+        opts: AcquireOptions,
+    ) -> Result<LockGuard> {
+        LockKey::new(key)?;
+        let buckets = self.namespace_of(&opts)?.buckets;
+        let spill = self.namespace_of(&opts)?.bucket_spill;
+        let home = shardlock_core::bucket_for(hint.as_bytes(), buckets);
+        if spill && buckets > 1 {
+            let started = Instant::now();
+            for offset in 0..buckets {
+                let bucket = LockKey::bucket(key, (home + offset) % buckets)?;
+                if let Some(guard) = self
+                    .acquire_inner(bucket, &opts, Some(Duration::ZERO))
+                    .await?
+                {
+                    return Ok(guard);
+                }
+            }
+            let wait = self.namespace_of(&opts)?.wait;
+            let left = opts.wait.unwrap_or(wait).saturating_sub(started.elapsed());
+            return self
+                .acquire_key(LockKey::bucket(key, home)?, &opts, Some(left))
+                .await;
+        }
+        self.acquire_key(LockKey::bucket(key, home)?, &opts, None)
+            .await
+    }
+
+    /// Acquires every bucket of `key` (for whole-key operations such as a restock), in bucket
+    /// order: two callers doing this, and any number of single-bucket holders, can never
+    /// deadlock. The wait of `opts` covers all of them; on failure the buckets already taken
+    /// are released. Returns the guards in bucket order.
+    ///
+    /// Do not call it while holding one of the key's buckets in the same task: it would wait
+    /// for that bucket until it times out.
+    pub async fn acquire_all_buckets(
+        &self,
+        key: &str,
+        opts: AcquireOptions,
+    ) -> Result<Vec<LockGuard>> {
+        LockKey::new(key)?;
+        let ns = self.namespace_of(&opts)?;
+        let deadline = Instant::now() + opts.wait.unwrap_or(ns.wait);
+        let mut guards = Vec::with_capacity(ns.buckets as usize);
+        for bucket in 0..ns.buckets {
+            let left = deadline.saturating_duration_since(Instant::now());
+            // On error the guards taken so far are dropped, which releases them.
+            guards.push(
+                self.acquire_key(LockKey::bucket(key, bucket)?, &opts, Some(left))
+                    .await?,
+            );
+        }
+        Ok(guards)
+    }
+
+    /// The policy of the namespace `opts` names.
+    fn namespace_of(
+        &self,
+        opts: &AcquireOptions,
+    ) -> Result<shardlock_core::config::NamespaceConfig> {
+        let name = opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
+        self.inner
+            .topology
+            .load()
+            .config
+            .namespace(name)
+            .cloned()
+            .ok_or_else(|| Error::InvalidArgument {
+                name: "namespace",
+                reason: format!(
+                    "`{name}` is not configured; add it under `namespaces:` or use `default`"
+                ),
+            })
+    }
+
+    /// [`LockRouter::acquire_inner`], with a timeout turned into [`Error::Timeout`].
+    async fn acquire_key(
+        &self,
+        key: LockKey,
+        opts: &AcquireOptions,
+        wait: Option<Duration>,
+    ) -> Result<LockGuard> {
         let started = Instant::now();
-        match self.acquire_inner(key, &opts, false).await? {
+        let text = key.to_string();
+        match self.acquire_inner(key, opts, wait).await? {
             Some(guard) => Ok(guard),
             None => {
                 self.inner
@@ -202,52 +304,32 @@ impl LockRouter {
                     .timeouts
                     .fetch_add(1, Ordering::Relaxed);
                 Err(Error::Timeout {
-                    key: key.to_owned(),
+                    key: text,
                     waited: started.elapsed(),
                 })
             }
         }
     }
 
-    /// Tries once: `Ok(None)` when someone else holds `key` (in this process or another).
-    /// Cancellation as for [`LockRouter::acquire`].
-    pub async fn try_acquire(&self, key: &str, opts: AcquireOptions) -> Result<Option<LockGuard>> {
-        self.acquire_inner(key, &opts, true).await
-    }
-
+    /// Acquires `key`, waiting `wait` (the namespace's when `None`); `Ok(None)` on timeout.
     async fn acquire_inner(
         &self,
-        key: &str,
+        key: LockKey,
         opts: &AcquireOptions,
-        once: bool,
+        wait: Option<Duration>,
     ) -> Result<Option<LockGuard>> {
-        let key = LockKey::new(key)?;
         if self.inner.shared.is_closed() {
             return Err(Error::Shutdown);
         }
         let topology = self.inner.topology.load_full();
-        let ns_name = opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
-        let ns = topology
-            .config
-            .namespace(ns_name)
-            .ok_or_else(|| Error::InvalidArgument {
-                name: "namespace",
-                reason: format!(
-                    "`{ns_name}` is not configured; add it under `namespaces:` or use `default`"
-                ),
-            })?;
+        let ns = self.namespace_of(opts)?;
         let ttl = opts.ttl.unwrap_or(ns.ttl);
         check_ttl(ttl).map_err(|reason| Error::InvalidArgument {
             name: "ttl",
             reason,
         })?;
-        let wait = if once {
-            Duration::ZERO
-        } else {
-            opts.wait.unwrap_or(ns.wait)
-        };
-        let deadline = Instant::now() + wait;
-        let shard = topology.shards[topology.ring.locate(key.as_str().as_bytes())].clone();
+        let deadline = Instant::now() + wait.or(opts.wait).unwrap_or(ns.wait);
+        let shard = topology.shards[topology.ring.locate(key.placement())].clone();
 
         // One poller per key in this process: the others wait in memory, and may be handed the
         // lease directly by the holder when it releases.
@@ -362,7 +444,7 @@ impl LockRouter {
     pub async fn inspect(&self, key: &str) -> Result<(String, Option<LeaseRow>)> {
         let key = LockKey::new(key)?;
         let topology = self.inner.topology.load_full();
-        let shard = &topology.shards[topology.ring.locate(key.as_str().as_bytes())];
+        let shard = &topology.shards[topology.ring.locate(key.placement())];
         let row = shard
             .shard
             .inspect(key.stored())

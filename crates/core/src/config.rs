@@ -168,6 +168,10 @@ pub struct NamespaceConfig {
     pub backoff_cap: Duration,
     /// In-memory hand-offs per shard grant (0: every grant goes through the shard).
     pub handoff_max_count: u32,
+    /// Sub-locks each key of this namespace is split into for `acquire_bucket` (1: none).
+    pub buckets: u32,
+    /// Whether `acquire_bucket` tries the other buckets once when its own is busy.
+    pub bucket_spill: bool,
     /// How long a chain of in-memory hand-offs may run before going back to the shard.
     #[serde(with = "humantime_serde")]
     pub handoff_max_time: Duration,
@@ -182,6 +186,8 @@ impl Default for NamespaceConfig {
             backoff_base: DEFAULT_BACKOFF_BASE,
             backoff_cap: DEFAULT_BACKOFF_CAP,
             handoff_max_count: DEFAULT_HANDOFF_MAX_COUNT,
+            buckets: 1,
+            bucket_spill: false,
             handoff_max_time: DEFAULT_HANDOFF_MAX_TIME,
         }
     }
@@ -342,6 +348,12 @@ impl Config {
                     ));
                 }
             }
+            if ns.buckets == 0 || ns.buckets > MAX_BUCKETS {
+                return Err(invalid(
+                    field("buckets"),
+                    format!("must be between 1 and {MAX_BUCKETS}"),
+                ));
+            }
             if ns.handoff_max_count > 1_000_000 {
                 return Err(invalid(
                     field("handoff-max-count"),
@@ -378,6 +390,9 @@ pub fn read_file(path: &Path) -> Result<String, ConfigError> {
         ..ConfigError::default()
     })
 }
+
+/// Most buckets a key may be split into.
+pub const MAX_BUCKETS: u32 = 1024;
 
 /// The shortest lease accepted: renewal must fit comfortably inside it.
 pub const MIN_TTL: Duration = Duration::from_millis(100);

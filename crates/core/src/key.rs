@@ -14,21 +14,40 @@ pub const MAX_STORED_KEY_BYTES: usize = 255;
 /// digest can never equal a literal key.
 const DIGEST_MARK: u8 = 0xFF;
 
+/// Separates a key from its bucket number. `0xFE` never occurs in UTF-8 either, so a bucket's
+/// lock can never equal a literal key.
+const BUCKET_MARK: u8 = 0xFE;
+
 /// A validated lock key and the bytes that identify it on its shard.
 ///
 /// Keys are compared byte for byte: `Order:1` and `order:1` are different locks. A key of at
 /// most [`MAX_STORED_KEY_BYTES`] bytes is stored as itself. A longer key (up to
 /// [`MAX_KEY_BYTES`]) is stored as `0xFF` followed by the 32-byte SHA-256 of the key; the
 /// marker byte cannot appear in UTF-8, so digests and literal keys never collide.
+///
+/// A bucket of a key (see [`LockKey::bucket`]) is its own lock, identified by the key's bytes,
+/// `0xFE` and the bucket number in decimal, stored (or digested) the same way.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LockKey {
     text: String,
+    bucket: Option<u32>,
+    /// The lock's identity: the key's bytes, plus the bucket suffix for a bucket.
+    identity: Vec<u8>,
     stored: Vec<u8>,
 }
 
 impl LockKey {
     /// Validates `key`: non-empty and at most [`MAX_KEY_BYTES`] bytes.
     pub fn new(key: &str) -> Result<Self> {
+        Self::build(key, None)
+    }
+
+    /// Bucket `bucket` of `key`: one of the independent sub-locks a hot key is split into.
+    pub fn bucket(key: &str, bucket: u32) -> Result<Self> {
+        Self::build(key, Some(bucket))
+    }
+
+    fn build(key: &str, bucket: Option<u32>) -> Result<Self> {
         if key.is_empty() {
             return Err(Error::InvalidKey {
                 reason: "the key is empty".into(),
@@ -43,18 +62,36 @@ impl LockKey {
                 ),
             });
         }
-        let stored = if key.len() <= MAX_STORED_KEY_BYTES {
-            key.as_bytes().to_vec()
+        let mut identity = key.as_bytes().to_vec();
+        if let Some(b) = bucket {
+            identity.push(BUCKET_MARK);
+            identity.extend_from_slice(b.to_string().as_bytes());
+        }
+        let stored = if identity.len() <= MAX_STORED_KEY_BYTES {
+            identity.clone()
         } else {
             let mut stored = Vec::with_capacity(33);
             stored.push(DIGEST_MARK);
-            stored.extend_from_slice(&Sha256::digest(key.as_bytes()));
+            stored.extend_from_slice(&Sha256::digest(&identity));
             stored
         };
         Ok(Self {
             text: key.to_owned(),
+            bucket,
+            identity,
             stored,
         })
+    }
+
+    /// The bucket number, for a bucket of a key.
+    pub fn bucket_number(&self) -> Option<u32> {
+        self.bucket
+    }
+
+    /// Where the lock is placed on the ring: its identity bytes (for a plain key, the key
+    /// itself), so that the buckets of one key land on shards independently.
+    pub fn placement(&self) -> &[u8] {
+        &self.identity
     }
 
     /// The key as the caller wrote it.
@@ -75,7 +112,11 @@ impl LockKey {
 
 impl std::fmt::Display for LockKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.text)
+        f.write_str(&self.text)?;
+        if let Some(b) = self.bucket {
+            write!(f, " (bucket {b})")?;
+        }
+        Ok(())
     }
 }
 
@@ -107,6 +148,19 @@ mod tests {
                 .unwrap()
                 .stored()
         );
+    }
+
+    #[test]
+    fn buckets_are_locks_of_their_own_that_no_literal_key_can_name() {
+        let b3 = LockKey::bucket("sku:42", 3).unwrap();
+        assert_eq!(b3.stored(), b"sku:42\xfe3");
+        assert_ne!(b3.stored(), LockKey::bucket("sku:42", 4).unwrap().stored());
+        assert_ne!(b3.stored(), LockKey::new("sku:42").unwrap().stored());
+        assert_eq!(b3.bucket_number(), Some(3));
+        assert_eq!(b3.to_string(), "sku:42 (bucket 3)");
+        let long = LockKey::bucket(&"k".repeat(MAX_STORED_KEY_BYTES), 0).unwrap();
+        assert!(long.is_digest());
+        assert_eq!(LockKey::new("plain").unwrap().placement(), b"plain");
     }
 
     #[test]

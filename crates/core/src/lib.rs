@@ -15,4 +15,4 @@ pub use backoff::Backoff;
 pub use config::{Config, ConfigError};
 pub use error::{BackendError, BackendErrorKind, Error, Result};
 pub use key::{LockKey, MAX_KEY_BYTES, MAX_STORED_KEY_BYTES};
-pub use ring::{Ring, RingHash};
+pub use ring::{bucket_for, Ring, RingHash};

@@ -65,6 +65,14 @@ impl consistent_hash::RingHash for RingHash {
     }
 }
 
+/// The bucket (of `buckets`) that `hint` picks: a stable hash of its bytes, the same in every
+/// process.
+pub fn bucket_for(hint: &[u8], buckets: u32) -> u32 {
+    let mut h = StableHasher::new();
+    h.write(hint);
+    (h.finish() % u64::from(buckets.max(1))) as u32
+}
+
 /// A shard's name as a ring node: hashed as its length (u64 LE) followed by its bytes.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 struct ShardName(String);
@@ -249,6 +257,24 @@ mod tests {
                 n + 1
             );
         }
+    }
+
+    #[test]
+    fn bucket_choice_is_stable_and_spread() {
+        assert_eq!(
+            bucket_for(b"user:7", 16),
+            4,
+            "pinned: every process must agree"
+        );
+        let mut counts = [0u32; 16];
+        for i in 0..16_000 {
+            counts[bucket_for(format!("user:{i}").as_bytes(), 16) as usize] += 1;
+        }
+        assert!(
+            counts.iter().all(|&c| (800..1200).contains(&c)),
+            "{counts:?}"
+        );
+        assert_eq!(bucket_for(b"anything", 1), 0);
     }
 
     #[test]

@@ -1,0 +1,219 @@
+//! Bucketed sub-locks: a SKU's stock split into 16 bucket rows, sold by two processes × 32
+//! buyers while whole-key restocks take every bucket. Never oversold, restocks interleave
+//! safely, and nothing deadlocks.
+
+mod common;
+
+use std::time::Duration;
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::{Pool, TxOpts, Value};
+use shardlock::AcquireOptions;
+use shardlock_testkit::{report, worker_main, Worker};
+
+const BUCKETS: u32 = 16;
+const INITIAL: i64 = 20;
+const BUYERS: usize = 32;
+const ATTEMPTS: usize = 12;
+const RESTOCKS: i64 = 4;
+const RESTOCK_EACH: i64 = 5;
+const APP_ENV: &str = "SHARDLOCK_TEST_APP_URL";
+const NAMESPACES: &str =
+    "namespaces:\n  stock:\n    buckets: 16\n    bucket-spill: true\n    wait: 30s\n";
+
+fn stock() -> AcquireOptions {
+    AcquireOptions::new().namespace("stock")
+}
+
+const FENCED_UPDATE: &str =
+    "UPDATE stock SET qty = :qty, fence = :fence WHERE bucket = :bucket AND fence < :fence";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bucketed_stock_is_never_oversold_and_restocks_interleave() {
+    let (cluster, router, yaml) = common::start(3, NAMESPACES).await;
+    let app_url = cluster.shard(0).url();
+    let mut app = common::app_conn(
+        &app_url,
+        &[
+            "CREATE TABLE stock (bucket INT PRIMARY KEY, qty BIGINT NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
+            "CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, bucket INT NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
+        ],
+    )
+    .await;
+    app.exec_batch(
+        "INSERT INTO stock VALUES (?, ?, 0)",
+        (0..BUCKETS).map(|b| (b, INITIAL)),
+    )
+    .await
+    .unwrap();
+
+    let env = [(common::CONFIG_ENV, yaml), (APP_ENV, app_url.clone())];
+    let workers: Vec<Worker> = (0..2)
+        .map(|_| Worker::spawn("worker", "buyer", &env).unwrap())
+        .collect();
+
+    // Whole-key restocks while the buyers run: every bucket at once, in bucket order.
+    let pool = Pool::new(app_url.as_str());
+    for _ in 0..RESTOCKS {
+        let all = router.acquire_all_buckets("sku:1", stock()).await.unwrap();
+        assert_eq!(
+            all.iter().map(|g| g.bucket().unwrap()).collect::<Vec<_>>(),
+            (0..BUCKETS).collect::<Vec<_>>()
+        );
+        let mut conn = pool.get_conn().await.unwrap();
+        let mut tx = conn.start_transaction(TxOpts::default()).await.unwrap();
+        for g in &all {
+            let qty: i64 = tx
+                .exec_first("SELECT qty FROM stock WHERE bucket = ?", (g.bucket(),))
+                .await
+                .unwrap()
+                .unwrap();
+            let params = [
+                ("qty", Value::from(qty + RESTOCK_EACH)),
+                ("bucket", Value::from(g.bucket())),
+            ];
+            shardlock::fenced_exec(&mut tx, FENCED_UPDATE, params, g.fence())
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+        for g in all {
+            g.release().await.unwrap();
+        }
+        tokio::task::yield_now().await;
+    }
+
+    let mut bought = 0;
+    for w in workers {
+        let (status, lines) = w.finish().await.unwrap();
+        assert!(status.success(), "{lines:?}");
+        bought += lines
+            .iter()
+            .find_map(|l| l.strip_prefix("bought "))
+            .unwrap()
+            .parse::<i64>()
+            .unwrap();
+    }
+    let rows: Vec<(u32, i64)> = app
+        .query("SELECT bucket, qty FROM stock ORDER BY bucket")
+        .await
+        .unwrap();
+    let orders: Vec<(u32, u64)> = app
+        .query("SELECT bucket, fence FROM orders ORDER BY id")
+        .await
+        .unwrap();
+    assert!(rows.iter().all(|(_, qty)| *qty >= 0), "oversold: {rows:?}");
+    let left: i64 = rows.iter().map(|(_, q)| q).sum();
+    let supplied = INITIAL * BUCKETS as i64 + RESTOCKS * RESTOCK_EACH * BUCKETS as i64;
+    assert_eq!(orders.len() as i64, bought);
+    assert_eq!(
+        bought + left,
+        supplied,
+        "every unit is either sold once or still in stock"
+    );
+    for bucket in 0..BUCKETS {
+        let fences: Vec<u64> = orders
+            .iter()
+            .filter(|(b, _)| *b == bucket)
+            .map(|(_, f)| *f)
+            .collect();
+        assert!(
+            fences.windows(2).all(|w| w[0] < w[1]),
+            "bucket {bucket}: {fences:?}"
+        );
+    }
+    eprintln!(
+        "{bought} units sold, {left} left, {} restocked",
+        supplied - INITIAL * BUCKETS as i64
+    );
+}
+
+async fn buyer() {
+    let router = common::worker_router().await;
+    let pool = Pool::new(std::env::var(APP_ENV).unwrap().as_str());
+    let tasks: Vec<_> = (0..BUYERS)
+        .map(|n| {
+            let (router, pool) = (router.clone(), pool.clone());
+            tokio::spawn(async move {
+                let mut bought = 0i64;
+                for i in 0..ATTEMPTS {
+                    let hint = format!("{}:{n}:{i}", std::process::id());
+                    let g = router
+                        .acquire_bucket("sku:1", &hint, stock())
+                        .await
+                        .expect("acquire a bucket");
+                    let bucket = g.bucket().expect("a bucket");
+                    let mut conn = pool.get_conn().await.unwrap();
+                    let mut tx = conn.start_transaction(TxOpts::default()).await.unwrap();
+                    let qty: i64 = tx
+                        .exec_first("SELECT qty FROM stock WHERE bucket = ?", (bucket,))
+                        .await
+                        .unwrap()
+                        .unwrap();
+                    if qty > 0 {
+                        tokio::task::yield_now().await;
+                        let params = [
+                            ("qty", Value::from(qty - 1)),
+                            ("bucket", Value::from(bucket)),
+                        ];
+                        shardlock::fenced_exec(&mut tx, FENCED_UPDATE, params, g.fence())
+                            .await
+                            .expect("fenced write");
+                        tx.exec_drop(
+                            "INSERT INTO orders (bucket, fence) VALUES (?, ?)",
+                            (bucket, g.fence()),
+                        )
+                        .await
+                        .unwrap();
+                        bought += 1;
+                    }
+                    tx.commit().await.unwrap();
+                    drop(conn);
+                    g.release().await.unwrap();
+                }
+                bought
+            })
+        })
+        .collect();
+    let mut bought = 0;
+    for t in tasks {
+        bought += t.await.unwrap();
+    }
+    report!("bought {bought}");
+    router.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn buckets_land_on_shards_independently_and_spill_when_busy() {
+    let (_cluster, router, _) = common::start(3, NAMESPACES).await;
+    let all = router.acquire_all_buckets("sku:2", stock()).await.unwrap();
+    let shards: std::collections::HashSet<&str> = all.iter().map(|g| g.shard()).collect();
+    assert_eq!(shards.len(), 3, "16 buckets spread over the 3 shards");
+    // With every bucket held, a bucket acquire (spilling or not) waits and times out.
+    let err = router
+        .acquire_bucket("sku:2", "user:1", stock().wait(Duration::from_millis(100)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, shardlock::Error::Timeout { .. }), "{err}");
+    // Free one bucket: a spilling acquire finds it whatever the hint.
+    let mut all = all;
+    let freed = all.remove(7);
+    freed.release().await.unwrap();
+    let g = router
+        .acquire_bucket("sku:2", "user:1", stock().wait(Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(g.bucket(), Some(7));
+    assert_eq!(g.key(), "sku:2");
+}
+
+#[test]
+#[ignore = "entry point of the worker processes spawned by the tests in this file"]
+fn worker() {
+    let Some(role) = worker_main() else { return };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    match role.as_str() {
+        "buyer" => rt.block_on(buyer()),
+        other => panic!("unknown role {other}"),
+    }
+}
