@@ -31,12 +31,15 @@ pub(crate) enum Scenario {
     HotKey,
     /// One key, many tasks in one process, against Redis `SET NX PX` + owner-checked delete.
     HotKeyRedis,
+    /// One key split into 16 buckets against the same key as one bucket, 2 processes x 32
+    /// tasks, in-memory hand-off off so the shard serves every grant.
+    Buckets,
 }
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
     /// Scenarios to run (repeat the flag for several).
-    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey, Scenario::HotKeyRedis])]
+    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey, Scenario::HotKeyRedis, Scenario::Buckets])]
     scenario: Vec<Scenario>,
     /// The Redis server for the `hot-key-redis` baseline (skipped when it does not answer).
     #[arg(long, default_value = "redis://127.0.0.1:6379")]
@@ -56,7 +59,17 @@ pub(crate) struct BenchArgs {
     /// Directory for the JSON report (`bench-<time>.json` and `latest.json`).
     #[arg(long, default_value = "target/shardlock-bench")]
     out: PathBuf,
+    /// Internal: run as one process of the `buckets` scenario with this many buckets.
+    #[arg(long, hide = true)]
+    worker_buckets: Option<u32>,
+    /// Internal: the key of a `buckets` worker.
+    #[arg(long, hide = true, default_value = "bench:buckets")]
+    worker_key: String,
 }
+
+/// Processes and tasks per process of the `buckets` scenario.
+const BUCKET_PROCESSES: usize = 2;
+const BUCKET_TASKS: u32 = 32;
 
 /// One measured round.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -106,6 +119,9 @@ pub(crate) async fn run(
     args: BenchArgs,
     as_json: bool,
 ) -> Result<(), AnyError> {
+    if let Some(buckets) = args.worker_buckets {
+        return bucket_worker(source, &args, buckets).await;
+    }
     if source.is_local_default() {
         dev::ensure_up().await?;
     }
@@ -148,6 +164,10 @@ pub(crate) async fn run(
                 Scenario::HotKey => {
                     ours.push(hot_key_shardlock(&router, &tag, &args, &counters).await?);
                     base.push(hot_key_naive(&pool, &tag, &args, &counters).await?);
+                }
+                Scenario::Buckets => {
+                    ours.push(buckets_across_processes(source, 16, &tag, &args, &counters).await?);
+                    base.push(buckets_across_processes(source, 1, &tag, &args, &counters).await?);
                 }
                 Scenario::HotKeyRedis => {
                     let redis = redis.clone().expect("connected above");
@@ -291,7 +311,7 @@ async fn hot_key_naive(
     measure("naive hand-rolled lock, one hot key", args.duration, args.hot_tasks, counters, move |task, i| {
         let (pool, key, owner) = (pool.clone(), key.clone(), format!("{task}:{i}"));
         async move {
-            let mut backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(100));
+            let mut backoff = default_backoff();
             let mut c = pool.get_conn().await?;
             loop {
                 let inserted = c
@@ -326,6 +346,129 @@ async fn hot_key_naive(
         }
     })
     .await
+}
+
+/// The `buckets` scenario: `BUCKET_PROCESSES` child processes, each with `BUCKET_TASKS`
+/// tasks taking random buckets of one key (in-memory hand-off off) and releasing at once.
+async fn buckets_across_processes(
+    source: &ConfigSource,
+    buckets: u32,
+    tag: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> Result<Measurement, AnyError> {
+    let name = format!("{buckets} bucket(s), {BUCKET_PROCESSES} processes x {BUCKET_TASKS} tasks");
+    let (statements_before, deadlocks_before) = counters.read().await?;
+    let started = Instant::now();
+    let mut children = Vec::new();
+    for _ in 0..BUCKET_PROCESSES {
+        let child = tokio::process::Command::new(std::env::current_exe()?)
+            .args(source.child_args())
+            .args([
+                "bench",
+                "--worker-buckets",
+                &buckets.to_string(),
+                "--worker-key",
+                &format!("bench:b:{tag}"),
+            ])
+            .args(["--duration", &format!("{}ms", args.duration.as_millis())])
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        children.push(child);
+    }
+    let mut latencies: Vec<u32> = Vec::new();
+    let mut m = Measurement {
+        name,
+        ..Default::default()
+    };
+    for child in children {
+        let out = child.wait_with_output().await?;
+        if !out.status.success() {
+            return Err(format!("a bucket worker failed ({})", out.status).into());
+        }
+        let report: WorkerReport = serde_json::from_slice(&out.stdout)?;
+        latencies.extend(report.latencies_us);
+        m.errors += report.errors;
+    }
+    let (statements_after, deadlocks_after) = counters.read().await?;
+    m.innodb_deadlocks = deadlocks_after - deadlocks_before;
+    summarize(
+        &mut m,
+        latencies,
+        started.elapsed(),
+        statements_after - statements_before,
+    );
+    eprintln!("{}: {:.0} grants/s", m.name, m.ops_per_sec);
+    Ok(m)
+}
+
+/// What a `buckets` worker prints.
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct WorkerReport {
+    latencies_us: Vec<u32>,
+    errors: u64,
+}
+
+async fn bucket_worker(
+    source: &ConfigSource,
+    args: &BenchArgs,
+    buckets: u32,
+) -> Result<(), AnyError> {
+    let mut config = source.config.clone();
+    config.shards.truncate(1);
+    let ns = shardlock::config::NamespaceConfig {
+        buckets,
+        handoff_max_count: 0,
+        wait: Duration::from_secs(60),
+        ..Default::default()
+    };
+    config.namespaces.insert("bench-buckets".into(), ns);
+    let router = LockRouter::new(config).await?;
+    let stop = Instant::now() + args.duration;
+    let tasks: Vec<_> = (0..BUCKET_TASKS)
+        .map(|task| {
+            let (router, key) = (router.clone(), args.worker_key.clone());
+            tokio::spawn(async move {
+                let (mut latencies, mut errors) = (Vec::new(), 0u64);
+                let mut i = 0u64;
+                while Instant::now() < stop {
+                    let t = Instant::now();
+                    let hint = format!("{}:{task}:{i}", std::process::id());
+                    let opts = AcquireOptions::new().namespace("bench-buckets");
+                    match router.acquire_bucket(&key, &hint, opts).await {
+                        Ok(g) => match g.release().await {
+                            Ok(()) => latencies.push(t.elapsed().as_micros() as u32),
+                            Err(_) => errors += 1,
+                        },
+                        Err(_) => errors += 1,
+                    }
+                    i += 1;
+                }
+                (latencies, errors)
+            })
+        })
+        .collect();
+    let mut report = WorkerReport {
+        latencies_us: Vec::new(),
+        errors: 0,
+    };
+    for t in tasks {
+        let (l, e) = t.await?;
+        report.latencies_us.extend(l);
+        report.errors += e;
+    }
+    router.shutdown().await?;
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+/// The baselines back off like shardlock does by default.
+fn default_backoff() -> Backoff {
+    Backoff::new(
+        shardlock::config::DEFAULT_BACKOFF_BASE,
+        shardlock::config::DEFAULT_BACKOFF_CAP,
+    )
 }
 
 async fn redis_connection(url: &str) -> Result<redis::aio::MultiplexedConnection, AnyError> {
@@ -364,8 +507,7 @@ async fn hot_key_redis(
                 format!("{task}:{i}"),
             );
             async move {
-                let mut backoff =
-                    Backoff::new(Duration::from_millis(2), Duration::from_millis(100));
+                let mut backoff = default_backoff();
                 loop {
                     let set: Option<String> = redis::cmd("SET")
                         .arg(&key)
@@ -549,6 +691,19 @@ where
     let elapsed = started.elapsed();
     bar.finish_and_clear();
     let (statements_after, deadlocks_after) = counters.read().await?;
+    m.innodb_deadlocks = deadlocks_after - deadlocks_before;
+    summarize(
+        &mut m,
+        latencies,
+        elapsed,
+        statements_after - statements_before,
+    );
+    eprintln!("{name}: {:.0} ops/s", m.ops_per_sec);
+    Ok(m)
+}
+
+/// Fills in rates, statements per op and latency percentiles.
+fn summarize(m: &mut Measurement, mut latencies: Vec<u32>, elapsed: Duration, statements: u64) {
     latencies.sort_unstable();
     let pct = |p: f64| {
         latencies
@@ -560,11 +715,8 @@ where
     m.ops = latencies.len() as u64;
     m.seconds = elapsed.as_secs_f64();
     m.ops_per_sec = m.ops as f64 / m.seconds;
-    m.statements_per_op = (statements_after - statements_before) as f64 / m.ops.max(1) as f64;
-    m.innodb_deadlocks = deadlocks_after - deadlocks_before;
+    m.statements_per_op = statements as f64 / m.ops.max(1) as f64;
     m.p50_ms = pct(0.50);
     m.p99_ms = pct(0.99);
     m.max_ms = pct(1.0);
-    eprintln!("{name}: {:.0} ops/s", m.ops_per_sec);
-    Ok(m)
 }

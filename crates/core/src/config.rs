@@ -22,8 +22,10 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
 /// First backoff step while waiting: about one round trip to a loaded shard.
 pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(2);
-/// Longest backoff step: bounds how late a waiter notices a released lock.
-pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_millis(100);
+/// Longest backoff step: bounds how late a waiter of another process notices a released lock
+/// (a waiting process polls a busy key at most 50 times a second), and how long a process
+/// that released a key for another one lets it poll before its own waiters try again.
+pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_millis(20);
 /// Fences reserved per shard grant for in-memory hand-offs: a process alone on a hot key
 /// makes this many grants per round trip to the shard.
 pub const DEFAULT_HANDOFF_MAX_COUNT: u32 = 128;
