@@ -5,9 +5,10 @@
 --              followed by the key's SHA-256 (0xFF never occurs in UTF-8).
 -- owner        '<instance id>:<grant seq>' of the holder; NULL once released.
 -- fence        the highest fencing token reserved by the latest grant: a grant takes the next
---              fence and sets aside a range after it for in-memory hand-offs, storing the top;
---              a new row starts at the shard clock in microseconds, so a key whose row was
---              deleted still gets a fence above every earlier one.
+--              fence (at least one above the stored one, and at least the shard clock in
+--              microseconds) and sets aside a range after it for in-memory hand-offs, storing
+--              the top. The clock floor keeps fences rising for a key whose row was deleted or
+--              that moved between shards.
 -- ttl_ms       the lease length of the latest grant; renewal extends expires_at by it.
 -- expires_at   shard clock (UTC, sessions run with time_zone '+00:00') at which the lease ends
 --              unless renewed.

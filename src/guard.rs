@@ -31,16 +31,40 @@ pub(crate) struct Hold {
     pub(crate) shard: Arc<ShardState>,
     pub(crate) fence: u64,
     guards: AtomicUsize,
+    /// For a key that moved in a recent reload: its leases on the shards it lived on before,
+    /// held and released together with this one.
+    companions: std::sync::Mutex<Vec<LockGuard>>,
 }
 
 impl Hold {
     pub(crate) fn new(lease: Arc<LeaseState>, shard: Arc<ShardState>, fence: u64) -> Arc<Self> {
+        Self::with_companions(lease, shard, fence, Vec::new())
+    }
+
+    pub(crate) fn with_companions(
+        lease: Arc<LeaseState>,
+        shard: Arc<ShardState>,
+        fence: u64,
+        companions: Vec<LockGuard>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             lease,
             shard,
             fence,
             guards: AtomicUsize::new(1),
+            companions: std::sync::Mutex::new(companions),
         })
+    }
+
+    /// Whether this lease and every companion lease are surely still ours.
+    fn is_live(&self) -> bool {
+        self.lease.is_live()
+            && self
+                .companions
+                .lock()
+                .unwrap()
+                .iter()
+                .all(LockGuard::is_held)
     }
 }
 
@@ -98,15 +122,26 @@ impl LockGuard {
 
     /// False once the lease is known lost or its local deadline passed without renewal.
     pub fn is_held(&self) -> bool {
-        self.hold.lease.is_live()
+        self.hold.is_live()
     }
 
     /// Completes when the lease is lost: renewal failed until the lease ended, or the key was
     /// taken over or force-released. Never completes for a lease that stays held.
     /// Cancel-safe.
     pub async fn lost(&self) {
-        let mut rx = self.hold.lease.subscribe_lost();
-        let _ = rx.wait_for(|lost| *lost).await;
+        let mut watches = vec![self.hold.lease.subscribe_lost()];
+        watches.extend(
+            self.hold
+                .companions
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|c| c.hold.lease.subscribe_lost()),
+        );
+        let losses = watches
+            .iter_mut()
+            .map(|rx| Box::pin(async move { drop(rx.wait_for(|lost| *lost).await) }));
+        futures_util::future::select_all(losses).await;
     }
 
     /// Re-enters the lock: returns another guard of the same grant (same fence). The lock is
@@ -175,6 +210,19 @@ type ShardWork = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
 /// statement, which also hands the lease to the waiter unless another process asked for it.
 fn end_hold(hold: &Hold) -> Option<ShardWork> {
     let (lease, shard) = (&hold.lease, &hold.shard);
+    let companions = std::mem::take(&mut *hold.companions.lock().unwrap());
+    if !companions.is_empty() {
+        // A moved key: release it everywhere; waiters poll for themselves.
+        let turn = lease.turn.lock().unwrap().take();
+        let (shard, lease) = (shard.clone(), lease.clone());
+        return Some(Box::pin(async move {
+            let result = release_through_shard(shard, lease, turn).await;
+            for companion in companions {
+                drop(companion.release().await);
+            }
+            result
+        }));
+    }
     let closed = shard.shared.is_closed();
     let mut turn_slot = lease.turn.lock().unwrap();
     // No hand-offs once the router shuts down: waiters then find it closed.
@@ -254,7 +302,7 @@ async fn handoff_through_shard(
                 grant,
                 want,
                 want.handoff_max_time,
-                turn,
+                Some(turn),
             ));
             shard.insert(state.clone());
             next.grant(LockGuard::new(Hold::new(state, shard.clone(), fence)));

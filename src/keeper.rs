@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use shardlock_core::config::ShardConfig;
 use shardlock_core::LockKey;
 use shardlock_mysql::Shard;
 use tokio::sync::{watch, Notify};
@@ -54,7 +55,7 @@ impl LeaseState {
         grant: Grant,
         want: Want,
         local_for: Duration,
-        turn: Turn,
+        turn: Option<Turn>,
     ) -> Self {
         Self {
             id: grant.id,
@@ -67,7 +68,7 @@ impl LeaseState {
             next_fence: AtomicU64::new(grant.fence + 1),
             fence_top: grant.fence + u64::from(grant.reserve),
             local_until: grant.sent + local_for,
-            turn: Mutex::new(Some(turn)),
+            turn: Mutex::new(turn),
         }
     }
 
@@ -157,6 +158,7 @@ pub(crate) struct Stats {
     pub(crate) grants: AtomicU64,
     pub(crate) handoffs: AtomicU64,
     pub(crate) local_handoffs: AtomicU64,
+    pub(crate) moved_grants: AtomicU64,
     pub(crate) acquire_statements: AtomicU64,
     pub(crate) timeouts: AtomicU64,
     pub(crate) releases: AtomicU64,
@@ -170,6 +172,8 @@ pub(crate) struct Stats {
 #[derive(Debug)]
 pub(crate) struct ShardState {
     pub(crate) shard: Shard,
+    /// The settings it was built from: a reload reuses the shard only if they are unchanged.
+    pub(crate) config: ShardConfig,
     leases: Mutex<HashMap<u64, Arc<LeaseState>>>,
     wake: Arc<Notify>,
     /// The shortest renewal period of the leases held here, in ms (`u64::MAX` when none), so
@@ -179,9 +183,10 @@ pub(crate) struct ShardState {
 }
 
 impl ShardState {
-    pub(crate) fn new(shard: Shard, shared: Arc<Shared>) -> Arc<Self> {
+    pub(crate) fn new(shard: Shard, config: ShardConfig, shared: Arc<Shared>) -> Arc<Self> {
         Arc::new(Self {
             shard,
+            config,
             leases: Mutex::default(),
             wake: Arc::default(),
             shortest_ms: AtomicU64::new(u64::MAX),

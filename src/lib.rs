@@ -8,6 +8,7 @@ mod keeper;
 mod options;
 mod queue;
 mod router;
+mod topology;
 
 pub use fence::fenced_exec;
 pub use guard::{LockGuard, LockMode};

@@ -8,15 +8,16 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use futures_util::future::join_all;
 use shardlock_core::config::{check_ttl, DEFAULT_NAMESPACE};
-use shardlock_core::{Backoff, Config, ConfigError, Error, LockKey, Result, Ring};
-use shardlock_mysql::{GrantRequest, LeaseRow, MigrateReport, PoolStatus, Shard};
+use shardlock_core::{Backoff, Config, Error, LockKey, Result};
+use shardlock_mysql::{GrantRequest, LeaseRow, MigrateReport, PoolStatus};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::guard::{release_through_shard, Hold, LockGuard};
-use crate::keeper::{spawn_keeper, Grant, LeaseState, ShardState, Shared};
+use crate::keeper::{Grant, LeaseState, ShardState, Shared};
 use crate::options::AcquireOptions;
-use crate::queue::{Entry, Handoff, Want};
+use crate::queue::{Entry, Handoff, Turn, Want};
+use crate::topology::Topology;
 
 /// Routes lock keys to MySQL shards and grants leases on them.
 ///
@@ -31,14 +32,8 @@ pub struct LockRouter {
 struct Inner {
     shared: Arc<Shared>,
     topology: ArcSwap<Topology>,
-}
-
-/// Everything that placement depends on, swapped as one.
-#[derive(Debug)]
-struct Topology {
-    config: Arc<Config>,
-    ring: Ring,
-    shards: Vec<Arc<ShardState>>,
+    /// One reload at a time.
+    reloading: tokio::sync::Mutex<()>,
 }
 
 /// Counters of one router since it started (this process only).
@@ -53,6 +48,8 @@ pub struct LockStats {
     /// without a statement (each with a new, larger fence from the range the shard grant
     /// reserved).
     pub local_handoffs: u64,
+    /// Grants of keys that moved in a recent reload, also taken on their previous shard(s).
+    pub moved_grants: u64,
     /// Acquire statements sent to shards (one per attempt).
     pub acquire_statements: u64,
     /// Acquires that gave up after their wait.
@@ -116,28 +113,92 @@ impl LockRouter {
             Some(id) => id.to_owned(),
         };
         let shared = Arc::new(Shared::new(instance_id));
-        let mut shards = Vec::with_capacity(config.shards.len());
-        for (i, sc) in config.shards.iter().enumerate() {
-            let shard = Shard::new(sc, i).map_err(|e| locate(e, text, path))?;
-            let state = ShardState::new(shard, shared.clone());
-            spawn_keeper(&state, shared.closed.subscribe());
-            shards.push(state);
-        }
-        let ring = Ring::new(
-            config.shards.iter().map(|s| (s.name.as_str(), s.weight)),
-            config.routing.virtual_nodes,
-        );
-        let topology = Topology {
-            config: Arc::new(config),
-            ring,
-            shards,
-        };
+        let topology =
+            Topology::build(config, 1, &[], Vec::new(), &shared, text.map(|t| (t, path)))?;
         Ok(Self {
             inner: Arc::new(Inner {
                 shared,
                 topology: ArcSwap::from_pointee(topology),
+                reloading: tokio::sync::Mutex::new(()),
             }),
         })
+    }
+
+    /// Swaps in a new configuration: shards, weights, routing and namespace policies. Safe for
+    /// held locks and never grants a key twice: for the move window (`routing.move-window`)
+    /// an acquire of a key that moved to another shard also takes it on the shard(s) it lived
+    /// on before, where leases granted under the old topology may still be live (in this
+    /// process or in others that have not reloaded yet), and its fence is taken above theirs.
+    ///
+    /// Shards that stay (same name and settings) keep their pools; new ones get pools; the
+    /// pools of shards that left are closed once the window has passed and their leases are
+    /// released. An invalid config is rejected and the old one stays in force.
+    ///
+    /// Cancellation: the swap happens at the end without an await; a dropped call changes
+    /// nothing.
+    pub async fn reload(&self, config: Config) -> Result<()> {
+        config.validate()?;
+        let _one_at_a_time = self.inner.reloading.lock().await;
+        let old = self.inner.topology.load_full();
+        let window = config.move_window().max(old.config.move_window());
+        let previous = old.previous_for_next(&config, window);
+        let shared = &self.inner.shared;
+        let next = Topology::build(
+            config,
+            old.epoch + 1,
+            &old.all_shards(),
+            previous,
+            shared,
+            None,
+        )?;
+        let leaving: Vec<Arc<ShardState>> = old
+            .all_shards()
+            .into_iter()
+            .filter(|s| !next.current.shards.iter().any(|n| Arc::ptr_eq(n, s)))
+            .collect();
+        tracing::info!(
+            epoch = next.epoch,
+            shards = next.current.shards.len(),
+            "shardlock topology reloaded"
+        );
+        self.inner.topology.store(Arc::new(next));
+        for shard in leaving {
+            tokio::spawn(drain(Arc::downgrade(&self.inner), shard, window));
+        }
+        Ok(())
+    }
+
+    /// Reloads the YAML file at `path` whenever this process receives SIGHUP; an invalid file
+    /// is logged (with its line, column and field) and the topology in force stays. The task
+    /// ends when the router is dropped.
+    pub fn reload_on_sighup(
+        &self,
+        path: impl Into<std::path::PathBuf>,
+    ) -> std::io::Result<tokio::task::JoinHandle<()>> {
+        let path = path.into();
+        let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+        let weak = Arc::downgrade(&self.inner);
+        Ok(tokio::spawn(async move {
+            while hangups.recv().await.is_some() {
+                let Some(inner) = weak.upgrade() else { return };
+                let router = LockRouter { inner };
+                match Config::from_yaml_file(&path) {
+                    Ok(config) => {
+                        if let Err(e) = router.reload(config).await {
+                            tracing::error!(error = %e, "shardlock reload failed; the old topology stays");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "shardlock reload rejected; the old topology stays")
+                    }
+                }
+            }
+        }))
+    }
+
+    /// The topology epoch: 1 at start, one more per reload.
+    pub fn epoch(&self) -> u64 {
+        self.inner.topology.load().epoch
     }
 
     /// This process's instance id (the first part of every owner it writes).
@@ -154,7 +215,7 @@ impl LockRouter {
     /// several processes at once. Returns what each shard applied.
     pub async fn migrate(&self) -> Result<Vec<(String, MigrateReport)>> {
         let topology = self.inner.topology.load_full();
-        let runs = topology.shards.iter().map(|s| async move {
+        let runs = topology.current.shards.iter().map(|s| async move {
             let report = s
                 .shard
                 .migrate()
@@ -172,8 +233,11 @@ impl LockRouter {
     /// The shard that owns `key` now.
     pub fn shard_for(&self, key: &str) -> Result<String> {
         let key = LockKey::new(key)?;
-        let topology = self.inner.topology.load();
-        Ok(topology.shards[topology.ring.locate(key.placement())]
+        Ok(self
+            .inner
+            .topology
+            .load()
+            .locate(&key)
             .shard
             .name()
             .to_owned())
@@ -329,7 +393,8 @@ impl LockRouter {
             reason,
         })?;
         let deadline = Instant::now() + wait.or(opts.wait).unwrap_or(ns.wait);
-        let shard = topology.shards[topology.ring.locate(key.placement())].clone();
+        let shard = topology.locate(&key).clone();
+        let previous = topology.previous_locations(&key);
 
         // One poller per key in this process: the others wait in memory, and may be handed the
         // lease directly by the holder when it releases.
@@ -360,49 +425,132 @@ impl LockRouter {
                 }
             }
         };
+        // A key that moved in a recent reload is also taken on the shards it lived on before,
+        // in name order, each fence above the previous one; no hand-offs for it meanwhile.
+        let want = if previous.is_empty() {
+            want
+        } else {
+            Want {
+                handoff_max_count: 0,
+                handoff_max_time: Duration::ZERO,
+                ..want
+            }
+        };
         let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
         loop {
             if self.inner.shared.is_closed() {
                 return Err(Error::Shutdown);
             }
-            let (id, owner) = self.inner.shared.next_owner();
-            let req = GrantRequest {
-                key: key.stored().to_vec(),
-                owner,
-                ttl_ms: want.ttl_ms(),
-                fence_floor: 0,
-                reserve: want.handoff_max_count,
-            };
-            let sent = Instant::now();
-            if let Some(fence) = self.attempt(&shard, &req).await? {
-                self.inner
-                    .shared
-                    .stats
-                    .grants
-                    .fetch_add(1, Ordering::Relaxed);
-                let grant = Grant {
-                    id,
-                    owner: req.owner,
-                    fence,
-                    reserve: req.reserve,
-                    sent,
-                };
-                let lease = Arc::new(LeaseState::new(
-                    key,
-                    grant,
-                    want,
-                    want.handoff_max_time,
-                    turn,
-                ));
-                shard.insert(lease.clone());
-                return Ok(Some(LockGuard::new(Hold::new(lease, shard, fence))));
+            let mut companions = Vec::with_capacity(previous.len());
+            let mut floor = 0;
+            for old in &previous {
+                match self.try_grant(old, &key, want, floor).await? {
+                    Some(grant) => {
+                        floor = grant.fence;
+                        companions.push(self.hold(old, &key, grant, want, None, Vec::new()));
+                    }
+                    None => break,
+                }
             }
+            if companions.len() == previous.len() {
+                if let Some(grant) = self.try_grant(&shard, &key, want, floor).await? {
+                    if !previous.is_empty() {
+                        self.inner
+                            .shared
+                            .stats
+                            .moved_grants
+                            .fetch_add(1, Ordering::Relaxed);
+                        // The previous shards' rows get this grant's fence too: a process
+                        // still placing the key there must be granted a larger one.
+                        for (old, companion) in previous.iter().zip(&companions) {
+                            let raised = old
+                                .shard
+                                .raise_fence(key.stored(), companion.owner(), grant.fence)
+                                .await;
+                            if !raised.map_err(|e| e.into_error(old.shard.name()))? {
+                                return Err(Error::LockLost {
+                                    key: key.to_string(),
+                                });
+                            }
+                        }
+                    }
+                    return Ok(Some(self.hold(
+                        &shard,
+                        &key,
+                        grant,
+                        want,
+                        Some(turn),
+                        companions,
+                    )));
+                }
+            }
+            // Whatever was taken on earlier shards is released as `companions` drops.
+            drop(companions);
             let now = Instant::now();
             if now >= deadline {
                 return Ok(None);
             }
             tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
         }
+    }
+
+    /// One acquire attempt of `key` on `shard` for `want`, with a first fence above `floor`.
+    async fn try_grant(
+        &self,
+        shard: &Arc<ShardState>,
+        key: &LockKey,
+        want: Want,
+        floor: u64,
+    ) -> Result<Option<Grant>> {
+        let (id, owner) = self.inner.shared.next_owner();
+        let req = GrantRequest {
+            key: key.stored().to_vec(),
+            owner,
+            ttl_ms: want.ttl_ms(),
+            fence_floor: floor,
+            reserve: want.handoff_max_count,
+        };
+        let sent = Instant::now();
+        let fence = self.attempt(shard, &req).await?;
+        Ok(fence.map(|fence| Grant {
+            id,
+            owner: req.owner,
+            fence,
+            reserve: req.reserve,
+            sent,
+        }))
+    }
+
+    /// The guard of a fresh grant: its lease is registered with the shard's keeper.
+    fn hold(
+        &self,
+        shard: &Arc<ShardState>,
+        key: &LockKey,
+        grant: Grant,
+        want: Want,
+        turn: Option<Turn>,
+        companions: Vec<LockGuard>,
+    ) -> LockGuard {
+        self.inner
+            .shared
+            .stats
+            .grants
+            .fetch_add(1, Ordering::Relaxed);
+        let fence = grant.fence;
+        let lease = Arc::new(LeaseState::new(
+            key.clone(),
+            grant,
+            want,
+            want.handoff_max_time,
+            turn,
+        ));
+        shard.insert(lease.clone());
+        LockGuard::new(Hold::with_companions(
+            lease,
+            shard.clone(),
+            fence,
+            companions,
+        ))
     }
 
     /// One acquire statement, run in its own task so that it always completes. If the caller
@@ -444,7 +592,7 @@ impl LockRouter {
     pub async fn inspect(&self, key: &str) -> Result<(String, Option<LeaseRow>)> {
         let key = LockKey::new(key)?;
         let topology = self.inner.topology.load_full();
-        let shard = &topology.shards[topology.ring.locate(key.placement())];
+        let shard = topology.locate(&key);
         let row = shard
             .shard
             .inspect(key.stored())
@@ -456,7 +604,7 @@ impl LockRouter {
     /// Every shard's reachability, pool and lease counts.
     pub async fn status(&self) -> Vec<ShardStatus> {
         let topology = self.inner.topology.load_full();
-        let probes = topology.shards.iter().map(|s| async move {
+        let probes = topology.current.shards.iter().map(|s| async move {
             let held = s.shard.count_held().await;
             ShardStatus {
                 name: s.shard.name().to_owned(),
@@ -478,6 +626,7 @@ impl LockRouter {
             grants: get(&s.grants),
             handoffs: get(&s.handoffs),
             local_handoffs: get(&s.local_handoffs),
+            moved_grants: get(&s.moved_grants),
             acquire_statements: get(&s.acquire_statements),
             timeouts: get(&s.timeouts),
             releases: get(&s.releases),
@@ -494,7 +643,8 @@ impl LockRouter {
     pub async fn shutdown(&self) -> Result<()> {
         self.inner.shared.closed.send_replace(true);
         let topology = self.inner.topology.load_full();
-        let releases = topology.shards.iter().flat_map(|s| {
+        let shards = topology.all_shards();
+        let releases = shards.iter().flat_map(|s| {
             s.held().into_iter().map(move |lease| {
                 let s = s.clone();
                 async move {
@@ -511,7 +661,7 @@ impl LockRouter {
                 first_error.get_or_insert(e);
             }
         }
-        for s in &topology.shards {
+        for s in &shards {
             s.shard.close();
         }
         first_error.map_or(Ok(()), Err)
@@ -549,10 +699,26 @@ impl Drop for PendingAttempt {
     }
 }
 
-fn locate(e: ConfigError, text: Option<&str>, path: Option<&Path>) -> ConfigError {
-    match text {
-        Some(text) => e.located(text, path),
-        None => e,
+/// Closes the pool of a shard that left the topology, once its move window has passed and no
+/// lease of this process is held there any more (or it comes back in a later reload).
+async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Duration) {
+    tokio::time::sleep(window).await;
+    loop {
+        let Some(inner) = inner.upgrade() else { return };
+        let topology = inner.topology.load_full();
+        if topology.all_shards().iter().any(|s| Arc::ptr_eq(s, &shard)) {
+            return; // back in use
+        }
+        if shard.held().is_empty() {
+            shard.shard.close();
+            tracing::info!(
+                shard = shard.shard.name(),
+                "shardlock closed the pool of a shard that left"
+            );
+            return;
+        }
+        drop((inner, topology));
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

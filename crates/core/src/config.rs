@@ -139,13 +139,34 @@ impl Default for PoolConfig {
 pub struct RoutingConfig {
     /// Ring points per unit of shard weight.
     pub virtual_nodes: u32,
+    /// After a reload moves keys, how long an acquire of a moved key also takes it on the
+    /// shard(s) it lived on before. Every process must pick up a topology change within this
+    /// window of the others. Default: twice the longest namespace ttl, plus 10 s.
+    #[serde(with = "humantime_serde")]
+    pub move_window: Option<Duration>,
 }
 
 impl Default for RoutingConfig {
     fn default() -> Self {
         Self {
             virtual_nodes: DEFAULT_VIRTUAL_NODES,
+            move_window: None,
         }
+    }
+}
+
+impl Config {
+    /// The move window in force (see [`RoutingConfig::move_window`]).
+    pub fn move_window(&self) -> Duration {
+        self.routing.move_window.unwrap_or_else(|| {
+            let longest = self
+                .namespaces
+                .values()
+                .map(|n| n.ttl)
+                .max()
+                .unwrap_or(DEFAULT_TTL);
+            longest * 2 + Duration::from_secs(10)
+        })
     }
 }
 

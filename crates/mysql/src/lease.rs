@@ -48,7 +48,7 @@ const ACQUIRE: &str = concat!(
     "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), NULL) ",
     "ON DUPLICATE KEY UPDATE ",
     "owner = IF(owner IS NULL OR expires_at <= NOW(3), ?, owner), ",
-    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ?)) + ?, fence + LAST_INSERT_ID(0)), ",
+    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ?)) + ?, fence + LAST_INSERT_ID(0)), ",
     "ttl_ms = IF(owner = ?, ?, ttl_ms), ",
     "expires_at = IF(owner = ?, NOW(3) + INTERVAL ? MICROSECOND, expires_at), ",
     "acquired_at = IF(owner = ?, NOW(3), acquired_at), ",
@@ -71,13 +71,31 @@ const RELEASE: &str =
 const HANDOFF: &str = concat!(
     "UPDATE shardlock_lease SET ",
     "owner = IF(wanted_at IS NULL, ?, NULL), ",
-    "fence = IF(owner <=> ?, LAST_INSERT_ID(fence + 1) + ?, fence + LAST_INSERT_ID(0)), ",
+    "fence = IF(owner <=> ?, LAST_INSERT_ID(GREATEST(fence + 1, ",
+    now_us!(),
+    ")) + ?, fence + LAST_INSERT_ID(0)), ",
     "ttl_ms = IF(owner <=> ?, ?, ttl_ms), ",
     "expires_at = IF(owner <=> ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3)), ",
     "acquired_at = IF(owner <=> ?, NOW(3), acquired_at), ",
     "wanted_at = NULL ",
     "WHERE lock_key = ? AND owner = ?"
 );
+
+/// Raises the stored fence of a lease we hold to at least `?`: after a moved key was granted on
+/// its new shard, its rows on the shards it lived on before must carry that fence too, so that
+/// a process still placing the key there gets a larger one.
+const RAISE_FENCE: &str =
+    "UPDATE shardlock_lease SET fence = GREATEST(fence, ?) WHERE lock_key = ? AND owner = ?";
+
+pub(crate) async fn raise_fence(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+    fence: u64,
+) -> mysql_async::Result<bool> {
+    conn.exec_drop(RAISE_FENCE, (fence, key, owner)).await?;
+    Ok(conn.affected_rows() == 1)
+}
 
 /// What a hand-off did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -142,6 +142,22 @@ impl Shard {
         .await
     }
 
+    /// Raises the stored fence of `key`, held by `owner`, to at least `fence`; `false` when
+    /// `owner` no longer holds it.
+    pub async fn raise_fence(
+        &self,
+        key: &[u8],
+        owner: &str,
+        fence: u64,
+    ) -> Result<bool, BackendError> {
+        let (key, owner) = (key.to_vec(), owner.to_owned());
+        self.with_conn(self.statement_timeout, |c| {
+            let (key, owner) = (key.clone(), owner.clone());
+            Box::pin(async move { lease::raise_fence(c, &key, &owner, fence).await })
+        })
+        .await
+    }
+
     /// Releases the key of `to` held by `old_owner`, granting it to `to` in the same statement
     /// unless another process asked for the key since it was granted.
     pub async fn handoff(
@@ -240,5 +256,10 @@ impl Shard {
     /// Closes the pool: idle connections are dropped, new `get`s fail.
     pub fn close(&self) {
         self.pool.close();
+    }
+
+    /// Whether [`Shard::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.pool.is_closed()
     }
 }

@@ -1,0 +1,151 @@
+//! The topology: which shards exist, where keys live, and where they lived before a reload.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shardlock_core::{Config, ConfigError, LockKey, Result, Ring};
+use shardlock_mysql::Shard;
+use tokio::time::Instant;
+
+use crate::keeper::{spawn_keeper, ShardState, Shared};
+
+/// Shards and the ring that places keys on them.
+#[derive(Debug)]
+pub(crate) struct Placement {
+    ring: Ring,
+    pub(crate) shards: Vec<Arc<ShardState>>,
+}
+
+impl Placement {
+    pub(crate) fn locate(&self, key: &LockKey) -> &Arc<ShardState> {
+        &self.shards[self.ring.locate(key.placement())]
+    }
+}
+
+/// Everything that placement depends on, swapped as one by a reload.
+#[derive(Debug)]
+pub(crate) struct Topology {
+    /// Bumped by every reload.
+    pub(crate) epoch: u64,
+    pub(crate) config: Arc<Config>,
+    pub(crate) current: Arc<Placement>,
+    /// Earlier placements, each until its move window ends: leases granted under them may
+    /// still be live, so moved keys are also taken there.
+    previous: Vec<(Arc<Placement>, Instant)>,
+}
+
+impl Topology {
+    /// Builds the topology of `config`. Shards whose name and settings are unchanged from
+    /// `reuse` keep their pool and keeper; the others get new ones.
+    pub(crate) fn build(
+        config: Config,
+        epoch: u64,
+        reuse: &[Arc<ShardState>],
+        previous: Vec<(Arc<Placement>, Instant)>,
+        shared: &Arc<Shared>,
+        source: Option<(&str, Option<&Path>)>,
+    ) -> Result<Self> {
+        let mut shards = Vec::with_capacity(config.shards.len());
+        for (i, sc) in config.shards.iter().enumerate() {
+            if let Some(same) = reuse
+                .iter()
+                .find(|s| s.config == *sc && !s.shard.is_closed())
+            {
+                shards.push(same.clone());
+                continue;
+            }
+            let shard = Shard::new(sc, i).map_err(|e| locate(e, source))?;
+            let state = ShardState::new(shard, sc.clone(), shared.clone());
+            spawn_keeper(&state, shared.closed.subscribe());
+            shards.push(state);
+        }
+        let ring = Ring::new(
+            config.shards.iter().map(|s| (s.name.as_str(), s.weight)),
+            config.routing.virtual_nodes,
+        );
+        Ok(Self {
+            epoch,
+            config: Arc::new(config),
+            current: Arc::new(Placement { ring, shards }),
+            previous,
+        })
+    }
+
+    /// The shard `key` lives on now.
+    pub(crate) fn locate(&self, key: &LockKey) -> &Arc<ShardState> {
+        self.current.locate(key)
+    }
+
+    /// The shards `key` lived on under earlier placements whose move window is still open,
+    /// other than its current one, without repeats and in name order (every process takes
+    /// them in the same order).
+    pub(crate) fn previous_locations(&self, key: &LockKey) -> Vec<Arc<ShardState>> {
+        if self.previous.is_empty() {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        let current = self.locate(key).shard.name();
+        let mut out: Vec<Arc<ShardState>> = Vec::new();
+        for (placement, until) in &self.previous {
+            let shard = placement.locate(key);
+            if *until > now
+                && shard.shard.name() != current
+                && !out.iter().any(|s| Arc::ptr_eq(s, shard))
+            {
+                out.push(shard.clone());
+            }
+        }
+        out.sort_by(|a, b| a.shard.name().cmp(b.shard.name()));
+        out
+    }
+
+    /// The placements a reload to a new topology must keep: this one, and earlier ones whose
+    /// window is still open; this one until `window` from now. When the ring does not change
+    /// at all, nothing moves and this placement is not kept.
+    pub(crate) fn previous_for_next(
+        &self,
+        next: &Config,
+        window: Duration,
+    ) -> Vec<(Arc<Placement>, Instant)> {
+        let now = Instant::now();
+        let mut kept: Vec<_> = self
+            .previous
+            .iter()
+            .filter(|(_, until)| *until > now)
+            .cloned()
+            .collect();
+        let same_ring = self.config.routing.virtual_nodes == next.routing.virtual_nodes
+            && self.config.shards.len() == next.shards.len()
+            && self
+                .config
+                .shards
+                .iter()
+                .zip(&next.shards)
+                .all(|(a, b)| a.name == b.name && a.weight == b.weight);
+        if !same_ring {
+            kept.push((self.current.clone(), now + window));
+        }
+        kept
+    }
+
+    /// Every shard in this topology, current or still in a move window, without repeats.
+    pub(crate) fn all_shards(&self) -> Vec<Arc<ShardState>> {
+        let mut out: Vec<Arc<ShardState>> = self.current.shards.clone();
+        for (placement, _) in &self.previous {
+            for s in &placement.shards {
+                if !out.iter().any(|o| Arc::ptr_eq(o, s)) {
+                    out.push(s.clone());
+                }
+            }
+        }
+        out
+    }
+}
+
+fn locate(e: ConfigError, source: Option<(&str, Option<&Path>)>) -> ConfigError {
+    match source {
+        Some((text, path)) => e.located(text, path),
+        None => e,
+    }
+}

@@ -1,0 +1,283 @@
+//! Live topology changes: reloads that move keys never let two holders exist, fences keep
+//! rising across the move, and a reload that changes only policies moves nothing.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rand::Rng;
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::{Pool, TxOpts, Value};
+use shardlock::{AcquireOptions, Config, LockRouter};
+use shardlock_testkit::{report, worker_main, Cluster, Worker};
+
+const KEYS: usize = 500;
+const TASKS: usize = 32;
+const ROUNDS: usize = 50;
+const APP_ENV: &str = "SHARDLOCK_TEST_APP_URL";
+const PATH_ENV: &str = "SHARDLOCK_TEST_CONFIG_PATH";
+const POLICY: &str =
+    "routing:\n  move-window: 3s\nnamespaces:\n  default:\n    ttl: 1s\n    wait: 30s\n";
+
+/// The config listing the first `n` shards of the cluster.
+fn config_for(cluster: &Cluster, n: usize) -> String {
+    let mut yaml = String::from("shards:\n");
+    for s in &cluster.shards()[..n] {
+        yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
+    }
+    yaml.push_str(POLICY);
+    yaml
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_processes_across_grow_and_shrink_never_hold_a_key_twice() {
+    let cluster = Cluster::start(4).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path: PathBuf = dir.path().join("shardlock.yaml");
+    std::fs::write(&path, config_for(&cluster, 4)).unwrap();
+    // Tables on all four shards before the run starts with three.
+    LockRouter::from_yaml_file(&path)
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    std::fs::write(&path, config_for(&cluster, 3)).unwrap();
+
+    let app_url = cluster.shard(0).url();
+    let mut app = common::app_conn(
+        &app_url,
+        &[
+            "CREATE TABLE counters (k VARCHAR(32) PRIMARY KEY, value BIGINT NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
+            "CREATE TABLE writes (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(32) NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
+        ],
+    )
+    .await;
+    app.exec_batch(
+        "INSERT INTO counters VALUES (?, 0, 0)",
+        (0..KEYS).map(|i| (format!("c:{i}"),)),
+    )
+    .await
+    .unwrap();
+
+    let env = [
+        (PATH_ENV, path.display().to_string()),
+        (APP_ENV, app_url.clone()),
+    ];
+    let mut workers: Vec<Worker> = (0..2)
+        .map(|_| Worker::spawn("worker", "counter", &env).unwrap())
+        .collect();
+    for w in &mut workers {
+        w.expect("ready").await.unwrap();
+    }
+    let total = 2 * TASKS * ROUNDS;
+    // Grow to four shards, shrink to three, twice, each step after a share of the writes.
+    for (step, shards) in [4, 3, 4, 3].into_iter().enumerate() {
+        let progress = total * (step + 1) / 5;
+        let reached = common::eventually(Duration::from_secs(60), || {
+            let url = app_url.clone();
+            async move {
+                let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
+                    .await
+                    .unwrap();
+                let n: u64 = c
+                    .query_first("SELECT COUNT(*) FROM writes")
+                    .await
+                    .unwrap()
+                    .unwrap();
+                n as usize >= progress
+            }
+        })
+        .await;
+        assert!(reached, "no progress to {progress} writes");
+        std::fs::write(&path, config_for(&cluster, shards)).unwrap();
+        for w in &workers {
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(w.pid()),
+                nix::sys::signal::Signal::SIGHUP,
+            )
+            .unwrap();
+        }
+    }
+    let mut moved = 0u64;
+    for w in workers {
+        let (status, lines) = w.finish().await.unwrap();
+        assert!(status.success(), "{lines:?}");
+        let done = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("done "))
+            .expect("done line");
+        let fields: Vec<u64> = done.split(' ').map(|f| f.parse().unwrap()).collect();
+        assert_eq!(
+            fields[0], 5,
+            "each worker went through four reloads: {done}"
+        );
+        moved += fields[1];
+    }
+    eprintln!("{moved} grants of moved keys also took the key on its previous shard");
+    assert!(moved > 0, "keys moved while they were in use");
+
+    let sum: i64 = app
+        .query_first("SELECT SUM(value) FROM counters")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        sum as usize, total,
+        "a lost update means two holders overlapped"
+    );
+    let writes: Vec<(String, u64)> = app
+        .query("SELECT k, fence FROM writes ORDER BY id")
+        .await
+        .unwrap();
+    let mut last: HashMap<&str, u64> = HashMap::new();
+    for (k, fence) in &writes {
+        let prev = last.insert(k, *fence).unwrap_or(0);
+        assert!(
+            *fence > prev,
+            "fence of {k} went from {prev} to {fence} across a reload"
+        );
+    }
+}
+
+async fn counter_worker() {
+    let path = std::env::var(PATH_ENV).unwrap();
+    let router = LockRouter::from_yaml_file(&path).await.unwrap();
+    let _reloads = router.reload_on_sighup(&path).unwrap();
+    let pool = Pool::new(std::env::var(APP_ENV).unwrap().as_str());
+    report!("ready");
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let (router, pool) = (router.clone(), pool.clone());
+            tokio::spawn(async move {
+                for _ in 0..ROUNDS {
+                    let key = format!("c:{}", rand::rng().random_range(0..KEYS));
+                    let guard = router.acquire(&key, AcquireOptions::new()).await.expect("acquire");
+                    let mut conn = pool.get_conn().await.unwrap();
+                    let mut tx = conn.start_transaction(TxOpts::default()).await.unwrap();
+                    let value: i64 = tx.exec_first("SELECT value FROM counters WHERE k = ?", (&key,)).await.unwrap().unwrap();
+                    tokio::task::yield_now().await;
+                    shardlock::fenced_exec(
+                        &mut tx,
+                        "UPDATE counters SET value = :value, fence = :fence WHERE k = :k AND fence < :fence",
+                        [("value", Value::from(value + 1)), ("k", Value::from(&key))],
+                        guard.fence(),
+                    )
+                    .await
+                    .expect("fenced write");
+                    tx.exec_drop("INSERT INTO writes (k, fence) VALUES (?, ?)", (&key, guard.fence())).await.unwrap();
+                    tx.commit().await.unwrap();
+                    drop(conn);
+                    guard.release().await.expect("release");
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // The last reload may still be on its way.
+    let reloaded =
+        common::eventually(Duration::from_secs(30), || async { router.epoch() == 5 }).await;
+    assert!(reloaded, "epoch {}", router.epoch());
+    report!("done {} {}", router.epoch(), router.stats().moved_grants);
+    router.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_changes_only_a_ttl_moves_nothing() {
+    let (cluster, router, yaml) = common::start(3, "namespaces:\n  default:\n    ttl: 5s\n").await;
+    let keys: Vec<String> = (0..1000).map(|i| format!("k:{i}")).collect();
+    let before: Vec<String> = keys.iter().map(|k| router.shard_for(k).unwrap()).collect();
+    let held = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
+
+    let changed = yaml.replace("ttl: 5s", "ttl: 7s");
+    router
+        .reload(Config::from_yaml_str(&changed).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(router.epoch(), 2);
+    let after: Vec<String> = keys.iter().map(|k| router.shard_for(k).unwrap()).collect();
+    assert_eq!(before, after, "no key moved");
+    assert!(held.is_held(), "a lease held across the reload stays held");
+
+    let writes_before = common::status_sum(&cluster, "Com_insert").await
+        + common::status_sum(&cluster, "Com_update").await;
+    let g = router.acquire("k:2", AcquireOptions::new()).await.unwrap();
+    let writes = common::status_sum(&cluster, "Com_insert").await
+        + common::status_sum(&cluster, "Com_update").await
+        - writes_before;
+    assert_eq!(
+        writes, 1,
+        "one statement: nothing to check on another shard"
+    );
+    let (_, row) = router.inspect("k:2").await.unwrap();
+    assert_eq!(row.unwrap().ttl_ms, 7000, "the new policy applies");
+    assert_eq!(router.stats().moved_grants, 0);
+    g.release().await.unwrap();
+    held.release().await.unwrap();
+
+    // An invalid config is rejected with its field; the old one stays in force.
+    let mut bad = Config::from_yaml_str(&changed).unwrap();
+    bad.shards.clear();
+    let err = router.reload(bad).await.unwrap_err();
+    assert!(err.to_string().contains("shards"), "{err}");
+    assert_eq!(router.epoch(), 2);
+}
+
+#[test]
+#[ignore = "entry point of the worker processes spawned by the tests in this file"]
+fn worker() {
+    let Some(role) = worker_main() else { return };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    match role.as_str() {
+        "counter" => rt.block_on(counter_worker()),
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_that_reloaded_and_one_that_did_not_exclude_each_other() {
+    let cluster = Cluster::start(4).await.unwrap();
+    let three = config_for(&cluster, 3);
+    let four = Config::from_yaml_str(&config_for(&cluster, 4)).unwrap();
+    LockRouter::new(four.clone())
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let stale = LockRouter::from_yaml_str(&three).await.unwrap();
+    let fresh = LockRouter::from_yaml_str(&three).await.unwrap();
+    fresh.reload(four).await.unwrap();
+    let moved = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| stale.shard_for(k).unwrap() != fresh.shard_for(k).unwrap())
+        .unwrap();
+    let once = || AcquireOptions::new().wait(Duration::ZERO);
+
+    // Held under the old topology: the reloaded process must not get it on the new shard.
+    let old = stale.acquire(&moved, once()).await.unwrap();
+    assert!(fresh.try_acquire(&moved, once()).await.unwrap().is_none());
+    let old_fence = old.fence();
+    old.release().await.unwrap();
+
+    // Held by the reloaded process: it holds the old shard too, so the stale one is kept out.
+    let new = fresh.acquire(&moved, once()).await.unwrap();
+    assert_eq!(new.shard(), fresh.shard_for(&moved).unwrap());
+    assert!(new.fence() > old_fence);
+    assert!(stale.try_acquire(&moved, once()).await.unwrap().is_none());
+    assert_eq!(fresh.stats().moved_grants, 1);
+    let new_fence = new.fence();
+    new.release().await.unwrap();
+    // The process that did not reload still gets a fence above the reloaded one's.
+    let again = stale.acquire(&moved, once()).await.unwrap();
+    let again_fence = again.fence();
+    assert!(again_fence > new_fence, "{again_fence} after {new_fence}");
+    again.release().await.unwrap();
+    let last = fresh.acquire(&moved, once()).await.unwrap();
+    assert!(last.fence() > again_fence);
+    last.release().await.unwrap();
+}
