@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shardlock::{AcquireOptions, LockRouter};
+use shardlock_testkit::{report, worker_main, Worker};
 
 const TASKS: usize = 64;
 const INSTANCES: usize = 8;
@@ -81,4 +82,97 @@ async fn sixty_four_tasks_on_one_key_see_no_deadlocks() {
         "every task got the key at least once: {grants}"
     );
     assert_eq!(deadlocks, 0, "the lease statements provoke no deadlocks");
+}
+
+const SHARED_RUN: Duration = Duration::from_secs(5);
+
+/// Two processes × 32 tasks on one key, in-memory hand-off on: neither process starves. A
+/// process keeps the key in memory for at most `handoff-max-time` and then yields it through
+/// the shard when the other one asked; so the longest stretch in which a process is granted
+/// nothing stays within that bound, plus the other's backoff step, plus a few round trips.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_processes_on_one_key_both_make_progress() {
+    let (_cluster, _router, yaml) = common::start(1, "").await;
+    let env = [(common::CONFIG_ENV, yaml)];
+    let workers: Vec<Worker> = (0..2)
+        .map(|_| Worker::spawn("worker", "hot", &env).unwrap())
+        .collect();
+    let defaults = shardlock::config::NamespaceConfig::default();
+    let bound = defaults.handoff_max_time + defaults.backoff_cap;
+    // Round trips and scheduling on a loaded two-core machine.
+    let slack = Duration::from_millis(250);
+    for w in workers {
+        let (status, lines) = w.finish().await.unwrap();
+        assert!(status.success(), "{lines:?}");
+        let done = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("done "))
+            .expect("done line");
+        let f: Vec<u64> = done.split(' ').map(|x| x.parse().unwrap()).collect();
+        let (grants, max_gap_ms, statements) = (f[0], f[1], f[2]);
+        eprintln!("process: {grants} grants, longest stretch without one {max_gap_ms} ms, {statements} acquire statements");
+        assert!(grants > 100, "both processes make progress: {grants}");
+        assert!(
+            Duration::from_millis(max_gap_ms) <= bound + slack,
+            "a process went {max_gap_ms} ms without a grant (bound {bound:?} + {slack:?})"
+        );
+        // Waiting costs the shard at most one statement per backoff step (at least 1 ms).
+        assert!(
+            statements <= SHARED_RUN.as_millis() as u64,
+            "{statements} statements in {SHARED_RUN:?}"
+        );
+    }
+}
+
+async fn hot_worker() {
+    let router = common::worker_router().await;
+    let started = tokio::time::Instant::now();
+    let stop = started + SHARED_RUN;
+    let grants = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let (router, grants) = (router.clone(), grants.clone());
+            tokio::spawn(async move {
+                while tokio::time::Instant::now() < stop {
+                    let g = router
+                        .acquire(
+                            "sku:shared",
+                            AcquireOptions::new().wait(Duration::from_secs(30)),
+                        )
+                        .await
+                        .unwrap();
+                    grants.lock().unwrap().push(started.elapsed());
+                    g.release().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut at = grants.lock().unwrap().clone();
+    at.sort();
+    // The longest stretch without a grant, from the first grant to the end of the run.
+    let end = at.last().copied().unwrap_or_default().max(SHARED_RUN);
+    let mut gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.push(end.saturating_sub(*at.last().unwrap()));
+    let max_gap = gaps.into_iter().max().unwrap_or_default();
+    report!(
+        "done {} {} {}",
+        at.len(),
+        max_gap.as_millis(),
+        router.stats().acquire_statements
+    );
+    router.shutdown().await.unwrap();
+}
+
+#[test]
+#[ignore = "entry point of the worker processes spawned by the tests in this file"]
+fn worker() {
+    let Some(role) = worker_main() else { return };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    match role.as_str() {
+        "hot" => rt.block_on(hot_worker()),
+        other => panic!("unknown role {other}"),
+    }
 }
