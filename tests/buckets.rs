@@ -9,7 +9,7 @@ use std::time::Duration;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{Pool, TxOpts, Value};
 use shardlock::AcquireOptions;
-use shardlock_testkit::{report, worker_main, Worker};
+use shardlock_testkit::{report, Worker};
 
 const BUCKETS: u32 = 16;
 const INITIAL: i64 = 20;
@@ -207,13 +207,4 @@ async fn buckets_land_on_shards_independently_and_spill_when_busy() {
     assert_eq!(g.key(), "sku:2");
 }
 
-#[test]
-#[ignore = "entry point of the worker processes spawned by the tests in this file"]
-fn worker() {
-    let Some(role) = worker_main() else { return };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    match role.as_str() {
-        "buyer" => rt.block_on(buyer()),
-        other => panic!("unknown role {other}"),
-    }
-}
+crate::worker_entry! { "buyer" => buyer() }

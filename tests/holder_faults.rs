@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{Conn, Value};
 use shardlock::{AcquireOptions, Error};
-use shardlock_testkit::{report, worker_main, Worker};
+use shardlock_testkit::{report, Worker};
 
 const KEY: &str = "payment:42";
 const TTL: Duration = Duration::from_millis(1500);
@@ -138,14 +138,7 @@ async fn holder(pausable: bool) {
     }
 }
 
-#[test]
-#[ignore = "entry point of the worker processes spawned by the tests in this file"]
-fn worker() {
-    let Some(role) = worker_main() else { return };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    match role.as_str() {
-        "holder" => rt.block_on(holder(false)),
-        "pausable-holder" => rt.block_on(holder(true)),
-        other => panic!("unknown role {other}"),
-    }
+crate::worker_entry! {
+    "holder" => holder(false),
+    "pausable-holder" => holder(true),
 }

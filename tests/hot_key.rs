@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shardlock::{AcquireOptions, LockRouter};
-use shardlock_testkit::{report, worker_main, Worker};
+use shardlock_testkit::{report, Worker};
 
 const TASKS: usize = 64;
 const INSTANCES: usize = 8;
@@ -166,13 +166,4 @@ async fn hot_worker() {
     router.shutdown().await.unwrap();
 }
 
-#[test]
-#[ignore = "entry point of the worker processes spawned by the tests in this file"]
-fn worker() {
-    let Some(role) = worker_main() else { return };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    match role.as_str() {
-        "hot" => rt.block_on(hot_worker()),
-        other => panic!("unknown role {other}"),
-    }
-}
+crate::worker_entry! { "hot" => hot_worker() }

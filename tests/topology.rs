@@ -3,15 +3,14 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use rand::Rng;
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::mysql_async::{Pool, TxOpts, Value};
+use shardlock::mysql_async::Pool;
 use shardlock::{AcquireOptions, Config, LockRouter};
-use shardlock_testkit::{report, worker_main, Cluster, Worker};
+use shardlock_testkit::{report, Cluster, Worker};
 
 const KEYS: usize = 500;
 const TASKS: usize = 32;
@@ -47,20 +46,7 @@ async fn two_processes_across_grow_and_shrink_never_hold_a_key_twice() {
     std::fs::write(&path, config_for(&cluster, 3)).unwrap();
 
     let app_url = cluster.shard(0).url();
-    let mut app = common::app_conn(
-        &app_url,
-        &[
-            "CREATE TABLE counters (k VARCHAR(32) PRIMARY KEY, value BIGINT NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
-            "CREATE TABLE writes (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(32) NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
-        ],
-    )
-    .await;
-    app.exec_batch(
-        "INSERT INTO counters VALUES (?, 0, 0)",
-        (0..KEYS).map(|i| (format!("c:{i}"),)),
-    )
-    .await
-    .unwrap();
+    let mut app = common::counters::create(&app_url, KEYS).await;
 
     let env = [
         (PATH_ENV, path.display().to_string()),
@@ -119,27 +105,7 @@ async fn two_processes_across_grow_and_shrink_never_hold_a_key_twice() {
     eprintln!("{moved} grants of moved keys also took the key on its previous shard");
     assert!(moved > 0, "keys moved while they were in use");
 
-    let sum: i64 = app
-        .query_first("SELECT SUM(value) FROM counters")
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(
-        sum as usize, total,
-        "a lost update means two holders overlapped"
-    );
-    let writes: Vec<(String, u64)> = app
-        .query("SELECT k, fence FROM writes ORDER BY id")
-        .await
-        .unwrap();
-    let mut last: HashMap<&str, u64> = HashMap::new();
-    for (k, fence) in &writes {
-        let prev = last.insert(k, *fence).unwrap_or(0);
-        assert!(
-            *fence > prev,
-            "fence of {k} went from {prev} to {fence} across a reload"
-        );
-    }
+    common::counters::check(&mut app, total).await;
 }
 
 async fn counter_worker() {
@@ -154,23 +120,7 @@ async fn counter_worker() {
             tokio::spawn(async move {
                 for _ in 0..ROUNDS {
                     let key = format!("c:{}", rand::rng().random_range(0..KEYS));
-                    let guard = router.acquire(&key, AcquireOptions::new()).await.expect("acquire");
-                    let mut conn = pool.get_conn().await.unwrap();
-                    let mut tx = conn.start_transaction(TxOpts::default()).await.unwrap();
-                    let value: i64 = tx.exec_first("SELECT value FROM counters WHERE k = ?", (&key,)).await.unwrap().unwrap();
-                    tokio::task::yield_now().await;
-                    shardlock::fenced_exec(
-                        &mut tx,
-                        "UPDATE counters SET value = :value, fence = :fence WHERE k = :k AND fence < :fence",
-                        [("value", Value::from(value + 1)), ("k", Value::from(&key))],
-                        guard.fence(),
-                    )
-                    .await
-                    .expect("fenced write");
-                    tx.exec_drop("INSERT INTO writes (k, fence) VALUES (?, ?)", (&key, guard.fence())).await.unwrap();
-                    tx.commit().await.unwrap();
-                    drop(conn);
-                    guard.release().await.expect("release");
+                    common::counters::round(&router, &pool, &key, AcquireOptions::new()).await;
                 }
             })
         })
@@ -227,16 +177,7 @@ async fn a_reload_that_changes_only_a_ttl_moves_nothing() {
     assert_eq!(router.epoch(), 2);
 }
 
-#[test]
-#[ignore = "entry point of the worker processes spawned by the tests in this file"]
-fn worker() {
-    let Some(role) = worker_main() else { return };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    match role.as_str() {
-        "counter" => rt.block_on(counter_worker()),
-        other => panic!("unknown role {other}"),
-    }
-}
+crate::worker_entry! { "counter" => counter_worker() }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_process_that_reloaded_and_one_that_did_not_exclude_each_other() {

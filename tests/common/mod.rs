@@ -1,6 +1,8 @@
 //! Shared setup for the integration tests: real MariaDB shards started by the testkit.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod counters;
+
 use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
@@ -96,4 +98,21 @@ pub async fn app_conn(url: &str, setup: &[&str]) -> Conn {
             .unwrap_or_else(|e| panic!("{statement}: {e}"));
     }
     app
+}
+
+/// The `#[test]` entry point of worker processes: runs the async function named by the role.
+#[macro_export]
+macro_rules! worker_entry {
+    ($($role:literal => $run:expr),* $(,)?) => {
+        #[test]
+        #[ignore = "entry point of the worker processes spawned by the tests in this file"]
+        fn worker() {
+            let Some(role) = shardlock_testkit::worker_main() else { return };
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            match role.as_str() {
+                $($role => rt.block_on($run),)*
+                other => panic!("unknown role {other}"),
+            }
+        }
+    };
 }

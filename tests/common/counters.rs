@@ -1,0 +1,87 @@
+//! The read-modify-write counter workload shared by the mutual-exclusion tests: without the
+//! lock, two holders would read the same value and lose an update; every write records its
+//! fence.
+
+use std::collections::HashMap;
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::{Conn, Pool, TxOpts, Value};
+use shardlock::{AcquireOptions, LockRouter};
+
+/// Creates `counters` (one row per key `c:0..keys`) and `writes` at `url`.
+pub async fn create(url: &str, keys: usize) -> Conn {
+    let mut app = super::app_conn(
+        url,
+        &[
+            "CREATE TABLE counters (k VARCHAR(32) PRIMARY KEY, value BIGINT NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
+            "CREATE TABLE writes (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(32) NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
+        ],
+    )
+    .await;
+    app.exec_batch(
+        "INSERT INTO counters VALUES (?, 0, 0)",
+        (0..keys).map(|i| (format!("c:{i}"),)),
+    )
+    .await
+    .unwrap();
+    app
+}
+
+/// One round under the lock of `key`: read the counter, write it back plus one (fenced), and
+/// log the write with its fence, in one transaction.
+pub async fn round(router: &LockRouter, pool: &Pool, key: &str, opts: AcquireOptions) {
+    let guard = router.acquire(key, opts).await.expect("acquire");
+    let mut conn = pool.get_conn().await.unwrap();
+    let mut tx = conn.start_transaction(TxOpts::default()).await.unwrap();
+    let value: i64 = tx
+        .exec_first("SELECT value FROM counters WHERE k = ?", (key,))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::task::yield_now().await; // widen the race window a lock must close
+    shardlock::fenced_exec(
+        &mut tx,
+        "UPDATE counters SET value = :value, fence = :fence WHERE k = :k AND fence < :fence",
+        [("value", Value::from(value + 1)), ("k", Value::from(key))],
+        guard.fence(),
+    )
+    .await
+    .expect("fenced write");
+    tx.exec_drop(
+        "INSERT INTO writes (k, fence) VALUES (?, ?)",
+        (key, guard.fence()),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    drop(conn);
+    guard.release().await.expect("release");
+}
+
+/// Counts are exact (`total` rounds in all) and fences rise per key in commit order.
+pub async fn check(app: &mut Conn, total: usize) {
+    let sum: i64 = app
+        .query_first("SELECT SUM(value) FROM counters")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        sum as usize, total,
+        "a lost update means two holders overlapped"
+    );
+    let per_key: Vec<(String, i64)> = app.query("SELECT k, value FROM counters").await.unwrap();
+    let writes: Vec<(String, u64)> = app
+        .query("SELECT k, fence FROM writes ORDER BY id")
+        .await
+        .unwrap();
+    let mut last: HashMap<&str, u64> = HashMap::new();
+    let mut count: HashMap<&str, i64> = HashMap::new();
+    for (k, fence) in &writes {
+        let prev = last.insert(k, *fence).unwrap_or(0);
+        assert!(*fence > prev, "fence of {k} went from {prev} to {fence}");
+        *count.entry(k).or_default() += 1;
+    }
+    for (k, value) in &per_key {
+        assert_eq!(count.get(k.as_str()).copied().unwrap_or(0), *value, "{k}");
+    }
+}
