@@ -232,6 +232,9 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
         .and_then(Turn::next_waiter);
     if let Some(next) = next {
         if let Some(fence) = lease.local_fence() {
+            // Unlock first: if the waiter gave up meanwhile, the guard comes back and is
+            // dropped right here, which ends its hold on this same lease.
+            drop(turn_slot);
             shard.shared.stats.grants.fetch_add(1, Ordering::Relaxed);
             shard
                 .shared

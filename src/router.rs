@@ -9,7 +9,7 @@ use arc_swap::ArcSwap;
 use futures_util::future::join_all;
 use shardlock_core::config::{check_ttl, DEFAULT_NAMESPACE};
 use shardlock_core::{Backoff, Config, Error, LockKey, Result};
-use shardlock_mysql::{GrantRequest, LeaseRow, MigrateReport, PoolStatus};
+use shardlock_mysql::{Attempt, GrantRequest, LeaseRow, MigrateReport, PoolStatus};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -413,10 +413,12 @@ impl LockRouter {
                     Ok(Some(Handoff::Granted(guard))) => return Ok(Some(guard)),
                     Ok(Some(Handoff::Turn { turn, yield_first })) => {
                         if yield_first {
-                            // The key was released for another process; give it one backoff step.
+                            // The key was released for another process. Its poller sees that our
+                            // holds are short and polls every base step, so two base steps give it
+                            // the key; longer would leave the key idle when it has nobody waiting.
                             let now = Instant::now();
                             tokio::time::sleep(
-                                ns.backoff_cap.min(deadline.saturating_duration_since(now)),
+                                (ns.backoff_base * 2).min(deadline.saturating_duration_since(now)),
                             )
                             .await;
                         }
@@ -442,18 +444,26 @@ impl LockRouter {
                 return Err(Error::Shutdown);
             }
             let mut companions = Vec::with_capacity(previous.len());
+            let mut held_for = u64::MAX;
             let mut floor = 0;
             for old in &previous {
                 match self.try_grant(old, &key, want, floor).await? {
-                    Some(grant) => {
+                    Ok(grant) => {
                         floor = grant.fence;
                         companions.push(self.hold(old, &key, grant, want, None, Vec::new()));
                     }
-                    None => break,
+                    Err(held_for_ms) => {
+                        held_for = held_for_ms;
+                        break;
+                    }
                 }
             }
             if companions.len() == previous.len() {
-                if let Some(grant) = self.try_grant(&shard, &key, want, floor).await? {
+                let tried = self.try_grant(&shard, &key, want, floor).await?;
+                if let Err(held_for_ms) = tried {
+                    held_for = held_for_ms;
+                }
+                if let Ok(grant) = tried {
                     if !previous.is_empty() {
                         self.inner
                             .shared
@@ -490,6 +500,11 @@ impl LockRouter {
             if now >= deadline {
                 return Ok(None);
             }
+            // A key held only briefly is likely to be free again soon (a hot key changing hands):
+            // poll again after the base step rather than backing off further.
+            if u128::from(held_for) < ns.backoff_cap.as_millis() {
+                backoff.reset();
+            }
             tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
         }
     }
@@ -501,7 +516,7 @@ impl LockRouter {
         key: &LockKey,
         want: Want,
         floor: u64,
-    ) -> Result<Option<Grant>> {
+    ) -> Result<std::result::Result<Grant, u64>> {
         let (id, owner) = self.inner.shared.next_owner();
         let req = GrantRequest {
             key: key.stored().to_vec(),
@@ -511,14 +526,16 @@ impl LockRouter {
             reserve: want.handoff_max_count,
         };
         let sent = Instant::now();
-        let fence = self.attempt(shard, &req).await?;
-        Ok(fence.map(|fence| Grant {
-            id,
-            owner: req.owner,
-            fence,
-            reserve: req.reserve,
-            sent,
-        }))
+        Ok(match self.attempt(shard, &req).await? {
+            Attempt::Granted(fence) => Ok(Grant {
+                id,
+                owner: req.owner,
+                fence,
+                reserve: req.reserve,
+                sent,
+            }),
+            Attempt::Held { held_for_ms } => Err(held_for_ms),
+        })
     }
 
     /// The guard of a fresh grant: its lease is registered with the shard's keeper.
@@ -557,7 +574,7 @@ impl LockRouter {
     /// goes away meanwhile, whoever sees a winning result last releases it: the task (when the
     /// caller was gone before the answer) or [`PendingAttempt`]'s drop (when the answer was
     /// already sent but not yet taken).
-    async fn attempt(&self, shard: &Arc<ShardState>, req: &GrantRequest) -> Result<Option<u64>> {
+    async fn attempt(&self, shard: &Arc<ShardState>, req: &GrantRequest) -> Result<Attempt> {
         self.inner
             .shared
             .stats
@@ -567,7 +584,7 @@ impl LockRouter {
         let (task_shard, task_req) = (shard.clone(), req.clone());
         tokio::spawn(async move {
             let result = task_shard.shard.acquire(&task_req).await;
-            if let Err(Ok(Some(_fence))) = tx.send(result) {
+            if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
                 let _ = task_shard
                     .shard
                     .release(&task_req.key, &task_req.owner)
@@ -670,7 +687,7 @@ impl LockRouter {
 
 /// The caller's end of an attempt in flight (see [`LockRouter::attempt`]).
 struct PendingAttempt {
-    rx: oneshot::Receiver<std::result::Result<Option<u64>, shardlock_core::BackendError>>,
+    rx: oneshot::Receiver<std::result::Result<Attempt, shardlock_core::BackendError>>,
     shard: Arc<ShardState>,
     key: Vec<u8>,
     owner: String,
@@ -684,7 +701,7 @@ impl Drop for PendingAttempt {
         }
         // After close() the task can no longer send; a grant sent before is ours to undo.
         self.rx.close();
-        if let Ok(Ok(Some(_fence))) = self.rx.try_recv() {
+        if let Ok(Ok(Attempt::Granted(_))) = self.rx.try_recv() {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let (shard, key, owner) = (
                     self.shard.clone(),

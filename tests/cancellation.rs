@@ -74,3 +74,44 @@ async fn aborted_acquires_leak_nothing() {
         g.expect("free").release().await.unwrap();
     }
 }
+
+/// Waiters that give up at random moments while the lock is handed over in memory: a hand-off
+/// to a waiter that left a moment ago must pass on, never wedge the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn waiters_giving_up_during_in_memory_hand_offs_never_wedge_the_key() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let run = (0..64).map(|_| {
+        let router = router.clone();
+        async move {
+            let mut granted = 0;
+            for _ in 0..300 {
+                let wait = Duration::from_micros(rand::rng().random_range(0..400));
+                if let Ok(g) = router
+                    .acquire("hot", AcquireOptions::new().wait(wait))
+                    .await
+                {
+                    granted += 1;
+                    tokio::task::yield_now().await;
+                    drop(g);
+                }
+            }
+            granted
+        }
+    });
+    let outcome = tokio::time::timeout(Duration::from_secs(60), join_all(run)).await;
+    let granted: usize = outcome.expect("the key never wedges").into_iter().sum();
+    eprintln!(
+        "{granted} grants, {} in memory",
+        router.stats().local_handoffs
+    );
+    let g = router
+        .acquire("hot", AcquireOptions::new().wait(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    g.release().await.unwrap();
+    let settled = common::eventually(Duration::from_secs(5), || async {
+        common::live_leases(&cluster).await == 0
+    })
+    .await;
+    assert!(settled, "no lease left behind");
+}

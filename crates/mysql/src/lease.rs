@@ -35,9 +35,11 @@ pub struct GrantRequest {
 ///
 /// `owner` is unique per attempt, so after the first assignment `owner = ?` means "this
 /// attempt won". The winner's first fence is handed back through `LAST_INSERT_ID(expr)`,
-/// which the server reports in the OK packet (the stored fence is that plus the reserve); a
-/// loser sets `LAST_INSERT_ID(0)` (and marks the row as wanted). Assignments run left to right, so `owner` must come first. A row held by a live
-/// lease is never taken; nothing is deleted, so there is no insert/delete churn on hot rows.
+/// which the server reports in the OK packet (the stored fence is that plus the reserve). A
+/// loser marks the row as wanted and gets, through the same channel, how long the holder has
+/// had it, in ms, with the top bit set ([`HELD_MARK`]) so it cannot be taken for a fence;
+/// waiters use it to poll a briefly held key soon. Assignments run left to right, so `owner`
+/// must come first. A row held by a live lease is never taken; nothing is deleted, so there is no insert/delete churn on hot rows.
 /// Times are `NOW(3)` of the shard, in UTC; the statement is kept small because the server
 /// re-resolves every expression of a prepared statement on each execution.
 ///
@@ -48,7 +50,8 @@ const ACQUIRE: &str = concat!(
     "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), NULL) ",
     "ON DUPLICATE KEY UPDATE ",
     "owner = IF(owner IS NULL OR expires_at <= NOW(3), ?, owner), ",
-    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ?)) + ?, fence + LAST_INSERT_ID(0)), ",
+    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ?)) + ?, ",
+    "fence + 0 * LAST_INSERT_ID(9223372036854775808 + LEAST(GREATEST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000, 0), 1000000000))), ",
     "ttl_ms = IF(owner = ?, ?, ttl_ms), ",
     "expires_at = IF(owner = ?, NOW(3) + INTERVAL ? MICROSECOND, expires_at), ",
     "acquired_at = IF(owner = ?, NOW(3), acquired_at), ",
@@ -163,10 +166,32 @@ const COUNT_HELD: &str =
 /// Most leases renewed by one statement (two parameters each, well under the 65,535 limit).
 pub const MAX_RENEW_BATCH: usize = 4096;
 
-pub(crate) async fn acquire(
-    conn: &mut Conn,
-    req: &GrantRequest,
-) -> mysql_async::Result<Option<u64>> {
+/// Marks "held for N ms" in what a losing acquire reports (fences stay far below 2^63).
+pub const HELD_MARK: u64 = 1 << 63;
+
+/// What an acquire attempt found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attempt {
+    /// Granted: the first fence of the grant.
+    Granted(u64),
+    /// Someone else's live lease holds the key, granted this long ago (ms).
+    Held {
+        /// How long the current holder has held the key, by the shard's clock.
+        held_for_ms: u64,
+    },
+}
+
+impl Attempt {
+    /// The fence, if granted.
+    pub fn fence(self) -> Option<u64> {
+        match self {
+            Attempt::Granted(fence) => Some(fence),
+            Attempt::Held { .. } => None,
+        }
+    }
+}
+
+pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async::Result<Attempt> {
     let ttl_us = u64::from(req.ttl_ms) * 1000;
     let owner = req.owner.as_str();
     let params: Vec<Value> = vec![
@@ -188,7 +213,13 @@ pub(crate) async fn acquire(
         owner.into(),
     ];
     conn.exec_drop(ACQUIRE, Params::Positional(params)).await?;
-    Ok(conn.last_insert_id().filter(|&fence| fence > 0))
+    Ok(match conn.last_insert_id().unwrap_or(0) {
+        reported if reported >= HELD_MARK => Attempt::Held {
+            held_for_ms: reported - HELD_MARK,
+        },
+        0 => Attempt::Held { held_for_ms: 0 },
+        fence => Attempt::Granted(fence),
+    })
 }
 
 pub(crate) async fn release(conn: &mut Conn, key: &[u8], owner: &str) -> mysql_async::Result<bool> {

@@ -13,7 +13,9 @@ mod pool;
 mod shard;
 
 pub use error::classify;
-pub use lease::{GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
+pub use lease::{
+    Attempt, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, HELD_MARK, MAX_RENEW_BATCH,
+};
 pub use migrate::{MigrateReport, MIGRATIONS};
 pub use pool::{ShardConn, ShardManager, ShardPool};
 pub use shard::{PoolStatus, Shard};

@@ -11,7 +11,9 @@ use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
 
 use crate::error::{classify, classify_pool};
-use crate::lease::{self, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH};
+use crate::lease::{
+    self, Attempt, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
+};
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{session_setup, ShardConn, ShardManager, ShardPool};
 
@@ -121,10 +123,10 @@ impl Shard {
         }
     }
 
-    /// Tries to grant `req` in one statement. `Some(first fence)` when granted (fences
-    /// `first ..= first + req.reserve` are this grant's); `None` when a live lease of someone
-    /// else holds the key.
-    pub async fn acquire(&self, req: &GrantRequest) -> Result<Option<u64>, BackendError> {
+    /// Tries to grant `req` in one statement: [`Attempt::Granted`] with the first fence (fences
+    /// `first ..= first + req.reserve` are this grant's), or [`Attempt::Held`] when a live
+    /// lease of someone else holds the key.
+    pub async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
         self.with_conn(self.statement_timeout, |c| {
             let req = req.clone();
             Box::pin(async move { lease::acquire(c, &req).await })
