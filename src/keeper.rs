@@ -252,10 +252,6 @@ impl ShardState {
         if next_tick.is_some_and(|t| t > now) {
             return;
         }
-        self.shared
-            .stats
-            .renew_ticks
-            .fetch_add(1, Ordering::Relaxed);
         // Bounded by the soonest local deadline: a renewal that answers after the lease ended
         // is worthless.
         let earliest = leases
@@ -269,7 +265,11 @@ impl ShardState {
             .map(|l| (l.key.stored(), l.owner.as_str()))
             .collect();
         let sent = Instant::now();
-        match self.shard.renew(&pairs, timeout).await {
+        let renewed = self.shard.renew(&pairs, timeout).await;
+        // Counted when done, together with the statements, so a snapshot never sees a tick
+        // whose statement is still on its way.
+        self.shared.stats.renew_ticks.fetch_add(1, Ordering::Relaxed);
+        match renewed {
             Ok(outcome) => {
                 self.shared
                     .stats
