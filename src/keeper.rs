@@ -268,7 +268,10 @@ impl ShardState {
         let renewed = self.shard.renew(&pairs, timeout).await;
         // Counted when done, together with the statements, so a snapshot never sees a tick
         // whose statement is still on its way.
-        self.shared.stats.renew_ticks.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .stats
+            .renew_ticks
+            .fetch_add(1, Ordering::Relaxed);
         match renewed {
             Ok(outcome) => {
                 self.shared

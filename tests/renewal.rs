@@ -41,10 +41,17 @@ async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
     // ttl/3 ticks over 3 ttls: about 9 per shard.
     assert!((3 * 8..=3 * 10).contains(&ticks), "{ticks} ticks");
     let failures = stats.renew_failures - stats_before.renew_failures;
-    assert_eq!(statements + failures, ticks, "one statement per shard per tick ({failures} failed)");
+    assert_eq!(
+        statements + failures,
+        ticks,
+        "one statement per shard per tick ({failures} failed)"
+    );
     // The shards' counters agree, up to one statement per shard that was on its way at either
     // end of the window (the server counts it before the client does).
-    assert!(updates.abs_diff(statements) <= 3, "the shards saw {updates} UPDATEs for {statements} renewal statements");
+    assert!(
+        updates.abs_diff(statements) <= 3,
+        "the shards saw {updates} UPDATEs for {statements} renewal statements"
+    );
 
     for g in guards {
         g.release().await.unwrap();

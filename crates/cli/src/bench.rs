@@ -62,6 +62,10 @@ pub(crate) struct BenchArgs {
     /// Directory for the JSON report (`bench-<time>.json` and `latest.json`).
     #[arg(long, default_value = "target/shardlock-bench")]
     out: PathBuf,
+    /// Switch in-memory hand-offs off (`handoff-max-count: 0`) for the single-process
+    /// scenarios, so the shard serves every grant.
+    #[arg(long)]
+    no_local_handoff: bool,
     /// Internal: run as one process of the `buckets` scenario with this many buckets.
     #[arg(long, hide = true)]
     worker_buckets: Option<u32>,
@@ -131,6 +135,11 @@ pub(crate) async fn run(
     // Everything runs on the first shard, so that shardlock and the baselines share one server.
     let mut config = source.config.clone();
     config.shards.truncate(1);
+    if args.no_local_handoff {
+        for ns in config.namespaces.values_mut() {
+            ns.handoff_max_count = 0;
+        }
+    }
     let shard = config.shards[0].clone();
     let router = LockRouter::new(config).await?;
     router.migrate().await?;
