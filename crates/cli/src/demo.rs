@@ -44,6 +44,7 @@ struct WorkerReport {
     timeouts: u64,
     acquire_statements: u64,
     handoffs: u64,
+    local_handoffs: u64,
     wait_us_total: u64,
     wait_us_max: u64,
 }
@@ -222,6 +223,7 @@ async fn buyer_process(source: &ConfigSource, args: &DemoArgs) -> Result<(), Any
     let stats = router.stats();
     report.acquire_statements = stats.acquire_statements;
     report.handoffs = stats.handoffs;
+    report.local_handoffs = stats.local_handoffs;
     router.shutdown().await?;
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
@@ -352,6 +354,7 @@ async fn summarize(
         totals.timeouts += r.timeouts;
         totals.acquire_statements += r.acquire_statements;
         totals.handoffs += r.handoffs;
+        totals.local_handoffs += r.local_handoffs;
         totals.wait_us_total += r.wait_us_total;
         totals.wait_us_max = totals.wait_us_max.max(r.wait_us_max);
     }
@@ -369,11 +372,12 @@ async fn summarize(
     }
     let grants = totals.grants.max(1);
     println!(
-        "Locks:  {} grants in {:.1} s ({:.0}/s), {} of them handed over by the release statement, \
+        "Locks:  {} grants in {:.1} s ({:.0}/s), {} of them handed over in memory and {} by the release statement, \
          {} timeouts,\n        {} acquire statements ({:.2} per grant), wait mean {:.1} ms, max {:.1} ms",
         totals.grants,
         elapsed.as_secs_f64(),
         totals.grants as f64 / elapsed.as_secs_f64(),
+        totals.local_handoffs,
         totals.handoffs,
         totals.timeouts,
         totals.acquire_statements,
