@@ -85,14 +85,7 @@ async fn bucketed_stock_is_never_oversold_and_restocks_interleave() {
 
     let mut bought = 0;
     for w in workers {
-        let (status, lines) = w.finish().await.unwrap();
-        assert!(status.success(), "{lines:?}");
-        bought += lines
-            .iter()
-            .find_map(|l| l.strip_prefix("bought "))
-            .unwrap()
-            .parse::<i64>()
-            .unwrap();
+        bought += w.finish_report("bought ").await.unwrap()[0] as i64;
     }
     let rows: Vec<(u32, i64)> = app
         .query("SELECT bucket, qty FROM stock ORDER BY bucket")

@@ -102,13 +102,7 @@ async fn two_processes_on_one_key_both_make_progress() {
     // Round trips and scheduling on a loaded two-core machine.
     let slack = Duration::from_millis(250);
     for w in workers {
-        let (status, lines) = w.finish().await.unwrap();
-        assert!(status.success(), "{lines:?}");
-        let done = lines
-            .iter()
-            .find_map(|l| l.strip_prefix("done "))
-            .expect("done line");
-        let f: Vec<u64> = done.split(' ').map(|x| x.parse().unwrap()).collect();
+        let f = w.finish_report("done ").await.unwrap();
         let (grants, max_gap_ms, statements) = (f[0], f[1], f[2]);
         eprintln!("process: {grants} grants, longest stretch without one {max_gap_ms} ms, {statements} acquire statements");
         assert!(grants > 100, "both processes make progress: {grants}");

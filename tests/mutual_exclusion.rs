@@ -31,14 +31,7 @@ async fn two_processes_never_overlap_and_fences_rise_in_commit_order() {
         .collect();
     let mut done = 0;
     for w in workers {
-        let (status, lines) = w.finish().await.unwrap();
-        assert!(status.success(), "worker failed: {lines:?}");
-        let n: usize = lines
-            .iter()
-            .find_map(|l| l.strip_prefix("done "))
-            .expect("done line")
-            .parse()
-            .unwrap();
+        let n = w.finish_report("done ").await.unwrap()[0] as usize;
         done += n;
     }
     assert_eq!(done, 2 * TASKS * ROUNDS);

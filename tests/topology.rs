@@ -89,16 +89,10 @@ async fn two_processes_across_grow_and_shrink_never_hold_a_key_twice() {
     }
     let mut moved = 0u64;
     for w in workers {
-        let (status, lines) = w.finish().await.unwrap();
-        assert!(status.success(), "{lines:?}");
-        let done = lines
-            .iter()
-            .find_map(|l| l.strip_prefix("done "))
-            .expect("done line");
-        let fields: Vec<u64> = done.split(' ').map(|f| f.parse().unwrap()).collect();
+        let fields = w.finish_report("done ").await.unwrap();
         assert_eq!(
             fields[0], 5,
-            "each worker went through four reloads: {done}"
+            "each worker went through four reloads: {fields:?}"
         );
         moved += fields[1];
     }

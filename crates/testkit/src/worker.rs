@@ -113,6 +113,31 @@ impl Worker {
         kill(self.pid, Signal::SIGCONT).map_err(io::Error::from)
     }
 
+    /// Waits for the worker to exit successfully and returns the numbers on its last protocol
+    /// line starting with `prefix` (e.g. `done 5 120` gives `[5, 120]`). A failed worker or a
+    /// missing line is an error that shows what the worker printed.
+    pub async fn finish_report(self, prefix: &str) -> io::Result<Vec<u64>> {
+        let (status, lines) = self.finish().await?;
+        if !status.success() {
+            return Err(io::Error::other(format!(
+                "worker failed ({status}): {lines:?}"
+            )));
+        }
+        let line = lines
+            .iter()
+            .rev()
+            .find_map(|l| l.strip_prefix(prefix))
+            .ok_or_else(|| {
+                io::Error::other(format!("worker printed no `{prefix}` line: {lines:?}"))
+            })?;
+        line.split_whitespace()
+            .map(|n| {
+                n.parse()
+                    .map_err(|e| io::Error::other(format!("`{prefix}{line}`: {e}")))
+            })
+            .collect()
+    }
+
     /// Waits for the worker to exit, draining its remaining protocol lines into the result.
     pub async fn finish(mut self) -> io::Result<(ExitStatus, Vec<String>)> {
         let mut lines = Vec::new();
