@@ -193,7 +193,7 @@ async fn a_taken_over_lease_is_reported_lost_and_release_leaves_the_new_row() {
         .await
         .unwrap();
     // The next renewal (every ttl/3) notices.
-    tokio::time::timeout(Duration::from_secs(2), g.lost())
+    tokio::time::timeout(Duration::from_secs(10), g.lost())
         .await
         .expect("lost() completes");
     assert!(!g.is_held());
