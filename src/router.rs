@@ -83,6 +83,11 @@ pub struct ShardStatus {
     pub local_leases: usize,
     /// The connection pool.
     pub pool: PoolStatus,
+    /// False for a shard that left the topology in a reload and is kept only while moved
+    /// keys may still have leases there (or until its pool is closed).
+    pub current: bool,
+    /// Whether its pool was closed (a shard that left, drained).
+    pub closed: bool,
 }
 
 impl LockRouter {
@@ -618,12 +623,26 @@ impl LockRouter {
         Ok((shard.shard.name().to_owned(), row))
     }
 
-    /// Every shard's reachability, pool and lease counts.
+    /// Every shard's reachability, pool and lease counts: the current ones, then those that
+    /// left in a reload and are still kept for moved keys.
     pub async fn status(&self) -> Vec<ShardStatus> {
         let topology = self.inner.topology.load_full();
-        let probes = topology.current.shards.iter().map(|s| async move {
-            let held = s.shard.count_held().await;
+        let shards = topology.all_shards();
+        let probes = shards.iter().map(|s| async {
+            let current = topology.current.shards.iter().any(|c| Arc::ptr_eq(c, s));
+            let closed = s.shard.is_closed();
+            let held = if closed {
+                Err(shardlock_core::BackendError::new(
+                    shardlock_core::BackendErrorKind::ServerGone,
+                    None,
+                    "the shard left the topology and its pool was closed",
+                ))
+            } else {
+                s.shard.count_held().await
+            };
             ShardStatus {
+                current,
+                closed,
                 name: s.shard.name().to_owned(),
                 reachable: held.is_ok(),
                 error: held.as_ref().err().map(|e| e.to_string()),
@@ -723,8 +742,13 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
     loop {
         let Some(inner) = inner.upgrade() else { return };
         let topology = inner.topology.load_full();
-        if topology.all_shards().iter().any(|s| Arc::ptr_eq(s, &shard)) {
-            return; // back in use
+        if topology
+            .current
+            .shards
+            .iter()
+            .any(|s| Arc::ptr_eq(s, &shard))
+        {
+            return; // back in the topology
         }
         if shard.held().is_empty() {
             shard.shard.close();

@@ -216,3 +216,70 @@ async fn a_process_that_reloaded_and_one_that_did_not_exclude_each_other() {
     assert!(last.fence() > again_fence);
     last.release().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shards_that_stay_keep_their_pools_and_a_leaving_shard_is_drained() {
+    let cluster = Cluster::start(4).await.unwrap();
+    let four = Config::from_yaml_str(&config_for(&cluster, 4)).unwrap();
+    let router = LockRouter::new(four).await.unwrap();
+    router.migrate().await.unwrap();
+    let on_s4 = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| router.shard_for(k).unwrap() == "s4")
+        .unwrap();
+    let held = router.acquire(&on_s4, AcquireOptions::new()).await.unwrap();
+    let opened = router
+        .status()
+        .await
+        .iter()
+        .find(|s| s.name == "s1")
+        .unwrap()
+        .pool
+        .size;
+    assert!(opened > 0);
+
+    let three = config_for(&cluster, 3).replace("move-window: 3s", "move-window: 500ms");
+    router
+        .reload(Config::from_yaml_str(&three).unwrap())
+        .await
+        .unwrap();
+    let status = router.status().await;
+    let s1 = status.iter().find(|s| s.name == "s1").unwrap();
+    assert_eq!(
+        s1.pool.size, opened,
+        "s1 stayed: same pool, same connections"
+    );
+    let s4 = status
+        .iter()
+        .find(|s| s.name == "s4")
+        .expect("s4 is still listed");
+    assert!(
+        !s4.current && !s4.closed,
+        "kept while a lease is held there"
+    );
+
+    // Past the window, s4's pool stays open while our lease there is held...
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(
+        !router
+            .status()
+            .await
+            .iter()
+            .find(|s| s.name == "s4")
+            .unwrap()
+            .closed
+    );
+    // ...and is closed once it is released.
+    held.release().await.unwrap();
+    let drained = common::eventually(Duration::from_secs(5), || async {
+        router
+            .status()
+            .await
+            .iter()
+            .find(|s| s.name == "s4")
+            .unwrap()
+            .closed
+    })
+    .await;
+    assert!(drained, "the pool of a shard that left is closed");
+}

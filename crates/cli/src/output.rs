@@ -32,6 +32,7 @@ pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool)
                 json!({
                     "shard": s.name,
                     "reachable": s.reachable,
+                    "current": s.current,
                     "error": s.error,
                     "held_leases": s.held_leases,
                     "pool": {"max_size": s.pool.max_size, "size": s.pool.size, "available": s.pool.available, "waiting": s.pool.waiting},
@@ -54,9 +55,14 @@ pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool)
             "{}/{}/{} (max {})",
             s.pool.size, s.pool.available, s.pool.waiting, s.pool.max_size
         );
+        let name = if s.current {
+            s.name.clone()
+        } else {
+            format!("{} (leaving)", s.name)
+        };
         println!(
             "{:<12} {:<11} {:>12} {:>18}",
-            s.name,
+            name,
             if s.reachable { "yes" } else { "NO" },
             held,
             pool
