@@ -198,6 +198,11 @@ async fn count_orders(shards: &[(String, Pool)]) -> Result<u64, AnyError> {
 /// One buyer process: `buyers` tasks buying random SKUs until every SKU is sold out.
 async fn buyer_process(source: &ConfigSource, args: &DemoArgs) -> Result<(), AnyError> {
     let router = source.router().await?;
+    // An edited config file is picked up on SIGHUP (`kill -HUP <pid>`), without stopping the sale.
+    let _reloads = match &source.path {
+        Some(path) => Some(router.reload_on_sighup(path)?),
+        None => None,
+    };
     let shards = shard_pools(source);
     let opts = match router.config().namespace(NAMESPACE) {
         Some(_) => AcquireOptions::new().namespace(NAMESPACE),
