@@ -420,9 +420,8 @@ async fn buckets_across_processes(
     Ok(m)
 }
 
-/// The `reload` scenario: returns (the move window after the reload, the steady state before).
-/// Each side's p99 is its worst 100 ms interval's latency; `max_ms` of the reload side is the
-/// slowest interval's rate dip, reported in the name.
+/// The `reload` scenario: returns (the move window after the reload, the steady state before),
+/// as grant rates; the worst 100 ms interval after the reload is reported in its name.
 async fn throughput_across_reload(
     source: &ConfigSource,
     tag: &str,
