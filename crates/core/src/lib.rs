@@ -6,12 +6,14 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 mod backoff;
+mod breaker;
 pub mod config;
 mod error;
 mod key;
 mod ring;
 
 pub use backoff::Backoff;
+pub use breaker::{Admission, Breaker, BreakerConfig, BreakerState, CallOutcome, Transition};
 pub use config::{Config, ConfigError};
 pub use error::{BackendError, BackendErrorKind, Error, Result};
 pub use key::{LockKey, MAX_KEY_BYTES, MAX_STORED_KEY_BYTES};

@@ -1,0 +1,424 @@
+//! The per-shard circuit breaker, as a state machine with no I/O and no clock of its own:
+//! every call passes `now`, so tests drive time by hand.
+//!
+//! Closed → Open when, over a sliding window, the failure rate passes its threshold (once the
+//! window holds a minimum number of calls) or N calls in a row failed; slow calls count as
+//! failures. Open → HalfOpen after a cool-down that doubles (up to a cap) each time probes fail.
+//! HalfOpen admits a bounded number of probes: enough successes close it, any failure opens
+//! it again. Only infrastructure failures are recorded as failures by the caller — a busy lock
+//! is a success for the breaker.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// Breaker thresholds (YAML section `breaker`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct BreakerConfig {
+    /// Open when at least this share of the calls in the window failed (0.0-1.0).
+    pub failure_rate: f64,
+    /// The sliding window the rate is taken over.
+    #[serde(with = "humantime_serde")]
+    pub window: Duration,
+    /// The rate counts only once the window holds this many calls.
+    pub min_calls: u32,
+    /// Open after this many failures in a row, whatever the rate.
+    pub consecutive_failures: u32,
+    /// A call slower than this counts as a failure.
+    #[serde(with = "humantime_serde")]
+    pub slow_call: Duration,
+    /// First cool-down before probing an open shard.
+    #[serde(with = "humantime_serde")]
+    pub cooldown: Duration,
+    /// Longest cool-down (it doubles each time probing fails).
+    #[serde(with = "humantime_serde")]
+    pub max_cooldown: Duration,
+    /// Probes admitted at once while half-open; this many successes close the breaker.
+    pub probes: u32,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self {
+            // Half the calls failing is an outage, not noise.
+            failure_rate: 0.5,
+            window: Duration::from_secs(10),
+            // Fewer calls than this say little about a rate.
+            min_calls: 20,
+            // A dead shard fails every call: open after a handful, even at low traffic.
+            consecutive_failures: 5,
+            // A lock statement is a primary-key write; a second means the shard is in trouble.
+            slow_call: Duration::from_secs(1),
+            cooldown: Duration::from_secs(1),
+            max_cooldown: Duration::from_secs(30),
+            probes: 3,
+        }
+    }
+}
+
+/// Where a breaker is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum BreakerState {
+    /// Calls go through.
+    Closed,
+    /// Calls are refused until the cool-down ends.
+    Open,
+    /// A few probes go through; their outcome decides.
+    HalfOpen,
+}
+
+/// How a call went, as far as the breaker is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// Answered (a busy lock included).
+    Success,
+    /// An infrastructure failure: connect error, timeout, server gone, read-only, ...
+    Failure,
+}
+
+/// What [`Breaker::admit`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Go ahead; report with `probe: false`.
+    Call,
+    /// Go ahead as one of the half-open probes; report with `probe: true`, or call
+    /// [`Breaker::abandon_probe`] if the call never completes.
+    Probe,
+    /// Refused: the breaker is open (or all probe slots are taken).
+    Rejected,
+}
+
+/// A transition, for logs and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transition {
+    /// From this state.
+    pub from: BreakerState,
+    /// To this state.
+    pub to: BreakerState,
+}
+
+/// One shard's breaker.
+#[derive(Debug, Clone)]
+pub struct Breaker {
+    config: BreakerConfig,
+    state: BreakerState,
+    /// Calls in the window: when each ended and whether it failed.
+    calls: VecDeque<(Instant, bool)>,
+    consecutive: u32,
+    open_until: Option<Instant>,
+    cooldown: Duration,
+    probes_in_flight: u32,
+    probe_successes: u32,
+}
+
+impl Breaker {
+    /// A closed breaker.
+    pub fn new(config: BreakerConfig) -> Self {
+        let cooldown = config.cooldown;
+        Self {
+            config,
+            state: BreakerState::Closed,
+            calls: VecDeque::new(),
+            consecutive: 0,
+            open_until: None,
+            cooldown,
+            probes_in_flight: 0,
+            probe_successes: 0,
+        }
+    }
+
+    /// The state at `now` (an open breaker whose cool-down ended reads as half-open).
+    pub fn state(&self, now: Instant) -> BreakerState {
+        match (self.state, self.open_until) {
+            (BreakerState::Open, Some(until)) if now >= until => BreakerState::HalfOpen,
+            (state, _) => state,
+        }
+    }
+
+    /// Whether a call may go to the shard now.
+    pub fn admit(&mut self, now: Instant) -> (Admission, Option<Transition>) {
+        let transition = self.settle(now);
+        let admission = match self.state {
+            BreakerState::Closed => Admission::Call,
+            BreakerState::Open => Admission::Rejected,
+            BreakerState::HalfOpen if self.probes_in_flight < self.config.probes => {
+                self.probes_in_flight += 1;
+                Admission::Probe
+            }
+            BreakerState::HalfOpen => Admission::Rejected,
+        };
+        (admission, transition)
+    }
+
+    /// Reports how an admitted call went and how long it took.
+    pub fn record(
+        &mut self,
+        now: Instant,
+        outcome: CallOutcome,
+        took: Duration,
+        probe: bool,
+    ) -> Option<Transition> {
+        let failed = outcome == CallOutcome::Failure || took >= self.config.slow_call;
+        if probe {
+            self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+            if self.state != BreakerState::HalfOpen {
+                return None; // a late probe of an earlier half-open spell
+            }
+            return if failed {
+                self.cooldown = (self.cooldown * 2).min(self.config.max_cooldown);
+                self.open(now)
+            } else {
+                self.probe_successes += 1;
+                (self.probe_successes >= self.config.probes).then(|| self.close())
+            };
+        }
+        if self.state != BreakerState::Closed {
+            return None; // a call admitted before the breaker opened
+        }
+        self.calls.push_back((now, failed));
+        self.forget_before(now);
+        self.consecutive = if failed { self.consecutive + 1 } else { 0 };
+        let total = self.calls.len() as u32;
+        let failures = self.calls.iter().filter(|(_, f)| *f).count() as u32;
+        let rate_tripped = total >= self.config.min_calls.max(1)
+            && f64::from(failures) >= self.config.failure_rate * f64::from(total);
+        if rate_tripped || self.consecutive >= self.config.consecutive_failures.max(1) {
+            self.cooldown = self.config.cooldown;
+            return self.open(now);
+        }
+        None
+    }
+
+    /// Gives back a probe slot whose call was dropped before it completed.
+    pub fn abandon_probe(&mut self) {
+        self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+    }
+
+    /// Moves an open breaker whose cool-down ended to half-open.
+    fn settle(&mut self, now: Instant) -> Option<Transition> {
+        if self.state == BreakerState::Open && self.state(now) == BreakerState::HalfOpen {
+            self.state = BreakerState::HalfOpen;
+            self.probe_successes = 0;
+            self.probes_in_flight = 0;
+            return Some(Transition {
+                from: BreakerState::Open,
+                to: BreakerState::HalfOpen,
+            });
+        }
+        None
+    }
+
+    fn open(&mut self, now: Instant) -> Option<Transition> {
+        let from = self.state;
+        self.state = BreakerState::Open;
+        self.open_until = Some(now + self.cooldown);
+        self.calls.clear();
+        self.consecutive = 0;
+        Some(Transition {
+            from,
+            to: BreakerState::Open,
+        })
+    }
+
+    fn close(&mut self) -> Transition {
+        self.state = BreakerState::Closed;
+        self.open_until = None;
+        self.cooldown = self.config.cooldown;
+        self.calls.clear();
+        self.consecutive = 0;
+        Transition {
+            from: BreakerState::HalfOpen,
+            to: BreakerState::Closed,
+        }
+    }
+
+    fn forget_before(&mut self, now: Instant) {
+        while self
+            .calls
+            .front()
+            .is_some_and(|(at, _)| now.duration_since(*at) > self.config.window)
+        {
+            self.calls.pop_front();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FAST: Duration = Duration::from_millis(2);
+
+    fn breaker() -> (Breaker, Instant) {
+        (Breaker::new(BreakerConfig::default()), Instant::now())
+    }
+
+    fn call(b: &mut Breaker, now: Instant, outcome: CallOutcome) -> Option<Transition> {
+        assert_eq!(b.admit(now).0, Admission::Call);
+        b.record(now, outcome, FAST, false)
+    }
+
+    #[test]
+    fn consecutive_failures_open_it_and_calls_are_refused() {
+        let (mut b, t) = breaker();
+        for _ in 0..4 {
+            assert_eq!(call(&mut b, t, CallOutcome::Failure), None);
+        }
+        let opened = call(&mut b, t, CallOutcome::Failure);
+        assert_eq!(
+            opened,
+            Some(Transition {
+                from: BreakerState::Closed,
+                to: BreakerState::Open
+            })
+        );
+        assert_eq!(b.admit(t).0, Admission::Rejected);
+        assert_eq!(b.state(t), BreakerState::Open);
+    }
+
+    #[test]
+    fn a_success_resets_the_run_of_failures() {
+        let (mut b, t) = breaker();
+        for outcome in [CallOutcome::Failure; 4]
+            .into_iter()
+            .chain([CallOutcome::Success])
+            .chain([CallOutcome::Failure; 4])
+        {
+            assert_eq!(call(&mut b, t, outcome), None);
+        }
+        assert_eq!(
+            b.state(t),
+            BreakerState::Closed,
+            "never five failures in a row, and 9 calls are below the minimum"
+        );
+    }
+
+    #[test]
+    fn the_failure_rate_counts_once_the_window_holds_the_minimum_of_calls() {
+        let (mut b, t) = breaker();
+        // Alternating, never two failures in a row: 9 failures in the first 19 calls.
+        for i in 0..19 {
+            let outcome = if i % 2 == 0 {
+                CallOutcome::Success
+            } else {
+                CallOutcome::Failure
+            };
+            assert_eq!(call(&mut b, t, outcome), None, "call {i}");
+        }
+        // The 20th call makes 10 of 20: a rate of 50% opens it.
+        assert!(call(&mut b, t, CallOutcome::Failure).is_some());
+    }
+
+    #[test]
+    fn old_calls_leave_the_window() {
+        let (mut b, t) = breaker();
+        // 13 failures in 16 calls, never five in a row: below the minimum of calls.
+        for i in 0..16 {
+            let outcome = if i % 5 == 4 {
+                CallOutcome::Success
+            } else {
+                CallOutcome::Failure
+            };
+            assert_eq!(call(&mut b, t, outcome), None, "call {i}");
+        }
+        // Eleven seconds later those have left the window: four successes make 4 calls, not
+        // 20 calls with 13 failures.
+        let later = t + Duration::from_secs(11);
+        for _ in 0..4 {
+            assert_eq!(call(&mut b, later, CallOutcome::Success), None);
+        }
+        assert_eq!(b.state(later), BreakerState::Closed);
+    }
+
+    #[test]
+    fn slow_calls_count_as_failures() {
+        let (mut b, t) = breaker();
+        for _ in 0..5 {
+            assert_eq!(b.admit(t).0, Admission::Call);
+            b.record(t, CallOutcome::Success, Duration::from_secs(2), false);
+        }
+        assert_eq!(b.state(t), BreakerState::Open);
+    }
+
+    #[test]
+    fn cooldown_then_bounded_probes_close_it() {
+        let (mut b, t) = breaker();
+        for _ in 0..5 {
+            call(&mut b, t, CallOutcome::Failure);
+        }
+        assert_eq!(
+            b.admit(t + Duration::from_millis(999)).0,
+            Admission::Rejected
+        );
+        let t1 = t + Duration::from_secs(1);
+        assert_eq!(b.state(t1), BreakerState::HalfOpen);
+        let (first, moved) = b.admit(t1);
+        assert_eq!(
+            (first, moved),
+            (
+                Admission::Probe,
+                Some(Transition {
+                    from: BreakerState::Open,
+                    to: BreakerState::HalfOpen
+                })
+            )
+        );
+        assert_eq!(b.admit(t1).0, Admission::Probe);
+        assert_eq!(b.admit(t1).0, Admission::Probe);
+        assert_eq!(b.admit(t1).0, Admission::Rejected, "only 3 probes at once");
+        b.abandon_probe(); // a probe whose future was dropped gives its slot back
+        assert_eq!(b.admit(t1).0, Admission::Probe);
+        assert_eq!(b.record(t1, CallOutcome::Success, FAST, true), None);
+        assert_eq!(b.record(t1, CallOutcome::Success, FAST, true), None);
+        let closed = b.record(t1, CallOutcome::Success, FAST, true);
+        assert_eq!(
+            closed,
+            Some(Transition {
+                from: BreakerState::HalfOpen,
+                to: BreakerState::Closed
+            })
+        );
+        assert_eq!(b.admit(t1).0, Admission::Call);
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_with_a_doubled_cooldown_up_to_the_cap() {
+        let (mut b, t) = breaker();
+        for _ in 0..5 {
+            call(&mut b, t, CallOutcome::Failure);
+        }
+        let mut now = t;
+        let mut expected = Duration::from_secs(1);
+        for _ in 0..8 {
+            now += expected;
+            assert_eq!(b.admit(now).0, Admission::Probe);
+            let reopened = b.record(now, CallOutcome::Failure, FAST, true);
+            assert_eq!(
+                reopened,
+                Some(Transition {
+                    from: BreakerState::HalfOpen,
+                    to: BreakerState::Open
+                })
+            );
+            expected = (expected * 2).min(Duration::from_secs(30));
+            assert_eq!(
+                b.admit(now + expected - Duration::from_millis(1)).0,
+                Admission::Rejected
+            );
+        }
+        assert_eq!(expected, Duration::from_secs(30), "capped");
+    }
+
+    #[test]
+    fn outcomes_of_calls_admitted_before_a_transition_do_not_count() {
+        let (mut b, t) = breaker();
+        assert_eq!(b.admit(t).0, Admission::Call); // in flight while the breaker opens
+        for _ in 0..5 {
+            call(&mut b, t, CallOutcome::Failure);
+        }
+        assert_eq!(b.record(t, CallOutcome::Success, FAST, false), None);
+        assert_eq!(b.state(t), BreakerState::Open);
+    }
+}
