@@ -6,7 +6,6 @@ mod common;
 
 use std::time::Duration;
 
-use rand::Rng;
 use shardlock::AcquireOptions;
 use shardlock_testkit::{report, Worker};
 
@@ -49,21 +48,15 @@ async fn counter_worker() {
     let router = common::worker_router().await;
     let app_url = std::env::var(APP_ENV).unwrap();
     let pool = shardlock::mysql_async::Pool::new(app_url.as_str());
-    let tasks: Vec<_> = (0..TASKS)
-        .map(|_| {
-            let (router, pool) = (router.clone(), pool.clone());
-            tokio::spawn(async move {
-                for _ in 0..ROUNDS {
-                    let key = format!("c:{}", rand::rng().random_range(0..KEYS));
-                    let opts = AcquireOptions::new().wait(Duration::from_secs(30));
-                    common::counters::round(&router, &pool, &key, opts).await;
-                }
-            })
-        })
-        .collect();
-    for t in tasks {
-        t.await.unwrap();
-    }
+    common::counters::run(
+        &router,
+        &pool,
+        TASKS,
+        ROUNDS,
+        KEYS,
+        AcquireOptions::new().wait(Duration::from_secs(30)),
+    )
+    .await;
     report!("done {}", TASKS * ROUNDS);
     router.shutdown().await.unwrap();
 }

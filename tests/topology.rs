@@ -6,7 +6,6 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rand::Rng;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Pool;
 use shardlock::{AcquireOptions, Config, LockRouter};
@@ -108,20 +107,7 @@ async fn counter_worker() {
     let _reloads = router.reload_on_sighup(&path).unwrap();
     let pool = Pool::new(std::env::var(APP_ENV).unwrap().as_str());
     report!("ready");
-    let tasks: Vec<_> = (0..TASKS)
-        .map(|_| {
-            let (router, pool) = (router.clone(), pool.clone());
-            tokio::spawn(async move {
-                for _ in 0..ROUNDS {
-                    let key = format!("c:{}", rand::rng().random_range(0..KEYS));
-                    common::counters::round(&router, &pool, &key, AcquireOptions::new()).await;
-                }
-            })
-        })
-        .collect();
-    for t in tasks {
-        t.await.unwrap();
-    }
+    common::counters::run(&router, &pool, TASKS, ROUNDS, KEYS, AcquireOptions::new()).await;
     // The last reload may still be on its way.
     let reloaded =
         common::eventually(Duration::from_secs(30), || async { router.epoch() == 5 }).await;
@@ -217,6 +203,15 @@ async fn a_process_that_reloaded_and_one_that_did_not_exclude_each_other() {
     last.release().await.unwrap();
 }
 
+async fn shard_status(router: &LockRouter, name: &str) -> shardlock::ShardStatus {
+    router
+        .status()
+        .await
+        .into_iter()
+        .find(|s| s.name == name)
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn shards_that_stay_keep_their_pools_and_a_leaving_shard_is_drained() {
     let cluster = Cluster::start(4).await.unwrap();
@@ -228,14 +223,7 @@ async fn shards_that_stay_keep_their_pools_and_a_leaving_shard_is_drained() {
         .find(|k| router.shard_for(k).unwrap() == "s4")
         .unwrap();
     let held = router.acquire(&on_s4, AcquireOptions::new()).await.unwrap();
-    let opened = router
-        .status()
-        .await
-        .iter()
-        .find(|s| s.name == "s1")
-        .unwrap()
-        .pool
-        .size;
+    let opened = shard_status(&router, "s1").await.pool.size;
     assert!(opened > 0);
 
     let three = config_for(&cluster, 3).replace("move-window: 3s", "move-window: 500ms");
@@ -260,25 +248,11 @@ async fn shards_that_stay_keep_their_pools_and_a_leaving_shard_is_drained() {
 
     // Past the window, s4's pool stays open while our lease there is held...
     tokio::time::sleep(Duration::from_millis(800)).await;
-    assert!(
-        !router
-            .status()
-            .await
-            .iter()
-            .find(|s| s.name == "s4")
-            .unwrap()
-            .closed
-    );
+    assert!(!shard_status(&router, "s4").await.closed);
     // ...and is closed once it is released.
     held.release().await.unwrap();
     let drained = common::eventually(Duration::from_secs(5), || async {
-        router
-            .status()
-            .await
-            .iter()
-            .find(|s| s.name == "s4")
-            .unwrap()
-            .closed
+        shard_status(&router, "s4").await.closed
     })
     .await;
     assert!(drained, "the pool of a shard that left is closed");

@@ -58,6 +58,33 @@ pub async fn round(router: &LockRouter, pool: &Pool, key: &str, opts: AcquireOpt
     guard.release().await.expect("release");
 }
 
+/// `tasks` tasks, each doing `rounds` rounds on random keys of `c:0..keys`; returns when all
+/// are done.
+pub async fn run(
+    router: &LockRouter,
+    pool: &Pool,
+    tasks: usize,
+    rounds: usize,
+    keys: usize,
+    opts: AcquireOptions,
+) {
+    use rand::Rng;
+    let tasks: Vec<_> = (0..tasks)
+        .map(|_| {
+            let (router, pool, opts) = (router.clone(), pool.clone(), opts.clone());
+            tokio::spawn(async move {
+                for _ in 0..rounds {
+                    let key = format!("c:{}", rand::rng().random_range(0..keys));
+                    round(&router, &pool, &key, opts.clone()).await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
 /// Counts are exact (`total` rounds in all) and fences rise per key in commit order.
 pub async fn check(app: &mut Conn, total: usize) {
     let sum: i64 = app
