@@ -14,6 +14,9 @@ use shardlock_core::{Error, Result};
 /// UPDATE account SET balance = :balance, fence = :fence WHERE id = :id AND fence < :fence
 /// ```
 ///
+/// A fence of a [`crate::LockMode::LocalFallback`] guard is refused with
+/// [`Error::InvalidArgument`]: it was not issued by the shard.
+///
 /// A holder whose lease was lost (paused past its ttl, force-released) and who still tries to
 /// write is rejected, because the next holder got a larger fence and wrote it first. The row
 /// must exist (create it with `fence = 0`). Works on any connection or transaction, on any
@@ -41,6 +44,15 @@ where
     Q: Queryable,
     N: Into<String>,
 {
+    if fence & crate::LOCAL_FENCE_BIT != 0 {
+        return Err(Error::InvalidArgument {
+            name: "fence",
+            reason: "this fence belongs to a LocalFallback guard (granted in process while the \
+                     shard was down); it only orders holds inside this process and cannot \
+                     fence shared writes"
+                .into(),
+        });
+    }
     if !sql.contains(":fence") {
         return Err(Error::InvalidArgument {
             name: "sql",

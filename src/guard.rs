@@ -24,6 +24,10 @@ pub enum LockMode {
     LocalFallback,
 }
 
+/// The bit set in every fence of a [`LockMode::LocalFallback`] guard: shard fences never have
+/// it, so the two spaces cannot be confused.
+pub const LOCAL_FENCE_BIT: u64 = 1 << 63;
+
 /// One grant to one task: its fence, and how many guards share it (explicit reentrancy).
 #[derive(Debug)]
 pub(crate) struct Hold {
@@ -89,6 +93,9 @@ impl LockGuard {
     }
 
     /// The fencing token of this grant: larger than that of every earlier grant of the key.
+    ///
+    /// A [`LockMode::LocalFallback`] guard's fence has the top bit set ([`LOCAL_FENCE_BIT`]):
+    /// it only orders holds inside this process, and [`crate::fenced_exec`] refuses it.
     pub fn fence(&self) -> u64 {
         self.hold.fence
     }
@@ -109,9 +116,15 @@ impl LockGuard {
         self.hold.shard.shard.name()
     }
 
-    /// Where the lock is held.
+    /// Where the lock was granted. A [`LockMode::LocalFallback`] guard stays so for its life,
+    /// even after the keeper re-acquired its key on the shard (which then keeps other
+    /// processes out).
     pub fn mode(&self) -> LockMode {
-        LockMode::Remote
+        if self.hold.lease.local {
+            LockMode::LocalFallback
+        } else {
+            LockMode::Remote
+        }
     }
 
     /// The owner written in the lease row: `<instance id>:<grant seq>`. Grants handed over in
@@ -210,6 +223,22 @@ type ShardWork = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
 /// statement, which also hands the lease to the waiter unless another process asked for it.
 fn end_hold(hold: &Hold) -> Option<ShardWork> {
     let (lease, shard) = (&hold.lease, &hold.shard);
+    if lease.local {
+        // No hand-offs for an in-process lease: the next waiter takes its own turn (and goes
+        // to the shard if it is back).
+        let turn = lease.turn.lock().unwrap().take();
+        if shard.remove_local(lease.id) {
+            shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
+            drop(turn);
+            return None;
+        }
+        // Re-acquired on the shard meanwhile (or found held there): release the row.
+        return Some(Box::pin(release_through_shard(
+            shard.clone(),
+            lease.clone(),
+            turn,
+        )));
+    }
     let companions = std::mem::take(&mut *hold.companions.lock().unwrap());
     if !companions.is_empty() {
         // A moved key: release it everywhere; waiters poll for themselves.
@@ -289,7 +318,7 @@ async fn handoff_through_shard(
         reserve: want.handoff_max_count,
     };
     let sent = Instant::now();
-    match shard.shard.handoff(&lease.owner, &req).await {
+    match shard.call(shard.shard.handoff(&lease.owner, &req)).await {
         Ok(HandoffOutcome::Granted(fence)) => {
             shared.stats.grants.fetch_add(1, Ordering::Relaxed);
             shared.stats.handoffs.fetch_add(1, Ordering::Relaxed);
@@ -336,7 +365,9 @@ pub(crate) async fn release_through_shard(
 ) -> Result<()> {
     shard.remove(lease.id);
     shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
-    let result = shard.shard.release(lease.key.stored(), &lease.owner).await;
+    let result = shard
+        .call(shard.shard.release(lease.key.stored(), &lease.owner))
+        .await;
     drop(turn);
     match result {
         Ok(true) => Ok(()),

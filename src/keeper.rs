@@ -7,8 +7,11 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use shardlock_core::config::ShardConfig;
-use shardlock_core::LockKey;
-use shardlock_mysql::Shard;
+use shardlock_core::{
+    Admission, BackendError, BackendErrorKind, Breaker, BreakerConfig, BreakerState, CallOutcome,
+    LockKey, Transition,
+};
+use shardlock_mysql::{Attempt, GrantRequest, Shard};
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
@@ -35,6 +38,8 @@ pub(crate) struct LeaseState {
     /// This process's turn on the key: held until the lease is released, so local waiters
     /// queue in memory instead of polling the shard.
     pub(crate) turn: Mutex<Option<Turn>>,
+    /// Granted in process while the shard's breaker was open (`LockMode::LocalFallback`).
+    pub(crate) local: bool,
 }
 
 /// What the shard granted: to which owner (grant `id`), its first fence and how many more
@@ -69,6 +74,18 @@ impl LeaseState {
             fence_top: grant.fence + u64::from(grant.reserve),
             local_until: grant.sent + local_for,
             turn: Mutex::new(turn),
+            local: false,
+        }
+    }
+
+    /// An in-process lease, granted while the shard's breaker is open: no row, no renewal,
+    /// no hand-offs, until the keeper re-acquires it on the shard.
+    pub(crate) fn local(key: LockKey, grant: Grant, want: Want, turn: Turn) -> Self {
+        Self {
+            deadline: Mutex::new(grant.sent + LOCAL_HORIZON),
+            fence_top: 0,
+            local: true,
+            ..Self::new(key, grant, want, Duration::ZERO, Some(turn))
         }
     }
 
@@ -93,6 +110,10 @@ impl LeaseState {
 
     pub(crate) fn deadline(&self) -> Instant {
         *self.deadline.lock().unwrap()
+    }
+
+    fn set_deadline(&self, to: Instant) {
+        *self.deadline.lock().unwrap() = to;
     }
 
     fn extend(&self, to: Instant) {
@@ -166,7 +187,20 @@ pub(crate) struct Stats {
     pub(crate) renew_ticks: AtomicU64,
     pub(crate) renew_statements: AtomicU64,
     pub(crate) renew_failures: AtomicU64,
+    pub(crate) unavailable: AtomicU64,
+    pub(crate) local_grants: AtomicU64,
+    pub(crate) reconciled: AtomicU64,
+    pub(crate) reconcile_conflicts: AtomicU64,
+    pub(crate) breaker_opened: AtomicU64,
+    pub(crate) breaker_closed: AtomicU64,
 }
+
+/// A local lease has no end of its own: it lasts until released, or lost on reconciliation.
+const LOCAL_HORIZON: Duration = Duration::from_secs(100 * 365 * 86_400);
+/// How often the keeper tries to re-acquire on the shard the keys held locally.
+const RECONCILE_EVERY: Duration = Duration::from_millis(50);
+/// Breaker transitions kept per shard for `breaker_transitions`.
+const TRANSITIONS_KEPT: usize = 64;
 
 /// A shard and the leases this process holds on it.
 #[derive(Debug)]
@@ -180,10 +214,25 @@ pub(crate) struct ShardState {
     /// that the keeper is only woken when a new lease needs an earlier tick.
     shortest_ms: AtomicU64,
     pub(crate) shared: Arc<Shared>,
+    breaker: Mutex<Breaker>,
+    /// The last transitions of the breaker, oldest first.
+    transitions: Mutex<std::collections::VecDeque<Transition>>,
+    /// Leases granted in process while the breaker was open, not yet re-acquired on the shard.
+    local: Mutex<HashMap<u64, Arc<LeaseState>>>,
+}
+
+/// The breaker's clock: Tokio's, so tests with paused time drive it.
+fn breaker_now() -> std::time::Instant {
+    Instant::now().into_std()
 }
 
 impl ShardState {
-    pub(crate) fn new(shard: Shard, config: ShardConfig, shared: Arc<Shared>) -> Arc<Self> {
+    pub(crate) fn new(
+        shard: Shard,
+        config: ShardConfig,
+        breaker: BreakerConfig,
+        shared: Arc<Shared>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             shard,
             config,
@@ -191,7 +240,178 @@ impl ShardState {
             wake: Arc::default(),
             shortest_ms: AtomicU64::new(u64::MAX),
             shared,
+            breaker: Mutex::new(Breaker::new(breaker)),
+            transitions: Mutex::default(),
+            local: Mutex::default(),
         })
+    }
+
+    /// Runs one call to the shard through its breaker: refused at once (kind
+    /// [`BackendErrorKind::BreakerOpen`]) while the breaker is open, else run and its outcome
+    /// recorded. Infrastructure failures and slow calls count against the shard; answers,
+    /// a busy lock included, count for it. A half-open probe dropped before it completes gives
+    /// its permit back.
+    pub(crate) async fn call<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        let (admission, transition) = self.breaker.lock().unwrap().admit(breaker_now());
+        self.note(transition);
+        let probe = match admission {
+            Admission::Rejected => {
+                self.shared
+                    .stats
+                    .unavailable
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(BackendError::new(
+                    BackendErrorKind::BreakerOpen,
+                    None,
+                    "its breaker is open after repeated failures; probes resume after the \
+                     breaker cool-down",
+                ));
+            }
+            Admission::Probe => true,
+            Admission::Call => false,
+        };
+        let mut permit = ProbePermit {
+            state: self,
+            armed: probe,
+        };
+        let started = Instant::now();
+        let result = call.await;
+        permit.armed = false;
+        let outcome = match &result {
+            Err(e) if e.kind.is_infrastructure() => CallOutcome::Failure,
+            _ => CallOutcome::Success,
+        };
+        let transition =
+            self.breaker
+                .lock()
+                .unwrap()
+                .record(breaker_now(), outcome, started.elapsed(), probe);
+        self.note(transition);
+        result
+    }
+
+    /// The breaker's slow-call threshold.
+    pub(crate) fn slow_call(&self) -> Duration {
+        self.breaker.lock().unwrap().config().slow_call
+    }
+
+    /// The breaker's state now.
+    pub(crate) fn breaker_state(&self) -> BreakerState {
+        self.breaker.lock().unwrap().state(breaker_now())
+    }
+
+    /// The breaker's last transitions, oldest first.
+    pub(crate) fn breaker_transitions(&self) -> Vec<Transition> {
+        self.transitions.lock().unwrap().iter().copied().collect()
+    }
+
+    /// New breaker thresholds (a reload that kept this shard).
+    pub(crate) fn reconfigure_breaker(&self, config: BreakerConfig) {
+        self.breaker.lock().unwrap().reconfigure(config);
+    }
+
+    fn note(&self, transition: Option<Transition>) {
+        let Some(t) = transition else { return };
+        let stats = &self.shared.stats;
+        match t.to {
+            BreakerState::Open => {
+                stats.breaker_opened.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(shard = self.shard.name(), from = ?t.from, "shardlock breaker opened: the shard is failing");
+            }
+            BreakerState::Closed => {
+                stats.breaker_closed.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    shard = self.shard.name(),
+                    "shardlock breaker closed: the shard is back"
+                );
+                self.wake.notify_one();
+            }
+            BreakerState::HalfOpen => {
+                tracing::info!(
+                    shard = self.shard.name(),
+                    "shardlock breaker half-open: probing the shard"
+                );
+            }
+        }
+        let mut kept = self.transitions.lock().unwrap();
+        if kept.len() == TRANSITIONS_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back(t);
+    }
+
+    /// Registers a lease granted in process; the keeper re-acquires it on the shard once the
+    /// breaker lets calls through again.
+    pub(crate) fn insert_local(&self, lease: Arc<LeaseState>) {
+        self.local.lock().unwrap().insert(lease.id, lease);
+        self.wake.notify_one();
+    }
+
+    /// Forgets a local lease that was not re-acquired on the shard yet; `false` when it was
+    /// (it is then an ordinary lease to release through the shard) or was lost.
+    pub(crate) fn remove_local(&self, id: u64) -> bool {
+        self.local.lock().unwrap().remove(&id).is_some()
+    }
+
+    /// How many leases are held locally here, not yet re-acquired on the shard.
+    pub(crate) fn local_count(&self) -> usize {
+        self.local.lock().unwrap().len()
+    }
+
+    /// Re-acquires on the shard, under the same owner, the keys this process holds locally.
+    /// A key another process holds there now is reported lost to its local holder (who keeps
+    /// its turn, so no second holder appears in this process until it lets go).
+    async fn reconcile(&self) {
+        let locals: Vec<Arc<LeaseState>> = self.local.lock().unwrap().values().cloned().collect();
+        for lease in locals {
+            if self.breaker_state() == BreakerState::Open {
+                return;
+            }
+            let req = GrantRequest {
+                key: lease.key.stored().to_vec(),
+                owner: lease.owner.clone(),
+                ttl_ms: u32::try_from(lease.ttl.as_millis()).unwrap_or(u32::MAX),
+                fence_floor: 0,
+                reserve: 0,
+            };
+            let sent = Instant::now();
+            let stats = &self.shared.stats;
+            match self.call(self.shard.acquire(&req)).await {
+                Ok(Attempt::Granted(_)) => {
+                    // Under the map's lock, so the holder either still finds it local or finds
+                    // it moved to the renewed leases.
+                    let moved = {
+                        let mut local = self.local.lock().unwrap();
+                        let moved = local.remove(&lease.id).is_some();
+                        if moved {
+                            lease.set_deadline(sent + lease.ttl);
+                            self.insert(lease.clone());
+                        }
+                        moved
+                    };
+                    if moved {
+                        stats.reconciled.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(shard = self.shard.name(), key = %lease.key, "shardlock re-acquired a locally held key on its shard");
+                    } else {
+                        // Released meanwhile: give the row back.
+                        let _ = self.call(self.shard.release(&req.key, &req.owner)).await;
+                    }
+                }
+                Ok(Attempt::Held { .. }) => {
+                    if self.remove_local(lease.id) {
+                        stats.reconcile_conflicts.fetch_add(1, Ordering::Relaxed);
+                        lease.mark_lost(
+                            "another process held the key on its shard when the shard came back",
+                            stats,
+                        );
+                    }
+                }
+                Err(_) => return, // still failing: next time
+            }
+        }
     }
 
     pub(crate) fn insert(&self, lease: Arc<LeaseState>) {
@@ -217,20 +437,27 @@ impl ShardState {
     /// When the keeper must act next: the renewal tick, or the earliest local deadline (a
     /// lease whose renewals keep failing is reported lost exactly then, not later).
     fn plan(&self, next_tick: &mut Option<Instant>) -> Option<Instant> {
-        let leases = self.leases.lock().unwrap();
-        let period = leases.values().map(|l| l.renew_every).min()?;
         let now = Instant::now();
+        let reconcile = (self.local_count() > 0).then(|| now + RECONCILE_EVERY);
+        let leases = self.leases.lock().unwrap();
+        let Some(period) = leases.values().map(|l| l.renew_every).min() else {
+            return reconcile;
+        };
         let tick = match *next_tick {
             Some(t) if t <= now + period => t,
             _ => now + period,
         };
         *next_tick = Some(tick);
         let earliest = leases.values().map(|l| l.deadline()).min()?;
-        Some(tick.min(earliest))
+        Some(reconcile.map_or(tick, |r| r.min(tick)).min(earliest))
     }
 
-    /// Reports expired leases, and renews the rest if the tick is due.
+    /// Re-acquires local leases if there are any, reports expired leases, and renews the rest
+    /// if the tick is due.
     async fn tick(&self, next_tick: &mut Option<Instant>) {
+        if self.local_count() > 0 {
+            self.reconcile().await;
+        }
         let now = Instant::now();
         let mut leases = self.held();
         leases.retain(|l| {
@@ -265,7 +492,7 @@ impl ShardState {
             .map(|l| (l.key.stored(), l.owner.as_str()))
             .collect();
         let sent = Instant::now();
-        let renewed = self.shard.renew(&pairs, timeout).await;
+        let renewed = self.call(self.shard.renew(&pairs, timeout)).await;
         // Counted when done, together with the statements, so a snapshot never sees a tick
         // whose statement is still on its way.
         self.shared
@@ -305,6 +532,20 @@ impl ShardState {
                 // Retry soon; leases are reported lost only when their deadline passes.
                 *next_tick = Some(Instant::now() + (period / 4).max(Duration::from_millis(20)));
             }
+        }
+    }
+}
+
+/// Gives a half-open probe's permit back if its call was dropped before it completed.
+struct ProbePermit<'a> {
+    state: &'a ShardState,
+    armed: bool,
+}
+
+impl Drop for ProbePermit<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.state.breaker.lock().unwrap().abandon_probe();
         }
     }
 }

@@ -11,13 +11,15 @@ mod router;
 mod topology;
 
 pub use fence::fenced_exec;
-pub use guard::{LockGuard, LockMode};
+pub use guard::{LockGuard, LockMode, LOCAL_FENCE_BIT};
 pub use options::AcquireOptions;
 pub use router::{LockRouter, LockStats, ShardStatus};
+pub use shardlock_core::config::FailurePolicy;
+pub use shardlock_core::Transition as BreakerTransition;
 
 pub use shardlock_core::config;
 pub use shardlock_core::{
-    BackendError, BackendErrorKind, Backoff, Config, ConfigError, Error, LockKey, Result, Ring,
-    RingHash,
+    BackendError, BackendErrorKind, Backoff, BreakerConfig, BreakerState, Config, ConfigError,
+    Error, LockKey, Result, Ring, RingHash,
 };
 pub use shardlock_mysql::{mysql_async, LeaseRow, MigrateReport, PoolStatus, MIGRATIONS};

@@ -7,13 +7,16 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use futures_util::future::join_all;
-use shardlock_core::config::{check_ttl, DEFAULT_NAMESPACE};
-use shardlock_core::{Backoff, Config, Error, LockKey, Result};
+use shardlock_core::config::{check_ttl, FailurePolicy, DEFAULT_NAMESPACE};
+use shardlock_core::{
+    BackendError, BackendErrorKind, Backoff, BreakerState, Config, Error, LockKey, Result,
+    Transition,
+};
 use shardlock_mysql::{Attempt, GrantRequest, LeaseRow, MigrateReport, PoolStatus};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::guard::{release_through_shard, Hold, LockGuard};
+use crate::guard::{release_through_shard, Hold, LockGuard, LOCAL_FENCE_BIT};
 use crate::keeper::{Grant, LeaseState, ShardState, Shared};
 use crate::options::AcquireOptions;
 use crate::queue::{Entry, Handoff, Turn, Want};
@@ -66,6 +69,20 @@ pub struct LockStats {
     pub renew_failures: u64,
     /// Tasks waiting in memory for a key another task of this router holds or polls (now).
     pub queued: u64,
+    /// Calls not sent because the shard's breaker was open (acquires answered
+    /// `Unavailable` at once, or granted locally; renewals and releases skipped).
+    pub breaker_rejections: u64,
+    /// Times a shard breaker opened (summed over shards).
+    pub breaker_opened: u64,
+    /// Times a shard breaker closed again after probes succeeded (summed over shards).
+    pub breaker_closed: u64,
+    /// In-process grants made while a shard breaker was open (`local` policy).
+    pub local_grants: u64,
+    /// Locally held keys re-acquired on their shard once it was back.
+    pub reconciled: u64,
+    /// Locally held keys found held by another process when their shard came back (each
+    /// reported to its holder through `lost()`).
+    pub reconcile_conflicts: u64,
 }
 
 /// One shard as `status` sees it.
@@ -88,6 +105,10 @@ pub struct ShardStatus {
     pub current: bool,
     /// Whether its pool was closed (a shard that left, drained).
     pub closed: bool,
+    /// This process's breaker for the shard.
+    pub breaker: BreakerState,
+    /// Keys this process holds in process (`local` policy) not yet re-acquired on the shard.
+    pub local_fallback_leases: usize,
 }
 
 impl LockRouter {
@@ -452,7 +473,7 @@ impl LockRouter {
             let mut held_for = u64::MAX;
             let mut floor = 0;
             for old in &previous {
-                match self.try_grant(old, &key, want, floor).await? {
+                match self.try_grant(old, &key, want, floor, deadline).await? {
                     Ok(grant) => {
                         floor = grant.fence;
                         companions.push(self.hold(old, &key, grant, want, None, Vec::new()));
@@ -464,7 +485,20 @@ impl LockRouter {
                 }
             }
             if companions.len() == previous.len() {
-                let tried = self.try_grant(&shard, &key, want, floor).await?;
+                let tried = match self.try_grant(&shard, &key, want, floor, deadline).await {
+                    Ok(tried) => tried,
+                    // A moved key, or a failure that is not the shard's: nothing to fall back on.
+                    Err(e) if !previous.is_empty() || !e.is_unavailable() => return Err(e),
+                    Err(e) => match ns.on_shard_failure {
+                        FailurePolicy::Local if shard.breaker_state() != BreakerState::Closed => {
+                            return Ok(Some(self.hold_local(&shard, &key, want, turn)));
+                        }
+                        // Not open yet: try again within the wait; the breaker opens soon if
+                        // the shard keeps failing.
+                        FailurePolicy::Local if Instant::now() < deadline => Err(u64::MAX),
+                        _ => return Err(e),
+                    },
+                };
                 if let Err(held_for_ms) = tried {
                     held_for = held_for_ms;
                 }
@@ -479,8 +513,11 @@ impl LockRouter {
                         // still placing the key there must be granted a larger one.
                         for (old, companion) in previous.iter().zip(&companions) {
                             let raised = old
-                                .shard
-                                .raise_fence(key.stored(), companion.owner(), grant.fence)
+                                .call(old.shard.raise_fence(
+                                    key.stored(),
+                                    companion.owner(),
+                                    grant.fence,
+                                ))
                                 .await;
                             if !raised.map_err(|e| e.into_error(old.shard.name()))? {
                                 return Err(Error::LockLost {
@@ -514,13 +551,16 @@ impl LockRouter {
         }
     }
 
-    /// One acquire attempt of `key` on `shard` for `want`, with a first fence above `floor`.
+    /// One acquire attempt of `key` on `shard` for `want`, with a first fence above `floor`:
+    /// the grant, or how long the key has been held (`u64::MAX`: unknown, the attempt did not
+    /// answer before `deadline`).
     async fn try_grant(
         &self,
         shard: &Arc<ShardState>,
         key: &LockKey,
         want: Want,
         floor: u64,
+        deadline: Instant,
     ) -> Result<std::result::Result<Grant, u64>> {
         let (id, owner) = self.inner.shared.next_owner();
         let req = GrantRequest {
@@ -531,16 +571,46 @@ impl LockRouter {
             reserve: want.handoff_max_count,
         };
         let sent = Instant::now();
-        Ok(match self.attempt(shard, &req).await? {
-            Attempt::Granted(fence) => Ok(Grant {
+        Ok(match self.attempt(shard, &req, deadline).await? {
+            None => Err(u64::MAX),
+            Some(Attempt::Granted(fence)) => Ok(Grant {
                 id,
                 owner: req.owner,
                 fence,
                 reserve: req.reserve,
                 sent,
             }),
-            Attempt::Held { held_for_ms } => Err(held_for_ms),
+            Some(Attempt::Held { held_for_ms }) => Err(held_for_ms),
         })
+    }
+
+    /// An in-process grant while `shard`'s breaker is open (`local` policy). The caller holds
+    /// the key's turn, so no other task of this process holds the key; the keeper re-acquires
+    /// it on the shard when the shard is back.
+    fn hold_local(
+        &self,
+        shard: &Arc<ShardState>,
+        key: &LockKey,
+        want: Want,
+        turn: Turn,
+    ) -> LockGuard {
+        let shared = &self.inner.shared;
+        shared.stats.grants.fetch_add(1, Ordering::Relaxed);
+        shared.stats.local_grants.fetch_add(1, Ordering::Relaxed);
+        let (id, owner) = shared.next_owner();
+        // Grant numbers rise in this process, and shard fences never have the top bit.
+        let fence = LOCAL_FENCE_BIT | id;
+        tracing::warn!(shard = shard.shard.name(), key = %key, "shardlock granted a key in process: its shard is unavailable (exclusion inside this process only)");
+        let grant = Grant {
+            id,
+            owner,
+            fence,
+            reserve: 0,
+            sent: Instant::now(),
+        };
+        let lease = Arc::new(LeaseState::local(key.clone(), grant, want, turn));
+        shard.insert_local(lease.clone());
+        LockGuard::new(Hold::new(lease, shard.clone(), fence))
     }
 
     /// The guard of a fresh grant: its lease is registered with the shard's keeper.
@@ -579,7 +649,17 @@ impl LockRouter {
     /// goes away meanwhile, whoever sees a winning result last releases it: the task (when the
     /// caller was gone before the answer) or [`PendingAttempt`]'s drop (when the answer was
     /// already sent but not yet taken).
-    async fn attempt(&self, shard: &Arc<ShardState>, req: &GrantRequest) -> Result<Attempt> {
+    ///
+    /// The caller waits until `deadline` at most (or the statement timeout, for a deadline
+    /// already past: a single try), so no acquire outlives its wait. `None` when the answer
+    /// did not come by then within the slow-call threshold (the key is then treated as busy);
+    /// an attempt outstanding longer than that is a shard failing to answer: `Unavailable`.
+    async fn attempt(
+        &self,
+        shard: &Arc<ShardState>,
+        req: &GrantRequest,
+        deadline: Instant,
+    ) -> Result<Option<Attempt>> {
         self.inner
             .shared
             .stats
@@ -588,11 +668,10 @@ impl LockRouter {
         let (tx, rx) = oneshot::channel();
         let (task_shard, task_req) = (shard.clone(), req.clone());
         tokio::spawn(async move {
-            let result = task_shard.shard.acquire(&task_req).await;
+            let result = task_shard.call(task_shard.shard.acquire(&task_req)).await;
             if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
                 let _ = task_shard
-                    .shard
-                    .release(&task_req.key, &task_req.owner)
+                    .call(task_shard.shard.release(&task_req.key, &task_req.owner))
                     .await;
             }
         });
@@ -603,11 +682,51 @@ impl LockRouter {
             owner: req.owner.clone(),
             taken: false,
         };
-        let result = (&mut pending.rx).await;
+        let sent = Instant::now();
+        let until = if deadline > sent {
+            deadline
+        } else {
+            sent + shard.shard.statement_timeout() + Duration::from_millis(50)
+        };
+        let Ok(result) = tokio::time::timeout_at(until, &mut pending.rx).await else {
+            // `pending` drops here: a grant that still arrives is released.
+            let slow = shard.slow_call();
+            if sent.elapsed() < slow {
+                return Ok(None);
+            }
+            return Err(BackendError::new(
+                BackendErrorKind::Timeout,
+                None,
+                format!("no answer to an acquire within {slow:?} (breaker.slow-call)"),
+            )
+            .into_error(shard.shard.name()));
+        };
         pending.taken = true;
         result
             .map_err(|_| Error::Shutdown)?
+            .map(Some)
             .map_err(|e| e.into_error(shard.shard.name()))
+    }
+
+    /// The state of shard `name`'s breaker in this process (`None` for an unknown shard).
+    pub fn breaker_state(&self, name: &str) -> Option<BreakerState> {
+        self.shard_state(name).map(|s| s.breaker_state())
+    }
+
+    /// The last transitions (up to 64) of shard `name`'s breaker in this process, oldest first.
+    pub fn breaker_transitions(&self, name: &str) -> Vec<Transition> {
+        self.shard_state(name)
+            .map(|s| s.breaker_transitions())
+            .unwrap_or_default()
+    }
+
+    fn shard_state(&self, name: &str) -> Option<Arc<ShardState>> {
+        self.inner
+            .topology
+            .load()
+            .all_shards()
+            .into_iter()
+            .find(|s| s.shard.name() == name)
     }
 
     /// Where `key` lives and what its lease row says.
@@ -649,6 +768,8 @@ impl LockRouter {
                 held_leases: held.ok(),
                 local_leases: s.held().len(),
                 pool: s.shard.pool_status(),
+                breaker: s.breaker_state(),
+                local_fallback_leases: s.local_count(),
             }
         });
         join_all(probes).await
@@ -671,6 +792,12 @@ impl LockRouter {
             renew_statements: get(&s.renew_statements),
             renew_failures: get(&s.renew_failures),
             queued: self.inner.shared.queues.waiting() as u64,
+            breaker_rejections: get(&s.unavailable),
+            breaker_opened: get(&s.breaker_opened),
+            breaker_closed: get(&s.breaker_closed),
+            local_grants: get(&s.local_grants),
+            reconciled: get(&s.reconciled),
+            reconcile_conflicts: get(&s.reconcile_conflicts),
         }
     }
 
@@ -728,7 +855,7 @@ impl Drop for PendingAttempt {
                     std::mem::take(&mut self.owner),
                 );
                 runtime.spawn(async move {
-                    let _ = shard.shard.release(&key, &owner).await;
+                    let _ = shard.call(shard.shard.release(&key, &owner)).await;
                 });
             }
         }

@@ -52,11 +52,12 @@ impl Topology {
                 .iter()
                 .find(|s| s.config == *sc && !s.shard.is_closed())
             {
+                same.reconfigure_breaker(config.breaker.clone());
                 shards.push(same.clone());
                 continue;
             }
             let shard = Shard::new(sc, i).map_err(|e| locate(e, source))?;
-            let state = ShardState::new(shard, sc.clone(), shared.clone());
+            let state = ShardState::new(shard, sc.clone(), config.breaker.clone(), shared.clone());
             spawn_keeper(&state, shared.closed.subscribe());
             shards.push(state);
         }

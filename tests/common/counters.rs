@@ -28,9 +28,15 @@ pub async fn create(url: &str, keys: usize) -> Conn {
 }
 
 /// One round under the lock of `key`: read the counter, write it back plus one (fenced), and
-/// log the write with its fence, in one transaction.
-pub async fn round(router: &LockRouter, pool: &Pool, key: &str, opts: AcquireOptions) {
-    let guard = router.acquire(key, opts).await.expect("acquire");
+/// log the write with its fence, in one transaction. Fails only if the lock could not be
+/// taken; a release the shard could not answer is left to the lease's expiry.
+pub async fn round(
+    router: &LockRouter,
+    pool: &Pool,
+    key: &str,
+    opts: AcquireOptions,
+) -> shardlock::Result<()> {
+    let guard = router.acquire(key, opts).await?;
     let mut conn = pool.get_conn().await.unwrap();
     let mut tx = conn.start_transaction(TxOpts::default()).await.unwrap();
     let value: i64 = tx
@@ -55,11 +61,14 @@ pub async fn round(router: &LockRouter, pool: &Pool, key: &str, opts: AcquireOpt
     .unwrap();
     tx.commit().await.unwrap();
     drop(conn);
-    guard.release().await.expect("release");
+    match guard.release().await {
+        Err(e) if !e.is_unavailable() => panic!("release: {e}"),
+        _ => Ok(()),
+    }
 }
 
 /// `tasks` tasks, each doing `rounds` rounds on random keys of `c:0..keys`; returns when all
-/// are done.
+/// are done, with how many acquires found their shard unavailable (those rounds are retried).
 pub async fn run(
     router: &LockRouter,
     pool: &Pool,
@@ -67,22 +76,35 @@ pub async fn run(
     rounds: usize,
     keys: usize,
     opts: AcquireOptions,
-) {
+) -> u64 {
     use rand::Rng;
     let tasks: Vec<_> = (0..tasks)
         .map(|_| {
             let (router, pool, opts) = (router.clone(), pool.clone(), opts.clone());
             tokio::spawn(async move {
+                let mut unavailable = 0;
                 for _ in 0..rounds {
                     let key = format!("c:{}", rand::rng().random_range(0..keys));
-                    round(&router, &pool, &key, opts.clone()).await;
+                    loop {
+                        match round(&router, &pool, &key, opts.clone()).await {
+                            Ok(()) => break,
+                            Err(e) if e.is_unavailable() => {
+                                unavailable += 1;
+                                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                            }
+                            Err(e) => panic!("acquire {key}: {e}"),
+                        }
+                    }
                 }
+                unavailable
             })
         })
         .collect();
+    let mut unavailable = 0;
     for t in tasks {
-        t.await.unwrap();
+        unavailable += t.await.unwrap();
     }
+    unavailable
 }
 
 /// Counts are exact (`total` rounds in all) and fences rise per key in commit order.

@@ -2,6 +2,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod counters;
+pub mod faults;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Text and JSON output of the read commands.
 
 use serde_json::json;
-use shardlock::{LeaseRow, LockRouter, MigrateReport, ShardStatus};
+use shardlock::{BreakerState, LeaseRow, LockRouter, MigrateReport, ShardStatus};
 
 pub(crate) fn migrate(reports: &[(String, MigrateReport)], as_json: bool) {
     if as_json {
@@ -24,6 +24,15 @@ pub(crate) fn migrate(reports: &[(String, MigrateReport)], as_json: bool) {
     }
 }
 
+/// A breaker state as `status` prints it.
+pub(crate) fn breaker_name(state: BreakerState) -> &'static str {
+    match state {
+        BreakerState::Closed => "closed",
+        BreakerState::Open => "open",
+        BreakerState::HalfOpen => "half-open",
+    }
+}
+
 pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool) {
     if as_json {
         let shards: Vec<_> = status
@@ -35,6 +44,8 @@ pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool)
                     "current": s.current,
                     "error": s.error,
                     "held_leases": s.held_leases,
+                    "breaker": breaker_name(s.breaker),
+                    "local_fallback_leases": s.local_fallback_leases,
                     "pool": {"max_size": s.pool.max_size, "size": s.pool.size, "available": s.pool.available, "waiting": s.pool.waiting},
                 })
             })
@@ -46,8 +57,8 @@ pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool)
         return;
     }
     println!(
-        "{:<12} {:<11} {:>12} {:>18}",
-        "SHARD", "REACHABLE", "HELD LEASES", "POOL size/avail/wait"
+        "{:<12} {:<11} {:<10} {:>12} {:>18}",
+        "SHARD", "REACHABLE", "BREAKER", "HELD LEASES", "POOL size/avail/wait"
     );
     for s in status {
         let held = s.held_leases.map_or("-".to_owned(), |n| n.to_string());
@@ -61,9 +72,10 @@ pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool)
             format!("{} (leaving)", s.name)
         };
         println!(
-            "{:<12} {:<11} {:>12} {:>18}",
+            "{:<12} {:<11} {:<10} {:>12} {:>18}",
             name,
             if s.reachable { "yes" } else { "NO" },
+            breaker_name(s.breaker),
             held,
             pool
         );

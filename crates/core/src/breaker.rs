@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+/// The sliding window is kept as this many slots.
+const WINDOW_SLOTS: u64 = 10;
+
 /// Breaker thresholds (YAML section `breaker`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
@@ -104,8 +107,11 @@ pub struct Transition {
 pub struct Breaker {
     config: BreakerConfig,
     state: BreakerState,
-    /// Calls in the window: when each ended and whether it failed.
-    calls: VecDeque<(Instant, bool)>,
+    /// Calls in the window, counted per tenth of it (constant memory and time per call,
+    /// whatever the rate): (slot number, calls, failures), oldest first.
+    calls: VecDeque<(u64, u32, u32)>,
+    /// Slot 0 starts here (the first call recorded).
+    epoch: Option<Instant>,
     consecutive: u32,
     open_until: Option<Instant>,
     cooldown: Duration,
@@ -121,12 +127,23 @@ impl Breaker {
             config,
             state: BreakerState::Closed,
             calls: VecDeque::new(),
+            epoch: None,
             consecutive: 0,
             open_until: None,
             cooldown,
             probes_in_flight: 0,
             probe_successes: 0,
         }
+    }
+
+    /// Takes new thresholds (a reload); the state, window and cool-down in force stay.
+    pub fn reconfigure(&mut self, config: BreakerConfig) {
+        self.config = config;
+    }
+
+    /// The thresholds in force.
+    pub fn config(&self) -> &BreakerConfig {
+        &self.config
     }
 
     /// The state at `now` (an open breaker whose cool-down ended reads as half-open).
@@ -177,11 +194,26 @@ impl Breaker {
         if self.state != BreakerState::Closed {
             return None; // a call admitted before the breaker opened
         }
-        self.calls.push_back((now, failed));
-        self.forget_before(now);
+        let slot = self.slot(now);
+        match self.calls.back_mut() {
+            Some((last, calls, failures)) if *last == slot => {
+                *calls += 1;
+                *failures += u32::from(failed);
+            }
+            _ => self.calls.push_back((slot, 1, u32::from(failed))),
+        }
+        while self
+            .calls
+            .front()
+            .is_some_and(|(first, _, _)| first + WINDOW_SLOTS <= slot)
+        {
+            self.calls.pop_front();
+        }
         self.consecutive = if failed { self.consecutive + 1 } else { 0 };
-        let total = self.calls.len() as u32;
-        let failures = self.calls.iter().filter(|(_, f)| *f).count() as u32;
+        let (total, failures) = self
+            .calls
+            .iter()
+            .fold((0, 0), |(t, f), (_, calls, failed)| (t + calls, f + failed));
         let rate_tripped = total >= self.config.min_calls.max(1)
             && f64::from(failures) >= self.config.failure_rate * f64::from(total);
         if rate_tripped || self.consecutive >= self.config.consecutive_failures.max(1) {
@@ -234,14 +266,12 @@ impl Breaker {
         }
     }
 
-    fn forget_before(&mut self, now: Instant) {
-        while self
-            .calls
-            .front()
-            .is_some_and(|(at, _)| now.duration_since(*at) > self.config.window)
-        {
-            self.calls.pop_front();
-        }
+    /// The window slot of `now`: slots are a tenth of the window long, so the window is the
+    /// current slot and the nine before it.
+    fn slot(&mut self, now: Instant) -> u64 {
+        let epoch = *self.epoch.get_or_insert(now);
+        let slot_len = (self.config.window / WINDOW_SLOTS as u32).max(Duration::from_millis(1));
+        (now.saturating_duration_since(epoch).as_nanos() / slot_len.as_nanos()) as u64
     }
 }
 
@@ -420,5 +450,19 @@ mod tests {
         }
         assert_eq!(b.record(t, CallOutcome::Success, FAST, false), None);
         assert_eq!(b.state(t), BreakerState::Open);
+    }
+
+    #[test]
+    fn the_window_takes_constant_space_at_any_call_rate() {
+        let (mut b, t0) = breaker();
+        // 200,000 calls over 30 s: one every 150 µs.
+        for i in 0..200_000u64 {
+            let now = t0 + Duration::from_micros(150 * i);
+            call(&mut b, now, CallOutcome::Success);
+            assert!(b.calls.len() <= WINDOW_SLOTS as usize + 1);
+        }
+        let total: u32 = b.calls.iter().map(|(_, calls, _)| calls).sum();
+        // The last 10 s, to within one slot.
+        assert!((60_000..=67_000).contains(&total), "{total}");
     }
 }

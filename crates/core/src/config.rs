@@ -61,6 +61,8 @@ pub struct Config {
     pub routing: RoutingConfig,
     /// Lock policies by namespace; `default` always exists.
     pub namespaces: BTreeMap<String, NamespaceConfig>,
+    /// When a shard counts as failed, and when it is tried again (one breaker per shard).
+    pub breaker: crate::BreakerConfig,
 }
 
 /// Who this process is.
@@ -198,6 +200,25 @@ pub struct NamespaceConfig {
     /// How long a chain of in-memory hand-offs may run before going back to the shard.
     #[serde(with = "humantime_serde")]
     pub handoff_max_time: Duration,
+    /// What an acquire does while the key's shard breaker is open.
+    pub on_shard_failure: FailurePolicy,
+}
+
+/// What an acquire does while the breaker of the key's shard is open (the shard failed).
+///
+/// Keys are never moved to another shard because their own failed: that would let two
+/// processes hold the same key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailurePolicy {
+    /// Return `Error::Unavailable { shard }` at once: no caller waits on a dead shard, and
+    /// mutual exclusion across processes is never weakened. The default.
+    #[default]
+    #[serde(alias = "fail_fast")]
+    FailFast,
+    /// Grant an in-process lock (`LockMode::LocalFallback`): mutual exclusion holds inside this
+    /// process only, until the shard is back and the key is re-acquired there.
+    Local,
 }
 
 impl Default for NamespaceConfig {
@@ -212,6 +233,7 @@ impl Default for NamespaceConfig {
             buckets: 1,
             bucket_spill: false,
             handoff_max_time: DEFAULT_HANDOFF_MAX_TIME,
+            on_shard_failure: FailurePolicy::FailFast,
         }
     }
 }
@@ -395,6 +417,35 @@ impl Config {
                     "backoff-base must be above zero and at most backoff-cap".into(),
                 ));
             }
+        }
+        let b = &self.breaker;
+        let breaker_checks = [
+            (
+                "breaker.failure-rate",
+                b.failure_rate > 0.0 && b.failure_rate <= 1.0,
+                "must be above 0 and at most 1",
+            ),
+            ("breaker.window", !b.window.is_zero(), "must be above zero"),
+            (
+                "breaker.consecutive-failures",
+                b.consecutive_failures > 0,
+                "must be at least 1",
+            ),
+            ("breaker.min-calls", b.min_calls > 0, "must be at least 1"),
+            (
+                "breaker.slow-call",
+                !b.slow_call.is_zero(),
+                "must be above zero",
+            ),
+            (
+                "breaker.cooldown",
+                !b.cooldown.is_zero() && b.cooldown <= b.max_cooldown,
+                "must be above zero and at most max-cooldown",
+            ),
+            ("breaker.probes", b.probes > 0, "must be at least 1"),
+        ];
+        if let Some((field, _, message)) = breaker_checks.iter().find(|(_, ok, _)| !ok) {
+            return Err(invalid((*field).into(), (*message).into()));
         }
         Ok(())
     }

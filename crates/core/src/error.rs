@@ -113,6 +113,9 @@ pub enum BackendErrorKind {
     ReadOnly,
     /// The server is shutting down or killed the query (1053, 1927, 1317).
     ServerGone,
+    /// The shard's breaker is open (or its half-open probes are all out): the call was not
+    /// sent. Never recorded by the breaker itself.
+    BreakerOpen,
     /// Anything else: SQL or schema errors that retrying will not fix.
     Other,
 }
@@ -132,6 +135,7 @@ impl BackendErrorKind {
                 | Self::TooManyConnections
                 | Self::ReadOnly
                 | Self::ServerGone
+                | Self::BreakerOpen
         )
     }
 

@@ -9,13 +9,16 @@
 //! as soon as our end of its stdin closes.
 //!
 //! Faults are real: [`Shard::kill`] (SIGKILL), [`Shard::pause`] / [`Shard::resume`]
-//! (SIGSTOP / SIGCONT) and [`Shard::restart`]. [`Worker`] runs a second OS process (the test
+//! (SIGSTOP / SIGCONT) and [`Shard::restart`]; a [`Proxy`] in front of a shard blackholes,
+//! delays or resets its connections. [`Worker`] runs a second OS process (the test
 //! binary itself, re-entered at a named function) that tests can signal in the same ways.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod proxy;
 mod server;
 mod worker;
 
+pub use proxy::{Proxy, ProxyMode};
 pub use server::{dev_config_yaml, Cluster, DevCluster, Shard, DATABASE};
 pub use worker::{worker_main, Worker, WORKER_ENV};

@@ -1,0 +1,148 @@
+//! A TCP proxy on loopback in front of a shard, for network faults the server process itself
+//! cannot show: a partition (blackhole), a slow link (delay) and connection resets.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::server::DATABASE;
+
+/// What the proxy does with traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// Forward everything at once.
+    Pass,
+    /// A partition: nothing is forwarded either way and new connections get no answer (bytes
+    /// already sent wait, as in the kernel's buffers, and flow again when the mode changes).
+    Blackhole,
+    /// Every chunk waits this long before it is forwarded, both ways.
+    Delay(Duration),
+    /// Every open connection is reset (RST), and so is every new one.
+    Reset,
+}
+
+/// A proxy listening on its own loopback port and forwarding to `upstream`. Stops (resetting
+/// its connections) when dropped.
+#[derive(Debug)]
+pub struct Proxy {
+    port: u16,
+    mode: watch::Sender<ProxyMode>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Starts a proxy to `127.0.0.1:upstream_port`, in [`ProxyMode::Pass`]. Needs a Tokio
+    /// runtime; its tasks run there.
+    pub async fn start(upstream_port: u16) -> io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let upstream = SocketAddr::from(([127, 0, 0, 1], upstream_port));
+        let (mode, _) = watch::channel(ProxyMode::Pass);
+        let modes = mode.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(serve(client, upstream, modes.subscribe()));
+            }
+        });
+        Ok(Self { port, mode, accept })
+    }
+
+    /// The port clients connect to.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `mysql://root@127.0.0.1:PORT/shardlock` through the proxy.
+    pub fn url(&self) -> String {
+        format!("mysql://root@127.0.0.1:{}/{DATABASE}", self.port)
+    }
+
+    /// Switches the mode; open connections follow at once.
+    pub fn set(&self, mode: ProxyMode) {
+        self.mode.send_replace(mode);
+    }
+
+    /// The mode in force.
+    pub fn mode(&self) -> ProxyMode {
+        *self.mode.borrow()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        // Connection tasks see the mode channel close and reset their sockets.
+        self.mode.send_replace(ProxyMode::Reset);
+    }
+}
+
+/// One client connection: connect upstream once the link is not blackholed, then pump both
+/// ways until either side closes or the mode says reset.
+async fn serve(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receiver<ProxyMode>) {
+    // Closing with SO_LINGER 0 sends RST: what a reset means, and harmless otherwise. (Tokio
+    // deprecates SO_LINGER because a non-zero linger blocks the thread on drop; zero does not.)
+    #[allow(deprecated)]
+    let _ = client.set_linger(Some(Duration::ZERO));
+    if passable(&mut mode).await.is_none() {
+        return;
+    }
+    let Ok(server) = TcpStream::connect(upstream).await else {
+        return; // the shard is down: the client sees the connection close
+    };
+    #[allow(deprecated)]
+    let _ = server.set_linger(Some(Duration::ZERO));
+    let _ = (client.set_nodelay(true), server.set_nodelay(true));
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    tokio::select! {
+        _ = pump(client_read, server_write, mode.clone()) => {}
+        _ = pump(server_read, client_write, mode) => {}
+    }
+}
+
+/// Forwards chunks from `from` to `to` as the mode allows; returns when either side closes or
+/// on reset.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut mode: watch::Receiver<ProxyMode>,
+) -> Option<()> {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        passable(&mut mode).await?;
+        let n = tokio::select! {
+            read = from.read(&mut buf) => match read {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => n,
+            },
+            // Re-check the mode before reading further (a blackhole stops reading).
+            changed = mode.changed() => { changed.ok()?; continue; }
+        };
+        let delay = passable(&mut mode).await?;
+        if !delay.is_zero() {
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = mode.wait_for(|m| *m == ProxyMode::Reset) => return None,
+            }
+            passable(&mut mode).await?;
+        }
+        to.write_all(&buf[..n]).await.ok()?;
+    }
+}
+
+/// Waits while the link is blackholed; `None` on reset (or when the proxy is gone), else the
+/// delay in force.
+async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
+    let current = *mode.wait_for(|m| *m != ProxyMode::Blackhole).await.ok()?;
+    match current {
+        ProxyMode::Reset | ProxyMode::Blackhole => None,
+        ProxyMode::Pass => Some(Duration::ZERO),
+        ProxyMode::Delay(d) => Some(d),
+    }
+}

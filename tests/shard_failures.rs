@@ -1,0 +1,350 @@
+//! Real shard failures with the `fail-fast` policy: a shard SIGKILLed then restarted,
+//! SIGSTOPped then resumed, cut off by a blackholing proxy, slowed past the slow-call
+//! threshold, its connections reset, its connection limit exhausted. For each: what callers of
+//! the failing shard receive and how fast (never later than their wait; within 50 ms once the
+//! breaker is open), the breaker's transitions, recovery once the fault ends, and the
+//! throughput of keys on the healthy shards (at least 80% of what it was before).
+
+mod common;
+
+use std::time::Duration;
+
+use common::faults::{Load, Rig, WAIT};
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::Conn;
+use shardlock::{AcquireOptions, BreakerState, BreakerTransition, Error};
+use shardlock_testkit::{report, ProxyMode, Worker};
+use tokio::time::Instant;
+
+/// What an acquire may take beyond its wait (scheduling on a loaded 2-core machine).
+const SLACK: Duration = Duration::from_millis(100);
+/// "Fail fast": the bound on an acquire while the key's shard breaker is open.
+const FAIL_FAST: Duration = Duration::from_millis(50);
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    Kill,
+    Pause,
+    Blackhole,
+    SlowLink,
+    Reset,
+    ConnectionLimit,
+}
+
+/// The user `s1` is reached as in the connection-limit test (its connections are counted).
+const LIMITED_USER: &str = "locker";
+
+impl Fault {
+    async fn inject(self, rig: &Rig) -> Option<Conn> {
+        let s1 = rig.cluster.shard(0);
+        match self {
+            Fault::Kill => s1.kill().unwrap(),
+            Fault::Pause => s1.pause().unwrap(),
+            Fault::Blackhole => rig.proxy.set(ProxyMode::Blackhole),
+            Fault::SlowLink => rig.proxy.set(ProxyMode::Delay(common::faults::SLOW_LINK)),
+            Fault::Reset => rig.proxy.set(ProxyMode::Reset),
+            Fault::ConnectionLimit => {
+                // One connection of the user holds the only slot; every other one is killed,
+                // so the router's pool must reconnect and is refused (MySQL error 1226).
+                let url = s1.url().replace("root@", &format!("{LIMITED_USER}@"));
+                let mut hog = Conn::from_url(url).await.unwrap();
+                let mut root = s1.connect().await.unwrap();
+                root.query_drop(format!(
+                    "ALTER USER '{LIMITED_USER}'@'%' WITH MAX_USER_CONNECTIONS 1"
+                ))
+                .await
+                .unwrap();
+                root.query_drop("FLUSH PRIVILEGES").await.unwrap();
+                let others: Vec<u64> = root
+                    .exec(
+                        "SELECT id FROM information_schema.processlist WHERE user = ? AND id <> ?",
+                        (LIMITED_USER, hog.id()),
+                    )
+                    .await
+                    .unwrap();
+                for id in others {
+                    let _ = root.query_drop(format!("KILL CONNECTION {id}")).await;
+                }
+                hog.query_drop("SELECT 1").await.unwrap();
+                return Some(hog);
+            }
+        }
+        None
+    }
+
+    async fn heal(self, rig: &Rig, hog: Option<Conn>) {
+        let s1 = rig.cluster.shard(0);
+        match self {
+            Fault::Kill => s1.restart().await.unwrap(),
+            Fault::Pause => s1.resume().unwrap(),
+            Fault::Blackhole | Fault::SlowLink | Fault::Reset => rig.proxy.set(ProxyMode::Pass),
+            Fault::ConnectionLimit => {
+                let mut root = s1.connect().await.unwrap();
+                root.query_drop(format!(
+                    "ALTER USER '{LIMITED_USER}'@'%' WITH MAX_USER_CONNECTIONS 1000"
+                ))
+                .await
+                .unwrap();
+                root.query_drop("FLUSH PRIVILEGES").await.unwrap();
+                drop(hog);
+            }
+        }
+    }
+}
+
+/// Runs one fault from start to recovery and checks everything the module doc promises.
+async fn shard_fault(fault: Fault) {
+    let user = (fault == Fault::ConnectionLimit).then_some(LIMITED_USER);
+    let rig = Rig::start("fail-fast", user).await;
+    let router = &rig.router;
+    let failing = rig.keys("f", 4, false);
+    let healthy = rig.keys("h", 64, true);
+    let opts = || AcquireOptions::new().wait(WAIT);
+    for key in &failing {
+        router
+            .acquire(key, opts())
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    let load = Load::start(router, &healthy, 8);
+    load.rate(Duration::from_millis(300)).await; // warm-up
+    let before = load.rate(Duration::from_millis(1500)).await;
+
+    let hog = fault.inject(&rig).await;
+    // Until the breaker opens, callers of the failing shard still try it, each within its wait.
+    let mut outcomes = std::collections::BTreeMap::<&str, u32>::new();
+    let started = Instant::now();
+    let mut i = 0;
+    while router.stats().breaker_opened == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{fault:?}: the breaker never opened; outcomes {outcomes:?}"
+        );
+        let at = Instant::now();
+        let result = router.acquire(&failing[i % failing.len()], opts()).await;
+        let took = at.elapsed();
+        i += 1;
+        assert!(
+            took <= WAIT + SLACK,
+            "{fault:?}: an acquire took {took:?} with a wait of {WAIT:?}"
+        );
+        let outcome = match result {
+            Ok(guard) => {
+                drop(guard);
+                "granted"
+            }
+            Err(Error::Unavailable { .. }) => "unavailable",
+            Err(Error::Timeout { .. }) => "timeout",
+            Err(e) => panic!("{fault:?}: unexpected {e}"),
+        };
+        *outcomes.entry(outcome).or_default() += 1;
+    }
+    let opened_after = started.elapsed();
+
+    // While it is open (between probes), callers get Unavailable at once.
+    let mut fast = 0;
+    let started = Instant::now();
+    while fast < 20 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{fault:?}: the breaker was never seen open"
+        );
+        if router.breaker_state("s1") != Some(BreakerState::Open) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            continue;
+        }
+        let at = Instant::now();
+        let result = router.acquire(&failing[fast % failing.len()], opts()).await;
+        let took = at.elapsed();
+        match result {
+            Err(Error::Unavailable { shard, .. }) => assert_eq!(shard, "s1"),
+            other => panic!("{fault:?}: open breaker, yet {other:?}"),
+        }
+        assert!(took < FAIL_FAST, "{fault:?}: fail-fast took {took:?}");
+        fast += 1;
+    }
+    let during = load.rate(Duration::from_millis(1500)).await;
+
+    fault.heal(&rig, hog).await;
+    let healed = Instant::now();
+    let mut recovered = false;
+    while healed.elapsed() < Duration::from_secs(30) {
+        if let Ok(guard) = router.acquire(&failing[0], opts()).await {
+            guard.release().await.unwrap();
+            if router.breaker_state("s1") == Some(BreakerState::Closed) {
+                recovered = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let recovered_after = healed.elapsed();
+    assert!(recovered, "{fault:?}: no recovery within 30 s");
+    for key in &failing {
+        router
+            .acquire(key, opts())
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    let failed_healthy = load.stop().await;
+
+    let transitions = router.breaker_transitions("s1");
+    let first = transitions.first().copied();
+    let last = transitions.last().copied();
+    let t = |from, to| Some(BreakerTransition { from, to });
+    assert_eq!(
+        first,
+        t(BreakerState::Closed, BreakerState::Open),
+        "{transitions:?}"
+    );
+    assert_eq!(
+        last,
+        t(BreakerState::HalfOpen, BreakerState::Closed),
+        "{transitions:?}"
+    );
+    for healthy_shard in ["s2", "s3"] {
+        assert!(router.breaker_transitions(healthy_shard).is_empty());
+    }
+    assert_eq!(
+        failed_healthy, 0,
+        "{fault:?}: keys on healthy shards failed"
+    );
+    eprintln!(
+        "{fault:?}: before the breaker opened (after {opened_after:?}) {outcomes:?}; \
+         {} transitions; recovered {recovered_after:?} after the fault ended; healthy shards \
+         {before:.0}/s before, {during:.0}/s during ({:.2}x)",
+        transitions.len(),
+        during / before
+    );
+    assert!(
+        during >= 0.8 * before,
+        "{fault:?}: healthy shards fell to {during:.0}/s from {before:.0}/s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shard_killed_then_restarted() {
+    shard_fault(Fault::Kill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shard_paused_then_resumed() {
+    shard_fault(Fault::Pause).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shard_cut_off_by_a_blackhole() {
+    shard_fault(Fault::Blackhole).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shard_behind_a_link_slower_than_the_slow_call_threshold() {
+    shard_fault(Fault::SlowLink).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shard_connections_reset() {
+    shard_fault(Fault::Reset).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shard_out_of_connections() {
+    shard_fault(Fault::ConnectionLimit).await;
+}
+
+/// A lease held on a shard that becomes unreachable is reported lost when it can no longer be
+/// trusted: not while it may still be live on the shard, and not later than its end.
+#[tokio::test(flavor = "multi_thread")]
+async fn lease_on_an_unreachable_shard_is_lost_at_its_end_not_before() {
+    let rig = Rig::start("fail-fast", None).await;
+    let key = &rig.keys("held", 1, false)[0];
+    let ttl = Duration::from_secs(2);
+    let granted = Instant::now();
+    let guard = rig
+        .router
+        .acquire(key, AcquireOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    rig.proxy.set(ProxyMode::Blackhole);
+    // Renewals fail from now on; the last renewal (the grant itself) bounds the lease.
+    tokio::time::sleep(ttl * 3 / 4).await;
+    assert!(
+        guard.is_held(),
+        "reported lost while the lease may still be live"
+    );
+    tokio::time::timeout(ttl / 2, guard.lost())
+        .await
+        .expect("lost() did not complete once the lease ended");
+    let at = granted.elapsed();
+    assert!(at >= ttl * 3 / 4 && !guard.is_held(), "lost after {at:?}");
+    assert!(rig.router.stats().renew_failures > 0);
+}
+
+const TASKS: usize = 16;
+const ROUNDS: usize = 150;
+const KEYS: usize = 40;
+const APP_ENV: &str = "SHARDLOCK_TEST_APP_URL";
+
+/// Read-modify-write counters across 2 processes while the shard of some keys is killed and
+/// restarted: callers of that shard get `Unavailable` and retry, yet counts stay exact and
+/// fences rise.
+#[tokio::test(flavor = "multi_thread")]
+async fn counters_stay_exact_across_processes_while_a_shard_dies_and_returns() {
+    let rig = Rig::start("fail-fast", None).await;
+    let app_url = rig.cluster.shard(1).url();
+    let mut app = common::counters::create(&app_url, KEYS).await;
+    let env = [
+        (common::CONFIG_ENV, rig.yaml.clone()),
+        (APP_ENV, app_url.clone()),
+    ];
+    let workers: Vec<Worker> = (0..2)
+        .map(|_| Worker::spawn("worker", "counter", &env).unwrap())
+        .collect();
+    // Let the workers get going, then take s1 away for a while.
+    assert!(
+        common::eventually(Duration::from_secs(20), || async {
+            common::status_sum(&rig.cluster, "Com_insert").await > 200
+        })
+        .await
+    );
+    rig.cluster.shard(0).kill().unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    rig.cluster.shard(0).restart().await.unwrap();
+
+    let mut done = 0;
+    let mut unavailable = 0;
+    for w in workers {
+        let report = w.finish_report("done ").await.unwrap();
+        done += report[0] as usize;
+        unavailable += report[1];
+    }
+    assert_eq!(done, 2 * TASKS * ROUNDS);
+    assert!(unavailable > 0, "the workers never met the dead shard");
+    common::counters::check(&mut app, 2 * TASKS * ROUNDS).await;
+    eprintln!("{done} rounds, {unavailable} acquires answered Unavailable and retried");
+}
+
+async fn counter_worker() {
+    let router = common::worker_router().await;
+    let app_url = std::env::var(APP_ENV).unwrap();
+    let pool = shardlock::mysql_async::Pool::new(app_url.as_str());
+    let unavailable = common::counters::run(
+        &router,
+        &pool,
+        TASKS,
+        ROUNDS,
+        KEYS,
+        AcquireOptions::new().wait(Duration::from_secs(10)),
+    )
+    .await;
+    report!("done {} {unavailable}", TASKS * ROUNDS);
+    let _ = router.shutdown().await;
+}
+
+crate::worker_entry! { "counter" => counter_worker() }
