@@ -1,0 +1,248 @@
+//! The `local` failure policy: while a shard's breaker is open, keys of that shard are granted
+//! in process (`LockMode::LocalFallback`); when it is back they are re-acquired there before
+//! any remote grant of them in this process, and a key found held by another process then is
+//! reported lost. Never two holders of a key inside one process.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::faults::{Rig, WAIT};
+use shardlock::{AcquireOptions, BreakerState, Error, LockMode, LockRouter, LOCAL_FENCE_BIT};
+use shardlock_testkit::ProxyMode;
+
+/// Counts of one phase of the 64-task run.
+#[derive(Default)]
+struct Tally {
+    remote: AtomicU64,
+    local: AtomicU64,
+    overlaps: AtomicU64,
+    unavailable: AtomicU64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_tasks_never_overlap_before_during_and_after_a_shard_dies() {
+    let rig = Rig::start("local", None).await;
+    let keys = rig.keys("k", 8, false);
+    let holders: Arc<Vec<AtomicBool>> =
+        Arc::new(keys.iter().map(|_| AtomicBool::new(false)).collect());
+    let tally = Arc::new(Tally::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..64)
+        .map(|t| {
+            let (router, keys, holders, tally, stop) = (
+                rig.router.clone(),
+                keys.clone(),
+                holders.clone(),
+                tally.clone(),
+                stop.clone(),
+            );
+            tokio::spawn(async move {
+                let mut i = t;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let k = i % keys.len();
+                    match router
+                        .acquire(&keys[k], AcquireOptions::new().wait(WAIT))
+                        .await
+                    {
+                        Ok(guard) => {
+                            if holders[k].swap(true, Ordering::AcqRel) {
+                                tally.overlaps.fetch_add(1, Ordering::Relaxed);
+                            }
+                            let mode = match guard.mode() {
+                                LockMode::LocalFallback => {
+                                    assert_ne!(guard.fence() & LOCAL_FENCE_BIT, 0);
+                                    &tally.local
+                                }
+                                _ => {
+                                    assert_eq!(guard.fence() & LOCAL_FENCE_BIT, 0);
+                                    &tally.remote
+                                }
+                            };
+                            mode.fetch_add(1, Ordering::Relaxed);
+                            tokio::time::sleep(Duration::from_micros(200)).await;
+                            holders[k].store(false, Ordering::Release);
+                            let _ = guard.release().await; // may find the shard gone
+                        }
+                        Err(Error::Unavailable { .. }) => {
+                            tally.unavailable.fetch_add(1, Ordering::Relaxed);
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        Err(Error::Timeout { .. }) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            })
+        })
+        .collect();
+
+    let count = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    reach("remote grants before the fault", 500, &tally.remote).await;
+    let remote_before = count(&tally.remote);
+
+    rig.cluster.shard(0).kill().unwrap();
+    reach("local grants", 500, &tally.local).await;
+    assert_ne!(rig.router.breaker_state("s1"), Some(BreakerState::Closed));
+
+    rig.cluster.shard(0).restart().await.unwrap();
+    let router = rig.router.clone();
+    assert!(
+        common::eventually(Duration::from_secs(20), || {
+            let closed = router.breaker_state("s1") == Some(BreakerState::Closed);
+            async move { closed }
+        })
+        .await,
+        "the breaker never closed"
+    );
+    let remote_after_recovery = count(&tally.remote);
+    reach(
+        "remote grants after recovery",
+        remote_after_recovery + 500,
+        &tally.remote,
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let stats = rig.router.stats();
+    eprintln!(
+        "remote before {remote_before}, local {}, remote in all {}, unavailable {}, \
+         reconciled {}, conflicts {}",
+        count(&tally.local),
+        count(&tally.remote),
+        count(&tally.unavailable),
+        stats.reconciled,
+        stats.reconcile_conflicts
+    );
+    assert_eq!(
+        count(&tally.overlaps),
+        0,
+        "two holders of a key in one process"
+    );
+    assert_eq!(stats.local_grants, count(&tally.local));
+    assert_eq!(stats.reconcile_conflicts, 0, "nobody else held these keys");
+    assert!(
+        rig.router
+            .status()
+            .await
+            .iter()
+            .all(|s| s.local_fallback_leases == 0),
+        "local leases left behind"
+    );
+}
+
+/// Waits until `counter` reaches `n` (20 s at most).
+async fn reach(what: &str, n: u64, counter: &AtomicU64) {
+    let reached = common::eventually(Duration::from_secs(20), || {
+        let v = counter.load(Ordering::Relaxed);
+        async move { v >= n }
+    })
+    .await;
+    assert!(reached, "{what} never reached {n}");
+}
+
+/// A second instance that reaches `s1` directly while the first is cut off by the proxy.
+async fn direct_router(rig: &Rig) -> LockRouter {
+    let yaml =
+        common::faults::config_yaml(&rig.cluster, &rig.cluster.shard(0).url(), "fail-fast", "2s");
+    LockRouter::from_yaml_str(&yaml).await.unwrap()
+}
+
+/// Cuts the rig's router off from `s1` until its breaker opens.
+async fn cut_off(rig: &Rig, key: &str) {
+    rig.proxy.set(ProxyMode::Reset);
+    while rig.router.breaker_state("s1") != Some(BreakerState::Open) {
+        let _ = rig.router.try_acquire(key, AcquireOptions::new()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_locally_held_key_is_taken_on_the_shard_when_it_returns() {
+    let rig = Rig::start("local", None).await;
+    let key = &rig.keys("k", 1, false)[0];
+    cut_off(&rig, "other").await;
+    let guard = rig
+        .router
+        .acquire(key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(guard.mode(), LockMode::LocalFallback);
+    let other = direct_router(&rig).await;
+    // While the proxy cuts this instance off, the shard knows nothing of the local hold.
+    assert!(rig.router.status().await[0].local_fallback_leases == 1);
+
+    rig.proxy.set(ProxyMode::Pass);
+    let router = rig.router.clone();
+    assert!(
+        common::eventually(Duration::from_secs(10), || {
+            let done = router.stats().reconciled == 1;
+            async move { done }
+        })
+        .await,
+        "the local hold was never re-acquired on the shard"
+    );
+    // Now the shard keeps other processes out, and this process's waiters behind the holder.
+    assert!(other
+        .try_acquire(key, AcquireOptions::new())
+        .await
+        .unwrap()
+        .is_none());
+    assert!(rig
+        .router
+        .try_acquire(key, AcquireOptions::new())
+        .await
+        .unwrap()
+        .is_none());
+    assert!(guard.is_held());
+    guard.release().await.unwrap();
+    let next = other.acquire(key, AcquireOptions::new()).await.unwrap();
+    assert_eq!(next.mode(), LockMode::Remote);
+    next.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_conflict_found_on_recovery_is_reported_to_the_local_holder() {
+    let rig = Rig::start("local", None).await;
+    let key = &rig.keys("k", 1, false)[0];
+    cut_off(&rig, "other").await;
+    let local = rig
+        .router
+        .acquire(key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), LockMode::LocalFallback);
+    // Another process, which reaches the shard, takes the same key meanwhile: the trade-off
+    // of the local policy.
+    let other = direct_router(&rig).await;
+    let remote = other.acquire(key, AcquireOptions::new()).await.unwrap();
+
+    rig.proxy.set(ProxyMode::Pass);
+    tokio::time::timeout(Duration::from_secs(10), local.lost())
+        .await
+        .expect("the local holder was not told");
+    assert!(!local.is_held());
+    assert_eq!(rig.router.stats().reconcile_conflicts, 1);
+    // Its turn stays with it until it lets go: this process's next acquire waits behind it,
+    // then behind the remote holder.
+    assert!(rig
+        .router
+        .try_acquire(key, AcquireOptions::new())
+        .await
+        .unwrap()
+        .is_none());
+    assert!(matches!(local.release().await, Err(Error::LockLost { .. })));
+    assert!(remote.is_held());
+    let remote_fence = remote.fence();
+    remote.release().await.unwrap();
+    let again = rig
+        .router
+        .acquire(key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(again.mode(), LockMode::Remote);
+    assert!(again.fence() > remote_fence);
+}
