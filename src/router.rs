@@ -600,7 +600,7 @@ impl LockRouter {
         let (id, owner) = shared.next_owner();
         // Grant numbers rise in this process, and shard fences never have the top bit.
         let fence = LOCAL_FENCE_BIT | id;
-        tracing::warn!(shard = shard.shard.name(), key = %key, "shardlock granted a key in process: its shard is unavailable (exclusion inside this process only)");
+        tracing::debug!(shard = shard.shard.name(), key = %key, "shardlock granted a key in process: its shard is unavailable (exclusion inside this process only)");
         let grant = Grant {
             id,
             owner,

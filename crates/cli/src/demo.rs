@@ -31,6 +31,9 @@ pub(crate) struct DemoArgs {
     /// Concurrent buyers in each process.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=512))]
     buyers: u32,
+    /// Skip the second act (a shard killed mid-sale and restarted; local dev shards only).
+    #[arg(long)]
+    no_failure: bool,
     /// Internal: run as one buyer process.
     #[arg(long, hide = true)]
     worker: bool,
@@ -47,6 +50,11 @@ struct WorkerReport {
     local_handoffs: u64,
     wait_us_total: u64,
     wait_us_max: u64,
+    /// Acquires answered `Unavailable` (the SKU's shard was down), and the slowest of them.
+    unavailable: u64,
+    unavailable_us_max: u64,
+    /// Purchases whose own transaction failed (the shard went down mid-purchase).
+    failed_purchases: u64,
 }
 
 const NAMESPACE: &str = "stock";
@@ -130,7 +138,193 @@ pub(crate) async fn run(source: &ConfigSource, args: DemoArgs) -> Result<(), Any
             .ok_or("a buyer process printed no report")?;
         reports.push(serde_json::from_str::<WorkerReport>(line)?);
     }
-    summarize(&router, &shards, &args, &reports, elapsed).await
+    summarize(&router, &shards, &args, &reports, elapsed).await?;
+    if args.no_failure {
+        return Ok(());
+    }
+    if !source.is_local_default() {
+        println!(
+            "\n(Act 2, a shard killed mid-sale, runs on the local dev shards only: omit --config.)"
+        );
+        return Ok(());
+    }
+    failure_act(source, &shards, &args).await
+}
+
+/// The namespace of the demo's recommendation-cache refills (`local` policy).
+const RECS: &str = "recommendations";
+
+/// Act 2: more stock, buyers and cache refills in this process, and the shard holding the
+/// most SKUs killed a second in and restarted two seconds later.
+async fn failure_act(
+    source: &ConfigSource,
+    shards: &[(String, Pool)],
+    args: &DemoArgs,
+) -> Result<(), AnyError> {
+    let router = source.router().await?;
+    let restock = args.stock;
+    for (_, pool) in shards {
+        pool.get_conn()
+            .await?
+            .exec_drop(
+                "UPDATE demo_stock SET initial = initial + ?, stock = stock + ?",
+                (restock, restock),
+            )
+            .await?;
+    }
+    let victim = busiest_shard(&router, args.skus)?;
+    let victim_index = source
+        .config
+        .shards
+        .iter()
+        .position(|s| s.name == victim)
+        .ok_or("victim shard not configured")?;
+    println!(
+        "\nAct 2: {restock} more units per SKU; {} buyers and 8 cache refillers in this process; \
+         shard {victim} is killed 0.3 s in and restarted 2 s later.",
+        args.buyers
+    );
+    let started = Instant::now();
+    let opts = AcquireOptions::new().namespace(NAMESPACE);
+    let buyers: Vec<_> = (0..args.buyers)
+        .map(|b| {
+            let (router, shards, opts, skus) =
+                (router.clone(), shards.to_vec(), opts.clone(), args.skus);
+            // Buyers pause 5 ms between purchases so that the sale outlasts the outage.
+            let think = Duration::from_millis(5);
+            tokio::spawn(async move { buyer_task(&router, &shards, opts, skus, b, think).await })
+        })
+        .collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let refills: Vec<_> = (0..8)
+        .map(|r| {
+            let (router, stop) = (router.clone(), stop.clone());
+            tokio::spawn(async move { refill_task(&router, &stop, r).await })
+        })
+        .collect();
+    let timeline = {
+        let (router, stop, victim) = (router.clone(), stop.clone(), victim.clone());
+        tokio::spawn(async move {
+            let mut seen = vec![(Duration::ZERO, router.breaker_state(&victim))];
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let state = router.breaker_state(&victim);
+                if seen.last().map(|(_, s)| *s) != Some(state) {
+                    seen.push((started.elapsed(), state));
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            seen
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    dev::cluster().kill(victim_index)?;
+    let killed_at = started.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    dev::cluster().up().await?;
+    let restarted_at = started.elapsed();
+    let mut reports = Vec::new();
+    for b in buyers {
+        reports.push(b.await??);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut refilled = RefillReport::default();
+    for r in refills {
+        let r = r.await?;
+        refilled.remote += r.remote;
+        refilled.local += r.local;
+    }
+    let timeline = timeline.await?;
+    let elapsed = started.elapsed();
+    let stats = router.stats();
+    if let Some(first) = reports.first_mut() {
+        first.acquire_statements = stats.acquire_statements;
+        first.handoffs = stats.handoffs;
+        first.local_handoffs = stats.local_handoffs;
+    }
+    summarize(&router, shards, args, &reports, elapsed).await?;
+    let unavailable: u64 = reports.iter().map(|r| r.unavailable).sum();
+    let slowest = reports
+        .iter()
+        .map(|r| r.unavailable_us_max)
+        .max()
+        .unwrap_or(0);
+    let failed: u64 = reports.iter().map(|r| r.failed_purchases).sum();
+    println!(
+        "Fault:  {victim} killed at {:.1} s, restarted at {:.1} s. Its breaker here: {}",
+        killed_at.as_secs_f64(),
+        restarted_at.as_secs_f64(),
+        timeline
+            .iter()
+            .map(|(at, state)| format!(
+                "{} at {:.2} s",
+                state.map_or("-", crate::output::breaker_name),
+                at.as_secs_f64()
+            ))
+            .collect::<Vec<_>>()
+            .join(" -> ")
+    );
+    println!(
+        "stock ({NAMESPACE}, fail-fast): {unavailable} acquires answered Unavailable (slowest \
+         {:.1} ms) and were retried later; {failed} purchases in flight when the shard died were \
+         rolled back; nothing oversold (above).",
+        slowest as f64 / 1000.0
+    );
+    println!(
+        "{RECS} (local): {} refills under shard leases, {} under in-process locks while \
+         {victim} was down; {} re-acquired on the shard, {} conflicts.",
+        refilled.remote, refilled.local, stats.reconciled, stats.reconcile_conflicts
+    );
+    router.shutdown().await?;
+    Ok(())
+}
+
+/// The shard that holds the most SKUs.
+fn busiest_shard(router: &LockRouter, skus: u32) -> Result<String, AnyError> {
+    let mut count: HashMap<String, u32> = HashMap::new();
+    for i in 0..skus {
+        *count.entry(router.shard_for(&sku_key(i))?).or_default() += 1;
+    }
+    Ok(count
+        .into_iter()
+        .max_by_key(|(name, n)| (*n, std::cmp::Reverse(name.clone())))
+        .map(|(name, _)| name)
+        .ok_or("no SKUs")?)
+}
+
+#[derive(Debug, Default)]
+struct RefillReport {
+    remote: u64,
+    local: u64,
+}
+
+/// Refills recommendation caches (`recs:<n>`) under the `local`-policy lock until stopped.
+async fn refill_task(
+    router: &LockRouter,
+    stop: &std::sync::atomic::AtomicBool,
+    r: u32,
+) -> RefillReport {
+    let mut report = RefillReport::default();
+    let opts = AcquireOptions::new().namespace(RECS);
+    let mut i = r;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        i = i.wrapping_add(7);
+        match router
+            .acquire(&format!("recs:{}", i % 32), opts.clone())
+            .await
+        {
+            Ok(guard) => {
+                if guard.mode() == shardlock::LockMode::LocalFallback {
+                    report.local += 1;
+                } else {
+                    report.remote += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await; // the refill
+                let _ = guard.release().await;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    report
 }
 
 /// A pool per shard for the demo's own tables (which live next to the locks).
@@ -213,7 +407,7 @@ async fn buyer_process(source: &ConfigSource, args: &DemoArgs) -> Result<(), Any
         let (router, shards, opts, skus) =
             (router.clone(), shards.clone(), opts.clone(), args.skus);
         tasks.push(tokio::spawn(async move {
-            buyer_task(&router, &shards, opts, skus, buyer).await
+            buyer_task(&router, &shards, opts, skus, buyer, Duration::ZERO).await
         }));
     }
     let mut report = WorkerReport::default();
@@ -240,6 +434,7 @@ async fn buyer_task(
     opts: AcquireOptions,
     skus: u32,
     buyer: u32,
+    think: Duration,
 ) -> Result<WorkerReport, AnyError> {
     let me = format!("{}/{buyer}", router.instance_id());
     let mut open: Vec<u32> = (0..skus).collect();
@@ -253,6 +448,14 @@ async fn buyer_task(
                 report.timeouts += 1;
                 continue;
             }
+            Err(Error::Unavailable { .. }) => {
+                // fail-fast: the SKU's shard is down; try others, come back later.
+                let took = asked.elapsed().as_micros() as u64;
+                report.unavailable += 1;
+                report.unavailable_us_max = report.unavailable_us_max.max(took);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
             Err(e) => return Err(e.into()),
         };
         let waited = asked.elapsed().as_micros() as u64;
@@ -260,37 +463,51 @@ async fn buyer_task(
         report.wait_us_total += waited;
         report.wait_us_max = report.wait_us_max.max(waited);
 
-        // The purchase: read the stock, write it back minus one. Without the lock two buyers
-        // would read the same value and oversell.
-        let mut conn: Conn = pool_of(shards, guard.shard()).get_conn().await?;
-        let mut tx = conn.start_transaction(TxOpts::default()).await?;
-        let stock: i32 = tx
-            .exec_first("SELECT stock FROM demo_stock WHERE sku = ?", (&key,))
-            .await?
-            .unwrap_or(0);
-        if stock <= 0 {
-            tx.rollback().await?;
-            open.retain(|&s| s != sku);
-        } else {
-            shardlock::fenced_exec(
-                &mut tx,
-                "UPDATE demo_stock SET stock = :stock, fence = :fence WHERE sku = :sku AND fence < :fence",
-                [("stock", Value::from(stock - 1)), ("sku", Value::from(&key))],
-                guard.fence(),
-            )
-            .await?;
-            tx.exec_drop(
-                "INSERT INTO demo_orders (sku, buyer, fence) VALUES (?, ?, ?)",
-                (&key, &me, guard.fence()),
-            )
-            .await?;
-            tx.commit().await?;
-            report.orders += 1;
+        match purchase(pool_of(shards, guard.shard()), &key, &me, guard.fence()).await {
+            Ok(true) => report.orders += 1,
+            Ok(false) => open.retain(|&s| s != sku),
+            // The shard died mid-purchase: the transaction is rolled back with the connection.
+            Err(_) => report.failed_purchases += 1,
         }
-        drop(conn);
-        guard.release().await?;
+        match guard.release().await {
+            Err(Error::Unavailable { .. } | Error::LockLost { .. }) | Ok(()) => {}
+            Err(e) => return Err(e.into()),
+        }
+        if !think.is_zero() {
+            tokio::time::sleep(think).await;
+        }
     }
     Ok(report)
+}
+
+/// The purchase: read the stock, write it back minus one, record the order, in one
+/// transaction. Without the lock two buyers would read the same value and oversell. `false`
+/// when the SKU is sold out.
+async fn purchase(pool: &Pool, key: &str, me: &str, fence: u64) -> Result<bool, AnyError> {
+    let mut conn: Conn = pool.get_conn().await?;
+    let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    let stock: i32 = tx
+        .exec_first("SELECT stock FROM demo_stock WHERE sku = ?", (key,))
+        .await?
+        .unwrap_or(0);
+    if stock <= 0 {
+        tx.rollback().await?;
+        return Ok(false);
+    }
+    shardlock::fenced_exec(
+        &mut tx,
+        "UPDATE demo_stock SET stock = :stock, fence = :fence WHERE sku = :sku AND fence < :fence",
+        [("stock", Value::from(stock - 1)), ("sku", Value::from(key))],
+        fence,
+    )
+    .await?;
+    tx.exec_drop(
+        "INSERT INTO demo_orders (sku, buyer, fence) VALUES (?, ?, ?)",
+        (key, me, fence),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(true)
 }
 
 /// A random SKU still on sale (the RNG is not kept across awaits: it is not `Send`).

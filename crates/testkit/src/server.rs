@@ -456,6 +456,15 @@ impl DevCluster {
         Ok(started.len())
     }
 
+    /// SIGKILLs shard `i` (0-based), as a crash would; [`DevCluster::up`] starts it again.
+    pub fn kill(&self, i: usize) -> io::Result<()> {
+        let pid = fs::read_to_string(self.shard_dir(i).join("server.pid"))?;
+        let pid = pid.trim().parse::<i32>().map_err(io::Error::other)?;
+        kill(Pid::from_raw(pid), Signal::SIGKILL).map_err(io::Error::from)?;
+        let _ = fs::remove_file(self.shard_dir(i).join("server.pid"));
+        Ok(())
+    }
+
     /// Stops every shard started by [`DevCluster::up`] (SIGTERM, then SIGKILL after 20 s).
     /// With `wipe`, deletes their data too. Returns how many were stopped.
     pub fn down(&self, wipe: bool) -> io::Result<usize> {
