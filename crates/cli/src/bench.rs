@@ -37,12 +37,16 @@ pub(crate) enum Scenario {
     /// 32 tasks on 500 keys over all shards; a reload that moves keys (first shard's weight
     /// doubled) happens a third into the round. Throughput in the move window against before.
     Reload,
+    /// Acquire latency of keys on the healthy shards while the last shard is down (its URL
+    /// points at a closed port; 4 tasks keep calling its keys, answered by its breaker),
+    /// against the same load with every shard up. Compare p50/p99.
+    ShardDown,
 }
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
     /// Scenarios to run (repeat the flag for several).
-    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey, Scenario::HotKeyRedis, Scenario::Buckets, Scenario::Reload])]
+    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey, Scenario::HotKeyRedis, Scenario::Buckets, Scenario::Reload, Scenario::ShardDown])]
     scenario: Vec<Scenario>,
     /// The Redis server for the `hot-key-redis` baseline (skipped when it does not answer).
     #[arg(long, default_value = "redis://127.0.0.1:6379")]
@@ -163,6 +167,10 @@ pub(crate) async fn run(
                     continue;
                 }
             },
+            Scenario::ShardDown if source.config.shards.len() < 2 => {
+                eprintln!("skipping shard-down: it needs at least 2 shards");
+                continue;
+            }
             _ => None,
         };
         let (mut ours, mut base) = (Vec::new(), Vec::new());
@@ -185,6 +193,10 @@ pub(crate) async fn run(
                     let (during, steady) = throughput_across_reload(source, &tag, &args).await?;
                     ours.push(during);
                     base.push(steady);
+                }
+                Scenario::ShardDown => {
+                    base.push(with_a_shard_down(source, false, &tag, &args, &counters).await?);
+                    ours.push(with_a_shard_down(source, true, &tag, &args, &counters).await?);
                 }
                 Scenario::HotKeyRedis => {
                     let redis = redis.clone().expect("connected above");
@@ -231,6 +243,86 @@ pub(crate) async fn run(
         println!("\nreport: {}", file.display());
     }
     Ok(())
+}
+
+/// `args.tasks` tasks acquiring and releasing keys of every shard but the last, while 4 tasks
+/// keep calling keys of the last one; with `down`, that shard's URL points at a closed port.
+async fn with_a_shard_down(
+    source: &ConfigSource,
+    down: bool,
+    tag: &str,
+    args: &BenchArgs,
+    counters: &Counters,
+) -> Result<Measurement, AnyError> {
+    let mut config = source.config.clone();
+    if config.shards.len() < 2 {
+        return Err("the shard-down scenario needs at least 2 shards".into());
+    }
+    let victim = config.shards.last_mut().expect("at least 2 shards");
+    let victim_name = victim.name.clone();
+    if down {
+        victim.url = "mysql://root@127.0.0.1:1/shardlock".into(); // nothing listens on port 1
+    }
+    let router = LockRouter::new(config).await?;
+    if !down {
+        router.migrate().await?;
+    }
+    let keys = |healthy: bool, n: usize| -> Result<Vec<String>, AnyError> {
+        let mut keys = Vec::with_capacity(n);
+        for i in 0.. {
+            let key = format!("bench:down:{tag}:{i}");
+            if (router.shard_for(&key)? != victim_name) == healthy {
+                keys.push(key);
+                if keys.len() == n {
+                    break;
+                }
+            }
+        }
+        Ok(keys)
+    };
+    let (healthy, dead) = (
+        Arc::new(keys(true, args.tasks as usize * 8)?),
+        keys(false, 4)?,
+    );
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let callers: Vec<_> = dead
+        .into_iter()
+        .map(|key| {
+            let (router, stop) = (router.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(Some(g)) = router.try_acquire(&key, AcquireOptions::new()).await {
+                        drop(g.release().await);
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+        })
+        .collect();
+    let name = if down {
+        "shardlock, healthy keys, one shard down"
+    } else {
+        "shardlock, healthy keys, all shards up"
+    };
+    let op_router = router.clone();
+    let m = measure(name, args.duration, args.tasks, counters, move |task, i| {
+        let router = op_router.clone();
+        let key = healthy[task as usize * 8 + (i % 8) as usize].clone();
+        async move {
+            let guard = router
+                .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(5)))
+                .await?;
+            guard.release().await?;
+            Ok(())
+        }
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for c in callers {
+        c.await?;
+    }
+    let _ = router.shutdown().await;
+    m
 }
 
 /// The round with the median ops/s.
@@ -650,6 +742,15 @@ fn print_report(report: &Report) {
                 m.deadlock_errors_surfaced,
                 m.innodb_deadlocks
             );
+        }
+        if c.scenario == Scenario::ShardDown {
+            println!(
+                "  -> {:?}: p50 {:.2}x, p99 {:.2}x the all-up run (target p99 within 1.5x)\n",
+                c.scenario,
+                c.shardlock.p50_ms / c.baseline.p50_ms.max(f64::MIN_POSITIVE),
+                c.shardlock.p99_ms / c.baseline.p99_ms.max(f64::MIN_POSITIVE)
+            );
+            continue;
         }
         println!(
             "  -> {:?}: shardlock at {:.2}x the baseline\n",
