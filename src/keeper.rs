@@ -187,7 +187,7 @@ pub(crate) struct Stats {
     pub(crate) renew_ticks: AtomicU64,
     pub(crate) renew_statements: AtomicU64,
     pub(crate) renew_failures: AtomicU64,
-    pub(crate) unavailable: AtomicU64,
+    pub(crate) breaker_rejections: AtomicU64,
     pub(crate) local_grants: AtomicU64,
     pub(crate) reconciled: AtomicU64,
     pub(crate) reconcile_conflicts: AtomicU64,
@@ -261,7 +261,7 @@ impl ShardState {
             Admission::Rejected => {
                 self.shared
                     .stats
-                    .unavailable
+                    .breaker_rejections
                     .fetch_add(1, Ordering::Relaxed);
                 return Err(BackendError::new(
                     BackendErrorKind::BreakerOpen,

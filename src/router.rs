@@ -792,7 +792,7 @@ impl LockRouter {
             renew_statements: get(&s.renew_statements),
             renew_failures: get(&s.renew_failures),
             queued: self.inner.shared.queues.waiting() as u64,
-            breaker_rejections: get(&s.unavailable),
+            breaker_rejections: get(&s.breaker_rejections),
             breaker_opened: get(&s.breaker_opened),
             breaker_closed: get(&s.breaker_closed),
             local_grants: get(&s.local_grants),
