@@ -356,6 +356,11 @@ impl ShardState {
         self.local.lock().unwrap().remove(&id).is_some()
     }
 
+    /// Takes every local lease (shutdown).
+    pub(crate) fn take_local(&self) -> Vec<Arc<LeaseState>> {
+        self.local.lock().unwrap().drain().map(|(_, l)| l).collect()
+    }
+
     /// How many leases are held locally here, not yet re-acquired on the shard.
     pub(crate) fn local_count(&self) -> usize {
         self.local.lock().unwrap().len()
@@ -528,7 +533,15 @@ impl ShardState {
                     .stats
                     .renew_failures
                     .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(shard = self.shard.name(), error = %e, leases = leases.len(), "shardlock renewal failed; retrying");
+                if e.kind == BackendErrorKind::BreakerOpen {
+                    tracing::debug!(
+                        shard = self.shard.name(),
+                        leases = leases.len(),
+                        "shardlock renewal skipped: the shard's breaker is open"
+                    );
+                } else {
+                    tracing::warn!(shard = self.shard.name(), error = %e, leases = leases.len(), "shardlock renewal failed; retrying");
+                }
                 // Retry soon; leases are reported lost only when their deadline passes.
                 *next_tick = Some(Instant::now() + (period / 4).max(Duration::from_millis(20)));
             }

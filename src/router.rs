@@ -825,6 +825,9 @@ impl LockRouter {
             }
         }
         for s in &shards {
+            for lease in s.take_local() {
+                lease.mark_lost("router shut down", &s.shared.stats);
+            }
             s.shard.close();
         }
         first_error.map_or(Ok(()), Err)

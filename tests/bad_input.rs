@@ -154,6 +154,27 @@ async fn config_errors_name_file_line_column_and_field() {
         err.to_string().contains(":3:5: field `shards[0].url`"),
         "{err}"
     );
+
+    // Breaker thresholds and failure policies are checked the same way.
+    let shard = "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n";
+    std::fs::write(&path, format!("{shard}breaker:\n  failure-rate: 1.5\n")).unwrap();
+    let err = LockRouter::from_yaml_file(&path).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(":5:3: field `breaker.failure-rate`"),
+        "{err}"
+    );
+    std::fs::write(
+        &path,
+        format!("{shard}namespaces:\n  jobs:\n    on-shard-failure: reroute\n"),
+    )
+    .unwrap();
+    let err = LockRouter::from_yaml_file(&path).await.unwrap_err();
+    assert!(
+        err.to_string().contains("namespaces.jobs.on-shard-failure")
+            && err.to_string().contains("fail-fast"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -246,3 +246,22 @@ async fn a_conflict_found_on_recovery_is_reported_to_the_local_holder() {
     assert_eq!(again.mode(), LockMode::Remote);
     assert!(again.fence() > remote_fence);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shutdown_ends_local_holds_too() {
+    let rig = Rig::start("local", None).await;
+    let key = &rig.keys("k", 1, false)[0];
+    cut_off(&rig, "other").await;
+    let guard = rig
+        .router
+        .acquire(key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(guard.mode(), LockMode::LocalFallback);
+    assert!(guard.is_held());
+    let _ = rig.router.shutdown().await; // s1 is cut off: its pool may report the reset
+    tokio::time::timeout(Duration::from_secs(1), guard.lost())
+        .await
+        .expect("a local hold outlived its router");
+    assert!(!guard.is_held());
+}

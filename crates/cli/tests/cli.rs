@@ -61,7 +61,9 @@ async fn migrate_status_and_inspect() {
     let status = json(&shardlock(&config, &["--json", "status"]));
     let shards = status["shards"].as_array().unwrap();
     assert_eq!(shards.len(), 2);
-    assert!(shards.iter().all(|s| s["reachable"] == true));
+    assert!(shards
+        .iter()
+        .all(|s| s["reachable"] == true && s["breaker"] == "closed"));
     let held: u64 = shards
         .iter()
         .map(|s| s["held_leases"].as_u64().unwrap())

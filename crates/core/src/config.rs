@@ -750,4 +750,29 @@ namespaces:
         assert_eq!(e.line, Some(3));
         assert!(e.message.contains("SHARDLOCK_TEST_UNSET_VAR"), "{e}");
     }
+
+    #[test]
+    fn failure_policies_parse_in_both_spellings() {
+        for (written, policy) in [
+            ("fail-fast", FailurePolicy::FailFast),
+            ("fail_fast", FailurePolicy::FailFast),
+            ("local", FailurePolicy::Local),
+        ] {
+            let text = GOOD.replace(
+                "ttl: 5s",
+                &format!("ttl: 5s\n    on-shard-failure: {written}"),
+            );
+            let c = Config::from_yaml_str(&text).unwrap();
+            assert_eq!(c.namespace("stock").unwrap().on_shard_failure, policy);
+        }
+        assert_eq!(
+            Config::from_yaml_str(GOOD)
+                .unwrap()
+                .namespace("stock")
+                .unwrap()
+                .on_shard_failure,
+            FailurePolicy::FailFast,
+            "fail-fast unless asked"
+        );
+    }
 }
