@@ -319,7 +319,17 @@ impl ShardState {
         match t.to {
             BreakerState::Open => {
                 stats.breaker_opened.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(shard = self.shard.name(), from = ?t.from, "shardlock breaker opened: the shard is failing");
+                if t.from == BreakerState::Closed {
+                    tracing::warn!(
+                        shard = self.shard.name(),
+                        "shardlock breaker opened: the shard is failing"
+                    );
+                } else {
+                    tracing::debug!(
+                        shard = self.shard.name(),
+                        "shardlock breaker probe failed; open again"
+                    );
+                }
             }
             BreakerState::Closed => {
                 stats.breaker_closed.fetch_add(1, Ordering::Relaxed);

@@ -51,9 +51,6 @@ impl Shard {
         let opts = OptsBuilder::from_opts(opts)
             .client_found_rows(true)
             .tcp_nodelay(true)
-            // Connect where the URL points: a proxy or tunnel on loopback is not bypassed
-            // through the server's Unix socket.
-            .prefer_socket(false)
             .stmt_cache_size(128)
             .setup(session_setup(config.statement_timeout.as_secs()));
         let pool = ShardPool::builder(ShardManager::new(opts.into(), config.pool.idle_check))

@@ -58,9 +58,14 @@ impl Proxy {
         self.port
     }
 
-    /// `mysql://root@127.0.0.1:PORT/shardlock` through the proxy.
+    /// `mysql://root@127.0.0.1:PORT/shardlock?prefer_socket=false` through the proxy. (On
+    /// loopback the MySQL driver otherwise switches to the server's Unix socket after
+    /// connecting, which would bypass the proxy.)
     pub fn url(&self) -> String {
-        format!("mysql://root@127.0.0.1:{}/{DATABASE}", self.port)
+        format!(
+            "mysql://root@127.0.0.1:{}/{DATABASE}?prefer_socket=false",
+            self.port
+        )
     }
 
     /// Switches the mode; open connections follow at once.
