@@ -272,7 +272,12 @@ impl LockRouter {
     /// Acquires `key`, waiting up to the wait of `opts` (or of its namespace).
     ///
     /// Errors: [`Error::Timeout`] when not granted in time, [`Error::InvalidKey`],
-    /// [`Error::Unavailable`] when the key's shard cannot be reached.
+    /// [`Error::Unavailable`] when the key's shard cannot be reached. While the shard's
+    /// breaker is open, the namespace's `on-shard-failure` policy answers at once:
+    /// `Unavailable` (`fail-fast`), or an in-process lock ([`crate::LockMode::LocalFallback`],
+    /// `local`). The key is never moved to another shard. No call outlives its wait: an
+    /// attempt still unanswered when the wait ends finishes in the background (a late grant is
+    /// released).
     ///
     /// Inside this process only one task polls the shard for a key; the others wait in memory
     /// in FIFO order. Between polls the waiter backs off exponentially with jitter.

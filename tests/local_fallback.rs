@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::faults::{Rig, WAIT};
+use common::faults::{Rig, POOL, WAIT};
 use shardlock::{AcquireOptions, BreakerState, Error, LockMode, LockRouter, LOCAL_FENCE_BIT};
 use shardlock_testkit::ProxyMode;
 
@@ -24,7 +24,7 @@ struct Tally {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_tasks_never_overlap_before_during_and_after_a_shard_dies() {
-    let rig = Rig::start("local", None).await;
+    let rig = Rig::start("local", None, POOL).await;
     let keys = rig.keys("k", 8, false);
     let holders: Arc<Vec<AtomicBool>> =
         Arc::new(keys.iter().map(|_| AtomicBool::new(false)).collect());
@@ -148,7 +148,7 @@ async fn reach(what: &str, n: u64, counter: &AtomicU64) {
 /// A second instance that reaches `s1` directly while the first is cut off by the proxy.
 async fn direct_router(rig: &Rig) -> LockRouter {
     let yaml =
-        common::faults::config_yaml(&rig.cluster, &rig.cluster.shard(0).url(), "fail-fast", "2s");
+        common::faults::config_yaml(&rig.cluster, &rig.cluster.shard(0).url(), POOL, "fail-fast");
     LockRouter::from_yaml_str(&yaml).await.unwrap()
 }
 
@@ -162,7 +162,7 @@ async fn cut_off(rig: &Rig, key: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_locally_held_key_is_taken_on_the_shard_when_it_returns() {
-    let rig = Rig::start("local", None).await;
+    let rig = Rig::start("local", None, POOL).await;
     let key = &rig.keys("k", 1, false)[0];
     cut_off(&rig, "other").await;
     let guard = rig
@@ -206,7 +206,7 @@ async fn a_locally_held_key_is_taken_on_the_shard_when_it_returns() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_conflict_found_on_recovery_is_reported_to_the_local_holder() {
-    let rig = Rig::start("local", None).await;
+    let rig = Rig::start("local", None, POOL).await;
     let key = &rig.keys("k", 1, false)[0];
     cut_off(&rig, "other").await;
     let local = rig
@@ -249,7 +249,7 @@ async fn a_conflict_found_on_recovery_is_reported_to_the_local_holder() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn shutdown_ends_local_holds_too() {
-    let rig = Rig::start("local", None).await;
+    let rig = Rig::start("local", None, POOL).await;
     let key = &rig.keys("k", 1, false)[0];
     cut_off(&rig, "other").await;
     let guard = rig

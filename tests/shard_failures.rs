@@ -1,15 +1,18 @@
 //! Real shard failures with the `fail-fast` policy: a shard SIGKILLed then restarted,
 //! SIGSTOPped then resumed, cut off by a blackholing proxy, slowed past the slow-call
-//! threshold, its connections reset, its connection limit exhausted. For each: what callers of
+//! threshold, its connections reset, its connection limit exhausted, its pool exhausted by
+//! callers of a slow link. For each: what callers of
 //! the failing shard receive and how fast (never later than their wait; within 50 ms once the
 //! breaker is open), the breaker's transitions, recovery once the fault ends, and the
 //! throughput of keys on the healthy shards (at least 80% of what it was before).
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::faults::{Load, Rig, WAIT};
+use common::faults::{Load, Rig, POOL, SMALL_POOL, WAIT};
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Conn;
 use shardlock::{AcquireOptions, BreakerState, BreakerTransition, Error};
@@ -29,14 +32,26 @@ enum Fault {
     SlowLink,
     Reset,
     ConnectionLimit,
+    PoolExhausted,
+}
+
+/// What a fault keeps alive until it is healed.
+#[derive(Default)]
+struct Injected {
+    /// The connection holding the only slot of the connection limit.
+    hog: Option<Conn>,
+    /// Callers crowding the failing shard's small pool.
+    crowd: Vec<tokio::task::JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
 }
 
 /// The user `s1` is reached as in the connection-limit test (its connections are counted).
 const LIMITED_USER: &str = "locker";
 
 impl Fault {
-    async fn inject(self, rig: &Rig) -> Option<Conn> {
+    async fn inject(self, rig: &Rig) -> Injected {
         let s1 = rig.cluster.shard(0);
+        let mut injected = Injected::default();
         match self {
             Fault::Kill => s1.kill().unwrap(),
             Fault::Pause => s1.pause().unwrap(),
@@ -66,13 +81,33 @@ impl Fault {
                     let _ = root.query_drop(format!("KILL CONNECTION {id}")).await;
                 }
                 hog.query_drop("SELECT 1").await.unwrap();
-                return Some(hog);
+                injected.hog = Some(hog);
+            }
+            Fault::PoolExhausted => {
+                // Statements slowed below the slow-call threshold, and 16 callers on a pool of
+                // 2: most wait for a connection longer than pool.wait-timeout.
+                rig.proxy.set(ProxyMode::Delay(Duration::from_millis(60)));
+                injected.crowd = rig
+                    .keys("crowd", 16, false)
+                    .into_iter()
+                    .map(|key| {
+                        let (router, stop) = (rig.router.clone(), injected.stop.clone());
+                        tokio::spawn(async move {
+                            while !stop.load(Ordering::Relaxed) {
+                                match router.acquire(&key, AcquireOptions::new().wait(WAIT)).await {
+                                    Ok(guard) => drop(guard.release().await),
+                                    Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+                                }
+                            }
+                        })
+                    })
+                    .collect();
             }
         }
-        None
+        injected
     }
 
-    async fn heal(self, rig: &Rig, hog: Option<Conn>) {
+    async fn heal(self, rig: &Rig, injected: Injected) {
         let s1 = rig.cluster.shard(0);
         match self {
             Fault::Kill => s1.restart().await.unwrap(),
@@ -86,7 +121,14 @@ impl Fault {
                 .await
                 .unwrap();
                 root.query_drop("FLUSH PRIVILEGES").await.unwrap();
-                drop(hog);
+                drop(injected.hog);
+            }
+            Fault::PoolExhausted => {
+                injected.stop.store(true, Ordering::Relaxed);
+                for caller in injected.crowd {
+                    caller.await.unwrap();
+                }
+                rig.proxy.set(ProxyMode::Pass);
             }
         }
     }
@@ -95,7 +137,12 @@ impl Fault {
 /// Runs one fault from start to recovery and checks everything the module doc promises.
 async fn shard_fault(fault: Fault) {
     let user = (fault == Fault::ConnectionLimit).then_some(LIMITED_USER);
-    let rig = Rig::start("fail-fast", user).await;
+    let pool = if fault == Fault::PoolExhausted {
+        SMALL_POOL
+    } else {
+        POOL
+    };
+    let rig = Rig::start("fail-fast", user, pool).await;
     let router = &rig.router;
     let failing = rig.keys("f", 4, false);
     let healthy = rig.keys("h", 64, true);
@@ -113,7 +160,7 @@ async fn shard_fault(fault: Fault) {
     load.rate(Duration::from_millis(300)).await; // warm-up
     let before = load.rate(Duration::from_millis(1500)).await;
 
-    let hog = fault.inject(&rig).await;
+    let injected = fault.inject(&rig).await;
     // Until the breaker opens, callers of the failing shard still try it, each within its wait.
     let mut outcomes = std::collections::BTreeMap::<&str, u32>::new();
     let started = Instant::now();
@@ -173,7 +220,7 @@ async fn shard_fault(fault: Fault) {
     }
     let during = load.rate(Duration::from_millis(1500)).await;
 
-    fault.heal(&rig, hog).await;
+    fault.heal(&rig, injected).await;
     let healed = Instant::now();
     let mut recovered = false;
     while healed.elapsed() < Duration::from_secs(30) {
@@ -263,11 +310,16 @@ async fn shard_out_of_connections() {
     shard_fault(Fault::ConnectionLimit).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pool_exhausted_by_callers_of_a_slow_shard() {
+    shard_fault(Fault::PoolExhausted).await;
+}
+
 /// A lease held on a shard that becomes unreachable is reported lost when it can no longer be
 /// trusted: not while it may still be live on the shard, and not later than its end.
 #[tokio::test(flavor = "multi_thread")]
 async fn lease_on_an_unreachable_shard_is_lost_at_its_end_not_before() {
-    let rig = Rig::start("fail-fast", None).await;
+    let rig = Rig::start("fail-fast", None, POOL).await;
     let key = &rig.keys("held", 1, false)[0];
     let ttl = Duration::from_secs(2);
     let granted = Instant::now();
@@ -303,7 +355,7 @@ const APP_ENV: &str = "SHARDLOCK_TEST_APP_URL";
 /// fences rise.
 #[tokio::test(flavor = "multi_thread")]
 async fn counters_stay_exact_across_processes_while_a_shard_dies_and_returns() {
-    let rig = Rig::start("fail-fast", None).await;
+    let rig = Rig::start("fail-fast", None, POOL).await;
     let app_url = rig.cluster.shard(1).url();
     let mut app = common::counters::create(&app_url, KEYS).await;
     let env = [

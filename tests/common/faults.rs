@@ -29,24 +29,30 @@ breaker:
   probes: 2
 ";
 
-/// The shards of `cluster` as YAML, `s1` at `s1_url`, with short timeouts.
-pub fn shards_yaml(cluster: &Cluster, s1_url: &str) -> String {
+/// The pool of every shard in these tests: short timeouts.
+pub const POOL: &str =
+    "{ max-size: 8, wait-timeout: 400ms, create-timeout: 400ms, recycle-timeout: 400ms }";
+/// A pool that a few slow calls exhaust: 2 connections, callers wait 100 ms at most.
+pub const SMALL_POOL: &str =
+    "{ max-size: 2, wait-timeout: 100ms, create-timeout: 400ms, recycle-timeout: 400ms }";
+
+/// The whole config: the shards of `cluster` (`s1` at `s1_url` with `s1_pool`), the breaker,
+/// and a `default` namespace (ttl 2 s, wait 500 ms) with `policy`.
+pub fn config_yaml(cluster: &Cluster, s1_url: &str, s1_pool: &str, policy: &str) -> String {
     let mut yaml = String::from("shards:\n");
     for (i, s) in cluster.shards().iter().enumerate() {
-        let url = if i == 0 { s1_url.to_owned() } else { s.url() };
+        let (url, pool) = if i == 0 {
+            (s1_url.to_owned(), s1_pool)
+        } else {
+            (s.url(), POOL)
+        };
         yaml.push_str(&format!(
-            "  - name: {}\n    url: {url}\n    statement-timeout: 1s\n    pool: {{ max-size: 8, wait-timeout: 400ms, create-timeout: 400ms, recycle-timeout: 400ms }}\n",
+            "  - name: {}\n    url: {url}\n    statement-timeout: 1s\n    pool: {pool}\n",
             s.name()
         ));
     }
-    yaml
-}
-
-/// The whole config: shards, breaker, and a `default` namespace with `policy`.
-pub fn config_yaml(cluster: &Cluster, s1_url: &str, policy: &str, ttl: &str) -> String {
     format!(
-        "{}{BREAKER_YAML}namespaces:\n  default:\n    ttl: {ttl}\n    wait: 500ms\n    on-shard-failure: {policy}\n",
-        shards_yaml(cluster, s1_url)
+        "{yaml}{BREAKER_YAML}namespaces:\n  default:\n    ttl: 2s\n    wait: 500ms\n    on-shard-failure: {policy}\n"
     )
 }
 
@@ -59,8 +65,9 @@ pub struct Rig {
 }
 
 impl Rig {
-    /// Starts the rig; `s1_user` replaces `root` in `s1`'s URL (created by `prepare`).
-    pub async fn start(policy: &str, s1_user: Option<&str>) -> Self {
+    /// Starts the rig; `s1_user` (created here, its connections counted by the server)
+    /// replaces `root` in `s1`'s URL.
+    pub async fn start(policy: &str, s1_user: Option<&str>, s1_pool: &str) -> Self {
         let cluster = Cluster::start(3).await.expect("start shards");
         let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
         let mut s1_url = proxy.url();
@@ -78,7 +85,7 @@ impl Rig {
                 .unwrap();
             s1_url = s1_url.replace("root@", &format!("{user}@"));
         }
-        let yaml = config_yaml(&cluster, &s1_url, policy, "2s");
+        let yaml = config_yaml(&cluster, &s1_url, s1_pool, policy);
         let router = LockRouter::from_yaml_str(&yaml).await.expect("router");
         router.migrate().await.expect("migrate");
         Self {
