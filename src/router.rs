@@ -53,7 +53,8 @@ pub struct LockStats {
     pub local_handoffs: u64,
     /// Grants of keys that moved in a recent reload, also taken on their previous shard(s).
     pub moved_grants: u64,
-    /// Acquire statements sent to shards (one per attempt).
+    /// Acquire statements sent to shards (one per attempt; attempts refused by an open
+    /// breaker send none).
     pub acquire_statements: u64,
     /// Acquires that gave up after their wait.
     pub timeouts: u64,
@@ -665,15 +666,14 @@ impl LockRouter {
         req: &GrantRequest,
         deadline: Instant,
     ) -> Result<Option<Attempt>> {
-        self.inner
-            .shared
-            .stats
-            .acquire_statements
-            .fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         let (task_shard, task_req) = (shard.clone(), req.clone());
         tokio::spawn(async move {
+            let stats = &task_shard.shared.stats;
             let result = task_shard.call(task_shard.shard.acquire(&task_req)).await;
+            if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
+                stats.acquire_statements.fetch_add(1, Ordering::Relaxed);
+            }
             if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
                 let _ = task_shard
                     .call(task_shard.shard.release(&task_req.key, &task_req.owner))
