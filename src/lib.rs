@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod cleaner;
 mod fence;
 mod guard;
 mod keeper;
@@ -10,6 +11,9 @@ mod queue;
 mod router;
 mod topology;
 
+pub use cleaner::{
+    CleanerReport, ForceReleased, InstanceRegistry, ShardCleaned, StaticRegistry, CLEANER_LOCK_KEY,
+};
 pub use fence::fenced_exec;
 pub use guard::{LockGuard, LockMode, LOCAL_FENCE_BIT};
 pub use options::AcquireOptions;
@@ -22,4 +26,6 @@ pub use shardlock_core::{
     BackendError, BackendErrorKind, Backoff, BreakerConfig, BreakerState, Config, ConfigError,
     Error, LockKey, Result, Ring, RingHash,
 };
-pub use shardlock_mysql::{mysql_async, LeaseRow, MigrateReport, PoolStatus, MIGRATIONS};
+pub use shardlock_mysql::{
+    mysql_async, InstanceRow, LeaseRow, MigrateReport, PoolStatus, MIGRATIONS,
+};

@@ -28,15 +28,17 @@ use crate::topology::Topology;
 /// Tokio runtime: every shard gets a background lease keeper.
 #[derive(Debug, Clone)]
 pub struct LockRouter {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 #[derive(Debug)]
-struct Inner {
-    shared: Arc<Shared>,
-    topology: ArcSwap<Topology>,
+pub(crate) struct Inner {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) topology: ArcSwap<Topology>,
     /// One reload at a time.
     reloading: tokio::sync::Mutex<()>,
+    /// The cleaner's side: its election lock, pass count, and a registry set in code.
+    pub(crate) cleaner: crate::cleaner::CleanerState,
 }
 
 /// Counters of one router since it started (this process only).
@@ -142,13 +144,16 @@ impl LockRouter {
         let shared = Arc::new(Shared::new(instance_id));
         let topology =
             Topology::build(config, 1, &[], Vec::new(), &shared, text.map(|t| (t, path)))?;
-        Ok(Self {
+        let router = Self {
             inner: Arc::new(Inner {
                 shared,
                 topology: ArcSwap::from_pointee(topology),
                 reloading: tokio::sync::Mutex::new(()),
+                cleaner: crate::cleaner::CleanerState::default(),
             }),
-        })
+        };
+        crate::cleaner::spawn_heartbeat(&router);
+        Ok(router)
     }
 
     /// Swaps in a new configuration: shards, weights, routing and namespace policies. Safe for
@@ -829,6 +834,7 @@ impl LockRouter {
                 first_error.get_or_insert(e);
             }
         }
+        crate::cleaner::deregister(self, &shards).await;
         for s in &shards {
             for lease in s.take_local() {
                 lease.mark_lost("router shut down", &s.shared.stats);
@@ -900,15 +906,20 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
 
 /// `<host>-<pid>-<random>`: unique per process start, readable in `inspect`.
 fn auto_instance_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|h| h.trim().replace(':', "-"))
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "host".to_owned());
     format!(
-        "{host}-{}-{:04x}",
+        "{}-{}-{:04x}",
+        host_name().replace(':', "-"),
         std::process::id(),
         rand::random::<u16>()
     )
+}
+
+/// This machine's host name, as the registry records it.
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned())
 }

@@ -32,12 +32,32 @@ struct Cli {
 enum Command {
     /// Create or upgrade shardlock's tables on every shard (idempotent).
     Migrate,
-    /// Per shard: reachable, pool size/available/waiting, live leases.
+    /// Per shard: reachable, breaker, pool size/available/waiting, live leases; and the
+    /// instances in the registry with their last heartbeat.
     Status,
     /// Where a key lives and who holds it: shard, holder, fence, expiry.
     Inspect {
         /// The lock key, exactly as the application passes it.
         key: String,
+    },
+    /// Remove a stuck lock whoever holds it, fenced: its fence is raised, so the evicted
+    /// holder's later writes through the fence are rejected and it sees its lease lost.
+    Release {
+        /// The lock key.
+        key: String,
+        /// Required: a lock is normally released by its holder; this evicts the holder.
+        #[arg(long)]
+        force: bool,
+        /// Do not ask for confirmation.
+        #[arg(long, short)]
+        yes: bool,
+    },
+    /// Run the lease cleaner until SIGTERM or Ctrl-C; one instance of a deployment cleans at a
+    /// time (elected through a shardlock lock), the others stand by.
+    Cleaner {
+        /// One pass, then exit.
+        #[arg(long)]
+        once: bool,
     },
     /// Start or stop the three local MariaDB shards of `config/local.yaml`.
     Dev {
@@ -96,6 +116,14 @@ impl ConfigSource {
         }
     }
 
+    /// A router for one-shot operator commands: it holds no leases of an application, so it
+    /// does not register in the instance registry.
+    pub(crate) async fn tool_router(&self) -> shardlock::Result<LockRouter> {
+        let mut config = self.config.clone();
+        config.cleaner.registry = shardlock::config::RegistryKind::Static;
+        LockRouter::new(config).await
+    }
+
     /// Arguments that make a child `shardlock` process use the same config.
     pub(crate) fn child_args(&self) -> Vec<String> {
         match &self.path {
@@ -134,6 +162,27 @@ fn main() -> ExitCode {
 
 pub(crate) type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Asks `question` on stderr; true only for an answer of `y` or `yes`.
+fn confirm(question: &str) -> Result<bool, AnyError> {
+    eprint!("{question} [y/N] ");
+    let mut answer = String::new();
+    std::io::stdin().read_line(&mut answer)?;
+    Ok(matches!(answer.trim(), "y" | "Y" | "yes"))
+}
+
+/// Completes on SIGTERM or SIGINT.
+fn stop_signal() -> Result<impl std::future::Future<Output = ()>, AnyError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}
+
 async fn run(cli: Cli) -> Result<(), AnyError> {
     if let Command::Dev { action } = &cli.command {
         return dev::run(action, cli.json).await;
@@ -141,22 +190,66 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
     let source = ConfigSource::load(cli.config)?;
     match cli.command {
         Command::Migrate => {
-            let router = source.router().await?;
+            let router = source.tool_router().await?;
             let reports = router.migrate().await?;
             output::migrate(&reports, cli.json);
         }
         Command::Status => {
-            let router = source.router().await?;
+            let router = source.tool_router().await?;
             let status = router.status().await;
-            output::status(&router, &status, cli.json);
+            let instances = router.instances().await;
+            output::status(&router, &status, &instances, cli.json);
             if status.iter().any(|s| !s.reachable) {
                 return Err("some shards are unreachable".into());
             }
         }
         Command::Inspect { key } => {
-            let router = source.router().await?;
+            let router = source.tool_router().await?;
             let (shard, row) = router.inspect(&key).await?;
             output::inspect(&key, &shard, row.as_ref(), cli.json);
+        }
+        Command::Release { key, force, yes } => {
+            if !force {
+                return Err(
+                    "a lock is released by its holder; `shardlock release --force KEY` \
+                            evicts whoever holds it (fenced)"
+                        .into(),
+                );
+            }
+            let router = source.tool_router().await?;
+            let (shard, row) = router.inspect(&key).await?;
+            let Some(owner) = row.as_ref().and_then(|r| r.owner.clone()) else {
+                output::force_released(&key, &shard, None, cli.json);
+                return Ok(());
+            };
+            if !yes
+                && !confirm(&format!(
+                    "Force-release `{key}` on {shard}, held by {owner}?"
+                ))?
+            {
+                return Err("not released".into());
+            }
+            let released = router.force_release(&key).await?;
+            output::force_released(&key, &shard, released.as_ref(), cli.json);
+        }
+        Command::Cleaner { once } => {
+            let router = source.router().await?;
+            if once {
+                let report = router.clean_once().await?;
+                output::cleaner_report(&report, cli.json);
+            } else {
+                eprintln!(
+                    "shardlock cleaner: instance {}, a pass every {:?}; SIGTERM or Ctrl-C stops it",
+                    router.instance_id(),
+                    router.config().cleaner.interval
+                );
+                router
+                    .run_cleaner(stop_signal()?, |report| {
+                        output::cleaner_report(report, cli.json)
+                    })
+                    .await;
+            }
+            router.shutdown().await?;
         }
         Command::Demo(args) => demo::run(&source, args).await?,
         Command::Bench(args) => bench::run(&source, args, cli.json).await?,

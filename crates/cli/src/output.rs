@@ -1,7 +1,10 @@
 //! Text and JSON output of the read commands.
 
 use serde_json::json;
-use shardlock::{BreakerState, LeaseRow, LockRouter, MigrateReport, ShardStatus};
+use shardlock::{
+    BreakerState, CleanerReport, ForceReleased, InstanceRow, LeaseRow, LockRouter, MigrateReport,
+    ShardStatus,
+};
 
 pub(crate) fn migrate(reports: &[(String, MigrateReport)], as_json: bool) {
     if as_json {
@@ -33,7 +36,13 @@ pub(crate) fn breaker_name(state: BreakerState) -> &'static str {
     }
 }
 
-pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool) {
+pub(crate) fn status(
+    router: &LockRouter,
+    status: &[ShardStatus],
+    instances: &[(String, shardlock::Result<Vec<InstanceRow>>)],
+    as_json: bool,
+) {
+    let registry = merge_instances(instances);
     if as_json {
         let shards: Vec<_> = status
             .iter()
@@ -50,9 +59,22 @@ pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool)
                 })
             })
             .collect();
+        let registry: Vec<_> = registry
+            .iter()
+            .map(|i| {
+                json!({
+                    "instance": i.instance_id,
+                    "host": i.host,
+                    "pid": i.pid,
+                    "started_at": i.started_at,
+                    "heartbeat_ms_ago": i.heartbeat_ms_ago,
+                    "deregistered": i.deregistered,
+                })
+            })
+            .collect();
         println!(
             "{}",
-            json!({ "instance": router.instance_id(), "shards": shards })
+            json!({ "instance": router.instance_id(), "shards": shards, "instances": registry })
         );
         return;
     }
@@ -83,6 +105,125 @@ pub(crate) fn status(router: &LockRouter, status: &[ShardStatus], as_json: bool)
             println!("             {e}");
         }
     }
+    println!();
+    if registry.is_empty() {
+        println!("No instances registered (cleaner.registry: heartbeat registers them).");
+        return;
+    }
+    println!(
+        "{:<40} {:<20} {:>8} {:>16}  STATE",
+        "INSTANCE", "HOST", "PID", "LAST HEARTBEAT"
+    );
+    for i in &registry {
+        println!(
+            "{:<40} {:<20} {:>8} {:>13} ms  {}",
+            i.instance_id,
+            i.host,
+            i.pid,
+            i.heartbeat_ms_ago,
+            if i.deregistered {
+                "shut down"
+            } else {
+                "running"
+            }
+        );
+    }
+}
+
+/// One row per instance over all shards: the freshest heartbeat wins.
+fn merge_instances(
+    per_shard: &[(String, shardlock::Result<Vec<InstanceRow>>)],
+) -> Vec<InstanceRow> {
+    let mut merged: std::collections::BTreeMap<String, InstanceRow> = Default::default();
+    for row in per_shard
+        .iter()
+        .filter_map(|(_, r)| r.as_ref().ok())
+        .flatten()
+    {
+        let fresher = merged
+            .get(&row.instance_id)
+            .is_none_or(|seen| row.heartbeat_ms_ago < seen.heartbeat_ms_ago);
+        if fresher {
+            merged.insert(row.instance_id.clone(), row.clone());
+        }
+    }
+    merged.into_values().collect()
+}
+
+pub(crate) fn force_released(
+    key: &str,
+    shard: &str,
+    released: Option<&ForceReleased>,
+    as_json: bool,
+) {
+    if as_json {
+        let released =
+            released.map(|r| json!({"owner": r.owner, "was_live": r.was_live, "fence": r.fence}));
+        println!(
+            "{}",
+            json!({ "key": key, "shard": shard, "released": released })
+        );
+        return;
+    }
+    match released {
+        None => println!("{key} on {shard}: nobody holds it; nothing to release"),
+        Some(r) => println!(
+            "{key} on {shard}: released from {} ({}); fence raised to {}",
+            r.owner,
+            if r.was_live {
+                "its lease was live"
+            } else {
+                "its lease had expired"
+            },
+            r.fence
+        ),
+    }
+}
+
+pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
+    if as_json {
+        let shards: Vec<_> = report
+            .shards
+            .iter()
+            .map(|s| {
+                json!({
+                    "shard": s.shard,
+                    "released": s.released,
+                    "abandoned": s.abandoned,
+                    "kept_live_holder": s.kept_live_holder,
+                    "batches": s.batches,
+                    "error": s.error,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({ "pass": report.pass, "leader": report.leader, "deleted": report.deleted(), "shards": shards })
+        );
+        return;
+    }
+    if !report.leader {
+        println!(
+            "pass {}: another instance is the cleaner; standing by",
+            report.pass
+        );
+        return;
+    }
+    let shards: Vec<String> = report
+        .shards
+        .iter()
+        .map(|s| {
+            let mut line = format!(
+                "{}: {} released, {} abandoned deleted, {} kept (holder alive)",
+                s.shard, s.released, s.abandoned, s.kept_live_holder
+            );
+            if let Some(e) = &s.error {
+                line.push_str(&format!(" [stopped: {e}]"));
+            }
+            line
+        })
+        .collect();
+    println!("pass {}: {}", report.pass, shards.join("; "));
 }
 
 pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: bool) {

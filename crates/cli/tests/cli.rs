@@ -44,7 +44,7 @@ async fn cluster_with_config(n: usize) -> (Cluster, tempfile::TempDir, PathBuf) 
 async fn migrate_status_and_inspect() {
     let (_cluster, _dir, config) = cluster_with_config(2).await;
     let first = json(&shardlock(&config, &["--json", "migrate"]));
-    assert_eq!(first["shards"][0]["applied"], serde_json::json!([1]));
+    assert_eq!(first["shards"][0]["applied"], serde_json::json!([1, 2]));
     let again = json(&shardlock(&config, &["--json", "migrate"]));
     assert_eq!(
         again["shards"][1]["applied"],
@@ -201,4 +201,62 @@ async fn bench_reports_statement_and_deadlock_counts() {
         ours_stmts < naive_stmts,
         "fewer statements per acquisition: {ours_stmts} vs {naive_stmts}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn release_force_cleaner_and_registered_instances() {
+    let (_cluster, _dir, config) = cluster_with_config(2).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let yaml = std::fs::read_to_string(&config).unwrap();
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let guard = router
+        .acquire("stuck:1", AcquireOptions::new())
+        .await
+        .unwrap();
+
+    // The application's instance is registered; the command-line tools do not register.
+    let status = json(&shardlock(&config, &["--json", "status"]));
+    let instances = status["instances"].as_array().unwrap();
+    assert!(
+        instances
+            .iter()
+            .any(|i| i["instance"] == router.instance_id() && i["deregistered"] == false),
+        "{status}"
+    );
+    assert_eq!(instances.len(), 1, "{status}");
+
+    let refused = shardlock(&config, &["release", "stuck:1"]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--force"));
+    // Without --yes it asks; an empty answer (stdin closed) releases nothing.
+    let unconfirmed = shardlock(&config, &["release", "--force", "stuck:1"]);
+    assert!(!unconfirmed.status.success());
+    assert!(guard.is_held());
+    let released = json(&shardlock(
+        &config,
+        &["--json", "release", "--force", "--yes", "stuck:1"],
+    ));
+    assert_eq!(released["released"]["owner"], guard.owner());
+    assert!(released["released"]["fence"].as_u64().unwrap() > guard.fence());
+    tokio::time::timeout(std::time::Duration::from_secs(10), guard.lost())
+        .await
+        .expect("the evicted holder saw lost()");
+    let nothing = json(&shardlock(
+        &config,
+        &["--json", "release", "--force", "--yes", "stuck:1"],
+    ));
+    assert!(nothing["released"].is_null());
+
+    let pass = json(&shardlock(&config, &["--json", "cleaner", "--once"]));
+    assert_eq!(pass["leader"], true, "{pass}");
+    assert_eq!(pass["shards"].as_array().unwrap().len(), 2);
+    router.shutdown().await.unwrap();
+    let status = json(&shardlock(&config, &["--json", "status"]));
+    let me = status["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["instance"] == router.instance_id())
+        .cloned();
+    assert_eq!(me.unwrap()["deregistered"], true, "shutdown deregisters");
 }

@@ -63,6 +63,69 @@ pub struct Config {
     pub namespaces: BTreeMap<String, NamespaceConfig>,
     /// When a shard counts as failed, and when it is tried again (one breaker per shard).
     pub breaker: crate::BreakerConfig,
+    /// The lease cleaner and the instance registry it asks.
+    pub cleaner: CleanerConfig,
+}
+
+/// The lease cleaner (`LockRouter::run_cleaner`, `shardlock cleaner`) and the instance
+/// registry that vouches for holders.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct CleanerConfig {
+    /// Time between cleaning passes.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// A row is removed only once its lease ended (released or expired) longer ago than this.
+    #[serde(with = "humantime_serde")]
+    pub grace: Duration,
+    /// Rows examined and deleted per statement.
+    pub batch_size: u32,
+    /// Pause between batches, so acquires on the same shard keep their latency.
+    #[serde(with = "humantime_serde")]
+    pub batch_pause: Duration,
+    /// Who says an instance is dead.
+    pub registry: RegistryKind,
+    /// How often an instance heartbeats (`heartbeat` registry).
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_interval: Duration,
+    /// An instance silent this long is dead (`heartbeat` registry).
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_timeout: Duration,
+    /// Instances that are alive whatever happens (`static` registry); all others are dead.
+    pub live_instances: Vec<String>,
+}
+
+impl Default for CleanerConfig {
+    fn default() -> Self {
+        Self {
+            // Garbage is harmless for a while; a pass a minute keeps tables small.
+            interval: Duration::from_secs(60),
+            // Longer than any renewal hiccup and any clock step between shard and holder.
+            grace: Duration::from_secs(60),
+            // A batch deletes in a few milliseconds on a loaded shard.
+            batch_size: 1000,
+            batch_pause: Duration::from_millis(10),
+            registry: RegistryKind::Heartbeat,
+            heartbeat_interval: Duration::from_secs(5),
+            // Six missed heartbeats.
+            heartbeat_timeout: Duration::from_secs(30),
+            live_instances: Vec::new(),
+        }
+    }
+}
+
+/// The instance registry the cleaner asks before deleting a lease that was never released.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RegistryKind {
+    /// Every instance registers in `shardlock_instance` on every shard and heartbeats there;
+    /// dead = deregistered, or no heartbeat for `heartbeat-timeout`.
+    #[default]
+    Heartbeat,
+    /// For deployments with a registry of their own: the instances in `live-instances` are
+    /// alive, all others dead (empty: lease expiry plus `grace` alone decides). A custom
+    /// registry can be plugged in with `LockRouter::set_registry`.
+    Static,
 }
 
 /// Who this process is.
@@ -445,6 +508,33 @@ impl Config {
             ("breaker.probes", b.probes > 0, "must be at least 1"),
         ];
         if let Some((field, _, message)) = breaker_checks.iter().find(|(_, ok, _)| !ok) {
+            return Err(invalid((*field).into(), (*message).into()));
+        }
+        let c = &self.cleaner;
+        let cleaner_checks = [
+            (
+                "cleaner.interval",
+                !c.interval.is_zero(),
+                "must be above zero",
+            ),
+            (
+                "cleaner.batch-size",
+                (1..=10_000).contains(&c.batch_size),
+                "must be between 1 and 10000",
+            ),
+            (
+                "cleaner.heartbeat-interval",
+                !c.heartbeat_interval.is_zero(),
+                "must be above zero",
+            ),
+            (
+                "cleaner.heartbeat-timeout",
+                c.heartbeat_timeout >= c.heartbeat_interval * 2,
+                "must be at least twice heartbeat-interval, or a late heartbeat makes a live \
+                 instance look dead",
+            ),
+        ];
+        if let Some((field, _, message)) = cleaner_checks.iter().find(|(_, ok, _)| !ok) {
             return Err(invalid((*field).into(), (*message).into()));
         }
         Ok(())

@@ -4,6 +4,8 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params, Value};
 
 /// Shard clock in microseconds since the epoch: where a new row's fence starts.
+#[macro_export]
+#[doc(hidden)]
 macro_rules! now_us {
     () => {
         "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)"
@@ -239,7 +241,7 @@ pub struct RenewOutcome {
 /// Builds `(?, ?, ...)` with `n` rounded up to a power of two, so that the statement cache
 /// sees a handful of shapes rather than one per batch size. Padding repeats the last element,
 /// which changes nothing in an `IN` list.
-fn padded_in_list<'a>(
+pub(crate) fn padded_in_list<'a>(
     items: impl ExactSizeIterator<Item = &'a [u8]> + Clone,
 ) -> (String, Vec<Value>) {
     let n = items.len().max(1).next_power_of_two();

@@ -6,12 +6,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod cleaner;
 mod error;
 mod lease;
 mod migrate;
 mod pool;
 mod shard;
 
+pub use cleaner::{Candidate, InstanceRow};
 pub use error::classify;
 pub use lease::{
     Attempt, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, HELD_MARK, MAX_RENEW_BATCH,

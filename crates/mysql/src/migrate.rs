@@ -4,11 +4,18 @@ use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
 
 /// The migrations, in order: `(version, name, SQL)`. The SQL lives in `migrations/`.
-pub const MIGRATIONS: &[(u32, &str, &str)] = &[(
-    1,
-    "lease_table",
-    include_str!("../../../migrations/0001_lease_table.sql"),
-)];
+pub const MIGRATIONS: &[(u32, &str, &str)] = &[
+    (
+        1,
+        "lease_table",
+        include_str!("../../../migrations/0001_lease_table.sql"),
+    ),
+    (
+        2,
+        "instance_registry",
+        include_str!("../../../migrations/0002_instance_registry.sql"),
+    ),
+];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\
      version INT UNSIGNED NOT NULL PRIMARY KEY, \
@@ -99,5 +106,8 @@ mod tests {
         assert_eq!(s.len(), 1);
         assert!(s[0].starts_with("CREATE TABLE IF NOT EXISTS shardlock_lease"));
         assert!(s[0].contains("VARBINARY(255)"));
+        let s = statements(MIGRATIONS[1].2);
+        assert_eq!(s.len(), 1);
+        assert!(s[0].starts_with("CREATE TABLE IF NOT EXISTS shardlock_instance"));
     }
 }

@@ -10,6 +10,7 @@ use shardlock_core::config::ShardConfig;
 use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
 
+use crate::cleaner::{self, Candidate, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
     self, Attempt, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
@@ -224,6 +225,105 @@ impl Shard {
     pub async fn count_held(&self) -> Result<u64, BackendError> {
         self.with_conn(self.statement_timeout, |c| Box::pin(lease::count_held(c)))
             .await
+    }
+
+    /// Registers `instance` or renews its heartbeat.
+    pub async fn heartbeat(
+        &self,
+        instance: &str,
+        host: &str,
+        pid: u32,
+    ) -> Result<(), BackendError> {
+        let (instance, host) = (instance.to_owned(), host.to_owned());
+        self.with_conn(self.statement_timeout, |c| {
+            let (instance, host) = (instance.clone(), host.clone());
+            Box::pin(async move { cleaner::heartbeat(c, &instance, &host, pid).await })
+        })
+        .await
+    }
+
+    /// Marks `instance` as shut down.
+    pub async fn deregister(&self, instance: &str) -> Result<(), BackendError> {
+        let instance = instance.to_owned();
+        self.with_conn(self.statement_timeout, |c| {
+            let instance = instance.clone();
+            Box::pin(async move { cleaner::deregister(c, &instance).await })
+        })
+        .await
+    }
+
+    /// Those of `instances` that heartbeat here within `timeout` and did not deregister.
+    pub async fn alive_instances(
+        &self,
+        instances: &[String],
+        timeout: Duration,
+    ) -> Result<Vec<String>, BackendError> {
+        let timeout_us = timeout.as_micros() as u64;
+        self.with_conn(self.statement_timeout, |c| {
+            let instances = instances.to_vec();
+            Box::pin(async move { cleaner::alive(c, &instances, timeout_us).await })
+        })
+        .await
+    }
+
+    /// Every instance registered here.
+    pub async fn instances(&self) -> Result<Vec<InstanceRow>, BackendError> {
+        self.with_conn(self.statement_timeout, |c| Box::pin(cleaner::instances(c)))
+            .await
+    }
+
+    /// Up to `limit` rows after `after` (key order) that the cleaner may remove: ended longer
+    /// than `grace` ago, fence passed by the shard clock by `margin`.
+    pub async fn cleanup_candidates(
+        &self,
+        after: &[u8],
+        grace: Duration,
+        margin: Duration,
+        limit: u32,
+    ) -> Result<Vec<Candidate>, BackendError> {
+        let (grace_us, margin_us) = (grace.as_micros() as u64, margin.as_micros() as u64);
+        self.with_conn(self.statement_timeout, |c| {
+            let after = after.to_vec();
+            Box::pin(
+                async move { cleaner::candidates(c, &after, grace_us, margin_us, limit).await },
+            )
+        })
+        .await
+    }
+
+    /// Deletes released rows among `keys` (`owners` = `None`), or the ended leases of `owners`
+    /// among `keys`, each only if it still qualifies as in
+    /// [`Shard::cleanup_candidates`]. Returns how many rows were deleted.
+    pub async fn delete_ended(
+        &self,
+        keys: &[Vec<u8>],
+        owners: Option<&[String]>,
+        grace: Duration,
+        margin: Duration,
+    ) -> Result<u64, BackendError> {
+        let (grace_us, margin_us) = (grace.as_micros() as u64, margin.as_micros() as u64);
+        self.with_conn(self.statement_timeout, |c| {
+            let (keys, owners) = (keys.to_vec(), owners.map(<[String]>::to_vec));
+            Box::pin(async move {
+                cleaner::delete(c, &keys, owners.as_deref(), grace_us, margin_us).await
+            })
+        })
+        .await
+    }
+
+    /// Frees `key` if `owner` holds it, raising its fence past all of the holder's; the new
+    /// fence, or `None` when `owner` no longer held it.
+    pub async fn force_release(
+        &self,
+        key: &[u8],
+        owner: &str,
+    ) -> Result<Option<u64>, BackendError> {
+        let (key, owner) = (key.to_vec(), owner.to_owned());
+        self.with_conn(self.statement_timeout, |c| {
+            let (key, owner) = (key.clone(), owner.clone());
+            Box::pin(async move { cleaner::force_release(c, &key, &owner).await })
+        })
+        .await
     }
 
     /// Applies missing migrations.

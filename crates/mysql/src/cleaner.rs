@@ -1,0 +1,197 @@
+//! The statements of the cleaner, the heartbeat instance registry and fenced force-release.
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Params, Value};
+
+use crate::lease::padded_in_list;
+use crate::now_us;
+
+/// Registers the instance on first call (`started_at` = now) and beats afterwards; a
+/// deregistered instance that beats again is alive again.
+const HEARTBEAT: &str = "INSERT INTO shardlock_instance \
+     (instance_id, host, pid, started_at, heartbeat_at, deregistered_at) \
+     VALUES (?, ?, ?, NOW(3), NOW(3), NULL) \
+     ON DUPLICATE KEY UPDATE heartbeat_at = NOW(3), deregistered_at = NULL";
+
+const DEREGISTER: &str =
+    "UPDATE shardlock_instance SET deregistered_at = NOW(3) WHERE instance_id = ?";
+
+/// The living among some instances: registered, not deregistered, heard from within `?` µs.
+const ALIVE_HEAD: &str = "SELECT instance_id FROM shardlock_instance \
+     WHERE deregistered_at IS NULL AND heartbeat_at > NOW(3) - INTERVAL ? MICROSECOND \
+     AND instance_id IN ";
+
+const INSTANCES: &str = "SELECT instance_id, host, pid, \
+     DATE_FORMAT(started_at, '%Y-%m-%dT%H:%i:%s.%fZ'), \
+     CAST(TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) DIV 1000 AS SIGNED), \
+     deregistered_at IS NOT NULL \
+     FROM shardlock_instance ORDER BY instance_id";
+
+/// Rows the cleaner may remove, after `?` in key order, at most `?` of them: their lease ended
+/// longer than the grace (`?` µs) ago — released rows, or leases that were never released —
+/// and the shard clock has passed their fence by the margin (`?` µs), so that the next grant
+/// of the key, whose fence is floored at the clock, is still above every fence of the row.
+/// A consistent read: it locks nothing.
+const CANDIDATES: &str = concat!(
+    "SELECT lock_key, owner FROM shardlock_lease ",
+    "WHERE lock_key > ? AND expires_at < NOW(3) - INTERVAL ? MICROSECOND ",
+    "AND fence < ",
+    now_us!(),
+    " - ? ORDER BY lock_key LIMIT ?"
+);
+
+/// The delete re-checks every condition of [`CANDIDATES`] on the row it deletes, so a key
+/// granted again since the scan is left alone. Primary-key lookups only: acquires of other
+/// keys are not blocked.
+const DELETE_TAIL: &str = concat!(
+    " AND expires_at < NOW(3) - INTERVAL ? MICROSECOND AND fence < ",
+    now_us!(),
+    " - ?"
+);
+
+/// Frees a held key and takes its fence past every fence of the evicted holder (hand-off
+/// reserves included); the new top comes back through `LAST_INSERT_ID`.
+const FORCE_RELEASE: &str = concat!(
+    "UPDATE shardlock_lease SET owner = NULL, expires_at = NOW(3), wanted_at = NULL, ",
+    "fence = LAST_INSERT_ID(GREATEST(fence + 1, ",
+    now_us!(),
+    ")) WHERE lock_key = ? AND owner = ?"
+);
+
+/// A row the cleaner may remove.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// The stored key.
+    pub key: Vec<u8>,
+    /// The holder of a lease that ended without release; `None` for a released row.
+    pub owner: Option<String>,
+}
+
+/// One instance in the registry table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceRow {
+    /// The instance id (the first part of its owners).
+    pub instance_id: String,
+    /// Host name it reported.
+    pub host: String,
+    /// Process id it reported.
+    pub pid: u32,
+    /// When it first registered, shard clock (UTC, RFC 3339).
+    pub started_at: String,
+    /// Milliseconds since its latest heartbeat, by the shard's clock.
+    pub heartbeat_ms_ago: i64,
+    /// Whether it deregistered (shut down cleanly).
+    pub deregistered: bool,
+}
+
+pub(crate) async fn heartbeat(
+    conn: &mut Conn,
+    instance: &str,
+    host: &str,
+    pid: u32,
+) -> mysql_async::Result<()> {
+    conn.exec_drop(HEARTBEAT, (instance, host, pid)).await
+}
+
+pub(crate) async fn deregister(conn: &mut Conn, instance: &str) -> mysql_async::Result<()> {
+    conn.exec_drop(DEREGISTER, (instance,)).await
+}
+
+pub(crate) async fn alive(
+    conn: &mut Conn,
+    instances: &[String],
+    timeout_us: u64,
+) -> mysql_async::Result<Vec<String>> {
+    if instances.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (list, mut values) = padded_in_list(instances.iter().map(|i| i.as_bytes()));
+    values.insert(0, timeout_us.into());
+    let rows: Vec<Vec<u8>> = conn
+        .exec(format!("{ALIVE_HEAD}{list}"), Params::Positional(values))
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| String::from_utf8_lossy(&r).into_owned())
+        .collect())
+}
+
+type InstanceTuple = (Vec<u8>, String, u32, String, i64, bool);
+
+pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<InstanceRow>> {
+    let rows: Vec<InstanceTuple> = conn.query(INSTANCES).await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(id, host, pid, started_at, heartbeat_ms_ago, deregistered)| InstanceRow {
+                instance_id: String::from_utf8_lossy(&id).into_owned(),
+                host,
+                pid,
+                started_at,
+                heartbeat_ms_ago,
+                deregistered,
+            },
+        )
+        .collect())
+}
+
+pub(crate) async fn candidates(
+    conn: &mut Conn,
+    after: &[u8],
+    grace_us: u64,
+    margin_us: u64,
+    limit: u32,
+) -> mysql_async::Result<Vec<Candidate>> {
+    let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> = conn
+        .exec(CANDIDATES, (after, grace_us, margin_us, limit))
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(key, owner)| Candidate {
+            key,
+            owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+        })
+        .collect())
+}
+
+/// Deletes released rows among `keys`, or, with `owners`, the leases of those owners among
+/// `keys` (owners are unique per grant, so `key IN .. AND owner IN ..` matches exactly the
+/// pairs), each only if it still qualifies. Returns how many rows went.
+pub(crate) async fn delete(
+    conn: &mut Conn,
+    keys: &[Vec<u8>],
+    owners: Option<&[String]>,
+    grace_us: u64,
+    margin_us: u64,
+) -> mysql_async::Result<u64> {
+    if keys.is_empty() {
+        return Ok(0);
+    }
+    let (key_list, mut values) = padded_in_list(keys.iter().map(Vec::as_slice));
+    let mut sql = format!("DELETE FROM shardlock_lease WHERE lock_key IN {key_list}");
+    match owners {
+        None => sql.push_str(" AND owner IS NULL"),
+        Some(owners) => {
+            let (owner_list, owner_values) = padded_in_list(owners.iter().map(|o| o.as_bytes()));
+            sql.push_str(&format!(" AND owner IN {owner_list}"));
+            values.extend(owner_values);
+        }
+    }
+    sql.push_str(DELETE_TAIL);
+    values.push(Value::from(grace_us));
+    values.push(Value::from(margin_us));
+    conn.exec_drop(sql, Params::Positional(values)).await?;
+    Ok(conn.affected_rows())
+}
+
+/// Frees `key` if `owner` still holds it; the new fence, or `None` if `owner` no longer did.
+pub(crate) async fn force_release(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+) -> mysql_async::Result<Option<u64>> {
+    conn.exec_drop(FORCE_RELEASE, (key, owner)).await?;
+    Ok((conn.affected_rows() == 1)
+        .then(|| conn.last_insert_id())
+        .flatten())
+}

@@ -1,0 +1,468 @@
+//! The lease cleaner, the instance registry it asks, and fenced force-release.
+//!
+//! Rows of released locks, and leases that ended without a release (their holder crashed),
+//! stay in `shardlock_lease`: the first keep fences rising, the second are taken over by the
+//! next acquire. The cleaner removes them so tables stay small, without ever touching a live
+//! lease: a row goes only when its lease ended longer than `cleaner.grace` ago, when the shard
+//! clock has passed its fence (so the key's next grant, floored at the clock, still gets a
+//! larger fence), and — for a lease that was never released — when the instance registry says
+//! its holder is dead. Every condition is checked again by the `DELETE` itself.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use futures_util::future::{join_all, BoxFuture};
+use shardlock_core::config::{CleanerConfig, RegistryKind};
+use shardlock_core::{BackendErrorKind, Error, LockKey, Result};
+use shardlock_mysql::InstanceRow;
+
+use crate::keeper::ShardState;
+use crate::{AcquireOptions, LockGuard, LockMode, LockRouter};
+
+/// The key of the lock that elects the one cleaner of a deployment.
+pub const CLEANER_LOCK_KEY: &str = "shardlock:cleaner";
+
+/// How far the shard clock must have passed a row's fence before the row may go: covers a
+/// clock stepping back a little (NTP) between the scan and the next grant.
+const FENCE_MARGIN: Duration = Duration::from_secs(1);
+
+/// Says which instances are dead, so that the cleaner may delete their leases that ended
+/// without a release. Built in: the heartbeat table (`cleaner.registry: heartbeat`) and a
+/// static list ([`StaticRegistry`], `cleaner.registry: static`); set your own with
+/// [`LockRouter::set_registry`].
+pub trait InstanceRegistry: Send + Sync + fmt::Debug {
+    /// Of `instances` — the instance ids of owners whose leases on shard `shard` ended longer
+    /// than the grace ago — those known to be dead. Only their leases are deleted; an error
+    /// deletes nothing.
+    fn dead<'a>(
+        &'a self,
+        shard: &'a str,
+        instances: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<String>>>;
+}
+
+/// A fixed set of live instances; every other instance is dead. Empty: any lease that ended
+/// longer than the grace ago may be deleted.
+#[derive(Debug, Clone, Default)]
+pub struct StaticRegistry {
+    live: BTreeSet<String>,
+}
+
+impl StaticRegistry {
+    /// A registry in which exactly `live` are alive.
+    pub fn new(live: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        Self {
+            live: live.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+impl InstanceRegistry for StaticRegistry {
+    fn dead<'a>(
+        &'a self,
+        _shard: &'a str,
+        instances: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<String>>> {
+        let dead = instances
+            .iter()
+            .filter(|i| !self.live.contains(*i))
+            .cloned()
+            .collect();
+        Box::pin(async move { Ok(dead) })
+    }
+}
+
+/// What one cleaning pass did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CleanerReport {
+    /// This router's pass number (1, 2, ...).
+    pub pass: u64,
+    /// Whether this instance held the cleaner lock and cleaned; `false`: another instance is
+    /// the cleaner, nothing was touched.
+    pub leader: bool,
+    /// Per shard, when leader.
+    pub shards: Vec<ShardCleaned>,
+}
+
+impl CleanerReport {
+    /// Rows deleted in the pass, all shards and reasons together.
+    pub fn deleted(&self) -> u64 {
+        self.shards.iter().map(|s| s.released + s.abandoned).sum()
+    }
+}
+
+/// What a pass did on one shard.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShardCleaned {
+    /// The shard.
+    pub shard: String,
+    /// Rows of released locks deleted.
+    pub released: u64,
+    /// Leases of dead instances deleted (ended without a release).
+    pub abandoned: u64,
+    /// Ended leases kept because the registry says their holder still lives (acquire may
+    /// still take them over).
+    pub kept_live_holder: u64,
+    /// Batches (one scan and up to two deletes each).
+    pub batches: u64,
+    /// Why the pass stopped early on this shard, if it did.
+    pub error: Option<String>,
+}
+
+/// A stuck lock removed by [`LockRouter::force_release`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForceReleased {
+    /// The shard that held it.
+    pub shard: String,
+    /// The evicted owner.
+    pub owner: String,
+    /// Whether its lease was still live (not expired) when removed.
+    pub was_live: bool,
+    /// The key's fence now: above every fence the evicted holder had.
+    pub fence: u64,
+}
+
+/// The router's cleaner state.
+#[derive(Default)]
+pub(crate) struct CleanerState {
+    leader: tokio::sync::Mutex<Option<LockGuard>>,
+    passes: AtomicU64,
+    registry: RwLock<Option<Arc<dyn InstanceRegistry>>>,
+}
+
+impl fmt::Debug for CleanerState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CleanerState")
+            .field("passes", &self.passes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LockRouter {
+    /// Makes the cleaner ask `registry` instead of the one configured under
+    /// `cleaner.registry`.
+    pub fn set_registry(&self, registry: Arc<dyn InstanceRegistry>) {
+        *self.inner.cleaner.registry.write().unwrap() = Some(registry);
+    }
+
+    /// One cleaning pass over every shard, if this instance is the cleaner: it holds (or now
+    /// takes) the cleaner lock, so only one instance of a deployment deletes at a time. It
+    /// keeps the lock between passes; another instance's pass reports `leader: false`.
+    ///
+    /// Per shard, rows are scanned in key order and deleted in batches of
+    /// `cleaner.batch-size`, with `cleaner.batch-pause` between batches. A shard that fails
+    /// is reported and skipped.
+    pub async fn clean_once(&self) -> Result<CleanerReport> {
+        let pass = self.inner.cleaner.passes.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut leader = self.inner.cleaner.leader.lock().await;
+        if !leader.as_ref().is_some_and(LockGuard::is_held) {
+            *leader = None;
+            match self
+                .try_acquire(CLEANER_LOCK_KEY, AcquireOptions::new())
+                .await
+            {
+                // Elected through the shard only: an in-process lock elects nobody.
+                Ok(Some(guard)) if guard.mode() == LockMode::Remote => *leader = Some(guard),
+                Ok(_) | Err(Error::Unavailable { .. }) => {
+                    return Ok(CleanerReport {
+                        pass,
+                        leader: false,
+                        shards: Vec::new(),
+                    })
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let guard = leader.as_ref().expect("elected above");
+        let topology = self.inner.topology.load_full();
+        let config = topology.config.cleaner.clone();
+        let registry = self.registry(&config);
+        let mut shards = Vec::new();
+        for shard in topology.all_shards() {
+            shards.push(clean_shard(&shard, &config, &registry, guard).await);
+        }
+        let report = CleanerReport {
+            pass,
+            leader: true,
+            shards,
+        };
+        tracing::info!(
+            pass,
+            deleted = report.deleted(),
+            "shardlock cleaner pass done"
+        );
+        Ok(report)
+    }
+
+    /// Runs [`LockRouter::clean_once`] every `cleaner.interval` until `stop` completes,
+    /// handing each report to `on_report`; then gives the cleaner lock back. Errors of a pass
+    /// are logged and the next pass runs as planned.
+    pub async fn run_cleaner(
+        &self,
+        stop: impl std::future::Future<Output = ()>,
+        mut on_report: impl FnMut(&CleanerReport),
+    ) {
+        tokio::pin!(stop);
+        loop {
+            match self.clean_once().await {
+                Ok(report) => on_report(&report),
+                Err(e) => tracing::error!(error = %e, "shardlock cleaner pass failed"),
+            }
+            let interval = self.config().cleaner.interval;
+            tokio::select! {
+                _ = &mut stop => break,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+        if let Some(guard) = self.inner.cleaner.leader.lock().await.take() {
+            let _ = guard.release().await;
+        }
+    }
+
+    /// Removes a stuck lock: frees `key` whoever holds it and raises its fence above every
+    /// fence the holder had, so the holder's writes through [`crate::fenced_exec`] are
+    /// rejected once a new holder has written, and the holder sees
+    /// [`LockGuard::lost`] at its next renewal. `None` when nobody holds the key.
+    pub async fn force_release(&self, key: &str) -> Result<Option<ForceReleased>> {
+        let key = LockKey::new(key)?;
+        let shard = self.inner.topology.load().locate(&key).clone();
+        let name = shard.shard.name().to_owned();
+        let backend = |e: shardlock_core::BackendError| e.into_error(&name);
+        // The holder may change between the look and the release: look again, a few times.
+        for _ in 0..3 {
+            let row = shard.shard.inspect(key.stored()).await.map_err(backend)?;
+            let Some((owner, row)) = row.and_then(|r| Some((r.owner.clone()?, r))) else {
+                return Ok(None);
+            };
+            let released = shard
+                .shard
+                .force_release(key.stored(), &owner)
+                .await
+                .map_err(backend)?;
+            if let Some(fence) = released {
+                tracing::warn!(shard = %name, key = %key, owner = %owner, "shardlock lock force-released");
+                return Ok(Some(ForceReleased {
+                    shard: name,
+                    owner,
+                    was_live: row.is_held(),
+                    fence,
+                }));
+            }
+        }
+        Err(Error::Backend {
+            shard: name,
+            source: shardlock_core::BackendError::new(
+                BackendErrorKind::Other,
+                None,
+                "the key changed hands three times while being force-released; try again",
+            ),
+        })
+    }
+
+    /// The instances registered on each shard (`heartbeat` registry), current shards first.
+    pub async fn instances(&self) -> Vec<(String, Result<Vec<InstanceRow>>)> {
+        let shards = self.inner.topology.load().current.shards.clone();
+        join_all(shards.iter().map(|s| async move {
+            let rows = s
+                .shard
+                .instances()
+                .await
+                .map_err(|e| e.into_error(s.shard.name()));
+            (s.shard.name().to_owned(), rows)
+        }))
+        .await
+    }
+
+    fn registry(&self, config: &CleanerConfig) -> Registry {
+        if let Some(custom) = self.inner.cleaner.registry.read().unwrap().clone() {
+            return Registry::Custom(custom);
+        }
+        match config.registry {
+            RegistryKind::Heartbeat => Registry::Heartbeat(config.heartbeat_timeout),
+            RegistryKind::Static => Registry::Custom(Arc::new(StaticRegistry::new(
+                config.live_instances.iter().cloned(),
+            ))),
+        }
+    }
+}
+
+/// The registry a pass asks.
+enum Registry {
+    /// The heartbeat table of the shard being cleaned, with this timeout.
+    Heartbeat(Duration),
+    Custom(Arc<dyn InstanceRegistry>),
+}
+
+impl Registry {
+    async fn dead(&self, shard: &ShardState, instances: Vec<String>) -> Result<Vec<String>> {
+        match self {
+            Registry::Custom(registry) => registry.dead(shard.shard.name(), &instances).await,
+            Registry::Heartbeat(timeout) => {
+                let alive = shard
+                    .call(shard.shard.alive_instances(&instances, *timeout))
+                    .await
+                    .map_err(|e| e.into_error(shard.shard.name()))?;
+                Ok(instances
+                    .into_iter()
+                    .filter(|i| !alive.contains(i))
+                    .collect())
+            }
+        }
+    }
+}
+
+/// One pass over one shard, in batches, while this instance holds the cleaner lock.
+async fn clean_shard(
+    shard: &ShardState,
+    config: &CleanerConfig,
+    registry: &Registry,
+    leader: &LockGuard,
+) -> ShardCleaned {
+    let mut out = ShardCleaned {
+        shard: shard.shard.name().to_owned(),
+        ..ShardCleaned::default()
+    };
+    if let Err(e) = clean_batches(shard, config, registry, leader, &mut out).await {
+        out.error = Some(e.to_string());
+    }
+    if out.released + out.abandoned > 0 {
+        tracing::info!(
+            shard = %out.shard,
+            released = out.released,
+            abandoned = out.abandoned,
+            "shardlock cleaner deleted rows"
+        );
+    }
+    out
+}
+
+async fn clean_batches(
+    shard: &ShardState,
+    config: &CleanerConfig,
+    registry: &Registry,
+    leader: &LockGuard,
+    out: &mut ShardCleaned,
+) -> Result<()> {
+    let name = shard.shard.name();
+    let backend = |e: shardlock_core::BackendError| e.into_error(name);
+    let (grace, batch) = (config.grace, config.batch_size);
+    let mut after = Vec::new();
+    loop {
+        if !leader.is_held() {
+            return Err(Error::LockLost {
+                key: CLEANER_LOCK_KEY.into(),
+            });
+        }
+        let rows = shard
+            .call(
+                shard
+                    .shard
+                    .cleanup_candidates(&after, grace, FENCE_MARGIN, batch),
+            )
+            .await
+            .map_err(backend)?;
+        let Some(last) = rows.last() else {
+            return Ok(());
+        };
+        after = last.key.clone();
+        out.batches += 1;
+        let (released, ended): (Vec<_>, Vec<_>) = rows.iter().partition(|r| r.owner.is_none());
+        let released: Vec<Vec<u8>> = released.into_iter().map(|r| r.key.clone()).collect();
+        out.released += shard
+            .call(
+                shard
+                    .shard
+                    .delete_ended(&released, None, grace, FENCE_MARGIN),
+            )
+            .await
+            .map_err(backend)?;
+        if !ended.is_empty() {
+            let instances: BTreeSet<String> = ended
+                .iter()
+                .filter_map(|r| instance_of(r.owner.as_deref()?))
+                .collect();
+            let dead = registry
+                .dead(shard, instances.into_iter().collect())
+                .await?;
+            let (doomed, spared): (Vec<_>, Vec<_>) = ended.into_iter().partition(|r| {
+                r.owner
+                    .as_deref()
+                    .and_then(instance_of)
+                    .is_some_and(|i| dead.contains(&i))
+            });
+            out.kept_live_holder += spared.len() as u64;
+            let keys: Vec<Vec<u8>> = doomed.iter().map(|r| r.key.clone()).collect();
+            let owners: Vec<String> = doomed.iter().filter_map(|r| r.owner.clone()).collect();
+            out.abandoned += shard
+                .call(
+                    shard
+                        .shard
+                        .delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN),
+                )
+                .await
+                .map_err(backend)?;
+        }
+        if rows.len() < batch as usize {
+            return Ok(());
+        }
+        tokio::time::sleep(config.batch_pause).await;
+    }
+}
+
+/// The instance id of an owner (`<instance id>:<grant seq>`).
+fn instance_of(owner: &str) -> Option<String> {
+    owner
+        .rsplit_once(':')
+        .map(|(instance, _)| instance.to_owned())
+}
+
+/// Starts the heartbeat of `router` on every current shard, every
+/// `cleaner.heartbeat-interval`, while the registry in force is `heartbeat`. It ends with
+/// the router (shutdown or drop).
+pub(crate) fn spawn_heartbeat(router: &LockRouter) {
+    let weak = Arc::downgrade(&router.inner);
+    let mut closed = router.inner.shared.closed.subscribe();
+    let (host, pid) = (crate::router::host_name(), std::process::id());
+    tokio::spawn(async move {
+        loop {
+            let interval = {
+                let Some(inner) = weak.upgrade() else { return };
+                let topology = inner.topology.load_full();
+                if topology.config.cleaner.registry == RegistryKind::Heartbeat {
+                    let id = &inner.shared.instance_id;
+                    let beats = topology.current.shards.iter().map(|s| {
+                        let host = &host;
+                        async move {
+                            if let Err(e) = s.call(s.shard.heartbeat(id, host, pid)).await {
+                                tracing::debug!(shard = s.shard.name(), error = %e, "shardlock heartbeat failed");
+                            }
+                        }
+                    });
+                    join_all(beats).await;
+                }
+                topology.config.cleaner.heartbeat_interval
+            };
+            tokio::select! {
+                _ = closed.wait_for(|c| *c) => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    });
+}
+
+/// Marks this instance as shut down in the registry of every shard (router shutdown).
+pub(crate) async fn deregister(router: &LockRouter, shards: &[Arc<ShardState>]) {
+    if router.config().cleaner.registry != RegistryKind::Heartbeat {
+        return;
+    }
+    let id = router.instance_id();
+    join_all(shards.iter().map(|s| async move {
+        if let Err(e) = s.call(s.shard.deregister(id)).await {
+            tracing::debug!(shard = s.shard.name(), error = %e, "shardlock deregistration failed");
+        }
+    }))
+    .await;
+}

@@ -1,0 +1,367 @@
+//! The lease cleaner and the instance registry, against real shards: leases of live instances
+//! are kept, a killed instance's leases go once its heartbeat is stale, two cleaners never both
+//! delete, a million released rows are cleaned in batches under load, and a force-release
+//! evicts a live holder with a fence that rejects its later writes.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::{Conn, Value};
+use shardlock::{AcquireOptions, Error, LockRouter};
+use shardlock_testkit::{report, Cluster, Worker};
+use tokio::time::Instant;
+
+/// A quick cleaner: grace 300 ms, heartbeats every 100 ms, dead after `timeout` of silence.
+fn cleaner_yaml(timeout: &str) -> String {
+    format!(
+        "cleaner:\n  interval: 200ms\n  grace: 300ms\n  batch-size: 100\n  batch-pause: 1ms\n  \
+         registry: heartbeat\n  heartbeat-interval: 100ms\n  heartbeat-timeout: {timeout}\n\
+         namespaces:\n  default:\n    ttl: 300ms\n    wait: 2s\n"
+    )
+}
+
+async fn router(yaml: &str) -> LockRouter {
+    LockRouter::from_yaml_str(yaml).await.unwrap()
+}
+
+/// The shard of the cluster that holds `key`.
+async fn shard_conn(cluster: &Cluster, router: &LockRouter, key: &str) -> Conn {
+    let name = router.shard_for(key).unwrap();
+    let shard = cluster.shards().iter().find(|s| s.name() == name).unwrap();
+    shard.connect().await.unwrap()
+}
+
+async fn row_exists(cluster: &Cluster, router: &LockRouter, key: &str) -> bool {
+    let mut c = shard_conn(cluster, router, key).await;
+    let n: Option<u64> = c
+        .exec_first(
+            "SELECT COUNT(*) FROM shardlock_lease WHERE lock_key = ?",
+            (key.as_bytes(),),
+        )
+        .await
+        .unwrap();
+    n == Some(1)
+}
+
+/// A lease row of `owner` on `key` that ended 10 s ago and was never released.
+async fn plant_ended_lease(cluster: &Cluster, router: &LockRouter, key: &str, owner: &str) {
+    let mut c = shard_conn(cluster, router, key).await;
+    c.exec_drop(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         VALUES (?, ?, 1, 1000, NOW(3) - INTERVAL 10 SECOND, NOW(3) - INTERVAL 11 SECOND)",
+        (key.as_bytes(), owner),
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ended_lease_of_a_live_instance_is_kept_and_taken_over_by_acquire() {
+    let (cluster, _router, yaml) = common::start(2, &cleaner_yaml("2s")).await;
+    let holder = router(&yaml).await; // heartbeats from now on
+    let cleaner = router(&yaml).await;
+    let live_instance = holder.instance_id().to_owned();
+    assert!(
+        common::eventually(Duration::from_secs(5), || async {
+            let instances = cleaner.instances().await;
+            instances.iter().all(|(_, rows)| {
+                rows.as_ref()
+                    .is_ok_and(|r| r.iter().any(|i| i.instance_id == live_instance))
+            })
+        })
+        .await,
+        "the holder never registered on every shard"
+    );
+    plant_ended_lease(
+        &cluster,
+        &cleaner,
+        "stuck:live",
+        &format!("{live_instance}:77"),
+    )
+    .await;
+    plant_ended_lease(&cluster, &cleaner, "stuck:ghost", "ghost-instance:77").await;
+
+    let report = cleaner.clean_once().await.unwrap();
+    assert!(report.leader);
+    let kept: u64 = report.shards.iter().map(|s| s.kept_live_holder).sum();
+    let abandoned: u64 = report.shards.iter().map(|s| s.abandoned).sum();
+    assert_eq!((kept, abandoned), (1, 1), "{report:?}");
+    assert!(row_exists(&cluster, &cleaner, "stuck:live").await);
+    assert!(!row_exists(&cluster, &cleaner, "stuck:ghost").await);
+
+    // The row of the live instance is not deleted, but its lease ended: acquire takes it over,
+    // with a larger fence.
+    let guard = cleaner
+        .acquire("stuck:live", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(guard.fence() > 1);
+    guard.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_instance_leases_go_once_its_heartbeat_is_stale() {
+    let (cluster, _router, yaml) = common::start(2, &cleaner_yaml("3s")).await;
+    let mut worker =
+        Worker::spawn("worker", "holder", &[(common::CONFIG_ENV, yaml.clone())]).unwrap();
+    let ready = worker.expect("ready ").await.unwrap();
+    let instance = ready.trim_start_matches("ready ").trim().to_owned();
+    worker.kill().await.unwrap();
+    let killed = Instant::now();
+
+    let cleaner = router(&yaml).await;
+    let mut kept_while_alive = 0;
+    let mut abandoned = 0;
+    while abandoned < HELD_KEYS as u64 {
+        assert!(
+            killed.elapsed() < Duration::from_secs(20),
+            "the killed instance's leases were never deleted ({abandoned} of {HELD_KEYS})"
+        );
+        let report = cleaner.clean_once().await.unwrap();
+        let kept: u64 = report.shards.iter().map(|s| s.kept_live_holder).sum();
+        let deleted: u64 = report.shards.iter().map(|s| s.abandoned).sum();
+        // Deleted only where the registry says the instance is dead: its heartbeat there is
+        // older than the timeout.
+        let registry = cleaner.instances().await;
+        for cleaned in report.shards.iter().filter(|s| s.abandoned > 0) {
+            let (_, rows) = registry
+                .iter()
+                .find(|(name, _)| *name == cleaned.shard)
+                .unwrap();
+            let beat = rows
+                .as_ref()
+                .unwrap()
+                .iter()
+                .find(|i| i.instance_id == instance);
+            assert!(
+                beat.is_some_and(|i| i.heartbeat_ms_ago >= 3000),
+                "deleted on {} while the heartbeat was fresh: {beat:?}",
+                cleaned.shard
+            );
+        }
+        kept_while_alive = kept_while_alive.max(kept);
+        abandoned += deleted;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(abandoned, HELD_KEYS as u64);
+    assert_eq!(
+        kept_while_alive, HELD_KEYS as u64,
+        "before the heartbeat went stale, a pass saw the ended leases and kept them"
+    );
+    for i in 0..HELD_KEYS {
+        assert!(!row_exists(&cluster, &cleaner, &format!("held:{i}")).await);
+    }
+}
+
+const HELD_KEYS: usize = 6;
+
+/// Holds `HELD_KEYS` keys, says which instance it is, and waits to be killed.
+async fn holder_worker() {
+    let router = common::worker_router().await;
+    let mut guards = Vec::new();
+    for i in 0..HELD_KEYS {
+        guards.push(
+            router
+                .acquire(&format!("held:{i}"), AcquireOptions::new())
+                .await
+                .unwrap(),
+        );
+    }
+    report!("ready {}", router.instance_id());
+    std::future::pending::<()>().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_cleaners_never_both_delete() {
+    let (cluster, router_a, yaml) = common::start(2, &cleaner_yaml("2s")).await;
+    for i in 0..300 {
+        let g = router_a
+            .acquire(&format!("gone:{i}"), AcquireOptions::new())
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    }
+    let (one, two) = (router(&yaml).await, router(&yaml).await);
+    let mut deleted = [0u64; 2];
+    let mut leader_passes = [0u32; 2];
+    let started = Instant::now();
+    while deleted.iter().sum::<u64>() < 300 {
+        assert!(started.elapsed() < Duration::from_secs(20), "{deleted:?}");
+        let (a, b) = tokio::join!(one.clean_once(), two.clean_once());
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert!(!(a.leader && b.leader), "two cleaners in one pass");
+        for (i, report) in [a, b].into_iter().enumerate() {
+            if report.leader {
+                leader_passes[i] += 1;
+            } else {
+                assert_eq!(report.deleted(), 0);
+            }
+            deleted[i] += report.deleted();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // One of them cleaned every pass; the other stood by every pass.
+    assert!(
+        deleted.contains(&0) && deleted.contains(&300),
+        "{deleted:?}, leader passes {leader_passes:?}"
+    );
+    assert!(leader_passes.contains(&0), "{leader_passes:?}");
+    let _ = cluster;
+}
+
+/// Rows planted for the batch test.
+const GARBAGE: u64 = 1_000_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_million_released_rows_are_cleaned_in_batches_under_load() {
+    let extra = "cleaner:\n  batch-size: 1000\n  batch-pause: 10ms\n  grace: 1s\n";
+    let (cluster, router, _yaml) = common::start(1, extra).await;
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    let planted = Instant::now();
+    c.query_drop(format!(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         SELECT CONCAT('garbage:', LPAD(seq, 7, '0')), NULL, seq, 1000, \
+         NOW(3) - INTERVAL 1 HOUR, NOW(3) - INTERVAL 1 HOUR FROM seq_1_to_{GARBAGE}"
+    ))
+    .await
+    .unwrap();
+    eprintln!("planted {GARBAGE} released rows in {:?}", planted.elapsed());
+
+    // 32 tasks acquire and release other keys of the same shard throughout.
+    let stop = Arc::new(AtomicBool::new(false));
+    let cleaning = Arc::new(AtomicBool::new(false));
+    let latencies: Arc<Mutex<[Vec<u32>; 2]>> = Arc::default();
+    let tasks: Vec<_> = (0..32)
+        .map(|t| {
+            let (router, stop, cleaning, latencies) = (
+                router.clone(),
+                stop.clone(),
+                cleaning.clone(),
+                latencies.clone(),
+            );
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let key = format!("live:{t}:{}", i % 16);
+                    i += 1;
+                    let phase = usize::from(cleaning.load(Ordering::Relaxed));
+                    let at = Instant::now();
+                    let guard = router.acquire(&key, AcquireOptions::new()).await.unwrap();
+                    let took = at.elapsed().as_micros() as u32;
+                    guard.release().await.unwrap();
+                    latencies.lock().unwrap()[phase].push(took);
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    cleaning.store(true, Ordering::Relaxed);
+    let started = Instant::now();
+    let mut deleted = 0;
+    let mut batches = 0;
+    while deleted < GARBAGE {
+        let report = router.clean_once().await.unwrap();
+        assert!(report.leader);
+        assert!(report.shards[0].error.is_none(), "{report:?}");
+        deleted += report.shards[0].released;
+        batches += report.shards[0].batches;
+        assert!(
+            started.elapsed() < Duration::from_secs(240),
+            "{deleted} deleted"
+        );
+    }
+    let cleaned_in = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let left: Option<u64> = c
+        .query_first("SELECT COUNT(*) FROM shardlock_lease WHERE lock_key LIKE 'garbage:%'")
+        .await
+        .unwrap();
+    assert_eq!(left, Some(0), "garbage left behind");
+    assert_eq!(deleted, GARBAGE);
+    let mut lat = latencies.lock().unwrap().clone();
+    let p99 = |v: &mut Vec<u32>| {
+        v.sort_unstable();
+        v[v.len() * 99 / 100] as f64 / 1000.0
+    };
+    let (quiet, busy) = (p99(&mut lat[0]), p99(&mut lat[1]));
+    eprintln!(
+        "cleaned {GARBAGE} rows in {cleaned_in:?} ({batches} batches); acquire p99 {busy:.2} ms \
+         while cleaning vs {quiet:.2} ms before ({:.2}x, target <= 2x); {} and {} acquires",
+        busy / quiet,
+        lat[1].len(),
+        lat[0].len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn force_release_evicts_a_live_holder_with_a_fence_that_rejects_its_writes() {
+    let (cluster, holder, yaml) = common::start(2, "namespaces:\n  default:\n    ttl: 1s\n").await;
+    let mut app = common::app_conn(
+        &cluster.shard(0).url(),
+        &[
+            "CREATE TABLE account (id INT PRIMARY KEY, balance INT NOT NULL, fence BIGINT UNSIGNED NOT NULL)",
+            "INSERT INTO account VALUES (1, 100, 0)",
+        ],
+    )
+    .await;
+    let write = |balance: i32, fence: u64| {
+        (
+            "UPDATE account SET balance = :balance, fence = :fence WHERE id = 1 AND fence < :fence",
+            [("balance", Value::from(balance))],
+            fence,
+        )
+    };
+    let stuck = holder
+        .acquire("account:1", AcquireOptions::new())
+        .await
+        .unwrap();
+    let (sql, params, fence) = write(90, stuck.fence());
+    shardlock::fenced_exec(&mut app, sql, params, fence)
+        .await
+        .unwrap();
+
+    let operator = router(&yaml).await;
+    let released = operator.force_release("account:1").await.unwrap().unwrap();
+    assert!(released.was_live);
+    assert_eq!(released.owner, stuck.owner());
+    assert!(released.fence > stuck.fence());
+    tokio::time::timeout(Duration::from_secs(2), stuck.lost())
+        .await
+        .expect("the evicted holder never saw lost()");
+    assert!(!stuck.is_held());
+
+    let next = operator
+        .acquire("account:1", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(next.fence() > released.fence);
+    let (sql, params, fence) = write(80, next.fence());
+    shardlock::fenced_exec(&mut app, sql, params, fence)
+        .await
+        .unwrap();
+    let (sql, params, fence) = write(70, stuck.fence());
+    assert!(matches!(
+        shardlock::fenced_exec(&mut app, sql, params, fence).await,
+        Err(Error::FenceRejected { .. })
+    ));
+    assert!(operator
+        .force_release("nobody:holds:this")
+        .await
+        .unwrap()
+        .is_none());
+    next.release().await.unwrap();
+    let balance: Option<i32> = app
+        .query_first("SELECT balance FROM account")
+        .await
+        .unwrap();
+    assert_eq!(balance, Some(80));
+}
+
+crate::worker_entry! { "holder" => holder_worker() }
