@@ -414,7 +414,8 @@ crate::worker_entry! { "counter" => counter_worker() }
 async fn breaker_cooldowns_follow_a_paused_clock() {
     let router = shardlock::LockRouter::from_yaml_str(
         "shards:\n  - name: gone\n    url: mysql://root@127.0.0.1:1/shardlock\n\
-         breaker:\n  consecutive-failures: 3\n  cooldown: 10s\n  max-cooldown: 40s\n  probes: 1\n",
+         breaker:\n  consecutive-failures: 3\n  cooldown: 10s\n  max-cooldown: 40s\n  probes: 1\n\
+         cleaner:\n  registry: static\n", // no heartbeats: only this test's calls probe
     )
     .await
     .unwrap();
