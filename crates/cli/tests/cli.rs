@@ -260,3 +260,46 @@ async fn release_force_cleaner_and_registered_instances() {
         .cloned();
     assert_eq!(me.unwrap()["deregistered"], true, "shutdown deregisters");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cleaner_daemon_stops_cleanly_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    let (_cluster, dir, config) = cluster_with_config(1).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let mut yaml = std::fs::read_to_string(&config).unwrap();
+    yaml.push_str("cleaner:\n  interval: 100ms\n");
+    let fast = dir.path().join("fast.yaml");
+    std::fs::write(&fast, yaml).unwrap();
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_shardlock"))
+        .arg("--config")
+        .arg(&fast)
+        .args(["--json", "cleaner"])
+        .env_remove("SHARDLOCK_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(daemon.stdout.take().unwrap()).lines();
+    for _ in 0..2 {
+        let pass: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+        assert_eq!(pass["leader"], true, "{pass}");
+    }
+    let term = Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = daemon.wait().unwrap();
+    assert!(status.success(), "exit after SIGTERM: {status}");
+    // It gave up the cleaner lock and deregistered on the way out.
+    let status = json(&shardlock(&config, &["--json", "status"]));
+    assert!(status["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|i| i["deregistered"] == true));
+    assert!(status["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|s| s["held_leases"] == 0));
+}
