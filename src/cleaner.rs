@@ -328,6 +328,10 @@ async fn clean_shard(
     if let Err(e) = clean_batches(shard, config, registry, leader, &mut out).await {
         out.error = Some(e.to_string());
     }
+    shard
+        .shared
+        .telemetry
+        .cleaned(&out.shard, out.released, out.abandoned);
     if out.released + out.abandoned > 0 {
         tracing::info!(
             shard = %out.shard,

@@ -38,6 +38,10 @@ pub(crate) struct Hold {
     /// For a key that moved in a recent reload: its leases on the shards it lived on before,
     /// held and released together with this one.
     companions: std::sync::Mutex<Vec<LockGuard>>,
+    /// When it was granted, for the hold-time metric.
+    granted: Instant,
+    /// `shardlock.hold`, open from grant to release.
+    span: tracing::Span,
 }
 
 impl Hold {
@@ -51,12 +55,20 @@ impl Hold {
         fence: u64,
         companions: Vec<LockGuard>,
     ) -> Arc<Self> {
+        let span = tracing::info_span!(
+            "shardlock.hold",
+            shard = shard.shard.name(),
+            fence,
+            mode = if lease.local { "local" } else { "remote" },
+        );
         Arc::new(Self {
             lease,
             shard,
             fence,
             guards: AtomicUsize::new(1),
             companions: std::sync::Mutex::new(companions),
+            granted: Instant::now(),
+            span,
         })
     }
 
@@ -223,6 +235,12 @@ type ShardWork = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
 /// statement, which also hands the lease to the waiter unless another process asked for it.
 fn end_hold(hold: &Hold) -> Option<ShardWork> {
     let (lease, shard) = (&hold.lease, &hold.shard);
+    let mode = if lease.local { "local" } else { "remote" };
+    shard
+        .shared
+        .telemetry
+        .held(&shard.label, mode, hold.granted.elapsed());
+    let _entered = hold.span.enter();
     if lease.local {
         // No hand-offs for an in-process lease: the next waiter takes its own turn (and goes
         // to the shard if it is back).
@@ -270,6 +288,7 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
                 .stats
                 .local_handoffs
                 .fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(fence, "shardlock handed the lock over in memory");
             next.grant(LockGuard::new(Hold::new(
                 lease.clone(),
                 shard.clone(),

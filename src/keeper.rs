@@ -149,11 +149,14 @@ pub(crate) struct Shared {
     pub(crate) queues: Arc<KeyQueues>,
     /// Turns true at shutdown: no new grants, no hand-offs; keepers stop.
     pub(crate) closed: watch::Sender<bool>,
+    /// Metrics instruments and the hot-key summary.
+    pub(crate) telemetry: crate::telemetry::Telemetry,
 }
 
 impl Shared {
-    pub(crate) fn new(instance_id: String) -> Self {
+    pub(crate) fn new(instance_id: String, telemetry: crate::telemetry::Telemetry) -> Self {
         Self {
+            telemetry,
             instance_id,
             grant_seq: AtomicU64::new(0),
             stats: Stats::default(),
@@ -219,6 +222,8 @@ pub(crate) struct ShardState {
     transitions: Mutex<std::collections::VecDeque<Transition>>,
     /// Leases granted in process while the breaker was open, not yet re-acquired on the shard.
     local: Mutex<HashMap<u64, Arc<LeaseState>>>,
+    /// The shard's name as a metric attribute value (cheap to clone).
+    pub(crate) label: opentelemetry::StringValue,
 }
 
 /// The breaker's clock: Tokio's, so tests with paused time drive it.
@@ -234,7 +239,6 @@ impl ShardState {
         shared: Arc<Shared>,
     ) -> Arc<Self> {
         Arc::new(Self {
-            shard,
             config,
             leases: Mutex::default(),
             wake: Arc::default(),
@@ -243,6 +247,8 @@ impl ShardState {
             breaker: Mutex::new(Breaker::new(breaker)),
             transitions: Mutex::default(),
             local: Mutex::default(),
+            label: opentelemetry::StringValue::from(Arc::<str>::from(shard.name())),
+            shard,
         })
     }
 

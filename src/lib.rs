@@ -9,6 +9,7 @@ mod keeper;
 mod options;
 mod queue;
 mod router;
+pub mod telemetry;
 mod topology;
 
 pub use cleaner::{

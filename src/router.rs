@@ -16,7 +16,7 @@ use shardlock_mysql::{Attempt, GrantRequest, LeaseRow, MigrateReport, PoolStatus
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::guard::{release_through_shard, Hold, LockGuard, LOCAL_FENCE_BIT};
+use crate::guard::{release_through_shard, Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
 use crate::keeper::{Grant, LeaseState, ShardState, Shared};
 use crate::options::AcquireOptions;
 use crate::queue::{Entry, Handoff, Turn, Want};
@@ -141,7 +141,8 @@ impl LockRouter {
             None | Some("auto") => auto_instance_id(),
             Some(id) => id.to_owned(),
         };
-        let shared = Arc::new(Shared::new(instance_id));
+        let telemetry = crate::telemetry::Telemetry::new(&config.telemetry);
+        let shared = Arc::new(Shared::new(instance_id, telemetry));
         let topology =
             Topology::build(config, 1, &[], Vec::new(), &shared, text.map(|t| (t, path)))?;
         let router = Self {
@@ -153,6 +154,7 @@ impl LockRouter {
             }),
         };
         crate::cleaner::spawn_heartbeat(&router);
+        crate::telemetry::register_observers(Arc::downgrade(&router.inner));
         Ok(router)
     }
 
@@ -413,11 +415,75 @@ impl LockRouter {
     }
 
     /// Acquires `key`, waiting `wait` (the namespace's when `None`); `Ok(None)` on timeout.
+    /// Traced as a `shardlock.acquire` span and measured (see [`crate::telemetry`]).
     async fn acquire_inner(
         &self,
         key: LockKey,
         opts: &AcquireOptions,
         wait: Option<Duration>,
+    ) -> Result<Option<LockGuard>> {
+        use tracing::Instrument;
+        let started = Instant::now();
+        let telemetry = &self.inner.shared.telemetry;
+        let namespace = opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
+        let span = tracing::info_span!(
+            "shardlock.acquire",
+            namespace,
+            shard = tracing::field::Empty,
+            bucket = key.bucket_number(),
+            key = tracing::field::Empty,
+            attempts = tracing::field::Empty,
+            wait_ms = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            mode = tracing::field::Empty,
+        );
+        if !span.is_disabled() {
+            span.record("key", telemetry.key_label(&key));
+        }
+        let mut progress = Progress::default();
+        let result = self
+            .acquire_steps(&key, opts, wait, &mut progress)
+            .instrument(span.clone())
+            .await;
+        let took = started.elapsed();
+        let (outcome, mode) = match &result {
+            Ok(Some(guard)) if guard.mode() == LockMode::LocalFallback => ("granted", "local"),
+            Ok(Some(_)) => ("granted", "remote"),
+            Ok(None) => ("timeout", "remote"),
+            Err(Error::Unavailable { .. }) => ("unavailable", "remote"),
+            Err(_) => ("error", "remote"),
+        };
+        let shard = progress
+            .shard
+            .as_ref()
+            .map_or_else(|| opentelemetry::StringValue::from(""), |s| s.label.clone());
+        if !span.is_disabled() {
+            span.record("shard", shard.as_str());
+            span.record("attempts", progress.attempts);
+            span.record("wait_ms", took.as_secs_f64() * 1000.0);
+            span.record("outcome", outcome);
+            span.record("mode", mode);
+        }
+        let attrs = crate::telemetry::AcquireAttrs {
+            namespace: progress
+                .namespace
+                .take()
+                .unwrap_or_else(|| opentelemetry::StringValue::from(namespace.to_owned())),
+            shard,
+            outcome,
+            mode,
+        };
+        telemetry.acquired(&key, attrs, took, progress.waited());
+        result
+    }
+
+    /// The steps of [`LockRouter::acquire_inner`]; `progress` says how far they got.
+    async fn acquire_steps(
+        &self,
+        key: &LockKey,
+        opts: &AcquireOptions,
+        wait: Option<Duration>,
+        progress: &mut Progress,
     ) -> Result<Option<LockGuard>> {
         if self.inner.shared.is_closed() {
             return Err(Error::Shutdown);
@@ -430,8 +496,11 @@ impl LockRouter {
             reason,
         })?;
         let deadline = Instant::now() + wait.or(opts.wait).unwrap_or(ns.wait);
-        let shard = topology.locate(&key).clone();
-        let previous = topology.previous_locations(&key);
+        let shard = topology.locate(key).clone();
+        let previous = topology.previous_locations(key);
+        progress.shard = Some(shard.clone());
+        progress.namespace =
+            Some(topology.namespace_label(opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)));
 
         // One poller per key in this process: the others wait in memory, and may be handed the
         // lease directly by the holder when it releases.
@@ -444,6 +513,7 @@ impl LockRouter {
         let turn = match self.inner.shared.queues.enter(key.stored(), want) {
             Entry::Turn(turn) => turn,
             Entry::Queued(mut waiter) => {
+                progress.queued = true;
                 match tokio::time::timeout_at(deadline, waiter.wait()).await {
                     Err(_) => return Ok(None),
                     Ok(None) => return Err(Error::Shutdown),
@@ -484,10 +554,11 @@ impl LockRouter {
             let mut held_for = u64::MAX;
             let mut floor = 0;
             for old in &previous {
-                match self.try_grant(old, &key, want, floor, deadline).await? {
+                progress.attempts += 1;
+                match self.try_grant(old, key, want, floor, deadline).await? {
                     Ok(grant) => {
                         floor = grant.fence;
-                        companions.push(self.hold(old, &key, grant, want, None, Vec::new()));
+                        companions.push(self.hold(old, key, grant, want, None, Vec::new()));
                     }
                     Err(held_for_ms) => {
                         held_for = held_for_ms;
@@ -496,13 +567,14 @@ impl LockRouter {
                 }
             }
             if companions.len() == previous.len() {
-                let tried = match self.try_grant(&shard, &key, want, floor, deadline).await {
+                progress.attempts += 1;
+                let tried = match self.try_grant(&shard, key, want, floor, deadline).await {
                     Ok(tried) => tried,
                     // A moved key, or a failure that is not the shard's: nothing to fall back on.
                     Err(e) if !previous.is_empty() || !e.is_unavailable() => return Err(e),
                     Err(e) => match ns.on_shard_failure {
                         FailurePolicy::Local if shard.breaker_state() != BreakerState::Closed => {
-                            return Ok(Some(self.hold_local(&shard, &key, want, turn)));
+                            return Ok(Some(self.hold_local(&shard, key, want, turn)));
                         }
                         // Not open yet: try again within the wait; the breaker opens soon if
                         // the shard keeps failing.
@@ -539,7 +611,7 @@ impl LockRouter {
                     }
                     return Ok(Some(self.hold(
                         &shard,
-                        &key,
+                        key,
                         grant,
                         want,
                         Some(turn),
@@ -730,6 +802,18 @@ impl LockRouter {
             .unwrap_or_default()
     }
 
+    /// The keys that made callers of this router wait longest over the hot-key window
+    /// (`telemetry.hot-key-window`), most first, with their total wait. Keys appear as
+    /// `telemetry.record-keys` says: themselves, or a stable hash.
+    pub fn hot_keys(&self, n: usize) -> Vec<(String, Duration)> {
+        self.inner.shared.telemetry.hot_keys(n)
+    }
+
+    /// Every shard of the topology, current and leaving.
+    pub(crate) fn shard_states(&self) -> Vec<Arc<ShardState>> {
+        self.inner.topology.load().all_shards()
+    }
+
     fn shard_state(&self, name: &str) -> Option<Arc<ShardState>> {
         self.inner
             .topology
@@ -842,6 +926,23 @@ impl LockRouter {
             s.shard.close();
         }
         first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// How far an acquire got, for its span and metrics.
+#[derive(Debug, Default)]
+struct Progress {
+    shard: Option<Arc<ShardState>>,
+    namespace: Option<opentelemetry::StringValue>,
+    attempts: u32,
+    /// Waited in memory behind another task of this process.
+    queued: bool,
+}
+
+impl Progress {
+    /// Whether the caller waited for the key (queued, or polled the shard more than once).
+    fn waited(&self) -> bool {
+        self.queued || self.attempts > 1
     }
 }
 

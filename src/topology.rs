@@ -33,9 +33,19 @@ pub(crate) struct Topology {
     /// Earlier placements, each until its move window ends: leases granted under them may
     /// still be live, so moved keys are also taken there.
     previous: Vec<(Arc<Placement>, Instant)>,
+    /// Metric attribute values of the namespaces, built once (cheap to clone per acquire).
+    namespace_labels: std::collections::HashMap<String, opentelemetry::StringValue>,
 }
 
 impl Topology {
+    /// The metric attribute value of namespace `name`.
+    pub(crate) fn namespace_label(&self, name: &str) -> opentelemetry::StringValue {
+        self.namespace_labels
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| opentelemetry::StringValue::from(name.to_owned()))
+    }
+
     /// Builds the topology of `config`. Shards whose name and settings are unchanged from
     /// `reuse` keep their pool and keeper; the others get new ones.
     pub(crate) fn build(
@@ -65,7 +75,18 @@ impl Topology {
             config.shards.iter().map(|s| (s.name.as_str(), s.weight)),
             config.routing.virtual_nodes,
         );
+        let namespace_labels = config
+            .namespaces
+            .keys()
+            .map(|n| {
+                (
+                    n.clone(),
+                    opentelemetry::StringValue::from(Arc::<str>::from(n.as_str())),
+                )
+            })
+            .collect();
         Ok(Self {
+            namespace_labels,
             epoch,
             config: Arc::new(config),
             current: Arc::new(Placement { ring, shards }),

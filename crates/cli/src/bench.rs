@@ -41,12 +41,16 @@ pub(crate) enum Scenario {
     /// points at a closed port; 4 tasks keep calling its keys, answered by its breaker),
     /// against the same load with every shard up. Compare p50/p99.
     ShardDown,
+    /// One hot key, 64 tasks, with metrics on (an OpenTelemetry meter provider feeding the
+    /// Prometheus exporter; spans as `SHARDLOCK_LOG` enables them) against a router built
+    /// before any provider was installed, in the same run. Must run last: the provider stays.
+    Telemetry,
 }
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
     /// Scenarios to run (repeat the flag for several).
-    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey, Scenario::HotKeyRedis, Scenario::Buckets, Scenario::Reload, Scenario::ShardDown])]
+    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey, Scenario::HotKeyRedis, Scenario::Buckets, Scenario::Reload, Scenario::ShardDown, Scenario::Telemetry])]
     scenario: Vec<Scenario>,
     /// The Redis server for the `hot-key-redis` baseline (skipped when it does not answer).
     #[arg(long, default_value = "redis://127.0.0.1:6379")]
@@ -155,7 +159,15 @@ pub(crate) async fn run(
         .as_millis();
 
     let mut comparisons = Vec::new();
+    let mut with_telemetry = None;
     for &scenario in &args.scenario {
+        if scenario == Scenario::Telemetry && with_telemetry.is_none() {
+            // Instruments bind to the provider in force when a router is built: `router`
+            // keeps no-op ones, the new router gets live ones.
+            let guard = shardlock::telemetry::init(&source.config.telemetry).await?;
+            let on = LockRouter::new(router.config().as_ref().clone()).await?;
+            with_telemetry = Some((guard, on));
+        }
         let redis = match scenario {
             Scenario::HotKeyRedis => match redis_connection(&args.redis).await {
                 Ok(conn) => Some(conn),
@@ -198,6 +210,15 @@ pub(crate) async fn run(
                     base.push(with_a_shard_down(source, false, &tag, &args, &counters).await?);
                     ours.push(with_a_shard_down(source, true, &tag, &args, &counters).await?);
                 }
+                Scenario::Telemetry => {
+                    let (_, on) = with_telemetry.as_ref().expect("set up above");
+                    let mut on = hot_key_shardlock(on, &tag, &args, &counters).await?;
+                    on.name = "one hot key, metrics on".into();
+                    ours.push(on);
+                    let mut off = hot_key_shardlock(&router, &tag, &args, &counters).await?;
+                    off.name = "one hot key, metrics off".into();
+                    base.push(off);
+                }
                 Scenario::HotKeyRedis => {
                     let redis = redis.clone().expect("connected above");
                     ours.push(hot_key_shardlock(&router, &tag, &args, &counters).await?);
@@ -219,6 +240,9 @@ pub(crate) async fn run(
         });
     }
     router.shutdown().await?;
+    if let Some((_, on)) = &with_telemetry {
+        on.shutdown().await?;
+    }
 
     let report = Report {
         shard: shard.name.clone(),

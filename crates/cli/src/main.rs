@@ -233,6 +233,8 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
             output::force_released(&key, &shard, released.as_ref(), cli.json);
         }
         Command::Cleaner { once } => {
+            // Metrics (and the Prometheus endpoint, if configured) before the router exists.
+            let _telemetry = shardlock::telemetry::init(&source.config.telemetry).await?;
             let router = source.router().await?;
             if once {
                 let report = router.clean_once().await?;

@@ -65,6 +65,36 @@ pub struct Config {
     pub breaker: crate::BreakerConfig,
     /// The lease cleaner and the instance registry it asks.
     pub cleaner: CleanerConfig,
+    /// Spans, metrics and their export.
+    pub telemetry: TelemetryConfig,
+}
+
+/// Telemetry: what spans and metrics carry, and where `shardlock::telemetry::init` serves them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct TelemetryConfig {
+    /// Serve the metrics for Prometheus at `http://<this address>/metrics` (e.g.
+    /// `127.0.0.1:9464`); none when absent.
+    pub prometheus_listen: Option<String>,
+    /// Put raw keys in spans and hot-key metrics. Off: a stable hash of the key (`#…`) instead,
+    /// so key contents (user ids, order numbers) stay out of telemetry.
+    pub record_keys: bool,
+    /// How many hot keys (most wait time) the `shardlock.hot_key.wait` metric reports.
+    pub hot_keys: u32,
+    /// The window hot keys are measured over (the report covers one to two windows).
+    #[serde(with = "humantime_serde")]
+    pub hot_key_window: Duration,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            prometheus_listen: None,
+            record_keys: false,
+            hot_keys: 10,
+            hot_key_window: Duration::from_secs(60),
+        }
+    }
 }
 
 /// The lease cleaner (`LockRouter::run_cleaner`, `shardlock cleaner`) and the instance
@@ -536,6 +566,21 @@ impl Config {
         ];
         if let Some((field, _, message)) = cleaner_checks.iter().find(|(_, ok, _)| !ok) {
             return Err(invalid((*field).into(), (*message).into()));
+        }
+        if let Some(listen) = &self.telemetry.prometheus_listen {
+            if listen.parse::<std::net::SocketAddr>().is_err() {
+                return Err(invalid(
+                    "telemetry.prometheus-listen".into(),
+                    format!("`{listen}` is not an address such as 127.0.0.1:9464"),
+                ));
+            }
+        }
+        if !(1..=1000).contains(&self.telemetry.hot_keys) || self.telemetry.hot_key_window.is_zero()
+        {
+            return Err(invalid(
+                "telemetry.hot-keys".into(),
+                "hot-keys must be 1-1000 and hot-key-window above zero".into(),
+            ));
         }
         Ok(())
     }

@@ -99,6 +99,15 @@ impl LockKey {
         &self.text
     }
 
+    /// A short stable digest of the key (`#` and 16 hex digits), for telemetry that must not
+    /// carry the key itself: the same key gives the same label in every process.
+    pub fn label_hash(&self) -> String {
+        use std::hash::Hasher;
+        let mut h = siphasher::sip::SipHasher13::new_with_keys(0, 0);
+        h.write(self.stored());
+        format!("#{:016x}", h.finish())
+    }
+
     /// The bytes stored in the lease row's primary key.
     pub fn stored(&self) -> &[u8] {
         &self.stored

@@ -9,6 +9,7 @@ mod backoff;
 mod breaker;
 pub mod config;
 mod error;
+mod hotkeys;
 mod key;
 mod ring;
 
@@ -16,5 +17,6 @@ pub use backoff::Backoff;
 pub use breaker::{Admission, Breaker, BreakerConfig, BreakerState, CallOutcome, Transition};
 pub use config::{Config, ConfigError};
 pub use error::{BackendError, BackendErrorKind, Error, Result};
+pub use hotkeys::HotKeys;
 pub use key::{LockKey, MAX_KEY_BYTES, MAX_STORED_KEY_BYTES};
 pub use ring::{bucket_for, Ring, RingHash};

@@ -1,0 +1,456 @@
+//! Telemetry: `tracing` spans and events for every lock wait and hold, OpenTelemetry metrics,
+//! and [`init`], the one call that serves those metrics to Prometheus.
+//!
+//! The library only *emits*: spans `shardlock.acquire` (namespace, shard, bucket, key or its
+//! hash, attempts, wait_ms, outcome, mode) and `shardlock.hold` (grant to release); events for
+//! renewals, lost leases, in-memory hand-offs, breaker transitions and cleaner deletions; and
+//! metrics through the OpenTelemetry metrics API (meter `shardlock`). Nothing is exported until
+//! the host installs a subscriber and a meter provider — [`init`] does the latter — **before**
+//! it builds its routers (instruments bind to the meter provider in force then).
+//!
+//! Metrics (names as the Prometheus exporter writes them):
+//!
+//! | metric | kind | attributes |
+//! | --- | --- | --- |
+//! | `shardlock_acquire_duration_seconds` | histogram (its `_count`: acquires by outcome) | namespace, shard, outcome, mode |
+//! | `shardlock_hold_duration_seconds` | histogram | shard, mode |
+//! | `shardlock_renewal_statements_total`, `shardlock_renewal_failures_total` | counter | instance |
+//! | `shardlock_leases_lost_total`, `shardlock_local_handoffs_total`, `shardlock_breaker_rejections_total` | counter | instance |
+//! | `shardlock_breaker_state` | gauge: 0 closed, 1 half-open, 2 open | instance, shard |
+//! | `shardlock_pool_connections` | gauge | instance, shard, state (max, size, available, waiting) |
+//! | `shardlock_cleaner_deleted_total` | counter | shard, reason (released, abandoned) |
+//! | `shardlock_hot_key_wait_seconds` | gauge: wait over the hot-key window | instance, key, rank |
+//!
+//! `outcome` is `granted`, `timeout`, `unavailable` or `error`; `mode` is `remote` or `local`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, Weak};
+use std::time::Duration;
+
+use opentelemetry::metrics::{Counter, Histogram, Meter};
+use opentelemetry::KeyValue;
+use shardlock_core::config::TelemetryConfig;
+use shardlock_core::{BreakerState, Error, HotKeys, LockKey, Result};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::Instant;
+
+use crate::router::Inner;
+
+/// Waits shorter than this are not counted for hot keys (they cost nobody anything, and
+/// skipping them keeps the summary's lock off the fastest path).
+const HOT_KEY_MIN_WAIT: Duration = Duration::from_micros(100);
+
+/// Latency buckets, in seconds: 100 µs to 30 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0,
+];
+
+/// Set once metrics are exported ([`init`] or [`metrics_exported_elsewhere`]); routers built
+/// before that skip recording, which costs nothing then.
+static METRICS_ON: AtomicBool = AtomicBool::new(false);
+
+/// Tells shardlock that the host installed an OpenTelemetry meter provider of its own (instead
+/// of calling [`init`]): routers built after this call record metrics and hot keys.
+pub fn metrics_exported_elsewhere() {
+    METRICS_ON.store(true, Ordering::Release);
+}
+
+/// A router's instruments and hot-key summary.
+pub(crate) struct Telemetry {
+    /// Whether metrics were exported when the router was built.
+    on: bool,
+    record_keys: bool,
+    acquire: Histogram<f64>,
+    hold: Histogram<f64>,
+    cleaner_deleted: Counter<u64>,
+    hot: Mutex<HotKeys>,
+    hot_keys: usize,
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry")
+            .field("record_keys", &self.record_keys)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Telemetry {
+    pub(crate) fn new(config: &TelemetryConfig) -> Self {
+        let meter = meter();
+        Self {
+            on: METRICS_ON.load(Ordering::Acquire),
+            record_keys: config.record_keys,
+            acquire: meter
+                .f64_histogram("shardlock.acquire.duration")
+                .with_unit("s")
+                .with_description("Time from acquire call to its answer (granted or not)")
+                .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            hold: meter
+                .f64_histogram("shardlock.hold.duration")
+                .with_unit("s")
+                .with_description("Time from grant to release")
+                .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            cleaner_deleted: meter
+                .u64_counter("shardlock.cleaner.deleted")
+                .with_description("Rows deleted by the cleaner")
+                .build(),
+            hot: Mutex::new(HotKeys::new(
+                (config.hot_keys as usize * 4).max(16),
+                config.hot_key_window,
+            )),
+            hot_keys: config.hot_keys as usize,
+        }
+    }
+
+    /// How a key appears in spans and metrics: itself, or its stable hash.
+    pub(crate) fn key_label(&self, key: &LockKey) -> String {
+        if self.record_keys {
+            key.to_string()
+        } else {
+            key.label_hash()
+        }
+    }
+
+    /// Records one acquire call.
+    pub(crate) fn acquired(
+        &self,
+        key: &LockKey,
+        attrs: AcquireAttrs,
+        took: Duration,
+        waited_for_key: bool,
+    ) {
+        if !self.on {
+            return;
+        }
+        let kv = [
+            KeyValue::new("namespace", attrs.namespace),
+            KeyValue::new("shard", attrs.shard),
+            KeyValue::new("outcome", attrs.outcome),
+            KeyValue::new("mode", attrs.mode),
+        ];
+        // Its `_count` series are the acquires by outcome: no separate counter to pay for.
+        self.acquire.record(took.as_secs_f64(), &kv);
+        if waited_for_key && took >= HOT_KEY_MIN_WAIT {
+            // Keyed by the key itself; turned into its label only when reported.
+            self.hot.lock().unwrap().record(
+                Instant::now().into_std(),
+                key.as_str(),
+                took.as_micros() as u64,
+            );
+        }
+    }
+
+    /// Records the end of a hold.
+    pub(crate) fn held(
+        &self,
+        shard: &opentelemetry::StringValue,
+        mode: &'static str,
+        held: Duration,
+    ) {
+        if !self.on {
+            return;
+        }
+        self.hold.record(
+            held.as_secs_f64(),
+            &[
+                KeyValue::new("shard", shard.clone()),
+                KeyValue::new("mode", mode),
+            ],
+        );
+    }
+
+    /// Records cleaner deletions.
+    pub(crate) fn cleaned(&self, shard: &str, released: u64, abandoned: u64) {
+        for (reason, n) in [("released", released), ("abandoned", abandoned)] {
+            if n > 0 {
+                self.cleaner_deleted.add(
+                    n,
+                    &[
+                        KeyValue::new("shard", shard.to_owned()),
+                        KeyValue::new("reason", reason),
+                    ],
+                );
+            }
+        }
+    }
+
+    /// The keys that made callers wait longest over the hot-key window: (label, total wait).
+    pub(crate) fn hot_keys(&self, n: usize) -> Vec<(String, Duration)> {
+        let top = self.hot.lock().unwrap().top(Instant::now().into_std(), n);
+        top.into_iter()
+            .map(|(key, us)| {
+                let label = match LockKey::new(&key) {
+                    Ok(k) if !self.record_keys => k.label_hash(),
+                    _ => key,
+                };
+                (label, Duration::from_micros(us))
+            })
+            .collect()
+    }
+}
+
+/// The attributes of one acquire's metrics.
+#[derive(Debug)]
+pub(crate) struct AcquireAttrs {
+    pub(crate) namespace: opentelemetry::StringValue,
+    pub(crate) shard: opentelemetry::StringValue,
+    pub(crate) outcome: &'static str,
+    pub(crate) mode: &'static str,
+}
+
+fn meter() -> Meter {
+    opentelemetry::global::meter("shardlock")
+}
+
+/// Registers the observable instruments of a router: its counters, each shard's breaker and
+/// pool, and its hot keys. They read the router through `inner` and report nothing once it is
+/// gone.
+pub(crate) fn register_observers(inner: Weak<Inner>) {
+    let meter = meter();
+    type Read = fn(&crate::LockStats) -> u64;
+    let counters: [(&'static str, &'static str, Read); 5] = [
+        (
+            "shardlock.renewal.statements",
+            "Renewal statements sent",
+            |s| s.renew_statements,
+        ),
+        (
+            "shardlock.renewal.failures",
+            "Renewal attempts that failed",
+            |s| s.renew_failures,
+        ),
+        ("shardlock.leases.lost", "Leases reported lost", |s| s.lost),
+        (
+            "shardlock.local_handoffs",
+            "Grants handed over in memory",
+            |s| s.local_handoffs,
+        ),
+        (
+            "shardlock.breaker.rejections",
+            "Calls not sent because a breaker was open",
+            |s| s.breaker_rejections,
+        ),
+    ];
+    for (name, description, read) in counters {
+        let weak = inner.clone();
+        meter
+            .u64_observable_counter(name)
+            .with_description(description)
+            .with_callback(move |observer| {
+                if let Some(router) = router_of(&weak) {
+                    let instance = KeyValue::new("instance", router.instance_id().to_owned());
+                    observer.observe(read(&router.stats()), &[instance]);
+                }
+            })
+            .build();
+    }
+    let weak = inner.clone();
+    meter
+        .i64_observable_gauge("shardlock.breaker.state")
+        .with_description("Breaker per shard: 0 closed, 1 half-open, 2 open")
+        .with_callback(move |observer| {
+            let Some(router) = router_of(&weak) else {
+                return;
+            };
+            for status in router.shard_states() {
+                let state = match status.breaker_state() {
+                    BreakerState::Closed => 0,
+                    BreakerState::HalfOpen => 1,
+                    BreakerState::Open => 2,
+                };
+                observer.observe(
+                    state,
+                    &[
+                        KeyValue::new("instance", router.instance_id().to_owned()),
+                        KeyValue::new("shard", status.shard.name().to_owned()),
+                    ],
+                );
+            }
+        })
+        .build();
+    let weak = inner.clone();
+    meter
+        .u64_observable_gauge("shardlock.pool.connections")
+        .with_description("Connection pool per shard, by state: max, size, available, waiting")
+        .with_callback(move |observer| {
+            let Some(router) = router_of(&weak) else {
+                return;
+            };
+            for shard in router.shard_states() {
+                let pool = shard.shard.pool_status();
+                for (state, n) in [
+                    ("max", pool.max_size),
+                    ("size", pool.size),
+                    ("available", pool.available),
+                    ("waiting", pool.waiting),
+                ] {
+                    observer.observe(
+                        n as u64,
+                        &[
+                            KeyValue::new("instance", router.instance_id().to_owned()),
+                            KeyValue::new("shard", shard.shard.name().to_owned()),
+                            KeyValue::new("state", state),
+                        ],
+                    );
+                }
+            }
+        })
+        .build();
+    let weak = inner;
+    meter
+        .f64_observable_gauge("shardlock.hot_key.wait")
+        .with_unit("s")
+        .with_description("Wait time per hot key over the hot-key window, top keys only")
+        .with_callback(move |observer| {
+            let Some(router) = router_of(&weak) else {
+                return;
+            };
+            let telemetry = &router.inner.shared.telemetry;
+            for (rank, (key, waited)) in telemetry
+                .hot_keys(telemetry.hot_keys)
+                .into_iter()
+                .enumerate()
+            {
+                observer.observe(
+                    waited.as_secs_f64(),
+                    &[
+                        KeyValue::new("instance", router.instance_id().to_owned()),
+                        KeyValue::new("key", key),
+                        KeyValue::new("rank", (rank + 1) as i64),
+                    ],
+                );
+            }
+        })
+        .build();
+}
+
+fn router_of(weak: &Weak<Inner>) -> Option<crate::LockRouter> {
+    weak.upgrade().map(|inner| crate::LockRouter { inner })
+}
+
+/// What [`init`] set up; keep it for the life of the process. Dropping it stops the
+/// Prometheus endpoint.
+#[derive(Debug)]
+pub struct TelemetryGuard {
+    provider: opentelemetry_sdk::metrics::SdkMeterProvider,
+    registry: prometheus::Registry,
+    server: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
+}
+
+impl TelemetryGuard {
+    /// Where the Prometheus endpoint listens (`/metrics`), if it was configured.
+    pub fn prometheus_addr(&self) -> Option<SocketAddr> {
+        self.server.as_ref().map(|(addr, _)| *addr)
+    }
+
+    /// The metrics in the Prometheus text format, as the endpoint serves them.
+    pub fn prometheus_text(&self) -> String {
+        encode(&self.registry)
+    }
+
+    /// Flushes and stops the meter provider.
+    pub fn shutdown(self) {
+        let _ = self.provider.shutdown();
+    }
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Some((_, server)) = &self.server {
+            server.abort();
+        }
+    }
+}
+
+/// The one-call setup for a host application: installs an OpenTelemetry meter provider whose
+/// metrics are kept for Prometheus, and serves them at `http://<prometheus-listen>/metrics`
+/// when the config names an address. Call it once, inside a Tokio runtime, before building
+/// routers. Spans and events go through `tracing`: install your subscriber (with
+/// `tracing-opentelemetry` to export spans over OTLP) as usual.
+///
+/// ```no_run
+/// # async fn demo() -> shardlock::Result<()> {
+/// let config = shardlock::Config::from_yaml_file("config/local.yaml")?;
+/// let _telemetry = shardlock::telemetry::init(&config.telemetry).await?;
+/// let router = shardlock::LockRouter::new(config).await?;
+/// # Ok(()) }
+/// ```
+pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_target_info()
+        .build()
+        .map_err(|e| Error::InvalidArgument {
+            name: "telemetry",
+            reason: format!("cannot set up the Prometheus exporter: {e}"),
+        })?;
+    let provider = opentelemetry_sdk::metrics::SdkMeterProvider::builder()
+        .with_reader(exporter)
+        .build();
+    opentelemetry::global::set_meter_provider(provider.clone());
+    metrics_exported_elsewhere();
+    let server = match &config.prometheus_listen {
+        None => None,
+        Some(addr) => {
+            let listener =
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| Error::InvalidArgument {
+                        name: "telemetry.prometheus-listen",
+                        reason: format!("cannot listen on {addr}: {e}"),
+                    })?;
+            let addr = listener.local_addr().map_err(|e| Error::InvalidArgument {
+                name: "telemetry.prometheus-listen",
+                reason: e.to_string(),
+            })?;
+            Some((addr, tokio::spawn(serve(listener, registry.clone()))))
+        }
+    };
+    Ok(TelemetryGuard {
+        provider,
+        registry,
+        server,
+    })
+}
+
+fn encode(registry: &prometheus::Registry) -> String {
+    use prometheus::Encoder;
+    let mut out = Vec::new();
+    let _ = prometheus::TextEncoder::new().encode(&registry.gather(), &mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A minimal HTTP/1.1 server: `GET /metrics` answers the metrics, anything else 404.
+async fn serve(listener: tokio::net::TcpListener, registry: prometheus::Registry) {
+    while let Ok((mut stream, _)) = listener.accept().await {
+        let registry = registry.clone();
+        tokio::spawn(async move {
+            let mut request = vec![0u8; 4096];
+            let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_secs(5), stream.read(&mut request)).await
+            else {
+                return;
+            };
+            let line = String::from_utf8_lossy(&request[..n]);
+            let response = if line.starts_with("GET /metrics") {
+                let body = encode(&registry);
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                )
+            } else {
+                "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                    .to_owned()
+            };
+            let _ = stream.write_all(response.as_bytes()).await;
+            let _ = stream.shutdown().await;
+        });
+    }
+}

@@ -1,0 +1,203 @@
+//! Telemetry against real shards: the Prometheus endpoint of `telemetry::init` serves every
+//! metric the ops/ dashboard uses, with counts that match a known workload, and hot-key
+//! detection names the key that takes half the waits.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use shardlock::{AcquireOptions, LockRouter};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// `GET /metrics` from `addr`, the body.
+async fn scrape(addr: std::net::SocketAddr) -> String {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nhost: test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap()
+}
+
+/// The value of the sample of `metric` whose labels include every `label="value"` of `with`
+/// (summed over the samples that match).
+fn sample(text: &str, metric: &str, with: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(&format!("{metric}{{")) || l.starts_with(&format!("{metric} ")))
+        .filter(|l| with.iter().all(|w| l.contains(w)))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
+/// Every `shardlock_…` metric the dashboard queries.
+fn dashboard_metrics() -> BTreeSet<String> {
+    let dashboard = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/ops/grafana/shardlock.json"
+    ))
+    .unwrap();
+    let json: serde_json::Value = serde_json::from_str(&dashboard).unwrap();
+    let mut names = BTreeSet::new();
+    for panel in json["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            let mut rest = expr;
+            while let Some(at) = rest.find("shardlock_") {
+                let name: String = rest[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[at + name.len()..];
+                names.insert(name);
+            }
+        }
+    }
+    names
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
+    let telemetry = shardlock::telemetry::init(&shardlock::config::TelemetryConfig {
+        prometheus_listen: Some("127.0.0.1:0".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let addr = telemetry.prometheus_addr().unwrap();
+    let extra = "namespaces:\n  orders:\n    ttl: 5s\ncleaner:\n  grace: 100ms\n";
+    let (_cluster, router, _yaml) = common::start(2, extra).await;
+
+    // A known workload: 50 grants, then 3 tries of a key that is held.
+    let opts = AcquireOptions::new().namespace("orders");
+    for i in 0..50 {
+        let g = router
+            .acquire(&format!("o:{i}"), opts.clone())
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+    }
+    let held = router.acquire("busy", opts.clone()).await.unwrap();
+    let other = common::worker_router_from(&_cluster).await;
+    for _ in 0..3 {
+        assert!(other
+            .try_acquire("busy", AcquireOptions::new())
+            .await
+            .unwrap()
+            .is_none());
+    }
+    held.release().await.unwrap();
+    // Rows released more than a second ago (the fence margin) are the cleaner's.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let cleaned = router.clean_once().await.unwrap();
+    assert!(cleaned.deleted() >= 50, "{cleaned:?}");
+
+    let text = scrape(addr).await;
+    let count = "shardlock_acquire_duration_seconds_count";
+    assert_eq!(
+        sample(
+            &text,
+            count,
+            &["namespace=\"orders\"", "outcome=\"granted\""]
+        ),
+        51.0
+    );
+    assert_eq!(sample(&text, count, &["outcome=\"timeout\""]), 3.0);
+    assert_eq!(sample(&text, count, &["outcome=\"unavailable\""]), 0.0);
+    assert_eq!(
+        sample(
+            &text,
+            "shardlock_hold_duration_seconds_count",
+            &["mode=\"remote\""]
+        ),
+        51.0,
+        "every released hold is timed (the cleaner still holds its election lock)"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "shardlock_cleaner_deleted_total",
+            &["reason=\"released\""]
+        ),
+        cleaned.deleted() as f64
+    );
+    for shard in ["s1", "s2"] {
+        let shard = format!("shard=\"{shard}\"");
+        assert_eq!(sample(&text, "shardlock_breaker_state", &[&shard]), 0.0);
+        assert!(
+            sample(
+                &text,
+                "shardlock_pool_connections",
+                &[&shard, "state=\"max\""]
+            ) > 0.0
+        );
+    }
+    let missing: Vec<String> = dashboard_metrics()
+        .into_iter()
+        .filter(|m| {
+            !text
+                .lines()
+                .any(|l| !l.starts_with('#') && l.starts_with(m.as_str()))
+        })
+        .collect();
+    // The hot-key gauge only has samples once a key made someone wait.
+    assert_eq!(
+        missing,
+        vec!["shardlock_hot_key_wait_seconds".to_owned()],
+        "dashboard metrics the endpoint does not serve:\n{text}"
+    );
+    drop(other);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_key_with_half_the_waits_is_reported_hottest() {
+    let telemetry = shardlock::telemetry::init(&shardlock::config::TelemetryConfig {
+        prometheus_listen: Some("127.0.0.1:0".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let extra = "telemetry:\n  record-keys: true\n";
+    let (_cluster, router, _yaml) = common::start(1, extra).await;
+    // Eight tasks take turns on `hot`; sixteen tasks share four other keys four by four: the
+    // hot key's waits are about half of all (each waiter waits for the others in line).
+    let run = |key: String, router: LockRouter| async move {
+        for _ in 0..200 {
+            let g = router.acquire(&key, AcquireOptions::new()).await.unwrap();
+            tokio::time::sleep(Duration::from_micros(300)).await;
+            g.release().await.unwrap();
+        }
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        tasks.push(tokio::spawn(run("hot".into(), router.clone())));
+    }
+    for i in 0..16 {
+        tasks.push(tokio::spawn(run(format!("warm:{}", i / 4), router.clone())));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let top = router.hot_keys(3);
+    let total: Duration = router.hot_keys(100).iter().map(|(_, w)| *w).sum();
+    let share = top[0].1.as_secs_f64() / total.as_secs_f64();
+    eprintln!("hottest {top:?} of {total:?} waited in all ({:.0}%)", share * 100.0);
+    assert_eq!(top[0].0, "hot", "{top:?}");
+    assert!(
+        (0.35..=0.70).contains(&share),
+        "the workload should give the hot key about half the waits, gave {share:.2}"
+    );
+    let text = scrape(telemetry.prometheus_addr().unwrap()).await;
+    let hottest = text
+        .lines()
+        .find(|l| l.starts_with("shardlock_hot_key_wait_seconds{") && l.contains("rank=\"1\""))
+        .unwrap_or_else(|| panic!("no hot-key sample:\n{text}"));
+    assert!(hottest.contains("key=\"hot\""), "{hottest}");
+}
