@@ -42,11 +42,41 @@ pub(crate) struct Hold {
     granted: Instant,
     /// `shardlock.hold`, open from grant to release.
     span: tracing::Span,
+    /// The hold span of the holder that handed this grant over, if it was handed over.
+    after: Option<tracing::Span>,
 }
 
 impl Hold {
     pub(crate) fn new(lease: Arc<LeaseState>, shard: Arc<ShardState>, fence: u64) -> Arc<Self> {
         Self::with_companions(lease, shard, fence, Vec::new())
+    }
+
+    /// A grant handed over by the holder of `after` (in memory or by the release statement):
+    /// its span starts a trace of its own that follows from the previous hold.
+    pub(crate) fn handed(
+        lease: Arc<LeaseState>,
+        shard: Arc<ShardState>,
+        fence: u64,
+        after: &tracing::Span,
+    ) -> Arc<Self> {
+        let span = tracing::info_span!(
+            parent: None,
+            "shardlock.hold",
+            shard = shard.shard.name(),
+            fence,
+            mode = "remote",
+        );
+        span.follows_from(after);
+        Arc::new(Self {
+            lease,
+            shard,
+            fence,
+            guards: AtomicUsize::new(1),
+            companions: std::sync::Mutex::default(),
+            granted: Instant::now(),
+            span,
+            after: Some(after.clone()),
+        })
     }
 
     pub(crate) fn with_companions(
@@ -69,6 +99,7 @@ impl Hold {
             companions: std::sync::Mutex::new(companions),
             granted: Instant::now(),
             span,
+            after: None,
         })
     }
 
@@ -182,6 +213,11 @@ impl LockGuard {
         Ok(LockGuard::new(self.hold.clone()))
     }
 
+    /// The hold span of the holder that handed this grant over, if it was.
+    pub(crate) fn handed_from(&self) -> Option<&tracing::Span> {
+        self.hold.after.as_ref()
+    }
+
     /// How many guards share this grant.
     pub fn holds(&self) -> usize {
         self.hold.guards.load(Ordering::Acquire)
@@ -289,10 +325,11 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
                 .local_handoffs
                 .fetch_add(1, Ordering::Relaxed);
             tracing::debug!(fence, "shardlock handed the lock over in memory");
-            next.grant(LockGuard::new(Hold::new(
+            next.grant(LockGuard::new(Hold::handed(
                 lease.clone(),
                 shard.clone(),
                 fence,
+                &hold.span,
             )));
             return None;
         }
@@ -304,6 +341,7 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
             lease.clone(),
             turn,
             next,
+            hold.span.clone(),
         )));
     }
     let turn = turn_slot.take();
@@ -323,6 +361,7 @@ async fn handoff_through_shard(
     lease: Arc<LeaseState>,
     turn: Turn,
     next: Handover,
+    after: tracing::Span,
 ) -> Result<()> {
     shard.remove(lease.id);
     let shared = &shard.shared;
@@ -356,7 +395,12 @@ async fn handoff_through_shard(
                 Some(turn),
             ));
             shard.insert(state.clone());
-            next.grant(LockGuard::new(Hold::new(state, shard.clone(), fence)));
+            next.grant(LockGuard::new(Hold::handed(
+                state,
+                shard.clone(),
+                fence,
+                &after,
+            )));
             Ok(())
         }
         Ok(HandoffOutcome::Released) => {

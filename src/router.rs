@@ -458,6 +458,13 @@ impl LockRouter {
             .as_ref()
             .map_or_else(|| opentelemetry::StringValue::from(""), |s| s.label.clone());
         if !span.is_disabled() {
+            // A waiter handed the lock by its holder links to the holder's hold.
+            if let Ok(Some(after)) = result
+                .as_ref()
+                .map(|g| g.as_ref().and_then(LockGuard::handed_from))
+            {
+                span.follows_from(after);
+            }
             span.record("shard", shard.as_str());
             span.record("attempts", progress.attempts);
             span.record("wait_ms", took.as_secs_f64() * 1000.0);

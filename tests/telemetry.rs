@@ -188,7 +188,10 @@ async fn the_key_with_half_the_waits_is_reported_hottest() {
     let top = router.hot_keys(3);
     let total: Duration = router.hot_keys(100).iter().map(|(_, w)| *w).sum();
     let share = top[0].1.as_secs_f64() / total.as_secs_f64();
-    eprintln!("hottest {top:?} of {total:?} waited in all ({:.0}%)", share * 100.0);
+    eprintln!(
+        "hottest {top:?} of {total:?} waited in all ({:.0}%)",
+        share * 100.0
+    );
     assert_eq!(top[0].0, "hot", "{top:?}");
     assert!(
         (0.35..=0.70).contains(&share),
@@ -200,4 +203,159 @@ async fn the_key_with_half_the_waits_is_reported_hottest() {
         .find(|l| l.starts_with("shardlock_hot_key_wait_seconds{") && l.contains("rank=\"1\""))
         .unwrap_or_else(|| panic!("no hot-key sample:\n{text}"));
     assert!(hottest.contains("key=\"hot\""), "{hottest}");
+}
+
+/// A loopback OTLP/HTTP receiver: keeps the JSON body of every POST to `/v1/traces`.
+async fn otlp_receiver() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keep = received.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let keep = keep.clone();
+            tokio::spawn(async move {
+                // Read the head, then as many body bytes as content-length says.
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 8192];
+                let (head_end, length) = loop {
+                    let n = stream.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..at]).to_lowercase();
+                        let length = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+                        break (at + 4, length);
+                    }
+                };
+                while buf.len() < head_end + length {
+                    let n = stream.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+                if head.starts_with("POST /v1/traces") {
+                    let body: serde_json::Value =
+                        serde_json::from_slice(&buf[head_end..head_end + length]).unwrap();
+                    keep.lock().unwrap().push(body);
+                }
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                    .await;
+            });
+        }
+    });
+    (addr, received)
+}
+
+/// An attribute of an OTLP/JSON span, as text.
+fn attribute(span: &serde_json::Value, key: &str) -> Option<String> {
+    span["attributes"]
+        .as_array()?
+        .iter()
+        .find(|a| a["key"] == key)
+        .map(|a| {
+            let v = &a["value"];
+            v.get("stringValue")
+                .or_else(|| v.get("intValue"))
+                .or_else(|| v.get("doubleValue"))
+                .map(|x| x.to_string().trim_matches('"').to_owned())
+                .unwrap_or_default()
+        })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
+    use tracing_subscriber::prelude::*;
+    let (addr, received) = otlp_receiver().await;
+    let telemetry = shardlock::telemetry::init(&shardlock::config::TelemetryConfig {
+        otlp_endpoint: Some(format!("http://{addr}")),
+        record_keys: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    tracing_subscriber::registry()
+        .with(telemetry.layer())
+        .init();
+    let (_cluster, router, _yaml) = common::start(1, "telemetry:\n  record-keys: true\n").await;
+
+    let holder = router
+        .acquire("account:7", AcquireOptions::new())
+        .await
+        .unwrap();
+    let holder_fence = holder.fence();
+    let waiter = {
+        let router = router.clone();
+        tokio::spawn(async move {
+            let guard = router
+                .acquire("account:7", AcquireOptions::new())
+                .await
+                .unwrap();
+            let fence = guard.fence();
+            guard.release().await.unwrap();
+            fence
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    holder.release().await.unwrap(); // handed to the waiter in memory
+    let waiter_fence = waiter.await.unwrap();
+    assert!(waiter_fence > holder_fence);
+    router.shutdown().await.unwrap();
+    telemetry.shutdown();
+
+    let spans: Vec<serde_json::Value> = received
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|body| {
+            body["resourceSpans"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .flat_map(|rs| rs["scopeSpans"].as_array().cloned().unwrap_or_default())
+        .flat_map(|ss| ss["spans"].as_array().cloned().unwrap_or_default())
+        .collect();
+    let hold = spans
+        .iter()
+        .find(|s| {
+            s["name"] == "shardlock.hold"
+                && attribute(s, "fence").as_deref() == Some(holder_fence.to_string().as_str())
+        })
+        .unwrap_or_else(|| panic!("no hold span of the holder in {spans:#?}"));
+    let acquires: Vec<&serde_json::Value> = spans
+        .iter()
+        .filter(|s| {
+            s["name"] == "shardlock.acquire" && attribute(s, "key").as_deref() == Some("account:7")
+        })
+        .collect();
+    assert_eq!(acquires.len(), 2, "{acquires:#?}");
+    let waited = acquires
+        .iter()
+        .find(|s| s["links"].as_array().is_some_and(|l| !l.is_empty()))
+        .unwrap_or_else(|| panic!("no acquire span with a link: {acquires:#?}"));
+    let link = &waited["links"][0];
+    assert_eq!(
+        link["spanId"], hold["spanId"],
+        "the link names the holder's hold span"
+    );
+    assert_eq!(link["traceId"], hold["traceId"]);
+    assert_eq!(attribute(waited, "outcome").as_deref(), Some("granted"));
+    assert_eq!(attribute(waited, "mode").as_deref(), Some("remote"));
+    assert_eq!(attribute(waited, "shard").as_deref(), Some("s1"));
+    let wait_ms: f64 = attribute(waited, "wait_ms").unwrap().parse().unwrap();
+    assert!(wait_ms >= 150.0, "waited {wait_ms} ms behind the holder");
+    // Queued in memory behind the holder: it never polled the shard.
+    assert_eq!(attribute(waited, "attempts").as_deref(), Some("0"));
 }

@@ -76,6 +76,13 @@ pub struct TelemetryConfig {
     /// Serve the metrics for Prometheus at `http://<this address>/metrics` (e.g.
     /// `127.0.0.1:9464`); none when absent.
     pub prometheus_listen: Option<String>,
+    /// Export spans and metrics over OTLP/HTTP (JSON) to this collector base URL, e.g.
+    /// `http://127.0.0.1:4318` (`/v1/traces` and `/v1/metrics` are appended); none when absent.
+    pub otlp_endpoint: Option<String>,
+    /// Share of traces sampled for OTLP export (0.0-1.0), honouring a sampled parent.
+    pub trace_sample_ratio: f64,
+    /// `service.name` of the exported telemetry.
+    pub service_name: String,
     /// Put raw keys in spans and hot-key metrics. Off: a stable hash of the key (`#…`) instead,
     /// so key contents (user ids, order numbers) stay out of telemetry.
     pub record_keys: bool,
@@ -90,6 +97,9 @@ impl Default for TelemetryConfig {
     fn default() -> Self {
         Self {
             prometheus_listen: None,
+            otlp_endpoint: None,
+            trace_sample_ratio: 1.0,
+            service_name: "shardlock".into(),
             record_keys: false,
             hot_keys: 10,
             hot_key_window: Duration::from_secs(60),
@@ -574,6 +584,20 @@ impl Config {
                     format!("`{listen}` is not an address such as 127.0.0.1:9464"),
                 ));
             }
+        }
+        if let Some(endpoint) = &self.telemetry.otlp_endpoint {
+            if !endpoint.starts_with("http://") && !endpoint.starts_with("https://") {
+                return Err(invalid(
+                    "telemetry.otlp-endpoint".into(),
+                    format!("`{endpoint}` is not a URL such as http://127.0.0.1:4318"),
+                ));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.telemetry.trace_sample_ratio) {
+            return Err(invalid(
+                "telemetry.trace-sample-ratio".into(),
+                "must be between 0 and 1".into(),
+            ));
         }
         if !(1..=1000).contains(&self.telemetry.hot_keys) || self.telemetry.hot_key_window.is_zero()
         {
