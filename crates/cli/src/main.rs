@@ -135,13 +135,6 @@ impl ConfigSource {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SHARDLOCK_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -183,11 +176,51 @@ fn stop_signal() -> Result<impl std::future::Future<Output = ()>, AnyError> {
     })
 }
 
+/// Logs to stderr (`SHARDLOCK_LOG`, default `warn`), and spans to OTLP when `telemetry` says.
+fn init_tracing(telemetry: Option<&shardlock::telemetry::TelemetryGuard>) {
+    use tracing_subscriber::prelude::*;
+    let logs = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SHARDLOCK_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        );
+    let spans = telemetry
+        .and_then(|t| t.layer())
+        .map(|l| l.with_filter(tracing_subscriber::EnvFilter::new("shardlock=info")));
+    tracing_subscriber::registry().with(logs).with(spans).init();
+}
+
 async fn run(cli: Cli) -> Result<(), AnyError> {
     if let Command::Dev { action } = &cli.command {
+        init_tracing(None);
         return dev::run(action, cli.json).await;
     }
-    let source = ConfigSource::load(cli.config)?;
+    let source = ConfigSource::load(cli.config.clone());
+    let source = match source {
+        Ok(source) => source,
+        Err(e) => {
+            init_tracing(None);
+            return Err(e.into());
+        }
+    };
+    // The daemon exports telemetry as the config says (Prometheus endpoint, OTLP); it must be
+    // in place before its router exists.
+    let telemetry = match cli.command {
+        Command::Cleaner { .. } => {
+            Some(shardlock::telemetry::init(&source.config.telemetry).await?)
+        }
+        _ => None,
+    };
+    init_tracing(telemetry.as_ref());
+    let result = run_command(cli, &source).await;
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown();
+    }
+    result
+}
+
+async fn run_command(cli: Cli, source: &ConfigSource) -> Result<(), AnyError> {
     match cli.command {
         Command::Migrate => {
             let router = source.tool_router().await?;
@@ -233,8 +266,6 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
             output::force_released(&key, &shard, released.as_ref(), cli.json);
         }
         Command::Cleaner { once } => {
-            // Metrics (and the Prometheus endpoint, if configured) before the router exists.
-            let _telemetry = shardlock::telemetry::init(&source.config.telemetry).await?;
             let router = source.router().await?;
             if once {
                 let report = router.clean_once().await?;
@@ -253,8 +284,8 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
             }
             router.shutdown().await?;
         }
-        Command::Demo(args) => demo::run(&source, args).await?,
-        Command::Bench(args) => bench::run(&source, args, cli.json).await?,
+        Command::Demo(args) => demo::run(source, args).await?,
+        Command::Bench(args) => bench::run(source, args, cli.json).await?,
         Command::Dev { .. } => unreachable!("handled above"),
     }
     Ok(())
