@@ -104,7 +104,14 @@ struct Measurement {
     p50_ms: f64,
     p99_ms: f64,
     max_ms: f64,
+    /// The latency distribution: (quantile, ms) at fixed quantiles, for the plot.
+    latency_quantiles: Vec<(f64, f64)>,
 }
+
+/// The quantiles kept of every latency distribution.
+const QUANTILES: &[f64] = &[
+    0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.995, 0.999, 1.0,
+];
 
 #[derive(Debug, Serialize)]
 struct Comparison {
@@ -260,11 +267,35 @@ pub(crate) async fn run(
     let file = args.out.join(format!("bench-{stamp}.json"));
     std::fs::write(&file, &json)?;
     std::fs::write(args.out.join("latest.json"), &json)?;
+    let picture = args.out.join(format!("bench-{stamp}.svg"));
+    let plotted: Vec<crate::plot::Panel<'_>> = report
+        .comparisons
+        .iter()
+        .map(|c| crate::plot::Panel {
+            title: format!("{:?}", c.scenario),
+            series: vec![
+                (
+                    c.shardlock.name.as_str(),
+                    c.shardlock.latency_quantiles.as_slice(),
+                ),
+                (
+                    c.baseline.name.as_str(),
+                    c.baseline.latency_quantiles.as_slice(),
+                ),
+            ],
+        })
+        .collect();
+    crate::plot::latency_svg(&plotted, &picture)?;
+    std::fs::copy(&picture, args.out.join("latest.svg"))?;
     if as_json {
         println!("{json}");
     } else {
         print_report(&report);
-        println!("\nreport: {}", file.display());
+        println!(
+            "\nreport: {} (latency plot: {})",
+            file.display(),
+            picture.display()
+        );
     }
     Ok(())
 }
@@ -939,4 +970,7 @@ fn summarize(m: &mut Measurement, mut latencies: Vec<u32>, elapsed: Duration, st
     m.p50_ms = pct(0.50);
     m.p99_ms = pct(0.99);
     m.max_ms = pct(1.0);
+    if !latencies.is_empty() {
+        m.latency_quantiles = QUANTILES.iter().map(|&q| (q, pct(q))).collect();
+    }
 }

@@ -6,6 +6,7 @@ mod bench;
 mod demo;
 mod dev;
 mod output;
+mod plot;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

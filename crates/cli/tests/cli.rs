@@ -178,6 +178,13 @@ async fn bench_reports_statement_and_deadlock_counts() {
         ],
     ));
     assert!(out_dir.join("latest.json").exists());
+    let picture = std::fs::read_to_string(out_dir.join("latest.svg")).unwrap();
+    assert!(
+        picture.starts_with("<svg")
+            && picture.contains("Uncontended")
+            && picture.contains("HotKey"),
+        "a latency panel per scenario"
+    );
     let comparisons = report["comparisons"].as_array().unwrap();
     let uncontended = &comparisons[0];
     assert_eq!(uncontended["scenario"], "uncontended");
