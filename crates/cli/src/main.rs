@@ -7,6 +7,7 @@ mod demo;
 mod dev;
 mod output;
 mod plot;
+mod watch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,7 +36,16 @@ enum Command {
     Migrate,
     /// Per shard: reachable, breaker, pool size/available/waiting, live leases; and the
     /// instances in the registry with their last heartbeat.
-    Status,
+    Status {
+        /// Redraw every second (Ctrl-C stops): a live view of shards and instances.
+        #[arg(long)]
+        watch: bool,
+        /// With --watch: an application's Prometheus endpoint
+        /// (`telemetry.prometheus-listen`), for its acquire rate, p99 wait, breakers, pools and
+        /// hot keys.
+        #[arg(long, requires = "watch", value_name = "URL")]
+        metrics: Option<String>,
+    },
     /// Where a key lives and who holds it: shard, holder, fence, expiry.
     Inspect {
         /// The lock key, exactly as the application passes it.
@@ -228,7 +238,19 @@ async fn run_command(cli: Cli, source: &ConfigSource) -> Result<(), AnyError> {
             let reports = router.migrate().await?;
             output::migrate(&reports, cli.json);
         }
-        Command::Status => {
+        Command::Status {
+            watch: true,
+            metrics,
+        } => {
+            let router = source.tool_router().await?;
+            watch::run(
+                &router,
+                metrics.as_deref(),
+                std::time::Duration::from_secs(1),
+            )
+            .await?;
+        }
+        Command::Status { .. } => {
             let router = source.tool_router().await?;
             let status = router.status().await;
             let instances = router.instances().await;
