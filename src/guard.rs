@@ -374,6 +374,7 @@ async fn handoff_through_shard(
         ttl_ms: want.ttl_ms(),
         fence_floor: 0,
         reserve: want.handoff_max_count,
+        trace: None,
     };
     let sent = Instant::now();
     match shard.call(shard.shard.handoff(&lease.owner, &req)).await {

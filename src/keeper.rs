@@ -290,6 +290,11 @@ impl ShardState {
             Err(e) if e.kind.is_infrastructure() => CallOutcome::Failure,
             _ => CallOutcome::Success,
         };
+        self.shared.telemetry.statement(
+            &self.label,
+            outcome == CallOutcome::Failure,
+            started.elapsed(),
+        );
         let transition =
             self.breaker
                 .lock()
@@ -397,6 +402,7 @@ impl ShardState {
                 ttl_ms: u32::try_from(lease.ttl.as_millis()).unwrap_or(u32::MAX),
                 fence_floor: 0,
                 reserve: 0,
+                trace: None,
             };
             let sent = Instant::now();
             let stats = &self.shared.stats;

@@ -591,6 +591,15 @@ impl LockRouter {
                 };
                 if let Err(held_for_ms) = tried {
                     held_for = held_for_ms;
+                    // A traced waiter links, once, to the trace of whoever holds the key.
+                    if !progress.linked && crate::telemetry::tracing_current() {
+                        progress.linked = true;
+                        if let Ok(Some(parent)) =
+                            shard.call(shard.shard.holder_trace(key.stored())).await
+                        {
+                            crate::telemetry::link_current_to(&parent);
+                        }
+                    }
                 }
                 if let Ok(grant) = tried {
                     if !previous.is_empty() {
@@ -659,6 +668,7 @@ impl LockRouter {
             ttl_ms: want.ttl_ms(),
             fence_floor: floor,
             reserve: want.handoff_max_count,
+            trace: crate::telemetry::current_traceparent(),
         };
         let sent = Instant::now();
         Ok(match self.attempt(shard, &req, deadline).await? {
@@ -944,6 +954,8 @@ struct Progress {
     attempts: u32,
     /// Waited in memory behind another task of this process.
     queued: bool,
+    /// Linked to the trace of the key's holder in another process.
+    linked: bool,
 }
 
 impl Progress {

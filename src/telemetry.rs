@@ -13,6 +13,7 @@
 //! | metric | kind | attributes |
 //! | --- | --- | --- |
 //! | `shardlock_acquire_duration_seconds` | histogram (its `_count`: acquires by outcome) | namespace, shard, outcome, mode |
+//! | `shardlock_statement_duration_seconds` | histogram: one call to a shard | shard, outcome (ok, failure) |
 //! | `shardlock_hold_duration_seconds` | histogram | shard, mode |
 //! | `shardlock_renewal_statements_total`, `shardlock_renewal_failures_total` | counter | instance |
 //! | `shardlock_leases_lost_total`, `shardlock_local_handoffs_total`, `shardlock_breaker_rejections_total` | counter | instance |
@@ -63,6 +64,7 @@ pub(crate) struct Telemetry {
     on: bool,
     record_keys: bool,
     acquire: Histogram<f64>,
+    statement: Histogram<f64>,
     hold: Histogram<f64>,
     cleaner_deleted: Counter<u64>,
     hot: Mutex<HotKeys>,
@@ -87,6 +89,14 @@ impl Telemetry {
                 .f64_histogram("shardlock.acquire.duration")
                 .with_unit("s")
                 .with_description("Time from acquire call to its answer (granted or not)")
+                .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            statement: meter
+                .f64_histogram("shardlock.statement.duration")
+                .with_unit("s")
+                .with_description(
+                    "Round trip of one call to a shard (lease statements, retries included)",
+                )
                 .with_boundaries(LATENCY_BUCKETS.to_vec())
                 .build(),
             hold: meter
@@ -145,6 +155,25 @@ impl Telemetry {
         }
     }
 
+    /// Records one call to a shard that was sent.
+    pub(crate) fn statement(
+        &self,
+        shard: &opentelemetry::StringValue,
+        failed: bool,
+        took: Duration,
+    ) {
+        if !self.on {
+            return;
+        }
+        self.statement.record(
+            took.as_secs_f64(),
+            &[
+                KeyValue::new("shard", shard.clone()),
+                KeyValue::new("outcome", if failed { "failure" } else { "ok" }),
+            ],
+        );
+    }
+
     /// Records the end of a hold.
     pub(crate) fn held(
         &self,
@@ -201,6 +230,60 @@ pub(crate) struct AcquireAttrs {
     pub(crate) shard: opentelemetry::StringValue,
     pub(crate) outcome: &'static str,
     pub(crate) mode: &'static str,
+}
+
+/// The current span's OpenTelemetry context as a W3C traceparent, when it is recorded and has
+/// a valid context (an OpenTelemetry layer is installed).
+pub(crate) fn current_traceparent() -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return None;
+    }
+    let context = span.context();
+    let sc = context.span().span_context().clone();
+    sc.is_valid().then(|| {
+        format!(
+            "00-{}-{}-{:02x}",
+            sc.trace_id(),
+            sc.span_id(),
+            sc.trace_flags().to_u8()
+        )
+    })
+}
+
+/// Whether the current span is recorded (so that a link is worth a statement).
+pub(crate) fn tracing_current() -> bool {
+    !tracing::Span::current().is_disabled()
+}
+
+/// Links the current span to the span of a W3C `traceparent` (the holder's, read from its
+/// lease row).
+pub(crate) fn link_current_to(traceparent: &str) {
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let mut parts = traceparent.split('-');
+    let (Some("00"), Some(trace), Some(span), Some(flags)) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return;
+    };
+    let (Ok(trace), Ok(span), Ok(flags)) = (
+        TraceId::from_hex(trace),
+        SpanId::from_hex(span),
+        u8::from_str_radix(flags, 16),
+    ) else {
+        return;
+    };
+    let context = SpanContext::new(
+        trace,
+        span,
+        TraceFlags::new(flags),
+        true,
+        TraceState::default(),
+    );
+    tracing::Span::current().add_link(context);
 }
 
 fn meter() -> Meter {

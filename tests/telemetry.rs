@@ -359,3 +359,74 @@ async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
     // Queued in memory behind the holder: it never polled the shard.
     assert_eq!(attribute(waited, "attempts").as_deref(), Some("0"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiter_elsewhere_links_to_the_holders_trace_stored_with_the_lease() {
+    use tracing_subscriber::prelude::*;
+    let (addr, received) = otlp_receiver().await;
+    let telemetry = shardlock::telemetry::init(&shardlock::config::TelemetryConfig {
+        otlp_endpoint: Some(format!("http://{addr}")),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    tracing_subscriber::registry()
+        .with(telemetry.layer())
+        .init();
+    let extra = "telemetry:\n  record-keys: true\n";
+    let (cluster, holder_router, _yaml) = common::start(1, extra).await;
+    // Another instance: it shares no memory with the holder, only the lease row.
+    let waiter_router = LockRouter::from_yaml_str(&cluster.config_yaml(extra))
+        .await
+        .unwrap();
+
+    let holder = holder_router
+        .acquire("acct:9", AcquireOptions::new())
+        .await
+        .unwrap();
+    let waiter = tokio::spawn(async move {
+        let g = waiter_router
+            .acquire("acct:9", AcquireOptions::new())
+            .await
+            .unwrap();
+        g.release().await.unwrap();
+        waiter_router.shutdown().await.unwrap();
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    holder.release().await.unwrap();
+    waiter.await.unwrap();
+    holder_router.shutdown().await.unwrap();
+    telemetry.shutdown();
+
+    let spans: Vec<serde_json::Value> = received
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|body| {
+            body["resourceSpans"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .flat_map(|rs| rs["scopeSpans"].as_array().cloned().unwrap_or_default())
+        .flat_map(|ss| ss["spans"].as_array().cloned().unwrap_or_default())
+        .filter(|s| {
+            s["name"] == "shardlock.acquire" && attribute(s, "key").as_deref() == Some("acct:9")
+        })
+        .collect();
+    assert_eq!(spans.len(), 2, "{spans:#?}");
+    let attempts =
+        |s: &serde_json::Value| attribute(s, "attempts").unwrap().parse::<u32>().unwrap();
+    let first = spans
+        .iter()
+        .find(|s| attempts(s) == 1)
+        .expect("the holder's acquire");
+    let waited = spans
+        .iter()
+        .find(|s| attempts(s) > 1)
+        .expect("the waiter's acquire");
+    let link = &waited["links"][0];
+    assert_eq!(link["traceId"], first["traceId"], "{waited:#?}");
+    assert_eq!(link["spanId"], first["spanId"]);
+    assert_eq!(attribute(waited, "outcome").as_deref(), Some("granted"));
+}

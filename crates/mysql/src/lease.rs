@@ -31,6 +31,9 @@ pub struct GrantRequest {
     pub fence_floor: u64,
     /// Fences reserved after the first one.
     pub reserve: u32,
+    /// The new holder's trace context (W3C traceparent), stored with the lease so that a
+    /// waiter elsewhere can link to it; `None` when the holder is not traced.
+    pub trace: Option<String>,
 }
 
 /// Acquire in one statement, for a free row, a released row or an expired lease alike.
@@ -45,11 +48,11 @@ pub struct GrantRequest {
 /// Times are `NOW(3)` of the shard, in UTC; the statement is kept small because the server
 /// re-resolves every expression of a prepared statement on each execution.
 ///
-/// Parameters: key, owner, fence floor, reserve, ttl ms, ttl us | owner, owner, fence floor,
-/// reserve, owner, ttl ms, owner, ttl us, owner, owner.
+/// Parameters: key, owner, fence floor, reserve, ttl ms, ttl us, trace | owner, owner, fence
+/// floor, reserve, owner, ttl ms, owner, ttl us, owner, owner, trace, owner.
 const ACQUIRE: &str = concat!(
-    "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, wanted_at) ",
-    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), NULL) ",
+    "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
+    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), ?, NULL) ",
     "ON DUPLICATE KEY UPDATE ",
     "owner = IF(owner IS NULL OR expires_at <= NOW(3), ?, owner), ",
     "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ?)) + ?, ",
@@ -57,8 +60,13 @@ const ACQUIRE: &str = concat!(
     "ttl_ms = IF(owner = ?, ?, ttl_ms), ",
     "expires_at = IF(owner = ?, NOW(3) + INTERVAL ? MICROSECOND, expires_at), ",
     "acquired_at = IF(owner = ?, NOW(3), acquired_at), ",
+    "holder_trace = IF(owner = ?, ?, holder_trace), ",
     "wanted_at = IF(owner = ?, NULL, NOW(3))"
 );
+
+/// The trace context of the live holder of a key, if it was traced.
+const HOLDER_TRACE: &str = "SELECT holder_trace FROM shardlock_lease \
+     WHERE lock_key = ? AND owner IS NOT NULL AND expires_at > NOW(3)";
 
 /// Owner-checked release: only the row carrying our owner is touched. The row stays (with its
 /// fence) so the next grant's fence is larger; the cleaner removes old released rows.
@@ -82,6 +90,7 @@ const HANDOFF: &str = concat!(
     "ttl_ms = IF(owner <=> ?, ?, ttl_ms), ",
     "expires_at = IF(owner <=> ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3)), ",
     "acquired_at = IF(owner <=> ?, NOW(3), acquired_at), ",
+    "holder_trace = NULL, ",
     "wanted_at = NULL ",
     "WHERE lock_key = ? AND owner = ?"
 );
@@ -203,6 +212,7 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
         req.reserve.into(),
         req.ttl_ms.into(),
         ttl_us.into(),
+        req.trace.as_deref().into(),
         owner.into(),
         owner.into(),
         req.fence_floor.into(),
@@ -212,6 +222,8 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
         owner.into(),
         ttl_us.into(),
         owner.into(),
+        owner.into(),
+        req.trace.as_deref().into(),
         owner.into(),
     ];
     conn.exec_drop(ACQUIRE, Params::Positional(params)).await?;
@@ -332,6 +344,14 @@ pub(crate) async fn inspect(conn: &mut Conn, key: &[u8]) -> mysql_async::Result<
     ))
 }
 
+pub(crate) async fn holder_trace(
+    conn: &mut Conn,
+    key: &[u8],
+) -> mysql_async::Result<Option<String>> {
+    let row: Option<Option<String>> = conn.exec_first(HOLDER_TRACE, (key,)).await?;
+    Ok(row.flatten())
+}
+
 pub(crate) async fn count_held(conn: &mut Conn) -> mysql_async::Result<u64> {
     Ok(conn.query_first(COUNT_HELD).await?.unwrap_or(0))
 }
@@ -351,7 +371,7 @@ mod tests {
 
     #[test]
     fn acquire_binds_as_many_parameters_as_it_has_placeholders() {
-        assert_eq!(ACQUIRE.matches('?').count(), 16);
+        assert_eq!(ACQUIRE.matches('?').count(), 19);
         assert_eq!(HANDOFF.matches('?').count(), 10);
     }
 }

@@ -15,6 +15,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "instance_registry",
         include_str!("../../../migrations/0002_instance_registry.sql"),
     ),
+    (
+        3,
+        "holder_trace",
+        include_str!("../../../migrations/0003_holder_trace.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\

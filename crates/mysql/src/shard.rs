@@ -221,6 +221,16 @@ impl Shard {
         .await
     }
 
+    /// The trace context (W3C traceparent) of the live holder of `key`, if it was traced.
+    pub async fn holder_trace(&self, key: &[u8]) -> Result<Option<String>, BackendError> {
+        let key = key.to_vec();
+        self.with_conn(self.statement_timeout, |c| {
+            let key = key.clone();
+            Box::pin(async move { lease::holder_trace(c, &key).await })
+        })
+        .await
+    }
+
     /// How many live leases the shard holds (all instances).
     pub async fn count_held(&self) -> Result<u64, BackendError> {
         self.with_conn(self.statement_timeout, |c| Box::pin(lease::count_held(c)))
