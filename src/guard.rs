@@ -271,11 +271,9 @@ type ShardWork = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
 /// statement, which also hands the lease to the waiter unless another process asked for it.
 fn end_hold(hold: &Hold) -> Option<ShardWork> {
     let (lease, shard) = (&hold.lease, &hold.shard);
-    let mode = if lease.local { "local" } else { "remote" };
-    shard
-        .shared
-        .telemetry
-        .held(&shard.label, mode, hold.granted.elapsed());
+    if let Some(holds) = &shard.holds {
+        holds[usize::from(lease.local)].record(hold.granted.elapsed().as_secs_f64());
+    }
     let _entered = hold.span.enter();
     if lease.local {
         // No hand-offs for an in-process lease: the next waiter takes its own turn (and goes

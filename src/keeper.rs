@@ -224,6 +224,10 @@ pub(crate) struct ShardState {
     local: Mutex<HashMap<u64, Arc<LeaseState>>>,
     /// The shard's name as a metric attribute value (cheap to clone).
     pub(crate) label: opentelemetry::StringValue,
+    /// Hold-time histograms bound to this shard (remote, local), while metrics are on.
+    pub(crate) holds: Option<[opentelemetry::metrics::BoundHistogram<f64>; 2]>,
+    /// Acquire histograms bound to this shard, per namespace.
+    pub(crate) acquires: crate::telemetry::BoundAcquires,
 }
 
 /// The breaker's clock: Tokio's, so tests with paused time drive it.
@@ -238,7 +242,10 @@ impl ShardState {
         breaker: BreakerConfig,
         shared: Arc<Shared>,
     ) -> Arc<Self> {
+        let label = opentelemetry::StringValue::from(Arc::<str>::from(shard.name()));
         Arc::new(Self {
+            holds: shared.telemetry.bind_holds(&label),
+            acquires: crate::telemetry::BoundAcquires::default(),
             config,
             leases: Mutex::default(),
             wake: Arc::default(),
@@ -247,7 +254,7 @@ impl ShardState {
             breaker: Mutex::new(Breaker::new(breaker)),
             transitions: Mutex::default(),
             local: Mutex::default(),
-            label: opentelemetry::StringValue::from(Arc::<str>::from(shard.name())),
+            label,
             shard,
         })
     }

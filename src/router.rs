@@ -480,7 +480,8 @@ impl LockRouter {
             outcome,
             mode,
         };
-        telemetry.acquired(&key, attrs, took, progress.waited());
+        let bound = progress.shard.as_ref().map(|s| &s.acquires);
+        telemetry.acquired(&key, attrs, took, progress.waited(), bound);
         result
     }
 

@@ -38,9 +38,10 @@ use tokio::time::Instant;
 
 use crate::router::Inner;
 
-/// Waits shorter than this are not counted for hot keys (they cost nobody anything, and
+/// Waits shorter than this are not counted for hot keys (a key nobody waits a millisecond for
+/// is not what an operator looks for, and
 /// skipping them keeps the summary's lock off the fastest path).
-const HOT_KEY_MIN_WAIT: Duration = Duration::from_micros(100);
+const HOT_KEY_MIN_WAIT: Duration = Duration::from_millis(1);
 
 /// Latency buckets, in seconds: 100 µs to 30 s.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -126,32 +127,40 @@ impl Telemetry {
         }
     }
 
-    /// Records one acquire call.
+    /// Records one acquire call. The common case — granted through the shard — goes through
+    /// a histogram bound to its attributes once per shard and namespace (`bound`), which
+    /// spares the per-call attribute lookup.
     pub(crate) fn acquired(
         &self,
         key: &LockKey,
         attrs: AcquireAttrs,
         took: Duration,
         waited_for_key: bool,
+        bound: Option<&BoundAcquires>,
     ) {
         if !self.on {
             return;
         }
-        let kv = [
-            KeyValue::new("namespace", attrs.namespace),
-            KeyValue::new("shard", attrs.shard),
-            KeyValue::new("outcome", attrs.outcome),
-            KeyValue::new("mode", attrs.mode),
-        ];
-        // Its `_count` series are the acquires by outcome: no separate counter to pay for.
-        self.acquire.record(took.as_secs_f64(), &kv);
+        let granted_remote = attrs.outcome == "granted" && attrs.mode == "remote";
+        match bound {
+            Some(bound) if granted_remote => bound.record(self, &attrs, took),
+            _ => {
+                let kv = attrs.key_values();
+                // Its `_count` series are the acquires by outcome: no separate counter.
+                self.acquire.record(took.as_secs_f64(), &kv);
+            }
+        }
         if waited_for_key && took >= HOT_KEY_MIN_WAIT {
-            // Keyed by the key itself; turned into its label only when reported.
-            self.hot.lock().unwrap().record(
-                Instant::now().into_std(),
-                key.as_str(),
-                took.as_micros() as u64,
-            );
+            // Keyed by the key itself; turned into its label only when reported. Under
+            // contention a record is skipped rather than waited for: a hot key is recorded
+            // often enough anyway.
+            if let Ok(mut hot) = self.hot.try_lock() {
+                hot.record(
+                    Instant::now().into_std(),
+                    key.as_str(),
+                    took.as_micros() as u64,
+                );
+            }
         }
     }
 
@@ -174,23 +183,20 @@ impl Telemetry {
         );
     }
 
-    /// Records the end of a hold.
-    pub(crate) fn held(
+    /// Hold-time histograms bound to `shard` and each mode (remote, local); `None` while
+    /// metrics are off.
+    pub(crate) fn bind_holds(
         &self,
         shard: &opentelemetry::StringValue,
-        mode: &'static str,
-        held: Duration,
-    ) {
-        if !self.on {
-            return;
-        }
-        self.hold.record(
-            held.as_secs_f64(),
-            &[
-                KeyValue::new("shard", shard.clone()),
-                KeyValue::new("mode", mode),
-            ],
-        );
+    ) -> Option<[opentelemetry::metrics::BoundHistogram<f64>; 2]> {
+        self.on.then(|| {
+            ["remote", "local"].map(|mode| {
+                self.hold.bind(&[
+                    KeyValue::new("shard", shard.clone()),
+                    KeyValue::new("mode", mode),
+                ])
+            })
+        })
     }
 
     /// Records cleaner deletions.
@@ -230,6 +236,49 @@ pub(crate) struct AcquireAttrs {
     pub(crate) shard: opentelemetry::StringValue,
     pub(crate) outcome: &'static str,
     pub(crate) mode: &'static str,
+}
+
+impl AcquireAttrs {
+    fn key_values(&self) -> [KeyValue; 4] {
+        [
+            KeyValue::new("namespace", self.namespace.clone()),
+            KeyValue::new("shard", self.shard.clone()),
+            KeyValue::new("outcome", self.outcome),
+            KeyValue::new("mode", self.mode),
+        ]
+    }
+}
+
+/// Per shard: the acquire histogram bound to (namespace, this shard, granted, remote), one per
+/// namespace seen, behind a copy-on-write map (reads take no lock).
+#[derive(Default)]
+pub(crate) struct BoundAcquires {
+    by_namespace: arc_swap::ArcSwap<
+        std::collections::HashMap<String, opentelemetry::metrics::BoundHistogram<f64>>,
+    >,
+}
+
+impl std::fmt::Debug for BoundAcquires {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BoundAcquires").finish_non_exhaustive()
+    }
+}
+
+impl BoundAcquires {
+    fn record(&self, telemetry: &Telemetry, attrs: &AcquireAttrs, took: Duration) {
+        let namespace = attrs.namespace.as_str();
+        if let Some(bound) = self.by_namespace.load().get(namespace) {
+            bound.record(took.as_secs_f64());
+            return;
+        }
+        let bound = telemetry.acquire.bind(&attrs.key_values());
+        bound.record(took.as_secs_f64());
+        self.by_namespace.rcu(|map| {
+            let mut map = (**map).clone();
+            map.insert(namespace.to_owned(), bound.clone());
+            map
+        });
+    }
 }
 
 /// The current span's OpenTelemetry context as a W3C traceparent, when it is recorded and has
