@@ -38,9 +38,8 @@ use tokio::time::Instant;
 
 use crate::router::Inner;
 
-/// Waits shorter than this are not counted for hot keys (a key nobody waits a millisecond for
-/// is not what an operator looks for, and
-/// skipping them keeps the summary's lock off the fastest path).
+/// Waits shorter than this are not counted for hot keys: a key nobody waits a millisecond for
+/// is not what an operator looks for, and skipping them keeps the summary off the fastest path.
 const HOT_KEY_MIN_WAIT: Duration = Duration::from_millis(1);
 
 /// Latency buckets, in seconds: 100 µs to 30 s.
