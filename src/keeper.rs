@@ -133,8 +133,17 @@ impl LeaseState {
 
     /// Marks the lease lost (once) and says why.
     pub(crate) fn mark_lost(&self, why: &'static str, stats: &Stats) {
-        if !self.lost.send_replace(true) {
+        // Counted before the holder is woken, so whoever sees `lost()` complete also sees
+        // the count.
+        let first = self.lost.send_if_modified(|lost| {
+            if *lost {
+                return false;
+            }
+            *lost = true;
             stats.lost.fetch_add(1, Ordering::Relaxed);
+            true
+        });
+        if first {
             tracing::warn!(key = %self.key, owner = %self.owner, why, "shardlock lease lost");
         }
     }
