@@ -277,6 +277,24 @@ impl ShardState {
         &self,
         call: impl std::future::Future<Output = Result<T, BackendError>>,
     ) -> Result<T, BackendError> {
+        self.call_timed(call, true).await
+    }
+
+    /// [`ShardState::call`] for calls that may wait for a row lock on purpose (transaction
+    /// locks, job claims): their duration says nothing about the shard's health, so it never
+    /// counts as a slow call.
+    pub(crate) async fn call_waiting<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        self.call_timed(call, false).await
+    }
+
+    async fn call_timed<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, BackendError>>,
+        slow_counts: bool,
+    ) -> Result<T, BackendError> {
         let (admission, transition) = self.breaker.lock().unwrap().admit(breaker_now());
         self.note(transition);
         let probe = match admission {
@@ -311,11 +329,16 @@ impl ShardState {
             outcome == CallOutcome::Failure,
             started.elapsed(),
         );
-        let transition =
-            self.breaker
-                .lock()
-                .unwrap()
-                .record(breaker_now(), outcome, started.elapsed(), probe);
+        let took = if slow_counts {
+            started.elapsed()
+        } else {
+            Duration::ZERO
+        };
+        let transition = self
+            .breaker
+            .lock()
+            .unwrap()
+            .record(breaker_now(), outcome, took, probe);
         self.note(transition);
         result
     }

@@ -7,6 +7,7 @@ mod fence;
 mod guard;
 mod keeper;
 mod options;
+pub mod patterns;
 mod queue;
 mod router;
 pub mod telemetry;

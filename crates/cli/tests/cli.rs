@@ -44,7 +44,10 @@ async fn cluster_with_config(n: usize) -> (Cluster, tempfile::TempDir, PathBuf) 
 async fn migrate_status_and_inspect() {
     let (_cluster, _dir, config) = cluster_with_config(2).await;
     let first = json(&shardlock(&config, &["--json", "migrate"]));
-    assert_eq!(first["shards"][0]["applied"], serde_json::json!([1, 2, 3]));
+    assert_eq!(
+        first["shards"][0]["applied"],
+        serde_json::json!([1, 2, 3, 4])
+    );
     let again = json(&shardlock(&config, &["--json", "migrate"]));
     assert_eq!(
         again["shards"][1]["applied"],

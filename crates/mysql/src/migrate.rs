@@ -20,6 +20,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "holder_trace",
         include_str!("../../../migrations/0003_holder_trace.sql"),
     ),
+    (
+        4,
+        "lock_patterns",
+        include_str!("../../../migrations/0004_lock_patterns.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\

@@ -1,0 +1,262 @@
+//! The other lock patterns against real shards: a transaction lock whose holder process is
+//! SIGKILLed mid-transaction, a state-machine claim with 64 concurrent claimers, and a version
+//! CAS lock under 64 contenders.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::patterns::StateMachine;
+use shardlock::{Error, LockRouter};
+use shardlock_testkit::{report, Cluster, Worker};
+use tokio::time::Instant;
+
+/// Runs `sql` on every shard.
+async fn on_every_shard(cluster: &Cluster, sql: &str) {
+    for s in cluster.shards() {
+        s.connect().await.unwrap().query_drop(sql).await.unwrap();
+    }
+}
+
+/// Rows of `table` over all shards.
+async fn count_rows(cluster: &Cluster, sql: &str) -> u64 {
+    let mut n = 0;
+    for s in cluster.shards() {
+        let c: Option<u64> = s.connect().await.unwrap().query_first(sql).await.unwrap();
+        n += c.unwrap_or(0);
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn transaction_lock_survives_nothing_of_a_killed_holder_and_carries_the_callers_sql() {
+    let (cluster, router, yaml) = common::start(2, "").await;
+    on_every_shard(
+        &cluster,
+        "CREATE TABLE tx_log (id INT AUTO_INCREMENT PRIMARY KEY, what VARCHAR(32) NOT NULL)",
+    )
+    .await;
+    let mut holder = Worker::spawn("worker", "tx-holder", &[(common::CONFIG_ENV, yaml)]).unwrap();
+    holder.expect("locked").await.unwrap();
+
+    // Held by the other process: no wait means no lock.
+    let refused = router.lock_in_transaction("acct:1", Duration::ZERO).await;
+    assert!(matches!(refused, Err(Error::Timeout { .. })), "{refused:?}");
+    let waiter = {
+        let router = router.clone();
+        tokio::spawn(async move {
+            let guard = router
+                .lock_in_transaction("acct:1", Duration::from_secs(20))
+                .await
+                .unwrap();
+            (Instant::now(), guard)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiter.is_finished(), "the lock is still held");
+    let killed = Instant::now();
+    holder.kill().await.unwrap();
+    let (granted, mut guard) = waiter.await.unwrap();
+    let after = granted - killed;
+    eprintln!("granted {after:?} after the holder was killed");
+    assert!(after < Duration::from_secs(5), "took {after:?}");
+    // The killed holder's uncommitted row went with its transaction.
+    assert_eq!(
+        count_rows(
+            &cluster,
+            "SELECT COUNT(*) FROM tx_log WHERE what = 'killed'"
+        )
+        .await,
+        0
+    );
+
+    // The caller's SQL commits or rolls back with the lock.
+    guard
+        .conn()
+        .query_drop("INSERT INTO tx_log (what) VALUES ('committed')")
+        .await
+        .unwrap();
+    guard.commit().await.unwrap();
+    let mut again = router
+        .lock_in_transaction("acct:1", Duration::ZERO)
+        .await
+        .expect("free after commit");
+    again
+        .conn()
+        .query_drop("INSERT INTO tx_log (what) VALUES ('rolled back')")
+        .await
+        .unwrap();
+    again.rollback().await.unwrap();
+    let dropped = router
+        .lock_in_transaction("acct:1", Duration::ZERO)
+        .await
+        .expect("free after rollback");
+    drop(dropped); // dropping rolls back and frees it too
+    router
+        .lock_in_transaction("acct:1", Duration::from_secs(2))
+        .await
+        .expect("free after drop")
+        .commit()
+        .await
+        .unwrap();
+    assert_eq!(
+        count_rows(
+            &cluster,
+            "SELECT COUNT(*) FROM tx_log WHERE what = 'committed'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        count_rows(
+            &cluster,
+            "SELECT COUNT(*) FROM tx_log WHERE what = 'rolled back'"
+        )
+        .await,
+        0
+    );
+}
+
+async fn tx_holder() {
+    let router = common::worker_router().await;
+    let mut guard = router
+        .lock_in_transaction("acct:1", Duration::from_secs(5))
+        .await
+        .unwrap();
+    guard
+        .conn()
+        .query_drop("INSERT INTO tx_log (what) VALUES ('killed')")
+        .await
+        .unwrap();
+    report!("locked");
+    std::future::pending::<()>().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn state_machine_claim_has_one_winner_and_rollback_makes_it_claimable_again() {
+    let (cluster, router, _) = common::start(2, "").await;
+    on_every_shard(
+        &cluster,
+        "CREATE TABLE coupon (code VARCHAR(64) PRIMARY KEY, state VARCHAR(16) NOT NULL)",
+    )
+    .await;
+    let code = "SPRING-7";
+    router
+        .shard_connection(code)
+        .await
+        .unwrap()
+        .raw()
+        .exec_drop("INSERT INTO coupon VALUES (?, 'available')", (code,))
+        .await
+        .unwrap();
+    let machine = StateMachine::new("coupon", "code", "state")
+        .unwrap()
+        .allow("disabled", "available")
+        .allow("available", "locked")
+        .allow("locked", "used")
+        .allow("locked", "available");
+    let claim = |router: LockRouter, machine: StateMachine| async move {
+        let wins = Arc::new(AtomicU64::new(0));
+        let tasks: Vec<_> = (0..64)
+            .map(|_| {
+                let (router, machine, wins) = (router.clone(), machine.clone(), wins.clone());
+                tokio::spawn(async move {
+                    if router
+                        .transition(&machine, code, "available", "locked")
+                        .await
+                        .unwrap()
+                    {
+                        wins.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        wins.load(Ordering::Relaxed)
+    };
+    assert_eq!(
+        claim(router.clone(), machine.clone()).await,
+        1,
+        "exactly one claimer wins"
+    );
+    assert!(router
+        .transition(&machine, code, "locked", "available")
+        .await
+        .unwrap());
+    assert_eq!(
+        claim(router.clone(), machine.clone()).await,
+        1,
+        "claimable again after rollback"
+    );
+    assert!(router
+        .transition(&machine, code, "locked", "used")
+        .await
+        .unwrap());
+    // Used is final: nothing leads out of it, and claiming finds nothing to move.
+    assert!(matches!(
+        router.transition(&machine, code, "used", "available").await,
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert_eq!(claim(router.clone(), machine.clone()).await, 0);
+    assert!(StateMachine::new("coupon; DROP TABLE x", "code", "state").is_err());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn version_cas_lock_keeps_64_contenders_exact() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let mut app = cluster.shard(0).connect().await.unwrap();
+    app.query_drop("CREATE TABLE tally (id INT PRIMARY KEY, n INT NOT NULL)")
+        .await
+        .unwrap();
+    app.query_drop("INSERT INTO tally VALUES (1, 0)")
+        .await
+        .unwrap();
+    let url = cluster.shard(0).url();
+    let pool = shardlock::mysql_async::Pool::new(url.as_str());
+    let tasks: Vec<_> = (0..64)
+        .map(|t| {
+            let (router, pool) = (router.clone(), pool.clone());
+            tokio::spawn(async move {
+                for _ in 0..20 {
+                    let guard = loop {
+                        if let Some(g) = router
+                            .cas_acquire("tally:1", &format!("t{t}"))
+                            .await
+                            .unwrap()
+                        {
+                            break g;
+                        }
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    };
+                    let mut c = pool.get_conn().await.unwrap();
+                    let n: i64 = c
+                        .query_first("SELECT n FROM tally WHERE id = 1")
+                        .await
+                        .unwrap()
+                        .unwrap();
+                    tokio::task::yield_now().await;
+                    c.exec_drop("UPDATE tally SET n = ? WHERE id = 1", (n + 1,))
+                        .await
+                        .unwrap();
+                    drop(c);
+                    assert!(router.cas_release(guard).await.unwrap());
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let n: Option<i64> = app
+        .query_first("SELECT n FROM tally WHERE id = 1")
+        .await
+        .unwrap();
+    assert_eq!(n, Some(64 * 20), "a lost update means two holders at once");
+}
+
+crate::worker_entry! { "tx-holder" => tx_holder() }
