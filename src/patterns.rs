@@ -7,11 +7,13 @@
 //! - [`LockRouter::cas_acquire`] / [`LockRouter::cas_release`]: compare-and-set on a version.
 //! - [`LockRouter::transition`]: a state-machine claim on a row of *your* table, one
 //!   conditional `UPDATE` judged by affected rows ([`StateMachine`]).
+//! - [`LockRouter::claim_job`] and friends: claim the next due job of a queue in
+//!   `shardlock_job`, with a lease after which a crashed worker's job is claimed again.
 
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
-use mysql_async::Conn;
+use mysql_async::{Conn, IsolationLevel, TxOpts};
 use shardlock_core::{BackendError, BackendErrorKind, Error, LockKey, Result};
 use shardlock_mysql::{classify, ShardManager};
 
@@ -159,6 +161,21 @@ impl Drop for Discard {
             drop(deadpool::managed::Object::take(conn));
         }
     }
+}
+
+/// A job claimed by [`LockRouter::claim_job`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    /// The job's id (unique on its queue's shard).
+    pub id: u64,
+    /// The queue.
+    pub queue: String,
+    /// What [`LockRouter::enqueue_job`] stored.
+    pub payload: Vec<u8>,
+    /// Claims of it before this one that were not completed (lease ran out).
+    pub retry_count: u32,
+    /// The claim token written in the row (the worker's name and a claim number).
+    pub claim: String,
 }
 
 impl LockRouter {
@@ -373,4 +390,156 @@ impl LockRouter {
             .await
             .map_err(|e| e.into_error(shard.shard.name()))
     }
+
+    /// Adds a job to `queue` (its jobs live on the shard of key `queue`), due after `delay`;
+    /// a claim that is not completed within its lease is followed by up to `max_retries`
+    /// more. Returns the job's id.
+    pub async fn enqueue_job(
+        &self,
+        queue: &str,
+        payload: &[u8],
+        delay: Duration,
+        max_retries: u32,
+    ) -> Result<u64> {
+        let key = LockKey::new(queue)?;
+        let shard = self.state_for(&key);
+        let name = shard.shard.name().to_owned();
+        let (queue, payload) = (queue.to_owned(), payload.to_vec());
+        shard
+            .call(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
+                let (queue, payload) = (queue.clone(), payload.clone());
+                Box::pin(async move {
+                    c.exec_drop(
+                        "INSERT INTO shardlock_job \
+                         (queue, payload, status, due_at, retry_count, max_retries) \
+                         VALUES (?, ?, 'ready', NOW(3) + INTERVAL ? MICROSECOND, 0, ?)",
+                        (&queue, &payload, delay.as_micros() as u64, max_retries),
+                    )
+                    .await?;
+                    Ok(c.last_insert_id().unwrap_or(0))
+                })
+            }))
+            .await
+            .map_err(|e| e.into_error(&name))
+    }
+
+    /// Claims the next due job of `queue` for `worker`, for `lease`: first a claimed job
+    /// whose lease ran out (its retry count goes up) while retries are left, else the ready
+    /// job due first. One READ COMMITTED transaction: `SELECT ... FOR UPDATE SKIP LOCKED`
+    /// (MySQL 8, MariaDB 10.6+) locks just the chosen row, so claimers never wait on each
+    /// other, then an `UPDATE` by primary key. `None` when nothing is due. Deadlocks are
+    /// retried inside.
+    pub async fn claim_job(
+        &self,
+        queue: &str,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Option<Job>> {
+        let key = LockKey::new(queue)?;
+        let shard = self.state_for(&key);
+        let name = shard.shard.name().to_owned();
+        let (_, claim_no) = self.inner.shared.next_owner();
+        let claim = format!("{worker}@{claim_no}");
+        let mut tries = 0;
+        let claimed = loop {
+            let attempt = shard
+                .call_waiting(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
+                    let (queue, claim) = (queue.to_owned(), claim.clone());
+                    Box::pin(async move { claim_in(c, &queue, &claim, lease).await })
+                }))
+                .await;
+            match attempt {
+                Err(e) if e.kind.is_retryable() && tries < 20 => {
+                    tries += 1;
+                    let jitter = rand::random::<u64>() % (2 * tries);
+                    tokio::time::sleep(Duration::from_millis(1 + jitter)).await;
+                }
+                other => break other.map_err(|e| e.into_error(&name))?,
+            }
+        };
+        Ok(claimed.map(|(id, payload, retry_count)| Job {
+            id,
+            queue: queue.to_owned(),
+            payload,
+            retry_count,
+            claim: claim.clone(),
+        }))
+    }
+
+    /// Marks `job` done, if its claim still holds (`false` when the lease ran out: the job
+    /// may have been claimed again).
+    pub async fn complete_job(&self, job: &Job) -> Result<bool> {
+        self.finish_job(job, "done").await
+    }
+
+    /// Marks `job` failed for good, if its claim still holds.
+    pub async fn fail_job(&self, job: &Job) -> Result<bool> {
+        self.finish_job(job, "failed").await
+    }
+
+    async fn finish_job(&self, job: &Job, status: &'static str) -> Result<bool> {
+        let key = LockKey::new(&job.queue)?;
+        let shard = self.state_for(&key);
+        let name = shard.shard.name().to_owned();
+        let (claim, id) = (job.claim.clone(), job.id);
+        shard
+            .call(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
+                let claim = claim.clone();
+                Box::pin(async move {
+                    c.exec_drop(
+                        "UPDATE shardlock_job SET status = ?, lease_until = NULL \
+                         WHERE id = ? AND status = 'claimed' AND locked_by = ? \
+                         AND lease_until > NOW(3)",
+                        (status, id, &claim),
+                    )
+                    .await?;
+                    Ok(c.affected_rows() == 1)
+                })
+            }))
+            .await
+            .map_err(|e| e.into_error(&name))
+    }
+}
+
+/// The claim transaction of [`LockRouter::claim_job`] on one connection.
+async fn claim_in(
+    c: &mut Conn,
+    queue: &str,
+    claim: &str,
+    lease: Duration,
+) -> mysql_async::Result<Option<(u64, Vec<u8>, u32)>> {
+    let mut opts = TxOpts::default();
+    opts.with_isolation_level(IsolationLevel::ReadCommitted);
+    let mut tx = c.start_transaction(opts).await?;
+    // An abandoned claim first (a crashed worker's job), else the ready job due first.
+    let mut row: Option<(u64, Vec<u8>, u32)> = tx
+        .exec_first(
+            "SELECT id, payload, retry_count + 1 FROM shardlock_job \
+             WHERE queue = ? AND status = 'claimed' AND lease_until <= NOW(3) \
+             AND retry_count < max_retries LIMIT 1 FOR UPDATE SKIP LOCKED",
+            (queue,),
+        )
+        .await?;
+    if row.is_none() {
+        row = tx
+            .exec_first(
+                "SELECT id, payload, retry_count FROM shardlock_job \
+                 WHERE queue = ? AND status = 'ready' AND due_at <= NOW(3) \
+                 ORDER BY due_at LIMIT 1 FOR UPDATE SKIP LOCKED",
+                (queue,),
+            )
+            .await?;
+    }
+    let Some((id, payload, retry_count)) = row else {
+        tx.rollback().await?;
+        return Ok(None);
+    };
+    tx.exec_drop(
+        "UPDATE shardlock_job SET status = 'claimed', locked_by = ?, locked_at = NOW(3), \
+         lease_until = NOW(3) + INTERVAL ? MICROSECOND, retry_count = ? WHERE id = ?",
+        (claim, lease.as_micros() as u64, retry_count, id),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(Some((id, payload, retry_count)))
 }

@@ -1,6 +1,7 @@
 //! The other lock patterns against real shards: a transaction lock whose holder process is
-//! SIGKILLed mid-transaction, a state-machine claim with 64 concurrent claimers, and a version
-//! CAS lock under 64 contenders.
+//! SIGKILLed mid-transaction, a state-machine claim with 64 concurrent claimers, 10,000 jobs
+//! claimed by 2 processes × 16 workers with a worker killed mid-job, and a version CAS lock
+//! under 64 contenders.
 
 mod common;
 
@@ -206,6 +207,147 @@ async fn state_machine_claim_has_one_winner_and_rollback_makes_it_claimable_agai
     assert!(StateMachine::new("coupon; DROP TABLE x", "code", "state").is_err());
 }
 
+const JOBS: u64 = 10_000;
+const QUEUE: &str = "emails";
+const WORKERS: usize = 16;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_thousand_jobs_are_each_completed_once_and_a_killed_workers_job_is_reclaimed() {
+    let (cluster, router, yaml) = common::start(2, "").await;
+    on_every_shard(
+        &cluster,
+        "CREATE TABLE job_log (id BIGINT AUTO_INCREMENT PRIMARY KEY, job_id BIGINT UNSIGNED NOT NULL, \
+         worker VARCHAR(191) NOT NULL, retry_count INT UNSIGNED NOT NULL)",
+    )
+    .await;
+    // A worker that claims one job and is killed before completing it.
+    let first = router
+        .enqueue_job(QUEUE, b"the doomed one", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    let env = [(common::CONFIG_ENV, yaml.clone())];
+    let mut doomed = Worker::spawn("worker", "job-doomed", &env).unwrap();
+    let claimed = doomed.expect("claimed ").await.unwrap();
+    assert_eq!(
+        claimed.trim_start_matches("claimed ").trim(),
+        first.to_string()
+    );
+    doomed.kill().await.unwrap();
+
+    let enqueue: Vec<_> = (0..16)
+        .map(|t| {
+            let router = router.clone();
+            tokio::spawn(async move {
+                for i in (t..JOBS - 1).step_by(16) {
+                    router
+                        .enqueue_job(QUEUE, format!("job {i}").as_bytes(), Duration::ZERO, 3)
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in enqueue {
+        t.await.unwrap();
+    }
+    let started = Instant::now();
+    let workers: Vec<Worker> = (0..2)
+        .map(|_| Worker::spawn("worker", "job-worker", &env).unwrap())
+        .collect();
+    let mut completed = 0;
+    for w in workers {
+        completed += w.finish_report("completed ").await.unwrap()[0];
+    }
+    eprintln!("{completed} jobs completed in {:?}", started.elapsed());
+    assert_eq!(completed, JOBS, "every job completed by one of the workers");
+    assert_eq!(
+        count_rows(&cluster, "SELECT COUNT(*) FROM job_log").await,
+        JOBS
+    );
+    assert_eq!(
+        count_rows(&cluster, "SELECT COUNT(DISTINCT job_id) FROM job_log").await,
+        JOBS,
+        "no job twice"
+    );
+    assert_eq!(
+        count_rows(
+            &cluster,
+            "SELECT COUNT(*) FROM shardlock_job WHERE status = 'done'"
+        )
+        .await,
+        JOBS
+    );
+    let retried = count_rows(
+        &cluster,
+        &format!("SELECT COUNT(*) FROM job_log WHERE job_id = {first} AND retry_count = 1"),
+    )
+    .await;
+    assert_eq!(
+        retried, 1,
+        "the killed worker's job was claimed again, retry count raised"
+    );
+}
+
+/// Claims one job and waits to be killed.
+async fn job_doomed() {
+    let router = common::worker_router().await;
+    let job = router
+        .claim_job(QUEUE, "doomed", Duration::from_secs(1))
+        .await
+        .unwrap()
+        .unwrap();
+    report!("claimed {}", job.id);
+    std::future::pending::<()>().await;
+}
+
+/// 16 workers claiming and completing jobs until nothing has been due for 3 s (the killed
+/// worker's lease runs out meanwhile).
+async fn job_worker() {
+    let router = common::worker_router().await;
+    let me = router.instance_id().to_owned();
+    let tasks: Vec<_> = (0..WORKERS)
+        .map(|w| {
+            let (router, me) = (router.clone(), me.clone());
+            tokio::spawn(async move {
+                let worker = format!("{me}/{w}");
+                let mut done = 0u64;
+                let mut idle_since = None;
+                loop {
+                    let claimed = router
+                        .claim_job(QUEUE, &worker, Duration::from_secs(5))
+                        .await
+                        .unwrap();
+                    let Some(job) = claimed else {
+                        let since = *idle_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() > Duration::from_secs(3) {
+                            return done;
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    };
+                    idle_since = None;
+                    let mut conn = router.shard_connection(QUEUE).await.unwrap();
+                    conn.raw()
+                        .exec_drop(
+                            "INSERT INTO job_log (job_id, worker, retry_count) VALUES (?, ?, ?)",
+                            (job.id, &worker, job.retry_count),
+                        )
+                        .await
+                        .unwrap();
+                    drop(conn);
+                    assert!(router.complete_job(&job).await.unwrap(), "lease ran out");
+                    done += 1;
+                }
+            })
+        })
+        .collect();
+    let mut done = 0;
+    for t in tasks {
+        done += t.await.unwrap();
+    }
+    report!("completed {done}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn version_cas_lock_keeps_64_contenders_exact() {
     let (cluster, router, _) = common::start(1, "").await;
@@ -259,4 +401,8 @@ async fn version_cas_lock_keeps_64_contenders_exact() {
     assert_eq!(n, Some(64 * 20), "a lost update means two holders at once");
 }
 
-crate::worker_entry! { "tx-holder" => tx_holder() }
+crate::worker_entry! {
+    "tx-holder" => tx_holder(),
+    "job-doomed" => job_doomed(),
+    "job-worker" => job_worker(),
+}

@@ -1,0 +1,44 @@
+//! Job claims: workers claim the next due job and learn its id in the same step; a job whose
+//! worker crashed is claimed again once its lease runs out, up to its retry limit. Choose it
+//! for work queues kept in MySQL (emails, exports, webhooks).
+//!
+//! ```sh
+//! cargo run -p shardlock-cli -- dev up
+//! cargo run --example job_queue
+//! ```
+
+use std::time::Duration;
+
+use shardlock::LockRouter;
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let config = std::env::var("SHARDLOCK_CONFIG").unwrap_or_else(|_| "config/local.yaml".into());
+    let router = LockRouter::from_yaml_file(&config).await?;
+    router.migrate().await?;
+    for i in 0..5 {
+        router
+            .enqueue_job(
+                "welcome-emails",
+                format!("user {i}").as_bytes(),
+                Duration::ZERO,
+                3,
+            )
+            .await?;
+    }
+    let lease = Duration::from_secs(30);
+    while let Some(job) = router
+        .claim_job("welcome-emails", "example-worker", lease)
+        .await?
+    {
+        println!(
+            "sending to {} (job {})",
+            String::from_utf8_lossy(&job.payload),
+            job.id
+        );
+        // ... send it, then:
+        router.complete_job(&job).await?;
+    }
+    router.shutdown().await?;
+    Ok(())
+}
