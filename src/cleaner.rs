@@ -228,7 +228,7 @@ impl LockRouter {
     /// [`LockGuard::lost`] at its next renewal. `None` when nobody holds the key.
     pub async fn force_release(&self, key: &str) -> Result<Option<ForceReleased>> {
         let key = LockKey::new(key)?;
-        let shard = self.inner.topology.load().locate(&key).clone();
+        let shard = self.state_for(&key);
         let name = shard.shard.name().to_owned();
         let backend = |e: shardlock_core::BackendError| e.into_error(&name);
         // The holder may change between the look and the release: look again, a few times.

@@ -179,7 +179,8 @@ pub struct Job {
 }
 
 impl LockRouter {
-    fn state_for(&self, key: &LockKey) -> std::sync::Arc<ShardState> {
+    /// The shard state of `key` in the topology in force.
+    pub(crate) fn state_for(&self, key: &LockKey) -> std::sync::Arc<ShardState> {
         self.inner.topology.load().locate(key).clone()
     }
 

@@ -152,6 +152,20 @@ async fn direct_router(rig: &Rig) -> LockRouter {
     LockRouter::from_yaml_str(&yaml).await.unwrap()
 }
 
+/// A rig whose router is cut off from `s1`, and a key of `s1` it holds in process.
+async fn held_locally() -> (Rig, String, shardlock::LockGuard) {
+    let rig = Rig::start("local", None, POOL).await;
+    let key = rig.keys("k", 1, false).remove(0);
+    cut_off(&rig, "other").await;
+    let guard = rig
+        .router
+        .acquire(&key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(guard.mode(), LockMode::LocalFallback);
+    (rig, key, guard)
+}
+
 /// Cuts the rig's router off from `s1` until its breaker opens.
 async fn cut_off(rig: &Rig, key: &str) {
     rig.proxy.set(ProxyMode::Reset);
@@ -162,15 +176,8 @@ async fn cut_off(rig: &Rig, key: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_locally_held_key_is_taken_on_the_shard_when_it_returns() {
-    let rig = Rig::start("local", None, POOL).await;
-    let key = &rig.keys("k", 1, false)[0];
-    cut_off(&rig, "other").await;
-    let guard = rig
-        .router
-        .acquire(key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(guard.mode(), LockMode::LocalFallback);
+    let (rig, key, guard) = held_locally().await;
+    let key = &key;
     let other = direct_router(&rig).await;
     // While the proxy cuts this instance off, the shard knows nothing of the local hold.
     assert!(rig.router.status().await[0].local_fallback_leases == 1);
@@ -206,15 +213,8 @@ async fn a_locally_held_key_is_taken_on_the_shard_when_it_returns() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_conflict_found_on_recovery_is_reported_to_the_local_holder() {
-    let rig = Rig::start("local", None, POOL).await;
-    let key = &rig.keys("k", 1, false)[0];
-    cut_off(&rig, "other").await;
-    let local = rig
-        .router
-        .acquire(key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(local.mode(), LockMode::LocalFallback);
+    let (rig, key, local) = held_locally().await;
+    let key = &key;
     // Another process, which reaches the shard, takes the same key meanwhile: the trade-off
     // of the local policy.
     let other = direct_router(&rig).await;
@@ -249,15 +249,7 @@ async fn a_conflict_found_on_recovery_is_reported_to_the_local_holder() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn shutdown_ends_local_holds_too() {
-    let rig = Rig::start("local", None, POOL).await;
-    let key = &rig.keys("k", 1, false)[0];
-    cut_off(&rig, "other").await;
-    let guard = rig
-        .router
-        .acquire(key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(guard.mode(), LockMode::LocalFallback);
+    let (rig, _, guard) = held_locally().await;
     assert!(guard.is_held());
     let _ = rig.router.shutdown().await; // s1 is cut off: its pool may report the reset
     tokio::time::timeout(Duration::from_secs(1), guard.lost())

@@ -258,6 +258,20 @@ async fn otlp_receiver() -> (
     (addr, received)
 }
 
+/// Every span of every OTLP/JSON body received.
+fn received_spans(received: &std::sync::Mutex<Vec<serde_json::Value>>) -> Vec<serde_json::Value> {
+    let list =
+        |v: &serde_json::Value, field: &str| v[field].as_array().cloned().unwrap_or_default();
+    received
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|body| list(body, "resourceSpans"))
+        .flat_map(|rs| list(&rs, "scopeSpans"))
+        .flat_map(|ss| list(&ss, "spans"))
+        .collect()
+}
+
 /// An attribute of an OTLP/JSON span, as text.
 fn attribute(span: &serde_json::Value, key: &str) -> Option<String> {
     span["attributes"]
@@ -314,19 +328,7 @@ async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
     router.shutdown().await.unwrap();
     telemetry.shutdown();
 
-    let spans: Vec<serde_json::Value> = received
-        .lock()
-        .unwrap()
-        .iter()
-        .flat_map(|body| {
-            body["resourceSpans"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-        })
-        .flat_map(|rs| rs["scopeSpans"].as_array().cloned().unwrap_or_default())
-        .flat_map(|ss| ss["spans"].as_array().cloned().unwrap_or_default())
-        .collect();
+    let spans: Vec<serde_json::Value> = received_spans(&received).into_iter().collect();
     let hold = spans
         .iter()
         .find(|s| {
@@ -398,18 +400,8 @@ async fn a_waiter_elsewhere_links_to_the_holders_trace_stored_with_the_lease() {
     holder_router.shutdown().await.unwrap();
     telemetry.shutdown();
 
-    let spans: Vec<serde_json::Value> = received
-        .lock()
-        .unwrap()
-        .iter()
-        .flat_map(|body| {
-            body["resourceSpans"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-        })
-        .flat_map(|rs| rs["scopeSpans"].as_array().cloned().unwrap_or_default())
-        .flat_map(|ss| ss["spans"].as_array().cloned().unwrap_or_default())
+    let spans: Vec<serde_json::Value> = received_spans(&received)
+        .into_iter()
         .filter(|s| {
             s["name"] == "shardlock.acquire" && attribute(s, "key").as_deref() == Some("acct:9")
         })
