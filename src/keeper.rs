@@ -280,6 +280,19 @@ impl ShardState {
         self.call_timed(call, true).await
     }
 
+    /// One call through the breaker on a pooled connection, within the statement timeout;
+    /// errors name the shard.
+    pub(crate) async fn run<T>(
+        &self,
+        f: impl Fn(
+            &mut mysql_async::Conn,
+        ) -> futures_util::future::BoxFuture<'_, mysql_async::Result<T>>,
+    ) -> shardlock_core::Result<T> {
+        self.call(self.shard.with_conn(self.shard.statement_timeout(), f))
+            .await
+            .map_err(|e| e.into_error(self.shard.name()))
+    }
+
     /// [`ShardState::call`] for calls that may wait for a row lock on purpose (transaction
     /// locks, job claims): their duration says nothing about the shard's health, so it never
     /// counts as a slow call.

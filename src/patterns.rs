@@ -271,11 +271,10 @@ impl LockRouter {
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
         let shard = self.state_for(&lock_key);
-        let name = shard.shard.name().to_owned();
         let stored = lock_key.stored().to_vec();
         let owner_s = owner.to_owned();
         let got = shard
-            .call(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
+            .run(|c| {
                 let (stored, owner) = (stored.clone(), owner_s.clone());
                 Box::pin(async move {
                     c.exec_drop(
@@ -301,9 +300,8 @@ impl LockRouter {
                     .await?;
                     Ok((c.affected_rows() == 1).then_some(version + 1))
                 })
-            }))
-            .await
-            .map_err(|e| e.into_error(&name))?;
+            })
+            .await?;
         Ok(got.map(|version| CasGuard {
             key: key.to_owned(),
             owner: owner.to_owned(),
@@ -316,10 +314,9 @@ impl LockRouter {
     pub async fn cas_release(&self, guard: CasGuard) -> Result<bool> {
         let lock_key = LockKey::new(&guard.key)?;
         let shard = self.state_for(&lock_key);
-        let name = shard.shard.name().to_owned();
         let stored = lock_key.stored().to_vec();
         shard
-            .call(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
+            .run(|c| {
                 let (stored, owner) = (stored.clone(), guard.owner.clone());
                 Box::pin(async move {
                     c.exec_drop(
@@ -330,9 +327,8 @@ impl LockRouter {
                     .await?;
                     Ok(c.affected_rows() == 1)
                 })
-            }))
+            })
             .await
-            .map_err(|e| e.into_error(&name))
     }
 
     /// Moves row `id` of the machine's table (on the shard of key `id`) from `from` to `to`
@@ -358,7 +354,6 @@ impl LockRouter {
         }
         let key = LockKey::new(id)?;
         let shard = self.state_for(&key);
-        let name = shard.shard.name().to_owned();
         let sql = format!(
             "UPDATE {} SET {state} = ? WHERE {} = ? AND {state} = ?",
             machine.table,
@@ -367,15 +362,14 @@ impl LockRouter {
         );
         let (id, from, to) = (id.to_owned(), from.to_owned(), to.to_owned());
         shard
-            .call(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
+            .run(|c| {
                 let (sql, id, from, to) = (sql.clone(), id.clone(), from.clone(), to.clone());
                 Box::pin(async move {
                     c.exec_drop(sql, (&to, &id, &from)).await?;
                     Ok(c.affected_rows() == 1)
                 })
-            }))
+            })
             .await
-            .map_err(|e| e.into_error(&name))
     }
 
     /// The shard connection of a key, for setting up a state machine's table next to it.
@@ -404,10 +398,9 @@ impl LockRouter {
     ) -> Result<u64> {
         let key = LockKey::new(queue)?;
         let shard = self.state_for(&key);
-        let name = shard.shard.name().to_owned();
         let (queue, payload) = (queue.to_owned(), payload.to_vec());
         shard
-            .call(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
+            .run(|c| {
                 let (queue, payload) = (queue.clone(), payload.clone());
                 Box::pin(async move {
                     c.exec_drop(
@@ -419,9 +412,8 @@ impl LockRouter {
                     .await?;
                     Ok(c.last_insert_id().unwrap_or(0))
                 })
-            }))
+            })
             .await
-            .map_err(|e| e.into_error(&name))
     }
 
     /// Claims the next due job of `queue` for `worker`, for `lease`: first a claimed job
@@ -481,10 +473,9 @@ impl LockRouter {
     async fn finish_job(&self, job: &Job, status: &'static str) -> Result<bool> {
         let key = LockKey::new(&job.queue)?;
         let shard = self.state_for(&key);
-        let name = shard.shard.name().to_owned();
         let (claim, id) = (job.claim.clone(), job.id);
         shard
-            .call(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
+            .run(|c| {
                 let claim = claim.clone();
                 Box::pin(async move {
                     c.exec_drop(
@@ -496,9 +487,8 @@ impl LockRouter {
                     .await?;
                     Ok(c.affected_rows() == 1)
                 })
-            }))
+            })
             .await
-            .map_err(|e| e.into_error(&name))
     }
 }
 
