@@ -35,9 +35,6 @@ pub(crate) struct Hold {
     pub(crate) shard: Arc<ShardState>,
     pub(crate) fence: u64,
     guards: AtomicUsize,
-    /// For a key that moved in a recent reload: its leases on the shards it lived on before,
-    /// held and released together with this one.
-    companions: std::sync::Mutex<Vec<LockGuard>>,
     /// When it was granted, for the hold-time metric.
     granted: Instant,
     /// `shardlock.hold`, open from grant to release.
@@ -47,10 +44,6 @@ pub(crate) struct Hold {
 }
 
 impl Hold {
-    pub(crate) fn new(lease: Arc<LeaseState>, shard: Arc<ShardState>, fence: u64) -> Arc<Self> {
-        Self::with_companions(lease, shard, fence, Vec::new())
-    }
-
     /// A grant handed over by the holder of `after` (in memory or by the release statement):
     /// its span starts a trace of its own that follows from the previous hold.
     pub(crate) fn handed(
@@ -72,19 +65,13 @@ impl Hold {
             shard,
             fence,
             guards: AtomicUsize::new(1),
-            companions: std::sync::Mutex::default(),
             granted: Instant::now(),
             span,
             after: Some(after.clone()),
         })
     }
 
-    pub(crate) fn with_companions(
-        lease: Arc<LeaseState>,
-        shard: Arc<ShardState>,
-        fence: u64,
-        companions: Vec<LockGuard>,
-    ) -> Arc<Self> {
+    pub(crate) fn new(lease: Arc<LeaseState>, shard: Arc<ShardState>, fence: u64) -> Arc<Self> {
         let span = tracing::info_span!(
             "shardlock.hold",
             shard = shard.shard.name(),
@@ -96,22 +83,15 @@ impl Hold {
             shard,
             fence,
             guards: AtomicUsize::new(1),
-            companions: std::sync::Mutex::new(companions),
             granted: Instant::now(),
             span,
             after: None,
         })
     }
 
-    /// Whether this lease and every companion lease are surely still ours.
+    /// Whether this lease (and every companion row of it) is surely still ours.
     fn is_live(&self) -> bool {
         self.lease.is_live()
-            && self
-                .companions
-                .lock()
-                .unwrap()
-                .iter()
-                .all(LockGuard::is_held)
     }
 }
 
@@ -185,19 +165,9 @@ impl LockGuard {
     /// taken over or force-released. Never completes for a lease that stays held.
     /// Cancel-safe.
     pub async fn lost(&self) {
-        let mut watches = vec![self.hold.lease.subscribe_lost()];
-        watches.extend(
-            self.hold
-                .companions
-                .lock()
-                .unwrap()
-                .iter()
-                .map(|c| c.hold.lease.subscribe_lost()),
-        );
-        let losses = watches
-            .iter_mut()
-            .map(|rx| Box::pin(async move { drop(rx.wait_for(|lost| *lost).await) }));
-        futures_util::future::select_all(losses).await;
+        // A companion row's loss (a moved key) is reported through the lease it belongs to.
+        let mut lost = self.hold.lease.subscribe_lost();
+        let _ = lost.wait_for(|lost| *lost).await;
     }
 
     /// Re-enters the lock: returns another guard of the same grant (same fence). The lock is
@@ -211,6 +181,11 @@ impl LockGuard {
         }
         self.hold.guards.fetch_add(1, Ordering::AcqRel);
         Ok(LockGuard::new(self.hold.clone()))
+    }
+
+    /// The grant behind this guard.
+    pub(crate) fn hold(&self) -> &Hold {
+        &self.hold
     }
 
     /// The hold span of the holder that handed this grant over, if it was.
@@ -291,18 +266,16 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
             turn,
         )));
     }
-    let companions = std::mem::take(&mut *hold.companions.lock().unwrap());
-    if !companions.is_empty() {
-        // A moved key: release it everywhere; waiters poll for themselves.
+    // A lease with rows on other shards (its key moved) or placed under an older topology (its
+    // key may have moved) is not handed over: it is released everywhere and the waiters poll
+    // where the key lives now.
+    if lease.has_companions() || lease.placed_epoch.load(Ordering::Acquire) < shard.shared.epoch() {
         let turn = lease.turn.lock().unwrap().take();
-        let (shard, lease) = (shard.clone(), lease.clone());
-        return Some(Box::pin(async move {
-            let result = release_through_shard(shard, lease, turn).await;
-            for companion in companions {
-                drop(companion.release().await);
-            }
-            result
-        }));
+        return Some(Box::pin(release_through_shard(
+            shard.clone(),
+            lease.clone(),
+            turn,
+        )));
     }
     let closed = shard.shared.is_closed();
     let mut turn_slot = lease.turn.lock().unwrap();
@@ -364,6 +337,13 @@ async fn handoff_through_shard(
     shard.remove(lease.id);
     let shared = &shard.shared;
     shared.stats.releases.fetch_add(1, Ordering::Relaxed);
+    // A companion taken since the hold ended was refused; one taken just before is released.
+    for (other, row) in lease.end_companions() {
+        other.remove(row.id);
+        let _ = other
+            .call(other.shard.release(row.key.stored(), &row.owner))
+            .await;
+    }
     let (id, owner) = shared.next_owner();
     let want = next.want;
     let req = GrantRequest {
@@ -386,13 +366,16 @@ async fn handoff_through_shard(
                 reserve: req.reserve,
                 sent,
             };
-            let state = Arc::new(LeaseState::new(
-                lease.key.clone(),
-                grant,
-                want,
-                want.handoff_max_time,
-                Some(turn),
-            ));
+            let state = Arc::new(
+                LeaseState::new(
+                    lease.key.clone(),
+                    grant,
+                    want,
+                    want.handoff_max_time,
+                    Some(turn),
+                )
+                .placed_at(lease.placed_epoch.load(Ordering::Acquire)),
+            );
             shard.insert(state.clone());
             next.grant(LockGuard::new(Hold::handed(
                 state,
@@ -427,9 +410,17 @@ pub(crate) async fn release_through_shard(
 ) -> Result<()> {
     shard.remove(lease.id);
     shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
+    let companions = lease.end_companions();
     let result = shard
         .call(shard.shard.release(lease.key.stored(), &lease.owner))
         .await;
+    // The key's rows on other shards (it moved); the turn passes on once all are free.
+    for (other, row) in companions {
+        other.remove(row.id);
+        let _ = other
+            .call(other.shard.release(row.key.stored(), &row.owner))
+            .await;
+    }
     drop(turn);
     match result {
         Ok(true) => Ok(()),

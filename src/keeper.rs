@@ -40,6 +40,27 @@ pub(crate) struct LeaseState {
     pub(crate) turn: Mutex<Option<Turn>>,
     /// Granted in process while the shard's breaker was open (`LockMode::LocalFallback`).
     pub(crate) local: bool,
+    /// The topology epoch up to which this lease is known to be visible where the key lives:
+    /// granted under it, or followed there by a row on the key's new shard (see
+    /// [`crate::moves`]). Only ever rises.
+    pub(crate) placed_epoch: AtomicU64,
+    /// Rows of the same grant on other shards: where the key lived before a reload (taken by an
+    /// acquire of a moved key) or where it lives after one (taken when the key moved while
+    /// held). Renewed by their shards' keepers, released with this lease; losing one loses
+    /// this lease.
+    companions: Mutex<Companions>,
+    /// For a companion row: the lease it belongs to (told when the companion is lost).
+    parent: std::sync::OnceLock<Weak<LeaseState>>,
+    /// Held while the lease follows its key after a reload (one follower at a time).
+    pub(crate) following: tokio::sync::Mutex<()>,
+}
+
+/// The companion rows of a lease, and whether the lease already ended (a companion that
+/// arrives after that is released at once).
+#[derive(Debug, Default)]
+struct Companions {
+    rows: Vec<(Arc<ShardState>, Arc<LeaseState>)>,
+    ended: bool,
 }
 
 /// What the shard granted: to which owner (grant `id`), its first fence and how many more
@@ -75,7 +96,80 @@ impl LeaseState {
             local_until: grant.sent + local_for,
             turn: Mutex::new(turn),
             local: false,
+            placed_epoch: AtomicU64::new(0),
+            companions: Mutex::default(),
+            parent: std::sync::OnceLock::new(),
+            following: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// This lease as a companion row of `parent`: its loss is the parent's.
+    pub(crate) fn belonging_to(self, parent: &Arc<LeaseState>) -> Self {
+        let _ = self.parent.set(Arc::downgrade(parent));
+        self
+    }
+
+    /// Whether the lease ended (released): companions are refused from then on.
+    pub(crate) fn has_ended(&self) -> bool {
+        self.companions.lock().unwrap().ended
+    }
+
+    /// The lease as placed under topology `epoch`.
+    pub(crate) fn placed_at(self, epoch: u64) -> Self {
+        self.placed_epoch.store(epoch, Ordering::Release);
+        self
+    }
+
+    /// Whether this is a companion row of another lease.
+    pub(crate) fn is_companion(&self) -> bool {
+        self.parent.get().is_some()
+    }
+
+    /// The highest fence this grant reserved on its shard.
+    pub(crate) fn fence_top(&self) -> u64 {
+        self.fence_top
+    }
+
+    /// Adds `companion` (a row of this grant on `shard`) to this lease. `false` when the lease
+    /// already ended or was lost: the caller must release the companion.
+    pub(crate) fn adopt(
+        self: &Arc<Self>,
+        shard: Arc<ShardState>,
+        companion: Arc<LeaseState>,
+    ) -> bool {
+        debug_assert!(companion.is_companion());
+        let mut companions = self.companions.lock().unwrap();
+        if companions.ended || self.is_lost() {
+            return false;
+        }
+        if companion.is_lost() {
+            drop(companions);
+            self.mark_lost(
+                "a row of the lease on another shard was lost",
+                &shard.shared.stats,
+            );
+            return false;
+        }
+        companions.rows.push((shard, companion));
+        true
+    }
+
+    /// Whether the lease has rows on other shards.
+    pub(crate) fn has_companions(&self) -> bool {
+        !self.companions.lock().unwrap().rows.is_empty()
+    }
+
+    /// The shards this lease has companion rows on.
+    pub(crate) fn companion_shards(&self) -> Vec<Arc<ShardState>> {
+        let companions = self.companions.lock().unwrap();
+        companions.rows.iter().map(|(s, _)| s.clone()).collect()
+    }
+
+    /// Ends the lease's companions: returns them to release; later ones are refused.
+    pub(crate) fn end_companions(&self) -> Vec<(Arc<ShardState>, Arc<LeaseState>)> {
+        let mut companions = self.companions.lock().unwrap();
+        companions.ended = true;
+        std::mem::take(&mut companions.rows)
     }
 
     /// An in-process lease, granted while the shard's breaker is open: no row, no renewal,
@@ -89,9 +183,18 @@ impl LeaseState {
         }
     }
 
-    /// Whether the lease is surely still ours on the shard.
+    /// Whether the lease is surely still ours on its shard, and on its companions' shards.
     pub(crate) fn is_live(&self) -> bool {
-        !self.is_lost() && Instant::now() < self.deadline()
+        let now = Instant::now();
+        !self.is_lost()
+            && now < self.deadline()
+            && self
+                .companions
+                .lock()
+                .unwrap()
+                .rows
+                .iter()
+                .all(|(_, c)| !c.is_lost() && now < c.deadline())
     }
 
     /// A fence for an in-memory hand-off, if this lease may still make one: it is live, its
@@ -112,7 +215,7 @@ impl LeaseState {
         *self.deadline.lock().unwrap()
     }
 
-    fn set_deadline(&self, to: Instant) {
+    pub(crate) fn set_deadline(&self, to: Instant) {
         *self.deadline.lock().unwrap() = to;
     }
 
@@ -131,8 +234,10 @@ impl LeaseState {
         self.lost.subscribe()
     }
 
-    /// Marks the lease lost (once) and says why.
+    /// Marks the lease lost (once) and says why. A companion row's loss is its lease's: that
+    /// is what gets counted and reported.
     pub(crate) fn mark_lost(&self, why: &'static str, stats: &Stats) {
+        let parent = self.parent.get().and_then(Weak::upgrade);
         // Counted before the holder is woken, so whoever sees `lost()` complete also sees
         // the count.
         let first = self.lost.send_if_modified(|lost| {
@@ -140,11 +245,17 @@ impl LeaseState {
                 return false;
             }
             *lost = true;
-            stats.lost.fetch_add(1, Ordering::Relaxed);
+            if parent.is_none() {
+                stats.lost.fetch_add(1, Ordering::Relaxed);
+            }
             true
         });
-        if first {
-            tracing::warn!(key = %self.key, owner = %self.owner, why, "shardlock lease lost");
+        match parent {
+            Some(parent) => parent.mark_lost(why, stats),
+            None if first => {
+                tracing::warn!(key = %self.key, owner = %self.owner, why, "shardlock lease lost")
+            }
+            None => {}
         }
     }
 }
@@ -160,6 +271,11 @@ pub(crate) struct Shared {
     pub(crate) closed: watch::Sender<bool>,
     /// Metrics instruments and the hot-key summary.
     pub(crate) telemetry: crate::telemetry::Telemetry,
+    /// The epoch of the topology in force, set by a reload right after it swapped the topology
+    /// in: a lease placed under an older one may have to follow its key (see [`crate::moves`]).
+    pub(crate) epoch: AtomicU64,
+    /// The router, for the tasks that make moved leases follow their keys.
+    pub(crate) router: std::sync::OnceLock<Weak<crate::router::Inner>>,
 }
 
 impl Shared {
@@ -171,7 +287,14 @@ impl Shared {
             stats: Stats::default(),
             queues: Arc::default(),
             closed: watch::channel(false).0,
+            epoch: AtomicU64::new(1),
+            router: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The epoch of the topology in force.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
     }
 
     /// A new grant number and the owner string written for it: `<instance id>:<grant seq>`.
@@ -205,6 +328,7 @@ pub(crate) struct Stats {
     pub(crate) reconcile_conflicts: AtomicU64,
     pub(crate) breaker_opened: AtomicU64,
     pub(crate) breaker_closed: AtomicU64,
+    pub(crate) followed: AtomicU64,
 }
 
 /// A local lease has no end of its own: it lasts until released, or lost on reconciliation.
@@ -237,6 +361,9 @@ pub(crate) struct ShardState {
     pub(crate) holds: Option<[opentelemetry::metrics::BoundHistogram<f64>; 2]>,
     /// Acquire histograms bound to this shard, per namespace.
     pub(crate) acquires: crate::telemetry::BoundAcquires,
+    /// The server and schema behind the shard, once read (see [`Shard::identity`]): two shard
+    /// states with the same identity are the same database.
+    pub(crate) identity: std::sync::OnceLock<String>,
 }
 
 /// The breaker's clock: Tokio's, so tests with paused time drive it.
@@ -265,6 +392,7 @@ impl ShardState {
             local: Mutex::default(),
             label,
             shard,
+            identity: std::sync::OnceLock::new(),
         })
     }
 
@@ -442,7 +570,7 @@ impl ShardState {
     /// Re-acquires on the shard, under the same owner, the keys this process holds locally.
     /// A key another process holds there now is reported lost to its local holder (who keeps
     /// its turn, so no second holder appears in this process until it lets go).
-    async fn reconcile(&self) {
+    async fn reconcile(self: &Arc<Self>) {
         let locals: Vec<Arc<LeaseState>> = self.local.lock().unwrap().values().cloned().collect();
         for lease in locals {
             if self.breaker_state() == BreakerState::Open {
@@ -493,16 +621,31 @@ impl ShardState {
         }
     }
 
-    pub(crate) fn insert(&self, lease: Arc<LeaseState>) {
+    /// Registers a lease held on this shard with its keeper. A lease placed under an older
+    /// topology than the one in force is made to follow its key (a reload may have missed
+    /// it: it checks the leases registered after it swapped the topology in, and this checks
+    /// the epoch after registering, so one of the two sees the other).
+    pub(crate) fn insert(self: &Arc<Self>, lease: Arc<LeaseState>) {
         let every = lease.renew_every.as_millis() as u64;
         let was_empty = {
             let mut leases = self.leases.lock().unwrap();
-            leases.insert(lease.id, lease);
+            leases.insert(lease.id, lease.clone());
             leases.len() == 1
         };
         if self.shortest_ms.fetch_min(every, Ordering::AcqRel) > every || was_empty {
             self.wake.notify_one();
         }
+        if !lease.is_companion() && lease.placed_epoch.load(Ordering::Acquire) < self.shared.epoch()
+        {
+            crate::moves::follow(self.clone(), lease);
+        }
+    }
+
+    /// Whether this shard and `other` are the same database: the same shard state, or the
+    /// same server identity (see [`ShardState::identity`]).
+    pub(crate) fn same_database(&self, other: &ShardState) -> bool {
+        std::ptr::eq(self, other)
+            || matches!((self.identity.get(), other.identity.get()), (Some(a), Some(b)) if a == b)
     }
 
     pub(crate) fn remove(&self, id: u64) -> Option<Arc<LeaseState>> {
@@ -533,7 +676,7 @@ impl ShardState {
 
     /// Re-acquires local leases if there are any, reports expired leases, and renews the rest
     /// if the tick is due.
-    async fn tick(&self, next_tick: &mut Option<Instant>) {
+    async fn tick(self: &Arc<Self>, next_tick: &mut Option<Instant>) {
         if self.local_count() > 0 {
             self.reconcile().await;
         }

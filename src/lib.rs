@@ -6,6 +6,7 @@ mod cleaner;
 mod fence;
 mod guard;
 mod keeper;
+mod moves;
 mod options;
 pub mod patterns;
 mod queue;

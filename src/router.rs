@@ -86,6 +86,9 @@ pub struct LockStats {
     /// Locally held keys found held by another process when their shard came back (each
     /// reported to its holder through `lost()`).
     pub reconcile_conflicts: u64,
+    /// Leases whose key moved in a reload while they were held, taken on the key's new shard
+    /// as well (see [`LockRouter::reload`]).
+    pub followed: u64,
 }
 
 /// One shard as `status` sees it.
@@ -153,6 +156,11 @@ impl LockRouter {
                 cleaner: crate::cleaner::CleanerState::default(),
             }),
         };
+        let _ = router
+            .inner
+            .shared
+            .router
+            .set(Arc::downgrade(&router.inner));
         crate::cleaner::spawn_heartbeat(&router);
         crate::telemetry::register_observers(Arc::downgrade(&router.inner));
         Ok(router)
@@ -195,7 +203,18 @@ impl LockRouter {
             shards = next.current.shards.len(),
             "shardlock topology reloaded"
         );
-        self.inner.topology.store(Arc::new(next));
+        let next = Arc::new(next);
+        self.inner.topology.store(next.clone());
+        // Published after the swap: a lease registered from now on sees the new epoch and
+        // follows its key itself; those registered before are found here.
+        shared.epoch.store(next.epoch, Ordering::SeqCst);
+        let mut everywhere = old.all_shards();
+        for s in next.all_shards() {
+            if !everywhere.iter().any(|o| Arc::ptr_eq(o, &s)) {
+                everywhere.push(s);
+            }
+        }
+        crate::moves::follow_all(&everywhere, &next);
         for shard in leaving {
             tokio::spawn(drain(Arc::downgrade(&self.inner), shard, window));
         }
@@ -496,7 +515,6 @@ impl LockRouter {
         if self.inner.shared.is_closed() {
             return Err(Error::Shutdown);
         }
-        let topology = self.inner.topology.load_full();
         let ns = self.namespace_of(opts)?;
         let ttl = opts.ttl.unwrap_or(ns.ttl);
         check_ttl(ttl).map_err(|reason| Error::InvalidArgument {
@@ -504,11 +522,13 @@ impl LockRouter {
             reason,
         })?;
         let deadline = Instant::now() + wait.or(opts.wait).unwrap_or(ns.wait);
-        let shard = topology.locate(key).clone();
-        let previous = topology.previous_locations(key);
-        progress.shard = Some(shard.clone());
-        progress.namespace =
-            Some(topology.namespace_label(opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)));
+        {
+            let topology = self.inner.topology.load();
+            progress.shard = Some(topology.locate(key).clone());
+            progress.namespace = Some(
+                topology.namespace_label(opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)),
+            );
+        }
 
         // One poller per key in this process: the others wait in memory, and may be handed the
         // lease directly by the holder when it releases.
@@ -542,23 +562,28 @@ impl LockRouter {
                 }
             }
         };
-        // A key that moved in a recent reload is also taken on the shards it lived on before,
-        // in name order, each fence above the previous one; no hand-offs for it meanwhile.
-        let want = if previous.is_empty() {
-            want
-        } else {
-            Want {
-                handoff_max_count: 0,
-                handoff_max_time: Duration::ZERO,
-                ..want
-            }
-        };
         let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
         loop {
             if self.inner.shared.is_closed() {
                 return Err(Error::Shutdown);
             }
-            let mut companions = Vec::with_capacity(previous.len());
+            // Placement is read again on every poll: a reload meanwhile moves the key.
+            let topology = self.inner.topology.load_full();
+            let shard = topology.locate(key).clone();
+            let previous = topology.previous_locations(key);
+            progress.shard = Some(shard.clone());
+            // A key that moved in a recent reload is also taken on the shards it lived on
+            // before, in name order, each fence above the previous one; no hand-offs for it.
+            let want = if previous.is_empty() {
+                want
+            } else {
+                Want {
+                    handoff_max_count: 0,
+                    handoff_max_time: Duration::ZERO,
+                    ..want
+                }
+            };
+            let mut companions = CompanionGrants(Vec::new(), key.stored().to_vec());
             let mut held_for = u64::MAX;
             let mut floor = 0;
             for old in &previous {
@@ -566,7 +591,7 @@ impl LockRouter {
                 match self.try_grant(old, key, want, floor, deadline).await? {
                     Ok(grant) => {
                         floor = grant.fence;
-                        companions.push(self.hold(old, key, grant, want, None, Vec::new()));
+                        companions.0.push((old.clone(), grant));
                     }
                     Err(held_for_ms) => {
                         held_for = held_for_ms;
@@ -574,7 +599,7 @@ impl LockRouter {
                     }
                 }
             }
-            if companions.len() == previous.len() {
+            if companions.0.len() == previous.len() {
                 progress.attempts += 1;
                 let tried = match self.try_grant(&shard, key, want, floor, deadline).await {
                     Ok(tried) => tried,
@@ -582,7 +607,7 @@ impl LockRouter {
                     Err(e) if !previous.is_empty() || !e.is_unavailable() => return Err(e),
                     Err(e) => match ns.on_shard_failure {
                         FailurePolicy::Local if shard.breaker_state() != BreakerState::Closed => {
-                            return Ok(Some(self.hold_local(&shard, key, want, turn)));
+                            return Ok(Some(self.hold_local(&shard, key, want, turn, &topology)));
                         }
                         // Not open yet: try again within the wait; the breaker opens soon if
                         // the shard keeps failing.
@@ -611,29 +636,39 @@ impl LockRouter {
                             .fetch_add(1, Ordering::Relaxed);
                         // The previous shards' rows get this grant's fence too: a process
                         // still placing the key there must be granted a larger one.
-                        for (old, companion) in previous.iter().zip(&companions) {
+                        for (old, companion) in &companions.0 {
                             let raised = old
                                 .call(old.shard.raise_fence(
                                     key.stored(),
-                                    companion.owner(),
+                                    &companion.owner,
                                     grant.fence,
                                 ))
                                 .await;
-                            if !raised.map_err(|e| e.into_error(old.shard.name()))? {
-                                return Err(Error::LockLost {
-                                    key: key.to_string(),
+                            if !matches!(raised, Ok(true)) {
+                                // The new shard's grant is released as its guard drops.
+                                drop(self.hold(&shard, key, grant, want, None, &topology));
+                                return Err(match raised {
+                                    Err(e) => e.into_error(old.shard.name()),
+                                    Ok(_) => Error::LockLost {
+                                        key: key.to_string(),
+                                    },
                                 });
                             }
                         }
                     }
-                    return Ok(Some(self.hold(
-                        &shard,
-                        key,
-                        grant,
-                        want,
-                        Some(turn),
-                        companions,
-                    )));
+                    let guard = self.hold(&shard, key, grant, want, Some(turn), &topology);
+                    let lease = &guard.hold().lease;
+                    for (old, grant) in std::mem::take(&mut companions.0) {
+                        let companion = Arc::new(
+                            LeaseState::new(key.clone(), grant, want, Duration::ZERO, None)
+                                .belonging_to(lease),
+                        );
+                        old.insert(companion.clone());
+                        if !lease.adopt(old.clone(), companion) {
+                            break; // lost already: the guard reports it
+                        }
+                    }
+                    return Ok(Some(guard));
                 }
             }
             // Whatever was taken on earlier shards is released as `companions` drops.
@@ -694,6 +729,7 @@ impl LockRouter {
         key: &LockKey,
         want: Want,
         turn: Turn,
+        topology: &Topology,
     ) -> LockGuard {
         let shared = &self.inner.shared;
         shared.stats.grants.fetch_add(1, Ordering::Relaxed);
@@ -709,12 +745,14 @@ impl LockRouter {
             reserve: 0,
             sent: Instant::now(),
         };
-        let lease = Arc::new(LeaseState::local(key.clone(), grant, want, turn));
+        let lease =
+            Arc::new(LeaseState::local(key.clone(), grant, want, turn).placed_at(topology.epoch));
         shard.insert_local(lease.clone());
         LockGuard::new(Hold::new(lease, shard.clone(), fence))
     }
 
-    /// The guard of a fresh grant: its lease is registered with the shard's keeper.
+    /// The guard of a fresh grant made under `topology`: its lease is registered with the
+    /// shard's keeper (and follows its key if a reload came meanwhile).
     fn hold(
         &self,
         shard: &Arc<ShardState>,
@@ -722,7 +760,7 @@ impl LockRouter {
         grant: Grant,
         want: Want,
         turn: Option<Turn>,
-        companions: Vec<LockGuard>,
+        topology: &Topology,
     ) -> LockGuard {
         self.inner
             .shared
@@ -730,20 +768,12 @@ impl LockRouter {
             .grants
             .fetch_add(1, Ordering::Relaxed);
         let fence = grant.fence;
-        let lease = Arc::new(LeaseState::new(
-            key.clone(),
-            grant,
-            want,
-            want.handoff_max_time,
-            turn,
-        ));
+        let lease = Arc::new(
+            LeaseState::new(key.clone(), grant, want, want.handoff_max_time, turn)
+                .placed_at(topology.epoch),
+        );
         shard.insert(lease.clone());
-        LockGuard::new(Hold::with_companions(
-            lease,
-            shard.clone(),
-            fence,
-            companions,
-        ))
+        LockGuard::new(Hold::new(lease, shard.clone(), fence))
     }
 
     /// One acquire statement, run in its own task so that it always completes. If the caller
@@ -910,6 +940,7 @@ impl LockRouter {
             local_grants: get(&s.local_grants),
             reconciled: get(&s.reconciled),
             reconcile_conflicts: get(&s.reconcile_conflicts),
+            followed: get(&s.followed),
         }
     }
 
@@ -920,15 +951,18 @@ impl LockRouter {
         let topology = self.inner.topology.load_full();
         let shards = topology.all_shards();
         let releases = shards.iter().flat_map(|s| {
-            s.held().into_iter().map(move |lease| {
-                let s = s.clone();
-                async move {
-                    let turn = lease.turn.lock().unwrap().take();
-                    let r = release_through_shard(s.clone(), lease.clone(), turn).await;
-                    lease.mark_lost("router shut down", &s.shared.stats);
-                    r
-                }
-            })
+            s.held()
+                .into_iter()
+                .filter(|l| !l.is_companion())
+                .map(move |lease| {
+                    let s = s.clone();
+                    async move {
+                        let turn = lease.turn.lock().unwrap().take();
+                        let r = release_through_shard(s.clone(), lease.clone(), turn).await;
+                        lease.mark_lost("router shut down", &s.shared.stats);
+                        r
+                    }
+                })
         });
         let mut first_error = None;
         for r in join_all(releases).await {
@@ -963,6 +997,28 @@ impl Progress {
     /// Whether the caller waited for the key (queued, or polled the shard more than once).
     fn waited(&self) -> bool {
         self.queued || self.attempts > 1
+    }
+}
+
+/// Grants taken on a moved key's previous shards while its new shard is still to be tried:
+/// released in the background if the acquire does not end in a guard.
+#[derive(Debug)]
+struct CompanionGrants(Vec<(Arc<ShardState>, Grant)>, Vec<u8>);
+
+impl Drop for CompanionGrants {
+    fn drop(&mut self) {
+        if self.0.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime: the rows end by expiry
+        };
+        for (shard, grant) in self.0.drain(..) {
+            let key = self.1.clone();
+            runtime.spawn(async move {
+                let _ = shard.call(shard.shard.release(&key, &grant.owner)).await;
+            });
+        }
     }
 }
 

@@ -28,6 +28,9 @@ impl Placement {
 pub(crate) struct Topology {
     /// Bumped by every reload.
     pub(crate) epoch: u64,
+    /// When this topology was swapped in: leases placed before it follow their moved keys
+    /// within half the move window from then (see [`crate::moves`]).
+    pub(crate) reloaded_at: Instant,
     pub(crate) config: Arc<Config>,
     pub(crate) current: Arc<Placement>,
     /// Earlier placements, each until its move window ends: leases granted under them may
@@ -88,6 +91,7 @@ impl Topology {
         Ok(Self {
             namespace_labels,
             epoch,
+            reloaded_at: Instant::now(),
             config: Arc::new(config),
             current: Arc::new(Placement { ring, shards }),
             previous,
@@ -107,13 +111,13 @@ impl Topology {
             return Vec::new();
         }
         let now = Instant::now();
-        let current = self.locate(key).shard.name();
+        let current = self.locate(key);
         let mut out: Vec<Arc<ShardState>> = Vec::new();
         for (placement, until) in &self.previous {
             let shard = placement.locate(key);
             if *until > now
-                && shard.shard.name() != current
-                && !out.iter().any(|s| Arc::ptr_eq(s, shard))
+                && !shard.same_database(current)
+                && !out.iter().any(|s| s.same_database(shard))
             {
                 out.push(shard.clone());
             }

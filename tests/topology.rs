@@ -257,3 +257,108 @@ async fn shards_that_stay_keep_their_pools_and_a_leaving_shard_is_drained() {
     .await;
     assert!(drained, "the pool of a shard that left is closed");
 }
+
+/// Two routers over four shards with a short move window, a key that lives on s4, and the
+/// three-shard config both reload to.
+async fn two_routers_and_a_key_on_s4() -> (Cluster, LockRouter, LockRouter, String, Config) {
+    let cluster = Cluster::start(4).await.unwrap();
+    let short = |yaml: String| yaml.replace("move-window: 3s", "move-window: 500ms");
+    let four = short(config_for(&cluster, 4));
+    let three = Config::from_yaml_str(&short(config_for(&cluster, 3))).unwrap();
+    let a = LockRouter::from_yaml_str(&four).await.unwrap();
+    a.migrate().await.unwrap();
+    let b = LockRouter::from_yaml_str(&four).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| a.shard_for(k).unwrap() == "s4")
+        .unwrap();
+    (cluster, a, b, key, three)
+}
+
+/// Past any move window: three times the 500 ms these tests configure.
+const PAST_THE_WINDOW: Duration = Duration::from_millis(1500);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_held_past_the_move_window_is_never_granted_twice() {
+    let (_cluster, a, b, key, three) = two_routers_and_a_key_on_s4().await;
+    let opts = || {
+        AcquireOptions::new()
+            .ttl(Duration::from_secs(1))
+            .wait(Duration::ZERO)
+    };
+    let held = a.acquire(&key, opts()).await.unwrap();
+    a.reload(three.clone()).await.unwrap();
+    b.reload(three).await.unwrap();
+    assert!(b.try_acquire(&key, opts()).await.unwrap().is_none());
+
+    // Held (and renewed) for longer than the window: the lease followed its key.
+    tokio::time::sleep(PAST_THE_WINDOW).await;
+    assert!(held.is_held());
+    assert_eq!(a.stats().followed, 1, "{:?}", a.stats());
+    assert!(
+        b.try_acquire(&key, opts()).await.unwrap().is_none(),
+        "granted on {} while a holds it",
+        b.shard_for(&key).unwrap()
+    );
+
+    let fence = held.fence();
+    held.release().await.unwrap();
+    let next = b.try_acquire(&key, opts()).await.unwrap().expect("free");
+    assert_eq!(next.shard(), b.shard_for(&key).unwrap());
+    assert!(next.fence() > fence, "{} after {fence}", next.fence());
+    next.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn waiters_after_a_reload_are_not_handed_a_moved_lease_and_pollers_follow_the_key() {
+    let (_cluster, a, b, key, three) = two_routers_and_a_key_on_s4().await;
+    let opts = || {
+        AcquireOptions::new()
+            .ttl(Duration::from_secs(1))
+            .wait(Duration::from_secs(20))
+    };
+    let held = a.acquire(&key, opts()).await.unwrap();
+    // One waiter in a's process (in memory, behind the holder), one polling from b.
+    let in_memory = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move { a.acquire(&key, opts()).await.unwrap() }
+    });
+    let polling = tokio::spawn({
+        let (b, key) = (b.clone(), key.clone());
+        async move { b.acquire(&key, opts()).await.unwrap() }
+    });
+    let queued = common::eventually(Duration::from_secs(10), || async {
+        a.stats().queued == 1 && b.stats().acquire_statements >= 1
+    })
+    .await;
+    assert!(queued, "both waiters are waiting");
+    let three_again = three.clone();
+    a.reload(three.clone()).await.unwrap();
+    b.reload(three).await.unwrap();
+    tokio::time::sleep(PAST_THE_WINDOW).await;
+    let new_shard = a.shard_for(&key).unwrap();
+    held.release().await.unwrap();
+
+    // Whoever gets it next holds it where the key lives now, and the other cannot get it.
+    let (mut in_memory, mut polling) = (in_memory, polling);
+    let (first, second) = tokio::select! {
+        g = &mut in_memory => (g.unwrap(), polling),
+        g = &mut polling => (g.unwrap(), in_memory),
+    };
+    assert_eq!(first.shard(), new_shard, "granted where the key lives now");
+    assert!(first.is_held());
+    assert!(!second.is_finished());
+    // A process that started on the new topology does not get it either.
+    let fresh = LockRouter::new(three_again).await.unwrap();
+    assert!(fresh
+        .try_acquire(&key, AcquireOptions::new().wait(Duration::ZERO))
+        .await
+        .unwrap()
+        .is_none());
+    let fence = first.fence();
+    first.release().await.unwrap();
+    let last = second.await.unwrap();
+    assert_eq!(last.shard(), new_shard);
+    assert!(last.fence() > fence);
+    last.release().await.unwrap();
+}

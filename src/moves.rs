@@ -1,0 +1,155 @@
+//! Leases whose key moved in a reload follow it: the holder takes the key on its new shard as
+//! well, so that the lease is visible where every process looks once the move window is over.
+//!
+//! The move window only bounds how long processes that have not reloaded yet are tolerated
+//! (they still place the key on its old shard, where this lease stays held). It never bounds
+//! the life of a lease: a lease granted before a reload is taken on the key's new shard, with
+//! a fence above every fence it reserved, within half the window; if that cannot be done (the
+//! new shard does not answer, or someone else holds the key there), the lease is reported lost
+//! instead. Either way nobody is left believing it holds a key that another process can take.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use shardlock_core::Backoff;
+use shardlock_mysql::{Attempt, GrantRequest};
+use tokio::time::Instant;
+
+use crate::keeper::{Grant, LeaseState, ShardState};
+use crate::queue::Want;
+use crate::topology::Topology;
+
+/// Makes `lease` (held on `shard`) visible where its key lives under the topology in force,
+/// in a task of its own. Several calls for one lease run one after the other; each does
+/// nothing once the lease is placed under the newest epoch.
+pub(crate) fn follow(shard: Arc<ShardState>, lease: Arc<LeaseState>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let _one_at_a_time = lease.following.lock().await;
+        let Some(topology) = shard
+            .shared
+            .router
+            .get()
+            .and_then(Weak::upgrade)
+            .map(|inner| inner.topology.load_full())
+        else {
+            return;
+        };
+        if lease.placed_epoch.load(Ordering::Acquire) >= topology.epoch || lease.is_lost() {
+            return;
+        }
+        let target = topology.locate(&lease.key).clone();
+        let there_already = target.same_database(&shard)
+            || lease
+                .companion_shards()
+                .iter()
+                .any(|c| c.same_database(&target));
+        if !there_already {
+            take_on(&shard, &lease, &target, &topology).await;
+        }
+        lease
+            .placed_epoch
+            .fetch_max(topology.epoch, Ordering::AcqRel);
+    });
+}
+
+/// Every lease registered on `shards` that was placed under an epoch older than `topology`'s
+/// follows its key.
+pub(crate) fn follow_all(shards: &[Arc<ShardState>], topology: &Topology) {
+    for shard in shards {
+        for lease in shard.held() {
+            if !lease.is_companion() && lease.placed_epoch.load(Ordering::Acquire) < topology.epoch
+            {
+                follow(shard.clone(), lease);
+            }
+        }
+    }
+}
+
+/// Takes `lease`'s key on `target` as a companion row, retrying until half the move window
+/// after the reload has passed; reports the lease lost when that fails.
+async fn take_on(
+    shard: &Arc<ShardState>,
+    lease: &Arc<LeaseState>,
+    target: &Arc<ShardState>,
+    topology: &Topology,
+) {
+    let shared = &shard.shared;
+    let deadline = topology.reloaded_at + topology.config.move_window() / 2;
+    let (id, owner) = shared.next_owner();
+    let req = GrantRequest {
+        key: lease.key.stored().to_vec(),
+        owner,
+        ttl_ms: u32::try_from(lease.ttl.as_millis()).unwrap_or(u32::MAX),
+        fence_floor: lease.fence_top(),
+        reserve: 0,
+        trace: None,
+    };
+    let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(200));
+    loop {
+        if lease.is_lost() || lease.has_ended() {
+            return;
+        }
+        let sent = Instant::now();
+        // The same owner on every try: a retry after a lost reply finds its own row.
+        match target.call(target.shard.acquire(&req)).await {
+            Ok(Attempt::Granted(fence)) => {
+                let want = Want {
+                    ttl: lease.ttl,
+                    renew_every: lease.renew_every,
+                    handoff_max_count: 0,
+                    handoff_max_time: Duration::ZERO,
+                };
+                let grant = Grant {
+                    id,
+                    owner: req.owner.clone(),
+                    fence,
+                    reserve: 0,
+                    sent,
+                };
+                let companion = Arc::new(
+                    LeaseState::new(lease.key.clone(), grant, want, Duration::ZERO, None)
+                        .belonging_to(lease),
+                );
+                target.insert(companion.clone());
+                if !lease.adopt(target.clone(), companion.clone()) {
+                    // Released (or lost) meanwhile: give the row back.
+                    target.remove(companion.id);
+                    let _ = target
+                        .call(target.shard.release(&req.key, &req.owner))
+                        .await;
+                }
+                shared.stats.followed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(key = %lease.key, from = shard.shard.name(), to = target.shard.name(), "shardlock lease followed its key to its new shard");
+                return;
+            }
+            Ok(Attempt::Held { .. }) => {
+                lease.mark_lost(
+                    "its key moved in a reload and someone else holds it on the new shard",
+                    &shared.stats,
+                );
+                return;
+            }
+            Err(e) => {
+                let delay = backoff.next_delay();
+                if Instant::now() + delay < deadline {
+                    tokio::time::sleep(delay).await;
+                    continue;
+                }
+                tracing::warn!(key = %lease.key, to = target.shard.name(), error = %e, "shardlock could not take a moved key on its new shard within half the move window");
+                lease.mark_lost(
+                    "its key moved in a reload and the new shard could not be reached in time",
+                    &shared.stats,
+                );
+                // The grant may have been made with its reply lost: give it back.
+                let _ = target
+                    .call(target.shard.release(&req.key, &req.owner))
+                    .await;
+                return;
+            }
+        }
+    }
+}
