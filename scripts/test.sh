@@ -8,13 +8,15 @@ cd "$(dirname "$0")/.."
 need_install=()
 command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ] || need_install+=(mariadb-server)
 command -v mariadb-install-db >/dev/null 2>&1 || need_install+=(mariadb-server)
+# libfaketime runs shards whose clocks are skewed, drifting or stepped.
+compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || need_install+=(faketime)
 if [ ${#need_install[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "installing ${need_install[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_install[@]}" >/dev/null
   else
-    echo "the tests need the MariaDB server binaries: sudo apt-get install mariadb-server" >&2
+    echo "the tests need: sudo apt-get install ${need_install[*]}" >&2
     exit 1
   fi
 fi

@@ -329,6 +329,7 @@ pub(crate) struct Stats {
     pub(crate) breaker_opened: AtomicU64,
     pub(crate) breaker_closed: AtomicU64,
     pub(crate) followed: AtomicU64,
+    pub(crate) fences_carried: AtomicU64,
 }
 
 /// A local lease has no end of its own: it lasts until released, or lost on reconciliation.

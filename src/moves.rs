@@ -12,13 +12,14 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use shardlock_core::Backoff;
-use shardlock_mysql::{Attempt, GrantRequest};
+use shardlock_core::{Backoff, LockKey};
+use shardlock_mysql::{Attempt, GrantRequest, FLOOR_BATCH};
 use tokio::time::Instant;
 
 use crate::keeper::{Grant, LeaseState, ShardState};
 use crate::queue::Want;
-use crate::topology::Topology;
+use crate::router::Inner;
+use crate::topology::{Previous, Topology};
 
 /// Makes `lease` (held on `shard`) visible where its key lives under the topology in force,
 /// in a task of its own. Several calls for one lease run one after the other; each does
@@ -152,4 +153,93 @@ async fn take_on(
             }
         }
     }
+}
+
+/// Once `previous`'s move window is over, copies the fence of every row on its shards to the
+/// shards where the row's key lives now (and under every placement that came after it), as the
+/// key's floor there. Until that is done, acquires of moved keys keep taking them on
+/// `previous`'s shards too, so a fence never goes backwards across a move, whatever the
+/// shards' clocks say and however far a key's fences ran ahead of its shard's clock. A shard
+/// that cannot be read is retried until it can (its moved keys then keep depending on it).
+///
+/// Every process does this for itself; the copies are idempotent (`GREATEST`).
+pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
+    tokio::time::sleep_until(previous.until).await;
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    loop {
+        let Some(router) = inner.upgrade() else {
+            return;
+        };
+        if router.shared.is_closed() {
+            return;
+        }
+        match carry_once(&router, &previous).await {
+            Ok(carried) => {
+                previous.fences_carried.store(true, Ordering::Release);
+                router
+                    .shared
+                    .stats
+                    .fences_carried
+                    .fetch_add(carried, Ordering::Relaxed);
+                tracing::info!(
+                    carried,
+                    "shardlock carried the fences of moved keys to their new shards"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "shardlock could not carry the fences of moved keys yet; moved keys keep taking their old shards meanwhile")
+            }
+        }
+        drop(router);
+        tokio::time::sleep(backoff.next_delay()).await;
+    }
+}
+
+/// Stored keys and the fences they carry.
+type Floors = Vec<(Vec<u8>, u64)>;
+
+/// One pass of [`carry_fences`]: how many floors it wrote.
+async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Result<u64> {
+    let mut sources: Vec<&Arc<ShardState>> = Vec::new();
+    for s in &previous.placement.shards {
+        if !sources.iter().any(|o| o.same_database(s)) {
+            sources.push(s);
+        }
+    }
+    let mut carried = 0;
+    for source in sources {
+        let mut after = Vec::new();
+        loop {
+            let rows = source
+                .call(source.shard.fences_after(&after, FLOOR_BATCH))
+                .await
+                .map_err(|e| e.into_error(source.shard.name()))?;
+            let Some((last, _)) = rows.last() else { break };
+            after.clone_from(last);
+            let full = rows.len() == FLOOR_BATCH;
+            let topology = router.topology.load_full();
+            let mut by_target: Vec<(Arc<ShardState>, Floors)> = Vec::new();
+            for (key, fence) in rows {
+                let placement = LockKey::placement_of_stored(&key);
+                for target in topology.later_locations(&previous.placement, source, placement) {
+                    match by_target.iter_mut().find(|(t, _)| Arc::ptr_eq(t, &target)) {
+                        Some((_, floors)) => floors.push((key.clone(), fence)),
+                        None => by_target.push((target, vec![(key.clone(), fence)])),
+                    }
+                }
+            }
+            for (target, floors) in by_target {
+                target
+                    .call(target.shard.raise_floors(&floors))
+                    .await
+                    .map_err(|e| e.into_error(target.shard.name()))?;
+                carried += floors.len() as u64;
+            }
+            if !full {
+                break;
+            }
+        }
+    }
+    Ok(carried)
 }

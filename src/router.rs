@@ -89,6 +89,9 @@ pub struct LockStats {
     /// Leases whose key moved in a reload while they were held, taken on the key's new shard
     /// as well (see [`LockRouter::reload`]).
     pub followed: u64,
+    /// Fences of moved keys copied from the shards they left to their new shards, as their
+    /// floor there, once a move window was over.
+    pub fences_carried: u64,
 }
 
 /// One shard as `status` sees it.
@@ -215,6 +218,16 @@ impl LockRouter {
             }
         }
         crate::moves::follow_all(&everywhere, &next);
+        if let Some(moved) = next
+            .previous
+            .last()
+            .filter(|p| Arc::ptr_eq(&p.placement, &old.current))
+        {
+            tokio::spawn(crate::moves::carry_fences(
+                Arc::downgrade(&self.inner),
+                moved.clone(),
+            ));
+        }
         for shard in leaving {
             tokio::spawn(drain(Arc::downgrade(&self.inner), shard, window));
         }
@@ -247,6 +260,13 @@ impl LockRouter {
                 }
             }
         }))
+    }
+
+    /// Earlier placements still in force: their move window is open, or the fences of the
+    /// keys that moved away from them are not yet carried to their new shards. While one is,
+    /// an acquire of a key that moved also takes the key where it lived.
+    pub fn moves_in_progress(&self) -> usize {
+        self.inner.topology.load().moves_in_progress()
     }
 
     /// The topology epoch: 1 at start, one more per reload.
@@ -941,6 +961,7 @@ impl LockRouter {
             reconciled: get(&s.reconciled),
             reconcile_conflicts: get(&s.reconcile_conflicts),
             followed: get(&s.followed),
+            fences_carried: get(&s.fences_carried),
         }
     }
 
@@ -1068,7 +1089,7 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
         {
             return; // back in the topology
         }
-        if shard.held().is_empty() {
+        if shard.held().is_empty() && !topology.still_needed(&shard) {
             shard.shard.close();
             tracing::info!(
                 shard = shard.shard.name(),

@@ -1,6 +1,7 @@
 //! The topology: which shards exist, where keys live, and where they lived before a reload.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +20,30 @@ pub(crate) struct Placement {
 
 impl Placement {
     pub(crate) fn locate(&self, key: &LockKey) -> &Arc<ShardState> {
-        &self.shards[self.ring.locate(key.placement())]
+        self.locate_bytes(key.placement())
+    }
+
+    fn locate_bytes(&self, placement: &[u8]) -> &Arc<ShardState> {
+        &self.shards[self.ring.locate(placement)]
+    }
+}
+
+/// A placement that was current before a reload, kept while leases granted under it may still
+/// be live elsewhere or its rows' fences may still be needed.
+#[derive(Debug, Clone)]
+pub(crate) struct Previous {
+    pub(crate) placement: Arc<Placement>,
+    /// End of the move window: processes that have not reloaded may place keys here until then.
+    pub(crate) until: Instant,
+    /// Set once the fences of its shards' rows were copied to where their keys live now (see
+    /// [`crate::moves::carry_fences`]); until then its shards are still consulted as a floor.
+    pub(crate) fences_carried: Arc<AtomicBool>,
+}
+
+impl Previous {
+    /// Whether acquires of keys that moved away from it must still take them here too.
+    fn in_force(&self, now: Instant) -> bool {
+        self.until > now || !self.fences_carried.load(Ordering::Acquire)
     }
 }
 
@@ -33,9 +57,10 @@ pub(crate) struct Topology {
     pub(crate) reloaded_at: Instant,
     pub(crate) config: Arc<Config>,
     pub(crate) current: Arc<Placement>,
-    /// Earlier placements, each until its move window ends: leases granted under them may
-    /// still be live, so moved keys are also taken there.
-    previous: Vec<(Arc<Placement>, Instant)>,
+    /// Earlier placements, oldest first, each until its move window ends and its fences were
+    /// carried over: leases granted under them may still be live, and their rows' fences are
+    /// the floor of moved keys, so moved keys are also taken there.
+    pub(crate) previous: Vec<Previous>,
     /// Metric attribute values of the namespaces, built once (cheap to clone per acquire).
     namespace_labels: std::collections::HashMap<String, opentelemetry::StringValue>,
 }
@@ -55,7 +80,7 @@ impl Topology {
         config: Config,
         epoch: u64,
         reuse: &[Arc<ShardState>],
-        previous: Vec<(Arc<Placement>, Instant)>,
+        previous: Vec<Previous>,
         shared: &Arc<Shared>,
         source: Option<(&str, Option<&Path>)>,
     ) -> Result<Self> {
@@ -113,9 +138,9 @@ impl Topology {
         let now = Instant::now();
         let current = self.locate(key);
         let mut out: Vec<Arc<ShardState>> = Vec::new();
-        for (placement, until) in &self.previous {
-            let shard = placement.locate(key);
-            if *until > now
+        for previous in &self.previous {
+            let shard = previous.placement.locate(key);
+            if previous.in_force(now)
                 && !shard.same_database(current)
                 && !out.iter().any(|s| s.same_database(shard))
             {
@@ -126,19 +151,15 @@ impl Topology {
         out
     }
 
-    /// The placements a reload to a new topology must keep: this one, and earlier ones whose
-    /// window is still open; this one until `window` from now. When the ring does not change
-    /// at all, nothing moves and this placement is not kept.
-    pub(crate) fn previous_for_next(
-        &self,
-        next: &Config,
-        window: Duration,
-    ) -> Vec<(Arc<Placement>, Instant)> {
+    /// The placements a reload to a new topology must keep: earlier ones still in force, and
+    /// this one until `window` from now (and its fences carried over). When the ring does not
+    /// change at all, nothing moves and this placement is not kept.
+    pub(crate) fn previous_for_next(&self, next: &Config, window: Duration) -> Vec<Previous> {
         let now = Instant::now();
         let mut kept: Vec<_> = self
             .previous
             .iter()
-            .filter(|(_, until)| *until > now)
+            .filter(|p| p.in_force(now))
             .cloned()
             .collect();
         let same_ring = self.config.routing.virtual_nodes == next.routing.virtual_nodes
@@ -150,16 +171,66 @@ impl Topology {
                 .zip(&next.shards)
                 .all(|(a, b)| a.name == b.name && a.weight == b.weight);
         if !same_ring {
-            kept.push((self.current.clone(), now + window));
+            kept.push(Previous {
+                placement: self.current.clone(),
+                until: now + window,
+                fences_carried: Arc::default(),
+            });
         }
         kept
+    }
+
+    /// Where a key placed at `placement` (by its placement bytes; `None`: a digest, whose
+    /// placement is unknown, so every shard) lives under the placements that came after
+    /// `previous`, the current one included, other than `from`, without repeats.
+    pub(crate) fn later_locations(
+        &self,
+        previous: &Arc<Placement>,
+        from: &ShardState,
+        placement: Option<&[u8]>,
+    ) -> Vec<Arc<ShardState>> {
+        let later = self
+            .previous
+            .iter()
+            .map(|p| &p.placement)
+            .skip_while(|p| !Arc::ptr_eq(p, previous))
+            .skip(1)
+            .chain(std::iter::once(&self.current));
+        let mut out: Vec<Arc<ShardState>> = Vec::new();
+        let mut add = |s: &Arc<ShardState>| {
+            if !s.same_database(from) && !out.iter().any(|o| o.same_database(s)) {
+                out.push(s.clone());
+            }
+        };
+        for p in later {
+            match placement {
+                Some(bytes) => add(p.locate_bytes(bytes)),
+                None => p.shards.iter().for_each(&mut add),
+            }
+        }
+        out
+    }
+
+    /// Whether `shard` is still needed by an earlier placement in force (its move window is
+    /// open or its fences are still to be carried over).
+    pub(crate) fn still_needed(&self, shard: &Arc<ShardState>) -> bool {
+        let now = Instant::now();
+        self.previous
+            .iter()
+            .any(|p| p.in_force(now) && p.placement.shards.iter().any(|s| Arc::ptr_eq(s, shard)))
+    }
+
+    /// How many earlier placements are still in force.
+    pub(crate) fn moves_in_progress(&self) -> usize {
+        let now = Instant::now();
+        self.previous.iter().filter(|p| p.in_force(now)).count()
     }
 
     /// Every shard in this topology, current or still in a move window, without repeats.
     pub(crate) fn all_shards(&self) -> Vec<Arc<ShardState>> {
         let mut out: Vec<Arc<ShardState>> = self.current.shards.clone();
-        for (placement, _) in &self.previous {
-            for s in &placement.shards {
+        for previous in &self.previous {
+            for s in &previous.placement.shards {
                 if !out.iter().any(|o| Arc::ptr_eq(o, s)) {
                     out.push(s.clone());
                 }

@@ -362,3 +362,105 @@ async fn waiters_after_a_reload_are_not_handed_a_moved_lease_and_pollers_follow_
     assert!(last.fence() > fence);
     last.release().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
+    // s4's clock is a minute ahead of the others': its fences are clock-floored a minute
+    // "later" than the shard its keys move to.
+    let cluster = Cluster::start_with_clocks(4, &[(3, "+60s")]).await.unwrap();
+    let listing = |names: &[&str]| {
+        let mut yaml = String::from("shards:\n");
+        for s in cluster
+            .shards()
+            .iter()
+            .filter(|s| names.contains(&s.name()))
+        {
+            yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
+        }
+        yaml.push_str(
+            "routing:\n  move-window: 500ms\nnamespaces:\n  default:\n    ttl: 5s\n  \
+             hot:\n    ttl: 5s\n    handoff-max-count: 1000000\n",
+        );
+        Config::from_yaml_str(&yaml).unwrap()
+    };
+    let cluster = &cluster;
+    let clock = |i: usize| async move {
+        let mut c = cluster.shard(i).connect().await.unwrap();
+        let us: Option<u64> = c
+            .query_first("SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)")
+            .await
+            .unwrap();
+        us.unwrap()
+    };
+    let skew = clock(3).await.saturating_sub(clock(0).await);
+    assert!(skew > 50_000_000, "s4 runs a minute ahead: {skew} us");
+    let before = listing(&["s1", "s2", "s4"]);
+    let after = listing(&["s1", "s2", "s3"]);
+    LockRouter::new(listing(&["s1", "s2", "s3", "s4"]))
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let router = LockRouter::new(before).await.unwrap();
+    let probe = LockRouter::new(after.clone()).await.unwrap();
+    let moved = |from: &str| {
+        (0..)
+            .map(|i| format!("k:{i}"))
+            .find(|k| router.shard_for(k).unwrap() == from && probe.shard_for(k).unwrap() != from)
+            .unwrap()
+    };
+    // A key on the fast-clock shard, and one whose fences ran ahead of its shard's clock: each
+    // grant reserves a million fences (a second of the clock floor) for in-memory hand-offs.
+    let (ahead, ran_ahead) = (moved("s4"), moved("s1"));
+    let mut highest = std::collections::HashMap::new();
+    let g = router.acquire(&ahead, AcquireOptions::new()).await.unwrap();
+    highest.insert(ahead.clone(), g.fence());
+    g.release().await.unwrap();
+    for _ in 0..20 {
+        let g = router
+            .acquire(&ran_ahead, AcquireOptions::new().namespace("hot"))
+            .await
+            .unwrap();
+        highest.insert(ran_ahead.clone(), g.fence() + 1_000_000);
+        g.release().await.unwrap();
+    }
+
+    router.reload(after.clone()).await.unwrap();
+    tokio::time::sleep(PAST_THE_WINDOW).await;
+    // Past the window, whether or not the fences were carried over yet.
+    for key in [&ahead, &ran_ahead] {
+        let g = router.acquire(key, AcquireOptions::new()).await.unwrap();
+        assert!(
+            g.fence() > highest[key],
+            "{key}: {} after {}",
+            g.fence(),
+            highest[key]
+        );
+        highest.insert(key.clone(), g.fence());
+        g.release().await.unwrap();
+    }
+    let carried = common::eventually(Duration::from_secs(30), || async {
+        router.moves_in_progress() == 0
+    })
+    .await;
+    assert!(
+        carried,
+        "the fences of moved keys were carried to their new shards"
+    );
+    assert!(router.stats().fences_carried >= 2, "{:?}", router.stats());
+
+    // A process that never saw the old topology knows only the new shards: the carried
+    // fences are its floor.
+    let newcomer = LockRouter::new(after).await.unwrap();
+    for key in [&ahead, &ran_ahead] {
+        let g = newcomer.acquire(key, AcquireOptions::new()).await.unwrap();
+        assert!(
+            g.fence() > highest[key],
+            "{key}: {} after {}",
+            g.fence(),
+            highest[key]
+        );
+        g.release().await.unwrap();
+    }
+}

@@ -113,6 +113,12 @@ impl LockKey {
         &self.stored
     }
 
+    /// The placement bytes (see [`LockKey::placement`]) of a lock stored as `stored`, or
+    /// `None` when it is stored as a digest (its placement cannot be recovered).
+    pub fn placement_of_stored(stored: &[u8]) -> Option<&[u8]> {
+        (stored.first() != Some(&DIGEST_MARK)).then_some(stored)
+    }
+
     /// Whether the stored form is a digest.
     pub fn is_digest(&self) -> bool {
         self.stored.first() == Some(&DIGEST_MARK)

@@ -111,6 +111,52 @@ pub(crate) async fn raise_fence(
     Ok(conn.affected_rows() == 1)
 }
 
+/// The fences of a shard's rows, in key order after a key (the empty key: from the start).
+const FENCES_AFTER: &str =
+    "SELECT lock_key, fence FROM shardlock_lease WHERE lock_key > ? ORDER BY lock_key LIMIT ?";
+
+/// Most rows read or floors written by one statement of a floor copy.
+pub const FLOOR_BATCH: usize = 1000;
+
+pub(crate) async fn fences_after(
+    conn: &mut Conn,
+    after: &[u8],
+    limit: usize,
+) -> mysql_async::Result<Vec<(Vec<u8>, u64)>> {
+    conn.exec(FENCES_AFTER, (after, limit as u64)).await
+}
+
+/// Raises the stored fence of each key to at least the given one: after a reload moved the
+/// keys here, the fences they had on the shard they left become their floor here, so that the
+/// next grant is above every earlier one whatever the two shards' clocks say. A key without a
+/// row gets a released one carrying the floor. Keys are written in one global order, so
+/// concurrent copies from several processes cannot deadlock each other.
+///
+/// `VALUES(col)` is deprecated on MySQL 8.0.20+ (a warning) but the only form both servers
+/// accept.
+pub(crate) async fn raise_floors(
+    conn: &mut Conn,
+    floors: &[(Vec<u8>, u64)],
+) -> mysql_async::Result<()> {
+    if floors.is_empty() {
+        return Ok(());
+    }
+    let mut sorted: Vec<&(Vec<u8>, u64)> = floors.iter().collect();
+    sorted.sort();
+    let mut sql = String::from(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) VALUES ",
+    );
+    let mut params: Vec<Value> = Vec::with_capacity(floors.len() * 2);
+    for (i, (key, fence)) in sorted.into_iter().enumerate() {
+        sql.push_str(if i == 0 { "" } else { "," });
+        sql.push_str("(?, NULL, ?, 0, NOW(3), NOW(3))");
+        params.push(key.as_slice().into());
+        params.push((*fence).into());
+    }
+    sql.push_str(" ON DUPLICATE KEY UPDATE fence = GREATEST(fence, VALUES(fence))");
+    conn.exec_drop(sql, Params::Positional(params)).await
+}
+
 /// What a hand-off did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HandoffOutcome {

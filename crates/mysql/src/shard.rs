@@ -161,6 +161,30 @@ impl Shard {
         .await
     }
 
+    /// Up to `limit` rows' keys and fences, in key order after `after`.
+    pub async fn fences_after(
+        &self,
+        after: &[u8],
+        limit: usize,
+    ) -> Result<Vec<(Vec<u8>, u64)>, BackendError> {
+        let after = after.to_vec();
+        self.with_conn(self.statement_timeout, |c| {
+            let after = after.clone();
+            Box::pin(async move { lease::fences_after(c, &after, limit).await })
+        })
+        .await
+    }
+
+    /// Raises each key's stored fence to at least the given floor (see `raise_floors` in
+    /// the lease statements); idempotent.
+    pub async fn raise_floors(&self, floors: &[(Vec<u8>, u64)]) -> Result<(), BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            let floors = floors.to_vec();
+            Box::pin(async move { lease::raise_floors(c, &floors).await })
+        })
+        .await
+    }
+
     /// Releases the key of `to` held by `old_owner`, granting it to `to` in the same statement
     /// unless another process asked for the key since it was granted.
     pub async fn handoff(

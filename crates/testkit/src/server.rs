@@ -31,6 +31,13 @@ impl Cluster {
     /// Starts `n` shards named `s1..sN` in parallel and waits until each accepts connections
     /// and has the [`DATABASE`] database.
     pub async fn start(n: usize) -> io::Result<Self> {
+        Self::start_with_clocks(n, &[]).await
+    }
+
+    /// Starts `n` shards like [`Cluster::start`], running shard `i` under libfaketime with
+    /// `FAKETIME=spec` for each `(i, spec)` in `clocks` (`"+60s"`: a wall clock 60 s ahead;
+    /// see faketime(1)). Only the shard's wall clock is faked, not its monotonic one.
+    pub async fn start_with_clocks(n: usize, clocks: &[(usize, &str)]) -> io::Result<Self> {
         let template = template_dir()?;
         let mut starting = Vec::with_capacity(n);
         for i in 0..n {
@@ -38,7 +45,11 @@ impl Cluster {
                 .prefix("shardlock-shard-")
                 .tempdir()?;
             copy_dir(&template, dir.path())?;
-            starting.push(Shard::launch(format!("s{}", i + 1), dir)?);
+            let clock = clocks
+                .iter()
+                .find(|(at, _)| *at == i)
+                .map(|(_, spec)| spec.to_string());
+            starting.push(Shard::launch(format!("s{}", i + 1), dir, clock)?);
         }
         let mut shards = Vec::with_capacity(n);
         for shard in starting {
@@ -70,6 +81,25 @@ impl Cluster {
     }
 }
 
+/// libfaketime's preload library (Debian package `faketime`).
+fn libfaketime() -> io::Result<PathBuf> {
+    let candidates = [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/faketime/libfaketime.so.1",
+    ];
+    candidates
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                "libfaketime is not installed (apt-get install faketime)",
+            )
+        })
+}
+
 /// One local `mariadbd` with its data directory.
 #[derive(Debug)]
 pub struct Shard {
@@ -77,6 +107,8 @@ pub struct Shard {
     port: AtomicU16,
     dir: tempfile::TempDir,
     process: Mutex<Option<Guarded>>,
+    /// `FAKETIME` for a shard whose clock is skewed (libfaketime).
+    clock: Option<String>,
 }
 
 /// A running server under its `sh` guardian.
@@ -89,20 +121,29 @@ struct Guarded {
 }
 
 impl Shard {
-    fn launch(name: String, dir: tempfile::TempDir) -> io::Result<Self> {
+    fn launch(name: String, dir: tempfile::TempDir, clock: Option<String>) -> io::Result<Self> {
         let port = free_port()?;
         let shard = Self {
             name,
             port: AtomicU16::new(port),
             dir,
             process: Mutex::new(None),
+            clock,
         };
         shard.spawn()?;
         Ok(shard)
     }
 
     fn spawn(&self) -> io::Result<()> {
-        let mut guardian = Command::new("sh")
+        let mut command = Command::new("sh");
+        if let Some(spec) = &self.clock {
+            command
+                .env("LD_PRELOAD", libfaketime()?)
+                .env("FAKETIME", spec)
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+                .env("FAKETIME_DONT_RESET", "1");
+        }
+        let mut guardian = command
             .arg("-c")
             .arg(r#""$@" & pid=$!; echo $pid; read line; kill -9 $pid 2>/dev/null; wait $pid"#)
             .arg("sh")
