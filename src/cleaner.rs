@@ -226,40 +226,23 @@ impl LockRouter {
     /// fence the holder had, so the holder's writes through [`crate::fenced_exec`] are
     /// rejected once a new holder has written, and the holder sees
     /// [`LockGuard::lost`] at its next renewal. `None` when nobody holds the key.
+    ///
+    /// While a reload's move is in progress, the key is freed on the shards it lived on
+    /// before as well (where a process that has not reloaded may hold it); the answer is the
+    /// release on its current shard if it was held there, else the first other one.
     pub async fn force_release(&self, key: &str) -> Result<Option<ForceReleased>> {
         let key = LockKey::new(key)?;
-        let shard = self.state_for(&key);
-        let name = shard.shard.name().to_owned();
-        let backend = |e: shardlock_core::BackendError| e.into_error(&name);
-        // The holder may change between the look and the release: look again, a few times.
-        for _ in 0..3 {
-            let row = shard.shard.inspect(key.stored()).await.map_err(backend)?;
-            let Some((owner, row)) = row.and_then(|r| Some((r.owner.clone()?, r))) else {
-                return Ok(None);
-            };
-            let released = shard
-                .shard
-                .force_release(key.stored(), &owner)
-                .await
-                .map_err(backend)?;
-            if let Some(fence) = released {
-                tracing::warn!(shard = %name, key = %key, owner = %owner, "shardlock lock force-released");
-                return Ok(Some(ForceReleased {
-                    shard: name,
-                    owner,
-                    was_live: row.is_held(),
-                    fence,
-                }));
+        let topology = self.inner.topology.load_full();
+        let mut shards = vec![topology.locate(&key).clone()];
+        shards.extend(topology.previous_locations(&key));
+        drop(topology);
+        let mut first = None;
+        for shard in shards {
+            if let Some(released) = force_release_on(&shard, &key).await? {
+                first.get_or_insert(released);
             }
         }
-        Err(Error::Backend {
-            shard: name,
-            source: shardlock_core::BackendError::new(
-                BackendErrorKind::Other,
-                None,
-                "the key changed hands three times while being force-released; try again",
-            ),
-        })
+        Ok(first)
     }
 
     /// The instances registered on each shard (`heartbeat` registry), current shards first.
@@ -469,4 +452,39 @@ pub(crate) async fn deregister(router: &LockRouter, shards: &[Arc<ShardState>]) 
         }
     }))
     .await;
+}
+
+/// [`LockRouter::force_release`] on one shard.
+async fn force_release_on(shard: &ShardState, key: &LockKey) -> Result<Option<ForceReleased>> {
+    let name = shard.shard.name().to_owned();
+    let backend = |e: shardlock_core::BackendError| e.into_error(&name);
+    // The holder may change between the look and the release: look again, a few times.
+    for _ in 0..3 {
+        let row = shard.shard.inspect(key.stored()).await.map_err(backend)?;
+        let Some((owner, row)) = row.and_then(|r| Some((r.owner.clone()?, r))) else {
+            return Ok(None);
+        };
+        let released = shard
+            .shard
+            .force_release(key.stored(), &owner)
+            .await
+            .map_err(backend)?;
+        if let Some(fence) = released {
+            tracing::warn!(shard = %name, key = %key, owner = %owner, "shardlock lock force-released");
+            return Ok(Some(ForceReleased {
+                shard: name,
+                owner,
+                was_live: row.is_held(),
+                fence,
+            }));
+        }
+    }
+    Err(Error::Backend {
+        shard: name,
+        source: shardlock_core::BackendError::new(
+            BackendErrorKind::Other,
+            None,
+            "the key changed hands three times while being force-released; try again",
+        ),
+    })
 }

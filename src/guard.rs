@@ -269,7 +269,11 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
     // A lease with rows on other shards (its key moved) or placed under an older topology (its
     // key may have moved) is not handed over: it is released everywhere and the waiters poll
     // where the key lives now.
-    if lease.has_companions() || lease.placed_epoch.load(Ordering::Acquire) < shard.shared.epoch() {
+    // A lease known lost is not handed over either: whoever holds the key now keeps it.
+    if lease.has_companions()
+        || lease.placed_epoch.load(Ordering::Acquire) < shard.shared.epoch()
+        || !lease.is_live()
+    {
         let turn = lease.turn.lock().unwrap().take();
         return Some(Box::pin(release_through_shard(
             shard.clone(),

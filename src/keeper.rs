@@ -276,6 +276,9 @@ pub(crate) struct Shared {
     pub(crate) epoch: AtomicU64,
     /// The router, for the tasks that make moved leases follow their keys.
     pub(crate) router: std::sync::OnceLock<Weak<crate::router::Inner>>,
+    /// Every shard state made for this router that is still alive: the topology's, and those
+    /// a reload left that still hold leases (draining).
+    shard_states: Mutex<Vec<Weak<ShardState>>>,
 }
 
 impl Shared {
@@ -289,7 +292,15 @@ impl Shared {
             closed: watch::channel(false).0,
             epoch: AtomicU64::new(1),
             router: std::sync::OnceLock::new(),
+            shard_states: Mutex::default(),
         }
+    }
+
+    /// Every live shard state of this router, in or out of the topology.
+    pub(crate) fn shard_states(&self) -> Vec<Arc<ShardState>> {
+        let mut states = self.shard_states.lock().unwrap();
+        states.retain(|s| s.strong_count() > 0);
+        states.iter().filter_map(Weak::upgrade).collect()
     }
 
     /// The epoch of the topology in force.
@@ -303,8 +314,14 @@ impl Shared {
     }
 
     pub(crate) fn next_owner(&self) -> (u64, String) {
-        let id = self.grant_seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let id = self.next_id();
         (id, format!("{}:{id}", self.instance_id))
+    }
+
+    /// A new grant number (unique in this router; also names a lease row in its shard's
+    /// keeper).
+    pub(crate) fn next_id(&self) -> u64 {
+        self.grant_seq.fetch_add(1, Ordering::Relaxed) + 1
     }
 }
 
@@ -380,7 +397,8 @@ impl ShardState {
         shared: Arc<Shared>,
     ) -> Arc<Self> {
         let label = opentelemetry::StringValue::from(Arc::<str>::from(shard.name()));
-        Arc::new(Self {
+        let registry = shared.clone();
+        let state = Arc::new(Self {
             holds: shared.telemetry.bind_holds(&label),
             acquires: crate::telemetry::BoundAcquires::default(),
             config,
@@ -394,7 +412,13 @@ impl ShardState {
             label,
             shard,
             identity: std::sync::OnceLock::new(),
-        })
+        });
+        registry
+            .shard_states
+            .lock()
+            .unwrap()
+            .push(Arc::downgrade(&state));
+        state
     }
 
     /// Runs one call to the shard through its breaker: refused at once (kind
@@ -639,6 +663,22 @@ impl ShardState {
         if !lease.is_companion() && lease.placed_epoch.load(Ordering::Acquire) < self.shared.epoch()
         {
             crate::moves::follow(self.clone(), lease);
+        }
+    }
+
+    /// Reads the shard's identity if it is not known yet; unknown (unreachable) leaves it so,
+    /// and the shard then counts as another database than any other shard state.
+    pub(crate) async fn resolve_identity(&self) {
+        if self.identity.get().is_some() {
+            return;
+        }
+        match self.shard.identity().await {
+            Ok(id) => {
+                let _ = self.identity.set(id);
+            }
+            Err(e) => {
+                tracing::warn!(shard = self.shard.name(), error = %e, "shardlock could not tell which database the shard reaches; its keys count as moved")
+            }
         }
     }
 

@@ -48,12 +48,11 @@ pub(crate) fn follow(shard: Arc<ShardState>, lease: Arc<LeaseState>) {
                 .companion_shards()
                 .iter()
                 .any(|c| c.same_database(&target));
-        if !there_already {
-            take_on(&shard, &lease, &target, &topology).await;
+        if there_already || take_on(&shard, &lease, &target, &topology).await {
+            lease
+                .placed_epoch
+                .fetch_max(topology.epoch, Ordering::AcqRel);
         }
-        lease
-            .placed_epoch
-            .fetch_max(topology.epoch, Ordering::AcqRel);
     });
 }
 
@@ -70,32 +69,42 @@ pub(crate) fn follow_all(shards: &[Arc<ShardState>], topology: &Topology) {
     }
 }
 
-/// Takes `lease`'s key on `target` as a companion row, retrying until half the move window
-/// after the reload has passed; reports the lease lost when that fails.
+/// Takes `lease`'s key on `target` as a companion row (under the lease's own owner, so the
+/// two rows are recognisably one lease), retrying until half the move window after the reload
+/// has passed. On failure the lease is reported lost and its rows are given back. Whether the
+/// lease now holds the key on `target`.
 async fn take_on(
     shard: &Arc<ShardState>,
     lease: &Arc<LeaseState>,
     target: &Arc<ShardState>,
     topology: &Topology,
-) {
+) -> bool {
     let shared = &shard.shared;
     let deadline = topology.reloaded_at + topology.config.move_window() / 2;
-    let (id, owner) = shared.next_owner();
+    let id = shared.next_id();
     let req = GrantRequest {
         key: lease.key.stored().to_vec(),
-        owner,
+        owner: lease.owner.clone(),
         ttl_ms: u32::try_from(lease.ttl.as_millis()).unwrap_or(u32::MAX),
         fence_floor: lease.fence_top(),
         reserve: 0,
         trace: None,
     };
     let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(200));
-    loop {
+    let mut tried = false;
+    let why = loop {
         if lease.is_lost() || lease.has_ended() {
-            return;
+            if tried {
+                // A try whose reply was lost may have taken the row: give it back.
+                let _ = target
+                    .call(target.shard.release(&req.key, &req.owner))
+                    .await;
+            }
+            return false;
         }
         let sent = Instant::now();
-        // The same owner on every try: a retry after a lost reply finds its own row.
+        tried = true;
+        // The same request on every try: a retry after a lost reply finds its own row.
         match target.call(target.shard.acquire(&req)).await {
             Ok(Attempt::Granted(fence)) => {
                 let want = Want {
@@ -122,17 +131,14 @@ async fn take_on(
                     let _ = target
                         .call(target.shard.release(&req.key, &req.owner))
                         .await;
+                    return false;
                 }
                 shared.stats.followed.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(key = %lease.key, from = shard.shard.name(), to = target.shard.name(), "shardlock lease followed its key to its new shard");
-                return;
+                return true;
             }
             Ok(Attempt::Held { .. }) => {
-                lease.mark_lost(
-                    "its key moved in a reload and someone else holds it on the new shard",
-                    &shared.stats,
-                );
-                return;
+                break "its key moved in a reload and someone else holds it on the new shard";
             }
             Err(e) => {
                 let delay = backoff.next_delay();
@@ -141,18 +147,29 @@ async fn take_on(
                     continue;
                 }
                 tracing::warn!(key = %lease.key, to = target.shard.name(), error = %e, "shardlock could not take a moved key on its new shard within half the move window");
-                lease.mark_lost(
-                    "its key moved in a reload and the new shard could not be reached in time",
-                    &shared.stats,
-                );
                 // The grant may have been made with its reply lost: give it back.
                 let _ = target
                     .call(target.shard.release(&req.key, &req.owner))
                     .await;
-                return;
+                break "its key moved in a reload and the new shard could not be reached in time";
             }
         }
+    };
+    // Lost: nobody may take the key on the old shard in this lease's name any more (no
+    // renewal, no hand-off); its rows are given back.
+    lease.mark_lost(why, &shared.stats);
+    if shard.remove(lease.id).is_some() {
+        let _ = shard
+            .call(shard.shard.release(&req.key, &lease.owner))
+            .await;
     }
+    for (other, row) in lease.end_companions() {
+        other.remove(row.id);
+        let _ = other
+            .call(other.shard.release(row.key.stored(), &row.owner))
+            .await;
+    }
+    false
 }
 
 /// Once `previous`'s move window is over, copies the fence of every row on its shards to the
@@ -199,7 +216,13 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
 /// Stored keys and the fences they carry.
 type Floors = Vec<(Vec<u8>, u64)>;
 
-/// One pass of [`carry_fences`]: how many floors it wrote.
+/// Stored keys and the owners of their live leases.
+type Owners = Vec<(Vec<u8>, String)>;
+
+/// One pass of [`carry_fences`]: how many floors it wrote. It fails (to be retried) while a
+/// live lease of a moved key on an old shard is not visible on the key's new shard under the
+/// same owner: a process that has not reloaded yet, or a lease still following its key, keeps
+/// the move in force.
 async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Result<u64> {
     let mut sources: Vec<&Arc<ShardState>> = Vec::new();
     for s in &previous.placement.shards {
@@ -208,38 +231,78 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
         }
     }
     let mut carried = 0;
+    let mut uncovered = Vec::new();
     for source in sources {
         let mut after = Vec::new();
         loop {
             let rows = source
-                .call(source.shard.fences_after(&after, FLOOR_BATCH))
+                .call_waiting(source.shard.fences_after(&after, FLOOR_BATCH))
                 .await
                 .map_err(|e| e.into_error(source.shard.name()))?;
-            let Some((last, _)) = rows.last() else { break };
-            after.clone_from(last);
+            let Some(last) = rows.last() else { break };
+            after.clone_from(&last.key);
             let full = rows.len() == FLOOR_BATCH;
             let topology = router.topology.load_full();
-            let mut by_target: Vec<(Arc<ShardState>, Floors)> = Vec::new();
-            for (key, fence) in rows {
-                let placement = LockKey::placement_of_stored(&key);
+            let mut by_target: Vec<(Arc<ShardState>, Floors, Owners)> = Vec::new();
+            for row in rows {
+                let placement = LockKey::placement_of_stored(&row.key);
                 for target in topology.later_locations(&previous.placement, source, placement) {
-                    match by_target.iter_mut().find(|(t, _)| Arc::ptr_eq(t, &target)) {
-                        Some((_, floors)) => floors.push((key.clone(), fence)),
-                        None => by_target.push((target, vec![(key.clone(), fence)])),
+                    let at = match by_target.iter().position(|(t, ..)| Arc::ptr_eq(t, &target)) {
+                        Some(at) => at,
+                        None => {
+                            by_target.push((target, Vec::new(), Vec::new()));
+                            by_target.len() - 1
+                        }
+                    };
+                    by_target[at].1.push((row.key.clone(), row.fence));
+                    if let Some(owner) = &row.live_owner {
+                        by_target[at].2.push((row.key.clone(), owner.clone()));
                     }
                 }
             }
-            for (target, floors) in by_target {
+            for (target, floors, live) in by_target {
+                let fail = |e: shardlock_core::BackendError| e.into_error(target.shard.name());
                 target
-                    .call(target.shard.raise_floors(&floors))
+                    .call_waiting(target.shard.raise_floors(&floors))
                     .await
-                    .map_err(|e| e.into_error(target.shard.name()))?;
+                    .map_err(fail)?;
                 carried += floors.len() as u64;
+                if !live.is_empty() {
+                    let there = target
+                        .call_waiting(
+                            target
+                                .shard
+                                .live_owners(live.iter().map(|(k, _)| k.clone()).collect()),
+                        )
+                        .await
+                        .map_err(fail)?;
+                    uncovered.extend(
+                        live.into_iter()
+                            .filter(|held| !there.contains(held))
+                            .map(|(key, owner)| (source.shard.name().to_owned(), key, owner)),
+                    );
+                }
             }
             if !full {
                 break;
             }
         }
+    }
+    if let Some((shard, key, owner)) = uncovered.first() {
+        return Err(shardlock_core::Error::Backend {
+            shard: shard.clone(),
+            source: shardlock_core::BackendError::new(
+                shardlock_core::BackendErrorKind::Other,
+                None,
+                format!(
+                    "{} lease(s) of moved keys are live on their old shard and not on their new \
+                     one (e.g. key {:?} held by {owner}): a process that has not reloaded yet? \
+                     The move stays in force until they end",
+                    uncovered.len(),
+                    String::from_utf8_lossy(key),
+                ),
+            ),
+        });
     }
     Ok(carried)
 }

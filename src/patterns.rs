@@ -10,6 +10,8 @@
 //! - [`LockRouter::claim_job`] and friends: claim the next due job of a queue in
 //!   `shardlock_job`, with a lease after which a crashed worker's job is claimed again.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
@@ -17,7 +19,10 @@ use mysql_async::{Conn, IsolationLevel, TxOpts};
 use shardlock_core::{BackendError, BackendErrorKind, Error, LockKey, Result};
 use shardlock_mysql::{classify, ShardManager};
 
+use tokio::sync::watch;
+
 use crate::keeper::ShardState;
+use crate::topology::Topology;
 use crate::LockRouter;
 
 /// A row lock held inside an open transaction on a dedicated connection. Run your SQL on
@@ -25,11 +30,57 @@ use crate::LockRouter;
 /// transaction and the lock together. Dropping the guard rolls back (the connection is reset
 /// before reuse); if this process dies, the server rolls back when it notices the connection
 /// is gone.
+///
+/// Across a reload that moves the key, the lock follows it: the row is also locked on the
+/// key's new shard (in a transaction of its own) within half the move window. If that fails,
+/// the lock is lost: [`TxLockGuard::is_held`] turns false, [`TxLockGuard::lost`] completes
+/// and [`TxLockGuard::commit`] rolls back and answers [`Error::LockLost`].
 pub struct TxLockGuard {
     /// `None` once committed or rolled back.
     conn: Option<deadpool::managed::Object<ShardManager>>,
     key: String,
     shard: String,
+    state: Arc<TxLockState>,
+}
+
+/// What a reload needs to make a transaction lock follow its key: where the row is locked and
+/// the transactions holding it elsewhere.
+#[derive(Debug)]
+pub(crate) struct TxLockState {
+    key: LockKey,
+    /// The topology epoch up to which the lock is known to hold where the key lives.
+    placed_epoch: AtomicU64,
+    rows: std::sync::Mutex<TxRows>,
+    lost: watch::Sender<bool>,
+    /// One follower at a time.
+    following: tokio::sync::Mutex<()>,
+}
+
+/// The shards where a transaction lock's row is locked (the guard's own first), and the
+/// connections of the other ones (each closed, so rolled back, when the lock ends).
+#[derive(Debug, Default)]
+struct TxRows {
+    shards: Vec<Arc<ShardState>>,
+    others: Vec<Discard>,
+    ended: bool,
+}
+
+impl TxLockState {
+    fn mark_lost(&self, why: &'static str) {
+        if !self.lost.send_replace(true) {
+            tracing::warn!(key = %self.key, why, "shardlock transaction lock lost");
+        }
+    }
+
+    /// Ends the lock's transactions on other shards (closing their connections).
+    fn end(&self) {
+        let others = {
+            let mut rows = self.rows.lock().unwrap();
+            rows.ended = true;
+            std::mem::take(&mut rows.others)
+        };
+        drop(others);
+    }
 }
 
 impl std::fmt::Debug for TxLockGuard {
@@ -56,13 +107,33 @@ impl TxLockGuard {
         &self.key
     }
 
-    /// The shard holding the row.
+    /// The shard holding the row (where the key lived when it was locked).
     pub fn shard(&self) -> &str {
         &self.shard
     }
 
-    /// Commits your statements and releases the lock.
+    /// False once the lock is lost: its key moved in a reload and could not be locked on its
+    /// new shard in time.
+    pub fn is_held(&self) -> bool {
+        !*self.state.lost.borrow()
+    }
+
+    /// Completes when the lock is lost (see [`TxLockGuard::is_held`]); never for a lock that
+    /// stays held. Cancel-safe.
+    pub async fn lost(&self) {
+        let mut lost = self.state.lost.subscribe();
+        let _ = lost.wait_for(|lost| *lost).await;
+    }
+
+    /// Commits your statements and releases the lock. A lost lock is rolled back instead and
+    /// answers [`Error::LockLost`]: nothing of the transaction is kept.
     pub async fn commit(mut self) -> Result<()> {
+        if !self.is_held() {
+            self.end("ROLLBACK").await?;
+            return Err(Error::LockLost {
+                key: self.key.clone(),
+            });
+        }
         self.end("COMMIT").await
     }
 
@@ -73,10 +144,13 @@ impl TxLockGuard {
 
     async fn end(&mut self, how: &str) -> Result<()> {
         let mut conn = self.conn.take().expect("ended once");
-        conn.raw()
+        let result = conn
+            .raw()
             .query_drop(how)
             .await
-            .map_err(|e| classify(e).into_error(&self.shard))
+            .map_err(|e| classify(e).into_error(&self.shard));
+        self.state.end();
+        result
     }
 }
 
@@ -84,6 +158,7 @@ impl Drop for TxLockGuard {
     /// Rolls back in the background; without a runtime, the connection is closed, which
     /// rolls back on the server.
     fn drop(&mut self) {
+        self.state.end();
         let Some(conn) = self.conn.take() else { return };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => drop(runtime.spawn(async move {
@@ -153,6 +228,7 @@ impl StateMachine {
 }
 
 /// Closes a connection instead of pooling it, unless taken out first.
+#[derive(Debug)]
 struct Discard(Option<deadpool::managed::Object<ShardManager>>);
 
 impl Drop for Discard {
@@ -176,6 +252,29 @@ pub struct Job {
     pub retry_count: u32,
     /// The claim token written in the row (the worker's name and a claim number).
     pub claim: String,
+    /// The shard it was claimed on (its queue may move in a reload before it is finished).
+    home: JobHome,
+}
+
+/// The shard a job was claimed on; equal for any two jobs (only the public fields count).
+#[derive(Clone)]
+struct JobHome(Weak<ShardState>);
+
+impl PartialEq for JobHome {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for JobHome {}
+
+impl std::fmt::Debug for JobHome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.upgrade() {
+            Some(s) => f.write_str(s.shard.name()),
+            None => f.write_str("(gone)"),
+        }
+    }
 }
 
 impl LockRouter {
@@ -189,120 +288,88 @@ impl LockRouter {
     /// shard, waiting up to `wait` (zero: `NOWAIT`; the server's lock wait timeout is whole
     /// seconds, so the wait is also enforced here). Errors: `Timeout` when the row stayed
     /// locked, `Unavailable` when the shard failed; deadlocks are retried.
+    ///
+    /// While a reload's move is in progress, a key that moved is locked on the shards it lived
+    /// on before as well (each in a transaction of its own, released with the lock), so a
+    /// process that has not reloaded yet is kept out; a lock held when its key moves follows
+    /// it (see [`TxLockGuard`]).
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
         let lock_key = LockKey::new(key)?;
-        let shard = self.state_for(&lock_key);
-        let name = shard.shard.name().to_owned();
         let started = tokio::time::Instant::now();
         let deadline = started + wait;
-        loop {
-            let attempt = async {
-                // Until the lock is ours, a failed or abandoned attempt's connection is closed,
-                // not pooled: a lock statement still waiting on the server must not end up
-                // holding the row on an idle pooled connection.
-                let mut conn = Discard(Some(shard.shard.connection().await?));
-                let raw = conn.0.as_mut().expect("set above").raw();
-                let run = async {
-                    // Text protocol, the key as a hex literal (no injection possible): the
-                    // connection is reset after the transaction, and prepared statements
-                    // would not survive that.
-                    let hex: String = lock_key
-                        .stored()
-                        .iter()
-                        .map(|b| format!("{b:02x}"))
-                        .collect();
-                    raw.query_drop(format!(
-                        "INSERT INTO shardlock_txlock (lock_key) VALUES (X'{hex}') \
-                         ON DUPLICATE KEY UPDATE lock_key = lock_key"
-                    ))
-                    .await?;
-                    let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
-                    raw.query_drop(format!("SET SESSION innodb_lock_wait_timeout = {secs}"))
-                        .await?;
-                    raw.query_drop("START TRANSACTION").await?;
-                    let nowait = if wait.is_zero() { " NOWAIT" } else { "" };
-                    raw.query_drop(format!(
-                        "SELECT lock_key FROM shardlock_txlock WHERE lock_key = X'{hex}' FOR UPDATE{nowait}"
-                    ))
-                    .await
-                };
-                run.await.map_err(classify)?;
-                Ok::<_, BackendError>(conn.0.take().expect("set above"))
-            };
-            let bounded = async {
-                match tokio::time::timeout_at(deadline + Duration::from_millis(50), attempt).await {
-                    Ok(r) => r,
-                    Err(_) => Err(BackendError::new(
-                        BackendErrorKind::LockWaitTimeout,
-                        Some(1205),
-                        "the row stayed locked for the whole wait",
-                    )),
-                }
-            };
-            match shard.call_waiting(bounded).await {
-                Ok(conn) => {
-                    return Ok(TxLockGuard {
-                        conn: Some(conn),
-                        key: key.to_owned(),
-                        shard: name,
-                    })
-                }
-                // NOWAIT answers 3572 (MySQL) or 1205 (MariaDB) when the row is locked.
-                Err(e)
-                    if e.kind == BackendErrorKind::LockWaitTimeout
-                        || e.code == Some(3572)
-                        || (e.kind == BackendErrorKind::Deadlock
-                            && tokio::time::Instant::now() >= deadline) =>
-                {
-                    return Err(Error::Timeout {
-                        key: key.to_owned(),
-                        waited: started.elapsed(),
-                    })
-                }
-                Err(e) if e.kind == BackendErrorKind::Deadlock => continue,
-                Err(e) => return Err(e.into_error(&name)),
-            }
+        let topology = self.inner.topology.load_full();
+        let shard = topology.locate(&lock_key).clone();
+        let previous = topology.previous_locations(&lock_key);
+        let mut others = Vec::with_capacity(previous.len());
+        for old in &previous {
+            let conn = lock_row(old, &lock_key, wait, deadline).await?;
+            others.push(Discard(Some(conn)));
         }
+        let conn = lock_row(&shard, &lock_key, wait, deadline).await?;
+        let mut shards = vec![shard.clone()];
+        shards.extend(previous);
+        let state = Arc::new(TxLockState {
+            key: lock_key,
+            placed_epoch: AtomicU64::new(topology.epoch),
+            rows: std::sync::Mutex::new(TxRows {
+                shards,
+                others,
+                ended: false,
+            }),
+            lost: watch::channel(false).0,
+            following: tokio::sync::Mutex::new(()),
+        });
+        // Registered, then the epoch checked: a reload swaps the topology, then looks at the
+        // registered locks, so one of the two sees the other.
+        {
+            let mut locks = self.inner.tx_locks.lock().unwrap();
+            locks.retain(|l| l.strong_count() > 0);
+            locks.push(Arc::downgrade(&state));
+        }
+        if self.inner.shared.epoch() > topology.epoch {
+            follow_tx_lock(Arc::downgrade(&self.inner), state.clone());
+        }
+        Ok(TxLockGuard {
+            conn: Some(conn),
+            key: key.to_owned(),
+            shard: shard.shard.name().to_owned(),
+            state,
+        })
     }
 
     /// Takes `key` by compare-and-set: reads the row's version and, if nobody owns it, sets
     /// `owner` where the version is still the one read. `None` when someone else owns it (or
     /// won the race). Two statements; the row is created on first use.
+    ///
+    /// While a reload's move is in progress, a key that moved is taken on the shards it lived
+    /// on before as well (and given back there if it cannot be taken everywhere); once the
+    /// move is over, rows still owned on the old shards are carried to the new one, so a lock
+    /// taken before a reload stays taken, and releasable, after it.
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
-        let shard = self.state_for(&lock_key);
-        let stored = lock_key.stored().to_vec();
-        let owner_s = owner.to_owned();
-        let got = shard
-            .run(|c| {
-                let (stored, owner) = (stored.clone(), owner_s.clone());
-                Box::pin(async move {
-                    c.exec_drop(
-                        "INSERT INTO shardlock_cas (lock_key, owner, version) VALUES (?, NULL, 0) \
-                         ON DUPLICATE KEY UPDATE lock_key = lock_key",
-                        (&stored,),
-                    )
-                    .await?;
-                    let row: Option<(Option<Vec<u8>>, u64)> = c
-                        .exec_first(
-                            "SELECT owner, version FROM shardlock_cas WHERE lock_key = ?",
-                            (&stored,),
-                        )
-                        .await?;
-                    let Some((None, version)) = row else {
-                        return Ok(None);
-                    };
-                    c.exec_drop(
-                        "UPDATE shardlock_cas SET owner = ?, version = version + 1 \
-                         WHERE lock_key = ? AND version = ? AND owner IS NULL",
-                        (&owner, &stored, version),
-                    )
-                    .await?;
-                    Ok((c.affected_rows() == 1).then_some(version + 1))
-                })
-            })
-            .await?;
-        Ok(got.map(|version| CasGuard {
+        let topology = self.inner.topology.load_full();
+        let shard = topology.locate(&lock_key).clone();
+        let mut taken: Vec<Arc<ShardState>> = Vec::new();
+        let mut version = None;
+        for at in topology
+            .previous_locations(&lock_key)
+            .into_iter()
+            .chain([shard])
+        {
+            version = cas_take(&at, lock_key.stored(), owner).await?;
+            if version.is_none() {
+                break;
+            }
+            taken.push(at);
+        }
+        let Some(version) = version else {
+            // Someone owns it somewhere: give back what was taken.
+            for at in taken {
+                cas_free(&at, lock_key.stored(), owner, None).await?;
+            }
+            return Ok(None);
+        };
+        Ok(Some(CasGuard {
             key: key.to_owned(),
             owner: owner.to_owned(),
             version,
@@ -310,29 +377,24 @@ impl LockRouter {
     }
 
     /// Releases a CAS lock: only if the row still has the guard's owner and version. `false`
-    /// when it did not (someone force-changed it).
+    /// when it did not (someone force-changed it). While a reload's move is in progress, the
+    /// owner's rows on the key's previous shards are released too (the guard's version is the
+    /// current shard's).
     pub async fn cas_release(&self, guard: CasGuard) -> Result<bool> {
         let lock_key = LockKey::new(&guard.key)?;
-        let shard = self.state_for(&lock_key);
-        let stored = lock_key.stored().to_vec();
-        shard
-            .run(|c| {
-                let (stored, owner) = (stored.clone(), guard.owner.clone());
-                Box::pin(async move {
-                    c.exec_drop(
-                        "UPDATE shardlock_cas SET owner = NULL, version = version + 1 \
-                         WHERE lock_key = ? AND owner = ? AND version = ?",
-                        (&stored, &owner, guard.version),
-                    )
-                    .await?;
-                    Ok(c.affected_rows() == 1)
-                })
-            })
-            .await
+        let topology = self.inner.topology.load_full();
+        let shard = topology.locate(&lock_key).clone();
+        let mut released = false;
+        for old in topology.previous_locations(&lock_key) {
+            released |= cas_free(&old, lock_key.stored(), &guard.owner, None).await?;
+        }
+        released |= cas_free(&shard, lock_key.stored(), &guard.owner, Some(guard.version)).await?;
+        Ok(released)
     }
 
-    /// Moves row `id` of the machine's table (on the shard of key `id`) from `from` to `to`
-    /// in one conditional `UPDATE`; `true` when this call made the transition, `false` when
+    /// Moves row `id` of the machine's table (on the shard of key `id`, or while a reload's
+    /// move is in progress on a shard it lived on before) from `from` to `to` in one
+    /// conditional `UPDATE`; `true` when this call made the transition, `false` when
     /// the row was not in `from` (someone else moved it first, or it is done). Transitions the
     /// machine does not allow are refused before touching the shard.
     pub async fn transition(
@@ -353,7 +415,10 @@ impl LockRouter {
             });
         }
         let key = LockKey::new(id)?;
-        let shard = self.state_for(&key);
+        let topology = self.inner.topology.load_full();
+        let mut shards = vec![topology.locate(&key).clone()];
+        shards.extend(topology.previous_locations(&key));
+        drop(topology);
         let sql = format!(
             "UPDATE {} SET {state} = ? WHERE {} = ? AND {state} = ?",
             machine.table,
@@ -361,15 +426,23 @@ impl LockRouter {
             state = machine.state_column
         );
         let (id, from, to) = (id.to_owned(), from.to_owned(), to.to_owned());
-        shard
-            .run(|c| {
-                let (sql, id, from, to) = (sql.clone(), id.clone(), from.clone(), to.clone());
-                Box::pin(async move {
-                    c.exec_drop(sql, (&to, &id, &from)).await?;
-                    Ok(c.affected_rows() == 1)
+        // The row lives on the key's shard; while a move is in progress it may still be on
+        // a shard the key lived on before (the application moves its rows with its keys).
+        for shard in shards {
+            let moved = shard
+                .run(|c| {
+                    let (sql, id, from, to) = (sql.clone(), id.clone(), from.clone(), to.clone());
+                    Box::pin(async move {
+                        c.exec_drop(sql, (&to, &id, &from)).await?;
+                        Ok(c.affected_rows() == 1)
+                    })
                 })
-            })
-            .await
+                .await?;
+            if moved {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// The shard connection of a key, for setting up a state machine's table next to it.
@@ -429,34 +502,28 @@ impl LockRouter {
         lease: Duration,
     ) -> Result<Option<Job>> {
         let key = LockKey::new(queue)?;
-        let shard = self.state_for(&key);
-        let name = shard.shard.name().to_owned();
         let (_, claim_no) = self.inner.shared.next_owner();
         let claim = format!("{worker}@{claim_no}");
-        let mut tries = 0;
-        let claimed = loop {
-            let attempt = shard
-                .call_waiting(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
-                    let (queue, claim) = (queue.to_owned(), claim.clone());
-                    Box::pin(async move { claim_in(c, &queue, &claim, lease).await })
-                }))
-                .await;
-            match attempt {
-                Err(e) if e.kind.is_retryable() && tries < 20 => {
-                    tries += 1;
-                    let jitter = rand::random::<u64>() % (2 * tries);
-                    tokio::time::sleep(Duration::from_millis(1 + jitter)).await;
-                }
-                other => break other.map_err(|e| e.into_error(&name))?,
+        // The queue's shard first, then (while a reload's move is in progress) the shards it
+        // lived on before, whose jobs are carried over once the move is over.
+        let topology = self.inner.topology.load_full();
+        let mut shards = vec![topology.locate(&key).clone()];
+        shards.extend(topology.previous_locations(&key));
+        drop(topology);
+        for shard in shards {
+            if let Some((id, payload, retry_count)) = claim_on(&shard, queue, &claim, lease).await?
+            {
+                return Ok(Some(Job {
+                    id,
+                    queue: queue.to_owned(),
+                    payload,
+                    retry_count,
+                    claim,
+                    home: JobHome(Arc::downgrade(&shard)),
+                }));
             }
-        };
-        Ok(claimed.map(|(id, payload, retry_count)| Job {
-            id,
-            queue: queue.to_owned(),
-            payload,
-            retry_count,
-            claim: claim.clone(),
-        }))
+        }
+        Ok(None)
     }
 
     /// Marks `job` done, if its claim still holds (`false` when the lease ran out: the job
@@ -471,8 +538,11 @@ impl LockRouter {
     }
 
     async fn finish_job(&self, job: &Job, status: &'static str) -> Result<bool> {
-        let key = LockKey::new(&job.queue)?;
-        let shard = self.state_for(&key);
+        // On the shard it was claimed on, even if its queue moved since.
+        let shard = match job.home.0.upgrade() {
+            Some(home) => home,
+            None => self.state_for(&LockKey::new(&job.queue)?),
+        };
         let (claim, id) = (job.claim.clone(), job.id);
         shard
             .run(|c| {
@@ -489,6 +559,225 @@ impl LockRouter {
                 })
             })
             .await
+    }
+}
+
+/// Takes the CAS row of `stored` on `shard` for `owner`: its new version, or `None` when it
+/// is owned (or the race was lost).
+async fn cas_take(shard: &ShardState, stored: &[u8], owner: &str) -> Result<Option<u64>> {
+    let (stored, owner) = (stored.to_vec(), owner.to_owned());
+    shard
+        .run(|c| {
+            let (stored, owner) = (stored.clone(), owner.clone());
+            Box::pin(async move {
+                c.exec_drop(
+                    "INSERT INTO shardlock_cas (lock_key, owner, version) VALUES (?, NULL, 0) \
+                     ON DUPLICATE KEY UPDATE lock_key = lock_key",
+                    (&stored,),
+                )
+                .await?;
+                let row: Option<(Option<Vec<u8>>, u64)> = c
+                    .exec_first(
+                        "SELECT owner, version FROM shardlock_cas WHERE lock_key = ?",
+                        (&stored,),
+                    )
+                    .await?;
+                let Some((None, version)) = row else {
+                    return Ok(None);
+                };
+                c.exec_drop(
+                    "UPDATE shardlock_cas SET owner = ?, version = version + 1 \
+                     WHERE lock_key = ? AND version = ? AND owner IS NULL",
+                    (&owner, &stored, version),
+                )
+                .await?;
+                Ok((c.affected_rows() == 1).then_some(version + 1))
+            })
+        })
+        .await
+}
+
+/// Frees the CAS row of `stored` on `shard` if `owner` owns it (at `version`, when given).
+async fn cas_free(
+    shard: &ShardState,
+    stored: &[u8],
+    owner: &str,
+    version: Option<u64>,
+) -> Result<bool> {
+    let (stored, owner) = (stored.to_vec(), owner.to_owned());
+    shard
+        .run(|c| {
+            let (stored, owner) = (stored.clone(), owner.clone());
+            Box::pin(async move {
+                c.exec_drop(
+                    "UPDATE shardlock_cas SET owner = NULL, version = version + 1 \
+                     WHERE lock_key = ? AND owner = ? AND (? IS NULL OR version = ?)",
+                    (&stored, &owner, version, version),
+                )
+                .await?;
+                Ok(c.affected_rows() == 1)
+            })
+        })
+        .await
+}
+
+/// Locks `key`'s row of `shardlock_txlock` on `shard` in a new transaction on a dedicated
+/// connection, waiting up to `wait` (enforced until `deadline`); see
+/// [`LockRouter::lock_in_transaction`].
+async fn lock_row(
+    shard: &Arc<ShardState>,
+    lock_key: &LockKey,
+    wait: Duration,
+    deadline: tokio::time::Instant,
+) -> Result<deadpool::managed::Object<ShardManager>> {
+    let key = lock_key.as_str();
+    let name = shard.shard.name().to_owned();
+    let started = tokio::time::Instant::now();
+    loop {
+        let attempt = async {
+            // Until the lock is ours, a failed or abandoned attempt's connection is closed,
+            // not pooled: a lock statement still waiting on the server must not end up
+            // holding the row on an idle pooled connection.
+            let mut conn = Discard(Some(shard.shard.connection().await?));
+            let raw = conn.0.as_mut().expect("set above").raw();
+            let run = async {
+                // Text protocol, the key as a hex literal (no injection possible): the
+                // connection is reset after the transaction, and prepared statements
+                // would not survive that.
+                let hex: String = lock_key
+                    .stored()
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                raw.query_drop(format!(
+                    "INSERT INTO shardlock_txlock (lock_key) VALUES (X'{hex}') \
+                         ON DUPLICATE KEY UPDATE lock_key = lock_key"
+                ))
+                .await?;
+                let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+                raw.query_drop(format!("SET SESSION innodb_lock_wait_timeout = {secs}"))
+                    .await?;
+                raw.query_drop("START TRANSACTION").await?;
+                let nowait = if wait.is_zero() { " NOWAIT" } else { "" };
+                raw.query_drop(format!(
+                        "SELECT lock_key FROM shardlock_txlock WHERE lock_key = X'{hex}' FOR UPDATE{nowait}"
+                    ))
+                    .await
+            };
+            run.await.map_err(classify)?;
+            Ok::<_, BackendError>(conn.0.take().expect("set above"))
+        };
+        let bounded = async {
+            match tokio::time::timeout_at(deadline + Duration::from_millis(50), attempt).await {
+                Ok(r) => r,
+                Err(_) => Err(BackendError::new(
+                    BackendErrorKind::LockWaitTimeout,
+                    Some(1205),
+                    "the row stayed locked for the whole wait",
+                )),
+            }
+        };
+        match shard.call_waiting(bounded).await {
+            Ok(conn) => return Ok(conn),
+            // NOWAIT answers 3572 (MySQL) or 1205 (MariaDB) when the row is locked.
+            Err(e)
+                if e.kind == BackendErrorKind::LockWaitTimeout
+                    || e.code == Some(3572)
+                    || (e.kind == BackendErrorKind::Deadlock
+                        && tokio::time::Instant::now() >= deadline) =>
+            {
+                return Err(Error::Timeout {
+                    key: key.to_owned(),
+                    waited: started.elapsed(),
+                })
+            }
+            Err(e) if e.kind == BackendErrorKind::Deadlock => continue,
+            Err(e) => return Err(e.into_error(&name)),
+        }
+    }
+}
+
+/// Every transaction lock registered with the router that was placed under an epoch older
+/// than `topology`'s follows its key.
+pub(crate) fn follow_tx_locks(inner: &Arc<crate::router::Inner>, topology: &Topology) {
+    let locks: Vec<Arc<TxLockState>> = inner
+        .tx_locks
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    for state in locks {
+        if state.placed_epoch.load(Ordering::Acquire) < topology.epoch {
+            follow_tx_lock(Arc::downgrade(inner), state);
+        }
+    }
+}
+
+/// Locks a transaction lock's row on its key's new shard too, within half the move window of
+/// the reload; or marks the lock lost.
+fn follow_tx_lock(inner: Weak<crate::router::Inner>, state: Arc<TxLockState>) {
+    tokio::spawn(async move {
+        let _one_at_a_time = state.following.lock().await;
+        let Some(topology) = inner.upgrade().map(|i| i.topology.load_full()) else {
+            return;
+        };
+        if state.placed_epoch.load(Ordering::Acquire) >= topology.epoch {
+            return;
+        }
+        let target = topology.locate(&state.key).clone();
+        let there = {
+            let rows = state.rows.lock().unwrap();
+            rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
+        };
+        if !there {
+            let deadline = topology.reloaded_at + topology.config.move_window() / 2;
+            let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match lock_row(&target, &state.key, wait, deadline).await {
+                Ok(conn) => {
+                    let mut rows = state.rows.lock().unwrap();
+                    if !rows.ended {
+                        rows.shards.push(target);
+                        rows.others.push(Discard(Some(conn)));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(key = %state.key, shard = target.shard.name(), error = %e, "shardlock could not lock a moved key's row on its new shard");
+                    state.mark_lost(
+                        "its key moved in a reload and its row could not be locked on the new shard in time",
+                    );
+                }
+            }
+        }
+        state
+            .placed_epoch
+            .fetch_max(topology.epoch, Ordering::AcqRel);
+    });
+}
+
+/// [`LockRouter::claim_job`] on one shard: the claimed job's id, payload and retry count.
+async fn claim_on(
+    shard: &ShardState,
+    queue: &str,
+    claim: &str,
+    lease: Duration,
+) -> Result<Option<(u64, Vec<u8>, u32)>> {
+    let mut tries = 0;
+    loop {
+        let attempt = shard
+            .call_waiting(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
+                let (queue, claim) = (queue.to_owned(), claim.to_owned());
+                Box::pin(async move { claim_in(c, &queue, &claim, lease).await })
+            }))
+            .await;
+        match attempt {
+            Err(e) if e.kind.is_retryable() && tries < 20 => {
+                tries += 1;
+                let jitter = rand::random::<u64>() % (2 * tries);
+                tokio::time::sleep(Duration::from_millis(1 + jitter)).await;
+            }
+            other => return other.map_err(|e| e.into_error(shard.shard.name())),
+        }
     }
 }
 

@@ -39,6 +39,8 @@ pub(crate) struct Inner {
     reloading: tokio::sync::Mutex<()>,
     /// The cleaner's side: its election lock, pass count, and a registry set in code.
     pub(crate) cleaner: crate::cleaner::CleanerState,
+    /// Transaction locks held in this process, for reloads to make them follow moved keys.
+    pub(crate) tx_locks: std::sync::Mutex<Vec<std::sync::Weak<crate::patterns::TxLockState>>>,
 }
 
 /// Counters of one router since it started (this process only).
@@ -157,6 +159,7 @@ impl LockRouter {
                 topology: ArcSwap::from_pointee(topology),
                 reloading: tokio::sync::Mutex::new(()),
                 cleaner: crate::cleaner::CleanerState::default(),
+                tx_locks: std::sync::Mutex::default(),
             }),
         };
         let _ = router
@@ -185,21 +188,31 @@ impl LockRouter {
         config.validate()?;
         let _one_at_a_time = self.inner.reloading.lock().await;
         let old = self.inner.topology.load_full();
+        keep_bucket_counts(&old.config, &config)?;
         let window = config.move_window().max(old.config.move_window());
-        let previous = old.previous_for_next(&config, window);
         let shared = &self.inner.shared;
-        let next = Topology::build(
+        let mut next = Topology::build(
             config,
             old.epoch + 1,
             &old.all_shards(),
-            previous,
+            Vec::new(),
             shared,
             None,
         )?;
+        // Which database each shard reaches, so that a shard that got a new URL (or a new name
+        // for a database already in use) is told apart from a move to another server.
+        let mut shards = old.all_shards();
+        shards.extend(next.current.shards.iter().cloned());
+        join_all(shards.iter().map(|s| s.resolve_identity())).await;
+        next.previous = old.previous_for_next(&next, window);
+        // Shards that were current and are not any more (those that left earlier are being
+        // drained already).
         let leaving: Vec<Arc<ShardState>> = old
-            .all_shards()
-            .into_iter()
+            .current
+            .shards
+            .iter()
             .filter(|s| !next.current.shards.iter().any(|n| Arc::ptr_eq(n, s)))
+            .cloned()
             .collect();
         tracing::info!(
             epoch = next.epoch,
@@ -211,13 +224,9 @@ impl LockRouter {
         // Published after the swap: a lease registered from now on sees the new epoch and
         // follows its key itself; those registered before are found here.
         shared.epoch.store(next.epoch, Ordering::SeqCst);
-        let mut everywhere = old.all_shards();
-        for s in next.all_shards() {
-            if !everywhere.iter().any(|o| Arc::ptr_eq(o, &s)) {
-                everywhere.push(s);
-            }
-        }
-        crate::moves::follow_all(&everywhere, &next);
+        // Every shard state, those draining after an earlier reload included.
+        crate::moves::follow_all(&shared.shard_states(), &next);
+        crate::patterns::follow_tx_locks(&self.inner, &next);
         if let Some(moved) = next
             .previous
             .last()
@@ -603,12 +612,18 @@ impl LockRouter {
                     ..want
                 }
             };
+            // One owner for the grant's rows on every shard, so that a row where the key lived
+            // and the row where it lives now are recognisably the same lease.
+            let (_, owner) = self.inner.shared.next_owner();
             let mut companions = CompanionGrants(Vec::new(), key.stored().to_vec());
             let mut held_for = u64::MAX;
             let mut floor = 0;
             for old in &previous {
                 progress.attempts += 1;
-                match self.try_grant(old, key, want, floor, deadline).await? {
+                match self
+                    .try_grant(old, key, &owner, want, floor, deadline)
+                    .await?
+                {
                     Ok(grant) => {
                         floor = grant.fence;
                         companions.0.push((old.clone(), grant));
@@ -621,7 +636,10 @@ impl LockRouter {
             }
             if companions.0.len() == previous.len() {
                 progress.attempts += 1;
-                let tried = match self.try_grant(&shard, key, want, floor, deadline).await {
+                let tried = match self
+                    .try_grant(&shard, key, &owner, want, floor, deadline)
+                    .await
+                {
                     Ok(tried) => tried,
                     // A moved key, or a failure that is not the shard's: nothing to fall back on.
                     Err(e) if !previous.is_empty() || !e.is_unavailable() => return Err(e),
@@ -648,44 +666,62 @@ impl LockRouter {
                     }
                 }
                 if let Ok(grant) = tried {
+                    // The previous shards' rows get this grant's fence too: a process still
+                    // placing the key there must be granted a larger one.
+                    let mut failed = None;
+                    for (old, companion) in &companions.0 {
+                        let raised = old
+                            .call(old.shard.raise_fence(
+                                key.stored(),
+                                &companion.owner,
+                                grant.fence,
+                            ))
+                            .await;
+                        if !matches!(raised, Ok(true)) {
+                            failed = Some((old.shard.name().to_owned(), raised));
+                            break;
+                        }
+                    }
+                    if let Some((name, raised)) = failed {
+                        // Every row of this grant is given back as `companions` drops.
+                        companions.0.push((shard.clone(), grant));
+                        return Err(match raised {
+                            Err(e) => e.into_error(&name),
+                            Ok(_) => Error::LockLost {
+                                key: key.to_string(),
+                            },
+                        });
+                    }
                     if !previous.is_empty() {
                         self.inner
                             .shared
                             .stats
                             .moved_grants
                             .fetch_add(1, Ordering::Relaxed);
-                        // The previous shards' rows get this grant's fence too: a process
-                        // still placing the key there must be granted a larger one.
-                        for (old, companion) in &companions.0 {
-                            let raised = old
-                                .call(old.shard.raise_fence(
-                                    key.stored(),
-                                    &companion.owner,
-                                    grant.fence,
-                                ))
-                                .await;
-                            if !matches!(raised, Ok(true)) {
-                                // The new shard's grant is released as its guard drops.
-                                drop(self.hold(&shard, key, grant, want, None, &topology));
-                                return Err(match raised {
-                                    Err(e) => e.into_error(old.shard.name()),
-                                    Ok(_) => Error::LockLost {
-                                        key: key.to_string(),
-                                    },
-                                });
-                            }
-                        }
                     }
                     let guard = self.hold(&shard, key, grant, want, Some(turn), &topology);
                     let lease = &guard.hold().lease;
-                    for (old, grant) in std::mem::take(&mut companions.0) {
+                    while let Some((old, grant)) = companions.0.pop() {
                         let companion = Arc::new(
                             LeaseState::new(key.clone(), grant, want, Duration::ZERO, None)
                                 .belonging_to(lease),
                         );
                         old.insert(companion.clone());
-                        if !lease.adopt(old.clone(), companion) {
-                            break; // lost already: the guard reports it
+                        if !lease.adopt(old.clone(), companion.clone()) {
+                            // Lost already (the guard reports it): this row and the rest are
+                            // given back as `companions` drops.
+                            old.remove(companion.id);
+                            companions.0.push((
+                                old,
+                                Grant {
+                                    id: companion.id,
+                                    owner: companion.owner.clone(),
+                                    fence: 0,
+                                    reserve: 0,
+                                    sent: Instant::now(),
+                                },
+                            ));
+                            break;
                         }
                     }
                     return Ok(Some(guard));
@@ -706,21 +742,23 @@ impl LockRouter {
         }
     }
 
-    /// One acquire attempt of `key` on `shard` for `want`, with a first fence above `floor`:
+    /// One acquire attempt of `key` on `shard` for `owner` and `want`, with a first fence above
+    /// `floor`:
     /// the grant, or how long the key has been held (`u64::MAX`: unknown, the attempt did not
     /// answer before `deadline`).
     async fn try_grant(
         &self,
         shard: &Arc<ShardState>,
         key: &LockKey,
+        owner: &str,
         want: Want,
         floor: u64,
         deadline: Instant,
     ) -> Result<std::result::Result<Grant, u64>> {
-        let (id, owner) = self.inner.shared.next_owner();
+        let id = self.inner.shared.next_id();
         let req = GrantRequest {
             key: key.stored().to_vec(),
-            owner,
+            owner: owner.to_owned(),
             ttl_ms: want.ttl_ms(),
             fence_floor: floor,
             reserve: want.handoff_max_count,
@@ -969,8 +1007,8 @@ impl LockRouter {
     /// the pools. Guards still alive afterwards report their lease as lost.
     pub async fn shutdown(&self) -> Result<()> {
         self.inner.shared.closed.send_replace(true);
-        let topology = self.inner.topology.load_full();
-        let shards = topology.all_shards();
+        // Draining shards (left in a reload, leases still held there) included.
+        let shards = self.inner.shared.shard_states();
         let releases = shards.iter().flat_map(|s| {
             s.held()
                 .into_iter()
@@ -1074,6 +1112,29 @@ impl Drop for PendingAttempt {
     }
 }
 
+/// Refuses a reload that changes how many buckets a namespace has: a holder of a bucket that
+/// no longer exists would not be excluded by [`LockRouter::acquire_all_buckets`].
+fn keep_bucket_counts(old: &Config, next: &Config) -> Result<()> {
+    for (name, ns) in &next.namespaces {
+        let Some(before) = old.namespaces.get(name) else {
+            continue;
+        };
+        if before.buckets != ns.buckets {
+            return Err(shardlock_core::ConfigError::field(
+                format!("namespaces.{name}.buckets"),
+                format!(
+                    "cannot change from {} to {} in a reload: holders of the old buckets would \
+                     not be excluded by acquire_all_buckets. Introduce a new namespace with the \
+                     new count and move callers to it",
+                    before.buckets, ns.buckets
+                ),
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
 /// Closes the pool of a shard that left the topology, once its move window has passed and no
 /// lease of this process is held there any more (or it comes back in a later reload).
 async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Duration) {
@@ -1089,7 +1150,7 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
         {
             return; // back in the topology
         }
-        if shard.held().is_empty() && !topology.still_needed(&shard) {
+        if shard.held().is_empty() && shard.local_count() == 0 && !topology.still_needed(&shard) {
             shard.shard.close();
             tracing::info!(
                 shard = shard.shard.name(),

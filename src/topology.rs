@@ -154,7 +154,7 @@ impl Topology {
     /// The placements a reload to a new topology must keep: earlier ones still in force, and
     /// this one until `window` from now (and its fences carried over). When the ring does not
     /// change at all, nothing moves and this placement is not kept.
-    pub(crate) fn previous_for_next(&self, next: &Config, window: Duration) -> Vec<Previous> {
+    pub(crate) fn previous_for_next(&self, next: &Topology, window: Duration) -> Vec<Previous> {
         let now = Instant::now();
         let mut kept: Vec<_> = self
             .previous
@@ -162,14 +162,21 @@ impl Topology {
             .filter(|p| p.in_force(now))
             .cloned()
             .collect();
-        let same_ring = self.config.routing.virtual_nodes == next.routing.virtual_nodes
-            && self.config.shards.len() == next.shards.len()
-            && self
-                .config
+        // The same shards (the same databases, whatever their URLs) with the same weights.
+        let (this, that) = (&self.config, &next.config);
+        let same_ring = this.routing.virtual_nodes == that.routing.virtual_nodes
+            && this.shards.len() == that.shards.len()
+            && this
                 .shards
                 .iter()
-                .zip(&next.shards)
-                .all(|(a, b)| a.name == b.name && a.weight == b.weight);
+                .zip(&that.shards)
+                .all(|(a, b)| a.name == b.name && a.weight == b.weight)
+            && self
+                .current
+                .shards
+                .iter()
+                .zip(&next.current.shards)
+                .all(|(a, b)| a.same_database(b));
         if !same_ring {
             kept.push(Previous {
                 placement: self.current.clone(),
@@ -189,12 +196,16 @@ impl Topology {
         from: &ShardState,
         placement: Option<&[u8]>,
     ) -> Vec<Arc<ShardState>> {
+        // Placements no longer in force have carried their own rows on already (and their
+        // shards may be closed).
+        let now = Instant::now();
         let later = self
             .previous
             .iter()
-            .map(|p| &p.placement)
-            .skip_while(|p| !Arc::ptr_eq(p, previous))
+            .skip_while(|p| !Arc::ptr_eq(&p.placement, previous))
             .skip(1)
+            .filter(|p| p.in_force(now))
+            .map(|p| &p.placement)
             .chain(std::iter::once(&self.current));
         let mut out: Vec<Arc<ShardState>> = Vec::new();
         let mut add = |s: &Arc<ShardState>| {

@@ -464,3 +464,170 @@ async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
         g.release().await.unwrap();
     }
 }
+
+/// A config listing `shards` as `(name, url)`, with a 500 ms move window and `extra` appended.
+fn listing(shards: &[(&str, String)], extra: &str) -> Config {
+    let mut yaml = String::from("shards:\n");
+    for (name, url) in shards {
+        yaml.push_str(&format!("  - name: {name}\n    url: {url}\n"));
+    }
+    yaml.push_str("routing:\n  move-window: 500ms\n");
+    yaml.push_str(extra);
+    Config::from_yaml_str(&yaml).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_same_is_not() {
+    let cluster = Cluster::start(4).await.unwrap();
+    let url = |i: usize| cluster.shard(i).url();
+    let first = listing(&[("s1", url(0)), ("s2", url(1)), ("s3", url(2))], "");
+    // The same server through a proxy: another URL, the same database.
+    let proxy = shardlock_testkit::Proxy::start(cluster.shard(2).port())
+        .await
+        .unwrap();
+    let same = listing(&[("s1", url(0)), ("s2", url(1)), ("s3", proxy.url())], "");
+    // "s3" now names the fourth server: new hardware, a promoted replica.
+    let other = listing(&[("s1", url(0)), ("s2", url(1)), ("s3", url(3))], "");
+    LockRouter::new(listing(
+        &[
+            ("s1", url(0)),
+            ("s2", url(1)),
+            ("s3", url(2)),
+            ("s4", url(3)),
+        ],
+        "",
+    ))
+    .await
+    .unwrap()
+    .migrate()
+    .await
+    .unwrap();
+    let a = LockRouter::new(first.clone()).await.unwrap();
+    let b = LockRouter::new(first).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| a.shard_for(k).unwrap() == "s3")
+        .unwrap();
+    let opts = || {
+        AcquireOptions::new()
+            .ttl(Duration::from_secs(1))
+            .wait(Duration::ZERO)
+    };
+    let held = a.acquire(&key, opts()).await.unwrap();
+
+    a.reload(same.clone()).await.unwrap();
+    b.reload(same).await.unwrap();
+    assert_eq!(a.moves_in_progress(), 0, "the same database: nothing moved");
+    tokio::time::sleep(PAST_THE_WINDOW).await;
+    assert!(held.is_held());
+    assert_eq!(a.stats().followed, 0);
+    assert!(b.try_acquire(&key, opts()).await.unwrap().is_none());
+
+    a.reload(other.clone()).await.unwrap();
+    b.reload(other).await.unwrap();
+    assert_eq!(
+        a.moves_in_progress(),
+        1,
+        "another database: every key of s3 moved"
+    );
+    assert!(b.try_acquire(&key, opts()).await.unwrap().is_none());
+    tokio::time::sleep(PAST_THE_WINDOW).await;
+    assert!(held.is_held());
+    assert_eq!(a.stats().followed, 1, "{:?}", a.stats());
+    assert!(
+        b.try_acquire(&key, opts()).await.unwrap().is_none(),
+        "granted on the new server while a holds the key on the old one"
+    );
+    let fence = held.fence();
+    held.release().await.unwrap();
+    let next = b.try_acquire(&key, opts()).await.unwrap().expect("free");
+    assert!(next.fence() > fence);
+    next.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_back_under_another_name_within_the_window_is_taken_once() {
+    let cluster = Cluster::start(4).await.unwrap();
+    let url = |i: usize| cluster.shard(i).url();
+    let four = listing(
+        &[
+            ("s1", url(0)),
+            ("s2", url(1)),
+            ("s3", url(2)),
+            ("s4", url(3)),
+        ],
+        "",
+    );
+    let three = listing(&[("s1", url(0)), ("s2", url(1)), ("s3", url(2))], "");
+    // s4's database back as "s5".
+    let back = listing(
+        &[
+            ("s1", url(0)),
+            ("s2", url(1)),
+            ("s3", url(2)),
+            ("s5", url(3)),
+        ],
+        "",
+    );
+    let router = LockRouter::new(four.clone()).await.unwrap();
+    router.migrate().await.unwrap();
+    let probe = LockRouter::new(back.clone()).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| router.shard_for(k).unwrap() == "s4" && probe.shard_for(k).unwrap() == "s5")
+        .unwrap();
+    router.reload(three).await.unwrap();
+    router.reload(back).await.unwrap();
+    assert!(router.moves_in_progress() > 0);
+    // Its previous placements are s4 (the same database as s5) and another shard of three.
+    let g = router
+        .try_acquire(&key, AcquireOptions::new().wait(Duration::ZERO))
+        .await
+        .unwrap()
+        .expect("nobody holds it: the database is taken once, not twice under two owners");
+    assert_eq!(g.shard(), "s5");
+    g.release().await.unwrap();
+
+    // A namespace's bucket count cannot change in a reload.
+    let err = router
+        .reload(listing(
+            &[
+                ("s1", url(0)),
+                ("s2", url(1)),
+                ("s3", url(2)),
+                ("s5", url(3)),
+            ],
+            "namespaces:\n  default:\n    buckets: 4\n",
+        ))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("namespaces.default.buckets"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn force_release_frees_a_moved_key_where_a_process_that_did_not_reload_holds_it() {
+    let (_cluster, a, b, key, three) = two_routers_and_a_key_on_s4().await;
+    let held = a
+        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    b.reload(three).await.unwrap();
+    let released = b
+        .force_release(&key)
+        .await
+        .unwrap()
+        .expect("a holds it on s4");
+    assert_eq!(released.shard, "s4");
+    let noticed = tokio::time::timeout(Duration::from_secs(5), held.lost()).await;
+    assert!(noticed.is_ok(), "the holder learns it lost the lock");
+    let next = b
+        .try_acquire(&key, AcquireOptions::new().wait(Duration::ZERO))
+        .await
+        .unwrap()
+        .expect("free");
+    assert!(next.fence() > held.fence());
+    next.release().await.unwrap();
+}

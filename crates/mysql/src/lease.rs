@@ -111,9 +111,40 @@ pub(crate) async fn raise_fence(
     Ok(conn.affected_rows() == 1)
 }
 
-/// The fences of a shard's rows, in key order after a key (the empty key: from the start).
-const FENCES_AFTER: &str =
-    "SELECT lock_key, fence FROM shardlock_lease WHERE lock_key > ? ORDER BY lock_key LIMIT ?";
+/// The fences of a shard's rows, in key order after a key (the empty key: from the start),
+/// with the owner of each live lease.
+const FENCES_AFTER: &str = "SELECT lock_key, fence, \
+     IF(owner IS NOT NULL AND expires_at > NOW(3), owner, NULL) \
+     FROM shardlock_lease WHERE lock_key > ? ORDER BY lock_key LIMIT ?";
+
+/// A row's key and fence, and its owner while a lease holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FenceRow {
+    /// The stored key.
+    pub key: Vec<u8>,
+    /// The highest fence reserved for the key on this shard.
+    pub fence: u64,
+    /// The owner of the live lease, if any.
+    pub live_owner: Option<String>,
+}
+
+/// The live leases among some keys: `(key, owner)`.
+const LIVE_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease \
+     WHERE owner IS NOT NULL AND expires_at > NOW(3) AND lock_key IN ";
+
+pub(crate) async fn live_owners(
+    conn: &mut Conn,
+    keys: &[Vec<u8>],
+) -> mysql_async::Result<Vec<(Vec<u8>, String)>> {
+    let (list, params) = padded_in_list(keys.iter().map(Vec::as_slice));
+    let rows: Vec<(Vec<u8>, Vec<u8>)> = conn
+        .exec(format!("{LIVE_HEAD}{list}"), Params::Positional(params))
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(k, o)| (k, String::from_utf8_lossy(&o).into_owned()))
+        .collect())
+}
 
 /// Most rows read or floors written by one statement of a floor copy.
 pub const FLOOR_BATCH: usize = 1000;
@@ -122,8 +153,17 @@ pub(crate) async fn fences_after(
     conn: &mut Conn,
     after: &[u8],
     limit: usize,
-) -> mysql_async::Result<Vec<(Vec<u8>, u64)>> {
-    conn.exec(FENCES_AFTER, (after, limit as u64)).await
+) -> mysql_async::Result<Vec<FenceRow>> {
+    let rows: Vec<(Vec<u8>, u64, Option<Vec<u8>>)> =
+        conn.exec(FENCES_AFTER, (after, limit as u64)).await?;
+    Ok(rows
+        .into_iter()
+        .map(|(key, fence, owner)| FenceRow {
+            key,
+            fence,
+            live_owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+        })
+        .collect())
 }
 
 /// Raises the stored fence of each key to at least the given one: after a reload moved the
@@ -396,6 +436,28 @@ pub(crate) async fn holder_trace(
 ) -> mysql_async::Result<Option<String>> {
     let row: Option<Option<String>> = conn.exec_first(HOLDER_TRACE, (key,)).await?;
     Ok(row.flatten())
+}
+
+/// The server behind a connection: host name, port and server id as the server reports them
+/// (so a proxy or another URL to the same server gives the same answer), and its schema.
+const SERVER: &str = "SELECT CONCAT(@@hostname, ':', @@port, '#', @@server_id, '/', DATABASE())";
+const SHARD_ID: &str = "SELECT value FROM shardlock_meta WHERE name = 'shard-id'";
+
+/// Error number of a missing table (`shardlock_meta` before migration 5).
+const NO_SUCH_TABLE: u16 = 1146;
+
+pub(crate) async fn identity(conn: &mut Conn) -> mysql_async::Result<String> {
+    let server: Option<String> = conn.query_first(SERVER).await?;
+    let id: Option<String> = match conn.query_first(SHARD_ID).await {
+        Ok(id) => id,
+        Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_TABLE => None,
+        Err(e) => return Err(e),
+    };
+    Ok(format!(
+        "{} {}",
+        id.unwrap_or_default(),
+        server.unwrap_or_default()
+    ))
 }
 
 pub(crate) async fn count_held(conn: &mut Conn) -> mysql_async::Result<u64> {

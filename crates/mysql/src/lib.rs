@@ -16,8 +16,8 @@ mod shard;
 pub use cleaner::{Candidate, InstanceRow};
 pub use error::classify;
 pub use lease::{
-    Attempt, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, FLOOR_BATCH, HELD_MARK,
-    MAX_RENEW_BATCH,
+    Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, FLOOR_BATCH,
+    HELD_MARK, MAX_RENEW_BATCH,
 };
 pub use migrate::{MigrateReport, MIGRATIONS};
 pub use pool::{ShardConn, ShardManager, ShardPool};

@@ -25,6 +25,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "lock_patterns",
         include_str!("../../../migrations/0004_lock_patterns.sql"),
     ),
+    (
+        5,
+        "shard_identity",
+        include_str!("../../../migrations/0005_shard_identity.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\

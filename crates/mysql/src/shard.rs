@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use crate::cleaner::{self, Candidate, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
-    self, Attempt, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
+    self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
 };
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{session_setup, ShardConn, ShardManager, ShardPool};
@@ -161,16 +161,28 @@ impl Shard {
         .await
     }
 
-    /// Up to `limit` rows' keys and fences, in key order after `after`.
+    /// Up to `limit` rows' keys and fences (and live owners), in key order after `after`.
     pub async fn fences_after(
         &self,
         after: &[u8],
         limit: usize,
-    ) -> Result<Vec<(Vec<u8>, u64)>, BackendError> {
+    ) -> Result<Vec<FenceRow>, BackendError> {
         let after = after.to_vec();
         self.with_conn(self.statement_timeout, |c| {
             let after = after.clone();
             Box::pin(async move { lease::fences_after(c, &after, limit).await })
+        })
+        .await
+    }
+
+    /// The live leases among `keys` (at most [`crate::FLOOR_BATCH`]): `(key, owner)`.
+    pub async fn live_owners(
+        &self,
+        keys: Vec<Vec<u8>>,
+    ) -> Result<Vec<(Vec<u8>, String)>, BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            let keys = keys.clone();
+            Box::pin(async move { lease::live_owners(c, &keys).await })
         })
         .await
     }
@@ -253,6 +265,14 @@ impl Shard {
             Box::pin(async move { lease::holder_trace(c, &key).await })
         })
         .await
+    }
+
+    /// What identifies the database this shard reaches: the id its tables were created with
+    /// (migration 5) and the server's host name, port, server id and schema. Two shards with
+    /// the same identity are the same database, whatever their URLs.
+    pub async fn identity(&self) -> Result<String, BackendError> {
+        self.with_conn(self.statement_timeout, |c| Box::pin(lease::identity(c)))
+            .await
     }
 
     /// How many live leases the shard holds (all instances).
