@@ -233,6 +233,20 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
     let mut carried = 0;
     let mut uncovered = Vec::new();
     for source in sources {
+        // Rows the cleaner deleted there had fences below its clock: that clock is the floor
+        // of every shard its keys may have moved to.
+        let clock = source
+            .call_waiting(source.shard.clock_us())
+            .await
+            .map_err(|e| e.into_error(source.shard.name()))?;
+        for target in &router.topology.load().current.shards {
+            if !target.same_database(source) {
+                target
+                    .call_waiting(target.shard.raise_shard_floor(clock))
+                    .await
+                    .map_err(|e| e.into_error(target.shard.name()))?;
+            }
+        }
         let mut after = Vec::new();
         loop {
             let rows = source
@@ -287,6 +301,21 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
                 break;
             }
         }
+        carry_cas(router, source).await?;
+        let running = carry_jobs(router, source).await?;
+        if running > 0 {
+            return Err(shardlock_core::Error::Backend {
+                shard: source.shard.name().to_owned(),
+                source: shardlock_core::BackendError::new(
+                    shardlock_core::BackendErrorKind::Other,
+                    None,
+                    format!(
+                        "{running} job(s) of moved queues are still running there; they are \
+                         finished there, or carried over once their lease runs out"
+                    ),
+                ),
+            });
+        }
     }
     if let Some((shard, key, owner)) = uncovered.first() {
         return Err(shardlock_core::Error::Backend {
@@ -305,4 +334,135 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
         });
     }
     Ok(carried)
+}
+
+/// Moves the owned CAS rows of moved keys from `source` to where the keys live now: written
+/// there (where the row is free), then freed on `source`; if the holder released it on
+/// `source` meanwhile, the copy is freed again.
+async fn carry_cas(router: &Inner, source: &Arc<ShardState>) -> shardlock_core::Result<()> {
+    let on = |s: &ShardState| {
+        let name = s.shard.name().to_owned();
+        move |e: shardlock_core::BackendError| e.into_error(&name)
+    };
+    let mut after = Vec::new();
+    loop {
+        let rows = source
+            .call_waiting(source.shard.owned_cas_after(&after, FLOOR_BATCH))
+            .await
+            .map_err(on(source))?;
+        let Some(last) = rows.last() else {
+            return Ok(());
+        };
+        after.clone_from(&last.0);
+        let full = rows.len() == FLOOR_BATCH;
+        let topology = router.topology.load_full();
+        let mut by_target: Vec<(Arc<ShardState>, Vec<shardlock_mysql::CasRow>)> = Vec::new();
+        for row in rows {
+            let Some(target) = topology.current_location(&row.0) else {
+                continue;
+            };
+            if target.same_database(source) {
+                continue;
+            }
+            match by_target.iter_mut().find(|(t, _)| Arc::ptr_eq(t, target)) {
+                Some((_, rows)) => rows.push(row),
+                None => by_target.push((target.clone(), vec![row])),
+            }
+        }
+        for (target, rows) in by_target {
+            target
+                .call_waiting(target.shard.adopt_cas(&rows))
+                .await
+                .map_err(on(&target))?;
+            for row in &rows {
+                let freed = source
+                    .call_waiting(source.shard.free_cas(row))
+                    .await
+                    .map_err(on(source))?;
+                if !freed {
+                    target
+                        .call_waiting(target.shard.free_cas(row))
+                        .await
+                        .map_err(on(&target))?;
+                }
+            }
+        }
+        if !full {
+            return Ok(());
+        }
+    }
+}
+
+/// Moves the unfinished jobs of moved queues from `source` to where the queues live now: ready
+/// jobs and abandoned claims with retries left are marked as moving (claimers skip them),
+/// enqueued there once each (by origin), then marked moved. Returns how many jobs of moved
+/// queues are still running on `source` (claimed, lease not run out): the move waits for them.
+async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core::Result<usize> {
+    let on = |s: &ShardState| {
+        let name = s.shard.name().to_owned();
+        move |e: shardlock_core::BackendError| e.into_error(&name)
+    };
+    source.resolve_identity().await;
+    let origin = source.identity.get().cloned();
+    let mut running = 0;
+    let mut after = 0;
+    loop {
+        let jobs = source
+            .call_waiting(source.shard.pending_jobs_after(after, FLOOR_BATCH))
+            .await
+            .map_err(on(source))?;
+        let Some(last) = jobs.last() else {
+            return Ok(running);
+        };
+        after = last.id;
+        let full = jobs.len() == FLOOR_BATCH;
+        let topology = router.topology.load_full();
+        let mut by_target: Vec<(Arc<ShardState>, Vec<u64>)> = Vec::new();
+        for job in jobs {
+            let Some(target) = topology.current_location(&job.queue) else {
+                continue;
+            };
+            if target.same_database(source) {
+                continue;
+            }
+            if job.running {
+                running += 1;
+                continue;
+            }
+            match by_target.iter_mut().find(|(t, _)| Arc::ptr_eq(t, target)) {
+                Some((_, ids)) => ids.push(job.id),
+                None => by_target.push((target.clone(), vec![job.id])),
+            }
+        }
+        if !by_target.is_empty() {
+            let Some(origin) = &origin else {
+                return Err(shardlock_core::Error::Backend {
+                    shard: source.shard.name().to_owned(),
+                    source: shardlock_core::BackendError::new(
+                        shardlock_core::BackendErrorKind::Other,
+                        None,
+                        "its identity could not be read, so its jobs cannot be moved yet",
+                    ),
+                });
+            };
+            for (target, ids) in by_target {
+                let moving = source
+                    .call_waiting(source.shard.start_moving(&ids))
+                    .await
+                    .map_err(on(source))?;
+                target
+                    .call_waiting(target.shard.enqueue_moved(origin, &moving))
+                    .await
+                    .map_err(on(&target))?;
+                let moved: Vec<u64> = moving.iter().map(|j| j.id).collect();
+                source
+                    .call_waiting(source.shard.finish_moving(&moved))
+                    .await
+                    .map_err(on(source))?;
+            }
+        }
+        if !full {
+            return Ok(running);
+        }
+    }
 }

@@ -222,6 +222,12 @@ impl Topology {
         out
     }
 
+    /// The shard a lock stored as `stored` lives on now, if its placement can be told (not a
+    /// digest).
+    pub(crate) fn current_location(&self, stored: &[u8]) -> Option<&Arc<ShardState>> {
+        LockKey::placement_of_stored(stored).map(|p| self.current.locate_bytes(p))
+    }
+
     /// Whether `shard` is still needed by an earlier placement in force (its move window is
     /// open or its fences are still to be carried over).
     pub(crate) fn still_needed(&self, shard: &Arc<ShardState>) -> bool {

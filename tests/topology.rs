@@ -378,8 +378,8 @@ async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
             yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
         }
         yaml.push_str(
-            "routing:\n  move-window: 500ms\nnamespaces:\n  default:\n    ttl: 5s\n  \
-             hot:\n    ttl: 5s\n    handoff-max-count: 1000000\n",
+            "routing:\n  move-window: 500ms\ncleaner:\n  grace: 0s\nnamespaces:\n  \
+             default:\n    ttl: 5s\n  hot:\n    ttl: 5s\n    handoff-max-count: 1000000\n",
         );
         Config::from_yaml_str(&yaml).unwrap()
     };
@@ -414,6 +414,24 @@ async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
     // grant reserves a million fences (a second of the clock floor) for in-memory hand-offs.
     let (ahead, ran_ahead) = (moved("s4"), moved("s1"));
     let mut highest = std::collections::HashMap::new();
+    // And a key of the fast-clock shard whose row the cleaner deleted before the move: no row
+    // to carry, only the shard's clock floored its fences.
+    let deleted = (0..)
+        .map(|i| format!("gone:{i}"))
+        .find(|k| router.shard_for(k).unwrap() == "s4" && probe.shard_for(k).unwrap() != "s4")
+        .unwrap();
+    let g = router
+        .acquire(&deleted, AcquireOptions::new())
+        .await
+        .unwrap();
+    highest.insert(deleted.clone(), g.fence());
+    g.release().await.unwrap();
+    let cleaned = common::eventually(Duration::from_secs(30), || async {
+        router.clean_once().await.unwrap();
+        router.inspect(&deleted).await.unwrap().1.is_none()
+    })
+    .await;
+    assert!(cleaned, "the cleaner deleted the released row");
     let g = router.acquire(&ahead, AcquireOptions::new()).await.unwrap();
     highest.insert(ahead.clone(), g.fence());
     g.release().await.unwrap();
@@ -453,7 +471,7 @@ async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
     // A process that never saw the old topology knows only the new shards: the carried
     // fences are its floor.
     let newcomer = LockRouter::new(after).await.unwrap();
-    for key in [&ahead, &ran_ahead] {
+    for key in [&ahead, &ran_ahead, &deleted] {
         let g = newcomer.acquire(key, AcquireOptions::new()).await.unwrap();
         assert!(
             g.fence() > highest[key],

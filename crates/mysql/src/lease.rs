@@ -12,6 +12,16 @@ macro_rules! now_us {
     };
 }
 
+/// The shard's fence floor (`shardlock_meta`, raised when keys move here): every new fence is
+/// above it.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! fence_floor {
+    () => {
+        "COALESCE((SELECT CAST(value AS UNSIGNED) FROM shardlock_meta WHERE name = 'fence-floor'), 0)"
+    };
+}
+
 /// What a grant asks of the shard: the row `key` for `owner` for `ttl`, with a first fence
 /// above `fence_floor` (and above every earlier fence of the key), and `reserve` more fences
 /// set aside after it.
@@ -52,10 +62,10 @@ pub struct GrantRequest {
 /// floor, reserve, owner, ttl ms, owner, ttl us, owner, owner, trace, owner.
 const ACQUIRE: &str = concat!(
     "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
-    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), ?, NULL) ",
+    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ", fence_floor!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), ?, NULL) ",
     "ON DUPLICATE KEY UPDATE ",
     "owner = IF(owner IS NULL OR expires_at <= NOW(3), ?, owner), ",
-    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ?)) + ?, ",
+    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ", fence_floor!(), ", ?)) + ?, ",
     "fence + 0 * LAST_INSERT_ID(9223372036854775808 + LEAST(GREATEST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000, 0), 1000000000))), ",
     "ttl_ms = IF(owner = ?, ?, ttl_ms), ",
     "expires_at = IF(owner = ?, NOW(3) + INTERVAL ? MICROSECOND, expires_at), ",
@@ -86,6 +96,8 @@ const HANDOFF: &str = concat!(
     "owner = IF(wanted_at IS NULL, ?, NULL), ",
     "fence = IF(owner <=> ?, LAST_INSERT_ID(GREATEST(fence + 1, ",
     now_us!(),
+    ", ",
+    fence_floor!(),
     ")) + ?, fence + LAST_INSERT_ID(0)), ",
     "ttl_ms = IF(owner <=> ?, ?, ttl_ms), ",
     "expires_at = IF(owner <=> ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3)), ",
@@ -109,6 +121,21 @@ pub(crate) async fn raise_fence(
 ) -> mysql_async::Result<bool> {
     conn.exec_drop(RAISE_FENCE, (fence, key, owner)).await?;
     Ok(conn.affected_rows() == 1)
+}
+
+/// Raises the shard's fence floor (see [`fence_floor`]) to at least `?`.
+const RAISE_SHARD_FLOOR: &str = "UPDATE shardlock_meta \
+     SET value = CAST(GREATEST(CAST(value AS UNSIGNED), ?) AS CHAR) WHERE name = 'fence-floor'";
+
+/// The shard's clock in microseconds (the floor of its fences).
+const CLOCK_US: &str = concat!("SELECT ", now_us!());
+
+pub(crate) async fn raise_shard_floor(conn: &mut Conn, floor: u64) -> mysql_async::Result<()> {
+    conn.exec_drop(RAISE_SHARD_FLOOR, (floor,)).await
+}
+
+pub(crate) async fn clock_us(conn: &mut Conn) -> mysql_async::Result<u64> {
+    Ok(conn.query_first(CLOCK_US).await?.unwrap_or(0))
 }
 
 /// The fences of a shard's rows, in key order after a key (the empty key: from the start),
@@ -171,9 +198,6 @@ pub(crate) async fn fences_after(
 /// next grant is above every earlier one whatever the two shards' clocks say. A key without a
 /// row gets a released one carrying the floor. Keys are written in one global order, so
 /// concurrent copies from several processes cannot deadlock each other.
-///
-/// `VALUES(col)` is deprecated on MySQL 8.0.20+ (a warning) but the only form both servers
-/// accept.
 pub(crate) async fn raise_floors(
     conn: &mut Conn,
     floors: &[(Vec<u8>, u64)],
@@ -183,18 +207,45 @@ pub(crate) async fn raise_floors(
     }
     let mut sorted: Vec<&(Vec<u8>, u64)> = floors.iter().collect();
     sorted.sort();
-    let mut sql = String::from(
-        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) VALUES ",
-    );
     let mut params: Vec<Value> = Vec::with_capacity(floors.len() * 2);
-    for (i, (key, fence)) in sorted.into_iter().enumerate() {
-        sql.push_str(if i == 0 { "" } else { "," });
-        sql.push_str("(?, NULL, ?, 0, NOW(3), NOW(3))");
+    for (key, fence) in sorted {
         params.push(key.as_slice().into());
         params.push((*fence).into());
     }
-    sql.push_str(" ON DUPLICATE KEY UPDATE fence = GREATEST(fence, VALUES(fence))");
+    let sql = format!(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         SELECT src.k, NULL, src.f, 0, NOW(3), NOW(3) FROM {} \
+         ON DUPLICATE KEY UPDATE fence = GREATEST(shardlock_lease.fence, src.f)",
+        rows_source(&["k", "f"], floors.len())
+    );
     conn.exec_drop(sql, Params::Positional(params)).await
+}
+
+/// `(SELECT ? AS a, ? AS b UNION ALL SELECT ?, ? ...) AS src`: `rows` rows of placeholders
+/// named `columns`, to insert many rows with `INSERT ... SELECT` and refer to them as `src.a`
+/// in `ON DUPLICATE KEY UPDATE` (the portable form: `VALUES()` there is deprecated in MySQL 8
+/// and its replacement row alias is not in MariaDB).
+pub(crate) fn rows_source(columns: &[&str], rows: usize) -> String {
+    let mut sql = String::from("(");
+    for row in 0..rows {
+        sql.push_str(if row == 0 {
+            "SELECT "
+        } else {
+            " UNION ALL SELECT "
+        });
+        for (i, column) in columns.iter().enumerate() {
+            if i > 0 {
+                sql.push_str(", ");
+            }
+            sql.push('?');
+            if row == 0 {
+                sql.push_str(" AS ");
+                sql.push_str(column);
+            }
+        }
+    }
+    sql.push_str(") AS src");
+    sql
 }
 
 /// What a hand-off did.
@@ -475,6 +526,14 @@ mod tests {
         assert_eq!(sql, "(?,?,?,?)");
         assert_eq!(values.len(), 4);
         assert_eq!(values[3], Value::from(&b"c"[..]));
+    }
+
+    #[test]
+    fn row_sources_name_their_columns_once() {
+        assert_eq!(
+            rows_source(&["k", "f"], 2),
+            "(SELECT ? AS k, ? AS f UNION ALL SELECT ?, ?) AS src"
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod carry;
 mod cleaner;
 mod error;
 mod lease;
@@ -13,6 +14,7 @@ mod migrate;
 mod pool;
 mod shard;
 
+pub use carry::{CasRow, MovingJob, PendingJob};
 pub use cleaner::{Candidate, InstanceRow};
 pub use error::classify;
 pub use lease::{

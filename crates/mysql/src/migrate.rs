@@ -30,6 +30,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "shard_identity",
         include_str!("../../../migrations/0005_shard_identity.sql"),
     ),
+    (
+        6,
+        "job_origin",
+        include_str!("../../../migrations/0006_job_origin.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\

@@ -10,6 +10,7 @@ use shardlock_core::config::ShardConfig;
 use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
 
+use crate::carry::{self, CasRow, MovingJob, PendingJob};
 use crate::cleaner::{self, Candidate, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
@@ -171,6 +172,95 @@ impl Shard {
         self.with_conn(self.statement_timeout, |c| {
             let after = after.clone();
             Box::pin(async move { lease::fences_after(c, &after, limit).await })
+        })
+        .await
+    }
+
+    /// Up to `limit` owned CAS rows in key order after `after` (carrying moved keys).
+    pub async fn owned_cas_after(
+        &self,
+        after: &[u8],
+        limit: usize,
+    ) -> Result<Vec<CasRow>, BackendError> {
+        let after = after.to_vec();
+        self.with_conn(self.statement_timeout, |c| {
+            let after = after.clone();
+            Box::pin(async move { carry::owned_cas_after(c, &after, limit).await })
+        })
+        .await
+    }
+
+    /// Writes carried CAS rows here where the key's row is free (see the carry module).
+    pub async fn adopt_cas(&self, rows: &[CasRow]) -> Result<(), BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            let rows = rows.to_vec();
+            Box::pin(async move { carry::adopt_cas(c, &rows).await })
+        })
+        .await
+    }
+
+    /// Frees a CAS row still owned by `owner` at `version`; whether it was.
+    pub async fn free_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            let (key, owner, version) = row.clone();
+            Box::pin(async move { carry::free_cas(c, &key, &owner, version).await })
+        })
+        .await
+    }
+
+    /// Up to `limit` unfinished jobs in id order after `after` (carrying moved queues).
+    pub async fn pending_jobs_after(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<PendingJob>, BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            Box::pin(carry::pending_jobs_after(c, after, limit))
+        })
+        .await
+    }
+
+    /// Marks jobs as being moved and returns those that are (see the carry module).
+    pub async fn start_moving(&self, ids: &[u64]) -> Result<Vec<MovingJob>, BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            let ids = ids.to_vec();
+            Box::pin(async move { carry::start_moving(c, &ids).await })
+        })
+        .await
+    }
+
+    /// Enqueues moved jobs here, each once (`origin` names the shard they come from).
+    pub async fn enqueue_moved(
+        &self,
+        origin: &str,
+        jobs: &[MovingJob],
+    ) -> Result<(), BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            let (origin, jobs) = (origin.to_owned(), jobs.to_vec());
+            Box::pin(async move { carry::enqueue_moved(c, &origin, &jobs).await })
+        })
+        .await
+    }
+
+    /// Marks moved jobs as gone from here.
+    pub async fn finish_moving(&self, ids: &[u64]) -> Result<(), BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            let ids = ids.to_vec();
+            Box::pin(async move { carry::finish_moving(c, &ids).await })
+        })
+        .await
+    }
+
+    /// The shard's clock, in microseconds since the epoch.
+    pub async fn clock_us(&self) -> Result<u64, BackendError> {
+        self.with_conn(self.statement_timeout, |c| Box::pin(lease::clock_us(c)))
+            .await
+    }
+
+    /// Raises the shard's fence floor: every fence granted here from now on is above `floor`.
+    pub async fn raise_shard_floor(&self, floor: u64) -> Result<(), BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            Box::pin(lease::raise_shard_floor(c, floor))
         })
         .await
     }

@@ -1,0 +1,260 @@
+//! The other lock patterns across a reload that moves their keys: transaction and CAS locks
+//! keep excluding, queued jobs are each done exactly once, state-machine rows are still found.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::patterns::StateMachine;
+use shardlock::{Config, Error, LockRouter};
+use shardlock_testkit::Cluster;
+
+/// Four shards, configs listing the first three and all four (500 ms move window), and a
+/// router over each, migrated.
+async fn cluster() -> (Cluster, Config, Config) {
+    let cluster = Cluster::start(4).await.unwrap();
+    let config = |n: usize| {
+        let mut yaml = String::from("shards:\n");
+        for s in &cluster.shards()[..n] {
+            yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
+        }
+        yaml.push_str("routing:\n  move-window: 500ms\n");
+        Config::from_yaml_str(&yaml).unwrap()
+    };
+    let (three, four) = (config(3), config(4));
+    LockRouter::new(four.clone())
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    (cluster, three, four)
+}
+
+/// A key that lives on another shard under `four` than under `three`.
+async fn moving_key(three: &Config, four: &Config, prefix: &str) -> String {
+    let (a, b) = (
+        LockRouter::new(three.clone()).await.unwrap(),
+        LockRouter::new(four.clone()).await.unwrap(),
+    );
+    (0..)
+        .map(|i| format!("{prefix}{i}"))
+        .find(|k| a.shard_for(k).unwrap() != b.shard_for(k).unwrap())
+        .unwrap()
+}
+
+/// Waits until `router`'s moves are over (windows passed, rows carried).
+async fn moves_done(router: &LockRouter) {
+    let done = common::eventually(Duration::from_secs(30), || async {
+        router.moves_in_progress() == 0
+    })
+    .await;
+    assert!(done, "the move ended");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_excludes_across_a_reload_and_follows_its_key() {
+    let (_cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "tx:").await;
+    let a = LockRouter::new(three.clone()).await.unwrap();
+    let b = LockRouter::new(three).await.unwrap();
+    let held = a
+        .lock_in_transaction(&key, Duration::from_secs(5))
+        .await
+        .unwrap();
+
+    b.reload(four.clone()).await.unwrap();
+    let refused = b.lock_in_transaction(&key, Duration::ZERO).await;
+    assert!(
+        matches!(refused, Err(Error::Timeout { .. })),
+        "the reloaded process is kept out: {refused:?}"
+    );
+    a.reload(four).await.unwrap();
+    moves_done(&a).await;
+    moves_done(&b).await;
+    assert!(held.is_held(), "the lock followed its key");
+    let refused = b.lock_in_transaction(&key, Duration::ZERO).await;
+    assert!(
+        matches!(refused, Err(Error::Timeout { .. })),
+        "still kept out after the move: {refused:?}"
+    );
+    held.commit().await.unwrap();
+    let next = b
+        .lock_in_transaction(&key, Duration::from_secs(5))
+        .await
+        .unwrap();
+    next.rollback().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_lock_taken_before_a_reload_stays_taken_and_releasable_after_it() {
+    let (_cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "cas:").await;
+    let a = LockRouter::new(three.clone()).await.unwrap();
+    let b = LockRouter::new(three).await.unwrap();
+    let guard = a.cas_acquire(&key, "a").await.unwrap().expect("free");
+
+    b.reload(four.clone()).await.unwrap();
+    assert!(b.cas_acquire(&key, "b").await.unwrap().is_none());
+    a.reload(four.clone()).await.unwrap();
+    moves_done(&a).await;
+    moves_done(&b).await;
+    assert!(
+        b.cas_acquire(&key, "b").await.unwrap().is_none(),
+        "still taken once the move is over"
+    );
+    // A process that never saw the old topology finds it taken too.
+    let newcomer = LockRouter::new(four).await.unwrap();
+    assert!(newcomer.cas_acquire(&key, "c").await.unwrap().is_none());
+
+    assert!(
+        a.cas_release(guard).await.unwrap(),
+        "released where it lives now"
+    );
+    let next = b.cas_acquire(&key, "b").await.unwrap().expect("free again");
+    assert!(b.cas_release(next).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn jobs_enqueued_before_a_reload_are_each_done_exactly_once_after_it() {
+    const JOBS: usize = 1000;
+    let (cluster, three, four) = cluster().await;
+    let queue = moving_key(&three, &four, "queue:").await;
+    let routers = [
+        LockRouter::new(three.clone()).await.unwrap(),
+        LockRouter::new(three).await.unwrap(),
+    ];
+    for i in 0..JOBS {
+        routers[i % 2]
+            .enqueue_job(&queue, format!("job-{i}").as_bytes(), Duration::ZERO, 3)
+            .await
+            .unwrap();
+    }
+    for r in &routers {
+        r.reload(four.clone()).await.unwrap();
+    }
+    let done = Arc::new(std::sync::Mutex::new(HashMap::<String, usize>::new()));
+    let record = |payload: Vec<u8>| {
+        *done
+            .lock()
+            .unwrap()
+            .entry(String::from_utf8(payload).unwrap())
+            .or_default() += 1;
+    };
+    // Claimed on the old shard while the move is in progress, and still running once its
+    // window is over: the move waits for them.
+    let mut running = Vec::new();
+    for _ in 0..50 {
+        let job = routers[0]
+            .claim_job(&queue, "early", Duration::from_secs(30))
+            .await
+            .unwrap()
+            .expect("jobs are due");
+        running.push(job);
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        routers[0].moves_in_progress(),
+        1,
+        "running jobs keep the move in force"
+    );
+    for job in running {
+        assert!(routers[0].complete_job(&job).await.unwrap(), "{job:?}");
+        record(job.payload);
+    }
+    for r in &routers {
+        moves_done(r).await;
+    }
+    let mut carried = 0;
+    for s in cluster.shards() {
+        let mut c = s.connect().await.unwrap();
+        let n: Option<u64> = c
+            .query_first("SELECT COUNT(*) FROM shardlock_job WHERE origin IS NOT NULL")
+            .await
+            .unwrap();
+        carried += n.unwrap_or(0);
+    }
+    assert_eq!(
+        carried as usize,
+        JOBS - 50,
+        "the rest were carried to the new shard, once"
+    );
+    let mut workers = Vec::new();
+    for (n, router) in routers.iter().enumerate() {
+        for t in 0..8 {
+            let (router, queue, done) = (router.clone(), queue.clone(), done.clone());
+            workers.push(tokio::spawn(async move {
+                let worker = format!("w{n}.{t}");
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+                while done.lock().unwrap().len() < JOBS && tokio::time::Instant::now() < deadline {
+                    match router
+                        .claim_job(&queue, &worker, Duration::from_secs(30))
+                        .await
+                        .unwrap()
+                    {
+                        Some(job) => {
+                            assert!(router.complete_job(&job).await.unwrap(), "{job:?}");
+                            let payload = String::from_utf8(job.payload).unwrap();
+                            *done.lock().unwrap().entry(payload).or_default() += 1;
+                        }
+                        None => tokio::time::sleep(Duration::from_millis(20)).await,
+                    }
+                }
+            }));
+        }
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    let done = done.lock().unwrap().clone();
+    assert_eq!(done.len(), JOBS, "every job was done");
+    let twice: Vec<_> = done.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "done more than once: {twice:?}");
+    // Nothing left to do anywhere.
+    for s in cluster.shards() {
+        let mut c = s.connect().await.unwrap();
+        let left: Option<u64> = c
+            .query_first("SELECT COUNT(*) FROM shardlock_job WHERE status NOT IN ('done', 'moved')")
+            .await
+            .unwrap();
+        assert_eq!(left, Some(0), "unfinished jobs on {}", s.name());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn state_machine_claims_reach_rows_on_the_shard_a_key_left() {
+    let (cluster, three, four) = cluster().await;
+    let code = moving_key(&three, &four, "coupon:").await;
+    for s in cluster.shards() {
+        let mut c = s.connect().await.unwrap();
+        c.query_drop(
+            "CREATE TABLE coupon (code VARCHAR(64) PRIMARY KEY, state VARCHAR(16) NOT NULL)",
+        )
+        .await
+        .unwrap();
+    }
+    let router = LockRouter::new(three).await.unwrap();
+    let mut conn = router.shard_connection(&code).await.unwrap();
+    conn.raw()
+        .exec_drop("INSERT INTO coupon VALUES (?, 'available')", (&code,))
+        .await
+        .unwrap();
+    drop(conn);
+    // The application moves its rows with its keys, after the move; meanwhile they are found
+    // where they are.
+    router.reload(four).await.unwrap();
+    let machine = StateMachine::new("coupon", "code", "state")
+        .unwrap()
+        .allow("available", "locked");
+    assert!(router
+        .transition(&machine, &code, "available", "locked")
+        .await
+        .unwrap());
+    assert!(!router
+        .transition(&machine, &code, "available", "locked")
+        .await
+        .unwrap());
+}
