@@ -48,12 +48,29 @@ async fn bucketed_stock_is_never_oversold_and_restocks_interleave() {
     .unwrap();
 
     let env = [(common::CONFIG_ENV, yaml), (APP_ENV, app_url.clone())];
-    let workers: Vec<Worker> = (0..2)
+    let mut workers: Vec<Worker> = (0..2)
         .map(|_| Worker::spawn("worker", "buyer", &env).unwrap())
         .collect();
+    for w in &mut workers {
+        w.expect("ready").await.unwrap();
+    }
+    let orders_now = |app_url: String| async move {
+        let mut c = shardlock::mysql_async::Conn::from_url(app_url.as_str())
+            .await
+            .unwrap();
+        let n: Option<u64> = c.query_first("SELECT COUNT(*) FROM orders").await.unwrap();
+        n.unwrap_or(0)
+    };
+    // Restocks start once buyers are buying.
+    let buying = common::eventually(Duration::from_secs(60), || async {
+        orders_now(app_url.clone()).await > 0
+    })
+    .await;
+    assert!(buying, "the buyers started");
 
     // Whole-key restocks while the buyers run: every bucket at once, in bucket order.
     let pool = Pool::new(app_url.as_str());
+    let mut orders_at_restock = Vec::new();
     for _ in 0..RESTOCKS {
         let all = router.acquire_all_buckets("sku:1", stock()).await.unwrap();
         assert_eq!(
@@ -80,8 +97,13 @@ async fn bucketed_stock_is_never_oversold_and_restocks_interleave() {
         for g in all {
             g.release().await.unwrap();
         }
+        orders_at_restock.push(orders_now(app_url.clone()).await);
         tokio::task::yield_now().await;
     }
+    assert!(
+        orders_at_restock.first() < orders_at_restock.last(),
+        "buyers bought between the first and the last restock: {orders_at_restock:?}"
+    );
 
     let mut bought = 0;
     for w in workers {
@@ -124,6 +146,7 @@ async fn bucketed_stock_is_never_oversold_and_restocks_interleave() {
 async fn buyer() {
     let router = common::worker_router().await;
     let pool = Pool::new(std::env::var(APP_ENV).unwrap().as_str());
+    report!("ready");
     let tasks: Vec<_> = (0..BUYERS)
         .map(|n| {
             let (router, pool) = (router.clone(), pool.clone());

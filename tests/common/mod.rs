@@ -3,6 +3,7 @@
 
 pub mod counters;
 pub mod faults;
+pub mod history;
 
 use std::time::Duration;
 
