@@ -7,8 +7,8 @@
 -- fence        the highest fencing token reserved by the latest grant: a grant takes the next
 --              fence (at least one above the stored one, and at least the shard clock in
 --              microseconds) and sets aside a range after it for in-memory hand-offs, storing
---              the top. The clock floor keeps fences rising for a key whose row was deleted or
---              that moved between shards.
+--              the top. The clock floor keeps fences rising for a key whose row was deleted;
+--              across moves between shards, fences are carried (see migration 5's floor).
 -- ttl_ms       the lease length of the latest grant; renewal extends expires_at by it.
 -- expires_at   shard clock (UTC, sessions run with time_zone '+00:00') at which the lease ends
 --              unless renewed.

@@ -172,18 +172,29 @@ impl LockRouter {
         Ok(router)
     }
 
-    /// Swaps in a new configuration: shards, weights, routing and namespace policies. Safe for
-    /// held locks and never grants a key twice: for the move window (`routing.move-window`)
-    /// an acquire of a key that moved to another shard also takes it on the shard(s) it lived
-    /// on before, where leases granted under the old topology may still be live (in this
-    /// process or in others that have not reloaded yet), and its fence is taken above theirs.
+    /// Swaps in a new configuration: shards, weights, routing and namespace policies. Never
+    /// lets two holders of a key exist, and fences keep rising across the move (see the
+    /// README's "Routing and reload"):
     ///
-    /// Shards that stay (same name and settings) keep their pools; new ones get pools; the
-    /// pools of shards that left are closed once the window has passed and their leases are
-    /// released. An invalid config is rejected and the old one stays in force.
+    /// - for the move window (`routing.move-window`), an acquire of a key that moved also takes
+    ///   it on the shard(s) it lived on before, where processes that have not reloaded yet
+    ///   still place it;
+    /// - a lease held when its key moves takes the key on its new shard too, within half the
+    ///   window, or is reported lost;
+    /// - after the window, the moved keys' fences, owned CAS rows and unfinished jobs are
+    ///   carried to their new shards; until then, and while a live lease of a moved key is
+    ///   only on its old shard, the move stays in force ([`LockRouter::moves_in_progress`]).
     ///
-    /// Cancellation: the swap happens at the end without an await; a dropped call changes
-    /// nothing.
+    /// Shards are told apart by the database they reach, not their name: a URL that reaches
+    /// another server moves every key of the shard. A change of a namespace's `buckets` is
+    /// refused. Shards that stay keep their pools; the pools of shards that left are closed
+    /// once no move needs them and no lease of this process is held there. An invalid config
+    /// is rejected and the old one stays in force.
+    ///
+    /// Every process must apply a change within half the move window of every other.
+    ///
+    /// Cancellation: the swap happens without an await after the shards' identities were
+    /// read; a call dropped before that changes nothing.
     pub async fn reload(&self, config: Config) -> Result<()> {
         config.validate()?;
         let _one_at_a_time = self.inner.reloading.lock().await;
