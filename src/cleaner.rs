@@ -356,6 +356,14 @@ async fn clean_batches(
         };
         after = last.key.clone();
         out.batches += 1;
+        // The shard's fence floor first: a deleted row's fence must bound the key's next
+        // grant even if the shard's clock steps back. (A row granted again since the scan
+        // is not deleted; the floor is then merely higher than needed.)
+        let highest = rows.iter().map(|r| r.fence).max().unwrap_or(0);
+        shard
+            .call(shard.shard.raise_shard_floor(highest))
+            .await
+            .map_err(backend)?;
         let (released, ended): (Vec<_>, Vec<_>) = rows.iter().partition(|r| r.owner.is_none());
         let released: Vec<Vec<u8>> = released.into_iter().map(|r| r.key.clone()).collect();
         out.released += shard
@@ -399,11 +407,56 @@ async fn clean_batches(
     }
 }
 
-/// The instance id of an owner (`<instance id>:<grant seq>`).
+/// The instance id of an owner (`<instance id>:<start nonce>:<grant seq>`; before the nonce,
+/// `<instance id>:<grant seq>`). Instance ids have no `:`.
 fn instance_of(owner: &str) -> Option<String> {
     owner
-        .rsplit_once(':')
+        .split_once(':')
         .map(|(instance, _)| instance.to_owned())
+}
+
+/// Refuses to start a router whose configured (not `auto`) instance id is live in the
+/// heartbeat registry under another host or process: a copy-pasted config, or an old
+/// incarnation still running. Shards that cannot be asked are skipped.
+pub(crate) async fn refuse_twin(router: &LockRouter) -> Result<()> {
+    let config = router.config();
+    if config.cleaner.registry != RegistryKind::Heartbeat
+        || matches!(config.instance.id.as_deref(), None | Some("auto"))
+    {
+        return Ok(());
+    }
+    let id = router.instance_id();
+    let (host, pid) = (crate::router::host_name(), std::process::id());
+    let timeout = config.cleaner.heartbeat_timeout;
+    let shards = router.inner.topology.load().current.shards.clone();
+    let answers = join_all(
+        shards
+            .iter()
+            .map(|s| async move { (s.shard.name().to_owned(), s.shard.instances().await) }),
+    )
+    .await;
+    for (shard, rows) in answers {
+        let Ok(rows) = rows else { continue };
+        let twin = rows.into_iter().find(|r| {
+            r.instance_id == id
+                && !r.deregistered
+                && u128::try_from(r.heartbeat_ms_ago).unwrap_or(0) < timeout.as_millis()
+                && (r.host != host || r.pid != pid)
+        });
+        if let Some(twin) = twin {
+            return Err(Error::InvalidArgument {
+                name: "instance.id",
+                reason: format!(
+                    "`{id}` is live in the registry on shard {shard}: host {}, pid {}, last \
+                     heartbeat {} ms ago. Give each process its own id (or `auto`), or wait \
+                     until that process has stopped (its heartbeat older than \
+                     cleaner.heartbeat-timeout)",
+                    twin.host, twin.pid, twin.heartbeat_ms_ago
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Starts the heartbeat of `router` on every current shard, every

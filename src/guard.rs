@@ -150,7 +150,8 @@ impl LockGuard {
         }
     }
 
-    /// The owner written in the lease row: `<instance id>:<grant seq>`. Grants handed over in
+    /// The owner written in the lease row: `<instance id>:<start nonce>:<grant seq>`, unique
+    /// per grant across processes. Grants handed over in
     /// memory share the row, and so the owner, of the grant they follow.
     pub fn owner(&self) -> &str {
         &self.hold.lease.owner

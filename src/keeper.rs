@@ -264,6 +264,9 @@ impl LeaseState {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) instance_id: String,
+    /// Random per router start (64 bits, hex): two processes configured with one instance id
+    /// still never write the same owner.
+    nonce: String,
     grant_seq: AtomicU64,
     pub(crate) stats: Stats,
     pub(crate) queues: Arc<KeyQueues>,
@@ -286,6 +289,7 @@ impl Shared {
         Self {
             telemetry,
             instance_id,
+            nonce: format!("{:016x}", rand::random::<u64>()),
             grant_seq: AtomicU64::new(0),
             stats: Stats::default(),
             queues: Arc::default(),
@@ -308,14 +312,15 @@ impl Shared {
         self.epoch.load(Ordering::SeqCst)
     }
 
-    /// A new grant number and the owner string written for it: `<instance id>:<grant seq>`.
     pub(crate) fn is_closed(&self) -> bool {
         *self.closed.borrow()
     }
 
+    /// A new grant number and the owner string written for it:
+    /// `<instance id>:<start nonce>:<grant seq>`.
     pub(crate) fn next_owner(&self) -> (u64, String) {
         let id = self.next_id();
-        (id, format!("{}:{id}", self.instance_id))
+        (id, format!("{}:{}:{id}", self.instance_id, self.nonce))
     }
 
     /// A new grant number (unique in this router; also names a lease row in its shard's

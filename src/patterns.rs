@@ -295,8 +295,7 @@ impl LockRouter {
     /// it (see [`TxLockGuard`]).
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
         let lock_key = LockKey::new(key)?;
-        let started = tokio::time::Instant::now();
-        let deadline = started + wait;
+        let deadline = crate::router::instant_after(wait);
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
         let previous = topology.previous_locations(&lock_key);
@@ -654,7 +653,8 @@ async fn lock_row(
                          ON DUPLICATE KEY UPDATE lock_key = lock_key"
                 ))
                 .await?;
-                let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+                // Whole seconds, at most the server's limit (a "wait for ever" waits that long).
+                let secs = wait.as_secs_f64().ceil().clamp(1.0, 1_073_741_824.0) as u64;
                 raw.query_drop(format!("SET SESSION innodb_lock_wait_timeout = {secs}"))
                     .await?;
                 raw.query_drop("START TRANSACTION").await?;

@@ -127,13 +127,13 @@ impl LockRouter {
     /// [`Config::validate`]). Connects lazily; call [`LockRouter::migrate`] once per deployment.
     pub async fn new(config: Config) -> Result<Self> {
         config.validate()?;
-        Self::build(config, None, None)
+        Self::build(config, None, None)?.started().await
     }
 
     /// Parses YAML text (see `config/reference.yaml`) and builds the router.
     pub async fn from_yaml_str(text: &str) -> Result<Self> {
         let config = Config::from_yaml_str(text)?;
-        Self::build(config, Some(text), None)
+        Self::build(config, Some(text), None)?.started().await
     }
 
     /// Reads a YAML file and builds the router; errors name the file, line, column and field.
@@ -141,7 +141,20 @@ impl LockRouter {
         let path = path.as_ref();
         let text = shardlock_core::config::read_file(path)?;
         let config = Config::from_yaml_text(&text, path)?;
-        Self::build(config, Some(&text), Some(path))
+        Self::build(config, Some(&text), Some(path))?
+            .started()
+            .await
+    }
+
+    /// The checks a new router makes before it is handed out: a configured instance id that
+    /// another live process uses is refused (see `instance.id` in the reference config).
+    async fn started(self) -> Result<Self> {
+        if let Err(e) = crate::cleaner::refuse_twin(&self).await {
+            self.inner.shared.closed.send_replace(true);
+            return Err(e);
+        }
+        crate::cleaner::spawn_heartbeat(&self);
+        Ok(self)
     }
 
     fn build(config: Config, text: Option<&str>, path: Option<&Path>) -> Result<Self> {
@@ -167,7 +180,6 @@ impl LockRouter {
             .shared
             .router
             .set(Arc::downgrade(&router.inner));
-        crate::cleaner::spawn_heartbeat(&router);
         crate::telemetry::register_observers(Arc::downgrade(&router.inner));
         Ok(router)
     }
@@ -415,7 +427,7 @@ impl LockRouter {
     ) -> Result<Vec<LockGuard>> {
         LockKey::new(key)?;
         let ns = self.namespace_of(&opts)?;
-        let deadline = Instant::now() + opts.wait.unwrap_or(ns.wait);
+        let deadline = instant_after(opts.wait.unwrap_or(ns.wait));
         let mut guards = Vec::with_capacity(ns.buckets as usize);
         for bucket in 0..ns.buckets {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -561,7 +573,7 @@ impl LockRouter {
             name: "ttl",
             reason,
         })?;
-        let deadline = Instant::now() + wait.or(opts.wait).unwrap_or(ns.wait);
+        let deadline = instant_after(wait.or(opts.wait).unwrap_or(ns.wait));
         {
             let topology = self.inner.topology.load();
             progress.shard = Some(topology.locate(key).clone());
@@ -1027,10 +1039,14 @@ impl LockRouter {
                 .map(move |lease| {
                     let s = s.clone();
                     async move {
-                        let turn = lease.turn.lock().unwrap().take();
-                        let r = release_through_shard(s.clone(), lease.clone(), turn).await;
+                        // Lost before the release is sent: the moment the row is free, nobody
+                        // here believes they hold the key any more.
                         lease.mark_lost("router shut down", &s.shared.stats);
-                        r
+                        let turn = lease.turn.lock().unwrap().take();
+                        match release_through_shard(s.clone(), lease.clone(), turn).await {
+                            Err(Error::LockLost { .. }) => Ok(()),
+                            other => other,
+                        }
                     }
                 })
         });
@@ -1172,6 +1188,14 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
         drop((inner, topology));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// The instant `wait` from now; a wait too long for the clock (`Duration::MAX`: wait for
+/// ever) ends a century from now instead of overflowing.
+pub(crate) fn instant_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
 
 /// `<host>-<pid>-<random>`: unique per process start, readable in `inspect`.

@@ -50,6 +50,38 @@ async fn bad_keys_and_options_are_rejected_before_touching_a_shard() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_wait_for_ever_is_a_wait_not_a_panic() {
+    let (_cluster, router, _) = common::start(1, "").await;
+    let forever = AcquireOptions::new().wait(Duration::MAX);
+    let g = router.acquire("k", forever.clone()).await.unwrap();
+    // A waiter behind it, for ever: granted when the holder lets go.
+    let waiter = tokio::spawn({
+        let router = router.clone();
+        async move { router.acquire("k", forever).await.unwrap() }
+    });
+    let queued = common::eventually(Duration::from_secs(10), || async {
+        router.stats().queued == 1
+    })
+    .await;
+    assert!(queued);
+    g.release().await.unwrap();
+    waiter.await.unwrap().release().await.unwrap();
+    let tx = router
+        .lock_in_transaction("k", Duration::MAX)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let err = router
+        .acquire("k", AcquireOptions::new().ttl(Duration::MAX))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument { name: "ttl", .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn unreachable_shard_is_named_and_others_keep_working() {
     let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
     // A port nobody listens on: bind, note the port, close.

@@ -365,3 +365,45 @@ async fn force_release_evicts_a_live_holder_with_a_fence_that_rejects_its_writes
 }
 
 crate::worker_entry! { "holder" => holder_worker() }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fences_rise_after_the_cleaner_deleted_a_row_even_if_the_clock_steps_back() {
+    let cluster = Cluster::start_with_clocks(1, &[(0, "+0")]).await.unwrap();
+    let router = LockRouter::from_yaml_str(&cluster.config_yaml("cleaner:\n  grace: 0s\n"))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let mut fences = std::collections::HashMap::new();
+    for key in ["a", "b"] {
+        let g = router.acquire(key, AcquireOptions::new()).await.unwrap();
+        fences.insert(key, g.fence());
+        g.release().await.unwrap();
+    }
+    // Released rows go once the shard's clock has passed their fence by a second.
+    let cleaned = common::eventually(Duration::from_secs(30), || async {
+        router.clean_once().await.unwrap();
+        router.inspect("a").await.unwrap().1.is_none()
+            && router.inspect("b").await.unwrap().1.is_none()
+    })
+    .await;
+    assert!(cleaned, "the cleaner deleted both rows");
+    // The next grant of a deleted key is above its old fence: by the clock...
+    let g = router.acquire("a", AcquireOptions::new()).await.unwrap();
+    assert!(
+        g.fence() > fences["a"],
+        "{} after {}",
+        g.fence(),
+        fences["a"]
+    );
+    g.release().await.unwrap();
+    // ...and by the shard's fence floor once the clock stepped ten seconds back.
+    cluster.shard(0).set_clock("-10s").unwrap();
+    let g = router.acquire("b", AcquireOptions::new()).await.unwrap();
+    assert!(
+        g.fence() > fences["b"],
+        "{} after {}",
+        g.fence(),
+        fences["b"]
+    );
+    g.release().await.unwrap();
+}

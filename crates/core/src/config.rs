@@ -172,7 +172,7 @@ pub enum RegistryKind {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct InstanceConfig {
-    /// The instance id written into every owner (`<id>:<grant seq>`). Absent or `auto`:
+    /// The instance id written into every owner (`<id>:<start nonce>:<grant seq>`). Absent or `auto`:
     /// derived from host name, process id and a random suffix, unique per process start.
     pub id: Option<String>,
 }

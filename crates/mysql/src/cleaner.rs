@@ -33,7 +33,7 @@ const INSTANCES: &str = "SELECT instance_id, host, pid, \
 /// of the key, whose fence is floored at the clock, is still above every fence of the row.
 /// A consistent read: it locks nothing.
 const CANDIDATES: &str = concat!(
-    "SELECT lock_key, owner FROM shardlock_lease ",
+    "SELECT lock_key, owner, fence FROM shardlock_lease ",
     "WHERE lock_key > ? AND expires_at < NOW(3) - INTERVAL ? MICROSECOND ",
     "AND fence < ",
     now_us!(),
@@ -65,6 +65,9 @@ pub struct Candidate {
     pub key: Vec<u8>,
     /// The holder of a lease that ended without release; `None` for a released row.
     pub owner: Option<String>,
+    /// Its fence when it was read (the shard's fence floor is raised to it before it is
+    /// deleted, so that no later grant of the key goes below it, whatever the clock does).
+    pub fence: u64,
 }
 
 /// One instance in the registry table.
@@ -142,14 +145,15 @@ pub(crate) async fn candidates(
     margin_us: u64,
     limit: u32,
 ) -> mysql_async::Result<Vec<Candidate>> {
-    let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> = conn
+    let rows: Vec<(Vec<u8>, Option<Vec<u8>>, u64)> = conn
         .exec(CANDIDATES, (after, grace_us, margin_us, limit))
         .await?;
     Ok(rows
         .into_iter()
-        .map(|(key, owner)| Candidate {
+        .map(|(key, owner, fence)| Candidate {
             key,
             owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+            fence,
         })
         .collect())
 }

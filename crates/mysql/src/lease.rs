@@ -12,13 +12,13 @@ macro_rules! now_us {
     };
 }
 
-/// The shard's fence floor (`shardlock_meta`, raised when keys move here): every new fence is
-/// above it.
+/// One above the shard's fence floor (`shardlock_meta`: raised when keys move here, and to the
+/// fence of every row the cleaner deletes): every new fence is at least this.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! fence_floor {
     () => {
-        "COALESCE((SELECT CAST(value AS UNSIGNED) FROM shardlock_meta WHERE name = 'fence-floor'), 0)"
+        "(COALESCE((SELECT CAST(value AS UNSIGNED) FROM shardlock_meta WHERE name = 'fence-floor'), 0) + 1)"
     };
 }
 

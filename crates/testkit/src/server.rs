@@ -137,9 +137,16 @@ impl Shard {
     fn spawn(&self) -> io::Result<()> {
         let mut command = Command::new("sh");
         if let Some(spec) = &self.clock {
+            // The offset is read from a file on every clock read, so `set_clock` can step or
+            // skew the running server's clock.
+            let file = self.clock_file();
+            if !file.exists() {
+                fs::write(&file, spec)?;
+            }
             command
                 .env("LD_PRELOAD", libfaketime()?)
-                .env("FAKETIME", spec)
+                .env("FAKETIME_TIMESTAMP_FILE", file)
+                .env("FAKETIME_NO_CACHE", "1")
                 .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
                 .env("FAKETIME_DONT_RESET", "1");
         }
@@ -165,6 +172,26 @@ impl Shard {
             server_pid,
         });
         Ok(())
+    }
+
+    fn clock_file(&self) -> PathBuf {
+        self.dir.path().join("faketime")
+    }
+
+    /// Sets the clock of a shard started under libfaketime (see
+    /// [`Cluster::start_with_clocks`]) to `spec`, at once: `"-10s"` steps it ten seconds back
+    /// from the real time, `"+0 x1.01"` makes it run 1% fast (see faketime(1)).
+    pub fn set_clock(&self, spec: &str) -> io::Result<()> {
+        if self.clock.is_none() {
+            return Err(io::Error::other(format!(
+                "shard {} was not started under libfaketime",
+                self.name
+            )));
+        }
+        // Written whole, then renamed: the server never reads half a spec.
+        let staged = self.dir.path().join("faketime.new");
+        fs::write(&staged, spec)?;
+        fs::rename(staged, self.clock_file())
     }
 
     /// The shard's name (`s1`, `s2`, ...).
