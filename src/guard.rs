@@ -400,7 +400,11 @@ async fn handoff_through_shard(
             Err(lost(&shard, &lease))
         }
         Err(e) => {
+            // Unknown whether the hand-off happened: neither owner may keep the row.
             next.turn(turn, false);
+            let key = lease.key.stored();
+            let _ = shard.call(shard.shard.release(key, &req.owner)).await;
+            let _ = shard.call(shard.shard.release(key, &lease.owner)).await;
             Err(e.into_error(shard.shard.name()))
         }
     }

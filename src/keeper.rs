@@ -26,8 +26,11 @@ pub(crate) struct LeaseState {
     pub(crate) owner: String,
     pub(crate) ttl: Duration,
     pub(crate) renew_every: Duration,
+    /// What it was granted for (its ttl and the clock-drift bound), to place its local end.
+    pub(crate) want: Want,
     /// Local, conservative end of the lease: measured from *before* the statement that granted
-    /// or last renewed it was sent, so it never runs past the shard's own expiry.
+    /// or last renewed it was sent, allowing for the shard's time truncation and clock drift
+    /// ([`Want::lease_end`]), so it is always before the shard's own expiry.
     deadline: Mutex<Instant>,
     lost: watch::Sender<bool>,
     /// The next fence to hand out in memory, and the last one reserved on the shard.
@@ -89,7 +92,8 @@ impl LeaseState {
             owner: grant.owner,
             ttl: want.ttl,
             renew_every: want.renew_every,
-            deadline: Mutex::new(grant.sent + want.ttl),
+            want,
+            deadline: Mutex::new(want.lease_end(grant.sent)),
             lost: watch::channel(false).0,
             next_fence: AtomicU64::new(grant.fence + 1),
             fence_top: grant.fence + u64::from(grant.reserve),
@@ -624,7 +628,7 @@ impl ShardState {
                         let mut local = self.local.lock().unwrap();
                         let moved = local.remove(&lease.id).is_some();
                         if moved {
-                            lease.set_deadline(sent + lease.ttl);
+                            lease.set_deadline(lease.want.lease_end(sent));
                             self.insert(lease.clone());
                         }
                         moved
@@ -775,7 +779,7 @@ impl ShardState {
                     .fetch_add(outcome.statements as u64, Ordering::Relaxed);
                 for (lease, held) in leases.iter().zip(outcome.held) {
                     if held {
-                        lease.extend(sent + lease.ttl);
+                        lease.extend(lease.want.lease_end(sent));
                     } else if self.remove(lease.id).is_some() {
                         // Still registered, so not released meanwhile: someone else has it.
                         lease.mark_lost(

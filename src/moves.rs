@@ -108,10 +108,9 @@ async fn take_on(
         match target.call(target.shard.acquire(&req)).await {
             Ok(Attempt::Granted(fence)) => {
                 let want = Want {
-                    ttl: lease.ttl,
-                    renew_every: lease.renew_every,
                     handoff_max_count: 0,
                     handoff_max_time: Duration::ZERO,
+                    ..lease.want
                 };
                 let grant = Grant {
                     id,

@@ -142,33 +142,45 @@ impl TxLockGuard {
         self.end("ROLLBACK").await
     }
 
+    /// Cancellation: if this is dropped before the server answered, the connection is closed
+    /// (the server then rolls back); it is pooled again only after a complete answer.
     async fn end(&mut self, how: &str) -> Result<()> {
-        let mut conn = self.conn.take().expect("ended once");
+        let mut conn = Discard(self.conn.take());
         let result = conn
+            .0
+            .as_mut()
+            .expect("ended once")
             .raw()
             .query_drop(how)
             .await
             .map_err(|e| classify(e).into_error(&self.shard));
         self.state.end();
+        if result.is_ok() {
+            drop(conn.0.take()); // a clean connection back to the pool
+        }
         result
     }
 }
 
 impl Drop for TxLockGuard {
-    /// Rolls back in the background; without a runtime, the connection is closed, which
-    /// rolls back on the server.
+    /// Closes the connection, which rolls back on the server: a statement of yours that was
+    /// interrupted may still be running on it, so it never goes back to the pool.
     fn drop(&mut self) {
         self.state.end();
-        let Some(conn) = self.conn.take() else { return };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(async move {
-                let mut conn = conn;
-                if conn.raw().query_drop("ROLLBACK").await.is_err() {
-                    drop(deadpool::managed::Object::take(conn));
-                }
-            })),
-            Err(_) => drop(deadpool::managed::Object::take(conn)),
-        }
+        drop(Discard(self.conn.take()));
+    }
+}
+
+/// A connection to a key's shard for your own SQL (setting up a state machine's table next to
+/// it, say), from [`LockRouter::shard_connection`]. Closed when dropped, never pooled again: a
+/// statement of yours interrupted on it must not reach the next user.
+#[derive(Debug)]
+pub struct ShardConnection(Discard);
+
+impl ShardConnection {
+    /// The connection.
+    pub fn raw(&mut self) -> &mut Conn {
+        self.0 .0.as_mut().expect("open until dropped").raw()
     }
 }
 
@@ -444,18 +456,18 @@ impl LockRouter {
         Ok(false)
     }
 
-    /// The shard connection of a key, for setting up a state machine's table next to it.
-    pub async fn shard_connection(
-        &self,
-        key: &str,
-    ) -> Result<deadpool::managed::Object<ShardManager>> {
+    /// A connection to the shard of `key`, for setting up a state machine's table next to it.
+    /// It does not go through the shard's breaker (an operator's path), and it is closed when
+    /// dropped.
+    pub async fn shard_connection(&self, key: &str) -> Result<ShardConnection> {
         let key = LockKey::new(key)?;
         let shard = self.state_for(&key);
-        shard
+        let conn = shard
             .shard
             .connection()
             .await
-            .map_err(|e| e.into_error(shard.shard.name()))
+            .map_err(|e| e.into_error(shard.shard.name()))?;
+        Ok(ShardConnection(Discard(Some(conn))))
     }
 
     /// Adds a job to `queue` (its jobs live on the shard of key `queue`), due after `delay`;

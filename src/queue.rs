@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use crate::guard::LockGuard;
 
@@ -22,11 +23,26 @@ pub(crate) struct Want {
     pub(crate) handoff_max_count: u32,
     /// How long in-memory hand-offs may follow a shard grant.
     pub(crate) handoff_max_time: Duration,
+    /// How much faster than ours the shard's clock may run, in parts per million
+    /// (`instance.clock-drift`): the local end of a lease comes that much earlier.
+    pub(crate) drift_ppm: u32,
 }
 
 impl Want {
     pub(crate) fn ttl_ms(&self) -> u32 {
         u32::try_from(self.ttl.as_millis()).unwrap_or(u32::MAX)
+    }
+
+    /// The local end of a lease granted (or renewed) by a statement sent at `sent`: strictly
+    /// before the shard can give the key to anyone else. The shard stores the ttl in whole
+    /// milliseconds and `NOW(3)` truncates its clock to the millisecond (so the row may end up
+    /// to 1 ms early by its own clock), and the shard's clock may run faster than ours by up
+    /// to `drift_ppm`.
+    pub(crate) fn lease_end(&self, sent: Instant) -> Instant {
+        let on_shard = Duration::from_millis(u64::from(self.ttl_ms()))
+            .saturating_sub(Duration::from_millis(1));
+        let ours = on_shard.mul_f64(1.0 - f64::from(self.drift_ppm) / 1e6);
+        sent + ours
     }
 }
 
@@ -232,6 +248,7 @@ mod tests {
             renew_every: Duration::from_millis(300),
             handoff_max_count: 8,
             handoff_max_time: Duration::from_millis(20),
+            drift_ppm: 10_000,
         }
     }
 

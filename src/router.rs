@@ -589,6 +589,7 @@ impl LockRouter {
             renew_every: ns.renew_interval_for(ttl),
             handoff_max_count: ns.handoff_max_count,
             handoff_max_time: ns.handoff_max_time,
+            drift_ppm: self.inner.topology.load().config.instance.clock_drift_ppm(),
         };
         let turn = match self.inner.shared.queues.enter(key.stored(), want) {
             Entry::Turn(turn) => turn,
@@ -877,10 +878,19 @@ impl LockRouter {
         tokio::spawn(async move {
             let stats = &task_shard.shared.stats;
             let result = task_shard.call(task_shard.shard.acquire(&task_req)).await;
-            if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
+            let sent = !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen);
+            if sent {
                 stats.acquire_statements.fetch_add(1, Ordering::Relaxed);
             }
+            // A statement that failed after it was sent may have granted the key (its reply
+            // was lost, or came too late): give it back, owner-checked, like a grant the
+            // caller no longer wants.
+            let unknown = sent && result.is_err();
             if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
+                let _ = task_shard
+                    .call(task_shard.shard.release(&task_req.key, &task_req.owner))
+                    .await;
+            } else if unknown {
                 let _ = task_shard
                     .call(task_shard.shard.release(&task_req.key, &task_req.owner))
                     .await;

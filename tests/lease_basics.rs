@@ -5,7 +5,8 @@ mod common;
 
 use std::time::Duration;
 
-use shardlock::{AcquireOptions, Error};
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::{AcquireOptions, Error, LockRouter};
 
 fn once() -> AcquireOptions {
     AcquireOptions::new().wait(Duration::ZERO)
@@ -355,4 +356,37 @@ async fn in_memory_hand_offs_take_fences_the_shard_reserved() {
         next.fence()
     );
     next.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_are_pinned_whatever_the_servers_defaults() {
+    let (cluster, _setup, yaml) = common::start(1, "").await;
+    // Defaults that would break the lease statements if a session inherited them.
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    admin
+        .query_drop("SET GLOBAL sql_mode = 'SIMULTANEOUS_ASSIGNMENT', GLOBAL autocommit = 0")
+        .await
+        .unwrap();
+    let a = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let b = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let once = || AcquireOptions::new().wait(Duration::ZERO);
+    let mut last = 0;
+    for _ in 0..3 {
+        let g = a.acquire("k", once()).await.unwrap();
+        assert!(g.fence() > last);
+        assert!(
+            b.try_acquire("k", once()).await.unwrap().is_none(),
+            "b sees it held"
+        );
+        last = g.fence();
+        g.release().await.unwrap();
+        let g = b.acquire("k", once()).await.unwrap();
+        assert!(g.fence() > last);
+        last = g.fence();
+        g.release().await.unwrap();
+    }
+    admin
+        .query_drop("SET GLOBAL sql_mode = DEFAULT, GLOBAL autocommit = 1")
+        .await
+        .unwrap();
 }

@@ -175,6 +175,22 @@ pub struct InstanceConfig {
     /// The instance id written into every owner (`<id>:<start nonce>:<grant seq>`). Absent or `auto`:
     /// derived from host name, process id and a random suffix, unique per process start.
     pub id: Option<String>,
+    /// How much faster than this process's clock a shard's clock may run, as a fraction
+    /// (`0.01`: 1%). A lease's local end comes that much before its ttl (and 1 ms more for the
+    /// shard's millisecond time), so its holder learns it lost the lock before anyone else can
+    /// get it. Default [`DEFAULT_CLOCK_DRIFT`].
+    pub clock_drift: Option<f64>,
+}
+
+/// Clocks of healthy machines drift apart by parts per million, NTP slews by at most 500 ppm;
+/// 1% leaves room for a VM whose clock misbehaves, and costs a 10 s lease 100 ms of notice.
+pub const DEFAULT_CLOCK_DRIFT: f64 = 0.01;
+
+impl InstanceConfig {
+    /// [`InstanceConfig::clock_drift`] in parts per million.
+    pub fn clock_drift_ppm(&self) -> u32 {
+        (self.clock_drift.unwrap_or(DEFAULT_CLOCK_DRIFT) * 1e6).round() as u32
+    }
 }
 
 /// One MySQL shard.
@@ -422,6 +438,14 @@ impl Config {
                     "instance.id".into(),
                     "must be 1 to 100 bytes without ':' (it prefixes every owner), or `auto`"
                         .into(),
+                ));
+            }
+        }
+        if let Some(drift) = self.instance.clock_drift {
+            if !(0.0..=0.5).contains(&drift) {
+                return Err(invalid(
+                    "instance.clock-drift".into(),
+                    format!("must be a fraction between 0 and 0.5 (0.01 is 1%), got {drift}"),
                 ));
             }
         }

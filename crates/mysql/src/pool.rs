@@ -101,15 +101,18 @@ impl managed::Manager for ShardManager {
     }
 }
 
-/// Statements run on every new (and every reset) connection.
+/// Statements run on every new (and every reset) connection: one statement that pins the
+/// session whatever the server's defaults are. `time_zone`: shard time is read as
+/// `UNIX_TIMESTAMP(NOW(n))`, in UTC without DST ambiguity. `autocommit`: every lease statement
+/// commits on its own. `sql_mode`: the lease statements rely on left-to-right assignment in
+/// `ON DUPLICATE KEY UPDATE`, which MariaDB's `SIMULTANEOUS_ASSIGNMENT` would change.
+/// `innodb_lock_wait_timeout`: a queued lock statement never outlives our own statement
+/// timeout by much.
 pub(crate) fn session_setup(lock_wait_timeout_secs: u64) -> Vec<String> {
-    vec![
-        // Shard time is read as UNIX_TIMESTAMP(NOW(n)); in UTC it has no DST ambiguity.
-        "SET time_zone = '+00:00'".to_owned(),
-        // A queued lock statement never outlives our own statement timeout by much.
-        format!(
-            "SET SESSION innodb_lock_wait_timeout = {}",
-            lock_wait_timeout_secs.max(1)
-        ),
-    ]
+    vec![format!(
+        "SET time_zone = '+00:00', autocommit = 1, \
+         sql_mode = 'STRICT_TRANS_TABLES,NO_ENGINE_SUBSTITUTION', \
+         innodb_lock_wait_timeout = {}",
+        lock_wait_timeout_secs.max(1)
+    )]
 }
