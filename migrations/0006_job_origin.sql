@@ -1,6 +1,10 @@
 -- shardlock_job.origin: for a job carried to this shard after a reload moved its queue, the
 -- shard id and job id it had where it was enqueued. Unique, so a carry interrupted and run
 -- again enqueues each job once.
+-- shardlock_job.moved_to: for a job being carried away from this shard (status 'moving' or
+-- 'moved'), the identity of the shard it goes to, fixed when the move starts: whoever finishes
+-- the move (any process) takes it there and nowhere else.
 ALTER TABLE shardlock_job
   ADD COLUMN origin VARBINARY(255) NULL,
+  ADD COLUMN moved_to VARBINARY(255) NULL,
   ADD UNIQUE KEY origin (origin);

@@ -695,7 +695,16 @@ impl ShardState {
     /// same server identity (see [`ShardState::identity`]).
     pub(crate) fn same_database(&self, other: &ShardState) -> bool {
         std::ptr::eq(self, other)
+            || (self.shard.name() == other.shard.name() && self.config.url == other.config.url)
             || matches!((self.identity.get(), other.identity.get()), (Some(a), Some(b)) if a == b)
+    }
+
+    /// Whether this shard and `other` are surely different databases: both identities are
+    /// known and differ. (Unknown means "maybe the same": nothing is moved between them.)
+    pub(crate) fn surely_other_database(&self, other: &ShardState) -> bool {
+        !self.same_database(other)
+            && self.identity.get().is_some()
+            && other.identity.get().is_some()
     }
 
     pub(crate) fn remove(&self, id: u64) -> Option<Arc<LeaseState>> {

@@ -215,13 +215,29 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
 /// Stored keys and the fences they carry.
 type Floors = Vec<(Vec<u8>, u64)>;
 
-/// Stored keys and the owners of their live leases.
-type Owners = Vec<(Vec<u8>, String)>;
+/// Why a move cannot end yet: something of it is still only on an old shard.
+fn not_yet(shard: &ShardState, why: String) -> shardlock_core::Error {
+    shardlock_core::Error::Backend {
+        shard: shard.shard.name().to_owned(),
+        source: shardlock_core::BackendError::new(
+            shardlock_core::BackendErrorKind::Other,
+            None,
+            why,
+        ),
+    }
+}
 
-/// One pass of [`carry_fences`]: how many floors it wrote. It fails (to be retried) while a
-/// live lease of a moved key on an old shard is not visible on the key's new shard under the
-/// same owner: a process that has not reloaded yet, or a lease still following its key, keeps
-/// the move in force.
+/// A backend error of `shard`, named.
+fn on(shard: &ShardState) -> impl Fn(shardlock_core::BackendError) -> shardlock_core::Error + '_ {
+    move |e| e.into_error(shard.shard.name())
+}
+
+/// One pass of [`carry_fences`]: how many floors it wrote. It fails, to be retried, while
+/// anything of the move is still only on an old shard: a live lease of a moved key not visible
+/// on the key's new shard under the same owner (a process that has not reloaded yet, a lease
+/// still following), a job of a moved queue still running there, an owned CAS row of a key
+/// whose placement cannot be told (over 255 bytes), or a shard whose identity is unknown (it
+/// might be the same database as another: nothing is moved between them).
 async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Result<u64> {
     let mut sources: Vec<&Arc<ShardState>> = Vec::new();
     for s in &previous.placement.shards {
@@ -229,181 +245,232 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
             sources.push(s);
         }
     }
+    let topology = router.topology.load_full();
+    let mut everywhere: Vec<&Arc<ShardState>> = sources.clone();
+    everywhere.extend(topology.current.shards.iter());
+    everywhere.extend(
+        topology
+            .previous
+            .iter()
+            .flat_map(|p| p.placement.shards.iter()),
+    );
+    futures_util::future::join_all(everywhere.iter().map(|s| s.resolve_identity())).await;
+    for source in &sources {
+        if let Some(unknown) = everywhere
+            .iter()
+            .find(|t| !t.same_database(source) && !t.surely_other_database(source))
+        {
+            return Err(not_yet(
+                unknown,
+                format!(
+                    "its identity (or {}'s) is unknown: nothing is moved until it can be read",
+                    source.shard.name()
+                ),
+            ));
+        }
+    }
     let mut carried = 0;
-    let mut uncovered = Vec::new();
     for source in sources {
-        // Rows the cleaner deleted there had fences below its clock: that clock is the floor
-        // of every shard its keys may have moved to.
+        // Rows the cleaner deleted there had fences below its clock (and its floor): that is
+        // the floor of every shard its keys may have moved to.
         let clock = source
             .call_waiting(source.shard.clock_us())
             .await
-            .map_err(|e| e.into_error(source.shard.name()))?;
-        for target in &router.topology.load().current.shards {
+            .map_err(on(source))?;
+        for target in &topology.current.shards {
             if !target.same_database(source) {
                 target
                     .call_waiting(target.shard.raise_shard_floor(clock))
                     .await
-                    .map_err(|e| e.into_error(target.shard.name()))?;
+                    .map_err(on(target))?;
             }
         }
-        let mut after = Vec::new();
-        loop {
-            let rows = source
-                .call_waiting(source.shard.fences_after(&after, FLOOR_BATCH))
-                .await
-                .map_err(|e| e.into_error(source.shard.name()))?;
-            let Some(last) = rows.last() else { break };
-            after.clone_from(&last.key);
-            let full = rows.len() == FLOOR_BATCH;
-            let topology = router.topology.load_full();
-            let mut by_target: Vec<(Arc<ShardState>, Floors, Owners)> = Vec::new();
-            for row in rows {
-                let placement = LockKey::placement_of_stored(&row.key);
-                for target in topology.later_locations(&previous.placement, source, placement) {
-                    let at = match by_target.iter().position(|(t, ..)| Arc::ptr_eq(t, &target)) {
-                        Some(at) => at,
-                        None => {
-                            by_target.push((target, Vec::new(), Vec::new()));
-                            by_target.len() - 1
-                        }
-                    };
-                    by_target[at].1.push((row.key.clone(), row.fence));
-                    if let Some(owner) = &row.live_owner {
-                        by_target[at].2.push((row.key.clone(), owner.clone()));
-                    }
-                }
-            }
-            for (target, floors, live) in by_target {
-                let fail = |e: shardlock_core::BackendError| e.into_error(target.shard.name());
-                target
-                    .call_waiting(target.shard.raise_floors(&floors))
-                    .await
-                    .map_err(fail)?;
-                carried += floors.len() as u64;
-                if !live.is_empty() {
-                    let there = target
-                        .call_waiting(
-                            target
-                                .shard
-                                .live_owners(live.iter().map(|(k, _)| k.clone()).collect()),
-                        )
-                        .await
-                        .map_err(fail)?;
-                    uncovered.extend(
-                        live.into_iter()
-                            .filter(|held| !there.contains(held))
-                            .map(|(key, owner)| (source.shard.name().to_owned(), key, owner)),
-                    );
-                }
-            }
-            if !full {
-                break;
-            }
-        }
-        carry_cas(router, source).await?;
+        carried += carry_leases(router, previous, source).await?;
+        carry_cas(router, previous, source).await?;
         let running = carry_jobs(router, source).await?;
         if running > 0 {
-            return Err(shardlock_core::Error::Backend {
-                shard: source.shard.name().to_owned(),
-                source: shardlock_core::BackendError::new(
-                    shardlock_core::BackendErrorKind::Other,
-                    None,
-                    format!(
-                        "{running} job(s) of moved queues are still running there; they are \
-                         finished there, or carried over once their lease runs out"
-                    ),
-                ),
-            });
-        }
-    }
-    if let Some((shard, key, owner)) = uncovered.first() {
-        return Err(shardlock_core::Error::Backend {
-            shard: shard.clone(),
-            source: shardlock_core::BackendError::new(
-                shardlock_core::BackendErrorKind::Other,
-                None,
+            return Err(not_yet(
+                source,
                 format!(
-                    "{} lease(s) of moved keys are live on their old shard and not on their new \
-                     one (e.g. key {:?} held by {owner}): a process that has not reloaded yet? \
-                     The move stays in force until they end",
-                    uncovered.len(),
-                    String::from_utf8_lossy(key),
+                    "{running} job(s) of moved queues are still running there; they are \
+                     finished there, or carried over once their lease runs out"
                 ),
-            ),
-        });
+            ));
+        }
     }
     Ok(carried)
 }
 
-/// Moves the owned CAS rows of moved keys from `source` to where the keys live now: written
-/// there (where the row is free), then freed on `source`; if the holder released it on
-/// `source` meanwhile, the copy is freed again.
-async fn carry_cas(router: &Inner, source: &Arc<ShardState>) -> shardlock_core::Result<()> {
-    let on = |s: &ShardState| {
-        let name = s.shard.name().to_owned();
-        move |e: shardlock_core::BackendError| e.into_error(&name)
-    };
+/// Carries the fences of `source`'s rows to every later placement of their keys (see
+/// [`Topology::later_locations`]), and checks that every live lease of a moved key there is
+/// also live on the key's current shard under the same owner. How many floors it wrote.
+async fn carry_leases(
+    router: &Inner,
+    previous: &Previous,
+    source: &Arc<ShardState>,
+) -> shardlock_core::Result<u64> {
+    let mut carried = 0;
+    let mut uncovered: Vec<(Vec<u8>, String)> = Vec::new();
     let mut after = Vec::new();
+    loop {
+        let rows = source
+            .call_waiting(source.shard.fences_after(&after, FLOOR_BATCH))
+            .await
+            .map_err(on(source))?;
+        let Some(last) = rows.last() else { break };
+        after.clone_from(&last.key);
+        let full = rows.len() == FLOOR_BATCH;
+        let topology = router.topology.load_full();
+        let mut by_target: Vec<(Arc<ShardState>, Floors)> = Vec::new();
+        // Live leases of moved keys, by the shards one of which must show them too.
+        let mut live: Vec<(Vec<Arc<ShardState>>, Vec<u8>, String)> = Vec::new();
+        for row in rows {
+            let placement = LockKey::placement_of_stored(&row.key);
+            for target in topology.later_locations(&previous.placement, source, placement) {
+                match by_target.iter_mut().find(|(t, _)| Arc::ptr_eq(t, &target)) {
+                    Some((_, floors)) => floors.push((row.key.clone(), row.fence)),
+                    None => by_target.push((target, vec![(row.key.clone(), row.fence)])),
+                }
+            }
+            let Some(owner) = row.live_owner else {
+                continue;
+            };
+            // Where the key lives now; for a digest (placement unknown), any current shard.
+            let now: Vec<Arc<ShardState>> = match topology.current_location(&row.key) {
+                Some(at) if at.same_database(source) => continue,
+                Some(at) => vec![at.clone()],
+                None => topology
+                    .current
+                    .shards
+                    .iter()
+                    .filter(|s| !s.same_database(source))
+                    .cloned()
+                    .collect(),
+            };
+            live.push((now, row.key, owner));
+        }
+        for (target, floors) in by_target {
+            target
+                .call_waiting(target.shard.raise_floors(&floors))
+                .await
+                .map_err(on(&target))?;
+            carried += floors.len() as u64;
+        }
+        for (shards, key, owner) in live {
+            let mut seen = false;
+            for shard in &shards {
+                let there = shard
+                    .call_waiting(shard.shard.live_owners(vec![key.clone()]))
+                    .await
+                    .map_err(on(shard))?;
+                if there.iter().any(|(_, o)| *o == owner) {
+                    seen = true;
+                    break;
+                }
+            }
+            if !seen {
+                uncovered.push((key, owner));
+            }
+        }
+        if !full {
+            break;
+        }
+    }
+    if let Some((key, owner)) = uncovered.first() {
+        return Err(not_yet(
+            source,
+            format!(
+                "{} lease(s) of moved keys are live there and not on their new shard (e.g. \
+                 key {:?} held by {owner}): a process that has not reloaded yet? The move \
+                 stays in force until they end",
+                uncovered.len(),
+                String::from_utf8_lossy(key),
+            ),
+        ));
+    }
+    Ok(carried)
+}
+
+/// Moves the owned CAS rows of moved keys from `source` to every later placement of the key
+/// that is in force (a process not yet at the newest topology still looks there): written
+/// where the row is free, then freed on `source`; if the holder released it on `source`
+/// meanwhile, the copies are freed again. A row whose key's placement cannot be told (a
+/// digest) is not moved: the move stays in force until its holder releases it.
+async fn carry_cas(
+    router: &Inner,
+    previous: &Previous,
+    source: &Arc<ShardState>,
+) -> shardlock_core::Result<()> {
+    let mut after = Vec::new();
+    let mut stuck = 0;
     loop {
         let rows = source
             .call_waiting(source.shard.owned_cas_after(&after, FLOOR_BATCH))
             .await
             .map_err(on(source))?;
-        let Some(last) = rows.last() else {
-            return Ok(());
-        };
+        let Some(last) = rows.last() else { break };
         after.clone_from(&last.0);
         let full = rows.len() == FLOOR_BATCH;
         let topology = router.topology.load_full();
-        let mut by_target: Vec<(Arc<ShardState>, Vec<shardlock_mysql::CasRow>)> = Vec::new();
         for row in rows {
-            let Some(target) = topology.current_location(&row.0) else {
+            let Some(placement) = LockKey::placement_of_stored(&row.0) else {
+                stuck += 1;
                 continue;
             };
-            if target.same_database(source) {
-                continue;
+            let targets = topology.later_locations(&previous.placement, source, Some(placement));
+            if targets.is_empty() {
+                continue; // the key did not move
             }
-            match by_target.iter_mut().find(|(t, _)| Arc::ptr_eq(t, target)) {
-                Some((_, rows)) => rows.push(row),
-                None => by_target.push((target.clone(), vec![row])),
-            }
-        }
-        for (target, rows) in by_target {
-            target
-                .call_waiting(target.shard.adopt_cas(&rows))
-                .await
-                .map_err(on(&target))?;
-            for row in &rows {
-                let freed = source
-                    .call_waiting(source.shard.free_cas(row))
+            for target in &targets {
+                target
+                    .call_waiting(target.shard.adopt_cas(std::slice::from_ref(&row)))
                     .await
-                    .map_err(on(source))?;
-                if !freed {
+                    .map_err(on(target))?;
+            }
+            let freed = source
+                .call_waiting(source.shard.free_carried_cas(&row))
+                .await
+                .map_err(on(source))?;
+            if !freed {
+                // Released by its holder before the copies were written: free them again.
+                for target in &targets {
                     target
-                        .call_waiting(target.shard.free_cas(row))
+                        .call_waiting(target.shard.free_cas(&row))
                         .await
-                        .map_err(on(&target))?;
+                        .map_err(on(target))?;
                 }
             }
         }
         if !full {
-            return Ok(());
+            break;
         }
     }
+    if stuck > 0 {
+        return Err(not_yet(
+            source,
+            format!(
+                "{stuck} CAS lock(s) of keys over 255 bytes are held there; their placement \
+                 cannot be told, so the move stays in force until they are released"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Moves the unfinished jobs of moved queues from `source` to where the queues live now: ready
-/// jobs and abandoned claims with retries left are marked as moving (claimers skip them),
-/// enqueued there once each (by origin), then marked moved. Returns how many jobs of moved
-/// queues are still running on `source` (claimed, lease not run out): the move waits for them.
+/// jobs and abandoned claims with retries left are marked as moving to that shard (claimers
+/// skip them; the first marker fixes where a job goes), enqueued there once each (by origin),
+/// then marked moved. Returns how many jobs of moved queues are still running on `source`
+/// (claimed, lease not run out) or moving to a shard this process does not know: the move
+/// waits for them.
 async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core::Result<usize> {
-    let on = |s: &ShardState| {
-        let name = s.shard.name().to_owned();
-        move |e: shardlock_core::BackendError| e.into_error(&name)
-    };
-    source.resolve_identity().await;
-    let origin = source.identity.get().cloned();
-    let mut running = 0;
+    let origin = source
+        .identity
+        .get()
+        .cloned()
+        .ok_or_else(|| not_yet(source, "its identity is unknown".into()))?;
+    let known = router.shared.shard_states();
+    let mut waiting = 0;
     let mut after = 0;
     loop {
         let jobs = source
@@ -411,7 +478,7 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
             .await
             .map_err(on(source))?;
         let Some(last) = jobs.last() else {
-            return Ok(running);
+            return Ok(waiting);
         };
         after = last.id;
         let full = jobs.len() == FLOOR_BATCH;
@@ -425,7 +492,7 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
                 continue;
             }
             if job.running {
-                running += 1;
+                waiting += 1;
                 continue;
             }
             match by_target.iter_mut().find(|(t, _)| Arc::ptr_eq(t, target)) {
@@ -433,27 +500,41 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
                 None => by_target.push((target.clone(), vec![job.id])),
             }
         }
-        if !by_target.is_empty() {
-            let Some(origin) = &origin else {
-                return Err(shardlock_core::Error::Backend {
-                    shard: source.shard.name().to_owned(),
-                    source: shardlock_core::BackendError::new(
-                        shardlock_core::BackendErrorKind::Other,
-                        None,
-                        "its identity could not be read, so its jobs cannot be moved yet",
-                    ),
-                });
-            };
-            for (target, ids) in by_target {
-                let moving = source
-                    .call_waiting(source.shard.start_moving(&ids))
+        for (target, ids) in by_target {
+            let to = target
+                .identity
+                .get()
+                .cloned()
+                .ok_or_else(|| not_yet(&target, "its identity is unknown".into()))?;
+            let moving = source
+                .call_waiting(source.shard.start_moving(&ids, &to))
+                .await
+                .map_err(on(source))?;
+            // Each to the shard its move started for (another process's carry may have
+            // started it towards another shard: that is where it goes).
+            let mut by_destination: Vec<(Arc<ShardState>, Vec<shardlock_mysql::MovingJob>)> =
+                Vec::new();
+            for job in moving {
+                let Some(dest) = known
+                    .iter()
+                    .find(|s| s.identity.get() == Some(&job.moved_to))
+                else {
+                    waiting += 1;
+                    continue;
+                };
+                match by_destination
+                    .iter_mut()
+                    .find(|(d, _)| Arc::ptr_eq(d, dest))
+                {
+                    Some((_, jobs)) => jobs.push(job),
+                    None => by_destination.push((dest.clone(), vec![job])),
+                }
+            }
+            for (dest, jobs) in by_destination {
+                dest.call_waiting(dest.shard.enqueue_moved(&origin, &jobs))
                     .await
-                    .map_err(on(source))?;
-                target
-                    .call_waiting(target.shard.enqueue_moved(origin, &moving))
-                    .await
-                    .map_err(on(&target))?;
-                let moved: Vec<u64> = moving.iter().map(|j| j.id).collect();
+                    .map_err(on(&dest))?;
+                let moved: Vec<u64> = jobs.iter().map(|j| j.id).collect();
                 source
                     .call_waiting(source.shard.finish_moving(&moved))
                     .await
@@ -461,7 +542,7 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
             }
         }
         if !full {
-            return Ok(running);
+            return Ok(waiting);
         }
     }
 }

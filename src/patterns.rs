@@ -311,12 +311,22 @@ impl LockRouter {
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
         let previous = topology.previous_locations(&lock_key);
+        // Every shard in one global order (by name), the current one included, so that two
+        // processes at different epochs cannot each hold one row and wait for the other's
+        // (a deadlock across servers that no server can see).
+        let mut order: Vec<&Arc<ShardState>> = previous.iter().chain([&shard]).collect();
+        order.sort_by(|a, b| a.shard.name().cmp(b.shard.name()));
         let mut others = Vec::with_capacity(previous.len());
-        for old in &previous {
-            let conn = lock_row(old, &lock_key, wait, deadline).await?;
-            others.push(Discard(Some(conn)));
+        let mut conn = None;
+        for at in order {
+            let locked = lock_row(at, &lock_key, wait, deadline).await?;
+            if Arc::ptr_eq(at, &shard) {
+                conn = Some(locked);
+            } else {
+                others.push(Discard(Some(locked)));
+            }
         }
-        let conn = lock_row(&shard, &lock_key, wait, deadline).await?;
+        let conn = conn.expect("the current shard is in the order");
         let mut shards = vec![shard.clone()];
         shards.extend(previous);
         let state = Arc::new(TxLockState {
@@ -361,24 +371,28 @@ impl LockRouter {
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
         let mut taken: Vec<Arc<ShardState>> = Vec::new();
-        let mut version = None;
+        let mut version = Ok(None);
         for at in topology
             .previous_locations(&lock_key)
             .into_iter()
             .chain([shard])
         {
-            version = cas_take(&at, lock_key.stored(), owner).await?;
-            if version.is_none() {
+            version = cas_take(&at, lock_key.stored(), owner).await;
+            if !matches!(version, Ok(Some(_))) {
                 break;
             }
             taken.push(at);
         }
-        let Some(version) = version else {
-            // Someone owns it somewhere: give back what was taken.
-            for at in taken {
-                cas_free(&at, lock_key.stored(), owner, None).await?;
+        let version = match version {
+            Ok(Some(version)) => version,
+            // Someone owns it somewhere, or a shard failed: give back what was taken (a row
+            // that cannot be given back now stays owned until its owner releases it).
+            failed => {
+                for at in taken {
+                    let _ = cas_free(&at, lock_key.stored(), owner, None).await;
+                }
+                return failed.map(|_| None);
             }
-            return Ok(None);
         };
         Ok(Some(CasGuard {
             key: key.to_owned(),
@@ -395,12 +409,20 @@ impl LockRouter {
         let lock_key = LockKey::new(&guard.key)?;
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
+        // Every shard is tried; the first failure is reported after (release again to retry).
         let mut released = false;
+        let mut failure = None;
         for old in topology.previous_locations(&lock_key) {
-            released |= cas_free(&old, lock_key.stored(), &guard.owner, None).await?;
+            match cas_free(&old, lock_key.stored(), &guard.owner, None).await {
+                Ok(freed) => released |= freed,
+                Err(e) => drop(failure.get_or_insert(e)),
+            }
         }
-        released |= cas_free(&shard, lock_key.stored(), &guard.owner, Some(guard.version)).await?;
-        Ok(released)
+        match cas_free(&shard, lock_key.stored(), &guard.owner, Some(guard.version)).await {
+            Ok(freed) => released |= freed,
+            Err(e) => drop(failure.get_or_insert(e)),
+        }
+        failure.map_or(Ok(released), Err)
     }
 
     /// Moves row `id` of the machine's table (on the shard of key `id`, or while a reload's

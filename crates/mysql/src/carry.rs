@@ -30,7 +30,8 @@ pub(crate) async fn owned_cas_after(
 
 /// Writes owned CAS rows where their keys now live: a free (or missing) row takes the carried
 /// owner and version; an owned one is left alone. The version is assigned first, while
-/// `owner` still has its old value.
+/// `owner` still has its old value. (Placeholders are cast: a derived table's column types are
+/// otherwise the server's guess.)
 pub(crate) async fn adopt_cas(conn: &mut Conn, rows: &[CasRow]) -> mysql_async::Result<()> {
     if rows.is_empty() {
         return Ok(());
@@ -46,16 +47,45 @@ pub(crate) async fn adopt_cas(conn: &mut Conn, rows: &[CasRow]) -> mysql_async::
         ]);
     }
     let sql = format!(
-        "INSERT INTO shardlock_cas (lock_key, owner, version) SELECT src.k, src.o, src.v FROM {} \
+        "INSERT INTO shardlock_cas (lock_key, owner, version) \
+         SELECT src.k, src.o, CAST(src.v AS UNSIGNED) FROM {} \
          ON DUPLICATE KEY UPDATE \
-         version = IF(shardlock_cas.owner IS NULL, src.v, shardlock_cas.version), \
+         version = IF(shardlock_cas.owner IS NULL, CAST(src.v AS UNSIGNED), shardlock_cas.version), \
          owner = IF(shardlock_cas.owner IS NULL, src.o, shardlock_cas.owner)",
         rows_source(&["k", "o", "v"], rows.len())
     );
     conn.exec_drop(sql, Params::Positional(params)).await
 }
 
-/// Frees a CAS row if it is still owned by `owner` at `version`; whether it was.
+/// Frees a CAS row carried elsewhere if it is still owned by `owner` at `version`, raising
+/// the version by 2 (a holder's release raises it by 1), so that after a lost reply a second
+/// look tells who freed it. Whether this call (or its lost first try) freed it.
+pub(crate) async fn free_carried_cas(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+    version: u64,
+) -> mysql_async::Result<bool> {
+    conn.exec_drop(
+        "UPDATE shardlock_cas SET owner = NULL, version = version + 2 \
+         WHERE lock_key = ? AND owner = ? AND version = ?",
+        (key, owner, version),
+    )
+    .await?;
+    if conn.affected_rows() == 1 {
+        return Ok(true);
+    }
+    let row: Option<(Option<Vec<u8>>, u64)> = conn
+        .exec_first(
+            "SELECT owner, version FROM shardlock_cas WHERE lock_key = ?",
+            (key,),
+        )
+        .await?;
+    Ok(matches!(row, Some((None, v)) if v == version + 2))
+}
+
+/// Frees a CAS row owned by `owner` at `version` (undoing a carry whose holder released
+/// meanwhile); whether it was.
 pub(crate) async fn free_cas(
     conn: &mut Conn,
     key: &[u8],
@@ -102,7 +132,7 @@ pub(crate) async fn pending_jobs_after(
         .collect())
 }
 
-/// A job being moved: everything needed to enqueue it again elsewhere.
+/// A job being moved: everything needed to enqueue it again where it goes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MovingJob {
     /// Its id on the shard it leaves.
@@ -117,33 +147,40 @@ pub struct MovingJob {
     pub retry_count: u32,
     /// Its retry limit.
     pub max_retries: u32,
+    /// The identity of the shard it goes to (fixed when its move started).
+    pub moved_to: String,
 }
 
-/// Marks `ids` as being moved (those still ready, or claimed and abandoned with retries left:
-/// their retry count goes up, as a new claim would do) and returns every job of `ids` being
-/// moved. Claimers never take a job being moved.
+/// Marks `ids` as being moved to the shard `to` (those still ready, or claimed and abandoned
+/// with retries left: their retry count goes up, as a new claim would do) and returns every
+/// job of `ids` being moved, each with the shard it goes to: set by whoever marked it first.
+/// Claimers never take a job being moved.
 pub(crate) async fn start_moving(
     conn: &mut Conn,
     ids: &[u64],
+    to: &str,
 ) -> mysql_async::Result<Vec<MovingJob>> {
     let (list, params) = id_list(ids);
+    let mut marking = vec![Value::from(to)];
+    marking.extend(params.iter().cloned());
     conn.exec_drop(
         format!(
             "UPDATE shardlock_job SET \
              retry_count = retry_count + IF(status = 'claimed', 1, 0), \
-             status = 'moving', locked_by = NULL, locked_at = NULL, lease_until = NULL \
+             status = 'moving', moved_to = ?, locked_by = NULL, locked_at = NULL, \
+             lease_until = NULL \
              WHERE id IN {list} AND (status = 'ready' OR (status = 'claimed' \
              AND lease_until <= NOW(3) AND retry_count < max_retries))"
         ),
-        Params::Positional(params.clone()),
+        Params::Positional(marking),
     )
     .await?;
-    type Row = (u64, Vec<u8>, Vec<u8>, mysql_async::Value, u32, u32);
+    type Row = (u64, Vec<u8>, Vec<u8>, mysql_async::Value, u32, u32, Vec<u8>);
     let rows: Vec<Row> = conn
         .exec(
             format!(
-                "SELECT id, queue, payload, due_at, retry_count, max_retries FROM shardlock_job \
-                 WHERE id IN {list} AND status = 'moving'"
+                "SELECT id, queue, payload, due_at, retry_count, max_retries, moved_to \
+                 FROM shardlock_job WHERE id IN {list} AND status = 'moving'"
             ),
             Params::Positional(params),
         )
@@ -151,13 +188,14 @@ pub(crate) async fn start_moving(
     Ok(rows
         .into_iter()
         .map(
-            |(id, queue, payload, due_at, retry_count, max_retries)| MovingJob {
+            |(id, queue, payload, due_at, retry_count, max_retries, moved_to)| MovingJob {
                 id,
                 queue,
                 payload,
                 due_at,
                 retry_count,
                 max_retries,
+                moved_to: String::from_utf8_lossy(&moved_to).into_owned(),
             },
         )
         .collect())
@@ -185,7 +223,8 @@ pub(crate) async fn enqueue_moved(
     }
     let sql = format!(
         "INSERT INTO shardlock_job (queue, payload, status, due_at, retry_count, max_retries, origin) \
-         SELECT src.q, src.p, 'ready', src.d, src.r, src.m, src.o FROM {} \
+         SELECT src.q, src.p, 'ready', src.d, CAST(src.r AS UNSIGNED), CAST(src.m AS UNSIGNED), \
+         src.o FROM {} \
          ON DUPLICATE KEY UPDATE id = shardlock_job.id",
         rows_source(&["q", "p", "d", "r", "m", "o"], jobs.len())
     );

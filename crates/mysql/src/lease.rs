@@ -123,15 +123,18 @@ pub(crate) async fn raise_fence(
     Ok(conn.affected_rows() == 1)
 }
 
-/// Raises the shard's fence floor (see [`fence_floor`]) to at least `?`.
-const RAISE_SHARD_FLOOR: &str = "UPDATE shardlock_meta \
-     SET value = CAST(GREATEST(CAST(value AS UNSIGNED), ?) AS CHAR) WHERE name = 'fence-floor'";
+/// Raises the shard's fence floor (see [`fence_floor`]) to at least `?` (creating it if a
+/// shard migrated before it existed lacks it).
+const RAISE_SHARD_FLOOR: &str = "INSERT INTO shardlock_meta (name, value) \
+     VALUES ('fence-floor', CAST(CAST(? AS UNSIGNED) AS CHAR)) ON DUPLICATE KEY UPDATE \
+     value = CAST(GREATEST(CAST(value AS UNSIGNED), CAST(? AS UNSIGNED)) AS CHAR)";
 
-/// The shard's clock in microseconds (the floor of its fences).
-const CLOCK_US: &str = concat!("SELECT ", now_us!());
+/// Where the shard's next fence of a fresh key starts: its clock in microseconds, or its
+/// fence floor if that is higher (its clock stepped back since it raised the floor).
+const CLOCK_US: &str = concat!("SELECT GREATEST(", now_us!(), ", ", fence_floor!(), ")");
 
 pub(crate) async fn raise_shard_floor(conn: &mut Conn, floor: u64) -> mysql_async::Result<()> {
-    conn.exec_drop(RAISE_SHARD_FLOOR, (floor,)).await
+    conn.exec_drop(RAISE_SHARD_FLOOR, (floor, floor)).await
 }
 
 pub(crate) async fn clock_us(conn: &mut Conn) -> mysql_async::Result<u64> {
@@ -214,8 +217,8 @@ pub(crate) async fn raise_floors(
     }
     let sql = format!(
         "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
-         SELECT src.k, NULL, src.f, 0, NOW(3), NOW(3) FROM {} \
-         ON DUPLICATE KEY UPDATE fence = GREATEST(shardlock_lease.fence, src.f)",
+         SELECT src.k, NULL, CAST(src.f AS UNSIGNED), 0, NOW(3), NOW(3) FROM {} \
+         ON DUPLICATE KEY UPDATE fence = GREATEST(shardlock_lease.fence, CAST(src.f AS UNSIGNED))",
         rows_source(&["k", "f"], floors.len())
     );
     conn.exec_drop(sql, Params::Positional(params)).await

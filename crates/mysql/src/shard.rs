@@ -208,6 +208,16 @@ impl Shard {
         .await
     }
 
+    /// Frees a CAS row carried to another shard (see the carry module); whether this call
+    /// freed it, a lost reply included.
+    pub async fn free_carried_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
+        self.with_conn(self.statement_timeout, |c| {
+            let (key, owner, version) = row.clone();
+            Box::pin(async move { carry::free_carried_cas(c, &key, &owner, version).await })
+        })
+        .await
+    }
+
     /// Up to `limit` unfinished jobs in id order after `after` (carrying moved queues).
     pub async fn pending_jobs_after(
         &self,
@@ -220,11 +230,16 @@ impl Shard {
         .await
     }
 
-    /// Marks jobs as being moved and returns those that are (see the carry module).
-    pub async fn start_moving(&self, ids: &[u64]) -> Result<Vec<MovingJob>, BackendError> {
+    /// Marks jobs as being moved to the shard `to` and returns those that are being moved,
+    /// with where each goes (see the carry module).
+    pub async fn start_moving(
+        &self,
+        ids: &[u64],
+        to: &str,
+    ) -> Result<Vec<MovingJob>, BackendError> {
         self.with_conn(self.statement_timeout, |c| {
-            let ids = ids.to_vec();
-            Box::pin(async move { carry::start_moving(c, &ids).await })
+            let (ids, to) = (ids.to_vec(), to.to_owned());
+            Box::pin(async move { carry::start_moving(c, &ids, &to).await })
         })
         .await
     }
