@@ -290,7 +290,10 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
         .filter(|_| !closed)
         .and_then(Turn::next_waiter);
     if let Some(next) = next {
-        if let Some(fence) = lease.local_fence() {
+        // In memory only when the waiter asked for this lease's own ttl; otherwise the
+        // release statement grants it with the waiter's.
+        let same_terms = next.want.ttl == lease.ttl;
+        if let Some(fence) = lease.local_fence().filter(|_| same_terms) {
             // Unlock first: if the waiter gave up meanwhile, the guard comes back and is
             // dropped right here, which ends its hold on this same lease.
             drop(turn_slot);
@@ -400,11 +403,13 @@ async fn handoff_through_shard(
             Err(lost(&shard, &lease))
         }
         Err(e) => {
-            // Unknown whether the hand-off happened: neither owner may keep the row.
             next.turn(turn, false);
-            let key = lease.key.stored();
-            let _ = shard.call(shard.shard.release(key, &req.owner)).await;
-            let _ = shard.call(shard.shard.release(key, &lease.owner)).await;
+            if e.maybe_applied {
+                // Unknown whether the hand-off happened: neither owner may keep the row.
+                let key = lease.key.stored();
+                let _ = shard.call(shard.shard.release(key, &req.owner)).await;
+                let _ = shard.call(shard.shard.release(key, &lease.owner)).await;
+            }
             Err(e.into_error(shard.shard.name()))
         }
     }

@@ -841,10 +841,36 @@ impl Drop for ProbePermit<'_> {
 
 /// Starts the keeper of `state`. It holds only a `Weak` reference between ticks and stops when
 /// the shard state is dropped or `closed` turns true.
-pub(crate) fn spawn_keeper(state: &Arc<ShardState>, mut closed: watch::Receiver<bool>) {
+pub(crate) fn spawn_keeper(state: &Arc<ShardState>, closed: watch::Receiver<bool>) {
     let weak: Weak<ShardState> = Arc::downgrade(state);
-    let wake = state.wake.clone();
+    // Supervised: a keeper that panics would leave every lease of its shard unrenewed and
+    // unreported. Its leases are reported lost (their renewal can no longer be vouched for)
+    // and a new keeper takes over.
     tokio::spawn(async move {
+        loop {
+            let keeper = tokio::spawn(keep(weak.clone(), closed.clone()));
+            match keeper.await {
+                Err(e) if e.is_panic() => {
+                    let Some(state) = weak.upgrade() else { return };
+                    tracing::error!(shard = state.shard.name(), "shardlock lease keeper panicked; its leases are reported lost and a new keeper starts");
+                    for lease in state.held() {
+                        state.remove(lease.id);
+                        lease
+                            .mark_lost("the lease keeper of its shard failed", &state.shared.stats);
+                    }
+                }
+                _ => return,
+            }
+        }
+    });
+}
+
+/// The keeper loop of one shard: renewal ticks, reconciliation, and lost-lease reports.
+async fn keep(weak: Weak<ShardState>, mut closed: watch::Receiver<bool>) {
+    let Some(wake) = weak.upgrade().map(|s| s.wake.clone()) else {
+        return;
+    };
+    {
         let mut next_tick = None;
         loop {
             let wake_at = match weak.upgrade() {
@@ -867,5 +893,5 @@ pub(crate) fn spawn_keeper(state: &Arc<ShardState>, mut closed: watch::Receiver<
                 None => return,
             }
         }
-    });
+    }
 }

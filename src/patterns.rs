@@ -437,6 +437,14 @@ impl LockRouter {
         from: &str,
         to: &str,
     ) -> Result<bool> {
+        if from == to {
+            return Err(Error::InvalidArgument {
+                name: "transition",
+                reason: format!(
+                    "{from} -> {to} changes nothing, so it cannot tell a winner from a loser"
+                ),
+            });
+        }
         if !machine
             .transitions
             .iter()
@@ -825,6 +833,15 @@ async fn claim_in(
     let mut opts = TxOpts::default();
     opts.with_isolation_level(IsolationLevel::ReadCommitted);
     let mut tx = c.start_transaction(opts).await?;
+    // Abandoned claims with no retries left are failed for good, not left claimed for ever.
+    // (READ COMMITTED: only the rows that match are locked, and claimers never lock those.)
+    tx.exec_drop(
+        "UPDATE shardlock_job SET status = 'failed', lease_until = NULL \
+         WHERE queue = ? AND status = 'claimed' AND lease_until <= NOW(3) \
+         AND retry_count >= max_retries LIMIT 100",
+        (queue,),
+    )
+    .await?;
     // An abandoned claim first (a crashed worker's job), else the ready job due first.
     let mut row: Option<(u64, Vec<u8>, u32)> = tx
         .exec_first(
@@ -845,7 +862,7 @@ async fn claim_in(
             .await?;
     }
     let Some((id, payload, retry_count)) = row else {
-        tx.rollback().await?;
+        tx.commit().await?; // keeps the jobs failed above
         return Ok(None);
     };
     tx.exec_drop(

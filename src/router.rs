@@ -878,14 +878,13 @@ impl LockRouter {
         tokio::spawn(async move {
             let stats = &task_shard.shared.stats;
             let result = task_shard.call(task_shard.shard.acquire(&task_req)).await;
-            let sent = !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen);
-            if sent {
+            if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
                 stats.acquire_statements.fetch_add(1, Ordering::Relaxed);
             }
-            // A statement that failed after it was sent may have granted the key (its reply
-            // was lost, or came too late): give it back, owner-checked, like a grant the
-            // caller no longer wants.
-            let unknown = sent && result.is_err();
+            // A statement that failed after it may have reached the server may have granted
+            // the key (its reply was lost, or came too late): give it back, owner-checked,
+            // like a grant the caller no longer wants.
+            let unknown = matches!(&result, Err(e) if e.maybe_applied);
             if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
                 let _ = task_shard
                     .call(task_shard.shard.release(&task_req.key, &task_req.owner))

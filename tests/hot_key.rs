@@ -49,6 +49,9 @@ async fn sixty_four_tasks_on_one_key_see_no_deadlocks() {
                                 0,
                                 "two holders at once"
                             );
+                            // Held across an await: another task (of this router or another)
+                            // granted meanwhile would find `inside` at 1.
+                            tokio::task::yield_now().await;
                             grants.fetch_add(1, Ordering::Relaxed);
                             inside.fetch_sub(1, Ordering::SeqCst);
                             g.release().await.unwrap();

@@ -390,3 +390,40 @@ async fn sessions_are_pinned_whatever_the_servers_defaults() {
         .await
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiter_handed_the_lock_gets_the_ttl_it_asked_for() {
+    let (_cluster, router, _) = common::start(1, "").await;
+    let held = router
+        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let router = router.clone();
+        async move {
+            router
+                .acquire(
+                    "k",
+                    AcquireOptions::new()
+                        .ttl(Duration::from_secs(5))
+                        .wait(Duration::from_secs(10)),
+                )
+                .await
+                .unwrap()
+        }
+    });
+    let queued = common::eventually(Duration::from_secs(10), || async {
+        router.stats().queued == 1
+    })
+    .await;
+    assert!(queued);
+    held.release().await.unwrap();
+    let next = waiter.await.unwrap();
+    let (_, row) = router.inspect("k").await.unwrap();
+    assert_eq!(
+        row.unwrap().ttl_ms,
+        5000,
+        "the row carries the waiter's ttl"
+    );
+    next.release().await.unwrap();
+}

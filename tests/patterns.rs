@@ -205,6 +205,45 @@ async fn state_machine_claim_has_one_winner_and_rollback_makes_it_claimable_agai
     ));
     assert_eq!(claim(router.clone(), machine.clone()).await, 0);
     assert!(StateMachine::new("coupon; DROP TABLE x", "code", "state").is_err());
+    // A transition to the same state changes nothing: it could not tell winner from loser.
+    let same = StateMachine::new("coupon", "code", "state")
+        .unwrap()
+        .allow("used", "used");
+    assert!(matches!(
+        router.transition(&same, code, "used", "used").await,
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_whose_retries_ran_out_fails_instead_of_staying_claimed() {
+    let (cluster, router, _) = common::start(1, "").await;
+    router
+        .enqueue_job("q", b"once", Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let job = router
+        .claim_job("q", "w", Duration::from_millis(100))
+        .await
+        .unwrap()
+        .expect("due");
+    // The worker dies; its lease runs out and no retry is left.
+    let ended = common::eventually(Duration::from_secs(10), || async {
+        router
+            .claim_job("q", "w", Duration::from_secs(1))
+            .await
+            .unwrap()
+            .is_none()
+            && count_rows(
+                &cluster,
+                "SELECT COUNT(*) FROM shardlock_job WHERE status = 'failed'",
+            )
+            .await
+                == 1
+    })
+    .await;
+    assert!(ended, "the job was failed for good");
+    assert!(!router.complete_job(&job).await.unwrap());
 }
 
 const JOBS: u64 = 10_000;

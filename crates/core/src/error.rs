@@ -144,7 +144,8 @@ impl BackendErrorKind {
         match code {
             1213 => Self::Deadlock,
             1205 => Self::LockWaitTimeout,
-            1040 | 1203 | 1226 => Self::TooManyConnections,
+            // 1461: the server's max_prepared_stmt_count is reached (a resource limit too).
+            1040 | 1203 | 1226 | 1461 => Self::TooManyConnections,
             1290 | 1792 | 1836 => Self::ReadOnly,
             1053 | 1077 | 1152 | 1158 | 1159 | 1160 | 1161 | 1317 | 1927 | 4031 => Self::ServerGone,
             _ => Self::Other,
@@ -163,6 +164,10 @@ pub struct BackendError {
     /// The underlying error (a `mysql_async::Error` for the MySQL backend).
     #[source]
     pub source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    /// Whether the statement may have reached the server before it failed (a timeout or a
+    /// broken connection mid-statement): its effect is then unknown. False when it surely
+    /// never left (no connection, breaker open).
+    pub maybe_applied: bool,
 }
 
 impl BackendError {
@@ -176,6 +181,7 @@ impl BackendError {
             kind,
             code,
             source: source.into(),
+            maybe_applied: false,
         }
     }
 
@@ -210,6 +216,7 @@ mod tests {
         assert!(BackendErrorKind::from_mysql_code(1205).is_retryable());
         assert!(BackendErrorKind::from_mysql_code(1290).is_infrastructure());
         assert!(BackendErrorKind::from_mysql_code(1040).is_infrastructure());
+        assert!(BackendErrorKind::from_mysql_code(1461).is_infrastructure());
         let syntax = BackendErrorKind::from_mysql_code(1064);
         assert!(!syntax.is_retryable() && !syntax.is_infrastructure());
     }

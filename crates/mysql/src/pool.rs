@@ -7,6 +7,9 @@ use futures_util::future::BoxFuture;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};
 
+/// The server's `max_prepared_stmt_count` was reached.
+pub(crate) const PREPARED_STATEMENT_LIMIT: u16 = 1461;
+
 /// A pooled connection and what the pool must know about its state.
 #[derive(Debug)]
 pub struct ShardConn {
@@ -31,7 +34,10 @@ impl ShardConn {
         let result = f(&mut self.conn).await;
         self.in_flight = false;
         if let Err(e) = &result {
-            self.broken |= e.is_fatal();
+            // A connection at the server's prepared-statement limit is closed, which frees
+            // the statements it cached there.
+            self.broken |= e.is_fatal()
+                || matches!(e, mysql_async::Error::Server(s) if s.code == PREPARED_STATEMENT_LIMIT);
         }
         result
     }

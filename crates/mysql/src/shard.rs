@@ -96,23 +96,32 @@ impl Shard {
     ) -> Result<T, BackendError> {
         let deadline = Instant::now() + timeout;
         let mut reconnected = false;
+        // Set once a statement may have reached the server: a failure after that leaves its
+        // effect unknown (`BackendError::maybe_applied`).
+        let sent = std::sync::atomic::AtomicBool::new(false);
         loop {
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
+                sent.store(true, std::sync::atomic::Ordering::Relaxed);
                 conn.run(&f).await.map_err(classify)
             })
             .await;
-            let err = match attempt {
+            let mut err = match attempt {
                 Ok(Ok(v)) => return Ok(v),
                 Ok(Err(e)) => e,
-                Err(_) => {
-                    return Err(BackendError::timeout(format!(
-                        "no answer within {timeout:?} (statement-timeout)"
-                    )))
-                }
+                Err(_) => BackendError::timeout(format!(
+                    "no answer within {timeout:?} (statement-timeout)"
+                )),
             };
+            err.maybe_applied = sent.load(std::sync::atomic::Ordering::Relaxed);
+            if err.kind == BackendErrorKind::Timeout {
+                return Err(err);
+            }
+            // A broken connection (or one at the server's prepared-statement limit, now
+            // closed) is retried once, on another connection.
             let retry = err.kind.is_retryable()
-                || (err.kind == BackendErrorKind::Connection
+                || ((err.kind == BackendErrorKind::Connection
+                    || err.code == Some(crate::pool::PREPARED_STATEMENT_LIMIT))
                     && !std::mem::replace(&mut reconnected, true));
             if !retry || Instant::now() + Duration::from_millis(2) >= deadline {
                 return Err(err);

@@ -360,6 +360,9 @@ fn server_args(dir: &Path, port: u16) -> Vec<String> {
         "--performance-schema=OFF".to_owned(),
         "--max-connections=1000".to_owned(),
         "--skip-name-resolve".to_owned(),
+        // Sessions of the tests' own connections read and write times in UTC, like
+        // shardlock's sessions, whatever the machine's time zone.
+        "--default-time-zone=+00:00".to_owned(),
     ];
     if nix::unistd::geteuid().is_root() {
         // mariadbd refuses to run as root unless told to.
