@@ -445,3 +445,34 @@ crate::worker_entry! {
     "job-doomed" => job_doomed(),
     "job-worker" => job_worker(),
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_statement_interrupted_on_a_transaction_locks_connection_never_reaches_the_next_user() {
+    // One connection per shard: whatever the pool hands out next is what the guard had.
+    let (cluster, _setup, _) = common::start(1, "").await;
+    let yaml = cluster
+        .config_yaml("")
+        .replace("    url:", "    pool:\n      max-size: 1\n    url:");
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let mut guard = router
+        .lock_in_transaction("k", Duration::from_secs(5))
+        .await
+        .unwrap();
+    // A statement of the caller's, given up on while the server still runs it.
+    let slow = tokio::time::timeout(
+        Duration::from_millis(200),
+        guard.conn().query_drop("SELECT SLEEP(2)"),
+    )
+    .await;
+    assert!(slow.is_err(), "the statement was still running");
+    drop(guard);
+    // The next user of the pool gets a clean connection, and the row is free again (the
+    // abandoned transaction ended with its connection).
+    let mut next = router
+        .lock_in_transaction("k", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let two: Option<i64> = next.conn().query_first("SELECT 1 + 1").await.unwrap();
+    assert_eq!(two, Some(2), "a reply meant for the previous user");
+    next.commit().await.unwrap();
+}
