@@ -35,18 +35,7 @@ async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
         guard.lost().await;
         tokio::time::Instant::now()
     });
-    let granted_at = loop {
-        if let Some(g) = other
-            .try_acquire("k", AcquireOptions::new().wait(Duration::ZERO))
-            .await
-            .unwrap()
-        {
-            let at = tokio::time::Instant::now();
-            g.release().await.unwrap();
-            break at;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    };
+    let granted_at = common::first_grant(&other, "k").await;
     let lost_at = watcher.await.unwrap();
     assert!(
         lost_at <= granted_at,

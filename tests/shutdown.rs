@@ -22,19 +22,7 @@ async fn a_guard_is_lost_before_its_key_is_free_for_others_at_shutdown() {
         guard.lost().await;
         (tokio::time::Instant::now(), guard.is_held())
     });
-    let poller = tokio::spawn(async move {
-        loop {
-            if let Some(g) = other
-                .try_acquire("k", AcquireOptions::new().wait(Duration::ZERO))
-                .await
-                .unwrap()
-            {
-                let at = tokio::time::Instant::now();
-                g.release().await.unwrap();
-                return at;
-            }
-        }
-    });
+    let poller = tokio::spawn(async move { common::first_grant(&other, "k").await });
     router.shutdown().await.unwrap();
     let (lost_at, still_held) = watcher.await.unwrap();
     let granted_at = poller.await.unwrap();

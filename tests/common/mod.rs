@@ -84,6 +84,20 @@ where
     }
 }
 
+/// Tries `key` on `router` until it is granted (the shard frees it), releases it, and returns
+/// when the grant's answer came: no later than the instant another process held it.
+pub async fn first_grant(router: &LockRouter, key: &str) -> tokio::time::Instant {
+    loop {
+        let once = shardlock::AcquireOptions::new().wait(Duration::ZERO);
+        if let Some(g) = router.try_acquire(key, once).await.unwrap() {
+            let at = tokio::time::Instant::now();
+            g.release().await.unwrap();
+            return at;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// A second router (another "instance") over the same cluster.
 pub async fn worker_router_from(cluster: &Cluster) -> LockRouter {
     LockRouter::from_yaml_str(&cluster.config_yaml(""))
