@@ -406,13 +406,51 @@ async fn handoff_through_shard(
             next.turn(turn, false);
             if e.maybe_applied {
                 // Unknown whether the hand-off happened: neither owner may keep the row.
-                let key = lease.key.stored();
-                let _ = shard.call(shard.shard.release(key, &req.owner)).await;
-                let _ = shard.call(shard.shard.release(key, &lease.owner)).await;
+                let key = lease.key.stored().to_vec();
+                give_back(
+                    shard.clone(),
+                    key.clone(),
+                    req.owner.clone(),
+                    lease.ttl.max(want.ttl),
+                );
+                give_back(
+                    shard.clone(),
+                    key,
+                    lease.owner.clone(),
+                    lease.ttl.max(want.ttl),
+                );
             }
             Err(e.into_error(shard.shard.name()))
         }
     }
+}
+
+/// Gives back, owner-checked, a row that a statement whose outcome is unknown (its reply lost
+/// or late) may have granted to `owner`: retried in the background until the shard answers,
+/// for up to `ttl` (after that the row has ended by itself). Nobody else is kept waiting for
+/// the lease's whole ttl because one reply got lost.
+pub(crate) fn give_back(
+    shard: Arc<ShardState>,
+    key: Vec<u8>,
+    owner: String,
+    ttl: std::time::Duration,
+) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let until = Instant::now() + ttl;
+        let mut backoff = shardlock_core::Backoff::new(
+            std::time::Duration::from_millis(5),
+            std::time::Duration::from_millis(500),
+        );
+        while Instant::now() < until {
+            if shard.call(shard.shard.release(&key, &owner)).await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
+    });
 }
 
 /// The owner-checked release statement. Nothing is deleted, so the fence survives; the turn

@@ -147,9 +147,12 @@ async fn take_on(
                 }
                 tracing::warn!(key = %lease.key, to = target.shard.name(), error = %e, "shardlock could not take a moved key on its new shard within half the move window");
                 // The grant may have been made with its reply lost: give it back.
-                let _ = target
-                    .call(target.shard.release(&req.key, &req.owner))
-                    .await;
+                crate::guard::give_back(
+                    target.clone(),
+                    req.key.clone(),
+                    req.owner.clone(),
+                    lease.ttl,
+                );
                 break "its key moved in a reload and the new shard could not be reached in time";
             }
         }

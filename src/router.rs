@@ -890,9 +890,8 @@ impl LockRouter {
                     .call(task_shard.shard.release(&task_req.key, &task_req.owner))
                     .await;
             } else if unknown {
-                let _ = task_shard
-                    .call(task_shard.shard.release(&task_req.key, &task_req.owner))
-                    .await;
+                let ttl = Duration::from_millis(u64::from(task_req.ttl_ms));
+                crate::guard::give_back(task_shard, task_req.key, task_req.owner, ttl);
             }
         });
         let mut pending = PendingAttempt {

@@ -25,6 +25,10 @@ pub enum ProxyMode {
     Delay(Duration),
     /// Every open connection is reset (RST), and so is every new one.
     Reset,
+    /// Requests reach the server, but the first reply (chunk) coming back is swallowed and
+    /// the connection reset: the server acted and the client never hears of it. New
+    /// connections fail the same way (their handshake is a reply).
+    LoseReplies,
 }
 
 /// A proxy listening on its own loopback port and forwarding to `upstream`. Stops (resetting
@@ -106,8 +110,8 @@ async fn serve(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receive
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     tokio::select! {
-        _ = pump(client_read, server_write, mode.clone()) => {}
-        _ = pump(server_read, client_write, mode) => {}
+        _ = pump(client_read, server_write, mode.clone(), false) => {}
+        _ = pump(server_read, client_write, mode, true) => {}
     }
 }
 
@@ -117,6 +121,7 @@ async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     mut mode: watch::Receiver<ProxyMode>,
+    replies: bool,
 ) -> Option<()> {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -129,6 +134,9 @@ async fn pump(
             // Re-check the mode before reading further (a blackhole stops reading).
             changed = mode.changed() => { changed.ok()?; continue; }
         };
+        if replies && *mode.borrow() == ProxyMode::LoseReplies {
+            return None; // swallowed; the connection is reset
+        }
         let delay = passable(&mut mode).await?;
         if !delay.is_zero() {
             tokio::select! {
@@ -147,7 +155,7 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
     let current = *mode.wait_for(|m| *m != ProxyMode::Blackhole).await.ok()?;
     match current {
         ProxyMode::Reset | ProxyMode::Blackhole => None,
-        ProxyMode::Pass => Some(Duration::ZERO),
+        ProxyMode::Pass | ProxyMode::LoseReplies => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
     }
 }
