@@ -391,6 +391,8 @@ pub(crate) struct ShardState {
     /// The server and schema behind the shard, once read (see [`Shard::identity`]): two shard
     /// states with the same identity are the same database.
     pub(crate) identity: std::sync::OnceLock<String>,
+    /// Set while a reconciliation pass runs (beside the keeper loop).
+    reconciling: std::sync::atomic::AtomicBool,
 }
 
 /// The breaker's clock: Tokio's, so tests with paused time drive it.
@@ -421,6 +423,7 @@ impl ShardState {
             label,
             shard,
             identity: std::sync::OnceLock::new(),
+            reconciling: std::sync::atomic::AtomicBool::new(false),
         });
         registry
             .shard_states
@@ -736,8 +739,15 @@ impl ShardState {
     /// Re-acquires local leases if there are any, reports expired leases, and renews the rest
     /// if the tick is due.
     async fn tick(self: &Arc<Self>, next_tick: &mut Option<Instant>) {
-        if self.local_count() > 0 {
-            self.reconcile().await;
+        // Reconciliation runs beside the keeper, one pass at a time: its statements (each up
+        // to the statement timeout) must never hold up renewing the remote leases, nor
+        // reporting them lost at their deadline.
+        if self.local_count() > 0 && !self.reconciling.swap(true, Ordering::AcqRel) {
+            let state = self.clone();
+            tokio::spawn(async move {
+                state.reconcile().await;
+                state.reconciling.store(false, Ordering::Release);
+            });
         }
         let now = Instant::now();
         let mut leases = self.held();
