@@ -458,6 +458,19 @@ impl ShardState {
             .map_err(|e| e.into_error(self.shard.name()))
     }
 
+    /// [`ShardState::run`] for a statement that is not idempotent: not retried once it may
+    /// have reached the server (the error then says the outcome is unknown).
+    pub(crate) async fn run_once<T>(
+        &self,
+        f: impl Fn(
+            &mut mysql_async::Conn,
+        ) -> futures_util::future::BoxFuture<'_, mysql_async::Result<T>>,
+    ) -> shardlock_core::Result<T> {
+        self.call(self.shard.with_conn_once(self.shard.statement_timeout(), f))
+            .await
+            .map_err(|e| e.into_error(self.shard.name()))
+    }
+
     /// [`ShardState::call`] for calls that may wait for a row lock on purpose (transaction
     /// locks, job claims): their duration says nothing about the shard's health, so it never
     /// counts as a slow call.

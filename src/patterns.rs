@@ -360,7 +360,9 @@ impl LockRouter {
 
     /// Takes `key` by compare-and-set: reads the row's version and, if nobody owns it, sets
     /// `owner` where the version is still the one read. `None` when someone else owns it (or
-    /// won the race). Two statements; the row is created on first use.
+    /// won the race). Two statements; the row is created on first use. Idempotent per owner:
+    /// a key `owner` already holds is answered as taken (so a retry after a lost reply learns
+    /// that its first try won).
     ///
     /// While a reload's move is in progress, a key that moved is taken on the shards it lived
     /// on before as well (and given back there if it cannot be taken everywhere); once the
@@ -429,7 +431,10 @@ impl LockRouter {
     /// move is in progress on a shard it lived on before) from `from` to `to` in one
     /// conditional `UPDATE`; `true` when this call made the transition, `false` when
     /// the row was not in `from` (someone else moved it first, or it is done). Transitions the
-    /// machine does not allow are refused before touching the shard.
+    /// machine does not allow, and self-transitions, are refused before touching the shard.
+    /// If the connection breaks after the statement may have reached the shard, the call is
+    /// not retried (a retry could not tell its own transition from another's): the error
+    /// says the outcome is unknown; read the row to learn it.
     pub async fn transition(
         &self,
         machine: &StateMachine,
@@ -470,8 +475,10 @@ impl LockRouter {
         // The row lives on the key's shard; while a move is in progress it may still be on
         // a shard the key lived on before (the application moves its rows with its keys).
         for shard in shards {
+            // Not retried once it may have reached the server: a retry could not tell our own
+            // transition from someone else's (the error then says the outcome is unknown).
             let moved = shard
-                .run(|c| {
+                .run_once(|c| {
                     let (sql, id, from, to) = (sql.clone(), id.clone(), from.clone(), to.clone());
                     Box::pin(async move {
                         c.exec_drop(sql, (&to, &id, &from)).await?;
@@ -513,15 +520,25 @@ impl LockRouter {
         let key = LockKey::new(queue)?;
         let shard = self.state_for(&key);
         let (queue, payload) = (queue.to_owned(), payload.to_vec());
+        // A request id in `origin` (unique): a retry after a lost reply finds the job the
+        // first try enqueued and answers its id, instead of enqueuing it twice.
+        let request = format!("enqueue:{}", self.inner.shared.next_owner().1);
         shard
             .run(|c| {
-                let (queue, payload) = (queue.clone(), payload.clone());
+                let (queue, payload, request) = (queue.clone(), payload.clone(), request.clone());
                 Box::pin(async move {
                     c.exec_drop(
                         "INSERT INTO shardlock_job \
-                         (queue, payload, status, due_at, retry_count, max_retries) \
-                         VALUES (?, ?, 'ready', NOW(3) + INTERVAL ? MICROSECOND, 0, ?)",
-                        (&queue, &payload, delay.as_micros() as u64, max_retries),
+                         (queue, payload, status, due_at, retry_count, max_retries, origin) \
+                         VALUES (?, ?, 'ready', NOW(3) + INTERVAL ? MICROSECOND, 0, ?, ?) \
+                         ON DUPLICATE KEY UPDATE id = LAST_INSERT_ID(id)",
+                        (
+                            &queue,
+                            &payload,
+                            delay.as_micros() as u64,
+                            max_retries,
+                            &request,
+                        ),
                     )
                     .await?;
                     Ok(c.last_insert_id().unwrap_or(0))
@@ -623,8 +640,14 @@ async fn cas_take(shard: &ShardState, stored: &[u8], owner: &str) -> Result<Opti
                         (&stored,),
                     )
                     .await?;
-                let Some((None, version)) = row else {
-                    return Ok(None);
+                let version = match row {
+                    Some((None, version)) => version,
+                    // Ours already: a try whose reply was lost took it (an owner's acquire
+                    // is idempotent).
+                    Some((Some(held_by), version)) if held_by == owner.as_bytes() => {
+                        return Ok(Some(version));
+                    }
+                    _ => return Ok(None),
                 };
                 c.exec_drop(
                     "UPDATE shardlock_cas SET owner = ?, version = version + 1 \
@@ -805,22 +828,51 @@ async fn claim_on(
     lease: Duration,
 ) -> Result<Option<(u64, Vec<u8>, u32)>> {
     let mut tries = 0;
+    // After a try that may have claimed a job (its reply lost), the next one first looks for
+    // the job claimed under this claim token: a claim is never made twice.
+    let mut look_first = false;
     loop {
         let attempt = shard
-            .call_waiting(shard.shard.with_conn(shard.shard.statement_timeout(), |c| {
-                let (queue, claim) = (queue.to_owned(), claim.to_owned());
-                Box::pin(async move { claim_in(c, &queue, &claim, lease).await })
-            }))
+            .call_waiting(
+                shard
+                    .shard
+                    .with_conn_once(shard.shard.statement_timeout(), |c| {
+                        let (queue, claim) = (queue.to_owned(), claim.to_owned());
+                        Box::pin(async move {
+                            if look_first {
+                                if let Some(mine) = claimed_by(c, &queue, &claim).await? {
+                                    return Ok(Some(mine));
+                                }
+                            }
+                            claim_in(c, &queue, &claim, lease).await
+                        })
+                    }),
+            )
             .await;
         match attempt {
-            Err(e) if e.kind.is_retryable() && tries < 20 => {
+            Err(e) if (e.kind.is_retryable() || e.maybe_applied) && tries < 20 => {
                 tries += 1;
+                look_first |= e.maybe_applied;
                 let jitter = rand::random::<u64>() % (2 * tries);
                 tokio::time::sleep(Duration::from_millis(1 + jitter)).await;
             }
             other => return other.map_err(|e| e.into_error(shard.shard.name())),
         }
     }
+}
+
+/// The job of `queue` claimed under `claim`, if any (by an earlier try whose reply was lost).
+async fn claimed_by(
+    c: &mut Conn,
+    queue: &str,
+    claim: &str,
+) -> mysql_async::Result<Option<(u64, Vec<u8>, u32)>> {
+    c.exec_first(
+        "SELECT id, payload, retry_count FROM shardlock_job \
+         WHERE queue = ? AND status = 'claimed' AND locked_by = ? LIMIT 1",
+        (queue, claim),
+    )
+    .await
 }
 
 /// The claim transaction of [`LockRouter::claim_job`] on one connection.

@@ -45,3 +45,108 @@ async fn a_grant_whose_reply_was_lost_is_given_back() {
     .await;
     assert!(freed, "the key stayed blocked by a grant nobody knew of");
 }
+
+/// A router reaching one shard through a proxy with a pool of one connection (so a statement
+/// prepared once is prepared on the connection the next call uses), and the proxy.
+async fn behind_proxy(cluster: &shardlock_testkit::Cluster) -> (LockRouter, Proxy) {
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let router = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n    pool:\n      max-size: 1\n\
+         cleaner:\n  registry: static\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    (router, proxy)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
+    use shardlock::mysql_async::prelude::Queryable;
+    let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = behind_proxy(&cluster).await;
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    let count = |sql: &'static str| {
+        let url = cluster.shard(0).url();
+        async move {
+            let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
+                .await
+                .unwrap();
+            let n: Option<u64> = c.query_first(sql).await.unwrap();
+            n.unwrap_or(0)
+        }
+    };
+
+    // Enqueue (its statement prepared by a first call): the reply to the insert is lost; the
+    // retry finds the job by its request id and answers its id.
+    router
+        .enqueue_job("warm", b"w", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::LoseOneReply);
+    let id = router
+        .enqueue_job("q", b"once", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "a reply was lost");
+    let jobs: Vec<u64> = admin
+        .query("SELECT id FROM shardlock_job WHERE queue = 'q'")
+        .await
+        .unwrap();
+    assert_eq!(jobs, vec![id], "enqueued once, and its id answered");
+
+    // Claim: the reply to its COMMIT is lost; the retry answers the job that try claimed and
+    // claims no second one.
+    router
+        .enqueue_job("q", b"second", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    // (COM_QUERY, 0x03, then the text: not the isolation level's "READ COMMITTED".)
+    proxy.set(ProxyMode::LoseReplyTo(b"\x03COMMIT"));
+    let job = router
+        .claim_job("q", "w", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("a job");
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "the COMMIT's reply was lost");
+    assert_eq!(
+        count("SELECT COUNT(*) FROM shardlock_job WHERE status = 'claimed'").await,
+        1,
+        "one claim"
+    );
+    assert!(router.complete_job(&job).await.unwrap());
+
+    // CAS: whichever reply is lost, the lock ends up taken by its caller, once.
+    let warm = router.cas_acquire("warm", "me").await.unwrap().unwrap();
+    router.cas_release(warm).await.unwrap();
+    proxy.set(ProxyMode::LoseOneReply);
+    let guard = router.cas_acquire("c", "me").await.unwrap().expect("taken");
+    assert!(direct.cas_acquire("c", "other").await.unwrap().is_none());
+    assert!(router.cas_release(guard).await.unwrap());
+
+    // A state transition cannot tell its own earlier try from someone else's: it answers
+    // that the outcome is unknown, never a false "lost".
+    admin
+        .query_drop("CREATE TABLE seat (id VARCHAR(16) PRIMARY KEY, state VARCHAR(16) NOT NULL)")
+        .await
+        .unwrap();
+    admin
+        .query_drop("INSERT INTO seat VALUES ('a0', 'free'), ('a1', 'free')")
+        .await
+        .unwrap();
+    let machine = shardlock::patterns::StateMachine::new("seat", "id", "state")
+        .unwrap()
+        .allow("free", "taken");
+    assert!(router
+        .transition(&machine, "a0", "free", "taken")
+        .await
+        .unwrap());
+    proxy.set(ProxyMode::LoseOneReply);
+    let unknown = router.transition(&machine, "a1", "free", "taken").await;
+    assert!(unknown.is_err(), "{unknown:?}");
+    let state: Option<String> = admin
+        .query_first("SELECT state FROM seat WHERE id = 'a1'")
+        .await
+        .unwrap();
+    assert_eq!(state.as_deref(), Some("taken"), "the lost try did act");
+}

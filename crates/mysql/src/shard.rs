@@ -94,6 +94,27 @@ impl Shard {
         timeout: Duration,
         f: impl Fn(&mut Conn) -> BoxFuture<'_, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
+        self.with_conn_retrying(timeout, f, true).await
+    }
+
+    /// [`Shard::with_conn`] for statements that are not idempotent: a connection that broke
+    /// after the statement may have reached the server is not retried (the error says so,
+    /// [`BackendError::maybe_applied`]); deadlocks and lock wait timeouts, which undo the
+    /// statement, still are.
+    pub async fn with_conn_once<T>(
+        &self,
+        timeout: Duration,
+        f: impl Fn(&mut Conn) -> BoxFuture<'_, mysql_async::Result<T>>,
+    ) -> Result<T, BackendError> {
+        self.with_conn_retrying(timeout, f, false).await
+    }
+
+    async fn with_conn_retrying<T>(
+        &self,
+        timeout: Duration,
+        f: impl Fn(&mut Conn) -> BoxFuture<'_, mysql_async::Result<T>>,
+        retry_broken: bool,
+    ) -> Result<T, BackendError> {
         let deadline = Instant::now() + timeout;
         let mut reconnected = false;
         // Set once a statement may have reached the server: a failure after that leaves its
@@ -122,6 +143,7 @@ impl Shard {
             let retry = err.kind.is_retryable()
                 || ((err.kind == BackendErrorKind::Connection
                     || err.code == Some(crate::pool::PREPARED_STATEMENT_LIMIT))
+                    && (retry_broken || !err.maybe_applied)
                     && !std::mem::replace(&mut reconnected, true));
             if !retry || Instant::now() + Duration::from_millis(2) >= deadline {
                 return Err(err);

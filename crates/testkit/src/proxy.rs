@@ -29,6 +29,12 @@ pub enum ProxyMode {
     /// the connection reset: the server acted and the client never hears of it. New
     /// connections fail the same way (their handshake is a reply).
     LoseReplies,
+    /// The next reply only is swallowed (and its connection reset); then the proxy passes
+    /// everything again: a client that retries on another connection gets through.
+    LoseOneReply,
+    /// Like [`ProxyMode::LoseOneReply`], for the reply to the first request (chunk) that
+    /// contains these bytes (a text statement such as `COMMIT`).
+    LoseReplyTo(&'static [u8]),
 }
 
 /// A proxy listening on its own loopback port and forwarding to `upstream`. Stops (resetting
@@ -51,7 +57,7 @@ impl Proxy {
         let modes = mode.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(serve(client, upstream, modes.subscribe()));
+                tokio::spawn(serve(client, upstream, modes.clone()));
             }
         });
         Ok(Self { port, mode, accept })
@@ -93,7 +99,10 @@ impl Drop for Proxy {
 
 /// One client connection: connect upstream once the link is not blackholed, then pump both
 /// ways until either side closes or the mode says reset.
-async fn serve(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receiver<ProxyMode>) {
+async fn serve(client: TcpStream, upstream: SocketAddr, modes: watch::Sender<ProxyMode>) {
+    let mut mode = modes.subscribe();
+    // Set when a request this connection forwarded matched `LoseReplyTo`.
+    let armed = std::sync::atomic::AtomicBool::new(false);
     // Closing with SO_LINGER 0 sends RST: what a reset means, and harmless otherwise. (Tokio
     // deprecates SO_LINGER because a non-zero linger blocks the thread on drop; zero does not.)
     #[allow(deprecated)]
@@ -110,8 +119,8 @@ async fn serve(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receive
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     tokio::select! {
-        _ = pump(client_read, server_write, mode.clone(), false) => {}
-        _ = pump(server_read, client_write, mode, true) => {}
+        _ = pump(client_read, server_write, mode.clone(), None, &armed) => {}
+        _ = pump(server_read, client_write, mode, Some(&modes), &armed) => {}
     }
 }
 
@@ -121,8 +130,11 @@ async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     mut mode: watch::Receiver<ProxyMode>,
-    replies: bool,
+    // For the replies' direction: the proxy's mode, to end a `LoseOneReply`.
+    replies: Option<&watch::Sender<ProxyMode>>,
+    armed: &std::sync::atomic::AtomicBool,
 ) -> Option<()> {
+    use std::sync::atomic::Ordering::SeqCst;
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         passable(&mut mode).await?;
@@ -134,8 +146,33 @@ async fn pump(
             // Re-check the mode before reading further (a blackhole stops reading).
             changed = mode.changed() => { changed.ok()?; continue; }
         };
-        if replies && *mode.borrow() == ProxyMode::LoseReplies {
-            return None; // swallowed; the connection is reset
+        let lose = *mode.borrow();
+        match replies {
+            None => {
+                if let ProxyMode::LoseReplyTo(pattern) = lose {
+                    if buf[..n].windows(pattern.len()).any(|w| w == pattern) {
+                        armed.store(true, SeqCst);
+                    }
+                }
+            }
+            Some(modes) => {
+                if lose == ProxyMode::LoseReplies {
+                    return None; // swallowed; the connection is reset
+                }
+                let one = lose == ProxyMode::LoseOneReply
+                    || (matches!(lose, ProxyMode::LoseReplyTo(_)) && armed.load(SeqCst));
+                if one
+                    && modes.send_if_modified(|m| {
+                        let first = *m == lose;
+                        if first {
+                            *m = ProxyMode::Pass;
+                        }
+                        first
+                    })
+                {
+                    return None;
+                }
+            }
         }
         let delay = passable(&mut mode).await?;
         if !delay.is_zero() {
@@ -155,7 +192,10 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
     let current = *mode.wait_for(|m| *m != ProxyMode::Blackhole).await.ok()?;
     match current {
         ProxyMode::Reset | ProxyMode::Blackhole => None,
-        ProxyMode::Pass | ProxyMode::LoseReplies => Some(Duration::ZERO),
+        ProxyMode::Pass
+        | ProxyMode::LoseReplies
+        | ProxyMode::LoseOneReply
+        | ProxyMode::LoseReplyTo(_) => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
     }
 }
