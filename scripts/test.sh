@@ -9,7 +9,7 @@ need_install=()
 command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ] || need_install+=(mariadb-server)
 command -v mariadb-install-db >/dev/null 2>&1 || need_install+=(mariadb-server)
 # libfaketime runs shards whose clocks are skewed, drifting or stepped.
-compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || need_install+=(faketime)
+compgen -G "/usr/lib/*/faketime/libfaketimeMT.so.1" >/dev/null || need_install+=(faketime)
 if [ ${#need_install[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "installing ${need_install[*]}"

@@ -162,6 +162,15 @@ impl LockGuard {
         self.hold.is_live()
     }
 
+    /// Until when the lease is surely this process's: its local deadline, moved on by every
+    /// renewal, after which [`LockGuard::is_held`] is false unless it was renewed. Past once
+    /// the lease ended; a lease lost early (taken over, force-released) may end before it, so
+    /// check [`LockGuard::is_held`] too. A [`LockMode::LocalFallback`] guard has no end of its
+    /// own (a far-off instant).
+    pub fn held_until(&self) -> tokio::time::Instant {
+        self.hold.lease.valid_until()
+    }
+
     /// Completes when the lease is lost: renewal failed until the lease ended, or the key was
     /// taken over or force-released. Never completes for a lease that stays held.
     /// Cancel-safe.

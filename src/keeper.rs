@@ -219,6 +219,17 @@ impl LeaseState {
         *self.deadline.lock().unwrap()
     }
 
+    /// The earliest local deadline of this lease and its companion rows.
+    pub(crate) fn valid_until(&self) -> Instant {
+        let own = self.deadline();
+        let companions = self.companions.lock().unwrap();
+        companions
+            .rows
+            .iter()
+            .map(|(_, c)| c.deadline())
+            .fold(own, Instant::min)
+    }
+
     pub(crate) fn set_deadline(&self, to: Instant) {
         *self.deadline.lock().unwrap() = to;
     }

@@ -791,6 +791,12 @@ impl LockRouter {
         let sent = Instant::now();
         Ok(match self.attempt(shard, &req, deadline).await? {
             None => Err(u64::MAX),
+            // Granted, but the answer came so late that the lease may already have ended on
+            // the shard: no use to anyone. Given back; the key counts as busy.
+            Some(Attempt::Granted(_)) if Instant::now() >= want.lease_end(sent) => {
+                crate::guard::give_back(shard.clone(), req.key, req.owner, want.ttl);
+                Err(u64::MAX)
+            }
             Some(Attempt::Granted(fence)) => Ok(Grant {
                 id,
                 owner: req.owner,
