@@ -454,7 +454,11 @@ pub(crate) fn give_back(
             std::time::Duration::from_millis(500),
         );
         while Instant::now() < until {
-            if shard.call(shard.shard.release(&key, &owner)).await.is_ok() {
+            // Only through a closed breaker: a half-open one's probes are for the callers,
+            // and a release that may wait must not be what decides the shard's health.
+            if shard.breaker_state() == shardlock_core::BreakerState::Closed
+                && shard.call(shard.shard.release(&key, &owner)).await.is_ok()
+            {
                 return;
             }
             tokio::time::sleep(backoff.next_delay()).await;

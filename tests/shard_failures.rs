@@ -227,7 +227,13 @@ async fn shard_fault(fault: Fault) {
     let mut recovered = false;
     while healed.elapsed() < Duration::from_secs(30) {
         if let Ok(guard) = router.acquire(&failing[0], opts()).await {
-            guard.release().await.unwrap();
+            // Statements slowed by the fault may still finish late and open the breaker
+            // again: a release it refuses leaves the lease to end by expiry. Recovery is the
+            // breaker staying closed, checked below.
+            match guard.release().await {
+                Err(e) if !e.is_unavailable() => panic!("{fault:?}: release: {e}"),
+                _ => {}
+            }
             if router.breaker_state("s1") == Some(BreakerState::Closed) {
                 recovered = true;
                 break;
