@@ -456,8 +456,14 @@ pub(crate) fn give_back(
         while Instant::now() < until {
             // Only through a closed breaker: a half-open one's probes are for the callers,
             // and a release that may wait must not be what decides the shard's health.
+            // Until it is given back: a "not ours" may come before the statement being undone
+            // has finished on the server (its client gave up; the server did not), so only a
+            // release that freed the row ends this early.
             if shard.breaker_state() == shardlock_core::BreakerState::Closed
-                && shard.call(shard.shard.release(&key, &owner)).await.is_ok()
+                && matches!(
+                    shard.call(shard.shard.release(&key, &owner)).await,
+                    Ok(true)
+                )
             {
                 return;
             }

@@ -634,7 +634,8 @@ impl ShardState {
     async fn reconcile(self: &Arc<Self>) {
         let locals: Vec<Arc<LeaseState>> = self.local.lock().unwrap().values().cloned().collect();
         for lease in locals {
-            if self.breaker_state() == BreakerState::Open {
+            // After shutdown, local leases are ended by it, not re-acquired.
+            if self.breaker_state() == BreakerState::Open || self.shared.is_closed() {
                 return;
             }
             let req = GrantRequest {
@@ -653,7 +654,9 @@ impl ShardState {
                     // it moved to the renewed leases.
                     let moved = {
                         let mut local = self.local.lock().unwrap();
-                        let moved = local.remove(&lease.id).is_some();
+                        // Shutdown takes the local leases under this lock: once it has, the
+                        // row just taken is given back below instead.
+                        let moved = !self.shared.is_closed() && local.remove(&lease.id).is_some();
                         if moved {
                             lease.set_deadline(lease.want.lease_end(sent));
                             self.insert(lease.clone());
@@ -769,8 +772,15 @@ impl ShardState {
         if self.local_count() > 0 && !self.reconciling.swap(true, Ordering::AcqRel) {
             let state = self.clone();
             tokio::spawn(async move {
-                state.reconcile().await;
-                state.reconciling.store(false, Ordering::Release);
+                // Cleared however the pass ends (a panic included), so the next tick retries.
+                struct Done(Arc<ShardState>);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        self.0.reconciling.store(false, Ordering::Release);
+                    }
+                }
+                let done = Done(state);
+                done.0.reconcile().await;
             });
         }
         let now = Instant::now();

@@ -360,9 +360,9 @@ impl LockRouter {
 
     /// Takes `key` by compare-and-set: reads the row's version and, if nobody owns it, sets
     /// `owner` where the version is still the one read. `None` when someone else owns it (or
-    /// won the race). Two statements; the row is created on first use. Idempotent per owner:
-    /// a key `owner` already holds is answered as taken (so a retry after a lost reply learns
-    /// that its first try won).
+    /// won the race). Two statements; the row is created on first use. A retry after a lost
+    /// reply learns that its first try won (a token per call is written with the owner); a
+    /// key already held under the same owner name by another call is not given twice.
     ///
     /// While a reload's move is in progress, a key that moved is taken on the shards it lived
     /// on before as well (and given back there if it cannot be taken everywhere); once the
@@ -374,12 +374,13 @@ impl LockRouter {
         let shard = topology.locate(&lock_key).clone();
         let mut taken: Vec<Arc<ShardState>> = Vec::new();
         let mut version = Ok(None);
+        let token = self.inner.shared.next_owner().1;
         for at in topology
             .previous_locations(&lock_key)
             .into_iter()
             .chain([shard])
         {
-            version = cas_take(&at, lock_key.stored(), owner).await;
+            version = cas_take(&at, lock_key.stored(), owner, &token).await;
             if !matches!(version, Ok(Some(_))) {
                 break;
             }
@@ -622,11 +623,16 @@ impl LockRouter {
 
 /// Takes the CAS row of `stored` on `shard` for `owner`: its new version, or `None` when it
 /// is owned (or the race was lost).
-async fn cas_take(shard: &ShardState, stored: &[u8], owner: &str) -> Result<Option<u64>> {
-    let (stored, owner) = (stored.to_vec(), owner.to_owned());
+async fn cas_take(
+    shard: &ShardState,
+    stored: &[u8],
+    owner: &str,
+    token: &str,
+) -> Result<Option<u64>> {
+    let (stored, owner, token) = (stored.to_vec(), owner.to_owned(), token.to_owned());
     shard
         .run(|c| {
-            let (stored, owner) = (stored.clone(), owner.clone());
+            let (stored, owner, token) = (stored.clone(), owner.clone(), token.clone());
             Box::pin(async move {
                 c.exec_drop(
                     "INSERT INTO shardlock_cas (lock_key, owner, version) VALUES (?, NULL, 0) \
@@ -634,25 +640,27 @@ async fn cas_take(shard: &ShardState, stored: &[u8], owner: &str) -> Result<Opti
                     (&stored,),
                 )
                 .await?;
-                let row: Option<(Option<Vec<u8>>, u64)> = c
+                type Row = (Option<Vec<u8>>, u64, Option<Vec<u8>>);
+                let row: Option<Row> = c
                     .exec_first(
-                        "SELECT owner, version FROM shardlock_cas WHERE lock_key = ?",
+                        "SELECT owner, version, token FROM shardlock_cas WHERE lock_key = ?",
                         (&stored,),
                     )
                     .await?;
                 let version = match row {
-                    Some((None, version)) => version,
-                    // Ours already: a try whose reply was lost took it (an owner's acquire
-                    // is idempotent).
-                    Some((Some(held_by), version)) if held_by == owner.as_bytes() => {
+                    Some((None, version, _)) => version,
+                    // Taken by this very call: a try whose reply was lost (the token is per
+                    // call, so another acquire under the same owner name is not mistaken
+                    // for it).
+                    Some((Some(_), version, Some(t))) if t == token.as_bytes() => {
                         return Ok(Some(version));
                     }
                     _ => return Ok(None),
                 };
                 c.exec_drop(
-                    "UPDATE shardlock_cas SET owner = ?, version = version + 1 \
+                    "UPDATE shardlock_cas SET owner = ?, token = ?, version = version + 1 \
                      WHERE lock_key = ? AND version = ? AND owner IS NULL",
-                    (&owner, &stored, version),
+                    (&owner, &token, &stored, version),
                 )
                 .await?;
                 Ok((c.affected_rows() == 1).then_some(version + 1))

@@ -124,7 +124,9 @@ pub struct ShardStatus {
 
 impl LockRouter {
     /// A router for `config` (already validated by [`Config::from_yaml_str`] or
-    /// [`Config::validate`]). Connects lazily; call [`LockRouter::migrate`] once per deployment.
+    /// [`Config::validate`]). Pools connect lazily, but a configured (not `auto`) instance id is first
+    /// checked against the heartbeat registry of every shard that answers (a live twin is
+    /// refused). Call [`LockRouter::migrate`] once per deployment.
     pub async fn new(config: Config) -> Result<Self> {
         config.validate()?;
         Self::build(config, None, None)?.started().await

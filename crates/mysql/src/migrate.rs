@@ -32,8 +32,8 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
     ),
     (
         6,
-        "job_origin",
-        include_str!("../../../migrations/0006_job_origin.sql"),
+        "carry_and_retry",
+        include_str!("../../../migrations/0006_carry_and_retry.sql"),
     ),
 ];
 

@@ -134,7 +134,10 @@ impl Shard {
                     "no answer within {timeout:?} (statement-timeout)"
                 )),
             };
-            err.maybe_applied = sent.load(std::sync::atomic::Ordering::Relaxed);
+            // A server's error reply means the statement did nothing; a broken connection or a
+            // timeout after sending leaves it unknown.
+            err.maybe_applied =
+                sent.load(std::sync::atomic::Ordering::Relaxed) && err.code.is_none();
             if err.kind == BackendErrorKind::Timeout {
                 return Err(err);
             }
@@ -334,13 +337,14 @@ impl Shard {
     }
 
     /// Releases the key of `to` held by `old_owner`, granting it to `to` in the same statement
-    /// unless another process asked for the key since it was granted.
+    /// unless another process asked for the key since it was granted. Not retried once it may
+    /// have reached the server (a retry would find the row moved and report it lost).
     pub async fn handoff(
         &self,
         old_owner: &str,
         to: &GrantRequest,
     ) -> Result<HandoffOutcome, BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
+        self.with_conn_once(self.statement_timeout, |c| {
             let (old_owner, to) = (old_owner.to_owned(), to.clone());
             Box::pin(async move { lease::handoff(c, &old_owner, &to).await })
         })

@@ -8,3 +8,7 @@ ALTER TABLE shardlock_job
   ADD COLUMN origin VARBINARY(255) NULL,
   ADD COLUMN moved_to VARBINARY(255) NULL,
   ADD UNIQUE KEY origin (origin);
+
+-- shardlock_cas.token: the acquire call that set the owner (unique per call), so a retry after
+-- a lost reply recognises its own grant without taking one owner name's for its own.
+ALTER TABLE shardlock_cas ADD COLUMN token VARBINARY(191) NULL;
