@@ -370,7 +370,7 @@ async fn clean_batches(
             .call(
                 shard
                     .shard
-                    .delete_ended(&released, None, grace, FENCE_MARGIN),
+                    .delete_ended(&released, None, grace, FENCE_MARGIN, highest),
             )
             .await
             .map_err(backend)?;
@@ -395,7 +395,7 @@ async fn clean_batches(
                 .call(
                     shard
                         .shard
-                        .delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN),
+                        .delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN, highest),
                 )
                 .await
                 .map_err(backend)?;

@@ -167,6 +167,7 @@ pub(crate) async fn delete(
     owners: Option<&[String]>,
     grace_us: u64,
     margin_us: u64,
+    fence_at_most: u64,
 ) -> mysql_async::Result<u64> {
     if keys.is_empty() {
         return Ok(0);
@@ -182,8 +183,11 @@ pub(crate) async fn delete(
         }
     }
     sql.push_str(DELETE_TAIL);
+    // A row granted again since the scan has a higher fence than the floor raised for it.
+    sql.push_str(" AND fence <= ?");
     values.push(Value::from(grace_us));
     values.push(Value::from(margin_us));
+    values.push(Value::from(fence_at_most));
     conn.exec_drop(sql, Params::Positional(values)).await?;
     Ok(conn.affected_rows())
 }

@@ -487,19 +487,29 @@ impl Shard {
 
     /// Deletes released rows among `keys` (`owners` = `None`), or the ended leases of `owners`
     /// among `keys`, each only if it still qualifies as in
-    /// [`Shard::cleanup_candidates`]. Returns how many rows were deleted.
+    /// [`Shard::cleanup_candidates`] and its fence is at most `fence_at_most` (the floor the
+    /// caller raised for them). Returns how many rows were deleted.
     pub async fn delete_ended(
         &self,
         keys: &[Vec<u8>],
         owners: Option<&[String]>,
         grace: Duration,
         margin: Duration,
+        fence_at_most: u64,
     ) -> Result<u64, BackendError> {
         let (grace_us, margin_us) = (grace.as_micros() as u64, margin.as_micros() as u64);
         self.with_conn(self.statement_timeout, |c| {
             let (keys, owners) = (keys.to_vec(), owners.map(<[String]>::to_vec));
             Box::pin(async move {
-                cleaner::delete(c, &keys, owners.as_deref(), grace_us, margin_us).await
+                cleaner::delete(
+                    c,
+                    &keys,
+                    owners.as_deref(),
+                    grace_us,
+                    margin_us,
+                    fence_at_most,
+                )
+                .await
             })
         })
         .await
