@@ -42,6 +42,10 @@ const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version
      name VARCHAR(200) NOT NULL, \
      applied_at TIMESTAMP(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)) ENGINE=InnoDB";
 
+/// Errors that mean a DDL statement's change is already there: table exists (1050),
+/// duplicate column (1060), duplicate key name (1061).
+const ALREADY_DONE: &[u16] = &[1050, 1060, 1061];
+
 /// What `migrate` did on one shard.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MigrateReport {
@@ -77,8 +81,14 @@ async fn apply(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
     let mut report = MigrateReport::default();
     for &(version, name, sql) in MIGRATIONS {
         if !done.contains(&version) {
+            // DDL commits on its own, so a version interrupted half-way (a lost connection,
+            // a killed process) is run again from its start: a change already made is
+            // recognised by the server's answer and skipped.
             for statement in statements(sql) {
-                conn.query_drop(statement).await?;
+                match conn.query_drop(&statement).await {
+                    Err(mysql_async::Error::Server(e)) if ALREADY_DONE.contains(&e.code) => {}
+                    other => other?,
+                }
             }
             conn.exec_drop(
                 "INSERT INTO shardlock_schema_version (version, name) VALUES (?, ?)",

@@ -1,0 +1,20 @@
+//! Migrations: a version whose changes were made but not recorded (the process died between
+//! its DDL, which commits on its own, and the version row) is run again without error.
+
+mod common;
+
+use shardlock::mysql_async::prelude::Queryable;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_version_interrupted_after_its_ddl_runs_again() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    // As if the process died right after migration 6's ALTERs committed.
+    c.query_drop("DELETE FROM shardlock_schema_version WHERE version = 6")
+        .await
+        .unwrap();
+    let report = router.migrate().await.unwrap();
+    assert_eq!(report[0].1.applied, vec![6], "{report:?}");
+    let again = router.migrate().await.unwrap();
+    assert!(again[0].1.applied.is_empty(), "{again:?}");
+}
