@@ -18,7 +18,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::mysql_async::{Pool, TxOpts, Value};
+use shardlock::mysql_async::Pool;
 use shardlock::{AcquireOptions, LockMode, LockRouter};
 use shardlock_testkit::{report, Cluster, Proxy, ProxyMode, Worker};
 
@@ -282,7 +282,7 @@ async fn hold_and_write(
     let outcome = if !guard.is_held() {
         1
     } else {
-        match write(pool, key, guard.fence()).await {
+        match common::counters::fenced_increment(pool, key, guard.fence(), true).await {
             Ok(true) => 0,
             Ok(false) => 2,
             Err(_) => 1, // the application's database is never faulted; a paused worker's
@@ -303,38 +303,6 @@ async fn hold_and_write(
     recorder.hold(&at, remote, start, end.max(start), guard.fence());
     let _ = guard.release().await;
     Some(outcome)
-}
-
-/// The increment under `fence`, read with a lock so that a frozen holder's open transaction
-/// is waited for rather than overwritten. `Ok(false)`: a newer holder had written.
-async fn write(pool: &Pool, key: &str, fence: u64) -> Result<bool, String> {
-    let backend = |e: shardlock::mysql_async::Error| e.to_string();
-    let mut conn = pool.get_conn().await.map_err(backend)?;
-    let mut tx = conn
-        .start_transaction(TxOpts::default())
-        .await
-        .map_err(backend)?;
-    let value: i64 = tx
-        .exec_first("SELECT value FROM counters WHERE k = ? FOR UPDATE", (key,))
-        .await
-        .map_err(backend)?
-        .unwrap_or(0);
-    let wrote = shardlock::fenced_exec(
-        &mut tx,
-        "UPDATE counters SET value = :value, fence = :fence WHERE k = :k AND fence < :fence",
-        [("value", Value::from(value + 1)), ("k", Value::from(key))],
-        fence,
-    )
-    .await;
-    if wrote.is_err() {
-        let _ = tx.rollback().await;
-        return Ok(false);
-    }
-    tx.exec_drop("INSERT INTO writes (k, fence) VALUES (?, ?)", (key, fence))
-        .await
-        .map_err(backend)?;
-    tx.commit().await.map_err(backend)?;
-    Ok(true)
 }
 
 crate::worker_entry! { "fenced" => fenced_worker() }

@@ -10,8 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use rand::Rng;
-use shardlock::mysql_async::prelude::Queryable;
-use shardlock::mysql_async::{Pool, TxOpts, Value};
+use shardlock::mysql_async::Pool;
 use shardlock::{AcquireOptions, LockMode, LockRouter};
 use shardlock_testkit::{report, Cluster, Worker};
 
@@ -216,36 +215,10 @@ async fn hold_and_write(
     let outcome = if lost || !guard.is_held() {
         Outcome::Lost
     } else {
-        let mut conn = pool.get_conn().await.unwrap();
-        let mut tx = conn.start_transaction(TxOpts::default()).await.unwrap();
-        let value: i64 = tx
-            .exec_first("SELECT value FROM counters WHERE k = ?", (key,))
-            .await
-            .unwrap()
-            .unwrap();
-        tokio::task::yield_now().await;
-        let wrote = shardlock::fenced_exec(
-            &mut tx,
-            "UPDATE counters SET value = :value, fence = :fence WHERE k = :k AND fence < :fence",
-            [("value", Value::from(value + 1)), ("k", Value::from(key))],
-            guard.fence(),
-        )
-        .await;
-        match wrote {
-            Ok(_) => {
-                tx.exec_drop(
-                    "INSERT INTO writes (k, fence) VALUES (?, ?)",
-                    (key, guard.fence()),
-                )
-                .await
-                .unwrap();
-                tx.commit().await.unwrap();
-                Outcome::Wrote
-            }
-            Err(_) => {
-                tx.rollback().await.unwrap();
-                Outcome::Rejected
-            }
+        match common::counters::fenced_increment(pool, key, guard.fence(), false).await {
+            Ok(true) => Outcome::Wrote,
+            Ok(false) => Outcome::Rejected,
+            Err(e) => panic!("write {key}: {e}"),
         }
     };
     // The end of the belief: before the release is sent (or when the loss was noticed).

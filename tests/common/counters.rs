@@ -37,34 +37,54 @@ pub async fn round(
     opts: AcquireOptions,
 ) -> shardlock::Result<()> {
     let guard = router.acquire(key, opts).await?;
-    let mut conn = pool.get_conn().await.unwrap();
-    let mut tx = conn.start_transaction(TxOpts::default()).await.unwrap();
-    let value: i64 = tx
-        .exec_first("SELECT value FROM counters WHERE k = ?", (key,))
-        .await
-        .unwrap()
-        .unwrap();
-    tokio::task::yield_now().await; // widen the race window a lock must close
-    shardlock::fenced_exec(
-        &mut tx,
-        "UPDATE counters SET value = :value, fence = :fence WHERE k = :k AND fence < :fence",
-        [("value", Value::from(value + 1)), ("k", Value::from(key))],
-        guard.fence(),
-    )
-    .await
-    .expect("fenced write");
-    tx.exec_drop(
-        "INSERT INTO writes (k, fence) VALUES (?, ?)",
-        (key, guard.fence()),
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-    drop(conn);
+    let wrote = fenced_increment(pool, key, guard.fence(), false).await;
+    assert_eq!(wrote, Ok(true), "fenced write of {key}");
     match guard.release().await {
         Err(e) if !e.is_unavailable() => panic!("release: {e}"),
         _ => Ok(()),
     }
+}
+
+/// One increment of counter `key` under `fence` through `fenced_exec`, logged in `writes`, in
+/// one transaction. `Ok(false)`: a newer holder had written (the fenced write was rejected).
+/// With `lock_read`, the read locks the row, so that a frozen holder's open transaction is
+/// waited for rather than overwritten; without it, two holders at once lose an update, which
+/// `check` finds.
+pub async fn fenced_increment(
+    pool: &Pool,
+    key: &str,
+    fence: u64,
+    lock_read: bool,
+) -> Result<bool, String> {
+    let err = |e: shardlock::mysql_async::Error| e.to_string();
+    let mut conn = pool.get_conn().await.map_err(err)?;
+    let mut tx = conn
+        .start_transaction(TxOpts::default())
+        .await
+        .map_err(err)?;
+    let read = if lock_read {
+        "SELECT value FROM counters WHERE k = ? FOR UPDATE"
+    } else {
+        "SELECT value FROM counters WHERE k = ?"
+    };
+    let value: i64 = tx.exec_first(read, (key,)).await.map_err(err)?.unwrap_or(0);
+    tokio::task::yield_now().await; // widen the race window a lock must close
+    let wrote = shardlock::fenced_exec(
+        &mut tx,
+        "UPDATE counters SET value = :value, fence = :fence WHERE k = :k AND fence < :fence",
+        [("value", Value::from(value + 1)), ("k", Value::from(key))],
+        fence,
+    )
+    .await;
+    if wrote.is_err() {
+        let _ = tx.rollback().await;
+        return Ok(false);
+    }
+    tx.exec_drop("INSERT INTO writes (k, fence) VALUES (?, ?)", (key, fence))
+        .await
+        .map_err(err)?;
+    tx.commit().await.map_err(err)?;
+    Ok(true)
 }
 
 /// `tasks` tasks, each doing `rounds` rounds on random keys of `c:0..keys`; returns when all
