@@ -338,6 +338,20 @@ impl Shared {
         (id, format!("{}:{}:{id}", self.instance_id, self.nonce))
     }
 
+    /// Whether `owner` was written by this router (its instance id and start nonce) and no
+    /// lease of it, remote or local, holds that owner now.
+    pub(crate) fn is_stale_own(&self, owner: &str) -> bool {
+        let ours = owner
+            .strip_prefix(self.instance_id.as_str())
+            .and_then(|rest| rest.strip_prefix(':'))
+            .and_then(|rest| rest.strip_prefix(self.nonce.as_str()))
+            .is_some_and(|rest| rest.starts_with(':'));
+        ours && !self.shard_states().iter().any(|s| {
+            s.held().iter().any(|l| l.owner == owner)
+                || s.local.lock().unwrap().values().any(|l| l.owner == owner)
+        })
+    }
+
     /// A new grant number (unique in this router; also names a lease row in its shard's
     /// keeper).
     pub(crate) fn next_id(&self) -> u64 {
@@ -646,9 +660,16 @@ impl ShardState {
                 reserve: 0,
                 trace: None,
             };
-            let sent = Instant::now();
             let stats = &self.shared.stats;
-            match self.call(self.shard.acquire(&req)).await {
+            let mut sent = Instant::now();
+            let mut attempt = self.call(self.shard.acquire(&req)).await;
+            if matches!(attempt, Ok(Attempt::Held { .. }))
+                && self.give_back_stale_row(&req.key).await
+            {
+                sent = Instant::now();
+                attempt = self.call(self.shard.acquire(&req)).await;
+            }
+            match attempt {
                 Ok(Attempt::Granted(_)) => {
                     // Under the map's lock, so the holder either still finds it local or finds
                     // it moved to the renewed leases.
@@ -683,6 +704,28 @@ impl ShardState {
                 Err(_) => return, // still failing: next time
             }
         }
+    }
+
+    /// Gives back the row of `key` if this router wrote it under an owner no lease of it holds
+    /// any more: a lease lost while the shard was unreachable leaves its row until the shard's
+    /// clock ends it, and reconciling the key's local holder must not count that as another
+    /// process's. `true` when such a row was released.
+    async fn give_back_stale_row(&self, key: &[u8]) -> bool {
+        let Ok(Some(row)) = self.call(self.shard.inspect(key)).await else {
+            return false;
+        };
+        let Some(owner) = row
+            .owner
+            .filter(|o| row.expires_in_ms > 0 && self.shared.is_stale_own(o))
+        else {
+            return false;
+        };
+        tracing::info!(
+            shard = self.shard.name(),
+            owner,
+            "shardlock gave back a row of a lease it had lost"
+        );
+        matches!(self.call(self.shard.release(key, &owner)).await, Ok(true))
     }
 
     /// Registers a lease held on this shard with its keeper. A lease placed under an older

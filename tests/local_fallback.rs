@@ -257,3 +257,72 @@ async fn shutdown_ends_local_holds_too() {
         .expect("a local hold outlived its router");
     assert!(!guard.is_held());
 }
+
+/// A lease lost while its shard was cut off leaves its row there until the shard's clock ends
+/// it — here an hour on, as on a shard whose clock runs slow or was stepped back. When the
+/// shard returns, reconciling the key's next (local) holder gives that row back, since no one
+/// in this process holds its owner any more, instead of reporting a conflict with itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn reconciling_takes_over_a_row_this_process_lost_instead_of_conflicting_with_it() {
+    let rig = Rig::start("local", None, POOL).await;
+    let key = rig.keys("k", 1, false).remove(0);
+    let key = &key;
+    let first = rig
+        .router
+        .acquire(key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(first.mode(), LockMode::Remote);
+    let first_fence = first.fence();
+    cut_off(&rig, "other").await;
+    let mut direct = rig.cluster.shard(0).connect().await.unwrap();
+    use shardlock::mysql_async::prelude::Queryable;
+    direct
+        .exec_drop(
+            "UPDATE shardlock_lease SET expires_at = NOW(3) + INTERVAL 1 HOUR WHERE owner = ?",
+            (first.owner(),),
+        )
+        .await
+        .unwrap();
+    assert_eq!(direct.affected_rows(), 1);
+    tokio::time::timeout(Duration::from_secs(10), first.lost())
+        .await
+        .expect("the cut-off lease was not reported lost at its deadline");
+    // Its give-back finds the shard unreachable, and the row stays.
+    assert!(first.release().await.is_err());
+    let local = rig
+        .router
+        .acquire(key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), LockMode::LocalFallback);
+
+    rig.proxy.set(ProxyMode::Pass);
+    let router = rig.router.clone();
+    assert!(
+        common::eventually(Duration::from_secs(10), || {
+            let s = router.stats();
+            async move { s.reconciled + s.reconcile_conflicts > 0 }
+        })
+        .await,
+        "the local hold was never reconciled"
+    );
+    let stats = rig.router.stats();
+    assert_eq!(
+        (stats.reconciled, stats.reconcile_conflicts),
+        (1, 0),
+        "this process's own lost row counted as another holder"
+    );
+    assert!(local.is_held());
+    // The shard now keeps other processes out on the local holder's behalf.
+    let other = direct_router(&rig).await;
+    assert!(other
+        .try_acquire(key, AcquireOptions::new())
+        .await
+        .unwrap()
+        .is_none());
+    local.release().await.unwrap();
+    let next = other.acquire(key, AcquireOptions::new()).await.unwrap();
+    assert!(next.fence() > first_fence);
+    next.release().await.unwrap();
+}
