@@ -326,3 +326,114 @@ async fn reconciling_takes_over_a_row_this_process_lost_instead_of_conflicting_w
     assert!(next.fence() > first_fence);
     next.release().await.unwrap();
 }
+
+/// Re-acquiring a local lease on its returning shard can wait behind another transaction for
+/// up to the statement timeout (here 5 s, beyond the 2 s ttl of a remote lease on the same
+/// shard). Meanwhile the keeper keeps renewing that remote lease: reconciliation runs beside
+/// it, and its lock wait timeout is retried later, never surfaced.
+#[tokio::test(flavor = "multi_thread")]
+async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
+    use shardlock::mysql_async::prelude::Queryable;
+    let rig = Rig::start("local", None, POOL).await;
+    let yaml = rig
+        .yaml
+        .replacen("statement-timeout: 1s", "statement-timeout: 5s", 1);
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let keys = rig.keys("k", 2, false);
+    let (local_key, remote_key) = (&keys[0], &keys[1]);
+    // The local key's row exists on the shard (released), so a transaction can lock it.
+    let once = router
+        .acquire(local_key, AcquireOptions::new())
+        .await
+        .unwrap();
+    let mut competitor = rig.cluster.shard(0).connect().await.unwrap();
+    let stored: Vec<u8> = competitor
+        .exec_first(
+            "SELECT lock_key FROM shardlock_lease WHERE owner = ?",
+            (once.owner(),),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    once.release().await.unwrap();
+
+    rig.proxy.set(ProxyMode::Reset);
+    while router.breaker_state("s1") != Some(BreakerState::Open) {
+        let _ = router.try_acquire("other", AcquireOptions::new()).await;
+    }
+    let local = router
+        .acquire(local_key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), LockMode::LocalFallback);
+    competitor.query_drop("BEGIN").await.unwrap();
+    competitor
+        .exec_drop(
+            "SELECT lock_key FROM shardlock_lease WHERE lock_key = ? FOR UPDATE",
+            (&stored,),
+        )
+        .await
+        .unwrap();
+    rig.proxy.set(ProxyMode::Pass);
+
+    // A remote lease on the same shard, once its breaker lets grants through again.
+    let remote = loop {
+        let guard = router
+            .acquire(remote_key, AcquireOptions::new())
+            .await
+            .unwrap();
+        if guard.mode() == LockMode::Remote {
+            break guard;
+        }
+        guard.release().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let mut watcher = rig.cluster.shard(0).connect().await.unwrap();
+    // Reconciliation's acquire of the local key waits behind the competitor...
+    while lock_waits(&mut watcher).await == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ... and the remote lease is renewed before that wait ends.
+    let before = remote.held_until();
+    while remote.held_until() <= before {
+        assert!(
+            remote.is_held(),
+            "the remote lease ended unrenewed while reconciliation waited"
+        );
+        assert_eq!(
+            lock_waits(&mut watcher).await,
+            1,
+            "the remote lease was not renewed while reconciliation waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(remote.is_held());
+    let reconciled = router.stats().reconciled;
+    assert_eq!(reconciled, 0, "reconciled through a locked row");
+
+    // Once the competitor lets go, the local lease is taken on the shard after all.
+    competitor.query_drop("ROLLBACK").await.unwrap();
+    let r = router.clone();
+    assert!(
+        common::eventually(Duration::from_secs(20), || {
+            let done = r.stats().reconciled == 1;
+            async move { done }
+        })
+        .await,
+        "the local lease was never reconciled"
+    );
+    assert!(local.is_held() && remote.is_held());
+    local.release().await.unwrap();
+    remote.release().await.unwrap();
+}
+
+/// Transactions of the shard waiting for a row lock now.
+async fn lock_waits(conn: &mut shardlock::mysql_async::Conn) -> u64 {
+    use shardlock::mysql_async::prelude::Queryable;
+    conn.query_first(
+        "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'",
+    )
+    .await
+    .unwrap()
+    .unwrap_or(0)
+}
