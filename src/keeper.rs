@@ -418,6 +418,9 @@ pub(crate) struct ShardState {
     pub(crate) identity: std::sync::OnceLock<String>,
     /// Set while a reconciliation pass runs (beside the keeper loop).
     reconciling: std::sync::atomic::AtomicBool,
+    /// The keeper panics at its next tick (tests of its supervision).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) panic_next_tick: std::sync::atomic::AtomicBool,
 }
 
 /// The breaker's clock: Tokio's, so tests with paused time drive it.
@@ -449,6 +452,8 @@ impl ShardState {
             shard,
             identity: std::sync::OnceLock::new(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(feature = "fault-injection")]
+            panic_next_tick: std::sync::atomic::AtomicBool::new(false),
         });
         registry
             .shard_states
@@ -728,6 +733,13 @@ impl ShardState {
         matches!(self.call(self.shard.release(key, &owner)).await, Ok(true))
     }
 
+    /// Makes the keeper panic at once (tests of its supervision).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn inject_keeper_panic(&self) {
+        self.panic_next_tick.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
     /// Registers a lease held on this shard with its keeper. A lease placed under an older
     /// topology than the one in force is made to follow its key (a reload may have missed
     /// it: it checks the leases registered after it swapped the topology in, and this checks
@@ -809,6 +821,13 @@ impl ShardState {
     /// Re-acquires local leases if there are any, reports expired leases, and renews the rest
     /// if the tick is due.
     async fn tick(self: &Arc<Self>, next_tick: &mut Option<Instant>) {
+        #[cfg(feature = "fault-injection")]
+        if self.panic_next_tick.swap(false, Ordering::AcqRel) {
+            panic!(
+                "shardlock fault injection: the keeper of {} panics",
+                self.shard.name()
+            );
+        }
         // Reconciliation runs beside the keeper, one pass at a time: its statements (each up
         // to the statement timeout) must never hold up renewing the remote leases, nor
         // reporting them lost at their deadline.

@@ -940,6 +940,16 @@ impl LockRouter {
         self.shard_state(name).map(|s| s.breaker_state())
     }
 
+    /// Makes the lease keeper of shard `name` panic at its next tick; `false` if there is no
+    /// such shard. For tests of the keeper's supervision only (feature `fault-injection`).
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn inject_keeper_panic(&self, name: &str) -> bool {
+        self.shard_state(name)
+            .map(|s| s.inject_keeper_panic())
+            .is_some()
+    }
+
     /// The last transitions (up to 64) of shard `name`'s breaker in this process, oldest first.
     pub fn breaker_transitions(&self, name: &str) -> Vec<Transition> {
         self.shard_state(name)

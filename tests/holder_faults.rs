@@ -142,3 +142,45 @@ crate::worker_entry! {
     "holder" => holder(false),
     "pausable-holder" => holder(true),
 }
+
+/// The task renewing a shard's leases panics: its leases are reported lost at once (no one
+/// vouches for their renewal any more, and the shard ends them at their ttl), and a new keeper
+/// takes over, so leases granted afterwards are renewed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_keeper_that_panics_reports_its_leases_lost_and_is_replaced() {
+    let (_cluster, router, _) = common::start(1, "namespaces:\n  default:\n    ttl: 1s\n").await;
+    let before = router
+        .acquire("k:before", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(router.inject_keeper_panic("s1"));
+    tokio::time::timeout(Duration::from_secs(10), before.lost())
+        .await
+        .expect("the panicked keeper's lease was not reported lost");
+    assert!(!before.is_held());
+    let before_fence = before.fence();
+    // Its turn in this process ends when its holder lets go (the release gives back its row,
+    // still carrying its owner).
+    let _ = before.release().await;
+
+    let after = router
+        .acquire("k:after", AcquireOptions::new())
+        .await
+        .unwrap();
+    // Renewed twice, and so held past several ttls.
+    for _ in 0..2 {
+        let until = after.held_until();
+        tokio::select! {
+            _ = async { while after.held_until() <= until { tokio::time::sleep(Duration::from_millis(10)).await } } => {}
+            _ = after.lost() => panic!("the lease after the panic was not renewed"),
+        }
+    }
+    assert!(after.is_held());
+    after.release().await.unwrap();
+    // The lost lease's row was never renewed: it is free by the shard's clock now.
+    let again = router
+        .acquire("k:before", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(again.fence() > before_fence);
+}
