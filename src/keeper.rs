@@ -706,7 +706,8 @@ impl ShardState {
                         );
                     }
                 }
-                Err(_) => return, // still failing: next time
+                // Still failing, or the row locked by another transaction: next time.
+                Ok(Attempt::Locked) | Err(_) => return,
             }
         }
     }

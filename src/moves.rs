@@ -139,13 +139,14 @@ async fn take_on(
             Ok(Attempt::Held { .. }) => {
                 break "its key moved in a reload and someone else holds it on the new shard";
             }
-            Err(e) => {
+            // Unreachable, or its row locked by another transaction: again, within the window.
+            failed => {
                 let delay = backoff.next_delay();
                 if Instant::now() + delay < deadline {
                     tokio::time::sleep(delay).await;
                     continue;
                 }
-                tracing::warn!(key = %lease.key, to = target.shard.name(), error = %e, "shardlock could not take a moved key on its new shard within half the move window");
+                tracing::warn!(key = %lease.key, to = target.shard.name(), error = ?failed.err(), "shardlock could not take a moved key on its new shard within half the move window");
                 // The grant may have been made with its reply lost: give it back.
                 crate::guard::give_back(
                     target.clone(),

@@ -721,15 +721,17 @@ async fn lock_row(
                     .iter()
                     .map(|b| format!("{b:02x}"))
                     .collect();
+                // The caller's wait, for both statements below (the upsert of a held row waits
+                // for its holder too). Whole seconds, at most the server's limit (a "wait for
+                // ever" waits that long).
+                let secs = wait.as_secs_f64().ceil().clamp(1.0, 1_073_741_824.0) as u64;
+                raw.query_drop(format!("SET SESSION innodb_lock_wait_timeout = {secs}"))
+                    .await?;
                 raw.query_drop(format!(
                     "INSERT INTO shardlock_txlock (lock_key) VALUES (X'{hex}') \
                          ON DUPLICATE KEY UPDATE lock_key = lock_key"
                 ))
                 .await?;
-                // Whole seconds, at most the server's limit (a "wait for ever" waits that long).
-                let secs = wait.as_secs_f64().ceil().clamp(1.0, 1_073_741_824.0) as u64;
-                raw.query_drop(format!("SET SESSION innodb_lock_wait_timeout = {secs}"))
-                    .await?;
                 raw.query_drop("START TRANSACTION").await?;
                 let nowait = if wait.is_zero() { " NOWAIT" } else { "" };
                 raw.query_drop(format!(

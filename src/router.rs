@@ -807,6 +807,8 @@ impl LockRouter {
                 sent,
             }),
             Some(Attempt::Held { held_for_ms }) => Err(held_for_ms),
+            // The row was locked by another transaction: busy, poll again soon.
+            Some(Attempt::Locked) => Err(0),
         })
     }
 

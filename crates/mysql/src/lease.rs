@@ -330,6 +330,10 @@ pub enum Attempt {
         /// How long the current holder has held the key, by the shard's clock.
         held_for_ms: u64,
     },
+    /// Another transaction kept the key's row locked until the server gave up waiting for it
+    /// (error 1205, `innodb_lock_wait_timeout`): nothing was written, nothing decided; ask
+    /// again. The shard answered, so this says nothing against its health.
+    Locked,
 }
 
 impl Attempt {
@@ -337,10 +341,13 @@ impl Attempt {
     pub fn fence(self) -> Option<u64> {
         match self {
             Attempt::Granted(fence) => Some(fence),
-            Attempt::Held { .. } => None,
+            Attempt::Held { .. } | Attempt::Locked => None,
         }
     }
 }
+
+/// The server gave up waiting for a row lock.
+const LOCK_WAIT_TIMEOUT: u16 = 1205;
 
 pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async::Result<Attempt> {
     let ttl_us = u64::from(req.ttl_ms) * 1000;
@@ -366,7 +373,12 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
         req.trace.as_deref().into(),
         owner.into(),
     ];
-    conn.exec_drop(ACQUIRE, Params::Positional(params)).await?;
+    match conn.exec_drop(ACQUIRE, Params::Positional(params)).await {
+        Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
+            return Ok(Attempt::Locked)
+        }
+        result => result?,
+    }
     Ok(match conn.last_insert_id().unwrap_or(0) {
         reported if reported >= HELD_MARK => Attempt::Held {
             held_for_ms: reported - HELD_MARK,

@@ -112,8 +112,8 @@ impl managed::Manager for ShardManager {
 /// `UNIX_TIMESTAMP(NOW(n))`, in UTC without DST ambiguity. `autocommit`: every lease statement
 /// commits on its own. `sql_mode`: the lease statements rely on left-to-right assignment in
 /// `ON DUPLICATE KEY UPDATE`, which MariaDB's `SIMULTANEOUS_ASSIGNMENT` would change.
-/// `innodb_lock_wait_timeout`: a queued lock statement never outlives our own statement
-/// timeout by much.
+/// `innodb_lock_wait_timeout` (see [`lock_wait_timeout_secs`]): a statement queued behind
+/// another transaction's row lock is answered (1205) before our own statement timeout.
 pub(crate) fn session_setup(lock_wait_timeout_secs: u64) -> Vec<String> {
     vec![format!(
         "SET time_zone = '+00:00', autocommit = 1, \
@@ -121,4 +121,32 @@ pub(crate) fn session_setup(lock_wait_timeout_secs: u64) -> Vec<String> {
          innodb_lock_wait_timeout = {}",
         lock_wait_timeout_secs.max(1)
     )]
+}
+
+/// The server's lock wait for a shard's sessions: whole seconds (the server's unit), at least
+/// half a second below the statement timeout so that a statement stuck behind another
+/// transaction's lock gets the server's answer (1205: nothing done, ask again) rather than
+/// our timeout (outcome unknown, counted against the shard). At least 1 s: with a statement
+/// timeout under 1.5 s the two race.
+pub(crate) fn lock_wait_timeout_secs(statement_timeout: std::time::Duration) -> u64 {
+    statement_timeout
+        .saturating_sub(std::time::Duration::from_millis(500))
+        .as_secs()
+        .max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn the_lock_wait_ends_before_the_statement_timeout() {
+        for (statement_ms, wait_s) in [(1000, 1), (1900, 1), (2000, 1), (2500, 2), (5000, 4)] {
+            assert_eq!(
+                super::lock_wait_timeout_secs(Duration::from_millis(statement_ms)),
+                wait_s,
+                "{statement_ms} ms"
+            );
+        }
+    }
 }

@@ -17,7 +17,7 @@ use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
 };
 use crate::migrate::{self, MigrateReport};
-use crate::pool::{session_setup, ShardConn, ShardManager, ShardPool};
+use crate::pool::{lock_wait_timeout_secs, session_setup, ShardConn, ShardManager, ShardPool};
 
 /// A shard: a named MySQL server (or schema) holding lease rows.
 #[derive(Debug)]
@@ -54,7 +54,9 @@ impl Shard {
             .client_found_rows(true)
             .tcp_nodelay(true)
             .stmt_cache_size(128)
-            .setup(session_setup(config.statement_timeout.as_secs()));
+            .setup(session_setup(lock_wait_timeout_secs(
+                config.statement_timeout,
+            )));
         let pool = ShardPool::builder(ShardManager::new(opts.into(), config.pool.idle_check))
             .max_size(config.pool.max_size)
             .wait_timeout(Some(config.pool.wait_timeout))
@@ -160,8 +162,10 @@ impl Shard {
     }
 
     /// Tries to grant `req` in one statement: [`Attempt::Granted`] with the first fence (fences
-    /// `first ..= first + req.reserve` are this grant's), or [`Attempt::Held`] when a live
-    /// lease of someone else holds the key.
+    /// `first ..= first + req.reserve` are this grant's), [`Attempt::Held`] when a live
+    /// lease of someone else holds the key, or [`Attempt::Locked`] when another transaction
+    /// kept the key's row locked for longer than the server waits (the caller asks again, as
+    /// for a held key, within its own wait).
     pub async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
         self.with_conn(self.statement_timeout, |c| {
             let req = req.clone();

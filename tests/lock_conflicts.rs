@@ -1,0 +1,105 @@
+//! Another transaction on a shard competes for lease rows (an operator's console, a batch job):
+//! the lease statements wait behind it; a lock wait timeout (1205) makes a waiter ask again
+//! within its own wait, a deadlock in which a lease statement is the victim (1213) is retried
+//! inside the call, and neither reaches the caller, counts against the shard or costs a lease.
+
+mod common;
+
+use std::time::Duration;
+
+use shardlock::{AcquireOptions, LockMode};
+use shardlock_testkit::Competitor;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiter_behind_another_transactions_row_lock_keeps_waiting() {
+    // The default statement timeout (2 s) leaves the server a lock wait of 1 s.
+    let (cluster, router, _) = common::start(1, "namespaces:\n  default:\n    wait: 30s\n").await;
+    let shard = cluster.shard(0);
+    let once = router.acquire("k", AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(shard, false).await.unwrap();
+    let key = competitor.key_of(once.owner()).await.unwrap().unwrap();
+    once.release().await.unwrap();
+    competitor.lock(&key).await.unwrap();
+
+    let begun = shard.lock_waits_begun().await.unwrap();
+    let waiter = {
+        let router = router.clone();
+        tokio::spawn(async move { router.acquire("k", AcquireOptions::new()).await })
+    };
+    // The waiter's statement waits behind the competitor until the server gives up on it
+    // (1205), and asks again: three waits begun means two ended that way.
+    while shard.lock_waits_begun().await.unwrap() < begun + 3 {
+        if waiter.is_finished() {
+            panic!(
+                "the waiter gave up behind the locked row: {:?}",
+                waiter.await.unwrap().map(|g| g.fence())
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    competitor.end().await.unwrap();
+    let guard = waiter
+        .await
+        .unwrap()
+        .expect("a lock wait timeout reached the caller");
+    assert_eq!(guard.mode(), LockMode::Remote);
+    assert!(
+        router.breaker_transitions("s1").is_empty(),
+        "lock waits counted against the shard: {:?}",
+        router.breaker_transitions("s1")
+    );
+    guard.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_renewal_chosen_as_a_deadlock_victim_is_retried_and_the_leases_stay_held() {
+    let (cluster, router, _) = common::start(1, "namespaces:\n  default:\n    ttl: 3s\n").await;
+    let shard = cluster.shard(0);
+    let a = router.acquire("a", AcquireOptions::new()).await.unwrap();
+    let b = router.acquire("b", AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(shard, true).await.unwrap();
+    let mut keys = [
+        competitor.key_of(a.owner()).await.unwrap().unwrap(),
+        competitor.key_of(b.owner()).await.unwrap().unwrap(),
+    ];
+    // The renewal locks its rows in key order: the competitor takes the last one first.
+    keys.sort();
+    let deadlocks = shard.global_status("Innodb_deadlocks").await.unwrap();
+    competitor.lock(&keys[1]).await.unwrap();
+    // The next renewal locks the first row and waits for the last...
+    while shard.lock_waits_now().await.unwrap() == 0 {
+        assert!(a.is_held() && b.is_held());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ... and the competitor asking for the first closes the cycle. Having written more, it
+    // is not the victim: the renewal is rolled back, and sent again.
+    competitor
+        .lock(&keys[0])
+        .await
+        .expect("the server rolled back the competitor, not the renewal");
+    assert_eq!(
+        shard.global_status("Innodb_deadlocks").await.unwrap(),
+        deadlocks + 1
+    );
+    while shard.lock_waits_now().await.unwrap() == 0 {
+        assert!(a.is_held() && b.is_held());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (until_a, until_b) = (a.held_until(), b.held_until());
+    competitor.end().await.unwrap();
+    // The retried renewal extends both leases.
+    while a.held_until() <= until_a || b.held_until() <= until_b {
+        assert!(
+            a.is_held() && b.is_held(),
+            "a lease was lost to the deadlock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        router.stats().renew_failures,
+        0,
+        "the deadlock reached the keeper"
+    );
+    a.release().await.unwrap();
+    b.release().await.unwrap();
+}
