@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::faults::{Rig, POOL, WAIT};
 use shardlock::{AcquireOptions, BreakerState, Error, LockMode, LockRouter, LOCAL_FENCE_BIT};
-use shardlock_testkit::ProxyMode;
+use shardlock_testkit::{Competitor, ProxyMode};
 
 /// Counts of one phase of the 64-task run.
 #[derive(Default)]
@@ -328,12 +328,11 @@ async fn reconciling_takes_over_a_row_this_process_lost_instead_of_conflicting_w
 }
 
 /// Re-acquiring a local lease on its returning shard can wait behind another transaction for
-/// up to the statement timeout (here 5 s, beyond the 2 s ttl of a remote lease on the same
-/// shard). Meanwhile the keeper keeps renewing that remote lease: reconciliation runs beside
-/// it, and its lock wait timeout is retried later, never surfaced.
+/// seconds (here the server's lock wait of 4 s under a 5 s statement timeout, beyond the 2 s
+/// ttl of a remote lease on the same shard). Meanwhile the keeper keeps renewing that remote
+/// lease: reconciliation runs beside it, and tries again later, never surfacing the wait.
 #[tokio::test(flavor = "multi_thread")]
 async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
-    use shardlock::mysql_async::prelude::Queryable;
     let rig = Rig::start("local", None, POOL).await;
     let yaml = rig
         .yaml
@@ -346,15 +345,10 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
         .acquire(local_key, AcquireOptions::new())
         .await
         .unwrap();
-    let mut competitor = rig.cluster.shard(0).connect().await.unwrap();
-    let stored: Vec<u8> = competitor
-        .exec_first(
-            "SELECT lock_key FROM shardlock_lease WHERE owner = ?",
-            (once.owner(),),
-        )
+    let mut competitor = Competitor::begin(rig.cluster.shard(0), false)
         .await
-        .unwrap()
         .unwrap();
+    let stored = competitor.key_of(once.owner()).await.unwrap().unwrap();
     once.release().await.unwrap();
 
     rig.proxy.set(ProxyMode::Reset);
@@ -366,14 +360,7 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
         .await
         .unwrap();
     assert_eq!(local.mode(), LockMode::LocalFallback);
-    competitor.query_drop("BEGIN").await.unwrap();
-    competitor
-        .exec_drop(
-            "SELECT lock_key FROM shardlock_lease WHERE lock_key = ? FOR UPDATE",
-            (&stored,),
-        )
-        .await
-        .unwrap();
+    competitor.lock(&stored).await.unwrap();
     rig.proxy.set(ProxyMode::Pass);
 
     // A remote lease on the same shard, once its breaker lets grants through again.
@@ -388,9 +375,9 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
         guard.release().await.unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let mut watcher = rig.cluster.shard(0).connect().await.unwrap();
+    let shard = rig.cluster.shard(0);
     // Reconciliation's acquire of the local key waits behind the competitor...
-    while lock_waits(&mut watcher).await == 0 {
+    while shard.lock_waits_now().await.unwrap() == 0 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // ... and the remote lease is renewed before that wait ends.
@@ -401,7 +388,7 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
             "the remote lease ended unrenewed while reconciliation waited"
         );
         assert_eq!(
-            lock_waits(&mut watcher).await,
+            shard.lock_waits_now().await.unwrap(),
             1,
             "the remote lease was not renewed while reconciliation waited"
         );
@@ -412,7 +399,7 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
     assert_eq!(reconciled, 0, "reconciled through a locked row");
 
     // Once the competitor lets go, the local lease is taken on the shard after all.
-    competitor.query_drop("ROLLBACK").await.unwrap();
+    competitor.end().await.unwrap();
     let r = router.clone();
     assert!(
         common::eventually(Duration::from_secs(20), || {
@@ -425,15 +412,4 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
     assert!(local.is_held() && remote.is_held());
     local.release().await.unwrap();
     remote.release().await.unwrap();
-}
-
-/// Transactions of the shard waiting for a row lock now.
-async fn lock_waits(conn: &mut shardlock::mysql_async::Conn) -> u64 {
-    use shardlock::mysql_async::prelude::Queryable;
-    conn.query_first(
-        "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'",
-    )
-    .await
-    .unwrap()
-    .unwrap_or(0)
 }
