@@ -267,6 +267,10 @@ impl LeaseState {
         });
         match parent {
             Some(parent) => parent.mark_lost(why, stats),
+            // Ended by the router's own shutdown: expected, not worth a warning.
+            None if first && why == SHUT_DOWN => {
+                tracing::debug!(key = %self.key, owner = %self.owner, why, "shardlock lease ended")
+            }
             None if first => {
                 tracing::warn!(key = %self.key, owner = %self.owner, why, "shardlock lease lost")
             }
@@ -274,6 +278,9 @@ impl LeaseState {
         }
     }
 }
+
+/// Why leases end at `shutdown()`.
+pub(crate) const SHUT_DOWN: &str = "router shut down";
 
 /// What every shard of a router shares: who we are, grant numbers, counters, key queues.
 #[derive(Debug)]

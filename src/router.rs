@@ -1069,7 +1069,7 @@ impl LockRouter {
                     async move {
                         // Lost before the release is sent: the moment the row is free, nobody
                         // here believes they hold the key any more.
-                        lease.mark_lost("router shut down", &s.shared.stats);
+                        lease.mark_lost(crate::keeper::SHUT_DOWN, &s.shared.stats);
                         let turn = lease.turn.lock().unwrap().take();
                         match release_through_shard(s.clone(), lease.clone(), turn).await {
                             Err(Error::LockLost { .. }) => Ok(()),
@@ -1087,7 +1087,7 @@ impl LockRouter {
         crate::cleaner::deregister(self, &shards).await;
         for s in &shards {
             for lease in s.take_local() {
-                lease.mark_lost("router shut down", &s.shared.stats);
+                lease.mark_lost(crate::keeper::SHUT_DOWN, &s.shared.stats);
             }
             s.shard.close();
         }

@@ -108,6 +108,11 @@ impl Worker {
         kill(self.pid, Signal::SIGSTOP).map_err(io::Error::from)
     }
 
+    /// Sends `signal` (SIGHUP to reload, SIGTERM to shut down, as the worker handles them).
+    pub fn signal(&self, signal: Signal) -> io::Result<()> {
+        kill(self.pid, signal).map_err(io::Error::from)
+    }
+
     /// SIGCONT after [`Worker::pause`].
     pub fn resume(&self) -> io::Result<()> {
         kill(self.pid, Signal::SIGCONT).map_err(io::Error::from)
