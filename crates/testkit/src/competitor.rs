@@ -21,7 +21,7 @@ pub struct Competitor {
 }
 
 impl Competitor {
-    /// Begins a transaction on `shard`. A `heavy` one first writes [`BALLAST_ROWS`] rows of a
+    /// Begins a transaction on `shard`. A `heavy` one first writes 200 rows of a
     /// scratch table, so that a deadlock it takes part in rolls back the other side.
     pub async fn begin(shard: &Shard, heavy: bool) -> mysql_async::Result<Self> {
         let mut conn = shard.connect().await?;
