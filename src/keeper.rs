@@ -345,18 +345,24 @@ impl Shared {
         (id, format!("{}:{}:{id}", self.instance_id, self.nonce))
     }
 
-    /// Whether `owner` was written by this router (its instance id and start nonce) and no
-    /// lease of it, remote or local, holds that owner now.
-    pub(crate) fn is_stale_own(&self, owner: &str) -> bool {
-        let ours = owner
+    /// Whether `owner` was written by this router (its instance id and start nonce) for a
+    /// grant numbered below `before`, and no lease of this router, local or remote, holds
+    /// that owner now.
+    pub(crate) fn is_stale_own(&self, owner: &str, before: u64) -> bool {
+        let older = owner
             .strip_prefix(self.instance_id.as_str())
             .and_then(|rest| rest.strip_prefix(':'))
             .and_then(|rest| rest.strip_prefix(self.nonce.as_str()))
-            .is_some_and(|rest| rest.starts_with(':'));
-        ours && !self.shard_states().iter().any(|s| {
-            s.held().iter().any(|l| l.owner == owner)
-                || s.local.lock().unwrap().values().any(|l| l.owner == owner)
-        })
+            .and_then(|rest| rest.strip_prefix(':'))
+            .and_then(|seq| seq.parse::<u64>().ok())
+            .is_some_and(|seq| seq < before);
+        // Local first: a lease moves from the local map to the held one under the local map's
+        // lock, so it is seen in one or the other.
+        older
+            && !self.shard_states().iter().any(|s| {
+                s.local.lock().unwrap().values().any(|l| l.owner == owner)
+                    || s.held().iter().any(|l| l.owner == owner)
+            })
     }
 
     /// A new grant number (unique in this router; also names a lease row in its shard's
@@ -479,7 +485,7 @@ impl ShardState {
         &self,
         call: impl std::future::Future<Output = Result<T, BackendError>>,
     ) -> Result<T, BackendError> {
-        self.call_timed(call, true).await
+        self.call_timed(call, |_| true).await
     }
 
     /// One call through the breaker on a pooled connection, within the statement timeout;
@@ -515,13 +521,23 @@ impl ShardState {
         &self,
         call: impl std::future::Future<Output = Result<T, BackendError>>,
     ) -> Result<T, BackendError> {
-        self.call_timed(call, false).await
+        self.call_timed(call, |_| false).await
+    }
+
+    /// One grant attempt through the breaker ([`Shard::acquire`]). An answer that the key's
+    /// row stayed locked by another transaction ([`Attempt::Locked`]) took the server's lock
+    /// wait on purpose: it never counts as a slow call.
+    pub(crate) async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
+        self.call_timed(self.shard.acquire(req), |r| {
+            !matches!(r, Ok(Attempt::Locked))
+        })
+        .await
     }
 
     async fn call_timed<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, BackendError>>,
-        slow_counts: bool,
+        slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
     ) -> Result<T, BackendError> {
         let (admission, transition) = self.breaker.lock().unwrap().admit(breaker_now());
         self.note(transition);
@@ -557,7 +573,7 @@ impl ShardState {
             outcome == CallOutcome::Failure,
             started.elapsed(),
         );
-        let took = if slow_counts {
+        let took = if slow_counts(&result) {
             started.elapsed()
         } else {
             Duration::ZERO
@@ -664,6 +680,10 @@ impl ShardState {
             if self.breaker_state() == BreakerState::Open || self.shared.is_closed() {
                 return;
             }
+            // Released since the pass began: its key's turn may be another grant's by now.
+            if !self.local.lock().unwrap().contains_key(&lease.id) {
+                continue;
+            }
             let req = GrantRequest {
                 key: lease.key.stored().to_vec(),
                 owner: lease.owner.clone(),
@@ -674,12 +694,12 @@ impl ShardState {
             };
             let stats = &self.shared.stats;
             let mut sent = Instant::now();
-            let mut attempt = self.call(self.shard.acquire(&req)).await;
+            let mut attempt = self.acquire(&req).await;
             if matches!(attempt, Ok(Attempt::Held { .. }))
-                && self.give_back_stale_row(&req.key).await
+                && self.give_back_stale_row(&req.key, lease.id).await
             {
                 sent = Instant::now();
-                attempt = self.call(self.shard.acquire(&req)).await;
+                attempt = self.acquire(&req).await;
             }
             match attempt {
                 Ok(Attempt::Granted(_)) => {
@@ -719,17 +739,19 @@ impl ShardState {
         }
     }
 
-    /// Gives back the row of `key` if this router wrote it under an owner no lease of it holds
-    /// any more: a lease lost while the shard was unreachable leaves its row until the shard's
-    /// clock ends it, and reconciling the key's local holder must not count that as another
-    /// process's. `true` when such a row was released.
-    async fn give_back_stale_row(&self, key: &[u8]) -> bool {
+    /// Gives back the row of `key` if this router wrote it for a grant older than the local
+    /// lease `local_id` under an owner no lease of it holds any more: a lease lost while the
+    /// shard was unreachable leaves its row until the shard's clock ends it, and reconciling
+    /// the key's local holder must not count that as another process's. (A grant of the key
+    /// made since the local lease, whose row may be written before its lease is registered,
+    /// has a higher number and is never touched.) `true` when such a row was released.
+    async fn give_back_stale_row(&self, key: &[u8], local_id: u64) -> bool {
         let Ok(Some(row)) = self.call(self.shard.inspect(key)).await else {
             return false;
         };
         let Some(owner) = row
             .owner
-            .filter(|o| row.expires_in_ms > 0 && self.shared.is_stale_own(o))
+            .filter(|o| row.expires_in_ms > 0 && self.shared.is_stale_own(o, local_id))
         else {
             return false;
         };

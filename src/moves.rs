@@ -105,7 +105,7 @@ async fn take_on(
         let sent = Instant::now();
         tried = true;
         // The same request on every try: a retry after a lost reply finds its own row.
-        match target.call(target.shard.acquire(&req)).await {
+        match target.acquire(&req).await {
             Ok(Attempt::Granted(fence)) => {
                 let want = Want {
                     handoff_max_count: 0,

@@ -887,14 +887,16 @@ impl LockRouter {
         let (task_shard, task_req) = (shard.clone(), req.clone());
         tokio::spawn(async move {
             let stats = &task_shard.shared.stats;
-            let result = task_shard.call(task_shard.shard.acquire(&task_req)).await;
+            let result = task_shard.acquire(&task_req).await;
             if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
                 stats.acquire_statements.fetch_add(1, Ordering::Relaxed);
             }
             // A statement that failed after it may have reached the server may have granted
             // the key (its reply was lost, or came too late): give it back, owner-checked,
             // like a grant the caller no longer wants.
-            let unknown = matches!(&result, Err(e) if e.maybe_applied);
+            // So may a try before a `Locked` answer, if its connection broke after sending.
+            let unknown = matches!(&result, Err(e) if e.maybe_applied)
+                || matches!(&result, Ok(Attempt::Locked));
             if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
                 let _ = task_shard
                     .call(task_shard.shard.release(&task_req.key, &task_req.owner))

@@ -12,8 +12,14 @@ use shardlock_testkit::Competitor;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiter_behind_another_transactions_row_lock_keeps_waiting() {
-    // The default statement timeout (2 s) leaves the server a lock wait of 1 s.
-    let (cluster, router, _) = common::start(1, "namespaces:\n  default:\n    wait: 30s\n").await;
+    // The default statement timeout (2 s) leaves the server a lock wait of 1 s. A breaker
+    // that opens on two slow calls in a row: lock waits must not count as slow.
+    let (cluster, router, _) = common::start(
+        1,
+        "namespaces:\n  default:\n    wait: 30s\n\
+         breaker:\n  consecutive-failures: 2\n  min-calls: 2\n  failure-rate: 0.5\n  slow-call: 200ms\n",
+    )
+    .await;
     let shard = cluster.shard(0);
     let once = router.acquire("k", AcquireOptions::new()).await.unwrap();
     let mut competitor = Competitor::begin(shard, false).await.unwrap();
@@ -21,14 +27,14 @@ async fn a_waiter_behind_another_transactions_row_lock_keeps_waiting() {
     once.release().await.unwrap();
     competitor.lock(&key).await.unwrap();
 
-    let begun = shard.lock_waits_begun().await.unwrap();
+    let sent = router.stats().acquire_statements;
     let waiter = {
         let router = router.clone();
         tokio::spawn(async move { router.acquire("k", AcquireOptions::new()).await })
     };
     // The waiter's statement waits behind the competitor until the server gives up on it
-    // (1205), and asks again: three waits begun means two ended that way.
-    while shard.lock_waits_begun().await.unwrap() < begun + 3 {
+    // (1205), and it asks again: a third statement sent means two were answered that way.
+    while router.stats().acquire_statements < sent + 3 {
         if waiter.is_finished() {
             panic!(
                 "the waiter gave up behind the locked row: {:?}",
@@ -37,6 +43,7 @@ async fn a_waiter_behind_another_transactions_row_lock_keeps_waiting() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    assert!(shard.lock_waits_now().await.unwrap() > 0);
     competitor.end().await.unwrap();
     let guard = waiter
         .await

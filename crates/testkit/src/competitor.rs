@@ -84,10 +84,4 @@ impl Shard {
     pub async fn lock_waits_now(&self) -> mysql_async::Result<u64> {
         self.global_status("Innodb_row_lock_current_waits").await
     }
-
-    /// Row lock waits begun on this shard since it started (`Innodb_row_lock_waits`): one more
-    /// while a statement already waited means it was sent again after its wait ended.
-    pub async fn lock_waits_begun(&self) -> mysql_async::Result<u64> {
-        self.global_status("Innodb_row_lock_waits").await
-    }
 }
