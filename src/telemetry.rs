@@ -32,7 +32,7 @@ use std::time::Duration;
 use opentelemetry::metrics::{Counter, Histogram, Meter};
 use opentelemetry::KeyValue;
 use shardlock_core::config::TelemetryConfig;
-use shardlock_core::{BreakerState, Error, HotKeys, LockKey, Result};
+use shardlock_core::{Error, HotKeys, LockKey, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
@@ -389,11 +389,7 @@ pub(crate) fn register_observers(inner: Weak<Inner>) {
                 return;
             };
             for status in router.shard_states() {
-                let state = match status.breaker_state() {
-                    BreakerState::Closed => 0,
-                    BreakerState::HalfOpen => 1,
-                    BreakerState::Open => 2,
-                };
+                let state = status.breaker_state().gauge();
                 observer.observe(
                     state,
                     &[
@@ -631,7 +627,17 @@ fn encode(registry: &prometheus::Registry) -> String {
 
 /// A minimal HTTP/1.1 server: `GET /metrics` answers the metrics, anything else 404.
 async fn serve(listener: tokio::net::TcpListener, registry: prometheus::Registry) {
-    while let Ok((mut stream, _)) = listener.accept().await {
+    loop {
+        // A failed accept (out of file descriptors, a connection reset before it was
+        // accepted) ends that connection, not the endpoint.
+        let mut stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "shardlock metrics endpoint: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let registry = registry.clone();
         tokio::spawn(async move {
             let mut request = vec![0u8; 4096];

@@ -257,7 +257,7 @@ async fn failure_act(
             .iter()
             .map(|(at, state)| format!(
                 "{} at {:.2} s",
-                state.map_or("-", crate::output::breaker_name),
+                state.map_or("-", shardlock::BreakerState::name),
                 at.as_secs_f64()
             ))
             .collect::<Vec<_>>()

@@ -27,15 +27,6 @@ pub(crate) fn migrate(reports: &[(String, MigrateReport)], as_json: bool) {
     }
 }
 
-/// A breaker state as `status` prints it.
-pub(crate) fn breaker_name(state: BreakerState) -> &'static str {
-    match state {
-        BreakerState::Closed => "closed",
-        BreakerState::Open => "open",
-        BreakerState::HalfOpen => "half-open",
-    }
-}
-
 pub(crate) fn status(
     router: &LockRouter,
     status: &[ShardStatus],
@@ -53,7 +44,7 @@ pub(crate) fn status(
                     "current": s.current,
                     "error": s.error,
                     "held_leases": s.held_leases,
-                    "breaker": breaker_name(s.breaker),
+                    "breaker": BreakerState::name(s.breaker),
                     "local_fallback_leases": s.local_fallback_leases,
                     "pool": {"max_size": s.pool.max_size, "size": s.pool.size, "available": s.pool.available, "waiting": s.pool.waiting},
                 })
@@ -97,7 +88,7 @@ pub(crate) fn status(
             "{:<12} {:<11} {:<10} {:>12} {:>18}",
             name,
             if s.reachable { "yes" } else { "NO" },
-            breaker_name(s.breaker),
+            BreakerState::name(s.breaker),
             held,
             pool
         );

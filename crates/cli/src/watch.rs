@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use shardlock::LockRouter;
+use shardlock::{BreakerState, LockRouter};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::AnyError;
@@ -238,7 +238,13 @@ fn render_metrics(screen: &mut String, before: Option<&Scrape>, now: &Scrape, ev
             })
         ));
     }
-    let breakers = now.sum_by("shardlock_breaker_state", "shard");
+    // The worst state any instance reports for the shard (not their sum).
+    let mut breakers: BTreeMap<String, f64> = BTreeMap::new();
+    for (_, labels, v) in now.matching("shardlock_breaker_state") {
+        let shard = labels.get("shard").cloned().unwrap_or_default();
+        let worst = breakers.entry(shard).or_default();
+        *worst = worst.max(*v);
+    }
     let pools: Vec<_> = now
         .matching("shardlock_pool_connections")
         .filter(|(_, l, _)| l.get("state").map(String::as_str) == Some("waiting"))
@@ -249,10 +255,9 @@ fn render_metrics(screen: &mut String, before: Option<&Scrape>, now: &Scrape, ev
         "SHARD", "BREAKER", "POOL WAITING"
     ));
     for (shard, state) in &breakers {
-        let name = match *state as i64 {
-            0 => "closed",
-            1 => "half-open",
-            _ => "OPEN",
+        let name = match BreakerState::from_gauge(*state as i64) {
+            Some(BreakerState::Open) | None => "OPEN",
+            Some(state) => state.name(),
         };
         let waiting: f64 = pools
             .iter()
@@ -317,5 +322,29 @@ shardlock_hot_key_wait_seconds{instance="a",key="sku:1",rank="1"} 1.5
             screen.contains("OPEN") && screen.contains("sku:1"),
             "{screen}"
         );
+    }
+
+    #[test]
+    fn a_shard_shows_the_worst_breaker_any_instance_reports_not_their_sum() {
+        let two_half_open = "shardlock_breaker_state{instance=\"a\",shard=\"s1\"} 1\n\
+                             shardlock_breaker_state{instance=\"b\",shard=\"s1\"} 1\n\
+                             shardlock_breaker_state{instance=\"a\",shard=\"s2\"} 0\n\
+                             shardlock_breaker_state{instance=\"b\",shard=\"s2\"} 2\n";
+        let mut screen = String::new();
+        render_metrics(
+            &mut screen,
+            None,
+            &Scrape::parse(two_half_open),
+            Duration::from_secs(1),
+        );
+        let line = |shard: &str| {
+            screen
+                .lines()
+                .find(|l| l.starts_with(shard))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert!(line("s1 ").contains("half-open"), "{screen}");
+        assert!(line("s2 ").contains("OPEN"), "{screen}");
     }
 }

@@ -72,6 +72,37 @@ pub enum BreakerState {
     HalfOpen,
 }
 
+impl BreakerState {
+    /// Its name as `status` prints it.
+    pub fn name(self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half-open",
+        }
+    }
+
+    /// Its value in the `shardlock.breaker.state` gauge: 0 closed, 1 half-open, 2 open (the
+    /// higher, the worse).
+    pub fn gauge(self) -> i64 {
+        match self {
+            BreakerState::Closed => 0,
+            BreakerState::HalfOpen => 1,
+            BreakerState::Open => 2,
+        }
+    }
+
+    /// The state a gauge value stands for.
+    pub fn from_gauge(value: i64) -> Option<Self> {
+        match value {
+            0 => Some(BreakerState::Closed),
+            1 => Some(BreakerState::HalfOpen),
+            2 => Some(BreakerState::Open),
+            _ => None,
+        }
+    }
+}
+
 /// How a call went, as far as the breaker is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CallOutcome {
@@ -360,6 +391,19 @@ mod tests {
             assert_eq!(call(&mut b, later, CallOutcome::Success), None);
         }
         assert_eq!(b.state(later), BreakerState::Closed);
+    }
+
+    #[test]
+    fn gauge_values_name_their_state() {
+        for state in [
+            BreakerState::Closed,
+            BreakerState::HalfOpen,
+            BreakerState::Open,
+        ] {
+            assert_eq!(BreakerState::from_gauge(state.gauge()), Some(state));
+        }
+        assert_eq!(BreakerState::from_gauge(7), None);
+        assert_eq!(BreakerState::HalfOpen.name(), "half-open");
     }
 
     #[test]
