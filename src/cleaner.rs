@@ -459,6 +459,9 @@ pub(crate) async fn refuse_twin(router: &LockRouter) -> Result<()> {
     Ok(())
 }
 
+/// Heartbeats missed in a row on one shard before a warning.
+const HEARTBEATS_MISSED_BEFORE_WARNING: u32 = 3;
+
 /// Starts the heartbeat of `router` on every current shard, every
 /// `cleaner.heartbeat-interval`, while the registry in force is `heartbeat`. It ends with
 /// the router (shutdown or drop).
@@ -467,6 +470,8 @@ pub(crate) fn spawn_heartbeat(router: &LockRouter) {
     let mut closed = router.inner.shared.closed.subscribe();
     let (host, pid) = (crate::router::host_name(), std::process::id());
     tokio::spawn(async move {
+        // Heartbeats missed in a row, per shard.
+        let mut failures: std::collections::HashMap<String, u32> = Default::default();
         loop {
             let interval = {
                 let Some(inner) = weak.upgrade() else { return };
@@ -476,12 +481,32 @@ pub(crate) fn spawn_heartbeat(router: &LockRouter) {
                     let beats = topology.current.shards.iter().map(|s| {
                         let host = &host;
                         async move {
-                            if let Err(e) = s.call(s.shard.heartbeat(id, host, pid)).await {
-                                tracing::debug!(shard = s.shard.name(), error = %e, "shardlock heartbeat failed");
-                            }
+                            let beat = s.call(s.shard.heartbeat(id, host, pid)).await;
+                            (s.shard.name().to_owned(), beat)
                         }
                     });
-                    join_all(beats).await;
+                    for (shard, beat) in join_all(beats).await {
+                        let missed = failures.entry(shard.clone()).or_default();
+                        match beat {
+                            Ok(()) => *missed = 0,
+                            Err(e) => {
+                                *missed += 1;
+                                inner
+                                    .shared
+                                    .stats
+                                    .heartbeat_failures
+                                    .fetch_add(1, Ordering::Relaxed);
+                                // Others' cleaners count this instance dead after
+                                // `heartbeat-timeout` without one: worth a warning once it
+                                // keeps failing, not on one miss.
+                                if *missed == HEARTBEATS_MISSED_BEFORE_WARNING {
+                                    tracing::warn!(shard, error = %e, missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
+                                } else {
+                                    tracing::debug!(shard, error = %e, "shardlock heartbeat failed");
+                                }
+                            }
+                        }
+                    }
                 }
                 topology.config.cleaner.heartbeat_interval
             };

@@ -386,6 +386,7 @@ pub(crate) struct Stats {
     pub(crate) renew_ticks: AtomicU64,
     pub(crate) renew_statements: AtomicU64,
     pub(crate) renew_failures: AtomicU64,
+    pub(crate) heartbeat_failures: AtomicU64,
     pub(crate) breaker_rejections: AtomicU64,
     pub(crate) local_grants: AtomicU64,
     pub(crate) reconciled: AtomicU64,

@@ -72,6 +72,9 @@ pub struct LockStats {
     pub renew_statements: u64,
     /// Renewal attempts that failed (summed over shards).
     pub renew_failures: u64,
+    /// Heartbeats to the instance registry that failed (a warning is logged once one shard
+    /// misses three in a row).
+    pub heartbeat_failures: u64,
     /// Tasks waiting in memory for a key another task of this router holds or polls (now).
     pub queued: u64,
     /// Calls not sent because the shard's breaker was open (acquires answered
@@ -1044,6 +1047,7 @@ impl LockRouter {
             renew_ticks: get(&s.renew_ticks),
             renew_statements: get(&s.renew_statements),
             renew_failures: get(&s.renew_failures),
+            heartbeat_failures: get(&s.heartbeat_failures),
             queued: self.inner.shared.queues.waiting() as u64,
             breaker_rejections: get(&s.breaker_rejections),
             breaker_opened: get(&s.breaker_opened),

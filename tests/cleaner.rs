@@ -395,3 +395,26 @@ async fn fences_rise_after_the_cleaner_deleted_a_row_even_if_the_clock_steps_bac
     );
     g.release().await.unwrap();
 }
+
+/// Heartbeats that fail are counted (and warned about once a shard misses several in a row):
+/// others' cleaners count an instance dead after `heartbeat-timeout` without one.
+#[tokio::test(flavor = "multi_thread")]
+async fn failed_heartbeats_are_counted() {
+    let cluster = Cluster::start(1).await.unwrap();
+    // s2 is a port nothing listens on.
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n  - name: s2\n    url: mysql://root@127.0.0.1:1/shardlock\n\
+         cleaner:\n  heartbeat-interval: 50ms\n",
+        cluster.shard(0).url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let r = router.clone();
+    assert!(
+        common::eventually(Duration::from_secs(20), || {
+            let failed = r.stats().heartbeat_failures;
+            async move { failed >= 3 }
+        })
+        .await,
+        "heartbeats to the unreachable shard were not counted as failed"
+    );
+}

@@ -336,16 +336,6 @@ pub enum Attempt {
     Locked,
 }
 
-impl Attempt {
-    /// The fence, if granted.
-    pub fn fence(self) -> Option<u64> {
-        match self {
-            Attempt::Granted(fence) => Some(fence),
-            Attempt::Held { .. } | Attempt::Locked => None,
-        }
-    }
-}
-
 /// The server gave up waiting for a row lock.
 const LOCK_WAIT_TIMEOUT: u16 = 1205;
 

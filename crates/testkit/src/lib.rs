@@ -23,5 +23,5 @@ mod worker;
 
 pub use competitor::Competitor;
 pub use proxy::{Proxy, ProxyMode};
-pub use server::{dev_config_yaml, Cluster, DevCluster, Shard, DATABASE};
+pub use server::{Cluster, DevCluster, Shard, DATABASE};
 pub use worker::{worker_main, Worker, WORKER_ENV};

@@ -569,16 +569,3 @@ impl DevCluster {
 }
 
 use std::os::unix::process::CommandExt as _;
-
-/// The shardlock config for a dev cluster on `ports`, with `extra` appended.
-pub fn dev_config_yaml(ports: &[u16], extra: &str) -> String {
-    let mut yaml = String::from("shards:\n");
-    for (i, port) in ports.iter().enumerate() {
-        yaml.push_str(&format!(
-            "  - name: s{}\n    url: mysql://root@127.0.0.1:{port}/{DATABASE}\n",
-            i + 1
-        ));
-    }
-    yaml.push_str(extra);
-    yaml
-}
