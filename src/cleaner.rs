@@ -17,7 +17,7 @@ use std::time::Duration;
 use futures_util::future::{join_all, BoxFuture};
 use shardlock_core::config::{CleanerConfig, RegistryKind};
 use shardlock_core::{BackendErrorKind, Error, LockKey, Result};
-use shardlock_mysql::InstanceRow;
+use shardlock_mysql::{Beat, InstanceRow};
 
 use crate::keeper::ShardState;
 use crate::{AcquireOptions, LockGuard, LockMode, LockRouter};
@@ -459,6 +459,55 @@ pub(crate) async fn refuse_twin(router: &LockRouter) -> Result<()> {
     Ok(())
 }
 
+/// Why `router` may not grant yet, if so: another live instance in the registry (heartbeat
+/// registry only) runs another topology, or has a reload's move in force. Instances of
+/// versions that do not say their topology are not counted; shards that do not answer are
+/// skipped (their keys are unavailable anyway).
+pub(crate) async fn fleet_disagreement(router: &LockRouter) -> Option<String> {
+    let topology = router.inner.topology.load_full();
+    if topology.config.cleaner.registry != RegistryKind::Heartbeat {
+        return None;
+    }
+    let (own, id) = (&topology.fingerprint, router.instance_id());
+    let fleet = topology.config.instance.fleet();
+    let timeout = topology.config.cleaner.heartbeat_timeout;
+    let answers = join_all(
+        topology
+            .current
+            .shards
+            .iter()
+            .map(|s| async move { s.shard.instances().await }),
+    )
+    .await;
+    let mut others = BTreeSet::new();
+    for row in answers.into_iter().flatten().flatten() {
+        let live = !row.deregistered
+            && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < timeout.as_millis();
+        if !live || row.instance_id == id || row.fleet.as_deref() != Some(fleet) {
+            continue;
+        }
+        let what = match row.topology.as_deref() {
+            Some(theirs) if theirs != own => format!("runs topology {theirs}"),
+            _ if row.moving => "is moving keys after a reload".to_owned(),
+            _ => continue,
+        };
+        others.insert(format!(
+            "{} (host {}, pid {}) {what}",
+            row.instance_id, row.host, row.pid
+        ));
+    }
+    (!others.is_empty()).then(|| {
+        format!(
+            "this process started with topology {own} and grants nothing until every live \
+             instance of fleet `{fleet}` runs it with no move in force: {}. Reload them with \
+             this config (or stop them); a process started during a move cannot know where the \
+             others still place a moved key. (Services that never share keys may run different \
+             topologies on the same shards: give each its own `instance.fleet`.)",
+            others.into_iter().collect::<Vec<_>>().join("; ")
+        )
+    })
+}
+
 /// Heartbeats missed in a row on one shard before a warning.
 const HEARTBEATS_MISSED_BEFORE_WARNING: u32 = 3;
 
@@ -477,13 +526,19 @@ pub(crate) fn spawn_heartbeat(router: &LockRouter) {
                 let Some(inner) = weak.upgrade() else { return };
                 let topology = inner.topology.load_full();
                 if topology.config.cleaner.registry == RegistryKind::Heartbeat {
-                    let id = &inner.shared.instance_id;
-                    let beats = topology.current.shards.iter().map(|s| {
-                        let host = &host;
-                        async move {
-                            let beat = s.call(s.shard.heartbeat(id, host, pid)).await;
-                            (s.shard.name().to_owned(), beat)
-                        }
+                    let beat = Beat {
+                        instance: &inner.shared.instance_id,
+                        host: &host,
+                        pid,
+                        topology: &topology.fingerprint,
+                        moving: topology.moves_in_progress() > 0,
+                        fleet: topology.config.instance.fleet(),
+                    };
+                    let beats = topology.current.shards.iter().map(|s| async move {
+                        (
+                            s.shard.name().to_owned(),
+                            s.call(s.shard.heartbeat(beat)).await,
+                        )
                     });
                     for (shard, beat) in join_all(beats).await {
                         let missed = failures.entry(shard.clone()).or_default();
@@ -507,6 +562,7 @@ pub(crate) fn spawn_heartbeat(router: &LockRouter) {
                             }
                         }
                     }
+                    inner.registered.store(true, Ordering::Release);
                 }
                 topology.config.cleaner.heartbeat_interval
             };

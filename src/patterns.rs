@@ -307,6 +307,7 @@ impl LockRouter {
     /// it (see [`TxLockGuard`]).
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
         let lock_key = LockKey::new(key)?;
+        self.check_joined(&lock_key)?;
         let deadline = crate::router::instant_after(wait);
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
@@ -370,6 +371,7 @@ impl LockRouter {
     /// taken before a reload stays taken, and releasable, after it.
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
+        self.check_joined(&lock_key)?;
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
         let mut taken: Vec<Arc<ShardState>> = Vec::new();
@@ -462,6 +464,7 @@ impl LockRouter {
             });
         }
         let key = LockKey::new(id)?;
+        self.check_joined(&key)?;
         let topology = self.inner.topology.load_full();
         let mut shards = vec![topology.locate(&key).clone()];
         shards.extend(topology.previous_locations(&key));
@@ -519,6 +522,7 @@ impl LockRouter {
         max_retries: u32,
     ) -> Result<u64> {
         let key = LockKey::new(queue)?;
+        self.check_joined(&key)?;
         let shard = self.state_for(&key);
         let (queue, payload) = (queue.to_owned(), payload.to_vec());
         // A request id in `origin` (unique): a retry after a lost reply finds the job the
@@ -561,6 +565,7 @@ impl LockRouter {
         lease: Duration,
     ) -> Result<Option<Job>> {
         let key = LockKey::new(queue)?;
+        self.check_joined(&key)?;
         let (_, claim_no) = self.inner.shared.next_owner();
         let claim = format!("{worker}@{claim_no}");
         // The queue's shard first, then (while a reload's move is in progress) the shards it

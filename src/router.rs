@@ -41,6 +41,74 @@ pub(crate) struct Inner {
     pub(crate) cleaner: crate::cleaner::CleanerState,
     /// Transaction locks held in this process, for reloads to make them follow moved keys.
     pub(crate) tx_locks: std::sync::Mutex<Vec<std::sync::Weak<crate::patterns::TxLockState>>>,
+    /// Closed while this router waits to join its fleet (see [`Gate`]).
+    pub(crate) gate: Gate,
+    /// Set once the heartbeat registered this router on its shards.
+    pub(crate) registered: std::sync::atomic::AtomicBool,
+}
+
+/// Whether a router may grant yet. A router that starts while another live instance in the
+/// registry runs another topology, or still has a reload's move in force, grants nothing until
+/// that is over: it knows only its own placement, not the one the others still use, so a key
+/// it places elsewhere could be held there already. Checked at start, and again with each
+/// heartbeat until the fleet agrees; once open it stays open (reloads from then on are the
+/// move protocol's business).
+#[derive(Debug)]
+pub(crate) struct Gate {
+    closed: tokio::sync::watch::Sender<bool>,
+    why: std::sync::Mutex<String>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self {
+            closed: tokio::sync::watch::channel(false).0,
+            why: std::sync::Mutex::default(),
+        }
+    }
+}
+
+impl Gate {
+    fn close(&self, why: String) {
+        *self.why.lock().unwrap() = why;
+        self.closed.send_replace(true);
+    }
+
+    fn open(&self) {
+        self.closed.send_replace(false);
+    }
+
+    fn is_closed(&self) -> bool {
+        *self.closed.borrow()
+    }
+
+    fn why(&self) -> Option<String> {
+        self.is_closed().then(|| self.why.lock().unwrap().clone())
+    }
+
+    /// Completes when the gate is open.
+    async fn opened(&self) {
+        let _ = self.closed.subscribe().wait_for(|closed| !closed).await;
+    }
+}
+
+impl Drop for Inner {
+    /// A router dropped without `shutdown()` deregisters too (best effort, if a runtime is
+    /// still there): else it would count as live in the registry until its heartbeat times
+    /// out, keeping routers that start with another topology waiting (see [`Gate`]).
+    fn drop(&mut self) {
+        if !self.registered.load(Ordering::Acquire) || self.shared.is_closed() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shards = self.topology.load().current.shards.clone();
+        let id = self.shared.instance_id.clone();
+        runtime.spawn(async move {
+            join_all(shards.iter().map(|s| s.shard.deregister(&id))).await;
+        });
+    }
 }
 
 /// Counters of one router since it started (this process only).
@@ -158,8 +226,54 @@ impl LockRouter {
             self.inner.shared.closed.send_replace(true);
             return Err(e);
         }
+        if let Some(why) = crate::cleaner::fleet_disagreement(&self).await {
+            tracing::warn!(why, "shardlock grants nothing until its fleet agrees");
+            self.inner.gate.close(why);
+            self.spawn_joining();
+        }
         crate::cleaner::spawn_heartbeat(&self);
         Ok(self)
+    }
+
+    /// Reads the registry again every 250 ms until the fleet agrees, then opens the gate.
+    fn spawn_joining(&self) {
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let Some(inner) = weak.upgrade() else { return };
+                if inner.shared.is_closed() {
+                    return;
+                }
+                let router = LockRouter { inner };
+                match crate::cleaner::fleet_disagreement(&router).await {
+                    None => {
+                        tracing::info!("shardlock's fleet agrees on its topology: granting");
+                        router.inner.gate.open();
+                        return;
+                    }
+                    Some(why) => router.inner.gate.close(why),
+                }
+            }
+        });
+    }
+
+    /// Refuses a grant of `key` while this router waits to join its fleet (see [`Gate`]).
+    pub(crate) fn check_joined(&self, key: &LockKey) -> Result<()> {
+        match self.inner.gate.why() {
+            None => Ok(()),
+            Some(why) => Err(Error::Unavailable {
+                shard: self
+                    .inner
+                    .topology
+                    .load()
+                    .locate(key)
+                    .shard
+                    .name()
+                    .to_owned(),
+                source: BackendError::new(BackendErrorKind::Other, None, why),
+            }),
+        }
     }
 
     fn build(config: Config, text: Option<&str>, path: Option<&Path>) -> Result<Self> {
@@ -178,6 +292,8 @@ impl LockRouter {
                 reloading: tokio::sync::Mutex::new(()),
                 cleaner: crate::cleaner::CleanerState::default(),
                 tx_locks: std::sync::Mutex::default(),
+                gate: Gate::default(),
+                registered: std::sync::atomic::AtomicBool::new(false),
             }),
         };
         let _ = router
@@ -493,6 +609,28 @@ impl LockRouter {
     /// Acquires `key`, waiting `wait` (the namespace's when `None`); `Ok(None)` on timeout.
     /// Traced as a `shardlock.acquire` span and measured (see [`crate::telemetry`]).
     async fn acquire_inner(
+        &self,
+        key: LockKey,
+        opts: &AcquireOptions,
+        wait: Option<Duration>,
+    ) -> Result<Option<LockGuard>> {
+        let mut wait = wait;
+        if self.inner.gate.is_closed() {
+            // Waiting to join the fleet counts against the caller's wait.
+            let budget = match wait {
+                Some(w) => w,
+                None => opts.wait.unwrap_or(self.namespace_of(opts)?.wait),
+            };
+            let started = Instant::now();
+            let _ = tokio::time::timeout_at(instant_after(budget), self.inner.gate.opened()).await;
+            self.check_joined(&key)?;
+            wait = Some(budget.saturating_sub(started.elapsed()));
+        }
+        self.acquire_joined(key, opts, wait).await
+    }
+
+    /// [`LockRouter::acquire_inner`] once this router has joined its fleet.
+    async fn acquire_joined(
         &self,
         key: LockKey,
         opts: &AcquireOptions,

@@ -63,6 +63,35 @@ pub(crate) struct Topology {
     pub(crate) previous: Vec<Previous>,
     /// Metric attribute values of the namespaces, built once (cheap to clone per acquire).
     namespace_labels: std::collections::HashMap<String, opentelemetry::StringValue>,
+    /// What decides where keys live, as a short fingerprint (see [`fingerprint`]): advertised
+    /// with each heartbeat, so that a router starting with another topology than its fleet's
+    /// can tell.
+    pub(crate) fingerprint: String,
+}
+
+/// A fingerprint of what places keys under `config`: each shard's name and weight, the ring's
+/// virtual nodes and each namespace's buckets. Two processes with equal fingerprints place
+/// every key on the same shard name. (Not the URLs: one database is often reached by several,
+/// through proxies or aliases. A shard pointed at another server is told apart by its
+/// identity, at reloads.) FNV-1a, 64 bits, in hex: stable across processes, builds and
+/// versions.
+pub(crate) fn fingerprint(config: &Config) -> String {
+    let mut lines: Vec<String> = config
+        .shards
+        .iter()
+        .map(|s| format!("shard {} {}", s.name, s.weight))
+        .collect();
+    lines.push(format!("virtual-nodes {}", config.routing.virtual_nodes));
+    for (name, ns) in &config.namespaces {
+        lines.push(format!("namespace {name} {}", ns.buckets));
+    }
+    lines.sort();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in lines.join("\n").bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{hash:016x}")
 }
 
 impl Topology {
@@ -115,6 +144,7 @@ impl Topology {
             .collect();
         Ok(Self {
             namespace_labels,
+            fingerprint: fingerprint(&config),
             epoch,
             reloaded_at: Instant::now(),
             config: Arc::new(config),
@@ -261,5 +291,27 @@ fn locate(e: ConfigError, source: Option<(&str, Option<&Path>)>) -> ConfigError 
     match source {
         Some((text, path)) => e.located(text, path),
         None => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shardlock_core::Config;
+
+    fn config(weight: u32, url: &str) -> Config {
+        Config::from_yaml_str(&format!(
+            "shards:\n  - name: a\n    url: {url}\n    weight: {weight}\n  - name: b\n    url: mysql://root@h:2/db\n"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_fingerprint_follows_the_placement_not_the_urls() {
+        let base = super::fingerprint(&config(1, "mysql://root@h:1/db"));
+        assert_eq!(
+            base,
+            super::fingerprint(&config(1, "mysql://other:secret@proxy:9/db"))
+        );
+        assert_ne!(base, super::fingerprint(&config(2, "mysql://root@h:1/db")));
     }
 }

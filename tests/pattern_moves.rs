@@ -21,7 +21,7 @@ async fn cluster() -> (Cluster, Config, Config) {
         for s in &cluster.shards()[..n] {
             yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
         }
-        yaml.push_str("routing:\n  move-window: 500ms\n");
+        yaml.push_str("routing:\n  move-window: 500ms\ncleaner:\n  heartbeat-interval: 100ms\n");
         Config::from_yaml_str(&yaml).unwrap()
     };
     let (three, four) = (config(3), config(4));
@@ -107,8 +107,15 @@ async fn a_cas_lock_taken_before_a_reload_stays_taken_and_releasable_after_it() 
         "still taken once the move is over"
     );
     // A process that never saw the old topology finds it taken too.
+    // (It joins once the others' heartbeats say their moves are over.)
     let newcomer = LockRouter::new(four).await.unwrap();
-    assert!(newcomer.cas_acquire(&key, "c").await.unwrap().is_none());
+    let taken = loop {
+        match newcomer.cas_acquire(&key, "c").await {
+            Err(Error::Unavailable { .. }) => tokio::time::sleep(Duration::from_millis(50)).await,
+            other => break other.unwrap(),
+        }
+    };
+    assert!(taken.is_none());
 
     assert!(
         a.cas_release(guard).await.unwrap(),

@@ -348,13 +348,15 @@ async fn waiters_after_a_reload_are_not_handed_a_moved_lease_and_pollers_follow_
     assert_eq!(first.shard(), new_shard, "granted where the key lives now");
     assert!(first.is_held());
     assert!(!second.is_finished());
-    // A process that started on the new topology does not get it either.
+    // A process that started on the new topology does not get it either (while the others'
+    // move is in force it grants nothing at all).
     let fresh = LockRouter::new(three_again).await.unwrap();
-    assert!(fresh
-        .try_acquire(&key, AcquireOptions::new().wait(Duration::ZERO))
-        .await
-        .unwrap()
-        .is_none());
+    assert!(!matches!(
+        fresh
+            .try_acquire(&key, AcquireOptions::new().wait(Duration::ZERO))
+            .await,
+        Ok(Some(_))
+    ));
     let fence = first.fence();
     first.release().await.unwrap();
     let last = second.await.unwrap();
@@ -647,5 +649,77 @@ async fn force_release_frees_a_moved_key_where_a_process_that_did_not_reload_hol
         .unwrap()
         .expect("free");
     assert!(next.fence() > held.fence());
+    next.release().await.unwrap();
+}
+
+/// A process started with a new topology while its fleet still runs the old one (a rolling
+/// restart onto a changed config) grants nothing until every live instance runs its topology
+/// with no move in force: it cannot know where the others still place a moved key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_started_with_another_topology_grants_nothing_until_its_fleet_agrees() {
+    use shardlock::Error;
+    let cluster = Cluster::start(3).await.unwrap();
+    let beats = "cleaner:\n  heartbeat-interval: 100ms\n";
+    let (two, three) = (
+        config_for(&cluster, 2) + beats,
+        config_for(&cluster, 3) + beats,
+    );
+    let setup = LockRouter::from_yaml_str(&three).await.unwrap();
+    setup.migrate().await.unwrap();
+    setup.shutdown().await.unwrap();
+    let old = LockRouter::from_yaml_str(&two).await.unwrap();
+    let new = LockRouter::from_yaml_str(&three).await.unwrap();
+    // A key the grow moves to s3, held by the process on the old topology.
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| new.shard_for(k).unwrap() == "s3")
+        .unwrap();
+    assert_ne!(old.shard_for(&key).unwrap(), "s3");
+    let held = old.acquire(&key, AcquireOptions::new()).await.unwrap();
+    match new.try_acquire(&key, AcquireOptions::new()).await {
+        Err(Error::Unavailable { source, .. }) => {
+            let why = source.to_string();
+            assert!(why.contains(old.instance_id()), "{why}");
+        }
+        other => panic!(
+            "granted or refused otherwise: {:?}",
+            other.map(|g| g.is_some())
+        ),
+    }
+    assert!(matches!(
+        new.lock_in_transaction("any", Duration::ZERO).await,
+        Err(Error::Unavailable { .. })
+    ));
+    // A service of another fleet (it never shares keys with these) runs its own topology.
+    let other = LockRouter::from_yaml_str(&format!("instance:\n  fleet: other\n{three}"))
+        .await
+        .unwrap();
+    let theirs = other
+        .try_acquire("other-team:1", AcquireOptions::new())
+        .await
+        .unwrap()
+        .expect("not held by anyone");
+    theirs.release().await.unwrap();
+    other.shutdown().await.unwrap();
+
+    // The old process reloads to the new topology; its lease follows the key. Once its move
+    // is over (and it has said so with a heartbeat), the new process joins.
+    old.reload(Config::from_yaml_str(&three).unwrap())
+        .await
+        .unwrap();
+    let joined = loop {
+        match new.try_acquire(&key, AcquireOptions::new()).await {
+            Err(Error::Unavailable { .. }) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => break other.unwrap(),
+        }
+    };
+    assert!(joined.is_none(), "granted a key the old process holds");
+    assert!(held.is_held());
+    let fence = held.fence();
+    held.release().await.unwrap();
+    let next = new.acquire(&key, AcquireOptions::new()).await.unwrap();
+    assert!(next.fence() > fence);
     next.release().await.unwrap();
 }

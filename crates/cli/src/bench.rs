@@ -155,7 +155,7 @@ pub(crate) async fn run(
         dev::ensure_up().await?;
     }
     // Everything runs on the first shard, so that shardlock and the baselines share one server.
-    let mut config = source.config.clone();
+    let mut config = bench_config(source, "main");
     config.shards.truncate(1);
     if args.no_local_handoff {
         for ns in config.namespaces.values_mut() {
@@ -334,7 +334,7 @@ async fn with_a_shard_down(
     args: &BenchArgs,
     counters: &Counters,
 ) -> Result<Measurement, AnyError> {
-    let mut config = source.config.clone();
+    let mut config = bench_config(source, "shard-down");
     if config.shards.len() < 2 {
         return Err("the shard-down scenario needs at least 2 shards".into());
     }
@@ -414,7 +414,7 @@ async fn while_cleaning(
     args: &BenchArgs,
     counters: &Counters,
 ) -> Result<Measurement, AnyError> {
-    let mut config = source.config.clone();
+    let mut config = bench_config(source, "cleaner");
     config.shards.truncate(1);
     config.cleaner.batch_size = 1000;
     config.cleaner.batch_pause = Duration::from_millis(10);
@@ -510,6 +510,21 @@ async fn plant_released_rows(url: &str, prefix: &str, rows: u64) -> Result<(), A
     }
     Ok(())
 }
+
+/// The config of one of the benchmark's routers: its own fleet (see `instance.fleet`), since
+/// the benchmark runs routers of different topologies side by side on keys no one else uses.
+fn bench_config(source: &ConfigSource, role: &str) -> shardlock::Config {
+    let mut config = source.config.clone();
+    config.instance.fleet = Some(format!(
+        "shardlock-bench:{role}:{}:{}",
+        std::process::id(),
+        BENCH_ROUTERS.fetch_add(1, Ordering::Relaxed)
+    ));
+    config
+}
+
+/// Routers made by [`bench_config`] so far.
+static BENCH_ROUTERS: AtomicU64 = AtomicU64::new(0);
 
 /// The round with the median ops/s.
 fn median(mut rounds: Vec<Measurement>) -> Measurement {
@@ -705,7 +720,7 @@ async fn throughput_across_reload(
     tag: &str,
     args: &BenchArgs,
 ) -> Result<(Measurement, Measurement), AnyError> {
-    let mut config = source.config.clone();
+    let mut config = bench_config(source, "reload");
     let run = args.duration * 3;
     config.routing.move_window = Some(run);
     let router = LockRouter::new(config.clone()).await?;
@@ -790,6 +805,8 @@ async fn bucket_worker(
 ) -> Result<(), AnyError> {
     let mut config = source.config.clone();
     config.shards.truncate(1);
+    // Both worker processes share keys: one fleet, theirs alone.
+    config.instance.fleet = Some(format!("shardlock-bench:buckets:{buckets}"));
     let ns = shardlock::config::NamespaceConfig {
         buckets,
         handoff_max_count: 0,

@@ -180,13 +180,27 @@ pub struct InstanceConfig {
     /// shard's millisecond time), so its holder learns it lost the lock before anyone else can
     /// get it. Default [`DEFAULT_CLOCK_DRIFT`].
     pub clock_drift: Option<f64>,
+    /// The processes that share keys with this one (default `default`): a router that starts
+    /// while another live process of its fleet runs another topology, or is moving keys after a
+    /// reload, grants nothing until they agree (it cannot know where they place a moved key).
+    /// Services that share lock shards but never each other's keys may run different
+    /// topologies: give each its own fleet.
+    pub fleet: Option<String>,
 }
+
+/// The fleet of a config without `instance.fleet`.
+pub const DEFAULT_FLEET: &str = "default";
 
 /// Clocks of healthy machines drift apart by parts per million, NTP slews by at most 500 ppm;
 /// 1% leaves room for a VM whose clock misbehaves, and costs a 10 s lease 100 ms of notice.
 pub const DEFAULT_CLOCK_DRIFT: f64 = 0.01;
 
 impl InstanceConfig {
+    /// [`InstanceConfig::fleet`], or [`DEFAULT_FLEET`].
+    pub fn fleet(&self) -> &str {
+        self.fleet.as_deref().unwrap_or(DEFAULT_FLEET)
+    }
+
     /// [`InstanceConfig::clock_drift`] in parts per million.
     pub fn clock_drift_ppm(&self) -> u32 {
         (self.clock_drift.unwrap_or(DEFAULT_CLOCK_DRIFT) * 1e6).round() as u32
@@ -438,6 +452,14 @@ impl Config {
                     "instance.id".into(),
                     "must be 1 to 100 bytes without ':' (it prefixes every owner), or `auto`"
                         .into(),
+                ));
+            }
+        }
+        if let Some(fleet) = &self.instance.fleet {
+            if fleet.is_empty() || fleet.len() > 100 {
+                return Err(invalid(
+                    "instance.fleet".into(),
+                    "must be 1 to 100 bytes".into(),
                 ));
             }
         }
@@ -898,6 +920,14 @@ namespaces:
         assert_eq!(e.line, Some(6), "{e}");
         assert!(e.message.contains("unknown field `wieght`"), "{e}");
         assert_eq!(e.field.as_deref(), Some("shards[1].wieght"), "{e}");
+    }
+
+    #[test]
+    fn an_empty_fleet_is_refused_and_none_means_default() {
+        let c = Config::from_yaml_str(GOOD).unwrap();
+        assert_eq!(c.instance.fleet(), DEFAULT_FLEET);
+        let e = Config::from_yaml_str(&format!("instance:\n  fleet: ''\n{GOOD}")).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("instance.fleet"), "{e}");
     }
 
     #[test]

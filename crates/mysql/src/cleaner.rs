@@ -9,9 +9,10 @@ use crate::now_us;
 /// Registers the instance on first call (`started_at` = now) and beats afterwards; a
 /// deregistered instance that beats again is alive again.
 const HEARTBEAT: &str = "INSERT INTO shardlock_instance \
-     (instance_id, host, pid, started_at, heartbeat_at, deregistered_at) \
-     VALUES (?, ?, ?, NOW(3), NOW(3), NULL) \
-     ON DUPLICATE KEY UPDATE heartbeat_at = NOW(3), deregistered_at = NULL";
+     (instance_id, host, pid, started_at, heartbeat_at, deregistered_at, topology, moving, fleet) \
+     VALUES (?, ?, ?, NOW(3), NOW(3), NULL, ?, ?, ?) \
+     ON DUPLICATE KEY UPDATE heartbeat_at = NOW(3), deregistered_at = NULL, topology = ?, \
+     moving = ?, fleet = ?";
 
 const DEREGISTER: &str =
     "UPDATE shardlock_instance SET deregistered_at = NOW(3) WHERE instance_id = ?";
@@ -24,7 +25,7 @@ const ALIVE_HEAD: &str = "SELECT instance_id FROM shardlock_instance \
 const INSTANCES: &str = "SELECT instance_id, host, pid, \
      DATE_FORMAT(started_at, '%Y-%m-%dT%H:%i:%s.%fZ'), \
      CAST(TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) DIV 1000 AS SIGNED), \
-     deregistered_at IS NOT NULL \
+     deregistered_at IS NOT NULL, topology, moving <> 0, fleet \
      FROM shardlock_instance ORDER BY instance_id";
 
 /// Rows the cleaner may remove, after `?` in key order, at most `?` of them: their lease ended
@@ -85,15 +86,44 @@ pub struct InstanceRow {
     pub heartbeat_ms_ago: i64,
     /// Whether it deregistered (shut down cleanly).
     pub deregistered: bool,
+    /// The fingerprint of the topology it runs (`None` from versions before migration 7).
+    pub topology: Option<String>,
+    /// Whether a reload's move was in force in it at its latest heartbeat.
+    pub moving: bool,
+    /// The fleet it belongs to (`instance.fleet`; `None` from versions before migration 7).
+    pub fleet: Option<String>,
 }
 
-pub(crate) async fn heartbeat(
-    conn: &mut Conn,
-    instance: &str,
-    host: &str,
-    pid: u32,
-) -> mysql_async::Result<()> {
-    conn.exec_drop(HEARTBEAT, (instance, host, pid)).await
+/// What an instance says of itself with each heartbeat.
+#[derive(Debug, Clone, Copy)]
+pub struct Beat<'a> {
+    /// Its instance id.
+    pub instance: &'a str,
+    /// Its host name.
+    pub host: &'a str,
+    /// Its process id.
+    pub pid: u32,
+    /// The fingerprint of the topology it runs.
+    pub topology: &'a str,
+    /// Whether a reload's move is in force in it.
+    pub moving: bool,
+    /// Its fleet.
+    pub fleet: &'a str,
+}
+
+pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::Result<()> {
+    let params: Vec<mysql_async::Value> = vec![
+        beat.instance.into(),
+        beat.host.into(),
+        beat.pid.into(),
+        beat.topology.into(),
+        beat.moving.into(),
+        beat.fleet.into(),
+        beat.topology.into(),
+        beat.moving.into(),
+        beat.fleet.into(),
+    ];
+    conn.exec_drop(HEARTBEAT, params).await
 }
 
 pub(crate) async fn deregister(conn: &mut Conn, instance: &str) -> mysql_async::Result<()> {
@@ -119,20 +149,45 @@ pub(crate) async fn alive(
         .collect())
 }
 
-type InstanceTuple = (Vec<u8>, String, u32, String, i64, bool);
+type InstanceTuple = (
+    Vec<u8>,
+    String,
+    u32,
+    String,
+    i64,
+    bool,
+    Option<Vec<u8>>,
+    bool,
+    Option<Vec<u8>>,
+);
 
 pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<InstanceRow>> {
     let rows: Vec<InstanceTuple> = conn.query(INSTANCES).await?;
     Ok(rows
         .into_iter()
         .map(
-            |(id, host, pid, started_at, heartbeat_ms_ago, deregistered)| InstanceRow {
-                instance_id: String::from_utf8_lossy(&id).into_owned(),
+            |(
+                id,
                 host,
                 pid,
                 started_at,
                 heartbeat_ms_ago,
                 deregistered,
+                topology,
+                moving,
+                fleet,
+            )| {
+                InstanceRow {
+                    instance_id: String::from_utf8_lossy(&id).into_owned(),
+                    host,
+                    pid,
+                    started_at,
+                    heartbeat_ms_ago,
+                    deregistered,
+                    topology: topology.map(|t| String::from_utf8_lossy(&t).into_owned()),
+                    moving,
+                    fleet: fleet.map(|f| String::from_utf8_lossy(&f).into_owned()),
+                }
             },
         )
         .collect())

@@ -15,7 +15,7 @@ mod pool;
 mod shard;
 
 pub use carry::{CasRow, MovingJob, PendingJob};
-pub use cleaner::{Candidate, InstanceRow};
+pub use cleaner::{Beat, Candidate, InstanceRow};
 pub use error::classify;
 pub use lease::{
     Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, FLOOR_BATCH,

@@ -35,6 +35,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "carry_and_retry",
         include_str!("../../../migrations/0006_carry_and_retry.sql"),
     ),
+    (
+        7,
+        "instance_topology",
+        include_str!("../../../migrations/0007_instance_topology.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\

@@ -11,7 +11,7 @@ use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
 
 use crate::carry::{self, CasRow, MovingJob, PendingJob};
-use crate::cleaner::{self, Candidate, InstanceRow};
+use crate::cleaner::{self, Beat, Candidate, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
@@ -426,16 +426,32 @@ impl Shard {
     }
 
     /// Registers `instance` or renews its heartbeat.
-    pub async fn heartbeat(
-        &self,
-        instance: &str,
-        host: &str,
-        pid: u32,
-    ) -> Result<(), BackendError> {
-        let (instance, host) = (instance.to_owned(), host.to_owned());
+    pub async fn heartbeat(&self, beat: Beat<'_>) -> Result<(), BackendError> {
+        let (instance, host, topology, fleet) = (
+            beat.instance.to_owned(),
+            beat.host.to_owned(),
+            beat.topology.to_owned(),
+            beat.fleet.to_owned(),
+        );
+        let (pid, moving) = (beat.pid, beat.moving);
         self.with_conn(self.statement_timeout, |c| {
-            let (instance, host) = (instance.clone(), host.clone());
-            Box::pin(async move { cleaner::heartbeat(c, &instance, &host, pid).await })
+            let (instance, host, topology, fleet) = (
+                instance.clone(),
+                host.clone(),
+                topology.clone(),
+                fleet.clone(),
+            );
+            Box::pin(async move {
+                let beat = Beat {
+                    instance: &instance,
+                    host: &host,
+                    pid,
+                    topology: &topology,
+                    moving,
+                    fleet: &fleet,
+                };
+                cleaner::heartbeat(c, beat).await
+            })
         })
         .await
     }
