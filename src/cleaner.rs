@@ -459,16 +459,15 @@ pub(crate) async fn refuse_twin(router: &LockRouter) -> Result<()> {
     Ok(())
 }
 
-/// Why `router` may not grant yet, if so: another live instance in the registry (heartbeat
-/// registry only) runs another topology, or has a reload's move in force. Instances of
-/// versions that do not say their topology are not counted; shards that do not answer are
-/// skipped (their keys are unavailable anyway).
-pub(crate) async fn fleet_disagreement(router: &LockRouter) -> Option<String> {
+/// The other live instances of `router`'s fleet in the registry (heartbeat registry only;
+/// `None` under another registry), deduplicated by instance over the current shards; shards
+/// that do not answer are skipped (their keys are unavailable anyway).
+async fn live_fleet(router: &LockRouter) -> Option<Vec<InstanceRow>> {
     let topology = router.inner.topology.load_full();
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
         return None;
     }
-    let (own, id) = (&topology.fingerprint, router.instance_id());
+    let id = router.instance_id();
     let fleet = topology.config.instance.fleet();
     let timeout = topology.config.cleaner.heartbeat_timeout;
     let answers = join_all(
@@ -479,22 +478,41 @@ pub(crate) async fn fleet_disagreement(router: &LockRouter) -> Option<String> {
             .map(|s| async move { s.shard.instances().await }),
     )
     .await;
-    let mut others = BTreeSet::new();
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
     for row in answers.into_iter().flatten().flatten() {
         let live = !row.deregistered
             && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < timeout.as_millis();
-        if !live || row.instance_id == id || row.fleet.as_deref() != Some(fleet) {
-            continue;
+        if live
+            && row.instance_id != id
+            && row.fleet.as_deref() == Some(fleet)
+            && seen.insert(row.instance_id.clone())
+        {
+            out.push(row);
         }
+    }
+    Some(out)
+}
+
+/// How the registry names an instance in a log line or error.
+fn describe(row: &InstanceRow) -> String {
+    format!("{} (host {}, pid {})", row.instance_id, row.host, row.pid)
+}
+
+/// Why `router` may not grant yet, if so: another live instance of its fleet runs another
+/// topology, or has a reload's move in force. Instances of versions that do not say their
+/// topology are not counted.
+pub(crate) async fn fleet_disagreement(router: &LockRouter) -> Option<String> {
+    let own = router.inner.topology.load().fingerprint.clone();
+    let fleet = router.config().instance.fleet().to_owned();
+    let mut others = BTreeSet::new();
+    for row in live_fleet(router).await? {
         let what = match row.topology.as_deref() {
             Some(theirs) if theirs != own => format!("runs topology {theirs}"),
             _ if row.moving => "is moving keys after a reload".to_owned(),
             _ => continue,
         };
-        others.insert(format!(
-            "{} (host {}, pid {}) {what}",
-            row.instance_id, row.host, row.pid
-        ));
+        others.insert(format!("{} {what}", describe(&row)));
     }
     (!others.is_empty()).then(|| {
         format!(
@@ -508,15 +526,30 @@ pub(crate) async fn fleet_disagreement(router: &LockRouter) -> Option<String> {
     })
 }
 
+/// The live instances of `router`'s fleet that still run the topology with `fingerprint`
+/// (they have not reloaded yet): a move away from it must stay in force while any does, or
+/// they would grant a moved key where this process no longer looks. Empty when the registry
+/// cannot tell (another registry, no shard answering).
+pub(crate) async fn laggards(router: &LockRouter, fingerprint: &str) -> Vec<String> {
+    live_fleet(router)
+        .await
+        .unwrap_or_default()
+        .iter()
+        .filter(|row| row.topology.as_deref() == Some(fingerprint))
+        .map(describe)
+        .collect()
+}
+
 /// Heartbeats missed in a row on one shard before a warning.
 const HEARTBEATS_MISSED_BEFORE_WARNING: u32 = 3;
 
 /// Starts the heartbeat of `router` on every current shard, every
-/// `cleaner.heartbeat-interval`, while the registry in force is `heartbeat`. It ends with
+/// `cleaner.heartbeat-interval` and whenever `beat_now` is notified, while the registry in force is `heartbeat`. It ends with
 /// the router (shutdown or drop).
 pub(crate) fn spawn_heartbeat(router: &LockRouter) {
     let weak = Arc::downgrade(&router.inner);
     let mut closed = router.inner.shared.closed.subscribe();
+    let beat_now = router.inner.beat_now.clone();
     let (host, pid) = (crate::router::host_name(), std::process::id());
     tokio::spawn(async move {
         // Heartbeats missed in a row, per shard.
@@ -569,6 +602,8 @@ pub(crate) fn spawn_heartbeat(router: &LockRouter) {
             tokio::select! {
                 _ = closed.wait_for(|c| *c) => return,
                 _ = tokio::time::sleep(interval) => {}
+                // A reload, or a move's end: advertise the change without waiting.
+                _ = beat_now.notified() => {}
             }
         }
     });

@@ -182,9 +182,37 @@ async fn take_on(
 /// shards' clocks say and however far a key's fences ran ahead of its shard's clock. A shard
 /// that cannot be read is retried until it can (its moved keys then keep depending on it).
 ///
+/// The move is not over while a live instance of the fleet still advertises `previous`'s
+/// topology in the registry: that process has not reloaded and still grants moved keys only
+/// there, so this one keeps taking them there too (and warns, naming it) however long the
+/// operator takes.
+///
 /// Every process does this for itself; the copies are idempotent (`GREATEST`).
 pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
     tokio::time::sleep_until(previous.until).await;
+    let mut warned = false;
+    loop {
+        let Some(router) = inner.upgrade().map(|inner| crate::LockRouter { inner }) else {
+            return;
+        };
+        if router.inner.shared.is_closed() {
+            return;
+        }
+        let lagging = crate::cleaner::laggards(&router, &previous.fingerprint).await;
+        if lagging.is_empty() {
+            break;
+        }
+        if !warned {
+            tracing::warn!(
+                instances = lagging.join("; "),
+                "shardlock keeps a move in force past its window: instances of this fleet still run the previous topology; reload them"
+            );
+            warned = true;
+        }
+        let interval = router.config().cleaner.heartbeat_interval;
+        drop(router);
+        tokio::time::sleep(interval).await;
+    }
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         let Some(router) = inner.upgrade() else {
@@ -196,6 +224,7 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         match carry_once(&router, &previous).await {
             Ok(carried) => {
                 previous.fences_carried.store(true, Ordering::Release);
+                router.beat_now.notify_one();
                 router
                     .shared
                     .stats

@@ -45,6 +45,9 @@ pub(crate) struct Inner {
     pub(crate) gate: Gate,
     /// Set once the heartbeat registered this router on its shards.
     pub(crate) registered: std::sync::atomic::AtomicBool,
+    /// Wakes the heartbeat before its interval: a reload or a move's end changes what this
+    /// router advertises (topology, moving), which routers starting meanwhile rely on.
+    pub(crate) beat_now: Arc<tokio::sync::Notify>,
 }
 
 /// Whether a router may grant yet. A router that starts while another live instance in the
@@ -294,6 +297,7 @@ impl LockRouter {
                 tx_locks: std::sync::Mutex::default(),
                 gate: Gate::default(),
                 registered: std::sync::atomic::AtomicBool::new(false),
+                beat_now: Arc::default(),
             }),
         };
         let _ = router
@@ -324,7 +328,10 @@ impl LockRouter {
     /// once no move needs them and no lease of this process is held there. An invalid config
     /// is rejected and the old one stays in force.
     ///
-    /// Every process must apply a change within half the move window of every other.
+    /// Reload every process of the fleet: with the `heartbeat` registry the move stays in
+    /// force while any live instance of the fleet still runs the old topology; under
+    /// `registry: static`, every process must apply a change within half the move window of
+    /// every other.
     ///
     /// Cancellation: the swap happens without an await after the shards' identities were
     /// read; a call dropped before that changes nothing.
@@ -347,6 +354,9 @@ impl LockRouter {
         // for a database already in use) is told apart from a move to another server.
         let mut shards = old.all_shards();
         shards.extend(next.current.shards.iter().cloned());
+        // Shards that stay are in both lists: one read each.
+        shards.sort_by_key(Arc::as_ptr);
+        shards.dedup_by(|a, b| Arc::ptr_eq(a, b));
         join_all(shards.iter().map(|s| s.resolve_identity())).await;
         next.previous = old.previous_for_next(&next, window);
         // Shards that were current and are not any more (those that left earlier are being
@@ -369,6 +379,7 @@ impl LockRouter {
         // follows its key itself; those registered before are found here.
         shared.epoch.store(next.epoch, Ordering::SeqCst);
         // Every shard state, those draining after an earlier reload included.
+        self.inner.beat_now.notify_one();
         crate::moves::follow_all(&shared.shard_states(), &next);
         crate::patterns::follow_tx_locks(&self.inner, &next);
         if let Some(moved) = next

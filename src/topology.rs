@@ -38,6 +38,10 @@ pub(crate) struct Previous {
     /// Set once the fences of its shards' rows were copied to where their keys live now (see
     /// [`crate::moves::carry_fences`]); until then its shards are still consulted as a floor.
     pub(crate) fences_carried: Arc<AtomicBool>,
+    /// The fingerprint of the topology it belonged to: processes of the fleet that still
+    /// advertise it have not reloaded, and keep the move in force (see
+    /// [`crate::moves::carry_fences`]).
+    pub(crate) fingerprint: String,
 }
 
 impl Previous {
@@ -212,6 +216,7 @@ impl Topology {
                 placement: self.current.clone(),
                 until: now + window,
                 fences_carried: Arc::default(),
+                fingerprint: self.fingerprint.clone(),
             });
         }
         kept

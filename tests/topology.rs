@@ -215,7 +215,9 @@ async fn shard_status(router: &LockRouter, name: &str) -> shardlock::ShardStatus
 #[tokio::test(flavor = "multi_thread")]
 async fn shards_that_stay_keep_their_pools_and_a_leaving_shard_is_drained() {
     let cluster = Cluster::start(4).await.unwrap();
-    let four = Config::from_yaml_str(&config_for(&cluster, 4)).unwrap();
+    // No heartbeat: a reload beats at once, and its connection would blur the pool counts.
+    let quiet = |yaml: String| yaml + "cleaner:\n  registry: static\n";
+    let four = Config::from_yaml_str(&quiet(config_for(&cluster, 4))).unwrap();
     let router = LockRouter::new(four).await.unwrap();
     router.migrate().await.unwrap();
     let on_s4 = (0..)
@@ -226,11 +228,17 @@ async fn shards_that_stay_keep_their_pools_and_a_leaving_shard_is_drained() {
     let opened = shard_status(&router, "s1").await.pool.size;
     assert!(opened > 0);
 
-    let three = config_for(&cluster, 3).replace("move-window: 3s", "move-window: 500ms");
+    let three = quiet(config_for(&cluster, 3)).replace("move-window: 3s", "move-window: 500ms");
     router
         .reload(Config::from_yaml_str(&three).unwrap())
         .await
         .unwrap();
+    // The held lease follows its key (to one of the shards that stay) before the counts.
+    let followed = common::eventually(Duration::from_secs(5), || async {
+        router.stats().followed == 1
+    })
+    .await;
+    assert!(followed, "{:?}", router.stats());
     let status = router.status().await;
     let s1 = status.iter().find(|s| s.name == "s1").unwrap();
     assert_eq!(
@@ -307,6 +315,38 @@ async fn a_lease_held_past_the_move_window_is_never_granted_twice() {
     assert_eq!(next.shard(), b.shard_for(&key).unwrap());
     assert!(next.fence() > fence, "{} after {fence}", next.fence());
     next.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_move_stays_in_force_past_its_window_while_a_process_of_the_fleet_has_not_reloaded() {
+    let (_cluster, a, b, key, three) = two_routers_and_a_key_on_s4().await;
+    let opts = || {
+        AcquireOptions::new()
+            .ttl(Duration::from_secs(1))
+            .wait(Duration::ZERO)
+    };
+    a.reload(three.clone()).await.unwrap();
+    // b missed the reload, and holds nothing while a's window passes (a lease held across it
+    // would keep the move in force by itself).
+    tokio::time::sleep(PAST_THE_WINDOW).await;
+    assert!(a.moves_in_progress() > 0, "b still runs the old topology");
+    // b still places the key on s4.
+    let held = b.acquire(&key, opts()).await.unwrap();
+    assert_eq!(held.shard(), "s4");
+    assert!(
+        a.try_acquire(&key, opts()).await.unwrap().is_none(),
+        "granted on {} while b holds it on s4",
+        a.shard_for(&key).unwrap()
+    );
+    held.release().await.unwrap();
+
+    // Once b reloads too, a's move ends (b's own runs its window from b's reload).
+    b.reload(three).await.unwrap();
+    let ended = common::eventually(Duration::from_secs(10), || async {
+        a.moves_in_progress() == 0
+    })
+    .await;
+    assert!(ended, "a's move ends once no process runs the old topology");
 }
 
 #[tokio::test(flavor = "multi_thread")]
