@@ -459,40 +459,62 @@ pub(crate) async fn refuse_twin(router: &LockRouter) -> Result<()> {
     Ok(())
 }
 
-/// The other live instances of `router`'s fleet in the registry (heartbeat registry only;
-/// `None` under another registry), deduplicated by instance over the current shards; shards
-/// that do not answer are skipped (their keys are unavailable anyway).
-async fn live_fleet(router: &LockRouter) -> Option<Vec<InstanceRow>> {
+/// The other live instances of `router`'s fleet in the registry: `Ok(None)` under a registry
+/// other than `heartbeat` (nothing to read), `Err` naming the shards whose registry did not
+/// answer. Read on every shard of the topology, previous placements' included (processes that
+/// have not reloaded heartbeat there); one row per instance, its freshest.
+async fn live_fleet(router: &LockRouter) -> std::result::Result<Option<Vec<InstanceRow>>, String> {
     let topology = router.inner.topology.load_full();
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
-        return None;
+        return Ok(None);
     }
     let id = router.instance_id();
     let fleet = topology.config.instance.fleet();
     let timeout = topology.config.cleaner.heartbeat_timeout;
-    let answers = join_all(
-        topology
-            .current
-            .shards
-            .iter()
-            .map(|s| async move { s.shard.instances().await }),
-    )
+    let shards = topology.all_shards();
+    let answers = join_all(shards.iter().map(|s| async move {
+        match s.shard.instances().await {
+            // Not migrated to this version yet (no registry table, or one without the
+            // topology columns): no instance there says its topology, as with instances of
+            // older versions, which are not counted.
+            Err(e) if matches!(e.code, Some(ER_NO_SUCH_TABLE | ER_BAD_FIELD)) => Ok(Vec::new()),
+            answer => answer.map_err(|e| format!("shard {}: {e}", s.shard.name())),
+        }
+    }))
     .await;
-    let mut seen = BTreeSet::new();
-    let mut out = Vec::new();
-    for row in answers.into_iter().flatten().flatten() {
-        let live = !row.deregistered
-            && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < timeout.as_millis();
-        if live
-            && row.instance_id != id
-            && row.fleet.as_deref() == Some(fleet)
-            && seen.insert(row.instance_id.clone())
-        {
-            out.push(row);
+    let mut rows = Vec::new();
+    let mut silent = Vec::new();
+    for answer in answers {
+        match answer {
+            Ok(found) => rows.extend(found),
+            Err(e) => silent.push(e),
         }
     }
-    Some(out)
+    if !silent.is_empty() {
+        return Err(format!(
+            "the registry did not answer on {} (a process that cannot read all of it cannot \
+             tell which topology the others run)",
+            silent.join("; ")
+        ));
+    }
+    // An instance's latest heartbeat says what it runs now: a reload moves its heartbeats to
+    // the new topology's shards, and its row on a shard it left keeps the old topology until
+    // it times out.
+    rows.sort_by_key(|row| row.heartbeat_ms_ago);
+    let mut seen = BTreeSet::new();
+    rows.retain(|row| seen.insert(row.instance_id.clone()));
+    rows.retain(|row| {
+        !row.deregistered
+            && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < timeout.as_millis()
+            && row.instance_id != id
+            && row.fleet.as_deref() == Some(fleet)
+    });
+    Ok(Some(rows))
 }
+
+/// The server's "table does not exist" and "unknown column" errors.
+const ER_NO_SUCH_TABLE: u16 = 1146;
+const ER_BAD_FIELD: u16 = 1054;
 
 /// How the registry names an instance in a log line or error.
 fn describe(row: &InstanceRow) -> String {
@@ -500,13 +522,18 @@ fn describe(row: &InstanceRow) -> String {
 }
 
 /// Why `router` may not grant yet, if so: another live instance of its fleet runs another
-/// topology, or has a reload's move in force. Instances of versions that do not say their
-/// topology are not counted.
+/// topology, or has a reload's move in force, or the registry cannot be read on every shard
+/// (it fails closed: unread is not "nobody there"). Instances of versions that do not say
+/// their topology are not counted.
 pub(crate) async fn fleet_disagreement(router: &LockRouter) -> Option<String> {
     let own = router.inner.topology.load().fingerprint.clone();
     let fleet = router.config().instance.fleet().to_owned();
+    let rows = match live_fleet(router).await {
+        Ok(rows) => rows?,
+        Err(why) => return Some(format!("this process grants nothing yet: {why}")),
+    };
     let mut others = BTreeSet::new();
-    for row in live_fleet(router).await? {
+    for row in rows {
         let what = match row.topology.as_deref() {
             Some(theirs) if theirs != own => format!("runs topology {theirs}"),
             _ if row.moving => "is moving keys after a reload".to_owned(),
@@ -526,78 +553,49 @@ pub(crate) async fn fleet_disagreement(router: &LockRouter) -> Option<String> {
     })
 }
 
-/// The live instances of `router`'s fleet that still run the topology with `fingerprint`
-/// (they have not reloaded yet): a move away from it must stay in force while any does, or
-/// they would grant a moved key where this process no longer looks. Empty when the registry
-/// cannot tell (another registry, no shard answering).
-pub(crate) async fn laggards(router: &LockRouter, fingerprint: &str) -> Vec<String> {
-    live_fleet(router)
-        .await
-        .unwrap_or_default()
+/// Why a move away from the topology with `fingerprint` must stay in force, if it must: live
+/// instances of `router`'s fleet still run it (they have not reloaded, and would grant a moved
+/// key where this process no longer looks), or the registry cannot be read on every shard
+/// (unread is not "nobody there"). `None` under another registry than `heartbeat`.
+pub(crate) async fn laggards(router: &LockRouter, fingerprint: &str) -> Option<String> {
+    if router.inner.topology.load().fingerprint == fingerprint {
+        // Back to that topology (a reload undone): whoever runs it runs ours.
+        return None;
+    }
+    let rows = match live_fleet(router).await {
+        Ok(rows) => rows?,
+        Err(why) => return Some(why),
+    };
+    let lagging: BTreeSet<_> = rows
         .iter()
         .filter(|row| row.topology.as_deref() == Some(fingerprint))
         .map(describe)
-        .collect()
+        .collect();
+    (!lagging.is_empty()).then(|| {
+        format!(
+            "instances of this fleet still run the previous topology: {}; reload them",
+            lagging.into_iter().collect::<Vec<_>>().join("; ")
+        )
+    })
 }
 
 /// Heartbeats missed in a row on one shard before a warning.
 const HEARTBEATS_MISSED_BEFORE_WARNING: u32 = 3;
 
 /// Starts the heartbeat of `router` on every current shard, every
-/// `cleaner.heartbeat-interval` and whenever `beat_now` is notified, while the registry in force is `heartbeat`. It ends with
-/// the router (shutdown or drop).
+/// `cleaner.heartbeat-interval` and whenever `beat_now` is notified, while the registry in
+/// force is `heartbeat`. It ends with the router (shutdown or drop).
 pub(crate) fn spawn_heartbeat(router: &LockRouter) {
     let weak = Arc::downgrade(&router.inner);
     let mut closed = router.inner.shared.closed.subscribe();
     let beat_now = router.inner.beat_now.clone();
-    let (host, pid) = (crate::router::host_name(), std::process::id());
     tokio::spawn(async move {
         // Heartbeats missed in a row, per shard.
-        let mut failures: std::collections::HashMap<String, u32> = Default::default();
+        let mut missed = std::collections::HashMap::new();
         loop {
             let interval = {
                 let Some(inner) = weak.upgrade() else { return };
-                let topology = inner.topology.load_full();
-                if topology.config.cleaner.registry == RegistryKind::Heartbeat {
-                    let beat = Beat {
-                        instance: &inner.shared.instance_id,
-                        host: &host,
-                        pid,
-                        topology: &topology.fingerprint,
-                        moving: topology.moves_in_progress() > 0,
-                        fleet: topology.config.instance.fleet(),
-                    };
-                    let beats = topology.current.shards.iter().map(|s| async move {
-                        (
-                            s.shard.name().to_owned(),
-                            s.call(s.shard.heartbeat(beat)).await,
-                        )
-                    });
-                    for (shard, beat) in join_all(beats).await {
-                        let missed = failures.entry(shard.clone()).or_default();
-                        match beat {
-                            Ok(()) => *missed = 0,
-                            Err(e) => {
-                                *missed += 1;
-                                inner
-                                    .shared
-                                    .stats
-                                    .heartbeat_failures
-                                    .fetch_add(1, Ordering::Relaxed);
-                                // Others' cleaners count this instance dead after
-                                // `heartbeat-timeout` without one: worth a warning once it
-                                // keeps failing, not on one miss.
-                                if *missed == HEARTBEATS_MISSED_BEFORE_WARNING {
-                                    tracing::warn!(shard, error = %e, missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
-                                } else {
-                                    tracing::debug!(shard, error = %e, "shardlock heartbeat failed");
-                                }
-                            }
-                        }
-                    }
-                    inner.registered.store(true, Ordering::Release);
-                }
-                topology.config.cleaner.heartbeat_interval
+                beat(&LockRouter { inner }, &mut missed).await
             };
             tokio::select! {
                 _ = closed.wait_for(|c| *c) => return,
@@ -607,6 +605,58 @@ pub(crate) fn spawn_heartbeat(router: &LockRouter) {
             }
         }
     });
+}
+
+/// One heartbeat of `router` on every current shard, if the registry in force is `heartbeat`;
+/// `missed` counts failures in a row per shard (a warning at the third). Returns the interval
+/// to the next one.
+pub(crate) async fn beat(
+    router: &LockRouter,
+    missed: &mut std::collections::HashMap<String, u32>,
+) -> Duration {
+    let inner = &router.inner;
+    let topology = inner.topology.load_full();
+    if topology.config.cleaner.registry != RegistryKind::Heartbeat {
+        return topology.config.cleaner.heartbeat_interval;
+    }
+    let host = crate::router::host_name();
+    let beat = Beat {
+        instance: &inner.shared.instance_id,
+        host: &host,
+        pid: std::process::id(),
+        topology: &topology.fingerprint,
+        moving: topology.moves_in_progress() > 0,
+        fleet: topology.config.instance.fleet(),
+    };
+    let beats = topology.current.shards.iter().map(|s| async move {
+        (
+            s.shard.name().to_owned(),
+            s.call(s.shard.heartbeat(beat)).await,
+        )
+    });
+    for (shard, beat) in join_all(beats).await {
+        let missed = missed.entry(shard.clone()).or_default();
+        match beat {
+            Ok(()) => *missed = 0,
+            Err(e) => {
+                *missed += 1;
+                inner
+                    .shared
+                    .stats
+                    .heartbeat_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                // Others' cleaners count this instance dead after `heartbeat-timeout` without
+                // one: worth a warning once it keeps failing, not on one miss.
+                if *missed == HEARTBEATS_MISSED_BEFORE_WARNING {
+                    tracing::warn!(shard, error = %e, missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
+                } else {
+                    tracing::debug!(shard, error = %e, "shardlock heartbeat failed");
+                }
+            }
+        }
+    }
+    inner.registered.store(true, Ordering::Release);
+    topology.config.cleaner.heartbeat_interval
 }
 
 /// Marks this instance as shut down in the registry of every shard (router shutdown).

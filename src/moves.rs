@@ -198,15 +198,11 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         if router.inner.shared.is_closed() {
             return;
         }
-        let lagging = crate::cleaner::laggards(&router, &previous.fingerprint).await;
-        if lagging.is_empty() {
+        let Some(why) = crate::cleaner::laggards(&router, &previous.fingerprint).await else {
             break;
-        }
+        };
         if !warned {
-            tracing::warn!(
-                instances = lagging.join("; "),
-                "shardlock keeps a move in force past its window: instances of this fleet still run the previous topology; reload them"
-            );
+            tracing::warn!(why, "shardlock keeps a move in force past its window");
             warned = true;
         }
         let interval = router.config().cleaner.heartbeat_interval;

@@ -100,7 +100,14 @@ impl Drop for Inner {
     /// still there): else it would count as live in the registry until its heartbeat times
     /// out, keeping routers that start with another topology waiting (see [`Gate`]).
     fn drop(&mut self) {
-        if !self.registered.load(Ordering::Acquire) || self.shared.is_closed() {
+        // A guard can outlive its router, its lease still renewed: the instance is live
+        // until that ends (its heartbeat then times out).
+        let holding = self
+            .shared
+            .shard_states()
+            .iter()
+            .any(|s| !s.held().is_empty());
+        if !self.registered.load(Ordering::Acquire) || self.shared.is_closed() || holding {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -229,6 +236,10 @@ impl LockRouter {
             self.inner.shared.closed.send_replace(true);
             return Err(e);
         }
+        // Registered before reading the others: of two routers starting at once, the later
+        // reader sees the earlier one (else both could read an empty registry and both grant,
+        // each under its own topology).
+        crate::cleaner::beat(&self, &mut Default::default()).await;
         if let Some(why) = crate::cleaner::fleet_disagreement(&self).await {
             tracing::warn!(why, "shardlock grants nothing until its fleet agrees");
             self.inner.gate.close(why);

@@ -94,7 +94,11 @@ async fn unreachable_shard_is_named_and_others_keep_working() {
         "{}  - name: ghost\n    url: mysql://root@127.0.0.1:{dead}/shardlock\n    statement-timeout: 500ms\n    pool:\n      create-timeout: 300ms\n",
         cluster.config_yaml("")
     );
-    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    // Without a registry to read (see the end for the heartbeat registry).
+    let static_registry = "cleaner:\n  registry: static\n";
+    let router = LockRouter::from_yaml_str(&format!("{yaml}{static_registry}"))
+        .await
+        .unwrap();
     let err = router.migrate().await.unwrap_err();
     assert!(
         matches!(&err, Error::Unavailable { shard, .. } if shard == "ghost"),
@@ -134,6 +138,18 @@ async fn unreachable_shard_is_named_and_others_keep_working() {
     );
     eprintln!("unreachable shard reported after {:?}", started.elapsed());
     g.release().await.unwrap();
+
+    // A router that cannot read the registry of one of its shards cannot tell which topology
+    // the rest of its fleet runs: it grants nothing, and says why.
+    let strict = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let err = strict
+        .try_acquire(&live_key, AcquireOptions::new())
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("ghost") && err.to_string().contains("registry"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
