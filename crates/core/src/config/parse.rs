@@ -4,7 +4,6 @@
 use std::path::Path;
 
 use super::env::substitute_env;
-use super::locate::locate;
 use super::{Config, ConfigError, DEFAULT_NAMESPACE};
 
 impl Config {
@@ -24,6 +23,8 @@ impl Config {
         Self::parse(text, Some(path))
     }
 
+    /// `path` only names the file in errors: the text is always passed in, so a caller that
+    /// keeps the text it read (for reloads, or to start a router) never reads the file twice.
     fn parse(raw: &str, path: Option<&Path>) -> Result<Self, ConfigError> {
         let with_path = |mut e: ConfigError| {
             e.path = path.map(Path::to_owned);
@@ -53,15 +54,8 @@ impl Config {
             .namespaces
             .entry(DEFAULT_NAMESPACE.to_owned())
             .or_default();
-        config.validate().map_err(|mut e| {
-            if let Some(field) = &e.field {
-                if let Some((line, column)) = locate(&text, field) {
-                    e.line = Some(line);
-                    e.column = Some(column);
-                }
-            }
-            with_path(e)
-        })?;
+        // Located in the substituted text, the one serde's positions refer to.
+        config.validate().map_err(|e| e.located(&text, path))?;
         Ok(config)
     }
 }
