@@ -4,7 +4,8 @@
 use super::ConfigError;
 
 /// Replaces `${VAR}` and `${VAR:-default}` from the environment; `$$` stands for `$`.
-/// Whole-line comments are left alone.
+/// Whole-line comments are left alone, so a commented-out line may name a variable that is
+/// not set. An error points at its `${` in the text as written, the text the user edits.
 pub(super) fn substitute_env(text: &str) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(text.len());
     for (line_no, line) in text.split_inclusive('\n').enumerate() {

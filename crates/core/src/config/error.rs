@@ -20,6 +20,8 @@ pub struct ConfigError {
     pub message: String,
 }
 
+/// Written `file:line:column: field `f`: message`, the form compilers use, so editors and
+/// terminals can jump to the place.
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.path {
@@ -42,7 +44,8 @@ impl fmt::Display for ConfigError {
 
 impl ConfigError {
     /// Adds the file and, for an error that names a field, the field's line and column in
-    /// `text` (the YAML the config was parsed from).
+    /// `text` (the YAML the config was parsed from). A line already there is kept: serde put it
+    /// at the offending token, which is more exact than the line of the field.
     pub fn located(mut self, text: &str, path: Option<&Path>) -> Self {
         if self.line.is_none() {
             if let Some((line, column)) = self.field.as_deref().and_then(|f| locate(text, f)) {

@@ -11,6 +11,8 @@ struct YamlLine<'a> {
     content: &'a str,
 }
 
+/// The lines [`locate`] walks. A list dash counts as indentation so that an item's first
+/// field has the same indent as the fields below it, just as YAML nests them.
 fn yaml_lines(text: &str) -> Vec<YamlLine<'_>> {
     text.lines()
         .enumerate()
