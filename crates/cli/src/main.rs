@@ -96,12 +96,8 @@ impl ConfigSource {
     fn load(path: Option<PathBuf>) -> shardlock::Result<Self> {
         match path {
             Some(p) => {
-                let text = std::fs::read_to_string(&p).map_err(|e| shardlock::ConfigError {
-                    path: Some(p.clone()),
-                    message: format!("cannot read the file: {e}"),
-                    ..Default::default()
-                })?;
-                let config = Config::from_yaml_file(&p)?;
+                let text = shardlock::config::read_file(&p)?;
+                let config = Config::from_yaml_text(&text, &p)?;
                 Ok(Self {
                     path: Some(p),
                     config,

@@ -1,0 +1,425 @@
+//! The shape of the file: one struct per section, its defaults, and the derived values
+//! (fleet, move window, renewal period) that other layers read instead of the raw fields.
+//!
+//! Defaults live here as named consts, each with its reason, so that `Default` impls, the
+//! reference YAML and the docs quote one number.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Virtual nodes per unit of shard weight: enough that, over 100,000 keys, the busiest of up
+/// to 8 equal shards carries at most 1.1x the mean (pinned by a ring test).
+pub const DEFAULT_VIRTUAL_NODES: u32 = 512;
+/// Lease length when neither the call nor the namespace says: long enough to ride out a few
+/// missed renewals (renewal runs every ttl/3), short enough that a crash frees keys quickly.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
+/// How long `acquire` waits by default before giving up with `Error::Timeout`.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
+/// First backoff step while waiting: about one round trip to a loaded shard.
+pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(2);
+/// Longest backoff step: bounds how late a waiter of another process notices a released lock
+/// (a waiting process polls a busy key at most 50 times a second), and how long a process
+/// that released a key for another one lets it poll before its own waiters try again.
+pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_millis(20);
+/// Fences reserved per shard grant for in-memory hand-offs: a process alone on a hot key
+/// makes this many grants per round trip to the shard.
+pub const DEFAULT_HANDOFF_MAX_COUNT: u32 = 128;
+/// How long a process may keep handing a key over in memory before it goes back to the shard
+/// (where it yields if another process asked for the key). Other processes wait at most about
+/// this plus one of their backoff steps, a few round trips on a busy shard.
+pub const DEFAULT_HANDOFF_MAX_TIME: Duration = Duration::from_millis(20);
+/// Connections per shard pool: a lock statement is short, so a few connections serve many
+/// callers; raise it for many concurrent transaction locks.
+pub const DEFAULT_POOL_MAX_SIZE: usize = 16;
+/// How long a caller may wait for a free pooled connection.
+pub const DEFAULT_POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long opening a connection may take before the shard counts as unreachable.
+pub const DEFAULT_POOL_CREATE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long checking a pooled connection (reset or ping) may take before it is discarded.
+pub const DEFAULT_POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Pooled connections idle longer than this are pinged before reuse.
+pub const DEFAULT_POOL_IDLE_CHECK: Duration = Duration::from_secs(30);
+/// Upper bound for one lock statement; a lease statement is a primary-key operation.
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The namespace used when a call names none.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Config {
+    /// This process.
+    pub instance: InstanceConfig,
+    /// The MySQL shards locks are spread over (at least one).
+    pub shards: Vec<ShardConfig>,
+    /// Placement of keys on shards.
+    pub routing: RoutingConfig,
+    /// Lock policies by namespace; `default` always exists.
+    pub namespaces: BTreeMap<String, NamespaceConfig>,
+    /// When a shard counts as failed, and when it is tried again (one breaker per shard).
+    pub breaker: crate::BreakerConfig,
+    /// The lease cleaner and the instance registry it asks.
+    pub cleaner: CleanerConfig,
+    /// Spans, metrics and their export.
+    pub telemetry: TelemetryConfig,
+}
+
+/// Telemetry: what spans and metrics carry, and where `shardlock::telemetry::init` serves them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct TelemetryConfig {
+    /// Serve the metrics for Prometheus at `http://<this address>/metrics` (e.g.
+    /// `127.0.0.1:9464`); none when absent.
+    pub prometheus_listen: Option<String>,
+    /// Export spans and metrics over OTLP/HTTP (JSON) to this collector base URL, e.g.
+    /// `http://127.0.0.1:4318` (`/v1/traces` and `/v1/metrics` are appended); none when absent.
+    pub otlp_endpoint: Option<String>,
+    /// Share of traces sampled for OTLP export (0.0-1.0), honouring a sampled parent.
+    pub trace_sample_ratio: f64,
+    /// `service.name` of the exported telemetry.
+    pub service_name: String,
+    /// Put raw keys in spans and hot-key metrics. Off: a stable hash of the key (`#…`) instead,
+    /// so key contents (user ids, order numbers) stay out of telemetry.
+    pub record_keys: bool,
+    /// How many hot keys (most wait time) the `shardlock.hot_key.wait` metric reports.
+    pub hot_keys: u32,
+    /// The window hot keys are measured over (the report covers one to two windows).
+    #[serde(with = "humantime_serde")]
+    pub hot_key_window: Duration,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            prometheus_listen: None,
+            otlp_endpoint: None,
+            trace_sample_ratio: 1.0,
+            service_name: "shardlock".into(),
+            record_keys: false,
+            hot_keys: 10,
+            hot_key_window: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The lease cleaner (`LockRouter::run_cleaner`, `shardlock cleaner`) and the instance
+/// registry that vouches for holders.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct CleanerConfig {
+    /// Time between cleaning passes.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// A row is removed only once its lease ended (released or expired) longer ago than this.
+    #[serde(with = "humantime_serde")]
+    pub grace: Duration,
+    /// Rows examined and deleted per statement.
+    pub batch_size: u32,
+    /// Pause between batches, so acquires on the same shard keep their latency.
+    #[serde(with = "humantime_serde")]
+    pub batch_pause: Duration,
+    /// Who says an instance is dead.
+    pub registry: RegistryKind,
+    /// How often an instance heartbeats (`heartbeat` registry).
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_interval: Duration,
+    /// An instance silent this long is dead (`heartbeat` registry).
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_timeout: Duration,
+    /// Instances that are alive whatever happens (`static` registry); all others are dead.
+    pub live_instances: Vec<String>,
+}
+
+impl Default for CleanerConfig {
+    fn default() -> Self {
+        Self {
+            // Garbage is harmless for a while; a pass a minute keeps tables small.
+            interval: Duration::from_secs(60),
+            // Longer than any renewal hiccup and any clock step between shard and holder.
+            grace: Duration::from_secs(60),
+            // A batch deletes in a few milliseconds on a loaded shard.
+            batch_size: 1000,
+            batch_pause: Duration::from_millis(10),
+            registry: RegistryKind::Heartbeat,
+            heartbeat_interval: Duration::from_secs(5),
+            // Six missed heartbeats.
+            heartbeat_timeout: Duration::from_secs(30),
+            live_instances: Vec::new(),
+        }
+    }
+}
+
+/// The instance registry the cleaner asks before deleting a lease that was never released.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RegistryKind {
+    /// Every instance registers in `shardlock_instance` on every shard and heartbeats there;
+    /// dead = deregistered, or no heartbeat for `heartbeat-timeout`.
+    #[default]
+    Heartbeat,
+    /// For deployments with a registry of their own: the instances in `live-instances` are
+    /// alive, all others dead (empty: lease expiry plus `grace` alone decides). A custom
+    /// registry can be plugged in with `LockRouter::set_registry`.
+    Static,
+}
+
+/// Who this process is.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct InstanceConfig {
+    /// The instance id written into every owner (`<id>:<start nonce>:<grant seq>`). Absent or `auto`:
+    /// derived from host name, process id and a random suffix, unique per process start.
+    pub id: Option<String>,
+    /// How much faster than this process's clock a shard's clock may run, as a fraction
+    /// (`0.01`: 1%). A lease's local end comes that much before its ttl (and 1 ms more for the
+    /// shard's millisecond time), so its holder learns it lost the lock before anyone else can
+    /// get it. Default [`DEFAULT_CLOCK_DRIFT`].
+    pub clock_drift: Option<f64>,
+    /// The processes that share keys with this one (default `default`): a router that starts
+    /// while another live process of its fleet runs another topology, or is moving keys after a
+    /// reload, grants nothing until they agree (it cannot know where they place a moved key).
+    /// Services that share lock shards but never each other's keys may run different
+    /// topologies: give each its own fleet.
+    pub fleet: Option<String>,
+}
+
+/// The fleet of a config without `instance.fleet`.
+pub const DEFAULT_FLEET: &str = "default";
+
+/// Clocks of healthy machines drift apart by parts per million, NTP slews by at most 500 ppm;
+/// 1% leaves room for a VM whose clock misbehaves, and costs a 10 s lease 100 ms of notice.
+pub const DEFAULT_CLOCK_DRIFT: f64 = 0.01;
+
+impl InstanceConfig {
+    /// [`InstanceConfig::fleet`], or [`DEFAULT_FLEET`].
+    pub fn fleet(&self) -> &str {
+        self.fleet.as_deref().unwrap_or(DEFAULT_FLEET)
+    }
+
+    /// [`InstanceConfig::clock_drift`] in parts per million.
+    pub fn clock_drift_ppm(&self) -> u32 {
+        (self.clock_drift.unwrap_or(DEFAULT_CLOCK_DRIFT) * 1e6).round() as u32
+    }
+}
+
+/// One MySQL shard.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ShardConfig {
+    /// Unique name used in errors, metrics and placement. Renaming a shard moves its keys.
+    pub name: String,
+    /// `mysql://user:password@host:port/database`; the database must exist.
+    pub url: String,
+    /// Relative share of keys (1 = one share).
+    pub weight: u32,
+    /// Upper bound for one lock statement on this shard.
+    #[serde(with = "humantime_serde")]
+    pub statement_timeout: Duration,
+    /// The connection pool.
+    pub pool: PoolConfig,
+}
+
+impl Default for ShardConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            url: String::new(),
+            weight: 1,
+            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+            pool: PoolConfig::default(),
+        }
+    }
+}
+
+/// A shard's connection pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct PoolConfig {
+    /// Most connections open at once.
+    pub max_size: usize,
+    /// Longest wait for a free connection.
+    #[serde(with = "humantime_serde")]
+    pub wait_timeout: Duration,
+    /// Longest time to open a connection.
+    #[serde(with = "humantime_serde")]
+    pub create_timeout: Duration,
+    /// Longest time to check a pooled connection before reuse.
+    #[serde(with = "humantime_serde")]
+    pub recycle_timeout: Duration,
+    /// Connections idle longer than this are pinged before reuse.
+    #[serde(with = "humantime_serde")]
+    pub idle_check: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            max_size: DEFAULT_POOL_MAX_SIZE,
+            wait_timeout: DEFAULT_POOL_WAIT_TIMEOUT,
+            create_timeout: DEFAULT_POOL_CREATE_TIMEOUT,
+            recycle_timeout: DEFAULT_POOL_RECYCLE_TIMEOUT,
+            idle_check: DEFAULT_POOL_IDLE_CHECK,
+        }
+    }
+}
+
+/// Placement of keys on shards.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct RoutingConfig {
+    /// Ring points per unit of shard weight.
+    pub virtual_nodes: u32,
+    /// After a reload moves keys, how long an acquire of a moved key also takes it on the
+    /// shard(s) it lived on before. Every process must pick up a topology change within this
+    /// window of the others. Default: twice the longest namespace ttl, plus 10 s.
+    #[serde(with = "humantime_serde")]
+    pub move_window: Option<Duration>,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            virtual_nodes: DEFAULT_VIRTUAL_NODES,
+            move_window: None,
+        }
+    }
+}
+
+impl Config {
+    /// The move window in force (see [`RoutingConfig::move_window`]).
+    pub fn move_window(&self) -> Duration {
+        self.routing.move_window.unwrap_or_else(|| {
+            let longest = self
+                .namespaces
+                .values()
+                .map(|n| n.ttl)
+                .max()
+                .unwrap_or(DEFAULT_TTL);
+            longest * 2 + Duration::from_secs(10)
+        })
+    }
+
+    /// The policy of `namespace`, if configured.
+    pub fn namespace(&self, namespace: &str) -> Option<&NamespaceConfig> {
+        self.namespaces.get(namespace)
+    }
+}
+
+/// The lock policy of a namespace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct NamespaceConfig {
+    /// Lease length.
+    #[serde(with = "humantime_serde")]
+    pub ttl: Duration,
+    /// How often held leases are renewed; default ttl/3.
+    #[serde(with = "humantime_serde")]
+    pub renew_interval: Option<Duration>,
+    /// How long `acquire` waits by default.
+    #[serde(with = "humantime_serde")]
+    pub wait: Duration,
+    /// First backoff step while waiting.
+    #[serde(with = "humantime_serde")]
+    pub backoff_base: Duration,
+    /// Longest backoff step while waiting.
+    #[serde(with = "humantime_serde")]
+    pub backoff_cap: Duration,
+    /// In-memory hand-offs per shard grant (0: every grant goes through the shard).
+    pub handoff_max_count: u32,
+    /// Sub-locks each key of this namespace is split into for `acquire_bucket` (1: none).
+    pub buckets: u32,
+    /// Whether `acquire_bucket` tries the other buckets once when its own is busy.
+    pub bucket_spill: bool,
+    /// How long a chain of in-memory hand-offs may run before going back to the shard.
+    #[serde(with = "humantime_serde")]
+    pub handoff_max_time: Duration,
+    /// What an acquire does while the key's shard breaker is open.
+    pub on_shard_failure: FailurePolicy,
+}
+
+/// What an acquire does while the breaker of the key's shard is open (the shard failed).
+///
+/// Keys are never moved to another shard because their own failed: that would let two
+/// processes hold the same key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailurePolicy {
+    /// Return `Error::Unavailable { shard }` at once: no caller waits on a dead shard, and
+    /// mutual exclusion across processes is never weakened. The default.
+    #[default]
+    #[serde(alias = "fail_fast")]
+    FailFast,
+    /// Grant an in-process lock (`LockMode::LocalFallback`): mutual exclusion holds inside this
+    /// process only, until the shard is back and the key is re-acquired there.
+    Local,
+}
+
+impl Default for NamespaceConfig {
+    fn default() -> Self {
+        Self {
+            ttl: DEFAULT_TTL,
+            renew_interval: None,
+            wait: DEFAULT_WAIT,
+            backoff_base: DEFAULT_BACKOFF_BASE,
+            backoff_cap: DEFAULT_BACKOFF_CAP,
+            handoff_max_count: DEFAULT_HANDOFF_MAX_COUNT,
+            buckets: 1,
+            bucket_spill: false,
+            handoff_max_time: DEFAULT_HANDOFF_MAX_TIME,
+            on_shard_failure: FailurePolicy::FailFast,
+        }
+    }
+}
+
+impl NamespaceConfig {
+    /// The renewal period for a lease of `ttl` in this namespace.
+    pub fn renew_interval_for(&self, ttl: Duration) -> Duration {
+        match self.renew_interval {
+            Some(every) if ttl == self.ttl => every,
+            _ => ttl / 3,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::GOOD;
+
+    #[test]
+    fn parses_and_fills_defaults() {
+        let c = Config::from_yaml_str(GOOD).unwrap();
+        assert_eq!(c.shards.len(), 2);
+        assert_eq!(c.shards[1].weight, 2);
+        assert_eq!(c.namespaces["stock"].ttl, Duration::from_secs(5));
+        assert_eq!(c.namespaces["default"].ttl, DEFAULT_TTL);
+        assert_eq!(c.routing.virtual_nodes, DEFAULT_VIRTUAL_NODES);
+    }
+
+    #[test]
+    fn failure_policies_parse_in_both_spellings() {
+        for (written, policy) in [
+            ("fail-fast", FailurePolicy::FailFast),
+            ("fail_fast", FailurePolicy::FailFast),
+            ("local", FailurePolicy::Local),
+        ] {
+            let text = GOOD.replace(
+                "ttl: 5s",
+                &format!("ttl: 5s\n    on-shard-failure: {written}"),
+            );
+            let c = Config::from_yaml_str(&text).unwrap();
+            assert_eq!(c.namespace("stock").unwrap().on_shard_failure, policy);
+        }
+        assert_eq!(
+            Config::from_yaml_str(GOOD)
+                .unwrap()
+                .namespace("stock")
+                .unwrap()
+                .on_shard_failure,
+            FailurePolicy::FailFast,
+            "fail-fast unless asked"
+        );
+    }
+}

@@ -1,0 +1,332 @@
+//! Checks of values that parse but make no sense, each naming the field it is about so that
+//! the error can be placed in the file.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::{
+    CleanerConfig, Config, ConfigError, InstanceConfig, NamespaceConfig, RoutingConfig,
+    ShardConfig, TelemetryConfig,
+};
+use crate::BreakerConfig;
+
+impl Config {
+    /// Checks values that parse but make no sense. The error names the field.
+    ///
+    /// Sections are checked in the order the struct declares them, and the first error wins:
+    /// a file with several mistakes reports them one at a time, always in the same order.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_instance(&self.instance)?;
+        check_shards(&self.shards)?;
+        check_routing(&self.routing)?;
+        check_namespaces(&self.namespaces)?;
+        check_breaker(&self.breaker)?;
+        check_cleaner(&self.cleaner)?;
+        check_telemetry(&self.telemetry)
+    }
+}
+
+/// The id and the fleet are stored in the registry's 100-byte columns, and the id is the
+/// first part of every owner, whose parts ':' separates.
+fn check_instance(instance: &InstanceConfig) -> Result<(), ConfigError> {
+    if let Some(id) = &instance.id {
+        if id.is_empty() || id.len() > 100 || id.contains(':') {
+            return Err(ConfigError::field(
+                "instance.id",
+                "must be 1 to 100 bytes without ':' (it prefixes every owner), or `auto`",
+            ));
+        }
+    }
+    if let Some(fleet) = &instance.fleet {
+        if fleet.is_empty() || fleet.len() > 100 {
+            return Err(ConfigError::field(
+                "instance.fleet",
+                "must be 1 to 100 bytes",
+            ));
+        }
+    }
+    if let Some(drift) = instance.clock_drift {
+        if !(0.0..=0.5).contains(&drift) {
+            return Err(ConfigError::field(
+                "instance.clock-drift",
+                format!("must be a fraction between 0 and 0.5 (0.01 is 1%), got {drift}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A shard's name is what places its keys on the ring and labels its errors and metrics, so
+/// names must be unique plain tokens; shards are checked in file order, so a repeated name
+/// is reported where it repeats, not where it first appears.
+fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
+    if shards.is_empty() {
+        return Err(ConfigError::field(
+            "shards",
+            "at least one shard is required",
+        ));
+    }
+    for (i, shard) in shards.iter().enumerate() {
+        let field = |f: &str| format!("shards[{i}].{f}");
+        let name_ok = !shard.name.is_empty()
+            && shard.name.len() <= 64
+            && shard
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !name_ok {
+            return Err(ConfigError::field(
+                field("name"),
+                format!(
+                    "`{}` is not a valid shard name: use 1-64 of [A-Za-z0-9_-]",
+                    shard.name
+                ),
+            ));
+        }
+        if let Some(j) = shards[..i].iter().position(|s| s.name == shard.name) {
+            return Err(ConfigError::field(
+                field("name"),
+                format!("shard name `{}` is already used by shards[{j}]", shard.name),
+            ));
+        }
+        if !shard.url.starts_with("mysql://") {
+            return Err(ConfigError::field(
+                field("url"),
+                "must look like mysql://user:password@host:port/database",
+            ));
+        }
+        if shard.weight == 0 || shard.weight > 100 {
+            return Err(ConfigError::field(
+                field("weight"),
+                "must be between 1 and 100",
+            ));
+        }
+        if shard.pool.max_size == 0 {
+            return Err(ConfigError::field(
+                field("pool.max-size"),
+                "must be at least 1",
+            ));
+        }
+        if shard.statement_timeout.is_zero() {
+            return Err(ConfigError::field(
+                field("statement-timeout"),
+                "must be greater than zero",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A shard gets `virtual-nodes` times its weight points on the ring; with the weight's own
+/// bound this keeps one shard below a million points.
+fn check_routing(routing: &RoutingConfig) -> Result<(), ConfigError> {
+    if routing.virtual_nodes == 0 || routing.virtual_nodes > 10_000 {
+        return Err(ConfigError::field(
+            "routing.virtual-nodes",
+            "must be between 1 and 10000",
+        ));
+    }
+    Ok(())
+}
+
+/// Each namespace is checked against its own ttl, since renewal and in-memory hand-offs are
+/// timed within one lease of that namespace.
+fn check_namespaces(namespaces: &BTreeMap<String, NamespaceConfig>) -> Result<(), ConfigError> {
+    for (name, ns) in namespaces {
+        let field = |f: &str| format!("namespaces.{name}.{f}");
+        if name.is_empty() || name.len() > 64 {
+            return Err(ConfigError::field(
+                format!("namespaces.{name}"),
+                "names are 1-64 bytes",
+            ));
+        }
+        check_ttl(ns.ttl).map_err(|m| ConfigError::field(field("ttl"), m))?;
+        if let Some(every) = ns.renew_interval {
+            if every.is_zero() || every >= ns.ttl {
+                return Err(ConfigError::field(
+                    field("renew-interval"),
+                    format!("must be above zero and below the ttl ({:?})", ns.ttl),
+                ));
+            }
+        }
+        if ns.buckets == 0 || ns.buckets > MAX_BUCKETS {
+            return Err(ConfigError::field(
+                field("buckets"),
+                format!("must be between 1 and {MAX_BUCKETS}"),
+            ));
+        }
+        if ns.handoff_max_count > 1_000_000 {
+            return Err(ConfigError::field(
+                field("handoff-max-count"),
+                "must be at most 1000000",
+            ));
+        }
+        if ns.handoff_max_time >= ns.ttl {
+            return Err(ConfigError::field(
+                field("handoff-max-time"),
+                format!("must be below the ttl ({:?})", ns.ttl),
+            ));
+        }
+        if ns.backoff_base.is_zero() || ns.backoff_cap < ns.backoff_base {
+            return Err(ConfigError::field(
+                field("backoff-base"),
+                "backoff-base must be above zero and at most backoff-cap",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every breaker field is bounded on its own (only the cool-down looks at another), so the
+/// checks read as a table.
+fn check_breaker(b: &BreakerConfig) -> Result<(), ConfigError> {
+    first_failed(&[
+        (
+            "breaker.failure-rate",
+            b.failure_rate > 0.0 && b.failure_rate <= 1.0,
+            "must be above 0 and at most 1",
+        ),
+        ("breaker.window", !b.window.is_zero(), "must be above zero"),
+        (
+            "breaker.consecutive-failures",
+            b.consecutive_failures > 0,
+            "must be at least 1",
+        ),
+        ("breaker.min-calls", b.min_calls > 0, "must be at least 1"),
+        (
+            "breaker.slow-call",
+            !b.slow_call.is_zero(),
+            "must be above zero",
+        ),
+        (
+            "breaker.cooldown",
+            !b.cooldown.is_zero() && b.cooldown <= b.max_cooldown,
+            "must be above zero and at most max-cooldown",
+        ),
+        ("breaker.probes", b.probes > 0, "must be at least 1"),
+    ])
+}
+
+/// Like the breaker's, the cleaner's checks are one condition per field. The heartbeat pair
+/// matters most: the cleaner deletes an expired lease once its holder's instance looks dead.
+fn check_cleaner(c: &CleanerConfig) -> Result<(), ConfigError> {
+    first_failed(&[
+        (
+            "cleaner.interval",
+            !c.interval.is_zero(),
+            "must be above zero",
+        ),
+        (
+            "cleaner.batch-size",
+            (1..=10_000).contains(&c.batch_size),
+            "must be between 1 and 10000",
+        ),
+        (
+            "cleaner.heartbeat-interval",
+            !c.heartbeat_interval.is_zero(),
+            "must be above zero",
+        ),
+        (
+            "cleaner.heartbeat-timeout",
+            c.heartbeat_timeout >= c.heartbeat_interval * 2,
+            "must be at least twice heartbeat-interval, or a late heartbeat makes a live \
+             instance look dead",
+        ),
+    ])
+}
+
+/// The exporters start after the config is loaded (`shardlock::telemetry::init`); checking
+/// their addresses here makes a typo fail with the file's line instead of at that later start.
+fn check_telemetry(t: &TelemetryConfig) -> Result<(), ConfigError> {
+    if let Some(listen) = &t.prometheus_listen {
+        if listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::field(
+                "telemetry.prometheus-listen",
+                format!("`{listen}` is not an address such as 127.0.0.1:9464"),
+            ));
+        }
+    }
+    if let Some(endpoint) = &t.otlp_endpoint {
+        if !endpoint.starts_with("http://") && !endpoint.starts_with("https://") {
+            return Err(ConfigError::field(
+                "telemetry.otlp-endpoint",
+                format!("`{endpoint}` is not a URL such as http://127.0.0.1:4318"),
+            ));
+        }
+    }
+    if !(0.0..=1.0).contains(&t.trace_sample_ratio) {
+        return Err(ConfigError::field(
+            "telemetry.trace-sample-ratio",
+            "must be between 0 and 1",
+        ));
+    }
+    if !(1..=1000).contains(&t.hot_keys) || t.hot_key_window.is_zero() {
+        return Err(ConfigError::field(
+            "telemetry.hot-keys",
+            "hot-keys must be 1-1000 and hot-key-window above zero",
+        ));
+    }
+    Ok(())
+}
+
+/// The first `(field, ok, message)` row whose condition fails, as the error on its field.
+fn first_failed(checks: &[(&str, bool, &str)]) -> Result<(), ConfigError> {
+    match checks.iter().find(|(_, ok, _)| !ok) {
+        Some((field, _, message)) => Err(ConfigError::field(*field, *message)),
+        None => Ok(()),
+    }
+}
+
+/// Most buckets a key may be split into.
+pub const MAX_BUCKETS: u32 = 1024;
+
+/// The shortest lease accepted: renewal must fit comfortably inside it.
+pub const MIN_TTL: Duration = Duration::from_millis(100);
+/// The longest lease accepted (stored as milliseconds in an unsigned 32-bit column).
+pub const MAX_TTL: Duration = Duration::from_secs(86_400);
+
+/// Checks a lease length, for the file and for per-call overrides alike.
+pub fn check_ttl(ttl: Duration) -> Result<(), String> {
+    if ttl < MIN_TTL || ttl > MAX_TTL {
+        Err(format!(
+            "a lease must last between {MIN_TTL:?} and {MAX_TTL:?}, got {ttl:?}"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Config, ShardConfig, DEFAULT_FLEET, GOOD};
+
+    #[test]
+    fn an_empty_fleet_is_refused_and_none_means_default() {
+        let c = Config::from_yaml_str(GOOD).unwrap();
+        assert_eq!(c.instance.fleet(), DEFAULT_FLEET);
+        let e = Config::from_yaml_str(&format!("instance:\n  fleet: ''\n{GOOD}")).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("instance.fleet"), "{e}");
+    }
+
+    #[test]
+    fn the_first_section_in_declaration_order_names_the_error() {
+        let mut c = Config::default();
+        c.instance.id = Some("a:b".into());
+        c.breaker.probes = 0;
+        c.telemetry.trace_sample_ratio = 2.0;
+        let field = |c: &Config| c.validate().unwrap_err().field;
+        assert_eq!(field(&c).as_deref(), Some("instance.id"));
+        c.instance.id = None;
+        assert_eq!(field(&c).as_deref(), Some("shards"));
+        c.shards.push(ShardConfig {
+            name: "s1".into(),
+            url: "mysql://root@127.0.0.1:33061/shardlock".into(),
+            ..ShardConfig::default()
+        });
+        assert_eq!(field(&c).as_deref(), Some("breaker.probes"));
+        c.breaker.probes = 1;
+        assert_eq!(field(&c).as_deref(), Some("telemetry.trace-sample-ratio"));
+        c.telemetry.trace_sample_ratio = 1.0;
+        assert_eq!(c.validate(), Ok(()));
+    }
+}
