@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use shardlock::{AcquireOptions, LockRouter};
 
-use super::harness::Counters;
+use super::harness::Round;
 use super::report::{summarize, Measurement};
 use super::BenchArgs;
 use crate::{AnyError, ConfigSource};
@@ -20,12 +20,10 @@ const BUCKET_TASKS: u32 = 32;
 pub(super) async fn across_processes(
     source: &ConfigSource,
     buckets: u32,
-    tag: &str,
-    args: &BenchArgs,
-    counters: &Counters,
+    round: Round<'_>,
 ) -> Result<Measurement, AnyError> {
     let name = format!("{buckets} bucket(s), {BUCKET_PROCESSES} processes x {BUCKET_TASKS} tasks");
-    let (statements_before, deadlocks_before) = counters.read().await?;
+    let before = round.counters.read().await?;
     let started = Instant::now();
     let mut children = Vec::new();
     for _ in 0..BUCKET_PROCESSES {
@@ -36,9 +34,12 @@ pub(super) async fn across_processes(
                 "--worker-buckets",
                 &buckets.to_string(),
                 "--worker-key",
-                &format!("bench:b:{tag}"),
+                &format!("bench:b:{}", round.tag),
             ])
-            .args(["--duration", &format!("{}ms", args.duration.as_millis())])
+            .args([
+                "--duration",
+                &format!("{}ms", round.args.duration.as_millis()),
+            ])
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()?;
@@ -58,14 +59,8 @@ pub(super) async fn across_processes(
         latencies.extend(report.latencies_us);
         m.errors += report.errors;
     }
-    let (statements_after, deadlocks_after) = counters.read().await?;
-    m.innodb_deadlocks = deadlocks_after - deadlocks_before;
-    summarize(
-        &mut m,
-        latencies,
-        started.elapsed(),
-        statements_after - statements_before,
-    );
+    let after = round.counters.read().await?;
+    summarize(&mut m, latencies, started.elapsed(), before, after);
     eprintln!("{}: {:.0} grants/s", m.name, m.ops_per_sec);
     Ok(m)
 }

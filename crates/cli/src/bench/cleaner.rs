@@ -8,9 +8,8 @@ use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Conn;
 use shardlock::{AcquireOptions, LockRouter};
 
-use super::harness::{bench_config, measure, Counters};
+use super::harness::{bench_config, Round};
 use super::report::Measurement;
-use super::BenchArgs;
 use crate::{AnyError, ConfigSource};
 
 /// `args.tasks` tasks acquiring and releasing distinct keys of the first shard; with
@@ -18,9 +17,7 @@ use crate::{AnyError, ConfigSource};
 pub(super) async fn while_cleaning(
     source: &ConfigSource,
     cleaning: bool,
-    tag: &str,
-    args: &BenchArgs,
-    counters: &Counters,
+    round: Round<'_>,
 ) -> Result<Measurement, AnyError> {
     let mut config = bench_config(source, "cleaner");
     config.shards.truncate(1);
@@ -29,10 +26,10 @@ pub(super) async fn while_cleaning(
     config.cleaner.grace = Duration::from_secs(1);
     let url = config.shards[0].url.clone();
     let router = LockRouter::new(config).await?;
-    let prefix = format!("bench:garbage:{tag}:");
+    let prefix = format!("bench:garbage:{}:", round.tag);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let cleaner = if cleaning {
-        let rows = (args.duration.as_secs_f64() * 400_000.0) as u64;
+        let rows = (round.args.duration.as_secs_f64() * 400_000.0) as u64;
         plant_released_rows(&url, &prefix, rows).await?;
         let (router, stop) = (router.clone(), stop.clone());
         Some(tokio::spawn(async move {
@@ -56,21 +53,16 @@ pub(super) async fn while_cleaning(
     } else {
         "shardlock, nothing to clean"
     };
-    let op_router = router.clone();
-    let tag = tag.to_owned();
-    let m = measure(name, args.duration, args.tasks, counters, move |task, i| {
-        let router = op_router.clone();
-        let key = format!("bench:clean:{tag}:{task}:{}", i % 16);
-        async move {
-            router
-                .acquire(&key, AcquireOptions::new())
-                .await?
-                .release()
-                .await?;
-            Ok(())
-        }
-    })
-    .await;
+    let tag = round.tag.to_owned();
+    let m = round
+        .measure_cycles(
+            name,
+            round.args.tasks,
+            &router,
+            AcquireOptions::new(),
+            move |task, i| format!("bench:clean:{tag}:{task}:{}", i % 16),
+        )
+        .await;
     stop.store(true, Ordering::Relaxed);
     if let Some(cleaner) = cleaner {
         let through = !cleaner.is_finished();

@@ -10,9 +10,10 @@ use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{
     Error as MyError, Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts,
 };
-use shardlock::Backoff;
+use shardlock::{AcquireOptions, Backoff, LockRouter};
 
 use super::report::{summarize, Measurement};
+use super::BenchArgs;
 use crate::{AnyError, ConfigSource};
 
 /// The config of one of the benchmark's routers: its own fleet (see `instance.fleet`), since
@@ -66,7 +67,7 @@ pub(super) async fn prepare_baseline_tables(pool: &Pool) -> Result<(), AnyError>
     Ok(())
 }
 
-/// Marks deadlocks and lock wait timeouts so `measure` can count them.
+/// Marks deadlocks and lock wait timeouts so [`Round::measure`] can count them.
 pub(super) fn surface(e: MyError) -> AnyError {
     match &e {
         MyError::Server(s) if s.code == 1213 || s.code == 1205 => Box::new(DeadlockSurfaced(e)),
@@ -83,9 +84,17 @@ pub(super) struct Counters {
     pub(super) pool: Pool,
 }
 
+/// What [`Counters::read`] found: what a round added is its reading after minus before.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Reading {
+    /// Row-writing statements (INSERT/UPDATE/DELETE).
+    pub(super) statements: u64,
+    pub(super) deadlocks: u64,
+}
+
 impl Counters {
-    /// (row-writing statements, InnoDB deadlocks) so far.
-    pub(super) async fn read(&self) -> Result<(u64, u64), AnyError> {
+    /// The server's counts so far.
+    pub(super) async fn read(&self) -> Result<Reading, AnyError> {
         let mut c = self.pool.get_conn().await?;
         let row: Option<(u64, u64)> = c
             .query_first(
@@ -94,85 +103,118 @@ impl Counters {
                  FROM information_schema.GLOBAL_STATUS",
             )
             .await?;
-        Ok(row.unwrap_or_default())
+        let (statements, deadlocks) = row.unwrap_or_default();
+        Ok(Reading {
+            statements,
+            deadlocks,
+        })
     }
 }
 
-/// Runs `op(task, i)` in `tasks` concurrent loops for `duration` and measures it.
-pub(super) async fn measure<F, Fut>(
-    name: &str,
-    duration: Duration,
-    tasks: u32,
-    counters: &Counters,
-    op: F,
-) -> Result<Measurement, AnyError>
-where
-    F: Fn(u32, u64) -> Fut + Clone + Send + 'static,
-    Fut: std::future::Future<Output = Result<(), AnyError>> + Send,
-{
-    let bar = ProgressBar::new(duration.as_millis() as u64).with_style(
-        ProgressStyle::with_template("{prefix:<40} [{bar:30}] {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(name.to_owned());
-    let (statements_before, deadlocks_before) = counters.read().await?;
-    let done = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let stop = started + duration;
-    let handles: Vec<_> = (0..tasks)
-        .map(|task| {
-            let (op, done) = (op.clone(), done.clone());
-            tokio::spawn(async move {
-                let (mut latencies, mut surfaced, mut errors) = (Vec::new(), 0u64, 0u64);
-                let mut i = 0;
-                while Instant::now() < stop {
-                    let t = Instant::now();
-                    match op(task, i).await {
-                        Ok(()) => {
-                            latencies.push(t.elapsed().as_micros() as u32);
-                            done.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Err(e) if e.is::<DeadlockSurfaced>() => surfaced += 1,
-                        Err(e) => {
-                            errors += 1;
-                            if errors == 1 {
-                                eprintln!("bench error: {e}");
+/// One round of a scenario: what every scenario's measurement takes.
+#[derive(Clone, Copy)]
+pub(super) struct Round<'a> {
+    /// Part of every key the round takes, unique per run and round, so that no round meets
+    /// rows another one left.
+    pub(super) tag: &'a str,
+    pub(super) args: &'a BenchArgs,
+    pub(super) counters: &'a Counters,
+}
+
+impl Round<'_> {
+    /// Runs `op(task, i)` in `tasks` concurrent loops for `--duration` and measures it.
+    pub(super) async fn measure<F, Fut>(
+        self,
+        name: &str,
+        tasks: u32,
+        op: F,
+    ) -> Result<Measurement, AnyError>
+    where
+        F: Fn(u32, u64) -> Fut + Clone + Send + 'static,
+        Fut: std::future::Future<Output = Result<(), AnyError>> + Send,
+    {
+        let (duration, counters) = (self.args.duration, self.counters);
+        let bar = ProgressBar::new(duration.as_millis() as u64).with_style(
+            ProgressStyle::with_template("{prefix:<40} [{bar:30}] {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(name.to_owned());
+        let before = counters.read().await?;
+        let done = Arc::new(AtomicU64::new(0));
+        let started = Instant::now();
+        let stop = started + duration;
+        let handles: Vec<_> = (0..tasks)
+            .map(|task| {
+                let (op, done) = (op.clone(), done.clone());
+                tokio::spawn(async move {
+                    let (mut latencies, mut surfaced, mut errors) = (Vec::new(), 0u64, 0u64);
+                    let mut i = 0;
+                    while Instant::now() < stop {
+                        let t = Instant::now();
+                        match op(task, i).await {
+                            Ok(()) => {
+                                latencies.push(t.elapsed().as_micros() as u32);
+                                done.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) if e.is::<DeadlockSurfaced>() => surfaced += 1,
+                            Err(e) => {
+                                errors += 1;
+                                if errors == 1 {
+                                    eprintln!("bench error: {e}");
+                                }
                             }
                         }
+                        i += 1;
                     }
-                    i += 1;
-                }
-                (latencies, surfaced, errors)
+                    (latencies, surfaced, errors)
+                })
             })
+            .collect();
+        while Instant::now() < stop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            bar.set_position(started.elapsed().as_millis() as u64);
+            bar.set_message(format!("{} ops", done.load(Ordering::Relaxed)));
+        }
+        let mut latencies = Vec::new();
+        let mut m = Measurement {
+            name: name.to_owned(),
+            ..Default::default()
+        };
+        for h in handles {
+            let (l, surfaced, errors) = h.await?;
+            latencies.extend(l);
+            m.deadlock_errors_surfaced += surfaced;
+            m.errors += errors;
+        }
+        let elapsed = started.elapsed();
+        bar.finish_and_clear();
+        summarize(&mut m, latencies, elapsed, before, counters.read().await?);
+        eprintln!("{name}: {:.0} ops/s", m.ops_per_sec);
+        Ok(m)
+    }
+
+    /// [`Round::measure`] of lock cycles on `router`: the `i`th cycle of task `task` acquires
+    /// `key(task, i)`, waiting as `opts` says, and releases it at once.
+    pub(super) async fn measure_cycles<K>(
+        self,
+        name: &str,
+        tasks: u32,
+        router: &LockRouter,
+        opts: AcquireOptions,
+        key: K,
+    ) -> Result<Measurement, AnyError>
+    where
+        K: Fn(u32, u64) -> String + Clone + Send + 'static,
+    {
+        let router = router.clone();
+        self.measure(name, tasks, move |task, i| {
+            let (router, key, opts) = (router.clone(), key(task, i), opts.clone());
+            async move {
+                router.acquire(&key, opts).await?.release().await?;
+                Ok(())
+            }
         })
-        .collect();
-    while Instant::now() < stop {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        bar.set_position(started.elapsed().as_millis() as u64);
-        bar.set_message(format!("{} ops", done.load(Ordering::Relaxed)));
+        .await
     }
-    let mut latencies = Vec::new();
-    let mut m = Measurement {
-        name: name.to_owned(),
-        ..Default::default()
-    };
-    for h in handles {
-        let (l, surfaced, errors) = h.await?;
-        latencies.extend(l);
-        m.deadlock_errors_surfaced += surfaced;
-        m.errors += errors;
-    }
-    let elapsed = started.elapsed();
-    bar.finish_and_clear();
-    let (statements_after, deadlocks_after) = counters.read().await?;
-    m.innodb_deadlocks = deadlocks_after - deadlocks_before;
-    summarize(
-        &mut m,
-        latencies,
-        elapsed,
-        statements_after - statements_before,
-    );
-    eprintln!("{name}: {:.0} ops/s", m.ops_per_sec);
-    Ok(m)
 }

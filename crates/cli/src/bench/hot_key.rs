@@ -7,48 +7,32 @@ use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{Error as MyError, Pool};
 use shardlock::{AcquireOptions, LockRouter};
 
-use super::harness::{default_backoff, measure, surface, Counters};
+use super::harness::{default_backoff, surface, Round};
 use super::report::Measurement;
-use super::BenchArgs;
 use crate::AnyError;
 
 pub(super) async fn shardlock(
     router: &LockRouter,
-    tag: &str,
-    args: &BenchArgs,
-    counters: &Counters,
+    round: Round<'_>,
 ) -> Result<Measurement, AnyError> {
-    let (router, key) = (router.clone(), format!("bench:hot:{tag}"));
-    measure(
-        "shardlock, one hot key",
-        args.duration,
-        args.hot_tasks,
-        counters,
-        move |_, _| {
-            let (router, key) = (router.clone(), key.clone());
-            async move {
-                let guard = router
-                    .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(60)))
-                    .await?;
-                guard.release().await?;
-                Ok(())
-            }
-        },
-    )
-    .await
+    let key = format!("bench:hot:{}", round.tag);
+    round
+        .measure_cycles(
+            "shardlock, one hot key",
+            round.args.hot_tasks,
+            router,
+            AcquireOptions::new().wait(Duration::from_secs(60)),
+            move |_, _| key.clone(),
+        )
+        .await
 }
 
 /// The lock every team writes first: INSERT; on a duplicate, take over if expired; DELETE by
 /// owner on release; exponential backoff with jitter between tries (shardlock's default
 /// steps). Deadlocks and lock wait timeouts reach this code; it counts them and tries again.
-pub(super) async fn naive(
-    pool: &Pool,
-    tag: &str,
-    args: &BenchArgs,
-    counters: &Counters,
-) -> Result<Measurement, AnyError> {
-    let (pool, key) = (pool.clone(), format!("bench:naive:{tag}"));
-    measure("naive hand-rolled lock, one hot key", args.duration, args.hot_tasks, counters, move |task, i| {
+pub(super) async fn naive(pool: &Pool, round: Round<'_>) -> Result<Measurement, AnyError> {
+    let (pool, key) = (pool.clone(), format!("bench:naive:{}", round.tag));
+    round.measure("naive hand-rolled lock, one hot key", round.args.hot_tasks, move |task, i| {
         let (pool, key, owner) = (pool.clone(), key.clone(), format!("{task}:{i}"));
         async move {
             let mut backoff = default_backoff();
@@ -105,50 +89,47 @@ pub(super) async fn redis_connection(
 /// owner. All tasks share one multiplexed connection, as a service would.
 pub(super) async fn redis_set_nx(
     conn: redis::aio::MultiplexedConnection,
-    tag: &str,
-    args: &BenchArgs,
-    counters: &Counters,
+    round: Round<'_>,
 ) -> Result<Measurement, AnyError> {
-    let key = format!("shardlock-bench:hot:{tag}");
+    let key = format!("shardlock-bench:hot:{}", round.tag);
     let release = redis::Script::new(
         "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end",
     );
-    measure(
-        "redis SET NX PX, one hot key",
-        args.duration,
-        args.hot_tasks,
-        counters,
-        move |task, i| {
-            let (mut conn, key, release, owner) = (
-                conn.clone(),
-                key.clone(),
-                release.clone(),
-                format!("{task}:{i}"),
-            );
-            async move {
-                let mut backoff = default_backoff();
-                loop {
-                    let set: Option<String> = redis::cmd("SET")
-                        .arg(&key)
-                        .arg(&owner)
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(10_000)
-                        .query_async(&mut conn)
-                        .await?;
-                    if set.is_some() {
-                        break;
+    round
+        .measure(
+            "redis SET NX PX, one hot key",
+            round.args.hot_tasks,
+            move |task, i| {
+                let (mut conn, key, release, owner) = (
+                    conn.clone(),
+                    key.clone(),
+                    release.clone(),
+                    format!("{task}:{i}"),
+                );
+                async move {
+                    let mut backoff = default_backoff();
+                    loop {
+                        let set: Option<String> = redis::cmd("SET")
+                            .arg(&key)
+                            .arg(&owner)
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(10_000)
+                            .query_async(&mut conn)
+                            .await?;
+                        if set.is_some() {
+                            break;
+                        }
+                        tokio::time::sleep(backoff.next_delay()).await;
                     }
-                    tokio::time::sleep(backoff.next_delay()).await;
+                    let _: i64 = release
+                        .key(&key)
+                        .arg(&owner)
+                        .invoke_async(&mut conn)
+                        .await?;
+                    Ok(())
                 }
-                let _: i64 = release
-                    .key(&key)
-                    .arg(&owner)
-                    .invoke_async(&mut conn)
-                    .await?;
-                Ok(())
-            }
-        },
-    )
-    .await
+            },
+        )
+        .await
 }

@@ -13,6 +13,7 @@ mod hot_key;
 mod reload;
 mod report;
 mod shard_down;
+mod telemetry;
 mod uncontended;
 
 use std::path::PathBuf;
@@ -22,7 +23,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use shardlock::LockRouter;
 
-use self::harness::{baseline_pool, bench_config, prepare_baseline_tables, Counters};
+use self::harness::{baseline_pool, bench_config, prepare_baseline_tables, Counters, Round};
 use self::report::{Comparison, Report};
 use crate::{dev, AnyError, ConfigSource};
 
@@ -123,16 +124,12 @@ pub(crate) async fn run(
         .as_millis();
 
     let mut comparisons = Vec::new();
-    let mut with_telemetry = None;
+    let mut metrics_on = None;
     for &scenario in &args.scenario {
         let telemetry_scenario =
             matches!(scenario, Scenario::Telemetry | Scenario::TelemetryHotKey);
-        if telemetry_scenario && with_telemetry.is_none() {
-            // Instruments bind to the provider in force when a router is built: `router`
-            // keeps no-op ones, the new router gets live ones.
-            let guard = shardlock::telemetry::init(&source.config.telemetry).await?;
-            let on = LockRouter::new(router.config().as_ref().clone()).await?;
-            with_telemetry = Some((guard, on));
+        if telemetry_scenario && metrics_on.is_none() {
+            metrics_on = Some(telemetry::MetricsOn::start(source, &router).await?);
         }
         let redis = match scenario {
             Scenario::HotKeyRedis => match hot_key::redis_connection(&args.redis).await {
@@ -154,73 +151,61 @@ pub(crate) async fn run(
         let (mut ours, mut base) = (Vec::new(), Vec::new());
         for round in 0..args.rounds {
             let tag = format!("{run_id}:{round}");
-            match scenario {
-                Scenario::Uncontended => {
-                    ours.push(uncontended::shardlock(&router, &tag, &args, &counters).await?);
-                    base.push(uncontended::raw_sql(&pool, &tag, &args, &counters).await?);
-                }
-                Scenario::HotKey => {
-                    ours.push(hot_key::shardlock(&router, &tag, &args, &counters).await?);
-                    base.push(hot_key::naive(&pool, &tag, &args, &counters).await?);
-                }
-                Scenario::Buckets => {
-                    ours.push(buckets::across_processes(source, 16, &tag, &args, &counters).await?);
-                    base.push(buckets::across_processes(source, 1, &tag, &args, &counters).await?);
-                }
-                Scenario::Reload => {
-                    let (during, steady) =
-                        reload::throughput_across_reload(source, &tag, &args).await?;
-                    ours.push(during);
-                    base.push(steady);
-                }
-                Scenario::ShardDown => {
-                    base.push(
-                        shard_down::with_a_shard_down(source, false, &tag, &args, &counters)
-                            .await?,
-                    );
-                    ours.push(
-                        shard_down::with_a_shard_down(source, true, &tag, &args, &counters).await?,
-                    );
-                }
-                Scenario::Telemetry => {
-                    let (_, on) = with_telemetry.as_ref().expect("set up above");
-                    let mut m =
-                        uncontended::shardlock(on, &format!("{tag}:on"), &args, &counters).await?;
-                    m.name = "distinct keys, metrics on".into();
-                    ours.push(m);
-                    let mut m =
-                        uncontended::shardlock(&router, &format!("{tag}:off"), &args, &counters)
-                            .await?;
-                    m.name = "distinct keys, metrics off".into();
-                    base.push(m);
-                }
-                Scenario::TelemetryHotKey => {
-                    let (_, on) = with_telemetry.as_ref().expect("set up above");
-                    let mut m = hot_key::shardlock(on, &tag, &args, &counters).await?;
-                    m.name = "one hot key, metrics on".into();
-                    ours.push(m);
-                    let mut m = hot_key::shardlock(&router, &tag, &args, &counters).await?;
-                    m.name = "one hot key, metrics off".into();
-                    base.push(m);
-                }
-                Scenario::Cleaner => {
-                    base.push(
-                        cleaner::while_cleaning(source, false, &tag, &args, &counters).await?,
-                    );
-                    ours.push(cleaner::while_cleaning(source, true, &tag, &args, &counters).await?);
-                }
+            let round = Round {
+                tag: &tag,
+                args: &args,
+                counters: &counters,
+            };
+            let (o, b) = match scenario {
+                Scenario::Uncontended => (
+                    uncontended::shardlock(&router, round).await?,
+                    uncontended::raw_sql(&pool, round).await?,
+                ),
+                Scenario::HotKey => (
+                    hot_key::shardlock(&router, round).await?,
+                    hot_key::naive(&pool, round).await?,
+                ),
                 Scenario::HotKeyRedis => {
                     let redis = redis.clone().expect("connected above");
-                    ours.push(hot_key::shardlock(&router, &tag, &args, &counters).await?);
-                    base.push(hot_key::redis_set_nx(redis, &tag, &args, &counters).await?);
+                    (
+                        hot_key::shardlock(&router, round).await?,
+                        hot_key::redis_set_nx(redis, round).await?,
+                    )
                 }
-            }
+                Scenario::Buckets => (
+                    buckets::across_processes(source, 16, round).await?,
+                    buckets::across_processes(source, 1, round).await?,
+                ),
+                Scenario::Reload => reload::throughput_across_reload(source, round).await?,
+                Scenario::ShardDown => {
+                    // The all-up run first: it migrates every shard, which the other run cannot.
+                    let base = shard_down::with_a_shard_down(source, false, round).await?;
+                    (
+                        shard_down::with_a_shard_down(source, true, round).await?,
+                        base,
+                    )
+                }
+                Scenario::Telemetry => {
+                    let on = metrics_on.as_ref().expect("set up above");
+                    on.uncontended(&router, round).await?
+                }
+                Scenario::TelemetryHotKey => {
+                    let on = metrics_on.as_ref().expect("set up above");
+                    on.hot_key(&router, round).await?
+                }
+                Scenario::Cleaner => {
+                    let base = cleaner::while_cleaning(source, false, round).await?;
+                    (cleaner::while_cleaning(source, true, round).await?, base)
+                }
+            };
+            ours.push(o);
+            base.push(b);
         }
         comparisons.push(Comparison::of(scenario, ours, base));
     }
     router.shutdown().await?;
-    if let Some((_, on)) = &with_telemetry {
-        on.shutdown().await?;
+    if let Some(on) = &metrics_on {
+        on.router.shutdown().await?;
     }
 
     let report = Report::new(shard.name.clone(), &args, comparisons);

@@ -5,20 +5,18 @@ use std::time::{Duration, Instant};
 
 use shardlock::{AcquireOptions, LockRouter};
 
-use super::harness::bench_config;
+use super::harness::{bench_config, Round};
 use super::report::Measurement;
-use super::BenchArgs;
 use crate::{AnyError, ConfigSource};
 
 /// The `reload` scenario: returns (the move window after the reload, the steady state before),
 /// as grant rates; the worst 100 ms interval after the reload is reported in its name.
 pub(super) async fn throughput_across_reload(
     source: &ConfigSource,
-    tag: &str,
-    args: &BenchArgs,
+    round: Round<'_>,
 ) -> Result<(Measurement, Measurement), AnyError> {
     let mut config = bench_config(source, "reload");
-    let run = args.duration * 3;
+    let run = round.args.duration * 3;
     config.routing.move_window = Some(run);
     let router = LockRouter::new(config.clone()).await?;
     router.migrate().await?;
@@ -30,7 +28,7 @@ pub(super) async fn throughput_across_reload(
     let grants = Arc::new(std::sync::Mutex::new(Vec::<Duration>::new()));
     let tasks: Vec<_> = (0..32u32)
         .map(|task| {
-            let (router, grants, tag) = (router.clone(), grants.clone(), tag.to_owned());
+            let (router, grants, tag) = (router.clone(), grants.clone(), round.tag.to_owned());
             tokio::spawn(async move {
                 let mut i = 0u64;
                 while Instant::now() < stop {

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::harness::Reading;
 use super::{BenchArgs, Scenario};
 use crate::AnyError;
 
@@ -185,12 +186,13 @@ fn print_report(report: &Report) {
     }
 }
 
-/// Fills in rates, statements per op and latency percentiles.
+/// Fills in rates, statements per op, InnoDB deadlocks and latency percentiles.
 pub(super) fn summarize(
     m: &mut Measurement,
     mut latencies: Vec<u32>,
     elapsed: Duration,
-    statements: u64,
+    before: Reading,
+    after: Reading,
 ) {
     latencies.sort_unstable();
     let pct = |p: f64| {
@@ -203,7 +205,8 @@ pub(super) fn summarize(
     m.ops = latencies.len() as u64;
     m.seconds = elapsed.as_secs_f64();
     m.ops_per_sec = m.ops as f64 / m.seconds;
-    m.statements_per_op = statements as f64 / m.ops.max(1) as f64;
+    m.statements_per_op = (after.statements - before.statements) as f64 / m.ops.max(1) as f64;
+    m.innodb_deadlocks = after.deadlocks - before.deadlocks;
     m.p50_ms = pct(0.50);
     m.p99_ms = pct(0.99);
     m.max_ms = pct(1.0);

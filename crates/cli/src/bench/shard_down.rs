@@ -6,9 +6,8 @@ use std::time::Duration;
 
 use shardlock::{AcquireOptions, LockRouter};
 
-use super::harness::{bench_config, measure, Counters};
+use super::harness::{bench_config, Round};
 use super::report::Measurement;
-use super::BenchArgs;
 use crate::{AnyError, ConfigSource};
 
 /// `args.tasks` tasks acquiring and releasing keys of every shard but the last, while 4 tasks
@@ -16,9 +15,7 @@ use crate::{AnyError, ConfigSource};
 pub(super) async fn with_a_shard_down(
     source: &ConfigSource,
     down: bool,
-    tag: &str,
-    args: &BenchArgs,
-    counters: &Counters,
+    round: Round<'_>,
 ) -> Result<Measurement, AnyError> {
     let mut config = bench_config(source, "shard-down");
     if config.shards.len() < 2 {
@@ -36,7 +33,7 @@ pub(super) async fn with_a_shard_down(
     let keys = |healthy: bool, n: usize| -> Result<Vec<String>, AnyError> {
         let mut keys = Vec::with_capacity(n);
         for i in 0.. {
-            let key = format!("bench:down:{tag}:{i}");
+            let key = format!("bench:down:{}:{i}", round.tag);
             if (router.shard_for(&key)? != victim_name) == healthy {
                 keys.push(key);
                 if keys.len() == n {
@@ -47,7 +44,7 @@ pub(super) async fn with_a_shard_down(
         Ok(keys)
     };
     let (healthy, dead) = (
-        Arc::new(keys(true, args.tasks as usize * 8)?),
+        Arc::new(keys(true, round.args.tasks as usize * 8)?),
         keys(false, 4)?,
     );
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -70,19 +67,15 @@ pub(super) async fn with_a_shard_down(
     } else {
         "shardlock, healthy keys, all shards up"
     };
-    let op_router = router.clone();
-    let m = measure(name, args.duration, args.tasks, counters, move |task, i| {
-        let router = op_router.clone();
-        let key = healthy[task as usize * 8 + (i % 8) as usize].clone();
-        async move {
-            let guard = router
-                .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(5)))
-                .await?;
-            guard.release().await?;
-            Ok(())
-        }
-    })
-    .await;
+    let m = round
+        .measure_cycles(
+            name,
+            round.args.tasks,
+            &router,
+            AcquireOptions::new().wait(Duration::from_secs(5)),
+            move |task, i| healthy[task as usize * 8 + (i % 8) as usize].clone(),
+        )
+        .await;
     stop.store(true, Ordering::Relaxed);
     for c in callers {
         c.await?;
