@@ -7,7 +7,8 @@ use rand::seq::IndexedRandom;
 use serde::{Deserialize, Serialize};
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{Conn, Pool, TxOpts, Value};
-use shardlock::{AcquireOptions, Error, LockRouter};
+use shardlock::{AcquireOptions, Error, LockRouter, LockStats};
+use tokio::task::JoinHandle;
 
 use super::tables::{pool_of, shard_pools};
 use super::{sku_key, DemoArgs, NAMESPACE};
@@ -31,6 +32,35 @@ pub(super) struct WorkerReport {
     pub(super) failed_purchases: u64,
 }
 
+impl WorkerReport {
+    /// The reports of several buyers as one: counts add up, maxima are the largest.
+    pub(super) fn total<'a>(reports: impl IntoIterator<Item = &'a WorkerReport>) -> Self {
+        let mut total = WorkerReport::default();
+        for r in reports {
+            total.orders += r.orders;
+            total.grants += r.grants;
+            total.timeouts += r.timeouts;
+            total.acquire_statements += r.acquire_statements;
+            total.handoffs += r.handoffs;
+            total.local_handoffs += r.local_handoffs;
+            total.wait_us_total += r.wait_us_total;
+            total.wait_us_max = total.wait_us_max.max(r.wait_us_max);
+            total.unavailable += r.unavailable;
+            total.unavailable_us_max = total.unavailable_us_max.max(r.unavailable_us_max);
+            total.failed_purchases += r.failed_purchases;
+        }
+        total
+    }
+
+    /// Takes the router's counts: its statements and hand-offs are per router, not per
+    /// buyer, so one report per router carries them.
+    pub(super) fn record(&mut self, stats: &LockStats) {
+        self.acquire_statements = stats.acquire_statements;
+        self.handoffs = stats.handoffs;
+        self.local_handoffs = stats.local_handoffs;
+    }
+}
+
 /// One buyer process: `buyers` tasks buying random SKUs until every SKU is sold out.
 pub(super) async fn buyer_process(source: &ConfigSource, args: &DemoArgs) -> Result<(), AnyError> {
     let router = source.router().await?;
@@ -44,33 +74,45 @@ pub(super) async fn buyer_process(source: &ConfigSource, args: &DemoArgs) -> Res
         Some(_) => AcquireOptions::new().namespace(NAMESPACE),
         None => AcquireOptions::new(),
     };
-    let mut tasks = Vec::new();
-    for buyer in 0..args.buyers {
-        let (router, shards, opts, skus) =
-            (router.clone(), shards.clone(), opts.clone(), args.skus);
-        tasks.push(tokio::spawn(async move {
-            buyer_task(&router, &shards, opts, skus, buyer, Duration::ZERO).await
-        }));
-    }
-    let mut report = WorkerReport::default();
-    for t in tasks {
-        let r = t.await??;
-        report.orders += r.orders;
-        report.timeouts += r.timeouts;
-        report.grants += r.grants;
-        report.wait_us_total += r.wait_us_total;
-        report.wait_us_max = report.wait_us_max.max(r.wait_us_max);
-    }
-    let stats = router.stats();
-    report.acquire_statements = stats.acquire_statements;
-    report.handoffs = stats.handoffs;
-    report.local_handoffs = stats.local_handoffs;
+    let buyers = spawn_buyers(&router, &shards, &opts, args, Duration::ZERO);
+    let mut report = WorkerReport::total(&sold_out(buyers).await?);
+    report.record(&router.stats());
     router.shutdown().await?;
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
 }
 
-pub(super) async fn buyer_task(
+/// `args.buyers` buyer tasks on `router`, each pausing `think` between purchases.
+pub(super) fn spawn_buyers(
+    router: &LockRouter,
+    shards: &[(String, Pool)],
+    opts: &AcquireOptions,
+    args: &DemoArgs,
+    think: Duration,
+) -> Vec<JoinHandle<Result<WorkerReport, AnyError>>> {
+    (0..args.buyers)
+        .map(|buyer| {
+            let (router, shards, opts, skus) =
+                (router.clone(), shards.to_vec(), opts.clone(), args.skus);
+            tokio::spawn(
+                async move { buyer_task(&router, &shards, opts, skus, buyer, think).await },
+            )
+        })
+        .collect()
+}
+
+/// Each buyer's report, once every SKU is sold out.
+pub(super) async fn sold_out(
+    buyers: Vec<JoinHandle<Result<WorkerReport, AnyError>>>,
+) -> Result<Vec<WorkerReport>, AnyError> {
+    let mut reports = Vec::new();
+    for b in buyers {
+        reports.push(b.await??);
+    }
+    Ok(reports)
+}
+
+async fn buyer_task(
     router: &LockRouter,
     shards: &[(String, Pool)],
     opts: AcquireOptions,

@@ -8,7 +8,7 @@ use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Pool;
 use shardlock::{AcquireOptions, LockRouter};
 
-use super::buyers::buyer_task;
+use super::buyers::{sold_out, spawn_buyers, WorkerReport};
 use super::summary::summarize;
 use super::{sku_key, DemoArgs, NAMESPACE};
 use crate::{dev, AnyError, ConfigSource};
@@ -48,15 +48,8 @@ pub(super) async fn act(
     );
     let started = Instant::now();
     let opts = AcquireOptions::new().namespace(NAMESPACE);
-    let buyers: Vec<_> = (0..args.buyers)
-        .map(|b| {
-            let (router, shards, opts, skus) =
-                (router.clone(), shards.to_vec(), opts.clone(), args.skus);
-            // Buyers pause 5 ms between purchases so that the sale outlasts the outage.
-            let think = Duration::from_millis(5);
-            tokio::spawn(async move { buyer_task(&router, &shards, opts, skus, b, think).await })
-        })
-        .collect();
+    // Buyers pause 5 ms between purchases so that the sale outlasts the outage.
+    let buyers = spawn_buyers(&router, shards, &opts, args, Duration::from_millis(5));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let refills: Vec<_> = (0..8)
         .map(|r| {
@@ -84,10 +77,7 @@ pub(super) async fn act(
     tokio::time::sleep(Duration::from_secs(2)).await;
     dev::cluster().up().await?;
     let restarted_at = started.elapsed();
-    let mut reports = Vec::new();
-    for b in buyers {
-        reports.push(b.await??);
-    }
+    let mut reports = sold_out(buyers).await?;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut refilled = RefillReport::default();
     for r in refills {
@@ -99,18 +89,12 @@ pub(super) async fn act(
     let elapsed = started.elapsed();
     let stats = router.stats();
     if let Some(first) = reports.first_mut() {
-        first.acquire_statements = stats.acquire_statements;
-        first.handoffs = stats.handoffs;
-        first.local_handoffs = stats.local_handoffs;
+        first.record(&stats);
     }
     summarize(&router, shards, args, &reports, elapsed).await?;
-    let unavailable: u64 = reports.iter().map(|r| r.unavailable).sum();
-    let slowest = reports
-        .iter()
-        .map(|r| r.unavailable_us_max)
-        .max()
-        .unwrap_or(0);
-    let failed: u64 = reports.iter().map(|r| r.failed_purchases).sum();
+    let totals = WorkerReport::total(&reports);
+    let (unavailable, failed) = (totals.unavailable, totals.failed_purchases);
+    let slowest = totals.unavailable_us_max;
     println!(
         "Fault:  {victim} killed at {:.1} s, restarted at {:.1} s. Its breaker here: {}",
         killed_at.as_secs_f64(),

@@ -68,16 +68,7 @@ pub(super) async fn summarize(
         sold_total += sold;
         initial_total += initial;
     }
-    let mut totals = WorkerReport::default();
-    for r in reports {
-        totals.grants += r.grants;
-        totals.timeouts += r.timeouts;
-        totals.acquire_statements += r.acquire_statements;
-        totals.handoffs += r.handoffs;
-        totals.local_handoffs += r.local_handoffs;
-        totals.wait_us_total += r.wait_us_total;
-        totals.wait_us_max = totals.wait_us_max.max(r.wait_us_max);
-    }
+    let totals = WorkerReport::total(reports);
     println!();
     if problems.is_empty() {
         println!(
