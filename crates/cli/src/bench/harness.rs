@@ -1,5 +1,5 @@
-//! What every scenario runs on: the measured loop of `measure`, the shard's counters, the
-//! baselines' pool and tables, and the config of a bench router.
+//! What every scenario runs on: the measured loop ([`Round::measure`]), the shard's counters,
+//! the baselines' pool and tables, and the config of a bench router.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
