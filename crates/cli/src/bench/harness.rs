@@ -1,0 +1,220 @@
+//! What every scenario runs on: the measured loop ([`Round::measure`]), the shard's counters,
+//! the baselines' pool and tables, and the config of a bench router.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::{
+    Error as MyError, Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts,
+};
+use shardlock::{AcquireOptions, Backoff, LockRouter};
+
+use super::report::{summarize, Measurement};
+use super::BenchArgs;
+use crate::{AnyError, ConfigSource};
+
+/// The config of one of the benchmark's routers: its own fleet (see `instance.fleet`), since
+/// the benchmark runs routers of different topologies side by side on keys no one else uses.
+pub(super) fn bench_config(source: &ConfigSource, role: &str) -> shardlock::Config {
+    let mut config = source.config.clone();
+    config.instance.fleet = Some(format!(
+        "shardlock-bench:{role}:{}:{}",
+        std::process::id(),
+        BENCH_ROUTERS.fetch_add(1, Ordering::Relaxed)
+    ));
+    config
+}
+
+/// Routers made by [`bench_config`] so far.
+static BENCH_ROUTERS: AtomicU64 = AtomicU64::new(0);
+
+/// The baselines back off like shardlock does by default.
+pub(super) fn default_backoff() -> Backoff {
+    Backoff::new(
+        shardlock::config::DEFAULT_BACKOFF_BASE,
+        shardlock::config::DEFAULT_BACKOFF_CAP,
+    )
+}
+
+/// The baselines' pool: as many connections as the shard's shardlock pool, and (like
+/// shardlock's pool) no session reset on every return, so prepared statements stay cached.
+pub(super) fn baseline_pool(url: &str, max: usize) -> Result<Pool, AnyError> {
+    let constraints = PoolConstraints::new(1, max.max(1)).ok_or("pool size")?;
+    let opts = OptsBuilder::from_opts(Opts::from_url(url)?)
+        .pool_opts(
+            PoolOpts::default()
+                .with_constraints(constraints)
+                .with_reset_connection(false),
+        )
+        .setup(vec!["SET time_zone = '+00:00'"]);
+    Ok(Pool::new(opts))
+}
+
+pub(super) async fn prepare_baseline_tables(pool: &Pool) -> Result<(), AnyError> {
+    let mut c = pool.get_conn().await?;
+    for table in ["bench_raw_lock", "bench_naive_lock"] {
+        c.query_drop(format!("DROP TABLE IF EXISTS {table}"))
+            .await?;
+        c.query_drop(format!(
+            "CREATE TABLE {table} (lock_key VARBINARY(255) PRIMARY KEY, \
+             owner VARBINARY(191) NOT NULL, expires_at DATETIME(3) NOT NULL) ENGINE=InnoDB"
+        ))
+        .await?;
+    }
+    Ok(())
+}
+
+/// Marks deadlocks and lock wait timeouts so [`Round::measure`] can count them.
+pub(super) fn surface(e: MyError) -> AnyError {
+    match &e {
+        MyError::Server(s) if s.code == 1213 || s.code == 1205 => Box::new(DeadlockSurfaced(e)),
+        _ => e.into(),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("deadlock or lock wait timeout reached the caller: {0}")]
+struct DeadlockSurfaced(MyError);
+
+/// Server-side counters of the benchmark shard.
+pub(super) struct Counters {
+    pub(super) pool: Pool,
+}
+
+/// What [`Counters::read`] found: what a round added is its reading after minus before.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Reading {
+    /// Row-writing statements (INSERT/UPDATE/DELETE).
+    pub(super) statements: u64,
+    pub(super) deadlocks: u64,
+}
+
+impl Counters {
+    /// The server's counts so far.
+    pub(super) async fn read(&self) -> Result<Reading, AnyError> {
+        let mut c = self.pool.get_conn().await?;
+        let row: Option<(u64, u64)> = c
+            .query_first(
+                "SELECT CAST(SUM(IF(VARIABLE_NAME IN ('COM_INSERT','COM_UPDATE','COM_DELETE'), VARIABLE_VALUE, 0)) AS UNSIGNED), \
+                        CAST(SUM(IF(VARIABLE_NAME = 'INNODB_DEADLOCKS', VARIABLE_VALUE, 0)) AS UNSIGNED) \
+                 FROM information_schema.GLOBAL_STATUS",
+            )
+            .await?;
+        let (statements, deadlocks) = row.unwrap_or_default();
+        Ok(Reading {
+            statements,
+            deadlocks,
+        })
+    }
+}
+
+/// One round of a scenario: what every scenario's measurement takes.
+#[derive(Clone, Copy)]
+pub(super) struct Round<'a> {
+    /// Part of every key the round takes, unique per run and round, so that no round meets
+    /// rows another one left.
+    pub(super) tag: &'a str,
+    pub(super) args: &'a BenchArgs,
+    pub(super) counters: &'a Counters,
+}
+
+impl Round<'_> {
+    /// Runs `op(task, i)` in `tasks` concurrent loops for `--duration` and measures it.
+    pub(super) async fn measure<F, Fut>(
+        self,
+        name: &str,
+        tasks: u32,
+        op: F,
+    ) -> Result<Measurement, AnyError>
+    where
+        F: Fn(u32, u64) -> Fut + Clone + Send + 'static,
+        Fut: std::future::Future<Output = Result<(), AnyError>> + Send,
+    {
+        let (duration, counters) = (self.args.duration, self.counters);
+        let bar = ProgressBar::new(duration.as_millis() as u64).with_style(
+            ProgressStyle::with_template("{prefix:<40} [{bar:30}] {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(name.to_owned());
+        let before = counters.read().await?;
+        let done = Arc::new(AtomicU64::new(0));
+        let started = Instant::now();
+        let stop = started + duration;
+        let handles: Vec<_> = (0..tasks)
+            .map(|task| {
+                let (op, done) = (op.clone(), done.clone());
+                tokio::spawn(async move {
+                    let (mut latencies, mut surfaced, mut errors) = (Vec::new(), 0u64, 0u64);
+                    let mut i = 0;
+                    while Instant::now() < stop {
+                        let t = Instant::now();
+                        match op(task, i).await {
+                            Ok(()) => {
+                                latencies.push(t.elapsed().as_micros() as u32);
+                                done.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) if e.is::<DeadlockSurfaced>() => surfaced += 1,
+                            Err(e) => {
+                                errors += 1;
+                                if errors == 1 {
+                                    eprintln!("bench error: {e}");
+                                }
+                            }
+                        }
+                        i += 1;
+                    }
+                    (latencies, surfaced, errors)
+                })
+            })
+            .collect();
+        while Instant::now() < stop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            bar.set_position(started.elapsed().as_millis() as u64);
+            bar.set_message(format!("{} ops", done.load(Ordering::Relaxed)));
+        }
+        let mut latencies = Vec::new();
+        let mut m = Measurement {
+            name: name.to_owned(),
+            ..Default::default()
+        };
+        for h in handles {
+            let (l, surfaced, errors) = h.await?;
+            latencies.extend(l);
+            m.deadlock_errors_surfaced += surfaced;
+            m.errors += errors;
+        }
+        let elapsed = started.elapsed();
+        bar.finish_and_clear();
+        summarize(&mut m, latencies, elapsed, before, counters.read().await?);
+        eprintln!("{name}: {:.0} ops/s", m.ops_per_sec);
+        Ok(m)
+    }
+
+    /// [`Round::measure`] of lock cycles on `router`: the `i`th cycle of task `task` acquires
+    /// `key(task, i)`, waiting as `opts` says, and releases it at once.
+    pub(super) async fn measure_cycles<K>(
+        self,
+        name: &str,
+        tasks: u32,
+        router: &LockRouter,
+        opts: AcquireOptions,
+        key: K,
+    ) -> Result<Measurement, AnyError>
+    where
+        K: Fn(u32, u64) -> String + Clone + Send + 'static,
+    {
+        let router = router.clone();
+        self.measure(name, tasks, move |task, i| {
+            let (router, key, opts) = (router.clone(), key(task, i), opts.clone());
+            async move {
+                router.acquire(&key, opts).await?.release().await?;
+                Ok(())
+            }
+        })
+        .await
+    }
+}

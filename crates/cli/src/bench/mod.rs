@@ -1,0 +1,213 @@
+//! `shardlock bench`: lock throughput against baselines measured in the same run on the same
+//! shard, plus counts that do not depend on machine noise (statements per lock cycle, InnoDB
+//! deadlocks provoked).
+//!
+//! Runs are interleaved (shardlock, baseline, shardlock, baseline, ...) and each side reports
+//! its median round, so that drift on a shared machine (background purge, other load) hits
+//! both sides alike.
+
+mod buckets;
+mod cleaner;
+mod harness;
+mod hot_key;
+mod reload;
+mod report;
+mod shard_down;
+mod telemetry;
+mod uncontended;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use shardlock::LockRouter;
+
+use self::harness::{baseline_pool, bench_config, prepare_baseline_tables, Counters, Round};
+use self::report::{Comparison, Report};
+use crate::{dev, AnyError, ConfigSource};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum Scenario {
+    /// Distinct keys, acquire + release, against raw INSERT + owner-checked DELETE.
+    Uncontended,
+    /// One key, many tasks in one process, against the naive hand-rolled algorithm.
+    HotKey,
+    /// One key, many tasks in one process, against Redis `SET NX PX` + owner-checked delete.
+    HotKeyRedis,
+    /// One key split into 16 buckets against the same key as one bucket, 2 processes x 32
+    /// tasks, in-memory hand-off off so the shard serves every grant.
+    Buckets,
+    /// 32 tasks on 500 keys over all shards; a reload that moves keys (first shard's weight
+    /// doubled) happens a third into the round. Throughput in the move window against before.
+    Reload,
+    /// Acquire latency of keys on the healthy shards while the last shard is down (its URL
+    /// points at a closed port; 4 tasks keep calling its keys, answered by its breaker),
+    /// against the same load with every shard up. Compare p50/p99.
+    ShardDown,
+    /// The uncontended cycle (16 tasks, distinct keys) with metrics on (an OpenTelemetry meter
+    /// provider feeding the Prometheus exporter; spans as `SHARDLOCK_LOG` enables them)
+    /// against a router built before any provider was installed, in the same run.
+    Telemetry,
+    /// The same on one hot key, 64 tasks, handed over in memory: the worst case, where a
+    /// grant costs a couple of microseconds and the metrics' own cost shows most.
+    TelemetryHotKey,
+    /// Acquire latency of distinct keys (`--tasks`) while the cleaner deletes released rows
+    /// of the same shard in batches (400,000 rows planted per second of the round, batches of
+    /// 1,000, 10 ms apart), against the same load with nothing to clean. Compare p50/p99.
+    Cleaner,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    /// Scenarios to run (repeat the flag for several).
+    #[arg(long, value_enum, default_values_t = [Scenario::Uncontended, Scenario::HotKey, Scenario::HotKeyRedis, Scenario::Buckets, Scenario::Reload, Scenario::ShardDown, Scenario::Telemetry, Scenario::TelemetryHotKey, Scenario::Cleaner])]
+    scenario: Vec<Scenario>,
+    /// The Redis server for the `hot-key-redis` baseline (skipped when it does not answer).
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    redis: String,
+    /// How long each round runs.
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Interleaved rounds per side; each side reports its median round.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    rounds: u32,
+    /// Concurrent tasks in the uncontended scenario.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    tasks: u32,
+    /// Concurrent tasks on the hot key.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    hot_tasks: u32,
+    /// Directory for the JSON report (`bench-<time>.json` and `latest.json`).
+    #[arg(long, default_value = "target/shardlock-bench")]
+    out: PathBuf,
+    /// Switch in-memory hand-offs off (`handoff-max-count: 0`) for the single-process
+    /// scenarios, so the shard serves every grant.
+    #[arg(long)]
+    no_local_handoff: bool,
+    /// Internal: run as one process of the `buckets` scenario with this many buckets.
+    #[arg(long, hide = true)]
+    worker_buckets: Option<u32>,
+    /// Internal: the key of a `buckets` worker.
+    #[arg(long, hide = true, default_value = "bench:buckets")]
+    worker_key: String,
+}
+
+pub(crate) async fn run(
+    source: &ConfigSource,
+    args: BenchArgs,
+    as_json: bool,
+) -> Result<(), AnyError> {
+    if let Some(buckets) = args.worker_buckets {
+        return buckets::worker(source, &args, buckets).await;
+    }
+    if source.is_local_default() {
+        dev::ensure_up().await?;
+    }
+    // Everything runs on the first shard, so that shardlock and the baselines share one server.
+    let mut config = bench_config(source, "main");
+    config.shards.truncate(1);
+    if args.no_local_handoff {
+        for ns in config.namespaces.values_mut() {
+            ns.handoff_max_count = 0;
+        }
+    }
+    let shard = config.shards[0].clone();
+    let router = LockRouter::new(config).await?;
+    router.migrate().await?;
+    let pool = baseline_pool(&shard.url, shard.pool.max_size)?;
+    prepare_baseline_tables(&pool).await?;
+    let counters = Counters { pool: pool.clone() };
+    let run_id = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis();
+
+    let mut comparisons = Vec::new();
+    let mut metrics_on = None;
+    for &scenario in &args.scenario {
+        let telemetry_scenario =
+            matches!(scenario, Scenario::Telemetry | Scenario::TelemetryHotKey);
+        if telemetry_scenario && metrics_on.is_none() {
+            metrics_on = Some(telemetry::MetricsOn::start(source, &router).await?);
+        }
+        let redis = match scenario {
+            Scenario::HotKeyRedis => match hot_key::redis_connection(&args.redis).await {
+                Ok(conn) => Some(conn),
+                Err(e) => {
+                    eprintln!(
+                        "skipping hot-key-redis: Redis at {} does not answer ({e})",
+                        args.redis
+                    );
+                    continue;
+                }
+            },
+            Scenario::ShardDown if source.config.shards.len() < 2 => {
+                eprintln!("skipping shard-down: it needs at least 2 shards");
+                continue;
+            }
+            _ => None,
+        };
+        let (mut ours, mut base) = (Vec::new(), Vec::new());
+        for round in 0..args.rounds {
+            let tag = format!("{run_id}:{round}");
+            let round = Round {
+                tag: &tag,
+                args: &args,
+                counters: &counters,
+            };
+            let (o, b) = match scenario {
+                Scenario::Uncontended => (
+                    uncontended::shardlock(&router, round).await?,
+                    uncontended::raw_sql(&pool, round).await?,
+                ),
+                Scenario::HotKey => (
+                    hot_key::shardlock(&router, round).await?,
+                    hot_key::naive(&pool, round).await?,
+                ),
+                Scenario::HotKeyRedis => {
+                    let redis = redis.clone().expect("connected above");
+                    (
+                        hot_key::shardlock(&router, round).await?,
+                        hot_key::redis_set_nx(redis, round).await?,
+                    )
+                }
+                Scenario::Buckets => (
+                    buckets::across_processes(source, 16, round).await?,
+                    buckets::across_processes(source, 1, round).await?,
+                ),
+                Scenario::Reload => reload::throughput_across_reload(source, round).await?,
+                Scenario::ShardDown => {
+                    // The all-up run first: it migrates every shard, which the other run cannot.
+                    let base = shard_down::with_a_shard_down(source, false, round).await?;
+                    (
+                        shard_down::with_a_shard_down(source, true, round).await?,
+                        base,
+                    )
+                }
+                Scenario::Telemetry => {
+                    let on = metrics_on.as_ref().expect("set up above");
+                    on.uncontended(&router, round).await?
+                }
+                Scenario::TelemetryHotKey => {
+                    let on = metrics_on.as_ref().expect("set up above");
+                    on.hot_key(&router, round).await?
+                }
+                Scenario::Cleaner => {
+                    let base = cleaner::while_cleaning(source, false, round).await?;
+                    (cleaner::while_cleaning(source, true, round).await?, base)
+                }
+            };
+            ours.push(o);
+            base.push(b);
+        }
+        comparisons.push(Comparison::of(scenario, ours, base));
+    }
+    router.shutdown().await?;
+    if let Some(on) = &metrics_on {
+        on.router.shutdown().await?;
+    }
+
+    let report = Report::new(shard.name.clone(), &args, comparisons);
+    report.publish(&args.out, as_json)
+}

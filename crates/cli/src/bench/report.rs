@@ -1,0 +1,216 @@
+//! What a bench run reports: each round's measurement, the median of each side and their
+//! ratio, written as JSON, as an SVG latency plot and as a table.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::harness::Reading;
+use super::{BenchArgs, Scenario};
+use crate::AnyError;
+
+/// One measured round.
+#[derive(Debug, Default, Clone, Serialize)]
+pub(super) struct Measurement {
+    pub(super) name: String,
+    pub(super) ops: u64,
+    pub(super) seconds: f64,
+    pub(super) ops_per_sec: f64,
+    /// Statements that wrote rows (INSERT/UPDATE/DELETE), counted by the server, per op.
+    pub(super) statements_per_op: f64,
+    /// Errors 1213/1205 that reached the caller's code.
+    pub(super) deadlock_errors_surfaced: u64,
+    /// `Innodb_deadlocks` increase on the shard during the round.
+    pub(super) innodb_deadlocks: u64,
+    /// Other errors.
+    pub(super) errors: u64,
+    pub(super) p50_ms: f64,
+    pub(super) p99_ms: f64,
+    pub(super) max_ms: f64,
+    /// The latency distribution: (quantile, ms) at fixed quantiles, for the plot.
+    pub(super) latency_quantiles: Vec<(f64, f64)>,
+}
+
+/// The quantiles kept of every latency distribution.
+const QUANTILES: &[f64] = &[
+    0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.995, 0.999, 1.0,
+];
+
+#[derive(Debug, Serialize)]
+pub(super) struct Comparison {
+    scenario: Scenario,
+    /// The median round of each side.
+    shardlock: Measurement,
+    baseline: Measurement,
+    /// shardlock's median ops/s divided by the baseline's.
+    ratio: f64,
+    /// Every round's ops/s, in the order run.
+    shardlock_rounds: Vec<f64>,
+    baseline_rounds: Vec<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub(super) struct Report {
+    shard: String,
+    round_secs: f64,
+    rounds: u32,
+    tasks: u32,
+    hot_tasks: u32,
+    comparisons: Vec<Comparison>,
+}
+
+impl Comparison {
+    /// Medians, so that one round disturbed by other load on the machine does not decide the
+    /// ratio; every round's rate is kept beside them.
+    pub(super) fn of(scenario: Scenario, ours: Vec<Measurement>, base: Vec<Measurement>) -> Self {
+        let rounds = |ms: &[Measurement]| ms.iter().map(|m| m.ops_per_sec).collect::<Vec<_>>();
+        let (ours_rounds, base_rounds) = (rounds(&ours), rounds(&base));
+        let (ours, base) = (median(ours), median(base));
+        let ratio = ours.ops_per_sec / base.ops_per_sec.max(f64::MIN_POSITIVE);
+        Comparison {
+            scenario,
+            shardlock: ours,
+            baseline: base,
+            ratio,
+            shardlock_rounds: ours_rounds,
+            baseline_rounds: base_rounds,
+        }
+    }
+}
+
+/// The round with the median ops/s.
+fn median(mut rounds: Vec<Measurement>) -> Measurement {
+    rounds.sort_by(|a, b| a.ops_per_sec.total_cmp(&b.ops_per_sec));
+    rounds.swap_remove(rounds.len() / 2)
+}
+
+impl Report {
+    pub(super) fn new(shard: String, args: &BenchArgs, comparisons: Vec<Comparison>) -> Self {
+        Report {
+            shard,
+            round_secs: args.duration.as_secs_f64(),
+            rounds: args.rounds,
+            tasks: args.tasks,
+            hot_tasks: args.hot_tasks,
+            comparisons,
+        }
+    }
+
+    /// Writes `bench-<time>.json` and `bench-<time>.svg` to `out`, copies them to `latest.*`
+    /// so that scripts find the last run without knowing its time, and prints the JSON or the
+    /// table.
+    pub(super) fn publish(&self, out: &Path, as_json: bool) -> Result<(), AnyError> {
+        std::fs::create_dir_all(out)?;
+        let json = serde_json::to_string_pretty(self)?;
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs();
+        let file = out.join(format!("bench-{stamp}.json"));
+        std::fs::write(&file, &json)?;
+        std::fs::write(out.join("latest.json"), &json)?;
+        let picture = out.join(format!("bench-{stamp}.svg"));
+        let plotted: Vec<crate::plot::Panel<'_>> = self
+            .comparisons
+            .iter()
+            .map(|c| crate::plot::Panel {
+                title: format!("{:?}", c.scenario),
+                series: vec![
+                    (
+                        c.shardlock.name.as_str(),
+                        c.shardlock.latency_quantiles.as_slice(),
+                    ),
+                    (
+                        c.baseline.name.as_str(),
+                        c.baseline.latency_quantiles.as_slice(),
+                    ),
+                ],
+            })
+            .collect();
+        crate::plot::latency_svg(&plotted, &picture)?;
+        std::fs::copy(&picture, out.join("latest.svg"))?;
+        if as_json {
+            println!("{json}");
+        } else {
+            print_report(self);
+            println!(
+                "\nreport: {} (latency plot: {})",
+                file.display(),
+                picture.display()
+            );
+        }
+        Ok(())
+    }
+}
+
+fn print_report(report: &Report) {
+    println!(
+        "\nshard {} · {} interleaved rounds of {:.0} s, median round shown",
+        report.shard, report.rounds, report.round_secs
+    );
+    println!(
+        "{:<40} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9}",
+        "", "ops/s", "stmts/op", "p50 ms", "p99 ms", "dl errs", "InnoDB dl"
+    );
+    for c in &report.comparisons {
+        for m in [&c.shardlock, &c.baseline] {
+            println!(
+                "{:<40} {:>9.0} {:>9.2} {:>8.2} {:>8.2} {:>8} {:>9}",
+                m.name,
+                m.ops_per_sec,
+                m.statements_per_op,
+                m.p50_ms,
+                m.p99_ms,
+                m.deadlock_errors_surfaced,
+                m.innodb_deadlocks
+            );
+        }
+        let target = match c.scenario {
+            Scenario::ShardDown => Some("the all-up run (target p99 within 1.5x)"),
+            Scenario::Cleaner => Some("the run with nothing to clean (target p99 within 2x)"),
+            _ => None,
+        };
+        if let Some(target) = target {
+            println!(
+                "  -> {:?}: p50 {:.2}x, p99 {:.2}x {target}\n",
+                c.scenario,
+                c.shardlock.p50_ms / c.baseline.p50_ms.max(f64::MIN_POSITIVE),
+                c.shardlock.p99_ms / c.baseline.p99_ms.max(f64::MIN_POSITIVE)
+            );
+            continue;
+        }
+        println!(
+            "  -> {:?}: shardlock at {:.2}x the baseline\n",
+            c.scenario, c.ratio
+        );
+    }
+}
+
+/// Fills in rates, statements per op, InnoDB deadlocks and latency percentiles.
+pub(super) fn summarize(
+    m: &mut Measurement,
+    mut latencies: Vec<u32>,
+    elapsed: Duration,
+    before: Reading,
+    after: Reading,
+) {
+    latencies.sort_unstable();
+    let pct = |p: f64| {
+        latencies
+            .get(((latencies.len() as f64 - 1.0) * p) as usize)
+            .copied()
+            .unwrap_or(0) as f64
+            / 1000.0
+    };
+    m.ops = latencies.len() as u64;
+    m.seconds = elapsed.as_secs_f64();
+    m.ops_per_sec = m.ops as f64 / m.seconds;
+    m.statements_per_op = (after.statements - before.statements) as f64 / m.ops.max(1) as f64;
+    m.innodb_deadlocks = after.deadlocks - before.deadlocks;
+    m.p50_ms = pct(0.50);
+    m.p99_ms = pct(0.99);
+    m.max_ms = pct(1.0);
+    if !latencies.is_empty() {
+        m.latency_quantiles = QUANTILES.iter().map(|&q| (q, pct(q))).collect();
+    }
+}

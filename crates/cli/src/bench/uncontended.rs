@@ -1,0 +1,51 @@
+//! The `uncontended` scenario: distinct keys, so every cost is the lock's own statements.
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::mysql_async::Pool;
+use shardlock::{AcquireOptions, LockRouter};
+
+use super::harness::Round;
+use super::report::Measurement;
+use crate::AnyError;
+
+pub(super) async fn shardlock(
+    router: &LockRouter,
+    round: Round<'_>,
+) -> Result<Measurement, AnyError> {
+    let (router, tag) = (router.clone(), round.tag.to_owned());
+    round
+        .measure(
+            "shardlock acquire+release, distinct keys",
+            round.args.tasks,
+            move |task, i| {
+                let (router, key) = (router.clone(), format!("bench:u:{tag}:{task}:{i}"));
+                async move {
+                    let guard = router
+                        .try_acquire(&key, AcquireOptions::new())
+                        .await?
+                        .ok_or("a distinct key was busy")?;
+                    guard.release().await?;
+                    Ok(())
+                }
+            },
+        )
+        .await
+}
+
+pub(super) async fn raw_sql(pool: &Pool, round: Round<'_>) -> Result<Measurement, AnyError> {
+    let (pool, tag) = (pool.clone(), round.tag.to_owned());
+    round.measure("raw INSERT + owner-checked DELETE", round.args.tasks, move |task, i| {
+        let (pool, key) = (pool.clone(), format!("bench:r:{tag}:{task}:{i}"));
+        async move {
+            let mut c = pool.get_conn().await?;
+            c.exec_drop(
+                "INSERT INTO bench_raw_lock (lock_key, owner, expires_at) VALUES (?, ?, NOW(3) + INTERVAL 10 SECOND)",
+                (&key, "bench-owner"),
+            )
+            .await?;
+            c.exec_drop("DELETE FROM bench_raw_lock WHERE lock_key = ? AND owner = ?", (&key, "bench-owner")).await?;
+            Ok(())
+        }
+    })
+    .await
+}
