@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-use mysql_async::prelude::Queryable;
 use shardlock_core::{LockKey, Result};
 
 use crate::keeper::ShardState;
@@ -43,7 +42,9 @@ impl LockRouter {
             .into_iter()
             .chain([shard])
         {
-            version = cas_take(&at, lock_key.stored(), owner, &token).await;
+            version = at
+                .run(at.shard.take_cas(lock_key.stored(), owner, &token))
+                .await;
             if !matches!(version, Ok(Some(_))) {
                 break;
             }
@@ -55,7 +56,9 @@ impl LockRouter {
             // that cannot be given back now stays owned until its owner releases it).
             failed => {
                 for at in taken {
-                    let _ = cas_free(&at, lock_key.stored(), owner, None).await;
+                    let _ = at
+                        .run(at.shard.release_cas(lock_key.stored(), owner, None))
+                        .await;
                 }
                 return failed.map(|_| None);
             }
@@ -79,87 +82,25 @@ impl LockRouter {
         let mut released = false;
         let mut failure = None;
         for old in topology.previous_locations(&lock_key) {
-            match cas_free(&old, lock_key.stored(), &guard.owner, None).await {
+            match old
+                .run(old.shard.release_cas(lock_key.stored(), &guard.owner, None))
+                .await
+            {
                 Ok(freed) => released |= freed,
                 Err(e) => drop(failure.get_or_insert(e)),
             }
         }
-        match cas_free(&shard, lock_key.stored(), &guard.owner, Some(guard.version)).await {
+        match shard
+            .run(
+                shard
+                    .shard
+                    .release_cas(lock_key.stored(), &guard.owner, Some(guard.version)),
+            )
+            .await
+        {
             Ok(freed) => released |= freed,
             Err(e) => drop(failure.get_or_insert(e)),
         }
         failure.map_or(Ok(released), Err)
     }
-}
-
-/// Takes the CAS row of `stored` on `shard` for `owner`: its new version, or `None` when it
-/// is owned (or the race was lost).
-async fn cas_take(
-    shard: &ShardState,
-    stored: &[u8],
-    owner: &str,
-    token: &str,
-) -> Result<Option<u64>> {
-    let (stored, owner, token) = (stored.to_vec(), owner.to_owned(), token.to_owned());
-    shard
-        .run(|c| {
-            let (stored, owner, token) = (stored.clone(), owner.clone(), token.clone());
-            Box::pin(async move {
-                c.exec_drop(
-                    "INSERT INTO shardlock_cas (lock_key, owner, version) VALUES (?, NULL, 0) \
-                     ON DUPLICATE KEY UPDATE lock_key = lock_key",
-                    (&stored,),
-                )
-                .await?;
-                type Row = (Option<Vec<u8>>, u64, Option<Vec<u8>>);
-                let row: Option<Row> = c
-                    .exec_first(
-                        "SELECT owner, version, token FROM shardlock_cas WHERE lock_key = ?",
-                        (&stored,),
-                    )
-                    .await?;
-                let version = match row {
-                    Some((None, version, _)) => version,
-                    // Taken by this very call: a try whose reply was lost (the token is per
-                    // call, so another acquire under the same owner name is not mistaken
-                    // for it).
-                    Some((Some(_), version, Some(t))) if t == token.as_bytes() => {
-                        return Ok(Some(version));
-                    }
-                    _ => return Ok(None),
-                };
-                c.exec_drop(
-                    "UPDATE shardlock_cas SET owner = ?, token = ?, version = version + 1 \
-                     WHERE lock_key = ? AND version = ? AND owner IS NULL",
-                    (&owner, &token, &stored, version),
-                )
-                .await?;
-                Ok((c.affected_rows() == 1).then_some(version + 1))
-            })
-        })
-        .await
-}
-
-/// Frees the CAS row of `stored` on `shard` if `owner` owns it (at `version`, when given).
-async fn cas_free(
-    shard: &ShardState,
-    stored: &[u8],
-    owner: &str,
-    version: Option<u64>,
-) -> Result<bool> {
-    let (stored, owner) = (stored.to_vec(), owner.to_owned());
-    shard
-        .run(|c| {
-            let (stored, owner) = (stored.clone(), owner.clone());
-            Box::pin(async move {
-                c.exec_drop(
-                    "UPDATE shardlock_cas SET owner = NULL, version = version + 1 \
-                     WHERE lock_key = ? AND owner = ? AND (? IS NULL OR version = ?)",
-                    (&stored, &owner, version, version),
-                )
-                .await?;
-                Ok(c.affected_rows() == 1)
-            })
-        })
-        .await
 }

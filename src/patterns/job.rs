@@ -4,9 +4,8 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, IsolationLevel, TxOpts};
 use shardlock_core::{LockKey, Result};
+use shardlock_mysql::{ClaimedJob, JobEnd};
 
 use crate::keeper::ShardState;
 use crate::LockRouter;
@@ -63,31 +62,15 @@ impl LockRouter {
         let key = LockKey::new(queue)?;
         self.check_joined(&key)?;
         let shard = self.state_for(&key);
-        let (queue, payload) = (queue.to_owned(), payload.to_vec());
         // A request id in `origin` (unique): a retry after a lost reply finds the job the
         // first try enqueued and answers its id, instead of enqueuing it twice.
         let request = format!("enqueue:{}", self.inner.shared.next_owner().1);
         shard
-            .run(|c| {
-                let (queue, payload, request) = (queue.clone(), payload.clone(), request.clone());
-                Box::pin(async move {
-                    c.exec_drop(
-                        "INSERT INTO shardlock_job \
-                         (queue, payload, status, due_at, retry_count, max_retries, origin) \
-                         VALUES (?, ?, 'ready', NOW(3) + INTERVAL ? MICROSECOND, 0, ?, ?) \
-                         ON DUPLICATE KEY UPDATE id = LAST_INSERT_ID(id)",
-                        (
-                            &queue,
-                            &payload,
-                            delay.as_micros() as u64,
-                            max_retries,
-                            &request,
-                        ),
-                    )
-                    .await?;
-                    Ok(c.last_insert_id().unwrap_or(0))
-                })
-            })
+            .run(
+                shard
+                    .shard
+                    .enqueue_job(queue, payload, delay, max_retries, &request),
+            )
             .await
     }
 
@@ -109,12 +92,12 @@ impl LockRouter {
         let claim = format!("{worker}@{claim_no}");
         // The queue's shard first, then (while a reload's move is in progress) the shards it
         // lived on before, whose jobs are carried over once the move is over.
-        let topology = self.inner.topology.load_full();
-        let mut shards = vec![topology.locate(&key).clone()];
-        shards.extend(topology.previous_locations(&key));
-        drop(topology);
-        for shard in shards {
-            if let Some((id, payload, retry_count)) = claim_on(&shard, queue, &claim, lease).await?
+        for shard in self.placements(&key) {
+            if let Some(ClaimedJob {
+                id,
+                payload,
+                retry_count,
+            }) = claim_on(&shard, queue, &claim, lease).await?
             {
                 return Ok(Some(Job {
                     id,
@@ -132,67 +115,40 @@ impl LockRouter {
     /// Marks `job` done, if its claim still holds (`false` when the lease ran out: the job
     /// may have been claimed again).
     pub async fn complete_job(&self, job: &Job) -> Result<bool> {
-        self.finish_job(job, "done").await
+        self.finish_job(job, JobEnd::Done).await
     }
 
     /// Marks `job` failed for good, if its claim still holds.
     pub async fn fail_job(&self, job: &Job) -> Result<bool> {
-        self.finish_job(job, "failed").await
+        self.finish_job(job, JobEnd::Failed).await
     }
 
-    async fn finish_job(&self, job: &Job, status: &'static str) -> Result<bool> {
+    async fn finish_job(&self, job: &Job, end: JobEnd) -> Result<bool> {
         // On the shard it was claimed on, even if its queue moved since.
         let shard = match job.home.0.upgrade() {
             Some(home) => home,
             None => self.state_for(&LockKey::new(&job.queue)?),
         };
-        let (claim, id) = (job.claim.clone(), job.id);
         shard
-            .run(|c| {
-                let claim = claim.clone();
-                Box::pin(async move {
-                    c.exec_drop(
-                        "UPDATE shardlock_job SET status = ?, lease_until = NULL \
-                         WHERE id = ? AND status = 'claimed' AND locked_by = ? \
-                         AND lease_until > NOW(3)",
-                        (status, id, &claim),
-                    )
-                    .await?;
-                    Ok(c.affected_rows() == 1)
-                })
-            })
+            .run(shard.shard.finish_job(job.id, &job.claim, end))
             .await
     }
 }
 
-/// [`LockRouter::claim_job`] on one shard: the claimed job's id, payload and retry count.
+/// [`LockRouter::claim_job`] on one shard.
 async fn claim_on(
     shard: &ShardState,
     queue: &str,
     claim: &str,
     lease: Duration,
-) -> Result<Option<(u64, Vec<u8>, u32)>> {
+) -> Result<Option<ClaimedJob>> {
     let mut tries = 0;
     // After a try that may have claimed a job (its reply lost), the next one first looks for
     // the job claimed under this claim token: a claim is never made twice.
     let mut look_first = false;
     loop {
         let attempt = shard
-            .call_waiting(
-                shard
-                    .shard
-                    .with_conn_once(shard.shard.statement_timeout(), |c| {
-                        let (queue, claim) = (queue.to_owned(), claim.to_owned());
-                        Box::pin(async move {
-                            if look_first {
-                                if let Some(mine) = claimed_by(c, &queue, &claim).await? {
-                                    return Ok(Some(mine));
-                                }
-                            }
-                            claim_in(c, &queue, &claim, lease).await
-                        })
-                    }),
-            )
+            .call_waiting(shard.shard.claim_job(queue, claim, lease, look_first))
             .await;
         match attempt {
             Err(e) if (e.kind.is_retryable() || e.maybe_applied) && tries < 20 => {
@@ -204,70 +160,4 @@ async fn claim_on(
             other => return other.map_err(|e| e.into_error(shard.shard.name())),
         }
     }
-}
-
-/// The job of `queue` claimed under `claim`, if any (by an earlier try whose reply was lost).
-async fn claimed_by(
-    c: &mut Conn,
-    queue: &str,
-    claim: &str,
-) -> mysql_async::Result<Option<(u64, Vec<u8>, u32)>> {
-    c.exec_first(
-        "SELECT id, payload, retry_count FROM shardlock_job \
-         WHERE queue = ? AND status = 'claimed' AND locked_by = ? LIMIT 1",
-        (queue, claim),
-    )
-    .await
-}
-
-/// The claim transaction of [`LockRouter::claim_job`] on one connection.
-async fn claim_in(
-    c: &mut Conn,
-    queue: &str,
-    claim: &str,
-    lease: Duration,
-) -> mysql_async::Result<Option<(u64, Vec<u8>, u32)>> {
-    let mut opts = TxOpts::default();
-    opts.with_isolation_level(IsolationLevel::ReadCommitted);
-    let mut tx = c.start_transaction(opts).await?;
-    // Abandoned claims with no retries left are failed for good, not left claimed for ever.
-    // (READ COMMITTED: only the rows that match are locked, and claimers never lock those.)
-    tx.exec_drop(
-        "UPDATE shardlock_job SET status = 'failed', lease_until = NULL \
-         WHERE queue = ? AND status = 'claimed' AND lease_until <= NOW(3) \
-         AND retry_count >= max_retries LIMIT 100",
-        (queue,),
-    )
-    .await?;
-    // An abandoned claim first (a crashed worker's job), else the ready job due first.
-    let mut row: Option<(u64, Vec<u8>, u32)> = tx
-        .exec_first(
-            "SELECT id, payload, retry_count + 1 FROM shardlock_job \
-             WHERE queue = ? AND status = 'claimed' AND lease_until <= NOW(3) \
-             AND retry_count < max_retries LIMIT 1 FOR UPDATE SKIP LOCKED",
-            (queue,),
-        )
-        .await?;
-    if row.is_none() {
-        row = tx
-            .exec_first(
-                "SELECT id, payload, retry_count FROM shardlock_job \
-                 WHERE queue = ? AND status = 'ready' AND due_at <= NOW(3) \
-                 ORDER BY due_at LIMIT 1 FOR UPDATE SKIP LOCKED",
-                (queue,),
-            )
-            .await?;
-    }
-    let Some((id, payload, retry_count)) = row else {
-        tx.commit().await?; // keeps the jobs failed above
-        return Ok(None);
-    };
-    tx.exec_drop(
-        "UPDATE shardlock_job SET status = 'claimed', locked_by = ?, locked_at = NOW(3), \
-         lease_until = NOW(3) + INTERVAL ? MICROSECOND, retry_count = ? WHERE id = ?",
-        (claim, lease.as_micros() as u64, retry_count, id),
-    )
-    .await?;
-    tx.commit().await?;
-    Ok(Some((id, payload, retry_count)))
 }

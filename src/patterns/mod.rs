@@ -15,9 +15,11 @@ mod job;
 mod state_machine;
 mod tx_lock;
 
+use std::sync::Arc;
+
 use mysql_async::Conn;
 use shardlock_core::{LockKey, Result};
-use shardlock_mysql::ShardManager;
+use shardlock_mysql::SessionConn;
 
 use crate::keeper::ShardState;
 use crate::LockRouter;
@@ -43,20 +45,29 @@ impl ShardConnection {
 
 /// Closes a connection instead of pooling it, unless taken out first.
 #[derive(Debug)]
-struct Discard(Option<deadpool::managed::Object<ShardManager>>);
+struct Discard(Option<SessionConn>);
 
 impl Drop for Discard {
     fn drop(&mut self) {
         if let Some(conn) = self.0.take() {
-            drop(deadpool::managed::Object::take(conn));
+            conn.discard();
         }
     }
 }
 
 impl LockRouter {
     /// The shard state of `key` in the topology in force.
-    pub(crate) fn state_for(&self, key: &LockKey) -> std::sync::Arc<ShardState> {
+    pub(crate) fn state_for(&self, key: &LockKey) -> Arc<ShardState> {
         self.inner.topology.load().locate(key).clone()
+    }
+
+    /// Where rows of `key` may be: its shard, then (while a reload's move is in progress) the
+    /// shards it lived on before.
+    fn placements(&self, key: &LockKey) -> Vec<Arc<ShardState>> {
+        let topology = self.inner.topology.load_full();
+        let mut shards = vec![topology.locate(key).clone()];
+        shards.extend(topology.previous_locations(key));
+        shards
     }
 
     /// A connection to the shard of `key`, for setting up a state machine's table next to it.

@@ -1,7 +1,7 @@
 //! State-machine claims: one conditional `UPDATE` on a row of the caller's table.
 
-use mysql_async::prelude::Queryable;
 use shardlock_core::{Error, LockKey, Result};
+use shardlock_mysql::StateTable;
 
 use crate::LockRouter;
 
@@ -10,34 +10,15 @@ use crate::LockRouter;
 /// are the only parts of the statement that are not bound parameters).
 #[derive(Debug, Clone)]
 pub struct StateMachine {
-    table: String,
-    id_column: String,
-    state_column: String,
+    table: StateTable,
     transitions: Vec<(String, String)>,
 }
 
 impl StateMachine {
     /// A machine on `table` (rows found by `id_column`, state in `state_column`).
     pub fn new(table: &str, id_column: &str, state_column: &str) -> Result<Self> {
-        for (what, name) in [
-            ("table", table),
-            ("id column", id_column),
-            ("state column", state_column),
-        ] {
-            let ok = !name.is_empty()
-                && name.len() <= 64
-                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-            if !ok {
-                return Err(Error::InvalidArgument {
-                    name: "state machine",
-                    reason: format!("{what} `{name}` must be 1-64 of [A-Za-z0-9_]"),
-                });
-            }
-        }
         Ok(Self {
-            table: table.to_owned(),
-            id_column: id_column.to_owned(),
-            state_column: state_column.to_owned(),
+            table: StateTable::new(table, id_column, state_column)?,
             transitions: Vec::new(),
         })
     }
@@ -80,35 +61,18 @@ impl LockRouter {
         {
             return Err(Error::InvalidArgument {
                 name: "transition",
-                reason: format!("{from} -> {to} is not allowed on {}", machine.table),
+                reason: format!("{from} -> {to} is not allowed on {}", machine.table.name()),
             });
         }
         let key = LockKey::new(id)?;
         self.check_joined(&key)?;
-        let topology = self.inner.topology.load_full();
-        let mut shards = vec![topology.locate(&key).clone()];
-        shards.extend(topology.previous_locations(&key));
-        drop(topology);
-        let sql = format!(
-            "UPDATE {} SET {state} = ? WHERE {} = ? AND {state} = ?",
-            machine.table,
-            machine.id_column,
-            state = machine.state_column
-        );
-        let (id, from, to) = (id.to_owned(), from.to_owned(), to.to_owned());
         // The row lives on the key's shard; while a move is in progress it may still be on
         // a shard the key lived on before (the application moves its rows with its keys).
-        for shard in shards {
+        for shard in self.placements(&key) {
             // Not retried once it may have reached the server: a retry could not tell our own
             // transition from someone else's (the error then says the outcome is unknown).
             let moved = shard
-                .run_once(|c| {
-                    let (sql, id, from, to) = (sql.clone(), id.clone(), from.clone(), to.clone());
-                    Box::pin(async move {
-                        c.exec_drop(sql, (&to, &id, &from)).await?;
-                        Ok(c.affected_rows() == 1)
-                    })
-                })
+                .run(shard.shard.transition(&machine.table, id, from, to))
                 .await?;
             if moved {
                 return Ok(true);

@@ -5,10 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
 use shardlock_core::{BackendError, BackendErrorKind, Error, LockKey, Result};
-use shardlock_mysql::{classify, ShardManager};
+use shardlock_mysql::SessionConn;
 use tokio::sync::watch;
 
 use super::Discard;
@@ -28,7 +27,7 @@ use crate::LockRouter;
 /// and [`TxLockGuard::commit`] rolls back and answers [`Error::LockLost`].
 pub struct TxLockGuard {
     /// `None` once committed or rolled back.
-    conn: Option<deadpool::managed::Object<ShardManager>>,
+    conn: Option<SessionConn>,
     key: String,
     shard: String,
     state: Arc<TxLockState>,
@@ -120,31 +119,30 @@ impl TxLockGuard {
     /// answers [`Error::LockLost`]: nothing of the transaction is kept.
     pub async fn commit(mut self) -> Result<()> {
         if !self.is_held() {
-            self.end("ROLLBACK").await?;
+            self.end(false).await?;
             return Err(Error::LockLost {
                 key: self.key.clone(),
             });
         }
-        self.end("COMMIT").await
+        self.end(true).await
     }
 
     /// Rolls back your statements and releases the lock.
     pub async fn rollback(mut self) -> Result<()> {
-        self.end("ROLLBACK").await
+        self.end(false).await
     }
 
     /// Cancellation: if this is dropped before the server answered, the connection is closed
     /// (the server then rolls back); it is pooled again only after a complete answer.
-    async fn end(&mut self, how: &str) -> Result<()> {
+    async fn end(&mut self, commit: bool) -> Result<()> {
         let mut conn = Discard(self.conn.take());
-        let result = conn
-            .0
-            .as_mut()
-            .expect("ended once")
-            .raw()
-            .query_drop(how)
-            .await
-            .map_err(|e| classify(e).into_error(&self.shard));
+        let open = conn.0.as_mut().expect("ended once");
+        let result = if commit {
+            open.commit().await
+        } else {
+            open.rollback().await
+        }
+        .map_err(|e| e.into_error(&self.shard));
         self.state.end();
         if result.is_ok() {
             drop(conn.0.take()); // a clean connection back to the pool
@@ -236,7 +234,7 @@ async fn lock_row(
     lock_key: &LockKey,
     wait: Duration,
     deadline: tokio::time::Instant,
-) -> Result<deadpool::managed::Object<ShardManager>> {
+) -> Result<SessionConn> {
     let key = lock_key.as_str();
     let name = shard.shard.name().to_owned();
     let started = tokio::time::Instant::now();
@@ -246,35 +244,8 @@ async fn lock_row(
             // not pooled: a lock statement still waiting on the server must not end up
             // holding the row on an idle pooled connection.
             let mut conn = Discard(Some(shard.shard.connection().await?));
-            let raw = conn.0.as_mut().expect("set above").raw();
-            let run = async {
-                // Text protocol, the key as a hex literal (no injection possible): the
-                // connection is reset after the transaction, and prepared statements
-                // would not survive that.
-                let hex: String = lock_key
-                    .stored()
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect();
-                // The caller's wait, for both statements below (the upsert of a held row waits
-                // for its holder too). Whole seconds, at most the server's limit (a "wait for
-                // ever" waits that long).
-                let secs = wait.as_secs_f64().ceil().clamp(1.0, 1_073_741_824.0) as u64;
-                raw.query_drop(format!("SET SESSION innodb_lock_wait_timeout = {secs}"))
-                    .await?;
-                raw.query_drop(format!(
-                    "INSERT INTO shardlock_txlock (lock_key) VALUES (X'{hex}') \
-                         ON DUPLICATE KEY UPDATE lock_key = lock_key"
-                ))
-                .await?;
-                raw.query_drop("START TRANSACTION").await?;
-                let nowait = if wait.is_zero() { " NOWAIT" } else { "" };
-                raw.query_drop(format!(
-                        "SELECT lock_key FROM shardlock_txlock WHERE lock_key = X'{hex}' FOR UPDATE{nowait}"
-                    ))
-                    .await
-            };
-            run.await.map_err(classify)?;
+            let open = conn.0.as_mut().expect("set above");
+            open.lock_tx_row(lock_key.stored(), wait).await?;
             Ok::<_, BackendError>(conn.0.take().expect("set above"))
         };
         let bounded = async {
