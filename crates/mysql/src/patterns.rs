@@ -10,6 +10,7 @@ use shardlock_core::{BackendError, Error};
 
 use crate::error::classify;
 use crate::pool::SessionConn;
+use crate::shard::Shard;
 
 // Transaction locks. Text protocol, the key as a hex literal (`{key}`, hex digits only: no
 // injection possible): the connection is reset after the transaction, and prepared statements
@@ -340,6 +341,109 @@ fn claimed((id, payload, retry_count): (u64, Vec<u8>, u32)) -> ClaimedJob {
         id,
         payload,
         retry_count,
+    }
+}
+
+/// The patterns' operations on a shard, each on a pooled connection within the statement
+/// timeout.
+impl Shard {
+    /// Takes the CAS row of `key` for `owner`, creating it on first use: its new version, or
+    /// `None` when it is owned (or the race was lost). `token`, unique per call, lets a retry
+    /// after a lost reply find that its first try won.
+    pub async fn take_cas(
+        &self,
+        key: &[u8],
+        owner: &str,
+        token: &str,
+    ) -> Result<Option<u64>, BackendError> {
+        self.run((key, owner, token), |c, &(key, owner, token)| {
+            Box::pin(take_cas(c, key, owner, token))
+        })
+        .await
+    }
+
+    /// Frees the CAS row of `key` if `owner` owns it (at `version`, when given); whether it
+    /// did.
+    pub async fn release_cas(
+        &self,
+        key: &[u8],
+        owner: &str,
+        version: Option<u64>,
+    ) -> Result<bool, BackendError> {
+        self.run((key, owner, version), |c, &(key, owner, version)| {
+            Box::pin(free_cas(c, key, owner, version))
+        })
+        .await
+    }
+
+    /// Moves row `id` of `table` from state `from` to `to`; whether this call did. Not
+    /// retried once it may have reached the server: a retry could not tell its own transition
+    /// from someone else's (the error then says the outcome is unknown).
+    pub async fn transition(
+        &self,
+        table: &StateTable,
+        id: &str,
+        from: &str,
+        to: &str,
+    ) -> Result<bool, BackendError> {
+        self.run_once((table, id, from, to), |c, &(table, id, from, to)| {
+            Box::pin(transition(c, table, id, from, to))
+        })
+        .await
+    }
+
+    /// Adds a job to `queue`, due after `delay`, claimed at most `1 + max_retries` times;
+    /// its id. `request`, unique per call, makes a retry after a lost reply answer the id of
+    /// the job its first try enqueued.
+    pub async fn enqueue_job(
+        &self,
+        queue: &str,
+        payload: &[u8],
+        delay: Duration,
+        max_retries: u32,
+        request: &str,
+    ) -> Result<u64, BackendError> {
+        self.run(
+            (queue, payload, delay, max_retries, request),
+            |c, &(queue, payload, delay, max_retries, request)| {
+                Box::pin(enqueue_job(c, queue, payload, delay, max_retries, request))
+            },
+        )
+        .await
+    }
+
+    /// Claims the next due job of `queue` under `claim` for `lease`, in one transaction that
+    /// waits for no other claimer. After a try whose reply was lost, `look_first` finds the job
+    /// that try claimed instead of claiming another. Not retried once it may have reached the
+    /// server (the caller retries with `look_first`).
+    pub async fn claim_job(
+        &self,
+        queue: &str,
+        claim: &str,
+        lease: Duration,
+        look_first: bool,
+    ) -> Result<Option<ClaimedJob>, BackendError> {
+        self.run_once(
+            (queue, claim, lease, look_first),
+            |c, &(queue, claim, lease, look_first)| {
+                Box::pin(claim_job(c, queue, claim, lease, look_first))
+            },
+        )
+        .await
+    }
+
+    /// Ends job `id`, claimed under `claim`, if the claim still holds (its lease has not run
+    /// out); whether it did.
+    pub async fn finish_job(
+        &self,
+        id: u64,
+        claim: &str,
+        end: JobEnd,
+    ) -> Result<bool, BackendError> {
+        self.run((id, claim, end), |c, &(id, claim, end)| {
+            Box::pin(finish_job(c, id, claim, end))
+        })
+        .await
     }
 }
 

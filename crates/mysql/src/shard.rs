@@ -17,7 +17,7 @@ use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
 };
 use crate::migrate::{self, MigrateReport};
-use crate::patterns::{self, ClaimedJob, JobEnd, StateTable};
+use crate::patterns;
 use crate::pool::{
     lock_wait_timeout_secs, session_setup, SessionConn, ShardConn, ShardManager, ShardPool,
 };
@@ -95,7 +95,7 @@ impl Shard {
     ///
     /// Cancellation: dropping the future mid-statement discards the connection (the pool sees
     /// it was in flight); whether the statement took effect on the server is then unknown.
-    async fn run<A: Sync, T>(
+    pub(crate) async fn run<A: Sync, T>(
         &self,
         args: A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
@@ -107,7 +107,7 @@ impl Shard {
     /// the statement may have reached the server is not retried (the error says so,
     /// [`BackendError::maybe_applied`]); deadlocks and lock wait timeouts, which undo the
     /// statement, still are.
-    async fn run_once<A: Sync, T>(
+    pub(crate) async fn run_once<A: Sync, T>(
         &self,
         args: A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
@@ -477,112 +477,6 @@ impl Shard {
     ) -> Result<Option<u64>, BackendError> {
         self.run((key, owner), |c, &(key, owner)| {
             Box::pin(cleaner::force_release(c, key, owner))
-        })
-        .await
-    }
-
-    /// Takes the CAS row of `key` for `owner`, creating it on first use: its new version, or
-    /// `None` when it is owned (or the race was lost). `token`, unique per call, lets a retry
-    /// after a lost reply find that its first try won.
-    pub async fn take_cas(
-        &self,
-        key: &[u8],
-        owner: &str,
-        token: &str,
-    ) -> Result<Option<u64>, BackendError> {
-        self.run((key, owner, token), |c, &(key, owner, token)| {
-            Box::pin(patterns::take_cas(c, key, owner, token))
-        })
-        .await
-    }
-
-    /// Frees the CAS row of `key` if `owner` owns it (at `version`, when given); whether it
-    /// did.
-    pub async fn release_cas(
-        &self,
-        key: &[u8],
-        owner: &str,
-        version: Option<u64>,
-    ) -> Result<bool, BackendError> {
-        self.run((key, owner, version), |c, &(key, owner, version)| {
-            Box::pin(patterns::free_cas(c, key, owner, version))
-        })
-        .await
-    }
-
-    /// Moves row `id` of `table` from state `from` to `to`; whether this call did. Not
-    /// retried once it may have reached the server: a retry could not tell its own transition
-    /// from someone else's (the error then says the outcome is unknown).
-    pub async fn transition(
-        &self,
-        table: &StateTable,
-        id: &str,
-        from: &str,
-        to: &str,
-    ) -> Result<bool, BackendError> {
-        self.run_once((table, id, from, to), |c, &(table, id, from, to)| {
-            Box::pin(patterns::transition(c, table, id, from, to))
-        })
-        .await
-    }
-
-    /// Adds a job to `queue`, due after `delay`, claimed at most `1 + max_retries` times;
-    /// its id. `request`, unique per call, makes a retry after a lost reply answer the id of
-    /// the job its first try enqueued.
-    pub async fn enqueue_job(
-        &self,
-        queue: &str,
-        payload: &[u8],
-        delay: Duration,
-        max_retries: u32,
-        request: &str,
-    ) -> Result<u64, BackendError> {
-        self.run(
-            (queue, payload, delay, max_retries, request),
-            |c, &(queue, payload, delay, max_retries, request)| {
-                Box::pin(patterns::enqueue_job(
-                    c,
-                    queue,
-                    payload,
-                    delay,
-                    max_retries,
-                    request,
-                ))
-            },
-        )
-        .await
-    }
-
-    /// Claims the next due job of `queue` under `claim` for `lease`, in one transaction that
-    /// waits for no other claimer. After a try whose reply was lost, `look_first` finds the job
-    /// that try claimed instead of claiming another. Not retried once it may have reached the
-    /// server (the caller retries with `look_first`).
-    pub async fn claim_job(
-        &self,
-        queue: &str,
-        claim: &str,
-        lease: Duration,
-        look_first: bool,
-    ) -> Result<Option<ClaimedJob>, BackendError> {
-        self.run_once(
-            (queue, claim, lease, look_first),
-            |c, &(queue, claim, lease, look_first)| {
-                Box::pin(patterns::claim_job(c, queue, claim, lease, look_first))
-            },
-        )
-        .await
-    }
-
-    /// Ends job `id`, claimed under `claim`, if the claim still holds (its lease has not run
-    /// out); whether it did.
-    pub async fn finish_job(
-        &self,
-        id: u64,
-        claim: &str,
-        end: JobEnd,
-    ) -> Result<bool, BackendError> {
-        self.run((id, claim, end), |c, &(id, claim, end)| {
-            Box::pin(patterns::finish_job(c, id, claim, end))
         })
         .await
     }
