@@ -489,28 +489,13 @@ impl ShardState {
         self.call_timed(call, |_| true).await
     }
 
-    /// One call through the breaker on a pooled connection, within the statement timeout;
-    /// errors name the shard.
+    /// [`ShardState::call`] for callers outside the lease machinery (the other lock
+    /// patterns): errors name the shard.
     pub(crate) async fn run<T>(
         &self,
-        f: impl Fn(
-            &mut mysql_async::Conn,
-        ) -> futures_util::future::BoxFuture<'_, mysql_async::Result<T>>,
+        call: impl std::future::Future<Output = Result<T, BackendError>>,
     ) -> shardlock_core::Result<T> {
-        self.call(self.shard.with_conn(self.shard.statement_timeout(), f))
-            .await
-            .map_err(|e| e.into_error(self.shard.name()))
-    }
-
-    /// [`ShardState::run`] for a statement that is not idempotent: not retried once it may
-    /// have reached the server (the error then says the outcome is unknown).
-    pub(crate) async fn run_once<T>(
-        &self,
-        f: impl Fn(
-            &mut mysql_async::Conn,
-        ) -> futures_util::future::BoxFuture<'_, mysql_async::Result<T>>,
-    ) -> shardlock_core::Result<T> {
-        self.call(self.shard.with_conn_once(self.shard.statement_timeout(), f))
+        self.call(call)
             .await
             .map_err(|e| e.into_error(self.shard.name()))
     }

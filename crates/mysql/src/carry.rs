@@ -84,23 +84,6 @@ pub(crate) async fn free_carried_cas(
     Ok(matches!(row, Some((None, v)) if v == version + 2))
 }
 
-/// Frees a CAS row owned by `owner` at `version` (undoing a carry whose holder released
-/// meanwhile); whether it was.
-pub(crate) async fn free_cas(
-    conn: &mut Conn,
-    key: &[u8],
-    owner: &str,
-    version: u64,
-) -> mysql_async::Result<bool> {
-    conn.exec_drop(
-        "UPDATE shardlock_cas SET owner = NULL, version = version + 1 \
-         WHERE lock_key = ? AND owner = ? AND version = ?",
-        (key, owner, version),
-    )
-    .await?;
-    Ok(conn.affected_rows() == 1)
-}
-
 /// A job not finished yet, as the carry sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingJob {

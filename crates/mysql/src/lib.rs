@@ -1,5 +1,6 @@
-//! shardlock's MySQL backend: one deadpool pool of `mysql_async` connections per shard, the
-//! lease statements, and the versioned migrations.
+//! shardlock's MySQL backend: one deadpool pool of `mysql_async` connections per shard, every
+//! statement shardlock runs (leases, the registry and cleaner, the other lock patterns), and
+//! the versioned migrations.
 //!
 //! The SQL runs on MySQL 8.0+ and MariaDB 10.6+: no `RETURNING`, no sequences, no `VALUES()`
 //! in `ON DUPLICATE KEY UPDATE` (deprecated in MySQL 8). Time is always the shard's clock.
@@ -11,6 +12,7 @@ mod cleaner;
 mod error;
 mod lease;
 mod migrate;
+mod patterns;
 mod pool;
 mod shard;
 
@@ -22,7 +24,8 @@ pub use lease::{
     HELD_MARK, MAX_RENEW_BATCH,
 };
 pub use migrate::{MigrateReport, MIGRATIONS};
-pub use pool::{ShardConn, ShardManager, ShardPool};
+pub use patterns::{ClaimedJob, JobEnd, StateTable};
+pub use pool::SessionConn;
 pub use shard::{PoolStatus, Shard};
 
 /// Re-exported so callers can run their own SQL on a shard connection.

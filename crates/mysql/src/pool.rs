@@ -12,7 +12,7 @@ pub(crate) const PREPARED_STATEMENT_LIMIT: u16 = 1461;
 
 /// A pooled connection and what the pool must know about its state.
 #[derive(Debug)]
-pub struct ShardConn {
+pub(crate) struct ShardConn {
     conn: Conn,
     /// Set while a statement is on the wire. Still set when the connection comes back means
     /// the future was dropped mid-statement: the session state is unknown, so it is discarded.
@@ -26,9 +26,9 @@ pub struct ShardConn {
 
 impl ShardConn {
     /// Runs `f` on the connection, tracking whether it completed and whether it broke.
-    pub(crate) async fn run<T>(
-        &mut self,
-        f: impl FnOnce(&mut Conn) -> BoxFuture<'_, mysql_async::Result<T>>,
+    pub(crate) async fn run<'a, T>(
+        &'a mut self,
+        f: impl FnOnce(&'a mut Conn) -> BoxFuture<'a, mysql_async::Result<T>>,
     ) -> mysql_async::Result<T> {
         self.in_flight = true;
         let result = f(&mut self.conn).await;
@@ -43,26 +43,49 @@ impl ShardConn {
     }
 
     /// The raw connection for the caller's own SQL; it will be reset before anyone reuses it.
-    pub fn raw(&mut self) -> &mut Conn {
+    pub(crate) fn raw(&mut self) -> &mut Conn {
         self.dirty = true;
         &mut self.conn
     }
 }
 
+/// A connection of a shard's pool lent to one caller for a session of its own: a transaction
+/// lock's, or the caller's own SQL. Dropped, it goes back to the pool, which resets it before
+/// anyone reuses it; [`SessionConn::discard`] closes it instead.
+#[derive(Debug)]
+pub struct SessionConn(managed::Object<ShardManager>);
+
+impl SessionConn {
+    pub(crate) fn new(conn: managed::Object<ShardManager>) -> Self {
+        Self(conn)
+    }
+
+    /// The raw connection for the caller's own SQL.
+    pub fn raw(&mut self) -> &mut Conn {
+        self.0.raw()
+    }
+
+    /// Closes the connection instead of pooling it: the server then rolls back whatever it
+    /// was running, and nothing of its session reaches the next user.
+    pub fn discard(self) {
+        drop(managed::Object::take(self.0));
+    }
+}
+
 /// deadpool's manager for one shard.
 #[derive(Debug)]
-pub struct ShardManager {
+pub(crate) struct ShardManager {
     opts: Opts,
     idle_check: Duration,
 }
 
 /// One shard's pool.
-pub type ShardPool = managed::Pool<ShardManager>;
+pub(crate) type ShardPool = managed::Pool<ShardManager>;
 
 impl ShardManager {
     /// A manager connecting with `opts`; idle connections older than `idle_check` are pinged
     /// before reuse.
-    pub fn new(opts: Opts, idle_check: Duration) -> Self {
+    pub(crate) fn new(opts: Opts, idle_check: Duration) -> Self {
         Self { opts, idle_check }
     }
 }

@@ -17,7 +17,10 @@ use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
 };
 use crate::migrate::{self, MigrateReport};
-use crate::pool::{lock_wait_timeout_secs, session_setup, ShardConn, ShardManager, ShardPool};
+use crate::patterns;
+use crate::pool::{
+    lock_wait_timeout_secs, session_setup, SessionConn, ShardConn, ShardManager, ShardPool,
+};
 
 /// A shard: a named MySQL server (or schema) holding lease rows.
 #[derive(Debug)]
@@ -82,7 +85,8 @@ impl Shard {
         self.statement_timeout
     }
 
-    /// Runs `f` on a pooled connection within `timeout`.
+    /// Runs the statement function `f` on a pooled connection within the statement timeout,
+    /// with `args` (what it borrows, lent to every try).
     ///
     /// Deadlocks and lock wait timeouts are retried until the time is up; so is a broken
     /// connection (a stale pooled one after a shard restart, say), once. `f` must therefore be
@@ -91,30 +95,32 @@ impl Shard {
     ///
     /// Cancellation: dropping the future mid-statement discards the connection (the pool sees
     /// it was in flight); whether the statement took effect on the server is then unknown.
-    pub async fn with_conn<T>(
+    pub(crate) async fn run<A: Sync, T>(
         &self,
-        timeout: Duration,
-        f: impl Fn(&mut Conn) -> BoxFuture<'_, mysql_async::Result<T>>,
+        args: A,
+        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
-        self.with_conn_retrying(timeout, f, true).await
+        self.with_conn(self.statement_timeout, &args, f, true).await
     }
 
-    /// [`Shard::with_conn`] for statements that are not idempotent: a connection that broke
-    /// after the statement may have reached the server is not retried (the error says so,
+    /// [`Shard::run`] for statements that are not idempotent: a connection that broke after
+    /// the statement may have reached the server is not retried (the error says so,
     /// [`BackendError::maybe_applied`]); deadlocks and lock wait timeouts, which undo the
     /// statement, still are.
-    pub async fn with_conn_once<T>(
+    pub(crate) async fn run_once<A: Sync, T>(
         &self,
-        timeout: Duration,
-        f: impl Fn(&mut Conn) -> BoxFuture<'_, mysql_async::Result<T>>,
+        args: A,
+        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
-        self.with_conn_retrying(timeout, f, false).await
+        self.with_conn(self.statement_timeout, &args, f, false)
+            .await
     }
 
-    async fn with_conn_retrying<T>(
+    async fn with_conn<A: Sync, T>(
         &self,
         timeout: Duration,
-        f: impl Fn(&mut Conn) -> BoxFuture<'_, mysql_async::Result<T>>,
+        args: &A,
+        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
         retry_broken: bool,
     ) -> Result<T, BackendError> {
         let deadline = Instant::now() + timeout;
@@ -126,7 +132,7 @@ impl Shard {
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
                 sent.store(true, std::sync::atomic::Ordering::Relaxed);
-                conn.run(&f).await.map_err(classify)
+                conn.run(|c| f(c, args)).await.map_err(classify)
             })
             .await;
             let mut err = match attempt {
@@ -167,19 +173,14 @@ impl Shard {
     /// kept the key's row locked for longer than the server waits (the caller asks again, as
     /// for a held key, within its own wait).
     pub async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
-            let req = req.clone();
-            Box::pin(async move { lease::acquire(c, &req).await })
-        })
-        .await
+        self.run(req, |c, &req| Box::pin(lease::acquire(c, req)))
+            .await
     }
 
     /// Releases `key` if `owner` still holds it; `false` when it did not (the lease was lost).
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
-        let (key, owner) = (key.to_vec(), owner.to_owned());
-        self.with_conn(self.statement_timeout, |c| {
-            let (key, owner) = (key.clone(), owner.clone());
-            Box::pin(async move { lease::release(c, &key, &owner).await })
+        self.run((key, owner), |c, &(key, owner)| {
+            Box::pin(lease::release(c, key, owner))
         })
         .await
     }
@@ -192,10 +193,8 @@ impl Shard {
         owner: &str,
         fence: u64,
     ) -> Result<bool, BackendError> {
-        let (key, owner) = (key.to_vec(), owner.to_owned());
-        self.with_conn(self.statement_timeout, |c| {
-            let (key, owner) = (key.clone(), owner.clone());
-            Box::pin(async move { lease::raise_fence(c, &key, &owner, fence).await })
+        self.run((key, owner, fence), |c, &(key, owner, fence)| {
+            Box::pin(lease::raise_fence(c, key, owner, fence))
         })
         .await
     }
@@ -206,10 +205,8 @@ impl Shard {
         after: &[u8],
         limit: usize,
     ) -> Result<Vec<FenceRow>, BackendError> {
-        let after = after.to_vec();
-        self.with_conn(self.statement_timeout, |c| {
-            let after = after.clone();
-            Box::pin(async move { lease::fences_after(c, &after, limit).await })
+        self.run((after, limit), |c, &(after, limit)| {
+            Box::pin(lease::fences_after(c, after, limit))
         })
         .await
     }
@@ -220,28 +217,23 @@ impl Shard {
         after: &[u8],
         limit: usize,
     ) -> Result<Vec<CasRow>, BackendError> {
-        let after = after.to_vec();
-        self.with_conn(self.statement_timeout, |c| {
-            let after = after.clone();
-            Box::pin(async move { carry::owned_cas_after(c, &after, limit).await })
+        self.run((after, limit), |c, &(after, limit)| {
+            Box::pin(carry::owned_cas_after(c, after, limit))
         })
         .await
     }
 
     /// Writes carried CAS rows here where the key's row is free (see the carry module).
     pub async fn adopt_cas(&self, rows: &[CasRow]) -> Result<(), BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
-            let rows = rows.to_vec();
-            Box::pin(async move { carry::adopt_cas(c, &rows).await })
-        })
-        .await
+        self.run(rows, |c, &rows| Box::pin(carry::adopt_cas(c, rows)))
+            .await
     }
 
     /// Frees a CAS row still owned by `owner` at `version`; whether it was.
     pub async fn free_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
-            let (key, owner, version) = row.clone();
-            Box::pin(async move { carry::free_cas(c, &key, &owner, version).await })
+        let (key, owner, version) = (row.0.as_slice(), row.1.as_str(), row.2);
+        self.run((key, owner, version), |c, &(key, owner, version)| {
+            Box::pin(patterns::free_cas(c, key, owner, Some(version)))
         })
         .await
     }
@@ -249,9 +241,9 @@ impl Shard {
     /// Frees a CAS row carried to another shard (see the carry module); whether this call
     /// freed it, a lost reply included.
     pub async fn free_carried_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
-            let (key, owner, version) = row.clone();
-            Box::pin(async move { carry::free_carried_cas(c, &key, &owner, version).await })
+        let (key, owner, version) = (row.0.as_slice(), row.1.as_str(), row.2);
+        self.run((key, owner, version), |c, &(key, owner, version)| {
+            Box::pin(carry::free_carried_cas(c, key, owner, version))
         })
         .await
     }
@@ -262,7 +254,7 @@ impl Shard {
         after: u64,
         limit: usize,
     ) -> Result<Vec<PendingJob>, BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
+        self.run((after, limit), |c, &(after, limit)| {
             Box::pin(carry::pending_jobs_after(c, after, limit))
         })
         .await
@@ -275,9 +267,8 @@ impl Shard {
         ids: &[u64],
         to: &str,
     ) -> Result<Vec<MovingJob>, BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
-            let (ids, to) = (ids.to_vec(), to.to_owned());
-            Box::pin(async move { carry::start_moving(c, &ids, &to).await })
+        self.run((ids, to), |c, &(ids, to)| {
+            Box::pin(carry::start_moving(c, ids, to))
         })
         .await
     }
@@ -288,31 +279,26 @@ impl Shard {
         origin: &str,
         jobs: &[MovingJob],
     ) -> Result<(), BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
-            let (origin, jobs) = (origin.to_owned(), jobs.to_vec());
-            Box::pin(async move { carry::enqueue_moved(c, &origin, &jobs).await })
+        self.run((origin, jobs), |c, &(origin, jobs)| {
+            Box::pin(carry::enqueue_moved(c, origin, jobs))
         })
         .await
     }
 
     /// Marks moved jobs as gone from here.
     pub async fn finish_moving(&self, ids: &[u64]) -> Result<(), BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
-            let ids = ids.to_vec();
-            Box::pin(async move { carry::finish_moving(c, &ids).await })
-        })
-        .await
+        self.run(ids, |c, &ids| Box::pin(carry::finish_moving(c, ids)))
+            .await
     }
 
     /// The shard's clock, in microseconds since the epoch.
     pub async fn clock_us(&self) -> Result<u64, BackendError> {
-        self.with_conn(self.statement_timeout, |c| Box::pin(lease::clock_us(c)))
-            .await
+        self.run((), |c, _| Box::pin(lease::clock_us(c))).await
     }
 
     /// Raises the shard's fence floor: every fence granted here from now on is above `floor`.
     pub async fn raise_shard_floor(&self, floor: u64) -> Result<(), BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
+        self.run(floor, |c, &floor| {
             Box::pin(lease::raise_shard_floor(c, floor))
         })
         .await
@@ -323,19 +309,15 @@ impl Shard {
         &self,
         keys: Vec<Vec<u8>>,
     ) -> Result<Vec<(Vec<u8>, String)>, BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
-            let keys = keys.clone();
-            Box::pin(async move { lease::live_owners(c, &keys).await })
-        })
-        .await
+        self.run(keys, |c, keys| Box::pin(lease::live_owners(c, keys)))
+            .await
     }
 
     /// Raises each key's stored fence to at least the given floor (see `raise_floors` in
     /// the lease statements); idempotent.
     pub async fn raise_floors(&self, floors: &[(Vec<u8>, u64)]) -> Result<(), BackendError> {
-        self.with_conn(self.statement_timeout, |c| {
-            let floors = floors.to_vec();
-            Box::pin(async move { lease::raise_floors(c, &floors).await })
+        self.run(floors, |c, &floors| {
+            Box::pin(lease::raise_floors(c, floors))
         })
         .await
     }
@@ -348,9 +330,8 @@ impl Shard {
         old_owner: &str,
         to: &GrantRequest,
     ) -> Result<HandoffOutcome, BackendError> {
-        self.with_conn_once(self.statement_timeout, |c| {
-            let (old_owner, to) = (old_owner.to_owned(), to.clone());
-            Box::pin(async move { lease::handoff(c, &old_owner, &to).await })
+        self.run_once((old_owner, to), |c, &(old_owner, to)| {
+            Box::pin(lease::handoff(c, old_owner, to))
         })
         .await
     }
@@ -369,21 +350,13 @@ impl Shard {
         let deadline = Instant::now() + timeout;
         for chunk in leases.chunks(MAX_RENEW_BATCH) {
             let left = deadline.saturating_duration_since(Instant::now());
-            let chunk: Vec<(Vec<u8>, String)> = chunk
-                .iter()
-                .map(|(k, o)| (k.to_vec(), o.to_string()))
-                .collect();
             let part = self
-                .with_conn(left, |c| {
-                    let chunk = chunk.clone();
-                    Box::pin(async move {
-                        let pairs: Vec<(&[u8], &str)> = chunk
-                            .iter()
-                            .map(|(k, o)| (k.as_slice(), o.as_str()))
-                            .collect();
-                        lease::renew(c, &pairs).await
-                    })
-                })
+                .with_conn(
+                    left,
+                    &chunk,
+                    |c, &chunk| Box::pin(lease::renew(c, chunk)),
+                    true,
+                )
                 .await?;
             outcome.held.extend(part.held);
             outcome.statements += part.statements;
@@ -393,75 +366,38 @@ impl Shard {
 
     /// The lease row of `key`, if the key was ever granted here.
     pub async fn inspect(&self, key: &[u8]) -> Result<Option<LeaseRow>, BackendError> {
-        let key = key.to_vec();
-        self.with_conn(self.statement_timeout, |c| {
-            let key = key.clone();
-            Box::pin(async move { lease::inspect(c, &key).await })
-        })
-        .await
+        self.run(key, |c, &key| Box::pin(lease::inspect(c, key)))
+            .await
     }
 
     /// The trace context (W3C traceparent) of the live holder of `key`, if it was traced.
     pub async fn holder_trace(&self, key: &[u8]) -> Result<Option<String>, BackendError> {
-        let key = key.to_vec();
-        self.with_conn(self.statement_timeout, |c| {
-            let key = key.clone();
-            Box::pin(async move { lease::holder_trace(c, &key).await })
-        })
-        .await
+        self.run(key, |c, &key| Box::pin(lease::holder_trace(c, key)))
+            .await
     }
 
     /// What identifies the database this shard reaches: the id its tables were created with
     /// (migration 5) and the server's host name, port, server id and schema. Two shards with
     /// the same identity are the same database, whatever their URLs.
     pub async fn identity(&self) -> Result<String, BackendError> {
-        self.with_conn(self.statement_timeout, |c| Box::pin(lease::identity(c)))
-            .await
+        self.run((), |c, _| Box::pin(lease::identity(c))).await
     }
 
     /// How many live leases the shard holds (all instances).
     pub async fn count_held(&self) -> Result<u64, BackendError> {
-        self.with_conn(self.statement_timeout, |c| Box::pin(lease::count_held(c)))
-            .await
+        self.run((), |c, _| Box::pin(lease::count_held(c))).await
     }
 
     /// Registers `instance` or renews its heartbeat.
     pub async fn heartbeat(&self, beat: Beat<'_>) -> Result<(), BackendError> {
-        let (instance, host, topology, fleet) = (
-            beat.instance.to_owned(),
-            beat.host.to_owned(),
-            beat.topology.to_owned(),
-            beat.fleet.to_owned(),
-        );
-        let (pid, moving) = (beat.pid, beat.moving);
-        self.with_conn(self.statement_timeout, |c| {
-            let (instance, host, topology, fleet) = (
-                instance.clone(),
-                host.clone(),
-                topology.clone(),
-                fleet.clone(),
-            );
-            Box::pin(async move {
-                let beat = Beat {
-                    instance: &instance,
-                    host: &host,
-                    pid,
-                    topology: &topology,
-                    moving,
-                    fleet: &fleet,
-                };
-                cleaner::heartbeat(c, beat).await
-            })
-        })
-        .await
+        self.run(beat, |c, &beat| Box::pin(cleaner::heartbeat(c, beat)))
+            .await
     }
 
     /// Marks `instance` as shut down.
     pub async fn deregister(&self, instance: &str) -> Result<(), BackendError> {
-        let instance = instance.to_owned();
-        self.with_conn(self.statement_timeout, |c| {
-            let instance = instance.clone();
-            Box::pin(async move { cleaner::deregister(c, &instance).await })
+        self.run(instance, |c, &instance| {
+            Box::pin(cleaner::deregister(c, instance))
         })
         .await
     }
@@ -473,17 +409,15 @@ impl Shard {
         timeout: Duration,
     ) -> Result<Vec<String>, BackendError> {
         let timeout_us = timeout.as_micros() as u64;
-        self.with_conn(self.statement_timeout, |c| {
-            let instances = instances.to_vec();
-            Box::pin(async move { cleaner::alive(c, &instances, timeout_us).await })
+        self.run((instances, timeout_us), |c, &(instances, timeout_us)| {
+            Box::pin(cleaner::alive(c, instances, timeout_us))
         })
         .await
     }
 
     /// Every instance registered here.
     pub async fn instances(&self) -> Result<Vec<InstanceRow>, BackendError> {
-        self.with_conn(self.statement_timeout, |c| Box::pin(cleaner::instances(c)))
-            .await
+        self.run((), |c, _| Box::pin(cleaner::instances(c))).await
     }
 
     /// Up to `limit` rows after `after` (key order) that the cleaner may remove: ended longer
@@ -496,12 +430,12 @@ impl Shard {
         limit: u32,
     ) -> Result<Vec<Candidate>, BackendError> {
         let (grace_us, margin_us) = (grace.as_micros() as u64, margin.as_micros() as u64);
-        self.with_conn(self.statement_timeout, |c| {
-            let after = after.to_vec();
-            Box::pin(
-                async move { cleaner::candidates(c, &after, grace_us, margin_us, limit).await },
-            )
-        })
+        self.run(
+            (after, grace_us, margin_us, limit),
+            |c, &(after, grace_us, margin_us, limit)| {
+                Box::pin(cleaner::candidates(c, after, grace_us, margin_us, limit))
+            },
+        )
         .await
     }
 
@@ -518,20 +452,19 @@ impl Shard {
         fence_at_most: u64,
     ) -> Result<u64, BackendError> {
         let (grace_us, margin_us) = (grace.as_micros() as u64, margin.as_micros() as u64);
-        self.with_conn(self.statement_timeout, |c| {
-            let (keys, owners) = (keys.to_vec(), owners.map(<[String]>::to_vec));
-            Box::pin(async move {
-                cleaner::delete(
+        self.run(
+            (keys, owners, grace_us, margin_us, fence_at_most),
+            |c, &(keys, owners, grace_us, margin_us, fence_at_most)| {
+                Box::pin(cleaner::delete(
                     c,
-                    &keys,
-                    owners.as_deref(),
+                    keys,
+                    owners,
                     grace_us,
                     margin_us,
                     fence_at_most,
-                )
-                .await
-            })
-        })
+                ))
+            },
+        )
         .await
     }
 
@@ -542,10 +475,8 @@ impl Shard {
         key: &[u8],
         owner: &str,
     ) -> Result<Option<u64>, BackendError> {
-        let (key, owner) = (key.to_vec(), owner.to_owned());
-        self.with_conn(self.statement_timeout, |c| {
-            let (key, owner) = (key.clone(), owner.clone());
-            Box::pin(async move { cleaner::force_release(c, &key, &owner).await })
+        self.run((key, owner), |c, &(key, owner)| {
+            Box::pin(cleaner::force_release(c, key, owner))
         })
         .await
     }
@@ -561,11 +492,11 @@ impl Shard {
         migrate::migrate(conn.raw()).await.map_err(classify)
     }
 
-    /// A pooled connection for the caller's own SQL; it is reset before anyone reuses it.
-    pub async fn connection(
-        &self,
-    ) -> Result<deadpool::managed::Object<ShardManager>, BackendError> {
-        self.pool.get().await.map_err(classify_pool)
+    /// A pooled connection for a session of the caller's own (a transaction lock, the
+    /// caller's SQL); it is reset before anyone reuses it.
+    pub async fn connection(&self) -> Result<SessionConn, BackendError> {
+        let conn = self.pool.get().await.map_err(classify_pool)?;
+        Ok(SessionConn::new(conn))
     }
 
     /// The pool's state.

@@ -1,0 +1,467 @@
+//! The statements of the other lock patterns (`shardlock::patterns`): transaction locks,
+//! version compare-and-set locks, state-machine claims and job claims. Their tables are made
+//! by migration 4 (and 6); time is the shard's clock.
+
+use std::time::Duration;
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, IsolationLevel, TxOpts};
+use shardlock_core::{BackendError, Error};
+
+use crate::error::classify;
+use crate::pool::SessionConn;
+use crate::shard::Shard;
+
+// Transaction locks. Text protocol, the key as a hex literal (`{key}`, hex digits only: no
+// injection possible): the connection is reset after the transaction, and prepared statements
+// would not survive that.
+
+/// The caller's wait (`{secs}`), for both statements below: the upsert of a row whose lock is
+/// held waits for its holder too. Whole seconds, the server's unit; for this session only,
+/// which the reset after the transaction undoes.
+const TX_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = {secs}";
+
+/// Makes sure the key has a row to lock, committed on its own before the transaction starts:
+/// a locking read of a missing row would lock only a gap, which two transactions can hold at
+/// once. An upsert that changes nothing, not `INSERT IGNORE` (which would also turn other
+/// errors into warnings).
+const TX_ROW: &str = "INSERT INTO shardlock_txlock (lock_key) VALUES ({key}) \
+     ON DUPLICATE KEY UPDATE lock_key = lock_key";
+
+/// Opens the transaction that holds the lock (the session runs with autocommit on).
+const TX_BEGIN: &str = "START TRANSACTION";
+
+/// Takes the row's exclusive lock, held until the transaction ends or the connection dies, so
+/// the caller's own statements in the transaction run under it. `{nowait}` is ` NOWAIT` for a
+/// zero wait (MySQL 8.0, MariaDB 10.3+): a locked row is answered at once, with 3572 (MySQL)
+/// or 1205 (MariaDB).
+const TX_LOCK: &str =
+    "SELECT lock_key FROM shardlock_txlock WHERE lock_key = {key} FOR UPDATE{nowait}";
+
+/// Ends a transaction lock keeping the caller's statements.
+const TX_COMMIT: &str = "COMMIT";
+
+/// Ends a transaction lock undoing the caller's statements.
+const TX_ROLLBACK: &str = "ROLLBACK";
+
+impl SessionConn {
+    /// Locks `key`'s row of `shardlock_txlock` (created on first use) in a new transaction on
+    /// this connection. The server waits up to `wait` rounded up to whole seconds (zero: not
+    /// at all); the caller enforces the exact wait. A row still locked is answered with a lock
+    /// wait timeout (1205) or, for a zero wait on MySQL, 3572.
+    pub async fn lock_tx_row(&mut self, key: &[u8], wait: Duration) -> Result<(), BackendError> {
+        let raw = self.raw();
+        let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+        let key = format!("X'{hex}'");
+        // At most the server's limit: a "wait for ever" waits that long.
+        let secs = wait.as_secs_f64().ceil().clamp(1.0, 1_073_741_824.0) as u64;
+        let nowait = if wait.is_zero() { " NOWAIT" } else { "" };
+        let run = async {
+            raw.query_drop(TX_LOCK_WAIT.replace("{secs}", &secs.to_string()))
+                .await?;
+            raw.query_drop(TX_ROW.replace("{key}", &key)).await?;
+            raw.query_drop(TX_BEGIN).await?;
+            raw.query_drop(TX_LOCK.replace("{key}", &key).replace("{nowait}", nowait))
+                .await
+        };
+        run.await.map_err(classify)
+    }
+
+    /// Commits the transaction of [`SessionConn::lock_tx_row`], releasing the lock.
+    pub async fn commit(&mut self) -> Result<(), BackendError> {
+        self.raw().query_drop(TX_COMMIT).await.map_err(classify)
+    }
+
+    /// Rolls back the transaction of [`SessionConn::lock_tx_row`], releasing the lock.
+    pub async fn rollback(&mut self) -> Result<(), BackendError> {
+        self.raw().query_drop(TX_ROLLBACK).await.map_err(classify)
+    }
+}
+
+// Version compare-and-set locks.
+
+/// Creates the key's row, free, on first use; an existing row is left as it is. An upsert that
+/// changes nothing rather than `INSERT IGNORE`, which would also turn other errors into
+/// warnings; ownership is decided by [`CAS_TAKE`] alone.
+const CAS_ROW: &str = "INSERT INTO shardlock_cas (lock_key, owner, version) VALUES (?, NULL, 0) \
+     ON DUPLICATE KEY UPDATE lock_key = lock_key";
+
+/// A plain read, locking nothing: [`CAS_TAKE`] checks what was read again, so a race lost in
+/// between shows as no row changed rather than as a wait. `token` tells a try whose reply was
+/// lost that the grant is its own.
+const CAS_READ: &str = "SELECT owner, version, token FROM shardlock_cas WHERE lock_key = ?";
+
+/// Sets the owner only where the version is still the one read and nobody owns the row: a
+/// carried row (see the carry module) arrives owned with a version of its own, so the version
+/// alone does not prove the row is still free. Judged by affected rows.
+const CAS_TAKE: &str = "UPDATE shardlock_cas SET owner = ?, token = ?, version = version + 1 \
+     WHERE lock_key = ? AND version = ? AND owner IS NULL";
+
+/// Owner-checked, and version-checked when the caller knows the version (`? IS NULL OR
+/// version = ?`: one statement for both cases), so a release after someone force-changed the
+/// row does nothing. The version rises, so a take based on a read from before fails.
+const CAS_FREE: &str = "UPDATE shardlock_cas SET owner = NULL, version = version + 1 \
+     WHERE lock_key = ? AND owner = ? AND (? IS NULL OR version = ?)";
+
+/// Takes the CAS row of `key` for `owner` (creating it free on first use): its new version,
+/// or `None` when it is owned (or the race was lost). `token` is unique per call: a retry
+/// after a lost reply finds its own grant.
+pub(crate) async fn take_cas(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+    token: &str,
+) -> mysql_async::Result<Option<u64>> {
+    conn.exec_drop(CAS_ROW, (key,)).await?;
+    type Row = (Option<Vec<u8>>, u64, Option<Vec<u8>>);
+    let row: Option<Row> = conn.exec_first(CAS_READ, (key,)).await?;
+    let version = match row {
+        Some((None, version, _)) => version,
+        // Taken by this very call: a try whose reply was lost (the token is per call, so
+        // another acquire under the same owner name is not mistaken for it).
+        Some((Some(_), version, Some(t))) if t == token.as_bytes() => return Ok(Some(version)),
+        _ => return Ok(None),
+    };
+    conn.exec_drop(CAS_TAKE, (owner, token, key, version))
+        .await?;
+    Ok((conn.affected_rows() == 1).then_some(version + 1))
+}
+
+/// Frees the CAS row of `key` if `owner` owns it (at `version`, when given); whether it did.
+pub(crate) async fn free_cas(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+    version: Option<u64>,
+) -> mysql_async::Result<bool> {
+    conn.exec_drop(CAS_FREE, (key, owner, version, version))
+        .await?;
+    Ok(conn.affected_rows() == 1)
+}
+
+// State-machine claims.
+
+/// One conditional `UPDATE` judged by affected rows: the old state in the `WHERE` makes the
+/// server the arbiter, so of concurrent claimers exactly one matches the row. The table and
+/// column names (`{table}`, `{id}`, `{state}`) cannot be bound, so they are checked when the
+/// table is declared ([`StateTable::new`]); the values are bound.
+const TRANSITION: &str = "UPDATE {table} SET {state} = ? WHERE {id} = ? AND {state} = ?";
+
+/// A table of the caller's whose rows carry a state, and the transition statement on it.
+#[derive(Debug, Clone)]
+pub struct StateTable {
+    table: String,
+    transition: String,
+}
+
+impl StateTable {
+    /// Rows of `table` found by `id_column`, their state in `state_column`; each name 1-64 of
+    /// `[A-Za-z0-9_]` (they are the only parts of the statement that are not bound
+    /// parameters), else [`Error::InvalidArgument`].
+    pub fn new(table: &str, id_column: &str, state_column: &str) -> Result<Self, Error> {
+        for (what, name) in [
+            ("table", table),
+            ("id column", id_column),
+            ("state column", state_column),
+        ] {
+            let ok = !name.is_empty()
+                && name.len() <= 64
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            if !ok {
+                return Err(Error::InvalidArgument {
+                    name: "state machine",
+                    reason: format!("{what} `{name}` must be 1-64 of [A-Za-z0-9_]"),
+                });
+            }
+        }
+        Ok(Self {
+            table: table.to_owned(),
+            transition: TRANSITION
+                .replace("{table}", table)
+                .replace("{state}", state_column)
+                .replace("{id}", id_column),
+        })
+    }
+
+    /// The table's name.
+    pub fn name(&self) -> &str {
+        &self.table
+    }
+}
+
+/// Moves row `id` of `table` from `from` to `to`; whether this call did.
+pub(crate) async fn transition(
+    conn: &mut Conn,
+    table: &StateTable,
+    id: &str,
+    from: &str,
+    to: &str,
+) -> mysql_async::Result<bool> {
+    conn.exec_drop(table.transition.as_str(), (to, id, from))
+        .await?;
+    Ok(conn.affected_rows() == 1)
+}
+
+// Job claims.
+
+/// `origin` holds a request id made per call and is unique: a retry after a lost reply hits
+/// the duplicate key and reports, through `LAST_INSERT_ID(id)`, the id the first try inserted
+/// instead of enqueuing the job twice (the portable form; `RETURNING` is MariaDB's only). Due
+/// on the shard's clock; microseconds keep short delays exact.
+const ENQUEUE_JOB: &str = "INSERT INTO shardlock_job \
+     (queue, payload, status, due_at, retry_count, max_retries, origin) \
+     VALUES (?, ?, 'ready', NOW(3) + INTERVAL ? MICROSECOND, 0, ?, ?) \
+     ON DUPLICATE KEY UPDATE id = LAST_INSERT_ID(id)";
+
+/// Only while the claim still holds: `locked_by` is the claim token (unique per claim) and the
+/// lease has not run out on the shard's clock, so a worker whose job may have been claimed
+/// again cannot finish the new claim.
+const FINISH_JOB: &str = "UPDATE shardlock_job SET status = ?, lease_until = NULL \
+     WHERE id = ? AND status = 'claimed' AND locked_by = ? AND lease_until > NOW(3)";
+
+/// Abandoned claims with no retries left are failed for good, not left claimed for ever. Under
+/// READ COMMITTED only the rows that match are locked, and claimers never lock those; `LIMIT`
+/// bounds the work one claim does.
+const FAIL_EXHAUSTED: &str = "UPDATE shardlock_job SET status = 'failed', lease_until = NULL \
+     WHERE queue = ? AND status = 'claimed' AND lease_until <= NOW(3) \
+     AND retry_count >= max_retries LIMIT 100";
+
+/// A crashed worker's job first. `FOR UPDATE SKIP LOCKED` (MySQL 8.0, MariaDB 10.6) locks
+/// just the row chosen and passes over rows other claimers are taking, so claimers never wait
+/// on each other; the retry count read is the one the claim writes.
+const CLAIM_ABANDONED: &str = "SELECT id, payload, retry_count + 1 FROM shardlock_job \
+     WHERE queue = ? AND status = 'claimed' AND lease_until <= NOW(3) \
+     AND retry_count < max_retries LIMIT 1 FOR UPDATE SKIP LOCKED";
+
+/// Else the ready job due first, as [`CLAIM_ABANDONED`] locks it; the `(queue, status,
+/// due_at)` index gives the order.
+const CLAIM_READY: &str = "SELECT id, payload, retry_count FROM shardlock_job \
+     WHERE queue = ? AND status = 'ready' AND due_at <= NOW(3) \
+     ORDER BY due_at LIMIT 1 FOR UPDATE SKIP LOCKED";
+
+/// The claim itself, by primary key on the row locked above, in the same transaction: the
+/// job's id is known in the same step. The lease runs on the shard's clock.
+const MARK_CLAIMED: &str = "UPDATE shardlock_job SET status = 'claimed', locked_by = ?, \
+     locked_at = NOW(3), lease_until = NOW(3) + INTERVAL ? MICROSECOND, retry_count = ? \
+     WHERE id = ?";
+
+/// After a try whose reply was lost: the claim token is unique per claim, so the job that try
+/// claimed, if it did, is found instead of a second one claimed.
+const CLAIMED_BY: &str = "SELECT id, payload, retry_count FROM shardlock_job \
+     WHERE queue = ? AND status = 'claimed' AND locked_by = ? LIMIT 1";
+
+/// How a claimed job ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobEnd {
+    /// Done.
+    Done,
+    /// Failed for good.
+    Failed,
+}
+
+/// A job claimed on a shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimedJob {
+    /// Its id on the shard.
+    pub id: u64,
+    /// What was enqueued.
+    pub payload: Vec<u8>,
+    /// Claims of it before this one that were not completed.
+    pub retry_count: u32,
+}
+
+/// Enqueues a job (see [`ENQUEUE_JOB`]); its id.
+pub(crate) async fn enqueue_job(
+    conn: &mut Conn,
+    queue: &str,
+    payload: &[u8],
+    delay: Duration,
+    max_retries: u32,
+    request: &str,
+) -> mysql_async::Result<u64> {
+    let delay_us = delay.as_micros() as u64;
+    conn.exec_drop(
+        ENQUEUE_JOB,
+        (queue, payload, delay_us, max_retries, request),
+    )
+    .await?;
+    Ok(conn.last_insert_id().unwrap_or(0))
+}
+
+/// Ends job `id` claimed under `claim`, if the claim still holds; whether it did.
+pub(crate) async fn finish_job(
+    conn: &mut Conn,
+    id: u64,
+    claim: &str,
+    end: JobEnd,
+) -> mysql_async::Result<bool> {
+    let status = match end {
+        JobEnd::Done => "done",
+        JobEnd::Failed => "failed",
+    };
+    conn.exec_drop(FINISH_JOB, (status, id, claim)).await?;
+    Ok(conn.affected_rows() == 1)
+}
+
+/// Claims the next due job of `queue` under `claim` for `lease`; after a try whose reply was
+/// lost (`look_first`), first the job that try may have claimed.
+pub(crate) async fn claim_job(
+    conn: &mut Conn,
+    queue: &str,
+    claim: &str,
+    lease: Duration,
+    look_first: bool,
+) -> mysql_async::Result<Option<ClaimedJob>> {
+    if look_first {
+        if let Some(mine) = conn.exec_first(CLAIMED_BY, (queue, claim)).await? {
+            return Ok(Some(claimed(mine)));
+        }
+    }
+    let mut opts = TxOpts::default();
+    opts.with_isolation_level(IsolationLevel::ReadCommitted);
+    let mut tx = conn.start_transaction(opts).await?;
+    tx.exec_drop(FAIL_EXHAUSTED, (queue,)).await?;
+    let mut row: Option<(u64, Vec<u8>, u32)> = tx.exec_first(CLAIM_ABANDONED, (queue,)).await?;
+    if row.is_none() {
+        row = tx.exec_first(CLAIM_READY, (queue,)).await?;
+    }
+    let Some((id, payload, retry_count)) = row else {
+        tx.commit().await?; // keeps the jobs failed above
+        return Ok(None);
+    };
+    let lease_us = lease.as_micros() as u64;
+    tx.exec_drop(MARK_CLAIMED, (claim, lease_us, retry_count, id))
+        .await?;
+    tx.commit().await?;
+    Ok(Some(claimed((id, payload, retry_count))))
+}
+
+fn claimed((id, payload, retry_count): (u64, Vec<u8>, u32)) -> ClaimedJob {
+    ClaimedJob {
+        id,
+        payload,
+        retry_count,
+    }
+}
+
+/// The patterns' operations on a shard, each on a pooled connection within the statement
+/// timeout.
+impl Shard {
+    /// Takes the CAS row of `key` for `owner`, creating it on first use: its new version, or
+    /// `None` when it is owned (or the race was lost). `token`, unique per call, lets a retry
+    /// after a lost reply find that its first try won.
+    pub async fn take_cas(
+        &self,
+        key: &[u8],
+        owner: &str,
+        token: &str,
+    ) -> Result<Option<u64>, BackendError> {
+        self.run((key, owner, token), |c, &(key, owner, token)| {
+            Box::pin(take_cas(c, key, owner, token))
+        })
+        .await
+    }
+
+    /// Frees the CAS row of `key` if `owner` owns it (at `version`, when given); whether it
+    /// did.
+    pub async fn release_cas(
+        &self,
+        key: &[u8],
+        owner: &str,
+        version: Option<u64>,
+    ) -> Result<bool, BackendError> {
+        self.run((key, owner, version), |c, &(key, owner, version)| {
+            Box::pin(free_cas(c, key, owner, version))
+        })
+        .await
+    }
+
+    /// Moves row `id` of `table` from state `from` to `to`; whether this call did. Not
+    /// retried once it may have reached the server: a retry could not tell its own transition
+    /// from someone else's (the error then says the outcome is unknown).
+    pub async fn transition(
+        &self,
+        table: &StateTable,
+        id: &str,
+        from: &str,
+        to: &str,
+    ) -> Result<bool, BackendError> {
+        self.run_once((table, id, from, to), |c, &(table, id, from, to)| {
+            Box::pin(transition(c, table, id, from, to))
+        })
+        .await
+    }
+
+    /// Adds a job to `queue`, due after `delay`, claimed at most `1 + max_retries` times;
+    /// its id. `request`, unique per call, makes a retry after a lost reply answer the id of
+    /// the job its first try enqueued.
+    pub async fn enqueue_job(
+        &self,
+        queue: &str,
+        payload: &[u8],
+        delay: Duration,
+        max_retries: u32,
+        request: &str,
+    ) -> Result<u64, BackendError> {
+        self.run(
+            (queue, payload, delay, max_retries, request),
+            |c, &(queue, payload, delay, max_retries, request)| {
+                Box::pin(enqueue_job(c, queue, payload, delay, max_retries, request))
+            },
+        )
+        .await
+    }
+
+    /// Claims the next due job of `queue` under `claim` for `lease`, in one transaction that
+    /// waits for no other claimer. After a try whose reply was lost, `look_first` finds the job
+    /// that try claimed instead of claiming another. Not retried once it may have reached the
+    /// server (the caller retries with `look_first`).
+    pub async fn claim_job(
+        &self,
+        queue: &str,
+        claim: &str,
+        lease: Duration,
+        look_first: bool,
+    ) -> Result<Option<ClaimedJob>, BackendError> {
+        self.run_once(
+            (queue, claim, lease, look_first),
+            |c, &(queue, claim, lease, look_first)| {
+                Box::pin(claim_job(c, queue, claim, lease, look_first))
+            },
+        )
+        .await
+    }
+
+    /// Ends job `id`, claimed under `claim`, if the claim still holds (its lease has not run
+    /// out); whether it did.
+    pub async fn finish_job(
+        &self,
+        id: u64,
+        claim: &str,
+        end: JobEnd,
+    ) -> Result<bool, BackendError> {
+        self.run((id, claim, end), |c, &(id, claim, end)| {
+            Box::pin(finish_job(c, id, claim, end))
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_table_splices_only_checked_names() {
+        let table = StateTable::new("coupon", "code", "state").unwrap();
+        assert_eq!(
+            table.transition,
+            "UPDATE coupon SET state = ? WHERE code = ? AND state = ?"
+        );
+        for bad in ["", "coupon; DROP TABLE x", "coupon`", &"c".repeat(65)] {
+            assert!(StateTable::new(bad, "code", "state").is_err(), "{bad}");
+            assert!(StateTable::new("coupon", bad, "state").is_err(), "{bad}");
+            assert!(StateTable::new("coupon", "code", bad).is_err(), "{bad}");
+        }
+    }
+}

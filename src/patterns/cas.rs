@@ -1,0 +1,106 @@
+//! Version compare-and-set locks on rows of `shardlock_cas`.
+
+use std::sync::Arc;
+
+use shardlock_core::{LockKey, Result};
+
+use crate::keeper::ShardState;
+use crate::LockRouter;
+
+/// A version compare-and-set lock held by [`LockRouter::cas_acquire`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CasGuard {
+    /// The key.
+    pub key: String,
+    /// The owner written in the row.
+    pub owner: String,
+    /// The row's version after the acquire (it rises with every acquire and release).
+    pub version: u64,
+}
+
+impl LockRouter {
+    /// Takes `key` by compare-and-set: reads the row's version and, if nobody owns it, sets
+    /// `owner` where the version is still the one read. `None` when someone else owns it (or
+    /// won the race). Two statements; the row is created on first use. A retry after a lost
+    /// reply learns that its first try won (a token per call is written with the owner); a
+    /// key already held under the same owner name by another call is not given twice.
+    ///
+    /// While a reload's move is in progress, a key that moved is taken on the shards it lived
+    /// on before as well (and given back there if it cannot be taken everywhere); once the
+    /// move is over, rows still owned on the old shards are carried to the new one, so a lock
+    /// taken before a reload stays taken, and releasable, after it.
+    pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
+        let lock_key = LockKey::new(key)?;
+        self.check_joined(&lock_key)?;
+        let topology = self.inner.topology.load_full();
+        let shard = topology.locate(&lock_key).clone();
+        let mut taken: Vec<Arc<ShardState>> = Vec::new();
+        let mut version = Ok(None);
+        let token = self.inner.shared.next_owner().1;
+        for at in topology
+            .previous_locations(&lock_key)
+            .into_iter()
+            .chain([shard])
+        {
+            version = at
+                .run(at.shard.take_cas(lock_key.stored(), owner, &token))
+                .await;
+            if !matches!(version, Ok(Some(_))) {
+                break;
+            }
+            taken.push(at);
+        }
+        let version = match version {
+            Ok(Some(version)) => version,
+            // Someone owns it somewhere, or a shard failed: give back what was taken (a row
+            // that cannot be given back now stays owned until its owner releases it).
+            failed => {
+                for at in taken {
+                    let _ = at
+                        .run(at.shard.release_cas(lock_key.stored(), owner, None))
+                        .await;
+                }
+                return failed.map(|_| None);
+            }
+        };
+        Ok(Some(CasGuard {
+            key: key.to_owned(),
+            owner: owner.to_owned(),
+            version,
+        }))
+    }
+
+    /// Releases a CAS lock: only if the row still has the guard's owner and version. `false`
+    /// when it did not (someone force-changed it). While a reload's move is in progress, the
+    /// owner's rows on the key's previous shards are released too (the guard's version is the
+    /// current shard's).
+    pub async fn cas_release(&self, guard: CasGuard) -> Result<bool> {
+        let lock_key = LockKey::new(&guard.key)?;
+        let topology = self.inner.topology.load_full();
+        let shard = topology.locate(&lock_key).clone();
+        // Every shard is tried; the first failure is reported after (release again to retry).
+        let mut released = false;
+        let mut failure = None;
+        for old in topology.previous_locations(&lock_key) {
+            match old
+                .run(old.shard.release_cas(lock_key.stored(), &guard.owner, None))
+                .await
+            {
+                Ok(freed) => released |= freed,
+                Err(e) => drop(failure.get_or_insert(e)),
+            }
+        }
+        match shard
+            .run(
+                shard
+                    .shard
+                    .release_cas(lock_key.stored(), &guard.owner, Some(guard.version)),
+            )
+            .await
+        {
+            Ok(freed) => released |= freed,
+            Err(e) => drop(failure.get_or_insert(e)),
+        }
+        failure.map_or(Ok(released), Err)
+    }
+}

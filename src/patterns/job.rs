@@ -1,0 +1,163 @@
+//! Job claims on rows of `shardlock_job`, with a lease after which a crashed worker's job is
+//! claimed again.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use shardlock_core::{LockKey, Result};
+use shardlock_mysql::{ClaimedJob, JobEnd};
+
+use crate::keeper::ShardState;
+use crate::LockRouter;
+
+/// A job claimed by [`LockRouter::claim_job`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    /// The job's id (unique on its queue's shard).
+    pub id: u64,
+    /// The queue.
+    pub queue: String,
+    /// What [`LockRouter::enqueue_job`] stored.
+    pub payload: Vec<u8>,
+    /// Claims of it before this one that were not completed (lease ran out).
+    pub retry_count: u32,
+    /// The claim token written in the row (the worker's name and a claim number).
+    pub claim: String,
+    /// The shard it was claimed on (its queue may move in a reload before it is finished).
+    home: JobHome,
+}
+
+/// The shard a job was claimed on; equal for any two jobs (only the public fields count).
+#[derive(Clone)]
+struct JobHome(Weak<ShardState>);
+
+impl PartialEq for JobHome {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for JobHome {}
+
+impl std::fmt::Debug for JobHome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.upgrade() {
+            Some(s) => f.write_str(s.shard.name()),
+            None => f.write_str("(gone)"),
+        }
+    }
+}
+
+impl LockRouter {
+    /// Adds a job to `queue` (its jobs live on the shard of key `queue`), due after `delay`;
+    /// a claim that is not completed within its lease is followed by up to `max_retries`
+    /// more. Returns the job's id.
+    pub async fn enqueue_job(
+        &self,
+        queue: &str,
+        payload: &[u8],
+        delay: Duration,
+        max_retries: u32,
+    ) -> Result<u64> {
+        let key = LockKey::new(queue)?;
+        self.check_joined(&key)?;
+        let shard = self.state_for(&key);
+        // A request id in `origin` (unique): a retry after a lost reply finds the job the
+        // first try enqueued and answers its id, instead of enqueuing it twice.
+        let request = format!("enqueue:{}", self.inner.shared.next_owner().1);
+        shard
+            .run(
+                shard
+                    .shard
+                    .enqueue_job(queue, payload, delay, max_retries, &request),
+            )
+            .await
+    }
+
+    /// Claims the next due job of `queue` for `worker`, for `lease`: first a claimed job
+    /// whose lease ran out (its retry count goes up) while retries are left, else the ready
+    /// job due first. One READ COMMITTED transaction: `SELECT ... FOR UPDATE SKIP LOCKED`
+    /// (MySQL 8, MariaDB 10.6+) locks just the chosen row, so claimers never wait on each
+    /// other, then an `UPDATE` by primary key. `None` when nothing is due. Deadlocks are
+    /// retried inside.
+    pub async fn claim_job(
+        &self,
+        queue: &str,
+        worker: &str,
+        lease: Duration,
+    ) -> Result<Option<Job>> {
+        let key = LockKey::new(queue)?;
+        self.check_joined(&key)?;
+        let (_, claim_no) = self.inner.shared.next_owner();
+        let claim = format!("{worker}@{claim_no}");
+        // The queue's shard first, then (while a reload's move is in progress) the shards it
+        // lived on before, whose jobs are carried over once the move is over.
+        for shard in self.placements(&key) {
+            if let Some(ClaimedJob {
+                id,
+                payload,
+                retry_count,
+            }) = claim_on(&shard, queue, &claim, lease).await?
+            {
+                return Ok(Some(Job {
+                    id,
+                    queue: queue.to_owned(),
+                    payload,
+                    retry_count,
+                    claim,
+                    home: JobHome(Arc::downgrade(&shard)),
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Marks `job` done, if its claim still holds (`false` when the lease ran out: the job
+    /// may have been claimed again).
+    pub async fn complete_job(&self, job: &Job) -> Result<bool> {
+        self.finish_job(job, JobEnd::Done).await
+    }
+
+    /// Marks `job` failed for good, if its claim still holds.
+    pub async fn fail_job(&self, job: &Job) -> Result<bool> {
+        self.finish_job(job, JobEnd::Failed).await
+    }
+
+    async fn finish_job(&self, job: &Job, end: JobEnd) -> Result<bool> {
+        // On the shard it was claimed on, even if its queue moved since.
+        let shard = match job.home.0.upgrade() {
+            Some(home) => home,
+            None => self.state_for(&LockKey::new(&job.queue)?),
+        };
+        shard
+            .run(shard.shard.finish_job(job.id, &job.claim, end))
+            .await
+    }
+}
+
+/// [`LockRouter::claim_job`] on one shard.
+async fn claim_on(
+    shard: &ShardState,
+    queue: &str,
+    claim: &str,
+    lease: Duration,
+) -> Result<Option<ClaimedJob>> {
+    let mut tries = 0;
+    // After a try that may have claimed a job (its reply lost), the next one first looks for
+    // the job claimed under this claim token: a claim is never made twice.
+    let mut look_first = false;
+    loop {
+        let attempt = shard
+            .call_waiting(shard.shard.claim_job(queue, claim, lease, look_first))
+            .await;
+        match attempt {
+            Err(e) if (e.kind.is_retryable() || e.maybe_applied) && tries < 20 => {
+                tries += 1;
+                look_first |= e.maybe_applied;
+                let jitter = rand::random::<u64>() % (2 * tries);
+                tokio::time::sleep(Duration::from_millis(1 + jitter)).await;
+            }
+            other => return other.map_err(|e| e.into_error(shard.shard.name())),
+        }
+    }
+}

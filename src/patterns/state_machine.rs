@@ -1,0 +1,83 @@
+//! State-machine claims: one conditional `UPDATE` on a row of the caller's table.
+
+use shardlock_core::{Error, LockKey, Result};
+use shardlock_mysql::StateTable;
+
+use crate::LockRouter;
+
+/// A state machine over a row of the caller's table: which column identifies the row, which
+/// holds its state, and which transitions are allowed. Names are checked when declared (they
+/// are the only parts of the statement that are not bound parameters).
+#[derive(Debug, Clone)]
+pub struct StateMachine {
+    table: StateTable,
+    transitions: Vec<(String, String)>,
+}
+
+impl StateMachine {
+    /// A machine on `table` (rows found by `id_column`, state in `state_column`).
+    pub fn new(table: &str, id_column: &str, state_column: &str) -> Result<Self> {
+        Ok(Self {
+            table: StateTable::new(table, id_column, state_column)?,
+            transitions: Vec::new(),
+        })
+    }
+
+    /// Allows `from` → `to`.
+    pub fn allow(mut self, from: &str, to: &str) -> Self {
+        self.transitions.push((from.to_owned(), to.to_owned()));
+        self
+    }
+}
+
+impl LockRouter {
+    /// Moves row `id` of the machine's table (on the shard of key `id`, or while a reload's
+    /// move is in progress on a shard it lived on before) from `from` to `to` in one
+    /// conditional `UPDATE`; `true` when this call made the transition, `false` when
+    /// the row was not in `from` (someone else moved it first, or it is done). Transitions the
+    /// machine does not allow, and self-transitions, are refused before touching the shard.
+    /// If the connection breaks after the statement may have reached the shard, the call is
+    /// not retried (a retry could not tell its own transition from another's): the error
+    /// says the outcome is unknown; read the row to learn it.
+    pub async fn transition(
+        &self,
+        machine: &StateMachine,
+        id: &str,
+        from: &str,
+        to: &str,
+    ) -> Result<bool> {
+        if from == to {
+            return Err(Error::InvalidArgument {
+                name: "transition",
+                reason: format!(
+                    "{from} -> {to} changes nothing, so it cannot tell a winner from a loser"
+                ),
+            });
+        }
+        if !machine
+            .transitions
+            .iter()
+            .any(|(f, t)| f == from && t == to)
+        {
+            return Err(Error::InvalidArgument {
+                name: "transition",
+                reason: format!("{from} -> {to} is not allowed on {}", machine.table.name()),
+            });
+        }
+        let key = LockKey::new(id)?;
+        self.check_joined(&key)?;
+        // The row lives on the key's shard; while a move is in progress it may still be on
+        // a shard the key lived on before (the application moves its rows with its keys).
+        for shard in self.placements(&key) {
+            // Not retried once it may have reached the server: a retry could not tell our own
+            // transition from someone else's (the error then says the outcome is unknown).
+            let moved = shard
+                .run(shard.shard.transition(&machine.table, id, from, to))
+                .await?;
+            if moved {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+}

@@ -1,0 +1,337 @@
+//! Transaction locks: `SELECT ... FOR UPDATE` on a row of `shardlock_txlock` inside a
+//! transaction on a dedicated connection.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use mysql_async::Conn;
+use shardlock_core::{BackendError, BackendErrorKind, Error, LockKey, Result};
+use shardlock_mysql::SessionConn;
+use tokio::sync::watch;
+
+use super::Discard;
+use crate::keeper::ShardState;
+use crate::topology::Topology;
+use crate::LockRouter;
+
+/// A row lock held inside an open transaction on a dedicated connection. Run your SQL on
+/// [`TxLockGuard::conn`]; [`TxLockGuard::commit`] or [`TxLockGuard::rollback`] ends the
+/// transaction and the lock together. Dropping the guard rolls back (the connection is reset
+/// before reuse); if this process dies, the server rolls back when it notices the connection
+/// is gone.
+///
+/// Across a reload that moves the key, the lock follows it: the row is also locked on the
+/// key's new shard (in a transaction of its own) within half the move window. If that fails,
+/// the lock is lost: [`TxLockGuard::is_held`] turns false, [`TxLockGuard::lost`] completes
+/// and [`TxLockGuard::commit`] rolls back and answers [`Error::LockLost`].
+pub struct TxLockGuard {
+    /// `None` once committed or rolled back.
+    conn: Option<SessionConn>,
+    key: String,
+    shard: String,
+    state: Arc<TxLockState>,
+}
+
+/// What a reload needs to make a transaction lock follow its key: where the row is locked and
+/// the transactions holding it elsewhere.
+#[derive(Debug)]
+pub(crate) struct TxLockState {
+    key: LockKey,
+    /// The topology epoch up to which the lock is known to hold where the key lives.
+    placed_epoch: AtomicU64,
+    rows: std::sync::Mutex<TxRows>,
+    lost: watch::Sender<bool>,
+    /// One follower at a time.
+    following: tokio::sync::Mutex<()>,
+}
+
+/// The shards where a transaction lock's row is locked (the guard's own first), and the
+/// connections of the other ones (each closed, so rolled back, when the lock ends).
+#[derive(Debug, Default)]
+struct TxRows {
+    shards: Vec<Arc<ShardState>>,
+    others: Vec<Discard>,
+    ended: bool,
+}
+
+impl TxLockState {
+    fn mark_lost(&self, why: &'static str) {
+        if !self.lost.send_replace(true) {
+            tracing::warn!(key = %self.key, why, "shardlock transaction lock lost");
+        }
+    }
+
+    /// Ends the lock's transactions on other shards (closing their connections).
+    fn end(&self) {
+        let others = {
+            let mut rows = self.rows.lock().unwrap();
+            rows.ended = true;
+            std::mem::take(&mut rows.others)
+        };
+        drop(others);
+    }
+}
+
+impl std::fmt::Debug for TxLockGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxLockGuard")
+            .field("key", &self.key)
+            .field("shard", &self.shard)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TxLockGuard {
+    /// The connection whose open transaction holds the lock: your statements here commit or
+    /// roll back with it.
+    pub fn conn(&mut self) -> &mut Conn {
+        self.conn
+            .as_mut()
+            .expect("open until commit or rollback")
+            .raw()
+    }
+
+    /// The key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The shard holding the row (where the key lived when it was locked).
+    pub fn shard(&self) -> &str {
+        &self.shard
+    }
+
+    /// False once the lock is lost: its key moved in a reload and could not be locked on its
+    /// new shard in time.
+    pub fn is_held(&self) -> bool {
+        !*self.state.lost.borrow()
+    }
+
+    /// Completes when the lock is lost (see [`TxLockGuard::is_held`]); never for a lock that
+    /// stays held. Cancel-safe.
+    pub async fn lost(&self) {
+        let mut lost = self.state.lost.subscribe();
+        let _ = lost.wait_for(|lost| *lost).await;
+    }
+
+    /// Commits your statements and releases the lock. A lost lock is rolled back instead and
+    /// answers [`Error::LockLost`]: nothing of the transaction is kept.
+    pub async fn commit(mut self) -> Result<()> {
+        if !self.is_held() {
+            self.end(false).await?;
+            return Err(Error::LockLost {
+                key: self.key.clone(),
+            });
+        }
+        self.end(true).await
+    }
+
+    /// Rolls back your statements and releases the lock.
+    pub async fn rollback(mut self) -> Result<()> {
+        self.end(false).await
+    }
+
+    /// Cancellation: if this is dropped before the server answered, the connection is closed
+    /// (the server then rolls back); it is pooled again only after a complete answer.
+    async fn end(&mut self, commit: bool) -> Result<()> {
+        let mut conn = Discard(self.conn.take());
+        let open = conn.0.as_mut().expect("ended once");
+        let result = if commit {
+            open.commit().await
+        } else {
+            open.rollback().await
+        }
+        .map_err(|e| e.into_error(&self.shard));
+        self.state.end();
+        if result.is_ok() {
+            drop(conn.0.take()); // a clean connection back to the pool
+        }
+        result
+    }
+}
+
+impl Drop for TxLockGuard {
+    /// Closes the connection, which rolls back on the server: a statement of yours that was
+    /// interrupted may still be running on it, so it never goes back to the pool.
+    fn drop(&mut self) {
+        self.state.end();
+        drop(Discard(self.conn.take()));
+    }
+}
+
+impl LockRouter {
+    /// Locks `key` with `SELECT ... FOR UPDATE` on its row of `shardlock_txlock` (created
+    /// race-free on first use) in a new transaction on a dedicated connection of the key's
+    /// shard, waiting up to `wait` (zero: `NOWAIT`; the server's lock wait timeout is whole
+    /// seconds, so the wait is also enforced here). Errors: `Timeout` when the row stayed
+    /// locked, `Unavailable` when the shard failed; deadlocks are retried.
+    ///
+    /// While a reload's move is in progress, a key that moved is locked on the shards it lived
+    /// on before as well (each in a transaction of its own, released with the lock), so a
+    /// process that has not reloaded yet is kept out; a lock held when its key moves follows
+    /// it (see [`TxLockGuard`]).
+    pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
+        let lock_key = LockKey::new(key)?;
+        self.check_joined(&lock_key)?;
+        let deadline = crate::router::instant_after(wait);
+        let topology = self.inner.topology.load_full();
+        let shard = topology.locate(&lock_key).clone();
+        let previous = topology.previous_locations(&lock_key);
+        // Every shard in one global order (by name), the current one included, so that two
+        // processes at different epochs cannot each hold one row and wait for the other's
+        // (a deadlock across servers that no server can see).
+        let mut order: Vec<&Arc<ShardState>> = previous.iter().chain([&shard]).collect();
+        order.sort_by(|a, b| a.shard.name().cmp(b.shard.name()));
+        let mut others = Vec::with_capacity(previous.len());
+        let mut conn = None;
+        for at in order {
+            let locked = lock_row(at, &lock_key, wait, deadline).await?;
+            if Arc::ptr_eq(at, &shard) {
+                conn = Some(locked);
+            } else {
+                others.push(Discard(Some(locked)));
+            }
+        }
+        let conn = conn.expect("the current shard is in the order");
+        let mut shards = vec![shard.clone()];
+        shards.extend(previous);
+        let state = Arc::new(TxLockState {
+            key: lock_key,
+            placed_epoch: AtomicU64::new(topology.epoch),
+            rows: std::sync::Mutex::new(TxRows {
+                shards,
+                others,
+                ended: false,
+            }),
+            lost: watch::channel(false).0,
+            following: tokio::sync::Mutex::new(()),
+        });
+        // Registered, then the epoch checked: a reload swaps the topology, then looks at the
+        // registered locks, so one of the two sees the other.
+        {
+            let mut locks = self.inner.tx_locks.lock().unwrap();
+            locks.retain(|l| l.strong_count() > 0);
+            locks.push(Arc::downgrade(&state));
+        }
+        if self.inner.shared.epoch() > topology.epoch {
+            follow_tx_lock(Arc::downgrade(&self.inner), state.clone());
+        }
+        Ok(TxLockGuard {
+            conn: Some(conn),
+            key: key.to_owned(),
+            shard: shard.shard.name().to_owned(),
+            state,
+        })
+    }
+}
+
+/// Locks `key`'s row of `shardlock_txlock` on `shard` in a new transaction on a dedicated
+/// connection, waiting up to `wait` (enforced until `deadline`); see
+/// [`LockRouter::lock_in_transaction`].
+async fn lock_row(
+    shard: &Arc<ShardState>,
+    lock_key: &LockKey,
+    wait: Duration,
+    deadline: tokio::time::Instant,
+) -> Result<SessionConn> {
+    let key = lock_key.as_str();
+    let name = shard.shard.name().to_owned();
+    let started = tokio::time::Instant::now();
+    loop {
+        let attempt = async {
+            // Until the lock is ours, a failed or abandoned attempt's connection is closed,
+            // not pooled: a lock statement still waiting on the server must not end up
+            // holding the row on an idle pooled connection.
+            let mut conn = Discard(Some(shard.shard.connection().await?));
+            let open = conn.0.as_mut().expect("set above");
+            open.lock_tx_row(lock_key.stored(), wait).await?;
+            Ok::<_, BackendError>(conn.0.take().expect("set above"))
+        };
+        let bounded = async {
+            match tokio::time::timeout_at(deadline + Duration::from_millis(50), attempt).await {
+                Ok(r) => r,
+                Err(_) => Err(BackendError::new(
+                    BackendErrorKind::LockWaitTimeout,
+                    Some(1205),
+                    "the row stayed locked for the whole wait",
+                )),
+            }
+        };
+        match shard.call_waiting(bounded).await {
+            Ok(conn) => return Ok(conn),
+            // NOWAIT answers 3572 (MySQL) or 1205 (MariaDB) when the row is locked.
+            Err(e)
+                if e.kind == BackendErrorKind::LockWaitTimeout
+                    || e.code == Some(3572)
+                    || (e.kind == BackendErrorKind::Deadlock
+                        && tokio::time::Instant::now() >= deadline) =>
+            {
+                return Err(Error::Timeout {
+                    key: key.to_owned(),
+                    waited: started.elapsed(),
+                })
+            }
+            Err(e) if e.kind == BackendErrorKind::Deadlock => continue,
+            Err(e) => return Err(e.into_error(&name)),
+        }
+    }
+}
+
+/// Every transaction lock registered with the router that was placed under an epoch older
+/// than `topology`'s follows its key.
+pub(crate) fn follow_tx_locks(inner: &Arc<crate::router::Inner>, topology: &Topology) {
+    let locks: Vec<Arc<TxLockState>> = inner
+        .tx_locks
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    for state in locks {
+        if state.placed_epoch.load(Ordering::Acquire) < topology.epoch {
+            follow_tx_lock(Arc::downgrade(inner), state);
+        }
+    }
+}
+
+/// Locks a transaction lock's row on its key's new shard too, within half the move window of
+/// the reload; or marks the lock lost.
+fn follow_tx_lock(inner: Weak<crate::router::Inner>, state: Arc<TxLockState>) {
+    tokio::spawn(async move {
+        let _one_at_a_time = state.following.lock().await;
+        let Some(topology) = inner.upgrade().map(|i| i.topology.load_full()) else {
+            return;
+        };
+        if state.placed_epoch.load(Ordering::Acquire) >= topology.epoch {
+            return;
+        }
+        let target = topology.locate(&state.key).clone();
+        let there = {
+            let rows = state.rows.lock().unwrap();
+            rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
+        };
+        if !there {
+            let deadline = topology.reloaded_at + topology.config.move_window() / 2;
+            let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match lock_row(&target, &state.key, wait, deadline).await {
+                Ok(conn) => {
+                    let mut rows = state.rows.lock().unwrap();
+                    if !rows.ended {
+                        rows.shards.push(target);
+                        rows.others.push(Discard(Some(conn)));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(key = %state.key, shard = target.shard.name(), error = %e, "shardlock could not lock a moved key's row on its new shard");
+                    state.mark_lost(
+                        "its key moved in a reload and its row could not be locked on the new shard in time",
+                    );
+                }
+            }
+        }
+        state
+            .placed_epoch
+            .fetch_max(topology.epoch, Ordering::AcqRel);
+    });
+}
