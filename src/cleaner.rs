@@ -19,7 +19,7 @@ use shardlock_core::config::{CleanerConfig, RegistryKind};
 use shardlock_core::{BackendErrorKind, Error, LockKey, Result};
 use shardlock_mysql::{Beat, InstanceRow};
 
-use crate::keeper::ShardState;
+use crate::shard::ShardState;
 use crate::{AcquireOptions, LockGuard, LockMode, LockRouter};
 
 /// The key of the lock that elects the one cleaner of a deployment.

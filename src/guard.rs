@@ -10,8 +10,9 @@ use shardlock_core::{Error, Result};
 use shardlock_mysql::{GrantRequest, HandoffOutcome};
 use tokio::time::Instant;
 
-use crate::keeper::{Grant, LeaseState, ShardState};
+use crate::lease::{Grant, LeaseState};
 use crate::queue::{Handover, Turn};
+use crate::shard::ShardState;
 
 /// Where a lock is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -5,12 +5,15 @@
 mod cleaner;
 mod fence;
 mod guard;
-mod keeper;
+mod lease;
 mod moves;
 mod options;
 pub mod patterns;
 mod queue;
 mod router;
+mod shard;
+mod shared;
+mod stats;
 pub mod telemetry;
 mod topology;
 
@@ -20,9 +23,10 @@ pub use cleaner::{
 pub use fence::fenced_exec;
 pub use guard::{LockGuard, LockMode, LOCAL_FENCE_BIT};
 pub use options::AcquireOptions;
-pub use router::{LockRouter, LockStats, ShardStatus};
+pub use router::{LockRouter, ShardStatus};
 pub use shardlock_core::config::FailurePolicy;
 pub use shardlock_core::Transition as BreakerTransition;
+pub use stats::LockStats;
 
 pub use shardlock_core::config;
 pub use shardlock_core::{

@@ -16,9 +16,10 @@ use shardlock_core::{Backoff, LockKey};
 use shardlock_mysql::{Attempt, GrantRequest, FLOOR_BATCH};
 use tokio::time::Instant;
 
-use crate::keeper::{Grant, LeaseState, ShardState};
+use crate::lease::{Grant, LeaseState};
 use crate::queue::Want;
 use crate::router::Inner;
+use crate::shard::ShardState;
 use crate::topology::{Previous, Topology};
 
 /// Makes `lease` (held on `shard`) visible where its key lives under the topology in force,

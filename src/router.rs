@@ -1,7 +1,7 @@
 //! The lock router: validates keys, places them on shards, waits, and grants guards.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,9 +17,12 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::guard::{release_through_shard, Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
-use crate::keeper::{Grant, LeaseState, ShardState, Shared};
+use crate::lease::{Grant, LeaseState};
 use crate::options::AcquireOptions;
 use crate::queue::{Entry, Handoff, Turn, Want};
+use crate::shard::ShardState;
+use crate::shared::Shared;
+use crate::stats::LockStats;
 use crate::topology::Topology;
 
 /// Routes lock keys to MySQL shards and grants leases on them.
@@ -119,62 +122,6 @@ impl Drop for Inner {
             join_all(shards.iter().map(|s| s.shard.deregister(&id))).await;
         });
     }
-}
-
-/// Counters of one router since it started (this process only).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LockStats {
-    /// Locks granted (hand-offs included).
-    pub grants: u64,
-    /// Grants handed from a releasing holder to a waiting task of this process in the same
-    /// statement as the release.
-    pub handoffs: u64,
-    /// Grants handed from a releasing holder to a waiting task of this process in memory,
-    /// without a statement (each with a new, larger fence from the range the shard grant
-    /// reserved).
-    pub local_handoffs: u64,
-    /// Grants of keys that moved in a recent reload, also taken on their previous shard(s).
-    pub moved_grants: u64,
-    /// Acquire statements sent to shards (one per attempt; attempts refused by an open
-    /// breaker send none).
-    pub acquire_statements: u64,
-    /// Acquires that gave up after their wait.
-    pub timeouts: u64,
-    /// Leases released (explicitly or on drop).
-    pub releases: u64,
-    /// Leases reported lost.
-    pub lost: u64,
-    /// Renewal ticks that renewed at least one lease (summed over shards).
-    pub renew_ticks: u64,
-    /// Renewal statements sent (summed over shards).
-    pub renew_statements: u64,
-    /// Renewal attempts that failed (summed over shards).
-    pub renew_failures: u64,
-    /// Heartbeats to the instance registry that failed (a warning is logged once one shard
-    /// misses three in a row).
-    pub heartbeat_failures: u64,
-    /// Tasks waiting in memory for a key another task of this router holds or polls (now).
-    pub queued: u64,
-    /// Calls not sent because the shard's breaker was open (acquires answered
-    /// `Unavailable` at once, or granted locally; renewals and releases skipped).
-    pub breaker_rejections: u64,
-    /// Times a shard breaker opened (summed over shards).
-    pub breaker_opened: u64,
-    /// Times a shard breaker closed again after probes succeeded (summed over shards).
-    pub breaker_closed: u64,
-    /// In-process grants made while a shard breaker was open (`local` policy).
-    pub local_grants: u64,
-    /// Locally held keys re-acquired on their shard once it was back.
-    pub reconciled: u64,
-    /// Locally held keys found held by another process when their shard came back (each
-    /// reported to its holder through `lost()`).
-    pub reconcile_conflicts: u64,
-    /// Leases whose key moved in a reload while they were held, taken on the key's new shard
-    /// as well (see [`LockRouter::reload`]).
-    pub followed: u64,
-    /// Fences of moved keys copied from the shards they left to their new shards, as their
-    /// floor there, once a move window was over.
-    pub fences_carried: u64,
 }
 
 /// One shard as `status` sees it.
@@ -1193,31 +1140,8 @@ impl LockRouter {
 
     /// This router's counters.
     pub fn stats(&self) -> LockStats {
-        let s = &self.inner.shared.stats;
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        LockStats {
-            grants: get(&s.grants),
-            handoffs: get(&s.handoffs),
-            local_handoffs: get(&s.local_handoffs),
-            moved_grants: get(&s.moved_grants),
-            acquire_statements: get(&s.acquire_statements),
-            timeouts: get(&s.timeouts),
-            releases: get(&s.releases),
-            lost: get(&s.lost),
-            renew_ticks: get(&s.renew_ticks),
-            renew_statements: get(&s.renew_statements),
-            renew_failures: get(&s.renew_failures),
-            heartbeat_failures: get(&s.heartbeat_failures),
-            queued: self.inner.shared.queues.waiting() as u64,
-            breaker_rejections: get(&s.breaker_rejections),
-            breaker_opened: get(&s.breaker_opened),
-            breaker_closed: get(&s.breaker_closed),
-            local_grants: get(&s.local_grants),
-            reconciled: get(&s.reconciled),
-            reconcile_conflicts: get(&s.reconcile_conflicts),
-            followed: get(&s.followed),
-            fences_carried: get(&s.fences_carried),
-        }
+        let queued = self.inner.shared.queues.waiting() as u64;
+        self.inner.shared.stats.snapshot(queued)
     }
 
     /// Stops granting, releases every lease this router holds, stops the keepers and closes
@@ -1235,7 +1159,7 @@ impl LockRouter {
                     async move {
                         // Lost before the release is sent: the moment the row is free, nobody
                         // here believes they hold the key any more.
-                        lease.mark_lost(crate::keeper::SHUT_DOWN, &s.shared.stats);
+                        lease.mark_lost(crate::lease::SHUT_DOWN, &s.shared.stats);
                         let turn = lease.turn.lock().unwrap().take();
                         match release_through_shard(s.clone(), lease.clone(), turn).await {
                             Err(Error::LockLost { .. }) => Ok(()),
@@ -1253,7 +1177,7 @@ impl LockRouter {
         crate::cleaner::deregister(self, &shards).await;
         for s in &shards {
             for lease in s.take_local() {
-                lease.mark_lost(crate::keeper::SHUT_DOWN, &s.shared.stats);
+                lease.mark_lost(crate::lease::SHUT_DOWN, &s.shared.stats);
             }
             s.shard.close();
         }

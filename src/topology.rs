@@ -9,7 +9,8 @@ use shardlock_core::{Config, ConfigError, LockKey, Result, Ring};
 use shardlock_mysql::Shard;
 use tokio::time::Instant;
 
-use crate::keeper::{spawn_keeper, ShardState, Shared};
+use crate::shard::{spawn_keeper, ShardState};
+use crate::shared::Shared;
 
 /// Shards and the ring that places keys on them.
 #[derive(Debug)]

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use shardlock_core::{LockKey, Result};
 
-use crate::keeper::ShardState;
+use crate::shard::ShardState;
 use crate::LockRouter;
 
 /// A version compare-and-set lock held by [`LockRouter::cas_acquire`].

@@ -7,7 +7,7 @@ use std::time::Duration;
 use shardlock_core::{LockKey, Result};
 use shardlock_mysql::{ClaimedJob, JobEnd};
 
-use crate::keeper::ShardState;
+use crate::shard::ShardState;
 use crate::LockRouter;
 
 /// A job claimed by [`LockRouter::claim_job`].

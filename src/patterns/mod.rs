@@ -21,7 +21,7 @@ use mysql_async::Conn;
 use shardlock_core::{LockKey, Result};
 use shardlock_mysql::SessionConn;
 
-use crate::keeper::ShardState;
+use crate::shard::ShardState;
 use crate::LockRouter;
 
 pub use cas::CasGuard;

@@ -11,7 +11,7 @@ use shardlock_mysql::SessionConn;
 use tokio::sync::watch;
 
 use super::Discard;
-use crate::keeper::ShardState;
+use crate::shard::ShardState;
 use crate::topology::Topology;
 use crate::LockRouter;
 

@@ -1,0 +1,284 @@
+//! A lease this process holds: the row a grant wrote, its local deadline (always before the
+//! shard can hand the key to anyone else), its renewal period, the moved key's companion rows,
+//! and the "lost" signal its guards listen to. Shared by the shard's keeper, which renews it,
+//! and by the guards made under it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use shardlock_core::LockKey;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::queue::{Turn, Want};
+use crate::shard::ShardState;
+use crate::stats::Stats;
+
+/// A local lease has no end of its own: it lasts until released, or lost on reconciliation.
+const LOCAL_HORIZON: Duration = Duration::from_secs(100 * 365 * 86_400);
+
+/// A lease row granted to this process, shared by the keeper and by the holds (guards) made
+/// under it: the first, and those handed over in memory after it.
+#[derive(Debug)]
+pub(crate) struct LeaseState {
+    pub(crate) id: u64,
+    pub(crate) key: LockKey,
+    pub(crate) owner: String,
+    pub(crate) ttl: Duration,
+    pub(crate) renew_every: Duration,
+    /// What it was granted for (its ttl and the clock-drift bound), to place its local end.
+    pub(crate) want: Want,
+    /// Local, conservative end of the lease: measured from *before* the statement that granted
+    /// or last renewed it was sent, allowing for the shard's time truncation and clock drift
+    /// ([`Want::lease_end`]), so it is always before the shard's own expiry.
+    deadline: Mutex<Instant>,
+    lost: watch::Sender<bool>,
+    /// The next fence to hand out in memory, and the last one reserved on the shard.
+    next_fence: AtomicU64,
+    fence_top: u64,
+    /// In-memory hand-offs end this long after the shard grant.
+    local_until: Instant,
+    /// This process's turn on the key: held until the lease is released, so local waiters
+    /// queue in memory instead of polling the shard.
+    pub(crate) turn: Mutex<Option<Turn>>,
+    /// Granted in process while the shard's breaker was open (`LockMode::LocalFallback`).
+    pub(crate) local: bool,
+    /// The topology epoch up to which this lease is known to be visible where the key lives:
+    /// granted under it, or followed there by a row on the key's new shard (see
+    /// [`crate::moves`]). Only ever rises.
+    pub(crate) placed_epoch: AtomicU64,
+    /// Rows of the same grant on other shards: where the key lived before a reload (taken by an
+    /// acquire of a moved key) or where it lives after one (taken when the key moved while
+    /// held). Renewed by their shards' keepers, released with this lease; losing one loses
+    /// this lease.
+    companions: Mutex<Companions>,
+    /// For a companion row: the lease it belongs to (told when the companion is lost).
+    parent: std::sync::OnceLock<Weak<LeaseState>>,
+    /// Held while the lease follows its key after a reload (one follower at a time).
+    pub(crate) following: tokio::sync::Mutex<()>,
+}
+
+/// The companion rows of a lease, and whether the lease already ended (a companion that
+/// arrives after that is released at once).
+#[derive(Debug, Default)]
+struct Companions {
+    rows: Vec<(Arc<ShardState>, Arc<LeaseState>)>,
+    ended: bool,
+}
+
+/// What the shard granted: to which owner (grant `id`), its first fence and how many more
+/// were reserved after it, and when the granting statement was sent.
+#[derive(Debug)]
+pub(crate) struct Grant {
+    pub(crate) id: u64,
+    pub(crate) owner: String,
+    pub(crate) fence: u64,
+    pub(crate) reserve: u32,
+    pub(crate) sent: Instant,
+}
+
+impl LeaseState {
+    /// The lease of `grant`; in-memory hand-offs may follow it for `local_for`.
+    pub(crate) fn new(
+        key: LockKey,
+        grant: Grant,
+        want: Want,
+        local_for: Duration,
+        turn: Option<Turn>,
+    ) -> Self {
+        Self {
+            id: grant.id,
+            key,
+            owner: grant.owner,
+            ttl: want.ttl,
+            renew_every: want.renew_every,
+            want,
+            deadline: Mutex::new(want.lease_end(grant.sent)),
+            lost: watch::channel(false).0,
+            next_fence: AtomicU64::new(grant.fence + 1),
+            fence_top: grant.fence + u64::from(grant.reserve),
+            local_until: grant.sent + local_for,
+            turn: Mutex::new(turn),
+            local: false,
+            placed_epoch: AtomicU64::new(0),
+            companions: Mutex::default(),
+            parent: std::sync::OnceLock::new(),
+            following: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// This lease as a companion row of `parent`: its loss is the parent's.
+    pub(crate) fn belonging_to(self, parent: &Arc<LeaseState>) -> Self {
+        let _ = self.parent.set(Arc::downgrade(parent));
+        self
+    }
+
+    /// Whether the lease ended (released): companions are refused from then on.
+    pub(crate) fn has_ended(&self) -> bool {
+        self.companions.lock().unwrap().ended
+    }
+
+    /// The lease as placed under topology `epoch`.
+    pub(crate) fn placed_at(self, epoch: u64) -> Self {
+        self.placed_epoch.store(epoch, Ordering::Release);
+        self
+    }
+
+    /// Whether this is a companion row of another lease.
+    pub(crate) fn is_companion(&self) -> bool {
+        self.parent.get().is_some()
+    }
+
+    /// The highest fence this grant reserved on its shard.
+    pub(crate) fn fence_top(&self) -> u64 {
+        self.fence_top
+    }
+
+    /// Adds `companion` (a row of this grant on `shard`) to this lease. `false` when the lease
+    /// already ended or was lost: the caller must release the companion.
+    pub(crate) fn adopt(
+        self: &Arc<Self>,
+        shard: Arc<ShardState>,
+        companion: Arc<LeaseState>,
+    ) -> bool {
+        debug_assert!(companion.is_companion());
+        let mut companions = self.companions.lock().unwrap();
+        if companions.ended || self.is_lost() {
+            return false;
+        }
+        if companion.is_lost() {
+            drop(companions);
+            self.mark_lost(
+                "a row of the lease on another shard was lost",
+                &shard.shared.stats,
+            );
+            return false;
+        }
+        companions.rows.push((shard, companion));
+        true
+    }
+
+    /// Whether the lease has rows on other shards.
+    pub(crate) fn has_companions(&self) -> bool {
+        !self.companions.lock().unwrap().rows.is_empty()
+    }
+
+    /// The shards this lease has companion rows on.
+    pub(crate) fn companion_shards(&self) -> Vec<Arc<ShardState>> {
+        let companions = self.companions.lock().unwrap();
+        companions.rows.iter().map(|(s, _)| s.clone()).collect()
+    }
+
+    /// Ends the lease's companions: returns them to release; later ones are refused.
+    pub(crate) fn end_companions(&self) -> Vec<(Arc<ShardState>, Arc<LeaseState>)> {
+        let mut companions = self.companions.lock().unwrap();
+        companions.ended = true;
+        std::mem::take(&mut companions.rows)
+    }
+
+    /// An in-process lease, granted while the shard's breaker is open: no row, no renewal,
+    /// no hand-offs, until the keeper re-acquires it on the shard.
+    pub(crate) fn local(key: LockKey, grant: Grant, want: Want, turn: Turn) -> Self {
+        Self {
+            deadline: Mutex::new(grant.sent + LOCAL_HORIZON),
+            fence_top: 0,
+            local: true,
+            ..Self::new(key, grant, want, Duration::ZERO, Some(turn))
+        }
+    }
+
+    /// Whether the lease is surely still ours on its shard, and on its companions' shards.
+    pub(crate) fn is_live(&self) -> bool {
+        let now = Instant::now();
+        !self.is_lost()
+            && now < self.deadline()
+            && self
+                .companions
+                .lock()
+                .unwrap()
+                .rows
+                .iter()
+                .all(|(_, c)| !c.is_lost() && now < c.deadline())
+    }
+
+    /// A fence for an in-memory hand-off, if this lease may still make one: it is live, its
+    /// reserved fences are not used up, and its time for local hand-offs has not run out.
+    pub(crate) fn local_fence(&self) -> Option<u64> {
+        if Instant::now() >= self.local_until || !self.is_live() {
+            return None;
+        }
+        // Holds of one lease follow each other, so nobody else takes fences meanwhile.
+        let fence = self.next_fence.load(Ordering::Acquire);
+        (fence <= self.fence_top).then(|| {
+            self.next_fence.store(fence + 1, Ordering::Release);
+            fence
+        })
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        *self.deadline.lock().unwrap()
+    }
+
+    /// The earliest local deadline of this lease and its companion rows.
+    pub(crate) fn valid_until(&self) -> Instant {
+        let own = self.deadline();
+        let companions = self.companions.lock().unwrap();
+        companions
+            .rows
+            .iter()
+            .map(|(_, c)| c.deadline())
+            .fold(own, Instant::min)
+    }
+
+    pub(crate) fn set_deadline(&self, to: Instant) {
+        *self.deadline.lock().unwrap() = to;
+    }
+
+    pub(crate) fn extend(&self, to: Instant) {
+        let mut d = self.deadline.lock().unwrap();
+        if to > *d {
+            *d = to;
+        }
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        *self.lost.borrow()
+    }
+
+    pub(crate) fn subscribe_lost(&self) -> watch::Receiver<bool> {
+        self.lost.subscribe()
+    }
+
+    /// Marks the lease lost (once) and says why. A companion row's loss is its lease's: that
+    /// is what gets counted and reported.
+    pub(crate) fn mark_lost(&self, why: &'static str, stats: &Stats) {
+        let parent = self.parent.get().and_then(Weak::upgrade);
+        // Counted before the holder is woken, so whoever sees `lost()` complete also sees
+        // the count.
+        let first = self.lost.send_if_modified(|lost| {
+            if *lost {
+                return false;
+            }
+            *lost = true;
+            if parent.is_none() {
+                stats.lost.fetch_add(1, Ordering::Relaxed);
+            }
+            true
+        });
+        match parent {
+            Some(parent) => parent.mark_lost(why, stats),
+            // Ended by the router's own shutdown: expected, not worth a warning.
+            None if first && why == SHUT_DOWN => {
+                tracing::debug!(key = %self.key, owner = %self.owner, why, "shardlock lease ended")
+            }
+            None if first => {
+                tracing::warn!(key = %self.key, owner = %self.owner, why, "shardlock lease lost")
+            }
+            None => {}
+        }
+    }
+}
+
+/// Why leases end at `shutdown()`.
+pub(crate) const SHUT_DOWN: &str = "router shut down";

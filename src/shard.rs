@@ -1,0 +1,363 @@
+//! The shard handle: a shard's pool behind its circuit breaker, and the leases this process
+//! holds there. Every statement that decides a grant goes through [`ShardState::call`] (or one
+//! of its named variants), so the breaker sees it; the keeper task that renews the leases is
+//! started and supervised from here (see [`keeper`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use shardlock_core::config::ShardConfig;
+use shardlock_core::{
+    Admission, BackendError, BackendErrorKind, Breaker, BreakerConfig, BreakerState, CallOutcome,
+    Transition,
+};
+use shardlock_mysql::{Attempt, GrantRequest, Shard};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::lease::LeaseState;
+use crate::shared::Shared;
+
+mod keeper;
+
+pub(crate) use keeper::spawn_keeper;
+
+/// Breaker transitions kept per shard for `breaker_transitions`.
+const TRANSITIONS_KEPT: usize = 64;
+
+/// A shard and the leases this process holds on it.
+#[derive(Debug)]
+pub(crate) struct ShardState {
+    pub(crate) shard: Shard,
+    /// The settings it was built from: a reload reuses the shard only if they are unchanged.
+    pub(crate) config: ShardConfig,
+    leases: Mutex<HashMap<u64, Arc<LeaseState>>>,
+    wake: Arc<Notify>,
+    /// The shortest renewal period of the leases held here, in ms (`u64::MAX` when none), so
+    /// that the keeper is only woken when a new lease needs an earlier tick.
+    shortest_ms: AtomicU64,
+    pub(crate) shared: Arc<Shared>,
+    breaker: Mutex<Breaker>,
+    /// The last transitions of the breaker, oldest first.
+    transitions: Mutex<std::collections::VecDeque<Transition>>,
+    /// Leases granted in process while the breaker was open, not yet re-acquired on the shard.
+    local: Mutex<HashMap<u64, Arc<LeaseState>>>,
+    /// The shard's name as a metric attribute value (cheap to clone).
+    pub(crate) label: opentelemetry::StringValue,
+    /// Hold-time histograms bound to this shard (remote, local), while metrics are on.
+    pub(crate) holds: Option<[opentelemetry::metrics::BoundHistogram<f64>; 2]>,
+    /// Acquire histograms bound to this shard, per namespace.
+    pub(crate) acquires: crate::telemetry::BoundAcquires,
+    /// The server and schema behind the shard, once read (see [`Shard::identity`]): two shard
+    /// states with the same identity are the same database.
+    pub(crate) identity: std::sync::OnceLock<String>,
+    /// Set while a reconciliation pass runs (beside the keeper loop).
+    reconciling: std::sync::atomic::AtomicBool,
+    /// The keeper panics at its next tick (tests of its supervision).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) panic_next_tick: std::sync::atomic::AtomicBool,
+}
+
+/// The breaker's clock: Tokio's, so tests with paused time drive it.
+fn breaker_now() -> std::time::Instant {
+    Instant::now().into_std()
+}
+
+impl ShardState {
+    pub(crate) fn new(
+        shard: Shard,
+        config: ShardConfig,
+        breaker: BreakerConfig,
+        shared: Arc<Shared>,
+    ) -> Arc<Self> {
+        let label = opentelemetry::StringValue::from(Arc::<str>::from(shard.name()));
+        let registry = shared.clone();
+        let state = Arc::new(Self {
+            holds: shared.telemetry.bind_holds(&label),
+            acquires: crate::telemetry::BoundAcquires::default(),
+            config,
+            leases: Mutex::default(),
+            wake: Arc::default(),
+            shortest_ms: AtomicU64::new(u64::MAX),
+            shared,
+            breaker: Mutex::new(Breaker::new(breaker)),
+            transitions: Mutex::default(),
+            local: Mutex::default(),
+            label,
+            shard,
+            identity: std::sync::OnceLock::new(),
+            reconciling: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(feature = "fault-injection")]
+            panic_next_tick: std::sync::atomic::AtomicBool::new(false),
+        });
+        registry.register(&state);
+        state
+    }
+
+    /// Runs one call to the shard through its breaker: refused at once (kind
+    /// [`BackendErrorKind::BreakerOpen`]) while the breaker is open, else run and its outcome
+    /// recorded. Infrastructure failures and slow calls count against the shard; answers,
+    /// a busy lock included, count for it. A half-open probe dropped before it completes gives
+    /// its permit back.
+    pub(crate) async fn call<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        self.call_timed(call, |_| true).await
+    }
+
+    /// [`ShardState::call`] for callers outside the lease machinery (the other lock
+    /// patterns): errors name the shard.
+    pub(crate) async fn run<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, BackendError>>,
+    ) -> shardlock_core::Result<T> {
+        self.call(call)
+            .await
+            .map_err(|e| e.into_error(self.shard.name()))
+    }
+
+    /// [`ShardState::call`] for calls that may wait for a row lock on purpose (transaction
+    /// locks, job claims): their duration says nothing about the shard's health, so it never
+    /// counts as a slow call.
+    pub(crate) async fn call_waiting<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        self.call_timed(call, |_| false).await
+    }
+
+    /// One grant attempt through the breaker ([`Shard::acquire`]). An answer that the key's
+    /// row stayed locked by another transaction ([`Attempt::Locked`]) took the server's lock
+    /// wait on purpose: it never counts as a slow call.
+    pub(crate) async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
+        self.call_timed(self.shard.acquire(req), |r| {
+            !matches!(r, Ok(Attempt::Locked))
+        })
+        .await
+    }
+
+    async fn call_timed<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, BackendError>>,
+        slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
+    ) -> Result<T, BackendError> {
+        let (admission, transition) = self.breaker.lock().unwrap().admit(breaker_now());
+        self.note(transition);
+        let probe = match admission {
+            Admission::Rejected => {
+                self.shared
+                    .stats
+                    .breaker_rejections
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(BackendError::new(
+                    BackendErrorKind::BreakerOpen,
+                    None,
+                    "its breaker is open after repeated failures; probes resume after the \
+                     breaker cool-down",
+                ));
+            }
+            Admission::Probe => true,
+            Admission::Call => false,
+        };
+        let mut permit = ProbePermit {
+            state: self,
+            armed: probe,
+        };
+        let started = Instant::now();
+        let result = call.await;
+        permit.armed = false;
+        let outcome = match &result {
+            Err(e) if e.kind.is_infrastructure() => CallOutcome::Failure,
+            _ => CallOutcome::Success,
+        };
+        self.shared.telemetry.statement(
+            &self.label,
+            outcome == CallOutcome::Failure,
+            started.elapsed(),
+        );
+        let took = if slow_counts(&result) {
+            started.elapsed()
+        } else {
+            Duration::ZERO
+        };
+        let transition = self
+            .breaker
+            .lock()
+            .unwrap()
+            .record(breaker_now(), outcome, took, probe);
+        self.note(transition);
+        result
+    }
+
+    /// The breaker's slow-call threshold.
+    pub(crate) fn slow_call(&self) -> Duration {
+        self.breaker.lock().unwrap().config().slow_call
+    }
+
+    /// The breaker's state now.
+    pub(crate) fn breaker_state(&self) -> BreakerState {
+        self.breaker.lock().unwrap().state(breaker_now())
+    }
+
+    /// The breaker's last transitions, oldest first.
+    pub(crate) fn breaker_transitions(&self) -> Vec<Transition> {
+        self.transitions.lock().unwrap().iter().copied().collect()
+    }
+
+    /// New breaker thresholds (a reload that kept this shard).
+    pub(crate) fn reconfigure_breaker(&self, config: BreakerConfig) {
+        self.breaker.lock().unwrap().reconfigure(config);
+    }
+
+    fn note(&self, transition: Option<Transition>) {
+        let Some(t) = transition else { return };
+        let stats = &self.shared.stats;
+        match t.to {
+            BreakerState::Open => {
+                stats.breaker_opened.fetch_add(1, Ordering::Relaxed);
+                if t.from == BreakerState::Closed {
+                    tracing::warn!(
+                        shard = self.shard.name(),
+                        "shardlock breaker opened: the shard is failing"
+                    );
+                } else {
+                    tracing::debug!(
+                        shard = self.shard.name(),
+                        "shardlock breaker probe failed; open again"
+                    );
+                }
+            }
+            BreakerState::Closed => {
+                stats.breaker_closed.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    shard = self.shard.name(),
+                    "shardlock breaker closed: the shard is back"
+                );
+                self.wake.notify_one();
+            }
+            BreakerState::HalfOpen => {
+                tracing::info!(
+                    shard = self.shard.name(),
+                    "shardlock breaker half-open: probing the shard"
+                );
+            }
+        }
+        let mut kept = self.transitions.lock().unwrap();
+        if kept.len() == TRANSITIONS_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back(t);
+    }
+
+    /// Registers a lease granted in process; the keeper re-acquires it on the shard once the
+    /// breaker lets calls through again.
+    pub(crate) fn insert_local(&self, lease: Arc<LeaseState>) {
+        self.local.lock().unwrap().insert(lease.id, lease);
+        self.wake.notify_one();
+    }
+
+    /// Forgets a local lease that was not re-acquired on the shard yet; `false` when it was
+    /// (it is then an ordinary lease to release through the shard) or was lost.
+    pub(crate) fn remove_local(&self, id: u64) -> bool {
+        self.local.lock().unwrap().remove(&id).is_some()
+    }
+
+    /// Takes every local lease (shutdown).
+    pub(crate) fn take_local(&self) -> Vec<Arc<LeaseState>> {
+        self.local.lock().unwrap().drain().map(|(_, l)| l).collect()
+    }
+
+    /// How many leases are held locally here, not yet re-acquired on the shard.
+    pub(crate) fn local_count(&self) -> usize {
+        self.local.lock().unwrap().len()
+    }
+
+    /// Registers a lease held on this shard with its keeper. A lease placed under an older
+    /// topology than the one in force is made to follow its key (a reload may have missed
+    /// it: it checks the leases registered after it swapped the topology in, and this checks
+    /// the epoch after registering, so one of the two sees the other).
+    pub(crate) fn insert(self: &Arc<Self>, lease: Arc<LeaseState>) {
+        let every = lease.renew_every.as_millis() as u64;
+        let was_empty = {
+            let mut leases = self.leases.lock().unwrap();
+            leases.insert(lease.id, lease.clone());
+            leases.len() == 1
+        };
+        if self.shortest_ms.fetch_min(every, Ordering::AcqRel) > every || was_empty {
+            self.wake.notify_one();
+        }
+        if !lease.is_companion() && lease.placed_epoch.load(Ordering::Acquire) < self.shared.epoch()
+        {
+            crate::moves::follow(self.clone(), lease);
+        }
+    }
+
+    /// Reads the shard's identity if it is not known yet; unknown (unreachable) leaves it so,
+    /// and the shard then counts as another database than any other shard state.
+    pub(crate) async fn resolve_identity(&self) {
+        if self.identity.get().is_some() {
+            return;
+        }
+        match self.shard.identity().await {
+            Ok(id) => {
+                let _ = self.identity.set(id);
+            }
+            Err(e) => {
+                tracing::warn!(shard = self.shard.name(), error = %e, "shardlock could not tell which database the shard reaches; its keys count as moved")
+            }
+        }
+    }
+
+    /// Whether this shard and `other` are the same database: the same shard state, or the
+    /// same server identity (see [`ShardState::identity`]).
+    pub(crate) fn same_database(&self, other: &ShardState) -> bool {
+        std::ptr::eq(self, other)
+            || (self.shard.name() == other.shard.name() && self.config.url == other.config.url)
+            || matches!((self.identity.get(), other.identity.get()), (Some(a), Some(b)) if a == b)
+    }
+
+    /// Whether this shard and `other` are surely different databases: both identities are
+    /// known and differ. (Unknown means "maybe the same": nothing is moved between them.)
+    pub(crate) fn surely_other_database(&self, other: &ShardState) -> bool {
+        !self.same_database(other)
+            && self.identity.get().is_some()
+            && other.identity.get().is_some()
+    }
+
+    pub(crate) fn remove(&self, id: u64) -> Option<Arc<LeaseState>> {
+        self.leases.lock().unwrap().remove(&id)
+    }
+
+    /// Whether a lease of this process, local or remote, holds `owner` here. Local first: a
+    /// lease moves from the local map to the held one under the local map's lock, so it is
+    /// seen in one or the other.
+    pub(crate) fn holds_owner(&self, owner: &str) -> bool {
+        self.local
+            .lock()
+            .unwrap()
+            .values()
+            .any(|l| l.owner == owner)
+            || self.held().iter().any(|l| l.owner == owner)
+    }
+
+    pub(crate) fn held(&self) -> Vec<Arc<LeaseState>> {
+        self.leases.lock().unwrap().values().cloned().collect()
+    }
+}
+
+/// Gives a half-open probe's permit back if its call was dropped before it completed.
+struct ProbePermit<'a> {
+    state: &'a ShardState,
+    armed: bool,
+}
+
+impl Drop for ProbePermit<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.state.breaker.lock().unwrap().abandon_probe();
+        }
+    }
+}

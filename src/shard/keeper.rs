@@ -1,0 +1,307 @@
+//! The lease keeper: per shard, one background task renews every lease this process holds
+//! there with one statement per tick, reports leases that can no longer be trusted, and
+//! re-acquires on the shard the keys held in process while it was unavailable.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use shardlock_core::{BackendErrorKind, BreakerState};
+use shardlock_mysql::{Attempt, GrantRequest};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::ShardState;
+use crate::lease::LeaseState;
+
+/// How often the keeper tries to re-acquire on the shard the keys held locally.
+const RECONCILE_EVERY: Duration = Duration::from_millis(50);
+
+impl ShardState {
+    /// Re-acquires on the shard, under the same owner, the keys this process holds locally.
+    /// A key another process holds there now is reported lost to its local holder (who keeps
+    /// its turn, so no second holder appears in this process until it lets go).
+    async fn reconcile(self: &Arc<Self>) {
+        let locals: Vec<Arc<LeaseState>> = self.local.lock().unwrap().values().cloned().collect();
+        for lease in locals {
+            // After shutdown, local leases are ended by it, not re-acquired.
+            if self.breaker_state() == BreakerState::Open || self.shared.is_closed() {
+                return;
+            }
+            // Released since the pass began: its key's turn may be another grant's by now.
+            if !self.local.lock().unwrap().contains_key(&lease.id) {
+                continue;
+            }
+            let req = GrantRequest {
+                key: lease.key.stored().to_vec(),
+                owner: lease.owner.clone(),
+                ttl_ms: u32::try_from(lease.ttl.as_millis()).unwrap_or(u32::MAX),
+                fence_floor: 0,
+                reserve: 0,
+                trace: None,
+            };
+            let stats = &self.shared.stats;
+            let mut sent = Instant::now();
+            let mut attempt = self.acquire(&req).await;
+            if matches!(attempt, Ok(Attempt::Held { .. }))
+                && self.give_back_stale_row(&req.key, lease.id).await
+            {
+                sent = Instant::now();
+                attempt = self.acquire(&req).await;
+            }
+            match attempt {
+                Ok(Attempt::Granted(_)) => {
+                    // Under the map's lock, so the holder either still finds it local or finds
+                    // it moved to the renewed leases.
+                    let moved = {
+                        let mut local = self.local.lock().unwrap();
+                        // Shutdown takes the local leases under this lock: once it has, the
+                        // row just taken is given back below instead.
+                        let moved = !self.shared.is_closed() && local.remove(&lease.id).is_some();
+                        if moved {
+                            lease.set_deadline(lease.want.lease_end(sent));
+                            self.insert(lease.clone());
+                        }
+                        moved
+                    };
+                    if moved {
+                        stats.reconciled.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(shard = self.shard.name(), key = %lease.key, "shardlock re-acquired a locally held key on its shard");
+                    } else {
+                        // Released meanwhile: give the row back.
+                        let _ = self.call(self.shard.release(&req.key, &req.owner)).await;
+                    }
+                }
+                Ok(Attempt::Held { .. }) => {
+                    if self.remove_local(lease.id) {
+                        stats.reconcile_conflicts.fetch_add(1, Ordering::Relaxed);
+                        lease.mark_lost(
+                            "another process held the key on its shard when the shard came back",
+                            stats,
+                        );
+                    }
+                }
+                // Still failing, or the row locked by another transaction: next time.
+                Ok(Attempt::Locked) | Err(_) => return,
+            }
+        }
+    }
+
+    /// Gives back the row of `key` if this router wrote it for a grant older than the local
+    /// lease `local_id` under an owner no lease of it holds any more: a lease lost while the
+    /// shard was unreachable leaves its row until the shard's clock ends it, and reconciling
+    /// the key's local holder must not count that as another process's. (A grant of the key
+    /// made since the local lease, whose row may be written before its lease is registered,
+    /// has a higher number and is never touched.) `true` when such a row was released.
+    async fn give_back_stale_row(&self, key: &[u8], local_id: u64) -> bool {
+        let Ok(Some(row)) = self.call(self.shard.inspect(key)).await else {
+            return false;
+        };
+        let Some(owner) = row
+            .owner
+            .filter(|o| row.expires_in_ms > 0 && self.shared.is_stale_own(o, local_id))
+        else {
+            return false;
+        };
+        tracing::info!(
+            shard = self.shard.name(),
+            owner,
+            "shardlock gave back a row of a lease it had lost"
+        );
+        matches!(self.call(self.shard.release(key, &owner)).await, Ok(true))
+    }
+
+    /// Makes the keeper panic at once (tests of its supervision).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn inject_keeper_panic(&self) {
+        self.panic_next_tick.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    /// When the keeper must act next: the renewal tick, or the earliest local deadline (a
+    /// lease whose renewals keep failing is reported lost exactly then, not later).
+    fn plan(&self, next_tick: &mut Option<Instant>) -> Option<Instant> {
+        let now = Instant::now();
+        let reconcile = (self.local_count() > 0).then(|| now + RECONCILE_EVERY);
+        let leases = self.leases.lock().unwrap();
+        let Some(period) = leases.values().map(|l| l.renew_every).min() else {
+            return reconcile;
+        };
+        let tick = match *next_tick {
+            Some(t) if t <= now + period => t,
+            _ => now + period,
+        };
+        *next_tick = Some(tick);
+        let earliest = leases.values().map(|l| l.deadline()).min()?;
+        Some(reconcile.map_or(tick, |r| r.min(tick)).min(earliest))
+    }
+
+    /// Re-acquires local leases if there are any, reports expired leases, and renews the rest
+    /// if the tick is due.
+    async fn tick(self: &Arc<Self>, next_tick: &mut Option<Instant>) {
+        #[cfg(feature = "fault-injection")]
+        if self.panic_next_tick.swap(false, Ordering::AcqRel) {
+            panic!(
+                "shardlock fault injection: the keeper of {} panics",
+                self.shard.name()
+            );
+        }
+        // Reconciliation runs beside the keeper, one pass at a time: its statements (each up
+        // to the statement timeout) must never hold up renewing the remote leases, nor
+        // reporting them lost at their deadline.
+        if self.local_count() > 0 && !self.reconciling.swap(true, Ordering::AcqRel) {
+            let state = self.clone();
+            tokio::spawn(async move {
+                // Cleared however the pass ends (a panic included), so the next tick retries.
+                struct Done(Arc<ShardState>);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        self.0.reconciling.store(false, Ordering::Release);
+                    }
+                }
+                let done = Done(state);
+                done.0.reconcile().await;
+            });
+        }
+        let now = Instant::now();
+        let mut leases = self.held();
+        leases.retain(|l| {
+            if l.deadline() <= now {
+                self.remove(l.id);
+                l.mark_lost("not renewed before its lease ended", &self.shared.stats);
+                false
+            } else {
+                true
+            }
+        });
+        let Some(period) = leases.iter().map(|l| l.renew_every).min() else {
+            *next_tick = None;
+            self.shortest_ms.store(u64::MAX, Ordering::Release);
+            return;
+        };
+        self.shortest_ms
+            .store(period.as_millis() as u64, Ordering::Release);
+        if next_tick.is_some_and(|t| t > now) {
+            return;
+        }
+        // Bounded by the soonest local deadline: a renewal that answers after the lease ended
+        // is worthless.
+        let earliest = leases
+            .iter()
+            .map(|l| l.deadline())
+            .min()
+            .expect("non-empty");
+        let timeout = self.shard.statement_timeout().min(earliest - now);
+        let pairs: Vec<(&[u8], &str)> = leases
+            .iter()
+            .map(|l| (l.key.stored(), l.owner.as_str()))
+            .collect();
+        let sent = Instant::now();
+        let renewed = self.call(self.shard.renew(&pairs, timeout)).await;
+        // Counted when done, together with the statements, so a snapshot never sees a tick
+        // whose statement is still on its way.
+        self.shared
+            .stats
+            .renew_ticks
+            .fetch_add(1, Ordering::Relaxed);
+        match renewed {
+            Ok(outcome) => {
+                self.shared
+                    .stats
+                    .renew_statements
+                    .fetch_add(outcome.statements as u64, Ordering::Relaxed);
+                for (lease, held) in leases.iter().zip(outcome.held) {
+                    if held {
+                        lease.extend(lease.want.lease_end(sent));
+                    } else if self.remove(lease.id).is_some() {
+                        // Still registered, so not released meanwhile: someone else has it.
+                        lease.mark_lost(
+                            "taken over, force-released or expired on the shard",
+                            &self.shared.stats,
+                        );
+                    }
+                }
+                *next_tick = Some(sent + period);
+                tracing::trace!(
+                    shard = self.shard.name(),
+                    leases = leases.len(),
+                    "shardlock renewed leases"
+                );
+            }
+            Err(e) => {
+                self.shared
+                    .stats
+                    .renew_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                if e.kind == BackendErrorKind::BreakerOpen {
+                    tracing::debug!(
+                        shard = self.shard.name(),
+                        leases = leases.len(),
+                        "shardlock renewal skipped: the shard's breaker is open"
+                    );
+                } else {
+                    tracing::warn!(shard = self.shard.name(), error = %e, leases = leases.len(), "shardlock renewal failed; retrying");
+                }
+                // Retry soon; leases are reported lost only when their deadline passes.
+                *next_tick = Some(Instant::now() + (period / 4).max(Duration::from_millis(20)));
+            }
+        }
+    }
+}
+
+/// Starts the keeper of `state`. It holds only a `Weak` reference between ticks and stops when
+/// the shard state is dropped or `closed` turns true.
+pub(crate) fn spawn_keeper(state: &Arc<ShardState>, closed: watch::Receiver<bool>) {
+    let weak: Weak<ShardState> = Arc::downgrade(state);
+    // Supervised: a keeper that panics would leave every lease of its shard unrenewed and
+    // unreported. Its leases are reported lost (their renewal can no longer be vouched for)
+    // and a new keeper takes over.
+    tokio::spawn(async move {
+        loop {
+            let keeper = tokio::spawn(keep(weak.clone(), closed.clone()));
+            match keeper.await {
+                Err(e) if e.is_panic() => {
+                    let Some(state) = weak.upgrade() else { return };
+                    tracing::error!(shard = state.shard.name(), "shardlock lease keeper panicked; its leases are reported lost and a new keeper starts");
+                    for lease in state.held() {
+                        state.remove(lease.id);
+                        lease
+                            .mark_lost("the lease keeper of its shard failed", &state.shared.stats);
+                    }
+                }
+                _ => return,
+            }
+        }
+    });
+}
+
+/// The keeper loop of one shard: renewal ticks, reconciliation, and lost-lease reports.
+async fn keep(weak: Weak<ShardState>, mut closed: watch::Receiver<bool>) {
+    let Some(wake) = weak.upgrade().map(|s| s.wake.clone()) else {
+        return;
+    };
+    {
+        let mut next_tick = None;
+        loop {
+            let wake_at = match weak.upgrade() {
+                Some(state) => state.plan(&mut next_tick),
+                None => return,
+            };
+            let sleep = async {
+                match wake_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = closed.wait_for(|c| *c) => return,
+                _ = wake.notified() => continue,
+                _ = sleep => {}
+            }
+            match weak.upgrade() {
+                Some(state) => state.tick(&mut next_tick).await,
+                None => return,
+            }
+        }
+    }
+}

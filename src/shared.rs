@@ -1,0 +1,105 @@
+//! What every shard handle of one router shares: who this process is (instance id and start
+//! nonce, which make every owner unique), grant numbers, counters, the key queues, and the
+//! shutdown signal. Below the router, so that shard handles and keepers need nothing above
+//! them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use tokio::sync::watch;
+
+use crate::queue::KeyQueues;
+use crate::shard::ShardState;
+use crate::stats::Stats;
+
+/// What every shard of a router shares: who we are, grant numbers, counters, key queues.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) instance_id: String,
+    /// Random per router start (64 bits, hex): two processes configured with one instance id
+    /// still never write the same owner.
+    nonce: String,
+    grant_seq: AtomicU64,
+    pub(crate) stats: Stats,
+    pub(crate) queues: Arc<KeyQueues>,
+    /// Turns true at shutdown: no new grants, no hand-offs; keepers stop.
+    pub(crate) closed: watch::Sender<bool>,
+    /// Metrics instruments and the hot-key summary.
+    pub(crate) telemetry: crate::telemetry::Telemetry,
+    /// The epoch of the topology in force, set by a reload right after it swapped the topology
+    /// in: a lease placed under an older one may have to follow its key (see [`crate::moves`]).
+    pub(crate) epoch: AtomicU64,
+    /// The router, for the tasks that make moved leases follow their keys.
+    pub(crate) router: std::sync::OnceLock<Weak<crate::router::Inner>>,
+    /// Every shard state made for this router that is still alive: the topology's, and those
+    /// a reload left that still hold leases (draining).
+    shard_states: Mutex<Vec<Weak<ShardState>>>,
+}
+
+impl Shared {
+    pub(crate) fn new(instance_id: String, telemetry: crate::telemetry::Telemetry) -> Self {
+        Self {
+            telemetry,
+            instance_id,
+            nonce: format!("{:016x}", rand::random::<u64>()),
+            grant_seq: AtomicU64::new(0),
+            stats: Stats::default(),
+            queues: Arc::default(),
+            closed: watch::channel(false).0,
+            epoch: AtomicU64::new(1),
+            router: std::sync::OnceLock::new(),
+            shard_states: Mutex::default(),
+        }
+    }
+
+    /// Adds a new shard state to those [`Shared::shard_states`] lists.
+    pub(crate) fn register(&self, state: &Arc<ShardState>) {
+        self.shard_states
+            .lock()
+            .unwrap()
+            .push(Arc::downgrade(state));
+    }
+
+    /// Every live shard state of this router, in or out of the topology.
+    pub(crate) fn shard_states(&self) -> Vec<Arc<ShardState>> {
+        let mut states = self.shard_states.lock().unwrap();
+        states.retain(|s| s.strong_count() > 0);
+        states.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// The epoch of the topology in force.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        *self.closed.borrow()
+    }
+
+    /// A new grant number and the owner string written for it:
+    /// `<instance id>:<start nonce>:<grant seq>`.
+    pub(crate) fn next_owner(&self) -> (u64, String) {
+        let id = self.next_id();
+        (id, format!("{}:{}:{id}", self.instance_id, self.nonce))
+    }
+
+    /// Whether `owner` was written by this router (its instance id and start nonce) for a
+    /// grant numbered below `before`, and no lease of this router, local or remote, holds
+    /// that owner now.
+    pub(crate) fn is_stale_own(&self, owner: &str, before: u64) -> bool {
+        let older = owner
+            .strip_prefix(self.instance_id.as_str())
+            .and_then(|rest| rest.strip_prefix(':'))
+            .and_then(|rest| rest.strip_prefix(self.nonce.as_str()))
+            .and_then(|rest| rest.strip_prefix(':'))
+            .and_then(|seq| seq.parse::<u64>().ok())
+            .is_some_and(|seq| seq < before);
+        older && !self.shard_states().iter().any(|s| s.holds_owner(owner))
+    }
+
+    /// A new grant number (unique in this router; also names a lease row in its shard's
+    /// keeper).
+    pub(crate) fn next_id(&self) -> u64 {
+        self.grant_seq.fetch_add(1, Ordering::Relaxed) + 1
+    }
+}

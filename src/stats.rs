@@ -1,0 +1,89 @@
+//! Counters of one router: one list, from which both the atomics the router bumps and the
+//! snapshot [`LockStats`] that `LockRouter::stats` returns are made, so that a counter cannot
+//! be added to one and forgotten in the other.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Declares every counter once: its doc, its name. `queued` is not a counter (it is read from
+/// the key queues when the snapshot is taken), so it is added to the snapshot by hand.
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])+ $name:ident,)+) => {
+        /// Counters of one router since it started (this process only).
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        pub struct LockStats {
+            $($(#[doc = $doc])+ pub $name: u64,)+
+            /// Tasks waiting in memory for a key another task of this router holds or polls
+            /// (now).
+            pub queued: u64,
+        }
+
+        /// The live counters behind [`LockStats`], bumped with relaxed atomics: each is a
+        /// count on its own, no two are read as one consistent state.
+        #[derive(Debug, Default)]
+        pub(crate) struct Stats {
+            $(pub(crate) $name: AtomicU64,)+
+        }
+
+        impl Stats {
+            /// Every counter now, with `queued` tasks waiting in memory.
+            pub(crate) fn snapshot(&self, queued: u64) -> LockStats {
+                LockStats {
+                    $($name: self.$name.load(Ordering::Relaxed),)+
+                    queued,
+                }
+            }
+        }
+    };
+}
+
+counters! {
+    /// Locks granted (hand-offs included).
+    grants,
+    /// Grants handed from a releasing holder to a waiting task of this process in the same
+    /// statement as the release.
+    handoffs,
+    /// Grants handed from a releasing holder to a waiting task of this process in memory,
+    /// without a statement (each with a new, larger fence from the range the shard grant
+    /// reserved).
+    local_handoffs,
+    /// Grants of keys that moved in a recent reload, also taken on their previous shard(s).
+    moved_grants,
+    /// Acquire statements sent to shards (one per attempt; attempts refused by an open
+    /// breaker send none).
+    acquire_statements,
+    /// Acquires that gave up after their wait.
+    timeouts,
+    /// Leases released (explicitly or on drop).
+    releases,
+    /// Leases reported lost.
+    lost,
+    /// Renewal ticks that renewed at least one lease (summed over shards).
+    renew_ticks,
+    /// Renewal statements sent (summed over shards).
+    renew_statements,
+    /// Renewal attempts that failed (summed over shards).
+    renew_failures,
+    /// Heartbeats to the instance registry that failed (a warning is logged once one shard
+    /// misses three in a row).
+    heartbeat_failures,
+    /// Calls not sent because the shard's breaker was open (acquires answered
+    /// `Unavailable` at once, or granted locally; renewals and releases skipped).
+    breaker_rejections,
+    /// Times a shard breaker opened (summed over shards).
+    breaker_opened,
+    /// Times a shard breaker closed again after probes succeeded (summed over shards).
+    breaker_closed,
+    /// In-process grants made while a shard breaker was open (`local` policy).
+    local_grants,
+    /// Locally held keys re-acquired on their shard once it was back.
+    reconciled,
+    /// Locally held keys found held by another process when their shard came back (each
+    /// reported to its holder through `lost()`).
+    reconcile_conflicts,
+    /// Leases whose key moved in a reload while they were held, taken on the key's new shard
+    /// as well (see [`LockRouter::reload`](crate::LockRouter::reload)).
+    followed,
+    /// Fences of moved keys copied from the shards they left to their new shards, as their
+    /// floor there, once a move window was over.
+    fences_carried,
+}
