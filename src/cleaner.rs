@@ -155,6 +155,10 @@ impl LockRouter {
     /// Per shard, rows are scanned in key order and deleted in batches of
     /// `cleaner.batch-size`, with `cleaner.batch-pause` between batches. A shard that fails
     /// is reported and skipped.
+    ///
+    /// Cancellation: rows already deleted stay deleted and a delete in flight may still commit
+    /// (each rechecks every condition itself); a shard's fence floor may have been raised. A
+    /// cleaner lock won stays held for the next pass, as after a completed one.
     pub async fn clean_once(&self) -> Result<CleanerReport> {
         let pass = self.inner.cleaner.passes.fetch_add(1, Ordering::Relaxed) + 1;
         let mut leader = self.inner.cleaner.leader.lock().await;
@@ -200,6 +204,10 @@ impl LockRouter {
     /// Runs [`LockRouter::clean_once`] every `cleaner.interval` until `stop` completes,
     /// handing each report to `on_report`; then gives the cleaner lock back. Errors of a pass
     /// are logged and the next pass runs as planned.
+    ///
+    /// Cancellation: as for [`LockRouter::clean_once`] during a pass. Dropped instead of ended by
+    /// `stop`, it does not give the cleaner lock back: this router keeps holding (and renewing) it,
+    /// so no other instance cleans until this one shuts down or is dropped.
     pub async fn run_cleaner(
         &self,
         stop: impl std::future::Future<Output = ()>,
@@ -230,6 +238,10 @@ impl LockRouter {
     /// While a reload's move is in progress, the key is freed on the shards it lived on
     /// before as well (where a process that has not reloaded may hold it); the answer is the
     /// release on its current shard if it was held there, else the first other one.
+    ///
+    /// Cancellation: a release that reached a shard may have committed (holder evicted, fence
+    /// raised) unreported; calling again answers `None` there, or evicts whoever took the key
+    /// since.
     pub async fn force_release(&self, key: &str) -> Result<Option<ForceReleased>> {
         let key = LockKey::new(key)?;
         let topology = self.inner.topology.load_full();
@@ -246,6 +258,9 @@ impl LockRouter {
     }
 
     /// The instances registered on each shard (`heartbeat` registry), current shards first.
+    ///
+    /// Cancellation: reads only; nothing changes. A connection dropped mid-statement is discarded
+    /// at the pool's next checkout, never reused.
     pub async fn instances(&self) -> Vec<(String, Result<Vec<InstanceRow>>)> {
         let shards = self.inner.topology.load().current.shards.clone();
         join_all(shards.iter().map(|s| async move {

@@ -34,6 +34,10 @@ use shardlock_core::{Error, Result};
 /// .await?;
 /// # Ok(()) }
 /// ```
+///
+/// Cancellation: the write may have reached the server and applied (and committed, under
+/// autocommit) with its answer unread. Run nothing more on `conn`: drop it (or its guard), which
+/// closes it and rolls back an open transaction, and read the row to learn the outcome.
 pub async fn fenced_exec<Q, N>(
     conn: &mut Q,
     sql: &str,

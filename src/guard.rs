@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use crate::lease::{Grant, LeaseState};
 use crate::queue::{Handover, Turn};
 use crate::shard::ShardState;
+use crate::sync::LockExt;
 
 /// Where a lock is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -264,7 +265,7 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
     if lease.local {
         // No hand-offs for an in-process lease: the next waiter takes its own turn (and goes
         // to the shard if it is back).
-        let turn = lease.turn.lock().unwrap().take();
+        let turn = lease.turn.locked().take();
         if shard.remove_local(lease.id) {
             shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
             drop(turn);
@@ -285,7 +286,7 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
         || lease.placed_epoch.load(Ordering::Acquire) < shard.shared.epoch()
         || !lease.is_live()
     {
-        let turn = lease.turn.lock().unwrap().take();
+        let turn = lease.turn.locked().take();
         return Some(Box::pin(release_through_shard(
             shard.clone(),
             lease.clone(),
@@ -293,7 +294,7 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
         )));
     }
     let closed = shard.shared.is_closed();
-    let mut turn_slot = lease.turn.lock().unwrap();
+    let mut turn_slot = lease.turn.locked();
     // No hand-offs once the router shuts down: waiters then find it closed.
     let next = turn_slot
         .as_ref()

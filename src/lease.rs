@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use crate::queue::{Turn, Want};
 use crate::shard::ShardState;
 use crate::stats::Stats;
+use crate::sync::LockExt;
 
 /// A local lease has no end of its own: it lasts until released, or lost on reconciliation.
 const LOCAL_HORIZON: Duration = Duration::from_secs(100 * 365 * 86_400);
@@ -116,7 +117,7 @@ impl LeaseState {
 
     /// Whether the lease ended (released): companions are refused from then on.
     pub(crate) fn has_ended(&self) -> bool {
-        self.companions.lock().unwrap().ended
+        self.companions.locked().ended
     }
 
     /// The lease as placed under topology `epoch`.
@@ -143,7 +144,7 @@ impl LeaseState {
         companion: Arc<LeaseState>,
     ) -> bool {
         debug_assert!(companion.is_companion());
-        let mut companions = self.companions.lock().unwrap();
+        let mut companions = self.companions.locked();
         if companions.ended || self.is_lost() {
             return false;
         }
@@ -161,18 +162,18 @@ impl LeaseState {
 
     /// Whether the lease has rows on other shards.
     pub(crate) fn has_companions(&self) -> bool {
-        !self.companions.lock().unwrap().rows.is_empty()
+        !self.companions.locked().rows.is_empty()
     }
 
     /// The shards this lease has companion rows on.
     pub(crate) fn companion_shards(&self) -> Vec<Arc<ShardState>> {
-        let companions = self.companions.lock().unwrap();
+        let companions = self.companions.locked();
         companions.rows.iter().map(|(s, _)| s.clone()).collect()
     }
 
     /// Ends the lease's companions: returns them to release; later ones are refused.
     pub(crate) fn end_companions(&self) -> Vec<(Arc<ShardState>, Arc<LeaseState>)> {
-        let mut companions = self.companions.lock().unwrap();
+        let mut companions = self.companions.locked();
         companions.ended = true;
         std::mem::take(&mut companions.rows)
     }
@@ -217,13 +218,13 @@ impl LeaseState {
     }
 
     pub(crate) fn deadline(&self) -> Instant {
-        *self.deadline.lock().unwrap()
+        *self.deadline.locked()
     }
 
     /// The earliest local deadline of this lease and its companion rows.
     pub(crate) fn valid_until(&self) -> Instant {
         let own = self.deadline();
-        let companions = self.companions.lock().unwrap();
+        let companions = self.companions.locked();
         companions
             .rows
             .iter()
@@ -232,11 +233,11 @@ impl LeaseState {
     }
 
     pub(crate) fn set_deadline(&self, to: Instant) {
-        *self.deadline.lock().unwrap() = to;
+        *self.deadline.locked() = to;
     }
 
     pub(crate) fn extend(&self, to: Instant) {
-        let mut d = self.deadline.lock().unwrap();
+        let mut d = self.deadline.locked();
         if to > *d {
             *d = to;
         }

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod acquire;
 mod cleaner;
 mod fence;
 mod guard;
@@ -14,6 +15,7 @@ mod router;
 mod shard;
 mod shared;
 mod stats;
+mod sync;
 pub mod telemetry;
 mod topology;
 

@@ -13,6 +13,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::guard::LockGuard;
+use crate::sync::LockExt;
 
 /// What a waiter asks for, so that a hand-off can grant exactly that.
 #[derive(Debug, Clone, Copy)]
@@ -82,7 +83,7 @@ pub(crate) enum Entry {
 
 impl KeyQueues {
     pub(crate) fn enter(self: &Arc<Self>, key: &[u8], want: Want) -> Entry {
-        let mut map = self.map.lock().unwrap();
+        let mut map = self.map.locked();
         match map.entry(key.to_vec()) {
             MapEntry::Vacant(v) => {
                 v.insert(VecDeque::new());
@@ -111,7 +112,7 @@ impl KeyQueues {
     fn pass_on(self: &Arc<Self>, key: &[u8], yield_first: bool) {
         loop {
             let slot = {
-                let mut map = self.map.lock().unwrap();
+                let mut map = self.map.locked();
                 let Some(waiters) = map.get_mut(key) else {
                     return;
                 };
@@ -139,12 +140,12 @@ impl KeyQueues {
 
     /// Tasks waiting in some key's queue now.
     pub(crate) fn waiting(&self) -> usize {
-        self.map.lock().unwrap().values().map(VecDeque::len).sum()
+        self.map.locked().values().map(VecDeque::len).sum()
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.map.lock().unwrap().len()
+        self.map.locked().len()
     }
 }
 
@@ -161,7 +162,7 @@ impl Turn {
     /// Takes the next waiter that still waits, so that the holder can hand it the lease or
     /// this turn. The key stays busy meanwhile.
     pub(crate) fn next_waiter(&self) -> Option<Handover> {
-        let mut map = self.queues.map.lock().unwrap();
+        let mut map = self.queues.map.locked();
         let waiters = map.get_mut(&self.key)?;
         while let Some(slot) = waiters.pop_front() {
             if !slot.tx.is_closed() {
@@ -229,9 +230,13 @@ impl Drop for Waiter {
         if self.done {
             return;
         }
-        if let Some(waiters) = self.queues.map.lock().unwrap().get_mut(&self.key) {
+        // Never a panic in drop: a map poisoned by another task's panic is still consistent
+        // (every change to it is one insert or removal).
+        let mut map = self.queues.map.locked();
+        if let Some(waiters) = map.get_mut(&self.key) {
             waiters.retain(|s| s.id != self.id);
         }
+        drop(map);
         self.rx.close();
         // Sent before we left: dropping it passes the turn on or releases the lease.
         drop(self.rx.try_recv());

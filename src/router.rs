@@ -7,22 +7,19 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use futures_util::future::join_all;
-use shardlock_core::config::{check_ttl, FailurePolicy, DEFAULT_NAMESPACE};
+use shardlock_core::config::DEFAULT_NAMESPACE;
 use shardlock_core::{
-    BackendError, BackendErrorKind, Backoff, BreakerState, Config, Error, LockKey, Result,
-    Transition,
+    BackendError, BackendErrorKind, BreakerState, Config, Error, LockKey, Result, Transition,
 };
-use shardlock_mysql::{Attempt, GrantRequest, LeaseRow, MigrateReport, PoolStatus};
-use tokio::sync::oneshot;
+use shardlock_mysql::{LeaseRow, MigrateReport, PoolStatus};
 use tokio::time::Instant;
 
-use crate::guard::{release_through_shard, Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
-use crate::lease::{Grant, LeaseState};
+use crate::guard::{release_through_shard, LockGuard};
 use crate::options::AcquireOptions;
-use crate::queue::{Entry, Handoff, Turn, Want};
 use crate::shard::ShardState;
 use crate::shared::Shared;
 use crate::stats::LockStats;
+use crate::sync::LockExt;
 use crate::topology::Topology;
 
 /// Routes lock keys to MySQL shards and grants leases on them.
@@ -76,7 +73,7 @@ impl Default for Gate {
 
 impl Gate {
     fn close(&self, why: String) {
-        *self.why.lock().unwrap() = why;
+        *self.why.locked() = why;
         self.closed.send_replace(true);
     }
 
@@ -84,16 +81,16 @@ impl Gate {
         self.closed.send_replace(false);
     }
 
-    fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         *self.closed.borrow()
     }
 
     fn why(&self) -> Option<String> {
-        self.is_closed().then(|| self.why.lock().unwrap().clone())
+        self.is_closed().then(|| self.why.locked().clone())
     }
 
     /// Completes when the gate is open.
-    async fn opened(&self) {
+    pub(crate) async fn opened(&self) {
         let _ = self.closed.subscribe().wait_for(|closed| !closed).await;
     }
 }
@@ -155,18 +152,26 @@ impl LockRouter {
     /// [`Config::validate`]). Pools connect lazily, but a configured (not `auto`) instance id is first
     /// checked against the heartbeat registry of every shard that answers (a live twin is
     /// refused). Call [`LockRouter::migrate`] once per deployment.
+    ///
+    /// Cancellation: nothing is granted before this returns; the half-built router is dropped with
+    /// its pools and keepers, and deregisters in the background if its first heartbeat completed.
+    /// Dropped during that heartbeat, a row it wrote stays live until `cleaner.heartbeat-timeout`.
     pub async fn new(config: Config) -> Result<Self> {
         config.validate()?;
         Self::build(config, None, None)?.started().await
     }
 
     /// Parses YAML text (see `config/reference.yaml`) and builds the router.
+    ///
+    /// Cancellation: as for [`LockRouter::new`].
     pub async fn from_yaml_str(text: &str) -> Result<Self> {
         let config = Config::from_yaml_str(text)?;
         Self::build(config, Some(text), None)?.started().await
     }
 
     /// Reads a YAML file and builds the router; errors name the file, line, column and field.
+    ///
+    /// Cancellation: as for [`LockRouter::new`].
     pub async fn from_yaml_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = shardlock_core::config::read_file(path)?;
@@ -408,6 +413,10 @@ impl LockRouter {
 
     /// Creates or upgrades shardlock's tables on every shard; idempotent and safe to run from
     /// several processes at once. Returns what each shard applied.
+    ///
+    /// Cancellation: steps already run stay (DDL commits on its own; a later call skips them). The
+    /// connection goes back to the pool unmarked (reset, not discarded, at its next checkout) and
+    /// may hold the migration lock (`GET_LOCK`) until then, stalling other `migrate` calls.
     pub async fn migrate(&self) -> Result<Vec<(String, MigrateReport)>> {
         let topology = self.inner.topology.load_full();
         let runs = topology.current.shards.iter().map(|s| async move {
@@ -510,6 +519,9 @@ impl LockRouter {
     ///
     /// Do not call it while holding one of the key's buckets in the same task: it would wait
     /// for that bucket until it times out.
+    ///
+    /// Cancellation: as for [`LockRouter::acquire`] for the bucket in flight; the guards of the
+    /// buckets already taken are dropped, which releases them in the background.
     pub async fn acquire_all_buckets(
         &self,
         key: &str,
@@ -531,7 +543,7 @@ impl LockRouter {
     }
 
     /// The policy of the namespace `opts` names.
-    fn namespace_of(
+    pub(crate) fn namespace_of(
         &self,
         opts: &AcquireOptions,
     ) -> Result<shardlock_core::config::NamespaceConfig> {
@@ -548,505 +560,6 @@ impl LockRouter {
                     "`{name}` is not configured; add it under `namespaces:` or use `default`"
                 ),
             })
-    }
-
-    /// [`LockRouter::acquire_inner`], with a timeout turned into [`Error::Timeout`].
-    async fn acquire_key(
-        &self,
-        key: LockKey,
-        opts: &AcquireOptions,
-        wait: Option<Duration>,
-    ) -> Result<LockGuard> {
-        let started = Instant::now();
-        let text = key.to_string();
-        match self.acquire_inner(key, opts, wait).await? {
-            Some(guard) => Ok(guard),
-            None => {
-                self.inner
-                    .shared
-                    .stats
-                    .timeouts
-                    .fetch_add(1, Ordering::Relaxed);
-                Err(Error::Timeout {
-                    key: text,
-                    waited: started.elapsed(),
-                })
-            }
-        }
-    }
-
-    /// Acquires `key`, waiting `wait` (the namespace's when `None`); `Ok(None)` on timeout.
-    /// Traced as a `shardlock.acquire` span and measured (see [`crate::telemetry`]).
-    async fn acquire_inner(
-        &self,
-        key: LockKey,
-        opts: &AcquireOptions,
-        wait: Option<Duration>,
-    ) -> Result<Option<LockGuard>> {
-        let mut wait = wait;
-        if self.inner.gate.is_closed() {
-            // Waiting to join the fleet counts against the caller's wait.
-            let budget = match wait {
-                Some(w) => w,
-                None => opts.wait.unwrap_or(self.namespace_of(opts)?.wait),
-            };
-            let started = Instant::now();
-            let _ = tokio::time::timeout_at(instant_after(budget), self.inner.gate.opened()).await;
-            self.check_joined(&key)?;
-            wait = Some(budget.saturating_sub(started.elapsed()));
-        }
-        self.acquire_joined(key, opts, wait).await
-    }
-
-    /// [`LockRouter::acquire_inner`] once this router has joined its fleet.
-    async fn acquire_joined(
-        &self,
-        key: LockKey,
-        opts: &AcquireOptions,
-        wait: Option<Duration>,
-    ) -> Result<Option<LockGuard>> {
-        use tracing::Instrument;
-        let started = Instant::now();
-        let telemetry = &self.inner.shared.telemetry;
-        let namespace = opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
-        let span = tracing::info_span!(
-            "shardlock.acquire",
-            namespace,
-            shard = tracing::field::Empty,
-            bucket = key.bucket_number(),
-            key = tracing::field::Empty,
-            attempts = tracing::field::Empty,
-            wait_ms = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-            mode = tracing::field::Empty,
-        );
-        if !span.is_disabled() {
-            span.record("key", telemetry.key_label(&key));
-        }
-        let mut progress = Progress::default();
-        let result = self
-            .acquire_steps(&key, opts, wait, &mut progress)
-            .instrument(span.clone())
-            .await;
-        let took = started.elapsed();
-        let (outcome, mode) = match &result {
-            Ok(Some(guard)) if guard.mode() == LockMode::LocalFallback => ("granted", "local"),
-            Ok(Some(_)) => ("granted", "remote"),
-            Ok(None) => ("timeout", "remote"),
-            Err(Error::Unavailable { .. }) => ("unavailable", "remote"),
-            Err(_) => ("error", "remote"),
-        };
-        let shard = progress
-            .shard
-            .as_ref()
-            .map_or_else(|| opentelemetry::StringValue::from(""), |s| s.label.clone());
-        if !span.is_disabled() {
-            // A waiter handed the lock by its holder links to the holder's hold.
-            if let Ok(Some(after)) = result
-                .as_ref()
-                .map(|g| g.as_ref().and_then(LockGuard::handed_from))
-            {
-                span.follows_from(after);
-            }
-            span.record("shard", shard.as_str());
-            span.record("attempts", progress.attempts);
-            span.record("wait_ms", took.as_secs_f64() * 1000.0);
-            span.record("outcome", outcome);
-            span.record("mode", mode);
-        }
-        let attrs = crate::telemetry::AcquireAttrs {
-            namespace: progress
-                .namespace
-                .take()
-                .unwrap_or_else(|| opentelemetry::StringValue::from(namespace.to_owned())),
-            shard,
-            outcome,
-            mode,
-        };
-        let bound = progress.shard.as_ref().map(|s| &s.acquires);
-        telemetry.acquired(&key, attrs, took, progress.waited(), bound);
-        result
-    }
-
-    /// The steps of [`LockRouter::acquire_inner`]; `progress` says how far they got.
-    async fn acquire_steps(
-        &self,
-        key: &LockKey,
-        opts: &AcquireOptions,
-        wait: Option<Duration>,
-        progress: &mut Progress,
-    ) -> Result<Option<LockGuard>> {
-        if self.inner.shared.is_closed() {
-            return Err(Error::Shutdown);
-        }
-        let ns = self.namespace_of(opts)?;
-        let ttl = opts.ttl.unwrap_or(ns.ttl);
-        check_ttl(ttl).map_err(|reason| Error::InvalidArgument {
-            name: "ttl",
-            reason,
-        })?;
-        let deadline = instant_after(wait.or(opts.wait).unwrap_or(ns.wait));
-        {
-            let topology = self.inner.topology.load();
-            progress.shard = Some(topology.locate(key).clone());
-            progress.namespace = Some(
-                topology.namespace_label(opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)),
-            );
-        }
-
-        // One poller per key in this process: the others wait in memory, and may be handed the
-        // lease directly by the holder when it releases.
-        let want = Want {
-            ttl,
-            renew_every: ns.renew_interval_for(ttl),
-            handoff_max_count: ns.handoff_max_count,
-            handoff_max_time: ns.handoff_max_time,
-            drift_ppm: self.inner.topology.load().config.instance.clock_drift_ppm(),
-        };
-        let turn = match self.inner.shared.queues.enter(key.stored(), want) {
-            Entry::Turn(turn) => turn,
-            Entry::Queued(mut waiter) => {
-                progress.queued = true;
-                match tokio::time::timeout_at(deadline, waiter.wait()).await {
-                    Err(_) => return Ok(None),
-                    Ok(None) => return Err(Error::Shutdown),
-                    Ok(Some(Handoff::Granted(guard))) => return Ok(Some(guard)),
-                    Ok(Some(Handoff::Turn { turn, yield_first })) => {
-                        if yield_first {
-                            // The key was released for another process. Its poller sees that our
-                            // holds are short and polls every base step, so two base steps give it
-                            // the key; longer would leave the key idle when it has nobody waiting.
-                            let now = Instant::now();
-                            tokio::time::sleep(
-                                (ns.backoff_base * 2).min(deadline.saturating_duration_since(now)),
-                            )
-                            .await;
-                        }
-                        turn
-                    }
-                }
-            }
-        };
-        let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
-        loop {
-            if self.inner.shared.is_closed() {
-                return Err(Error::Shutdown);
-            }
-            // Placement is read again on every poll: a reload meanwhile moves the key.
-            let topology = self.inner.topology.load_full();
-            let shard = topology.locate(key).clone();
-            let previous = topology.previous_locations(key);
-            progress.shard = Some(shard.clone());
-            // A key that moved in a recent reload is also taken on the shards it lived on
-            // before, in name order, each fence above the previous one; no hand-offs for it.
-            let want = if previous.is_empty() {
-                want
-            } else {
-                Want {
-                    handoff_max_count: 0,
-                    handoff_max_time: Duration::ZERO,
-                    ..want
-                }
-            };
-            // One owner for the grant's rows on every shard, so that a row where the key lived
-            // and the row where it lives now are recognisably the same lease.
-            let (_, owner) = self.inner.shared.next_owner();
-            let mut companions = CompanionGrants(Vec::new(), key.stored().to_vec());
-            let mut held_for = u64::MAX;
-            let mut floor = 0;
-            for old in &previous {
-                progress.attempts += 1;
-                match self
-                    .try_grant(old, key, &owner, want, floor, deadline)
-                    .await?
-                {
-                    Ok(grant) => {
-                        floor = grant.fence;
-                        companions.0.push((old.clone(), grant));
-                    }
-                    Err(held_for_ms) => {
-                        held_for = held_for_ms;
-                        break;
-                    }
-                }
-            }
-            if companions.0.len() == previous.len() {
-                progress.attempts += 1;
-                let tried = match self
-                    .try_grant(&shard, key, &owner, want, floor, deadline)
-                    .await
-                {
-                    Ok(tried) => tried,
-                    // A moved key, or a failure that is not the shard's: nothing to fall back on.
-                    Err(e) if !previous.is_empty() || !e.is_unavailable() => return Err(e),
-                    Err(e) => match ns.on_shard_failure {
-                        FailurePolicy::Local if shard.breaker_state() != BreakerState::Closed => {
-                            return Ok(Some(self.hold_local(&shard, key, want, turn, &topology)));
-                        }
-                        // Not open yet: try again within the wait; the breaker opens soon if
-                        // the shard keeps failing.
-                        FailurePolicy::Local if Instant::now() < deadline => Err(u64::MAX),
-                        _ => return Err(e),
-                    },
-                };
-                if let Err(held_for_ms) = tried {
-                    held_for = held_for_ms;
-                    // A traced waiter links, once, to the trace of whoever holds the key.
-                    if !progress.linked && crate::telemetry::tracing_current() {
-                        progress.linked = true;
-                        if let Ok(Some(parent)) =
-                            shard.call(shard.shard.holder_trace(key.stored())).await
-                        {
-                            crate::telemetry::link_current_to(&parent);
-                        }
-                    }
-                }
-                if let Ok(grant) = tried {
-                    // The previous shards' rows get this grant's fence too: a process still
-                    // placing the key there must be granted a larger one.
-                    let mut failed = None;
-                    for (old, companion) in &companions.0 {
-                        let raised = old
-                            .call(old.shard.raise_fence(
-                                key.stored(),
-                                &companion.owner,
-                                grant.fence,
-                            ))
-                            .await;
-                        if !matches!(raised, Ok(true)) {
-                            failed = Some((old.shard.name().to_owned(), raised));
-                            break;
-                        }
-                    }
-                    if let Some((name, raised)) = failed {
-                        // Every row of this grant is given back as `companions` drops.
-                        companions.0.push((shard.clone(), grant));
-                        return Err(match raised {
-                            Err(e) => e.into_error(&name),
-                            Ok(_) => Error::LockLost {
-                                key: key.to_string(),
-                            },
-                        });
-                    }
-                    if !previous.is_empty() {
-                        self.inner
-                            .shared
-                            .stats
-                            .moved_grants
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                    let guard = self.hold(&shard, key, grant, want, Some(turn), &topology);
-                    let lease = &guard.hold().lease;
-                    while let Some((old, grant)) = companions.0.pop() {
-                        let companion = Arc::new(
-                            LeaseState::new(key.clone(), grant, want, Duration::ZERO, None)
-                                .belonging_to(lease),
-                        );
-                        old.insert(companion.clone());
-                        if !lease.adopt(old.clone(), companion.clone()) {
-                            // Lost already (the guard reports it): this row and the rest are
-                            // given back as `companions` drops.
-                            old.remove(companion.id);
-                            companions.0.push((
-                                old,
-                                Grant {
-                                    id: companion.id,
-                                    owner: companion.owner.clone(),
-                                    fence: 0,
-                                    reserve: 0,
-                                    sent: Instant::now(),
-                                },
-                            ));
-                            break;
-                        }
-                    }
-                    return Ok(Some(guard));
-                }
-            }
-            // Whatever was taken on earlier shards is released as `companions` drops.
-            drop(companions);
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(None);
-            }
-            // A key held only briefly is likely to be free again soon (a hot key changing hands):
-            // poll again after the base step rather than backing off further.
-            if u128::from(held_for) < ns.backoff_cap.as_millis() {
-                backoff.reset();
-            }
-            tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
-        }
-    }
-
-    /// One acquire attempt of `key` on `shard` for `owner` and `want`, with a first fence above
-    /// `floor`:
-    /// the grant, or how long the key has been held (`u64::MAX`: unknown, the attempt did not
-    /// answer before `deadline`).
-    async fn try_grant(
-        &self,
-        shard: &Arc<ShardState>,
-        key: &LockKey,
-        owner: &str,
-        want: Want,
-        floor: u64,
-        deadline: Instant,
-    ) -> Result<std::result::Result<Grant, u64>> {
-        let id = self.inner.shared.next_id();
-        let req = GrantRequest {
-            key: key.stored().to_vec(),
-            owner: owner.to_owned(),
-            ttl_ms: want.ttl_ms(),
-            fence_floor: floor,
-            reserve: want.handoff_max_count,
-            trace: crate::telemetry::current_traceparent(),
-        };
-        let sent = Instant::now();
-        Ok(match self.attempt(shard, &req, deadline).await? {
-            None => Err(u64::MAX),
-            // Granted, but the answer came so late that the lease may already have ended on
-            // the shard: no use to anyone. Given back; the key counts as busy.
-            Some(Attempt::Granted(_)) if Instant::now() >= want.lease_end(sent) => {
-                crate::guard::give_back(shard.clone(), req.key, req.owner, want.ttl);
-                Err(u64::MAX)
-            }
-            Some(Attempt::Granted(fence)) => Ok(Grant {
-                id,
-                owner: req.owner,
-                fence,
-                reserve: req.reserve,
-                sent,
-            }),
-            Some(Attempt::Held { held_for_ms }) => Err(held_for_ms),
-            // The row was locked by another transaction: busy, poll again soon.
-            Some(Attempt::Locked) => Err(0),
-        })
-    }
-
-    /// An in-process grant while `shard`'s breaker is open (`local` policy). The caller holds
-    /// the key's turn, so no other task of this process holds the key; the keeper re-acquires
-    /// it on the shard when the shard is back.
-    fn hold_local(
-        &self,
-        shard: &Arc<ShardState>,
-        key: &LockKey,
-        want: Want,
-        turn: Turn,
-        topology: &Topology,
-    ) -> LockGuard {
-        let shared = &self.inner.shared;
-        shared.stats.grants.fetch_add(1, Ordering::Relaxed);
-        shared.stats.local_grants.fetch_add(1, Ordering::Relaxed);
-        let (id, owner) = shared.next_owner();
-        // Grant numbers rise in this process, and shard fences never have the top bit.
-        let fence = LOCAL_FENCE_BIT | id;
-        tracing::debug!(shard = shard.shard.name(), key = %key, "shardlock granted a key in process: its shard is unavailable (exclusion inside this process only)");
-        let grant = Grant {
-            id,
-            owner,
-            fence,
-            reserve: 0,
-            sent: Instant::now(),
-        };
-        let lease =
-            Arc::new(LeaseState::local(key.clone(), grant, want, turn).placed_at(topology.epoch));
-        shard.insert_local(lease.clone());
-        LockGuard::new(Hold::new(lease, shard.clone(), fence))
-    }
-
-    /// The guard of a fresh grant made under `topology`: its lease is registered with the
-    /// shard's keeper (and follows its key if a reload came meanwhile).
-    fn hold(
-        &self,
-        shard: &Arc<ShardState>,
-        key: &LockKey,
-        grant: Grant,
-        want: Want,
-        turn: Option<Turn>,
-        topology: &Topology,
-    ) -> LockGuard {
-        self.inner
-            .shared
-            .stats
-            .grants
-            .fetch_add(1, Ordering::Relaxed);
-        let fence = grant.fence;
-        let lease = Arc::new(
-            LeaseState::new(key.clone(), grant, want, want.handoff_max_time, turn)
-                .placed_at(topology.epoch),
-        );
-        shard.insert(lease.clone());
-        LockGuard::new(Hold::new(lease, shard.clone(), fence))
-    }
-
-    /// One acquire statement, run in its own task so that it always completes. If the caller
-    /// goes away meanwhile, whoever sees a winning result last releases it: the task (when the
-    /// caller was gone before the answer) or [`PendingAttempt`]'s drop (when the answer was
-    /// already sent but not yet taken).
-    ///
-    /// The caller waits until `deadline` at most (or the statement timeout, for a deadline
-    /// already past: a single try), so no acquire outlives its wait. `None` when the answer
-    /// did not come by then within the slow-call threshold (the key is then treated as busy);
-    /// an attempt outstanding longer than that is a shard failing to answer: `Unavailable`.
-    async fn attempt(
-        &self,
-        shard: &Arc<ShardState>,
-        req: &GrantRequest,
-        deadline: Instant,
-    ) -> Result<Option<Attempt>> {
-        let (tx, rx) = oneshot::channel();
-        let (task_shard, task_req) = (shard.clone(), req.clone());
-        tokio::spawn(async move {
-            let stats = &task_shard.shared.stats;
-            let result = task_shard.acquire(&task_req).await;
-            if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
-                stats.acquire_statements.fetch_add(1, Ordering::Relaxed);
-            }
-            // A statement that failed after it may have reached the server may have granted
-            // the key (its reply was lost, or came too late): give it back, owner-checked,
-            // like a grant the caller no longer wants.
-            // So may a try before a `Locked` answer, if its connection broke after sending.
-            let unknown = matches!(&result, Err(e) if e.maybe_applied)
-                || matches!(&result, Ok(Attempt::Locked));
-            if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
-                let _ = task_shard
-                    .call(task_shard.shard.release(&task_req.key, &task_req.owner))
-                    .await;
-            } else if unknown {
-                let ttl = Duration::from_millis(u64::from(task_req.ttl_ms));
-                crate::guard::give_back(task_shard, task_req.key, task_req.owner, ttl);
-            }
-        });
-        let mut pending = PendingAttempt {
-            rx,
-            shard: shard.clone(),
-            key: req.key.clone(),
-            owner: req.owner.clone(),
-            taken: false,
-        };
-        let sent = Instant::now();
-        let until = if deadline > sent {
-            deadline
-        } else {
-            sent + shard.shard.statement_timeout() + Duration::from_millis(50)
-        };
-        let Ok(result) = tokio::time::timeout_at(until, &mut pending.rx).await else {
-            // `pending` drops here: a grant that still arrives is released.
-            let slow = shard.slow_call();
-            if sent.elapsed() < slow {
-                return Ok(None);
-            }
-            return Err(BackendError::new(
-                BackendErrorKind::Timeout,
-                None,
-                format!("no answer to an acquire within {slow:?} (breaker.slow-call)"),
-            )
-            .into_error(shard.shard.name()));
-        };
-        pending.taken = true;
-        result
-            .map_err(|_| Error::Shutdown)?
-            .map(Some)
-            .map_err(|e| e.into_error(shard.shard.name()))
     }
 
     /// The state of shard `name`'s breaker in this process (`None` for an unknown shard).
@@ -1093,6 +606,9 @@ impl LockRouter {
     }
 
     /// Where `key` lives and what its lease row says.
+    ///
+    /// Cancellation: a read only; nothing changes. A connection dropped mid-statement is discarded
+    /// at the pool's next checkout, never reused.
     pub async fn inspect(&self, key: &str) -> Result<(String, Option<LeaseRow>)> {
         let key = LockKey::new(key)?;
         let topology = self.inner.topology.load_full();
@@ -1107,6 +623,9 @@ impl LockRouter {
 
     /// Every shard's reachability, pool and lease counts: the current ones, then those that
     /// left in a reload and are still kept for moved keys.
+    ///
+    /// Cancellation: reads only; nothing changes. A connection dropped mid-statement is discarded
+    /// at the pool's next checkout, never reused.
     pub async fn status(&self) -> Vec<ShardStatus> {
         let topology = self.inner.topology.load_full();
         let shards = topology.all_shards();
@@ -1146,6 +665,10 @@ impl LockRouter {
 
     /// Stops granting, releases every lease this router holds, stops the keepers and closes
     /// the pools. Guards still alive afterwards report their lease as lost.
+    ///
+    /// Cancellation: the router is closed at its first poll (no grants; keepers stop renewing). A
+    /// release that reached its shard may have committed; other rows end by ttl. Deregistering and
+    /// closing the pools are skipped (the instance counts as live): call `shutdown` again.
     pub async fn shutdown(&self) -> Result<()> {
         self.inner.shared.closed.send_replace(true);
         // Draining shards (left in a reload, leases still held there) included.
@@ -1160,7 +683,7 @@ impl LockRouter {
                         // Lost before the release is sent: the moment the row is free, nobody
                         // here believes they hold the key any more.
                         lease.mark_lost(crate::lease::SHUT_DOWN, &s.shared.stats);
-                        let turn = lease.turn.lock().unwrap().take();
+                        let turn = lease.turn.locked().take();
                         match release_through_shard(s.clone(), lease.clone(), turn).await {
                             Err(Error::LockLost { .. }) => Ok(()),
                             other => other,
@@ -1182,78 +705,6 @@ impl LockRouter {
             s.shard.close();
         }
         first_error.map_or(Ok(()), Err)
-    }
-}
-
-/// How far an acquire got, for its span and metrics.
-#[derive(Debug, Default)]
-struct Progress {
-    shard: Option<Arc<ShardState>>,
-    namespace: Option<opentelemetry::StringValue>,
-    attempts: u32,
-    /// Waited in memory behind another task of this process.
-    queued: bool,
-    /// Linked to the trace of the key's holder in another process.
-    linked: bool,
-}
-
-impl Progress {
-    /// Whether the caller waited for the key (queued, or polled the shard more than once).
-    fn waited(&self) -> bool {
-        self.queued || self.attempts > 1
-    }
-}
-
-/// Grants taken on a moved key's previous shards while its new shard is still to be tried:
-/// released in the background if the acquire does not end in a guard.
-#[derive(Debug)]
-struct CompanionGrants(Vec<(Arc<ShardState>, Grant)>, Vec<u8>);
-
-impl Drop for CompanionGrants {
-    fn drop(&mut self) {
-        if self.0.is_empty() {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime: the rows end by expiry
-        };
-        for (shard, grant) in self.0.drain(..) {
-            let key = self.1.clone();
-            runtime.spawn(async move {
-                let _ = shard.call(shard.shard.release(&key, &grant.owner)).await;
-            });
-        }
-    }
-}
-
-/// The caller's end of an attempt in flight (see [`LockRouter::attempt`]).
-struct PendingAttempt {
-    rx: oneshot::Receiver<std::result::Result<Attempt, shardlock_core::BackendError>>,
-    shard: Arc<ShardState>,
-    key: Vec<u8>,
-    owner: String,
-    taken: bool,
-}
-
-impl Drop for PendingAttempt {
-    fn drop(&mut self) {
-        if self.taken {
-            return;
-        }
-        // After close() the task can no longer send; a grant sent before is ours to undo.
-        self.rx.close();
-        if let Ok(Ok(Attempt::Granted(_))) = self.rx.try_recv() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let (shard, key, owner) = (
-                    self.shard.clone(),
-                    std::mem::take(&mut self.key),
-                    std::mem::take(&mut self.owner),
-                );
-                runtime.spawn(async move {
-                    let _ = shard.call(shard.shard.release(&key, &owner)).await;
-                });
-            }
-        }
     }
 }
 

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use crate::lease::LeaseState;
 use crate::shared::Shared;
+use crate::sync::LockExt;
 
 mod keeper;
 
@@ -144,7 +145,7 @@ impl ShardState {
         call: impl std::future::Future<Output = Result<T, BackendError>>,
         slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
     ) -> Result<T, BackendError> {
-        let (admission, transition) = self.breaker.lock().unwrap().admit(breaker_now());
+        let (admission, transition) = self.breaker.locked().admit(breaker_now());
         self.note(transition);
         let probe = match admission {
             Admission::Rejected => {
@@ -194,22 +195,22 @@ impl ShardState {
 
     /// The breaker's slow-call threshold.
     pub(crate) fn slow_call(&self) -> Duration {
-        self.breaker.lock().unwrap().config().slow_call
+        self.breaker.locked().config().slow_call
     }
 
     /// The breaker's state now.
     pub(crate) fn breaker_state(&self) -> BreakerState {
-        self.breaker.lock().unwrap().state(breaker_now())
+        self.breaker.locked().state(breaker_now())
     }
 
     /// The breaker's last transitions, oldest first.
     pub(crate) fn breaker_transitions(&self) -> Vec<Transition> {
-        self.transitions.lock().unwrap().iter().copied().collect()
+        self.transitions.locked().iter().copied().collect()
     }
 
     /// New breaker thresholds (a reload that kept this shard).
     pub(crate) fn reconfigure_breaker(&self, config: BreakerConfig) {
-        self.breaker.lock().unwrap().reconfigure(config);
+        self.breaker.locked().reconfigure(config);
     }
 
     fn note(&self, transition: Option<Transition>) {
@@ -245,7 +246,7 @@ impl ShardState {
                 );
             }
         }
-        let mut kept = self.transitions.lock().unwrap();
+        let mut kept = self.transitions.locked();
         if kept.len() == TRANSITIONS_KEPT {
             kept.pop_front();
         }
@@ -255,24 +256,24 @@ impl ShardState {
     /// Registers a lease granted in process; the keeper re-acquires it on the shard once the
     /// breaker lets calls through again.
     pub(crate) fn insert_local(&self, lease: Arc<LeaseState>) {
-        self.local.lock().unwrap().insert(lease.id, lease);
+        self.local.locked().insert(lease.id, lease);
         self.wake.notify_one();
     }
 
     /// Forgets a local lease that was not re-acquired on the shard yet; `false` when it was
     /// (it is then an ordinary lease to release through the shard) or was lost.
     pub(crate) fn remove_local(&self, id: u64) -> bool {
-        self.local.lock().unwrap().remove(&id).is_some()
+        self.local.locked().remove(&id).is_some()
     }
 
     /// Takes every local lease (shutdown).
     pub(crate) fn take_local(&self) -> Vec<Arc<LeaseState>> {
-        self.local.lock().unwrap().drain().map(|(_, l)| l).collect()
+        self.local.locked().drain().map(|(_, l)| l).collect()
     }
 
     /// How many leases are held locally here, not yet re-acquired on the shard.
     pub(crate) fn local_count(&self) -> usize {
-        self.local.lock().unwrap().len()
+        self.local.locked().len()
     }
 
     /// Registers a lease held on this shard with its keeper. A lease placed under an older
@@ -282,7 +283,7 @@ impl ShardState {
     pub(crate) fn insert(self: &Arc<Self>, lease: Arc<LeaseState>) {
         let every = lease.renew_every.as_millis() as u64;
         let was_empty = {
-            let mut leases = self.leases.lock().unwrap();
+            let mut leases = self.leases.locked();
             leases.insert(lease.id, lease.clone());
             leases.len() == 1
         };
@@ -328,7 +329,7 @@ impl ShardState {
     }
 
     pub(crate) fn remove(&self, id: u64) -> Option<Arc<LeaseState>> {
-        self.leases.lock().unwrap().remove(&id)
+        self.leases.locked().remove(&id)
     }
 
     /// Whether a lease of this process, local or remote, holds `owner` here. Local first: a
@@ -344,7 +345,7 @@ impl ShardState {
     }
 
     pub(crate) fn held(&self) -> Vec<Arc<LeaseState>> {
-        self.leases.lock().unwrap().values().cloned().collect()
+        self.leases.locked().values().cloned().collect()
     }
 }
 
@@ -357,7 +358,9 @@ struct ProbePermit<'a> {
 impl Drop for ProbePermit<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.state.breaker.lock().unwrap().abandon_probe();
+            // Never a panic in drop: the breaker's state is consistent after any panic.
+            let mut breaker = self.state.breaker.locked();
+            breaker.abandon_probe();
         }
     }
 }

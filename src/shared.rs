@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use crate::queue::KeyQueues;
 use crate::shard::ShardState;
 use crate::stats::Stats;
+use crate::sync::LockExt;
 
 /// What every shard of a router shares: who we are, grant numbers, counters, key queues.
 #[derive(Debug)]
@@ -62,7 +63,8 @@ impl Shared {
 
     /// Every live shard state of this router, in or out of the topology.
     pub(crate) fn shard_states(&self) -> Vec<Arc<ShardState>> {
-        let mut states = self.shard_states.lock().unwrap();
+        // Also called from drops: a list poisoned by another panic is still a list.
+        let mut states = self.shard_states.locked();
         states.retain(|s| s.strong_count() > 0);
         states.iter().filter_map(Weak::upgrade).collect()
     }

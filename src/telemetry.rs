@@ -37,6 +37,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
 use crate::router::Inner;
+use crate::sync::LockExt;
 
 /// Waits shorter than this are not counted for hot keys: a key nobody waits a millisecond for
 /// is not what an operator looks for, and skipping them keeps the summary off the fastest path.
@@ -215,7 +216,7 @@ impl Telemetry {
 
     /// The keys that made callers wait longest over the hot-key window: (label, total wait).
     pub(crate) fn hot_keys(&self, n: usize) -> Vec<(String, Duration)> {
-        let top = self.hot.lock().unwrap().top(Instant::now().into_std(), n);
+        let top = self.hot.locked().top(Instant::now().into_std(), n);
         top.into_iter()
             .map(|(key, us)| {
                 let label = match LockKey::new(&key) {
@@ -537,6 +538,10 @@ impl Drop for TelemetryGuard {
 /// let router = shardlock::LockRouter::new(config).await?;
 /// # Ok(()) }
 /// ```
+///
+/// Cancellation: the meter (and OTLP tracer) providers are already installed globally when it
+/// waits to bind the Prometheus listener; dropped then, they stay installed with no guard to
+/// flush or stop them, and nothing listens. Call `init` again.
 pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
     let registry = prometheus::Registry::new();
     let exporter = opentelemetry_prometheus::exporter()

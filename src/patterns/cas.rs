@@ -29,6 +29,10 @@ impl LockRouter {
     /// on before as well (and given back there if it cannot be taken everywhere); once the
     /// move is over, rows still owned on the old shards are carried to the new one, so a lock
     /// taken before a reload stays taken, and releasable, after it.
+    ///
+    /// Cancellation: a take that reached a shard may have committed and earlier takes are not given
+    /// back: the key may stay owned by `owner` with no guard (CAS rows never expire; a new call
+    /// answers `None`). Read the row's version on [`LockRouter::shard_connection`] to release it.
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
         self.check_joined(&lock_key)?;
@@ -74,6 +78,10 @@ impl LockRouter {
     /// when it did not (someone force-changed it). While a reload's move is in progress, the
     /// owner's rows on the key's previous shards are released too (the guard's version is the
     /// current shard's).
+    ///
+    /// Cancellation: rows freed before the drop stay free, a release in flight may have committed,
+    /// and the others stay owned (CAS rows never expire): call again with a clone of the guard (a
+    /// row already freed answers `false`).
     pub async fn cas_release(&self, guard: CasGuard) -> Result<bool> {
         let lock_key = LockKey::new(&guard.key)?;
         let topology = self.inner.topology.load_full();

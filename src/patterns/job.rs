@@ -52,6 +52,10 @@ impl LockRouter {
     /// Adds a job to `queue` (its jobs live on the shard of key `queue`), due after `delay`;
     /// a claim that is not completed within its lease is followed by up to `max_retries`
     /// more. Returns the job's id.
+    ///
+    /// Cancellation: the `INSERT` may have reached the shard and committed, the job queued with its
+    /// id never returned. The request id is per call, so calling again enqueues a second copy: make
+    /// the job idempotent, or look for it before enqueuing it again.
     pub async fn enqueue_job(
         &self,
         queue: &str,
@@ -80,6 +84,10 @@ impl LockRouter {
     /// (MySQL 8, MariaDB 10.6+) locks just the chosen row, so claimers never wait on each
     /// other, then an `UPDATE` by primary key. `None` when nothing is due. Deadlocks are
     /// retried inside.
+    ///
+    /// Cancellation: a claim that committed is never returned; the job is claimed again when
+    /// `lease` runs out (that counts as a retry). One not yet committed keeps the job's row locked,
+    /// skipped by claimers, until its connection is discarded at the pool's next checkout of it.
     pub async fn claim_job(
         &self,
         queue: &str,
@@ -114,11 +122,17 @@ impl LockRouter {
 
     /// Marks `job` done, if its claim still holds (`false` when the lease ran out: the job
     /// may have been claimed again).
+    ///
+    /// Cancellation: the `UPDATE` may have reached the shard and committed; if not, the claim holds
+    /// until its lease runs out and the job is then claimed again. Calling again is safe but
+    /// answers `false` once the first call took effect.
     pub async fn complete_job(&self, job: &Job) -> Result<bool> {
         self.finish_job(job, JobEnd::Done).await
     }
 
     /// Marks `job` failed for good, if its claim still holds.
+    ///
+    /// Cancellation: as for [`LockRouter::complete_job`].
     pub async fn fail_job(&self, job: &Job) -> Result<bool> {
         self.finish_job(job, JobEnd::Failed).await
     }

@@ -39,6 +39,9 @@ impl LockRouter {
     /// If the connection breaks after the statement may have reached the shard, the call is
     /// not retried (a retry could not tell its own transition from another's): the error
     /// says the outcome is unknown; read the row to learn it.
+    ///
+    /// Cancellation: the `UPDATE` may have reached the shard and committed: the row may be in `to`
+    /// without this call saying so, and a new call then answers `false`. Read the row to learn it.
     pub async fn transition(
         &self,
         machine: &StateMachine,

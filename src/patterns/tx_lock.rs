@@ -12,6 +12,7 @@ use tokio::sync::watch;
 
 use super::Discard;
 use crate::shard::ShardState;
+use crate::sync::LockExt;
 use crate::topology::Topology;
 use crate::LockRouter;
 
@@ -65,7 +66,7 @@ impl TxLockState {
     /// Ends the lock's transactions on other shards (closing their connections).
     fn end(&self) {
         let others = {
-            let mut rows = self.rows.lock().unwrap();
+            let mut rows = self.rows.locked();
             rows.ended = true;
             std::mem::take(&mut rows.others)
         };
@@ -117,6 +118,10 @@ impl TxLockGuard {
 
     /// Commits your statements and releases the lock. A lost lock is rolled back instead and
     /// answers [`Error::LockLost`]: nothing of the transaction is kept.
+    ///
+    /// Cancellation: the connection is closed, not pooled, and the lock is released either way; a
+    /// `COMMIT` that reached the server may still have committed, else the server rolls back. Read
+    /// your rows to learn which.
     pub async fn commit(mut self) -> Result<()> {
         if !self.is_held() {
             self.end(false).await?;
@@ -128,6 +133,9 @@ impl TxLockGuard {
     }
 
     /// Rolls back your statements and releases the lock.
+    ///
+    /// Cancellation: the connection is closed, not pooled, so the server rolls back anyway and the
+    /// lock is released.
     pub async fn rollback(mut self) -> Result<()> {
         self.end(false).await
     }
@@ -171,6 +179,10 @@ impl LockRouter {
     /// on before as well (each in a transaction of its own, released with the lock), so a
     /// process that has not reloaded yet is kept out; a lock held when its key moves follows
     /// it (see [`TxLockGuard`]).
+    ///
+    /// Cancellation: an attempt in flight and rows already locked on previous shards have their
+    /// connections closed (rolled back). During a move, a row already locked on the current shard
+    /// is pooled instead, and stays locked until that connection's next checkout resets it.
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
         let lock_key = LockKey::new(key)?;
         self.check_joined(&lock_key)?;
@@ -210,7 +222,7 @@ impl LockRouter {
         // Registered, then the epoch checked: a reload swaps the topology, then looks at the
         // registered locks, so one of the two sees the other.
         {
-            let mut locks = self.inner.tx_locks.lock().unwrap();
+            let mut locks = self.inner.tx_locks.locked();
             locks.retain(|l| l.strong_count() > 0);
             locks.push(Arc::downgrade(&state));
         }
@@ -308,7 +320,7 @@ fn follow_tx_lock(inner: Weak<crate::router::Inner>, state: Arc<TxLockState>) {
         }
         let target = topology.locate(&state.key).clone();
         let there = {
-            let rows = state.rows.lock().unwrap();
+            let rows = state.rows.locked();
             rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
         };
         if !there {
@@ -316,7 +328,7 @@ fn follow_tx_lock(inner: Weak<crate::router::Inner>, state: Arc<TxLockState>) {
             let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
             match lock_row(&target, &state.key, wait, deadline).await {
                 Ok(conn) => {
-                    let mut rows = state.rows.lock().unwrap();
+                    let mut rows = state.rows.locked();
                     if !rows.ended {
                         rows.shards.push(target);
                         rows.others.push(Discard(Some(conn)));

@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use super::ShardState;
 use crate::lease::LeaseState;
+use crate::sync::LockExt;
 
 /// How often the keeper tries to re-acquire on the shard the keys held locally.
 const RECONCILE_EVERY: Duration = Duration::from_millis(50);
@@ -22,14 +23,14 @@ impl ShardState {
     /// A key another process holds there now is reported lost to its local holder (who keeps
     /// its turn, so no second holder appears in this process until it lets go).
     async fn reconcile(self: &Arc<Self>) {
-        let locals: Vec<Arc<LeaseState>> = self.local.lock().unwrap().values().cloned().collect();
+        let locals: Vec<Arc<LeaseState>> = self.local.locked().values().cloned().collect();
         for lease in locals {
             // After shutdown, local leases are ended by it, not re-acquired.
             if self.breaker_state() == BreakerState::Open || self.shared.is_closed() {
                 return;
             }
             // Released since the pass began: its key's turn may be another grant's by now.
-            if !self.local.lock().unwrap().contains_key(&lease.id) {
+            if !self.local.locked().contains_key(&lease.id) {
                 continue;
             }
             let req = GrantRequest {
@@ -54,7 +55,7 @@ impl ShardState {
                     // Under the map's lock, so the holder either still finds it local or finds
                     // it moved to the renewed leases.
                     let moved = {
-                        let mut local = self.local.lock().unwrap();
+                        let mut local = self.local.locked();
                         // Shutdown takes the local leases under this lock: once it has, the
                         // row just taken is given back below instead.
                         let moved = !self.shared.is_closed() && local.remove(&lease.id).is_some();
@@ -123,7 +124,7 @@ impl ShardState {
     fn plan(&self, next_tick: &mut Option<Instant>) -> Option<Instant> {
         let now = Instant::now();
         let reconcile = (self.local_count() > 0).then(|| now + RECONCILE_EVERY);
-        let leases = self.leases.lock().unwrap();
+        let leases = self.leases.locked();
         let Some(period) = leases.values().map(|l| l.renew_every).min() else {
             return reconcile;
         };
