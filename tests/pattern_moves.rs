@@ -265,3 +265,39 @@ async fn state_machine_claims_reach_rows_on_the_shard_a_key_left() {
         .await
         .unwrap());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_that_fails_on_a_later_shard_leaves_no_row_locked() {
+    let (cluster, mut three, mut four) = cluster().await;
+    // Nothing in the background that would check the pooled connections out (and so reset
+    // them) while the test looks: no heartbeats, and no move ending meanwhile.
+    for config in [&mut three, &mut four] {
+        config.cleaner.registry = shardlock::config::RegistryKind::Static;
+        config.routing.move_window = Some(Duration::from_secs(120));
+    }
+    // A key that moves from s4 to a shard named before it: during the move it is locked there
+    // first, then on s4.
+    let key = moving_key(&three, &four, "tx:").await;
+    let router = LockRouter::new(four.clone()).await.unwrap();
+    assert_eq!(router.shard_for(&key).unwrap(), "s4");
+    router.reload(three).await.unwrap();
+    let home = router.shard_for(&key).unwrap();
+    cluster.shard(3).kill().unwrap();
+    assert!(router
+        .lock_in_transaction(&key, Duration::from_secs(1))
+        .await
+        .is_err());
+
+    // The row locked on the key's shard before s4 failed was rolled back with its connection,
+    // not left locked on a connection back in the pool.
+    let at = cluster.shards().iter().find(|s| s.name() == home).unwrap();
+    let mut c = at.connect().await.unwrap();
+    c.query_drop("SET SESSION innodb_lock_wait_timeout = 2")
+        .await
+        .unwrap();
+    let mut tx = c.start_transaction(Default::default()).await.unwrap();
+    let rows: Result<Vec<Vec<u8>>, _> = tx
+        .query("SELECT lock_key FROM shardlock_txlock FOR UPDATE")
+        .await;
+    assert!(rows.is_ok(), "a row is still locked: {rows:?}");
+}

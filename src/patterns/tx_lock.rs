@@ -180,9 +180,8 @@ impl LockRouter {
     /// process that has not reloaded yet is kept out; a lock held when its key moves follows
     /// it (see [`TxLockGuard`]).
     ///
-    /// Cancellation: an attempt in flight and rows already locked on previous shards have their
-    /// connections closed (rolled back). During a move, a row already locked on the current shard
-    /// is pooled instead, and stays locked until that connection's next checkout resets it.
+    /// Cancellation: an attempt in flight and rows already locked (on the key's shard or, during
+    /// a move, on previous shards) have their connections closed, which rolls them back.
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
         let lock_key = LockKey::new(key)?;
         self.check_joined(&lock_key)?;
@@ -199,13 +198,17 @@ impl LockRouter {
         let mut conn = None;
         for at in order {
             let locked = lock_row(at, &lock_key, wait, deadline).await?;
+            // Closed, not pooled, if a later shard fails or the caller goes away: a pooled
+            // connection would keep the row locked until its next checkout.
             if Arc::ptr_eq(at, &shard) {
-                conn = Some(locked);
+                conn = Some(Discard(Some(locked)));
             } else {
                 others.push(Discard(Some(locked)));
             }
         }
-        let conn = conn.expect("the current shard is in the order");
+        let conn = conn
+            .and_then(|mut c| c.0.take())
+            .expect("the current shard is in the order");
         let mut shards = vec![shard.clone()];
         shards.extend(previous);
         let state = Arc::new(TxLockState {
