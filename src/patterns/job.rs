@@ -98,9 +98,14 @@ impl LockRouter {
         self.check_joined(&key)?;
         let (_, claim_no) = self.inner.shared.next_owner();
         let claim = format!("{worker}@{claim_no}");
-        // The queue's shard first, then (while a reload's move is in progress) the shards it
-        // lived on before, whose jobs are carried over once the move is over.
-        for shard in self.placements(&key) {
+        // While a reload's move is in progress, the shards the queue lived on before first,
+        // then its shard: the move carries their jobs over (written there, then deleted here),
+        // so a job carried between two of these reads is found by the later one. (The other
+        // order misses it: the queue's shard read before it arrived, the old one after it
+        // left.)
+        let mut shards = self.placements(&key);
+        shards.rotate_left(1);
+        for shard in shards {
             if let Some(ClaimedJob {
                 id,
                 payload,
