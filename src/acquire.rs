@@ -17,10 +17,11 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::guard::{Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
-use crate::lease::{Grant, LeaseState};
+use crate::shard::{Grant, LeaseState};
 use crate::options::AcquireOptions;
 use crate::queue::{Entry, Handoff, Turn, Want};
-use crate::router::{instant_after, LockRouter};
+use crate::router::LockRouter;
+use crate::state::instant_after;
 use crate::shard::ShardState;
 use crate::topology::Topology;
 
@@ -196,14 +197,18 @@ impl LockRouter {
         ns: &NamespaceConfig,
         progress: &mut Progress,
     ) -> Result<Entered> {
-        Ok(match self.inner.shared.queues.enter(key.stored(), want) {
+        Ok(match self.inner.queues.enter(key.stored(), want) {
             Entry::Turn(turn) => Entered::Turn(turn),
             Entry::Queued(mut waiter) => {
                 progress.queued = true;
                 match tokio::time::timeout_at(deadline, waiter.wait()).await {
                     Err(_) => Entered::Answered(None),
                     Ok(None) => return Err(Error::Shutdown),
-                    Ok(Some(Handoff::Granted(guard))) => Entered::Answered(Some(guard)),
+                    Ok(Some(Handoff::Granted(handed))) => match handed.downcast::<LockGuard>() {
+                        Ok(guard) => Entered::Answered(Some(*guard)),
+                        // Only guard.rs hands over, and what it hands is a guard.
+                        Err(_) => unreachable!("a key queue hands over lock guards only"),
+                    },
                     Ok(Some(Handoff::Turn { turn, yield_first })) => {
                         if yield_first {
                             // The key was released for another process. Its poller sees that our

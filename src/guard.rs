@@ -10,7 +10,7 @@ use shardlock_core::{Error, Result};
 use shardlock_mysql::{GrantRequest, HandoffOutcome};
 use tokio::time::Instant;
 
-use crate::lease::{Grant, LeaseState};
+use crate::shard::{Grant, LeaseState};
 use crate::queue::{Handover, Turn};
 use crate::shard::ShardState;
 use crate::sync::LockExt;

@@ -6,25 +6,24 @@ mod acquire;
 mod cleaner;
 mod fence;
 mod guard;
-mod lease;
 mod moves;
 mod options;
 pub mod patterns;
 mod queue;
+mod registry;
 mod router;
 mod shard;
-mod shared;
+mod state;
 mod stats;
 mod sync;
 pub mod telemetry;
 mod topology;
 
-pub use cleaner::{
-    CleanerReport, ForceReleased, InstanceRegistry, ShardCleaned, StaticRegistry, CLEANER_LOCK_KEY,
-};
+pub use cleaner::{CleanerReport, ForceReleased, ShardCleaned, CLEANER_LOCK_KEY};
 pub use fence::fenced_exec;
 pub use guard::{LockGuard, LockMode, LOCAL_FENCE_BIT};
 pub use options::AcquireOptions;
+pub use registry::{InstanceRegistry, StaticRegistry};
 pub use router::{LockRouter, ShardStatus};
 pub use shardlock_core::config::FailurePolicy;
 pub use shardlock_core::Transition as BreakerTransition;

@@ -16,28 +16,23 @@ use shardlock_core::{Backoff, LockKey};
 use shardlock_mysql::{Attempt, GrantRequest, FLOOR_BATCH};
 use tokio::time::Instant;
 
-use crate::lease::{Grant, LeaseState};
+use crate::shard::{Grant, LeaseState};
 use crate::queue::Want;
-use crate::router::Inner;
+use crate::registry;
 use crate::shard::ShardState;
+use crate::state::Inner;
 use crate::topology::{Previous, Topology};
 
 /// Makes `lease` (held on `shard`) visible where its key lives under the topology in force,
 /// in a task of its own. Several calls for one lease run one after the other; each does
 /// nothing once the lease is placed under the newest epoch.
-pub(crate) fn follow(shard: Arc<ShardState>, lease: Arc<LeaseState>) {
+pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<LeaseState>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
     runtime.spawn(async move {
         let _one_at_a_time = lease.following.lock().await;
-        let Some(topology) = shard
-            .shared
-            .router
-            .get()
-            .and_then(Weak::upgrade)
-            .map(|inner| inner.topology.load_full())
-        else {
+        let Some(topology) = router.upgrade().map(|inner| inner.topology.load_full()) else {
             return;
         };
         if lease.placed_epoch.load(Ordering::Acquire) >= topology.epoch || lease.is_lost() {
@@ -59,12 +54,12 @@ pub(crate) fn follow(shard: Arc<ShardState>, lease: Arc<LeaseState>) {
 
 /// Every lease registered on `shards` that was placed under an epoch older than `topology`'s
 /// follows its key.
-pub(crate) fn follow_all(shards: &[Arc<ShardState>], topology: &Topology) {
-    for shard in shards {
+pub(crate) fn follow_all(router: &Arc<Inner>, topology: &Topology) {
+    for shard in router.shared.shard_states() {
         for lease in shard.held() {
             if !lease.is_companion() && lease.placed_epoch.load(Ordering::Acquire) < topology.epoch
             {
-                follow(shard.clone(), lease);
+                follow(Arc::downgrade(router), shard.clone(), lease);
             }
         }
     }
@@ -193,13 +188,15 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
     tokio::time::sleep_until(previous.until).await;
     let mut warned = false;
     loop {
-        let Some(router) = inner.upgrade().map(|inner| crate::LockRouter { inner }) else {
+        let Some(router) = inner.upgrade() else {
             return;
         };
-        if router.inner.shared.is_closed() {
+        if router.shared.is_closed() {
             return;
         }
-        let Some(why) = crate::cleaner::laggards(&router, &previous.fingerprint).await else {
+        let topology = router.topology.load_full();
+        let laggards = registry::laggards(&topology, router.instance_id(), &previous.fingerprint);
+        let Some(why) = laggards.await else {
             break;
         };
         if !warned {
@@ -207,7 +204,7 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
             warned = true;
         }
         let interval = router.config().cleaner.heartbeat_interval;
-        drop(router);
+        drop((router, topology));
         tokio::time::sleep(interval).await;
     }
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));

@@ -3,6 +3,7 @@
 //! either gets the lease handed over (one statement that moves the row to it) or its turn to
 //! poll.
 
+use std::any::Any;
 use std::collections::hash_map::Entry as MapEntry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,7 +13,6 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::guard::LockGuard;
 use crate::sync::LockExt;
 
 /// What a waiter asks for, so that a hand-off can grant exactly that.
@@ -53,8 +53,10 @@ pub(crate) enum Handoff {
     /// Its turn to poll the shard. `yield_first`: the key was just released because another
     /// process wants it, so give that process a moment before polling.
     Turn { turn: Turn, yield_first: bool },
-    /// The lease itself, moved to this waiter by the releasing holder.
-    Granted(LockGuard),
+    /// The lease itself, moved to this waiter by the releasing holder: its guard. The queue
+    /// carries it without knowing the guard type (the guards sit above the queue); a guard
+    /// that is never delivered is dropped, and its drop releases the lease.
+    Granted(Box<dyn Any + Send>),
 }
 
 /// One queue per key that somebody in this process holds or waits for. An entry exists
@@ -193,9 +195,9 @@ pub(crate) struct Handover {
 
 impl Handover {
     /// Hands the waiter a lease (whose lease state carries the turn).
-    pub(crate) fn grant(self, guard: LockGuard) {
+    pub(crate) fn grant(self, guard: impl Any + Send) {
         // If it gave up meanwhile, the guard comes back and dropping it releases the lease.
-        drop(self.tx.send(Handoff::Granted(guard)));
+        drop(self.tx.send(Handoff::Granted(Box::new(guard))));
     }
 
     /// Gives the waiter the turn to poll.

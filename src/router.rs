@@ -16,8 +16,10 @@ use tokio::time::Instant;
 
 use crate::guard::{release_through_shard, LockGuard};
 use crate::options::AcquireOptions;
-use crate::shard::ShardState;
-use crate::shared::Shared;
+use crate::moves;
+use crate::registry::{self, host_name};
+use crate::shard::{ShardState, Shared};
+use crate::state::{instant_after, spawn_heartbeat, CleanerState, Gate, Inner};
 use crate::stats::LockStats;
 use crate::sync::LockExt;
 use crate::topology::Topology;
@@ -29,96 +31,6 @@ use crate::topology::Topology;
 #[derive(Debug, Clone)]
 pub struct LockRouter {
     pub(crate) inner: Arc<Inner>,
-}
-
-#[derive(Debug)]
-pub(crate) struct Inner {
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) topology: ArcSwap<Topology>,
-    /// One reload at a time.
-    reloading: tokio::sync::Mutex<()>,
-    /// The cleaner's side: its election lock, pass count, and a registry set in code.
-    pub(crate) cleaner: crate::cleaner::CleanerState,
-    /// Transaction locks held in this process, for reloads to make them follow moved keys.
-    pub(crate) tx_locks: std::sync::Mutex<Vec<std::sync::Weak<crate::patterns::TxLockState>>>,
-    /// Closed while this router waits to join its fleet (see [`Gate`]).
-    pub(crate) gate: Gate,
-    /// Set once the heartbeat registered this router on its shards.
-    pub(crate) registered: std::sync::atomic::AtomicBool,
-    /// Wakes the heartbeat before its interval: a reload or a move's end changes what this
-    /// router advertises (topology, moving), which routers starting meanwhile rely on.
-    pub(crate) beat_now: Arc<tokio::sync::Notify>,
-}
-
-/// Whether a router may grant yet. A router that starts while another live instance in the
-/// registry runs another topology, or still has a reload's move in force, grants nothing until
-/// that is over: it knows only its own placement, not the one the others still use, so a key
-/// it places elsewhere could be held there already. Checked at start, and again with each
-/// heartbeat until the fleet agrees; once open it stays open (reloads from then on are the
-/// move protocol's business).
-#[derive(Debug)]
-pub(crate) struct Gate {
-    closed: tokio::sync::watch::Sender<bool>,
-    why: std::sync::Mutex<String>,
-}
-
-impl Default for Gate {
-    fn default() -> Self {
-        Self {
-            closed: tokio::sync::watch::channel(false).0,
-            why: std::sync::Mutex::default(),
-        }
-    }
-}
-
-impl Gate {
-    fn close(&self, why: String) {
-        *self.why.locked() = why;
-        self.closed.send_replace(true);
-    }
-
-    fn open(&self) {
-        self.closed.send_replace(false);
-    }
-
-    pub(crate) fn is_closed(&self) -> bool {
-        *self.closed.borrow()
-    }
-
-    fn why(&self) -> Option<String> {
-        self.is_closed().then(|| self.why.locked().clone())
-    }
-
-    /// Completes when the gate is open.
-    pub(crate) async fn opened(&self) {
-        let _ = self.closed.subscribe().wait_for(|closed| !closed).await;
-    }
-}
-
-impl Drop for Inner {
-    /// A router dropped without `shutdown()` deregisters too (best effort, if a runtime is
-    /// still there): else it would count as live in the registry until its heartbeat times
-    /// out, keeping routers that start with another topology waiting (see [`Gate`]).
-    fn drop(&mut self) {
-        // A guard can outlive its router, its lease still renewed: the instance is live
-        // until that ends (its heartbeat then times out).
-        let holding = self
-            .shared
-            .shard_states()
-            .iter()
-            .any(|s| !s.held().is_empty());
-        if !self.registered.load(Ordering::Acquire) || self.shared.is_closed() || holding {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let shards = self.topology.load().current.shards.clone();
-        let id = self.shared.instance_id.clone();
-        runtime.spawn(async move {
-            join_all(shards.iter().map(|s| s.shard.deregister(&id))).await;
-        });
-    }
 }
 
 /// One shard as `status` sees it.
@@ -184,20 +96,21 @@ impl LockRouter {
     /// The checks a new router makes before it is handed out: a configured instance id that
     /// another live process uses is refused (see `instance.id` in the reference config).
     async fn started(self) -> Result<Self> {
-        if let Err(e) = crate::cleaner::refuse_twin(&self).await {
+        let topology = self.inner.topology.load_full();
+        if let Err(e) = registry::refuse_twin(&topology, self.instance_id()).await {
             self.inner.shared.closed.send_replace(true);
             return Err(e);
         }
         // Registered before reading the others: of two routers starting at once, the later
         // reader sees the earlier one (else both could read an empty registry and both grant,
         // each under its own topology).
-        crate::cleaner::beat(&self, &mut Default::default()).await;
-        if let Some(why) = crate::cleaner::fleet_disagreement(&self).await {
+        self.inner.beat(&mut Default::default()).await;
+        if let Some(why) = registry::fleet_disagreement(&topology, self.instance_id()).await {
             tracing::warn!(why, "shardlock grants nothing until its fleet agrees");
             self.inner.gate.close(why);
             self.spawn_joining();
         }
-        crate::cleaner::spawn_heartbeat(&self);
+        spawn_heartbeat(&self.inner);
         Ok(self)
     }
 
@@ -211,14 +124,14 @@ impl LockRouter {
                 if inner.shared.is_closed() {
                     return;
                 }
-                let router = LockRouter { inner };
-                match crate::cleaner::fleet_disagreement(&router).await {
+                let topology = inner.topology.load_full();
+                match registry::fleet_disagreement(&topology, inner.instance_id()).await {
                     None => {
                         tracing::info!("shardlock's fleet agrees on its topology: granting");
-                        router.inner.gate.open();
+                        inner.gate.open();
                         return;
                     }
-                    Some(why) => router.inner.gate.close(why),
+                    Some(why) => inner.gate.close(why),
                 }
             }
         });
@@ -254,20 +167,22 @@ impl LockRouter {
         let router = Self {
             inner: Arc::new(Inner {
                 shared,
+                queues: Arc::default(),
                 topology: ArcSwap::from_pointee(topology),
                 reloading: tokio::sync::Mutex::new(()),
-                cleaner: crate::cleaner::CleanerState::default(),
+                cleaner: CleanerState::default(),
                 tx_locks: std::sync::Mutex::default(),
                 gate: Gate::default(),
                 registered: std::sync::atomic::AtomicBool::new(false),
                 beat_now: Arc::default(),
             }),
         };
-        let _ = router
-            .inner
-            .shared
-            .router
-            .set(Arc::downgrade(&router.inner));
+        // Leases registered on a shard under an older topology than the one in force follow
+        // their keys (see `ShardState::insert`).
+        let weak = Arc::downgrade(&router.inner);
+        (router.inner.shared).set_follow(move |shard, lease| {
+            moves::follow(weak.clone(), shard, lease);
+        });
         crate::telemetry::register_observers(Arc::downgrade(&router.inner));
         Ok(router)
     }
@@ -343,14 +258,14 @@ impl LockRouter {
         shared.epoch.store(next.epoch, Ordering::SeqCst);
         // Every shard state, those draining after an earlier reload included.
         self.inner.beat_now.notify_one();
-        crate::moves::follow_all(&shared.shard_states(), &next);
-        crate::patterns::follow_tx_locks(&self.inner, &next);
+        moves::follow_all(&self.inner, &next);
+        self.inner.follow_tx_locks(&next);
         if let Some(moved) = next
             .previous
             .last()
             .filter(|p| Arc::ptr_eq(&p.placement, &old.current))
         {
-            tokio::spawn(crate::moves::carry_fences(
+            tokio::spawn(moves::carry_fences(
                 Arc::downgrade(&self.inner),
                 moved.clone(),
             ));
@@ -659,7 +574,7 @@ impl LockRouter {
 
     /// This router's counters.
     pub fn stats(&self) -> LockStats {
-        let queued = self.inner.shared.queues.waiting() as u64;
+        let queued = self.inner.queues.waiting() as u64;
         self.inner.shared.stats.snapshot(queued)
     }
 
@@ -682,7 +597,7 @@ impl LockRouter {
                     async move {
                         // Lost before the release is sent: the moment the row is free, nobody
                         // here believes they hold the key any more.
-                        lease.mark_lost(crate::lease::SHUT_DOWN, &s.shared.stats);
+                        lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared.stats);
                         let turn = lease.turn.locked().take();
                         match release_through_shard(s.clone(), lease.clone(), turn).await {
                             Err(Error::LockLost { .. }) => Ok(()),
@@ -697,10 +612,10 @@ impl LockRouter {
                 first_error.get_or_insert(e);
             }
         }
-        crate::cleaner::deregister(self, &shards).await;
+        registry::deregister(&self.config(), self.instance_id(), &shards).await;
         for s in &shards {
             for lease in s.take_local() {
-                lease.mark_lost(crate::lease::SHUT_DOWN, &s.shared.stats);
+                lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared.stats);
             }
             s.shard.close();
         }
@@ -759,14 +674,6 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
     }
 }
 
-/// The instant `wait` from now; a wait too long for the clock (`Duration::MAX`: wait for
-/// ever) ends a century from now instead of overflowing.
-pub(crate) fn instant_after(wait: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(wait)
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
-}
-
 /// `<host>-<pid>-<random>`: unique per process start, readable in `inspect`.
 fn auto_instance_id() -> String {
     format!(
@@ -777,12 +684,3 @@ fn auto_instance_id() -> String {
     )
 }
 
-/// This machine's host name, as the registry records it.
-pub(crate) fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "host".to_owned())
-}

@@ -17,13 +17,15 @@ use shardlock_mysql::{Attempt, GrantRequest, Shard};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::lease::LeaseState;
-use crate::shared::Shared;
 use crate::sync::LockExt;
 
 mod keeper;
+mod lease;
+mod shared;
 
 pub(crate) use keeper::spawn_keeper;
+pub(crate) use lease::{Grant, LeaseState, SHUT_DOWN};
+pub(crate) use shared::Shared;
 
 /// Breaker transitions kept per shard for `breaker_transitions`.
 const TRANSITIONS_KEPT: usize = 64;
@@ -292,7 +294,7 @@ impl ShardState {
         }
         if !lease.is_companion() && lease.placed_epoch.load(Ordering::Acquire) < self.shared.epoch()
         {
-            crate::moves::follow(self.clone(), lease);
+            self.shared.follow(self.clone(), lease);
         }
     }
 

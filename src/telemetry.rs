@@ -36,7 +36,7 @@ use shardlock_core::{Error, HotKeys, LockKey, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
-use crate::router::Inner;
+use crate::state::Inner;
 use crate::sync::LockExt;
 
 /// Waits shorter than this are not counted for hot keys: a key nobody waits a millisecond for

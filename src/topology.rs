@@ -10,7 +10,7 @@ use shardlock_mysql::Shard;
 use tokio::time::Instant;
 
 use crate::shard::{spawn_keeper, ShardState};
-use crate::shared::Shared;
+use crate::shard::Shared;
 
 /// Shards and the ring that places keys on them.
 #[derive(Debug)]

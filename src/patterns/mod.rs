@@ -28,7 +28,6 @@ pub use cas::CasGuard;
 pub use job::Job;
 pub use state_machine::StateMachine;
 pub use tx_lock::TxLockGuard;
-pub(crate) use tx_lock::{follow_tx_locks, TxLockState};
 
 /// A connection to a key's shard for your own SQL (setting up a state machine's table next to
 /// it, say), from [`LockRouter::shard_connection`]. Closed when dropped, never pooled again: a

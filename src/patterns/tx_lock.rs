@@ -12,8 +12,8 @@ use tokio::sync::watch;
 
 use super::Discard;
 use crate::shard::ShardState;
+use crate::state::{FollowsKey, Inner};
 use crate::sync::LockExt;
-use crate::topology::Topology;
 use crate::LockRouter;
 
 /// A row lock held inside an open transaction on a dedicated connection. Run your SQL on
@@ -185,7 +185,7 @@ impl LockRouter {
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
         let lock_key = LockKey::new(key)?;
         self.check_joined(&lock_key)?;
-        let deadline = crate::router::instant_after(wait);
+        let deadline = crate::state::instant_after(wait);
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
         let previous = topology.previous_locations(&lock_key);
@@ -227,10 +227,10 @@ impl LockRouter {
         {
             let mut locks = self.inner.tx_locks.locked();
             locks.retain(|l| l.strong_count() > 0);
-            locks.push(Arc::downgrade(&state));
+            locks.push(Arc::downgrade(&state) as Weak<dyn FollowsKey>);
         }
         if self.inner.shared.epoch() > topology.epoch {
-            follow_tx_lock(Arc::downgrade(&self.inner), state.clone());
+            follow(Arc::downgrade(&self.inner), state.clone());
         }
         Ok(TxLockGuard {
             conn: Some(conn),
@@ -293,26 +293,19 @@ async fn lock_row(
     }
 }
 
-/// Every transaction lock registered with the router that was placed under an epoch older
-/// than `topology`'s follows its key.
-pub(crate) fn follow_tx_locks(inner: &Arc<crate::router::Inner>, topology: &Topology) {
-    let locks: Vec<Arc<TxLockState>> = inner
-        .tx_locks
-        .lock()
-        .unwrap()
-        .iter()
-        .filter_map(Weak::upgrade)
-        .collect();
-    for state in locks {
-        if state.placed_epoch.load(Ordering::Acquire) < topology.epoch {
-            follow_tx_lock(Arc::downgrade(inner), state);
-        }
+impl FollowsKey for TxLockState {
+    fn placed_epoch(&self) -> u64 {
+        self.placed_epoch.load(Ordering::Acquire)
+    }
+
+    fn follow(self: Arc<Self>, inner: Weak<Inner>) {
+        follow(inner, self);
     }
 }
 
 /// Locks a transaction lock's row on its key's new shard too, within half the move window of
 /// the reload; or marks the lock lost.
-fn follow_tx_lock(inner: Weak<crate::router::Inner>, state: Arc<TxLockState>) {
+fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
     tokio::spawn(async move {
         let _one_at_a_time = state.following.lock().await;
         let Some(topology) = inner.upgrade().map(|i| i.topology.load_full()) else {

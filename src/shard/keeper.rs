@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::ShardState;
-use crate::lease::LeaseState;
+use crate::shard::LeaseState;
 use crate::sync::LockExt;
 
 /// How often the keeper tries to re-acquire on the shard the keys held locally.

@@ -1,15 +1,14 @@
 //! What every shard handle of one router shares: who this process is (instance id and start
-//! nonce, which make every owner unique), grant numbers, counters, the key queues, and the
-//! shutdown signal. Below the router, so that shard handles and keepers need nothing above
-//! them.
+//! nonce, which make every owner unique), grant numbers, counters, the shutdown signal, and
+//! the hook through which a lease placed under an older topology is made to follow its key.
+//! Below the router, so that shard handles and keepers need nothing above them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use tokio::sync::watch;
 
-use crate::queue::KeyQueues;
-use crate::shard::ShardState;
+use super::{LeaseState, ShardState};
 use crate::stats::Stats;
 use crate::sync::LockExt;
 
@@ -22,7 +21,6 @@ pub(crate) struct Shared {
     nonce: String,
     grant_seq: AtomicU64,
     pub(crate) stats: Stats,
-    pub(crate) queues: Arc<KeyQueues>,
     /// Turns true at shutdown: no new grants, no hand-offs; keepers stop.
     pub(crate) closed: watch::Sender<bool>,
     /// Metrics instruments and the hot-key summary.
@@ -30,8 +28,9 @@ pub(crate) struct Shared {
     /// The epoch of the topology in force, set by a reload right after it swapped the topology
     /// in: a lease placed under an older one may have to follow its key (see [`crate::moves`]).
     pub(crate) epoch: AtomicU64,
-    /// The router, for the tasks that make moved leases follow their keys.
-    pub(crate) router: std::sync::OnceLock<Weak<crate::router::Inner>>,
+    /// Makes a lease follow its key to where the topology in force places it (set by the
+    /// router: the moves it runs sit above the shard handles).
+    follow: std::sync::OnceLock<Follow>,
     /// Every shard state made for this router that is still alive: the topology's, and those
     /// a reload left that still hold leases (draining).
     shard_states: Mutex<Vec<Weak<ShardState>>>,
@@ -45,11 +44,23 @@ impl Shared {
             nonce: format!("{:016x}", rand::random::<u64>()),
             grant_seq: AtomicU64::new(0),
             stats: Stats::default(),
-            queues: Arc::default(),
             closed: watch::channel(false).0,
             epoch: AtomicU64::new(1),
-            router: std::sync::OnceLock::new(),
+            follow: std::sync::OnceLock::new(),
             shard_states: Mutex::default(),
+        }
+    }
+
+    /// Sets what [`Shared::follow`] does; the first call wins.
+    pub(crate) fn set_follow(&self, follow: impl Fn(Arc<ShardState>, Arc<LeaseState>) + Send + Sync + 'static) {
+        let _ = self.follow.set(Follow(Box::new(follow)));
+    }
+
+    /// Makes `lease`, held on `shard` and placed under an older topology than the one in force,
+    /// follow its key (in the background; nothing before the router set the hook).
+    pub(crate) fn follow(&self, shard: Arc<ShardState>, lease: Arc<LeaseState>) {
+        if let Some(Follow(follow)) = self.follow.get() {
+            follow(shard, lease);
         }
     }
 
@@ -103,5 +114,14 @@ impl Shared {
     /// keeper).
     pub(crate) fn next_id(&self) -> u64 {
         self.grant_seq.fetch_add(1, Ordering::Relaxed) + 1
+    }
+}
+
+/// The hook behind [`Shared::follow`].
+struct Follow(Box<dyn Fn(Arc<ShardState>, Arc<LeaseState>) + Send + Sync>);
+
+impl std::fmt::Debug for Follow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Follow")
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::queue::{Turn, Want};
-use crate::shard::ShardState;
+use super::ShardState;
 use crate::stats::Stats;
 use crate::sync::LockExt;
 

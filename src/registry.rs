@@ -1,0 +1,315 @@
+//! The instance registry: which processes are alive, and which topology each runs.
+//!
+//! Every router writes a heartbeat row on each shard of its topology (instance id, host, pid,
+//! the topology's fingerprint, whether a move is in force, its fleet). Three decisions read it:
+//! the cleaner deletes a lease that ended without a release only when its holder is dead here
+//! (or in the registry set in code, [`InstanceRegistry`]); a router refuses to start under a
+//! configured instance id that is live elsewhere (two processes writing one owner would both
+//! pass owner checks); and a router, or a reload's move, waits while a live instance of the
+//! same fleet runs another topology (it would place a moved key where this one no longer
+//! looks). Those last two fail closed: a shard whose registry does not answer counts as "maybe
+//! somebody", never as "nobody".
+//!
+//! The functions take the topology in force and this process's instance id rather than the
+//! router: the registry sits below the router and the moves that consult it.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::{join_all, BoxFuture};
+use shardlock_core::config::RegistryKind;
+use shardlock_core::{Config, Error, Result};
+use shardlock_mysql::{Beat, InstanceRow};
+
+use crate::shard::{ShardState, Shared};
+use crate::topology::Topology;
+
+/// Says which instances are dead, so that the cleaner may delete their leases that ended
+/// without a release. Built in: the heartbeat table (`cleaner.registry: heartbeat`) and a
+/// static list ([`StaticRegistry`], `cleaner.registry: static`); set your own with
+/// [`LockRouter::set_registry`].
+pub trait InstanceRegistry: Send + Sync + fmt::Debug {
+    /// Of `instances` — the instance ids of owners whose leases on shard `shard` ended longer
+    /// than the grace ago — those known to be dead. Only their leases are deleted; an error
+    /// deletes nothing.
+    fn dead<'a>(
+        &'a self,
+        shard: &'a str,
+        instances: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<String>>>;
+}
+
+/// A fixed set of live instances; every other instance is dead. Empty: any lease that ended
+/// longer than the grace ago may be deleted.
+#[derive(Debug, Clone, Default)]
+pub struct StaticRegistry {
+    live: BTreeSet<String>,
+}
+
+impl StaticRegistry {
+    /// A registry in which exactly `live` are alive.
+    pub fn new(live: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        Self {
+            live: live.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+impl InstanceRegistry for StaticRegistry {
+    fn dead<'a>(
+        &'a self,
+        _shard: &'a str,
+        instances: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<String>>> {
+        let dead = instances
+            .iter()
+            .filter(|i| !self.live.contains(*i))
+            .cloned()
+            .collect();
+        Box::pin(async move { Ok(dead) })
+    }
+}
+
+/// Refuses to start a router whose configured (not `auto`) instance id is live in the
+/// heartbeat registry under another host or process: a copy-pasted config, or an old
+/// incarnation still running. Shards that cannot be asked are skipped.
+pub(crate) async fn refuse_twin(topology: &Topology, id: &str) -> Result<()> {
+    let config = &topology.config;
+    if config.cleaner.registry != RegistryKind::Heartbeat
+        || matches!(config.instance.id.as_deref(), None | Some("auto"))
+    {
+        return Ok(());
+    }
+    let (host, pid) = (host_name(), std::process::id());
+    let timeout = config.cleaner.heartbeat_timeout;
+    let shards = &topology.current.shards;
+    let answers = join_all(
+        shards
+            .iter()
+            .map(|s| async move { (s.shard.name().to_owned(), s.shard.instances().await) }),
+    )
+    .await;
+    for (shard, rows) in answers {
+        let Ok(rows) = rows else { continue };
+        let twin = rows.into_iter().find(|r| {
+            r.instance_id == id
+                && !r.deregistered
+                && u128::try_from(r.heartbeat_ms_ago).unwrap_or(0) < timeout.as_millis()
+                && (r.host != host || r.pid != pid)
+        });
+        if let Some(twin) = twin {
+            return Err(Error::InvalidArgument {
+                name: "instance.id",
+                reason: format!(
+                    "`{id}` is live in the registry on shard {shard}: host {}, pid {}, last \
+                     heartbeat {} ms ago. Give each process its own id (or `auto`), or wait \
+                     until that process has stopped (its heartbeat older than \
+                     cleaner.heartbeat-timeout)",
+                    twin.host, twin.pid, twin.heartbeat_ms_ago
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The other live instances of `router`'s fleet in the registry: `Ok(None)` under a registry
+/// other than `heartbeat` (nothing to read), `Err` naming the shards whose registry did not
+/// answer. Read on every shard of the topology, previous placements' included (processes that
+/// have not reloaded heartbeat there); one row per instance, its freshest.
+async fn live_fleet(
+    topology: &Topology,
+    id: &str,
+) -> std::result::Result<Option<Vec<InstanceRow>>, String> {
+    if topology.config.cleaner.registry != RegistryKind::Heartbeat {
+        return Ok(None);
+    }
+    let fleet = topology.config.instance.fleet();
+    let timeout = topology.config.cleaner.heartbeat_timeout;
+    let shards = topology.all_shards();
+    let answers = join_all(shards.iter().map(|s| async move {
+        match s.shard.instances().await {
+            // Not migrated to this version yet (no registry table, or one without the
+            // topology columns): no instance there says its topology, as with instances of
+            // older versions, which are not counted.
+            Err(e) if matches!(e.code, Some(ER_NO_SUCH_TABLE | ER_BAD_FIELD)) => Ok(Vec::new()),
+            answer => answer.map_err(|e| format!("shard {}: {e}", s.shard.name())),
+        }
+    }))
+    .await;
+    let mut rows = Vec::new();
+    let mut silent = Vec::new();
+    for answer in answers {
+        match answer {
+            Ok(found) => rows.extend(found),
+            Err(e) => silent.push(e),
+        }
+    }
+    if !silent.is_empty() {
+        return Err(format!(
+            "the registry did not answer on {} (a process that cannot read all of it cannot \
+             tell which topology the others run)",
+            silent.join("; ")
+        ));
+    }
+    // An instance's latest heartbeat says what it runs now: a reload moves its heartbeats to
+    // the new topology's shards, and its row on a shard it left keeps the old topology until
+    // it times out.
+    rows.sort_by_key(|row| row.heartbeat_ms_ago);
+    let mut seen = BTreeSet::new();
+    rows.retain(|row| seen.insert(row.instance_id.clone()));
+    rows.retain(|row| {
+        !row.deregistered
+            && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < timeout.as_millis()
+            && row.instance_id != id
+            && row.fleet.as_deref() == Some(fleet)
+    });
+    Ok(Some(rows))
+}
+
+/// The server's "table does not exist" and "unknown column" errors.
+const ER_NO_SUCH_TABLE: u16 = 1146;
+const ER_BAD_FIELD: u16 = 1054;
+
+/// How the registry names an instance in a log line or error.
+fn describe(row: &InstanceRow) -> String {
+    format!("{} (host {}, pid {})", row.instance_id, row.host, row.pid)
+}
+
+/// Why a router with `topology` and instance `id` may not grant yet, if so: another live instance of its fleet runs another
+/// topology, or has a reload's move in force, or the registry cannot be read on every shard
+/// (it fails closed: unread is not "nobody there"). Instances of versions that do not say
+/// their topology are not counted.
+pub(crate) async fn fleet_disagreement(topology: &Topology, id: &str) -> Option<String> {
+    let own = &topology.fingerprint;
+    let fleet = topology.config.instance.fleet();
+    let rows = match live_fleet(topology, id).await {
+        Ok(rows) => rows?,
+        Err(why) => return Some(format!("this process grants nothing yet: {why}")),
+    };
+    let mut others = BTreeSet::new();
+    for row in rows {
+        let what = match row.topology.as_deref() {
+            Some(theirs) if theirs != own.as_str() => format!("runs topology {theirs}"),
+            _ if row.moving => "is moving keys after a reload".to_owned(),
+            _ => continue,
+        };
+        others.insert(format!("{} {what}", describe(&row)));
+    }
+    (!others.is_empty()).then(|| {
+        format!(
+            "this process started with topology {own} and grants nothing until every live \
+             instance of fleet `{fleet}` runs it with no move in force: {}. Reload them with \
+             this config (or stop them); a process started during a move cannot know where the \
+             others still place a moved key. (Services that never share keys may run different \
+             topologies on the same shards: give each its own `instance.fleet`.)",
+            others.into_iter().collect::<Vec<_>>().join("; ")
+        )
+    })
+}
+
+/// Why a move away from the topology with `fingerprint` must stay in force, if it must: live
+/// instances of the fleet of a router with `topology` and instance `id` still run it (they have not reloaded, and would grant a moved
+/// key where this process no longer looks), or the registry cannot be read on every shard
+/// (unread is not "nobody there"). `None` under another registry than `heartbeat`.
+pub(crate) async fn laggards(topology: &Topology, id: &str, fingerprint: &str) -> Option<String> {
+    if topology.fingerprint == fingerprint {
+        // Back to that topology (a reload undone): whoever runs it runs ours.
+        return None;
+    }
+    let rows = match live_fleet(topology, id).await {
+        Ok(rows) => rows?,
+        Err(why) => return Some(why),
+    };
+    let lagging: BTreeSet<_> = rows
+        .iter()
+        .filter(|row| row.topology.as_deref() == Some(fingerprint))
+        .map(describe)
+        .collect();
+    (!lagging.is_empty()).then(|| {
+        format!(
+            "instances of this fleet still run the previous topology: {}; reload them",
+            lagging.into_iter().collect::<Vec<_>>().join("; ")
+        )
+    })
+}
+
+/// Heartbeats missed in a row on one shard before a warning.
+const HEARTBEATS_MISSED_BEFORE_WARNING: u32 = 3;
+
+/// One heartbeat of this process on every current shard of `topology`, if the registry in
+/// force is `heartbeat`;
+/// `missed` counts failures in a row per shard (a warning at the third). Returns the interval
+/// to the next one.
+pub(crate) async fn beat(
+    topology: &Topology,
+    shared: &Shared,
+    missed: &mut std::collections::HashMap<String, u32>,
+) -> Duration {
+    if topology.config.cleaner.registry != RegistryKind::Heartbeat {
+        return topology.config.cleaner.heartbeat_interval;
+    }
+    let host = host_name();
+    let beat = Beat {
+        instance: &shared.instance_id,
+        host: &host,
+        pid: std::process::id(),
+        topology: &topology.fingerprint,
+        moving: topology.moves_in_progress() > 0,
+        fleet: topology.config.instance.fleet(),
+    };
+    let beats = topology.current.shards.iter().map(|s| async move {
+        (
+            s.shard.name().to_owned(),
+            s.call(s.shard.heartbeat(beat)).await,
+        )
+    });
+    for (shard, beat) in join_all(beats).await {
+        let missed = missed.entry(shard.clone()).or_default();
+        match beat {
+            Ok(()) => *missed = 0,
+            Err(e) => {
+                *missed += 1;
+                shared
+                    .stats
+                    .heartbeat_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                // Others' cleaners count this instance dead after `heartbeat-timeout` without
+                // one: worth a warning once it keeps failing, not on one miss.
+                if *missed == HEARTBEATS_MISSED_BEFORE_WARNING {
+                    tracing::warn!(shard, error = %e, missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
+                } else {
+                    tracing::debug!(shard, error = %e, "shardlock heartbeat failed");
+                }
+            }
+        }
+    }
+    topology.config.cleaner.heartbeat_interval
+}
+
+/// Marks this instance as shut down in the registry of every shard (router shutdown).
+pub(crate) async fn deregister(config: &Config, id: &str, shards: &[Arc<ShardState>]) {
+    if config.cleaner.registry != RegistryKind::Heartbeat {
+        return;
+    }
+    join_all(shards.iter().map(|s| async move {
+        if let Err(e) = s.call(s.shard.deregister(id)).await {
+            tracing::debug!(shard = s.shard.name(), error = %e, "shardlock deregistration failed");
+        }
+    }))
+    .await;
+}
+
+
+/// This machine's host name, as the registry records it.
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned())
+}
