@@ -17,12 +17,12 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::guard::{Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
-use crate::shard::{Grant, LeaseState};
 use crate::options::AcquireOptions;
 use crate::queue::{Entry, Handoff, Turn, Want};
 use crate::router::LockRouter;
-use crate::state::instant_after;
 use crate::shard::ShardState;
+use crate::shard::{Grant, LeaseState};
+use crate::state::instant_after;
 use crate::topology::Topology;
 
 impl LockRouter {
@@ -307,8 +307,7 @@ impl LockRouter {
                     // A traced waiter links, once, to the trace of whoever holds the key.
                     if !progress.linked && crate::telemetry::tracing_current() {
                         progress.linked = true;
-                        if let Ok(Some(parent)) =
-                            shard.call(shard.shard.holder_trace(key.stored())).await
+                        if let Ok(Some(parent)) = shard.call(|b| b.holder_trace(key.stored())).await
                         {
                             crate::telemetry::link_current_to(&parent);
                         }
@@ -357,13 +356,10 @@ impl LockRouter {
         let mut failed = None;
         for (old, companion) in &companions.0 {
             let raised = old
-                .call(
-                    old.shard
-                        .raise_fence(key.stored(), &companion.owner, grant.fence),
-                )
+                .call(|b| b.raise_fence(key.stored(), &companion.owner, grant.fence))
                 .await;
             if !matches!(raised, Ok(true)) {
-                failed = Some((old.shard.name().to_owned(), raised));
+                failed = Some((old.name().to_owned(), raised));
                 break;
             }
         }
@@ -470,7 +466,7 @@ impl LockRouter {
         let (id, owner) = shared.next_owner();
         // Grant numbers rise in this process, and shard fences never have the top bit.
         let fence = LOCAL_FENCE_BIT | id;
-        tracing::debug!(shard = shard.shard.name(), key = %key, "shardlock granted a key in process: its shard is unavailable (exclusion inside this process only)");
+        tracing::debug!(shard = shard.name(), key = %key, "shardlock granted a key in process: its shard is unavailable (exclusion inside this process only)");
         let grant = Grant {
             id,
             owner,
@@ -540,7 +536,7 @@ impl LockRouter {
                 || matches!(&result, Ok(Attempt::Locked));
             if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
                 let _ = task_shard
-                    .call(task_shard.shard.release(&task_req.key, &task_req.owner))
+                    .call(|b| b.release(&task_req.key, &task_req.owner))
                     .await;
             } else if unknown {
                 let ttl = Duration::from_millis(u64::from(task_req.ttl_ms));
@@ -558,7 +554,7 @@ impl LockRouter {
         let until = if deadline > sent {
             deadline
         } else {
-            sent + shard.shard.statement_timeout() + Duration::from_millis(50)
+            sent + shard.statement_timeout() + Duration::from_millis(50)
         };
         let Ok(result) = tokio::time::timeout_at(until, &mut pending.rx).await else {
             // `pending` drops here: a grant that still arrives is released.
@@ -571,13 +567,13 @@ impl LockRouter {
                 None,
                 format!("no answer to an acquire within {slow:?} (breaker.slow-call)"),
             )
-            .into_error(shard.shard.name()));
+            .into_error(shard.name()));
         };
         pending.taken = true;
         result
             .map_err(|_| Error::Shutdown)?
             .map(Some)
-            .map_err(|e| e.into_error(shard.shard.name()))
+            .map_err(|e| e.into_error(shard.name()))
     }
 }
 
@@ -635,7 +631,7 @@ impl Drop for CompanionGrants {
         for (shard, grant) in self.0.drain(..) {
             let key = self.1.clone();
             runtime.spawn(async move {
-                let _ = shard.call(shard.shard.release(&key, &grant.owner)).await;
+                let _ = shard.call(|b| b.release(&key, &grant.owner)).await;
             });
         }
     }
@@ -665,7 +661,7 @@ impl Drop for PendingAttempt {
                     std::mem::take(&mut self.owner),
                 );
                 runtime.spawn(async move {
-                    let _ = shard.call(shard.shard.release(&key, &owner)).await;
+                    let _ = shard.call(|b| b.release(&key, &owner)).await;
                 });
             }
         }

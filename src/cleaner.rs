@@ -203,11 +203,11 @@ impl LockRouter {
         let shards = self.inner.topology.load().current.shards.clone();
         join_all(shards.iter().map(|s| async move {
             let rows = s
-                .shard
+                .unguarded()
                 .instances()
                 .await
-                .map_err(|e| e.into_error(s.shard.name()));
-            (s.shard.name().to_owned(), rows)
+                .map_err(|e| e.into_error(s.name()));
+            (s.name().to_owned(), rows)
         }))
         .await
     }
@@ -235,12 +235,12 @@ enum Registry {
 impl Registry {
     async fn dead(&self, shard: &ShardState, instances: Vec<String>) -> Result<Vec<String>> {
         match self {
-            Registry::Custom(registry) => registry.dead(shard.shard.name(), &instances).await,
+            Registry::Custom(registry) => registry.dead(shard.name(), &instances).await,
             Registry::Heartbeat(timeout) => {
                 let alive = shard
-                    .call(shard.shard.alive_instances(&instances, *timeout))
+                    .call(|b| b.alive_instances(&instances, *timeout))
                     .await
-                    .map_err(|e| e.into_error(shard.shard.name()))?;
+                    .map_err(|e| e.into_error(shard.name()))?;
                 Ok(instances
                     .into_iter()
                     .filter(|i| !alive.contains(i))
@@ -258,7 +258,7 @@ async fn clean_shard(
     leader: &LockGuard,
 ) -> ShardCleaned {
     let mut out = ShardCleaned {
-        shard: shard.shard.name().to_owned(),
+        shard: shard.name().to_owned(),
         ..ShardCleaned::default()
     };
     if let Err(e) = clean_batches(shard, config, registry, leader, &mut out).await {
@@ -286,7 +286,7 @@ async fn clean_batches(
     leader: &LockGuard,
     out: &mut ShardCleaned,
 ) -> Result<()> {
-    let name = shard.shard.name();
+    let name = shard.name();
     let backend = |e: shardlock_core::BackendError| e.into_error(name);
     let (grace, batch) = (config.grace, config.batch_size);
     let mut after = Vec::new();
@@ -297,11 +297,7 @@ async fn clean_batches(
             });
         }
         let rows = shard
-            .call(
-                shard
-                    .shard
-                    .cleanup_candidates(&after, grace, FENCE_MARGIN, batch),
-            )
+            .call(|b| b.cleanup_candidates(&after, grace, FENCE_MARGIN, batch))
             .await
             .map_err(backend)?;
         let Some(last) = rows.last() else {
@@ -314,17 +310,13 @@ async fn clean_batches(
         // is not deleted; the floor is then merely higher than needed.)
         let highest = rows.iter().map(|r| r.fence).max().unwrap_or(0);
         shard
-            .call(shard.shard.raise_shard_floor(highest))
+            .call(|b| b.raise_shard_floor(highest))
             .await
             .map_err(backend)?;
         let (released, ended): (Vec<_>, Vec<_>) = rows.iter().partition(|r| r.owner.is_none());
         let released: Vec<Vec<u8>> = released.into_iter().map(|r| r.key.clone()).collect();
         out.released += shard
-            .call(
-                shard
-                    .shard
-                    .delete_ended(&released, None, grace, FENCE_MARGIN, highest),
-            )
+            .call(|b| b.delete_ended(&released, None, grace, FENCE_MARGIN, highest))
             .await
             .map_err(backend)?;
         if !ended.is_empty() {
@@ -345,11 +337,7 @@ async fn clean_batches(
             let keys: Vec<Vec<u8>> = doomed.iter().map(|r| r.key.clone()).collect();
             let owners: Vec<String> = doomed.iter().filter_map(|r| r.owner.clone()).collect();
             out.abandoned += shard
-                .call(
-                    shard
-                        .shard
-                        .delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN, highest),
-                )
+                .call(|b| b.delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN, highest))
                 .await
                 .map_err(backend)?;
         }
@@ -370,16 +358,20 @@ fn instance_of(owner: &str) -> Option<String> {
 
 /// [`LockRouter::force_release`] on one shard.
 async fn force_release_on(shard: &ShardState, key: &LockKey) -> Result<Option<ForceReleased>> {
-    let name = shard.shard.name().to_owned();
+    let name = shard.name().to_owned();
     let backend = |e: shardlock_core::BackendError| e.into_error(&name);
     // The holder may change between the look and the release: look again, a few times.
     for _ in 0..3 {
-        let row = shard.shard.inspect(key.stored()).await.map_err(backend)?;
+        let row = shard
+            .unguarded()
+            .inspect(key.stored())
+            .await
+            .map_err(backend)?;
         let Some((owner, row)) = row.and_then(|r| Some((r.owner.clone()?, r))) else {
             return Ok(None);
         };
         let released = shard
-            .shard
+            .unguarded()
             .force_release(key.stored(), &owner)
             .await
             .map_err(backend)?;

@@ -10,9 +10,9 @@ use shardlock_core::{Error, Result};
 use shardlock_mysql::{GrantRequest, HandoffOutcome};
 use tokio::time::Instant;
 
-use crate::shard::{Grant, LeaseState};
 use crate::queue::{Handover, Turn};
 use crate::shard::ShardState;
+use crate::shard::{Grant, LeaseState};
 use crate::sync::LockExt;
 
 /// Where a lock is held.
@@ -57,7 +57,7 @@ impl Hold {
         let span = tracing::info_span!(
             parent: None,
             "shardlock.hold",
-            shard = shard.shard.name(),
+            shard = shard.name(),
             fence,
             mode = "remote",
         );
@@ -76,7 +76,7 @@ impl Hold {
     pub(crate) fn new(lease: Arc<LeaseState>, shard: Arc<ShardState>, fence: u64) -> Arc<Self> {
         let span = tracing::info_span!(
             "shardlock.hold",
-            shard = shard.shard.name(),
+            shard = shard.name(),
             fence,
             mode = if lease.local { "local" } else { "remote" },
         );
@@ -138,7 +138,7 @@ impl LockGuard {
 
     /// The name of the shard that holds the lease.
     pub fn shard(&self) -> &str {
-        self.hold.shard.shard.name()
+        self.hold.shard.name()
     }
 
     /// Where the lock was granted. A [`LockMode::LocalFallback`] guard stays so for its life,
@@ -360,7 +360,7 @@ async fn handoff_through_shard(
     for (other, row) in lease.end_companions() {
         other.remove(row.id);
         let _ = other
-            .call(other.shard.release(row.key.stored(), &row.owner))
+            .call(|b| b.release(row.key.stored(), &row.owner))
             .await;
     }
     let (id, owner) = shared.next_owner();
@@ -374,7 +374,7 @@ async fn handoff_through_shard(
         trace: None,
     };
     let sent = Instant::now();
-    match shard.call(shard.shard.handoff(&lease.owner, &req)).await {
+    match shard.call(|b| b.handoff(&lease.owner, &req)).await {
         Ok(HandoffOutcome::Granted(fence)) => {
             shared.stats.grants.fetch_add(1, Ordering::Relaxed);
             shared.stats.handoffs.fetch_add(1, Ordering::Relaxed);
@@ -431,7 +431,7 @@ async fn handoff_through_shard(
                     lease.ttl.max(want.ttl),
                 );
             }
-            Err(e.into_error(shard.shard.name()))
+            Err(e.into_error(shard.name()))
         }
     }
 }
@@ -462,10 +462,7 @@ pub(crate) fn give_back(
             // has finished on the server (its client gave up; the server did not), so only a
             // release that freed the row ends this early.
             if shard.breaker_state() == shardlock_core::BreakerState::Closed
-                && matches!(
-                    shard.call(shard.shard.release(&key, &owner)).await,
-                    Ok(true)
-                )
+                && matches!(shard.call(|b| b.release(&key, &owner)).await, Ok(true))
             {
                 return;
             }
@@ -485,20 +482,20 @@ pub(crate) async fn release_through_shard(
     shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
     let companions = lease.end_companions();
     let result = shard
-        .call(shard.shard.release(lease.key.stored(), &lease.owner))
+        .call(|b| b.release(lease.key.stored(), &lease.owner))
         .await;
     // The key's rows on other shards (it moved); the turn passes on once all are free.
     for (other, row) in companions {
         other.remove(row.id);
         let _ = other
-            .call(other.shard.release(row.key.stored(), &row.owner))
+            .call(|b| b.release(row.key.stored(), &row.owner))
             .await;
     }
     drop(turn);
     match result {
         Ok(true) => Ok(()),
         Ok(false) => Err(lost(&shard, &lease)),
-        Err(e) => Err(e.into_error(shard.shard.name())),
+        Err(e) => Err(e.into_error(shard.name())),
     }
 }
 

@@ -16,10 +16,10 @@ use shardlock_core::{Backoff, LockKey};
 use shardlock_mysql::{Attempt, GrantRequest, FLOOR_BATCH};
 use tokio::time::Instant;
 
-use crate::shard::{Grant, LeaseState};
 use crate::queue::Want;
 use crate::registry;
 use crate::shard::ShardState;
+use crate::shard::{Grant, LeaseState};
 use crate::state::Inner;
 use crate::topology::{Previous, Topology};
 
@@ -92,9 +92,7 @@ async fn take_on(
         if lease.is_lost() || lease.has_ended() {
             if tried {
                 // A try whose reply was lost may have taken the row: give it back.
-                let _ = target
-                    .call(target.shard.release(&req.key, &req.owner))
-                    .await;
+                let _ = target.call(|b| b.release(&req.key, &req.owner)).await;
             }
             return false;
         }
@@ -123,13 +121,11 @@ async fn take_on(
                 if !lease.adopt(target.clone(), companion.clone()) {
                     // Released (or lost) meanwhile: give the row back.
                     target.remove(companion.id);
-                    let _ = target
-                        .call(target.shard.release(&req.key, &req.owner))
-                        .await;
+                    let _ = target.call(|b| b.release(&req.key, &req.owner)).await;
                     return false;
                 }
                 shared.stats.followed.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(key = %lease.key, from = shard.shard.name(), to = target.shard.name(), "shardlock lease followed its key to its new shard");
+                tracing::debug!(key = %lease.key, from = shard.name(), to = target.name(), "shardlock lease followed its key to its new shard");
                 return true;
             }
             Ok(Attempt::Held { .. }) => {
@@ -142,7 +138,7 @@ async fn take_on(
                     tokio::time::sleep(delay).await;
                     continue;
                 }
-                tracing::warn!(key = %lease.key, to = target.shard.name(), error = ?failed.err(), "shardlock could not take a moved key on its new shard within half the move window");
+                tracing::warn!(key = %lease.key, to = target.name(), error = ?failed.err(), "shardlock could not take a moved key on its new shard within half the move window");
                 // The grant may have been made with its reply lost: give it back.
                 crate::guard::give_back(
                     target.clone(),
@@ -158,14 +154,12 @@ async fn take_on(
     // renewal, no hand-off); its rows are given back.
     lease.mark_lost(why, &shared.stats);
     if shard.remove(lease.id).is_some() {
-        let _ = shard
-            .call(shard.shard.release(&req.key, &lease.owner))
-            .await;
+        let _ = shard.call(|b| b.release(&req.key, &lease.owner)).await;
     }
     for (other, row) in lease.end_companions() {
         other.remove(row.id);
         let _ = other
-            .call(other.shard.release(row.key.stored(), &row.owner))
+            .call(|b| b.release(row.key.stored(), &row.owner))
             .await;
     }
     false
@@ -245,7 +239,7 @@ type Floors = Vec<(Vec<u8>, u64)>;
 /// Why a move cannot end yet: something of it is still only on an old shard.
 fn not_yet(shard: &ShardState, why: String) -> shardlock_core::Error {
     shardlock_core::Error::Backend {
-        shard: shard.shard.name().to_owned(),
+        shard: shard.name().to_owned(),
         source: shardlock_core::BackendError::new(
             shardlock_core::BackendErrorKind::Other,
             None,
@@ -256,7 +250,7 @@ fn not_yet(shard: &ShardState, why: String) -> shardlock_core::Error {
 
 /// A backend error of `shard`, named.
 fn on(shard: &ShardState) -> impl Fn(shardlock_core::BackendError) -> shardlock_core::Error + '_ {
-    move |e| e.into_error(shard.shard.name())
+    move |e| e.into_error(shard.name())
 }
 
 /// One pass of [`carry_fences`]: how many floors it wrote. It fails, to be retried, while
@@ -291,7 +285,7 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
                 unknown,
                 format!(
                     "its identity (or {}'s) is unknown: nothing is moved until it can be read",
-                    source.shard.name()
+                    source.name()
                 ),
             ));
         }
@@ -301,13 +295,13 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
         // Rows the cleaner deleted there had fences below its clock (and its floor): that is
         // the floor of every shard its keys may have moved to.
         let clock = source
-            .call_waiting(source.shard.clock_us())
+            .call_waiting(|b| b.clock_us())
             .await
             .map_err(on(source))?;
         for target in &topology.current.shards {
             if !target.same_database(source) {
                 target
-                    .call_waiting(target.shard.raise_shard_floor(clock))
+                    .call_waiting(|b| b.raise_shard_floor(clock))
                     .await
                     .map_err(on(target))?;
             }
@@ -341,7 +335,7 @@ async fn carry_leases(
     let mut after = Vec::new();
     loop {
         let rows = source
-            .call_waiting(source.shard.fences_after(&after, FLOOR_BATCH))
+            .call_waiting(|b| b.fences_after(&after, FLOOR_BATCH))
             .await
             .map_err(on(source))?;
         let Some(last) = rows.last() else { break };
@@ -378,7 +372,7 @@ async fn carry_leases(
         }
         for (target, floors) in by_target {
             target
-                .call_waiting(target.shard.raise_floors(&floors))
+                .call_waiting(|b| b.raise_floors(&floors))
                 .await
                 .map_err(on(&target))?;
             carried += floors.len() as u64;
@@ -387,7 +381,7 @@ async fn carry_leases(
             let mut seen = false;
             for shard in &shards {
                 let there = shard
-                    .call_waiting(shard.shard.live_owners(vec![key.clone()]))
+                    .call_waiting(|b| b.live_owners(vec![key.clone()]))
                     .await
                     .map_err(on(shard))?;
                 if there.iter().any(|(_, o)| *o == owner) {
@@ -432,7 +426,7 @@ async fn carry_cas(
     let mut stuck = 0;
     loop {
         let rows = source
-            .call_waiting(source.shard.owned_cas_after(&after, FLOOR_BATCH))
+            .call_waiting(|b| b.owned_cas_after(&after, FLOOR_BATCH))
             .await
             .map_err(on(source))?;
         let Some(last) = rows.last() else { break };
@@ -450,19 +444,19 @@ async fn carry_cas(
             }
             for target in &targets {
                 target
-                    .call_waiting(target.shard.adopt_cas(std::slice::from_ref(&row)))
+                    .call_waiting(|b| b.adopt_cas(std::slice::from_ref(&row)))
                     .await
                     .map_err(on(target))?;
             }
             let freed = source
-                .call_waiting(source.shard.free_carried_cas(&row))
+                .call_waiting(|b| b.free_carried_cas(&row))
                 .await
                 .map_err(on(source))?;
             if !freed {
                 // Released by its holder before the copies were written: free them again.
                 for target in &targets {
                     target
-                        .call_waiting(target.shard.free_cas(&row))
+                        .call_waiting(|b| b.free_cas(&row))
                         .await
                         .map_err(on(target))?;
                 }
@@ -501,7 +495,7 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
     let mut after = 0;
     loop {
         let jobs = source
-            .call_waiting(source.shard.pending_jobs_after(after, FLOOR_BATCH))
+            .call_waiting(|b| b.pending_jobs_after(after, FLOOR_BATCH))
             .await
             .map_err(on(source))?;
         let Some(last) = jobs.last() else {
@@ -534,7 +528,7 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
                 .cloned()
                 .ok_or_else(|| not_yet(&target, "its identity is unknown".into()))?;
             let moving = source
-                .call_waiting(source.shard.start_moving(&ids, &to))
+                .call_waiting(|b| b.start_moving(&ids, &to))
                 .await
                 .map_err(on(source))?;
             // Each to the shard its move started for (another process's carry may have
@@ -558,12 +552,12 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
                 }
             }
             for (dest, jobs) in by_destination {
-                dest.call_waiting(dest.shard.enqueue_moved(&origin, &jobs))
+                dest.call_waiting(|b| b.enqueue_moved(&origin, &jobs))
                     .await
                     .map_err(on(&dest))?;
                 let moved: Vec<u64> = jobs.iter().map(|j| j.id).collect();
                 source
-                    .call_waiting(source.shard.finish_moving(&moved))
+                    .call_waiting(|b| b.finish_moving(&moved))
                     .await
                     .map_err(on(source))?;
             }

@@ -89,7 +89,7 @@ pub(crate) async fn refuse_twin(topology: &Topology, id: &str) -> Result<()> {
     let answers = join_all(
         shards
             .iter()
-            .map(|s| async move { (s.shard.name().to_owned(), s.shard.instances().await) }),
+            .map(|s| async move { (s.name().to_owned(), s.unguarded().instances().await) }),
     )
     .await;
     for (shard, rows) in answers {
@@ -131,12 +131,12 @@ async fn live_fleet(
     let timeout = topology.config.cleaner.heartbeat_timeout;
     let shards = topology.all_shards();
     let answers = join_all(shards.iter().map(|s| async move {
-        match s.shard.instances().await {
+        match s.unguarded().instances().await {
             // Not migrated to this version yet (no registry table, or one without the
             // topology columns): no instance there says its topology, as with instances of
             // older versions, which are not counted.
             Err(e) if matches!(e.code, Some(ER_NO_SUCH_TABLE | ER_BAD_FIELD)) => Ok(Vec::new()),
-            answer => answer.map_err(|e| format!("shard {}: {e}", s.shard.name())),
+            answer => answer.map_err(|e| format!("shard {}: {e}", s.name())),
         }
     }))
     .await;
@@ -261,12 +261,11 @@ pub(crate) async fn beat(
         moving: topology.moves_in_progress() > 0,
         fleet: topology.config.instance.fleet(),
     };
-    let beats = topology.current.shards.iter().map(|s| async move {
-        (
-            s.shard.name().to_owned(),
-            s.call(s.shard.heartbeat(beat)).await,
-        )
-    });
+    let beats = topology
+        .current
+        .shards
+        .iter()
+        .map(|s| async move { (s.name().to_owned(), s.call(|b| b.heartbeat(beat)).await) });
     for (shard, beat) in join_all(beats).await {
         let missed = missed.entry(shard.clone()).or_default();
         match beat {
@@ -296,13 +295,12 @@ pub(crate) async fn deregister(config: &Config, id: &str, shards: &[Arc<ShardSta
         return;
     }
     join_all(shards.iter().map(|s| async move {
-        if let Err(e) = s.call(s.shard.deregister(id)).await {
-            tracing::debug!(shard = s.shard.name(), error = %e, "shardlock deregistration failed");
+        if let Err(e) = s.call(|b| b.deregister(id)).await {
+            tracing::debug!(shard = s.name(), error = %e, "shardlock deregistration failed");
         }
     }))
     .await;
 }
-
 
 /// This machine's host name, as the registry records it.
 pub(crate) fn host_name() -> String {

@@ -15,8 +15,8 @@ use shardlock_mysql::{LeaseRow, MigrateReport, PoolStatus};
 use tokio::time::Instant;
 
 use crate::guard::{release_through_shard, LockGuard};
-use crate::options::AcquireOptions;
 use crate::moves;
+use crate::options::AcquireOptions;
 use crate::registry::{self, host_name};
 use crate::shard::{ShardState, Shared};
 use crate::state::{instant_after, spawn_heartbeat, CleanerState, Gate, Inner};
@@ -142,14 +142,7 @@ impl LockRouter {
         match self.inner.gate.why() {
             None => Ok(()),
             Some(why) => Err(Error::Unavailable {
-                shard: self
-                    .inner
-                    .topology
-                    .load()
-                    .locate(key)
-                    .shard
-                    .name()
-                    .to_owned(),
+                shard: self.inner.topology.load().locate(key).name().to_owned(),
                 source: BackendError::new(BackendErrorKind::Other, None, why),
             }),
         }
@@ -336,11 +329,11 @@ impl LockRouter {
         let topology = self.inner.topology.load_full();
         let runs = topology.current.shards.iter().map(|s| async move {
             let report = s
-                .shard
+                .unguarded()
                 .migrate()
                 .await
-                .map_err(|e| e.into_error(s.shard.name()))?;
-            Ok::<_, Error>((s.shard.name().to_owned(), report))
+                .map_err(|e| e.into_error(s.name()))?;
+            Ok::<_, Error>((s.name().to_owned(), report))
         });
         let mut out = Vec::new();
         for result in join_all(runs).await {
@@ -352,14 +345,7 @@ impl LockRouter {
     /// The shard that owns `key` now.
     pub fn shard_for(&self, key: &str) -> Result<String> {
         let key = LockKey::new(key)?;
-        Ok(self
-            .inner
-            .topology
-            .load()
-            .locate(&key)
-            .shard
-            .name()
-            .to_owned())
+        Ok(self.inner.topology.load().locate(&key).name().to_owned())
     }
 
     /// Acquires `key`, waiting up to the wait of `opts` (or of its namespace).
@@ -517,7 +503,7 @@ impl LockRouter {
             .load()
             .all_shards()
             .into_iter()
-            .find(|s| s.shard.name() == name)
+            .find(|s| s.name() == name)
     }
 
     /// Where `key` lives and what its lease row says.
@@ -529,11 +515,11 @@ impl LockRouter {
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&key);
         let row = shard
-            .shard
+            .unguarded()
             .inspect(key.stored())
             .await
-            .map_err(|e| e.into_error(shard.shard.name()))?;
-        Ok((shard.shard.name().to_owned(), row))
+            .map_err(|e| e.into_error(shard.name()))?;
+        Ok((shard.name().to_owned(), row))
     }
 
     /// Every shard's reachability, pool and lease counts: the current ones, then those that
@@ -546,7 +532,7 @@ impl LockRouter {
         let shards = topology.all_shards();
         let probes = shards.iter().map(|s| async {
             let current = topology.current.shards.iter().any(|c| Arc::ptr_eq(c, s));
-            let closed = s.shard.is_closed();
+            let closed = s.is_closed();
             let held = if closed {
                 Err(shardlock_core::BackendError::new(
                     shardlock_core::BackendErrorKind::ServerGone,
@@ -554,17 +540,17 @@ impl LockRouter {
                     "the shard left the topology and its pool was closed",
                 ))
             } else {
-                s.shard.count_held().await
+                s.unguarded().count_held().await
             };
             ShardStatus {
                 current,
                 closed,
-                name: s.shard.name().to_owned(),
+                name: s.name().to_owned(),
                 reachable: held.is_ok(),
                 error: held.as_ref().err().map(|e| e.to_string()),
                 held_leases: held.ok(),
                 local_leases: s.held().len(),
-                pool: s.shard.pool_status(),
+                pool: s.pool_status(),
                 breaker: s.breaker_state(),
                 local_fallback_leases: s.local_count(),
             }
@@ -617,7 +603,7 @@ impl LockRouter {
             for lease in s.take_local() {
                 lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared.stats);
             }
-            s.shard.close();
+            s.close();
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -662,9 +648,9 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
             return; // back in the topology
         }
         if shard.held().is_empty() && shard.local_count() == 0 && !topology.still_needed(&shard) {
-            shard.shard.close();
+            shard.close();
             tracing::info!(
-                shard = shard.shard.name(),
+                shard = shard.name(),
                 "shardlock closed the pool of a shard that left"
             );
             return;
@@ -683,4 +669,3 @@ fn auto_instance_id() -> String {
         rand::random::<u16>()
     )
 }
-

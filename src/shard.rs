@@ -33,7 +33,9 @@ const TRANSITIONS_KEPT: usize = 64;
 /// A shard and the leases this process holds on it.
 #[derive(Debug)]
 pub(crate) struct ShardState {
-    pub(crate) shard: Shard,
+    /// The backend: reached only through the breaker ([`ShardState::call`] and its variants),
+    /// or through [`ShardState::unguarded`], whose name says it skips the breaker.
+    backend: Shard,
     /// The settings it was built from: a reload reuses the shard only if they are unchanged.
     pub(crate) config: ShardConfig,
     leases: Mutex<HashMap<u64, Arc<LeaseState>>>,
@@ -89,7 +91,7 @@ impl ShardState {
             transitions: Mutex::default(),
             local: Mutex::default(),
             label,
-            shard,
+            backend: shard,
             identity: std::sync::OnceLock::new(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "fault-injection")]
@@ -104,39 +106,83 @@ impl ShardState {
     /// recorded. Infrastructure failures and slow calls count against the shard; answers,
     /// a busy lock included, count for it. A half-open probe dropped before it completes gives
     /// its permit back.
-    pub(crate) async fn call<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, BackendError>>,
-    ) -> Result<T, BackendError> {
-        self.call_timed(call, |_| true).await
+    pub(crate) async fn call<'s, T, F>(
+        &'s self,
+        statement: impl FnOnce(&'s Shard) -> F,
+    ) -> Result<T, BackendError>
+    where
+        F: std::future::Future<Output = Result<T, BackendError>> + 's,
+    {
+        self.call_timed(statement(&self.backend), |_| true).await
     }
 
     /// [`ShardState::call`] for callers outside the lease machinery (the other lock
     /// patterns): errors name the shard.
-    pub(crate) async fn run<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, BackendError>>,
-    ) -> shardlock_core::Result<T> {
-        self.call(call)
+    pub(crate) async fn run<'s, T, F>(
+        &'s self,
+        statement: impl FnOnce(&'s Shard) -> F,
+    ) -> shardlock_core::Result<T>
+    where
+        F: std::future::Future<Output = Result<T, BackendError>> + 's,
+    {
+        self.call(statement)
             .await
-            .map_err(|e| e.into_error(self.shard.name()))
+            .map_err(|e| e.into_error(self.name()))
     }
 
     /// [`ShardState::call`] for calls that may wait for a row lock on purpose (transaction
     /// locks, job claims): their duration says nothing about the shard's health, so it never
     /// counts as a slow call.
-    pub(crate) async fn call_waiting<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, BackendError>>,
-    ) -> Result<T, BackendError> {
-        self.call_timed(call, |_| false).await
+    pub(crate) async fn call_waiting<'s, T, F>(
+        &'s self,
+        statement: impl FnOnce(&'s Shard) -> F,
+    ) -> Result<T, BackendError>
+    where
+        F: std::future::Future<Output = Result<T, BackendError>> + 's,
+    {
+        self.call_timed(statement(&self.backend), |_| false).await
+    }
+
+    /// The backend without the breaker: the one way around it, for what an operator or the
+    /// application asks directly — migrate, inspect, status counts, force-release, registry
+    /// listings, a dropped router's deregistration, and the connection `shard_connection`
+    /// hands out. An operator must see the shard as it is even while this process's breaker is
+    /// open (that is when they look), and the outcome of their calls says nothing about whether
+    /// grants should fail fast. Nothing that grants, renews or releases a lease goes this way.
+    pub(crate) fn unguarded(&self) -> &Shard {
+        &self.backend
+    }
+
+    /// The shard's name, as configured.
+    pub(crate) fn name(&self) -> &str {
+        self.backend.name()
+    }
+
+    /// How long one statement may take before the backend gives up on it.
+    pub(crate) fn statement_timeout(&self) -> std::time::Duration {
+        self.backend.statement_timeout()
+    }
+
+    /// The pool's size and use.
+    pub(crate) fn pool_status(&self) -> shardlock_mysql::PoolStatus {
+        self.backend.pool_status()
+    }
+
+    /// Whether the pool was closed (the shard left the topology and was drained).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.backend.is_closed()
+    }
+
+    /// Closes the pool: connections are closed as they come back.
+    pub(crate) fn close(&self) {
+        self.backend.close()
     }
 
     /// One grant attempt through the breaker ([`Shard::acquire`]). An answer that the key's
     /// row stayed locked by another transaction ([`Attempt::Locked`]) took the server's lock
     /// wait on purpose: it never counts as a slow call.
     pub(crate) async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
-        self.call_timed(self.shard.acquire(req), |r| {
+        self.call_timed(self.backend.acquire(req), |r| {
             !matches!(r, Ok(Attempt::Locked))
         })
         .await
@@ -223,12 +269,12 @@ impl ShardState {
                 stats.breaker_opened.fetch_add(1, Ordering::Relaxed);
                 if t.from == BreakerState::Closed {
                     tracing::warn!(
-                        shard = self.shard.name(),
+                        shard = self.backend.name(),
                         "shardlock breaker opened: the shard is failing"
                     );
                 } else {
                     tracing::debug!(
-                        shard = self.shard.name(),
+                        shard = self.backend.name(),
                         "shardlock breaker probe failed; open again"
                     );
                 }
@@ -236,14 +282,14 @@ impl ShardState {
             BreakerState::Closed => {
                 stats.breaker_closed.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(
-                    shard = self.shard.name(),
+                    shard = self.backend.name(),
                     "shardlock breaker closed: the shard is back"
                 );
                 self.wake.notify_one();
             }
             BreakerState::HalfOpen => {
                 tracing::info!(
-                    shard = self.shard.name(),
+                    shard = self.backend.name(),
                     "shardlock breaker half-open: probing the shard"
                 );
             }
@@ -304,12 +350,12 @@ impl ShardState {
         if self.identity.get().is_some() {
             return;
         }
-        match self.shard.identity().await {
+        match self.backend.identity().await {
             Ok(id) => {
                 let _ = self.identity.set(id);
             }
             Err(e) => {
-                tracing::warn!(shard = self.shard.name(), error = %e, "shardlock could not tell which database the shard reaches; its keys count as moved")
+                tracing::warn!(shard = self.backend.name(), error = %e, "shardlock could not tell which database the shard reaches; its keys count as moved")
             }
         }
     }
@@ -318,7 +364,7 @@ impl ShardState {
     /// same server identity (see [`ShardState::identity`]).
     pub(crate) fn same_database(&self, other: &ShardState) -> bool {
         std::ptr::eq(self, other)
-            || (self.shard.name() == other.shard.name() && self.config.url == other.config.url)
+            || (self.backend.name() == other.name() && self.config.url == other.config.url)
             || matches!((self.identity.get(), other.identity.get()), (Some(a), Some(b)) if a == b)
     }
 

@@ -16,8 +16,8 @@ use futures_util::future::join_all;
 use shardlock_core::Config;
 use tokio::time::Instant;
 
-use crate::queue::KeyQueues;
 use crate::guard::LockGuard;
+use crate::queue::KeyQueues;
 use crate::registry::{self, InstanceRegistry};
 use crate::shard::Shared;
 use crate::sync::LockExt;
@@ -110,7 +110,7 @@ impl Drop for Inner {
         let shards = self.topology.load().current.shards.clone();
         let id = self.shared.instance_id.clone();
         runtime.spawn(async move {
-            join_all(shards.iter().map(|s| s.shard.deregister(&id))).await;
+            join_all(shards.iter().map(|s| s.unguarded().deregister(&id))).await;
         });
     }
 }
@@ -152,7 +152,6 @@ impl std::fmt::Debug for CleanerState {
             .finish_non_exhaustive()
     }
 }
-
 
 /// Starts the heartbeat of the router of `inner` on every current shard, every
 /// `cleaner.heartbeat-interval` and whenever `beat_now` is notified, while the registry in
@@ -215,4 +214,3 @@ pub(crate) fn instant_after(wait: Duration) -> Instant {
     now.checked_add(wait)
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
-

@@ -395,7 +395,7 @@ pub(crate) fn register_observers(inner: Weak<Inner>) {
                     state,
                     &[
                         KeyValue::new("instance", router.instance_id().to_owned()),
-                        KeyValue::new("shard", status.shard.name().to_owned()),
+                        KeyValue::new("shard", status.name().to_owned()),
                     ],
                 );
             }
@@ -410,7 +410,7 @@ pub(crate) fn register_observers(inner: Weak<Inner>) {
                 return;
             };
             for shard in router.shard_states() {
-                let pool = shard.shard.pool_status();
+                let pool = shard.pool_status();
                 for (state, n) in [
                     ("max", pool.max_size),
                     ("size", pool.size),
@@ -421,7 +421,7 @@ pub(crate) fn register_observers(inner: Weak<Inner>) {
                         n as u64,
                         &[
                             KeyValue::new("instance", router.instance_id().to_owned()),
-                            KeyValue::new("shard", shard.shard.name().to_owned()),
+                            KeyValue::new("shard", shard.name().to_owned()),
                             KeyValue::new("state", state),
                         ],
                     );

@@ -9,8 +9,8 @@ use shardlock_core::{Config, ConfigError, LockKey, Result, Ring};
 use shardlock_mysql::Shard;
 use tokio::time::Instant;
 
-use crate::shard::{spawn_keeper, ShardState};
 use crate::shard::Shared;
+use crate::shard::{spawn_keeper, ShardState};
 
 /// Shards and the ring that places keys on them.
 #[derive(Debug)]
@@ -120,10 +120,7 @@ impl Topology {
     ) -> Result<Self> {
         let mut shards = Vec::with_capacity(config.shards.len());
         for (i, sc) in config.shards.iter().enumerate() {
-            if let Some(same) = reuse
-                .iter()
-                .find(|s| s.config == *sc && !s.shard.is_closed())
-            {
+            if let Some(same) = reuse.iter().find(|s| s.config == *sc && !s.is_closed()) {
                 same.reconfigure_breaker(config.breaker.clone());
                 shards.push(same.clone());
                 continue;
@@ -182,7 +179,7 @@ impl Topology {
                 out.push(shard.clone());
             }
         }
-        out.sort_by(|a, b| a.shard.name().cmp(b.shard.name()));
+        out.sort_by(|a, b| a.name().cmp(b.name()));
         out
     }
 

@@ -47,7 +47,7 @@ impl LockRouter {
             .chain([shard])
         {
             version = at
-                .run(at.shard.take_cas(lock_key.stored(), owner, &token))
+                .run(|b| b.take_cas(lock_key.stored(), owner, &token))
                 .await;
             if !matches!(version, Ok(Some(_))) {
                 break;
@@ -61,7 +61,7 @@ impl LockRouter {
             failed => {
                 for at in taken {
                     let _ = at
-                        .run(at.shard.release_cas(lock_key.stored(), owner, None))
+                        .run(|b| b.release_cas(lock_key.stored(), owner, None))
                         .await;
                 }
                 return failed.map(|_| None);
@@ -91,7 +91,7 @@ impl LockRouter {
         let mut failure = None;
         for old in topology.previous_locations(&lock_key) {
             match old
-                .run(old.shard.release_cas(lock_key.stored(), &guard.owner, None))
+                .run(|b| b.release_cas(lock_key.stored(), &guard.owner, None))
                 .await
             {
                 Ok(freed) => released |= freed,
@@ -99,11 +99,7 @@ impl LockRouter {
             }
         }
         match shard
-            .run(
-                shard
-                    .shard
-                    .release_cas(lock_key.stored(), &guard.owner, Some(guard.version)),
-            )
+            .run(|b| b.release_cas(lock_key.stored(), &guard.owner, Some(guard.version)))
             .await
         {
             Ok(freed) => released |= freed,

@@ -42,7 +42,7 @@ impl Eq for JobHome {}
 impl std::fmt::Debug for JobHome {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.0.upgrade() {
-            Some(s) => f.write_str(s.shard.name()),
+            Some(s) => f.write_str(s.name()),
             None => f.write_str("(gone)"),
         }
     }
@@ -70,11 +70,7 @@ impl LockRouter {
         // first try enqueued and answers its id, instead of enqueuing it twice.
         let request = format!("enqueue:{}", self.inner.shared.next_owner().1);
         shard
-            .run(
-                shard
-                    .shard
-                    .enqueue_job(queue, payload, delay, max_retries, &request),
-            )
+            .run(|b| b.enqueue_job(queue, payload, delay, max_retries, &request))
             .await
     }
 
@@ -148,9 +144,7 @@ impl LockRouter {
             Some(home) => home,
             None => self.state_for(&LockKey::new(&job.queue)?),
         };
-        shard
-            .run(shard.shard.finish_job(job.id, &job.claim, end))
-            .await
+        shard.run(|b| b.finish_job(job.id, &job.claim, end)).await
     }
 }
 
@@ -167,7 +161,7 @@ async fn claim_on(
     let mut look_first = false;
     loop {
         let attempt = shard
-            .call_waiting(shard.shard.claim_job(queue, claim, lease, look_first))
+            .call_waiting(|b| b.claim_job(queue, claim, lease, look_first))
             .await;
         match attempt {
             Err(e) if (e.kind.is_retryable() || e.maybe_applied) && tries < 20 => {
@@ -176,7 +170,7 @@ async fn claim_on(
                 let jitter = rand::random::<u64>() % (2 * tries);
                 tokio::time::sleep(Duration::from_millis(1 + jitter)).await;
             }
-            other => return other.map_err(|e| e.into_error(shard.shard.name())),
+            other => return other.map_err(|e| e.into_error(shard.name())),
         }
     }
 }

@@ -76,10 +76,10 @@ impl LockRouter {
         let key = LockKey::new(key)?;
         let shard = self.state_for(&key);
         let conn = shard
-            .shard
+            .unguarded()
             .connection()
             .await
-            .map_err(|e| e.into_error(shard.shard.name()))?;
+            .map_err(|e| e.into_error(shard.name()))?;
         Ok(ShardConnection(Discard(Some(conn))))
     }
 }

@@ -75,7 +75,7 @@ impl LockRouter {
             // Not retried once it may have reached the server: a retry could not tell our own
             // transition from someone else's (the error then says the outcome is unknown).
             let moved = shard
-                .run(shard.shard.transition(&machine.table, id, from, to))
+                .run(|b| b.transition(&machine.table, id, from, to))
                 .await?;
             if moved {
                 return Ok(true);

@@ -193,7 +193,7 @@ impl LockRouter {
         // processes at different epochs cannot each hold one row and wait for the other's
         // (a deadlock across servers that no server can see).
         let mut order: Vec<&Arc<ShardState>> = previous.iter().chain([&shard]).collect();
-        order.sort_by(|a, b| a.shard.name().cmp(b.shard.name()));
+        order.sort_by(|a, b| a.name().cmp(b.name()));
         let mut others = Vec::with_capacity(previous.len());
         let mut conn = None;
         for at in order {
@@ -235,7 +235,7 @@ impl LockRouter {
         Ok(TxLockGuard {
             conn: Some(conn),
             key: key.to_owned(),
-            shard: shard.shard.name().to_owned(),
+            shard: shard.name().to_owned(),
             state,
         })
     }
@@ -251,20 +251,21 @@ async fn lock_row(
     deadline: tokio::time::Instant,
 ) -> Result<SessionConn> {
     let key = lock_key.as_str();
-    let name = shard.shard.name().to_owned();
+    let name = shard.name().to_owned();
     let started = tokio::time::Instant::now();
     loop {
-        let attempt = async {
-            // Until the lock is ours, a failed or abandoned attempt's connection is closed,
-            // not pooled: a lock statement still waiting on the server must not end up
-            // holding the row on an idle pooled connection.
-            let mut conn = Discard(Some(shard.shard.connection().await?));
-            let open = conn.0.as_mut().expect("set above");
-            open.lock_tx_row(lock_key.stored(), wait).await?;
-            Ok::<_, BackendError>(conn.0.take().expect("set above"))
-        };
-        let bounded = async {
-            match tokio::time::timeout_at(deadline + Duration::from_millis(50), attempt).await {
+        // The checkout and the lock statement, through the breaker, bounded by the wait.
+        let attempt = shard.call_waiting(|backend| async move {
+            let locked = async {
+                // Until the lock is ours, a failed or abandoned attempt's connection is
+                // closed, not pooled: a lock statement still waiting on the server must not
+                // end up holding the row on an idle pooled connection.
+                let mut conn = Discard(Some(backend.connection().await?));
+                let open = conn.0.as_mut().expect("set above");
+                open.lock_tx_row(lock_key.stored(), wait).await?;
+                Ok::<_, BackendError>(conn.0.take().expect("set above"))
+            };
+            match tokio::time::timeout_at(deadline + Duration::from_millis(50), locked).await {
                 Ok(r) => r,
                 Err(_) => Err(BackendError::new(
                     BackendErrorKind::LockWaitTimeout,
@@ -272,8 +273,8 @@ async fn lock_row(
                     "the row stayed locked for the whole wait",
                 )),
             }
-        };
-        match shard.call_waiting(bounded).await {
+        });
+        match attempt.await {
             Ok(conn) => return Ok(conn),
             // NOWAIT answers 3572 (MySQL) or 1205 (MariaDB) when the row is locked.
             Err(e)
@@ -331,7 +332,7 @@ fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(key = %state.key, shard = target.shard.name(), error = %e, "shardlock could not lock a moved key's row on its new shard");
+                    tracing::warn!(key = %state.key, shard = target.name(), error = %e, "shardlock could not lock a moved key's row on its new shard");
                     state.mark_lost(
                         "its key moved in a reload and its row could not be locked on the new shard in time",
                     );

@@ -67,10 +67,10 @@ impl ShardState {
                     };
                     if moved {
                         stats.reconciled.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(shard = self.shard.name(), key = %lease.key, "shardlock re-acquired a locally held key on its shard");
+                        tracing::info!(shard = self.name(), key = %lease.key, "shardlock re-acquired a locally held key on its shard");
                     } else {
                         // Released meanwhile: give the row back.
-                        let _ = self.call(self.shard.release(&req.key, &req.owner)).await;
+                        let _ = self.call(|b| b.release(&req.key, &req.owner)).await;
                     }
                 }
                 Ok(Attempt::Held { .. }) => {
@@ -95,7 +95,7 @@ impl ShardState {
     /// made since the local lease, whose row may be written before its lease is registered,
     /// has a higher number and is never touched.) `true` when such a row was released.
     async fn give_back_stale_row(&self, key: &[u8], local_id: u64) -> bool {
-        let Ok(Some(row)) = self.call(self.shard.inspect(key)).await else {
+        let Ok(Some(row)) = self.call(|b| b.inspect(key)).await else {
             return false;
         };
         let Some(owner) = row
@@ -105,11 +105,11 @@ impl ShardState {
             return false;
         };
         tracing::info!(
-            shard = self.shard.name(),
+            shard = self.name(),
             owner,
             "shardlock gave back a row of a lease it had lost"
         );
-        matches!(self.call(self.shard.release(key, &owner)).await, Ok(true))
+        matches!(self.call(|b| b.release(key, &owner)).await, Ok(true))
     }
 
     /// Makes the keeper panic at once (tests of its supervision).
@@ -144,7 +144,7 @@ impl ShardState {
         if self.panic_next_tick.swap(false, Ordering::AcqRel) {
             panic!(
                 "shardlock fault injection: the keeper of {} panics",
-                self.shard.name()
+                self.name()
             );
         }
         // Reconciliation runs beside the keeper, one pass at a time: its statements (each up
@@ -192,13 +192,13 @@ impl ShardState {
             .map(|l| l.deadline())
             .min()
             .expect("non-empty");
-        let timeout = self.shard.statement_timeout().min(earliest - now);
+        let timeout = self.statement_timeout().min(earliest - now);
         let pairs: Vec<(&[u8], &str)> = leases
             .iter()
             .map(|l| (l.key.stored(), l.owner.as_str()))
             .collect();
         let sent = Instant::now();
-        let renewed = self.call(self.shard.renew(&pairs, timeout)).await;
+        let renewed = self.call(|b| b.renew(&pairs, timeout)).await;
         // Counted when done, together with the statements, so a snapshot never sees a tick
         // whose statement is still on its way.
         self.shared
@@ -224,7 +224,7 @@ impl ShardState {
                 }
                 *next_tick = Some(sent + period);
                 tracing::trace!(
-                    shard = self.shard.name(),
+                    shard = self.name(),
                     leases = leases.len(),
                     "shardlock renewed leases"
                 );
@@ -236,12 +236,12 @@ impl ShardState {
                     .fetch_add(1, Ordering::Relaxed);
                 if e.kind == BackendErrorKind::BreakerOpen {
                     tracing::debug!(
-                        shard = self.shard.name(),
+                        shard = self.name(),
                         leases = leases.len(),
                         "shardlock renewal skipped: the shard's breaker is open"
                     );
                 } else {
-                    tracing::warn!(shard = self.shard.name(), error = %e, leases = leases.len(), "shardlock renewal failed; retrying");
+                    tracing::warn!(shard = self.name(), error = %e, leases = leases.len(), "shardlock renewal failed; retrying");
                 }
                 // Retry soon; leases are reported lost only when their deadline passes.
                 *next_tick = Some(Instant::now() + (period / 4).max(Duration::from_millis(20)));
@@ -263,7 +263,7 @@ pub(crate) fn spawn_keeper(state: &Arc<ShardState>, closed: watch::Receiver<bool
             match keeper.await {
                 Err(e) if e.is_panic() => {
                     let Some(state) = weak.upgrade() else { return };
-                    tracing::error!(shard = state.shard.name(), "shardlock lease keeper panicked; its leases are reported lost and a new keeper starts");
+                    tracing::error!(shard = state.name(), "shardlock lease keeper panicked; its leases are reported lost and a new keeper starts");
                     for lease in state.held() {
                         state.remove(lease.id);
                         lease

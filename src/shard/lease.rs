@@ -11,8 +11,8 @@ use shardlock_core::LockKey;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::queue::{Turn, Want};
 use super::ShardState;
+use crate::queue::{Turn, Want};
 use crate::stats::Stats;
 use crate::sync::LockExt;
 

@@ -52,7 +52,10 @@ impl Shared {
     }
 
     /// Sets what [`Shared::follow`] does; the first call wins.
-    pub(crate) fn set_follow(&self, follow: impl Fn(Arc<ShardState>, Arc<LeaseState>) + Send + Sync + 'static) {
+    pub(crate) fn set_follow(
+        &self,
+        follow: impl Fn(Arc<ShardState>, Arc<LeaseState>) + Send + Sync + 'static,
+    ) {
         let _ = self.follow.set(Follow(Box::new(follow)));
     }
 
