@@ -3,17 +3,15 @@
 //! the lease), then poll — take the key on its previous shards if it moved, then on its shard,
 //! or fall back per the namespace's failure policy — and hold what was granted. Telemetry
 //! wraps the phases ([`LockRouter::acquire_inner`]) rather than being interleaved with them.
+//! One statement that may grant runs so that it always completes, whatever the caller does:
+//! see [`attempt`].
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use shardlock_core::config::{check_ttl, FailurePolicy, NamespaceConfig, DEFAULT_NAMESPACE};
-use shardlock_core::{
-    BackendError, BackendErrorKind, Backoff, BreakerState, Error, LockKey, Result,
-};
-use shardlock_mysql::{Attempt, GrantRequest};
-use tokio::sync::oneshot;
+use shardlock_core::{Backoff, BreakerState, Error, LockKey, Result};
 use tokio::time::Instant;
 
 use crate::guard::{Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
@@ -24,6 +22,10 @@ use crate::shard::ShardState;
 use crate::shard::{Grant, LeaseState};
 use crate::state::instant_after;
 use crate::topology::Topology;
+
+mod attempt;
+
+use attempt::Tried;
 
 impl LockRouter {
     /// [`LockRouter::acquire_inner`], with a timeout turned into [`Error::Timeout`].
@@ -407,48 +409,6 @@ impl LockRouter {
         Ok(guard)
     }
 
-    /// One acquire attempt of `key` on `shard` for `owner` and `want`, with a first fence above
-    /// `floor`.
-    async fn try_grant(
-        &self,
-        shard: &Arc<ShardState>,
-        key: &LockKey,
-        owner: &str,
-        want: Want,
-        floor: u64,
-        deadline: Instant,
-    ) -> Result<Tried> {
-        let id = self.inner.shared.next_id();
-        let req = GrantRequest {
-            key: key.stored().to_vec(),
-            owner: owner.to_owned(),
-            ttl_ms: want.ttl_ms(),
-            fence_floor: floor,
-            reserve: want.handoff_max_count,
-            trace: crate::telemetry::current_traceparent(),
-        };
-        let sent = Instant::now();
-        Ok(match self.attempt(shard, &req, deadline).await? {
-            None => Tried::Busy(None),
-            // Granted, but the answer came so late that the lease may already have ended on
-            // the shard: no use to anyone. Given back; the key counts as busy.
-            Some(Attempt::Granted(_)) if Instant::now() >= want.lease_end(sent) => {
-                crate::guard::give_back(shard.clone(), req.key, req.owner, want.ttl);
-                Tried::Busy(None)
-            }
-            Some(Attempt::Granted(fence)) => Tried::Granted(Grant {
-                id,
-                owner: req.owner,
-                fence,
-                reserve: req.reserve,
-                sent,
-            }),
-            Some(Attempt::Held { held_for_ms }) => Tried::Busy(Some(held_for_ms)),
-            // The row was locked by another transaction: busy, poll again soon.
-            Some(Attempt::Locked) => Tried::Busy(Some(0)),
-        })
-    }
-
     /// An in-process grant while `shard`'s breaker is open (`local` policy). The caller holds
     /// the key's turn, so no other task of this process holds the key; the keeper re-acquires
     /// it on the shard when the shard is back.
@@ -504,77 +464,6 @@ impl LockRouter {
         shard.insert(lease.clone());
         LockGuard::new(Hold::new(lease, shard.clone(), fence))
     }
-
-    /// One acquire statement, run in its own task so that it always completes. If the caller
-    /// goes away meanwhile, whoever sees a winning result last releases it: the task (when the
-    /// caller was gone before the answer) or [`PendingAttempt`]'s drop (when the answer was
-    /// already sent but not yet taken).
-    ///
-    /// The caller waits until `deadline` at most (or the statement timeout, for a deadline
-    /// already past: a single try), so no acquire outlives its wait. `None` when the answer
-    /// did not come by then within the slow-call threshold (the key is then treated as busy);
-    /// an attempt outstanding longer than that is a shard failing to answer: `Unavailable`.
-    async fn attempt(
-        &self,
-        shard: &Arc<ShardState>,
-        req: &GrantRequest,
-        deadline: Instant,
-    ) -> Result<Option<Attempt>> {
-        let (tx, rx) = oneshot::channel();
-        let (task_shard, task_req) = (shard.clone(), req.clone());
-        tokio::spawn(async move {
-            let stats = &task_shard.shared.stats;
-            let result = task_shard.acquire(&task_req).await;
-            if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
-                stats.acquire_statements.fetch_add(1, Ordering::Relaxed);
-            }
-            // A statement that failed after it may have reached the server may have granted
-            // the key (its reply was lost, or came too late): give it back, owner-checked,
-            // like a grant the caller no longer wants.
-            // So may a try before a `Locked` answer, if its connection broke after sending.
-            let unknown = matches!(&result, Err(e) if e.maybe_applied)
-                || matches!(&result, Ok(Attempt::Locked));
-            if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
-                let _ = task_shard
-                    .call(|b| b.release(&task_req.key, &task_req.owner))
-                    .await;
-            } else if unknown {
-                let ttl = Duration::from_millis(u64::from(task_req.ttl_ms));
-                crate::guard::give_back(task_shard, task_req.key, task_req.owner, ttl);
-            }
-        });
-        let mut pending = PendingAttempt {
-            rx,
-            shard: shard.clone(),
-            key: req.key.clone(),
-            owner: req.owner.clone(),
-            taken: false,
-        };
-        let sent = Instant::now();
-        let until = if deadline > sent {
-            deadline
-        } else {
-            sent + shard.statement_timeout() + Duration::from_millis(50)
-        };
-        let Ok(result) = tokio::time::timeout_at(until, &mut pending.rx).await else {
-            // `pending` drops here: a grant that still arrives is released.
-            let slow = shard.slow_call();
-            if sent.elapsed() < slow {
-                return Ok(None);
-            }
-            return Err(BackendError::new(
-                BackendErrorKind::Timeout,
-                None,
-                format!("no answer to an acquire within {slow:?} (breaker.slow-call)"),
-            )
-            .into_error(shard.name()));
-        };
-        pending.taken = true;
-        result
-            .map_err(|_| Error::Shutdown)?
-            .map(Some)
-            .map_err(|e| e.into_error(shard.name()))
-    }
 }
 
 /// How far an acquire got, for its span and metrics.
@@ -604,17 +493,6 @@ enum Entered {
     Answered(Option<LockGuard>),
 }
 
-/// What one grant attempt came to.
-#[derive(Debug)]
-enum Tried {
-    /// The key is this process's on that shard.
-    Granted(Grant),
-    /// Not granted: someone has held the key for this long (ms, by the shard's clock; 0 when
-    /// its row was locked by another transaction), or `None` when that is unknown (no answer
-    /// in time, an answer too late to use, a failure the policy waits out).
-    Busy(Option<u64>),
-}
-
 /// Grants taken on a moved key's previous shards while its new shard is still to be tried:
 /// released in the background if the acquire does not end in a guard.
 #[derive(Debug)]
@@ -633,37 +511,6 @@ impl Drop for CompanionGrants {
             runtime.spawn(async move {
                 let _ = shard.call(|b| b.release(&key, &grant.owner)).await;
             });
-        }
-    }
-}
-
-/// The caller's end of an attempt in flight (see [`LockRouter::attempt`]).
-struct PendingAttempt {
-    rx: oneshot::Receiver<std::result::Result<Attempt, shardlock_core::BackendError>>,
-    shard: Arc<ShardState>,
-    key: Vec<u8>,
-    owner: String,
-    taken: bool,
-}
-
-impl Drop for PendingAttempt {
-    fn drop(&mut self) {
-        if self.taken {
-            return;
-        }
-        // After close() the task can no longer send; a grant sent before is ours to undo.
-        self.rx.close();
-        if let Ok(Ok(Attempt::Granted(_))) = self.rx.try_recv() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let (shard, key, owner) = (
-                    self.shard.clone(),
-                    std::mem::take(&mut self.key),
-                    std::mem::take(&mut self.owner),
-                );
-                runtime.spawn(async move {
-                    let _ = shard.call(|b| b.release(&key, &owner)).await;
-                });
-            }
         }
     }
 }

@@ -15,6 +15,7 @@ mod router;
 mod shard;
 mod state;
 mod stats;
+mod status;
 mod sync;
 pub mod telemetry;
 mod topology;
@@ -24,10 +25,11 @@ pub use fence::fenced_exec;
 pub use guard::{LockGuard, LockMode, LOCAL_FENCE_BIT};
 pub use options::AcquireOptions;
 pub use registry::{InstanceRegistry, StaticRegistry};
-pub use router::{LockRouter, ShardStatus};
+pub use router::LockRouter;
 pub use shardlock_core::config::FailurePolicy;
 pub use shardlock_core::Transition as BreakerTransition;
 pub use stats::LockStats;
+pub use status::ShardStatus;
 
 pub use shardlock_core::config;
 pub use shardlock_core::{

@@ -8,10 +8,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use futures_util::future::join_all;
 use shardlock_core::config::DEFAULT_NAMESPACE;
-use shardlock_core::{
-    BackendError, BackendErrorKind, BreakerState, Config, Error, LockKey, Result, Transition,
-};
-use shardlock_mysql::{LeaseRow, MigrateReport, PoolStatus};
+use shardlock_core::{BackendError, BackendErrorKind, Config, Error, LockKey, Result};
 use tokio::time::Instant;
 
 use crate::guard::{release_through_shard, LockGuard};
@@ -20,7 +17,6 @@ use crate::options::AcquireOptions;
 use crate::registry::{self, host_name};
 use crate::shard::{ShardState, Shared};
 use crate::state::{instant_after, spawn_heartbeat, CleanerState, Gate, Inner};
-use crate::stats::LockStats;
 use crate::sync::LockExt;
 use crate::topology::Topology;
 
@@ -31,32 +27,6 @@ use crate::topology::Topology;
 #[derive(Debug, Clone)]
 pub struct LockRouter {
     pub(crate) inner: Arc<Inner>,
-}
-
-/// One shard as `status` sees it.
-#[derive(Debug, Clone)]
-pub struct ShardStatus {
-    /// The shard's name.
-    pub name: String,
-    /// Whether it answered.
-    pub reachable: bool,
-    /// Why not, if it did not.
-    pub error: Option<String>,
-    /// Live leases on the shard, all instances (when reachable).
-    pub held_leases: Option<u64>,
-    /// Leases this process holds there.
-    pub local_leases: usize,
-    /// The connection pool.
-    pub pool: PoolStatus,
-    /// False for a shard that left the topology in a reload and is kept only while moved
-    /// keys may still have leases there (or until its pool is closed).
-    pub current: bool,
-    /// Whether its pool was closed (a shard that left, drained).
-    pub closed: bool,
-    /// This process's breaker for the shard.
-    pub breaker: BreakerState,
-    /// Keys this process holds in process (`local` policy) not yet re-acquired on the shard.
-    pub local_fallback_leases: usize,
 }
 
 impl LockRouter {
@@ -319,29 +289,6 @@ impl LockRouter {
         self.inner.topology.load().config.clone()
     }
 
-    /// Creates or upgrades shardlock's tables on every shard; idempotent and safe to run from
-    /// several processes at once. Returns what each shard applied.
-    ///
-    /// Cancellation: steps already run stay (DDL commits on its own; a later call skips them). The
-    /// connection goes back to the pool unmarked (reset, not discarded, at its next checkout) and
-    /// may hold the migration lock (`GET_LOCK`) until then, stalling other `migrate` calls.
-    pub async fn migrate(&self) -> Result<Vec<(String, MigrateReport)>> {
-        let topology = self.inner.topology.load_full();
-        let runs = topology.current.shards.iter().map(|s| async move {
-            let report = s
-                .unguarded()
-                .migrate()
-                .await
-                .map_err(|e| e.into_error(s.name()))?;
-            Ok::<_, Error>((s.name().to_owned(), report))
-        });
-        let mut out = Vec::new();
-        for result in join_all(runs).await {
-            out.push(result?);
-        }
-        Ok(out)
-    }
-
     /// The shard that owns `key` now.
     pub fn shard_for(&self, key: &str) -> Result<String> {
         let key = LockKey::new(key)?;
@@ -463,105 +410,9 @@ impl LockRouter {
             })
     }
 
-    /// The state of shard `name`'s breaker in this process (`None` for an unknown shard).
-    pub fn breaker_state(&self, name: &str) -> Option<BreakerState> {
-        self.shard_state(name).map(|s| s.breaker_state())
-    }
-
-    /// Makes the lease keeper of shard `name` panic at its next tick; `false` if there is no
-    /// such shard. For tests of the keeper's supervision only (feature `fault-injection`).
-    #[cfg(feature = "fault-injection")]
-    #[doc(hidden)]
-    pub fn inject_keeper_panic(&self, name: &str) -> bool {
-        self.shard_state(name)
-            .map(|s| s.inject_keeper_panic())
-            .is_some()
-    }
-
-    /// The last transitions (up to 64) of shard `name`'s breaker in this process, oldest first.
-    pub fn breaker_transitions(&self, name: &str) -> Vec<Transition> {
-        self.shard_state(name)
-            .map(|s| s.breaker_transitions())
-            .unwrap_or_default()
-    }
-
-    /// The keys that made callers of this router wait longest over the hot-key window
-    /// (`telemetry.hot-key-window`), most first, with their total wait. Keys appear as
-    /// `telemetry.record-keys` says: themselves, or a stable hash.
-    pub fn hot_keys(&self, n: usize) -> Vec<(String, Duration)> {
-        self.inner.shared.telemetry.hot_keys(n)
-    }
-
     /// Every shard of the topology, current and leaving.
     pub(crate) fn shard_states(&self) -> Vec<Arc<ShardState>> {
         self.inner.topology.load().all_shards()
-    }
-
-    fn shard_state(&self, name: &str) -> Option<Arc<ShardState>> {
-        self.inner
-            .topology
-            .load()
-            .all_shards()
-            .into_iter()
-            .find(|s| s.name() == name)
-    }
-
-    /// Where `key` lives and what its lease row says.
-    ///
-    /// Cancellation: a read only; nothing changes. A connection dropped mid-statement is discarded
-    /// at the pool's next checkout, never reused.
-    pub async fn inspect(&self, key: &str) -> Result<(String, Option<LeaseRow>)> {
-        let key = LockKey::new(key)?;
-        let topology = self.inner.topology.load_full();
-        let shard = topology.locate(&key);
-        let row = shard
-            .unguarded()
-            .inspect(key.stored())
-            .await
-            .map_err(|e| e.into_error(shard.name()))?;
-        Ok((shard.name().to_owned(), row))
-    }
-
-    /// Every shard's reachability, pool and lease counts: the current ones, then those that
-    /// left in a reload and are still kept for moved keys.
-    ///
-    /// Cancellation: reads only; nothing changes. A connection dropped mid-statement is discarded
-    /// at the pool's next checkout, never reused.
-    pub async fn status(&self) -> Vec<ShardStatus> {
-        let topology = self.inner.topology.load_full();
-        let shards = topology.all_shards();
-        let probes = shards.iter().map(|s| async {
-            let current = topology.current.shards.iter().any(|c| Arc::ptr_eq(c, s));
-            let closed = s.is_closed();
-            let held = if closed {
-                Err(shardlock_core::BackendError::new(
-                    shardlock_core::BackendErrorKind::ServerGone,
-                    None,
-                    "the shard left the topology and its pool was closed",
-                ))
-            } else {
-                s.unguarded().count_held().await
-            };
-            ShardStatus {
-                current,
-                closed,
-                name: s.name().to_owned(),
-                reachable: held.is_ok(),
-                error: held.as_ref().err().map(|e| e.to_string()),
-                held_leases: held.ok(),
-                local_leases: s.held().len(),
-                pool: s.pool_status(),
-                breaker: s.breaker_state(),
-                local_fallback_leases: s.local_count(),
-            }
-        });
-        join_all(probes).await
-    }
-
-    /// This router's counters.
-    pub fn stats(&self) -> LockStats {
-        let queued = self.inner.queues.waiting() as u64;
-        self.inner.shared.stats.snapshot(queued)
     }
 
     /// Stops granting, releases every lease this router holds, stops the keepers and closes

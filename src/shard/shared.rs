@@ -69,10 +69,7 @@ impl Shared {
 
     /// Adds a new shard state to those [`Shared::shard_states`] lists.
     pub(crate) fn register(&self, state: &Arc<ShardState>) {
-        self.shard_states
-            .lock()
-            .unwrap()
-            .push(Arc::downgrade(state));
+        self.shard_states.locked().push(Arc::downgrade(state));
     }
 
     /// Every live shard state of this router, in or out of the topology.
