@@ -268,7 +268,11 @@ impl LockRouter {
             .shared
             .router
             .set(Arc::downgrade(&router.inner));
-        crate::telemetry::register_observers(Arc::downgrade(&router.inner));
+        // Weak: the meter provider keeps the callbacks for ever; a dropped router reports nothing.
+        let weak = Arc::downgrade(&router.inner);
+        crate::telemetry::register_observers(move || {
+            weak.upgrade().map(|inner| Self { inner }.observed())
+        });
         Ok(router)
     }
 
@@ -661,6 +665,24 @@ impl LockRouter {
     pub fn stats(&self) -> LockStats {
         let queued = self.inner.shared.queues.waiting() as u64;
         self.inner.shared.stats.snapshot(queued)
+    }
+
+    /// What its observable metrics read (see `crate::telemetry::register_observers`).
+    fn observed(&self) -> crate::telemetry::RouterSnapshot {
+        crate::telemetry::RouterSnapshot {
+            instance_id: self.instance_id().to_owned(),
+            stats: self.stats(),
+            shards: self
+                .shard_states()
+                .iter()
+                .map(|s| crate::telemetry::ShardSnapshot {
+                    name: s.shard.name().to_owned(),
+                    breaker: s.breaker_state(),
+                    pool: s.shard.pool_status(),
+                })
+                .collect(),
+            hot_keys: self.inner.shared.telemetry.reported_hot_keys(),
+        }
     }
 
     /// Stops granting, releases every lease this router holds, stops the keepers and closes
