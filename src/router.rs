@@ -146,7 +146,11 @@ impl LockRouter {
         (router.inner.shared).set_follow(move |shard, lease| {
             moves::follow(weak.clone(), shard, lease);
         });
-        crate::telemetry::register_observers(Arc::downgrade(&router.inner));
+        // Weak: the meter provider keeps the callbacks for ever; a dropped router reports nothing.
+        let weak = Arc::downgrade(&router.inner);
+        crate::telemetry::register_observers(move || {
+            weak.upgrade().map(|inner| Self { inner }.observed())
+        });
         Ok(router)
     }
 

@@ -102,6 +102,24 @@ impl LockRouter {
             .find(|s| s.name() == name)
     }
 
+    /// What its observable metrics read (see `crate::telemetry::register_observers`).
+    pub(crate) fn observed(&self) -> crate::telemetry::RouterSnapshot {
+        crate::telemetry::RouterSnapshot {
+            instance_id: self.instance_id().to_owned(),
+            stats: self.stats(),
+            shards: self
+                .shard_states()
+                .iter()
+                .map(|s| crate::telemetry::ShardSnapshot {
+                    name: s.name().to_owned(),
+                    breaker: s.breaker_state(),
+                    pool: s.pool_status(),
+                })
+                .collect(),
+            hot_keys: self.inner.shared.telemetry.reported_hot_keys(),
+        }
+    }
+
     /// Where `key` lives and what its lease row says.
     ///
     /// Cancellation: a read only; nothing changes. A connection dropped mid-statement is discarded

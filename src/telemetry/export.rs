@@ -1,0 +1,178 @@
+//! The host's side: [`init`] installs the exporters and [`TelemetryGuard`] keeps them.
+//!
+//! The lock paths only emit, through the global OpenTelemetry API and `tracing`; where that
+//! goes is the host's choice. `init` makes the common one in a single call — metrics kept for
+//! Prometheus (which the `ops/` dashboard scrapes) and, when configured, spans and metrics
+//! pushed over OTLP — so that a host need not wire exporters itself to get them. A host with a
+//! meter provider of its own skips it and calls
+//! [`metrics_exported_elsewhere`](super::metrics_exported_elsewhere) instead.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use shardlock_core::config::TelemetryConfig;
+use shardlock_core::{Error, Result};
+
+use super::endpoint::{encode, serve};
+
+/// What [`init`] set up; keep it for the life of the process. Dropping it stops the
+/// Prometheus endpoint; [`TelemetryGuard::shutdown`] also flushes what OTLP still holds.
+#[derive(Debug)]
+pub struct TelemetryGuard {
+    provider: opentelemetry_sdk::metrics::SdkMeterProvider,
+    tracer: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+    registry: prometheus::Registry,
+    server: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
+}
+
+impl TelemetryGuard {
+    /// Where the Prometheus endpoint listens (`/metrics`), if it was configured.
+    pub fn prometheus_addr(&self) -> Option<SocketAddr> {
+        self.server.as_ref().map(|(addr, _)| *addr)
+    }
+
+    /// The metrics in the Prometheus text format, as the endpoint serves them.
+    pub fn prometheus_text(&self) -> String {
+        encode(&self.registry)
+    }
+
+    /// The `tracing` layer that turns spans into OpenTelemetry spans exported over OTLP
+    /// (`None` without `telemetry.otlp-endpoint`). Add it to the host's subscriber:
+    ///
+    /// ```no_run
+    /// # async fn demo(config: shardlock::Config) -> shardlock::Result<()> {
+    /// use tracing_subscriber::prelude::*;
+    /// let telemetry = shardlock::telemetry::init(&config.telemetry).await?;
+    /// tracing_subscriber::registry().with(telemetry.layer()).init();
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// A waiter granted a lock handed over by its holder carries a span link to the holder's
+    /// `shardlock.hold` span.
+    pub fn layer<S>(
+        &self,
+    ) -> Option<tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::SdkTracer>>
+    where
+        S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+    {
+        use opentelemetry::trace::TracerProvider as _;
+        let tracer = self.tracer.as_ref()?.tracer("shardlock");
+        Some(tracing_opentelemetry::layer().with_tracer(tracer))
+    }
+
+    /// Flushes what OTLP still holds and stops the providers.
+    pub fn shutdown(self) {
+        if let Some(tracer) = &self.tracer {
+            let _ = tracer.force_flush();
+            let _ = tracer.shutdown();
+        }
+        let _ = self.provider.force_flush();
+        let _ = self.provider.shutdown();
+    }
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Some((_, server)) = &self.server {
+            server.abort();
+        }
+    }
+}
+
+/// The one-call setup for a host application: installs an OpenTelemetry meter provider whose
+/// metrics are kept for Prometheus — served at `http://<prometheus-listen>/metrics` when the
+/// config names an address — and, with `otlp-endpoint`, also pushed over OTLP, with a tracer
+/// provider exporting spans there (add [`TelemetryGuard::layer`] to your `tracing`
+/// subscriber). Call it once, inside a Tokio runtime, before building routers.
+///
+/// ```no_run
+/// # async fn demo() -> shardlock::Result<()> {
+/// let config = shardlock::Config::from_yaml_file("config/local.yaml")?;
+/// let _telemetry = shardlock::telemetry::init(&config.telemetry).await?;
+/// let router = shardlock::LockRouter::new(config).await?;
+/// # Ok(()) }
+/// ```
+///
+/// Cancellation: the meter (and OTLP tracer) providers are already installed globally when it
+/// waits to bind the Prometheus listener; dropped then, they stay installed with no guard to
+/// flush or stop them, and nothing listens. Call `init` again.
+pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_target_info()
+        .build()
+        .map_err(|e| Error::InvalidArgument {
+            name: "telemetry",
+            reason: format!("cannot set up the Prometheus exporter: {e}"),
+        })?;
+    let resource = opentelemetry_sdk::Resource::builder()
+        .with_service_name(config.service_name.clone())
+        .build();
+    let otlp_error = |e: &dyn std::fmt::Display| Error::InvalidArgument {
+        name: "telemetry.otlp-endpoint",
+        reason: format!("cannot set up the OTLP exporter: {e}"),
+    };
+    let mut meters = opentelemetry_sdk::metrics::SdkMeterProvider::builder()
+        .with_resource(resource.clone())
+        .with_reader(exporter);
+    let mut tracer = None;
+    if let Some(endpoint) = &config.otlp_endpoint {
+        use opentelemetry_otlp::{Protocol, WithExportConfig};
+        use opentelemetry_sdk::trace::Sampler;
+        let endpoint = endpoint.trim_end_matches('/');
+        let spans = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpJson)
+            .with_endpoint(format!("{endpoint}/v1/traces"))
+            .build()
+            .map_err(|e| otlp_error(&e))?;
+        let metrics = opentelemetry_otlp::MetricExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpJson)
+            .with_endpoint(format!("{endpoint}/v1/metrics"))
+            .build()
+            .map_err(|e| otlp_error(&e))?;
+        meters = meters.with_reader(
+            opentelemetry_sdk::metrics::PeriodicReader::builder(metrics)
+                .with_interval(Duration::from_secs(10))
+                .build(),
+        );
+        let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+            config.trace_sample_ratio,
+        )));
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+            .with_resource(resource)
+            .with_sampler(sampler)
+            .with_batch_exporter(spans)
+            .build();
+        opentelemetry::global::set_tracer_provider(provider.clone());
+        tracer = Some(provider);
+    }
+    let provider = meters.build();
+    opentelemetry::global::set_meter_provider(provider.clone());
+    super::metrics_exported_elsewhere();
+    let server = match &config.prometheus_listen {
+        None => None,
+        Some(addr) => {
+            let listener =
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| Error::InvalidArgument {
+                        name: "telemetry.prometheus-listen",
+                        reason: format!("cannot listen on {addr}: {e}"),
+                    })?;
+            let addr = listener.local_addr().map_err(|e| Error::InvalidArgument {
+                name: "telemetry.prometheus-listen",
+                reason: e.to_string(),
+            })?;
+            Some((addr, tokio::spawn(serve(listener, registry.clone()))))
+        }
+    };
+    Ok(TelemetryGuard {
+        provider,
+        tracer,
+        registry,
+        server,
+    })
+}

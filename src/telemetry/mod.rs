@@ -1,0 +1,71 @@
+//! Telemetry: `tracing` spans and events for every lock wait and hold, OpenTelemetry metrics,
+//! and [`init`], the one call that serves those metrics to Prometheus.
+//!
+//! The library only *emits*: spans `shardlock.acquire` (namespace, shard, bucket, key or its
+//! hash, attempts, wait_ms, outcome, mode) and `shardlock.hold` (grant to release); events for
+//! renewals, lost leases, in-memory hand-offs, breaker transitions and cleaner deletions; and
+//! metrics through the OpenTelemetry metrics API (meter `shardlock`). Nothing is exported until
+//! the host installs a subscriber and a meter provider — [`init`] does the latter — **before**
+//! it builds its routers (instruments bind to the meter provider in force then).
+//!
+//! Metrics (names as the Prometheus exporter writes them):
+//!
+//! | metric | kind | attributes |
+//! | --- | --- | --- |
+//! | `shardlock_acquire_duration_seconds` | histogram (its `_count`: acquires by outcome) | namespace, shard, outcome, mode |
+//! | `shardlock_statement_duration_seconds` | histogram: one call to a shard | shard, outcome (ok, failure) |
+//! | `shardlock_hold_duration_seconds` | histogram | shard, mode |
+//! | `shardlock_renewal_statements_total`, `shardlock_renewal_failures_total` | counter | instance |
+//! | `shardlock_leases_lost_total`, `shardlock_local_handoffs_total`, `shardlock_breaker_rejections_total` | counter | instance |
+//! | `shardlock_breaker_state` | gauge: 0 closed, 1 half-open, 2 open | instance, shard |
+//! | `shardlock_pool_connections` | gauge | instance, shard, state (max, size, available, waiting) |
+//! | `shardlock_cleaner_deleted_total` | counter | shard, reason (released, abandoned) |
+//! | `shardlock_hot_key_wait_seconds` | gauge: wait over the hot-key window | instance, key, rank |
+//!
+//! `outcome` is `granted`, `timeout`, `unavailable` or `error`; `mode` is `remote` or `local`.
+
+// Inside the facade this module is the bottom layer: it uses only `crate::sync`, `crate::stats`
+// and other crates, so that the shard handle, the acquire path, the cleaner and the router can
+// all record into it without a cycle. What it must read from a router (counters, breakers, pools,
+// hot keys) the router hands it as a snapshot source (`observers`). Its parts:
+//
+// - `instruments`: what the lock paths record as they run, built to cost little there;
+// - `trace_context`: a holder's trace context stored with its lease and linked by waiters;
+// - `observers`: the gauges and counters read from a router when metrics are collected;
+// - `export`: `init` and `TelemetryGuard`, the host's side, with `endpoint`, the Prometheus
+//   HTTP endpoint.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use opentelemetry::metrics::Meter;
+
+mod endpoint;
+mod export;
+mod instruments;
+mod observers;
+mod trace_context;
+
+pub use export::{init, TelemetryGuard};
+pub(crate) use instruments::{AcquireAttrs, BoundAcquires, Telemetry};
+pub(crate) use observers::{register_observers, RouterSnapshot, ShardSnapshot};
+pub(crate) use trace_context::{current_traceparent, link_current_to, tracing_current};
+
+/// Set once metrics are exported ([`init`] or [`metrics_exported_elsewhere`]); routers built
+/// before that skip recording, which costs nothing then.
+static METRICS_ON: AtomicBool = AtomicBool::new(false);
+
+/// Tells shardlock that the host installed an OpenTelemetry meter provider of its own (instead
+/// of calling [`init`]): routers built after this call record metrics and hot keys.
+pub fn metrics_exported_elsewhere() {
+    METRICS_ON.store(true, Ordering::Release);
+}
+
+/// Whether metrics are exported now (read once per router, when it is built).
+fn metrics_on() -> bool {
+    METRICS_ON.load(Ordering::Acquire)
+}
+
+/// The meter every instrument comes from: whatever provider the host installed, or a no-op one.
+fn meter() -> Meter {
+    opentelemetry::global::meter("shardlock")
+}

@@ -1,0 +1,246 @@
+//! The observable instruments of a router: its counters, each shard's breaker and pool, and
+//! its hot keys, read when metrics are collected rather than recorded as things happen.
+//!
+//! Telemetry sits below the router, so it cannot read a router itself: the router hands
+//! [`register_observers`] a source that takes a [`RouterSnapshot`] of it. The meter provider
+//! keeps the callbacks for the life of the process, so the source must not keep the router
+//! alive: it holds it weakly and gives `None` once the router is gone, and the callbacks then
+//! report nothing.
+
+use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use shardlock_core::BreakerState;
+use shardlock_mysql::PoolStatus;
+
+use crate::stats::LockStats;
+
+/// A router as its observable instruments read it, taken at each callback.
+#[derive(Debug, Clone)]
+pub(crate) struct RouterSnapshot {
+    /// The `instance` attribute of every observation.
+    pub(crate) instance_id: String,
+    /// The router's counters.
+    pub(crate) stats: LockStats,
+    /// Every shard of the topology, current and leaving.
+    pub(crate) shards: Vec<ShardSnapshot>,
+    /// The keys that made callers wait longest, most first, as the gauge reports them.
+    pub(crate) hot_keys: Vec<(String, Duration)>,
+}
+
+/// One shard of a [`RouterSnapshot`].
+#[derive(Debug, Clone)]
+pub(crate) struct ShardSnapshot {
+    /// The `shard` attribute.
+    pub(crate) name: String,
+    /// This process's breaker for the shard.
+    pub(crate) breaker: BreakerState,
+    /// The shard's connection pool.
+    pub(crate) pool: PoolStatus,
+}
+
+/// Registers the observable instruments of a router. Each callback takes its own snapshot
+/// from `source`, which gives `None` once the router is gone; the callbacks then report
+/// nothing.
+///
+/// A snapshot holds more than any one callback reads. Taking all of it for each of the eight
+/// costs atomic loads and a few short locks (the key queues, each shard's breaker, the hot-key
+/// summary, where an acquire that finds it taken skips its record) once per collection (a
+/// scrape, or the OTLP reader's 10 s tick): not worth a second kind of source.
+pub(crate) fn register_observers<F>(source: F)
+where
+    F: Fn() -> Option<RouterSnapshot> + Clone + Send + Sync + 'static,
+{
+    let meter = super::meter();
+    type Read = fn(&LockStats) -> u64;
+    let counters: [(&'static str, &'static str, Read); 5] = [
+        (
+            "shardlock.renewal.statements",
+            "Renewal statements sent",
+            |s| s.renew_statements,
+        ),
+        (
+            "shardlock.renewal.failures",
+            "Renewal attempts that failed",
+            |s| s.renew_failures,
+        ),
+        ("shardlock.leases.lost", "Leases reported lost", |s| s.lost),
+        (
+            "shardlock.local_handoffs",
+            "Grants handed over in memory",
+            |s| s.local_handoffs,
+        ),
+        (
+            "shardlock.breaker.rejections",
+            "Calls not sent because a breaker was open",
+            |s| s.breaker_rejections,
+        ),
+    ];
+    for (name, description, read) in counters {
+        let source = source.clone();
+        meter
+            .u64_observable_counter(name)
+            .with_description(description)
+            .with_callback(move |observer| {
+                if let Some(router) = source() {
+                    let instance = KeyValue::new("instance", router.instance_id);
+                    observer.observe(read(&router.stats), &[instance]);
+                }
+            })
+            .build();
+    }
+    let breakers = source.clone();
+    meter
+        .i64_observable_gauge("shardlock.breaker.state")
+        .with_description("Breaker per shard: 0 closed, 1 half-open, 2 open")
+        .with_callback(move |observer| {
+            let Some(router) = breakers() else {
+                return;
+            };
+            for shard in router.shards {
+                observer.observe(
+                    shard.breaker.gauge(),
+                    &[
+                        KeyValue::new("instance", router.instance_id.clone()),
+                        KeyValue::new("shard", shard.name),
+                    ],
+                );
+            }
+        })
+        .build();
+    let pools = source.clone();
+    meter
+        .u64_observable_gauge("shardlock.pool.connections")
+        .with_description("Connection pool per shard, by state: max, size, available, waiting")
+        .with_callback(move |observer| {
+            let Some(router) = pools() else {
+                return;
+            };
+            for shard in router.shards {
+                let pool = shard.pool;
+                for (state, n) in [
+                    ("max", pool.max_size),
+                    ("size", pool.size),
+                    ("available", pool.available),
+                    ("waiting", pool.waiting),
+                ] {
+                    observer.observe(
+                        n as u64,
+                        &[
+                            KeyValue::new("instance", router.instance_id.clone()),
+                            KeyValue::new("shard", shard.name.clone()),
+                            KeyValue::new("state", state),
+                        ],
+                    );
+                }
+            }
+        })
+        .build();
+    let hot_keys = source;
+    meter
+        .f64_observable_gauge("shardlock.hot_key.wait")
+        .with_unit("s")
+        .with_description("Wait time per hot key over the hot-key window, top keys only")
+        .with_callback(move |observer| {
+            let Some(router) = hot_keys() else {
+                return;
+            };
+            for (rank, (key, waited)) in router.hot_keys.into_iter().enumerate() {
+                observer.observe(
+                    waited.as_secs_f64(),
+                    &[
+                        KeyValue::new("instance", router.instance_id.clone()),
+                        KeyValue::new("key", key),
+                        KeyValue::new("rank", (rank + 1) as i64),
+                    ],
+                );
+            }
+        })
+        .build();
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A router of two shards, one breaker open, with one hot key.
+    fn router() -> RouterSnapshot {
+        let pool = PoolStatus {
+            max_size: 8,
+            size: 3,
+            available: 2,
+            waiting: 1,
+        };
+        RouterSnapshot {
+            instance_id: "observed-1".to_owned(),
+            stats: LockStats {
+                renew_statements: 7,
+                lost: 2,
+                ..LockStats::default()
+            },
+            shards: vec![
+                ShardSnapshot {
+                    name: "s0".to_owned(),
+                    breaker: BreakerState::Closed,
+                    pool,
+                },
+                ShardSnapshot {
+                    name: "s1".to_owned(),
+                    breaker: BreakerState::Open,
+                    pool,
+                },
+            ],
+            hot_keys: vec![("k".to_owned(), Duration::from_millis(1500))],
+        }
+    }
+
+    /// The value of the one sample of `metric` whose line has every label of `with`.
+    fn sample(text: &str, metric: &str, with: &[&str]) -> Option<f64> {
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{metric}{{")))
+            .find(|l| with.iter().all(|w| l.contains(w)))
+            .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+    }
+
+    #[test]
+    fn observers_report_a_live_router_and_nothing_once_it_is_gone() {
+        let registry = prometheus::Registry::new();
+        let exporter = opentelemetry_prometheus::exporter()
+            .with_registry(registry.clone())
+            .without_target_info()
+            .build()
+            .unwrap();
+        let provider = opentelemetry_sdk::metrics::SdkMeterProvider::builder()
+            .with_reader(exporter)
+            .build();
+        opentelemetry::global::set_meter_provider(provider);
+        let live = Arc::new(router());
+        let weak = Arc::downgrade(&live);
+        register_observers(move || weak.upgrade().map(|r| (*r).clone()));
+
+        let text = super::super::endpoint::encode(&registry);
+        let instance = r#"instance="observed-1""#;
+        let metric = |name, with: &[&str]| {
+            sample(&text, name, &[&[instance], with].concat())
+                .unwrap_or_else(|| panic!("no {name} {with:?} in\n{text}"))
+        };
+        assert_eq!(metric("shardlock_renewal_statements_total", &[]), 7.0);
+        assert_eq!(metric("shardlock_leases_lost_total", &[]), 2.0);
+        assert_eq!(metric("shardlock_local_handoffs_total", &[]), 0.0);
+        assert_eq!(metric("shardlock_breaker_state", &[r#"shard="s0""#]), 0.0);
+        assert_eq!(metric("shardlock_breaker_state", &[r#"shard="s1""#]), 2.0);
+        let waiting = [r#"shard="s1""#, r#"state="waiting""#];
+        assert_eq!(metric("shardlock_pool_connections", &waiting), 1.0);
+        let hot = [r#"key="k""#, r#"rank="1""#];
+        assert_eq!(metric("shardlock_hot_key_wait_seconds", &hot), 1.5);
+
+        drop(live);
+        let text = super::super::endpoint::encode(&registry);
+        assert!(
+            !text.contains(instance),
+            "a dropped router still reported:\n{text}"
+        );
+    }
+}
