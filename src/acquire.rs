@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::guard::{Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
 use crate::options::AcquireOptions;
-use crate::queue::{Entry, Handoff, Turn, Want};
+use crate::queue::{Entry, Delivery, Turn, Want};
 use crate::router::LockRouter;
 use crate::shard::ShardState;
 use crate::shard::{Grant, LeaseState};
@@ -206,12 +206,12 @@ impl LockRouter {
                 match tokio::time::timeout_at(deadline, waiter.wait()).await {
                     Err(_) => Entered::Answered(None),
                     Ok(None) => return Err(Error::Shutdown),
-                    Ok(Some(Handoff::Granted(handed))) => match handed.downcast::<LockGuard>() {
+                    Ok(Some(Delivery::Granted(handed))) => match handed.downcast::<LockGuard>() {
                         Ok(guard) => Entered::Answered(Some(*guard)),
                         // Only guard.rs hands over, and what it hands is a guard.
                         Err(_) => unreachable!("a key queue hands over lock guards only"),
                     },
-                    Ok(Some(Handoff::Turn { turn, yield_first })) => {
+                    Ok(Some(Delivery::Turn { turn, yield_first })) => {
                         if yield_first {
                             // The key was released for another process. Its poller sees that our
                             // holds are short and polls every base step, so two base steps give it
@@ -316,8 +316,13 @@ impl LockRouter {
                     }
                 }
                 if let Tried::Granted(grant) = tried {
+                    let taken = Taken {
+                        shard,
+                        grant,
+                        companions,
+                    };
                     return self
-                        .hold_grant(&shard, key, grant, want, turn, &topology, companions)
+                        .hold_grant(key, taken, want, turn, &topology)
                         .await
                         .map(Some);
                 }
@@ -341,17 +346,20 @@ impl LockRouter {
     /// (`companions`) get this grant's fence too (a process still placing the key there must
     /// be granted a larger one) and become part of the lease, renewed and released with it;
     /// if any of that fails, every row of the grant is given back as `companions` drops.
-    #[allow(clippy::too_many_arguments)]
     async fn hold_grant(
         &self,
-        shard: &Arc<ShardState>,
         key: &LockKey,
-        grant: Grant,
+        taken: Taken,
         want: Want,
         turn: Turn,
         topology: &Topology,
-        mut companions: CompanionGrants,
     ) -> Result<LockGuard> {
+        let Taken {
+            shard,
+            grant,
+            mut companions,
+        } = taken;
+        let shard = &shard;
         let moved = !companions.0.is_empty();
         // The previous shards' rows get this grant's fence too: a process still
         // placing the key there must be granted a larger one.
@@ -491,6 +499,15 @@ enum Entered {
     Turn(Turn),
     /// With its answer already: handed the lease in memory, or the wait ended.
     Answered(Option<LockGuard>),
+}
+
+/// What a poll took: the grant on the key's shard, and those on its previous shards (a moved
+/// key), which become the lease's companion rows.
+#[derive(Debug)]
+struct Taken {
+    shard: Arc<ShardState>,
+    grant: Grant,
+    companions: CompanionGrants,
 }
 
 /// Grants taken on a moved key's previous shards while its new shard is still to be tried:

@@ -10,7 +10,7 @@ use shardlock_core::{Error, Result};
 use shardlock_mysql::{GrantRequest, HandoffOutcome};
 use tokio::time::Instant;
 
-use crate::queue::{Handover, Turn};
+use crate::queue::{NextWaiter, Turn};
 use crate::shard::ShardState;
 use crate::shard::{Grant, LeaseState};
 use crate::sync::LockExt;
@@ -350,7 +350,7 @@ async fn handoff_through_shard(
     shard: Arc<ShardState>,
     lease: Arc<LeaseState>,
     turn: Turn,
-    next: Handover,
+    next: NextWaiter,
     after: tracing::Span,
 ) -> Result<()> {
     shard.remove(lease.id);

@@ -49,7 +49,7 @@ impl Want {
 
 /// What a waiter receives.
 #[derive(Debug)]
-pub(crate) enum Handoff {
+pub(crate) enum Delivery {
     /// Its turn to poll the shard. `yield_first`: the key was just released because another
     /// process wants it, so give that process a moment before polling.
     Turn { turn: Turn, yield_first: bool },
@@ -70,7 +70,7 @@ pub(crate) struct KeyQueues {
 #[derive(Debug)]
 struct Slot {
     id: u64,
-    tx: oneshot::Sender<Handoff>,
+    tx: oneshot::Sender<Delivery>,
     want: Want,
 }
 
@@ -79,7 +79,7 @@ struct Slot {
 pub(crate) enum Entry {
     /// Nobody here was busy with the key: this task polls.
     Turn(Turn),
-    /// Someone is: wait for a [`Handoff`].
+    /// Someone is: wait for a [`Delivery`].
     Queued(Waiter),
 }
 
@@ -131,11 +131,11 @@ impl KeyQueues {
                 key: key.to_vec(),
                 live: true,
             };
-            match slot.tx.send(Handoff::Turn { turn, yield_first }) {
+            match slot.tx.send(Delivery::Turn { turn, yield_first }) {
                 Ok(()) => return,
                 // That waiter gave up meanwhile: try the next one.
-                Err(Handoff::Turn { mut turn, .. }) => turn.live = false,
-                Err(Handoff::Granted(_)) => unreachable!("a turn was sent"),
+                Err(Delivery::Turn { mut turn, .. }) => turn.live = false,
+                Err(Delivery::Granted(_)) => unreachable!("a turn was sent"),
             }
         }
     }
@@ -163,12 +163,12 @@ pub(crate) struct Turn {
 impl Turn {
     /// Takes the next waiter that still waits, so that the holder can hand it the lease or
     /// this turn. The key stays busy meanwhile.
-    pub(crate) fn next_waiter(&self) -> Option<Handover> {
+    pub(crate) fn next_waiter(&self) -> Option<NextWaiter> {
         let mut map = self.queues.map.locked();
         let waiters = map.get_mut(&self.key)?;
         while let Some(slot) = waiters.pop_front() {
             if !slot.tx.is_closed() {
-                return Some(Handover {
+                return Some(NextWaiter {
                     tx: slot.tx,
                     want: slot.want,
                 });
@@ -188,22 +188,22 @@ impl Drop for Turn {
 
 /// A waiter taken off the queue by [`Turn::next_waiter`]: give it the lease or the turn.
 #[derive(Debug)]
-pub(crate) struct Handover {
-    tx: oneshot::Sender<Handoff>,
+pub(crate) struct NextWaiter {
+    tx: oneshot::Sender<Delivery>,
     pub(crate) want: Want,
 }
 
-impl Handover {
+impl NextWaiter {
     /// Hands the waiter a lease (whose lease state carries the turn).
     pub(crate) fn grant(self, guard: impl Any + Send) {
         // If it gave up meanwhile, the guard comes back and dropping it releases the lease.
-        drop(self.tx.send(Handoff::Granted(Box::new(guard))));
+        drop(self.tx.send(Delivery::Granted(Box::new(guard))));
     }
 
     /// Gives the waiter the turn to poll.
     pub(crate) fn turn(self, turn: Turn, yield_first: bool) {
         // If it gave up meanwhile, the turn comes back and dropping it passes it on.
-        drop(self.tx.send(Handoff::Turn { turn, yield_first }));
+        drop(self.tx.send(Delivery::Turn { turn, yield_first }));
     }
 }
 
@@ -213,14 +213,14 @@ pub(crate) struct Waiter {
     queues: Arc<KeyQueues>,
     key: Vec<u8>,
     id: u64,
-    rx: oneshot::Receiver<Handoff>,
+    rx: oneshot::Receiver<Delivery>,
     done: bool,
 }
 
 impl Waiter {
     /// Waits for the lease or a turn. Cancel-safe: dropping the future (or the `Waiter`)
     /// leaves the queue, and anything already sent to it is released or passed on.
-    pub(crate) async fn wait(&mut self) -> Option<Handoff> {
+    pub(crate) async fn wait(&mut self) -> Option<Delivery> {
         let handoff = (&mut self.rx).await.ok();
         self.done = true;
         handoff
@@ -287,7 +287,7 @@ mod tests {
                 .is_err()
         );
         drop(first);
-        let Some(Handoff::Turn {
+        let Some(Delivery::Turn {
             turn: t2,
             yield_first: false,
         }) = second.wait().await
@@ -296,7 +296,7 @@ mod tests {
         };
         let handover = t2.next_waiter().expect("fourth waits");
         handover.turn(t2, true);
-        let Some(Handoff::Turn {
+        let Some(Delivery::Turn {
             turn: t4,
             yield_first: true,
         }) = fourth.wait().await
@@ -316,7 +316,7 @@ mod tests {
         let handover = first.next_waiter().expect("second waits");
         handover.turn(first, false); // delivered to `second`...
         drop(second); // ...which is dropped before reading it
-        let Some(Handoff::Turn { turn, .. }) = third.wait().await else {
+        let Some(Delivery::Turn { turn, .. }) = third.wait().await else {
             panic!()
         };
         drop(turn);
