@@ -17,7 +17,6 @@ use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
 };
 use crate::migrate::{self, MigrateReport};
-use crate::patterns;
 use crate::pool::{
     lock_wait_timeout_secs, session_setup, SessionConn, ShardConn, ShardManager, ShardPool,
 };
@@ -227,15 +226,6 @@ impl Shard {
     pub async fn adopt_cas(&self, rows: &[CasRow]) -> Result<(), BackendError> {
         self.run(rows, |c, &rows| Box::pin(carry::adopt_cas(c, rows)))
             .await
-    }
-
-    /// Frees a CAS row still owned by `owner` at `version`; whether it was.
-    pub async fn free_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
-        let (key, owner, version) = (row.0.as_slice(), row.1.as_str(), row.2);
-        self.run((key, owner, version), |c, &(key, owner, version)| {
-            Box::pin(patterns::free_cas(c, key, owner, Some(version)))
-        })
-        .await
     }
 
     /// Frees a CAS row carried to another shard (see the carry module); whether this call
