@@ -318,6 +318,10 @@ pub(crate) async fn claim_job(
             return Ok(Some(claimed(mine)));
         }
     }
+    // READ COMMITTED: under the default REPEATABLE READ, the scans below would keep next-key
+    // locks on every row and gap of the queue they pass in the `(queue, status, due_at)`
+    // index, holding up enqueues, finishes and other claims of the queue until this claim
+    // commits; here only the rows actually matched stay locked.
     let mut opts = TxOpts::default();
     opts.with_isolation_level(IsolationLevel::ReadCommitted);
     let mut tx = conn.start_transaction(opts).await?;
