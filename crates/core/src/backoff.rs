@@ -15,7 +15,9 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    /// A backoff starting at `base` and never exceeding `cap`.
+    /// A backoff starting at `base` and never exceeding `cap`. A `cap` below `base` is raised
+    /// to it: configuration rejects that pair, but the other callers (the move and give-back
+    /// loops, the bench) pass constants, and a cap under the first step would only shorten it.
     pub fn new(base: Duration, cap: Duration) -> Self {
         Self {
             base,
@@ -26,6 +28,8 @@ impl Backoff {
 
     /// The next delay.
     pub fn next_delay(&mut self) -> Duration {
+        // The exponent stops at 20: `1u32 << 32` would overflow, and 2^20 times any base worth
+        // using is far past any cap. `saturating_mul` keeps a huge base from panicking.
         let exp = self.base.saturating_mul(1u32 << self.attempt.min(20));
         let d = exp.min(self.cap);
         self.attempt = self.attempt.saturating_add(1);
@@ -33,7 +37,9 @@ impl Backoff {
         half + rand::rng().random_range(Duration::ZERO..=d - half)
     }
 
-    /// Starts again from `base`.
+    /// Starts again from `base`. A waiter calls it when the shard says the current holder got
+    /// the key only moments ago: a hot key changing hands is often free again soon, and a
+    /// delay grown while earlier holders kept it long would sleep through that release.
     pub fn reset(&mut self) {
         self.attempt = 0;
     }

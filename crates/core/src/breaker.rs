@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-/// The sliding window is kept as this many slots.
+/// The sliding window is kept as this many slots: memory and time per call stay constant at
+/// any call rate, and the window's far edge is exact to a tenth of its length, which is as
+/// much as a failure-rate threshold needs.
 const WINDOW_SLOTS: u64 = 10;
 
 /// Breaker thresholds (YAML section `breaker`).
@@ -54,8 +56,13 @@ impl Default for BreakerConfig {
             consecutive_failures: 5,
             // A lock statement is a primary-key write; a second means the shard is in trouble.
             slow_call: Duration::from_secs(1),
+            // A restarted or failed-over shard is often back within seconds: probe soon.
             cooldown: Duration::from_secs(1),
+            // A shard down for long still gets a probe every 30 s, so recovery is noticed
+            // within that, while a dead shard costs each process two probes a minute.
             max_cooldown: Duration::from_secs(30),
+            // One lucky answer does not close it, and few callers are exposed to a shard
+            // that is still sick.
             probes: 3,
         }
     }
@@ -134,6 +141,11 @@ pub struct Transition {
 }
 
 /// One shard's breaker.
+///
+/// A plain value with no I/O, kept behind a lock by whoever holds the shard (the facade's
+/// shard handle). Every admitted call must be answered by exactly one [`Breaker::record`] or,
+/// for a probe, [`Breaker::abandon_probe`]: a probe slot never given back stays taken, and
+/// once all are, the half-open breaker rejects every call from then on.
 #[derive(Debug, Clone)]
 pub struct Breaker {
     config: BreakerConfig,
@@ -143,10 +155,17 @@ pub struct Breaker {
     calls: VecDeque<(u64, u32, u32)>,
     /// Slot 0 starts here (the first call recorded).
     epoch: Option<Instant>,
+    /// Failures in a row while closed; any success resets it.
     consecutive: u32,
+    /// When the current cool-down ends. `state` stays `Open` past it until the next
+    /// [`Breaker::admit`] moves it, so that [`Breaker::state`] can read half-open through
+    /// `&self` (for status and gauges) without changing anything.
     open_until: Option<Instant>,
+    /// The cool-down of the current (or next) open spell: doubled by each failed probe,
+    /// back to the configured one when the breaker closes or trips from closed.
     cooldown: Duration,
     probes_in_flight: u32,
+    /// Successful probes of this half-open spell; `config.probes` of them close it.
     probe_successes: u32,
 }
 
@@ -185,7 +204,9 @@ impl Breaker {
         }
     }
 
-    /// Whether a call may go to the shard now.
+    /// Whether a call may go to the shard now. The only place an open breaker whose cool-down
+    /// ended becomes half-open, so the transition is reported once, to the caller that made
+    /// it happen.
     pub fn admit(&mut self, now: Instant) -> (Admission, Option<Transition>) {
         let transition = self.settle(now);
         let admission = match self.state {
@@ -201,6 +222,10 @@ impl Breaker {
     }
 
     /// Reports how an admitted call went and how long it took.
+    ///
+    /// A slow success counts as a failure: a shard answering in seconds holds callers' waits
+    /// and pooled connections as surely as a dead one. Callers pass `took` as zero for calls
+    /// that wait for a row lock on purpose, whose duration says nothing about the shard.
     pub fn record(
         &mut self,
         now: Instant,
@@ -247,7 +272,11 @@ impl Breaker {
             .fold((0, 0), |(t, f), (_, calls, failed)| (t + calls, f + failed));
         let rate_tripped = total >= self.config.min_calls.max(1)
             && f64::from(failures) >= self.config.failure_rate * f64::from(total);
+        // `max(1)`: validation rejects zero, but a breaker built in code could carry it, and a
+        // minimum of zero calls would make an empty window "100% failed" on its first success.
         if rate_tripped || self.consecutive >= self.config.consecutive_failures.max(1) {
+            // A trip from closed is a new outage: it starts from the short cool-down, not
+            // from where the last outage's failed probes left it.
             self.cooldown = self.config.cooldown;
             return self.open(now);
         }
@@ -273,6 +302,8 @@ impl Breaker {
         None
     }
 
+    /// The window is emptied on every transition (here and in [`Breaker::close`]): the
+    /// failures that opened it must not count again against the shard once it is back.
     fn open(&mut self, now: Instant) -> Option<Transition> {
         let from = self.state;
         self.state = BreakerState::Open;

@@ -89,7 +89,9 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether the shard could not be reached (as opposed to a logical outcome).
+    /// Whether the shard could not be reached (as opposed to a logical outcome). Only then
+    /// may a caller reasonably degrade (serve stale data, queue the work): every other error
+    /// is an answer, and retrying or degrading would not change it.
     pub fn is_unavailable(&self) -> bool {
         matches!(self, Error::Unavailable { .. })
     }
@@ -122,11 +124,22 @@ pub enum BackendErrorKind {
 
 impl BackendErrorKind {
     /// Errors that the library retries by itself, at once, before reporting anything.
+    ///
+    /// Both are contention, not failure, and both leave nothing behind under autocommit: a
+    /// deadlock victim's whole transaction is rolled back, and a lock wait timeout undoes the
+    /// statement. In a multi-statement transaction 1205 undoes only the statement (unless the
+    /// server runs with `innodb_rollback_on_timeout`), so the transaction's earlier work is
+    /// still there and its owner must roll back before trying again.
     pub fn is_retryable(self) -> bool {
         matches!(self, Self::Deadlock | Self::LockWaitTimeout)
     }
 
     /// Errors that mean the shard itself is in trouble (they make a shard "unavailable").
+    ///
+    /// These are the failures the breaker counts: none of them is about the statement, so
+    /// sending the same statement again soon would most likely fail the same way. `Other` is
+    /// left out on purpose: a schema or SQL error is a bug to report, not an outage to wait
+    /// out, and counting it would open the breaker on a healthy shard.
     pub fn is_infrastructure(self) -> bool {
         matches!(
             self,
@@ -140,14 +153,31 @@ impl BackendErrorKind {
     }
 
     /// The kind for a MySQL server error number.
+    ///
+    /// By number, never by message: messages change between versions and are translated
+    /// (`lc_messages`); numbers are stable, and MySQL and MariaDB share the ones below except
+    /// where a comment names one side. A number this table does not know is `Other`, which the
+    /// breaker ignores, so an unknown outage code errs towards reporting the error over
+    /// opening the breaker.
     pub fn from_mysql_code(code: u16) -> Self {
         match code {
             1213 => Self::Deadlock,
             1205 => Self::LockWaitTimeout,
-            // 1461: the server's max_prepared_stmt_count is reached (a resource limit too).
+            // 1040 the server's max_connections, 1203 the account's max_user_connections,
+            // 1226 an account resource limit, 1461 the server's max_prepared_stmt_count: the
+            // shard refuses work for want of a resource, whatever the statement.
             1040 | 1203 | 1226 | 1461 => Self::TooManyConnections,
+            // 1290 usually `--read-only`/`super_read_only`, 1792 a read-only transaction, 1836
+            // read-only mode: usually a failover left the URL on a replica, which no retry
+            // of the same server fixes.
             1290 | 1792 | 1836 => Self::ReadOnly,
+            // 1053/1077 shutdown, 1152 and 1158-1161 the server aborted or lost the
+            // connection, 1317 the query was killed, 1927 the connection was killed (MariaDB's
+            // number), 4031 the server dropped an idle connection (MySQL 8.0.24+).
             1053 | 1077 | 1152 | 1158 | 1159 | 1160 | 1161 | 1317 | 1927 | 4031 => Self::ServerGone,
+            // 3572 (MySQL's NOWAIT answer for a locked row) stays `Other`: it means "busy",
+            // which the transaction lock recognises by number; as an outage it would open the
+            // breaker whenever a row is contended.
             _ => Self::Other,
         }
     }
@@ -171,7 +201,9 @@ pub struct BackendError {
 }
 
 impl BackendError {
-    /// A backend error of `kind` with the given source.
+    /// A backend error of `kind` with the given source. `maybe_applied` starts false: only
+    /// the shard's statement runner knows whether the statement left the process, and it
+    /// sets the flag itself.
     pub fn new(
         kind: BackendErrorKind,
         code: Option<u16>,
@@ -190,7 +222,10 @@ impl BackendError {
         Self::new(BackendErrorKind::Timeout, None, what.into())
     }
 
-    /// Turns this into the caller-facing error for `shard`.
+    /// Turns this into the caller-facing error for `shard`: [`Error::Unavailable`] for an
+    /// infrastructure failure (retry once the shard is back), [`Error::Backend`] for anything
+    /// else (retrying will not help). The backend error stays attached as the source either
+    /// way, so its MySQL number reaches logs.
     pub fn into_error(self, shard: &str) -> Error {
         if self.kind.is_infrastructure() {
             Error::Unavailable {

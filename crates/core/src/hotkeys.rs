@@ -32,6 +32,11 @@ impl HotKeys {
     }
 
     /// Adds `waited` (µs) for `key` at `now`.
+    ///
+    /// A new key on a full summary replaces the smallest counter and inherits its count, as
+    /// Space-Saving requires: starting from zero instead would let a steady stream of new keys
+    /// evict each other and the real hot key with them. Finding the smallest is a scan of all
+    /// counters, fine for the few thousand telemetry keeps, not for a large `capacity`.
     pub fn record(&mut self, now: Instant, key: &str, waited_us: u64) {
         self.rotate(now);
         if let Some(count) = self.current.get_mut(key) {
@@ -53,7 +58,9 @@ impl HotKeys {
     }
 
     /// The `n` keys with the most wait time over the last one to two windows, most first,
-    /// with their wait in µs.
+    /// with their wait in µs. Both generations are summed: the current one alone would
+    /// report next to nothing just after it rotated. Ties go by key, so that two reports of
+    /// the same counts list them in the same order.
     pub fn top(&mut self, now: Instant, n: usize) -> Vec<(String, u64)> {
         self.rotate(now);
         let mut merged: HashMap<&str, u64> = HashMap::new();
@@ -67,6 +74,10 @@ impl HotKeys {
         top
     }
 
+    /// Generations start on multiples of `window` from the first record (`started + window`,
+    /// not `now`), so each covers exactly one window however irregular the calls. After two
+    /// idle windows both are dropped: even the previous one would be older than the report
+    /// promises.
     fn rotate(&mut self, now: Instant) {
         let started = *self.started.get_or_insert(now);
         let age = now.saturating_duration_since(started);

@@ -7,7 +7,10 @@ use crate::error::{Error, Result};
 /// The longest key accepted, in bytes of UTF-8.
 pub const MAX_KEY_BYTES: usize = 1024;
 
-/// Keys longer than this many bytes are stored as a digest (see [`LockKey::stored`]).
+/// Keys longer than this many bytes are stored as a digest (see [`LockKey::stored`]). It is
+/// the width of the `lock_key VARBINARY(255)` columns. Every session runs in strict SQL mode,
+/// which makes a longer value an error; without it the server would truncate it, and two long
+/// keys sharing a prefix would silently become one lock.
 pub const MAX_STORED_KEY_BYTES: usize = 255;
 
 /// Marks a digest in the stored key. It is `0xFF`, a byte that never occurs in UTF-8, so a
@@ -67,6 +70,9 @@ impl LockKey {
             identity.push(BUCKET_MARK);
             identity.extend_from_slice(b.to_string().as_bytes());
         }
+        // SHA-256 rather than a fast hash: two identities with the same digest would be one
+        // lock, and keys can come from users, so collisions must be infeasible to construct,
+        // not just unlikely.
         let stored = if identity.len() <= MAX_STORED_KEY_BYTES {
             identity.clone()
         } else {
@@ -101,6 +107,11 @@ impl LockKey {
 
     /// A short stable digest of the key (`#` and 16 hex digits), for telemetry that must not
     /// carry the key itself: the same key gives the same label in every process.
+    ///
+    /// SipHash with a fixed zero key, so that every process and release agrees. That also
+    /// means it is not a secret: anyone can hash a guess, and a key drawn from a small space
+    /// (`user:<id>`) is recovered by hashing all of them. It keeps keys out of sight, not out
+    /// of reach. Buckets of one key get labels of their own (the stored bytes are hashed).
     pub fn label_hash(&self) -> String {
         use std::hash::Hasher;
         let mut h = siphasher::sip::SipHasher13::new_with_keys(0, 0);
@@ -115,6 +126,10 @@ impl LockKey {
 
     /// The placement bytes (see [`LockKey::placement`]) of a lock stored as `stored`, or
     /// `None` when it is stored as a digest (its placement cannot be recovered).
+    ///
+    /// What lets a reload's carry tell where a row found on a shard belongs now. For a digest
+    /// it cannot, so the facade copies such a row's fence to every shard and leaves an owned
+    /// CAS row of it in place, with the move in force, until it is released.
     pub fn placement_of_stored(stored: &[u8]) -> Option<&[u8]> {
         (stored.first() != Some(&DIGEST_MARK)).then_some(stored)
     }

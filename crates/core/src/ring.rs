@@ -13,10 +13,19 @@ use consistent_hash::{Node, StaticHashRing};
 use siphasher::sip::SipHasher13;
 
 /// The portable hash used for ring positions (see the module documentation).
+///
+/// Changing anything it feeds or how (a byte, an order, the SipHash key) moves keys between
+/// shards. In a fleet running two versions, the two would then grant the same key on two
+/// shards at once, so the golden tests below must fail first.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RingHash;
 
 /// A hasher that only accepts what our own `Hash` impls feed it: raw bytes.
+///
+/// The integer overrides are a guard: our impls call `write` only, but a derived `Hash` added
+/// later would feed integers, which `Hasher`'s defaults pass on in native byte order. Signed
+/// integers reach the overrides through those defaults; `u128`/`i128` are not overridden, so
+/// nothing hashed with it may write 128-bit integers.
 struct StableHasher(SipHasher13);
 
 impl Hasher for StableHasher {
@@ -60,20 +69,26 @@ impl consistent_hash::RingHash for RingHash {
     fn hash_vnode<K: Hash>(&self, node_key: &K, vnode_seq: usize) -> u64 {
         let mut h = StableHasher::new();
         node_key.hash(&mut h);
+        // Written out as 8 bytes rather than hashed as a `usize`, whose width is the
+        // platform's.
         h.write(&(vnode_seq as u64).to_le_bytes());
         h.finish()
     }
 }
 
 /// The bucket (of `buckets`) that `hint` picks: a stable hash of its bytes, the same in every
-/// process.
+/// process, so that callers with one hint start at the same bucket wherever they run. The
+/// modulo's bias is negligible: at most 1024 buckets out of 2^64 hash values.
 pub fn bucket_for(hint: &[u8], buckets: u32) -> u32 {
     let mut h = StableHasher::new();
     h.write(hint);
     (h.finish() % u64::from(buckets.max(1))) as u32
 }
 
-/// A shard's name as a ring node: hashed as its length (u64 LE) followed by its bytes.
+/// A shard's name as a ring node: hashed as its length (u64 LE) followed by its bytes. The
+/// length prefix makes the encoding unambiguous whatever `hash_vnode` appends after it. The
+/// name, not the URL, is the node: a shard can move to another host without moving its keys,
+/// and renaming one moves them.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 struct ShardName(String);
 
@@ -113,7 +128,9 @@ impl std::fmt::Debug for Ring {
 
 impl Ring {
     /// Builds a ring from `(name, weight)` pairs; each shard gets `virtual_nodes * weight`
-    /// points. Names must be unique (config validation guarantees it).
+    /// points. Names must be unique (config validation guarantees it): two nodes with one
+    /// name would hash to the same points, and the config would no longer decide which of the
+    /// two shards owns them.
     pub fn new<'a>(shards: impl IntoIterator<Item = (&'a str, u32)>, virtual_nodes: u32) -> Self {
         let nodes: Vec<_> = shards
             .into_iter()

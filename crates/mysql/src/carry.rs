@@ -36,6 +36,8 @@ pub(crate) async fn adopt_cas(conn: &mut Conn, rows: &[CasRow]) -> mysql_async::
     if rows.is_empty() {
         return Ok(());
     }
+    // In key order, as `raise_floors` writes: carries of the same keys from several
+    // processes then lock rows in one order and cannot deadlock each other.
     let mut sorted: Vec<&CasRow> = rows.iter().collect();
     sorted.sort();
     let mut params: Vec<Value> = Vec::with_capacity(rows.len() * 3);
@@ -143,6 +145,9 @@ pub(crate) async fn start_moving(
     ids: &[u64],
     to: &str,
 ) -> mysql_async::Result<Vec<MovingJob>> {
+    // `retry_count` is assigned before `status`, since it reads the old status: single-table
+    // UPDATEs assign left to right (MariaDB too, as long as the session's sql_mode leaves out
+    // SIMULTANEOUS_ASSIGNMENT, which it does).
     let (list, params) = id_list(ids);
     let mut marking = vec![Value::from(to)];
     marking.extend(params.iter().cloned());
@@ -226,6 +231,9 @@ pub(crate) async fn finish_moving(conn: &mut Conn, ids: &[u64]) -> mysql_async::
     .await
 }
 
+/// `(?,?,...)` for `ids` with the padded, power-of-two shape of [`padded_in_list`], so the
+/// statement cache sees few shapes, but the ids bound as integers (padded with the last one)
+/// so that they compare with the BIGINT key as numbers.
 fn id_list(ids: &[u64]) -> (String, Vec<Value>) {
     let bytes: Vec<[u8; 8]> = ids.iter().map(|id| id.to_le_bytes()).collect();
     let (list, _) = padded_in_list(bytes.iter().map(|b| b.as_slice()));

@@ -7,7 +7,9 @@ use crate::lease::padded_in_list;
 use crate::now_us;
 
 /// Registers the instance on first call (`started_at` = now) and beats afterwards; a
-/// deregistered instance that beats again is alive again.
+/// deregistered instance that beats again is alive again. Times are the shard's `NOW(3)`, and
+/// [`ALIVE_HEAD`] compares them with the same clock, so liveness never depends on two
+/// machines' clocks agreeing.
 const HEARTBEAT: &str = "INSERT INTO shardlock_instance \
      (instance_id, host, pid, started_at, heartbeat_at, deregistered_at, topology, moving, fleet) \
      VALUES (?, ?, ?, NOW(3), NOW(3), NULL, ?, ?, ?) \

@@ -4,6 +4,10 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params, Value};
 
 /// Shard clock in microseconds since the epoch: where a new row's fence starts.
+///
+/// A macro, not a `const`, because statements are assembled with `concat!`, which takes only
+/// literals; `#[macro_export]` is what lets the cleaner's statements use it too (hidden from
+/// the docs, it is not API).
 #[macro_export]
 #[doc(hidden)]
 macro_rules! now_us {
@@ -54,9 +58,15 @@ pub struct GrantRequest {
 /// loser marks the row as wanted and gets, through the same channel, how long the holder has
 /// had it, in ms, with the top bit set ([`HELD_MARK`]) so it cannot be taken for a fence;
 /// waiters use it to poll a briefly held key soon. Assignments run left to right, so `owner`
-/// must come first. A row held by a live lease is never taken; nothing is deleted, so there is no insert/delete churn on hot rows.
-/// Times are `NOW(3)` of the shard, in UTC; the statement is kept small because the server
-/// re-resolves every expression of a prepared statement on each execution.
+/// must come first. A row held by a live lease is never taken; nothing is deleted, so there
+/// is no insert/delete churn on hot rows. Times are `NOW(3)` of the shard, in UTC; the
+/// statement is kept small because the server re-resolves every expression of a prepared
+/// statement on each execution.
+///
+/// The loser's branch is `fence + 0 * LAST_INSERT_ID(...)`: the fence stays, but the call is
+/// still evaluated for its side effect. Its `GREATEST(..., 0)` matters: if the shard's clock
+/// stepped back since the grant, the held time is negative, and 2^63 plus it would fall below
+/// [`HELD_MARK`] and be read as a granted fence.
 ///
 /// Parameters: key, owner, fence floor, reserve, ttl ms, ttl us, trace | owner, owner, fence
 /// floor, reserve, owner, ttl ms, owner, ttl us, owner, owner, trace, owner.
@@ -113,6 +123,9 @@ const HANDOFF: &str = concat!(
 const RAISE_FENCE: &str =
     "UPDATE shardlock_lease SET fence = GREATEST(fence, ?) WHERE lock_key = ? AND owner = ?";
 
+/// Whether `owner` holds `key`. Also `true` when the stored fence was already at least
+/// `fence`: sessions count matched rows (`CLIENT_FOUND_ROWS`), so the answer is about the
+/// owner, not about whether the value changed.
 pub(crate) async fn raise_fence(
     conn: &mut Conn,
     key: &[u8],
@@ -317,7 +330,9 @@ const COUNT_HELD: &str =
 /// Most leases renewed by one statement (two parameters each, well under the 65,535 limit).
 pub const MAX_RENEW_BATCH: usize = 4096;
 
-/// Marks "held for N ms" in what a losing acquire reports (fences stay far below 2^63).
+/// Marks "held for N ms" in what a losing acquire reports. Fences start at the shard's clock in
+/// microseconds (under 2^51 today) and rise with it and with each grant's reserve, far from
+/// 2^63: the top bit alone tells the two answers apart in one number.
 pub const HELD_MARK: u64 = 1 << 63;
 
 /// What an acquire attempt found.
@@ -363,6 +378,9 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
         req.trace.as_deref().into(),
         owner.into(),
     ];
+    // 1205 is an answer here, not an error: as an error the shard's runner would retry it at
+    // once, spending the statement timeout behind the same row lock, where the caller's poll
+    // loop waits with its own backoff and deadline instead.
     match conn.exec_drop(ACQUIRE, Params::Positional(params)).await {
         Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
             return Ok(Attempt::Locked)
@@ -373,6 +391,7 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
         reported if reported >= HELD_MARK => Attempt::Held {
             held_for_ms: reported - HELD_MARK,
         },
+        // No value came back: read as held, never as a grant this call cannot prove.
         0 => Attempt::Held { held_for_ms: 0 },
         fence => Attempt::Granted(fence),
     })
@@ -502,6 +521,8 @@ const SHARD_ID: &str = "SELECT value FROM shardlock_meta WHERE name = 'shard-id'
 /// Error number of a missing table (`shardlock_meta` before migration 5).
 const NO_SUCH_TABLE: u16 = 1146;
 
+/// A shard not yet migrated to version 5 has no `shardlock_meta`: it is then identified by its
+/// server alone rather than failing, so two URLs to one such database are still recognised.
 pub(crate) async fn identity(conn: &mut Conn) -> mysql_async::Result<String> {
     let server: Option<String> = conn.query_first(SERVER).await?;
     let id: Option<String> = match conn.query_first(SHARD_ID).await {

@@ -72,6 +72,8 @@ pub(crate) async fn migrate(conn: &mut Conn) -> mysql_async::Result<MigrateRepor
         ));
     }
     let result = apply(conn).await;
+    // A failed release is not reported over the migration's own result: the connection was
+    // taken raw, so the pool resets it before reuse, and the reset frees the lock anyway.
     let _ = conn
         .query_drop("DO RELEASE_LOCK('shardlock.migrate')")
         .await;
@@ -108,7 +110,8 @@ async fn apply(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
 }
 
 /// Splits a migration file into statements: `;` at the end of a line ends one; `--` lines are
-/// comments.
+/// comments. Line-based rather than a SQL tokenizer, so a migration must not end a line
+/// inside a string literal with `;`.
 fn statements(sql: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut current = String::new();

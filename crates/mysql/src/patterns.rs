@@ -8,6 +8,7 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, IsolationLevel, TxOpts};
 use shardlock_core::{BackendError, Error};
 
+use crate::carry::CasRow;
 use crate::error::classify;
 use crate::pool::SessionConn;
 use crate::shard::Shard;
@@ -317,6 +318,10 @@ pub(crate) async fn claim_job(
             return Ok(Some(claimed(mine)));
         }
     }
+    // READ COMMITTED: under the default REPEATABLE READ, the scans below would keep next-key
+    // locks on every row and gap of the queue they pass in the `(queue, status, due_at)`
+    // index, holding up enqueues, finishes and other claims of the queue until this claim
+    // commits; here only the rows actually matched stay locked.
     let mut opts = TxOpts::default();
     opts.with_isolation_level(IsolationLevel::ReadCommitted);
     let mut tx = conn.start_transaction(opts).await?;
@@ -372,6 +377,19 @@ impl Shard {
     ) -> Result<bool, BackendError> {
         self.run((key, owner, version), |c, &(key, owner, version)| {
             Box::pin(free_cas(c, key, owner, version))
+        })
+        .await
+    }
+
+    /// Frees a CAS row still owned by `owner` at `version`; whether it was. The carry uses it
+    /// on the copies it wrote of a carried row when the holder released the original first:
+    /// the owner and version checks leave alone a row the copy was never written to (it was
+    /// owned already) or that changed hands since. It lives here, beside the `free_cas`
+    /// statement it runs, so that the shard module needs nothing from the patterns.
+    pub async fn free_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
+        let (key, owner, version) = (row.0.as_slice(), row.1.as_str(), row.2);
+        self.run((key, owner, version), |c, &(key, owner, version)| {
+            Box::pin(free_cas(c, key, owner, Some(version)))
         })
         .await
     }

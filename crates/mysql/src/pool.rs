@@ -7,7 +7,9 @@ use futures_util::future::BoxFuture;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};
 
-/// The server's `max_prepared_stmt_count` was reached.
+/// The server's `max_prepared_stmt_count` was reached. The limit is server-wide, so the
+/// statement that hits it is not at fault: closing the connection that got the error gives
+/// back its cached statements, and the runner retries once on another connection.
 pub(crate) const PREPARED_STATEMENT_LIMIT: u16 = 1461;
 
 /// A pooled connection and what the pool must know about its state.
@@ -43,6 +45,11 @@ impl ShardConn {
     }
 
     /// The raw connection for the caller's own SQL; it will be reset before anyone reuses it.
+    ///
+    /// Unlike [`ShardConn::run`] it cannot mark a statement in flight, since it does not see
+    /// the caller's statements end. A caller whose future may be dropped mid-statement must
+    /// discard the connection itself ([`SessionConn::discard`]); otherwise the pool resets a
+    /// session whose state it cannot know.
     pub(crate) fn raw(&mut self) -> &mut Conn {
         self.dirty = true;
         &mut self.conn
@@ -124,6 +131,8 @@ impl managed::Manager for ShardManager {
             }
             c.dirty = false;
         } else if metrics.last_used() > self.idle_check {
+            // Only after a while idle: a ping on every checkout would double the round trips
+            // of a busy pool, whose connections the server has no reason to have dropped.
             c.conn.ping().await?;
         }
         Ok(())

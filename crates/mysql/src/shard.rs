@@ -17,7 +17,6 @@ use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
 };
 use crate::migrate::{self, MigrateReport};
-use crate::patterns;
 use crate::pool::{
     lock_wait_timeout_secs, session_setup, SessionConn, ShardConn, ShardManager, ShardPool,
 };
@@ -53,6 +52,16 @@ impl Shard {
                 format!("cannot parse the URL: {e}"),
             )
         })?;
+        // `client_found_rows`: affected rows count the rows a statement matched, not those it
+        // changed. Every "whether it did" answer relies on it: a renewal in the same
+        // millisecond as the last one, or a fence raised to the value it had, changes nothing
+        // yet must still say the owner holds the row.
+        // `stmt_cache_size`: each cached statement is prepared on the server and counts
+        // against its global `max_prepared_stmt_count` (16,382 by default); 128 per connection
+        // keeps the fixed lease statements and the power-of-two IN-list shapes cached, but with
+        // the default pool of 16, eight processes on one shard can reach the limit. A
+        // connection that hits it (1461) is closed, freeing its statements, and the statement
+        // is retried on another.
         let opts = OptsBuilder::from_opts(opts)
             .client_found_rows(true)
             .tcp_nodelay(true)
@@ -126,7 +135,8 @@ impl Shard {
         let deadline = Instant::now() + timeout;
         let mut reconnected = false;
         // Set once a statement may have reached the server: a failure after that leaves its
-        // effect unknown (`BackendError::maybe_applied`).
+        // effect unknown (`BackendError::maybe_applied`). Atomic rather than a `Cell` because
+        // the future borrowing it must be `Send`, which a shared `&Cell` is not.
         let sent = std::sync::atomic::AtomicBool::new(false);
         loop {
             let attempt = tokio::time::timeout_at(deadline, async {
@@ -156,9 +166,13 @@ impl Shard {
                     || err.code == Some(crate::pool::PREPARED_STATEMENT_LIMIT))
                     && (retry_broken || !err.maybe_applied)
                     && !std::mem::replace(&mut reconnected, true));
+            // A try with under 2 ms left could not finish: report this error, which says what
+            // happened, rather than a timeout that leaves the outcome looking unknown.
             if !retry || Instant::now() + Duration::from_millis(2) >= deadline {
                 return Err(err);
             }
+            // Deadlock victims that retry at the same instant deadlock again; a few ms of
+            // jitter lets one of them go first. A broken connection is retried at once.
             if err.kind.is_retryable() {
                 tracing::debug!(shard = %self.name, code = ?err.code, "retrying after a deadlock or lock wait timeout");
                 let jitter = rand::rng().random_range(1..=4);
@@ -178,6 +192,10 @@ impl Shard {
     }
 
     /// Releases `key` if `owner` still holds it; `false` when it did not (the lease was lost).
+    ///
+    /// Retried once on a broken connection, like the other idempotent statements here. The
+    /// release itself is idempotent, but its answer is not: if the first try released the row
+    /// and only its reply was lost, the retry finds the row free and answers `false`.
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
         self.run((key, owner), |c, &(key, owner)| {
             Box::pin(lease::release(c, key, owner))
@@ -227,15 +245,6 @@ impl Shard {
     pub async fn adopt_cas(&self, rows: &[CasRow]) -> Result<(), BackendError> {
         self.run(rows, |c, &rows| Box::pin(carry::adopt_cas(c, rows)))
             .await
-    }
-
-    /// Frees a CAS row still owned by `owner` at `version`; whether it was.
-    pub async fn free_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
-        let (key, owner, version) = (row.0.as_slice(), row.1.as_str(), row.2);
-        self.run((key, owner, version), |c, &(key, owner, version)| {
-            Box::pin(patterns::free_cas(c, key, owner, Some(version)))
-        })
-        .await
     }
 
     /// Frees a CAS row carried to another shard (see the carry module); whether this call
@@ -347,6 +356,9 @@ impl Shard {
             held: Vec::with_capacity(leases.len()),
             statements: 0,
         };
+        // The caller's `timeout` bounds all chunks together, not the statement timeout each: a
+        // renewal answered after a lease's local end is worthless, so the keeper passes the
+        // statement timeout or, if sooner, the time left before its earliest lease ends.
         let deadline = Instant::now() + timeout;
         for chunk in leases.chunks(MAX_RENEW_BATCH) {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -482,6 +494,12 @@ impl Shard {
     }
 
     /// Applies missing migrations.
+    ///
+    /// Only getting the connection is bounded by the statement timeout: DDL on a large table,
+    /// and the wait for another process's migration lock (up to 30 s), may take longer. The
+    /// connection is taken raw, which marks it dirty, so the pool resets it before reuse and
+    /// the reset frees the `GET_LOCK` lock if releasing it failed. A future dropped mid-DDL
+    /// also hands it back to be reset rather than discarded, since raw use is not tracked.
     pub async fn migrate(&self) -> Result<MigrateReport, BackendError> {
         let mut conn = tokio::time::timeout(self.statement_timeout, self.pool.get())
             .await

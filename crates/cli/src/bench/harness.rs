@@ -12,7 +12,7 @@ use shardlock::mysql_async::{
 };
 use shardlock::{AcquireOptions, Backoff, LockRouter};
 
-use super::report::{summarize, Measurement};
+use super::report::{summarize, Measurement, Reading};
 use super::BenchArgs;
 use crate::{AnyError, ConfigSource};
 
@@ -84,16 +84,14 @@ pub(super) struct Counters {
     pub(super) pool: Pool,
 }
 
-/// What [`Counters::read`] found: what a round added is its reading after minus before.
-#[derive(Debug, Default, Clone, Copy)]
-pub(super) struct Reading {
-    /// Row-writing statements (INSERT/UPDATE/DELETE).
-    pub(super) statements: u64,
-    pub(super) deadlocks: u64,
-}
-
 impl Counters {
-    /// The server's counts so far.
+    /// The server's counts so far, as a [`Reading`].
+    ///
+    /// Server-wide, not per session: the routers' own background statements (renewals,
+    /// heartbeats) and any other client of the server count too. `information_schema
+    /// .GLOBAL_STATUS` and `Innodb_deadlocks` are MariaDB's (MySQL 8 moved the first to
+    /// `performance_schema.global_status` and has no such status variable), as is the dev
+    /// shard this bench runs on by default.
     pub(super) async fn read(&self) -> Result<Reading, AnyError> {
         let mut c = self.pool.get_conn().await?;
         let row: Option<(u64, u64)> = c

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::harness::Reading;
 use super::{BenchArgs, Scenario};
 use crate::AnyError;
 
@@ -30,6 +29,18 @@ pub(super) struct Measurement {
     pub(super) max_ms: f64,
     /// The latency distribution: (quantile, ms) at fixed quantiles, for the plot.
     pub(super) latency_quantiles: Vec<(f64, f64)>,
+}
+
+/// The shard's server-wide counters at one moment (the harness reads them before and after
+/// each round): what a round added is its reading after minus before. Kept here, beside
+/// [`summarize`] that turns two of them into a [`Measurement`], so that the report depends on
+/// no part of the harness.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Reading {
+    /// Row-writing statements (INSERT/UPDATE/DELETE).
+    pub(super) statements: u64,
+    /// `Innodb_deadlocks`.
+    pub(super) deadlocks: u64,
 }
 
 /// The quantiles kept of every latency distribution.

@@ -6,6 +6,12 @@ use super::ConfigError;
 /// Replaces `${VAR}` and `${VAR:-default}` from the environment; `$$` stands for `$`.
 /// Whole-line comments are left alone, so a commented-out line may name a variable that is
 /// not set. An error points at its `${` in the text as written, the text the user edits.
+///
+/// Only whole-line comments: a trailing `# ...` is substituted like the rest, since telling it
+/// from a `#` inside a quoted value would take a YAML parser. The value is pasted as text, not
+/// as a YAML scalar: one holding YAML syntax (`: `, ` #`, a leading `*` or `&`, a newline)
+/// changes the document, so quote the reference (`'${DB_PASSWORD}'`) when a value may hold
+/// such characters (and double a `'` inside it).
 pub(super) fn substitute_env(text: &str) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(text.len());
     for (line_no, line) in text.split_inclusive('\n').enumerate() {

@@ -42,6 +42,10 @@ fn yaml_lines(text: &str) -> Vec<YamlLine<'_>> {
 
 /// Finds the line and column of `field` (`a.b[2].c`) in block-style YAML, for validation
 /// errors that serde cannot place. Returns `None` where the text is not plain block style.
+///
+/// Keys are matched as written, unquoted; a map key holding `.` or `[` (a namespace named
+/// `a.b`) cannot be told from the path's separators, so such a field is normally not found
+/// and its error keeps the field without a line.
 pub(super) fn locate(text: &str, field: &str) -> Option<(usize, usize)> {
     let lines = yaml_lines(text);
     let (mut lo, mut hi) = (0usize, lines.len());
@@ -77,6 +81,8 @@ pub(super) fn locate(text: &str, field: &str) -> Option<(usize, usize)> {
             let end = items.get(index + 1).copied().unwrap_or(hi);
             lo = start;
             hi = end;
+            // Just below the item's indent, so its own first field (on the dash line, at
+            // `item_indent`) counts as a child like the fields under it.
             parent_indent = Some(item_indent - 1);
         }
     }

@@ -31,6 +31,8 @@ impl Config {
             e
         };
         let text = substitute_env(raw).map_err(with_path)?;
+        // Through serde_path_to_error: serde_yaml alone says where parsing stopped but not
+        // which field it was filling, and the field is what the user searches for.
         let de = serde_yaml::Deserializer::from_str(&text);
         let mut config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
             let field = e.path().to_string();
@@ -50,6 +52,8 @@ impl Config {
                 path: None,
             })
         })?;
+        // Before validation, so the implicit `default` namespace is checked like any other
+        // and every lookup of it afterwards can rely on it being there.
         config
             .namespaces
             .entry(DEFAULT_NAMESPACE.to_owned())

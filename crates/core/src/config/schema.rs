@@ -33,13 +33,18 @@ pub const DEFAULT_HANDOFF_MAX_TIME: Duration = Duration::from_millis(20);
 /// Connections per shard pool: a lock statement is short, so a few connections serve many
 /// callers; raise it for many concurrent transaction locks.
 pub const DEFAULT_POOL_MAX_SIZE: usize = 16;
-/// How long a caller may wait for a free pooled connection.
+/// How long a caller may wait for a free pooled connection: as long as one statement may take.
+/// Running out of it fails the call as a timeout, which the shard's breaker counts as a failure
+/// of the shard, so a pool too small for its load shows up as breaker trips.
 pub const DEFAULT_POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long opening a connection may take before the shard counts as unreachable.
 pub const DEFAULT_POOL_CREATE_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long checking a pooled connection (reset or ping) may take before it is discarded.
+/// How long checking a pooled connection (reset or ping) may take before it is discarded: both
+/// are one round trip, so a second means the connection or the shard is in trouble.
 pub const DEFAULT_POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(1);
-/// Pooled connections idle longer than this are pinged before reuse.
+/// Pooled connections idle longer than this are pinged before reuse. Servers (`wait_timeout`)
+/// and firewalls drop idle connections; the ping finds a dead one before a lock statement
+/// fails on it, and connections in steady use never pay for it.
 pub const DEFAULT_POOL_IDLE_CHECK: Duration = Duration::from_secs(30);
 /// Upper bound for one lock statement; a lease statement is a primary-key operation.
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -81,7 +86,8 @@ pub struct TelemetryConfig {
     /// `service.name` of the exported telemetry.
     pub service_name: String,
     /// Put raw keys in spans and hot-key metrics. Off: a stable hash of the key (`#…`) instead,
-    /// so key contents (user ids, order numbers) stay out of telemetry.
+    /// so key contents (user ids, order numbers) stay out of telemetry. The hash has no secret
+    /// (see [`crate::LockKey::label_hash`]): keys that can be guessed can be recovered from it.
     pub record_keys: bool,
     /// How many hot keys (most wait time) the `shardlock.hot_key.wait` metric reports.
     pub hot_keys: u32,
@@ -375,6 +381,11 @@ impl Default for NamespaceConfig {
 
 impl NamespaceConfig {
     /// The renewal period for a lease of `ttl` in this namespace.
+    ///
+    /// A configured `renew-interval` applies only to leases of the namespace's own ttl: it
+    /// was validated against that ttl alone, and a per-call ttl shorter than the interval
+    /// would expire before its first renewal. Any other ttl is renewed every third of itself,
+    /// so that after a failed renewal there is still time for the next one.
     pub fn renew_interval_for(&self, ttl: Duration) -> Duration {
         match self.renew_interval {
             Some(every) if ttl == self.ttl => every,
