@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::guard::{Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
 use crate::options::AcquireOptions;
-use crate::queue::{Entry, Delivery, Turn, Want};
+use crate::queue::{Delivery, Entry, Turn, Want};
 use crate::router::LockRouter;
 use crate::shard::ShardState;
 use crate::shard::{Grant, LeaseState};
