@@ -30,7 +30,7 @@ use crate::topology::Topology;
 /// Says which instances are dead, so that the cleaner may delete their leases that ended
 /// without a release. Built in: the heartbeat table (`cleaner.registry: heartbeat`) and a
 /// static list ([`StaticRegistry`], `cleaner.registry: static`); set your own with
-/// [`LockRouter::set_registry`].
+/// [`LockRouter::set_registry`](crate::LockRouter::set_registry).
 pub trait InstanceRegistry: Send + Sync + fmt::Debug {
     /// Of `instances` — the instance ids of owners whose leases on shard `shard` ended longer
     /// than the grace ago — those known to be dead. Only their leases are deleted; an error
