@@ -526,7 +526,7 @@ impl Drop for CompanionGrants {
         for (shard, grant) in self.0.drain(..) {
             let key = self.1.clone();
             runtime.spawn(async move {
-                let _ = shard.call(|b| b.release(&key, &grant.owner)).await;
+                let _ = shard.release(&key, &grant.owner).await;
             });
         }
     }

@@ -359,9 +359,7 @@ async fn handoff_through_shard(
     // A companion taken since the hold ended was refused; one taken just before is released.
     for (other, row) in lease.end_companions() {
         other.remove(row.id);
-        let _ = other
-            .call(|b| b.release(row.key.stored(), &row.owner))
-            .await;
+        let _ = other.release(row.key.stored(), &row.owner).await;
     }
     let (id, owner) = shared.next_owner();
     let want = next.want;
@@ -462,7 +460,7 @@ pub(crate) fn give_back(
             // has finished on the server (its client gave up; the server did not), so only a
             // release that freed the row ends this early.
             if shard.breaker_state() == shardlock_core::BreakerState::Closed
-                && matches!(shard.call(|b| b.release(&key, &owner)).await, Ok(true))
+                && matches!(shard.release(&key, &owner).await, Ok(true))
             {
                 return;
             }
@@ -481,15 +479,11 @@ pub(crate) async fn release_through_shard(
     shard.remove(lease.id);
     shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
     let companions = lease.end_companions();
-    let result = shard
-        .call(|b| b.release(lease.key.stored(), &lease.owner))
-        .await;
+    let result = shard.release(lease.key.stored(), &lease.owner).await;
     // The key's rows on other shards (it moved); the turn passes on once all are free.
     for (other, row) in companions {
         other.remove(row.id);
-        let _ = other
-            .call(|b| b.release(row.key.stored(), &row.owner))
-            .await;
+        let _ = other.release(row.key.stored(), &row.owner).await;
     }
     drop(turn);
     match result {

@@ -92,7 +92,7 @@ async fn take_on(
         if lease.is_lost() || lease.has_ended() {
             if tried {
                 // A try whose reply was lost may have taken the row: give it back.
-                let _ = target.call(|b| b.release(&req.key, &req.owner)).await;
+                let _ = target.release(&req.key, &req.owner).await;
             }
             return false;
         }
@@ -121,7 +121,7 @@ async fn take_on(
                 if !lease.adopt(target.clone(), companion.clone()) {
                     // Released (or lost) meanwhile: give the row back.
                     target.remove(companion.id);
-                    let _ = target.call(|b| b.release(&req.key, &req.owner)).await;
+                    let _ = target.release(&req.key, &req.owner).await;
                     return false;
                 }
                 shared.stats.followed.fetch_add(1, Ordering::Relaxed);
@@ -154,13 +154,11 @@ async fn take_on(
     // renewal, no hand-off); its rows are given back.
     lease.mark_lost(why, &shared.stats);
     if shard.remove(lease.id).is_some() {
-        let _ = shard.call(|b| b.release(&req.key, &lease.owner)).await;
+        let _ = shard.release(&req.key, &lease.owner).await;
     }
     for (other, row) in lease.end_companions() {
         other.remove(row.id);
-        let _ = other
-            .call(|b| b.release(row.key.stored(), &row.owner))
-            .await;
+        let _ = other.release(row.key.stored(), &row.owner).await;
     }
     false
 }

@@ -20,6 +20,7 @@ use tokio::time::Instant;
 use crate::sync::LockExt;
 
 mod keeper;
+mod lanes;
 mod lease;
 mod shared;
 
@@ -58,6 +59,10 @@ pub(crate) struct ShardState {
     /// The server and schema behind the shard, once read (see [`Shard::identity`]): two shard
     /// states with the same identity are the same database.
     pub(crate) identity: std::sync::OnceLock<String>,
+    /// Acquires waiting to be sent (see [`lanes`]).
+    acquire_lane: lanes::Lane<GrantRequest, Attempt>,
+    /// Releases waiting to be sent: (key, owner).
+    release_lane: lanes::Lane<(Vec<u8>, String), bool>,
     /// Set while a reconciliation pass runs (beside the keeper loop).
     reconciling: std::sync::atomic::AtomicBool,
     /// The keeper panics at its next tick (tests of its supervision).
@@ -93,6 +98,8 @@ impl ShardState {
             label,
             backend: shard,
             identity: std::sync::OnceLock::new(),
+            acquire_lane: lanes::Lane::default(),
+            release_lane: lanes::Lane::default(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "fault-injection")]
             panic_next_tick: std::sync::atomic::AtomicBool::new(false),
@@ -178,14 +185,96 @@ impl ShardState {
         self.backend.close()
     }
 
-    /// One grant attempt through the breaker ([`Shard::acquire`]). An answer that the key's
-    /// row stayed locked by another transaction ([`Attempt::Locked`]) took the server's lock
-    /// wait on purpose: it never counts as a slow call.
-    pub(crate) async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
-        self.call_timed(self.backend.acquire(req), |r| {
-            !matches!(r, Ok(Attempt::Locked))
-        })
-        .await
+    /// One grant attempt, sent alone or in a batch with others of this shard (see
+    /// [`lanes`]), through the breaker. An answer that the key's row stayed locked by another
+    /// transaction ([`Attempt::Locked`]) took the server's lock wait on purpose: it never
+    /// counts as a slow call.
+    pub(crate) async fn acquire(
+        self: &Arc<Self>,
+        req: &GrantRequest,
+    ) -> Result<Attempt, BackendError> {
+        let (answer, start) = self
+            .acquire_lane
+            .push(req.clone(), self.batches_in_flight());
+        if start {
+            tokio::spawn(self.clone().send_acquires());
+        }
+        answer.await.unwrap_or_else(|_| Err(no_answer()))
+    }
+
+    /// Releases `key` if `owner` still holds it, alone or in a batch with other releases of
+    /// this shard (see [`lanes`]), through the breaker; `false` when it did not (the lease was
+    /// lost).
+    pub(crate) async fn release(
+        self: &Arc<Self>,
+        key: &[u8],
+        owner: &str,
+    ) -> Result<bool, BackendError> {
+        let lease = (key.to_vec(), owner.to_owned());
+        let (answer, start) = self.release_lane.push(lease, self.batches_in_flight());
+        if start {
+            tokio::spawn(self.clone().send_releases());
+        }
+        answer.await.unwrap_or_else(|_| Err(no_answer()))
+    }
+
+    /// How many batches of each kind may be in flight: a quarter of the pool, so that batches
+    /// form under load while renewals, hand-offs and the other patterns keep connections.
+    fn batches_in_flight(&self) -> usize {
+        (self.config.pool.max_size / 4).max(1)
+    }
+
+    /// A runner of the acquire lane: sends what waits, a batch at a time, until nothing does.
+    async fn send_acquires(self: Arc<Self>) {
+        while let Some(batch) = self.acquire_lane.next_batch(|r| &r.key) {
+            let (requests, answers): (Vec<_>, Vec<_>) =
+                batch.into_iter().map(|w| (w.request, w.answer)).unzip();
+            let stats = &self.shared.stats;
+            let result = if let [request] = requests.as_slice() {
+                let result = self.call_timed(self.backend.acquire(request), |r| {
+                    !matches!(r, Ok(Attempt::Locked))
+                });
+                result.await.map(|attempt| vec![attempt])
+            } else {
+                let result = self.call_timed(
+                    self.backend.acquire_batch(&requests),
+                    |r| !matches!(r, Ok(attempts) if attempts.contains(&Attempt::Locked)),
+                );
+                stats.acquire_batches.fetch_add(1, Ordering::Relaxed);
+                let keys = requests.len() as u64;
+                stats.batched_acquires.fetch_add(keys, Ordering::Relaxed);
+                result.await
+            };
+            if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
+                let sent = if requests.len() == 1 { 1 } else { 2 };
+                stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
+            }
+            answer_each(answers, result);
+        }
+    }
+
+    /// A runner of the release lane (see [`ShardState::send_acquires`]).
+    async fn send_releases(self: Arc<Self>) {
+        while let Some(batch) = self.release_lane.next_batch(|(key, _)| key) {
+            let (leases, answers): (Vec<_>, Vec<_>) =
+                batch.into_iter().map(|w| (w.request, w.answer)).unzip();
+            let result = if let [(key, owner)] = leases.as_slice() {
+                let result = self.call(|b| b.release(key, owner)).await;
+                result.map(|released| vec![released])
+            } else {
+                let stats = &self.shared.stats;
+                stats.release_batches.fetch_add(1, Ordering::Relaxed);
+                let keys = leases.len() as u64;
+                stats.batched_releases.fetch_add(keys, Ordering::Relaxed);
+                self.call(|b| b.release_batch(&leases)).await
+            };
+            answer_each(answers, result);
+        }
+    }
+
+    /// Acquires and releases waiting for a runner of this shard now.
+    pub(crate) fn lanes_waiting(&self) -> usize {
+        self.acquire_lane.waiting() + self.release_lane.waiting()
     }
 
     async fn call_timed<T>(
@@ -395,6 +484,39 @@ impl ShardState {
     pub(crate) fn held(&self) -> Vec<Arc<LeaseState>> {
         self.leases.locked().values().cloned().collect()
     }
+}
+
+/// Sends a batch's outcome to each caller: its own answer, or a copy of the batch's error.
+fn answer_each<O>(
+    answers: Vec<tokio::sync::oneshot::Sender<Result<O, BackendError>>>,
+    result: Result<Vec<O>, BackendError>,
+) {
+    match result {
+        Ok(outcomes) => {
+            for (answer, outcome) in answers.into_iter().zip(outcomes) {
+                // A caller that gave up is not there to take it; what it asked for is given
+                // back by the acquire path behind it.
+                let _ = answer.send(Ok(outcome));
+            }
+        }
+        Err(e) => {
+            for answer in answers {
+                let _ = answer.send(Err(lanes::each(&e)));
+            }
+        }
+    }
+}
+
+/// What a caller reads when its lane's runner ended without answering (its task was cancelled
+/// with the runtime): the statement may have been sent.
+fn no_answer() -> BackendError {
+    let mut e = BackendError::new(
+        BackendErrorKind::Other,
+        None,
+        "the shard's dispatcher ended before it answered",
+    );
+    e.maybe_applied = true;
+    e
 }
 
 /// Gives a half-open probe's permit back if its call was dropped before it completed.

@@ -48,9 +48,21 @@ counters! {
     local_handoffs,
     /// Grants of keys that moved in a recent reload, also taken on their previous shard(s).
     moved_grants,
-    /// Acquire statements sent to shards (one per attempt; attempts refused by an open
-    /// breaker send none).
+    /// Acquire statements sent to shards: one for an attempt sent alone, two for a batch of
+    /// attempts sent together (the write and the read-back); attempts refused by an open
+    /// breaker send none.
     acquire_statements,
+    /// Batches of several acquire attempts sent together to one shard (see `stats.rs`'s
+    /// neighbour `shard/lanes.rs`): they form when attempts arrive while that shard's
+    /// statements are in flight.
+    acquire_batches,
+    /// Acquire attempts sent in those batches (`batched_acquires / acquire_batches` is the
+    /// mean batch size).
+    batched_acquires,
+    /// Batches of several releases sent together to one shard, in one statement.
+    release_batches,
+    /// Releases sent in those batches.
+    batched_releases,
     /// Acquires that gave up after their wait.
     timeouts,
     /// Leases released (explicitly or on drop).

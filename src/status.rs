@@ -38,6 +38,10 @@ pub struct ShardStatus {
     pub breaker: BreakerState,
     /// Keys this process holds in process (`local` policy) not yet re-acquired on the shard.
     pub local_fallback_leases: usize,
+    /// Acquires and releases of this process waiting for the shard's next batch (see
+    /// `LockStats::acquire_batches`): more than a few for long means the shard is the
+    /// bottleneck.
+    pub batch_waiting: usize,
 }
 
 impl LockRouter {
@@ -167,6 +171,7 @@ impl LockRouter {
                 pool: s.pool_status(),
                 breaker: s.breaker_state(),
                 local_fallback_leases: s.local_count(),
+                batch_waiting: s.lanes_waiting(),
             }
         });
         join_all(probes).await

@@ -6,7 +6,6 @@
 //! statement runs in a task of its own, and whoever sees a winning answer last gives it back:
 //! the task, or the caller's end ([`PendingAttempt`]) when it drops with an answer untaken.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,11 +90,7 @@ async fn attempt(
     let (tx, rx) = oneshot::channel();
     let (task_shard, task_req) = (shard.clone(), req.clone());
     tokio::spawn(async move {
-        let stats = &task_shard.shared.stats;
         let result = task_shard.acquire(&task_req).await;
-        if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
-            stats.acquire_statements.fetch_add(1, Ordering::Relaxed);
-        }
         // A statement that failed after it may have reached the server may have granted
         // the key (its reply was lost, or came too late): give it back, owner-checked,
         // like a grant the caller no longer wants.
@@ -103,9 +98,7 @@ async fn attempt(
         let unknown =
             matches!(&result, Err(e) if e.maybe_applied) || matches!(&result, Ok(Attempt::Locked));
         if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
-            let _ = task_shard
-                .call(|b| b.release(&task_req.key, &task_req.owner))
-                .await;
+            let _ = task_shard.release(&task_req.key, &task_req.owner).await;
         } else if unknown {
             let ttl = Duration::from_millis(u64::from(task_req.ttl_ms));
             crate::guard::give_back(task_shard, task_req.key, task_req.owner, ttl);
@@ -168,7 +161,7 @@ impl Drop for PendingAttempt {
                     std::mem::take(&mut self.owner),
                 );
                 runtime.spawn(async move {
-                    let _ = shard.call(|b| b.release(&key, &owner)).await;
+                    let _ = shard.release(&key, &owner).await;
                 });
             }
         }

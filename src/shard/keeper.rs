@@ -70,7 +70,7 @@ impl ShardState {
                         tracing::info!(shard = self.name(), key = %lease.key, "shardlock re-acquired a locally held key on its shard");
                     } else {
                         // Released meanwhile: give the row back.
-                        let _ = self.call(|b| b.release(&req.key, &req.owner)).await;
+                        let _ = self.release(&req.key, &req.owner).await;
                     }
                 }
                 Ok(Attempt::Held { .. }) => {
@@ -94,7 +94,7 @@ impl ShardState {
     /// the key's local holder must not count that as another process's. (A grant of the key
     /// made since the local lease, whose row may be written before its lease is registered,
     /// has a higher number and is never touched.) `true` when such a row was released.
-    async fn give_back_stale_row(&self, key: &[u8], local_id: u64) -> bool {
+    async fn give_back_stale_row(self: &Arc<Self>, key: &[u8], local_id: u64) -> bool {
         let Ok(Some(row)) = self.call(|b| b.inspect(key)).await else {
             return false;
         };
@@ -109,7 +109,7 @@ impl ShardState {
             owner,
             "shardlock gave back a row of a lease it had lost"
         );
-        matches!(self.call(|b| b.release(key, &owner)).await, Ok(true))
+        matches!(self.release(key, &owner).await, Ok(true))
     }
 
     /// Makes the keeper panic at once (tests of its supervision).

@@ -46,6 +46,7 @@ pub(crate) fn status(
                     "held_leases": s.held_leases,
                     "breaker": BreakerState::name(s.breaker),
                     "local_fallback_leases": s.local_fallback_leases,
+                    "batch_waiting": s.batch_waiting,
                     "pool": {"max_size": s.pool.max_size, "size": s.pool.size, "available": s.pool.available, "waiting": s.pool.waiting},
                 })
             })

@@ -352,7 +352,7 @@ pub enum Attempt {
 }
 
 /// The server gave up waiting for a row lock.
-const LOCK_WAIT_TIMEOUT: u16 = 1205;
+pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
 
 pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async::Result<Attempt> {
     let ttl_us = u64::from(req.ttl_ms) * 1000;

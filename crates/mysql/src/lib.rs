@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod batch;
 mod carry;
 mod cleaner;
 mod error;
@@ -16,6 +17,7 @@ mod patterns;
 mod pool;
 mod shard;
 
+pub use batch::MAX_BATCH;
 pub use carry::{CasRow, MovingJob, PendingJob};
 pub use cleaner::{Beat, Candidate, InstanceRow};
 pub use error::classify;

@@ -10,6 +10,7 @@ use shardlock_core::config::ShardConfig;
 use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
 
+use crate::batch;
 use crate::carry::{self, CasRow, MovingJob, PendingJob};
 use crate::cleaner::{self, Beat, Candidate, InstanceRow};
 use crate::error::{classify, classify_pool};
@@ -189,6 +190,30 @@ impl Shard {
     pub async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
         self.run(req, |c, &req| Box::pin(lease::acquire(c, req)))
             .await
+    }
+
+    /// Tries to grant every request in two statements (see [`crate::batch`]): what each
+    /// found, in the requests' order. Keys distinct, at most [`crate::MAX_BATCH`].
+    pub async fn acquire_batch(&self, reqs: &[GrantRequest]) -> Result<Vec<Attempt>, BackendError> {
+        let reqs: Vec<&GrantRequest> = reqs.iter().collect();
+        self.run(reqs, |c, reqs| Box::pin(batch::acquire_batch(c, reqs)))
+            .await
+    }
+
+    /// Releases every (key, owner) still held, in one statement; whether each was released
+    /// (see [`crate::batch`] for what a key freed by someone else reads as).
+    pub async fn release_batch(
+        &self,
+        leases: &[(Vec<u8>, String)],
+    ) -> Result<Vec<bool>, BackendError> {
+        let leases: Vec<(&[u8], &str)> = leases
+            .iter()
+            .map(|(k, o)| (k.as_slice(), o.as_str()))
+            .collect();
+        self.run(leases, |c, leases| {
+            Box::pin(batch::release_batch(c, leases))
+        })
+        .await
     }
 
     /// Releases `key` if `owner` still holds it; `false` when it did not (the lease was lost).

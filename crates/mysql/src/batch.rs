@@ -1,0 +1,164 @@
+//! Many acquires, or many releases, of one shard in one statement: group commit for locks.
+//!
+//! On a busy shard the server's cost per statement (parse, open, lock, commit) dominates what
+//! a lock costs, not the rows it touches. When many tasks of one process lock different keys
+//! of one shard at once, the facade's dispatcher hands their requests here together:
+//!
+//! - [`acquire_batch`]: one `INSERT ... SELECT ... ON DUPLICATE KEY UPDATE` writes every key's
+//!   row with exactly the conditions of the single [`ACQUIRE`](crate::lease) statement (a
+//!   free, released or expired row is granted; a live one is marked wanted), rows in key
+//!   order; then one `SELECT` reads the batch's rows back. Owners are unique per attempt, so a
+//!   row carrying the request's owner is this request's grant, and its first fence is the
+//!   stored one minus the reserve. Two statements for any number of keys, no `RETURNING`
+//!   (MySQL has none) and no user variables.
+//! - [`release_batch`]: one owner-checked `UPDATE` for every key.
+//!
+//! Keys inside a statement are always written in one global order (the primary key's), so
+//! concurrent batches of several processes take their row locks in the same order and cannot
+//! form a cycle; a deadlock the server still reports (gap locks on fresh keys) undoes the whole
+//! statement and is retried by the shard's runner, never surfaced.
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Params, Value};
+
+use crate::lease::{padded_in_list, rows_source, Attempt, GrantRequest, LOCK_WAIT_TIMEOUT};
+use crate::{fence_floor, now_us};
+
+/// Most keys in one batch: 7 parameters a key stays far below the server's 65,535, and a
+/// statement of this size (about 30 KiB with 255-byte keys) far below `max_allowed_packet`.
+pub const MAX_BATCH: usize = 256;
+
+/// The write of a batch acquire: `INSERT INTO ... SELECT` from the batch's rows (`src`, see
+/// [`rows_source`]) in key order, with the single acquire's conditions. Assignments run left
+/// to right, so `owner` comes first and the later ones test whether it became `src.o`.
+fn acquire_sql(rows: usize) -> String {
+    format!(
+        concat!(
+            "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
+            "SELECT src.k, src.o, GREATEST(", now_us!(), ", ", fence_floor!(), ", CAST(src.f AS UNSIGNED)) + CAST(src.r AS UNSIGNED), ",
+            "CAST(src.t AS UNSIGNED), NOW(3) + INTERVAL CAST(src.t AS UNSIGNED) * 1000 MICROSECOND, NOW(3), src.tr, NULL ",
+            "FROM {} ORDER BY src.k ",
+            "ON DUPLICATE KEY UPDATE ",
+            "owner = IF(shardlock_lease.owner IS NULL OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
+            "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", fence_floor!(), ", CAST(src.f AS UNSIGNED)) + CAST(src.r AS UNSIGNED), shardlock_lease.fence), ",
+            "ttl_ms = IF(shardlock_lease.owner = src.o, CAST(src.t AS UNSIGNED), shardlock_lease.ttl_ms), ",
+            "expires_at = IF(shardlock_lease.owner = src.o, NOW(3) + INTERVAL CAST(src.t AS UNSIGNED) * 1000 MICROSECOND, shardlock_lease.expires_at), ",
+            "acquired_at = IF(shardlock_lease.owner = src.o, NOW(3), shardlock_lease.acquired_at), ",
+            "holder_trace = IF(shardlock_lease.owner = src.o, src.tr, shardlock_lease.holder_trace), ",
+            "wanted_at = IF(shardlock_lease.owner = src.o, NULL, NOW(3))"
+        ),
+        rows_source(&["k", "o", "f", "r", "t", "tr"], rows)
+    )
+}
+
+/// The read-back of a batch acquire: each key's owner, stored fence and how long its holder
+/// has had it (ms, shard clock).
+const READ_HEAD: &str = "SELECT lock_key, owner, fence, \
+     CAST(LEAST(GREATEST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000, 0), 1000000000) AS UNSIGNED) \
+     FROM shardlock_lease WHERE lock_key IN ";
+
+/// A row as the read-back sees it: key, owner, stored fence, held for (ms).
+type ReadRow = (Vec<u8>, Option<Vec<u8>>, u64, u64);
+
+/// Tries to grant every request, in two statements: what each found, in the requests' order
+/// ([`Attempt::Granted`] with its first fence, [`Attempt::Held`], or for every request
+/// [`Attempt::Locked`] when a row stayed locked by another transaction for the server's whole
+/// lock wait: the write was undone, nothing was decided).
+///
+/// Keys must be distinct (one process polls a key at a time) and at most [`MAX_BATCH`].
+pub(crate) async fn acquire_batch(
+    conn: &mut Conn,
+    reqs: &[&GrantRequest],
+) -> mysql_async::Result<Vec<Attempt>> {
+    debug_assert!(!reqs.is_empty() && reqs.len() <= MAX_BATCH);
+    let mut sorted: Vec<&GrantRequest> = reqs.to_vec();
+    sorted.sort_by(|a, b| a.key.cmp(&b.key));
+    let mut params: Vec<Value> = Vec::with_capacity(sorted.len() * 6);
+    for req in &sorted {
+        params.push(req.key.as_slice().into());
+        params.push(req.owner.as_str().into());
+        params.push(req.fence_floor.into());
+        params.push(req.reserve.into());
+        params.push(req.ttl_ms.into());
+        params.push(req.trace.as_deref().into());
+    }
+    // As for the single acquire, 1205 is an answer: the statement was undone as a whole.
+    match conn
+        .exec_drop(acquire_sql(sorted.len()), Params::Positional(params))
+        .await
+    {
+        Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
+            return Ok(vec![Attempt::Locked; reqs.len()])
+        }
+        result => result?,
+    }
+    let (list, keys) = padded_in_list(sorted.iter().map(|r| r.key.as_slice()));
+    let rows: Vec<ReadRow> = conn
+        .exec(format!("{READ_HEAD}{list}"), Params::Positional(keys))
+        .await?;
+    Ok(reqs
+        .iter()
+        .map(|req| {
+            let row = rows.iter().find(|(key, ..)| *key == req.key);
+            match row {
+                Some((_, Some(owner), fence, _)) if owner.as_slice() == req.owner.as_bytes() => {
+                    Attempt::Granted(fence.saturating_sub(u64::from(req.reserve)))
+                }
+                Some((_, _, _, held_for_ms)) => Attempt::Held {
+                    held_for_ms: *held_for_ms,
+                },
+                // Written a moment ago, gone now: never a grant this call cannot prove.
+                None => Attempt::Held { held_for_ms: 0 },
+            }
+        })
+        .collect())
+}
+
+/// The owner-checked release of many keys. Owners are unique per grant and each is written to
+/// one key only, so `lock_key IN (...) AND owner IN (...)` matches exactly the (key, owner)
+/// pairs while the server uses the primary key.
+const RELEASE_HEAD: &str =
+    "UPDATE shardlock_lease SET owner = NULL, expires_at = NOW(3), wanted_at = NULL \
+     WHERE lock_key IN ";
+
+/// After a batch release that did not release every key: who holds each key now.
+const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE lock_key IN ";
+
+/// Releases every (key, owner) still held, in one statement; whether each was released, in
+/// the given order.
+///
+/// When every key was released (the statement changed one row per key) the answers are exact.
+/// Otherwise some lease had been lost before (it expired and was taken, or was
+/// force-released): one more read tells which keys another owner holds now (`false`); a key
+/// nobody holds counts as released, since the statement cannot say whose release freed it.
+pub(crate) async fn release_batch(
+    conn: &mut Conn,
+    leases: &[(&[u8], &str)],
+) -> mysql_async::Result<Vec<bool>> {
+    debug_assert!(!leases.is_empty() && leases.len() <= MAX_BATCH);
+    let mut sorted: Vec<&(&[u8], &str)> = leases.iter().collect();
+    sorted.sort();
+    let (keys_sql, mut params) = padded_in_list(sorted.iter().map(|(k, _)| *k));
+    let (owners_sql, owners) = padded_in_list(sorted.iter().map(|(_, o)| o.as_bytes()));
+    params.extend(owners);
+    conn.exec_drop(
+        format!("{RELEASE_HEAD}{keys_sql} AND owner IN {owners_sql}"),
+        Params::Positional(params),
+    )
+    .await?;
+    if conn.affected_rows() as usize == leases.len() {
+        return Ok(vec![true; leases.len()]);
+    }
+    let (list, keys) = padded_in_list(sorted.iter().map(|(k, _)| *k));
+    let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> = conn
+        .exec(format!("{OWNERS_HEAD}{list}"), Params::Positional(keys))
+        .await?;
+    Ok(leases
+        .iter()
+        .map(|(key, _)| {
+            !rows
+                .iter()
+                .any(|(k, owner)| k.as_slice() == *key && owner.is_some())
+        })
+        .collect())
+}

@@ -1,0 +1,260 @@
+//! Batched acquires and releases on real shards: the batch statements against every kind of
+//! row, the dispatcher forming batches under load without changing any answer, and callers
+//! that give up while their key sits in a batch.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::{AcquireOptions, Config, LockRouter};
+use shardlock_mysql::{Attempt, GrantRequest, Shard, MAX_BATCH};
+
+/// A backend for the cluster's first shard, as the router builds it.
+fn backend(yaml: &str) -> Shard {
+    let config = Config::from_yaml_str(yaml).unwrap();
+    Shard::new(&config.shards[0], 0).unwrap()
+}
+
+fn request(key: &str, owner: &str, reserve: u32) -> GrantRequest {
+    GrantRequest {
+        key: key.as_bytes().to_vec(),
+        owner: owner.to_owned(),
+        ttl_ms: 60_000,
+        fence_floor: 0,
+        reserve,
+        trace: None,
+    }
+}
+
+/// What a key's row is before the batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Before {
+    Fresh,
+    Released,
+    Expired,
+    Held,
+}
+
+/// Every batch size from 1 to 40, and the largest ones, over keys whose rows are absent,
+/// released, expired or held by someone else: the free ones are granted with a fence above
+/// every earlier fence of the key (and the stored fence covers the reserve), the held ones are
+/// answered `Held` and marked wanted; a batch release frees exactly the keys still ours.
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
+    let (cluster, _router, yaml) = common::start(1, "").await;
+    let shard = backend(&yaml);
+    let mut raw = cluster.shards()[0].connect().await.unwrap();
+    let sizes: Vec<usize> = (1..=40).chain([MAX_BATCH - 1, MAX_BATCH]).collect();
+    for n in sizes {
+        let keys: Vec<String> = (0..n).map(|i| format!("batch:{n}:{i}")).collect();
+        let before: Vec<Before> = (0..n)
+            .map(|i| {
+                [
+                    Before::Fresh,
+                    Before::Released,
+                    Before::Expired,
+                    Before::Held,
+                ][i % 4]
+            })
+            .collect();
+        // Earlier grants by someone else, so that fences have something to rise above.
+        let mut earlier = Vec::new();
+        for (key, b) in keys.iter().zip(&before) {
+            if *b == Before::Fresh {
+                earlier.push(0);
+                continue;
+            }
+            let other = format!("other:{key}");
+            let Attempt::Granted(fence) = shard.acquire(&request(key, &other, 3)).await.unwrap()
+            else {
+                panic!("{key} should be free");
+            };
+            earlier.push(fence + 3);
+            match b {
+                Before::Released => assert!(shard.release(key.as_bytes(), &other).await.unwrap()),
+                Before::Expired => raw
+                    .exec_drop(
+                        "UPDATE shardlock_lease SET expires_at = NOW(3) - INTERVAL 1 SECOND \
+                         WHERE lock_key = ?",
+                        (key.as_bytes(),),
+                    )
+                    .await
+                    .unwrap(),
+                _ => {}
+            }
+        }
+        let reqs: Vec<GrantRequest> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| request(key, &format!("mine:{key}"), (i % 3) as u32))
+            .collect();
+        let attempts = shard.acquire_batch(&reqs).await.unwrap();
+        assert_eq!(attempts.len(), n);
+        for (i, ((attempt, b), req)) in attempts.iter().zip(&before).zip(&reqs).enumerate() {
+            let (stored_owner, stored_fence, wanted): (Option<Vec<u8>>, u64, bool) = raw
+                .exec_first(
+                    "SELECT owner, fence, wanted_at IS NOT NULL FROM shardlock_lease WHERE lock_key = ?",
+                    (req.key.as_slice(),),
+                )
+                .await
+                .unwrap()
+                .unwrap();
+            match (b, attempt) {
+                (Before::Held, Attempt::Held { .. }) => {
+                    assert_ne!(stored_owner.as_deref(), Some(req.owner.as_bytes()));
+                    assert!(wanted, "size {n} key {i}: a held key is marked wanted");
+                }
+                (Before::Held, other) => panic!("size {n} key {i}: held, answered {other:?}"),
+                (_, Attempt::Granted(fence)) => {
+                    assert!(
+                        *fence > earlier[i],
+                        "size {n} key {i} ({b:?}): fence {fence} after {}",
+                        earlier[i]
+                    );
+                    assert_eq!(stored_owner.as_deref(), Some(req.owner.as_bytes()));
+                    assert_eq!(stored_fence, fence + u64::from(req.reserve));
+                    assert!(!wanted);
+                }
+                (b, other) => panic!("size {n} key {i}: {b:?}, answered {other:?}"),
+            }
+        }
+        // A batch retried after a lost reply finds its own grants again.
+        let again = shard.acquire_batch(&reqs).await.unwrap();
+        for (first, second) in attempts.iter().zip(&again) {
+            if let Attempt::Granted(_) = first {
+                assert!(matches!(second, Attempt::Granted(_)), "{second:?}");
+            }
+        }
+        let leases: Vec<(Vec<u8>, String)> = reqs
+            .iter()
+            .map(|r| (r.key.clone(), r.owner.clone()))
+            .collect();
+        let released = shard.release_batch(&leases).await.unwrap();
+        for ((released, b), key) in released.iter().zip(&before).zip(&keys) {
+            assert_eq!(
+                *released,
+                *b != Before::Held,
+                "size {n}: {key} ({b:?}) released {released}"
+            );
+        }
+        let live: Option<u64> = raw
+            .exec_first(
+                "SELECT COUNT(*) FROM shardlock_lease WHERE lock_key LIKE ? AND owner LIKE 'mine:%'",
+                (format!("batch:{n}:%"),),
+            )
+            .await
+            .unwrap();
+        assert_eq!(live, Some(0), "size {n}: nothing of ours left held");
+    }
+}
+
+/// Many tasks of two processes locking distinct and shared keys of one shard at once: batches
+/// form (counted), no key is ever held twice, no error or deadlock reaches a caller, and every
+/// lease is gone at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_form_under_load_and_never_grant_a_key_twice() {
+    let (cluster, a, yaml) = common::start(1, "").await;
+    let b = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let holders: Arc<std::sync::Mutex<HashSet<String>>> = Arc::default();
+    let deadlocks_before = common::status_sum(&cluster, "Innodb_deadlocks").await;
+    let mut tasks = Vec::new();
+    for (p, router) in [a.clone(), b.clone()].into_iter().enumerate() {
+        for t in 0..32 {
+            let (router, holders) = (router.clone(), holders.clone());
+            tasks.push(tokio::spawn(async move {
+                for i in 0..40 {
+                    // Half the keys are shared by every task of both processes.
+                    let key = if i % 2 == 0 {
+                        format!("load:shared:{}", (t * 7 + i) % 50)
+                    } else {
+                        format!("load:own:{p}:{t}:{i}")
+                    };
+                    let guard = router
+                        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(30)))
+                        .await
+                        .unwrap_or_else(|e| panic!("{key}: {e}"));
+                    assert!(
+                        holders.lock().unwrap().insert(key.clone()),
+                        "{key} granted while held"
+                    );
+                    tokio::task::yield_now().await;
+                    assert!(holders.lock().unwrap().remove(&key));
+                    guard
+                        .release()
+                        .await
+                        .unwrap_or_else(|e| panic!("{key}: {e}"));
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let (sa, sb) = (a.stats(), b.stats());
+    assert!(
+        sa.acquire_batches + sb.acquire_batches > 0,
+        "64 tasks on one shard formed no acquire batch: {sa:?}"
+    );
+    assert!(sa.batched_acquires >= 2 * sa.acquire_batches);
+    assert_eq!(sa.lost + sb.lost, 0);
+    // Deadlocks the server chose victims for were retried inside, never surfaced (every
+    // acquire and release above succeeded); counted here for the record only.
+    let deadlocks = common::status_sum(&cluster, "Innodb_deadlocks").await - deadlocks_before;
+    eprintln!(
+        "batches: {} acquire ({} keys), {} release ({} keys); server deadlocks {deadlocks}",
+        sa.acquire_batches + sb.acquire_batches,
+        sa.batched_acquires + sb.batched_acquires,
+        sa.release_batches + sb.release_batches,
+        sa.batched_releases + sb.batched_releases,
+    );
+    assert_eq!(common::live_leases(&cluster).await, 0);
+}
+
+/// Callers that give up at random moments while their key may sit in a batch: whatever they
+/// were granted is given back, so no lease is left and every key can be taken again at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn callers_giving_up_while_in_a_batch_leave_no_lease() {
+    let (cluster, router, _yaml) = common::start(1, "").await;
+    let mut tasks = Vec::new();
+    for t in 0..48u64 {
+        let router = router.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..20u64 {
+                let key = format!("cancel:{t}:{i}");
+                // Dropped after 0 to 3 ms: before, while or after its batch is sent.
+                let give_up = Duration::from_micros((t * 131 + i * 977) % 3000);
+                let _ = tokio::time::timeout(give_up, router.acquire(&key, AcquireOptions::new()))
+                    .await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(
+        router.stats().acquire_batches > 0,
+        "48 tasks on one shard formed no batch: nothing was cancelled inside one"
+    );
+    // Given back in the background: wait for the rows to be free, then take every key.
+    assert!(
+        common::eventually(Duration::from_secs(30), || async {
+            common::live_leases(&cluster).await == 0
+        })
+        .await,
+        "leases left behind by callers that gave up"
+    );
+    for t in 0..48u64 {
+        for i in 0..20u64 {
+            let key = format!("cancel:{t}:{i}");
+            let guard = router
+                .try_acquire(&key, AcquireOptions::new())
+                .await
+                .unwrap()
+                .unwrap_or_else(|| panic!("{key} still held"));
+            guard.release().await.unwrap();
+        }
+    }
+}
