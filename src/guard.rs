@@ -416,57 +416,12 @@ async fn handoff_through_shard(
             if e.maybe_applied {
                 // Unknown whether the hand-off happened: neither owner may keep the row.
                 let key = lease.key.stored().to_vec();
-                give_back(
-                    shard.clone(),
-                    key.clone(),
-                    req.owner.clone(),
-                    lease.ttl.max(want.ttl),
-                );
-                give_back(
-                    shard.clone(),
-                    key,
-                    lease.owner.clone(),
-                    lease.ttl.max(want.ttl),
-                );
+                shard.give_back(key.clone(), req.owner.clone(), lease.ttl.max(want.ttl));
+                shard.give_back(key, lease.owner.clone(), lease.ttl.max(want.ttl));
             }
             Err(e.into_error(shard.name()))
         }
     }
-}
-
-/// Gives back, owner-checked, a row that a statement whose outcome is unknown (its reply lost
-/// or late) may have granted to `owner`: retried in the background until the shard answers,
-/// for up to `ttl` (after that the row has ended by itself). Nobody else is kept waiting for
-/// the lease's whole ttl because one reply got lost.
-pub(crate) fn give_back(
-    shard: Arc<ShardState>,
-    key: Vec<u8>,
-    owner: String,
-    ttl: std::time::Duration,
-) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
-        let until = Instant::now() + ttl;
-        let mut backoff = shardlock_core::Backoff::new(
-            std::time::Duration::from_millis(5),
-            std::time::Duration::from_millis(500),
-        );
-        while Instant::now() < until {
-            // Only through a closed breaker: a half-open one's probes are for the callers,
-            // and a release that may wait must not be what decides the shard's health.
-            // Until it is given back: a "not ours" may come before the statement being undone
-            // has finished on the server (its client gave up; the server did not), so only a
-            // release that freed the row ends this early.
-            if shard.breaker_state() == shardlock_core::BreakerState::Closed
-                && matches!(shard.release(&key, &owner).await, Ok(true))
-            {
-                return;
-            }
-            tokio::time::sleep(backoff.next_delay()).await;
-        }
-    });
 }
 
 /// The owner-checked release statement. Nothing is deleted, so the fence survives; the turn

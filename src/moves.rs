@@ -140,12 +140,7 @@ async fn take_on(
                 }
                 tracing::warn!(key = %lease.key, to = target.name(), error = ?failed.err(), "shardlock could not take a moved key on its new shard within half the move window");
                 // The grant may have been made with its reply lost: give it back.
-                crate::guard::give_back(
-                    target.clone(),
-                    req.key.clone(),
-                    req.owner.clone(),
-                    lease.ttl,
-                );
+                target.give_back(req.key.clone(), req.owner.clone(), lease.ttl);
                 break "its key moved in a reload and the new shard could not be reached in time";
             }
         }

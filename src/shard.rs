@@ -60,7 +60,7 @@ pub(crate) struct ShardState {
     /// states with the same identity are the same database.
     pub(crate) identity: std::sync::OnceLock<String>,
     /// Acquires waiting to be sent (see [`lanes`]).
-    acquire_lane: lanes::Lane<GrantRequest, Attempt>,
+    acquire_lane: lanes::Lane<(GrantRequest, bool), Attempt>,
     /// Releases waiting to be sent: (key, owner).
     release_lane: lanes::Lane<(Vec<u8>, String), bool>,
     /// Set while a reconciliation pass runs (beside the keeper loop).
@@ -193,13 +193,28 @@ impl ShardState {
         self: &Arc<Self>,
         req: &GrantRequest,
     ) -> Result<Attempt, BackendError> {
+        let answer = self.send_acquire(req.clone(), false);
+        answer.await.unwrap_or_else(|_| Err(no_answer()))
+    }
+
+    /// [`ShardState::acquire`] for a caller that may go away (an acquire's poll): the
+    /// dispatcher, whose task always completes, gives the grant back if the caller is gone when
+    /// it is answered, and gives the key back when the outcome is unknown — a statement that
+    /// failed after it may have reached the server (its reply lost or late), or a `Locked`
+    /// answer after a try whose connection broke once it had sent. An answer sent but never
+    /// taken is the caller's to give back (acquire/attempt.rs).
+    pub(crate) fn attempt(self: &Arc<Self>, req: &GrantRequest) -> lanes::Answer<Attempt> {
+        self.send_acquire(req.clone(), true)
+    }
+
+    fn send_acquire(self: &Arc<Self>, req: GrantRequest, orphan: bool) -> lanes::Answer<Attempt> {
         let (answer, start) = self
             .acquire_lane
-            .push(req.clone(), self.batches_in_flight());
+            .push((req, orphan), self.batches_in_flight());
         if start {
             tokio::spawn(self.clone().send_acquires());
         }
-        answer.await.unwrap_or_else(|_| Err(no_answer()))
+        answer
     }
 
     /// Releases `key` if `owner` still holds it, alone or in a batch with other releases of
@@ -210,6 +225,12 @@ impl ShardState {
         key: &[u8],
         owner: &str,
     ) -> Result<bool, BackendError> {
+        if self.release_lane.enter_alone(self.batches_in_flight()) {
+            // Sent by the caller: a release dropped midway leaves the row to its ttl, as it
+            // would in a batch whose caller went away (the statement still runs there).
+            let _leave = LeaveLane(self);
+            return self.call(|b| b.release(key, owner)).await;
+        }
         let lease = (key.to_vec(), owner.to_owned());
         let (answer, start) = self.release_lane.push(lease, self.batches_in_flight());
         if start {
@@ -218,17 +239,48 @@ impl ShardState {
         answer.await.unwrap_or_else(|_| Err(no_answer()))
     }
 
-    /// How many batches of each kind may be in flight: a quarter of the pool, so that batches
-    /// form under load while renewals, hand-offs and the other patterns keep connections.
+    /// Gives back, owner-checked, a row that a statement whose outcome is unknown (its reply lost
+    /// or late) may have granted to `owner`: retried in the background until the shard answers,
+    /// for up to `ttl` (after that the row has ended by itself). Nobody else is kept waiting for
+    /// the lease's whole ttl because one reply got lost.
+    pub(crate) fn give_back(self: &Arc<Self>, key: Vec<u8>, owner: String, ttl: Duration) {
+        let shard = self.clone();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let until = Instant::now() + ttl;
+            let mut backoff = shardlock_core::Backoff::new(
+                std::time::Duration::from_millis(5),
+                std::time::Duration::from_millis(500),
+            );
+            while Instant::now() < until {
+                // Only through a closed breaker: a half-open one's probes are for the callers,
+                // and a release that may wait must not be what decides the shard's health.
+                // Until it is given back: a "not ours" may come before the statement being undone
+                // has finished on the server (its client gave up; the server did not), so only a
+                // release that freed the row ends this early.
+                if shard.breaker_state() == shardlock_core::BreakerState::Closed
+                    && matches!(shard.release(&key, &owner).await, Ok(true))
+                {
+                    return;
+                }
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+        });
+    }
+
+    /// How many batches of each kind may be in flight (`pool.batches-in-flight`).
     fn batches_in_flight(&self) -> usize {
-        (self.config.pool.max_size / 4).max(1)
+        self.config.pool.batches_in_flight()
     }
 
     /// A runner of the acquire lane: sends what waits, a batch at a time, until nothing does.
     async fn send_acquires(self: Arc<Self>) {
-        while let Some(batch) = self.acquire_lane.next_batch(|r| &r.key) {
+        while let Some(batch) = self.acquire_lane.next_batch(|(r, _)| &r.key) {
             let (requests, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
+            let (requests, orphans): (Vec<GrantRequest>, Vec<bool>) = requests.into_iter().unzip();
             let stats = &self.shared.stats;
             let result = if let [request] = requests.as_slice() {
                 let result = self.call_timed(self.backend.acquire(request), |r| {
@@ -249,7 +301,27 @@ impl ShardState {
                 let sent = if requests.len() == 1 { 1 } else { 2 };
                 stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
             }
-            answer_each(answers, result);
+            let unknown = matches!(&result, Err(e) if e.maybe_applied);
+            let outcomes: Vec<Result<Attempt, BackendError>> = match result {
+                Ok(attempts) => attempts.into_iter().map(Ok).collect(),
+                Err(e) => requests.iter().map(|_| Err(lanes::each(&e))).collect(),
+            };
+            for (((request, orphan), answer), outcome) in
+                requests.into_iter().zip(orphans).zip(answers).zip(outcomes)
+            {
+                let locked = matches!(outcome, Ok(Attempt::Locked));
+                let ttl = Duration::from_millis(u64::from(request.ttl_ms));
+                match answer.send(outcome) {
+                    // Nobody took it: the caller gave up; its grant is given back.
+                    Err(Ok(Attempt::Granted(_))) if orphan => {
+                        self.give_back(request.key, request.owner, ttl)
+                    }
+                    _ if orphan && (unknown || locked) => {
+                        self.give_back(request.key, request.owner, ttl)
+                    }
+                    _ => {}
+                }
+            }
         }
     }
 
@@ -483,6 +555,22 @@ impl ShardState {
 
     pub(crate) fn held(&self) -> Vec<Arc<LeaseState>> {
         self.leases.locked().values().cloned().collect()
+    }
+}
+
+/// Counts a lone release out of its lane when it ends (or is dropped), and starts a runner
+/// for what queued behind it.
+struct LeaveLane<'a>(&'a Arc<ShardState>);
+
+impl Drop for LeaveLane<'_> {
+    fn drop(&mut self) {
+        if self.0.release_lane.leave() {
+            // Without a runtime (the process is ending) nothing runs any more, and the callers
+            // waiting are gone with it.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                drop(runtime.spawn(self.0.clone().send_releases()));
+            }
+        }
     }
 }
 

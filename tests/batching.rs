@@ -258,3 +258,151 @@ async fn callers_giving_up_while_in_a_batch_leave_no_lease() {
         }
     }
 }
+
+/// A router with one shard behind a proxy, sending acquires in one batch at a time.
+async fn batching_behind_proxy(
+    cluster: &shardlock_testkit::Cluster,
+) -> (LockRouter, shardlock_testkit::Proxy) {
+    let proxy = shardlock_testkit::Proxy::start(cluster.shard(0).port())
+        .await
+        .unwrap();
+    let router = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n    pool:\n      max-size: 4\n      \
+         batches-in-flight: 1\ncleaner:\n  registry: static\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    // Warm the pool, so that statements travel on open connections.
+    let g = router.acquire("warm", AcquireOptions::new()).await.unwrap();
+    g.release().await.unwrap();
+    (router, proxy)
+}
+
+/// Acquires `keys` at once from `router`, each within `wait`: the guards granted, and how many
+/// callers got an error.
+async fn acquire_all(
+    router: &LockRouter,
+    keys: &[String],
+    wait: Duration,
+) -> (Vec<shardlock::LockGuard>, usize) {
+    let calls = keys.iter().map(|key| {
+        let router = router.clone();
+        let key = key.clone();
+        async move {
+            // Long enough that only a give-back frees a key within the test.
+            let opts = AcquireOptions::new()
+                .wait(wait)
+                .ttl(Duration::from_secs(120));
+            router.acquire(&key, opts).await
+        }
+    });
+    let (mut guards, mut errors) = (Vec::new(), 0);
+    for r in futures_util::future::join_all(calls).await {
+        match r {
+            Ok(g) => guards.push(g),
+            Err(_) => errors += 1,
+        }
+    }
+    (guards, errors)
+}
+
+/// A batch whose reply is lost (the server acted, the connection broke) is retried on another
+/// connection and finds its own grants: every caller is granted its key, and holds it on the
+/// shard under its own owner.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_whose_reply_was_lost_is_retried_and_each_caller_holds_its_key() {
+    let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = batching_behind_proxy(&cluster).await;
+    // The first acquire waits behind a row lock held here, so the others queue behind it and
+    // go together, as one batch, once it is answered.
+    direct
+        .acquire("lost-once:first", AcquireOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let mut blocker = cluster.shard(0).connect().await.unwrap();
+    blocker.query_drop("BEGIN").await.unwrap();
+    blocker
+        .query_drop("SELECT * FROM shardlock_lease WHERE lock_key = 'lost-once:first' FOR UPDATE")
+        .await
+        .unwrap();
+    let mut keys: Vec<String> = (0..31).map(|i| format!("lost-once:{i}")).collect();
+    keys.push("lost-once:MARKED".to_owned());
+    let first = {
+        let router = router.clone();
+        tokio::spawn(async move {
+            router
+                .acquire("lost-once:first", AcquireOptions::new())
+                .await
+        })
+    };
+    let rest = {
+        let (router, keys) = (router.clone(), keys.clone());
+        tokio::spawn(async move { acquire_all(&router, &keys, Duration::from_secs(20)).await })
+    };
+    assert!(
+        common::eventually(Duration::from_secs(10), || async {
+            router.status().await[0].batch_waiting == keys.len()
+        })
+        .await,
+        "the other acquires did not queue behind the first"
+    );
+    // The reply to the statement carrying the marked key (the batch) is lost.
+    proxy.set(shardlock_testkit::ProxyMode::LoseReplyTo(
+        b"lost-once:MARKED",
+    ));
+    blocker.query_drop("COMMIT").await.unwrap();
+    let first = first.await.unwrap().unwrap();
+    let (guards, errors) = rest.await.unwrap();
+    assert_eq!(errors, 0);
+    assert_eq!(guards.len(), keys.len());
+    assert!(router.stats().acquire_batches > 0, "no batch was sent");
+    assert_eq!(
+        proxy.mode(),
+        shardlock_testkit::ProxyMode::Pass,
+        "the batch's reply was not lost"
+    );
+    for g in &guards {
+        let (_, row) = direct.inspect(g.key()).await.unwrap();
+        let row = row.unwrap();
+        assert_eq!(row.owner.as_deref(), Some(g.owner()), "{}", g.key());
+        assert!(row.fence >= g.fence());
+    }
+    for g in guards.into_iter().chain([first]) {
+        g.release().await.unwrap();
+    }
+    assert_eq!(common::live_leases(&cluster).await, 0);
+}
+
+/// Batches whose replies are all lost for a while: every caller is answered (an error, since
+/// it cannot know), and each key it may have been granted is given back once the link carries
+/// replies again: nothing stays held, every key can be taken by another process at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_whose_replies_are_lost_leave_no_key_held_by_nobody() {
+    let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = batching_behind_proxy(&cluster).await;
+    let keys: Vec<String> = (0..32).map(|i| format!("lost-all:{i}")).collect();
+    proxy.set(shardlock_testkit::ProxyMode::LoseReplies);
+    let (guards, errors) = acquire_all(&router, &keys, Duration::from_millis(300)).await;
+    assert!(guards.is_empty(), "granted without a reply");
+    assert_eq!(errors, keys.len());
+    proxy.set(shardlock_testkit::ProxyMode::Pass);
+    assert!(
+        common::eventually(Duration::from_secs(30), || async {
+            common::live_leases(&cluster).await == 0
+        })
+        .await,
+        "keys granted with their replies lost were not given back"
+    );
+    for key in &keys {
+        let g = direct
+            .try_acquire(key, AcquireOptions::new())
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{key} still held"));
+        g.release().await.unwrap();
+    }
+}

@@ -56,7 +56,7 @@ impl LockRouter {
             // Granted, but the answer came so late that the lease may already have ended on
             // the shard: no use to anyone. Given back; the key counts as busy.
             Some(Attempt::Granted(_)) if Instant::now() >= want.lease_end(sent) => {
-                crate::guard::give_back(shard.clone(), req.key, req.owner, want.ttl);
+                shard.give_back(req.key, req.owner, want.ttl);
                 Tried::Busy(None)
             }
             Some(Attempt::Granted(fence)) => Tried::Granted(Grant {
@@ -87,23 +87,9 @@ async fn attempt(
     req: &GrantRequest,
     deadline: Instant,
 ) -> Result<Option<Attempt>> {
-    let (tx, rx) = oneshot::channel();
-    let (task_shard, task_req) = (shard.clone(), req.clone());
-    tokio::spawn(async move {
-        let result = task_shard.acquire(&task_req).await;
-        // A statement that failed after it may have reached the server may have granted
-        // the key (its reply was lost, or came too late): give it back, owner-checked,
-        // like a grant the caller no longer wants.
-        // So may a try before a `Locked` answer, if its connection broke after sending.
-        let unknown =
-            matches!(&result, Err(e) if e.maybe_applied) || matches!(&result, Ok(Attempt::Locked));
-        if let Err(Ok(Attempt::Granted(_))) = tx.send(result) {
-            let _ = task_shard.release(&task_req.key, &task_req.owner).await;
-        } else if unknown {
-            let ttl = Duration::from_millis(u64::from(task_req.ttl_ms));
-            crate::guard::give_back(task_shard, task_req.key, task_req.owner, ttl);
-        }
-    });
+    // Sent by the shard's dispatcher in a task of its own, which also gives the grant back if
+    // nobody is there to take it, or if its outcome is unknown (see `ShardState::attempt`).
+    let rx = shard.attempt(req);
     let mut pending = PendingAttempt {
         rx,
         shard: shard.clone(),

@@ -22,6 +22,9 @@ use tokio::sync::oneshot;
 
 use crate::sync::LockExt;
 
+/// Where a caller waits for its request's answer.
+pub(crate) type Answer<O> = oneshot::Receiver<Result<O, BackendError>>;
+
 /// A request in a lane, with where its answer goes.
 #[derive(Debug)]
 pub(super) struct Waiting<R, O> {
@@ -55,11 +58,7 @@ impl<R, O> Default for Lane<R, O> {
 impl<R, O> Lane<R, O> {
     /// Queues `request`; returns the receiver of its answer, and whether the caller must start
     /// a runner (fewer than `limit` run; the new one is counted already).
-    pub(super) fn push(
-        &self,
-        request: R,
-        limit: usize,
-    ) -> (oneshot::Receiver<Result<O, BackendError>>, bool) {
+    pub(super) fn push(&self, request: R, limit: usize) -> (Answer<O>, bool) {
         let (answer, rx) = oneshot::channel();
         let mut state = self.state.locked();
         state.queue.push_back(Waiting { request, answer });
@@ -68,6 +67,31 @@ impl<R, O> Lane<R, O> {
             state.running += 1;
         }
         (rx, start)
+    }
+
+    /// Counts the caller in as a runner of its own request when nothing waits and fewer than
+    /// `limit` run: a lone request is then sent by its caller, without a task hop. The caller
+    /// must call [`Lane::leave`] when done (whether to start a runner for what queued
+    /// meanwhile is its answer).
+    pub(super) fn enter_alone(&self, limit: usize) -> bool {
+        let mut state = self.state.locked();
+        let alone = state.queue.is_empty() && state.running < limit.max(1);
+        if alone {
+            state.running += 1;
+        }
+        alone
+    }
+
+    /// Ends a lone request's run (see [`Lane::enter_alone`]); `true` when requests queued
+    /// meanwhile and the caller must start a runner for them (already counted).
+    pub(super) fn leave(&self) -> bool {
+        let mut state = self.state.locked();
+        if state.queue.is_empty() {
+            state.running -= 1;
+            false
+        } else {
+            true
+        }
     }
 
     /// The next batch for a runner: the waiting requests in arrival order, up to

@@ -257,6 +257,18 @@ pub struct PoolConfig {
     /// Connections idle longer than this are pinged before reuse.
     #[serde(with = "humantime_serde")]
     pub idle_check: Duration,
+    /// How many batches of acquires (and, apart, of releases) may be in flight to the shard
+    /// at once. Requests that arrive while that many are out wait and go together in the
+    /// next batch; fewer in flight means bigger batches (fewer statements, more waiting per
+    /// lock), more means smaller ones. Default: an eighth of `max-size`, at least 1.
+    pub batches_in_flight: Option<usize>,
+}
+
+impl PoolConfig {
+    /// The batches in flight in force (see [`PoolConfig::batches_in_flight`]).
+    pub fn batches_in_flight(&self) -> usize {
+        self.batches_in_flight.unwrap_or(self.max_size / 8).max(1)
+    }
 }
 
 impl Default for PoolConfig {
@@ -267,6 +279,7 @@ impl Default for PoolConfig {
             create_timeout: DEFAULT_POOL_CREATE_TIMEOUT,
             recycle_timeout: DEFAULT_POOL_RECYCLE_TIMEOUT,
             idle_check: DEFAULT_POOL_IDLE_CHECK,
+            batches_in_flight: None,
         }
     }
 }

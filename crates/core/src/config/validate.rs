@@ -107,6 +107,17 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 "must be at least 1",
             ));
         }
+        if let Some(n) = shard.pool.batches_in_flight {
+            if n == 0 || n > shard.pool.max_size {
+                return Err(ConfigError::field(
+                    field("pool.batches-in-flight"),
+                    format!(
+                        "must be between 1 and pool.max-size ({})",
+                        shard.pool.max_size
+                    ),
+                ));
+            }
+        }
         if shard.statement_timeout.is_zero() {
             return Err(ConfigError::field(
                 field("statement-timeout"),
