@@ -73,6 +73,10 @@ counters! {
     renew_ticks,
     /// Renewal statements sent (summed over shards).
     renew_statements,
+    /// Time spent in renewal ticks, from the first statement sent to the last answer, in
+    /// microseconds (summed over shards): `renew_micros / renew_ticks` is a tick's mean
+    /// duration.
+    renew_micros,
     /// Renewal attempts that failed (summed over shards).
     renew_failures,
     /// Heartbeats to the instance registry that failed (a warning is logged once one shard

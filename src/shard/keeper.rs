@@ -201,10 +201,12 @@ impl ShardState {
         let renewed = self.call(|b| b.renew(&pairs, timeout)).await;
         // Counted when done, together with the statements, so a snapshot never sees a tick
         // whose statement is still on its way.
-        self.shared
-            .stats
-            .renew_ticks
-            .fetch_add(1, Ordering::Relaxed);
+        let stats = &self.shared.stats;
+        stats.renew_ticks.fetch_add(1, Ordering::Relaxed);
+        let took = sent.elapsed().as_micros();
+        stats
+            .renew_micros
+            .fetch_add(u64::try_from(took).unwrap_or(u64::MAX), Ordering::Relaxed);
         match renewed {
             Ok(outcome) => {
                 self.shared
