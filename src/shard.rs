@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::sync::LockExt;
+use lanes::{no_answer, LeaveLane};
 
 mod keeper;
 mod lanes;
@@ -275,75 +276,6 @@ impl ShardState {
         self.config.pool.batches_in_flight()
     }
 
-    /// A runner of the acquire lane: sends what waits, a batch at a time, until nothing does.
-    async fn send_acquires(self: Arc<Self>) {
-        while let Some(batch) = self.acquire_lane.next_batch(|(r, _)| &r.key) {
-            let (requests, answers): (Vec<_>, Vec<_>) =
-                batch.into_iter().map(|w| (w.request, w.answer)).unzip();
-            let (requests, orphans): (Vec<GrantRequest>, Vec<bool>) = requests.into_iter().unzip();
-            let stats = &self.shared.stats;
-            let result = if let [request] = requests.as_slice() {
-                let result = self.call_timed(self.backend.acquire(request), |r| {
-                    !matches!(r, Ok(Attempt::Locked))
-                });
-                result.await.map(|attempt| vec![attempt])
-            } else {
-                let result = self.call_timed(
-                    self.backend.acquire_batch(&requests),
-                    |r| !matches!(r, Ok(attempts) if attempts.contains(&Attempt::Locked)),
-                );
-                stats.acquire_batches.fetch_add(1, Ordering::Relaxed);
-                let keys = requests.len() as u64;
-                stats.batched_acquires.fetch_add(keys, Ordering::Relaxed);
-                result.await
-            };
-            if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
-                let sent = if requests.len() == 1 { 1 } else { 2 };
-                stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
-            }
-            let unknown = matches!(&result, Err(e) if e.maybe_applied);
-            let outcomes: Vec<Result<Attempt, BackendError>> = match result {
-                Ok(attempts) => attempts.into_iter().map(Ok).collect(),
-                Err(e) => requests.iter().map(|_| Err(lanes::each(&e))).collect(),
-            };
-            for (((request, orphan), answer), outcome) in
-                requests.into_iter().zip(orphans).zip(answers).zip(outcomes)
-            {
-                let locked = matches!(outcome, Ok(Attempt::Locked));
-                let ttl = Duration::from_millis(u64::from(request.ttl_ms));
-                match answer.send(outcome) {
-                    // Nobody took it: the caller gave up; its grant is given back.
-                    Err(Ok(Attempt::Granted(_))) if orphan => {
-                        self.give_back(request.key, request.owner, ttl)
-                    }
-                    _ if orphan && (unknown || locked) => {
-                        self.give_back(request.key, request.owner, ttl)
-                    }
-                    _ => {}
-                }
-            }
-        }
-    }
-
-    /// A runner of the release lane (see [`ShardState::send_acquires`]).
-    async fn send_releases(self: Arc<Self>) {
-        while let Some(batch) = self.release_lane.next_batch(|(key, _)| key) {
-            let (leases, answers): (Vec<_>, Vec<_>) =
-                batch.into_iter().map(|w| (w.request, w.answer)).unzip();
-            let result = if let [(key, owner)] = leases.as_slice() {
-                let result = self.call(|b| b.release(key, owner)).await;
-                result.map(|released| vec![released])
-            } else {
-                let stats = &self.shared.stats;
-                stats.release_batches.fetch_add(1, Ordering::Relaxed);
-                let keys = leases.len() as u64;
-                stats.batched_releases.fetch_add(keys, Ordering::Relaxed);
-                self.call(|b| b.release_batch(&leases)).await
-            };
-            answer_each(answers, result);
-        }
-    }
-
     /// Acquires and releases waiting for a runner of this shard now.
     pub(crate) fn lanes_waiting(&self) -> usize {
         self.acquire_lane.waiting() + self.release_lane.waiting()
@@ -556,55 +488,6 @@ impl ShardState {
     pub(crate) fn held(&self) -> Vec<Arc<LeaseState>> {
         self.leases.locked().values().cloned().collect()
     }
-}
-
-/// Counts a lone release out of its lane when it ends (or is dropped), and starts a runner
-/// for what queued behind it.
-struct LeaveLane<'a>(&'a Arc<ShardState>);
-
-impl Drop for LeaveLane<'_> {
-    fn drop(&mut self) {
-        if self.0.release_lane.leave() {
-            // Without a runtime (the process is ending) nothing runs any more, and the callers
-            // waiting are gone with it.
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                drop(runtime.spawn(self.0.clone().send_releases()));
-            }
-        }
-    }
-}
-
-/// Sends a batch's outcome to each caller: its own answer, or a copy of the batch's error.
-fn answer_each<O>(
-    answers: Vec<tokio::sync::oneshot::Sender<Result<O, BackendError>>>,
-    result: Result<Vec<O>, BackendError>,
-) {
-    match result {
-        Ok(outcomes) => {
-            for (answer, outcome) in answers.into_iter().zip(outcomes) {
-                // A caller that gave up is not there to take it; what it asked for is given
-                // back by the acquire path behind it.
-                let _ = answer.send(Ok(outcome));
-            }
-        }
-        Err(e) => {
-            for answer in answers {
-                let _ = answer.send(Err(lanes::each(&e)));
-            }
-        }
-    }
-}
-
-/// What a caller reads when its lane's runner ended without answering (its task was cancelled
-/// with the runtime): the statement may have been sent.
-fn no_answer() -> BackendError {
-    let mut e = BackendError::new(
-        BackendErrorKind::Other,
-        None,
-        "the shard's dispatcher ended before it answered",
-    );
-    e.maybe_applied = true;
-    e
 }
 
 /// Gives a half-open probe's permit back if its call was dropped before it completed.
