@@ -53,7 +53,27 @@ where
 {
     let meter = super::meter();
     type Read = fn(&LockStats) -> u64;
-    let counters: [(&'static str, &'static str, Read); 5] = [
+    let counters: [(&'static str, &'static str, Read); 9] = [
+        (
+            "shardlock.acquire.statements",
+            "Acquire statements sent (one alone, two per batch)",
+            |s| s.acquire_statements,
+        ),
+        (
+            "shardlock.acquire.batches",
+            "Batches of several acquires sent together to a shard",
+            |s| s.acquire_batches,
+        ),
+        (
+            "shardlock.acquire.batched",
+            "Acquires sent in batches (batched / batches: the mean batch size)",
+            |s| s.batched_acquires,
+        ),
+        (
+            "shardlock.release.batches",
+            "Batches of several releases sent together to a shard, one statement each",
+            |s| s.release_batches,
+        ),
         (
             "shardlock.renewal.statements",
             "Renewal statements sent",
@@ -178,6 +198,8 @@ mod tests {
             stats: LockStats {
                 renew_statements: 7,
                 lost: 2,
+                acquire_batches: 3,
+                batched_acquires: 20,
                 ..LockStats::default()
             },
             shards: vec![
@@ -229,6 +251,8 @@ mod tests {
         assert_eq!(metric("shardlock_renewal_statements_total", &[]), 7.0);
         assert_eq!(metric("shardlock_leases_lost_total", &[]), 2.0);
         assert_eq!(metric("shardlock_local_handoffs_total", &[]), 0.0);
+        assert_eq!(metric("shardlock_acquire_batches_total", &[]), 3.0);
+        assert_eq!(metric("shardlock_acquire_batched_total", &[]), 20.0);
         assert_eq!(metric("shardlock_breaker_state", &[r#"shard="s0""#]), 0.0);
         assert_eq!(metric("shardlock_breaker_state", &[r#"shard="s1""#]), 2.0);
         let waiting = [r#"shard="s1""#, r#"state="waiting""#];
