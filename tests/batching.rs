@@ -151,9 +151,9 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
     }
 }
 
-/// Many tasks of two processes locking distinct and shared keys of one shard at once: batches
-/// form (counted), no key is ever held twice, no error or deadlock reaches a caller, and every
-/// lease is gone at the end.
+/// Many tasks of two routers (2 x 64) locking keys of one shard at once, half of them drawn
+/// from 1,000 keys every task shares: batches form (counted), no key is ever held twice, no
+/// error or deadlock reaches a caller, and every lease is gone at the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batches_form_under_load_and_never_grant_a_key_twice() {
     let (cluster, a, yaml) = common::start(1, "").await;
@@ -162,13 +162,13 @@ async fn batches_form_under_load_and_never_grant_a_key_twice() {
     let deadlocks_before = common::status_sum(&cluster, "Innodb_deadlocks").await;
     let mut tasks = Vec::new();
     for (p, router) in [a.clone(), b.clone()].into_iter().enumerate() {
-        for t in 0..32 {
+        for t in 0..64 {
             let (router, holders) = (router.clone(), holders.clone());
             tasks.push(tokio::spawn(async move {
                 for i in 0..40 {
                     // Half the keys are shared by every task of both processes.
                     let key = if i % 2 == 0 {
-                        format!("load:shared:{}", (t * 7 + i) % 50)
+                        format!("load:shared:{}", (t * 7 + i * 13) % 1000)
                     } else {
                         format!("load:own:{p}:{t}:{i}")
                     };
@@ -196,7 +196,7 @@ async fn batches_form_under_load_and_never_grant_a_key_twice() {
     let (sa, sb) = (a.stats(), b.stats());
     assert!(
         sa.acquire_batches + sb.acquire_batches > 0,
-        "64 tasks on one shard formed no acquire batch: {sa:?}"
+        "128 tasks on one shard formed no acquire batch: {sa:?}"
     );
     assert!(sa.batched_acquires >= 2 * sa.acquire_batches);
     assert_eq!(sa.lost + sb.lost, 0);
