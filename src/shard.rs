@@ -262,7 +262,10 @@ impl ShardState {
                 // has finished on the server (its client gave up; the server did not), so only a
                 // release that freed the row ends this early.
                 if shard.breaker_state() == shardlock_core::BreakerState::Closed
-                    && matches!(shard.release(&key, &owner).await, Ok(true))
+                    // Alone, not in a batch: a batch release counts a free row as freed, and
+                    // the row may be free only because the statement being undone has not
+                    // written it yet; a single release waits behind that statement's lock.
+                    && matches!(shard.call(|b| b.release(&key, &owner)).await, Ok(true))
                 {
                     return;
                 }

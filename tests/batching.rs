@@ -18,9 +18,9 @@ fn backend(yaml: &str) -> Shard {
     Shard::new(&config.shards[0], 0).unwrap()
 }
 
-fn request(key: &str, owner: &str, reserve: u32) -> GrantRequest {
+fn request(key: &[u8], owner: &str, reserve: u32) -> GrantRequest {
     GrantRequest {
-        key: key.as_bytes().to_vec(),
+        key: key.to_vec(),
         owner: owner.to_owned(),
         ttl_ms: 60_000,
         fence_floor: 0,
@@ -49,7 +49,19 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
     let mut raw = cluster.shards()[0].connect().await.unwrap();
     let sizes: Vec<usize> = (1..=40).chain([MAX_BATCH - 1, MAX_BATCH]).collect();
     for n in sizes {
-        let keys: Vec<String> = (0..n).map(|i| format!("batch:{n}:{i}")).collect();
+        // Plain keys, and keys as stored for buckets (`0xFE` + number) and long keys (`0xFF` +
+        // digest): bytes no UTF-8 text has, ordered as the primary key orders them.
+        let keys: Vec<Vec<u8>> = (0..n)
+            .map(|i| {
+                let mut key = format!("batch:{n}:{i}").into_bytes();
+                match i % 3 {
+                    1 => key.extend([0xFE, 0x01]),
+                    2 => key.insert(0, 0xFF),
+                    _ => {}
+                }
+                key
+            })
+            .collect();
         let before: Vec<Before> = (0..n)
             .map(|i| {
                 [
@@ -67,19 +79,19 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
                 earlier.push(0);
                 continue;
             }
-            let other = format!("other:{key}");
+            let other = format!("other:{n}:{}", earlier.len());
             let Attempt::Granted(fence) = shard.acquire(&request(key, &other, 3)).await.unwrap()
             else {
-                panic!("{key} should be free");
+                panic!("{key:?} should be free");
             };
             earlier.push(fence + 3);
             match b {
-                Before::Released => assert!(shard.release(key.as_bytes(), &other).await.unwrap()),
+                Before::Released => assert!(shard.release(key, &other).await.unwrap()),
                 Before::Expired => raw
                     .exec_drop(
                         "UPDATE shardlock_lease SET expires_at = NOW(3) - INTERVAL 1 SECOND \
                          WHERE lock_key = ?",
-                        (key.as_bytes(),),
+                        (key.as_slice(),),
                     )
                     .await
                     .unwrap(),
@@ -89,7 +101,7 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
         let reqs: Vec<GrantRequest> = keys
             .iter()
             .enumerate()
-            .map(|(i, key)| request(key, &format!("mine:{key}"), (i % 3) as u32))
+            .map(|(i, key)| request(key, &format!("mine:{n}:{i}"), (i % 3) as u32))
             .collect();
         let attempts = shard.acquire_batch(&reqs).await.unwrap();
         assert_eq!(attempts.len(), n);
@@ -137,13 +149,13 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
             assert_eq!(
                 *released,
                 *b != Before::Held,
-                "size {n}: {key} ({b:?}) released {released}"
+                "size {n}: {key:?} ({b:?}) released {released}"
             );
         }
         let live: Option<u64> = raw
             .exec_first(
-                "SELECT COUNT(*) FROM shardlock_lease WHERE lock_key LIKE ? AND owner LIKE 'mine:%'",
-                (format!("batch:{n}:%"),),
+                "SELECT COUNT(*) FROM shardlock_lease WHERE owner LIKE ?",
+                (format!("mine:{n}:%"),),
             )
             .await
             .unwrap();

@@ -99,26 +99,43 @@ impl<R, O> Lane<R, O> {
 
     /// The next batch for a runner: the waiting requests in arrival order, up to
     /// [`MAX_BATCH`], one per key (a later request for a key already in the batch waits for
-    /// the next one). `None` when nothing waits: the runner then ends, counted out under the
-    /// same lock that [`Lane::push`] counts under, so no request is left without a runner.
-    pub(super) fn next_batch(&self, key: impl Fn(&R) -> &[u8]) -> Option<Vec<Waiting<R, O>>> {
+    /// the next one); with `skip_gone`, requests whose caller has gone are dropped unsent.
+    /// `None` when nothing is left to send: the runner then ends, counted out under the same
+    /// lock that [`Lane::push`] counts under, so no request is left without a runner.
+    pub(super) fn next_batch(
+        &self,
+        key: impl Fn(&R) -> &[u8],
+        skip_gone: bool,
+    ) -> Option<Vec<Waiting<R, O>>> {
         let mut state = self.state.locked();
-        if state.queue.is_empty() {
-            state.running -= 1;
-            return None;
-        }
         let mut batch = Vec::new();
         let mut later = VecDeque::new();
         let mut keys = HashSet::new();
         while let Some(waiting) = state.queue.pop_front() {
+            if skip_gone && waiting.answer.is_closed() {
+                continue;
+            }
             if batch.len() < MAX_BATCH && keys.insert(key(&waiting.request).to_vec()) {
                 batch.push(waiting);
             } else {
                 later.push_back(waiting);
             }
         }
+        // Requests stay behind only beside a batch: an empty one means an empty queue.
         state.queue = later;
+        if batch.is_empty() {
+            state.running -= 1;
+            return None;
+        }
         Some(batch)
+    }
+
+    /// Counts out a runner that ended without [`Lane::next_batch`] doing it: it panicked, or
+    /// its task was cancelled with its runtime. Else the count would stay taken and, once every
+    /// slot leaked, requests would queue with nobody to send them.
+    fn count_out(&self) {
+        let mut state = self.state.locked();
+        state.running = state.running.saturating_sub(1);
     }
 
     /// Requests waiting now (not counting those in a runner's batch).
@@ -138,7 +155,9 @@ pub(super) fn each(error: &BackendError) -> BackendError {
 impl ShardState {
     /// A runner of the acquire lane: sends what waits, a batch at a time, until nothing does.
     pub(super) async fn send_acquires(self: Arc<Self>) {
-        while let Some(batch) = self.acquire_lane.next_batch(|(r, _)| &r.key) {
+        let mut running = Running(Some(&self.acquire_lane));
+        // Callers that went away before their request was sent: nothing is sent for them.
+        while let Some(batch) = self.acquire_lane.next_batch(|(r, _)| &r.key, true) {
             let (requests, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
             let (requests, orphans): (Vec<GrantRequest>, Vec<bool>) = requests.into_iter().unzip();
@@ -162,10 +181,21 @@ impl ShardState {
                 let sent = if requests.len() == 1 { 1 } else { 2 };
                 stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
             }
-            let unknown = matches!(&result, Err(e) if e.maybe_applied);
+            // A batch is two statements: a failure of the read-back comes after the write
+            // committed, whatever its error says.
+            let wrote = requests.len() > 1;
+            let unknown = matches!(&result, Err(e) if e.maybe_applied
+                || (wrote && e.kind != BackendErrorKind::BreakerOpen));
             let outcomes: Vec<Result<Attempt, BackendError>> = match result {
                 Ok(attempts) => attempts.into_iter().map(Ok).collect(),
-                Err(e) => requests.iter().map(|_| Err(each(&e))).collect(),
+                Err(e) => requests
+                    .iter()
+                    .map(|_| {
+                        let mut copy = each(&e);
+                        copy.maybe_applied = unknown;
+                        Err(copy)
+                    })
+                    .collect(),
             };
             for (((request, orphan), answer), outcome) in
                 requests.into_iter().zip(orphans).zip(answers).zip(outcomes)
@@ -184,11 +214,14 @@ impl ShardState {
                 }
             }
         }
+        running.0 = None;
     }
 
     /// A runner of the release lane (see [`ShardState::send_acquires`]).
     pub(super) async fn send_releases(self: Arc<Self>) {
-        while let Some(batch) = self.release_lane.next_batch(|(key, _)| key) {
+        let mut running = Running(Some(&self.release_lane));
+        // A release is sent even when its caller went away: the row must be freed.
+        while let Some(batch) = self.release_lane.next_batch(|(key, _)| key, false) {
             let (leases, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
             let result = if let [(key, owner)] = leases.as_slice() {
@@ -202,6 +235,19 @@ impl ShardState {
                 self.call(|b| b.release_batch(&leases)).await
             };
             answer_each(answers, result);
+        }
+        running.0 = None;
+    }
+}
+
+/// A runner's place in its lane, given back if the runner ends any other way than by finding
+/// nothing left to send (see [`Lane::count_out`]); `None` once `next_batch` counted it out.
+struct Running<'a, R, O>(Option<&'a Lane<R, O>>);
+
+impl<R, O> Drop for Running<'_, R, O> {
+    fn drop(&mut self) {
+        if let Some(lane) = self.0 {
+            lane.count_out();
         }
     }
 }

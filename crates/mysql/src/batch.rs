@@ -13,9 +13,9 @@
 //!   (MySQL has none) and no user variables.
 //! - [`release_batch`]: one owner-checked `UPDATE` for every key.
 //!
-//! Keys inside a statement are always written in one global order (the primary key's), so
-//! concurrent batches of several processes take their row locks in the same order and cannot
-//! form a cycle; a deadlock the server still reports (gap locks on fresh keys) undoes the whole
+//! Keys inside a statement are always written in one global order (the primary key's byte
+//! order), so concurrent batches of several processes take their row locks in the same order;
+//! a deadlock the server still reports (gap locks on fresh keys, say) undoes the whole
 //! statement and is retried by the shard's runner, never surfaced.
 
 use mysql_async::prelude::Queryable;
@@ -31,13 +31,19 @@ pub const MAX_BATCH: usize = 256;
 /// The write of a batch acquire: `INSERT INTO ... SELECT` from the batch's rows (`src`, see
 /// [`rows_source`]) in key order, with the single acquire's conditions. Assignments run left
 /// to right, so `owner` comes first and the later ones test whether it became `src.o`.
+///
+/// `rows` is a power of two (the batch padded with rows of NULLs, which `WHERE src.k IS NOT
+/// NULL` skips), so that a connection prepares at most nine shapes of it, whatever the batch
+/// sizes: prepared statements count against the server's `max_prepared_stmt_count`. The key
+/// is cast to binary so that `ORDER BY` is the primary key's byte order, the order in which
+/// every other multi-row statement here takes its row locks.
 fn acquire_sql(rows: usize) -> String {
     format!(
         concat!(
             "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
             "SELECT src.k, src.o, GREATEST(", now_us!(), ", ", fence_floor!(), ", CAST(src.f AS UNSIGNED)) + CAST(src.r AS UNSIGNED), ",
             "CAST(src.t AS UNSIGNED), NOW(3) + INTERVAL CAST(src.t AS UNSIGNED) * 1000 MICROSECOND, NOW(3), src.tr, NULL ",
-            "FROM {} ORDER BY src.k ",
+            "FROM {} WHERE src.k IS NOT NULL ORDER BY src.k ",
             "ON DUPLICATE KEY UPDATE ",
             "owner = IF(shardlock_lease.owner IS NULL OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
             "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", fence_floor!(), ", CAST(src.f AS UNSIGNED)) + CAST(src.r AS UNSIGNED), shardlock_lease.fence), ",
@@ -47,7 +53,11 @@ fn acquire_sql(rows: usize) -> String {
             "holder_trace = IF(shardlock_lease.owner = src.o, src.tr, shardlock_lease.holder_trace), ",
             "wanted_at = IF(shardlock_lease.owner = src.o, NULL, NOW(3))"
         ),
-        rows_source(&["k", "o", "f", "r", "t", "tr"], rows)
+        rows_source(&["k", "o", "f", "r", "t", "tr"], rows).replacen(
+            "SELECT ? AS k",
+            "SELECT CAST(? AS BINARY) AS k",
+            1
+        )
     )
 }
 
@@ -73,7 +83,8 @@ pub(crate) async fn acquire_batch(
     debug_assert!(!reqs.is_empty() && reqs.len() <= MAX_BATCH);
     let mut sorted: Vec<&GrantRequest> = reqs.to_vec();
     sorted.sort_by(|a, b| a.key.cmp(&b.key));
-    let mut params: Vec<Value> = Vec::with_capacity(sorted.len() * 6);
+    let rows = sorted.len().next_power_of_two();
+    let mut params: Vec<Value> = Vec::with_capacity(rows * 6);
     for req in &sorted {
         params.push(req.key.as_slice().into());
         params.push(req.owner.as_str().into());
@@ -82,9 +93,10 @@ pub(crate) async fn acquire_batch(
         params.push(req.ttl_ms.into());
         params.push(req.trace.as_deref().into());
     }
+    params.resize(rows * 6, Value::NULL);
     // As for the single acquire, 1205 is an answer: the statement was undone as a whole.
     match conn
-        .exec_drop(acquire_sql(sorted.len()), Params::Positional(params))
+        .exec_drop(acquire_sql(rows), Params::Positional(params))
         .await
     {
         Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {

@@ -139,6 +139,9 @@ impl Shard {
         // effect unknown (`BackendError::maybe_applied`). Atomic rather than a `Cell` because
         // the future borrowing it must be `Send`, which a shared `&Cell` is not.
         let sent = std::sync::atomic::AtomicBool::new(false);
+        // Whether an earlier try may have applied: a later try's clean server error (a
+        // deadlock, say) does not undo that.
+        let mut applied_before = false;
         loop {
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
@@ -155,8 +158,9 @@ impl Shard {
             };
             // A server's error reply means the statement did nothing; a broken connection or a
             // timeout after sending leaves it unknown.
-            err.maybe_applied =
-                sent.load(std::sync::atomic::Ordering::Relaxed) && err.code.is_none();
+            err.maybe_applied = applied_before
+                || (sent.load(std::sync::atomic::Ordering::Relaxed) && err.code.is_none());
+            applied_before = err.maybe_applied;
             if err.kind == BackendErrorKind::Timeout {
                 return Err(err);
             }
