@@ -196,16 +196,18 @@ impl Shard {
             .await
     }
 
-    /// Tries to grant every request in two statements (see [`crate::batch`]): what each
-    /// found, in the requests' order. Keys distinct, at most [`crate::MAX_BATCH`].
+    /// Tries to grant every request in two statements (one write for all keys with the
+    /// single acquire's conditions, then one read-back: owners are unique per attempt, so a
+    /// row carrying a request's owner is its grant): what each found, in the requests' order. Keys distinct, at most [`crate::MAX_BATCH`].
     pub async fn acquire_batch(&self, reqs: &[GrantRequest]) -> Result<Vec<Attempt>, BackendError> {
         let reqs: Vec<&GrantRequest> = reqs.iter().collect();
         self.run(reqs, |c, reqs| Box::pin(batch::acquire_batch(c, reqs)))
             .await
     }
 
-    /// Releases every (key, owner) still held, in one statement; whether each was released
-    /// (see [`crate::batch`] for what a key freed by someone else reads as).
+    /// Releases every (key, owner) still held, in one statement; whether each was released.
+    /// Exact when every key was released; otherwise a key nobody holds now counts as released
+    /// (the statement cannot say whose release freed it) and one another owner holds as not.
     pub async fn release_batch(
         &self,
         leases: &[(Vec<u8>, String)],

@@ -53,6 +53,10 @@ pub(crate) enum Scenario {
     /// The same on one hot key, 64 tasks, handed over in memory: the worst case, where a
     /// grant costs a couple of microseconds and the metrics' own cost shows most.
     TelemetryHotKey,
+    /// The uncontended cycle with the shard made durable for the scenario (`SET GLOBAL
+    /// innodb_flush_log_at_trx_commit = 1`: a log flush per commit, restored afterwards), where
+    /// each statement's commit costs a flush and sending keys together saves the most.
+    Durable,
     /// Acquire latency of distinct keys (`--tasks`) while the cleaner deletes released rows
     /// of the same shard in batches (400,000 rows planted per second of the round, batches of
     /// 1,000, 10 ms apart), against the same load with nothing to clean. Compare p50/p99.
@@ -148,6 +152,16 @@ pub(crate) async fn run(
             }
             _ => None,
         };
+        let durable = match scenario {
+            Scenario::Durable => match uncontended::Durable::start(&pool).await {
+                Ok(durable) => Some(durable),
+                Err(e) => {
+                    eprintln!("skipping durable: cannot set innodb_flush_log_at_trx_commit ({e})");
+                    continue;
+                }
+            },
+            _ => None,
+        };
         let (mut ours, mut base) = (Vec::new(), Vec::new());
         for round in 0..args.rounds {
             let tag = format!("{run_id}:{round}");
@@ -157,7 +171,7 @@ pub(crate) async fn run(
                 counters: &counters,
             };
             let (o, b) = match scenario {
-                Scenario::Uncontended => (
+                Scenario::Uncontended | Scenario::Durable => (
                     uncontended::shardlock(&router, round).await?,
                     uncontended::raw_sql(&pool, round).await?,
                 ),
@@ -200,6 +214,9 @@ pub(crate) async fn run(
             };
             ours.push(o);
             base.push(b);
+        }
+        if let Some(durable) = durable {
+            durable.restore(&pool).await?;
         }
         comparisons.push(Comparison::of(scenario, ours, base));
     }

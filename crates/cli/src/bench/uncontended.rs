@@ -49,3 +49,34 @@ pub(super) async fn raw_sql(pool: &Pool, round: Round<'_>) -> Result<Measurement
     })
     .await
 }
+
+/// The shard's log flush setting while the `durable` scenario runs, and what it was before.
+pub(super) struct Durable {
+    before: u64,
+}
+
+impl Durable {
+    /// Makes every commit flush the log (`innodb_flush_log_at_trx_commit = 1`).
+    pub(super) async fn start(pool: &Pool) -> Result<Self, AnyError> {
+        let mut c = pool.get_conn().await?;
+        let before: Option<u64> = c
+            .query_first("SELECT @@GLOBAL.innodb_flush_log_at_trx_commit")
+            .await?;
+        c.query_drop("SET GLOBAL innodb_flush_log_at_trx_commit = 1")
+            .await?;
+        Ok(Self {
+            before: before.unwrap_or(1),
+        })
+    }
+
+    /// Puts the setting back as it was.
+    pub(super) async fn restore(self, pool: &Pool) -> Result<(), AnyError> {
+        let mut c = pool.get_conn().await?;
+        c.exec_drop(
+            "SET GLOBAL innodb_flush_log_at_trx_commit = ?",
+            (self.before,),
+        )
+        .await?;
+        Ok(())
+    }
+}
