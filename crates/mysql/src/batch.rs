@@ -19,47 +19,48 @@
 //! statement and is retried by the shard's runner, never surfaced.
 
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, Params, Value};
+use mysql_async::{Conn, Params};
 
-use crate::lease::{padded_in_list, rows_source, Attempt, GrantRequest, LOCK_WAIT_TIMEOUT};
+use crate::lease::{padded_in_list, Attempt, GrantRequest, LOCK_WAIT_TIMEOUT};
 use crate::{fence_floor, now_us};
 
-/// Most keys in one batch: 7 parameters a key stays far below the server's 65,535, and a
-/// statement of this size (about 30 KiB with 255-byte keys) far below `max_allowed_packet`.
+/// Most keys in one batch: its JSON (about 150 KiB with 255-byte keys, as hex) stays far below
+/// `max_allowed_packet`, and the read-back's key list far below the server's 65,535
+/// placeholders.
 pub const MAX_BATCH: usize = 256;
 
-/// The write of a batch acquire: `INSERT INTO ... SELECT` from the batch's rows (`src`, see
-/// [`rows_source`]) in key order, with the single acquire's conditions. Assignments run left
-/// to right, so `owner` comes first and the later ones test whether it became `src.o`.
+/// The write of a batch acquire: `INSERT INTO ... SELECT` from the batch's rows, passed as one
+/// JSON array parameter and read through `JSON_TABLE` (`src`), in key order, with the single
+/// acquire's conditions. Assignments run left to right, so `owner` comes first and the later
+/// ones test whether it became `src.o`.
 ///
-/// `rows` is a power of two (the batch padded with rows of NULLs, which `WHERE src.k IS NOT
-/// NULL` skips), so that a connection prepares at most nine shapes of it, whatever the batch
-/// sizes: prepared statements count against the server's `max_prepared_stmt_count`. The key
-/// is cast to binary so that `ORDER BY` is the primary key's byte order, the order in which
-/// every other multi-row statement here takes its row locks.
-fn acquire_sql(rows: usize) -> String {
-    format!(
-        concat!(
-            "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
-            "SELECT src.k, src.o, GREATEST(", now_us!(), ", ", fence_floor!(), ", CAST(src.f AS UNSIGNED)) + CAST(src.r AS UNSIGNED), ",
-            "CAST(src.t AS UNSIGNED), NOW(3) + INTERVAL CAST(src.t AS UNSIGNED) * 1000 MICROSECOND, NOW(3), src.tr, NULL ",
-            "FROM {} WHERE src.k IS NOT NULL ORDER BY src.k ",
-            "ON DUPLICATE KEY UPDATE ",
-            "owner = IF(shardlock_lease.owner IS NULL OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
-            "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", fence_floor!(), ", CAST(src.f AS UNSIGNED)) + CAST(src.r AS UNSIGNED), shardlock_lease.fence), ",
-            "ttl_ms = IF(shardlock_lease.owner = src.o, CAST(src.t AS UNSIGNED), shardlock_lease.ttl_ms), ",
-            "expires_at = IF(shardlock_lease.owner = src.o, NOW(3) + INTERVAL CAST(src.t AS UNSIGNED) * 1000 MICROSECOND, shardlock_lease.expires_at), ",
-            "acquired_at = IF(shardlock_lease.owner = src.o, NOW(3), shardlock_lease.acquired_at), ",
-            "holder_trace = IF(shardlock_lease.owner = src.o, src.tr, shardlock_lease.holder_trace), ",
-            "wanted_at = IF(shardlock_lease.owner = src.o, NULL, NOW(3))"
-        ),
-        rows_source(&["k", "o", "f", "r", "t", "tr"], rows).replacen(
-            "SELECT ? AS k",
-            "SELECT CAST(? AS BINARY) AS k",
-            1
-        )
-    )
-}
+/// One table function rather than a `UNION ALL` of one `SELECT` per key: the server resolves
+/// and optimizes a prepared statement's every `SELECT` again at each execution, so a union
+/// costs per key about what a statement per key would; and one statement text means one
+/// prepared statement per connection, whatever the batch sizes. Keys travel as hex (JSON
+/// carries text, keys are bytes); hex keeps their order, so `ORDER BY` is the primary key's
+/// byte order, the order in which every other multi-row statement here takes its row locks.
+const ACQUIRE_BATCH: &str = concat!(
+    "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
+    "SELECT UNHEX(src.k), src.o, GREATEST(", now_us!(), ", ", fence_floor!(), ", src.f) + src.r, ",
+    "src.t, NOW(3) + INTERVAL src.t * 1000 MICROSECOND, NOW(3), src.tr, NULL ",
+    "FROM JSON_TABLE(?, '$[*]' COLUMNS (",
+    "k VARCHAR(512) CHARACTER SET ascii PATH '$[0]', ",
+    "o VARCHAR(191) CHARACTER SET utf8mb4 PATH '$[1]', ",
+    "f BIGINT UNSIGNED PATH '$[2]', ",
+    "r INT UNSIGNED PATH '$[3]', ",
+    "t INT UNSIGNED PATH '$[4]', ",
+    "tr VARCHAR(55) CHARACTER SET ascii PATH '$[5]'",
+    ")) AS src ORDER BY src.k ",
+    "ON DUPLICATE KEY UPDATE ",
+    "owner = IF(shardlock_lease.owner IS NULL OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
+    "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", fence_floor!(), ", src.f) + src.r, shardlock_lease.fence), ",
+    "ttl_ms = IF(shardlock_lease.owner = src.o, src.t, shardlock_lease.ttl_ms), ",
+    "expires_at = IF(shardlock_lease.owner = src.o, NOW(3) + INTERVAL src.t * 1000 MICROSECOND, shardlock_lease.expires_at), ",
+    "acquired_at = IF(shardlock_lease.owner = src.o, NOW(3), shardlock_lease.acquired_at), ",
+    "holder_trace = IF(shardlock_lease.owner = src.o, src.tr, shardlock_lease.holder_trace), ",
+    "wanted_at = IF(shardlock_lease.owner = src.o, NULL, NOW(3))"
+);
 
 /// The read-back of a batch acquire: each key's owner, stored fence and how long its holder
 /// has had it (ms, shard clock).
@@ -83,22 +84,22 @@ pub(crate) async fn acquire_batch(
     debug_assert!(!reqs.is_empty() && reqs.len() <= MAX_BATCH);
     let mut sorted: Vec<&GrantRequest> = reqs.to_vec();
     sorted.sort_by(|a, b| a.key.cmp(&b.key));
-    let rows = sorted.len().next_power_of_two();
-    let mut params: Vec<Value> = Vec::with_capacity(rows * 6);
-    for req in &sorted {
-        params.push(req.key.as_slice().into());
-        params.push(req.owner.as_str().into());
-        params.push(req.fence_floor.into());
-        params.push(req.reserve.into());
-        params.push(req.ttl_ms.into());
-        params.push(req.trace.as_deref().into());
-    }
-    params.resize(rows * 6, Value::NULL);
+    let rows: Vec<serde_json::Value> = sorted
+        .iter()
+        .map(|req| {
+            serde_json::json!([
+                hex(&req.key),
+                req.owner,
+                req.fence_floor,
+                req.reserve,
+                req.ttl_ms,
+                req.trace
+            ])
+        })
+        .collect();
+    let batch = serde_json::Value::Array(rows).to_string();
     // As for the single acquire, 1205 is an answer: the statement was undone as a whole.
-    match conn
-        .exec_drop(acquire_sql(rows), Params::Positional(params))
-        .await
-    {
+    match conn.exec_drop(ACQUIRE_BATCH, (batch,)).await {
         Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
             return Ok(vec![Attempt::Locked; reqs.len()])
         }
@@ -173,4 +174,15 @@ pub(crate) async fn release_batch(
                 .any(|(k, owner)| k.as_slice() == *key && owner.is_some())
         })
         .collect())
+}
+
+/// `bytes` as uppercase hex, the form `UNHEX` reads.
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0F)]));
+    }
+    out
 }
