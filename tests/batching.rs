@@ -274,13 +274,14 @@ async fn callers_giving_up_while_in_a_batch_leave_no_lease() {
 /// A router with one shard behind a proxy, sending acquires in one batch at a time.
 async fn batching_behind_proxy(
     cluster: &shardlock_testkit::Cluster,
+    statement_timeout: &str,
 ) -> (LockRouter, shardlock_testkit::Proxy) {
     let proxy = shardlock_testkit::Proxy::start(cluster.shard(0).port())
         .await
         .unwrap();
     let router = LockRouter::from_yaml_str(&format!(
-        "shards:\n  - name: s1\n    url: {}\n    pool:\n      max-size: 4\n      \
-         batches-in-flight: 1\ncleaner:\n  registry: static\n",
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: {statement_timeout}\n    \
+         pool:\n      max-size: 4\n      batches-in-flight: 1\ncleaner:\n  registry: static\n",
         proxy.url()
     ))
     .await
@@ -325,7 +326,9 @@ async fn acquire_all(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_whose_reply_was_lost_is_retried_and_each_caller_holds_its_key() {
     let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let (router, proxy) = batching_behind_proxy(&cluster).await;
+    // A statement timeout (and so a server lock wait) far longer than the test: the first
+    // acquire stays behind the row lock until it is committed, however busy the machine.
+    let (router, proxy) = batching_behind_proxy(&cluster, "60s").await;
     // The first acquire waits behind a row lock held here, so the others queue behind it and
     // go together, as one batch, once it is answered.
     direct
@@ -347,16 +350,36 @@ async fn a_batch_whose_reply_was_lost_is_retried_and_each_caller_holds_its_key()
         let router = router.clone();
         tokio::spawn(async move {
             router
-                .acquire("lost-once:first", AcquireOptions::new())
+                .acquire(
+                    "lost-once:first",
+                    AcquireOptions::new().wait(Duration::from_secs(60)),
+                )
                 .await
         })
     };
+    // The first acquire's statement waits on the row lock before the others are asked for, so
+    // that they queue behind it rather than go ahead of it.
+    assert!(
+        common::eventually(Duration::from_secs(30), || async {
+            let mut admin = cluster.shard(0).connect().await.unwrap();
+            let waiting: Option<u64> = admin
+                .query_first(
+                    "SELECT COUNT(*) FROM information_schema.INNODB_TRX \
+                     WHERE trx_state = 'LOCK WAIT'",
+                )
+                .await
+                .unwrap();
+            waiting.unwrap_or(0) > 0
+        })
+        .await,
+        "the first acquire never waited on the row lock"
+    );
     let rest = {
         let (router, keys) = (router.clone(), keys.clone());
-        tokio::spawn(async move { acquire_all(&router, &keys, Duration::from_secs(20)).await })
+        tokio::spawn(async move { acquire_all(&router, &keys, Duration::from_secs(60)).await })
     };
     assert!(
-        common::eventually(Duration::from_secs(10), || async {
+        common::eventually(Duration::from_secs(30), || async {
             router.status().await[0].batch_waiting == keys.len()
         })
         .await,
@@ -395,7 +418,7 @@ async fn a_batch_whose_reply_was_lost_is_retried_and_each_caller_holds_its_key()
 #[tokio::test(flavor = "multi_thread")]
 async fn batches_whose_replies_are_lost_leave_no_key_held_by_nobody() {
     let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let (router, proxy) = batching_behind_proxy(&cluster).await;
+    let (router, proxy) = batching_behind_proxy(&cluster, "2s").await;
     let keys: Vec<String> = (0..32).map(|i| format!("lost-all:{i}")).collect();
     proxy.set(shardlock_testkit::ProxyMode::LoseReplies);
     let (guards, errors) = acquire_all(&router, &keys, Duration::from_millis(300)).await;

@@ -144,14 +144,6 @@ impl<R, O> Lane<R, O> {
     }
 }
 
-/// A copy of a batch's error for each of its callers: same kind, code and whether the
-/// statement may have applied (what each caller decides on), with the message as its source.
-pub(super) fn each(error: &BackendError) -> BackendError {
-    let mut copy = BackendError::new(error.kind, error.code, error.to_string());
-    copy.maybe_applied = error.maybe_applied;
-    copy
-}
-
 impl ShardState {
     /// A runner of the acquire lane: sends what waits, a batch at a time, until nothing does.
     pub(super) async fn send_acquires(self: Arc<Self>) {
@@ -186,31 +178,17 @@ impl ShardState {
             let wrote = requests.len() > 1;
             let unknown = matches!(&result, Err(e) if e.maybe_applied
                 || (wrote && e.kind != BackendErrorKind::BreakerOpen));
-            let outcomes: Vec<Result<Attempt, BackendError>> = match result {
-                Ok(attempts) => attempts.into_iter().map(Ok).collect(),
-                Err(e) => requests
-                    .iter()
-                    .map(|_| {
-                        let mut copy = each(&e);
-                        copy.maybe_applied = unknown;
-                        Err(copy)
-                    })
-                    .collect(),
-            };
+            let outcomes = outcome_each(result, requests.len(), unknown);
             for (((request, orphan), answer), outcome) in
                 requests.into_iter().zip(orphans).zip(answers).zip(outcomes)
             {
                 let locked = matches!(outcome, Ok(Attempt::Locked));
-                let ttl = Duration::from_millis(u64::from(request.ttl_ms));
-                match answer.send(outcome) {
-                    // Nobody took it: the caller gave up; its grant is given back.
-                    Err(Ok(Attempt::Granted(_))) if orphan => {
-                        self.give_back(request.key, request.owner, ttl)
-                    }
-                    _ if orphan && (unknown || locked) => {
-                        self.give_back(request.key, request.owner, ttl)
-                    }
-                    _ => {}
+                // Nobody took a grant (its caller gave up), or the outcome is unknown: given
+                // back, owner-checked.
+                let untaken = matches!(answer.send(outcome), Err(Ok(Attempt::Granted(_))));
+                if orphan && (untaken || unknown || locked) {
+                    let ttl = Duration::from_millis(u64::from(request.ttl_ms));
+                    self.give_back(request.key, request.owner, ttl);
                 }
             }
         }
@@ -268,24 +246,36 @@ impl Drop for LeaveLane<'_> {
     }
 }
 
-/// Sends a batch's outcome to each caller: its own answer, or a copy of the batch's error.
+/// Sends a batch's outcome to each caller: its own answer, or a copy of the batch's error. A
+/// caller that gave up is not there to take it; its release was sent all the same.
 fn answer_each<O>(
     answers: Vec<tokio::sync::oneshot::Sender<Result<O, BackendError>>>,
     result: Result<Vec<O>, BackendError>,
 ) {
+    let maybe_applied = matches!(&result, Err(e) if e.maybe_applied);
+    let outcomes = outcome_each(result, answers.len(), maybe_applied);
+    for (answer, outcome) in answers.into_iter().zip(outcomes) {
+        let _ = answer.send(outcome);
+    }
+}
+
+/// A batch's outcome per request: its own answer, or for each a copy of the batch's error —
+/// its kind and code (what each caller decides on), the message as its source, and whether
+/// the batch may have applied.
+fn outcome_each<O>(
+    result: Result<Vec<O>, BackendError>,
+    requests: usize,
+    maybe_applied: bool,
+) -> Vec<Result<O, BackendError>> {
     match result {
-        Ok(outcomes) => {
-            for (answer, outcome) in answers.into_iter().zip(outcomes) {
-                // A caller that gave up is not there to take it; what it asked for is given
-                // back by the acquire path behind it.
-                let _ = answer.send(Ok(outcome));
-            }
-        }
-        Err(e) => {
-            for answer in answers {
-                let _ = answer.send(Err(each(&e)));
-            }
-        }
+        Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
+        Err(e) => (0..requests)
+            .map(|_| {
+                let mut copy = BackendError::new(e.kind, e.code, e.to_string());
+                copy.maybe_applied = maybe_applied;
+                Err(copy)
+            })
+            .collect(),
     }
 }
 
