@@ -48,9 +48,9 @@ counters! {
     local_handoffs,
     /// Grants of keys that moved in a recent reload, also taken on their previous shard(s).
     moved_grants,
-    /// Acquire statements sent to shards: one for an attempt sent alone, two for a batch of
-    /// attempts sent together (the write and the read-back); attempts refused by an open
-    /// breaker send none.
+    /// Acquire statements sent to shards: one for an attempt sent alone; for a batch of
+    /// attempts sent together, its write and, unless the shard reported every key's row as
+    /// new, a read-back; attempts refused by an open breaker send none.
     acquire_statements,
     /// Batches of several acquire attempts sent together to one shard (see `stats.rs`'s
     /// neighbour `shard/lanes.rs`): they form when attempts arrive while that shard's

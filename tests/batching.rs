@@ -103,7 +103,7 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
             .enumerate()
             .map(|(i, key)| request(key, &format!("mine:{n}:{i}"), (i % 3) as u32))
             .collect();
-        let attempts = shard.acquire_batch(&reqs).await.unwrap();
+        let attempts = shard.acquire_batch(&reqs).await.unwrap().attempts;
         assert_eq!(attempts.len(), n);
         for (i, ((attempt, b), req)) in attempts.iter().zip(&before).zip(&reqs).enumerate() {
             let (stored_owner, stored_fence, wanted): (Option<Vec<u8>>, u64, bool) = raw
@@ -134,7 +134,7 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
             }
         }
         // A batch retried after a lost reply finds its own grants again.
-        let again = shard.acquire_batch(&reqs).await.unwrap();
+        let again = shard.acquire_batch(&reqs).await.unwrap().attempts;
         for (first, second) in attempts.iter().zip(&again) {
             if let Attempt::Granted(_) = first {
                 assert!(matches!(second, Attempt::Granted(_)), "{second:?}");
@@ -320,11 +320,31 @@ async fn acquire_all(
     (guards, errors)
 }
 
-/// A batch whose reply is lost (the server acted, the connection broke) is retried on another
-/// connection and finds its own grants: every caller is granted its key, and holds it on the
-/// shard under its own owner.
+/// A batch of fresh keys whose write's reply is lost (the server acted, the connection broke)
+/// is retried on another connection and finds its own grants: every caller is granted its
+/// key, and holds it on the shard under its own owner.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_batch_whose_reply_was_lost_is_retried_and_each_caller_holds_its_key() {
+async fn a_batch_whose_write_reply_was_lost_is_retried_and_each_caller_holds_its_key() {
+    // The write carries its keys as hex; nothing else sent carries these bytes.
+    let marked: String = b"lost-once:MARKED"
+        .iter()
+        .map(|b| format!("{b:02X}"))
+        .collect();
+    lose_one_batch_reply(Box::leak(marked.into_bytes().into_boxed_slice()), false).await;
+}
+
+/// The same when the batch's write found rows of its keys (earlier leases, released), so the
+/// batch reads them back, and that read's reply is lost after the write committed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_whose_read_back_reply_was_lost_is_retried_and_each_caller_holds_its_key() {
+    // The read-back carries its keys as they are; the write carries them as hex.
+    lose_one_batch_reply(b"lost-once:MARKED", true).await;
+}
+
+/// Queues 32 acquires behind a first one waiting on a row lock, loses the reply to the
+/// statement that carries `pattern`, and checks that every caller holds its key. With
+/// `taken_before`, every key was taken and released first, so its row exists.
+async fn lose_one_batch_reply(pattern: &'static [u8], taken_before: bool) {
     let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     // A statement timeout (and so a server lock wait) far longer than the test: the first
     // acquire stays behind the row lock until it is committed, however busy the machine.
@@ -346,6 +366,13 @@ async fn a_batch_whose_reply_was_lost_is_retried_and_each_caller_holds_its_key()
         .unwrap();
     let mut keys: Vec<String> = (0..31).map(|i| format!("lost-once:{i}")).collect();
     keys.push("lost-once:MARKED".to_owned());
+    if taken_before {
+        let (guards, errors) = acquire_all(&direct, &keys, Duration::from_secs(10)).await;
+        assert_eq!(errors, 0);
+        for g in guards {
+            g.release().await.unwrap();
+        }
+    }
     let first = {
         let router = router.clone();
         tokio::spawn(async move {
@@ -385,10 +412,8 @@ async fn a_batch_whose_reply_was_lost_is_retried_and_each_caller_holds_its_key()
         .await,
         "the other acquires did not queue behind the first"
     );
-    // The reply to the statement carrying the marked key (the batch) is lost.
-    proxy.set(shardlock_testkit::ProxyMode::LoseReplyTo(
-        b"lost-once:MARKED",
-    ));
+    // The reply to the batch's statement carrying the marked key is lost.
+    proxy.set(shardlock_testkit::ProxyMode::LoseReplyTo(pattern));
     blocker.query_drop("COMMIT").await.unwrap();
     let first = first.await.unwrap().unwrap();
     let (guards, errors) = rest.await.unwrap();

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use shardlock_core::{BackendError, BackendErrorKind};
-use shardlock_mysql::{Attempt, GrantRequest, MAX_BATCH};
+use shardlock_mysql::{Attempt, BatchGrants, GrantRequest, MAX_BATCH};
 use tokio::sync::oneshot;
 
 use super::ShardState;
@@ -158,22 +158,28 @@ impl ShardState {
                 let result = self.call_timed(self.backend.acquire(request), |r| {
                     !matches!(r, Ok(Attempt::Locked))
                 });
-                result.await.map(|attempt| vec![attempt])
+                result.await.map(|attempt| BatchGrants {
+                    attempts: vec![attempt],
+                    statements: 1,
+                })
             } else {
                 let result = self.call_timed(
                     self.backend.acquire_batch(&requests),
-                    |r| !matches!(r, Ok(attempts) if attempts.contains(&Attempt::Locked)),
+                    |r| !matches!(r, Ok(b) if b.attempts.contains(&Attempt::Locked)),
                 );
                 stats.acquire_batches.fetch_add(1, Ordering::Relaxed);
                 let keys = requests.len() as u64;
                 stats.batched_acquires.fetch_add(keys, Ordering::Relaxed);
                 result.await
             };
-            if !matches!(&result, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
-                let sent = if requests.len() == 1 { 1 } else { 2 };
-                stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
-            }
-            // A batch is two statements: a failure of the read-back comes after the write
+            let sent = match &result {
+                Ok(grants) => grants.statements,
+                Err(e) if e.kind == BackendErrorKind::BreakerOpen => 0,
+                Err(_) => 1,
+            };
+            stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
+            let result = result.map(|grants| grants.attempts);
+            // A batch may be two statements: a failure of the read-back comes after the write
             // committed, whatever its error says.
             let wrote = requests.len() > 1;
             let unknown = matches!(&result, Err(e) if e.maybe_applied

@@ -7,7 +7,8 @@
 //! - [`acquire_batch`]: one `INSERT ... SELECT ... ON DUPLICATE KEY UPDATE` writes every key's
 //!   row with exactly the conditions of the single [`ACQUIRE`](crate::lease) statement (a
 //!   free, released or expired row is granted; a live one is marked wanted), rows in key
-//!   order; then one `SELECT` reads the batch's rows back. Owners are unique per attempt, so a
+//!   order; when the server reports that every row was new, its reply alone says each grant
+//!   and fence, else one `SELECT` reads the batch's rows back. Owners are unique per attempt, so a
 //!   row carrying the request's owner is this request's grant, and its first fence is the
 //!   stored one minus the reserve. Two statements for any number of keys, no `RETURNING`
 //!   (MySQL has none) and no user variables.
@@ -21,7 +22,7 @@
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params};
 
-use crate::lease::{padded_in_list, Attempt, GrantRequest, LOCK_WAIT_TIMEOUT};
+use crate::lease::{padded_in_list, Attempt, GrantRequest, HELD_MARK, LOCK_WAIT_TIMEOUT};
 use crate::{fence_floor, now_us};
 
 /// Most keys in one batch: its JSON (about 150 KiB with 255-byte keys, as hex) stays far below
@@ -40,9 +41,21 @@ pub const MAX_BATCH: usize = 256;
 /// prepared statement per connection, whatever the batch sizes. Keys travel as hex (JSON
 /// carries text, keys are bytes); hex keeps their order, so `ORDER BY` is the primary key's
 /// byte order, the order in which every other multi-row statement here takes its row locks.
+///
+/// Two things let a batch of fresh keys skip its read-back (see [`all_inserted`]):
+/// - `LAST_INSERT_ID(base)` hands the client the one value a fresh row's fence depends on
+///   that the client does not know: the shard's clock and fence floor, `GREATEST(now, floor)`,
+///   the same for every row of the statement (`NOW()` is fixed when a statement starts, and
+///   the floor is one row read under the statement's lock). A fresh row's first fence is then
+///   `max(base, src.f)`.
+/// - Every duplicate row is changed, so the server counts it in the `Duplicates` it reports:
+///   a grant changes the owner or raises the fence, and a held row's `wanted_at` moves even
+///   when another batch marked it in the same millisecond (it then steps one millisecond
+///   further). A row set to its own values would count in neither, and a batch of one fresh
+///   key and one such held key would look like two fresh grants.
 const ACQUIRE_BATCH: &str = concat!(
     "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
-    "SELECT UNHEX(src.k), src.o, GREATEST(", now_us!(), ", ", fence_floor!(), ", src.f) + src.r, ",
+    "SELECT UNHEX(src.k), src.o, GREATEST(LAST_INSERT_ID(GREATEST(", now_us!(), ", ", fence_floor!(), ")), src.f) + src.r, ",
     "src.t, NOW(3) + INTERVAL src.t * 1000 MICROSECOND, NOW(3), src.tr, NULL ",
     "FROM JSON_TABLE(?, '$[*]' COLUMNS (",
     "k VARCHAR(512) CHARACTER SET ascii PATH '$[0]', ",
@@ -59,7 +72,8 @@ const ACQUIRE_BATCH: &str = concat!(
     "expires_at = IF(shardlock_lease.owner = src.o, NOW(3) + INTERVAL src.t * 1000 MICROSECOND, shardlock_lease.expires_at), ",
     "acquired_at = IF(shardlock_lease.owner = src.o, NOW(3), shardlock_lease.acquired_at), ",
     "holder_trace = IF(shardlock_lease.owner = src.o, src.tr, shardlock_lease.holder_trace), ",
-    "wanted_at = IF(shardlock_lease.owner = src.o, NULL, NOW(3))"
+    "wanted_at = IF(shardlock_lease.owner = src.o, NULL, ",
+    "IF(shardlock_lease.wanted_at <=> NOW(3), NOW(3) + INTERVAL 1000 MICROSECOND, NOW(3)))"
 );
 
 /// The read-back of a batch acquire: each key's owner, stored fence and how long its holder
@@ -71,7 +85,17 @@ const READ_HEAD: &str = "SELECT lock_key, owner, fence, \
 /// A row as the read-back sees it: key, owner, stored fence, held for (ms).
 type ReadRow = (Vec<u8>, Option<Vec<u8>>, u64, u64);
 
-/// Tries to grant every request, in two statements: what each found, in the requests' order
+/// What a batch acquire found, and what it took.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchGrants {
+    /// Each request's outcome, in the requests' order.
+    pub attempts: Vec<Attempt>,
+    /// Statements sent: 1 when the write's reply said every key was granted, else 2.
+    pub statements: u64,
+}
+
+/// Tries to grant every request, in one statement when every key is fresh, else two: what
+/// each found, in the requests' order
 /// ([`Attempt::Granted`] with its first fence, [`Attempt::Held`], or for every request
 /// [`Attempt::Locked`] when a row stayed locked by another transaction for the server's whole
 /// lock wait: the write was undone, nothing was decided).
@@ -80,7 +104,7 @@ type ReadRow = (Vec<u8>, Option<Vec<u8>>, u64, u64);
 pub(crate) async fn acquire_batch(
     conn: &mut Conn,
     reqs: &[&GrantRequest],
-) -> mysql_async::Result<Vec<Attempt>> {
+) -> mysql_async::Result<BatchGrants> {
     debug_assert!(!reqs.is_empty() && reqs.len() <= MAX_BATCH);
     let mut sorted: Vec<&GrantRequest> = reqs.to_vec();
     sorted.sort_by(|a, b| a.key.cmp(&b.key));
@@ -101,15 +125,27 @@ pub(crate) async fn acquire_batch(
     // As for the single acquire, 1205 is an answer: the statement was undone as a whole.
     match conn.exec_drop(ACQUIRE_BATCH, (batch,)).await {
         Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
-            return Ok(vec![Attempt::Locked; reqs.len()])
+            return Ok(BatchGrants {
+                attempts: vec![Attempt::Locked; reqs.len()],
+                statements: 1,
+            })
         }
         result => result?,
+    }
+    if let Some(base) = all_inserted(conn, reqs.len()) {
+        return Ok(BatchGrants {
+            attempts: reqs
+                .iter()
+                .map(|req| Attempt::Granted(base.max(req.fence_floor)))
+                .collect(),
+            statements: 1,
+        });
     }
     let (list, keys) = padded_in_list(sorted.iter().map(|r| r.key.as_slice()));
     let rows: Vec<ReadRow> = conn
         .exec(format!("{READ_HEAD}{list}"), Params::Positional(keys))
         .await?;
-    Ok(reqs
+    let attempts = reqs
         .iter()
         .map(|req| {
             let row = rows.iter().find(|(key, ..)| *key == req.key);
@@ -124,7 +160,29 @@ pub(crate) async fn acquire_batch(
                 None => Attempt::Held { held_for_ms: 0 },
             }
         })
-        .collect())
+        .collect();
+    Ok(BatchGrants {
+        attempts,
+        statements: 2,
+    })
+}
+
+/// When the batch write inserted a new row for every one of its `n` keys: the base of their
+/// fences (see [`ACQUIRE_BATCH`]). The server says so in its reply: `n` rows affected and no
+/// duplicates; a reply it cannot read that way means a read-back.
+fn all_inserted(conn: &Conn, n: usize) -> Option<u64> {
+    let info = conn.info();
+    let mut words = info.split_whitespace();
+    let counts = (
+        words.next() == Some("Records:"),
+        words.next()?.parse::<usize>().ok()?,
+        words.next() == Some("Duplicates:"),
+        words.next()?.parse::<usize>().ok()?,
+    );
+    let base = conn
+        .last_insert_id()
+        .filter(|&base| base > 0 && base < HELD_MARK)?;
+    (counts == (true, n, true, 0) && conn.affected_rows() == n as u64).then_some(base)
 }
 
 /// The owner-checked release of many keys. Owners are unique per grant and each is written to
@@ -185,4 +243,110 @@ fn hex(bytes: &[u8]) -> String {
         out.push(char::from(DIGITS[usize::from(b & 0x0F)]));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use mysql_async::prelude::Queryable;
+    use shardlock_core::Config;
+    use shardlock_testkit::Cluster;
+
+    use super::*;
+    use crate::Shard;
+
+    fn request(key: &str, owner: &str, fence_floor: u64) -> GrantRequest {
+        GrantRequest {
+            key: key.as_bytes().to_vec(),
+            owner: owner.to_owned(),
+            ttl_ms: 60_000,
+            fence_floor,
+            reserve: 2,
+            trace: None,
+        }
+    }
+
+    /// The owner and fence stored for `key`.
+    async fn stored(raw: &mut Conn, key: &str) -> (Option<Vec<u8>>, u64) {
+        raw.exec_first(
+            "SELECT owner, fence FROM shardlock_lease WHERE lock_key = ?",
+            (key,),
+        )
+        .await
+        .unwrap()
+        .unwrap()
+    }
+
+    /// A batch answers from the write's reply alone only when every row was new, even on a
+    /// shard whose clock stands still (here: the session's, fixed with `SET timestamp`). Then
+    /// a second batch marks a held key wanted in the very millisecond the first did: were
+    /// that row left as it was, the server would count it neither as a duplicate nor apart
+    /// from a new row, and the held key would be answered as granted.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_held_key_marked_wanted_twice_in_one_millisecond_is_never_taken_for_a_new_row() {
+        let cluster = Cluster::start(1).await.unwrap();
+        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let shard = Shard::new(&config.shards[0], 0).unwrap();
+        shard.migrate().await.unwrap();
+        // The session the shard's own statements use, with the options they use.
+        let mut session = shard.connection().await.unwrap();
+        let conn = session.raw();
+        conn.query_drop("SET timestamp = ROUND(UNIX_TIMESTAMP(NOW(6)), 3)")
+            .await
+            .unwrap();
+        let mut raw = cluster.shard(0).connect().await.unwrap();
+        let held = request("held", "other", 0);
+        let first = acquire_batch(conn, &[&held]).await.unwrap();
+        let [Attempt::Granted(fence)] = first.attempts[..] else {
+            panic!("a fresh key: {first:?}");
+        };
+        assert_eq!(first.statements, 1, "a fresh key needs no read-back");
+        assert_eq!(
+            stored(&mut raw, "held").await,
+            (Some(b"other".to_vec()), fence + 2)
+        );
+
+        for round in 0..3 {
+            let fresh_key = ["fresh:0", "fresh:1", "fresh:2"][round];
+            let fresh = request(fresh_key, &format!("mine:{round}"), 0);
+            let wanting = request("held", &format!("mine:{round}"), 0);
+            let batch = acquire_batch(conn, &[&fresh, &wanting]).await.unwrap();
+            assert!(
+                matches!(batch.attempts[1], Attempt::Held { .. }),
+                "round {round}: the held key was answered {:?}",
+                batch.attempts[1]
+            );
+            let Attempt::Granted(fence) = batch.attempts[0] else {
+                panic!("round {round}: the fresh key was answered {batch:?}");
+            };
+            assert_eq!(
+                batch.statements, 2,
+                "round {round}: a duplicate is read back"
+            );
+            let owner = format!("mine:{round}").into_bytes();
+            assert_eq!(stored(&mut raw, fresh_key).await, (Some(owner), fence + 2));
+        }
+
+        // Fresh keys with a fence floor above the shard's clock (keys moved here): each first
+        // fence as the server stored it, from the reply alone.
+        let now: u64 = conn
+            .query_first("SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)")
+            .await
+            .unwrap()
+            .unwrap();
+        let reqs = [
+            request("moved:0", "mine:m0", now + 1_000_000_000),
+            request("moved:1", "mine:m1", 0),
+        ];
+        let batch = acquire_batch(conn, &[&reqs[0], &reqs[1]]).await.unwrap();
+        assert_eq!(batch.statements, 1);
+        for (req, attempt) in reqs.iter().zip(&batch.attempts) {
+            let Attempt::Granted(fence) = attempt else {
+                panic!("{attempt:?}");
+            };
+            assert!(*fence >= req.fence_floor.max(now));
+            let key = String::from_utf8(req.key.clone()).unwrap();
+            let (_, stored_fence) = stored(&mut raw, &key).await;
+            assert_eq!(stored_fence, fence + 2, "{key}");
+        }
+    }
 }

@@ -317,11 +317,12 @@ const RENEW_HEAD: &str =
 const HELD_HEAD: &str =
     "SELECT lock_key FROM shardlock_lease WHERE expires_at > NOW(3) AND lock_key IN ";
 
-/// Durations relative to the shard's clock, in milliseconds.
+/// Durations relative to the shard's clock, in milliseconds. A batch may mark a key wanted
+/// up to a millisecond ahead of the clock (see `batch.rs`): "wanted for" counts from 0.
 const INSPECT: &str = "SELECT owner, fence, ttl_ms, \
      CAST(TIMESTAMPDIFF(MICROSECOND, NOW(3), expires_at) DIV 1000 AS SIGNED), \
      CAST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000 AS SIGNED), \
-     CAST(TIMESTAMPDIFF(MICROSECOND, wanted_at, NOW(3)) DIV 1000 AS SIGNED) \
+     CAST(GREATEST(TIMESTAMPDIFF(MICROSECOND, wanted_at, NOW(3)) DIV 1000, 0) AS SIGNED) \
      FROM shardlock_lease WHERE lock_key = ?";
 
 const COUNT_HELD: &str =

@@ -17,7 +17,7 @@ mod patterns;
 mod pool;
 mod shard;
 
-pub use batch::MAX_BATCH;
+pub use batch::{BatchGrants, MAX_BATCH};
 pub use carry::{CasRow, MovingJob, PendingJob};
 pub use cleaner::{Beat, Candidate, InstanceRow};
 pub use error::classify;

@@ -10,7 +10,7 @@ use shardlock_core::config::ShardConfig;
 use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
 
-use crate::batch;
+use crate::batch::{self, BatchGrants};
 use crate::carry::{self, CasRow, MovingJob, PendingJob};
 use crate::cleaner::{self, Beat, Candidate, InstanceRow};
 use crate::error::{classify, classify_pool};
@@ -196,10 +196,11 @@ impl Shard {
             .await
     }
 
-    /// Tries to grant every request in two statements (one write for all keys with the
-    /// single acquire's conditions, then one read-back: owners are unique per attempt, so a
-    /// row carrying a request's owner is its grant): what each found, in the requests' order. Keys distinct, at most [`crate::MAX_BATCH`].
-    pub async fn acquire_batch(&self, reqs: &[GrantRequest]) -> Result<Vec<Attempt>, BackendError> {
+    /// Tries to grant every request: one write for all keys with the single acquire's
+    /// conditions, then, unless the server reported every row as new, one read-back (owners
+    /// are unique per attempt, so a row carrying a request's owner is its grant). Keys
+    /// distinct, at most [`crate::MAX_BATCH`].
+    pub async fn acquire_batch(&self, reqs: &[GrantRequest]) -> Result<BatchGrants, BackendError> {
         let reqs: Vec<&GrantRequest> = reqs.iter().collect();
         self.run(reqs, |c, reqs| Box::pin(batch::acquire_batch(c, reqs)))
             .await

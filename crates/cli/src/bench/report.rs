@@ -29,6 +29,20 @@ pub(super) struct Measurement {
     pub(super) max_ms: f64,
     /// The latency distribution: (quantile, ms) at fixed quantiles, for the plot.
     pub(super) latency_quantiles: Vec<(f64, f64)>,
+    /// shardlock's distinct-key rounds: how its dispatcher grouped the keys (its own stats).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) batching: Option<Batching>,
+}
+
+/// Keys per statement the router sent in a round: 1.0 is no batching at all.
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub(super) struct Batching {
+    /// Keys per acquire write (a batch of many, or a single acquire).
+    pub(super) keys_per_acquire: f64,
+    /// Keys per release statement.
+    pub(super) keys_per_release: f64,
+    /// Acquire statements (writes and read-backs) per key.
+    pub(super) acquire_statements_per_key: f64,
 }
 
 /// The shard's server-wide counters at one moment (the harness reads them before and after
@@ -174,6 +188,12 @@ fn print_report(report: &Report) {
                 m.p99_ms,
                 m.deadlock_errors_surfaced,
                 m.innodb_deadlocks
+            );
+        }
+        if let Some(b) = c.shardlock.batching {
+            println!(
+                "  shardlock sent {:.1} keys per acquire write ({:.2} acquire statements per key), {:.1} per release",
+                b.keys_per_acquire, b.acquire_statements_per_key, b.keys_per_release
             );
         }
         let target = match c.scenario {

@@ -2,23 +2,24 @@
 
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Pool;
-use shardlock::{AcquireOptions, LockRouter};
+use shardlock::{AcquireOptions, LockRouter, LockStats};
 
 use super::harness::Round;
-use super::report::Measurement;
+use super::report::{Batching, Measurement};
 use crate::AnyError;
 
 pub(super) async fn shardlock(
     router: &LockRouter,
     round: Round<'_>,
 ) -> Result<Measurement, AnyError> {
-    let (router, tag) = (router.clone(), round.tag.to_owned());
-    round
+    let before = router.stats();
+    let (caller, tag) = (router.clone(), round.tag.to_owned());
+    let mut m = round
         .measure(
             "shardlock acquire+release, distinct keys",
             round.args.tasks,
             move |task, i| {
-                let (router, key) = (router.clone(), format!("bench:u:{tag}:{task}:{i}"));
+                let (router, key) = (caller.clone(), format!("bench:u:{tag}:{task}:{i}"));
                 async move {
                     let guard = router
                         .try_acquire(&key, AcquireOptions::new())
@@ -29,7 +30,30 @@ pub(super) async fn shardlock(
                 }
             },
         )
-        .await
+        .await?;
+    m.batching = Some(batching(&before, &router.stats()));
+    Ok(m)
+}
+
+/// How the router grouped the keys between two readings of its stats. Every key of this
+/// scenario is granted at the first try: each is one acquire and one release.
+fn batching(before: &LockStats, after: &LockStats) -> Batching {
+    let keys = (after.grants - before.grants) as f64;
+    let (batches, batched) = (
+        (after.acquire_batches - before.acquire_batches) as f64,
+        (after.batched_acquires - before.batched_acquires) as f64,
+    );
+    let (release_batches, batched_releases) = (
+        (after.release_batches - before.release_batches) as f64,
+        (after.batched_releases - before.batched_releases) as f64,
+    );
+    let per = |keys: f64, statements: f64| keys / statements.max(1.0);
+    Batching {
+        keys_per_acquire: per(keys, batches + keys - batched),
+        keys_per_release: per(keys, release_batches + keys - batched_releases),
+        acquire_statements_per_key: (after.acquire_statements - before.acquire_statements) as f64
+            / keys.max(1.0),
+    }
 }
 
 pub(super) async fn raw_sql(pool: &Pool, round: Round<'_>) -> Result<Measurement, AnyError> {
