@@ -31,9 +31,28 @@ pub(super) async fn shardlock(
 /// owner on release; exponential backoff with jitter between tries (shardlock's default
 /// steps). Deadlocks and lock wait timeouts reach this code; it counts them and tries again.
 pub(super) async fn naive(pool: &Pool, round: Round<'_>) -> Result<Measurement, AnyError> {
-    let (pool, key) = (pool.clone(), format!("bench:naive:{}", round.tag));
-    round.measure("naive hand-rolled lock, one hot key", round.args.hot_tasks, move |task, i| {
-        let (pool, key, owner) = (pool.clone(), key.clone(), format!("{task}:{i}"));
+    let key = format!("bench:naive:{}", round.tag);
+    let name = "naive hand-rolled lock, one hot key";
+    naive_on(pool, round, name, round.args.hot_tasks, move |_, _| {
+        key.clone()
+    })
+    .await
+}
+
+/// [`naive`] with `tasks` tasks, the `i`th cycle of task `task` on `key(task, i)`.
+pub(super) async fn naive_on<K>(
+    pool: &Pool,
+    round: Round<'_>,
+    name: &str,
+    tasks: u32,
+    key: K,
+) -> Result<Measurement, AnyError>
+where
+    K: Fn(u32, u64) -> String + Clone + Send + 'static,
+{
+    let pool = pool.clone();
+    round.measure(name, tasks, move |task, i| {
+        let (pool, key, owner) = (pool.clone(), key(task, i), format!("{task}:{i}"));
         async move {
             let mut backoff = default_backoff();
             let mut c = pool.get_conn().await?;

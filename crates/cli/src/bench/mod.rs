@@ -6,7 +6,6 @@
 //! its median round, so that drift on a shared machine (background purge, other load) hits
 //! both sides alike.
 
-mod buckets;
 mod cleaner;
 mod harness;
 mod hot_key;
@@ -15,16 +14,19 @@ mod report;
 mod shard_down;
 mod telemetry;
 mod uncontended;
+mod workers;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use rand::Rng;
 use serde::Serialize;
 use shardlock::LockRouter;
 
 use self::harness::{baseline_pool, bench_config, prepare_baseline_tables, Counters, Round};
 use self::report::{Comparison, Report};
+use self::workers::Work;
 use crate::{dev, AnyError, ConfigSource};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
@@ -57,6 +59,11 @@ pub(crate) enum Scenario {
     /// innodb_flush_log_at_trx_commit = 1`: a log flush per commit, restored afterwards), where
     /// each statement's commit costs a flush and sending keys together saves the most.
     Durable,
+    /// 2 processes x 64 tasks taking random keys of 1,000 shared ones (acquire, release at
+    /// once; in-memory hand-off off, so the shard serves every grant and batches meet held
+    /// rows), against the naive hand-rolled lock with 128 tasks on the same keys. Reports the
+    /// deadlocks InnoDB saw and those that reached a caller (shardlock: none).
+    Overlap,
     /// Acquire latency of distinct keys (`--tasks`) while the cleaner deletes released rows
     /// of the same shard in batches (400,000 rows planted per second of the round, batches of
     /// 1,000, 10 ms apart), against the same load with nothing to clean. Compare p50/p99.
@@ -93,7 +100,10 @@ pub(crate) struct BenchArgs {
     /// Internal: run as one process of the `buckets` scenario with this many buckets.
     #[arg(long, hide = true)]
     worker_buckets: Option<u32>,
-    /// Internal: the key of a `buckets` worker.
+    /// Internal: run as one process of the `overlap` scenario, on this many keys.
+    #[arg(long, hide = true)]
+    worker_overlap: Option<u32>,
+    /// Internal: the key (or key prefix) of a worker.
     #[arg(long, hide = true, default_value = "bench:buckets")]
     worker_key: String,
 }
@@ -104,7 +114,10 @@ pub(crate) async fn run(
     as_json: bool,
 ) -> Result<(), AnyError> {
     if let Some(buckets) = args.worker_buckets {
-        return buckets::worker(source, &args, buckets).await;
+        return workers::worker(source, &args, Work::Buckets(buckets)).await;
+    }
+    if let Some(keys) = args.worker_overlap {
+        return workers::worker(source, &args, Work::Overlap(keys)).await;
     }
     if source.is_local_default() {
         dev::ensure_up().await?;
@@ -187,9 +200,21 @@ pub(crate) async fn run(
                     )
                 }
                 Scenario::Buckets => (
-                    buckets::across_processes(source, 16, round).await?,
-                    buckets::across_processes(source, 1, round).await?,
+                    workers::across_processes(source, Work::Buckets(16), round).await?,
+                    workers::across_processes(source, Work::Buckets(1), round).await?,
                 ),
+                Scenario::Overlap => {
+                    let (keys, tasks) = (workers::OVERLAP_KEYS, 2 * workers::OVERLAP_TASKS);
+                    let prefix = format!("bench:naive:o:{}", round.tag);
+                    let name = format!("naive hand-rolled lock, {keys} keys, {tasks} tasks");
+                    (
+                        workers::across_processes(source, Work::Overlap(keys), round).await?,
+                        hot_key::naive_on(&pool, round, &name, tasks, move |_, _| {
+                            format!("{prefix}:{}", rand::rng().random_range(0..keys))
+                        })
+                        .await?,
+                    )
+                }
                 Scenario::Reload => reload::throughput_across_reload(source, round).await?,
                 Scenario::ShardDown => {
                     // The all-up run first: it migrates every shard, which the other run cannot.
