@@ -226,7 +226,8 @@ async fn batches_form_under_load_and_never_grant_a_key_twice() {
 }
 
 /// Callers that give up at random moments while their key may sit in a batch: whatever they
-/// were granted is given back, so no lease is left and every key can be taken again at once.
+/// were granted is given back, so no lease is left and every key can be taken again at once,
+/// and no connection stays checked out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn callers_giving_up_while_in_a_batch_leave_no_lease() {
     let (cluster, router, _yaml) = common::start(1, "").await;
@@ -269,6 +270,16 @@ async fn callers_giving_up_while_in_a_batch_leave_no_lease() {
             guard.release().await.unwrap();
         }
     }
+    // Nor a connection: every one the pool opened is back in it.
+    assert!(
+        common::eventually(Duration::from_secs(30), || async {
+            let pool = router.status().await[0].pool;
+            pool.available == pool.size
+        })
+        .await,
+        "connections left checked out: {:?}",
+        router.status().await[0].pool
+    );
 }
 
 /// A router with one shard behind a proxy, sending acquires in one batch at a time.
@@ -318,6 +329,76 @@ async fn acquire_all(
         }
     }
     (guards, errors)
+}
+
+/// A batch chosen as a deadlock's victim half way (it has locked its first rows and waits for
+/// its last one, which a heavier transaction holds and which then asks for the first): the
+/// server rolls the whole batch back, it is sent again, and every key is granted once the
+/// competitor ends, with no error reaching the callers.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_chosen_as_a_deadlock_victim_half_way_is_retried_and_grants_every_key() {
+    let (cluster, _router, yaml) = common::start(1, "").await;
+    let (shard, server) = (backend(&yaml), cluster.shard(0));
+    // Rows that exist (taken and released), so the batch's write locks each in key order.
+    let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("dl:{i}").into_bytes()).collect();
+    for key in &keys {
+        assert!(matches!(
+            shard.acquire(&request(key, "before", 0)).await.unwrap(),
+            Attempt::Granted(_)
+        ));
+        assert!(shard.release(key, "before").await.unwrap());
+    }
+    let mut competitor = shardlock_testkit::Competitor::begin(server, true)
+        .await
+        .unwrap();
+    competitor.lock(&keys[7]).await.unwrap();
+    let deadlocks = server.global_status("Innodb_deadlocks").await.unwrap();
+    let reqs: Vec<GrantRequest> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| request(key, &format!("dl-mine:{i}"), 1))
+        .collect();
+    let batch = {
+        let reqs = reqs.clone();
+        tokio::spawn(async move { shard.acquire_batch(&reqs).await })
+    };
+    // The batch has locked the first seven rows and waits for the last...
+    assert!(
+        common::eventually(Duration::from_secs(30), || async {
+            server.lock_waits_now().await.unwrap() > 0
+        })
+        .await,
+        "the batch never waited for the competitor's row"
+    );
+    // ... and the competitor asking for the first closes the cycle. Having written more, it
+    // is not the victim: the batch is rolled back, and sent again.
+    competitor
+        .lock(&keys[0])
+        .await
+        .expect("the server rolled back the competitor, not the batch");
+    assert_eq!(
+        server.global_status("Innodb_deadlocks").await.unwrap(),
+        deadlocks + 1
+    );
+    competitor.end().await.unwrap();
+    let grants = batch
+        .await
+        .unwrap()
+        .expect("the deadlock reached the caller");
+    let mut raw = server.connect().await.unwrap();
+    for (req, attempt) in reqs.iter().zip(&grants.attempts) {
+        let Attempt::Granted(fence) = attempt else {
+            panic!("{:?}: {attempt:?}", req.key);
+        };
+        let stored: Option<(Vec<u8>, u64)> = raw
+            .exec_first(
+                "SELECT owner, fence FROM shardlock_lease WHERE lock_key = ?",
+                (req.key.as_slice(),),
+            )
+            .await
+            .unwrap();
+        assert_eq!(stored, Some((req.owner.clone().into_bytes(), fence + 1)));
+    }
 }
 
 /// A batch of fresh keys whose write's reply is lost (the server acted, the connection broke)
