@@ -175,6 +175,8 @@ impl ShardState {
             let sent = match &result {
                 Ok(grants) => grants.statements,
                 Err(e) if e.kind == BackendErrorKind::BreakerOpen => 0,
+                // The write at least (a failed read-back would make it two; which one
+                // failed is not told apart here).
                 Err(_) => 1,
             };
             stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);

@@ -26,9 +26,9 @@ macro_rules! fence_floor {
     };
 }
 
-/// What a grant asks of the shard: the row `key` for `owner` for `ttl`, with a first fence
-/// above `fence_floor` (and above every earlier fence of the key), and `reserve` more fences
-/// set aside after it.
+/// What a grant asks of the shard: the row `key` for `owner` for `ttl`, with a first fence of
+/// at least `fence_floor` (and above every earlier fence of the key and the shard's fence
+/// floor), and `reserve` more fences set aside after it.
 ///
 /// The reserved fences are for grants this process makes in memory (local hand-offs) without
 /// another round trip: the row stores the top of the range, so whoever is granted the key next
@@ -41,7 +41,8 @@ pub struct GrantRequest {
     pub owner: String,
     /// Lease length in ms.
     pub ttl_ms: u32,
-    /// The first fence is above this (used when a key moves between shards).
+    /// The first fence is at least this (a key's fence on the shard it lived on before a
+    /// move: the same lease's, so it may be equal).
     pub fence_floor: u64,
     /// Fences reserved after the first one.
     pub reserve: u32,
