@@ -284,6 +284,11 @@ impl ShardState {
         self.acquire_lane.waiting() + self.release_lane.waiting()
     }
 
+    /// Acquire and release batches out to this shard now (a lone request is a batch of one).
+    pub(crate) fn batches_in_flight_now(&self) -> usize {
+        self.acquire_lane.running() + self.release_lane.running()
+    }
+
     async fn call_timed<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, BackendError>>,

@@ -42,6 +42,9 @@ pub struct ShardStatus {
     /// `LockStats::acquire_batches`): more than a few for long means the shard is the
     /// bottleneck.
     pub batch_waiting: usize,
+    /// Acquire and release statements of this process's dispatcher out to the shard now (a
+    /// lone request is a batch of one); at most twice `pool.batches-in-flight`.
+    pub batches_in_flight: usize,
 }
 
 impl LockRouter {
@@ -118,6 +121,8 @@ impl LockRouter {
                     name: s.name().to_owned(),
                     breaker: s.breaker_state(),
                     pool: s.pool_status(),
+                    batch_waiting: s.lanes_waiting(),
+                    batches_in_flight: s.batches_in_flight_now(),
                 })
                 .collect(),
             hot_keys: self.inner.shared.telemetry.reported_hot_keys(),
@@ -172,6 +177,7 @@ impl LockRouter {
                 breaker: s.breaker_state(),
                 local_fallback_leases: s.local_count(),
                 batch_waiting: s.lanes_waiting(),
+                batches_in_flight: s.batches_in_flight_now(),
             }
         });
         join_all(probes).await

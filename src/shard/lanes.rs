@@ -142,6 +142,11 @@ impl<R, O> Lane<R, O> {
     pub(super) fn waiting(&self) -> usize {
         self.state.locked().queue.len()
     }
+
+    /// Runners sending now (a lone request sent by its caller counts as one).
+    pub(super) fn running(&self) -> usize {
+        self.state.locked().running
+    }
 }
 
 impl ShardState {

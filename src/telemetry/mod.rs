@@ -17,7 +17,8 @@
 //! | `shardlock_hold_duration_seconds` | histogram | shard, mode |
 //! | `shardlock_renewal_statements_total`, `shardlock_renewal_failures_total` | counter | instance |
 //! | `shardlock_leases_lost_total`, `shardlock_local_handoffs_total`, `shardlock_breaker_rejections_total` | counter | instance |
-//! | `shardlock_acquire_statements_total`, `shardlock_acquire_batches_total`, `shardlock_acquire_batched_total`, `shardlock_release_batches_total` | counter | instance |
+//! | `shardlock_acquire_statements_total`, `shardlock_acquire_batches_total`, `shardlock_acquire_batched_total`, `shardlock_release_batches_total`, `shardlock_release_batched_total` | counter | instance |
+//! | `shardlock_batches` | gauge: the dispatcher | instance, shard, state (in_flight, waiting) |
 //! | `shardlock_breaker_state` | gauge: 0 closed, 1 half-open, 2 open | instance, shard |
 //! | `shardlock_pool_connections` | gauge | instance, shard, state (max, size, available, waiting) |
 //! | `shardlock_cleaner_deleted_total` | counter | shard, reason (released, abandoned) |

@@ -37,6 +37,10 @@ pub(crate) struct ShardSnapshot {
     pub(crate) breaker: BreakerState,
     /// The shard's connection pool.
     pub(crate) pool: PoolStatus,
+    /// Acquires and releases waiting for the shard's next batch.
+    pub(crate) batch_waiting: usize,
+    /// Batches out to the shard now.
+    pub(crate) batches_in_flight: usize,
 }
 
 /// Registers the observable instruments of a router. Each callback takes its own snapshot
@@ -53,10 +57,10 @@ where
 {
     let meter = super::meter();
     type Read = fn(&LockStats) -> u64;
-    let counters: [(&'static str, &'static str, Read); 9] = [
+    let counters: [(&'static str, &'static str, Read); 10] = [
         (
             "shardlock.acquire.statements",
-            "Acquire statements sent (one alone, two per batch)",
+            "Acquire statements sent (one alone; per batch its write, and a read-back unless every key was new)",
             |s| s.acquire_statements,
         ),
         (
@@ -73,6 +77,11 @@ where
             "shardlock.release.batches",
             "Batches of several releases sent together to a shard, one statement each",
             |s| s.release_batches,
+        ),
+        (
+            "shardlock.release.batched",
+            "Releases sent in batches (batched / batches: the mean batch size)",
+            |s| s.batched_releases,
         ),
         (
             "shardlock.renewal.statements",
@@ -156,6 +165,33 @@ where
             }
         })
         .build();
+    let batches = source.clone();
+    meter
+        .u64_observable_gauge("shardlock.batches")
+        .with_description(
+            "The dispatcher per shard, by state: in_flight (batches out now), waiting (requests queued for the next)",
+        )
+        .with_callback(move |observer| {
+            let Some(router) = batches() else {
+                return;
+            };
+            for shard in router.shards {
+                for (state, n) in [
+                    ("in_flight", shard.batches_in_flight),
+                    ("waiting", shard.batch_waiting),
+                ] {
+                    observer.observe(
+                        n as u64,
+                        &[
+                            KeyValue::new("instance", router.instance_id.clone()),
+                            KeyValue::new("shard", shard.name.clone()),
+                            KeyValue::new("state", state),
+                        ],
+                    );
+                }
+            }
+        })
+        .build();
     let hot_keys = source;
     meter
         .f64_observable_gauge("shardlock.hot_key.wait")
@@ -200,6 +236,7 @@ mod tests {
                 lost: 2,
                 acquire_batches: 3,
                 batched_acquires: 20,
+                batched_releases: 9,
                 ..LockStats::default()
             },
             shards: vec![
@@ -207,11 +244,15 @@ mod tests {
                     name: "s0".to_owned(),
                     breaker: BreakerState::Closed,
                     pool,
+                    batch_waiting: 5,
+                    batches_in_flight: 2,
                 },
                 ShardSnapshot {
                     name: "s1".to_owned(),
                     breaker: BreakerState::Open,
                     pool,
+                    batch_waiting: 0,
+                    batches_in_flight: 0,
                 },
             ],
             hot_keys: vec![("k".to_owned(), Duration::from_millis(1500))],
@@ -253,6 +294,11 @@ mod tests {
         assert_eq!(metric("shardlock_local_handoffs_total", &[]), 0.0);
         assert_eq!(metric("shardlock_acquire_batches_total", &[]), 3.0);
         assert_eq!(metric("shardlock_acquire_batched_total", &[]), 20.0);
+        assert_eq!(metric("shardlock_release_batched_total", &[]), 9.0);
+        let in_flight = [r#"shard="s0""#, r#"state="in_flight""#];
+        assert_eq!(metric("shardlock_batches", &in_flight), 2.0);
+        let queued = [r#"shard="s0""#, r#"state="waiting""#];
+        assert_eq!(metric("shardlock_batches", &queued), 5.0);
         assert_eq!(metric("shardlock_breaker_state", &[r#"shard="s0""#]), 0.0);
         assert_eq!(metric("shardlock_breaker_state", &[r#"shard="s1""#]), 2.0);
         let waiting = [r#"shard="s1""#, r#"state="waiting""#];

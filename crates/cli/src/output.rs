@@ -47,6 +47,7 @@ pub(crate) fn status(
                     "breaker": BreakerState::name(s.breaker),
                     "local_fallback_leases": s.local_fallback_leases,
                     "batch_waiting": s.batch_waiting,
+                    "batches_in_flight": s.batches_in_flight,
                     "pool": {"max_size": s.pool.max_size, "size": s.pool.size, "available": s.pool.available, "waiting": s.pool.waiting},
                 })
             })
