@@ -62,6 +62,8 @@ pub struct ShardCleaned {
     pub kept_live_holder: u64,
     /// Batches (one scan and up to two deletes each).
     pub batches: u64,
+    /// Registry rows of instances silent longer than `cleaner.instance-retention`, deleted.
+    pub instances_forgotten: u64,
     /// Why the pass stopped early on this shard, if it did.
     pub error: Option<String>,
 }
@@ -264,15 +266,24 @@ async fn clean_shard(
     if let Err(e) = clean_batches(shard, config, registry, leader, &mut out).await {
         out.error = Some(e.to_string());
     }
+    match shard
+        .call(|b| b.forget_instances(config.instance_retention))
+        .await
+    {
+        Ok(n) => out.instances_forgotten = n,
+        Err(e) if out.error.is_none() => out.error = Some(e.into_error(shard.name()).to_string()),
+        Err(_) => {}
+    }
     shard
         .shared
         .telemetry
         .cleaned(&out.shard, out.released, out.abandoned);
-    if out.released + out.abandoned > 0 {
+    if out.released + out.abandoned + out.instances_forgotten > 0 {
         tracing::info!(
             shard = %out.shard,
             released = out.released,
             abandoned = out.abandoned,
+            instances_forgotten = out.instances_forgotten,
             "shardlock cleaner deleted rows"
         );
     }

@@ -37,5 +37,5 @@ pub use shardlock_core::{
     Error, LockKey, Result, Ring, RingHash,
 };
 pub use shardlock_mysql::{
-    mysql_async, InstanceRow, LeaseRow, MigrateReport, PoolStatus, MIGRATIONS,
+    mysql_async, InstanceRow, InstanceVerdict, LeaseRow, MigrateReport, PoolStatus, MIGRATIONS,
 };

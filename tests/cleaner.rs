@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{Conn, Value};
-use shardlock::{AcquireOptions, Error, LockRouter};
+use shardlock::{AcquireOptions, Error, InstanceVerdict, LockRouter};
 use shardlock_testkit::{report, Cluster, Worker};
 use tokio::time::Instant;
 
@@ -420,4 +420,70 @@ async fn failed_heartbeats_are_counted() {
         .await,
         "heartbeats to the unreachable shard were not counted as failed"
     );
+}
+
+/// The registry's verdict on each instance is the one the cleaner acts on — a process killed
+/// an hour ago is `dead`, not `running` — and the cleaner deletes the rows of instances
+/// silent longer than `cleaner.instance-retention`, keeping the recently dead and the live.
+#[tokio::test(flavor = "multi_thread")]
+async fn long_dead_instances_are_shown_dead_and_forgotten_after_the_retention() {
+    let yaml = "cleaner:\n  registry: heartbeat\n  heartbeat-interval: 100ms\n  \
+                heartbeat-timeout: 1s\n  instance-retention: 10m\n";
+    let (cluster, router, _) = common::start(1, yaml).await;
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    for (id, silent_for, deregistered) in [
+        ("killed-an-hour-ago", "1 HOUR", false),
+        ("shut-down-an-hour-ago", "1 HOUR", true),
+        ("killed-a-minute-ago", "1 MINUTE", false),
+    ] {
+        c.exec_drop(
+            format!(
+                "INSERT INTO shardlock_instance (instance_id, host, pid, started_at, heartbeat_at, \
+                 deregistered_at) VALUES (?, 'host', 1, NOW(3) - INTERVAL 2 HOUR, \
+                 NOW(3) - INTERVAL {silent_for}, IF(?, NOW(3) - INTERVAL {silent_for}, NULL))"
+            ),
+            (id, deregistered),
+        )
+        .await
+        .unwrap();
+    }
+    let own = router.instance_id().to_owned();
+    // The router's own heartbeat is in before the verdicts are read.
+    assert!(
+        common::eventually(Duration::from_secs(10), || async {
+            verdicts(&router).await.contains_key(&own)
+        })
+        .await
+    );
+    let before = verdicts(&router).await;
+    let verdict = |id: &str| before.get(id).copied();
+    assert_eq!(verdict("killed-an-hour-ago"), Some(InstanceVerdict::Dead));
+    assert_eq!(
+        verdict("shut-down-an-hour-ago"),
+        Some(InstanceVerdict::ShutDown)
+    );
+    assert_eq!(verdict("killed-a-minute-ago"), Some(InstanceVerdict::Dead));
+    assert_eq!(verdict(&own), Some(InstanceVerdict::Running));
+
+    let report = router.clean_once().await.unwrap();
+    assert!(report.leader);
+    assert_eq!(report.shards[0].instances_forgotten, 2, "{report:?}");
+    let after = verdicts(&router).await;
+    let mut left: Vec<&str> = after.keys().map(String::as_str).collect();
+    left.sort_unstable();
+    let mut expected = vec!["killed-a-minute-ago", own.as_str()];
+    expected.sort_unstable();
+    assert_eq!(left, expected);
+}
+
+/// Each registered instance's verdict by the router's heartbeat timeout.
+async fn verdicts(router: &LockRouter) -> std::collections::HashMap<String, InstanceVerdict> {
+    let timeout = router.config().cleaner.heartbeat_timeout;
+    let mut out = std::collections::HashMap::new();
+    for (_, rows) in router.instances().await {
+        for row in rows.unwrap() {
+            out.insert(row.instance_id.clone(), row.verdict(timeout));
+        }
+    }
+    out
 }

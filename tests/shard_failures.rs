@@ -1,7 +1,7 @@
 //! Real shard failures with the `fail-fast` policy: a shard SIGKILLed then restarted,
 //! SIGSTOPped then resumed, cut off by a blackholing proxy, slowed past the slow-call
 //! threshold, its connections reset, its connection limit exhausted, its pool exhausted by
-//! callers of a slow link. For each: what callers of
+//! callers of a slow link, switched to read-only (a demoted primary). For each: what callers of
 //! the failing shard receive and how fast (never later than their wait; within 50 ms once the
 //! breaker is open), the breaker's transitions, recovery once the fault ends, and the
 //! throughput of keys on the healthy shards (at least 80% of what it was before).
@@ -36,6 +36,7 @@ enum Fault {
     Reset,
     ConnectionLimit,
     PoolExhausted,
+    ReadOnly,
 }
 
 /// What a fault keeps alive until it is healed.
@@ -45,10 +46,13 @@ struct Injected {
     hog: Option<Conn>,
     /// Callers crowding the failing shard's small pool.
     crowd: Vec<tokio::task::JoinHandle<()>>,
+    /// The router's connections to the shard before it turned read-only.
+    before: Vec<u64>,
     stop: Arc<AtomicBool>,
 }
 
-/// The user `s1` is reached as in the connection-limit test (its connections are counted).
+/// The user `s1` is reached as in the connection-limit and read-only tests (its connections
+/// are counted; it has no privilege to write to a read-only server).
 const LIMITED_USER: &str = "locker";
 
 impl Fault {
@@ -85,6 +89,24 @@ impl Fault {
                 }
                 hog.query_drop("SELECT 1").await.unwrap();
                 injected.hog = Some(hog);
+            }
+            Fault::ReadOnly => {
+                // As a failover demotes a primary: it still answers, and refuses every write
+                // (1290). The connections the router had open before are noted, to check
+                // that none survives.
+                let mut root = s1.connect().await.unwrap();
+                injected.before = root
+                    .exec(
+                        "SELECT id FROM information_schema.processlist WHERE user = ?",
+                        (LIMITED_USER,),
+                    )
+                    .await
+                    .unwrap();
+                assert!(
+                    !injected.before.is_empty(),
+                    "the router has no connection open"
+                );
+                root.query_drop("SET GLOBAL read_only = ON").await.unwrap();
             }
             Fault::PoolExhausted => {
                 // Statements slowed below the slow-call threshold, and 16 callers on a pool of
@@ -126,6 +148,10 @@ impl Fault {
                 root.query_drop("FLUSH PRIVILEGES").await.unwrap();
                 drop(injected.hog);
             }
+            Fault::ReadOnly => {
+                let mut root = s1.connect().await.unwrap();
+                root.query_drop("SET GLOBAL read_only = OFF").await.unwrap();
+            }
             Fault::PoolExhausted => {
                 injected.stop.store(true, Ordering::Relaxed);
                 for caller in injected.crowd {
@@ -139,7 +165,7 @@ impl Fault {
 
 /// Runs one fault from start to recovery and checks everything the module doc promises.
 async fn shard_fault(fault: Fault) {
-    let user = (fault == Fault::ConnectionLimit).then_some(LIMITED_USER);
+    let user = matches!(fault, Fault::ConnectionLimit | Fault::ReadOnly).then_some(LIMITED_USER);
     let pool = if fault == Fault::PoolExhausted {
         SMALL_POOL
     } else {
@@ -224,6 +250,7 @@ async fn shard_fault(fault: Fault) {
     }
     let during = load.rate(Duration::from_millis(1500)).await;
 
+    let before_fault = injected.before.clone();
     fault.heal(&rig, injected).await;
     let healed = Instant::now();
     let mut recovered = false;
@@ -245,6 +272,31 @@ async fn shard_fault(fault: Fault) {
     }
     let recovered_after = healed.elapsed();
     assert!(recovered, "{fault:?}: no recovery within 30 s");
+    if fault == Fault::ReadOnly {
+        // Every connection opened to the read-only server was closed, in use or idle: after
+        // a failover that moves a DNS name, none would still point at the demoted primary.
+        let survivors = || async {
+            let mut root = rig.cluster.shard(0).connect().await.unwrap();
+            let now: Vec<u64> = root
+                .exec(
+                    "SELECT id FROM information_schema.processlist WHERE user = ?",
+                    (LIMITED_USER,),
+                )
+                .await
+                .unwrap();
+            now.into_iter()
+                .filter(|id| before_fault.contains(id))
+                .collect::<Vec<_>>()
+        };
+        assert!(
+            common::eventually(Duration::from_secs(10), || async {
+                survivors().await.is_empty()
+            })
+            .await,
+            "connections from before the shard turned read-only survived: {:?}",
+            survivors().await
+        );
+    }
     for key in &failing {
         router
             .acquire(key, opts())
@@ -296,6 +348,11 @@ async fn shard_killed_then_restarted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shard_paused_then_resumed() {
     shard_fault(Fault::Pause).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shard_turned_read_only_then_writable() {
+    shard_fault(Fault::ReadOnly).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

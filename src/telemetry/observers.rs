@@ -137,61 +137,32 @@ where
             }
         })
         .build();
-    let pools = source.clone();
-    meter
-        .u64_observable_gauge("shardlock.pool.connections")
-        .with_description("Connection pool per shard, by state: max, size, available, waiting")
-        .with_callback(move |observer| {
-            let Some(router) = pools() else {
-                return;
-            };
-            for shard in router.shards {
-                let pool = shard.pool;
-                for (state, n) in [
-                    ("max", pool.max_size),
-                    ("size", pool.size),
-                    ("available", pool.available),
-                    ("waiting", pool.waiting),
-                ] {
-                    observer.observe(
-                        n as u64,
-                        &[
-                            KeyValue::new("instance", router.instance_id.clone()),
-                            KeyValue::new("shard", shard.name.clone()),
-                            KeyValue::new("state", state),
-                        ],
-                    );
-                }
-            }
-        })
-        .build();
-    let batches = source.clone();
-    meter
-        .u64_observable_gauge("shardlock.batches")
-        .with_description(
-            "The dispatcher per shard, by state: in_flight (batches out now), waiting (requests queued for the next)",
-        )
-        .with_callback(move |observer| {
-            let Some(router) = batches() else {
-                return;
-            };
-            for shard in router.shards {
-                for (state, n) in [
-                    ("in_flight", shard.batches_in_flight),
-                    ("waiting", shard.batch_waiting),
-                ] {
-                    observer.observe(
-                        n as u64,
-                        &[
-                            KeyValue::new("instance", router.instance_id.clone()),
-                            KeyValue::new("shard", shard.name.clone()),
-                            KeyValue::new("state", state),
-                        ],
-                    );
-                }
-            }
-        })
-        .build();
+    per_shard_by_state(
+        source.clone(),
+        "shardlock.pool.connections",
+        "Connection pool per shard, by state: max, size, available, waiting",
+        |shard| {
+            let pool = shard.pool;
+            [
+                ("max", pool.max_size),
+                ("size", pool.size),
+                ("available", pool.available),
+                ("waiting", pool.waiting),
+            ]
+            .to_vec()
+        },
+    );
+    per_shard_by_state(
+        source.clone(),
+        "shardlock.batches",
+        "The dispatcher per shard, by state: in_flight (batches out now), waiting (requests queued for the next)",
+        |shard| {
+            vec![
+                ("in_flight", shard.batches_in_flight),
+                ("waiting", shard.batch_waiting),
+            ]
+        },
+    );
     let hot_keys = source;
     meter
         .f64_observable_gauge("shardlock.hot_key.wait")
@@ -210,6 +181,38 @@ where
                         KeyValue::new("rank", (rank + 1) as i64),
                     ],
                 );
+            }
+        })
+        .build();
+}
+
+/// A gauge of counts per shard and state, as `read` gives them from each shard's snapshot.
+fn per_shard_by_state<F>(
+    source: F,
+    name: &'static str,
+    description: &'static str,
+    read: fn(&ShardSnapshot) -> Vec<(&'static str, usize)>,
+) where
+    F: Fn() -> Option<RouterSnapshot> + Send + Sync + 'static,
+{
+    super::meter()
+        .u64_observable_gauge(name)
+        .with_description(description)
+        .with_callback(move |observer| {
+            let Some(router) = source() else {
+                return;
+            };
+            for shard in &router.shards {
+                for (state, n) in read(shard) {
+                    observer.observe(
+                        n as u64,
+                        &[
+                            KeyValue::new("instance", router.instance_id.clone()),
+                            KeyValue::new("shard", shard.name.clone()),
+                            KeyValue::new("state", state),
+                        ],
+                    );
+                }
             }
         })
         .build();

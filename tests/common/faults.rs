@@ -80,9 +80,14 @@ impl Rig {
             ))
             .await
             .unwrap();
-            c.query_drop(format!("GRANT ALL ON *.* TO '{user}'@'%'"))
-                .await
-                .unwrap();
+            // Rights on the lock database only, as an application's user has: no global
+            // privilege lets it write to a read-only server.
+            c.query_drop(format!(
+                "GRANT ALL ON {}.* TO '{user}'@'%'",
+                shardlock_testkit::DATABASE
+            ))
+            .await
+            .unwrap();
             s1_url = s1_url.replace("root@", &format!("{user}@"));
         }
         let yaml = config_yaml(&cluster, &s1_url, s1_pool, policy);

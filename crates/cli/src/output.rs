@@ -34,6 +34,8 @@ pub(crate) fn status(
     as_json: bool,
 ) {
     let registry = merge_instances(instances);
+    // The verdict the cleaner acts on, by this config's timeout.
+    let timeout = router.config().cleaner.heartbeat_timeout;
     if as_json {
         let shards: Vec<_> = status
             .iter()
@@ -62,6 +64,7 @@ pub(crate) fn status(
                     "started_at": i.started_at,
                     "heartbeat_ms_ago": i.heartbeat_ms_ago,
                     "deregistered": i.deregistered,
+                    "state": i.verdict(timeout).name(),
                 })
             })
             .collect();
@@ -114,11 +117,7 @@ pub(crate) fn status(
             i.host,
             i.pid,
             i.heartbeat_ms_ago,
-            if i.deregistered {
-                "shut down"
-            } else {
-                "running"
-            }
+            i.verdict(timeout).name()
         );
     }
 }
@@ -185,6 +184,7 @@ pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
                     "abandoned": s.abandoned,
                     "kept_live_holder": s.kept_live_holder,
                     "batches": s.batches,
+                    "instances_forgotten": s.instances_forgotten,
                     "error": s.error,
                 })
             })
@@ -210,6 +210,12 @@ pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
                 "{}: {} released, {} abandoned deleted, {} kept (holder alive)",
                 s.shard, s.released, s.abandoned, s.kept_live_holder
             );
+            if s.instances_forgotten > 0 {
+                line.push_str(&format!(
+                    ", {} long-dead instances forgotten",
+                    s.instances_forgotten
+                ));
+            }
             if let Some(e) = &s.error {
                 line.push_str(&format!(" [stopped: {e}]"));
             }

@@ -96,6 +96,54 @@ pub struct InstanceRow {
     pub fleet: Option<String>,
 }
 
+/// What the heartbeat registry says of an instance (see [`InstanceRow::verdict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InstanceVerdict {
+    /// It heartbeats within the timeout: its leases are kept.
+    Running,
+    /// Silent longer than the timeout: dead, its ended leases are the cleaner's.
+    Dead,
+    /// It deregistered when it shut down.
+    ShutDown,
+}
+
+impl InstanceVerdict {
+    /// `running`, `dead` or `shut down`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Dead => "dead",
+            Self::ShutDown => "shut down",
+        }
+    }
+}
+
+impl InstanceRow {
+    /// The registry's verdict with `heartbeat_timeout`, by the rule the cleaner applies
+    /// (alive: not deregistered and heard from within the timeout, shard clock).
+    pub fn verdict(&self, heartbeat_timeout: std::time::Duration) -> InstanceVerdict {
+        if self.deregistered {
+            InstanceVerdict::ShutDown
+        } else if u128::try_from(self.heartbeat_ms_ago).unwrap_or(0) < heartbeat_timeout.as_millis()
+        {
+            InstanceVerdict::Running
+        } else {
+            InstanceVerdict::Dead
+        }
+    }
+}
+
+/// Registry rows of instances not heard from for longer than `?` µs (dead or shut down that
+/// long ago): they decide nothing any more, and a host restarting services under new ids
+/// would otherwise add a row each time.
+const FORGET: &str =
+    "DELETE FROM shardlock_instance WHERE heartbeat_at < NOW(3) - INTERVAL ? MICROSECOND";
+
+pub(crate) async fn forget_instances(conn: &mut Conn, silent_us: u64) -> mysql_async::Result<u64> {
+    conn.exec_drop(FORGET, (silent_us,)).await?;
+    Ok(conn.affected_rows())
+}
+
 /// What an instance says of itself with each heartbeat.
 #[derive(Debug, Clone, Copy)]
 pub struct Beat<'a> {

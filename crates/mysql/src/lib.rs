@@ -19,7 +19,7 @@ mod shard;
 
 pub use batch::{BatchGrants, MAX_BATCH};
 pub use carry::{CasRow, MovingJob, PendingJob};
-pub use cleaner::{Beat, Candidate, InstanceRow};
+pub use cleaner::{Beat, Candidate, InstanceRow, InstanceVerdict};
 pub use error::classify;
 pub use lease::{
     Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, FLOOR_BATCH,

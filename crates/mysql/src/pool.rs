@@ -37,9 +37,11 @@ impl ShardConn {
         self.in_flight = false;
         if let Err(e) = &result {
             // A connection at the server's prepared-statement limit is closed, which frees
-            // the statements it cached there.
+            // the statements it cached there; one to a read-only server (a demoted primary,
+            // still answering under the old address) too.
             self.broken |= e.is_fatal()
-                || matches!(e, mysql_async::Error::Server(s) if s.code == PREPARED_STATEMENT_LIMIT);
+                || matches!(e, mysql_async::Error::Server(s)
+                    if s.code == PREPARED_STATEMENT_LIMIT || is_read_only(s.code));
         }
         result
     }
@@ -79,21 +81,46 @@ impl SessionConn {
     }
 }
 
+/// Errors of a server that refuses writes: `--read-only` (1290), a read-only transaction
+/// (1792), `super_read_only` or a Galera node that is not synced (1836).
+pub(crate) fn is_read_only(code: u16) -> bool {
+    shardlock_core::BackendErrorKind::from_mysql_code(code)
+        == shardlock_core::BackendErrorKind::ReadOnly
+}
+
+/// How long a pooled connection may live and idle (see `PoolConfig`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lifetimes {
+    /// Idle longer than this: pinged before reuse.
+    pub(crate) idle_check: Duration,
+    /// Idle longer than this: closed.
+    pub(crate) idle_timeout: Duration,
+    /// Older than this: closed.
+    pub(crate) max_lifetime: Duration,
+}
+
 /// deadpool's manager for one shard.
-#[derive(Debug)]
 pub(crate) struct ShardManager {
     opts: Opts,
-    idle_check: Duration,
+    lifetimes: Lifetimes,
+}
+
+/// Without the connection options: they hold the password.
+impl std::fmt::Debug for ShardManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardManager")
+            .field("lifetimes", &self.lifetimes)
+            .finish_non_exhaustive()
+    }
 }
 
 /// One shard's pool.
 pub(crate) type ShardPool = managed::Pool<ShardManager>;
 
 impl ShardManager {
-    /// A manager connecting with `opts`; idle connections older than `idle_check` are pinged
-    /// before reuse.
-    pub(crate) fn new(opts: Opts, idle_check: Duration) -> Self {
-        Self { opts, idle_check }
+    /// A manager connecting with `opts`, reusing connections as `lifetimes` allow.
+    pub(crate) fn new(opts: Opts, lifetimes: Lifetimes) -> Self {
+        Self { opts, lifetimes }
     }
 }
 
@@ -121,6 +148,13 @@ impl managed::Manager for ShardManager {
                 "cancelled mid-statement or broken; discarded",
             ));
         }
+        if metrics.age() > self.lifetimes.max_lifetime
+            || metrics.last_used() > self.lifetimes.idle_timeout
+        {
+            return Err(RecycleError::message(
+                "past pool.max-lifetime or pool.idle-timeout; discarded",
+            ));
+        }
         if c.dirty {
             // COM_RESET_CONNECTION: ends transactions, frees GET_LOCK locks and temporary
             // tables, then mysql_async re-runs our setup statements.
@@ -130,7 +164,7 @@ impl managed::Manager for ShardManager {
                 ));
             }
             c.dirty = false;
-        } else if metrics.last_used() > self.idle_check {
+        } else if metrics.last_used() > self.lifetimes.idle_check {
             // Only after a while idle: a ping on every checkout would double the round trips
             // of a busy pool, whose connections the server has no reason to have dropped.
             c.conn.ping().await?;

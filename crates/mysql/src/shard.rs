@@ -19,7 +19,8 @@ use crate::lease::{
 };
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{
-    lock_wait_timeout_secs, session_setup, SessionConn, ShardConn, ShardManager, ShardPool,
+    lock_wait_timeout_secs, session_setup, Lifetimes, SessionConn, ShardConn, ShardManager,
+    ShardPool,
 };
 
 /// A shard: a named MySQL server (or schema) holding lease rows.
@@ -43,6 +44,27 @@ pub struct PoolStatus {
     pub waiting: usize,
 }
 
+/// The shard's password from `password` or `password-file`, if either is given.
+fn password(config: &ShardConfig, index: usize) -> Result<Option<String>, ConfigError> {
+    if let Some(password) = &config.password {
+        return Ok(Some(password.expose().to_owned()));
+    }
+    let Some(path) = &config.password_file else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        ConfigError::field(
+            format!("shards[{index}].password-file"),
+            format!("cannot read {}: {e}", path.display()),
+        )
+    })?;
+    // Files written with `echo` end with a newline that is not part of the password.
+    let password = text.strip_suffix('\n').unwrap_or(&text);
+    Ok(Some(
+        password.strip_suffix('\r').unwrap_or(password).to_owned(),
+    ))
+}
+
 impl Shard {
     /// Builds the shard's pool from its config (`index` is its position in `shards`, for
     /// error messages). Connects lazily: nothing is opened until first use.
@@ -63,14 +85,26 @@ impl Shard {
         // the default pool of 16, eight processes on one shard can reach the limit. A
         // connection that hits it (1461) is closed, freeing its statements, and the statement
         // is retried on another.
-        let opts = OptsBuilder::from_opts(opts)
+        let mut opts = OptsBuilder::from_opts(opts);
+        if let Some(user) = &config.user {
+            opts = opts.user(Some(user));
+        }
+        if let Some(password) = password(config, index)? {
+            opts = opts.pass(Some(password));
+        }
+        let opts = opts
             .client_found_rows(true)
             .tcp_nodelay(true)
             .stmt_cache_size(128)
             .setup(session_setup(lock_wait_timeout_secs(
                 config.statement_timeout,
             )));
-        let pool = ShardPool::builder(ShardManager::new(opts.into(), config.pool.idle_check))
+        let lifetimes = Lifetimes {
+            idle_check: config.pool.idle_check,
+            idle_timeout: config.pool.idle_timeout,
+            max_lifetime: config.pool.max_lifetime,
+        };
+        let pool = ShardPool::builder(ShardManager::new(opts.into(), lifetimes))
             .max_size(config.pool.max_size)
             .wait_timeout(Some(config.pool.wait_timeout))
             .create_timeout(Some(config.pool.create_timeout))
@@ -164,10 +198,17 @@ impl Shard {
             if err.kind == BackendErrorKind::Timeout {
                 return Err(err);
             }
-            // A broken connection (or one at the server's prepared-statement limit, now
-            // closed) is retried once, on another connection.
+            if err.kind == BackendErrorKind::ReadOnly {
+                // The server refuses writes: a demoted primary, which a failover's new DNS
+                // answer no longer names. Every idle connection was opened to it too; closing
+                // them all sends the retry, and every later call, through a new connection.
+                self.pool.retain(|_, _| false);
+            }
+            // A broken connection (or one at the server's prepared-statement limit, or to a
+            // read-only server, now closed) is retried once, on a new connection.
             let retry = err.kind.is_retryable()
                 || ((err.kind == BackendErrorKind::Connection
+                    || err.kind == BackendErrorKind::ReadOnly
                     || err.code == Some(crate::pool::PREPARED_STATEMENT_LIMIT))
                     && (retry_broken || !err.maybe_applied)
                     && !std::mem::replace(&mut reconnected, true));
@@ -442,6 +483,16 @@ impl Shard {
     pub async fn deregister(&self, instance: &str) -> Result<(), BackendError> {
         self.run(instance, |c, &instance| {
             Box::pin(cleaner::deregister(c, instance))
+        })
+        .await
+    }
+
+    /// Deletes the registry rows of instances silent here for longer than `silent` (shard
+    /// clock); how many.
+    pub async fn forget_instances(&self, silent: Duration) -> Result<u64, BackendError> {
+        let silent_us = u64::try_from(silent.as_micros()).unwrap_or(u64::MAX);
+        self.run(silent_us, |c, &us| {
+            Box::pin(cleaner::forget_instances(c, us))
         })
         .await
     }

@@ -20,13 +20,13 @@ mod validate;
 pub use error::ConfigError;
 pub use parse::read_file;
 pub use schema::{
-    CleanerConfig, Config, FailurePolicy, InstanceConfig, NamespaceConfig, PoolConfig,
-    RegistryKind, RoutingConfig, ShardConfig, TelemetryConfig, DEFAULT_BACKOFF_BASE,
+    redact_url, CleanerConfig, Config, FailurePolicy, InstanceConfig, NamespaceConfig, PoolConfig,
+    RegistryKind, RoutingConfig, Secret, ShardConfig, TelemetryConfig, DEFAULT_BACKOFF_BASE,
     DEFAULT_BACKOFF_CAP, DEFAULT_CLOCK_DRIFT, DEFAULT_FLEET, DEFAULT_HANDOFF_MAX_COUNT,
     DEFAULT_HANDOFF_MAX_TIME, DEFAULT_NAMESPACE, DEFAULT_POOL_CREATE_TIMEOUT,
-    DEFAULT_POOL_IDLE_CHECK, DEFAULT_POOL_MAX_SIZE, DEFAULT_POOL_RECYCLE_TIMEOUT,
-    DEFAULT_POOL_WAIT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TTL, DEFAULT_VIRTUAL_NODES,
-    DEFAULT_WAIT,
+    DEFAULT_POOL_IDLE_CHECK, DEFAULT_POOL_IDLE_TIMEOUT, DEFAULT_POOL_MAX_LIFETIME,
+    DEFAULT_POOL_MAX_SIZE, DEFAULT_POOL_RECYCLE_TIMEOUT, DEFAULT_POOL_WAIT_TIMEOUT,
+    DEFAULT_STATEMENT_TIMEOUT, DEFAULT_TTL, DEFAULT_VIRTUAL_NODES, DEFAULT_WAIT,
 };
 pub use validate::{check_ttl, MAX_BUCKETS, MAX_TTL, MIN_TTL};
 

@@ -46,6 +46,14 @@ pub const DEFAULT_POOL_RECYCLE_TIMEOUT: Duration = Duration::from_secs(1);
 /// and firewalls drop idle connections; the ping finds a dead one before a lock statement
 /// fails on it, and connections in steady use never pay for it.
 pub const DEFAULT_POOL_IDLE_CHECK: Duration = Duration::from_secs(30);
+/// Pooled connections older than this are closed instead of reused. After a managed MySQL's
+/// failover flips its DNS name to the new primary, connections opened before stay with the
+/// demoted server; a read-only error closes them all at once, and this bounds how long any
+/// other staleness (a load balancer's target change, say) can last.
+pub const DEFAULT_POOL_MAX_LIFETIME: Duration = Duration::from_secs(30 * 60);
+/// Pooled connections idle longer than this are closed instead of reused, so that a quiet
+/// process holds no connection the server or a firewall has long forgotten.
+pub const DEFAULT_POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 /// Upper bound for one lock statement; a lease statement is a primary-key operation.
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The namespace used when a call names none.
@@ -134,6 +142,10 @@ pub struct CleanerConfig {
     /// An instance silent this long is dead (`heartbeat` registry).
     #[serde(with = "humantime_serde")]
     pub heartbeat_timeout: Duration,
+    /// The cleaner deletes the registry rows of instances silent this long (dead, or shut
+    /// down, that long ago): they decide nothing any more. At least `heartbeat-timeout`.
+    #[serde(with = "humantime_serde")]
+    pub instance_retention: Duration,
     /// Instances that are alive whatever happens (`static` registry); all others are dead.
     pub live_instances: Vec<String>,
 }
@@ -152,6 +164,8 @@ impl Default for CleanerConfig {
             heartbeat_interval: Duration::from_secs(5),
             // Six missed heartbeats.
             heartbeat_timeout: Duration::from_secs(30),
+            // A day: long enough to read who died overnight in `shardlock status`.
+            instance_retention: Duration::from_secs(24 * 60 * 60),
             live_instances: Vec::new(),
         }
     }
@@ -210,14 +224,46 @@ impl InstanceConfig {
     }
 }
 
+/// A password: kept as given, shown nowhere (`Debug` prints `***`).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// A secret holding `value`.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that must send it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
 /// One MySQL shard.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct ShardConfig {
     /// Unique name used in errors, metrics and placement. Renaming a shard moves its keys.
     pub name: String,
-    /// `mysql://user:password@host:port/database`; the database must exist.
+    /// `mysql://user:password@host:port/database`; the database must exist. The credentials
+    /// may instead (not as well) be given by `user` and `password` or `password-file`, which
+    /// keeps the password out of the URL and of `${VAR}` pasting inside it.
     pub url: String,
+    /// The user to connect as, instead of the URL's.
+    pub user: Option<String>,
+    /// The password, instead of the URL's.
+    pub password: Option<Secret>,
+    /// A file holding the password (a mounted secret; one trailing newline is ignored), read
+    /// each time the shard's pool is built (at start and at every reload).
+    pub password_file: Option<std::path::PathBuf>,
     /// Relative share of keys (1 = one share).
     pub weight: u32,
     /// Upper bound for one lock statement on this shard.
@@ -227,11 +273,46 @@ pub struct ShardConfig {
     pub pool: PoolConfig,
 }
 
+impl std::fmt::Debug for ShardConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardConfig")
+            .field("name", &self.name)
+            .field("url", &redact_url(&self.url))
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("password_file", &self.password_file)
+            .field("weight", &self.weight)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("pool", &self.pool)
+            .finish()
+    }
+}
+
+/// `url` with the password of its `user:password@` part replaced by `***`.
+pub fn redact_url(url: &str) -> String {
+    let Some(rest) = url.strip_prefix("mysql://") else {
+        return url.to_owned();
+    };
+    // The credentials end at the last `@` before the first `/` (a password may hold `@`
+    // only percent-encoded, but a careless one is still hidden).
+    let authority = rest.split('/').next().unwrap_or(rest);
+    match authority.rfind('@') {
+        Some(at) => match authority[..at].split_once(':') {
+            Some((user, _)) => format!("mysql://{user}:***{}", &rest[at..]),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
 impl Default for ShardConfig {
     fn default() -> Self {
         Self {
             name: String::new(),
             url: String::new(),
+            user: None,
+            password: None,
+            password_file: None,
             weight: 1,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             pool: PoolConfig::default(),
@@ -257,6 +338,12 @@ pub struct PoolConfig {
     /// Connections idle longer than this are pinged before reuse.
     #[serde(with = "humantime_serde")]
     pub idle_check: Duration,
+    /// Connections older than this are closed instead of reused.
+    #[serde(with = "humantime_serde")]
+    pub max_lifetime: Duration,
+    /// Connections idle longer than this are closed instead of reused.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
     /// How many batches of acquires (and, apart, of releases) may be in flight to the shard
     /// at once. Requests that arrive while that many are out wait and go together in the
     /// next batch; fewer in flight means bigger batches (fewer statements, more waiting per
@@ -279,6 +366,8 @@ impl Default for PoolConfig {
             create_timeout: DEFAULT_POOL_CREATE_TIMEOUT,
             recycle_timeout: DEFAULT_POOL_RECYCLE_TIMEOUT,
             idle_check: DEFAULT_POOL_IDLE_CHECK,
+            max_lifetime: DEFAULT_POOL_MAX_LIFETIME,
+            idle_timeout: DEFAULT_POOL_IDLE_TIMEOUT,
             batches_in_flight: None,
         }
     }
@@ -411,6 +500,45 @@ impl NamespaceConfig {
 mod tests {
     use super::*;
     use crate::config::GOOD;
+
+    /// A password reaches no `Debug` output, from the URL or from its own field, and the
+    /// two ways of giving one cannot both be used.
+    #[test]
+    fn passwords_are_redacted_and_given_once() {
+        let text = GOOD
+            .replace("root@127.0.0.1:33061", "app:hunter2@127.0.0.1:33061")
+            .replace(
+                "url: mysql://root@127.0.0.1:33062/shardlock",
+                "url: mysql://127.0.0.1:33062/shardlock\n    user: app\n    password: 'p@ss: #w'",
+            );
+        let c = Config::from_yaml_str(&text).unwrap();
+        assert_eq!(c.shards[1].password.as_ref().unwrap().expose(), "p@ss: #w");
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("p@ss"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("mysql://app:***@127.0.0.1:33061/shardlock"),
+            "{shown}"
+        );
+        assert_eq!(redact_url("mysql://root@h/db"), "mysql://root@h/db");
+        assert_eq!(redact_url("mysql://u:a@b@h:1/db"), "mysql://u:***@h:1/db");
+
+        let both = GOOD.replace(
+            "url: mysql://root@127.0.0.1:33061/shardlock",
+            "url: mysql://root@127.0.0.1:33061/shardlock\n    password: a\n    password-file: /p",
+        );
+        let e = Config::from_yaml_str(&both).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("shards[0].password-file"), "{e}");
+        let twice = GOOD.replace(
+            "url: mysql://root@127.0.0.1:33061/shardlock",
+            "url: mysql://root:x@127.0.0.1:33061/shardlock\n    password: a",
+        );
+        let e = Config::from_yaml_str(&twice).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("shards[0].url"), "{e}");
+        assert!(!e.to_string().contains(":x@"), "{e}");
+    }
 
     #[test]
     fn parses_and_fills_defaults() {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::{
-    CleanerConfig, Config, ConfigError, InstanceConfig, NamespaceConfig, RoutingConfig,
+    redact_url, CleanerConfig, Config, ConfigError, InstanceConfig, NamespaceConfig, RoutingConfig,
     ShardConfig, TelemetryConfig,
 };
 use crate::BreakerConfig;
@@ -95,6 +95,20 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 "must look like mysql://user:password@host:port/database",
             ));
         }
+        if shard.password.is_some() && shard.password_file.is_some() {
+            return Err(ConfigError::field(
+                field("password-file"),
+                "give either password or password-file, not both",
+            ));
+        }
+        if (shard.password.is_some() || shard.password_file.is_some())
+            && redact_url(&shard.url) != shard.url
+        {
+            return Err(ConfigError::field(
+                field("url"),
+                "the URL has a password and so does the shard (password or password-file): keep one",
+            ));
+        }
         if shard.weight == 0 || shard.weight > 100 {
             return Err(ConfigError::field(
                 field("weight"),
@@ -106,6 +120,14 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 field("pool.max-size"),
                 "must be at least 1",
             ));
+        }
+        for (name, value) in [
+            ("pool.max-lifetime", shard.pool.max_lifetime),
+            ("pool.idle-timeout", shard.pool.idle_timeout),
+        ] {
+            if value < Duration::from_secs(1) {
+                return Err(ConfigError::field(field(name), "must be at least 1s"));
+            }
         }
         if let Some(n) = shard.pool.batches_in_flight {
             if n == 0 || n > shard.pool.max_size {
@@ -242,6 +264,11 @@ fn check_cleaner(c: &CleanerConfig) -> Result<(), ConfigError> {
             c.heartbeat_timeout >= c.heartbeat_interval * 2,
             "must be at least twice heartbeat-interval, or a late heartbeat makes a live \
              instance look dead",
+        ),
+        (
+            "cleaner.instance-retention",
+            c.instance_retention >= c.heartbeat_timeout,
+            "must be at least heartbeat-timeout: only a dead instance's row may go",
         ),
     ])
 }

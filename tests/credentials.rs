@@ -1,0 +1,55 @@
+//! Shard credentials given apart from the URL: a user and a password file (a mounted secret)
+//! holding characters that YAML or a URL would misread if pasted into the URL.
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::{AcquireOptions, LockRouter};
+use shardlock_testkit::Cluster;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shard_is_reached_with_a_user_and_a_password_file() {
+    const PASSWORD: &str = "p@ss: #w/rd";
+    let cluster = Cluster::start(1).await.unwrap();
+    let mut root = cluster.shard(0).connect().await.unwrap();
+    root.query_drop(format!("CREATE USER 'app'@'%' IDENTIFIED BY '{PASSWORD}'"))
+        .await
+        .unwrap();
+    root.query_drop("GRANT ALL ON shardlock.* TO 'app'@'%'")
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("password");
+    // As `echo` writes it: the newline is not part of the password.
+    std::fs::write(&file, format!("{PASSWORD}\n")).unwrap();
+    let url = cluster.shard(0).url().replace("root@", "");
+    let yaml = |password_file: &str| {
+        format!(
+            "shards:\n  - name: s1\n    url: {url}\n    user: app\n    password-file: {password_file}\n\
+             cleaner:\n  registry: static\n"
+        )
+    };
+    let router = LockRouter::from_yaml_str(&yaml(&file.display().to_string()))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let guard = router
+        .acquire("credentials", AcquireOptions::new())
+        .await
+        .unwrap();
+    // The lease row was written as the user given, not the URL's (which names none).
+    let users: Vec<String> = root
+        .query("SELECT DISTINCT user FROM information_schema.processlist WHERE db = 'shardlock'")
+        .await
+        .unwrap();
+    assert!(users.iter().any(|u| u == "app"), "{users:?}");
+    guard.release().await.unwrap();
+    router.shutdown().await.unwrap();
+
+    let e = LockRouter::from_yaml_str(&yaml("/nonexistent/password"))
+        .await
+        .unwrap_err();
+    let message = e.to_string();
+    assert!(
+        message.contains("shards[0].password-file") && message.contains("/nonexistent/password"),
+        "{message}"
+    );
+}
