@@ -19,14 +19,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let router = LockRouter::from_yaml_file(&config).await?;
     router.migrate().await?;
 
+    // DDL first, outside the lock: it commits implicitly, which would end the transaction
+    // holding the lock (`commit` would then answer `LockLost`).
+    let mut setup = router.shard_connection("invoice:2024-0042").await?;
+    setup
+        .raw()
+        .query_drop("CREATE TABLE IF NOT EXISTS invoice_numbers (n INT PRIMARY KEY)")
+        .await?;
+    drop(setup);
+
     let mut guard = router
         .lock_in_transaction("invoice:2024-0042", Duration::from_secs(2))
         .await?;
     println!("locked on {}", guard.shard());
-    guard
-        .conn()
-        .query_drop("CREATE TABLE IF NOT EXISTS invoice_numbers (n INT PRIMARY KEY)")
-        .await?;
     let next: Option<i64> = guard
         .conn()
         .query_first("SELECT COALESCE(MAX(n), 0) + 1 FROM invoice_numbers")

@@ -30,6 +30,21 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings -D rustdoc::broken_intra_doc_links" cargo doc --workspace --no-deps --locked --quiet
 # nextest does not run doctests; run them first so that nextest's summary closes the output.
 cargo test --doc --workspace --locked
+# Every example, as a reader would run it, against the dev shards the testkit starts
+# (`shardlock dev up`; stopped again only if started here); lease_scale starts shards of its
+# own. Each exits non-zero on error.
+cargo build --examples --locked --quiet
+dev_up=$(cargo run --locked --quiet -p shardlock-cli -- dev up)
+for example in cas_lock fenced_write job_queue state_claim tx_lock; do
+  echo "example $example"
+  cargo run --locked --quiet --example "$example" >/dev/null
+done
+echo "example lease_scale 2000"
+cargo run --locked --quiet --example lease_scale -- 2000
+case "$dev_up" in
+  *"(0 started now)"*) ;;
+  *) cargo run --locked --quiet -p shardlock-cli -- dev down >/dev/null ;;
+esac
 profile=default
 [ "${CI:-}" = true ] && profile=ci
 cargo nextest run --workspace --locked --profile "$profile"

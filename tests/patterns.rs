@@ -478,3 +478,33 @@ async fn a_statement_interrupted_on_a_transaction_locks_connection_never_reaches
     assert_eq!(two, Some(2), "a reply meant for the previous user");
     next.commit().await.unwrap();
 }
+
+/// Caller SQL that ends the transaction holding a transaction lock — a DDL statement commits
+/// implicitly, and so does a `COMMIT` of the caller's own — ends the lock with it: another
+/// process may take the key at once, and `commit` answers `LockLost` instead of reporting a
+/// locked section that was not. A transaction left intact commits as before.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_ended_by_the_callers_sql_is_reported_lost_at_commit() {
+    let (_cluster, router, _) = common::start(1, "").await;
+    let wait = Duration::from_secs(2);
+    for ending in [
+        "CREATE TABLE IF NOT EXISTS tx_ddl_probe (n INT PRIMARY KEY)",
+        "COMMIT",
+    ] {
+        let mut guard = router.lock_in_transaction("tx:ended", wait).await.unwrap();
+        guard.conn().query_drop(ending).await.unwrap();
+        // The lock ended with the transaction: another session takes it without waiting.
+        let other = router
+            .lock_in_transaction("tx:ended", Duration::ZERO)
+            .await
+            .unwrap_or_else(|e| panic!("after `{ending}` the key stayed locked: {e}"));
+        other.rollback().await.unwrap();
+        match guard.commit().await {
+            Err(Error::LockLost { key }) => assert_eq!(key, "tx:ended"),
+            other => panic!("after `{ending}`, commit answered {other:?}"),
+        }
+    }
+    let mut guard = router.lock_in_transaction("tx:ended", wait).await.unwrap();
+    guard.conn().query_drop("SELECT 1").await.unwrap();
+    guard.commit().await.unwrap();
+}

@@ -119,6 +119,11 @@ impl TxLockGuard {
     /// Commits your statements and releases the lock. A lost lock is rolled back instead and
     /// answers [`Error::LockLost`]: nothing of the transaction is kept.
     ///
+    /// If your SQL ended the transaction that took the lock — a DDL statement (`CREATE
+    /// TABLE`, `ALTER`, ...) commits implicitly, and so does a `COMMIT` of your own — the lock
+    /// ended with it, and the statements after that ran without it and are committed
+    /// already: `commit` then answers [`Error::LockLost`] too. Run DDL before taking the lock.
+    ///
     /// Cancellation: the connection is closed, not pooled, and the lock is released either way; a
     /// `COMMIT` that reached the server may still have committed, else the server rolls back. Read
     /// your rows to learn which.
@@ -146,13 +151,23 @@ impl TxLockGuard {
         let mut conn = Discard(self.conn.take());
         let open = conn.0.as_mut().expect("ended once");
         let result = if commit {
-            open.commit().await
+            match open.commit().await {
+                Ok(true) => Ok(()),
+                // Your SQL ended the transaction that held the lock (a DDL statement commits
+                // implicitly): what ran after that ran without the lock.
+                Ok(false) => {
+                    self.state.mark_lost("the transaction ended before commit");
+                    Err(Error::LockLost {
+                        key: self.key.clone(),
+                    })
+                }
+                Err(e) => Err(e.into_error(&self.shard)),
+            }
         } else {
-            open.rollback().await
-        }
-        .map_err(|e| e.into_error(&self.shard));
+            open.rollback().await.map_err(|e| e.into_error(&self.shard))
+        };
         self.state.end();
-        if result.is_ok() {
+        if result.is_ok() || matches!(result, Err(Error::LockLost { .. })) {
             drop(conn.0.take()); // a clean connection back to the pool
         }
         result

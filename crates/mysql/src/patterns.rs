@@ -36,11 +36,23 @@ const TX_BEGIN: &str = "START TRANSACTION";
 /// the caller's own statements in the transaction run under it. `{nowait}` is ` NOWAIT` for a
 /// zero wait (MySQL 8.0, MariaDB 10.3+): a locked row is answered at once, with 3572 (MySQL)
 /// or 1205 (MariaDB).
+///
+/// Then marks the transaction with a savepoint, the one trace of it the server drops when the
+/// transaction ends for any reason: [`TX_COMMIT`] finds it, or learns that the caller's SQL
+/// ended the transaction early (a DDL statement commits implicitly, so does the caller's own
+/// `COMMIT`) and that the statements after that ran without the lock. Sent with the lock in
+/// one round trip; a failed lock stops it before the savepoint.
 const TX_LOCK: &str =
-    "SELECT lock_key FROM shardlock_txlock WHERE lock_key = {key} FOR UPDATE{nowait}";
+    "SELECT lock_key FROM shardlock_txlock WHERE lock_key = {key} FOR UPDATE{nowait}; \
+     SAVEPOINT shardlock_tx_lock";
 
-/// Ends a transaction lock keeping the caller's statements.
-const TX_COMMIT: &str = "COMMIT";
+/// Ends a transaction lock keeping the caller's statements, if it is still the transaction
+/// that took the lock (its savepoint is there); else the server answers 1305 (no such
+/// savepoint) and commits nothing.
+const TX_COMMIT: &str = "RELEASE SAVEPOINT shardlock_tx_lock; COMMIT";
+
+/// The server's answer to a savepoint that does not exist (MySQL and MariaDB).
+const NO_SUCH_SAVEPOINT: u16 = 1305;
 
 /// Ends a transaction lock undoing the caller's statements.
 const TX_ROLLBACK: &str = "ROLLBACK";
@@ -68,9 +80,19 @@ impl SessionConn {
         run.await.map_err(classify)
     }
 
-    /// Commits the transaction of [`SessionConn::lock_tx_row`], releasing the lock.
-    pub async fn commit(&mut self) -> Result<(), BackendError> {
-        self.raw().query_drop(TX_COMMIT).await.map_err(classify)
+    /// Commits the transaction of [`SessionConn::lock_tx_row`], releasing the lock; `false`
+    /// when that transaction had already ended (the caller's SQL committed it, implicitly or
+    /// not): what ran after that is committed already and nothing else is, and the session is
+    /// rolled back.
+    pub async fn commit(&mut self) -> Result<bool, BackendError> {
+        match self.raw().query_drop(TX_COMMIT).await {
+            Ok(()) => Ok(true),
+            Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_SAVEPOINT => {
+                self.rollback().await?;
+                Ok(false)
+            }
+            Err(e) => Err(classify(e)),
+        }
     }
 
     /// Rolls back the transaction of [`SessionConn::lock_tx_row`], releasing the lock.
