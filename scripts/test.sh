@@ -35,16 +35,17 @@ cargo test --doc --workspace --locked
 # own. Each exits non-zero on error.
 cargo build --examples --locked --quiet
 dev_up=$(cargo run --locked --quiet -p shardlock-cli -- dev up)
+case "$dev_up" in
+  *"(0 started now)"*) ;;
+  # Started here: stopped again however the examples end.
+  *) trap 'cargo run --locked --quiet -p shardlock-cli -- dev down >/dev/null' EXIT ;;
+esac
 for example in cas_lock fenced_write job_queue state_claim tx_lock; do
   echo "example $example"
   cargo run --locked --quiet --example "$example" >/dev/null
 done
 echo "example lease_scale 2000"
 cargo run --locked --quiet --example lease_scale -- 2000
-case "$dev_up" in
-  *"(0 started now)"*) ;;
-  *) cargo run --locked --quiet -p shardlock-cli -- dev down >/dev/null ;;
-esac
 profile=default
 [ "${CI:-}" = true ] && profile=ci
 cargo nextest run --workspace --locked --profile "$profile"

@@ -39,3 +39,15 @@ pub use shardlock_core::{
 pub use shardlock_mysql::{
     mysql_async, InstanceRow, InstanceVerdict, LeaseRow, MigrateReport, PoolStatus, MIGRATIONS,
 };
+
+/// Services hold routers and guards across `.await` points in spawned tasks: each must stay
+/// `Send + Sync`, which this checks at compile time.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<LockRouter>();
+    send_sync::<LockGuard>();
+    send_sync::<patterns::TxLockGuard>();
+    send_sync::<patterns::CasGuard>();
+    send_sync::<telemetry::TelemetryGuard>();
+    send_sync::<Error>();
+};

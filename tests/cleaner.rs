@@ -423,23 +423,23 @@ async fn failed_heartbeats_are_counted() {
 }
 
 /// The registry's verdict on each instance is the one the cleaner acts on — a process killed
-/// an hour ago is `dead`, not `running` — and the cleaner deletes the rows of instances
-/// silent longer than `cleaner.instance-retention`, keeping the recently dead and the live.
+/// hours ago is `dead`, not `running` — and the cleaner deletes the rows of instances silent
+/// longer than `cleaner.instance-retention`, keeping the recently dead and the live.
 #[tokio::test(flavor = "multi_thread")]
 async fn long_dead_instances_are_shown_dead_and_forgotten_after_the_retention() {
     let yaml = "cleaner:\n  registry: heartbeat\n  heartbeat-interval: 100ms\n  \
-                heartbeat-timeout: 1s\n  instance-retention: 10m\n";
+                heartbeat-timeout: 1s\n  instance-retention: 1h\n";
     let (cluster, router, _) = common::start(1, yaml).await;
     let mut c = cluster.shard(0).connect().await.unwrap();
     for (id, silent_for, deregistered) in [
-        ("killed-an-hour-ago", "1 HOUR", false),
-        ("shut-down-an-hour-ago", "1 HOUR", true),
+        ("killed-two-hours-ago", "2 HOUR", false),
+        ("shut-down-two-hours-ago", "2 HOUR", true),
         ("killed-a-minute-ago", "1 MINUTE", false),
     ] {
         c.exec_drop(
             format!(
                 "INSERT INTO shardlock_instance (instance_id, host, pid, started_at, heartbeat_at, \
-                 deregistered_at) VALUES (?, 'host', 1, NOW(3) - INTERVAL 2 HOUR, \
+                 deregistered_at) VALUES (?, 'host', 1, NOW(3) - INTERVAL 3 HOUR, \
                  NOW(3) - INTERVAL {silent_for}, IF(?, NOW(3) - INTERVAL {silent_for}, NULL))"
             ),
             (id, deregistered),
@@ -457,9 +457,9 @@ async fn long_dead_instances_are_shown_dead_and_forgotten_after_the_retention() 
     );
     let before = verdicts(&router).await;
     let verdict = |id: &str| before.get(id).copied();
-    assert_eq!(verdict("killed-an-hour-ago"), Some(InstanceVerdict::Dead));
+    assert_eq!(verdict("killed-two-hours-ago"), Some(InstanceVerdict::Dead));
     assert_eq!(
-        verdict("shut-down-an-hour-ago"),
+        verdict("shut-down-two-hours-ago"),
         Some(InstanceVerdict::ShutDown)
     );
     assert_eq!(verdict("killed-a-minute-ago"), Some(InstanceVerdict::Dead));

@@ -1,5 +1,6 @@
 //! Shard credentials given apart from the URL: a user and a password file (a mounted secret)
-//! holding characters that YAML or a URL would misread if pasted into the URL.
+//! holding characters that YAML or a URL would misread if pasted into the URL, read again for
+//! every new connection so that a rotated secret takes effect without a reload.
 
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, LockRouter};
@@ -41,6 +42,26 @@ async fn a_shard_is_reached_with_a_user_and_a_password_file() {
         .await
         .unwrap();
     assert!(users.iter().any(|u| u == "app"), "{users:?}");
+    guard.release().await.unwrap();
+
+    // The secret rotates: a new password on the server and in the file. Connections opened
+    // from now on read the file again; the open ones are cut here, as a server restart would.
+    const ROTATED: &str = "n3w/p@ss";
+    root.query_drop(format!("ALTER USER 'app'@'%' IDENTIFIED BY '{ROTATED}'"))
+        .await
+        .unwrap();
+    std::fs::write(&file, format!("{ROTATED}\n")).unwrap();
+    let open: Vec<u64> = root
+        .query("SELECT id FROM information_schema.processlist WHERE user = 'app'")
+        .await
+        .unwrap();
+    for id in open {
+        let _ = root.query_drop(format!("KILL CONNECTION {id}")).await;
+    }
+    let guard = router
+        .acquire("credentials", AcquireOptions::new())
+        .await
+        .expect("a new connection with the rotated password");
     guard.release().await.unwrap();
     router.shutdown().await.unwrap();
 

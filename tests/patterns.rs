@@ -481,8 +481,8 @@ async fn a_statement_interrupted_on_a_transaction_locks_connection_never_reaches
 
 /// Caller SQL that ends the transaction holding a transaction lock — a DDL statement commits
 /// implicitly, and so does a `COMMIT` of the caller's own — ends the lock with it: another
-/// process may take the key at once, and `commit` answers `LockLost` instead of reporting a
-/// locked section that was not. A transaction left intact commits as before.
+/// process may take the key at once, and `commit` (or `rollback`) answers `LockLost` instead
+/// of reporting a locked section that was not. A transaction left intact ends as before.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_ended_by_the_callers_sql_is_reported_lost_at_commit() {
     let (_cluster, router, _) = common::start(1, "").await;
@@ -503,8 +503,18 @@ async fn a_transaction_ended_by_the_callers_sql_is_reported_lost_at_commit() {
             Err(Error::LockLost { key }) => assert_eq!(key, "tx:ended"),
             other => panic!("after `{ending}`, commit answered {other:?}"),
         }
+        // A rollback learns it too: what ran before the end may be committed.
+        let mut guard = router.lock_in_transaction("tx:ended", wait).await.unwrap();
+        guard.conn().query_drop(ending).await.unwrap();
+        match guard.rollback().await {
+            Err(Error::LockLost { key }) => assert_eq!(key, "tx:ended"),
+            other => panic!("after `{ending}`, rollback answered {other:?}"),
+        }
     }
     let mut guard = router.lock_in_transaction("tx:ended", wait).await.unwrap();
     guard.conn().query_drop("SELECT 1").await.unwrap();
     guard.commit().await.unwrap();
+    let mut guard = router.lock_in_transaction("tx:ended", wait).await.unwrap();
+    guard.conn().query_drop("SELECT 1").await.unwrap();
+    guard.rollback().await.unwrap();
 }

@@ -9,6 +9,7 @@ use crate::LockRouter;
 
 /// A version compare-and-set lock held by [`LockRouter::cas_acquire`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use = "a CAS lock has no lease: dropped without `cas_release`, it stays held"]
 pub struct CasGuard {
     /// The key.
     pub key: String,

@@ -26,6 +26,7 @@ use crate::LockRouter;
 /// key's new shard (in a transaction of its own) within half the move window. If that fails,
 /// the lock is lost: [`TxLockGuard::is_held`] turns false, [`TxLockGuard::lost`] completes
 /// and [`TxLockGuard::commit`] rolls back and answers [`Error::LockLost`].
+#[must_use = "dropping the guard rolls the transaction back and releases the lock at once"]
 pub struct TxLockGuard {
     /// `None` once committed or rolled back.
     conn: Option<SessionConn>,
@@ -121,8 +122,9 @@ impl TxLockGuard {
     ///
     /// If your SQL ended the transaction that took the lock — a DDL statement (`CREATE
     /// TABLE`, `ALTER`, ...) commits implicitly, and so does a `COMMIT` of your own — the lock
-    /// ended with it, and the statements after that ran without it and are committed
-    /// already: `commit` then answers [`Error::LockLost`] too. Run DDL before taking the lock.
+    /// ended with it and what ran after that ran without it: `commit` then commits nothing
+    /// more, rolls back, and answers [`Error::LockLost`]; some of your statements may be
+    /// committed already (read your rows). Run DDL before taking the lock.
     ///
     /// Cancellation: the connection is closed, not pooled, and the lock is released either way; a
     /// `COMMIT` that reached the server may still have committed, else the server rolls back. Read
@@ -137,7 +139,9 @@ impl TxLockGuard {
         self.end(true).await
     }
 
-    /// Rolls back your statements and releases the lock.
+    /// Rolls back your statements and releases the lock; [`Error::LockLost`] when your SQL had
+    /// ended the lock's transaction already (see [`TxLockGuard::commit`]): some of it may be
+    /// committed.
     ///
     /// Cancellation: the connection is closed, not pooled, so the server rolls back anyway and the
     /// lock is released.
@@ -150,21 +154,23 @@ impl TxLockGuard {
     async fn end(&mut self, commit: bool) -> Result<()> {
         let mut conn = Discard(self.conn.take());
         let open = conn.0.as_mut().expect("ended once");
-        let result = if commit {
-            match open.commit().await {
-                Ok(true) => Ok(()),
-                // Your SQL ended the transaction that held the lock (a DDL statement commits
-                // implicitly): what ran after that ran without the lock.
-                Ok(false) => {
-                    self.state.mark_lost("the transaction ended before commit");
-                    Err(Error::LockLost {
-                        key: self.key.clone(),
-                    })
-                }
-                Err(e) => Err(e.into_error(&self.shard)),
-            }
+        let ended = if commit {
+            open.commit().await
         } else {
-            open.rollback().await.map_err(|e| e.into_error(&self.shard))
+            open.rollback_lock().await
+        };
+        let result = match ended {
+            Ok(true) => Ok(()),
+            // Your SQL ended the transaction that held the lock (a DDL statement commits
+            // implicitly): what ran after that ran without the lock.
+            Ok(false) => {
+                self.state
+                    .mark_lost("the caller's SQL ended the lock's transaction");
+                Err(Error::LockLost {
+                    key: self.key.clone(),
+                })
+            }
+            Err(e) => Err(e.into_error(&self.shard)),
         };
         self.state.end();
         if result.is_ok() || matches!(result, Err(Error::LockLost { .. })) {

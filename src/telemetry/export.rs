@@ -18,6 +18,7 @@ use super::endpoint::{encode, serve};
 /// What [`init`] set up; keep it for the life of the process. Dropping it stops the
 /// Prometheus endpoint; [`TelemetryGuard::shutdown`] also flushes what OTLP still holds.
 #[derive(Debug)]
+#[must_use = "dropping the guard stops the Prometheus endpoint"]
 pub struct TelemetryGuard {
     provider: opentelemetry_sdk::metrics::SdkMeterProvider,
     tracer: Option<opentelemetry_sdk::trace::SdkTracerProvider>,

@@ -51,6 +51,10 @@ const TX_LOCK: &str =
 /// savepoint) and commits nothing.
 const TX_COMMIT: &str = "RELEASE SAVEPOINT shardlock_tx_lock; COMMIT";
 
+/// Ends a transaction lock undoing the caller's statements, answering 1305 (and undoing
+/// nothing) when the transaction that took the lock had already ended.
+const TX_ROLLBACK_LOCK: &str = "ROLLBACK TO SAVEPOINT shardlock_tx_lock; ROLLBACK";
+
 /// The server's answer to a savepoint that does not exist (MySQL and MariaDB).
 const NO_SUCH_SAVEPOINT: u16 = 1305;
 
@@ -82,10 +86,24 @@ impl SessionConn {
 
     /// Commits the transaction of [`SessionConn::lock_tx_row`], releasing the lock; `false`
     /// when that transaction had already ended (the caller's SQL committed it, implicitly or
-    /// not): what ran after that is committed already and nothing else is, and the session is
-    /// rolled back.
+    /// not): nothing is committed now, the session is rolled back, and what ran before may
+    /// have been committed.
     pub async fn commit(&mut self) -> Result<bool, BackendError> {
         match self.raw().query_drop(TX_COMMIT).await {
+            Ok(()) => Ok(true),
+            Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_SAVEPOINT => {
+                self.rollback().await?;
+                Ok(false)
+            }
+            Err(e) => Err(classify(e)),
+        }
+    }
+
+    /// Rolls back the transaction of [`SessionConn::lock_tx_row`] like
+    /// [`SessionConn::rollback`]; `false` when that transaction had already ended (the caller's
+    /// SQL committed it, implicitly or not), so that what ran before may be committed.
+    pub async fn rollback_lock(&mut self) -> Result<bool, BackendError> {
+        match self.raw().query_drop(TX_ROLLBACK_LOCK).await {
             Ok(()) => Ok(true),
             Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_SAVEPOINT => {
                 self.rollback().await?;

@@ -1,11 +1,13 @@
 //! The per-shard connection pool: deadpool managing `mysql_async` connections.
 
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
 use futures_util::future::BoxFuture;
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, Opts};
+use mysql_async::{Conn, Opts, OptsBuilder};
 
 /// The server's `max_prepared_stmt_count` was reached. The limit is server-wide, so the
 /// statement that hits it is not at fault: closing the connection that got the error gives
@@ -24,6 +26,8 @@ pub(crate) struct ShardConn {
     dirty: bool,
     /// Set after a transport error: the connection is discarded.
     broken: bool,
+    /// The manager's generation when it was opened (see [`ShardManager::retire_all`]).
+    generation: u64,
 }
 
 impl ShardConn {
@@ -81,6 +85,16 @@ impl SessionConn {
     }
 }
 
+/// The password in `path`: its text without one trailing newline (files written with `echo`
+/// end with one that is not part of the password). The error names the file.
+pub(crate) fn read_password_file(path: &Path) -> std::io::Result<String> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("cannot read {}: {e}", path.display()))
+    })?;
+    let password = text.strip_suffix('\n').unwrap_or(&text);
+    Ok(password.strip_suffix('\r').unwrap_or(password).to_owned())
+}
+
 /// Errors of a server that refuses writes: `--read-only` (1290), a read-only transaction
 /// (1792), `super_read_only` or a Galera node that is not synced (1836).
 pub(crate) fn is_read_only(code: u16) -> bool {
@@ -103,6 +117,11 @@ pub(crate) struct Lifetimes {
 pub(crate) struct ShardManager {
     opts: Opts,
     lifetimes: Lifetimes,
+    /// Read again for every new connection, so a rotated secret takes effect without a reload.
+    password_file: Option<PathBuf>,
+    /// Connections opened before the latest [`ShardManager::retire_all`] are closed when they
+    /// come back.
+    generation: AtomicU64,
 }
 
 /// Without the connection options: they hold the password.
@@ -118,9 +137,22 @@ impl std::fmt::Debug for ShardManager {
 pub(crate) type ShardPool = managed::Pool<ShardManager>;
 
 impl ShardManager {
-    /// A manager connecting with `opts`, reusing connections as `lifetimes` allow.
-    pub(crate) fn new(opts: Opts, lifetimes: Lifetimes) -> Self {
-        Self { opts, lifetimes }
+    /// A manager connecting with `opts` (and the password in `password_file`, read for each
+    /// new connection), reusing connections as `lifetimes` allow.
+    pub(crate) fn new(opts: Opts, lifetimes: Lifetimes, password_file: Option<PathBuf>) -> Self {
+        Self {
+            opts,
+            lifetimes,
+            password_file,
+            generation: AtomicU64::new(0),
+        }
+    }
+
+    /// Closes every connection open now as it comes back (idle ones are the caller's to drop
+    /// from the pool): the server they reach refuses writes, and any of them in use at this
+    /// moment, a transaction lock's or a read's, would otherwise go back into the pool.
+    pub(crate) fn retire_all(&self) {
+        self.generation.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -129,12 +161,24 @@ impl managed::Manager for ShardManager {
     type Error = mysql_async::Error;
 
     async fn create(&self) -> Result<ShardConn, mysql_async::Error> {
-        let conn = Conn::new(self.opts.clone()).await?;
+        let generation = self.generation.load(Ordering::Relaxed);
+        let opts = match &self.password_file {
+            Some(path) => {
+                let password =
+                    read_password_file(path).map_err(|e| mysql_async::Error::Other(Box::new(e)))?;
+                OptsBuilder::from_opts(self.opts.clone())
+                    .pass(Some(password))
+                    .into()
+            }
+            None => self.opts.clone(),
+        };
+        let conn = Conn::new(opts).await?;
         Ok(ShardConn {
             conn,
             in_flight: false,
             dirty: false,
             broken: false,
+            generation,
         })
     }
 
@@ -143,9 +187,9 @@ impl managed::Manager for ShardManager {
         c: &mut ShardConn,
         metrics: &Metrics,
     ) -> RecycleResult<mysql_async::Error> {
-        if c.in_flight || c.broken {
+        if c.in_flight || c.broken || c.generation < self.generation.load(Ordering::Relaxed) {
             return Err(RecycleError::message(
-                "cancelled mid-statement or broken; discarded",
+                "cancelled mid-statement, broken or retired; discarded",
             ));
         }
         if metrics.age() > self.lifetimes.max_lifetime

@@ -44,7 +44,8 @@ pub struct PoolStatus {
     pub waiting: usize,
 }
 
-/// The shard's password from `password` or `password-file`, if either is given.
+/// The shard's password from `password` or `password-file`, if either is given. The file is
+/// read here to report a missing one at once, and again for every new connection.
 fn password(config: &ShardConfig, index: usize) -> Result<Option<String>, ConfigError> {
     if let Some(password) = &config.password {
         return Ok(Some(password.expose().to_owned()));
@@ -52,17 +53,9 @@ fn password(config: &ShardConfig, index: usize) -> Result<Option<String>, Config
     let Some(path) = &config.password_file else {
         return Ok(None);
     };
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        ConfigError::field(
-            format!("shards[{index}].password-file"),
-            format!("cannot read {}: {e}", path.display()),
-        )
-    })?;
-    // Files written with `echo` end with a newline that is not part of the password.
-    let password = text.strip_suffix('\n').unwrap_or(&text);
-    Ok(Some(
-        password.strip_suffix('\r').unwrap_or(password).to_owned(),
-    ))
+    crate::pool::read_password_file(path)
+        .map(Some)
+        .map_err(|e| ConfigError::field(format!("shards[{index}].password-file"), e.to_string()))
 }
 
 impl Shard {
@@ -104,7 +97,8 @@ impl Shard {
             idle_timeout: config.pool.idle_timeout,
             max_lifetime: config.pool.max_lifetime,
         };
-        let pool = ShardPool::builder(ShardManager::new(opts.into(), lifetimes))
+        let manager = ShardManager::new(opts.into(), lifetimes, config.password_file.clone());
+        let pool = ShardPool::builder(manager)
             .max_size(config.pool.max_size)
             .wait_timeout(Some(config.pool.wait_timeout))
             .create_timeout(Some(config.pool.create_timeout))
@@ -177,6 +171,9 @@ impl Shard {
         // deadlock, say) does not undo that.
         let mut applied_before = false;
         loop {
+            // Each try from unsent: only a statement of this try may have reached the server
+            // now (`applied_before` remembers earlier ones).
+            sent.store(false, std::sync::atomic::Ordering::Relaxed);
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
                 sent.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -202,6 +199,7 @@ impl Shard {
                 // The server refuses writes: a demoted primary, which a failover's new DNS
                 // answer no longer names. Every idle connection was opened to it too; closing
                 // them all sends the retry, and every later call, through a new connection.
+                self.pool.manager().retire_all();
                 self.pool.retain(|_, _| false);
             }
             // A broken connection (or one at the server's prepared-statement limit, or to a

@@ -143,7 +143,8 @@ pub struct CleanerConfig {
     #[serde(with = "humantime_serde")]
     pub heartbeat_timeout: Duration,
     /// The cleaner deletes the registry rows of instances silent this long (dead, or shut
-    /// down, that long ago): they decide nothing any more. At least `heartbeat-timeout`.
+    /// down, that long ago): they decide nothing any more. At least an hour and at least
+    /// `heartbeat-timeout` (other fleets on the same shards may use a longer one).
     #[serde(with = "humantime_serde")]
     pub instance_retention: Duration,
     /// Instances that are alive whatever happens (`static` registry); all others are dead.
@@ -293,11 +294,11 @@ pub fn redact_url(url: &str) -> String {
     let Some(rest) = url.strip_prefix("mysql://") else {
         return url.to_owned();
     };
-    // The credentials end at the last `@` before the first `/` (a password may hold `@`
-    // only percent-encoded, but a careless one is still hidden).
-    let authority = rest.split('/').next().unwrap_or(rest);
-    match authority.rfind('@') {
-        Some(at) => match authority[..at].split_once(':') {
+    // The credentials end at the last `@` before the query string: a careless password may
+    // hold `/`, `#` or `@` unencoded, and is hidden all the same.
+    let before_query = rest.split('?').next().unwrap_or(rest);
+    match before_query.rfind('@') {
+        Some(at) => match rest[..at].split_once(':') {
             Some((user, _)) => format!("mysql://{user}:***{}", &rest[at..]),
             None => url.to_owned(),
         },
@@ -524,6 +525,10 @@ mod tests {
         );
         assert_eq!(redact_url("mysql://root@h/db"), "mysql://root@h/db");
         assert_eq!(redact_url("mysql://u:a@b@h:1/db"), "mysql://u:***@h:1/db");
+        assert_eq!(
+            redact_url("mysql://u:p/a#s@h/db?x=1"),
+            "mysql://u:***@h/db?x=1"
+        );
 
         let both = GOOD.replace(
             "url: mysql://root@127.0.0.1:33061/shardlock",

@@ -267,8 +267,9 @@ fn check_cleaner(c: &CleanerConfig) -> Result<(), ConfigError> {
         ),
         (
             "cleaner.instance-retention",
-            c.instance_retention >= c.heartbeat_timeout,
-            "must be at least heartbeat-timeout: only a dead instance's row may go",
+            c.instance_retention >= c.heartbeat_timeout.max(Duration::from_secs(3600)),
+            "must be at least 1h and at least heartbeat-timeout: only rows that no process of any \
+             fleet sharing these shards can still count as alive may go",
         ),
     ])
 }
