@@ -89,21 +89,20 @@ impl SessionConn {
     /// not): nothing is committed now, the session is rolled back, and what ran before may
     /// have been committed.
     pub async fn commit(&mut self) -> Result<bool, BackendError> {
-        match self.raw().query_drop(TX_COMMIT).await {
-            Ok(()) => Ok(true),
-            Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_SAVEPOINT => {
-                self.rollback().await?;
-                Ok(false)
-            }
-            Err(e) => Err(classify(e)),
-        }
+        self.end_lock(TX_COMMIT).await
     }
 
     /// Rolls back the transaction of [`SessionConn::lock_tx_row`] like
     /// [`SessionConn::rollback`]; `false` when that transaction had already ended (the caller's
     /// SQL committed it, implicitly or not), so that what ran before may be committed.
     pub async fn rollback_lock(&mut self) -> Result<bool, BackendError> {
-        match self.raw().query_drop(TX_ROLLBACK_LOCK).await {
+        self.end_lock(TX_ROLLBACK_LOCK).await
+    }
+
+    /// Ends the lock's transaction with `sql`, which starts at its savepoint; `false` (and
+    /// the session rolled back) when the savepoint, and so the transaction, was gone.
+    async fn end_lock(&mut self, sql: &str) -> Result<bool, BackendError> {
+        match self.raw().query_drop(sql).await {
             Ok(()) => Ok(true),
             Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_SAVEPOINT => {
                 self.rollback().await?;
