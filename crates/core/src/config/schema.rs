@@ -263,7 +263,8 @@ pub struct ShardConfig {
     /// The password, instead of the URL's.
     pub password: Option<Secret>,
     /// A file holding the password (a mounted secret; one trailing newline is ignored), read
-    /// each time the shard's pool is built (at start and at every reload).
+    /// at start and again for every new connection (a rotated secret takes effect without a
+    /// reload).
     pub password_file: Option<std::path::PathBuf>,
     /// Relative share of keys (1 = one share).
     pub weight: u32,
