@@ -166,10 +166,19 @@ impl LockRouter {
         let deadline = instant_after(wait.or(opts.wait).unwrap_or(ns.wait));
         {
             let topology = self.inner.topology.load();
-            progress.shard = Some(topology.locate(key).clone());
+            let shard = topology.locate(key);
+            progress.shard = Some(shard.clone());
             progress.namespace = Some(
                 topology.namespace_label(opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)),
             );
+            // `fail-fast` answers at once while the key's shard breaker is open, before
+            // waiting in the key's queue behind this process's other callers (a holder whose
+            // release waits for the failing shard, say): the shard would refuse it anyway.
+            if ns.on_shard_failure == FailurePolicy::FailFast
+                && shard.breaker_state() == BreakerState::Open
+            {
+                return Err(shard.rejected().into_error(shard.name()));
+            }
         }
 
         // One poller per key in this process: the others wait in memory, and may be handed the

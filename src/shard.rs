@@ -209,6 +209,15 @@ impl ShardState {
     }
 
     fn send_acquire(self: &Arc<Self>, req: GrantRequest, orphan: bool) -> lanes::Answer<Attempt> {
+        // Refused at once while the breaker is open (its cool-down not over): queued, the
+        // request would wait for the lane's runners, busy with statements sent before the
+        // breaker opened, only to be refused then. A cool-down that ends meanwhile makes the
+        // request a candidate probe, which the runner's own admission decides.
+        if self.breaker_state() == BreakerState::Open {
+            let (answer, rx) = tokio::sync::oneshot::channel();
+            let _ = answer.send(Err(self.rejected()));
+            return rx;
+        }
         let (answer, start) = self
             .acquire_lane
             .push((req, orphan), self.batches_in_flight());
@@ -297,18 +306,7 @@ impl ShardState {
         let (admission, transition) = self.breaker.locked().admit(breaker_now());
         self.note(transition);
         let probe = match admission {
-            Admission::Rejected => {
-                self.shared
-                    .stats
-                    .breaker_rejections
-                    .fetch_add(1, Ordering::Relaxed);
-                return Err(BackendError::new(
-                    BackendErrorKind::BreakerOpen,
-                    None,
-                    "its breaker is open after repeated failures; probes resume after the \
-                     breaker cool-down",
-                ));
-            }
+            Admission::Rejected => return Err(self.rejected()),
             Admission::Probe => true,
             Admission::Call => false,
         };
@@ -340,6 +338,20 @@ impl ShardState {
             .record(breaker_now(), outcome, took, probe);
         self.note(transition);
         result
+    }
+
+    /// A call the open breaker refused, counted.
+    pub(crate) fn rejected(&self) -> BackendError {
+        self.shared
+            .stats
+            .breaker_rejections
+            .fetch_add(1, Ordering::Relaxed);
+        BackendError::new(
+            BackendErrorKind::BreakerOpen,
+            None,
+            "its breaker is open after repeated failures; probes resume after the breaker \
+             cool-down",
+        )
     }
 
     /// The breaker's slow-call threshold.
