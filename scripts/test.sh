@@ -30,6 +30,14 @@ fi
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The library's default build only emits: no exporter, HTTP client or server, Prometheus crate
+# or C zlib in its tree, and it builds so.
+heavy='^(reqwest|hyper|hyper-util|http|http-body|tower|tower-http|prometheus|opentelemetry_sdk|opentelemetry-otlp|opentelemetry-prometheus|libz-sys) v'
+if cargo tree -p shardlock -e normal --no-default-features --prefix none --locked | grep -E "$heavy"; then
+  echo "the crates above are in shardlock's default build" >&2
+  exit 1
+fi
+cargo clippy -p shardlock --no-default-features --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings -D rustdoc::broken_intra_doc_links" cargo doc --workspace --no-deps --locked --quiet
 # nextest does not run doctests; run them first so that nextest's summary closes the output.
 cargo test --doc --workspace --locked

@@ -25,7 +25,7 @@ pub use fence::fenced_exec;
 pub use guard::{LockGuard, LockMode, LOCAL_FENCE_BIT};
 pub use options::AcquireOptions;
 pub use registry::{InstanceRegistry, StaticRegistry};
-pub use router::LockRouter;
+pub use router::{LockRouter, RouterBuilder};
 pub use shardlock_core::config::FailurePolicy;
 pub use shardlock_core::Transition as BreakerTransition;
 pub use stats::LockStats;
@@ -48,6 +48,10 @@ const _: () = {
     send_sync::<LockGuard>();
     send_sync::<patterns::TxLockGuard>();
     send_sync::<patterns::CasGuard>();
-    send_sync::<telemetry::TelemetryGuard>();
     send_sync::<Error>();
+};
+#[cfg(feature = "exporters")]
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<telemetry::TelemetryGuard>();
 };

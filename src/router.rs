@@ -1,6 +1,6 @@
 //! The lock router: validates keys, places them on shards, waits, and grants guards.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +29,46 @@ pub struct LockRouter {
     pub(crate) inner: Arc<Inner>,
 }
 
+/// Builds a [`LockRouter`]: [`LockRouter::builder`].
+#[derive(Debug)]
+#[must_use = "a builder does nothing until `build` is awaited"]
+pub struct RouterBuilder {
+    config: Config,
+    /// The YAML text the config was parsed from, and its file: topology errors name its lines.
+    source: Option<(String, Option<PathBuf>)>,
+    meter: Option<opentelemetry::metrics::Meter>,
+}
+
+impl RouterBuilder {
+    /// Records the router's metrics through `provider` (the host's, or the one
+    /// `telemetry::init` made) instead of the global provider. Nothing is installed globally.
+    pub fn meter_provider(mut self, provider: &impl opentelemetry::metrics::MeterProvider) -> Self {
+        self.meter = Some(provider.meter("shardlock"));
+        self
+    }
+
+    /// The YAML text the config was parsed from (and the file it was read from): errors found
+    /// while building the topology then name its file, line and column, as
+    /// [`LockRouter::from_yaml_file`]'s do.
+    pub fn yaml_source(mut self, text: impl Into<String>, path: Option<&Path>) -> Self {
+        self.source = Some((text.into(), path.map(Path::to_owned)));
+        self
+    }
+
+    /// Validates the config and builds the router, as [`LockRouter::new`] does.
+    ///
+    /// Cancellation: as for [`LockRouter::new`].
+    pub async fn build(self) -> Result<LockRouter> {
+        self.config.validate()?;
+        let source = self.source.as_ref();
+        let text = source.map(|(text, _)| text.as_str());
+        let path = source.and_then(|(_, path)| path.as_deref());
+        LockRouter::build(self.config, text, path, self.meter)?
+            .started()
+            .await
+    }
+}
+
 impl LockRouter {
     /// A router for `config` (already validated by [`Config::from_yaml_str`] or
     /// [`Config::validate`]). Pools connect lazily, but a configured (not `auto`) instance id is first
@@ -39,8 +79,26 @@ impl LockRouter {
     /// its pools and keepers, and deregisters in the background if its first heartbeat completed.
     /// Dropped during that heartbeat, a row it wrote stays live until `cleaner.heartbeat-timeout`.
     pub async fn new(config: Config) -> Result<Self> {
-        config.validate()?;
-        Self::build(config, None, None)?.started().await
+        Self::builder(config).build().await
+    }
+
+    /// A builder for a router with more than its config: the OpenTelemetry meter provider its
+    /// metrics go to.
+    ///
+    /// ```no_run
+    /// # async fn demo(config: shardlock::Config, provider: opentelemetry_sdk::metrics::SdkMeterProvider) -> shardlock::Result<()> {
+    /// let router = shardlock::LockRouter::builder(config)
+    ///     .meter_provider(&provider)
+    ///     .build()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(config: Config) -> RouterBuilder {
+        RouterBuilder {
+            config,
+            source: None,
+            meter: None,
+        }
     }
 
     /// Parses YAML text (see `config/reference.yaml`) and builds the router.
@@ -48,7 +106,7 @@ impl LockRouter {
     /// Cancellation: as for [`LockRouter::new`].
     pub async fn from_yaml_str(text: &str) -> Result<Self> {
         let config = Config::from_yaml_str(text)?;
-        Self::build(config, Some(text), None)?.started().await
+        Self::build(config, Some(text), None, None)?.started().await
     }
 
     /// Reads a YAML file and builds the router; errors name the file, line, column and field.
@@ -58,7 +116,7 @@ impl LockRouter {
         let path = path.as_ref();
         let text = shardlock_core::config::read_file(path)?;
         let config = Config::from_yaml_text(&text, path)?;
-        Self::build(config, Some(&text), Some(path))?
+        Self::build(config, Some(&text), Some(path), None)?
             .started()
             .await
     }
@@ -118,12 +176,17 @@ impl LockRouter {
         }
     }
 
-    fn build(config: Config, text: Option<&str>, path: Option<&Path>) -> Result<Self> {
+    fn build(
+        config: Config,
+        text: Option<&str>,
+        path: Option<&Path>,
+        meter: Option<opentelemetry::metrics::Meter>,
+    ) -> Result<Self> {
         let instance_id = match config.instance.id.as_deref() {
             None | Some("auto") => auto_instance_id(),
             Some(id) => id.to_owned(),
         };
-        let telemetry = crate::telemetry::Telemetry::new(&config.telemetry);
+        let telemetry = crate::telemetry::Telemetry::new(&config.telemetry, meter);
         let shared = Arc::new(Shared::new(instance_id, telemetry));
         let topology =
             Topology::build(config, 1, &[], Vec::new(), &shared, text.map(|t| (t, path)))?;
@@ -148,7 +211,8 @@ impl LockRouter {
         });
         // Weak: the meter provider keeps the callbacks for ever; a dropped router reports nothing.
         let weak = Arc::downgrade(&router.inner);
-        crate::telemetry::register_observers(move || {
+        let meter = router.inner.shared.telemetry.meter();
+        crate::telemetry::register_observers(meter, move || {
             weak.upgrade().map(|inner| Self { inner }.observed())
         });
         Ok(router)
@@ -245,7 +309,8 @@ impl LockRouter {
 
     /// Reloads the YAML file at `path` whenever this process receives SIGHUP; an invalid file
     /// is logged (with its line, column and field) and the topology in force stays. The task
-    /// ends when the router is dropped.
+    /// ends when the router is dropped. Unix only.
+    #[cfg(unix)]
     pub fn reload_on_sighup(
         &self,
         path: impl Into<std::path::PathBuf>,

@@ -1,5 +1,6 @@
 //! Telemetry against real shards: the Prometheus endpoint of `telemetry::init` serves every
-//! metric the ops/ dashboard uses, with counts that match a known workload, and hot-key
+//! metric the ops/ dashboard uses, with counts that match a known workload, for the routers
+//! built with its meter provider and no other (nothing is installed globally), and hot-key
 //! detection names the key that takes half the waits.
 
 mod common;
@@ -7,8 +8,22 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use shardlock::{AcquireOptions, LockRouter};
+use shardlock::telemetry::TelemetryGuard;
+use shardlock::{AcquireOptions, Config, LockRouter};
+use shardlock_testkit::Cluster;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A router on `cluster` whose metrics go to `telemetry`'s meter provider.
+async fn metered_router(cluster: &Cluster, extra: &str, telemetry: &TelemetryGuard) -> LockRouter {
+    let config = Config::from_yaml_str(&cluster.config_yaml(extra)).unwrap();
+    let router = LockRouter::builder(config)
+        .meter_provider(telemetry.meter_provider())
+        .build()
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    router
+}
 
 /// `GET /metrics` from `addr`, the body.
 async fn scrape(addr: std::net::SocketAddr) -> String {
@@ -73,7 +88,17 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
     .unwrap();
     let addr = telemetry.prometheus_addr().unwrap();
     let extra = "namespaces:\n  orders:\n    ttl: 5s\ncleaner:\n  grace: 100ms\n";
-    let (_cluster, router, _yaml) = common::start(2, extra).await;
+    let cluster = Cluster::start(2).await.unwrap();
+    let router = metered_router(&cluster, extra, &telemetry).await;
+    // Built without the provider: it records nothing there, whatever it does.
+    let unmetered = common::worker_router_from(&cluster).await;
+    unmetered
+        .acquire("unmetered", AcquireOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
 
     // A known workload: 50 grants, then 3 tries of a key that is held.
     let opts = AcquireOptions::new().namespace("orders");
@@ -85,7 +110,7 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
         g.release().await.unwrap();
     }
     let held = router.acquire("busy", opts.clone()).await.unwrap();
-    let other = common::worker_router_from(&_cluster).await;
+    let other = metered_router(&cluster, "", &telemetry).await;
     for _ in 0..3 {
         assert!(other
             .try_acquire("busy", AcquireOptions::new())
@@ -100,6 +125,11 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
     assert!(cleaned.deleted() >= 50, "{cleaned:?}");
 
     let text = scrape(addr).await;
+    let unmetered = format!("instance=\"{}\"", unmetered.instance_id());
+    assert!(
+        !text.contains(&unmetered),
+        "a router built without the provider reported there:\n{text}"
+    );
     let count = "shardlock_acquire_duration_seconds_count";
     assert_eq!(
         sample(
@@ -165,7 +195,8 @@ async fn the_key_with_half_the_waits_is_reported_hottest() {
     .await
     .unwrap();
     let extra = "telemetry:\n  record-keys: true\n";
-    let (_cluster, router, _yaml) = common::start(1, extra).await;
+    let cluster = Cluster::start(1).await.unwrap();
+    let router = metered_router(&cluster, extra, &telemetry).await;
     // Eight tasks take turns on `hot`; sixteen tasks share four other keys four by four: the
     // hot key's waits are about half of all (each waiter waits for the others in line).
     let run = |key: String, router: LockRouter| async move {

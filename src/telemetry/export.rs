@@ -1,11 +1,13 @@
-//! The host's side: [`init`] installs the exporters and [`TelemetryGuard`] keeps them.
+//! The host's side (feature `exporters`): [`init`] makes the exporters and [`TelemetryGuard`]
+//! keeps them.
 //!
-//! The lock paths only emit, through the global OpenTelemetry API and `tracing`; where that
-//! goes is the host's choice. `init` makes the common one in a single call — metrics kept for
+//! The lock paths only emit, through the OpenTelemetry API and `tracing`; where that goes is
+//! the host's choice. `init` makes the common one in a single call — metrics kept for
 //! Prometheus (which the `ops/` dashboard scrapes) and, when configured, spans and metrics
-//! pushed over OTLP — so that a host need not wire exporters itself to get them. A host with a
-//! meter provider of its own skips it and calls
-//! [`metrics_exported_elsewhere`](super::metrics_exported_elsewhere) instead.
+//! pushed over OTLP — so that a host need not wire exporters itself to get them. It installs
+//! nothing globally: routers get its meter provider through
+//! [`LockRouter::builder`](crate::LockRouter::builder), the `tracing` subscriber its
+//! [`TelemetryGuard::layer`]. A host with providers of its own skips it.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -27,6 +29,13 @@ pub struct TelemetryGuard {
 }
 
 impl TelemetryGuard {
+    /// The meter provider to build routers with
+    /// ([`LockRouter::builder`](crate::LockRouter::builder)`(..).meter_provider(..)`); `init`
+    /// installs nothing globally.
+    pub fn meter_provider(&self) -> &opentelemetry_sdk::metrics::SdkMeterProvider {
+        &self.provider
+    }
+
     /// Where the Prometheus endpoint listens (`/metrics`), if it was configured.
     pub fn prometheus_addr(&self) -> Option<SocketAddr> {
         self.server.as_ref().map(|(addr, _)| *addr)
@@ -80,23 +89,25 @@ impl Drop for TelemetryGuard {
     }
 }
 
-/// The one-call setup for a host application: installs an OpenTelemetry meter provider whose
-/// metrics are kept for Prometheus — served at `http://<prometheus-listen>/metrics` when the
-/// config names an address — and, with `otlp-endpoint`, also pushed over OTLP, with a tracer
-/// provider exporting spans there (add [`TelemetryGuard::layer`] to your `tracing`
-/// subscriber). Call it once, inside a Tokio runtime, before building routers.
+/// The one-call setup for a host application: an OpenTelemetry meter provider whose metrics
+/// are kept for Prometheus — served at `http://<prometheus-listen>/metrics` when the config
+/// names an address — and, with `otlp-endpoint`, also pushed over OTLP, with a tracer provider
+/// exporting spans there (add [`TelemetryGuard::layer`] to your `tracing` subscriber). Build
+/// routers with its [`TelemetryGuard::meter_provider`]; nothing is installed globally.
 ///
 /// ```no_run
 /// # async fn demo() -> shardlock::Result<()> {
 /// let config = shardlock::Config::from_yaml_file("config/local.yaml")?;
-/// let _telemetry = shardlock::telemetry::init(&config.telemetry).await?;
-/// let router = shardlock::LockRouter::new(config).await?;
+/// let telemetry = shardlock::telemetry::init(&config.telemetry).await?;
+/// let router = shardlock::LockRouter::builder(config)
+///     .meter_provider(telemetry.meter_provider())
+///     .build()
+///     .await?;
 /// # Ok(()) }
 /// ```
 ///
-/// Cancellation: the meter (and OTLP tracer) providers are already installed globally when it
-/// waits to bind the Prometheus listener; dropped then, they stay installed with no guard to
-/// flush or stop them, and nothing listens. Call `init` again.
+/// Cancellation: nothing is kept; dropped while it waits to bind the Prometheus listener, the
+/// providers it made are dropped too. Call `init` again.
 pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
     let registry = prometheus::Registry::new();
     let exporter = opentelemetry_prometheus::exporter()
@@ -147,12 +158,9 @@ pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
             .with_sampler(sampler)
             .with_batch_exporter(spans)
             .build();
-        opentelemetry::global::set_tracer_provider(provider.clone());
         tracer = Some(provider);
     }
     let provider = meters.build();
-    opentelemetry::global::set_meter_provider(provider.clone());
-    super::metrics_exported_elsewhere();
     let server = match &config.prometheus_listen {
         None => None,
         Some(addr) => {

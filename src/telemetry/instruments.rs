@@ -10,7 +10,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use opentelemetry::metrics::{Counter, Histogram};
+use opentelemetry::metrics::{Counter, Histogram, Meter};
 use opentelemetry::KeyValue;
 use shardlock_core::config::TelemetryConfig;
 use shardlock_core::{HotKeys, LockKey};
@@ -30,8 +30,11 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 /// A router's instruments and hot-key summary.
 pub(crate) struct Telemetry {
-    /// Whether metrics were exported when the router was built.
+    /// Whether metrics are exported: the host gave the router a meter provider, or said it
+    /// installed a global one before the router was built.
     on: bool,
+    /// Where the instruments (and the router's observable ones) come from.
+    meter: Meter,
     /// Whether keys appear as themselves in spans and metrics (else as a stable hash).
     record_keys: bool,
     acquire: Histogram<f64>,
@@ -52,10 +55,12 @@ impl std::fmt::Debug for Telemetry {
 }
 
 impl Telemetry {
-    pub(crate) fn new(config: &TelemetryConfig) -> Self {
-        let meter = super::meter();
+    /// Instruments from `meter` (the host's provider's), or from the global provider.
+    pub(crate) fn new(config: &TelemetryConfig, meter: Option<Meter>) -> Self {
+        let on = meter.is_some() || super::metrics_on();
+        let meter = meter.unwrap_or_else(super::global_meter);
         Self {
-            on: super::metrics_on(),
+            on,
             record_keys: config.record_keys,
             acquire: meter
                 .f64_histogram("shardlock.acquire.duration")
@@ -86,7 +91,13 @@ impl Telemetry {
                 config.hot_key_window,
             )),
             hot_keys: config.hot_keys as usize,
+            meter,
         }
+    }
+
+    /// The meter the router's observable instruments come from too.
+    pub(crate) fn meter(&self) -> &Meter {
+        &self.meter
     }
 
     /// How a key appears in spans and metrics: itself, or its stable hash.

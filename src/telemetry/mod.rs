@@ -1,12 +1,17 @@
 //! Telemetry: `tracing` spans and events for every lock wait and hold, OpenTelemetry metrics,
-//! and [`init`], the one call that serves those metrics to Prometheus.
+//! and (feature `exporters`) `init`, the one call that serves those metrics to Prometheus.
 //!
 //! The library only *emits*: spans `shardlock.acquire` (namespace, shard, bucket, key or its
 //! hash, attempts, wait_ms, outcome, mode) and `shardlock.hold` (grant to release); events for
 //! renewals, lost leases, in-memory hand-offs, breaker transitions and cleaner deletions; and
-//! metrics through the OpenTelemetry metrics API (meter `shardlock`). Nothing is exported until
-//! the host installs a subscriber and a meter provider — [`init`] does the latter — **before**
-//! it builds its routers (instruments bind to the meter provider in force then).
+//! metrics through the OpenTelemetry metrics API (meter `shardlock`). It installs nothing
+//! global. Metrics go to the meter provider a router is built with
+//! (`LockRouter::builder(config).meter_provider(&provider)`); a router built without one uses
+//! the global provider if the host installed it and said so ([`metrics_exported_elsewhere`])
+//! **before** building the router (instruments bind when the router is built). Spans go to the
+//! host's `tracing` subscriber; with a `tracing-opentelemetry` layer they become OpenTelemetry
+//! spans (opentelemetry 0.33 / tracing-opentelemetry 0.34: another major version of either
+//! sees no span context, so lease rows carry no trace context and waiters get no links).
 //!
 //! Metrics (names as the Prometheus exporter writes them):
 //!
@@ -41,23 +46,28 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use opentelemetry::metrics::Meter;
 
+#[cfg(feature = "exporters")]
 mod endpoint;
+#[cfg(feature = "exporters")]
 mod export;
 mod instruments;
 mod observers;
 mod trace_context;
 
+#[cfg(feature = "exporters")]
 pub use export::{init, TelemetryGuard};
 pub(crate) use instruments::{AcquireAttrs, BoundAcquires, Telemetry};
 pub(crate) use observers::{register_observers, RouterSnapshot, ShardSnapshot};
 pub(crate) use trace_context::{current_traceparent, link_current_to, tracing_current};
 
-/// Set once metrics are exported ([`init`] or [`metrics_exported_elsewhere`]); routers built
-/// before that skip recording, which costs nothing then.
+/// Set once the host said it installed a global meter provider ([`metrics_exported_elsewhere`]);
+/// routers built before that, and without a provider of their own, skip recording, which costs
+/// nothing then.
 static METRICS_ON: AtomicBool = AtomicBool::new(false);
 
-/// Tells shardlock that the host installed an OpenTelemetry meter provider of its own (instead
-/// of calling [`init`]): routers built after this call record metrics and hot keys.
+/// Tells shardlock that the host installed a global OpenTelemetry meter provider: routers
+/// built after this call without a provider of their own record metrics and hot keys through
+/// it.
 pub fn metrics_exported_elsewhere() {
     METRICS_ON.store(true, Ordering::Release);
 }
@@ -67,7 +77,8 @@ fn metrics_on() -> bool {
     METRICS_ON.load(Ordering::Acquire)
 }
 
-/// The meter every instrument comes from: whatever provider the host installed, or a no-op one.
-fn meter() -> Meter {
+/// The meter of a router built without a meter provider of its own: the host's global
+/// provider, or a no-op one.
+fn global_meter() -> Meter {
     opentelemetry::global::meter("shardlock")
 }

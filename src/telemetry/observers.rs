@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use opentelemetry::metrics::Meter;
 use opentelemetry::KeyValue;
 use shardlock_core::BreakerState;
 use shardlock_mysql::PoolStatus;
@@ -51,11 +52,10 @@ pub(crate) struct ShardSnapshot {
 /// costs atomic loads and a few short locks (the key queues, each shard's breaker, the hot-key
 /// summary, where an acquire that finds it taken skips its record) once per collection (a
 /// scrape, or the OTLP reader's 10 s tick): not worth a second kind of source.
-pub(crate) fn register_observers<F>(source: F)
+pub(crate) fn register_observers<F>(meter: &Meter, source: F)
 where
     F: Fn() -> Option<RouterSnapshot> + Clone + Send + Sync + 'static,
 {
-    let meter = super::meter();
     type Read = fn(&LockStats) -> u64;
     let counters: [(&'static str, &'static str, Read); 10] = [
         (
@@ -138,6 +138,7 @@ where
         })
         .build();
     per_shard_by_state(
+        meter,
         source.clone(),
         "shardlock.pool.connections",
         "Connection pool per shard, by state: max, size, available, waiting",
@@ -153,6 +154,7 @@ where
         },
     );
     per_shard_by_state(
+        meter,
         source.clone(),
         "shardlock.batches",
         "The dispatcher per shard, by state: in_flight (batches out now), waiting (requests queued for the next)",
@@ -188,6 +190,7 @@ where
 
 /// A gauge of counts per shard and state, as `read` gives them from each shard's snapshot.
 fn per_shard_by_state<F>(
+    meter: &Meter,
     source: F,
     name: &'static str,
     description: &'static str,
@@ -195,7 +198,7 @@ fn per_shard_by_state<F>(
 ) where
     F: Fn() -> Option<RouterSnapshot> + Send + Sync + 'static,
 {
-    super::meter()
+    meter
         .u64_observable_gauge(name)
         .with_description(description)
         .with_callback(move |observer| {
@@ -218,7 +221,7 @@ fn per_shard_by_state<F>(
         .build();
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "exporters"))]
 mod tests {
     use std::sync::Arc;
 
@@ -281,10 +284,10 @@ mod tests {
         let provider = opentelemetry_sdk::metrics::SdkMeterProvider::builder()
             .with_reader(exporter)
             .build();
-        opentelemetry::global::set_meter_provider(provider);
         let live = Arc::new(router());
         let weak = Arc::downgrade(&live);
-        register_observers(move || weak.upgrade().map(|r| (*r).clone()));
+        let meter = opentelemetry::metrics::MeterProvider::meter(&provider, "shardlock");
+        register_observers(&meter, move || weak.upgrade().map(|r| (*r).clone()));
 
         let text = super::super::endpoint::encode(&registry);
         let instance = r#"instance="observed-1""#;

@@ -117,10 +117,20 @@ impl ConfigSource {
     }
 
     pub(crate) async fn router(&self) -> shardlock::Result<LockRouter> {
-        match &self.path {
-            Some(p) => LockRouter::from_yaml_file(p).await,
-            None => LockRouter::from_yaml_str(&self.text).await,
+        self.router_with(None).await
+    }
+
+    /// A router whose metrics go to `telemetry`'s provider, when given.
+    async fn router_with(
+        &self,
+        telemetry: Option<&shardlock::telemetry::TelemetryGuard>,
+    ) -> shardlock::Result<LockRouter> {
+        let mut builder = LockRouter::builder(self.config.clone())
+            .yaml_source(self.text.as_str(), self.path.as_deref());
+        if let Some(telemetry) = telemetry {
+            builder = builder.meter_provider(telemetry.meter_provider());
         }
+        builder.build().await
     }
 
     /// A router for one-shot operator commands: it holds no leases of an application, so it
@@ -211,8 +221,8 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
             return Err(e.into());
         }
     };
-    // The daemon exports telemetry as the config says (Prometheus endpoint, OTLP); it must be
-    // in place before its router exists.
+    // The daemon exports telemetry as the config says (Prometheus endpoint, OTLP); its router
+    // records into the provider made here.
     let telemetry = match cli.command {
         Command::Cleaner { .. } => {
             Some(shardlock::telemetry::init(&source.config.telemetry).await?)
@@ -220,14 +230,18 @@ async fn run(cli: Cli) -> Result<(), AnyError> {
         _ => None,
     };
     init_tracing(telemetry.as_ref());
-    let result = run_command(cli, &source).await;
+    let result = run_command(cli, &source, telemetry.as_ref()).await;
     if let Some(telemetry) = telemetry {
         telemetry.shutdown();
     }
     result
 }
 
-async fn run_command(cli: Cli, source: &ConfigSource) -> Result<(), AnyError> {
+async fn run_command(
+    cli: Cli,
+    source: &ConfigSource,
+    telemetry: Option<&shardlock::telemetry::TelemetryGuard>,
+) -> Result<(), AnyError> {
     match cli.command {
         Command::Migrate => {
             let router = source.tool_router().await?;
@@ -285,7 +299,7 @@ async fn run_command(cli: Cli, source: &ConfigSource) -> Result<(), AnyError> {
             output::force_released(&key, &shard, released.as_ref(), cli.json);
         }
         Command::Cleaner { once } => {
-            let router = source.router().await?;
+            let router = source.router_with(telemetry).await?;
             if once {
                 let report = router.clean_once().await?;
                 output::cleaner_report(&report, cli.json);

@@ -16,11 +16,14 @@ pub(super) struct MetricsOn {
 }
 
 impl MetricsOn {
-    /// Instruments bind to the provider in force when a router is built: `off`, built before,
-    /// keeps no-op ones; the router built here from its config gets live ones.
+    /// `off` was built without a meter provider and keeps no-op instruments; the router built
+    /// here from its config records into the provider `init` made.
     pub(super) async fn start(source: &ConfigSource, off: &LockRouter) -> Result<Self, AnyError> {
         let provider = shardlock::telemetry::init(&source.config.telemetry).await?;
-        let router = LockRouter::new(off.config().as_ref().clone()).await?;
+        let router = LockRouter::builder(off.config().as_ref().clone())
+            .meter_provider(provider.meter_provider())
+            .build()
+            .await?;
         Ok(MetricsOn {
             _provider: provider,
             router,
