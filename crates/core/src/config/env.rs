@@ -1,71 +1,229 @@
 //! `${VAR}` substitution, done on the text before YAML parsing so that a variable may stand
-//! anywhere a value does (a password inside a URL, a port), and secrets stay out of the file.
+//! anywhere in a value (a password inside a URL, a port), errors keep pointing into the file
+//! as written, and secrets stay out of the file.
+//!
+//! A variable's value is always a scalar, never YAML structure: where pasting it as it is
+//! would change the document (a `: `, ` #`, line break or leading indicator in a password),
+//! the scalar holding it is written as a double-quoted scalar instead; inside quotes the value
+//! is escaped for them.
 
 use super::ConfigError;
 
+/// How a `${` reference sits in its line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Quoting {
+    Plain,
+    Double,
+    Single,
+}
+
 /// Replaces `${VAR}` and `${VAR:-default}` from the environment; `$$` stands for `$`.
-/// Whole-line comments are left alone, so a commented-out line may name a variable that is
-/// not set. An error points at its `${` in the text as written, the text the user edits.
+/// Comments are left alone, so a commented-out line may name a variable that is not set.
+/// An error points at its `${` in the text as written, the text the user edits.
 ///
-/// Only whole-line comments: a trailing `# ...` is substituted like the rest, since telling it
-/// from a `#` inside a quoted value would take a YAML parser. The value is pasted as text, not
-/// as a YAML scalar: one holding YAML syntax (`: `, ` #`, a leading `*` or `&`, a newline)
-/// changes the document, so quote the reference (`'${DB_PASSWORD}'`) when a value may hold
-/// such characters (and double a `'` inside it).
+/// References are read in block-style YAML scalars on one line: plain, `"…"` or `'…'`. One
+/// inside a flow collection (`[…]`, `{…}`) is refused: its scalar cannot be told apart there
+/// without a YAML parser.
 pub(super) fn substitute_env(text: &str) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(text.len());
     for (line_no, line) in text.split_inclusive('\n').enumerate() {
-        if line.trim_start().starts_with('#') {
-            out.push_str(line);
-            continue;
-        }
-        let mut rest = line;
-        while let Some(at) = rest.find('$') {
-            out.push_str(&rest[..at]);
-            let tail = &rest[at..];
-            if let Some(after) = tail.strip_prefix("$$") {
-                out.push('$');
-                rest = after;
-            } else if let Some(body) = tail.strip_prefix("${") {
-                let column = line.len() - tail.len() + 1;
-                let err = |message: String| ConfigError {
-                    line: Some(line_no + 1),
-                    column: Some(column),
-                    message,
-                    ..ConfigError::default()
-                };
-                let end = body
-                    .find('}')
-                    .ok_or_else(|| err("`${` without a closing `}`".to_owned()))?;
-                let (name, default) = match body[..end].split_once(":-") {
-                    Some((n, d)) => (n, Some(d)),
-                    None => (&body[..end], None),
-                };
-                if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-                {
-                    return Err(err(format!(
-                        "`${{{}}}` is not a valid variable reference",
-                        &body[..end]
-                    )));
-                }
-                match (std::env::var(name), default) {
-                    (Ok(value), _) => out.push_str(&value),
-                    (Err(_), Some(d)) => out.push_str(d),
-                    (Err(_), None) => {
-                        return Err(err(format!(
-                            "environment variable `{name}` is not set (write `${{{name}:-default}}` to allow a default)"
-                        )))
-                    }
-                }
-                rest = &body[end + 1..];
-            } else {
-                out.push('$');
-                rest = &tail[1..];
-            }
-        }
-        out.push_str(rest);
+        out.push_str(&substitute_line(line, line_no + 1)?);
     }
     Ok(out)
+}
+
+/// One line: its scalars rewritten where they hold references.
+fn substitute_line(line: &str, line_no: usize) -> Result<String, ConfigError> {
+    let err = |column: usize, message: String| ConfigError {
+        line: Some(line_no),
+        column: Some(column),
+        message,
+        ..ConfigError::default()
+    };
+    let bytes = line.as_bytes();
+    let mut out = String::with_capacity(line.len());
+    // The plain scalar being read: where it starts in `out`, and where the last value
+    // replaced in it ends (0 while none was).
+    let mut plain: Option<(usize, usize)> = None;
+    let mut at_token_start = true;
+    let mut quoting = Quoting::Plain;
+    let mut i = 0;
+    while i < line.len() {
+        let c = bytes[i];
+        let next = bytes.get(i + 1).copied();
+        let blank = |b: Option<u8>| matches!(b, None | Some(b' ' | b'\t' | b'\n' | b'\r'));
+        match quoting {
+            Quoting::Double if c == b'\\' => {
+                let n = line[i..].chars().take(2).map(char::len_utf8).sum::<usize>();
+                out.push_str(&line[i..i + n]);
+                i += n;
+                continue;
+            }
+            Quoting::Double if c == b'"' => quoting = Quoting::Plain,
+            Quoting::Single if c == b'\'' && next == Some(b'\'') => {
+                out.push_str("''");
+                i += 2;
+                continue;
+            }
+            Quoting::Single if c == b'\'' => quoting = Quoting::Plain,
+            Quoting::Double | Quoting::Single => {}
+            Quoting::Plain => {
+                let after_blank = i == 0 || matches!(bytes[i - 1], b' ' | b'\t');
+                if c == b'#' && after_blank {
+                    // A comment: the rest of the line as it is.
+                    close_plain(&mut out, &mut plain);
+                    out.push_str(&line[i..]);
+                    return Ok(out);
+                }
+                if (c == b':' || (c == b'-' && at_token_start)) && blank(next) {
+                    // `key: ` or a list dash: what follows is a new scalar.
+                    close_plain(&mut out, &mut plain);
+                    out.push(c as char);
+                    i += 1;
+                    at_token_start = true;
+                    continue;
+                }
+                if at_token_start {
+                    match c {
+                        b' ' | b'\t' | b'\n' | b'\r' => {}
+                        b'"' => quoting = Quoting::Double,
+                        b'\'' => quoting = Quoting::Single,
+                        b'[' | b'{' => {
+                            if let Some(at) = line[i..].find("${") {
+                                return Err(err(
+                                    i + at + 1,
+                                    "a `${VAR}` inside a flow collection (`[…]` or `{…}`) is not \
+                                     supported; write the list or map in block style"
+                                        .to_owned(),
+                                ));
+                            }
+                            out.push_str(&line[i..]);
+                            return Ok(out);
+                        }
+                        _ => plain = Some((out.len(), 0)),
+                    }
+                    at_token_start = blank(Some(c));
+                }
+            }
+        }
+        if c == b'$' {
+            let (value, used) = reference(&line[i..]).map_err(|m| err(i + 1, m))?;
+            match quoting {
+                Quoting::Double => out.push_str(&escape_double(&value)),
+                Quoting::Single if value.contains(['\n', '\r']) => {
+                    return Err(err(
+                        i + 1,
+                        "the value holds a line break, which a single-quoted scalar cannot; \
+                         put the reference in double quotes"
+                            .to_owned(),
+                    ));
+                }
+                Quoting::Single => out.push_str(&value.replace('\'', "''")),
+                Quoting::Plain => {
+                    out.push_str(&value);
+                    if let Some((_, value_end)) = &mut plain {
+                        *value_end = out.len();
+                    }
+                }
+            }
+            i += used;
+            continue;
+        }
+        let n = line[i..].chars().next().map_or(1, char::len_utf8);
+        out.push_str(&line[i..i + n]);
+        i += n;
+    }
+    close_plain(&mut out, &mut plain);
+    Ok(out)
+}
+
+/// Ends the plain scalar being read. One that held a reference stays as it is when YAML reads
+/// it back as the same one-line scalar, else is written double-quoted. Trailing blanks of the
+/// file (before a comment or the line's end) stay outside it; a value's own are part of it.
+fn close_plain(out: &mut String, plain: &mut Option<(usize, usize)>) {
+    let Some((start, value_end)) = plain.take() else {
+        return;
+    };
+    if value_end == 0 {
+        return;
+    }
+    let text = out.split_off(start);
+    let written = text.trim_end_matches([' ', '\t', '\n', '\r']).len();
+    let scalar = &text[..written.max(value_end - start)];
+    if plain_safe(scalar) {
+        out.push_str(&text);
+    } else {
+        out.push('"');
+        out.push_str(&escape_double(scalar));
+        out.push('"');
+        out.push_str(&text[scalar.len()..]);
+    }
+}
+
+/// Whether `text` reads back as one plain scalar with this very text.
+fn plain_safe(text: &str) -> bool {
+    let Some(first) = text.chars().next() else {
+        // Nothing: read back as null, as an unset optional field is.
+        return true;
+    };
+    !"-?:,[]{}#&*!|>'\"%@`".contains(first)
+        && !first.is_whitespace()
+        && !text.ends_with(char::is_whitespace)
+        && !text.contains(['\n', '\r', '\t'])
+        && !text.contains(": ")
+        && !text.contains(" #")
+        && !text.ends_with(':')
+}
+
+/// `value` escaped for a double-quoted YAML scalar.
+fn escape_double(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The text a `$` at the start of `tail` stands for, and how many bytes it took: `$$` is `$`,
+/// `${VAR}` and `${VAR:-default}` the environment's value, any other `$` itself.
+fn reference(tail: &str) -> Result<(String, usize), String> {
+    if tail.starts_with("$$") {
+        return Ok(("$".to_owned(), 2));
+    }
+    let Some(body) = tail.strip_prefix("${") else {
+        return Ok(("$".to_owned(), 1));
+    };
+    let end = body
+        .find('}')
+        .ok_or_else(|| "`${` without a closing `}`".to_owned())?;
+    let (name, default) = match body[..end].split_once(":-") {
+        Some((n, d)) => (n, Some(d)),
+        None => (&body[..end], None),
+    };
+    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+        return Err(format!(
+            "`${{{}}}` is not a valid variable reference",
+            &body[..end]
+        ));
+    }
+    let value = match (std::env::var(name), default) {
+        (Ok(value), _) => value,
+        (Err(_), Some(d)) => d.to_owned(),
+        (Err(_), None) => {
+            return Err(format!(
+                "environment variable `{name}` is not set (write `${{{name}:-default}}` to allow a default)"
+            ))
+        }
+    };
+    Ok((value, 2 + end + 1))
 }
 
 #[cfg(test)]
@@ -85,5 +243,70 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.line, Some(3));
         assert!(e.message.contains("SHARDLOCK_TEST_UNSET_VAR"), "{e}");
+    }
+
+    /// Values that are YAML syntax pasted as text would end the scalar (`: `, ` #`), start a
+    /// comment, an alias or a flow list, or break the line: each arrives as the scalar itself,
+    /// plain, double-quoted or single-quoted, and the fields around it are untouched.
+    #[test]
+    fn a_value_is_always_one_scalar_never_structure() {
+        let nasty = [
+            "pa#ss: word # x",
+            "*alias",
+            "[1, 2]",
+            "- item",
+            "two\nlines \"quoted\" 'single'",
+            "ends with colon:",
+            "  padded  ",
+            "{a: b}",
+            "back\\slash",
+        ];
+        for (n, value) in nasty.iter().enumerate() {
+            let value = value.to_string();
+            let var = format!("SHARDLOCK_TEST_NASTY_{n}");
+            std::env::set_var(&var, &value);
+            for (password, expect_err) in [
+                (format!("${{{var}}}"), false),
+                (format!("pre-${{{var}}}-post # a comment"), false),
+                (format!("\"${{{var}}}\""), false),
+                (format!("'${{{var}}}'"), value.contains('\n')),
+            ] {
+                let text = format!(
+                    "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:33061/x\n    \
+                     password: {password}\n    weight: 2\n"
+                );
+                let parsed = Config::from_yaml_str(&text);
+                if expect_err {
+                    let e = parsed.unwrap_err();
+                    assert_eq!(e.line, Some(4), "{e}");
+                    continue;
+                }
+                let c = parsed.unwrap_or_else(|e| panic!("{password} = {value:?}: {e}"));
+                let want = if password.starts_with("pre-") {
+                    format!("pre-{value}-post")
+                } else {
+                    value.clone()
+                };
+                let got = c.shards[0].password.as_ref().map(|p| p.expose().to_owned());
+                assert_eq!(got.as_deref(), Some(want.as_str()), "{password}");
+                assert_eq!(
+                    c.shards[0].weight, 2,
+                    "{password}: the next field is intact"
+                );
+            }
+        }
+        // A number stays a number.
+        std::env::set_var("SHARDLOCK_TEST_WEIGHT", "3");
+        let c = Config::from_yaml_str(
+            "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n    weight: ${SHARDLOCK_TEST_WEIGHT}\n",
+        )
+        .unwrap();
+        assert_eq!(c.shards[0].weight, 3);
+        // Flow collections are refused, by position.
+        let e = Config::from_yaml_str(
+            "shards: [{name: s1, url: \"mysql://${SHARDLOCK_TEST_WEIGHT}@h/x\"}]\n",
+        )
+        .unwrap_err();
+        assert_eq!((e.line, e.column), (Some(1), Some(35)), "{e}");
     }
 }
