@@ -4,7 +4,7 @@
 //! `shardlock release --force` on a lease lock instead, which you should prefer otherwise).
 //!
 //! ```sh
-//! cargo run -p shardlock-cli -- dev up
+//! cargo run -p shardlock-cli --features dev-tools -- dev up
 //! cargo run --example cas_lock
 //! ```
 

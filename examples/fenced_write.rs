@@ -8,7 +8,7 @@
 //! Run against the local dev shards:
 //!
 //! ```sh
-//! cargo run -p shardlock-cli -- dev up
+//! cargo run -p shardlock-cli --features dev-tools -- dev up
 //! cargo run --example fenced_write
 //! ```
 //!

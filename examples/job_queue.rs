@@ -3,7 +3,7 @@
 //! for work queues kept in MySQL (emails, exports, webhooks).
 //!
 //! ```sh
-//! cargo run -p shardlock-cli -- dev up
+//! cargo run -p shardlock-cli --features dev-tools -- dev up
 //! cargo run --example job_queue
 //! ```
 

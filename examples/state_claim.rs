@@ -4,7 +4,7 @@
 //! seat, an order).
 //!
 //! ```sh
-//! cargo run -p shardlock-cli -- dev up
+//! cargo run -p shardlock-cli --features dev-tools -- dev up
 //! cargo run --example state_claim
 //! ```
 

@@ -4,7 +4,7 @@
 //! is a few statements on the key's shard and must commit together with the lock.
 //!
 //! ```sh
-//! cargo run -p shardlock-cli -- dev up
+//! cargo run -p shardlock-cli --features dev-tools -- dev up
 //! cargo run --example tx_lock
 //! ```
 

@@ -29,7 +29,9 @@ if ! cargo nextest --version >/dev/null 2>&1; then
 fi
 
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+# The command operators install: without the dev tools (demo, bench, dev shards).
+cargo clippy -p shardlock-cli --locked -- -D warnings
 # The library's default build only emits: no exporter, HTTP client or server, Prometheus crate
 # or C zlib in its tree, and it builds so.
 heavy='^(reqwest|hyper|hyper-util|http|http-body|tower|tower-http|prometheus|opentelemetry_sdk|opentelemetry-otlp|opentelemetry-prometheus|libz-sys) v'
@@ -38,6 +40,10 @@ if cargo tree -p shardlock -e normal --no-default-features --prefix none --locke
   exit 1
 fi
 cargo clippy -p shardlock --no-default-features --locked -- -D warnings
+# Every crate packages as it would be published (sources it includes are inside it, every
+# dependency it publishes with has a version). Not built again from the packages here: that
+# is a second build of every dependency; `cargo package --workspace` does it.
+cargo package --workspace --no-verify --locked --allow-dirty --quiet
 RUSTDOCFLAGS="-D warnings -D rustdoc::broken_intra_doc_links" cargo doc --workspace --no-deps --locked --quiet
 # nextest does not run doctests; run them first so that nextest's summary closes the output.
 cargo test --doc --workspace --locked
@@ -45,11 +51,12 @@ cargo test --doc --workspace --locked
 # (`shardlock dev up`; stopped again only if started here); lease_scale starts shards of its
 # own. Each exits non-zero on error.
 cargo build --examples --locked --quiet
-dev_up=$(cargo run --locked --quiet -p shardlock-cli -- dev up)
+shardlock=(cargo run --locked --quiet -p shardlock-cli --features dev-tools --)
+dev_up=$("${shardlock[@]}" dev up)
 case "$dev_up" in
   *"(0 started now)"*) ;;
   # Started here: stopped again however the examples end.
-  *) trap 'cargo run --locked --quiet -p shardlock-cli -- dev down >/dev/null' EXIT ;;
+  *) trap '"${shardlock[@]}" dev down >/dev/null' EXIT ;;
 esac
 for example in cas_lock fenced_write job_queue state_claim tx_lock; do
   echo "example $example"
@@ -59,4 +66,4 @@ echo "example lease_scale 2000"
 cargo run --locked --quiet --example lease_scale -- 2000
 profile=default
 [ "${CI:-}" = true ] && profile=ci
-cargo nextest run --workspace --locked --profile "$profile"
+cargo nextest run --workspace --all-features --locked --profile "$profile"

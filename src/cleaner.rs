@@ -31,6 +31,7 @@ const FENCE_MARGIN: Duration = Duration::from_secs(1);
 
 /// What one cleaning pass did.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CleanerReport {
     /// This router's pass number (1, 2, ...).
     pub pass: u64,
@@ -50,6 +51,7 @@ impl CleanerReport {
 
 /// What a pass did on one shard.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ShardCleaned {
     /// The shard.
     pub shard: String,
@@ -70,6 +72,7 @@ pub struct ShardCleaned {
 
 /// A stuck lock removed by [`LockRouter::force_release`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ForceReleased {
     /// The shard that held it.
     pub shard: String,
@@ -157,7 +160,9 @@ impl LockRouter {
         loop {
             match self.clean_once().await {
                 Ok(report) => on_report(&report),
-                Err(e) => tracing::error!(error = %e, "shardlock cleaner pass failed"),
+                Err(e) => {
+                    tracing::error!(error = %shardlock_core::Report(&e), "shardlock cleaner pass failed")
+                }
             }
             let interval = self.config().cleaner.interval;
             tokio::select! {
@@ -264,14 +269,16 @@ async fn clean_shard(
         ..ShardCleaned::default()
     };
     if let Err(e) = clean_batches(shard, config, registry, leader, &mut out).await {
-        out.error = Some(e.to_string());
+        out.error = Some(shardlock_core::Report(&e).to_string());
     }
     match shard
         .call(|b| b.forget_instances(config.instance_retention))
         .await
     {
         Ok(n) => out.instances_forgotten = n,
-        Err(e) if out.error.is_none() => out.error = Some(e.into_error(shard.name()).to_string()),
+        Err(e) if out.error.is_none() => {
+            out.error = Some(e.into_error(shard.name()).report().to_string())
+        }
         Err(_) => {}
     }
     shard

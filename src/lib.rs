@@ -34,7 +34,7 @@ pub use status::ShardStatus;
 pub use shardlock_core::config;
 pub use shardlock_core::{
     BackendError, BackendErrorKind, Backoff, BreakerConfig, BreakerState, Config, ConfigError,
-    Error, LockKey, Result, Ring, RingHash,
+    Error, LockKey, Report, Result, Ring, RingHash,
 };
 pub use shardlock_mysql::{
     mysql_async, InstanceRow, InstanceVerdict, LeaseRow, MigrateReport, PoolStatus, MIGRATIONS,

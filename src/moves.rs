@@ -218,7 +218,7 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
                 return;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "shardlock could not carry the fences of moved keys yet; moved keys keep taking their old shards meanwhile")
+                tracing::warn!(error = %shardlock_core::Report(&e), "shardlock could not carry the fences of moved keys yet; moved keys keep taking their old shards meanwhile")
             }
         }
         drop(router);

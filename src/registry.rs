@@ -136,7 +136,9 @@ async fn live_fleet(
             // topology columns): no instance there says its topology, as with instances of
             // older versions, which are not counted.
             Err(e) if matches!(e.code, Some(ER_NO_SUCH_TABLE | ER_BAD_FIELD)) => Ok(Vec::new()),
-            answer => answer.map_err(|e| format!("shard {}: {e}", s.name())),
+            answer => {
+                answer.map_err(|e| format!("shard {}: {}", s.name(), shardlock_core::Report(&e)))
+            }
         }
     }))
     .await;
@@ -279,9 +281,9 @@ pub(crate) async fn beat(
                 // Others' cleaners count this instance dead after `heartbeat-timeout` without
                 // one: worth a warning once it keeps failing, not on one miss.
                 if *missed == HEARTBEATS_MISSED_BEFORE_WARNING {
-                    tracing::warn!(shard, error = %e, missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
+                    tracing::warn!(shard, error = %shardlock_core::Report(&e), missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
                 } else {
-                    tracing::debug!(shard, error = %e, "shardlock heartbeat failed");
+                    tracing::debug!(shard, error = %shardlock_core::Report(&e), "shardlock heartbeat failed");
                 }
             }
         }
@@ -296,7 +298,7 @@ pub(crate) async fn deregister(config: &Config, id: &str, shards: &[Arc<ShardSta
     }
     join_all(shards.iter().map(|s| async move {
         if let Err(e) = s.call(|b| b.deregister(id)).await {
-            tracing::debug!(shard = s.name(), error = %e, "shardlock deregistration failed");
+            tracing::debug!(shard = s.name(), error = %shardlock_core::Report(&e), "shardlock deregistration failed");
         }
     }))
     .await;

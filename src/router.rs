@@ -325,11 +325,11 @@ impl LockRouter {
                 match Config::from_yaml_file(&path) {
                     Ok(config) => {
                         if let Err(e) = router.reload(config).await {
-                            tracing::error!(error = %e, "shardlock reload failed; the old topology stays");
+                            tracing::error!(error = %shardlock_core::Report(&e), "shardlock reload failed; the old topology stays");
                         }
                     }
                     Err(e) => {
-                        tracing::error!(error = %e, "shardlock reload rejected; the old topology stays")
+                        tracing::error!(error = %shardlock_core::Report(&e), "shardlock reload rejected; the old topology stays")
                     }
                 }
             }

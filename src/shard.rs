@@ -468,7 +468,7 @@ impl ShardState {
                 let _ = self.identity.set(id);
             }
             Err(e) => {
-                tracing::warn!(shard = self.backend.name(), error = %e, "shardlock could not tell which database the shard reaches; its keys count as moved")
+                tracing::warn!(shard = self.backend.name(), error = %shardlock_core::Report(&e), "shardlock could not tell which database the shard reaches; its keys count as moved")
             }
         }
     }

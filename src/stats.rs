@@ -10,6 +10,7 @@ macro_rules! counters {
     ($($(#[doc = $doc:literal])+ $name:ident,)+) => {
         /// Counters of one router since it started (this process only).
         #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        #[non_exhaustive]
         pub struct LockStats {
             $($(#[doc = $doc])+ pub $name: u64,)+
             /// Tasks waiting in memory for a key another task of this router holds or polls

@@ -16,6 +16,7 @@ use crate::stats::LockStats;
 
 /// One shard as `status` sees it.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ShardStatus {
     /// The shard's name.
     pub name: String,
@@ -170,7 +171,10 @@ impl LockRouter {
                 closed,
                 name: s.name().to_owned(),
                 reachable: held.is_ok(),
-                error: held.as_ref().err().map(|e| e.to_string()),
+                error: held
+                    .as_ref()
+                    .err()
+                    .map(|e| shardlock_core::Report(e).to_string()),
                 held_leases: held.ok(),
                 local_leases: s.held().len(),
                 pool: s.pool_status(),

@@ -13,6 +13,15 @@ use shardlock::{AcquireOptions, Config, LockRouter};
 use shardlock_testkit::Cluster;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// The default telemetry config, changed by `set`.
+fn telemetry_config(
+    set: impl FnOnce(&mut shardlock::config::TelemetryConfig),
+) -> shardlock::config::TelemetryConfig {
+    let mut config = shardlock::config::TelemetryConfig::default();
+    set(&mut config);
+    config
+}
+
 /// A router on `cluster` whose metrics go to `telemetry`'s meter provider.
 async fn metered_router(cluster: &Cluster, extra: &str, telemetry: &TelemetryGuard) -> LockRouter {
     let config = Config::from_yaml_str(&cluster.config_yaml(extra)).unwrap();
@@ -80,10 +89,9 @@ fn dashboard_metrics() -> BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
-    let telemetry = shardlock::telemetry::init(&shardlock::config::TelemetryConfig {
-        prometheus_listen: Some("127.0.0.1:0".into()),
-        ..Default::default()
-    })
+    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
+        c.prometheus_listen = Some("127.0.0.1:0".into());
+    }))
     .await
     .unwrap();
     let addr = telemetry.prometheus_addr().unwrap();
@@ -188,10 +196,9 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_key_with_half_the_waits_is_reported_hottest() {
-    let telemetry = shardlock::telemetry::init(&shardlock::config::TelemetryConfig {
-        prometheus_listen: Some("127.0.0.1:0".into()),
-        ..Default::default()
-    })
+    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
+        c.prometheus_listen = Some("127.0.0.1:0".into());
+    }))
     .await
     .unwrap();
     let extra = "telemetry:\n  record-keys: true\n";
@@ -323,11 +330,10 @@ fn attribute(span: &serde_json::Value, key: &str) -> Option<String> {
 async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
     use tracing_subscriber::prelude::*;
     let (addr, received) = otlp_receiver().await;
-    let telemetry = shardlock::telemetry::init(&shardlock::config::TelemetryConfig {
-        otlp_endpoint: Some(format!("http://{addr}")),
-        record_keys: true,
-        ..Default::default()
-    })
+    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
+        c.otlp_endpoint = Some(format!("http://{addr}"));
+        c.record_keys = true;
+    }))
     .await
     .unwrap();
     tracing_subscriber::registry()
@@ -397,10 +403,9 @@ async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
 async fn a_waiter_elsewhere_links_to_the_holders_trace_stored_with_the_lease() {
     use tracing_subscriber::prelude::*;
     let (addr, received) = otlp_receiver().await;
-    let telemetry = shardlock::telemetry::init(&shardlock::config::TelemetryConfig {
-        otlp_endpoint: Some(format!("http://{addr}")),
-        ..Default::default()
-    })
+    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
+        c.otlp_endpoint = Some(format!("http://{addr}"));
+    }))
     .await
     .unwrap();
     tracing_subscriber::registry()

@@ -718,7 +718,7 @@ async fn a_process_started_with_another_topology_grants_nothing_until_its_fleet_
     let held = old.acquire(&key, AcquireOptions::new()).await.unwrap();
     match new.try_acquire(&key, AcquireOptions::new()).await {
         Err(Error::Unavailable { source, .. }) => {
-            let why = source.to_string();
+            let why = shardlock::Report(&source).to_string();
             assert!(why.contains(old.instance_id()), "{why}");
         }
         other => panic!(

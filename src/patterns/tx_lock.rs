@@ -353,7 +353,7 @@ fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(key = %state.key, shard = target.name(), error = %e, "shardlock could not lock a moved key's row on its new shard");
+                    tracing::warn!(key = %state.key, shard = target.name(), error = %shardlock_core::Report(&e), "shardlock could not lock a moved key's row on its new shard");
                     state.mark_lost(
                         "its key moved in a reload and its row could not be locked on the new shard in time",
                     );

@@ -243,7 +243,7 @@ impl ShardState {
                         "shardlock renewal skipped: the shard's breaker is open"
                     );
                 } else {
-                    tracing::warn!(shard = self.name(), error = %e, leases = leases.len(), "shardlock renewal failed; retrying");
+                    tracing::warn!(shard = self.name(), error = %shardlock_core::Report(&e), leases = leases.len(), "shardlock renewal failed; retrying");
                 }
                 // Retry soon; leases are reported lost only when their deadline passes.
                 *next_tick = Some(Instant::now() + (period / 4).max(Duration::from_millis(20)));

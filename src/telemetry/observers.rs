@@ -229,12 +229,8 @@ mod tests {
 
     /// A router of two shards, one breaker open, with one hot key.
     fn router() -> RouterSnapshot {
-        let pool = PoolStatus {
-            max_size: 8,
-            size: 3,
-            available: 2,
-            waiting: 1,
-        };
+        let mut pool = PoolStatus::default();
+        (pool.max_size, pool.size, pool.available, pool.waiting) = (8, 3, 2, 1);
         RouterSnapshot {
             instance_id: "observed-1".to_owned(),
             stats: LockStats {

@@ -2,10 +2,15 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+#[cfg(feature = "dev-tools")]
 mod bench;
+#[cfg(feature = "dev-tools")]
 mod demo;
+#[cfg(feature = "dev-tools")]
 mod dev;
+mod failure;
 mod output;
+#[cfg(feature = "dev-tools")]
 mod plot;
 mod watch;
 
@@ -19,11 +24,12 @@ use shardlock::{Config, LockRouter};
 #[derive(Debug, Parser)]
 #[command(name = "shardlock", version, about, propagate_version = true)]
 struct Cli {
-    /// The YAML config. Without it, the three local dev shards of `config/local.yaml`
-    /// (started by `shardlock dev up`, or by `demo` and `bench` themselves).
+    /// The YAML config; every operator command needs it. Without it, `demo` and `bench` use
+    /// the three local dev shards of `config/local.yaml` (started by `shardlock dev up`, or
+    /// by `demo` and `bench` themselves).
     #[arg(long, short, global = true, env = "SHARDLOCK_CONFIG")]
     config: Option<PathBuf>,
-    /// Print machine-readable JSON instead of text (read commands).
+    /// Print machine-readable JSON instead of text (read commands; errors too, on stderr).
     #[arg(long, global = true)]
     json: bool,
     #[command(subcommand)]
@@ -71,14 +77,29 @@ enum Command {
         once: bool,
     },
     /// Start or stop the three local MariaDB shards of `config/local.yaml`.
+    #[cfg(feature = "dev-tools")]
     Dev {
         #[command(subcommand)]
         action: dev::DevAction,
     },
     /// The quickstart story: a flash sale sold by several processes under shardlock locks.
+    #[cfg(feature = "dev-tools")]
     Demo(demo::DemoArgs),
     /// Measure lock throughput against raw SQL and hand-rolled baselines on the same shards.
+    #[cfg(feature = "dev-tools")]
     Bench(bench::BenchArgs),
+}
+
+impl Command {
+    /// The tools that try shardlock out locally run on the dev shards without a config; an
+    /// operator command never guesses which deployment it acts on.
+    fn needs_config(&self) -> bool {
+        #[cfg(feature = "dev-tools")]
+        if matches!(self, Command::Demo(_) | Command::Bench(_)) {
+            return false;
+        }
+        true
+    }
 }
 
 /// The config in force and where it came from (for messages and for child processes).
@@ -89,11 +110,19 @@ pub(crate) struct ConfigSource {
     text: String,
 }
 
-/// The embedded default: the local dev shards.
-pub(crate) const LOCAL_YAML: &str = include_str!("../../../config/local.yaml");
+/// The embedded default of `demo` and `bench`: the local dev shards.
+#[cfg(feature = "dev-tools")]
+pub(crate) const LOCAL_YAML: &str = include_str!("../local.yaml");
 
 impl ConfigSource {
-    fn load(path: Option<PathBuf>) -> shardlock::Result<Self> {
+    fn load(path: Option<PathBuf>, command: &Command) -> Result<Self, AnyError> {
+        if path.is_none() && command.needs_config() {
+            return Err(failure::fail(
+                failure::Exit::Usage,
+                "this command needs the deployment's config: --config FILE or SHARDLOCK_CONFIG \
+                 (the local dev shards: --config config/local.yaml)",
+            ));
+        }
         match path {
             Some(p) => {
                 let text = shardlock::config::read_file(&p)?;
@@ -104,18 +133,24 @@ impl ConfigSource {
                     text,
                 })
             }
+            #[cfg(feature = "dev-tools")]
             None => Ok(Self {
                 path: None,
                 config: Config::from_yaml_str(LOCAL_YAML)?,
                 text: LOCAL_YAML.to_owned(),
             }),
+            #[cfg(not(feature = "dev-tools"))]
+            None => unreachable!("every command needs a config without dev-tools"),
         }
     }
 
+    #[cfg(feature = "dev-tools")]
     pub(crate) fn is_local_default(&self) -> bool {
         self.path.is_none()
     }
 
+    /// An application's router (it registers in the instance registry).
+    #[cfg(feature = "dev-tools")]
     pub(crate) async fn router(&self) -> shardlock::Result<LockRouter> {
         self.router_with(None).await
     }
@@ -142,6 +177,7 @@ impl ConfigSource {
     }
 
     /// Arguments that make a child `shardlock` process use the same config.
+    #[cfg(feature = "dev-tools")]
     pub(crate) fn child_args(&self) -> Vec<String> {
         match &self.path {
             Some(p) => vec!["--config".into(), p.display().to_string()],
@@ -156,17 +192,10 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("tokio runtime");
+    let json = cli.json;
     match runtime.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            let mut source = std::error::Error::source(e.as_ref());
-            while let Some(s) = source {
-                eprintln!("  caused by: {s}");
-                source = s.source();
-            }
-            ExitCode::FAILURE
-        }
+        Err(e) => failure::report(&e, json),
     }
 }
 
@@ -209,16 +238,17 @@ fn init_tracing(telemetry: Option<&shardlock::telemetry::TelemetryGuard>) {
 }
 
 async fn run(cli: Cli) -> Result<(), AnyError> {
+    #[cfg(feature = "dev-tools")]
     if let Command::Dev { action } = &cli.command {
         init_tracing(None);
         return dev::run(action, cli.json).await;
     }
-    let source = ConfigSource::load(cli.config.clone());
+    let source = ConfigSource::load(cli.config.clone(), &cli.command);
     let source = match source {
         Ok(source) => source,
         Err(e) => {
             init_tracing(None);
-            return Err(e.into());
+            return Err(e);
         }
     };
     // The daemon exports telemetry as the config says (Prometheus endpoint, OTLP); its router
@@ -266,7 +296,10 @@ async fn run_command(
             let instances = router.instances().await;
             output::status(&router, &status, &instances, cli.json);
             if status.iter().any(|s| !s.reachable) {
-                return Err("some shards are unreachable".into());
+                return Err(failure::fail(
+                    failure::Exit::Unavailable,
+                    "some shards are unreachable",
+                ));
             }
         }
         Command::Inspect { key } => {
@@ -276,11 +309,11 @@ async fn run_command(
         }
         Command::Release { key, force, yes } => {
             if !force {
-                return Err(
+                return Err(failure::fail(
+                    failure::Exit::Usage,
                     "a lock is released by its holder; `shardlock release --force KEY` \
-                            evicts whoever holds it (fenced)"
-                        .into(),
-                );
+                     evicts whoever holds it (fenced)",
+                ));
             }
             let router = source.tool_router().await?;
             let (shard, row) = router.inspect(&key).await?;
@@ -293,7 +326,7 @@ async fn run_command(
                     "Force-release `{key}` on {shard}, held by {owner}?"
                 ))?
             {
-                return Err("not released".into());
+                return Err(failure::fail(failure::Exit::Refused, "not released"));
             }
             let released = router.force_release(&key).await?;
             output::force_released(&key, &shard, released.as_ref(), cli.json);
@@ -317,8 +350,11 @@ async fn run_command(
             }
             router.shutdown().await?;
         }
+        #[cfg(feature = "dev-tools")]
         Command::Demo(args) => demo::run(source, args).await?,
+        #[cfg(feature = "dev-tools")]
         Command::Bench(args) => bench::run(source, args, cli.json).await?,
+        #[cfg(feature = "dev-tools")]
         Command::Dev { .. } => unreachable!("handled above"),
     }
     Ok(())

@@ -97,10 +97,23 @@ async fn bad_input_gets_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing.yaml");
     let out = shardlock(&missing, &["status"]);
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(3), "a config error");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("missing.yaml") && err.contains("cannot read"),
+        "{err}"
+    );
+
+    // An operator command never guesses its deployment: no --config, no SHARDLOCK_CONFIG.
+    let out = Command::new(env!("CARGO_BIN_EXE_shardlock"))
+        .arg("status")
+        .env_remove("SHARDLOCK_CONFIG")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--config") && err.contains("SHARDLOCK_CONFIG"),
         "{err}"
     );
 
@@ -110,9 +123,23 @@ async fn bad_input_gets_a_clear_error() {
         "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n    colour: blue\n",
     )
     .unwrap();
-    let err = String::from_utf8_lossy(&shardlock(&broken, &["status"]).stderr).into_owned();
+    let out = shardlock(&broken, &["status"]);
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(
         err.contains("broken.yaml:4:5") && err.contains("shards[0].colour"),
+        "{err}"
+    );
+    // With --json the error is one JSON object on stderr.
+    let out = shardlock(&broken, &["--json", "status"]);
+    let err: Value = serde_json::from_slice(&out.stderr).unwrap();
+    assert_eq!(err["error"]["kind"], "config");
+    assert_eq!(err["error"]["exit_code"], 3);
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("broken.yaml:4:5"),
         "{err}"
     );
 
@@ -123,7 +150,7 @@ async fn bad_input_gets_a_clear_error() {
     )
     .unwrap();
     let out = shardlock(&fine, &["inspect", ""]);
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(2), "a bad key is a usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid lock key"));
     let out = shardlock(&fine, &["bench", "--rounds", "0"]);
     assert_eq!(
@@ -132,8 +159,30 @@ async fn bad_input_gets_a_clear_error() {
         "clap rejects out-of-range arguments"
     );
     let out = shardlock(&fine, &["status"]);
-    assert!(!out.status.success(), "an unreachable shard fails status");
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "an unreachable shard fails status"
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("NO"));
+    // Each part of an error's chain is printed once.
+    let out = shardlock(&fine, &["inspect", "k"]);
+    assert_eq!(out.status.code(), Some(4));
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let lines: Vec<&str> = err.lines().collect();
+    assert!(
+        lines[0].starts_with("error: shard `s1` is unavailable")
+            && lines[1..].iter().all(|l| l.starts_with("  caused by: ")),
+        "{err}"
+    );
+    for (i, line) in lines.iter().enumerate() {
+        let text = line
+            .trim_start_matches("error: ")
+            .trim_start_matches("  caused by: ");
+        for other in &lines[i + 1..] {
+            assert!(!other.contains(text), "printed twice:\n{err}");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -240,11 +289,11 @@ async fn release_force_cleaner_and_registered_instances() {
     assert_eq!(instances.len(), 1, "{status}");
 
     let refused = shardlock(&config, &["release", "stuck:1"]);
-    assert!(!refused.status.success());
+    assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--force"));
     // Without --yes it asks; an empty answer (stdin closed) releases nothing.
     let unconfirmed = shardlock(&config, &["release", "--force", "stuck:1"]);
-    assert!(!unconfirmed.status.success());
+    assert_eq!(unconfirmed.status.code(), Some(5), "declined");
     assert!(guard.is_held());
     let released = json(&shardlock(
         &config,

@@ -21,6 +21,7 @@ const WINDOW_SLOTS: u64 = 10;
 /// Breaker thresholds (YAML section `breaker`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct BreakerConfig {
     /// Open when at least this share of the calls in the window failed (0.0-1.0).
     pub failure_rate: f64,

@@ -11,6 +11,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// Each message says what happened and what to do next. Deadlocks (MySQL 1213) and lock wait
 /// timeouts (1205) never appear here: the library retries them itself.
+///
+/// `Display` says what this error is and nothing of its cause: the cause (a [`BackendError`],
+/// and under it the MySQL error) is [`source`](std::error::Error::source), so that an error
+/// reporter walking the chain prints each part once. [`Error::report`] prints the whole chain
+/// on one line.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -27,8 +32,8 @@ pub enum Error {
     },
     /// The shard that owns the key cannot be reached; keys are never rerouted elsewhere.
     #[error(
-        "shard `{shard}` is unavailable ({source}); the key is not moved to another shard, \
-         retry once the shard is back"
+        "shard `{shard}` is unavailable; the key is not moved to another shard, retry once \
+         the shard is back"
     )]
     Unavailable {
         /// The shard's configured name.
@@ -65,7 +70,7 @@ pub enum Error {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// The shard answered with an error that is not an outage (a schema problem, say).
-    #[error("shard `{shard}` failed: {source}")]
+    #[error("shard `{shard}` failed")]
     Backend {
         /// The shard's configured name.
         shard: String,
@@ -89,6 +94,12 @@ pub enum Error {
 }
 
 impl Error {
+    /// This error and its causes on one line, `error: cause: its cause`: for a log line or a
+    /// message where the chain is not walked.
+    pub fn report(&self) -> Report<'_> {
+        Report(self)
+    }
+
     /// Whether the shard could not be reached (as opposed to a logical outcome). Only then
     /// may a caller reasonably degrade (serve stale data, queue the work): every other error
     /// is an answer, and retrying or degrading would not change it.
@@ -123,6 +134,21 @@ pub enum BackendErrorKind {
 }
 
 impl BackendErrorKind {
+    /// The kind in words, as a backend error's message starts.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Deadlock => "deadlock",
+            Self::LockWaitTimeout => "lock wait timeout",
+            Self::Connection => "connection failed",
+            Self::Timeout => "no answer in time",
+            Self::TooManyConnections => "too many connections",
+            Self::ReadOnly => "the server is read-only",
+            Self::ServerGone => "the server is shutting down or killed the statement",
+            Self::BreakerOpen => "breaker open: not sent",
+            Self::Other => "error",
+        }
+    }
+
     /// Errors that the library retries by itself, at once, before reporting anything.
     ///
     /// Both are contention, not failure, and both leave nothing behind under autocommit: a
@@ -183,9 +209,38 @@ impl BackendErrorKind {
     }
 }
 
+/// An error and its chain of sources on one line, `error: cause: its cause`:
+/// [`Error::report`], or `Report(&e)` for any error.
+#[derive(Debug, Clone, Copy)]
+pub struct Report<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl Report<'_> {
+    /// The error's `Display`, then each source's, each said once: a source whose text the part
+    /// before it already contains is left out (some errors outside shardlock, an I/O error
+    /// inside a driver's error for one, print their source in their own message too).
+    pub fn parts(&self) -> Vec<String> {
+        let mut parts = vec![self.0.to_string()];
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            let text = cause.to_string();
+            if !parts.last().is_some_and(|said| said.contains(&text)) {
+                parts.push(text);
+            }
+            source = cause.source();
+        }
+        parts
+    }
+}
+
+impl std::fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.parts().join(": "))
+    }
+}
+
 /// A backend failure: its kind, the MySQL error number when there is one, and the source.
 #[derive(Debug, thiserror::Error)]
-#[error("{kind:?}{}: {source}", code.map(|c| format!(" (MySQL error {c})")).unwrap_or_default())]
+#[error("{}{}", kind.describe(), code.map(|c| format!(" (MySQL error {c})")).unwrap_or_default())]
 pub struct BackendError {
     /// The classification.
     pub kind: BackendErrorKind,

@@ -16,7 +16,7 @@ mod ring;
 pub use backoff::Backoff;
 pub use breaker::{Admission, Breaker, BreakerConfig, BreakerState, CallOutcome, Transition};
 pub use config::{Config, ConfigError};
-pub use error::{BackendError, BackendErrorKind, Error, Result};
+pub use error::{BackendError, BackendErrorKind, Error, Report, Result};
 pub use hotkeys::HotKeys;
 pub use key::{LockKey, MAX_KEY_BYTES, MAX_STORED_KEY_BYTES};
 pub use ring::{bucket_for, Ring, RingHash};

@@ -75,6 +75,7 @@ pub struct Candidate {
 
 /// One instance in the registry table.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct InstanceRow {
     /// The instance id (the first part of its owners).
     pub instance_id: String,
@@ -98,6 +99,7 @@ pub struct InstanceRow {
 
 /// What the heartbeat registry says of an instance (see [`InstanceRow::verdict`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum InstanceVerdict {
     /// It heartbeats within the timeout: its leases are kept.
     Running,

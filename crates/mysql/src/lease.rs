@@ -468,6 +468,7 @@ pub(crate) async fn renew(
 
 /// A lease row as stored, with times relative to the shard's clock when it was read.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LeaseRow {
     /// The holder, or `None` when released.
     pub owner: Option<String>,

@@ -8,37 +8,37 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
     (
         1,
         "lease_table",
-        include_str!("../../../migrations/0001_lease_table.sql"),
+        include_str!("../migrations/0001_lease_table.sql"),
     ),
     (
         2,
         "instance_registry",
-        include_str!("../../../migrations/0002_instance_registry.sql"),
+        include_str!("../migrations/0002_instance_registry.sql"),
     ),
     (
         3,
         "holder_trace",
-        include_str!("../../../migrations/0003_holder_trace.sql"),
+        include_str!("../migrations/0003_holder_trace.sql"),
     ),
     (
         4,
         "lock_patterns",
-        include_str!("../../../migrations/0004_lock_patterns.sql"),
+        include_str!("../migrations/0004_lock_patterns.sql"),
     ),
     (
         5,
         "shard_identity",
-        include_str!("../../../migrations/0005_shard_identity.sql"),
+        include_str!("../migrations/0005_shard_identity.sql"),
     ),
     (
         6,
         "carry_and_retry",
-        include_str!("../../../migrations/0006_carry_and_retry.sql"),
+        include_str!("../migrations/0006_carry_and_retry.sql"),
     ),
     (
         7,
         "instance_topology",
-        include_str!("../../../migrations/0007_instance_topology.sql"),
+        include_str!("../migrations/0007_instance_topology.sql"),
     ),
 ];
 
@@ -53,6 +53,7 @@ const ALREADY_DONE: &[u16] = &[1050, 1060, 1061];
 
 /// What `migrate` did on one shard.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MigrateReport {
     /// Versions applied by this call.
     pub applied: Vec<u32>,

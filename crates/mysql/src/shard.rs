@@ -32,7 +32,8 @@ pub struct Shard {
 }
 
 /// The pool's state, for `status` and metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolStatus {
     /// Most connections allowed.
     pub max_size: usize,

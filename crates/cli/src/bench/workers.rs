@@ -118,15 +118,13 @@ pub(super) async fn worker(
     config.shards.truncate(1);
     // The worker processes share keys: one fleet, theirs alone.
     config.instance.fleet = Some(format!("shardlock-bench:{}", args.worker_key));
-    let ns = shardlock::config::NamespaceConfig {
-        buckets: match work {
-            Work::Buckets(n) => n,
-            Work::Overlap(_) => 1,
-        },
-        handoff_max_count: 0,
-        wait: Duration::from_secs(60),
-        ..Default::default()
+    let mut ns = shardlock::config::NamespaceConfig::default();
+    ns.buckets = match work {
+        Work::Buckets(n) => n,
+        Work::Overlap(_) => 1,
     };
+    ns.handoff_max_count = 0;
+    ns.wait = Duration::from_secs(60);
     config.namespaces.insert("bench-workers".into(), ns);
     let router = LockRouter::new(config).await?;
     let stop = Instant::now() + args.duration;

@@ -7,6 +7,7 @@ use super::locate::locate;
 
 /// A configuration error: which file, where in it, which field, and what is wrong.
 #[derive(Debug, Clone, Default, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub struct ConfigError {
     /// The file, when the config came from one.
     pub path: Option<PathBuf>,

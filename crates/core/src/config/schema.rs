@@ -62,6 +62,7 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 /// The whole configuration file.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct Config {
     /// This process.
     pub instance: InstanceConfig,
@@ -82,6 +83,7 @@ pub struct Config {
 /// Telemetry: what spans and metrics carry, and where `shardlock::telemetry::init` serves them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct TelemetryConfig {
     /// Serve the metrics for Prometheus at `http://<this address>/metrics` (e.g.
     /// `127.0.0.1:9464`); none when absent.
@@ -122,6 +124,7 @@ impl Default for TelemetryConfig {
 /// registry that vouches for holders.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct CleanerConfig {
     /// Time between cleaning passes.
     #[serde(with = "humantime_serde")]
@@ -189,6 +192,7 @@ pub enum RegistryKind {
 /// Who this process is.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct InstanceConfig {
     /// The instance id written into every owner (`<id>:<start nonce>:<grant seq>`). Absent or `auto`:
     /// derived from host name, process id and a random suffix, unique per process start.
@@ -251,6 +255,7 @@ impl std::fmt::Debug for Secret {
 /// One MySQL shard.
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct ShardConfig {
     /// Unique name used in errors, metrics and placement. Renaming a shard moves its keys.
     pub name: String,
@@ -325,6 +330,7 @@ impl Default for ShardConfig {
 /// A shard's connection pool.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct PoolConfig {
     /// Most connections open at once.
     pub max_size: usize,
@@ -378,6 +384,7 @@ impl Default for PoolConfig {
 /// Placement of keys on shards.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct RoutingConfig {
     /// Ring points per unit of shard weight.
     pub virtual_nodes: u32,
@@ -420,6 +427,7 @@ impl Config {
 /// The lock policy of a namespace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
 pub struct NamespaceConfig {
     /// Lease length.
     #[serde(with = "humantime_serde")]
@@ -455,6 +463,7 @@ pub struct NamespaceConfig {
 /// processes hold the same key.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum FailurePolicy {
     /// Return `Error::Unavailable { shard }` at once: no caller waits on a dead shard, and
     /// mutual exclusion across processes is never weakened. The default.
