@@ -13,11 +13,13 @@ command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ] || need_install
 command -v mariadb-install-db >/dev/null 2>&1 || need_install+=(mariadb-server)
 # libfaketime runs shards whose clocks are skewed, drifting or stepped.
 compgen -G "/usr/lib/*/faketime/libfaketimeMT.so.1" >/dev/null || need_install+=(faketime)
+# A real Prometheus evaluates the ops dashboard's queries against a scraped application.
+[ -x /usr/bin/prometheus ] || need_install+=(prometheus)
 if [ ${#need_install[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "installing ${need_install[*]}"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_install[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_install[@]}" >/dev/null
   else
     echo "the tests need: sudo apt-get install ${need_install[*]}" >&2
     exit 1

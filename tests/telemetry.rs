@@ -61,25 +61,36 @@ fn sample(text: &str, metric: &str, with: &[&str]) -> f64 {
         .sum()
 }
 
-/// Every `shardlock_…` metric the dashboard queries.
-fn dashboard_metrics() -> BTreeSet<String> {
+/// Every query of the Grafana dashboard, as written (template variables and all).
+fn dashboard_queries() -> Vec<String> {
     let dashboard = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/ops/grafana/shardlock.json"
     ))
     .unwrap();
     let json: serde_json::Value = serde_json::from_str(&dashboard).unwrap();
+    json["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|panel| panel["targets"].as_array().unwrap())
+        .map(|target| target["expr"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Every `shardlock_…` metric the dashboard queries (a name its selector follows; label
+/// names, `shardlock_shard` say, are followed by `=` or a `,`).
+fn dashboard_metrics() -> BTreeSet<String> {
     let mut names = BTreeSet::new();
-    for panel in json["panels"].as_array().unwrap() {
-        for target in panel["targets"].as_array().unwrap() {
-            let expr = target["expr"].as_str().unwrap();
-            let mut rest = expr;
-            while let Some(at) = rest.find("shardlock_") {
-                let name: String = rest[at..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                rest = &rest[at + name.len()..];
+    for expr in dashboard_queries() {
+        let mut rest = expr.as_str();
+        while let Some(at) = rest.find("shardlock_") {
+            let name: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            rest = &rest[at + name.len()..];
+            if rest.starts_with('{') {
                 names.insert(name);
             }
         }
@@ -133,7 +144,7 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
     assert!(cleaned.deleted() >= 50, "{cleaned:?}");
 
     let text = scrape(addr).await;
-    let unmetered = format!("instance=\"{}\"", unmetered.instance_id());
+    let unmetered = format!("shardlock_instance=\"{}\"", unmetered.instance_id());
     assert!(
         !text.contains(&unmetered),
         "a router built without the provider reported there:\n{text}"
@@ -143,17 +154,26 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
         sample(
             &text,
             count,
-            &["namespace=\"orders\"", "outcome=\"granted\""]
+            &[
+                "shardlock_namespace=\"orders\"",
+                "shardlock_outcome=\"granted\""
+            ]
         ),
         51.0
     );
-    assert_eq!(sample(&text, count, &["outcome=\"timeout\""]), 3.0);
-    assert_eq!(sample(&text, count, &["outcome=\"unavailable\""]), 0.0);
+    assert_eq!(
+        sample(&text, count, &["shardlock_outcome=\"timeout\""]),
+        3.0
+    );
+    assert_eq!(
+        sample(&text, count, &["shardlock_outcome=\"unavailable\""]),
+        0.0
+    );
     assert_eq!(
         sample(
             &text,
             "shardlock_hold_duration_seconds_count",
-            &["mode=\"remote\""]
+            &["shardlock_mode=\"remote\""]
         ),
         51.0,
         "every released hold is timed (the cleaner still holds its election lock)"
@@ -162,20 +182,20 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
         sample(
             &text,
             "shardlock_cleaner_deleted_total",
-            &["reason=\"released\""]
+            &["shardlock_reason=\"released\""]
         ),
         cleaned.deleted() as f64
     );
     for shard in ["s1", "s2"] {
-        let shard = format!("shard=\"{shard}\"");
-        assert_eq!(sample(&text, "shardlock_breaker_state", &[&shard]), 0.0);
-        assert!(
-            sample(
-                &text,
-                "shardlock_pool_connections",
-                &[&shard, "state=\"max\""]
-            ) > 0.0
-        );
+        let shard = format!("shardlock_shard=\"{shard}\"");
+        let ours = format!("shardlock_instance=\"{}\"", router.instance_id());
+        let breaker = |with: &[&str]| {
+            let with = [&[shard.as_str(), ours.as_str()], with].concat();
+            sample(&text, "shardlock_breaker_state", &with)
+        };
+        assert_eq!(breaker(&["shardlock_state=\"closed\""]), 1.0);
+        assert_eq!(breaker(&[]), 1.0, "one state at a time");
+        assert!(sample(&text, "shardlock_pool_connections_max", &[&shard, &ours]) > 0.0);
     }
     let missing: Vec<String> = dashboard_metrics()
         .into_iter()
@@ -238,9 +258,13 @@ async fn the_key_with_half_the_waits_is_reported_hottest() {
     let text = scrape(telemetry.prometheus_addr().unwrap()).await;
     let hottest = text
         .lines()
-        .find(|l| l.starts_with("shardlock_hot_key_wait_seconds{") && l.contains("rank=\"1\""))
+        .filter(|l| l.starts_with("shardlock_hot_key_wait_seconds{"))
+        .max_by(|a, b| {
+            let value = |l: &str| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap();
+            value(a).total_cmp(&value(b))
+        })
         .unwrap_or_else(|| panic!("no hot-key sample:\n{text}"));
-    assert!(hottest.contains("key=\"hot\""), "{hottest}");
+    assert!(hottest.contains("shardlock_key=\"hot\""), "{hottest}");
 }
 
 /// A loopback OTLP/HTTP receiver: keeps the JSON body of every POST to `/v1/traces`.
@@ -457,4 +481,236 @@ async fn a_waiter_elsewhere_links_to_the_holders_trace_stored_with_the_lease() {
     assert_eq!(link["traceId"], first["traceId"], "{waited:#?}");
     assert_eq!(link["spanId"], first["spanId"]);
     assert_eq!(attribute(waited, "outcome").as_deref(), Some("granted"));
+}
+
+/// `GET path` from `addr` over HTTP/1.0 (the server closes the connection after the answer,
+/// with no chunked body): the status code and the body.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nhost: test\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// `text` percent-encoded for a URL's query.
+fn url_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Prometheus' answer to an instant `query`: its result (a vector of series).
+async fn prometheus_query(addr: std::net::SocketAddr, query: &str) -> Vec<serde_json::Value> {
+    let path = format!("/api/v1/query?query={}", url_encode(query));
+    let (status, body) = http_get(addr, &path).await.unwrap();
+    let answer: serde_json::Value = serde_json::from_str(&body)
+        .unwrap_or_else(|e| panic!("{query}: {e}: HTTP {status}: {body}"));
+    assert_eq!(answer["status"], "success", "{query}: {answer}");
+    answer["data"]["result"].as_array().unwrap().clone()
+}
+
+/// A Prometheus server on a free loopback port, scraping as `config` says, killed on drop.
+struct Prometheus {
+    addr: std::net::SocketAddr,
+    _process: tokio::process::Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    async fn start(config: &str) -> Prometheus {
+        let binary = ["/usr/bin/prometheus", "/usr/local/bin/prometheus"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .expect(
+                "the Prometheus server (Debian package `prometheus`; the test command installs it)",
+            );
+        let dir = tempfile::tempdir().unwrap();
+        let config_file = dir.path().join("prometheus.yml");
+        std::fs::write(&config_file, config).unwrap();
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let process = tokio::process::Command::new(binary)
+            .arg(format!("--config.file={}", config_file.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let ready = common::eventually(Duration::from_secs(60), || async {
+            matches!(http_get(addr, "/-/ready").await, Ok((200, _)))
+        })
+        .await;
+        assert!(ready, "Prometheus did not get ready at {addr}");
+        Prometheus {
+            addr,
+            _process: process,
+            _dir: dir,
+        }
+    }
+}
+
+/// The ops config as shipped, scraping the application at `target` every second.
+fn ops_prometheus_config(target: std::net::SocketAddr) -> String {
+    let shipped = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/ops/prometheus/prometheus.yml"
+    ))
+    .unwrap();
+    assert!(shipped.contains("scrape_interval: 15s") && shipped.contains("127.0.0.1:9464"));
+    shipped
+        .replace("scrape_interval: 15s", "scrape_interval: 1s")
+        .replace("127.0.0.1:9464", &target.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_real_prometheus_answers_every_dashboard_query_with_series() {
+    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
+        c.prometheus_listen = Some("127.0.0.1:0".into());
+    }))
+    .await
+    .unwrap();
+    let app = telemetry.prometheus_addr().unwrap();
+    let prometheus = Prometheus::start(&ops_prometheus_config(app)).await;
+
+    // A workload that gives every panel something: grants and timeouts, a hot key, cleaned
+    // rows, and in-process grants on a shard that is down (s2, where nobody listens).
+    let cluster = Cluster::start(1).await.unwrap();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let extra = "namespaces:\n  orders:\n    ttl: 5s\n  cache:\n    on-shard-failure: local\n    wait: 1s\n\
+                 cleaner:\n  grace: 100ms\n  registry: static\n\
+                 breaker:\n  consecutive-failures: 1\n\
+                 telemetry:\n  record-keys: true\n";
+    let yaml = format!(
+        "{}  - name: s2\n    url: mysql://root@127.0.0.1:{dead}/shardlock\n    statement-timeout: 500ms\n    pool:\n      create-timeout: 300ms\n{extra}",
+        cluster.config_yaml("")
+    );
+    let config = Config::from_yaml_str(&yaml).unwrap();
+    let router = LockRouter::builder(config)
+        .meter_provider(telemetry.meter_provider())
+        .build()
+        .await
+        .unwrap();
+    let on = |shard: &'static str| {
+        let router = router.clone();
+        move |i: usize| {
+            (i..)
+                .map(|i| format!("k:{i}"))
+                .find(|k| router.shard_for(k).unwrap() == shard)
+                .unwrap()
+        }
+    };
+    let (live, down) = (on("s1"), on("s2"));
+    // Migrate the live shard only (the dead one cannot be).
+    LockRouter::from_yaml_str(&cluster.config_yaml(""))
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let orders = AcquireOptions::new().namespace("orders");
+    for i in 0..20 {
+        let g = router.acquire(&live(i * 10), orders.clone()).await.unwrap();
+        g.release().await.unwrap();
+    }
+    // A hot key: a second task waits for it in memory while the first holds it.
+    let hot = live(1000);
+    let held = router.acquire(&hot, orders.clone()).await.unwrap();
+    let waiter = {
+        let (router, orders, hot) = (router.clone(), orders.clone(), hot.clone());
+        tokio::spawn(async move { router.acquire(&hot, orders).await.unwrap().release().await })
+    };
+    let queued = common::eventually(Duration::from_secs(10), || async {
+        router.stats().queued == 1
+    })
+    .await;
+    assert!(queued, "the second task never waited");
+    // Waits under a millisecond are not counted for hot keys.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    held.release().await.unwrap();
+    waiter.await.unwrap().unwrap();
+    let cache = AcquireOptions::new().namespace("cache");
+    let local = common::eventually(Duration::from_secs(30), || async {
+        match router.acquire(&down(0), cache.clone()).await {
+            Ok(g) => {
+                let local = g.mode() == shardlock::LockMode::LocalFallback;
+                g.release().await.ok();
+                local
+            }
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert!(
+        local,
+        "the down shard's cache keys were never granted in-process"
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let cleaned = router.clean_once().await.unwrap();
+    assert!(cleaned.deleted() > 0, "{cleaned:?}");
+
+    // Two scrapes after the workload, so that every rate has two samples of each series.
+    let scrapes = r#"count_over_time(up{job="shardlock"}[10m])"#;
+    let scrapes_before = prometheus_query(prometheus.addr, scrapes).await;
+    let count = |series: &[serde_json::Value]| -> f64 {
+        series
+            .iter()
+            .map(|s| s["value"][1].as_str().unwrap().parse::<f64>().unwrap())
+            .sum()
+    };
+    let before = count(&scrapes_before);
+    let scraped = common::eventually(Duration::from_secs(60), || async {
+        count(&prometheus_query(prometheus.addr, scrapes).await) >= before + 2.0
+    })
+    .await;
+    assert!(scraped, "Prometheus did not scrape twice");
+    let up = prometheus_query(prometheus.addr, r#"up{job="shardlock"}"#).await;
+    assert_eq!(up.len(), 1, "{up:?}");
+    assert_eq!(up[0]["value"][1], "1", "the app's endpoint is up: {up:?}");
+
+    let mut empty = Vec::new();
+    for query in dashboard_queries() {
+        let query = query
+            .replace("$__rate_interval", "30s")
+            .replace("$job", "shardlock")
+            .replace("$instance", ".+")
+            .replace("$namespace", ".*")
+            .replace("$shard", ".*");
+        if prometheus_query(prometheus.addr, &query).await.is_empty() {
+            empty.push(query);
+        }
+    }
+    assert!(
+        empty.is_empty(),
+        "queries with no series:\n{}",
+        empty.join("\n")
+    );
+    drop(router);
 }

@@ -16,6 +16,7 @@ use shardlock_core::config::TelemetryConfig;
 use shardlock_core::{HotKeys, LockKey};
 use tokio::time::Instant;
 
+use super::attr;
 use crate::sync::LockExt;
 
 /// Waits shorter than this are not counted for hot keys: a key nobody waits a millisecond for
@@ -159,8 +160,8 @@ impl Telemetry {
         self.statement.record(
             took.as_secs_f64(),
             &[
-                KeyValue::new("shard", shard.clone()),
-                KeyValue::new("outcome", if failed { "failure" } else { "ok" }),
+                KeyValue::new(attr::SHARD, shard.clone()),
+                KeyValue::new(attr::OUTCOME, if failed { "failure" } else { "ok" }),
             ],
         );
     }
@@ -174,8 +175,8 @@ impl Telemetry {
         self.on.then(|| {
             ["remote", "local"].map(|mode| {
                 self.hold.bind(&[
-                    KeyValue::new("shard", shard.clone()),
-                    KeyValue::new("mode", mode),
+                    KeyValue::new(attr::SHARD, shard.clone()),
+                    KeyValue::new(attr::MODE, mode),
                 ])
             })
         })
@@ -188,8 +189,8 @@ impl Telemetry {
                 self.cleaner_deleted.add(
                     n,
                     &[
-                        KeyValue::new("shard", shard.to_owned()),
-                        KeyValue::new("reason", reason),
+                        KeyValue::new(attr::SHARD, shard.to_owned()),
+                        KeyValue::new(attr::REASON, reason),
                     ],
                 );
             }
@@ -228,10 +229,10 @@ pub(crate) struct AcquireAttrs {
 impl AcquireAttrs {
     fn key_values(&self) -> [KeyValue; 4] {
         [
-            KeyValue::new("namespace", self.namespace.clone()),
-            KeyValue::new("shard", self.shard.clone()),
-            KeyValue::new("outcome", self.outcome),
-            KeyValue::new("mode", self.mode),
+            KeyValue::new(attr::NAMESPACE, self.namespace.clone()),
+            KeyValue::new(attr::SHARD, self.shard.clone()),
+            KeyValue::new(attr::OUTCOME, self.outcome),
+            KeyValue::new(attr::MODE, self.mode),
         ]
     }
 }

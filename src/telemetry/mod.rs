@@ -13,9 +13,11 @@
 //! spans (opentelemetry 0.33 / tracing-opentelemetry 0.34: another major version of either
 //! sees no span context, so lease rows carry no trace context and waiters get no links).
 //!
-//! Metrics (names as the Prometheus exporter writes them):
+//! Metrics (names and labels as the Prometheus exporter writes them; every attribute is
+//! shardlock's own, under `shardlock.`, so none collides with the `instance` and `job` labels
+//! Prometheus sets at scrape time):
 //!
-//! | metric | kind | attributes |
+//! | metric | kind | labels |
 //! | --- | --- | --- |
 //! | `shardlock_acquire_duration_seconds` | histogram (its `_count`: acquires by outcome) | namespace, shard, outcome, mode |
 //! | `shardlock_statement_duration_seconds` | histogram: one call to a shard | shard, outcome (ok, failure) |
@@ -24,11 +26,12 @@
 //! | `shardlock_leases_lost_total`, `shardlock_local_handoffs_total`, `shardlock_breaker_rejections_total` | counter | instance |
 //! | `shardlock_acquire_statements_total`, `shardlock_acquire_batches_total`, `shardlock_acquire_batched_total`, `shardlock_release_batches_total`, `shardlock_release_batched_total` | counter | instance |
 //! | `shardlock_batches` | gauge: the dispatcher | instance, shard, state (in_flight, waiting) |
-//! | `shardlock_breaker_state` | gauge: 0 closed, 1 half-open, 2 open | instance, shard |
-//! | `shardlock_pool_connections` | gauge | instance, shard, state (max, size, available, waiting) |
+//! | `shardlock_breaker_state` | gauge: 1 for the state the breaker is in, 0 for the others | instance, shard, state (closed, half_open, open) |
+//! | `shardlock_pool_connections_max`, `_open`, `_idle`, `shardlock_pool_requests_pending` | gauge | instance, shard |
 //! | `shardlock_cleaner_deleted_total` | counter | shard, reason (released, abandoned) |
-//! | `shardlock_hot_key_wait_seconds` | gauge: wait over the hot-key window | instance, key, rank |
+//! | `shardlock_hot_key_wait_seconds` | gauge: wait over the hot-key window, top keys | instance, key |
 //!
+//! Each label is written `shardlock_<name>` (`shardlock_shard`, `shardlock_instance`, ...).
 //! `outcome` is `granted`, `timeout`, `unavailable` or `error`; `mode` is `remote` or `local`.
 
 // Inside the facade this module is the bottom layer: it uses only `crate::sync`, `crate::stats`
@@ -43,6 +46,20 @@
 //   HTTP endpoint.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Metric attribute keys, all shardlock's own and so under `shardlock.` (the Prometheus
+/// exporter writes `shardlock_shard`, ...). None is `instance`, which Prometheus sets itself
+/// at scrape time.
+pub(crate) mod attr {
+    pub(crate) const INSTANCE: &str = "shardlock.instance";
+    pub(crate) const NAMESPACE: &str = "shardlock.namespace";
+    pub(crate) const SHARD: &str = "shardlock.shard";
+    pub(crate) const OUTCOME: &str = "shardlock.outcome";
+    pub(crate) const MODE: &str = "shardlock.mode";
+    pub(crate) const REASON: &str = "shardlock.reason";
+    pub(crate) const STATE: &str = "shardlock.state";
+    pub(crate) const KEY: &str = "shardlock.key";
+}
 
 use opentelemetry::metrics::Meter;
 

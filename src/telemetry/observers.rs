@@ -14,6 +14,7 @@ use opentelemetry::KeyValue;
 use shardlock_core::BreakerState;
 use shardlock_mysql::PoolStatus;
 
+use super::attr;
 use crate::stats::LockStats;
 
 /// A router as its observable instruments read it, taken at each callback.
@@ -112,47 +113,55 @@ where
             .with_description(description)
             .with_callback(move |observer| {
                 if let Some(router) = source() {
-                    let instance = KeyValue::new("instance", router.instance_id);
+                    let instance = KeyValue::new(attr::INSTANCE, router.instance_id);
                     observer.observe(read(&router.stats), &[instance]);
                 }
             })
             .build();
     }
-    let breakers = source.clone();
-    meter
-        .i64_observable_gauge("shardlock.breaker.state")
-        .with_description("Breaker per shard: 0 closed, 1 half-open, 2 open")
-        .with_callback(move |observer| {
-            let Some(router) = breakers() else {
-                return;
-            };
-            for shard in router.shards {
-                observer.observe(
-                    shard.breaker.gauge(),
-                    &[
-                        KeyValue::new("instance", router.instance_id.clone()),
-                        KeyValue::new("shard", shard.name),
-                    ],
-                );
-            }
-        })
-        .build();
     per_shard_by_state(
         meter,
         source.clone(),
-        "shardlock.pool.connections",
-        "Connection pool per shard, by state: max, size, available, waiting",
+        "shardlock.breaker.state",
+        "Breaker per shard: 1 for the state it is in (closed, half_open, open), 0 for the others",
         |shard| {
-            let pool = shard.pool;
             [
-                ("max", pool.max_size),
-                ("size", pool.size),
-                ("available", pool.available),
-                ("waiting", pool.waiting),
+                ("closed", BreakerState::Closed),
+                ("half_open", BreakerState::HalfOpen),
+                ("open", BreakerState::Open),
             ]
+            .map(|(name, state)| (Some(name), usize::from(shard.breaker == state)))
             .to_vec()
         },
     );
+    type ReadPool = fn(&PoolStatus) -> usize;
+    let pool: [(&'static str, &'static str, ReadPool); 4] = [
+        (
+            "shardlock.pool.connections.max",
+            "Most connections the shard's pool opens",
+            |p| p.max_size,
+        ),
+        (
+            "shardlock.pool.connections.open",
+            "Connections open to the shard now, in use or idle",
+            |p| p.size,
+        ),
+        (
+            "shardlock.pool.connections.idle",
+            "Open connections to the shard not in use",
+            |p| p.available,
+        ),
+        (
+            "shardlock.pool.requests.pending",
+            "Callers waiting for a connection to the shard",
+            |p| p.waiting,
+        ),
+    ];
+    for (name, description, read) in pool {
+        per_shard_by_state(meter, source.clone(), name, description, move |shard| {
+            vec![(None, read(&shard.pool))]
+        });
+    }
     per_shard_by_state(
         meter,
         source.clone(),
@@ -160,8 +169,8 @@ where
         "The dispatcher per shard, by state: in_flight (batches out now), waiting (requests queued for the next)",
         |shard| {
             vec![
-                ("in_flight", shard.batches_in_flight),
-                ("waiting", shard.batch_waiting),
+                (Some("in_flight"), shard.batches_in_flight),
+                (Some("waiting"), shard.batch_waiting),
             ]
         },
     );
@@ -174,13 +183,12 @@ where
             let Some(router) = hot_keys() else {
                 return;
             };
-            for (rank, (key, waited)) in router.hot_keys.into_iter().enumerate() {
+            for (key, waited) in router.hot_keys {
                 observer.observe(
                     waited.as_secs_f64(),
                     &[
-                        KeyValue::new("instance", router.instance_id.clone()),
-                        KeyValue::new("key", key),
-                        KeyValue::new("rank", (rank + 1) as i64),
+                        KeyValue::new(attr::INSTANCE, router.instance_id.clone()),
+                        KeyValue::new(attr::KEY, key),
                     ],
                 );
             }
@@ -188,13 +196,14 @@ where
         .build();
 }
 
-/// A gauge of counts per shard and state, as `read` gives them from each shard's snapshot.
+/// A gauge per shard (and per state, where `read` names one), as `read` gives its values
+/// from each shard's snapshot.
 fn per_shard_by_state<F>(
     meter: &Meter,
     source: F,
     name: &'static str,
     description: &'static str,
-    read: fn(&ShardSnapshot) -> Vec<(&'static str, usize)>,
+    read: impl Fn(&ShardSnapshot) -> Vec<(Option<&'static str>, usize)> + Send + Sync + 'static,
 ) where
     F: Fn() -> Option<RouterSnapshot> + Send + Sync + 'static,
 {
@@ -207,14 +216,12 @@ fn per_shard_by_state<F>(
             };
             for shard in &router.shards {
                 for (state, n) in read(shard) {
-                    observer.observe(
-                        n as u64,
-                        &[
-                            KeyValue::new("instance", router.instance_id.clone()),
-                            KeyValue::new("shard", shard.name.clone()),
-                            KeyValue::new("state", state),
-                        ],
-                    );
+                    let mut attrs = vec![
+                        KeyValue::new(attr::INSTANCE, router.instance_id.clone()),
+                        KeyValue::new(attr::SHARD, shard.name.clone()),
+                    ];
+                    attrs.extend(state.map(|s| KeyValue::new(attr::STATE, s)));
+                    observer.observe(n as u64, &attrs);
                 }
             }
         })
@@ -286,7 +293,7 @@ mod tests {
         register_observers(&meter, move || weak.upgrade().map(|r| (*r).clone()));
 
         let text = super::super::endpoint::encode(&registry);
-        let instance = r#"instance="observed-1""#;
+        let instance = r#"shardlock_instance="observed-1""#;
         let metric = |name, with: &[&str]| {
             sample(&text, name, &[&[instance], with].concat())
                 .unwrap_or_else(|| panic!("no {name} {with:?} in\n{text}"))
@@ -297,16 +304,30 @@ mod tests {
         assert_eq!(metric("shardlock_acquire_batches_total", &[]), 3.0);
         assert_eq!(metric("shardlock_acquire_batched_total", &[]), 20.0);
         assert_eq!(metric("shardlock_release_batched_total", &[]), 9.0);
-        let in_flight = [r#"shard="s0""#, r#"state="in_flight""#];
+        let (s0, s1) = (r#"shardlock_shard="s0""#, r#"shardlock_shard="s1""#);
+        let in_flight = [s0, r#"shardlock_state="in_flight""#];
         assert_eq!(metric("shardlock_batches", &in_flight), 2.0);
-        let queued = [r#"shard="s0""#, r#"state="waiting""#];
+        let queued = [s0, r#"shardlock_state="waiting""#];
         assert_eq!(metric("shardlock_batches", &queued), 5.0);
-        assert_eq!(metric("shardlock_breaker_state", &[r#"shard="s0""#]), 0.0);
-        assert_eq!(metric("shardlock_breaker_state", &[r#"shard="s1""#]), 2.0);
-        let waiting = [r#"shard="s1""#, r#"state="waiting""#];
-        assert_eq!(metric("shardlock_pool_connections", &waiting), 1.0);
-        let hot = [r#"key="k""#, r#"rank="1""#];
+        // One series per breaker state, 1 for the state the breaker is in.
+        for (shard, open) in [(s0, 0.0), (s1, 1.0)] {
+            let state = |s: &str| {
+                metric(
+                    "shardlock_breaker_state",
+                    &[shard, &format!(r#"shardlock_state="{s}""#)],
+                )
+            };
+            assert_eq!(state("open"), open);
+            assert_eq!(state("closed"), 1.0 - open);
+            assert_eq!(state("half_open"), 0.0);
+        }
+        assert_eq!(metric("shardlock_pool_connections_max", &[s1]), 8.0);
+        assert_eq!(metric("shardlock_pool_connections_open", &[s1]), 3.0);
+        assert_eq!(metric("shardlock_pool_connections_idle", &[s1]), 2.0);
+        assert_eq!(metric("shardlock_pool_requests_pending", &[s1]), 1.0);
+        let hot = [r#"shardlock_key="k""#];
         assert_eq!(metric("shardlock_hot_key_wait_seconds", &hot), 1.5);
+        assert!(!text.contains("rank="), "{text}");
 
         drop(live);
         let text = super::super::endpoint::encode(&registry);

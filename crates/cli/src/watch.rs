@@ -209,10 +209,10 @@ pub(crate) async fn run(
 fn render_metrics(screen: &mut String, before: Option<&Scrape>, now: &Scrape, every: Duration) {
     const COUNT: &str = "shardlock_acquire_duration_seconds_count";
     const HIST: &str = "shardlock_acquire_duration_seconds";
-    let rates_now = now.sum_by(COUNT, "namespace");
-    let rates_before = before.map(|b| b.sum_by(COUNT, "namespace"));
-    let buckets_now = now.buckets_by(HIST, "namespace");
-    let buckets_before = before.map(|b| b.buckets_by(HIST, "namespace"));
+    let rates_now = now.sum_by(COUNT, "shardlock_namespace");
+    let rates_before = before.map(|b| b.sum_by(COUNT, "shardlock_namespace"));
+    let buckets_now = now.buckets_by(HIST, "shardlock_namespace");
+    let buckets_before = before.map(|b| b.buckets_by(HIST, "shardlock_namespace"));
     screen.push_str(&format!(
         "\n{:<20} {:>12} {:>12}\n",
         "NAMESPACE", "ACQUIRES/S", "P99 WAIT"
@@ -238,26 +238,35 @@ fn render_metrics(screen: &mut String, before: Option<&Scrape>, now: &Scrape, ev
             })
         ));
     }
-    // The worst state any instance reports for the shard (not their sum).
-    let mut breakers: BTreeMap<String, f64> = BTreeMap::new();
+    // The worst state any instance reports for the shard (not their sum): each reports 1 for
+    // the state its breaker is in.
+    let mut breakers: BTreeMap<String, BreakerState> = BTreeMap::new();
     for (_, labels, v) in now.matching("shardlock_breaker_state") {
-        let shard = labels.get("shard").cloned().unwrap_or_default();
-        let worst = breakers.entry(shard).or_default();
-        *worst = worst.max(*v);
+        let state = match labels.get("shardlock_state").map(String::as_str) {
+            Some("closed") => BreakerState::Closed,
+            Some("half_open") => BreakerState::HalfOpen,
+            _ => BreakerState::Open,
+        };
+        if *v > 0.0 {
+            let shard = labels.get("shardlock_shard").cloned().unwrap_or_default();
+            let worst = breakers.entry(shard).or_insert(state);
+            if state.gauge() > worst.gauge() {
+                *worst = state;
+            }
+        }
     }
     let pools: Vec<_> = now
-        .matching("shardlock_pool_connections")
-        .filter(|(_, l, _)| l.get("state").map(String::as_str) == Some("waiting"))
-        .map(|(_, l, v)| (l.get("shard").cloned().unwrap_or_default(), *v))
+        .matching("shardlock_pool_requests_pending")
+        .map(|(_, l, v)| (l.get("shardlock_shard").cloned().unwrap_or_default(), *v))
         .collect();
     screen.push_str(&format!(
         "\n{:<12} {:<10} {:>14}\n",
         "SHARD", "BREAKER", "POOL WAITING"
     ));
     for (shard, state) in &breakers {
-        let name = match BreakerState::from_gauge(*state as i64) {
-            Some(BreakerState::Open) | None => "OPEN",
-            Some(state) => state.name(),
+        let name = match state {
+            BreakerState::Open => "OPEN",
+            state => state.name(),
         };
         let waiting: f64 = pools
             .iter()
@@ -268,7 +277,7 @@ fn render_metrics(screen: &mut String, before: Option<&Scrape>, now: &Scrape, ev
     }
     let mut hot: Vec<(String, f64)> = now
         .matching("shardlock_hot_key_wait_seconds")
-        .map(|(_, l, v)| (l.get("key").cloned().unwrap_or_default(), *v))
+        .map(|(_, l, v)| (l.get("shardlock_key").cloned().unwrap_or_default(), *v))
         .collect();
     hot.sort_by(|a, b| b.1.total_cmp(&a.1));
     screen.push_str("\nHOT KEYS (wait over the window)\n");
@@ -298,22 +307,27 @@ mod tests {
     use super::*;
 
     const TEXT: &str = r#"# TYPE shardlock_acquire_duration_seconds histogram
-shardlock_acquire_duration_seconds_bucket{namespace="stock",outcome="granted",le="0.001"} 90
-shardlock_acquire_duration_seconds_bucket{namespace="stock",outcome="granted",le="0.01"} 99
-shardlock_acquire_duration_seconds_bucket{namespace="stock",outcome="granted",le="+Inf"} 100
-shardlock_acquire_duration_seconds_count{namespace="stock",outcome="granted"} 100
-shardlock_breaker_state{instance="a",shard="s1"} 2
-shardlock_hot_key_wait_seconds{instance="a",key="sku:1",rank="1"} 1.5
+shardlock_acquire_duration_seconds_bucket{shardlock_namespace="stock",shardlock_outcome="granted",le="0.001"} 90
+shardlock_acquire_duration_seconds_bucket{shardlock_namespace="stock",shardlock_outcome="granted",le="0.01"} 99
+shardlock_acquire_duration_seconds_bucket{shardlock_namespace="stock",shardlock_outcome="granted",le="+Inf"} 100
+shardlock_acquire_duration_seconds_count{shardlock_namespace="stock",shardlock_outcome="granted"} 100
+shardlock_breaker_state{shardlock_instance="a",shardlock_shard="s1",shardlock_state="closed"} 0
+shardlock_breaker_state{shardlock_instance="a",shardlock_shard="s1",shardlock_state="open"} 1
+shardlock_hot_key_wait_seconds{shardlock_instance="a",shardlock_key="sku:1"} 1.5
 "#;
 
     #[test]
     fn parses_samples_and_reads_quantiles_from_buckets() {
         let scrape = Scrape::parse(TEXT);
         assert_eq!(
-            scrape.sum_by("shardlock_acquire_duration_seconds_count", "namespace")["stock"],
+            scrape.sum_by(
+                "shardlock_acquire_duration_seconds_count",
+                "shardlock_namespace"
+            )["stock"],
             100.0
         );
-        let buckets = scrape.buckets_by("shardlock_acquire_duration_seconds", "namespace");
+        let buckets =
+            scrape.buckets_by("shardlock_acquire_duration_seconds", "shardlock_namespace");
         assert_eq!(quantile(None, &buckets["stock"], 0.5), Some(0.001));
         assert_eq!(quantile(None, &buckets["stock"], 0.99), Some(0.01));
         let mut screen = String::new();
@@ -326,15 +340,28 @@ shardlock_hot_key_wait_seconds{instance="a",key="sku:1",rank="1"} 1.5
 
     #[test]
     fn a_shard_shows_the_worst_breaker_any_instance_reports_not_their_sum() {
-        let two_half_open = "shardlock_breaker_state{instance=\"a\",shard=\"s1\"} 1\n\
-                             shardlock_breaker_state{instance=\"b\",shard=\"s1\"} 1\n\
-                             shardlock_breaker_state{instance=\"a\",shard=\"s2\"} 0\n\
-                             shardlock_breaker_state{instance=\"b\",shard=\"s2\"} 2\n";
+        let series = |instance: &str, shard: &str, state: &str| {
+            ["closed", "half_open", "open"]
+                .map(|s| {
+                    format!(
+                        "shardlock_breaker_state{{shardlock_instance=\"{instance}\",shardlock_shard=\"{shard}\",shardlock_state=\"{s}\"}} {}\n",
+                        u8::from(s == state)
+                    )
+                })
+                .concat()
+        };
+        let two_half_open = [
+            series("a", "s1", "half_open"),
+            series("b", "s1", "half_open"),
+            series("a", "s2", "closed"),
+            series("b", "s2", "open"),
+        ]
+        .concat();
         let mut screen = String::new();
         render_metrics(
             &mut screen,
             None,
-            &Scrape::parse(two_half_open),
+            &Scrape::parse(&two_half_open),
             Duration::from_secs(1),
         );
         let line = |shard: &str| {
