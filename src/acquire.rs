@@ -87,19 +87,20 @@ impl LockRouter {
         let started = Instant::now();
         let telemetry = &self.inner.shared.telemetry;
         let namespace = opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
+        // Attributes are shardlock's own, under `shardlock.` (OpenTelemetry's convention).
         let span = tracing::info_span!(
             "shardlock.acquire",
-            namespace,
-            shard = tracing::field::Empty,
-            bucket = key.bucket_number(),
-            key = tracing::field::Empty,
-            attempts = tracing::field::Empty,
-            wait_ms = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-            mode = tracing::field::Empty,
+            shardlock.namespace = namespace,
+            shardlock.shard = tracing::field::Empty,
+            shardlock.bucket = key.bucket_number(),
+            shardlock.key = tracing::field::Empty,
+            shardlock.attempts = tracing::field::Empty,
+            shardlock.wait_ms = tracing::field::Empty,
+            shardlock.outcome = tracing::field::Empty,
+            shardlock.mode = tracing::field::Empty,
         );
         if !span.is_disabled() {
-            span.record("key", telemetry.key_label(&key));
+            span.record("shardlock.key", telemetry.key_label(&key));
         }
         let mut progress = Progress::default();
         let result = self
@@ -126,11 +127,11 @@ impl LockRouter {
             {
                 span.follows_from(after);
             }
-            span.record("shard", shard.as_str());
-            span.record("attempts", progress.attempts);
-            span.record("wait_ms", took.as_secs_f64() * 1000.0);
-            span.record("outcome", outcome);
-            span.record("mode", mode);
+            span.record("shardlock.shard", shard.as_str());
+            span.record("shardlock.attempts", progress.attempts);
+            span.record("shardlock.wait_ms", took.as_secs_f64() * 1000.0);
+            span.record("shardlock.outcome", outcome);
+            span.record("shardlock.mode", mode);
         }
         let attrs = crate::telemetry::AcquireAttrs {
             namespace: progress
@@ -443,7 +444,7 @@ impl LockRouter {
         let (id, owner) = shared.next_owner();
         // Grant numbers rise in this process, and shard fences never have the top bit.
         let fence = LOCAL_FENCE_BIT | id;
-        tracing::debug!(shard = shard.name(), key = %key, "shardlock granted a key in process: its shard is unavailable (exclusion inside this process only)");
+        tracing::debug!(shard = shard.name(), key = shared.telemetry.key_label(key), "shardlock granted a key in process: its shard is unavailable (exclusion inside this process only)");
         let grant = Grant {
             id,
             owner,

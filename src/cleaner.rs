@@ -394,7 +394,7 @@ async fn force_release_on(shard: &ShardState, key: &LockKey) -> Result<Option<Fo
             .await
             .map_err(backend)?;
         if let Some(fence) = released {
-            tracing::warn!(shard = %name, key = %key, owner = %owner, "shardlock lock force-released");
+            tracing::warn!(shard = %name, key = shard.shared.telemetry.key_label(key), owner = %owner, "shardlock lock force-released");
             return Ok(Some(ForceReleased {
                 shard: name,
                 owner,

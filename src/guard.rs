@@ -57,9 +57,9 @@ impl Hold {
         let span = tracing::info_span!(
             parent: None,
             "shardlock.hold",
-            shard = shard.name(),
-            fence,
-            mode = "remote",
+            shardlock.shard = shard.name(),
+            shardlock.fence = fence,
+            shardlock.mode = "remote",
         );
         span.follows_from(after);
         Arc::new(Self {
@@ -76,9 +76,9 @@ impl Hold {
     pub(crate) fn new(lease: Arc<LeaseState>, shard: Arc<ShardState>, fence: u64) -> Arc<Self> {
         let span = tracing::info_span!(
             "shardlock.hold",
-            shard = shard.name(),
-            fence,
-            mode = if lease.local { "local" } else { "remote" },
+            shardlock.shard = shard.name(),
+            shardlock.fence = fence,
+            shardlock.mode = if lease.local { "local" } else { "remote" },
         );
         Arc::new(Self {
             lease,
@@ -449,7 +449,7 @@ pub(crate) async fn release_through_shard(
 }
 
 fn lost(shard: &ShardState, lease: &LeaseState) -> Error {
-    lease.mark_lost("already taken over when released", &shard.shared.stats);
+    lease.mark_lost("already taken over when released", &shard.shared);
     Error::LockLost {
         key: lease.key.as_str().to_owned(),
     }

@@ -125,7 +125,12 @@ async fn take_on(
                     return false;
                 }
                 shared.stats.followed.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(key = %lease.key, from = shard.name(), to = target.name(), "shardlock lease followed its key to its new shard");
+                tracing::debug!(
+                    key = shared.telemetry.key_label(&lease.key),
+                    from = shard.name(),
+                    to = target.name(),
+                    "shardlock lease followed its key to its new shard"
+                );
                 return true;
             }
             Ok(Attempt::Held { .. }) => {
@@ -138,7 +143,7 @@ async fn take_on(
                     tokio::time::sleep(delay).await;
                     continue;
                 }
-                tracing::warn!(key = %lease.key, to = target.name(), error = ?failed.err(), "shardlock could not take a moved key on its new shard within half the move window");
+                tracing::warn!(key = shared.telemetry.key_label(&lease.key), to = target.name(), error = ?failed.err(), "shardlock could not take a moved key on its new shard within half the move window");
                 // The grant may have been made with its reply lost: give it back.
                 target.give_back(req.key.clone(), req.owner.clone(), lease.ttl);
                 break "its key moved in a reload and the new shard could not be reached in time";
@@ -147,7 +152,7 @@ async fn take_on(
     };
     // Lost: nobody may take the key on the old shard in this lease's name any more (no
     // renewal, no hand-off); its rows are given back.
-    lease.mark_lost(why, &shared.stats);
+    lease.mark_lost(why, shared);
     if shard.remove(lease.id).is_some() {
         let _ = shard.release(&req.key, &lease.owner).await;
     }

@@ -503,7 +503,7 @@ impl LockRouter {
                     async move {
                         // Lost before the release is sent: the moment the row is free, nobody
                         // here believes they hold the key any more.
-                        lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared.stats);
+                        lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared);
                         let turn = lease.turn.locked().take();
                         match release_through_shard(s.clone(), lease.clone(), turn).await {
                             Err(Error::LockLost { .. }) => Ok(()),
@@ -521,7 +521,7 @@ impl LockRouter {
         registry::deregister(&self.config(), self.instance_id(), &shards).await;
         for s in &shards {
             for lease in s.take_local() {
-                lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared.stats);
+                lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared);
             }
             s.close();
         }

@@ -394,13 +394,15 @@ async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
         .iter()
         .find(|s| {
             s["name"] == "shardlock.hold"
-                && attribute(s, "fence").as_deref() == Some(holder_fence.to_string().as_str())
+                && attribute(s, "shardlock.fence").as_deref()
+                    == Some(holder_fence.to_string().as_str())
         })
         .unwrap_or_else(|| panic!("no hold span of the holder in {spans:#?}"));
     let acquires: Vec<&serde_json::Value> = spans
         .iter()
         .filter(|s| {
-            s["name"] == "shardlock.acquire" && attribute(s, "key").as_deref() == Some("account:7")
+            s["name"] == "shardlock.acquire"
+                && attribute(s, "shardlock.key").as_deref() == Some("account:7")
         })
         .collect();
     assert_eq!(acquires.len(), 2, "{acquires:#?}");
@@ -414,13 +416,25 @@ async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
         "the link names the holder's hold span"
     );
     assert_eq!(link["traceId"], hold["traceId"]);
-    assert_eq!(attribute(waited, "outcome").as_deref(), Some("granted"));
-    assert_eq!(attribute(waited, "mode").as_deref(), Some("remote"));
-    assert_eq!(attribute(waited, "shard").as_deref(), Some("s1"));
-    let wait_ms: f64 = attribute(waited, "wait_ms").unwrap().parse().unwrap();
+    assert_eq!(
+        attribute(waited, "shardlock.outcome").as_deref(),
+        Some("granted")
+    );
+    assert_eq!(
+        attribute(waited, "shardlock.mode").as_deref(),
+        Some("remote")
+    );
+    assert_eq!(attribute(waited, "shardlock.shard").as_deref(), Some("s1"));
+    let wait_ms: f64 = attribute(waited, "shardlock.wait_ms")
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(wait_ms >= 150.0, "waited {wait_ms} ms behind the holder");
     // Queued in memory behind the holder: it never polled the shard.
-    assert_eq!(attribute(waited, "attempts").as_deref(), Some("0"));
+    assert_eq!(
+        attribute(waited, "shardlock.attempts").as_deref(),
+        Some("0")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -463,12 +477,17 @@ async fn a_waiter_elsewhere_links_to_the_holders_trace_stored_with_the_lease() {
     let spans: Vec<serde_json::Value> = received_spans(&received)
         .into_iter()
         .filter(|s| {
-            s["name"] == "shardlock.acquire" && attribute(s, "key").as_deref() == Some("acct:9")
+            s["name"] == "shardlock.acquire"
+                && attribute(s, "shardlock.key").as_deref() == Some("acct:9")
         })
         .collect();
     assert_eq!(spans.len(), 2, "{spans:#?}");
-    let attempts =
-        |s: &serde_json::Value| attribute(s, "attempts").unwrap().parse::<u32>().unwrap();
+    let attempts = |s: &serde_json::Value| {
+        attribute(s, "shardlock.attempts")
+            .unwrap()
+            .parse::<u32>()
+            .unwrap()
+    };
     let first = spans
         .iter()
         .find(|s| attempts(s) == 1)
@@ -480,7 +499,10 @@ async fn a_waiter_elsewhere_links_to_the_holders_trace_stored_with_the_lease() {
     let link = &waited["links"][0];
     assert_eq!(link["traceId"], first["traceId"], "{waited:#?}");
     assert_eq!(link["spanId"], first["spanId"]);
-    assert_eq!(attribute(waited, "outcome").as_deref(), Some("granted"));
+    assert_eq!(
+        attribute(waited, "shardlock.outcome").as_deref(),
+        Some("granted")
+    );
 }
 
 /// `GET path` from `addr` over HTTP/1.0 (the server closes the connection after the answer,
@@ -713,4 +735,68 @@ async fn a_real_prometheus_answers_every_dashboard_query_with_series() {
         empty.join("\n")
     );
     drop(router);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shard_calls_are_database_client_spans_with_an_error_status_when_they_fail() {
+    use tracing_subscriber::prelude::*;
+    let (addr, received) = otlp_receiver().await;
+    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
+        c.otlp_endpoint = Some(format!("http://{addr}"));
+    }))
+    .await
+    .unwrap();
+    tracing_subscriber::registry()
+        .with(telemetry.layer())
+        .init();
+    let (cluster, router, _yaml) = common::start(1, "").await;
+    let port = cluster.shard(0).port();
+    router
+        .acquire("db:1", AcquireOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    cluster.shard(0).kill().unwrap();
+    let err = router
+        .try_acquire("db:2", AcquireOptions::new())
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    drop(router);
+    telemetry.shutdown();
+
+    let spans = received_spans(&received);
+    let calls: Vec<&serde_json::Value> = spans
+        .iter()
+        .filter(|s| attribute(s, "db.operation.name").as_deref() == Some("acquire"))
+        .collect();
+    const CLIENT: i64 = 3;
+    const ERROR: i64 = 2;
+    let status = |s: &serde_json::Value| s["status"]["code"].as_i64().unwrap_or(0);
+    let ok = calls
+        .iter()
+        .find(|s| status(s) != ERROR)
+        .unwrap_or_else(|| panic!("no successful acquire call in {spans:#?}"));
+    assert_eq!(
+        ok["name"],
+        format!("acquire {}", shardlock_testkit::DATABASE)
+    );
+    assert_eq!(ok["kind"].as_i64(), Some(CLIENT));
+    for (key, value) in [
+        ("db.system.name", "mysql".to_owned()),
+        ("db.namespace", shardlock_testkit::DATABASE.to_owned()),
+        ("server.address", "127.0.0.1".to_owned()),
+        ("server.port", port.to_string()),
+        ("shardlock.shard", "s1".to_owned()),
+    ] {
+        assert_eq!(attribute(ok, key), Some(value), "{key} in {ok:#}");
+    }
+    assert_eq!(attribute(ok, "error.type"), None, "{ok:#}");
+    let failed = calls
+        .iter()
+        .find(|s| status(s) == ERROR)
+        .unwrap_or_else(|| panic!("no failed acquire call in {calls:#?}"));
+    assert!(attribute(failed, "error.type").is_some(), "{failed:#}");
 }

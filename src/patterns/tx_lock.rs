@@ -40,6 +40,8 @@ pub struct TxLockGuard {
 #[derive(Debug)]
 pub(crate) struct TxLockState {
     key: LockKey,
+    /// How the key appears in log lines: itself, or its hash (`telemetry.record-keys`).
+    label: String,
     /// The topology epoch up to which the lock is known to hold where the key lives.
     placed_epoch: AtomicU64,
     rows: std::sync::Mutex<TxRows>,
@@ -60,7 +62,7 @@ struct TxRows {
 impl TxLockState {
     fn mark_lost(&self, why: &'static str) {
         if !self.lost.send_replace(true) {
-            tracing::warn!(key = %self.key, why, "shardlock transaction lock lost");
+            tracing::warn!(key = self.label, why, "shardlock transaction lock lost");
         }
     }
 
@@ -233,6 +235,7 @@ impl LockRouter {
         let mut shards = vec![shard.clone()];
         shards.extend(previous);
         let state = Arc::new(TxLockState {
+            label: shard.shared.telemetry.key_label(&lock_key),
             key: lock_key,
             placed_epoch: AtomicU64::new(topology.epoch),
             rows: std::sync::Mutex::new(TxRows {
@@ -353,7 +356,7 @@ fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(key = %state.key, shard = target.name(), error = %shardlock_core::Report(&e), "shardlock could not lock a moved key's row on its new shard");
+                    tracing::warn!(key = state.label, shard = target.name(), error = %shardlock_core::Report(&e), "shardlock could not lock a moved key's row on its new shard");
                     state.mark_lost(
                         "its key moved in a reload and its row could not be locked on the new shard in time",
                     );

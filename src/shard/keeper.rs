@@ -67,7 +67,11 @@ impl ShardState {
                     };
                     if moved {
                         stats.reconciled.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(shard = self.name(), key = %lease.key, "shardlock re-acquired a locally held key on its shard");
+                        tracing::info!(
+                            shard = self.name(),
+                            key = self.shared.telemetry.key_label(&lease.key),
+                            "shardlock re-acquired a locally held key on its shard"
+                        );
                     } else {
                         // Released meanwhile: give the row back.
                         let _ = self.release(&req.key, &req.owner).await;
@@ -78,7 +82,7 @@ impl ShardState {
                         stats.reconcile_conflicts.fetch_add(1, Ordering::Relaxed);
                         lease.mark_lost(
                             "another process held the key on its shard when the shard came back",
-                            stats,
+                            &self.shared,
                         );
                     }
                 }
@@ -169,7 +173,7 @@ impl ShardState {
         leases.retain(|l| {
             if l.deadline() <= now {
                 self.remove(l.id);
-                l.mark_lost("not renewed before its lease ended", &self.shared.stats);
+                l.mark_lost("not renewed before its lease ended", &self.shared);
                 false
             } else {
                 true
@@ -220,7 +224,7 @@ impl ShardState {
                         // Still registered, so not released meanwhile: someone else has it.
                         lease.mark_lost(
                             "taken over, force-released or expired on the shard",
-                            &self.shared.stats,
+                            &self.shared,
                         );
                     }
                 }
@@ -268,8 +272,7 @@ pub(crate) fn spawn_keeper(state: &Arc<ShardState>, closed: watch::Receiver<bool
                     tracing::error!(shard = state.name(), "shardlock lease keeper panicked; its leases are reported lost and a new keeper starts");
                     for lease in state.held() {
                         state.remove(lease.id);
-                        lease
-                            .mark_lost("the lease keeper of its shard failed", &state.shared.stats);
+                        lease.mark_lost("the lease keeper of its shard failed", &state.shared);
                     }
                 }
                 _ => return,

@@ -12,8 +12,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::ShardState;
+use super::Shared;
 use crate::queue::{Turn, Want};
-use crate::stats::Stats;
 use crate::sync::LockExt;
 
 /// A local lease has no end of its own: it lasts until released, or lost on reconciliation.
@@ -152,7 +152,7 @@ impl LeaseState {
             drop(companions);
             self.mark_lost(
                 "a row of the lease on another shard was lost",
-                &shard.shared.stats,
+                &shard.shared,
             );
             return false;
         }
@@ -253,7 +253,8 @@ impl LeaseState {
 
     /// Marks the lease lost (once) and says why. A companion row's loss is its lease's: that
     /// is what gets counted and reported.
-    pub(crate) fn mark_lost(&self, why: &'static str, stats: &Stats) {
+    pub(crate) fn mark_lost(&self, why: &'static str, shared: &Shared) {
+        let stats = &shared.stats;
         let parent = self.parent.get().and_then(Weak::upgrade);
         // Counted before the holder is woken, so whoever sees `lost()` complete also sees
         // the count.
@@ -268,13 +269,15 @@ impl LeaseState {
             true
         });
         match parent {
-            Some(parent) => parent.mark_lost(why, stats),
+            Some(parent) => parent.mark_lost(why, shared),
             // Ended by the router's own shutdown: expected, not worth a warning.
             None if first && why == SHUT_DOWN => {
-                tracing::debug!(key = %self.key, owner = %self.owner, why, "shardlock lease ended")
+                let key = shared.telemetry.key_label(&self.key);
+                tracing::debug!(key, owner = %self.owner, why, "shardlock lease ended")
             }
             None if first => {
-                tracing::warn!(key = %self.key, owner = %self.owner, why, "shardlock lease lost")
+                let key = shared.telemetry.key_label(&self.key);
+                tracing::warn!(key, owner = %self.owner, why, "shardlock lease lost")
             }
             None => {}
         }

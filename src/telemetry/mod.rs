@@ -1,8 +1,12 @@
 //! Telemetry: `tracing` spans and events for every lock wait and hold, OpenTelemetry metrics,
 //! and (feature `exporters`) `init`, the one call that serves those metrics to Prometheus.
 //!
-//! The library only *emits*: spans `shardlock.acquire` (namespace, shard, bucket, key or its
-//! hash, attempts, wait_ms, outcome, mode) and `shardlock.hold` (grant to release); events for
+//! The library only *emits*: spans `shardlock.acquire` (`shardlock.namespace`, `.shard`,
+//! `.bucket`, `.key` or its hash, `.attempts`, `.wait_ms`, `.outcome`, `.mode`) and
+//! `shardlock.hold` (grant to release; `.shard`, `.fence`, `.mode`); a database
+//! client span per call to a shard (named `{operation} {database}`, with OpenTelemetry's
+//! `db.system.name`, `db.namespace`, `db.operation.name`, `server.address`, `server.port`,
+//! and `error.type` with an error status when it fails; `shardlock.shard`); events for
 //! renewals, lost leases, in-memory hand-offs, breaker transitions and cleaner deletions; and
 //! metrics through the OpenTelemetry metrics API (meter `shardlock`). It installs nothing
 //! global. Metrics go to the meter provider a router is built with

@@ -6,9 +6,12 @@
 //! All of it is a no-op unless the host installed an OpenTelemetry `tracing` layer (see
 //! [`TelemetryGuard::layer`](super::TelemetryGuard::layer)): spans then have no valid context.
 
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+
 /// The current span's OpenTelemetry context as a W3C traceparent, when it is recorded and has
-/// a valid context (an OpenTelemetry layer is installed).
+/// a valid context (an OpenTelemetry layer is installed); written by the SDK's propagator.
 pub(crate) fn current_traceparent() -> Option<String> {
+    use opentelemetry::propagation::TextMapPropagator;
     use opentelemetry::trace::TraceContextExt;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
     let span = tracing::Span::current();
@@ -16,15 +19,12 @@ pub(crate) fn current_traceparent() -> Option<String> {
         return None;
     }
     let context = span.context();
-    let sc = context.span().span_context().clone();
-    sc.is_valid().then(|| {
-        format!(
-            "00-{}-{}-{:02x}",
-            sc.trace_id(),
-            sc.span_id(),
-            sc.trace_flags().to_u8()
-        )
-    })
+    if !context.span().span_context().is_valid() {
+        return None;
+    }
+    let mut carrier = std::collections::HashMap::new();
+    TraceContextPropagator::new().inject_context(&context, &mut carrier);
+    carrier.remove("traceparent")
 }
 
 /// Whether the current span is recorded (so that a link is worth a statement).
@@ -33,29 +33,16 @@ pub(crate) fn tracing_current() -> bool {
 }
 
 /// Links the current span to the span of a W3C `traceparent` (the holder's, read from its
-/// lease row).
+/// lease row), as the SDK's propagator reads it; an invalid one links nothing.
 pub(crate) fn link_current_to(traceparent: &str) {
-    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    use opentelemetry::propagation::TextMapPropagator;
+    use opentelemetry::trace::TraceContextExt;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
-    let mut parts = traceparent.split('-');
-    let (Some("00"), Some(trace), Some(span), Some(flags)) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return;
-    };
-    let (Ok(trace), Ok(span), Ok(flags)) = (
-        TraceId::from_hex(trace),
-        SpanId::from_hex(span),
-        u8::from_str_radix(flags, 16),
-    ) else {
-        return;
-    };
-    let context = SpanContext::new(
-        trace,
-        span,
-        TraceFlags::new(flags),
-        true,
-        TraceState::default(),
-    );
-    tracing::Span::current().add_link(context);
+    let carrier =
+        std::collections::HashMap::from([("traceparent".to_owned(), traceparent.to_owned())]);
+    let context = TraceContextPropagator::new().extract(&carrier);
+    let span_context = context.span().span_context().clone();
+    if span_context.is_valid() {
+        tracing::Span::current().add_link(span_context);
+    }
 }

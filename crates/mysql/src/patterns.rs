@@ -400,9 +400,11 @@ impl Shard {
         owner: &str,
         token: &str,
     ) -> Result<Option<u64>, BackendError> {
-        self.run((key, owner, token), |c, &(key, owner, token)| {
-            Box::pin(take_cas(c, key, owner, token))
-        })
+        self.run(
+            "take_cas",
+            (key, owner, token),
+            |c, &(key, owner, token)| Box::pin(take_cas(c, key, owner, token)),
+        )
         .await
     }
 
@@ -414,9 +416,11 @@ impl Shard {
         owner: &str,
         version: Option<u64>,
     ) -> Result<bool, BackendError> {
-        self.run((key, owner, version), |c, &(key, owner, version)| {
-            Box::pin(free_cas(c, key, owner, version))
-        })
+        self.run(
+            "release_cas",
+            (key, owner, version),
+            |c, &(key, owner, version)| Box::pin(free_cas(c, key, owner, version)),
+        )
         .await
     }
 
@@ -427,9 +431,11 @@ impl Shard {
     /// statement it runs, so that the shard module needs nothing from the patterns.
     pub async fn free_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
         let (key, owner, version) = (row.0.as_slice(), row.1.as_str(), row.2);
-        self.run((key, owner, version), |c, &(key, owner, version)| {
-            Box::pin(free_cas(c, key, owner, Some(version)))
-        })
+        self.run(
+            "free_cas",
+            (key, owner, version),
+            |c, &(key, owner, version)| Box::pin(free_cas(c, key, owner, Some(version))),
+        )
         .await
     }
 
@@ -443,9 +449,11 @@ impl Shard {
         from: &str,
         to: &str,
     ) -> Result<bool, BackendError> {
-        self.run_once((table, id, from, to), |c, &(table, id, from, to)| {
-            Box::pin(transition(c, table, id, from, to))
-        })
+        self.run_once(
+            "transition",
+            (table, id, from, to),
+            |c, &(table, id, from, to)| Box::pin(transition(c, table, id, from, to)),
+        )
         .await
     }
 
@@ -461,6 +469,7 @@ impl Shard {
         request: &str,
     ) -> Result<u64, BackendError> {
         self.run(
+            "enqueue_job",
             (queue, payload, delay, max_retries, request),
             |c, &(queue, payload, delay, max_retries, request)| {
                 Box::pin(enqueue_job(c, queue, payload, delay, max_retries, request))
@@ -481,6 +490,7 @@ impl Shard {
         look_first: bool,
     ) -> Result<Option<ClaimedJob>, BackendError> {
         self.run_once(
+            "claim_job",
             (queue, claim, lease, look_first),
             |c, &(queue, claim, lease, look_first)| {
                 Box::pin(claim_job(c, queue, claim, lease, look_first))
@@ -497,7 +507,7 @@ impl Shard {
         claim: &str,
         end: JobEnd,
     ) -> Result<bool, BackendError> {
-        self.run((id, claim, end), |c, &(id, claim, end)| {
+        self.run("finish_job", (id, claim, end), |c, &(id, claim, end)| {
             Box::pin(finish_job(c, id, claim, end))
         })
         .await

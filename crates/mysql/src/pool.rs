@@ -122,6 +122,8 @@ pub(crate) struct ShardManager {
     /// Connections opened before the latest [`ShardManager::retire_all`] are closed when they
     /// come back.
     generation: AtomicU64,
+    /// TLS `preferred`: a server that offers no TLS is connected to in plaintext.
+    plaintext_fallback: bool,
 }
 
 /// Without the connection options: they hold the password.
@@ -145,7 +147,15 @@ impl ShardManager {
             lifetimes,
             password_file,
             generation: AtomicU64::new(0),
+            plaintext_fallback: false,
         }
+    }
+
+    /// Connects in plaintext to a server that offers no TLS, although the options ask for it
+    /// (TLS mode `preferred`).
+    pub(crate) fn plaintext_fallback(mut self, on: bool) -> Self {
+        self.plaintext_fallback = on;
+        self
     }
 
     /// Closes every connection open now as it comes back (idle ones are the caller's to drop
@@ -172,7 +182,14 @@ impl managed::Manager for ShardManager {
             }
             None => self.opts.clone(),
         };
-        let conn = Conn::new(opts).await?;
+        let conn = match Conn::new(opts.clone()).await {
+            Err(mysql_async::Error::Driver(
+                mysql_async::DriverError::NoClientSslFlagFromServer,
+            )) if self.plaintext_fallback => {
+                Conn::new(OptsBuilder::from_opts(opts).ssl_opts(None)).await?
+            }
+            answer => answer?,
+        };
         Ok(ShardConn {
             conn,
             in_flight: false,

@@ -9,6 +9,7 @@ use rand::Rng;
 use shardlock_core::config::ShardConfig;
 use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::batch::{self, BatchGrants};
 use crate::carry::{self, CasRow, MovingJob, PendingJob};
@@ -29,6 +30,16 @@ pub struct Shard {
     name: String,
     pool: ShardPool,
     statement_timeout: Duration,
+    /// Where the shard is, for the database client spans of its calls.
+    server: Server,
+}
+
+/// A shard's server as OpenTelemetry's database attributes name it.
+#[derive(Debug)]
+struct Server {
+    address: String,
+    port: u16,
+    database: String,
 }
 
 /// The pool's state, for `status` and metrics.
@@ -79,6 +90,11 @@ impl Shard {
         // the default pool of 16, eight processes on one shard can reach the limit. A
         // connection that hits it (1461) is closed, freeing its statements, and the statement
         // is retried on another.
+        let server = Server {
+            address: opts.ip_or_hostname().to_owned(),
+            port: opts.tcp_port(),
+            database: opts.db_name().unwrap_or_default().to_owned(),
+        };
         let mut opts = OptsBuilder::from_opts(opts);
         if let Some(user) = &config.user {
             opts = opts.user(Some(user));
@@ -86,6 +102,7 @@ impl Shard {
         if let Some(password) = password(config, index)? {
             opts = opts.pass(Some(password));
         }
+        let opts = crate::tls::apply(opts, &config.tls, index)?;
         let opts = opts
             .client_found_rows(true)
             .tcp_nodelay(true)
@@ -98,7 +115,8 @@ impl Shard {
             idle_timeout: config.pool.idle_timeout,
             max_lifetime: config.pool.max_lifetime,
         };
-        let manager = ShardManager::new(opts.into(), lifetimes, config.password_file.clone());
+        let manager = ShardManager::new(opts.into(), lifetimes, config.password_file.clone())
+            .plaintext_fallback(config.tls.mode == shardlock_core::config::TlsMode::Preferred);
         let pool = ShardPool::builder(manager)
             .max_size(config.pool.max_size)
             .wait_timeout(Some(config.pool.wait_timeout))
@@ -111,6 +129,7 @@ impl Shard {
             name: config.name.clone(),
             pool,
             statement_timeout: config.statement_timeout,
+            server,
         })
     }
 
@@ -136,10 +155,12 @@ impl Shard {
     /// it was in flight); whether the statement took effect on the server is then unknown.
     pub(crate) async fn run<A: Sync, T>(
         &self,
+        operation: &'static str,
         args: A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
-        self.with_conn(self.statement_timeout, &args, f, true).await
+        self.with_conn(operation, self.statement_timeout, &args, f, true)
+            .await
     }
 
     /// [`Shard::run`] for statements that are not idempotent: a connection that broke after
@@ -148,14 +169,63 @@ impl Shard {
     /// statement, still are.
     pub(crate) async fn run_once<A: Sync, T>(
         &self,
+        operation: &'static str,
         args: A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
-        self.with_conn(self.statement_timeout, &args, f, false)
+        self.with_conn(operation, self.statement_timeout, &args, f, false)
             .await
     }
 
+    /// A database client span for one call (`operation`, tries included), with
+    /// OpenTelemetry's database attributes; its error attributes are filled in by
+    /// [`Shard::failed`].
+    fn client_span(&self, operation: &'static str) -> tracing::Span {
+        let server = &self.server;
+        tracing::info_span!(
+            "shardlock.shard_call",
+            otel.name = format!("{operation} {}", server.database),
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            db.system.name = "mysql",
+            db.namespace = server.database.as_str(),
+            db.operation.name = operation,
+            server.address = server.address.as_str(),
+            server.port = server.port,
+            shardlock.shard = self.name.as_str(),
+            error.type = tracing::field::Empty,
+        )
+    }
+
+    /// Marks `span` failed with `err`: `error.type` is its MySQL error number, or its kind.
+    fn failed(span: &tracing::Span, err: &BackendError) {
+        span.record("otel.status_code", "error");
+        match err.code {
+            Some(code) => span.record("error.type", code),
+            None => span.record("error.type", format!("{:?}", err.kind)),
+        };
+    }
+
     async fn with_conn<A: Sync, T>(
+        &self,
+        operation: &'static str,
+        timeout: Duration,
+        args: &A,
+        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
+        retry_broken: bool,
+    ) -> Result<T, BackendError> {
+        let span = self.client_span(operation);
+        let result = self
+            .with_conn_tries(timeout, args, f, retry_broken)
+            .instrument(span.clone())
+            .await;
+        if let Err(e) = &result {
+            Self::failed(&span, e);
+        }
+        result
+    }
+
+    async fn with_conn_tries<A: Sync, T>(
         &self,
         timeout: Duration,
         args: &A,
@@ -232,7 +302,7 @@ impl Shard {
     /// kept the key's row locked for longer than the server waits (the caller asks again, as
     /// for a held key, within its own wait).
     pub async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
-        self.run(req, |c, &req| Box::pin(lease::acquire(c, req)))
+        self.run("acquire", req, |c, &req| Box::pin(lease::acquire(c, req)))
             .await
     }
 
@@ -242,8 +312,10 @@ impl Shard {
     /// distinct, at most [`crate::MAX_BATCH`].
     pub async fn acquire_batch(&self, reqs: &[GrantRequest]) -> Result<BatchGrants, BackendError> {
         let reqs: Vec<&GrantRequest> = reqs.iter().collect();
-        self.run(reqs, |c, reqs| Box::pin(batch::acquire_batch(c, reqs)))
-            .await
+        self.run("acquire_batch", reqs, |c, reqs| {
+            Box::pin(batch::acquire_batch(c, reqs))
+        })
+        .await
     }
 
     /// Releases every (key, owner) still held, in one statement; whether each was released.
@@ -257,7 +329,7 @@ impl Shard {
             .iter()
             .map(|(k, o)| (k.as_slice(), o.as_str()))
             .collect();
-        self.run(leases, |c, leases| {
+        self.run("release_batch", leases, |c, leases| {
             Box::pin(batch::release_batch(c, leases))
         })
         .await
@@ -269,7 +341,7 @@ impl Shard {
     /// release itself is idempotent, but its answer is not: if the first try released the row
     /// and only its reply was lost, the retry finds the row free and answers `false`.
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
-        self.run((key, owner), |c, &(key, owner)| {
+        self.run("release", (key, owner), |c, &(key, owner)| {
             Box::pin(lease::release(c, key, owner))
         })
         .await
@@ -283,9 +355,11 @@ impl Shard {
         owner: &str,
         fence: u64,
     ) -> Result<bool, BackendError> {
-        self.run((key, owner, fence), |c, &(key, owner, fence)| {
-            Box::pin(lease::raise_fence(c, key, owner, fence))
-        })
+        self.run(
+            "raise_fence",
+            (key, owner, fence),
+            |c, &(key, owner, fence)| Box::pin(lease::raise_fence(c, key, owner, fence)),
+        )
         .await
     }
 
@@ -295,7 +369,7 @@ impl Shard {
         after: &[u8],
         limit: usize,
     ) -> Result<Vec<FenceRow>, BackendError> {
-        self.run((after, limit), |c, &(after, limit)| {
+        self.run("fences_after", (after, limit), |c, &(after, limit)| {
             Box::pin(lease::fences_after(c, after, limit))
         })
         .await
@@ -307,7 +381,7 @@ impl Shard {
         after: &[u8],
         limit: usize,
     ) -> Result<Vec<CasRow>, BackendError> {
-        self.run((after, limit), |c, &(after, limit)| {
+        self.run("owned_cas_after", (after, limit), |c, &(after, limit)| {
             Box::pin(carry::owned_cas_after(c, after, limit))
         })
         .await
@@ -315,17 +389,21 @@ impl Shard {
 
     /// Writes carried CAS rows here where the key's row is free (see the carry module).
     pub async fn adopt_cas(&self, rows: &[CasRow]) -> Result<(), BackendError> {
-        self.run(rows, |c, &rows| Box::pin(carry::adopt_cas(c, rows)))
-            .await
+        self.run("adopt_cas", rows, |c, &rows| {
+            Box::pin(carry::adopt_cas(c, rows))
+        })
+        .await
     }
 
     /// Frees a CAS row carried to another shard (see the carry module); whether this call
     /// freed it, a lost reply included.
     pub async fn free_carried_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
         let (key, owner, version) = (row.0.as_slice(), row.1.as_str(), row.2);
-        self.run((key, owner, version), |c, &(key, owner, version)| {
-            Box::pin(carry::free_carried_cas(c, key, owner, version))
-        })
+        self.run(
+            "free_carried_cas",
+            (key, owner, version),
+            |c, &(key, owner, version)| Box::pin(carry::free_carried_cas(c, key, owner, version)),
+        )
         .await
     }
 
@@ -335,9 +413,11 @@ impl Shard {
         after: u64,
         limit: usize,
     ) -> Result<Vec<PendingJob>, BackendError> {
-        self.run((after, limit), |c, &(after, limit)| {
-            Box::pin(carry::pending_jobs_after(c, after, limit))
-        })
+        self.run(
+            "pending_jobs_after",
+            (after, limit),
+            |c, &(after, limit)| Box::pin(carry::pending_jobs_after(c, after, limit)),
+        )
         .await
     }
 
@@ -348,7 +428,7 @@ impl Shard {
         ids: &[u64],
         to: &str,
     ) -> Result<Vec<MovingJob>, BackendError> {
-        self.run((ids, to), |c, &(ids, to)| {
+        self.run("start_moving", (ids, to), |c, &(ids, to)| {
             Box::pin(carry::start_moving(c, ids, to))
         })
         .await
@@ -360,7 +440,7 @@ impl Shard {
         origin: &str,
         jobs: &[MovingJob],
     ) -> Result<(), BackendError> {
-        self.run((origin, jobs), |c, &(origin, jobs)| {
+        self.run("enqueue_moved", (origin, jobs), |c, &(origin, jobs)| {
             Box::pin(carry::enqueue_moved(c, origin, jobs))
         })
         .await
@@ -368,18 +448,21 @@ impl Shard {
 
     /// Marks moved jobs as gone from here.
     pub async fn finish_moving(&self, ids: &[u64]) -> Result<(), BackendError> {
-        self.run(ids, |c, &ids| Box::pin(carry::finish_moving(c, ids)))
-            .await
+        self.run("finish_moving", ids, |c, &ids| {
+            Box::pin(carry::finish_moving(c, ids))
+        })
+        .await
     }
 
     /// The shard's clock, in microseconds since the epoch.
     pub async fn clock_us(&self) -> Result<u64, BackendError> {
-        self.run((), |c, _| Box::pin(lease::clock_us(c))).await
+        self.run("clock_us", (), |c, _| Box::pin(lease::clock_us(c)))
+            .await
     }
 
     /// Raises the shard's fence floor: every fence granted here from now on is above `floor`.
     pub async fn raise_shard_floor(&self, floor: u64) -> Result<(), BackendError> {
-        self.run(floor, |c, &floor| {
+        self.run("raise_shard_floor", floor, |c, &floor| {
             Box::pin(lease::raise_shard_floor(c, floor))
         })
         .await
@@ -390,14 +473,16 @@ impl Shard {
         &self,
         keys: Vec<Vec<u8>>,
     ) -> Result<Vec<(Vec<u8>, String)>, BackendError> {
-        self.run(keys, |c, keys| Box::pin(lease::live_owners(c, keys)))
-            .await
+        self.run("live_owners", keys, |c, keys| {
+            Box::pin(lease::live_owners(c, keys))
+        })
+        .await
     }
 
     /// Raises each key's stored fence to at least the given floor (see `raise_floors` in
     /// the lease statements); idempotent.
     pub async fn raise_floors(&self, floors: &[(Vec<u8>, u64)]) -> Result<(), BackendError> {
-        self.run(floors, |c, &floors| {
+        self.run("raise_floors", floors, |c, &floors| {
             Box::pin(lease::raise_floors(c, floors))
         })
         .await
@@ -411,7 +496,7 @@ impl Shard {
         old_owner: &str,
         to: &GrantRequest,
     ) -> Result<HandoffOutcome, BackendError> {
-        self.run_once((old_owner, to), |c, &(old_owner, to)| {
+        self.run_once("handoff", (old_owner, to), |c, &(old_owner, to)| {
             Box::pin(lease::handoff(c, old_owner, to))
         })
         .await
@@ -436,6 +521,7 @@ impl Shard {
             let left = deadline.saturating_duration_since(Instant::now());
             let part = self
                 .with_conn(
+                    "renew",
                     left,
                     &chunk,
                     |c, &chunk| Box::pin(lease::renew(c, chunk)),
@@ -450,37 +536,43 @@ impl Shard {
 
     /// The lease row of `key`, if the key was ever granted here.
     pub async fn inspect(&self, key: &[u8]) -> Result<Option<LeaseRow>, BackendError> {
-        self.run(key, |c, &key| Box::pin(lease::inspect(c, key)))
+        self.run("inspect", key, |c, &key| Box::pin(lease::inspect(c, key)))
             .await
     }
 
     /// The trace context (W3C traceparent) of the live holder of `key`, if it was traced.
     pub async fn holder_trace(&self, key: &[u8]) -> Result<Option<String>, BackendError> {
-        self.run(key, |c, &key| Box::pin(lease::holder_trace(c, key)))
-            .await
+        self.run("holder_trace", key, |c, &key| {
+            Box::pin(lease::holder_trace(c, key))
+        })
+        .await
     }
 
     /// What identifies the database this shard reaches: the id its tables were created with
     /// (migration 5) and the server's host name, port, server id and schema. Two shards with
     /// the same identity are the same database, whatever their URLs.
     pub async fn identity(&self) -> Result<String, BackendError> {
-        self.run((), |c, _| Box::pin(lease::identity(c))).await
+        self.run("identity", (), |c, _| Box::pin(lease::identity(c)))
+            .await
     }
 
     /// How many live leases the shard holds (all instances).
     pub async fn count_held(&self) -> Result<u64, BackendError> {
-        self.run((), |c, _| Box::pin(lease::count_held(c))).await
+        self.run("count_held", (), |c, _| Box::pin(lease::count_held(c)))
+            .await
     }
 
     /// Registers `instance` or renews its heartbeat.
     pub async fn heartbeat(&self, beat: Beat<'_>) -> Result<(), BackendError> {
-        self.run(beat, |c, &beat| Box::pin(cleaner::heartbeat(c, beat)))
-            .await
+        self.run("heartbeat", beat, |c, &beat| {
+            Box::pin(cleaner::heartbeat(c, beat))
+        })
+        .await
     }
 
     /// Marks `instance` as shut down.
     pub async fn deregister(&self, instance: &str) -> Result<(), BackendError> {
-        self.run(instance, |c, &instance| {
+        self.run("deregister", instance, |c, &instance| {
             Box::pin(cleaner::deregister(c, instance))
         })
         .await
@@ -490,7 +582,7 @@ impl Shard {
     /// clock); how many.
     pub async fn forget_instances(&self, silent: Duration) -> Result<u64, BackendError> {
         let silent_us = u64::try_from(silent.as_micros()).unwrap_or(u64::MAX);
-        self.run(silent_us, |c, &us| {
+        self.run("forget_instances", silent_us, |c, &us| {
             Box::pin(cleaner::forget_instances(c, us))
         })
         .await
@@ -503,15 +595,18 @@ impl Shard {
         timeout: Duration,
     ) -> Result<Vec<String>, BackendError> {
         let timeout_us = timeout.as_micros() as u64;
-        self.run((instances, timeout_us), |c, &(instances, timeout_us)| {
-            Box::pin(cleaner::alive(c, instances, timeout_us))
-        })
+        self.run(
+            "alive_instances",
+            (instances, timeout_us),
+            |c, &(instances, timeout_us)| Box::pin(cleaner::alive(c, instances, timeout_us)),
+        )
         .await
     }
 
     /// Every instance registered here.
     pub async fn instances(&self) -> Result<Vec<InstanceRow>, BackendError> {
-        self.run((), |c, _| Box::pin(cleaner::instances(c))).await
+        self.run("instances", (), |c, _| Box::pin(cleaner::instances(c)))
+            .await
     }
 
     /// Up to `limit` rows after `after` (key order) that the cleaner may remove: ended longer
@@ -525,6 +620,7 @@ impl Shard {
     ) -> Result<Vec<Candidate>, BackendError> {
         let (grace_us, margin_us) = (grace.as_micros() as u64, margin.as_micros() as u64);
         self.run(
+            "cleanup_candidates",
             (after, grace_us, margin_us, limit),
             |c, &(after, grace_us, margin_us, limit)| {
                 Box::pin(cleaner::candidates(c, after, grace_us, margin_us, limit))
@@ -547,6 +643,7 @@ impl Shard {
     ) -> Result<u64, BackendError> {
         let (grace_us, margin_us) = (grace.as_micros() as u64, margin.as_micros() as u64);
         self.run(
+            "delete_ended",
             (keys, owners, grace_us, margin_us, fence_at_most),
             |c, &(keys, owners, grace_us, margin_us, fence_at_most)| {
                 Box::pin(cleaner::delete(
@@ -569,7 +666,7 @@ impl Shard {
         key: &[u8],
         owner: &str,
     ) -> Result<Option<u64>, BackendError> {
-        self.run((key, owner), |c, &(key, owner)| {
+        self.run("force_release", (key, owner), |c, &(key, owner)| {
             Box::pin(cleaner::force_release(c, key, owner))
         })
         .await

@@ -16,11 +16,13 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
+mod certs;
 mod competitor;
 mod proxy;
 mod server;
 mod worker;
 
+pub use certs::TestCerts;
 pub use competitor::Competitor;
 pub use proxy::{Proxy, ProxyMode};
 pub use server::{Cluster, DevCluster, Shard, DATABASE};

@@ -38,6 +38,16 @@ impl Cluster {
     /// `FAKETIME=spec` for each `(i, spec)` in `clocks` (`"+60s"`: a wall clock 60 s ahead;
     /// see faketime(1)). Only the shard's wall clock is faked, not its monotonic one.
     pub async fn start_with_clocks(n: usize, clocks: &[(usize, &str)]) -> io::Result<Self> {
+        Self::launch(n, clocks, &[]).await
+    }
+
+    /// Starts `n` shards like [`Cluster::start`], each with `args` added to its `mariadbd`
+    /// command line (`--ssl-cert=…`, say; see [`TestCerts::server_args`](crate::TestCerts)).
+    pub async fn start_with_args(n: usize, args: &[String]) -> io::Result<Self> {
+        Self::launch(n, &[], args).await
+    }
+
+    async fn launch(n: usize, clocks: &[(usize, &str)], args: &[String]) -> io::Result<Self> {
         let template = template_dir()?;
         let mut starting = Vec::with_capacity(n);
         for i in 0..n {
@@ -49,7 +59,12 @@ impl Cluster {
                 .iter()
                 .find(|(at, _)| *at == i)
                 .map(|(_, spec)| spec.to_string());
-            starting.push(Shard::launch(format!("s{}", i + 1), dir, clock)?);
+            starting.push(Shard::launch(
+                format!("s{}", i + 1),
+                dir,
+                clock,
+                args.to_vec(),
+            )?);
         }
         let mut shards = Vec::with_capacity(n);
         for shard in starting {
@@ -111,6 +126,8 @@ pub struct Shard {
     process: Mutex<Option<Guarded>>,
     /// `FAKETIME` for a shard whose clock is skewed (libfaketime).
     clock: Option<String>,
+    /// Arguments added to the server's command line.
+    extra_args: Vec<String>,
 }
 
 /// A running server under its `sh` guardian.
@@ -123,7 +140,12 @@ struct Guarded {
 }
 
 impl Shard {
-    fn launch(name: String, dir: tempfile::TempDir, clock: Option<String>) -> io::Result<Self> {
+    fn launch(
+        name: String,
+        dir: tempfile::TempDir,
+        clock: Option<String>,
+        extra_args: Vec<String>,
+    ) -> io::Result<Self> {
         let port = free_port()?;
         let shard = Self {
             name,
@@ -131,6 +153,7 @@ impl Shard {
             dir,
             process: Mutex::new(None),
             clock,
+            extra_args,
         };
         shard.spawn()?;
         Ok(shard)
@@ -158,6 +181,7 @@ impl Shard {
             .arg("sh")
             .arg(mariadbd()?)
             .args(server_args(self.dir.path(), self.port()))
+            .args(&self.extra_args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())

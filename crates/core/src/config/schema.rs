@@ -278,6 +278,46 @@ pub struct ShardConfig {
     pub statement_timeout: Duration,
     /// The connection pool.
     pub pool: PoolConfig,
+    /// TLS to the shard.
+    pub tls: TlsConfig,
+}
+
+/// TLS to a shard, in MySQL's `--ssl-mode` terms.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[non_exhaustive]
+pub struct TlsConfig {
+    /// How much TLS to ask for (default: `disabled`).
+    pub mode: TlsMode,
+    /// The CA (PEM) that signed the server's certificate; required by `verify-ca` and
+    /// `verify-identity`, which trust it alone.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// A client certificate chain (PEM), for a user that requires one (`REQUIRE X509`).
+    pub cert_file: Option<std::path::PathBuf>,
+    /// The client certificate's private key (PEM).
+    pub key_file: Option<std::path::PathBuf>,
+    /// `verify-identity`: the name the server's certificate is issued for, when the URL's host
+    /// is not it (an IP address, a proxy, a tunnel).
+    pub server_name: Option<String>,
+}
+
+/// MySQL's TLS modes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TlsMode {
+    /// Plaintext.
+    #[default]
+    Disabled,
+    /// TLS when the server offers it, plaintext otherwise; the certificate is not checked.
+    Preferred,
+    /// TLS or no connection; the certificate is not checked.
+    Required,
+    /// TLS with a certificate signed by `ca-file`; the host name is not checked. Refused by
+    /// this version: its MySQL driver checks the host name anyway (see `ca-file` and
+    /// `server-name` with `verify-identity`).
+    VerifyCa,
+    /// TLS with a certificate signed by `ca-file` and issued for the host of the URL.
+    VerifyIdentity,
 }
 
 impl std::fmt::Debug for ShardConfig {
@@ -291,6 +331,7 @@ impl std::fmt::Debug for ShardConfig {
             .field("weight", &self.weight)
             .field("statement_timeout", &self.statement_timeout)
             .field("pool", &self.pool)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -323,6 +364,7 @@ impl Default for ShardConfig {
             weight: 1,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             pool: PoolConfig::default(),
+            tls: TlsConfig::default(),
         }
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::{
     redact_url, CleanerConfig, Config, ConfigError, InstanceConfig, NamespaceConfig, RoutingConfig,
-    ShardConfig, TelemetryConfig,
+    ShardConfig, TelemetryConfig, TlsMode,
 };
 use crate::BreakerConfig;
 
@@ -107,6 +107,36 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
             return Err(ConfigError::field(
                 field("url"),
                 "the URL has a password and so does the shard (password or password-file): keep one",
+            ));
+        }
+        let tls = &shard.tls;
+        if matches!(tls.mode, TlsMode::VerifyCa | TlsMode::VerifyIdentity) && tls.ca_file.is_none()
+        {
+            return Err(ConfigError::field(
+                field("tls.ca-file"),
+                "verify-ca and verify-identity check the server's certificate against this CA: name its file",
+            ));
+        }
+        if tls.cert_file.is_some() != tls.key_file.is_some() {
+            return Err(ConfigError::field(
+                field(if tls.cert_file.is_some() {
+                    "tls.key-file"
+                } else {
+                    "tls.cert-file"
+                }),
+                "a client certificate needs both cert-file and key-file",
+            ));
+        }
+        if tls.server_name.is_some() && tls.mode != TlsMode::VerifyIdentity {
+            return Err(ConfigError::field(
+                field("tls.server-name"),
+                "the name is checked by verify-identity only",
+            ));
+        }
+        if tls.mode == TlsMode::Disabled && (tls.ca_file.is_some() || tls.cert_file.is_some()) {
+            return Err(ConfigError::field(
+                field("tls.mode"),
+                "TLS files are given but the mode is `disabled`: set a mode",
             ));
         }
         if shard.weight == 0 || shard.weight > 100 {
