@@ -334,6 +334,28 @@ fn received_spans(received: &std::sync::Mutex<Vec<serde_json::Value>>) -> Vec<se
         .collect()
 }
 
+/// Spans exported over OTLP to a loopback receiver (what it received), through the `tracing`
+/// layer of the telemetry `init` made, installed as this test process's subscriber.
+async fn traced_to_otlp(
+    record_keys: bool,
+) -> (
+    TelemetryGuard,
+    std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+) {
+    use tracing_subscriber::prelude::*;
+    let (addr, received) = otlp_receiver().await;
+    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
+        c.otlp_endpoint = Some(format!("http://{addr}"));
+        c.record_keys = record_keys;
+    }))
+    .await
+    .unwrap();
+    tracing_subscriber::registry()
+        .with(telemetry.layer())
+        .init();
+    (telemetry, received)
+}
+
 /// An attribute of an OTLP/JSON span, as text.
 fn attribute(span: &serde_json::Value, key: &str) -> Option<String> {
     span["attributes"]
@@ -352,17 +374,7 @@ fn attribute(span: &serde_json::Value, key: &str) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
-    use tracing_subscriber::prelude::*;
-    let (addr, received) = otlp_receiver().await;
-    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
-        c.otlp_endpoint = Some(format!("http://{addr}"));
-        c.record_keys = true;
-    }))
-    .await
-    .unwrap();
-    tracing_subscriber::registry()
-        .with(telemetry.layer())
-        .init();
+    let (telemetry, received) = traced_to_otlp(true).await;
     let (_cluster, router, _yaml) = common::start(1, "telemetry:\n  record-keys: true\n").await;
 
     let holder = router
@@ -439,16 +451,7 @@ async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiter_elsewhere_links_to_the_holders_trace_stored_with_the_lease() {
-    use tracing_subscriber::prelude::*;
-    let (addr, received) = otlp_receiver().await;
-    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
-        c.otlp_endpoint = Some(format!("http://{addr}"));
-    }))
-    .await
-    .unwrap();
-    tracing_subscriber::registry()
-        .with(telemetry.layer())
-        .init();
+    let (telemetry, received) = traced_to_otlp(false).await;
     let extra = "telemetry:\n  record-keys: true\n";
     let (cluster, holder_router, _yaml) = common::start(1, extra).await;
     // Another instance: it shares no memory with the holder, only the lease row.
@@ -739,16 +742,7 @@ async fn a_real_prometheus_answers_every_dashboard_query_with_series() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn shard_calls_are_database_client_spans_with_an_error_status_when_they_fail() {
-    use tracing_subscriber::prelude::*;
-    let (addr, received) = otlp_receiver().await;
-    let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
-        c.otlp_endpoint = Some(format!("http://{addr}"));
-    }))
-    .await
-    .unwrap();
-    tracing_subscriber::registry()
-        .with(telemetry.layer())
-        .init();
+    let (telemetry, received) = traced_to_otlp(false).await;
     let (cluster, router, _yaml) = common::start(1, "").await;
     let port = cluster.shard(0).port();
     router
