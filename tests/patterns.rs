@@ -490,6 +490,9 @@ async fn a_transaction_ended_by_the_callers_sql_is_reported_lost_at_commit() {
     for ending in [
         "CREATE TABLE IF NOT EXISTS tx_ddl_probe (n INT PRIMARY KEY)",
         "COMMIT",
+        // A new transaction with a savepoint of the name an older version marked the lock's
+        // with: it must not pass for the lock's.
+        "COMMIT; BEGIN; SAVEPOINT shardlock_tx_lock",
     ] {
         let mut guard = router.lock_in_transaction("tx:ended", wait).await.unwrap();
         guard.conn().query_drop(ending).await.unwrap();

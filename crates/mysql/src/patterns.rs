@@ -37,23 +37,24 @@ const TX_BEGIN: &str = "START TRANSACTION";
 /// zero wait (MySQL 8.0, MariaDB 10.3+): a locked row is answered at once, with 3572 (MySQL)
 /// or 1205 (MariaDB).
 ///
-/// Then marks the transaction with a savepoint, the one trace of it the server drops when the
-/// transaction ends for any reason: [`TX_COMMIT`] finds it, or learns that the caller's SQL
+/// Then marks the transaction with a savepoint (named at random per lock, so that none of the
+/// caller's can stand in for it), the one trace of it the server drops when the transaction
+/// ends for any reason: [`TX_COMMIT`] finds it, or learns that the caller's SQL
 /// ended the transaction early (a DDL statement commits implicitly, so does the caller's own
 /// `COMMIT`) and that the statements after that ran without the lock. Sent with the lock in
 /// one round trip; a failed lock stops it before the savepoint.
 const TX_LOCK: &str =
     "SELECT lock_key FROM shardlock_txlock WHERE lock_key = {key} FOR UPDATE{nowait}; \
-     SAVEPOINT shardlock_tx_lock";
+     SAVEPOINT {savepoint}";
 
 /// Ends a transaction lock keeping the caller's statements, if it is still the transaction
 /// that took the lock (its savepoint is there); else the server answers 1305 (no such
 /// savepoint) and commits nothing.
-const TX_COMMIT: &str = "RELEASE SAVEPOINT shardlock_tx_lock; COMMIT";
+const TX_COMMIT: &str = "RELEASE SAVEPOINT {savepoint}; COMMIT";
 
 /// Ends a transaction lock undoing the caller's statements, answering 1305 (and undoing
 /// nothing) when the transaction that took the lock had already ended.
-const TX_ROLLBACK_LOCK: &str = "ROLLBACK TO SAVEPOINT shardlock_tx_lock; ROLLBACK";
+const TX_ROLLBACK_LOCK: &str = "ROLLBACK TO SAVEPOINT {savepoint}; ROLLBACK";
 
 /// The server's answer to a savepoint that does not exist (MySQL and MariaDB).
 const NO_SUCH_SAVEPOINT: u16 = 1305;
@@ -67,19 +68,23 @@ impl SessionConn {
     /// at all); the caller enforces the exact wait. A row still locked is answered with a lock
     /// wait timeout (1205) or, for a zero wait on MySQL, 3572.
     pub async fn lock_tx_row(&mut self, key: &[u8], wait: Duration) -> Result<(), BackendError> {
-        let raw = self.raw();
         let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
         let key = format!("X'{hex}'");
         // At most the server's limit: a "wait for ever" waits that long.
         let secs = wait.as_secs_f64().ceil().clamp(1.0, 1_073_741_824.0) as u64;
         let nowait = if wait.is_zero() { " NOWAIT" } else { "" };
+        self.savepoint = format!("shardlock_tx_lock_{:016x}", rand::random::<u64>());
+        let lock = TX_LOCK
+            .replace("{key}", &key)
+            .replace("{nowait}", nowait)
+            .replace("{savepoint}", &self.savepoint);
+        let raw = self.raw();
         let run = async {
             raw.query_drop(TX_LOCK_WAIT.replace("{secs}", &secs.to_string()))
                 .await?;
             raw.query_drop(TX_ROW.replace("{key}", &key)).await?;
             raw.query_drop(TX_BEGIN).await?;
-            raw.query_drop(TX_LOCK.replace("{key}", &key).replace("{nowait}", nowait))
-                .await
+            raw.query_drop(lock).await
         };
         run.await.map_err(classify)
     }
@@ -102,6 +107,7 @@ impl SessionConn {
     /// Ends the lock's transaction with `sql`, which starts at its savepoint; `false` (and
     /// the session rolled back) when the savepoint, and so the transaction, was gone.
     async fn end_lock(&mut self, sql: &str) -> Result<bool, BackendError> {
+        let sql = sql.replace("{savepoint}", &self.savepoint);
         match self.raw().query_drop(sql).await {
             Ok(()) => Ok(true),
             Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_SAVEPOINT => {

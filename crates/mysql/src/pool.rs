@@ -66,22 +66,30 @@ impl ShardConn {
 /// lock's, or the caller's own SQL. Dropped, it goes back to the pool, which resets it before
 /// anyone reuses it; [`SessionConn::discard`] closes it instead.
 #[derive(Debug)]
-pub struct SessionConn(managed::Object<ShardManager>);
+pub struct SessionConn {
+    conn: managed::Object<ShardManager>,
+    /// The savepoint that marks a transaction lock's transaction: random per lock, so that no
+    /// savepoint of the caller's SQL can stand in for it.
+    pub(crate) savepoint: String,
+}
 
 impl SessionConn {
     pub(crate) fn new(conn: managed::Object<ShardManager>) -> Self {
-        Self(conn)
+        Self {
+            conn,
+            savepoint: String::new(),
+        }
     }
 
     /// The raw connection for the caller's own SQL.
     pub fn raw(&mut self) -> &mut Conn {
-        self.0.raw()
+        self.conn.raw()
     }
 
     /// Closes the connection instead of pooling it: the server then rolls back whatever it
     /// was running, and nothing of its session reaches the next user.
     pub fn discard(self) {
-        drop(managed::Object::take(self.0));
+        drop(managed::Object::take(self.conn));
     }
 }
 
