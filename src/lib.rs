@@ -37,7 +37,8 @@ pub use shardlock_core::{
     Error, LockKey, Report, Result, Ring, RingHash,
 };
 pub use shardlock_mysql::{
-    mysql_async, InstanceRow, InstanceVerdict, LeaseRow, MigrateReport, PoolStatus, MIGRATIONS,
+    connect_opts, mysql_async, InstanceRow, InstanceVerdict, LeaseRow, MigrateReport, PoolStatus,
+    MIGRATIONS,
 };
 
 /// Services hold routers and guards across `.await` points in spawned tasks: each must stay

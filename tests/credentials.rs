@@ -63,6 +63,14 @@ async fn a_shard_is_reached_with_a_user_and_a_password_file() {
         .await
         .expect("a new connection with the rotated password");
     guard.release().await.unwrap();
+    // The application's own connection next to its locks, reached the same way.
+    let config = router.config();
+    let mut own =
+        shardlock::mysql_async::Conn::new(shardlock::connect_opts(&config.shards[0], 0).unwrap())
+            .await
+            .expect("connect_opts reaches the shard with the user and the password file");
+    let me: Option<String> = own.query_first("SELECT CURRENT_USER()").await.unwrap();
+    assert_eq!(me.as_deref(), Some("app@%"));
     router.shutdown().await.unwrap();
 
     let e = LockRouter::from_yaml_str(&yaml("/nonexistent/password"))

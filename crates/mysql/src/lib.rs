@@ -29,7 +29,7 @@ pub use lease::{
 pub use migrate::{MigrateReport, MIGRATIONS};
 pub use patterns::{ClaimedJob, JobEnd, StateTable};
 pub use pool::SessionConn;
-pub use shard::{PoolStatus, Shard};
+pub use shard::{connect_opts, PoolStatus, Shard};
 
 /// Re-exported so callers can run their own SQL on a shard connection.
 pub use mysql_async;

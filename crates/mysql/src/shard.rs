@@ -70,16 +70,32 @@ fn password(config: &ShardConfig, index: usize) -> Result<Option<String>, Config
         .map_err(|e| ConfigError::field(format!("shards[{index}].password-file"), e.to_string()))
 }
 
+/// The driver's options for reaching `config`'s shard as shardlock does: its URL, the user and
+/// password given beside it (a password file read now) and its TLS — for a connection or pool
+/// of the application's own next to the shard's locks (`index`: the shard's place in `shards`,
+/// for errors).
+pub fn connect_opts(config: &ShardConfig, index: usize) -> Result<Opts, ConfigError> {
+    let opts = Opts::from_url(&config.url).map_err(|e| {
+        ConfigError::field(
+            format!("shards[{index}].url"),
+            format!("cannot parse the URL: {e}"),
+        )
+    })?;
+    let mut opts = OptsBuilder::from_opts(opts);
+    if let Some(user) = &config.user {
+        opts = opts.user(Some(user));
+    }
+    if let Some(password) = password(config, index)? {
+        opts = opts.pass(Some(password));
+    }
+    Ok(crate::tls::apply(opts, &config.tls, index)?.into())
+}
+
 impl Shard {
     /// Builds the shard's pool from its config (`index` is its position in `shards`, for
     /// error messages). Connects lazily: nothing is opened until first use.
     pub fn new(config: &ShardConfig, index: usize) -> Result<Self, ConfigError> {
-        let opts = Opts::from_url(&config.url).map_err(|e| {
-            ConfigError::field(
-                format!("shards[{index}].url"),
-                format!("cannot parse the URL: {e}"),
-            )
-        })?;
+        let opts = connect_opts(config, index)?;
         // `client_found_rows`: affected rows count the rows a statement matched, not those it
         // changed. Every "whether it did" answer relies on it: a renewal in the same
         // millisecond as the last one, or a fence raised to the value it had, changes nothing
@@ -95,15 +111,7 @@ impl Shard {
             port: opts.tcp_port(),
             database: opts.db_name().unwrap_or_default().to_owned(),
         };
-        let mut opts = OptsBuilder::from_opts(opts);
-        if let Some(user) = &config.user {
-            opts = opts.user(Some(user));
-        }
-        if let Some(password) = password(config, index)? {
-            opts = opts.pass(Some(password));
-        }
-        let opts = crate::tls::apply(opts, &config.tls, index)?;
-        let opts = opts
+        let opts = OptsBuilder::from_opts(opts)
             .client_found_rows(true)
             .tcp_nodelay(true)
             .stmt_cache_size(128)

@@ -24,13 +24,13 @@ pub(super) async fn while_cleaning(
     config.cleaner.batch_size = 1000;
     config.cleaner.batch_pause = Duration::from_millis(10);
     config.cleaner.grace = Duration::from_secs(1);
-    let url = config.shards[0].url.clone();
+    let shard = shardlock::connect_opts(&config.shards[0], 0)?;
     let router = LockRouter::new(config).await?;
     let prefix = format!("bench:garbage:{}:", round.tag);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let cleaner = if cleaning {
         let rows = (round.args.duration.as_secs_f64() * 400_000.0) as u64;
-        plant_released_rows(&url, &prefix, rows).await?;
+        plant_released_rows(shard.clone(), &prefix, rows).await?;
         let (router, stop) = (router.clone(), stop.clone());
         Some(tokio::spawn(async move {
             let mut deleted = 0;
@@ -74,7 +74,7 @@ pub(super) async fn while_cleaning(
             );
         }
         // What the round left is not measured.
-        let mut c = Conn::from_url(url.as_str()).await?;
+        let mut c = Conn::new(shard).await?;
         c.exec_drop(
             "DELETE FROM shardlock_lease WHERE lock_key LIKE CONCAT(?, '%')",
             (prefix.as_bytes(),),
@@ -87,8 +87,12 @@ pub(super) async fn while_cleaning(
 
 /// Plants `rows` released rows under `prefix`, ended an hour ago, with fences far below the
 /// shard's clock: rows the cleaner deletes. Portable SQL (no sequence engine).
-async fn plant_released_rows(url: &str, prefix: &str, rows: u64) -> Result<(), AnyError> {
-    let mut c = Conn::from_url(url).await?;
+async fn plant_released_rows(
+    shard: shardlock::mysql_async::Opts,
+    prefix: &str,
+    rows: u64,
+) -> Result<(), AnyError> {
+    let mut c = Conn::new(shard).await?;
     let digits = "(SELECT 0 d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 \
                   UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 \
                   UNION ALL SELECT 8 UNION ALL SELECT 9)";

@@ -6,10 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use shardlock::config::ShardConfig;
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::mysql_async::{
-    Error as MyError, Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts,
-};
+use shardlock::mysql_async::{Error as MyError, OptsBuilder, Pool, PoolConstraints, PoolOpts};
 use shardlock::{AcquireOptions, Backoff, LockRouter};
 
 use super::report::{summarize, Measurement, Reading};
@@ -41,9 +40,11 @@ pub(super) fn default_backoff() -> Backoff {
 
 /// The baselines' pool: as many connections as the shard's shardlock pool, and (like
 /// shardlock's pool) no session reset on every return, so prepared statements stay cached.
-pub(super) fn baseline_pool(url: &str, max: usize) -> Result<Pool, AnyError> {
+/// Reaches the shard as shardlock does (credentials beside the URL, TLS).
+pub(super) fn baseline_pool(shard: &ShardConfig) -> Result<Pool, AnyError> {
+    let max = shard.pool.max_size;
     let constraints = PoolConstraints::new(1, max.max(1)).ok_or("pool size")?;
-    let opts = OptsBuilder::from_opts(Opts::from_url(url)?)
+    let opts = OptsBuilder::from_opts(shardlock::connect_opts(shard, 0)?)
         .pool_opts(
             PoolOpts::default()
                 .with_constraints(constraints)

@@ -133,7 +133,7 @@ pub(crate) async fn run(
     let shard = config.shards[0].clone();
     let router = LockRouter::new(config).await?;
     router.migrate().await?;
-    let pool = baseline_pool(&shard.url, shard.pool.max_size)?;
+    let pool = baseline_pool(&shard)?;
     prepare_baseline_tables(&pool).await?;
     let counters = Counters { pool: pool.clone() };
     let run_id = std::time::SystemTime::now()

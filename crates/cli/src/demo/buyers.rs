@@ -69,7 +69,7 @@ pub(super) async fn buyer_process(source: &ConfigSource, args: &DemoArgs) -> Res
         Some(path) => Some(router.reload_on_sighup(path)?),
         None => None,
     };
-    let shards = shard_pools(source);
+    let shards = shard_pools(source)?;
     let opts = match router.config().namespace(NAMESPACE) {
         Some(_) => AcquireOptions::new().namespace(NAMESPACE),
         None => AcquireOptions::new(),

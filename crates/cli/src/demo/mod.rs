@@ -49,7 +49,7 @@ pub(crate) async fn run(source: &ConfigSource, args: DemoArgs) -> Result<(), Any
     }
     let router = source.router().await?;
     router.migrate().await?;
-    let shards = tables::shard_pools(source);
+    let shards = tables::shard_pools(source)?;
     tables::setup_tables(&router, &shards, &args).await?;
 
     sale::act(source, &router, &shards, &args).await?;

@@ -9,12 +9,11 @@ use super::{sku_key, DemoArgs};
 use crate::{AnyError, ConfigSource};
 
 /// A pool per shard for the demo's own tables (which live next to the locks).
-pub(super) fn shard_pools(source: &ConfigSource) -> Vec<(String, Pool)> {
-    source
-        .config
-        .shards
-        .iter()
-        .map(|s| (s.name.clone(), Pool::new(s.url.as_str())))
+/// Each reached as shardlock reaches it (credentials beside the URL, TLS).
+pub(super) fn shard_pools(source: &ConfigSource) -> shardlock::Result<Vec<(String, Pool)>> {
+    let shards = source.config.shards.iter().enumerate();
+    shards
+        .map(|(i, s)| Ok((s.name.clone(), Pool::new(shardlock::connect_opts(s, i)?))))
         .collect()
 }
 
