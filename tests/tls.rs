@@ -51,17 +51,30 @@ async fn lock_through(yaml: &str) -> shardlock::Result<()> {
 }
 
 /// The refusal of `yaml`'s shard, naming `s1`, as one line: `Unavailable` for a connection
-/// that failed (TLS), `Backend` for a server that answered no (a login refused).
+/// that failed (TLS), `Backend` for a server that answered no (a login refused). Asked twice,
+/// through an operator's call (migrate) and through a lock (acquire, whose statements go in
+/// batches): both say why.
 async fn refusal(yaml: &str) -> String {
     let router = LockRouter::from_yaml_str(yaml).await.unwrap();
-    let err = router.migrate().await.unwrap_err();
-    let said = err.report().to_string();
-    assert!(
-        matches!(&err, Error::Unavailable { shard, .. } | Error::Backend { shard, .. } if shard == "s1"),
-        "{said}"
-    );
-    assert!(said.contains("shard `s1`"), "{said}");
-    said
+    let migrate = router.migrate().await.unwrap_err();
+    let acquire = router
+        .try_acquire("tls:refused", AcquireOptions::new())
+        .await
+        .unwrap_err();
+    let mut said = Vec::new();
+    for err in [migrate, acquire] {
+        let text = err.report().to_string();
+        assert!(
+            matches!(&err, Error::Unavailable { shard, .. } | Error::Backend { shard, .. } if shard == "s1"),
+            "{text}"
+        );
+        assert!(text.contains("shard `s1`"), "{text}");
+        said.push(text);
+    }
+    // The cause, past its kind, is the same both ways.
+    let cause = |text: &str| text.rsplit(": ").next().unwrap_or_default().to_owned();
+    assert_eq!(cause(&said[0]), cause(&said[1]), "{said:?}");
+    said.remove(1)
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -284,7 +284,10 @@ fn outcome_each<O>(
         Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
         Err(e) => (0..requests)
             .map(|_| {
-                let mut copy = BackendError::new(e.kind, e.code, e.to_string());
+                // Each caller's copy keeps the whole cause as its text (the driver's error
+                // cannot be cloned): the kind and code stay fields, the rest is the source.
+                let cause = shardlock_core::Report(&*e.source).to_string();
+                let mut copy = BackendError::new(e.kind, e.code, cause);
                 copy.maybe_applied = maybe_applied;
                 Err(copy)
             })

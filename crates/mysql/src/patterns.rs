@@ -107,7 +107,12 @@ impl SessionConn {
     /// Ends the lock's transaction with `sql`, which starts at its savepoint; `false` (and
     /// the session rolled back) when the savepoint, and so the transaction, was gone.
     async fn end_lock(&mut self, sql: &str) -> Result<bool, BackendError> {
-        let sql = sql.replace("{savepoint}", &self.savepoint);
+        if self.savepoint.is_empty() {
+            // No lock was taken on this connection: there is no lock's transaction to end.
+            self.rollback().await?;
+            return Ok(false);
+        }
+        let sql = sql.replace("{savepoint}", &std::mem::take(&mut self.savepoint));
         match self.raw().query_drop(sql).await {
             Ok(()) => Ok(true),
             Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_SAVEPOINT => {

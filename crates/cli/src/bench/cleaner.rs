@@ -38,7 +38,7 @@ pub(super) async fn while_cleaning(
                 match router.clean_once().await {
                     Ok(report) => deleted += report.shards.iter().map(|s| s.released).sum::<u64>(),
                     Err(e) => {
-                        eprintln!("bench cleaner: {e}");
+                        eprintln!("bench cleaner: {}", e.report());
                         break;
                     }
                 }

@@ -160,7 +160,7 @@ impl Round<'_> {
                             Err(e) => {
                                 errors += 1;
                                 if errors == 1 {
-                                    eprintln!("bench error: {e}");
+                                    eprintln!("bench error: {}", shardlock::Report(e.as_ref()));
                                 }
                             }
                         }

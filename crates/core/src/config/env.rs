@@ -21,14 +21,75 @@ enum Quoting {
 /// Comments are left alone, so a commented-out line may name a variable that is not set.
 /// An error points at its `${` in the text as written, the text the user edits.
 ///
-/// References are read in block-style YAML scalars on one line: plain, `"…"` or `'…'`. One
-/// inside a flow collection (`[…]`, `{…}`) is refused: its scalar cannot be told apart there
-/// without a YAML parser.
+/// References are read in block-style YAML scalars on one line: plain, `"…"` or `'…'` (after
+/// a tag or an anchor, if any), and in the lines of a block scalar (`|`, `>`), where the value
+/// is pasted as it is but may not break the line. One inside a flow collection (`[…]`, `{…}`)
+/// is refused: its scalar cannot be told apart there without a YAML parser.
 pub(super) fn substitute_env(text: &str) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(text.len());
+    // The indent of the line that opened the block scalar being read, if any.
+    let mut block: Option<usize> = None;
     for (line_no, line) in text.split_inclusive('\n').enumerate() {
+        let indent = line.len() - line.trim_start_matches(' ').len();
+        let blank = line.trim().is_empty();
+        if let Some(opened) = block {
+            if blank || indent > opened {
+                out.push_str(&substitute_block_line(line, line_no + 1)?);
+                continue;
+            }
+            block = None;
+        }
         out.push_str(&substitute_line(line, line_no + 1)?);
+        if opens_block_scalar(line) {
+            block = Some(indent);
+        }
     }
+    Ok(out)
+}
+
+/// Whether `line` ends with a block scalar's header (`key: |`, `- >-`, `|2+`), comments aside.
+fn opens_block_scalar(line: &str) -> bool {
+    let text = match line.find(" #") {
+        Some(at) => &line[..at],
+        None => line,
+    };
+    let Some(last) = text.split_whitespace().last() else {
+        return false;
+    };
+    let mut chars = last.chars();
+    matches!(chars.next(), Some('|' | '>'))
+        && chars.all(|c| c == '-' || c == '+' || c.is_ascii_digit())
+        && text.split_whitespace().count() > 1
+}
+
+/// A line of a block scalar: every reference replaced by its value as it is (the block takes
+/// any character but a line break).
+fn substitute_block_line(line: &str, line_no: usize) -> Result<String, ConfigError> {
+    let mut out = String::with_capacity(line.len());
+    let mut rest = line;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let column = line.len() - rest.len() + at + 1;
+        let err = |message: String| ConfigError {
+            line: Some(line_no),
+            column: Some(column),
+            message,
+            ..ConfigError::default()
+        };
+        let (value, used) = reference(&rest[at..]).map_err(err)?;
+        if value
+            .chars()
+            .any(|c| matches!(c, '\n' | '\r' | '\u{85}' | '\u{2028}' | '\u{2029}'))
+        {
+            return Err(err(
+                "the value holds a line break, which would end its line of the block scalar"
+                    .to_owned(),
+            ));
+        }
+        out.push_str(&value);
+        rest = &rest[at + used..];
+    }
+    out.push_str(rest);
     Ok(out)
 }
 
@@ -86,6 +147,15 @@ fn substitute_line(line: &str, line_no: usize) -> Result<String, ConfigError> {
                 if at_token_start {
                     match c {
                         b' ' | b'\t' | b'\n' | b'\r' => {}
+                        b'!' | b'&' => {
+                            // A tag or an anchor: the scalar starts after it.
+                            let end = line[i..]
+                                .find([' ', '\t', '\n', '\r'])
+                                .map_or(line.len(), |n| i + n);
+                            out.push_str(&line[i..end]);
+                            i = end;
+                            continue;
+                        }
                         b'"' => quoting = Quoting::Double,
                         b'\'' => quoting = Quoting::Single,
                         b'[' | b'{' => {
@@ -169,7 +239,10 @@ fn plain_safe(text: &str) -> bool {
     !"-?:,[]{}#&*!|>'\"%@`".contains(first)
         && !first.is_whitespace()
         && !text.ends_with(char::is_whitespace)
-        && !text.contains(['\n', '\r', '\t'])
+        // Any whitespace but a plain space may be a line break to YAML (U+0085, U+2028,
+        // U+2029 are) or a tab it refuses.
+        && !text.chars().any(|c| c.is_whitespace() && c != ' ')
+        && !text.chars().any(char::is_control)
         && !text.contains(": ")
         && !text.contains(" #")
         && !text.ends_with(':')
@@ -185,6 +258,9 @@ fn escape_double(value: &str) -> String {
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
+            '\u{85}' => out.push_str("\\N"),
+            '\u{2028}' => out.push_str("\\L"),
+            '\u{2029}' => out.push_str("\\P"),
             c if c.is_control() => out.push_str(&format!("\\u{:04x}", c as u32)),
             c => out.push(c),
         }
@@ -294,6 +370,30 @@ mod tests {
                     "{password}: the next field is intact"
                 );
             }
+        }
+        // A line break YAML knows beyond \n (U+2028) cannot start a sibling key either.
+        std::env::set_var("SHARDLOCK_TEST_LS", "x\u{2028}    weight:\u{2028}      7");
+        let c = Config::from_yaml_str(
+            "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n    password: ${SHARDLOCK_TEST_LS}\n",
+        )
+        .unwrap();
+        let got = c.shards[0].password.as_ref().map(|p| p.expose().to_owned());
+        assert_eq!(got.as_deref(), Some("x\u{2028}    weight:\u{2028}      7"));
+        assert_eq!(c.shards[0].weight, 1);
+        // After a tag the value is the scalar; in a block scalar it is pasted as it is.
+        std::env::set_var("SHARDLOCK_TEST_AT", "@abc: #1");
+        for (password, want) in [
+            ("!!str ${SHARDLOCK_TEST_AT}", "@abc: #1"),
+            ("|-\n      ${SHARDLOCK_TEST_AT}", "@abc: #1"),
+            (">-\n      pre ${SHARDLOCK_TEST_AT}", "pre @abc: #1"),
+        ] {
+            let c = Config::from_yaml_str(&format!(
+                "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n    password: {password}\n    weight: 2\n"
+            ))
+            .unwrap_or_else(|e| panic!("{password}: {e}"));
+            let got = c.shards[0].password.as_ref().map(|p| p.expose().to_owned());
+            assert_eq!(got.as_deref(), Some(want), "{password}");
+            assert_eq!(c.shards[0].weight, 2, "{password}");
         }
         // A number stays a number.
         std::env::set_var("SHARDLOCK_TEST_WEIGHT", "3");

@@ -127,6 +127,12 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 "a client certificate needs both cert-file and key-file",
             ));
         }
+        if tls.ca_file.is_some() && matches!(tls.mode, TlsMode::Preferred | TlsMode::Required) {
+            return Err(ConfigError::field(
+                field("tls.ca-file"),
+                "preferred and required check no certificate: use verify-identity to check it against this CA",
+            ));
+        }
         if tls.server_name.is_some() && tls.mode != TlsMode::VerifyIdentity {
             return Err(ConfigError::field(
                 field("tls.server-name"),
