@@ -106,7 +106,7 @@ impl LockRouter {
     /// Cancellation: as for [`LockRouter::new`].
     pub async fn from_yaml_str(text: &str) -> Result<Self> {
         let config = Config::from_yaml_str(text)?;
-        Self::build(config, Some(text), None, None)?.started().await
+        Self::builder(config).yaml_source(text, None).build().await
     }
 
     /// Reads a YAML file and builds the router; errors name the file, line, column and field.
@@ -116,8 +116,9 @@ impl LockRouter {
         let path = path.as_ref();
         let text = shardlock_core::config::read_file(path)?;
         let config = Config::from_yaml_text(&text, path)?;
-        Self::build(config, Some(&text), Some(path), None)?
-            .started()
+        Self::builder(config)
+            .yaml_source(text, Some(path))
+            .build()
             .await
     }
 
