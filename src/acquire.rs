@@ -36,7 +36,7 @@ impl LockRouter {
         wait: Option<Duration>,
     ) -> Result<LockGuard> {
         let started = Instant::now();
-        let text = key.to_string();
+        let key_label = self.inner.shared.telemetry.key_label(&key);
         match self.acquire_inner(key, opts, wait).await? {
             Some(guard) => Ok(guard),
             None => {
@@ -46,7 +46,7 @@ impl LockRouter {
                     .timeouts
                     .fetch_add(1, Ordering::Relaxed);
                 Err(Error::Timeout {
-                    key: text,
+                    key_label,
                     waited: started.elapsed(),
                 })
             }
@@ -389,7 +389,7 @@ impl LockRouter {
             return Err(match raised {
                 Err(e) => e.into_error(&name),
                 Ok(_) => Error::LockLost {
-                    key: key.to_string(),
+                    key_label: shard.shared.telemetry.key_label(key),
                 },
             });
         }

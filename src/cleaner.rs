@@ -311,7 +311,7 @@ async fn clean_batches(
     loop {
         if !leader.is_held() {
             return Err(Error::LockLost {
-                key: CLEANER_LOCK_KEY.into(),
+                key_label: CLEANER_LOCK_KEY.into(),
             });
         }
         let rows = shard

@@ -188,7 +188,12 @@ impl LockGuard {
     pub fn reenter(&self) -> Result<LockGuard> {
         if self.hold.lease.is_lost() {
             return Err(Error::LockLost {
-                key: self.key().to_owned(),
+                key_label: self
+                    .hold
+                    .shard
+                    .shared
+                    .telemetry
+                    .key_label(&self.hold.lease.key),
             });
         }
         self.hold.guards.fetch_add(1, Ordering::AcqRel);
@@ -451,6 +456,6 @@ pub(crate) async fn release_through_shard(
 fn lost(shard: &ShardState, lease: &LeaseState) -> Error {
     lease.mark_lost("already taken over when released", &shard.shared);
     Error::LockLost {
-        key: lease.key.as_str().to_owned(),
+        key_label: shard.shared.telemetry.key_label(&lease.key),
     }
 }

@@ -14,7 +14,7 @@ fn once() -> AcquireOptions {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn grant_contend_release_and_fences_rise() {
-    let (_cluster, router, yaml) = common::start(3, "").await;
+    let (cluster, router, yaml) = common::start(3, "").await;
     let other = shardlock::LockRouter::from_yaml_str(&yaml).await.unwrap();
 
     let g = router
@@ -38,7 +38,20 @@ async fn grant_contend_release_and_fences_rise() {
         )
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    // The error names the key as telemetry does: by its hash, unless keys are recorded.
+    let hash = shardlock::LockKey::new("order:1001").unwrap().label_hash();
+    match &err {
+        Error::Timeout { key_label, .. } => assert_eq!(key_label, &hash),
+        other => panic!("{other}"),
+    }
+    assert!(err.to_string().contains(&hash), "{err}");
+    assert!(!err.to_string().contains("order:1001"), "{err}");
+    let recording =
+        LockRouter::from_yaml_str(&cluster.config_yaml("telemetry:\n  record-keys: true\n"))
+            .await
+            .unwrap();
+    let err = recording.acquire("order:1001", once()).await.unwrap_err();
+    assert!(err.to_string().contains("`order:1001`"), "{err}");
 
     let (shard, row) = router.inspect("order:1001").await.unwrap();
     let row = row.unwrap();
@@ -199,7 +212,15 @@ async fn a_taken_over_lease_is_reported_lost_and_release_leaves_the_new_row() {
         .expect("lost() completes");
     assert!(!g.is_held());
     let err = g.release().await.unwrap_err();
-    assert!(matches!(err, Error::LockLost { .. }), "{err}");
+    match &err {
+        Error::LockLost { key_label } => {
+            assert_eq!(
+                key_label,
+                &shardlock::LockKey::new("pay:9").unwrap().label_hash()
+            )
+        }
+        other => panic!("{other}"),
+    }
     let owner: Option<String> = conn
         .query_first("SELECT owner FROM shardlock_lease WHERE lock_key = 'pay:9'")
         .await

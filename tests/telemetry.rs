@@ -779,7 +779,8 @@ async fn shard_calls_are_database_client_spans_with_an_error_status_when_they_fa
     );
     assert_eq!(ok["kind"].as_i64(), Some(CLIENT));
     for (key, value) in [
-        ("db.system.name", "mysql".to_owned()),
+        // The testkit's shards are MariaDB.
+        ("db.system.name", "mariadb".to_owned()),
         ("db.namespace", shardlock_testkit::DATABASE.to_owned()),
         ("server.address", "127.0.0.1".to_owned()),
         ("server.port", port.to_string()),

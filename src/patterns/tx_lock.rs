@@ -135,7 +135,7 @@ impl TxLockGuard {
         if !self.is_held() {
             self.end(false).await?;
             return Err(Error::LockLost {
-                key: self.key.clone(),
+                key_label: self.state.label.clone(),
             });
         }
         self.end(true).await
@@ -169,7 +169,7 @@ impl TxLockGuard {
                 self.state
                     .mark_lost("the caller's SQL ended the lock's transaction");
                 Err(Error::LockLost {
-                    key: self.key.clone(),
+                    key_label: self.state.label.clone(),
                 })
             }
             Err(e) => Err(e.into_error(&self.shard)),
@@ -274,7 +274,6 @@ async fn lock_row(
     wait: Duration,
     deadline: tokio::time::Instant,
 ) -> Result<SessionConn> {
-    let key = lock_key.as_str();
     let name = shard.name().to_owned();
     let started = tokio::time::Instant::now();
     loop {
@@ -308,7 +307,7 @@ async fn lock_row(
                         && tokio::time::Instant::now() >= deadline) =>
             {
                 return Err(Error::Timeout {
-                    key: key.to_owned(),
+                    key_label: shard.shared.telemetry.key_label(lock_key),
                     waited: started.elapsed(),
                 })
             }

@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use shardlock_core::config::TelemetryConfig;
-use shardlock_core::{Error, Result};
+use shardlock_core::{ConfigError, Result};
 
 use super::endpoint::{encode, serve};
 
@@ -114,16 +114,20 @@ pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
         .with_registry(registry.clone())
         .without_target_info()
         .build()
-        .map_err(|e| Error::InvalidArgument {
-            name: "telemetry",
-            reason: format!("cannot set up the Prometheus exporter: {e}"),
+        .map_err(|e| {
+            ConfigError::field(
+                "telemetry",
+                format!("cannot set up the Prometheus exporter: {e}"),
+            )
         })?;
     let resource = opentelemetry_sdk::Resource::builder()
         .with_service_name(config.service_name.clone())
         .build();
-    let otlp_error = |e: &dyn std::fmt::Display| Error::InvalidArgument {
-        name: "telemetry.otlp-endpoint",
-        reason: format!("cannot set up the OTLP exporter: {e}"),
+    let otlp_error = |e: &dyn std::fmt::Display| {
+        ConfigError::field(
+            "telemetry.otlp-endpoint",
+            format!("cannot set up the OTLP exporter: {e}"),
+        )
     };
     let mut meters = opentelemetry_sdk::metrics::SdkMeterProvider::builder()
         .with_resource(resource.clone())
@@ -164,17 +168,16 @@ pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
     let server = match &config.prometheus_listen {
         None => None,
         Some(addr) => {
-            let listener =
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .map_err(|e| Error::InvalidArgument {
-                        name: "telemetry.prometheus-listen",
-                        reason: format!("cannot listen on {addr}: {e}"),
-                    })?;
-            let addr = listener.local_addr().map_err(|e| Error::InvalidArgument {
-                name: "telemetry.prometheus-listen",
-                reason: e.to_string(),
-            })?;
+            let listen_error = |e: std::io::Error| {
+                ConfigError::field(
+                    "telemetry.prometheus-listen",
+                    format!("cannot listen on {addr}: {e}"),
+                )
+            };
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(listen_error)?;
+            let addr = listener.local_addr().map_err(listen_error)?;
             Some((addr, tokio::spawn(serve(listener, registry.clone()))))
         }
     };

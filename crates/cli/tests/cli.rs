@@ -149,6 +149,22 @@ async fn bad_input_gets_a_clear_error() {
         "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n",
     )
     .unwrap();
+    // A telemetry address the cleaner cannot listen on is a config error naming its field.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listening = dir.path().join("listening.yaml");
+    std::fs::write(
+        &listening,
+        format!(
+            "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\ntelemetry:\n  prometheus-listen: {}\n",
+            taken.local_addr().unwrap()
+        ),
+    )
+    .unwrap();
+    let out = shardlock(&listening, &["cleaner", "--once"]);
+    assert_eq!(out.status.code(), Some(3), "a config error");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("telemetry.prometheus-listen"), "{err}");
+
     let out = shardlock(&fine, &["inspect", ""]);
     assert_eq!(out.status.code(), Some(2), "a bad key is a usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid lock key"));

@@ -21,12 +21,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// The lock was not granted within the caller's `wait`.
     #[error(
-        "lock `{key}` was not granted within {waited:?}: another owner holds it; \
+        "lock `{key_label}` was not granted within {waited:?}: another owner holds it; \
          retry later or pass a longer wait"
     )]
     Timeout {
-        /// The key asked for.
-        key: String,
+        /// The key asked for as this error shows it: the key itself with
+        /// `telemetry.record-keys`, else its stable hash ([`crate::LockKey::label_hash`]), so
+        /// that key contents stay out of logged errors as they stay out of spans and metrics.
+        key_label: String,
         /// How long the caller waited.
         waited: Duration,
     },
@@ -45,12 +47,13 @@ pub enum Error {
     /// The lease is gone: it expired before it could be renewed, was taken over, or was
     /// force-released. Work done under it may not have been exclusive.
     #[error(
-        "lease on `{key}` was lost (expired, taken over or force-released); abandon the \
+        "lease on `{key_label}` was lost (expired, taken over or force-released); abandon the \
          critical section and let fenced writes reject what it would still write"
     )]
     LockLost {
-        /// The key whose lease was lost.
-        key: String,
+        /// The key whose lease was lost, shown as in [`Error::Timeout`]: itself with
+        /// `telemetry.record-keys`, else its hash.
+        key_label: String,
     },
     /// The key is empty or too long.
     #[error("invalid lock key: {reason}")]

@@ -1,7 +1,7 @@
 //! The per-shard connection pool: deadpool managing `mysql_async` connections.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::time::Duration;
 
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
@@ -132,6 +132,38 @@ pub(crate) struct ShardManager {
     generation: AtomicU64,
     /// TLS `preferred`: a server that offers no TLS is connected to in plaintext.
     plaintext_fallback: bool,
+    /// What the last connection opened found at the other end (a [`ServerKind`]).
+    kind: AtomicU8,
+}
+
+/// The server a shard's connections reach, as OpenTelemetry's `db.system.name` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ServerKind {
+    /// No connection made yet.
+    Unknown = 0,
+    Mysql = 1,
+    Mariadb = 2,
+}
+
+impl ServerKind {
+    /// The kind of server `conn` reached. MariaDB's versions start at 10 (mysql_async reads
+    /// `10.11.6` out of its `5.5.5-10.11.6-MariaDB` greeting); MySQL's are 5.x, 8.x and 9.x.
+    fn of(conn: &Conn) -> Self {
+        if conn.server_version().0 >= 10 {
+            Self::Mariadb
+        } else {
+            Self::Mysql
+        }
+    }
+
+    /// `db.system.name`: `other_sql` before any connection told which.
+    pub(crate) fn system_name(self) -> &'static str {
+        match self {
+            Self::Unknown => "other_sql",
+            Self::Mysql => "mysql",
+            Self::Mariadb => "mariadb",
+        }
+    }
 }
 
 /// Without the connection options: they hold the password.
@@ -156,6 +188,7 @@ impl ShardManager {
             password_file,
             generation: AtomicU64::new(0),
             plaintext_fallback: false,
+            kind: AtomicU8::new(ServerKind::Unknown as u8),
         }
     }
 
@@ -171,6 +204,15 @@ impl ShardManager {
     /// moment, a transaction lock's or a read's, would otherwise go back into the pool.
     pub(crate) fn retire_all(&self) {
         self.generation.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The kind of server the last connection opened reached.
+    pub(crate) fn server_kind(&self) -> ServerKind {
+        match self.kind.load(Ordering::Relaxed) {
+            1 => ServerKind::Mysql,
+            2 => ServerKind::Mariadb,
+            _ => ServerKind::Unknown,
+        }
     }
 }
 
@@ -198,6 +240,8 @@ impl managed::Manager for ShardManager {
             }
             answer => answer?,
         };
+        self.kind
+            .store(ServerKind::of(&conn) as u8, Ordering::Relaxed);
         Ok(ShardConn {
             conn,
             in_flight: false,

@@ -74,6 +74,10 @@ fn password(config: &ShardConfig, index: usize) -> Result<Option<String>, Config
 /// password given beside it (a password file read now) and its TLS — for a connection or pool
 /// of the application's own next to the shard's locks (`index`: the shard's place in `shards`,
 /// for errors).
+///
+/// With TLS mode `preferred` the options ask for TLS, and a server that offers none refuses
+/// them with `DriverError::NoClientSslFlagFromServer`: shardlock's own pools then connect again
+/// without TLS; a caller of these options does the same (`OptsBuilder::ssl_opts(None)`).
 pub fn connect_opts(config: &ShardConfig, index: usize) -> Result<Opts, ConfigError> {
     let opts = Opts::from_url(&config.url).map_err(|e| {
         ConfigError::field(
@@ -195,7 +199,7 @@ impl Shard {
             otel.name = format!("{operation} {}", server.database),
             otel.kind = "client",
             otel.status_code = tracing::field::Empty,
-            db.system.name = "mysql",
+            db.system.name = tracing::field::Empty,
             db.namespace = server.database.as_str(),
             db.operation.name = operation,
             server.address = server.address.as_str(),
@@ -227,6 +231,11 @@ impl Shard {
             .with_conn_tries(timeout, args, f, retry_broken)
             .instrument(span.clone())
             .await;
+        // Known once a connection was made (this call's, most of the time).
+        span.record(
+            "db.system.name",
+            self.pool.manager().server_kind().system_name(),
+        );
         if let Err(e) = &result {
             Self::failed(&span, e);
         }

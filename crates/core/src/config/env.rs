@@ -29,9 +29,17 @@ pub(super) fn substitute_env(text: &str) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(text.len());
     // The indent of the line that opened the block scalar being read, if any.
     let mut block: Option<usize> = None;
+    // How deep in a flow collection that an earlier line opened the text is.
+    let mut flow = 0;
     for (line_no, line) in text.split_inclusive('\n').enumerate() {
         let indent = line.len() - line.trim_start_matches(' ').len();
         let blank = line.trim().is_empty();
+        if flow > 0 {
+            refuse_in_flow(line, 0, line_no + 1)?;
+            flow = flow_depth(line, flow);
+            out.push_str(line);
+            continue;
+        }
         if let Some(opened) = block {
             if blank || indent > opened {
                 out.push_str(&substitute_block_line(line, line_no + 1)?);
@@ -39,7 +47,9 @@ pub(super) fn substitute_env(text: &str) -> Result<String, ConfigError> {
             }
             block = None;
         }
-        out.push_str(&substitute_line(line, line_no + 1)?);
+        let (substituted, open) = substitute_line(line, line_no + 1)?;
+        out.push_str(&substituted);
+        flow = open;
         if opens_block_scalar(line) {
             block = Some(indent);
         }
@@ -93,8 +103,48 @@ fn substitute_block_line(line: &str, line_no: usize) -> Result<String, ConfigErr
     Ok(out)
 }
 
-/// One line: its scalars rewritten where they hold references.
-fn substitute_line(line: &str, line_no: usize) -> Result<String, ConfigError> {
+/// Refuses a reference in `line` from byte `from` on: it is inside a flow collection.
+fn refuse_in_flow(line: &str, from: usize, line_no: usize) -> Result<(), ConfigError> {
+    let text = &line[from..];
+    let code = text.find(" #").map_or(text, |at| &text[..at]);
+    match code.find("${") {
+        Some(at) => Err(ConfigError {
+            line: Some(line_no),
+            column: Some(from + at + 1),
+            message: "a `${VAR}` inside a flow collection (`[…]` or `{…}`) is not supported; \
+                      write the list or map in block style"
+                .to_owned(),
+            ..ConfigError::default()
+        }),
+        None => Ok(()),
+    }
+}
+
+/// How deep in flow collections the text is after `text`, starting `depth` deep: brackets
+/// counted outside quoted scalars and comments.
+fn flow_depth(text: &str, mut depth: usize) -> usize {
+    let mut quote = None;
+    let mut previous = b' ';
+    for &c in text.as_bytes() {
+        match quote {
+            Some(q) if c == q => quote = None,
+            Some(_) => {}
+            None => match c {
+                b'"' | b'\'' => quote = Some(c),
+                b'#' if matches!(previous, b' ' | b'\t') => break,
+                b'[' | b'{' => depth += 1,
+                b']' | b'}' => depth = depth.saturating_sub(1),
+                _ => {}
+            },
+        }
+        previous = c;
+    }
+    depth
+}
+
+/// One line: its scalars rewritten where they hold references, and how deep in a flow
+/// collection it ends (one opened on it and not closed).
+fn substitute_line(line: &str, line_no: usize) -> Result<(String, usize), ConfigError> {
     let err = |column: usize, message: String| ConfigError {
         line: Some(line_no),
         column: Some(column),
@@ -134,7 +184,7 @@ fn substitute_line(line: &str, line_no: usize) -> Result<String, ConfigError> {
                     // A comment: the rest of the line as it is.
                     close_plain(&mut out, &mut plain);
                     out.push_str(&line[i..]);
-                    return Ok(out);
+                    return Ok((out, 0));
                 }
                 if (c == b':' || (c == b'-' && at_token_start)) && blank(next) {
                     // `key: ` or a list dash: what follows is a new scalar.
@@ -159,16 +209,9 @@ fn substitute_line(line: &str, line_no: usize) -> Result<String, ConfigError> {
                         b'"' => quoting = Quoting::Double,
                         b'\'' => quoting = Quoting::Single,
                         b'[' | b'{' => {
-                            if let Some(at) = line[i..].find("${") {
-                                return Err(err(
-                                    i + at + 1,
-                                    "a `${VAR}` inside a flow collection (`[…]` or `{…}`) is not \
-                                     supported; write the list or map in block style"
-                                        .to_owned(),
-                                ));
-                            }
+                            refuse_in_flow(line, i, line_no)?;
                             out.push_str(&line[i..]);
-                            return Ok(out);
+                            return Ok((out, flow_depth(&line[i..], 0)));
                         }
                         _ => plain = Some((out.len(), 0)),
                     }
@@ -204,7 +247,7 @@ fn substitute_line(line: &str, line_no: usize) -> Result<String, ConfigError> {
         i += n;
     }
     close_plain(&mut out, &mut plain);
-    Ok(out)
+    Ok((out, 0))
 }
 
 /// Ends the plain scalar being read. One that held a reference stays as it is when YAML reads
@@ -408,5 +451,17 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!((e.line, e.column), (Some(1), Some(35)), "{e}");
+        // Also on a later line of a collection a line opened (`]` in a quoted scalar or a
+        // comment does not close it); after it closes, references are read again.
+        let e = Config::from_yaml_str(
+            "shards: [\n  {name: \"s]1\", # ]\n   url: \"mysql://${SHARDLOCK_TEST_WEIGHT}@h/x\"}]\n",
+        )
+        .unwrap_err();
+        assert_eq!((e.line, e.column), (Some(3), Some(18)), "{e}");
+        let c = Config::from_yaml_str(
+            "shards: [\n  {name: s1, url: \"mysql://root@127.0.0.1:1/x\"}\n]\nbreaker:\n  probes: ${SHARDLOCK_TEST_WEIGHT}\n",
+        )
+        .unwrap();
+        assert_eq!(c.breaker.probes, 3);
     }
 }

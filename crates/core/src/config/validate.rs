@@ -145,6 +145,18 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 "TLS files are given but the mode is `disabled`: set a mode",
             ));
         }
+        let through_socket = shard.url.split_once('?').is_some_and(|(_, query)| {
+            query
+                .split('&')
+                .any(|param| param.split('=').next() == Some("socket"))
+        });
+        if tls.mode != TlsMode::Disabled && through_socket {
+            return Err(ConfigError::field(
+                field("url"),
+                "a connection through a socket file (`socket=` in the URL) does not use TLS: \
+                 remove `socket=` or set tls.mode to disabled",
+            ));
+        }
         if shard.weight == 0 || shard.weight > 100 {
             return Err(ConfigError::field(
                 field("weight"),
@@ -403,5 +415,56 @@ mod tests {
         assert_eq!(field(&c).as_deref(), Some("telemetry.trace-sample-ratio"));
         c.telemetry.trace_sample_ratio = 1.0;
         assert_eq!(c.validate(), Ok(()));
+    }
+
+    /// Each TLS section a shard would not honour as written is refused, naming the field.
+    #[test]
+    fn tls_settings_that_would_not_be_honoured_are_refused_by_field() {
+        let shard = |url: &str, tls: &str| {
+            format!("shards:\n  - name: s1\n    url: {url}\n    tls:\n{tls}")
+        };
+        let url = "mysql://root@db.internal:3306/shardlock";
+        for (yaml, field) in [
+            (shard(url, "      mode: verify-identity\n"), "shards[0].tls.ca-file"),
+            (
+                shard(url, "      mode: required\n      ca-file: /ca.pem\n"),
+                "shards[0].tls.ca-file",
+            ),
+            (
+                shard(url, "      mode: verify-identity\n      ca-file: /ca.pem\n      cert-file: /c.pem\n"),
+                "shards[0].tls.key-file",
+            ),
+            (
+                shard(url, "      mode: required\n      server-name: db\n"),
+                "shards[0].tls.server-name",
+            ),
+            (
+                shard(url, "      mode: disabled\n      ca-file: /ca.pem\n"),
+                "shards[0].tls.mode",
+            ),
+            (
+                shard(
+                    "mysql://root@localhost:3306/shardlock?socket=/run/mysqld/mysqld.sock",
+                    "      mode: required\n",
+                ),
+                "shards[0].url",
+            ),
+        ] {
+            let e = Config::from_yaml_str(&yaml).unwrap_err();
+            assert_eq!(e.field.as_deref(), Some(field), "{yaml}\n{e}");
+        }
+        // A socket file without TLS is fine, and so is TLS without one.
+        for yaml in [
+            shard(
+                "mysql://root@localhost:3306/shardlock?socket=/run/mysqld/mysqld.sock",
+                "      mode: disabled\n",
+            ),
+            shard(
+                "mysql://root@localhost:3306/shardlock?pool_min=1",
+                "      mode: required\n",
+            ),
+        ] {
+            Config::from_yaml_str(&yaml).unwrap_or_else(|e| panic!("{yaml}\n{e}"));
+        }
     }
 }
