@@ -267,57 +267,92 @@ async fn the_key_with_half_the_waits_is_reported_hottest() {
     assert!(hottest.contains("shardlock_key=\"hot\""), "{hottest}");
 }
 
+/// What a loopback OTLP/HTTP collector received: the JSON body of every POST to
+/// `/v1/traces` and to `/v1/metrics`, and how many TLS handshakes it saw fail.
+#[derive(Debug, Clone, Default)]
+struct Collected {
+    traces: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+    metrics: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+    failed_handshakes: std::sync::Arc<tokio::sync::watch::Sender<usize>>,
+}
+
+/// A loopback OTLP/HTTP collector, speaking https through `tls` when given.
+async fn otlp_collector(
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> (std::net::SocketAddr, Collected) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let collected = Collected::default();
+    let keep = collected.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (keep, tls) = (keep.clone(), tls.clone());
+            tokio::spawn(async move {
+                match tls {
+                    None => answer_otlp(stream, keep).await,
+                    Some(tls) => match tls.accept(stream).await {
+                        Ok(stream) => answer_otlp(stream, keep).await,
+                        Err(_) => keep.failed_handshakes.send_modify(|n| *n += 1),
+                    },
+                }
+            });
+        }
+    });
+    (addr, collected)
+}
+
+/// Reads one request from `stream`, keeps its body, answers 200.
+async fn answer_otlp(
+    mut stream: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    keep: Collected,
+) {
+    // Read the head, then as many body bytes as content-length says.
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let (head_end, length) = loop {
+        let n = stream.read(&mut chunk).await.unwrap_or(0);
+        if n == 0 {
+            return;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..at]).to_lowercase();
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+            break (at + 4, length);
+        }
+    };
+    while buf.len() < head_end + length {
+        let n = stream.read(&mut chunk).await.unwrap_or(0);
+        if n == 0 {
+            return;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let body = || serde_json::from_slice(&buf[head_end..head_end + length]).unwrap();
+    if head.starts_with("POST /v1/traces") {
+        keep.traces.lock().unwrap().push(body());
+    } else if head.starts_with("POST /v1/metrics") {
+        keep.metrics.lock().unwrap().push(body());
+    }
+    let _ = stream
+        .write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+        )
+        .await;
+    let _ = stream.shutdown().await;
+}
+
 /// A loopback OTLP/HTTP receiver: keeps the JSON body of every POST to `/v1/traces`.
 async fn otlp_receiver() -> (
     std::net::SocketAddr,
     std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
 ) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let keep = received.clone();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let keep = keep.clone();
-            tokio::spawn(async move {
-                // Read the head, then as many body bytes as content-length says.
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 8192];
-                let (head_end, length) = loop {
-                    let n = stream.read(&mut chunk).await.unwrap_or(0);
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..at]).to_lowercase();
-                        let length = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .map_or(0, |v| v.trim().parse::<usize>().unwrap());
-                        break (at + 4, length);
-                    }
-                };
-                while buf.len() < head_end + length {
-                    let n = stream.read(&mut chunk).await.unwrap_or(0);
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                }
-                let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-                if head.starts_with("POST /v1/traces") {
-                    let body: serde_json::Value =
-                        serde_json::from_slice(&buf[head_end..head_end + length]).unwrap();
-                    keep.lock().unwrap().push(body);
-                }
-                let _ = stream
-                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
-                    .await;
-            });
-        }
-    });
-    (addr, received)
+    let (addr, collected) = otlp_collector(None).await;
+    (addr, collected.traces)
 }
 
 /// Every span of every OTLP/JSON body received.
@@ -794,4 +829,70 @@ async fn shard_calls_are_database_client_spans_with_an_error_status_when_they_fa
         .find(|s| status(s) == ERROR)
         .unwrap_or_else(|| panic!("no failed acquire call in {calls:#?}"));
     assert!(attribute(failed, "error.type").is_some(), "{failed:#}");
+}
+
+/// A TLS acceptor serving the test certificates' server certificate (for `localhost`).
+fn tls_acceptor(certs: &shardlock_testkit::TestCerts) -> tokio_rustls::TlsAcceptor {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let (cert, key) = certs.server();
+    let chain = CertificateDer::pem_file_iter(cert)
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(key).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(chain, key)
+    .unwrap();
+    tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config))
+}
+
+/// OTLP over https: metrics reach a collector whose certificate the configured CA signed, and
+/// a collector the CA did not sign gets no byte of telemetry (the handshake fails).
+#[tokio::test(flavor = "multi_thread")]
+async fn otlp_exports_over_https_trusting_the_configured_ca_alone() {
+    let certs = shardlock_testkit::TestCerts::generate().unwrap();
+    let cluster = Cluster::start(1).await.unwrap();
+    for (ca, trusted) in [(certs.ca(), true), (certs.other_ca(), false)] {
+        let (addr, collected) = otlp_collector(Some(tls_acceptor(&certs))).await;
+        let telemetry = shardlock::telemetry::init(&telemetry_config(|c| {
+            // The certificate names `localhost`.
+            c.otlp_endpoint = Some(format!("https://localhost:{}", addr.port()));
+            c.otlp_ca_file = Some(ca.clone());
+        }))
+        .await
+        .unwrap();
+        let router = metered_router(&cluster, "", &telemetry).await;
+        router
+            .acquire("https:1", AcquireOptions::new())
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        router.shutdown().await.unwrap();
+        // Flushes the metrics: one export, answered (or refused) before this returns.
+        telemetry.shutdown();
+        let metrics = collected.metrics.lock().unwrap().clone();
+        if trusted {
+            let text = serde_json::to_string(&metrics).unwrap();
+            assert!(
+                text.contains("shardlock.acquire.duration"),
+                "no acquire metric over https: {text}"
+            );
+            assert_eq!(*collected.failed_handshakes.borrow(), 0);
+        } else {
+            assert!(metrics.is_empty(), "{metrics:?}");
+            let mut failed = collected.failed_handshakes.subscribe();
+            tokio::time::timeout(Duration::from_secs(30), failed.wait_for(|n| *n > 0))
+                .await
+                .expect("the collector saw the refused handshake")
+                .unwrap();
+        }
+    }
 }

@@ -134,21 +134,24 @@ pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
         .with_reader(exporter);
     let mut tracer = None;
     if let Some(endpoint) = &config.otlp_endpoint {
-        use opentelemetry_otlp::{Protocol, WithExportConfig};
+        use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
         use opentelemetry_sdk::trace::Sampler;
         let endpoint = endpoint.trim_end_matches('/');
-        let spans = opentelemetry_otlp::SpanExporter::builder()
+        let client = http_client(endpoint, config.otlp_ca_file.as_deref())?;
+        let mut spans = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_protocol(Protocol::HttpJson)
-            .with_endpoint(format!("{endpoint}/v1/traces"))
-            .build()
-            .map_err(|e| otlp_error(&e))?;
-        let metrics = opentelemetry_otlp::MetricExporter::builder()
+            .with_endpoint(format!("{endpoint}/v1/traces"));
+        let mut metrics = opentelemetry_otlp::MetricExporter::builder()
             .with_http()
             .with_protocol(Protocol::HttpJson)
-            .with_endpoint(format!("{endpoint}/v1/metrics"))
-            .build()
-            .map_err(|e| otlp_error(&e))?;
+            .with_endpoint(format!("{endpoint}/v1/metrics"));
+        if let Some(client) = client {
+            spans = spans.with_http_client(client.clone());
+            metrics = metrics.with_http_client(client);
+        }
+        let spans = spans.build().map_err(|e| otlp_error(&e))?;
+        let metrics = metrics.build().map_err(|e| otlp_error(&e))?;
         meters = meters.with_reader(
             opentelemetry_sdk::metrics::PeriodicReader::builder(metrics)
                 .with_interval(Duration::from_secs(10))
@@ -187,4 +190,85 @@ pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
         registry,
         server,
     })
+}
+
+/// How long one OTLP export may take (opentelemetry-otlp's default).
+#[cfg(feature = "otlp-https")]
+const OTLP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The HTTP client OTLP exports go through: rustls with the ring provider (as for the
+/// shards), trusting the CA in `ca_file` alone when given, else the system's roots. For every
+/// endpoint, https or not: with reqwest's `rustls-no-provider` on, opentelemetry-otlp's own
+/// client would need a process-wide crypto provider, which shardlock does not install.
+#[cfg(feature = "otlp-https")]
+fn http_client(
+    _endpoint: &str,
+    ca_file: Option<&std::path::Path>,
+) -> Result<Option<reqwest::blocking::Client>> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    use std::sync::Arc;
+    let field = if ca_file.is_some() {
+        "telemetry.otlp-ca-file"
+    } else {
+        "telemetry.otlp-endpoint"
+    };
+    let error = |e: &dyn std::fmt::Display| ConfigError::field(field, e.to_string());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| error(&e))?;
+    let tls = match ca_file {
+        Some(path) => {
+            let mut roots = rustls::RootCertStore::empty();
+            let unreadable = |e: &dyn std::fmt::Display| {
+                ConfigError::field(field, format!("cannot read {}: {e}", path.display()))
+            };
+            for cert in CertificateDer::pem_file_iter(path).map_err(|e| unreadable(&e))? {
+                roots
+                    .add(cert.map_err(|e| unreadable(&e))?)
+                    .map_err(|e| unreadable(&e))?;
+            }
+            if roots.is_empty() {
+                return Err(unreadable(&"no certificate in it").into());
+            }
+            tls.with_root_certificates(roots)
+        }
+        None => {
+            let verifier =
+                rustls_platform_verifier::Verifier::new(provider).map_err(|e| error(&e))?;
+            tls.dangerous()
+                .with_custom_certificate_verifier(Arc::new(verifier))
+        }
+    }
+    .with_no_client_auth();
+    // A blocking client runs a runtime of its own, which may not be started from inside the
+    // caller's: built on a thread of its own, as opentelemetry-otlp builds its default one.
+    std::thread::spawn(move || {
+        reqwest::blocking::Client::builder()
+            .timeout(OTLP_TIMEOUT)
+            .tls_backend_preconfigured(tls)
+            .build()
+    })
+    .join()
+    .map_err(|_| error(&"building the HTTP client panicked"))?
+    .map(Some)
+    .map_err(|e| error(&e).into())
+}
+
+/// Without the `otlp-https` feature: opentelemetry-otlp's own client, plain HTTP only; an
+/// `https://` endpoint is refused by name.
+#[cfg(not(feature = "otlp-https"))]
+fn http_client(
+    endpoint: &str,
+    _ca_file: Option<&std::path::Path>,
+) -> Result<Option<reqwest::blocking::Client>> {
+    if endpoint.starts_with("https://") {
+        return Err(ConfigError::field(
+            "telemetry.otlp-endpoint",
+            "this build of shardlock has no OTLP over https: enable its `otlp-https` feature",
+        )
+        .into());
+    }
+    Ok(None)
 }

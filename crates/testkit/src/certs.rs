@@ -98,6 +98,11 @@ impl TestCerts {
         self.file("other-ca.pem")
     }
 
+    /// The server certificate (for `localhost`) and its key.
+    pub fn server(&self) -> (PathBuf, PathBuf) {
+        (self.file("server.pem"), self.file("server-key.pem"))
+    }
+
     /// The client certificate and its key.
     pub fn client(&self) -> (PathBuf, PathBuf) {
         (self.file("client.pem"), self.file("client-key.pem"))

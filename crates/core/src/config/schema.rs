@@ -91,6 +91,9 @@ pub struct TelemetryConfig {
     /// Export spans and metrics over OTLP/HTTP (JSON) to this collector base URL, e.g.
     /// `http://127.0.0.1:4318` (`/v1/traces` and `/v1/metrics` are appended); none when absent.
     pub otlp_endpoint: Option<String>,
+    /// For an `https://` OTLP endpoint: the CA (PEM) that signed the collector's certificate,
+    /// trusted alone; the system's roots when absent. Needs the `otlp-https` feature.
+    pub otlp_ca_file: Option<std::path::PathBuf>,
     /// Share of traces sampled for OTLP export (0.0-1.0), honouring a sampled parent.
     pub trace_sample_ratio: f64,
     /// `service.name` of the exported telemetry.
@@ -111,6 +114,7 @@ impl Default for TelemetryConfig {
         Self {
             prometheus_listen: None,
             otlp_endpoint: None,
+            otlp_ca_file: None,
             trace_sample_ratio: 1.0,
             service_name: "shardlock".into(),
             record_keys: false,

@@ -341,6 +341,17 @@ fn check_telemetry(t: &TelemetryConfig) -> Result<(), ConfigError> {
             ));
         }
     }
+    if t.otlp_ca_file.is_some()
+        && !t
+            .otlp_endpoint
+            .as_deref()
+            .is_some_and(|e| e.starts_with("https://"))
+    {
+        return Err(ConfigError::field(
+            "telemetry.otlp-ca-file",
+            "a CA is only used with an https:// otlp-endpoint",
+        ));
+    }
     if !(0.0..=1.0).contains(&t.trace_sample_ratio) {
         return Err(ConfigError::field(
             "telemetry.trace-sample-ratio",
