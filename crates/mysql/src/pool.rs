@@ -134,6 +134,9 @@ pub(crate) struct ShardManager {
     plaintext_fallback: bool,
     /// What the last connection opened found at the other end (a [`ServerKind`]).
     kind: AtomicU8,
+    /// TLS `verify-ca`: the CA file the server's certificate is read against, for the name
+    /// each connection then checks ([`crate::tls::certificate_name`]).
+    verify_ca: Option<PathBuf>,
 }
 
 /// The server a shard's connections reach, as OpenTelemetry's `db.system.name` names it.
@@ -189,6 +192,7 @@ impl ShardManager {
             generation: AtomicU64::new(0),
             plaintext_fallback: false,
             kind: AtomicU8::new(ServerKind::Unknown as u8),
+            verify_ca: None,
         }
     }
 
@@ -196,6 +200,12 @@ impl ShardManager {
     /// (TLS mode `preferred`).
     pub(crate) fn plaintext_fallback(mut self, on: bool) -> Self {
         self.plaintext_fallback = on;
+        self
+    }
+
+    /// TLS `verify-ca` against the CA in `ca_file`.
+    pub(crate) fn verify_ca(mut self, ca_file: Option<PathBuf>) -> Self {
+        self.verify_ca = ca_file;
         self
     }
 
@@ -216,6 +226,26 @@ impl ShardManager {
     }
 }
 
+impl ShardManager {
+    /// `opts` checking the certificate for a name it holds, under `verify-ca`.
+    #[cfg(feature = "tls")]
+    async fn certificate_name(&self, opts: Opts) -> Result<Opts, mysql_async::Error> {
+        let (Some(ca_file), Some(ssl)) = (&self.verify_ca, opts.ssl_opts()) else {
+            return Ok(opts);
+        };
+        let name = crate::tls::certificate_name(opts.ip_or_hostname(), opts.tcp_port(), ca_file)
+            .await
+            .map_err(|e| mysql_async::Error::Io(e.into()))?;
+        let ssl = ssl.clone().with_danger_tls_hostname_override(Some(name));
+        Ok(OptsBuilder::from_opts(opts).ssl_opts(Some(ssl)).into())
+    }
+
+    #[cfg(not(feature = "tls"))]
+    async fn certificate_name(&self, opts: Opts) -> Result<Opts, mysql_async::Error> {
+        Ok(opts)
+    }
+}
+
 impl managed::Manager for ShardManager {
     type Type = ShardConn;
     type Error = mysql_async::Error;
@@ -232,6 +262,7 @@ impl managed::Manager for ShardManager {
             }
             None => self.opts.clone(),
         };
+        let opts = self.certificate_name(opts).await?;
         let conn = match Conn::new(opts.clone()).await {
             Err(mysql_async::Error::Driver(
                 mysql_async::DriverError::NoClientSslFlagFromServer,

@@ -77,7 +77,9 @@ fn password(config: &ShardConfig, index: usize) -> Result<Option<String>, Config
 ///
 /// With TLS mode `preferred` the options ask for TLS, and a server that offers none refuses
 /// them with `DriverError::NoClientSslFlagFromServer`: shardlock's own pools then connect again
-/// without TLS; a caller of these options does the same (`OptsBuilder::ssl_opts(None)`).
+/// without TLS; a caller of these options does the same (`OptsBuilder::ssl_opts(None)`). With
+/// `verify-ca` the options check the URL's host name too (as `verify-identity` does): shardlock's
+/// pools first read a name off the server's certificate, once its chain is checked.
 pub fn connect_opts(config: &ShardConfig, index: usize) -> Result<Opts, ConfigError> {
     let opts = Opts::from_url(&config.url).map_err(|e| {
         ConfigError::field(
@@ -128,7 +130,12 @@ impl Shard {
             max_lifetime: config.pool.max_lifetime,
         };
         let manager = ShardManager::new(opts.into(), lifetimes, config.password_file.clone())
-            .plaintext_fallback(config.tls.mode == shardlock_core::config::TlsMode::Preferred);
+            .plaintext_fallback(config.tls.mode == shardlock_core::config::TlsMode::Preferred)
+            .verify_ca(
+                (config.tls.mode == shardlock_core::config::TlsMode::VerifyCa)
+                    .then(|| config.tls.ca_file.clone())
+                    .flatten(),
+            );
         let pool = ShardPool::builder(manager)
             .max_size(config.pool.max_size)
             .wait_timeout(Some(config.pool.wait_timeout))

@@ -33,23 +33,16 @@ pub(crate) fn apply(
 }
 
 #[cfg(feature = "tls")]
-fn ssl(opts: OptsBuilder, tls: &TlsConfig, index: usize) -> Result<OptsBuilder, ConfigError> {
+fn ssl(opts: OptsBuilder, tls: &TlsConfig, _index: usize) -> Result<OptsBuilder, ConfigError> {
     use mysql_async::{ClientIdentity, SslOpts};
-    if tls.mode == TlsMode::VerifyCa {
-        // mysql_async 0.37 tells a name mismatch from other failures by the text of rustls'
-        // error, which rustls no longer writes so: the name is checked whatever it is told
-        // (blackbeam/mysql_async#404, fixed upstream after 0.37.1).
-        return Err(ConfigError::field(
-            format!("shards[{index}].tls.mode"),
-            "verify-ca is not available in this version (its MySQL driver checks the host name \
-             anyway): use verify-identity, with `server-name` when the certificate is issued for \
-             another name than the URL's host",
-        ));
-    }
     let check_chain = matches!(tls.mode, TlsMode::VerifyCa | TlsMode::VerifyIdentity);
+    // verify-ca checks the name too, here: mysql_async 0.37 cannot skip only the name check
+    // (it recognises a name mismatch by the text of rustls' error, which rustls no longer
+    // writes so: blackbeam/mysql_async#404). The pool passes the name the server's
+    // certificate holds instead ([`certificate_name`]), which is what verify-ca accepts.
     let mut ssl = SslOpts::default()
         .with_danger_accept_invalid_certs(!check_chain)
-        .with_danger_skip_domain_validation(tls.mode != TlsMode::VerifyIdentity);
+        .with_danger_skip_domain_validation(!check_chain);
     if let Some(ca) = &tls.ca_file {
         // The configured CA alone: a certificate some public CA signed is not the shard's.
         ssl = ssl
@@ -76,4 +69,210 @@ fn ssl(_opts: OptsBuilder, _tls: &TlsConfig, index: usize) -> Result<OptsBuilder
         format!("shards[{index}].tls.mode"),
         "this build of shardlock has no TLS: enable its `tls` feature",
     ))
+}
+
+/// The name to check a `verify-ca` shard's certificate for: one its certificate at
+/// `host:port` holds, once its chain is checked against `ca_file`. verify-ca accepts any name
+/// the CA signed, so checking the connection for a name read off the certificate this way
+/// accepts exactly what verify-ca does (a server whose certificate the CA did not sign is
+/// refused here already).
+///
+/// Speaks the start of MySQL's protocol: reads the server's greeting, asks for TLS
+/// (SSLRequest), and reads the certificate in the TLS handshake, which it then abandons.
+#[cfg(feature = "tls")]
+pub(crate) async fn certificate_name(
+    host: &str,
+    port: u16,
+    ca_file: &std::path::Path,
+) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind};
+    use std::sync::{Arc, Mutex};
+
+    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+    use rustls::client::WebPkiServerVerifier;
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Checks the chain, keeps the names the certificate presents, then ends the handshake.
+    #[derive(Debug)]
+    struct ReadNames {
+        chain: Arc<WebPkiServerVerifier>,
+        names: Mutex<Option<Result<Vec<String>, rustls::Error>>>,
+    }
+    impl ServerCertVerifier for ReadNames {
+        fn verify_server_cert(
+            &self,
+            end_entity: &CertificateDer<'_>,
+            intermediates: &[CertificateDer<'_>],
+            server_name: &ServerName<'_>,
+            ocsp: &[u8],
+            now: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            // The chain is checked before the name: a name error means a good chain.
+            let names = match self.chain.verify_server_cert(
+                end_entity,
+                intermediates,
+                server_name,
+                ocsp,
+                now,
+            ) {
+                Ok(_) => Ok(vec![server_name.to_str().into_owned()]),
+                Err(rustls::Error::InvalidCertificate(
+                    CertificateError::NotValidForNameContext { presented, .. },
+                )) => Ok(presented),
+                Err(e) => Err(e),
+            };
+            *self.names.lock().unwrap_or_else(|e| e.into_inner()) = Some(names);
+            Err(rustls::Error::General("certificate read".into()))
+        }
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.chain.verify_tls12_signature(message, cert, dss)
+        }
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.chain.verify_tls13_signature(message, cert, dss)
+        }
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.chain.supported_verify_schemes()
+        }
+    }
+
+    let invalid = |e: &dyn std::fmt::Display| Error::new(ErrorKind::InvalidData, e.to_string());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca_file).map_err(|e| invalid(&e))? {
+        roots
+            .add(cert.map_err(|e| invalid(&e))?)
+            .map_err(|e| invalid(&e))?;
+    }
+    let chain = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .map_err(|e| invalid(&e))?;
+    let verifier = Arc::new(ReadNames {
+        chain,
+        names: Mutex::new(None),
+    });
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| invalid(&e))?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier.clone())
+        .with_no_client_auth();
+
+    let mut stream = tokio::net::TcpStream::connect((host, port)).await?;
+    // The greeting: a 4-byte header (length, sequence), then the payload.
+    let mut header = [0u8; 4];
+    stream.read_exact(&mut header).await?;
+    let length = u32::from_le_bytes([header[0], header[1], header[2], 0]) as usize;
+    let mut greeting = vec![0u8; length];
+    stream.read_exact(&mut greeting).await?;
+    if greeting.first() == Some(&0xff) {
+        return Err(invalid(&format!(
+            "the server refused the connection: {}",
+            String::from_utf8_lossy(greeting.get(9..).unwrap_or_default())
+        )));
+    }
+    // Protocol version, NUL-terminated server version, connection id (4), auth data (8),
+    // filler (1), then the low two bytes of the capability flags.
+    let version_end = greeting
+        .iter()
+        .skip(1)
+        .position(|b| *b == 0)
+        .map(|at| at + 2)
+        .ok_or_else(|| invalid(&"a malformed greeting"))?;
+    let flags_at = version_end + 4 + 8 + 1;
+    let flags = greeting
+        .get(flags_at..flags_at + 2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .ok_or_else(|| invalid(&"a malformed greeting"))?;
+    const CLIENT_SSL: u32 = 0x0800;
+    if u32::from(flags) & CLIENT_SSL == 0 {
+        return Err(invalid(&"the server offers no TLS"));
+    }
+    // SSLRequest: capabilities (protocol 4.1, secure connection, TLS), max packet, charset,
+    // 23 bytes of filler; sequence 1.
+    let capabilities: u32 = 0x0000_0200 | 0x0000_8000 | CLIENT_SSL;
+    let mut request = vec![32, 0, 0, 1];
+    request.extend_from_slice(&capabilities.to_le_bytes());
+    request.extend_from_slice(&(16u32 << 20).to_le_bytes());
+    request.push(45); // utf8mb4
+    request.extend_from_slice(&[0; 23]);
+    stream.write_all(&request).await?;
+
+    let name = ServerName::try_from(host.to_owned()).map_err(|e| invalid(&e))?;
+    // Fails by design once the certificate is read.
+    let _ = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, stream)
+        .await;
+    let names = verifier
+        .names
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    match names {
+        None => Err(invalid(
+            &"the TLS handshake ended before a certificate came",
+        )),
+        Some(Err(e)) => Err(invalid(&format!(
+            "the server's certificate is not accepted under ca-file: {e}"
+        ))),
+        Some(Ok(names)) => names
+            .iter()
+            .filter_map(|n| presented_name(n))
+            .find(|n| ServerName::try_from(n.as_str()).is_ok())
+            .ok_or_else(|| {
+                invalid(&format!(
+                    "the server's certificate names no host name or address: {names:?}"
+                ))
+            }),
+    }
+}
+
+/// A name rustls says a certificate presents — `DnsName("db.internal")`,
+/// `IpAddress(10.0.0.7)` (webpki's `Debug` of its names) — as a name to check it for; a
+/// wildcard stands for one label, so any one will do. `None` for other kinds of names (a URI,
+/// a directory name) and for any other writing: the probe then fails closed, listing them.
+#[cfg(feature = "tls")]
+fn presented_name(presented: &str) -> Option<String> {
+    let name = if let Some(dns) = presented.strip_prefix("DnsName(\"") {
+        dns.strip_suffix("\")")?
+    } else {
+        presented.strip_prefix("IpAddress(")?.strip_suffix(')')?
+    };
+    Some(match name.strip_prefix("*.") {
+        Some(rest) => format!("shardlock.{rest}"),
+        None => name.to_owned(),
+    })
+}
+
+#[cfg(all(test, feature = "tls"))]
+mod tests {
+    #[test]
+    fn presented_names_are_read_as_rustls_writes_them() {
+        for (presented, want) in [
+            ("DnsName(\"db-1.internal\")", Some("db-1.internal")),
+            ("DnsName(\"*.db.internal\")", Some("shardlock.db.internal")),
+            ("IpAddress(10.0.0.7)", Some("10.0.0.7")),
+            ("IpAddress(2001:db8::1)", Some("2001:db8::1")),
+            ("UniformResourceIdentifier(\"spiffe://x\")", None),
+            ("DirectoryName", None),
+        ] {
+            assert_eq!(
+                super::presented_name(presented).as_deref(),
+                want,
+                "{presented}"
+            );
+        }
+    }
 }

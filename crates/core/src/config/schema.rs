@@ -316,9 +316,7 @@ pub enum TlsMode {
     Preferred,
     /// TLS or no connection; the certificate is not checked.
     Required,
-    /// TLS with a certificate signed by `ca-file`; the host name is not checked. Refused by
-    /// this version: its MySQL driver checks the host name anyway (see `ca-file` and
-    /// `server-name` with `verify-identity`).
+    /// TLS with a certificate signed by `ca-file`; the host name is not checked.
     VerifyCa,
     /// TLS with a certificate signed by `ca-file` and issued for the host of the URL.
     VerifyIdentity,
