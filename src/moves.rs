@@ -400,10 +400,10 @@ async fn carry_leases(
             source,
             format!(
                 "{} lease(s) of moved keys are live there and not on their new shard (e.g. \
-                 key {:?} held by {owner}): a process that has not reloaded yet? The move \
+                 key `{}` held by {owner}): a process that has not reloaded yet? The move \
                  stays in force until they end",
                 uncovered.len(),
-                String::from_utf8_lossy(key),
+                source.shared.telemetry.stored_key_label(key),
             ),
         ));
     }

@@ -110,15 +110,17 @@ async fn each_ssl_mode_connects_or_refuses_as_its_name_says() {
     .await
     .unwrap();
     // verify-ca checks the chain, not the name: the certificate for `localhost` is fine at
-    // 127.0.0.1 (where verify-identity refuses it, below).
-    lock_through(&config(
-        &cluster,
-        "127.0.0.1",
-        "root",
-        &tls("verify-ca", Some(&ca)),
-    ))
-    .await
-    .unwrap();
+    // 127.0.0.1 (where verify-identity refuses it, below), and at `localhost`.
+    for host in ["127.0.0.1", "localhost"] {
+        lock_through(&config(
+            &cluster,
+            host,
+            "root",
+            &tls("verify-ca", Some(&ca)),
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("verify-ca at {host}: {}", e.report()));
+    }
     // ... and a CA that did not sign it is refused.
     let said = refusal(&config(
         &cluster,

@@ -192,9 +192,15 @@ pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
     })
 }
 
-/// How long one OTLP export may take (opentelemetry-otlp's default).
+/// How long one OTLP export may take: `OTEL_EXPORTER_OTLP_TIMEOUT` (milliseconds) as
+/// opentelemetry-otlp reads it for its own client, else its default of 10 s.
 #[cfg(feature = "otlp-https")]
-const OTLP_TIMEOUT: Duration = Duration::from_secs(10);
+fn otlp_timeout() -> Duration {
+    std::env::var("OTEL_EXPORTER_OTLP_TIMEOUT")
+        .ok()
+        .and_then(|ms| ms.trim().parse().ok())
+        .map_or(Duration::from_secs(10), Duration::from_millis)
+}
 
 /// The HTTP client OTLP exports go through: rustls with the ring provider (as for the
 /// shards), trusting the CA in `ca_file` alone when given, else the system's roots. For every
@@ -246,7 +252,7 @@ fn http_client(
     // caller's: built on a thread of its own, as opentelemetry-otlp builds its default one.
     std::thread::spawn(move || {
         reqwest::blocking::Client::builder()
-            .timeout(OTLP_TIMEOUT)
+            .timeout(otlp_timeout())
             .tls_backend_preconfigured(tls)
             .build()
     })
@@ -263,7 +269,7 @@ fn http_client(
     endpoint: &str,
     _ca_file: Option<&std::path::Path>,
 ) -> Result<Option<reqwest::blocking::Client>> {
-    if endpoint.starts_with("https://") {
+    if endpoint.to_ascii_lowercase().starts_with("https://") {
         return Err(ConfigError::field(
             "telemetry.otlp-endpoint",
             "this build of shardlock has no OTLP over https: enable its `otlp-https` feature",

@@ -110,6 +110,16 @@ impl Telemetry {
         }
     }
 
+    /// How a key stored as `stored` (a row's primary key) appears: itself (as text), or its
+    /// stable hash, as [`Telemetry::key_label`] shows the key.
+    pub(crate) fn stored_key_label(&self, stored: &[u8]) -> String {
+        if self.record_keys {
+            String::from_utf8_lossy(stored).into_owned()
+        } else {
+            LockKey::stored_label_hash(stored)
+        }
+    }
+
     /// Records one acquire call. The common case — granted through the shard — goes through
     /// a histogram bound to its attributes once per shard and namespace (`bound`), which
     /// spares the per-call attribute lookup.

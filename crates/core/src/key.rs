@@ -113,9 +113,14 @@ impl LockKey {
     /// (`user:<id>`) is recovered by hashing all of them. It keeps keys out of sight, not out
     /// of reach. Buckets of one key get labels of their own (the stored bytes are hashed).
     pub fn label_hash(&self) -> String {
+        Self::stored_label_hash(self.stored())
+    }
+
+    /// [`LockKey::label_hash`] of the key stored as `stored` (a lease row's primary key).
+    pub fn stored_label_hash(stored: &[u8]) -> String {
         use std::hash::Hasher;
         let mut h = siphasher::sip::SipHasher13::new_with_keys(0, 0);
-        h.write(self.stored());
+        h.write(stored);
         format!("#{:016x}", h.finish())
     }
 

@@ -135,8 +135,10 @@ pub(crate) struct ShardManager {
     /// What the last connection opened found at the other end (a [`ServerKind`]).
     kind: AtomicU8,
     /// TLS `verify-ca`: the CA file the server's certificate is read against, for the name
-    /// each connection then checks ([`crate::tls::certificate_name`]).
+    /// each connection then checks ([`crate::tls::certificate_name`]), and that name, read
+    /// again after a connection fails.
     verify_ca: Option<PathBuf>,
+    certificate_name: std::sync::Mutex<Option<String>>,
 }
 
 /// The server a shard's connections reach, as OpenTelemetry's `db.system.name` names it.
@@ -193,6 +195,7 @@ impl ShardManager {
             plaintext_fallback: false,
             kind: AtomicU8::new(ServerKind::Unknown as u8),
             verify_ca: None,
+            certificate_name: std::sync::Mutex::new(None),
         }
     }
 
@@ -227,15 +230,31 @@ impl ShardManager {
 }
 
 impl ShardManager {
-    /// `opts` checking the certificate for a name it holds, under `verify-ca`.
+    /// `opts` checking the certificate for a name it holds, under `verify-ca`: the name read
+    /// off the server's certificate by the first connection (and again after one fails).
     #[cfg(feature = "tls")]
     async fn certificate_name(&self, opts: Opts) -> Result<Opts, mysql_async::Error> {
         let (Some(ca_file), Some(ssl)) = (&self.verify_ca, opts.ssl_opts()) else {
             return Ok(opts);
         };
-        let name = crate::tls::certificate_name(opts.ip_or_hostname(), opts.tcp_port(), ca_file)
-            .await
-            .map_err(|e| mysql_async::Error::Io(e.into()))?;
+        let known = self
+            .certificate_name
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let name = match known {
+            Some(name) => name,
+            None => {
+                let name =
+                    crate::tls::certificate_name(opts.ip_or_hostname(), opts.tcp_port(), ca_file)
+                        .await?;
+                *self
+                    .certificate_name
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
+                name
+            }
+        };
         let ssl = ssl.clone().with_danger_tls_hostname_override(Some(name));
         Ok(OptsBuilder::from_opts(opts).ssl_opts(Some(ssl)).into())
     }
@@ -243,6 +262,14 @@ impl ShardManager {
     #[cfg(not(feature = "tls"))]
     async fn certificate_name(&self, opts: Opts) -> Result<Opts, mysql_async::Error> {
         Ok(opts)
+    }
+
+    /// A connection failed: a `verify-ca` server may have a new certificate, read it again.
+    fn forget_certificate_name(&self) {
+        *self
+            .certificate_name
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
     }
 }
 
@@ -269,7 +296,7 @@ impl managed::Manager for ShardManager {
             )) if self.plaintext_fallback => {
                 Conn::new(OptsBuilder::from_opts(opts).ssl_opts(None)).await?
             }
-            answer => answer?,
+            answer => answer.inspect_err(|_| self.forget_certificate_name())?,
         };
         self.kind
             .store(ServerKind::of(&conn) as u8, Ordering::Relaxed);

@@ -15,6 +15,15 @@ pub(crate) fn apply(
     if tls.mode == TlsMode::Disabled {
         return Ok(opts);
     }
+    // As the driver reads the URL (`%73ocket=` is `socket=`): through a socket file it would
+    // not use TLS, and say nothing. `preferred` allows plaintext, so that one may.
+    if tls.mode != TlsMode::Preferred && mysql_async::Opts::from(opts.clone()).socket().is_some() {
+        return Err(ConfigError::field(
+            format!("shards[{index}].url"),
+            "a connection through a socket file (`socket=` in the URL) does not use TLS: \
+             remove `socket=`, or set tls.mode to preferred or disabled",
+        ));
+    }
     for (name, file) in [
         ("ca-file", &tls.ca_file),
         ("cert-file", &tls.cert_file),
@@ -72,20 +81,21 @@ fn ssl(_opts: OptsBuilder, _tls: &TlsConfig, index: usize) -> Result<OptsBuilder
 }
 
 /// The name to check a `verify-ca` shard's certificate for: one its certificate at
-/// `host:port` holds, once its chain is checked against `ca_file`. verify-ca accepts any name
-/// the CA signed, so checking the connection for a name read off the certificate this way
-/// accepts exactly what verify-ca does (a server whose certificate the CA did not sign is
-/// refused here already).
+/// `host:port` holds and is valid for, once its chain is checked against `ca_file`. verify-ca
+/// accepts any name the CA signed, so checking the connection for a name read off the
+/// certificate this way accepts exactly what verify-ca does (a server whose certificate the
+/// CA did not sign is refused here already).
 ///
 /// Speaks the start of MySQL's protocol: reads the server's greeting, asks for TLS
-/// (SSLRequest), and reads the certificate in the TLS handshake, which it then abandons.
+/// (SSLRequest), and reads the certificate in the TLS handshake, which it then abandons. A
+/// server that refuses the connection outright (too many connections, a host not allowed)
+/// answers with its MySQL error.
 #[cfg(feature = "tls")]
 pub(crate) async fn certificate_name(
     host: &str,
     port: u16,
     ca_file: &std::path::Path,
-) -> std::io::Result<String> {
-    use std::io::{Error, ErrorKind};
+) -> mysql_async::Result<String> {
     use std::sync::{Arc, Mutex};
 
     use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -95,13 +105,50 @@ pub(crate) async fn certificate_name(
     use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// Checks the chain, keeps the names the certificate presents, then ends the handshake.
+    /// Checks the chain, finds a name the certificate is valid for, then ends the handshake.
     #[derive(Debug)]
-    struct ReadNames {
+    struct ReadName {
         chain: Arc<WebPkiServerVerifier>,
-        names: Mutex<Option<Result<Vec<String>, rustls::Error>>>,
+        found: Mutex<Option<Result<String, String>>>,
     }
-    impl ServerCertVerifier for ReadNames {
+    impl ReadName {
+        fn find(
+            &self,
+            end_entity: &CertificateDer<'_>,
+            intermediates: &[CertificateDer<'_>],
+            asked: &ServerName<'_>,
+            ocsp: &[u8],
+            now: UnixTime,
+        ) -> Result<String, String> {
+            let valid_for = |name: &ServerName<'_>| {
+                self.chain
+                    .verify_server_cert(end_entity, intermediates, name, ocsp, now)
+            };
+            // The chain is checked before the name: a name error means a good chain.
+            let presented = match valid_for(asked) {
+                Ok(_) => return Ok(asked.to_str().into_owned()),
+                Err(rustls::Error::InvalidCertificate(
+                    CertificateError::NotValidForNameContext { presented, .. },
+                )) => presented,
+                Err(e) => return Err(format!("not accepted under ca-file: {e}")),
+            };
+            // The first presented name the certificate proves valid for (the same check the
+            // connection makes next).
+            presented
+                .iter()
+                .filter_map(|p| presented_name(p))
+                .find(|name| {
+                    ServerName::try_from(name.as_str()).is_ok_and(|n| valid_for(&n).is_ok())
+                })
+                .ok_or_else(|| {
+                    format!(
+                        "holds no subjectAltName this connection can be checked for \
+                         ({presented:?}); verify-ca needs a DNS name or IP address in it"
+                    )
+                })
+        }
+    }
+    impl ServerCertVerifier for ReadName {
         fn verify_server_cert(
             &self,
             end_entity: &CertificateDer<'_>,
@@ -110,21 +157,8 @@ pub(crate) async fn certificate_name(
             ocsp: &[u8],
             now: UnixTime,
         ) -> Result<ServerCertVerified, rustls::Error> {
-            // The chain is checked before the name: a name error means a good chain.
-            let names = match self.chain.verify_server_cert(
-                end_entity,
-                intermediates,
-                server_name,
-                ocsp,
-                now,
-            ) {
-                Ok(_) => Ok(vec![server_name.to_str().into_owned()]),
-                Err(rustls::Error::InvalidCertificate(
-                    CertificateError::NotValidForNameContext { presented, .. },
-                )) => Ok(presented),
-                Err(e) => Err(e),
-            };
-            *self.names.lock().unwrap_or_else(|e| e.into_inner()) = Some(names);
+            let found = self.find(end_entity, intermediates, server_name, ocsp, now);
+            *self.found.lock().unwrap_or_else(|e| e.into_inner()) = Some(found);
             Err(rustls::Error::General("certificate read".into()))
         }
         fn verify_tls12_signature(
@@ -148,57 +182,84 @@ pub(crate) async fn certificate_name(
         }
     }
 
-    let invalid = |e: &dyn std::fmt::Display| Error::new(ErrorKind::InvalidData, e.to_string());
+    let failed = |what: &dyn std::fmt::Display| {
+        mysql_async::Error::Io(
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("verify-ca: {what}"),
+            )
+            .into(),
+        )
+    };
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(ca_file).map_err(|e| invalid(&e))? {
+    for cert in CertificateDer::pem_file_iter(ca_file).map_err(|e| failed(&e))? {
         roots
-            .add(cert.map_err(|e| invalid(&e))?)
-            .map_err(|e| invalid(&e))?;
+            .add(cert.map_err(|e| failed(&e))?)
+            .map_err(|e| failed(&e))?;
     }
     let chain = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
         .build()
-        .map_err(|e| invalid(&e))?;
-    let verifier = Arc::new(ReadNames {
+        .map_err(|e| failed(&e))?;
+    let verifier = Arc::new(ReadName {
         chain,
-        names: Mutex::new(None),
+        found: Mutex::new(None),
     });
     let config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .map_err(|e| invalid(&e))?
+        .map_err(|e| failed(&e))?
         .dangerous()
         .with_custom_certificate_verifier(verifier.clone())
         .with_no_client_auth();
 
-    let mut stream = tokio::net::TcpStream::connect((host, port)).await?;
-    // The greeting: a 4-byte header (length, sequence), then the payload.
+    let io = |e: std::io::Error| mysql_async::Error::Io(e.into());
+    let mut stream = tokio::net::TcpStream::connect((host, port))
+        .await
+        .map_err(io)?;
+    // The greeting: a 4-byte header (length, sequence), then the payload (a few hundred
+    // bytes; a server that claims more than 64 KiB is not one to read).
     let mut header = [0u8; 4];
-    stream.read_exact(&mut header).await?;
+    stream.read_exact(&mut header).await.map_err(io)?;
     let length = u32::from_le_bytes([header[0], header[1], header[2], 0]) as usize;
-    let mut greeting = vec![0u8; length];
-    stream.read_exact(&mut greeting).await?;
-    if greeting.first() == Some(&0xff) {
-        return Err(invalid(&format!(
-            "the server refused the connection: {}",
-            String::from_utf8_lossy(greeting.get(9..).unwrap_or_default())
-        )));
+    if length > 64 * 1024 {
+        return Err(failed(&format!("a greeting of {length} bytes")));
     }
-    // Protocol version, NUL-terminated server version, connection id (4), auth data (8),
-    // filler (1), then the low two bytes of the capability flags.
+    let mut greeting = vec![0u8; length];
+    stream.read_exact(&mut greeting).await.map_err(io)?;
+    match greeting.first() {
+        // An error packet: code, then the message (a `#` and SQL state first, if any).
+        Some(0xff) if greeting.len() >= 3 => {
+            let code = u16::from_le_bytes([greeting[1], greeting[2]]);
+            let rest = &greeting[3..];
+            let (state, message) = match rest.first() {
+                Some(b'#') if rest.len() >= 6 => (&rest[1..6], &rest[6..]),
+                _ => (&b"HY000"[..], rest),
+            };
+            return Err(mysql_async::Error::Server(mysql_async::ServerError {
+                code,
+                message: String::from_utf8_lossy(message).into_owned(),
+                state: String::from_utf8_lossy(state).into_owned(),
+            }));
+        }
+        Some(10) => {}
+        _ => return Err(failed(&"the server's greeting is not MySQL protocol 10")),
+    }
+    // NUL-terminated server version, connection id (4), auth data (8), filler (1), then the
+    // low two bytes of the capability flags.
     let version_end = greeting
         .iter()
         .skip(1)
         .position(|b| *b == 0)
         .map(|at| at + 2)
-        .ok_or_else(|| invalid(&"a malformed greeting"))?;
+        .ok_or_else(|| failed(&"a malformed greeting"))?;
     let flags_at = version_end + 4 + 8 + 1;
     let flags = greeting
         .get(flags_at..flags_at + 2)
         .map(|b| u16::from_le_bytes([b[0], b[1]]))
-        .ok_or_else(|| invalid(&"a malformed greeting"))?;
+        .ok_or_else(|| failed(&"a malformed greeting"))?;
     const CLIENT_SSL: u32 = 0x0800;
     if u32::from(flags) & CLIENT_SSL == 0 {
-        return Err(invalid(&"the server offers no TLS"));
+        return Err(failed(&"the server offers no TLS"));
     }
     // SSLRequest: capabilities (protocol 4.1, secure connection, TLS), max packet, charset,
     // 23 bytes of filler; sequence 1.
@@ -208,41 +269,30 @@ pub(crate) async fn certificate_name(
     request.extend_from_slice(&(16u32 << 20).to_le_bytes());
     request.push(45); // utf8mb4
     request.extend_from_slice(&[0; 23]);
-    stream.write_all(&request).await?;
+    stream.write_all(&request).await.map_err(io)?;
 
-    let name = ServerName::try_from(host.to_owned()).map_err(|e| invalid(&e))?;
+    let name = ServerName::try_from(host.to_owned()).map_err(|e| failed(&e))?;
     // Fails by design once the certificate is read.
     let _ = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(name, stream)
         .await;
-    let names = verifier
-        .names
+    let found = verifier
+        .found
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take();
-    match names {
-        None => Err(invalid(
-            &"the TLS handshake ended before a certificate came",
-        )),
-        Some(Err(e)) => Err(invalid(&format!(
-            "the server's certificate is not accepted under ca-file: {e}"
-        ))),
-        Some(Ok(names)) => names
-            .iter()
-            .filter_map(|n| presented_name(n))
-            .find(|n| ServerName::try_from(n.as_str()).is_ok())
-            .ok_or_else(|| {
-                invalid(&format!(
-                    "the server's certificate names no host name or address: {names:?}"
-                ))
-            }),
+    match found {
+        None => Err(failed(&"the TLS handshake ended before a certificate came")),
+        Some(Err(why)) => Err(failed(&format!("the server's certificate {why}"))),
+        Some(Ok(name)) => Ok(name),
     }
 }
 
 /// A name rustls says a certificate presents — `DnsName("db.internal")`,
 /// `IpAddress(10.0.0.7)` (webpki's `Debug` of its names) — as a name to check it for; a
 /// wildcard stands for one label, so any one will do. `None` for other kinds of names (a URI,
-/// a directory name) and for any other writing: the probe then fails closed, listing them.
+/// a directory name) and for any other writing. Each is only a candidate: the probe uses one
+/// the certificate proves valid for, and fails closed, listing them, when none is.
 #[cfg(feature = "tls")]
 fn presented_name(presented: &str) -> Option<String> {
     let name = if let Some(dns) = presented.strip_prefix("DnsName(\"") {
@@ -258,6 +308,36 @@ fn presented_name(presented: &str) -> Option<String> {
 
 #[cfg(all(test, feature = "tls"))]
 mod tests {
+    /// A URL that reaches the server through a socket file is refused with a TLS mode that
+    /// requires TLS, however the URL spells `socket`.
+    #[test]
+    fn tls_through_a_socket_file_is_refused_by_field() {
+        use shardlock_core::config::{ShardConfig, TlsConfig, TlsMode};
+        let shard = |url: &str, mode: TlsMode| {
+            let mut tls = TlsConfig::default();
+            tls.mode = mode;
+            let mut shard = ShardConfig::default();
+            shard.name = "s1".into();
+            shard.url = url.into();
+            shard.tls = tls;
+            shard
+        };
+        for url in [
+            "mysql://root@localhost:3306/shardlock?socket=/run/mysqld/mysqld.sock",
+            "mysql://root@localhost:3306/shardlock?%73ocket=/run/mysqld/mysqld.sock",
+        ] {
+            let e = crate::connect_opts(&shard(url, TlsMode::Required), 0).unwrap_err();
+            assert_eq!(e.field.as_deref(), Some("shards[0].url"), "{url}: {e}");
+            crate::connect_opts(&shard(url, TlsMode::Preferred), 0).unwrap();
+            crate::connect_opts(&shard(url, TlsMode::Disabled), 0).unwrap();
+        }
+        crate::connect_opts(
+            &shard("mysql://root@localhost:3306/shardlock", TlsMode::Required),
+            0,
+        )
+        .unwrap();
+    }
+
     #[test]
     fn presented_names_are_read_as_rustls_writes_them() {
         for (presented, want) in [

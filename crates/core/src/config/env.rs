@@ -23,20 +23,21 @@ enum Quoting {
 ///
 /// References are read in block-style YAML scalars on one line: plain, `"…"` or `'…'` (after
 /// a tag or an anchor, if any), and in the lines of a block scalar (`|`, `>`), where the value
-/// is pasted as it is but may not break the line. One inside a flow collection (`[…]`, `{…}`)
-/// is refused: its scalar cannot be told apart there without a YAML parser.
+/// is pasted as it is but may not break the line. One inside a flow collection (`[…]`, `{…}`),
+/// on any of its lines, is refused, and so is a `$$` there: its scalar cannot be told apart
+/// there without a YAML parser, and neither may reach the config as written.
 pub(super) fn substitute_env(text: &str) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(text.len());
     // The indent of the line that opened the block scalar being read, if any.
     let mut block: Option<usize> = None;
-    // How deep in a flow collection that an earlier line opened the text is.
-    let mut flow = 0;
+    // Where in a flow collection that an earlier line opened the text is.
+    let mut flow = Flow::default();
     for (line_no, line) in text.split_inclusive('\n').enumerate() {
         let indent = line.len() - line.trim_start_matches(' ').len();
         let blank = line.trim().is_empty();
-        if flow > 0 {
+        if flow.depth > 0 {
             refuse_in_flow(line, 0, line_no + 1)?;
-            flow = flow_depth(line, flow);
+            flow.read(line);
             out.push_str(line);
             continue;
         }
@@ -103,16 +104,22 @@ fn substitute_block_line(line: &str, line_no: usize) -> Result<String, ConfigErr
     Ok(out)
 }
 
-/// Refuses a reference in `line` from byte `from` on: it is inside a flow collection.
+/// Refuses a reference (`${`, or `$$`) in `line` from byte `from` on: it is inside a flow
+/// collection, where values are not substituted. Comments there too: where one starts cannot
+/// be told apart from a `#` in a quoted scalar without a YAML parser, and a reference passed
+/// over in silence would reach the config as text.
 fn refuse_in_flow(line: &str, from: usize, line_no: usize) -> Result<(), ConfigError> {
     let text = &line[from..];
-    let code = text.find(" #").map_or(text, |at| &text[..at]);
-    match code.find("${") {
+    let at = match (text.find("${"), text.find("$$")) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    match at {
         Some(at) => Err(ConfigError {
             line: Some(line_no),
             column: Some(from + at + 1),
-            message: "a `${VAR}` inside a flow collection (`[…]` or `{…}`) is not supported; \
-                      write the list or map in block style"
+            message: "a `${VAR}` (or `$$`) inside a flow collection (`[…]` or `{…}`) is not \
+                      supported; write the list or map in block style"
                 .to_owned(),
             ..ConfigError::default()
         }),
@@ -120,31 +127,51 @@ fn refuse_in_flow(line: &str, from: usize, line_no: usize) -> Result<(), ConfigE
     }
 }
 
-/// How deep in flow collections the text is after `text`, starting `depth` deep: brackets
-/// counted outside quoted scalars and comments.
-fn flow_depth(text: &str, mut depth: usize) -> usize {
-    let mut quote = None;
-    let mut previous = b' ';
-    for &c in text.as_bytes() {
-        match quote {
-            Some(q) if c == q => quote = None,
-            Some(_) => {}
-            None => match c {
-                b'"' | b'\'' => quote = Some(c),
-                b'#' if matches!(previous, b' ' | b'\t') => break,
-                b'[' | b'{' => depth += 1,
-                b']' | b'}' => depth = depth.saturating_sub(1),
-                _ => {}
-            },
-        }
-        previous = c;
-    }
-    depth
+/// Where the text is in flow collections: how deep, and inside which quoted scalar, if any
+/// (one may go on over lines).
+#[derive(Debug, Clone, Copy, Default)]
+struct Flow {
+    depth: usize,
+    quote: Option<u8>,
 }
 
-/// One line: its scalars rewritten where they hold references, and how deep in a flow
+impl Flow {
+    /// Reads `text` on: brackets counted outside quoted scalars and comments. A quote opens a
+    /// scalar only where one starts (after `[`, `{`, `,`, `:` or at a line's start), so an
+    /// apostrophe inside a plain scalar (`don't`) is text.
+    fn read(&mut self, text: &str) {
+        let bytes = text.as_bytes();
+        // The last byte before this one that was not a blank, on this line.
+        let mut previous: Option<u8> = None;
+        let mut i = 0;
+        while i < bytes.len() {
+            let c = bytes[i];
+            match self.quote {
+                Some(b'"') if c == b'\\' => i += 1,
+                Some(b'\'') if c == b'\'' && bytes.get(i + 1) == Some(&b'\'') => i += 1,
+                Some(q) if c == q => self.quote = None,
+                Some(_) => {}
+                None => match c {
+                    b'"' | b'\'' if matches!(previous, None | Some(b'[' | b'{' | b',' | b':')) => {
+                        self.quote = Some(c)
+                    }
+                    b'#' if i == 0 || matches!(bytes[i - 1], b' ' | b'\t') => return,
+                    b'[' | b'{' => self.depth += 1,
+                    b']' | b'}' => self.depth = self.depth.saturating_sub(1),
+                    _ => {}
+                },
+            }
+            if !matches!(c, b' ' | b'\t' | b'\r' | b'\n') {
+                previous = Some(c);
+            }
+            i += 1;
+        }
+    }
+}
+
+/// One line: its scalars rewritten where they hold references, and where in a flow
 /// collection it ends (one opened on it and not closed).
-fn substitute_line(line: &str, line_no: usize) -> Result<(String, usize), ConfigError> {
+fn substitute_line(line: &str, line_no: usize) -> Result<(String, Flow), ConfigError> {
     let err = |column: usize, message: String| ConfigError {
         line: Some(line_no),
         column: Some(column),
@@ -184,7 +211,7 @@ fn substitute_line(line: &str, line_no: usize) -> Result<(String, usize), Config
                     // A comment: the rest of the line as it is.
                     close_plain(&mut out, &mut plain);
                     out.push_str(&line[i..]);
-                    return Ok((out, 0));
+                    return Ok((out, Flow::default()));
                 }
                 if (c == b':' || (c == b'-' && at_token_start)) && blank(next) {
                     // `key: ` or a list dash: what follows is a new scalar.
@@ -211,7 +238,9 @@ fn substitute_line(line: &str, line_no: usize) -> Result<(String, usize), Config
                         b'[' | b'{' => {
                             refuse_in_flow(line, i, line_no)?;
                             out.push_str(&line[i..]);
-                            return Ok((out, flow_depth(&line[i..], 0)));
+                            let mut flow = Flow::default();
+                            flow.read(&line[i..]);
+                            return Ok((out, flow));
                         }
                         _ => plain = Some((out.len(), 0)),
                     }
@@ -247,7 +276,7 @@ fn substitute_line(line: &str, line_no: usize) -> Result<(String, usize), Config
         i += n;
     }
     close_plain(&mut out, &mut plain);
-    Ok((out, 0))
+    Ok((out, Flow::default()))
 }
 
 /// Ends the plain scalar being read. One that held a reference stays as it is when YAML reads
@@ -463,5 +492,23 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.breaker.probes, 3);
+        // Quotes that do not open a scalar (an apostrophe in a plain one) and escaped ones
+        // leave the collection closed where it closes: later references are read.
+        for flow in [
+            "shards: [{name: s1, url: \"mysql://root@127.0.0.1:1/x\", password: \"p\\\"w\"}]\n",
+            "shards: [{name: s1, url: \"mysql://root@127.0.0.1:1/x\", password: it's}]\n",
+            "shards: [\n  {name: s1, url: 'mysql://root@127.0.0.1:1/x', password: 'it''s ]'}\n]\n",
+        ] {
+            let c = Config::from_yaml_str(&format!(
+                "{flow}breaker:\n  probes: ${{SHARDLOCK_TEST_WEIGHT}}\n"
+            ))
+            .unwrap_or_else(|e| panic!("{flow}: {e}"));
+            assert_eq!(c.breaker.probes, 3, "{flow}");
+        }
+        // `$$` inside a collection would stay as written: refused like a reference.
+        let e =
+            Config::from_yaml_str("shards: [\n  {name: s1, url: \"mysql://root:pa$$w@h:1/x\"}]\n")
+                .unwrap_err();
+        assert_eq!((e.line, e.column), (Some(2), Some(35)), "{e}");
     }
 }
