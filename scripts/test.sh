@@ -15,6 +15,10 @@ command -v mariadb-install-db >/dev/null 2>&1 || need_install+=(mariadb-server)
 compgen -G "/usr/lib/*/faketime/libfaketimeMT.so.1" >/dev/null || need_install+=(faketime)
 # A real Prometheus evaluates the ops dashboard's queries against a scraped application.
 [ -x /usr/bin/prometheus ] || need_install+=(prometheus)
+# Galera shards: the provider, and what its state transfers run (mariabackup over socat).
+[ -f /usr/lib/galera/libgalera_smm.so ] || need_install+=(galera-4)
+command -v mariabackup >/dev/null 2>&1 || need_install+=(mariadb-backup)
+command -v socat >/dev/null 2>&1 || need_install+=(socat)
 if [ ${#need_install[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "installing ${need_install[*]}"

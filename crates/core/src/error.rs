@@ -125,7 +125,8 @@ pub enum BackendErrorKind {
     Timeout,
     /// The server refused new connections (1040 and friends).
     TooManyConnections,
-    /// The server is read-only (1290, 1792, 1836).
+    /// The server is read-only (1290, 1792, 1836), or a Galera node that is not in its
+    /// cluster's primary component (1047): it must not take writes; another server may.
     ReadOnly,
     /// The server is shutting down or killed the query (1053, 1927, 1317).
     ServerGone,
@@ -199,7 +200,10 @@ impl BackendErrorKind {
             // 1290 usually `--read-only`/`super_read_only`, 1792 a read-only transaction, 1836
             // read-only mode: usually a failover left the URL on a replica, which no retry
             // of the same server fixes.
-            1290 | 1792 | 1836 => Self::ReadOnly,
+            // 1047 from a Galera node: "WSREP has not yet prepared node for application use"
+            // (cut off from the primary component, or still joining); the shard's next node
+            // may serve.
+            1290 | 1792 | 1836 | 1047 => Self::ReadOnly,
             // 1053/1077 shutdown, 1152 and 1158-1161 the server aborted or lost the
             // connection, 1317 the query was killed, 1927 the connection was killed (MariaDB's
             // number), 4031 the server dropped an idle connection (MySQL 8.0.24+).

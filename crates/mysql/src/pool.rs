@@ -138,7 +138,98 @@ pub(crate) struct ShardManager {
     /// each connection then checks ([`crate::tls::certificate_name`]), and that name, read
     /// again after a connection fails.
     verify_ca: Option<PathBuf>,
-    certificate_name: std::sync::Mutex<Option<String>>,
+    certificate_name: std::sync::Mutex<Vec<Option<String>>>,
+    /// A Galera shard's nodes (empty: the URL's one server).
+    nodes: Nodes,
+}
+
+/// The nodes of a Galera shard, in preference order: a new connection goes to the first one
+/// that is in the cluster's primary component and not passed over after failing.
+#[derive(Debug, Default)]
+pub(crate) struct Nodes {
+    addresses: Vec<(String, u16)>,
+    /// How long one node may take to let us in before the next is tried.
+    connect_timeout: Duration,
+    /// The node the newest connection went to.
+    current: std::sync::atomic::AtomicUsize,
+    /// Per node: passed over until then, after it failed.
+    down_until: std::sync::Mutex<Vec<Option<std::time::Instant>>>,
+}
+
+/// How long a node that failed is passed over before it is tried again.
+const NODE_BACKOFF: Duration = Duration::from_secs(2);
+
+impl Nodes {
+    /// `addresses` (`host:port`, port 3306 when left out), each tried for at most
+    /// `connect_timeout`.
+    pub(crate) fn new(addresses: &[String], connect_timeout: Duration) -> Self {
+        let addresses: Vec<(String, u16)> = addresses
+            .iter()
+            .map(|a| match a.rsplit_once(':') {
+                Some((host, port)) => (
+                    host.trim_start_matches('[')
+                        .trim_end_matches(']')
+                        .to_owned(),
+                    port.parse().unwrap_or(3306),
+                ),
+                None => (a.clone(), 3306),
+            })
+            .collect();
+        let n = addresses.len();
+        Self {
+            addresses,
+            connect_timeout,
+            current: Default::default(),
+            down_until: std::sync::Mutex::new(vec![None; n]),
+        }
+    }
+
+    /// The order to try the nodes in now: those not passed over, in preference order, then
+    /// those that are (a node that failed may be back; with every node down, each is tried).
+    fn order(&self) -> Vec<usize> {
+        let now = std::time::Instant::now();
+        let down = self.down_until.lock().unwrap_or_else(|e| e.into_inner());
+        let (up, passed): (Vec<usize>, Vec<usize>) =
+            (0..self.addresses.len()).partition(|&i| down[i].is_none_or(|until| until <= now));
+        up.into_iter().chain(passed).collect()
+    }
+
+    fn failed(&self, i: usize) {
+        self.down_until.lock().unwrap_or_else(|e| e.into_inner())[i] =
+            Some(std::time::Instant::now() + NODE_BACKOFF);
+    }
+
+    fn reached(&self, i: usize) {
+        self.down_until.lock().unwrap_or_else(|e| e.into_inner())[i] = None;
+    }
+}
+
+/// Whether the Galera node `conn` reached may serve: ready, and in the primary component (a
+/// node cut off from the majority answers, but must grant nothing).
+async fn galera_node_ready(conn: &mut Conn) -> Result<(), String> {
+    let status: Vec<(String, String)> = conn
+        .query("SHOW GLOBAL STATUS WHERE Variable_name IN ('wsrep_ready', 'wsrep_cluster_status')")
+        .await
+        .map_err(|e| e.to_string())?;
+    let value = |name: &str| {
+        status
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    };
+    match (value("wsrep_ready"), value("wsrep_cluster_status")) {
+        (Some(ready), Some(state))
+            if ready.eq_ignore_ascii_case("ON") && state.eq_ignore_ascii_case("Primary") =>
+        {
+            Ok(())
+        }
+        (None, _) | (_, None) => Err("it is not a Galera node (no wsrep status)".into()),
+        (ready, state) => Err(format!(
+            "it is not in the cluster's primary component (wsrep_ready {}, wsrep_cluster_status {})",
+            ready.unwrap_or("?"),
+            state.unwrap_or("?")
+        )),
+    }
 }
 
 /// The server a shard's connections reach, as OpenTelemetry's `db.system.name` names it.
@@ -195,8 +286,17 @@ impl ShardManager {
             plaintext_fallback: false,
             kind: AtomicU8::new(ServerKind::Unknown as u8),
             verify_ca: None,
-            certificate_name: std::sync::Mutex::new(None),
+            certificate_name: std::sync::Mutex::new(vec![None]),
+            nodes: Nodes::default(),
         }
+    }
+
+    /// A Galera shard reached through `nodes`.
+    pub(crate) fn nodes(mut self, nodes: Nodes) -> Self {
+        let n = nodes.addresses.len().max(1);
+        self.certificate_name = std::sync::Mutex::new(vec![None; n]);
+        self.nodes = nodes;
+        self
     }
 
     /// Connects in plaintext to a server that offers no TLS, although the options ask for it
@@ -233,14 +333,18 @@ impl ShardManager {
     /// `opts` checking the certificate for a name it holds, under `verify-ca`: the name read
     /// off the server's certificate by the first connection (and again after one fails).
     #[cfg(feature = "tls")]
-    async fn certificate_name(&self, opts: Opts) -> Result<Opts, mysql_async::Error> {
+    async fn certificate_name(
+        &self,
+        opts: Opts,
+        endpoint: usize,
+    ) -> Result<Opts, mysql_async::Error> {
         let (Some(ca_file), Some(ssl)) = (&self.verify_ca, opts.ssl_opts()) else {
             return Ok(opts);
         };
         let known = self
             .certificate_name
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(|e| e.into_inner())[endpoint]
             .clone();
         let name = match known {
             Some(name) => name,
@@ -248,10 +352,9 @@ impl ShardManager {
                 let name =
                     crate::tls::certificate_name(opts.ip_or_hostname(), opts.tcp_port(), ca_file)
                         .await?;
-                *self
-                    .certificate_name
+                self.certificate_name
                     .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some(name.clone());
+                    .unwrap_or_else(|e| e.into_inner())[endpoint] = Some(name.clone());
                 name
             }
         };
@@ -260,16 +363,73 @@ impl ShardManager {
     }
 
     #[cfg(not(feature = "tls"))]
-    async fn certificate_name(&self, opts: Opts) -> Result<Opts, mysql_async::Error> {
+    async fn certificate_name(
+        &self,
+        opts: Opts,
+        _endpoint: usize,
+    ) -> Result<Opts, mysql_async::Error> {
         Ok(opts)
     }
 
     /// A connection failed: a `verify-ca` server may have a new certificate, read it again.
-    fn forget_certificate_name(&self) {
-        *self
-            .certificate_name
+    fn forget_certificate_name(&self, endpoint: usize) {
+        self.certificate_name
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = None;
+            .unwrap_or_else(|e| e.into_inner())[endpoint] = None;
+    }
+
+    /// A connection with `opts` to the server at `endpoint` (`opts` names it already).
+    async fn connect(&self, opts: Opts, endpoint: usize) -> Result<Conn, mysql_async::Error> {
+        let opts = self.certificate_name(opts, endpoint).await?;
+        match Conn::new(opts.clone()).await {
+            Err(mysql_async::Error::Driver(
+                mysql_async::DriverError::NoClientSslFlagFromServer,
+            )) if self.plaintext_fallback => {
+                Conn::new(OptsBuilder::from_opts(opts).ssl_opts(None)).await
+            }
+            answer => answer.inspect_err(|_| self.forget_certificate_name(endpoint)),
+        }
+    }
+
+    /// A connection to the first Galera node that lets us in and may serve; connections to
+    /// another node than the last one are retired, so that every process's connections meet
+    /// on the preferred node again once it is back.
+    async fn connect_node(&self, opts: Opts) -> Result<Conn, mysql_async::Error> {
+        let nodes = &self.nodes;
+        let mut why = Vec::new();
+        for i in nodes.order() {
+            let (host, port) = &nodes.addresses[i];
+            let node_opts: Opts = OptsBuilder::from_opts(opts.clone())
+                .ip_or_hostname(host.clone())
+                .tcp_port(*port)
+                .into();
+            let attempt = async {
+                let mut conn = self
+                    .connect(node_opts, i)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                galera_node_ready(&mut conn).await?;
+                Ok::<_, String>(conn)
+            };
+            match tokio::time::timeout(nodes.connect_timeout, attempt).await {
+                Ok(Ok(conn)) => {
+                    nodes.reached(i);
+                    if nodes.current.swap(i, Ordering::Relaxed) != i {
+                        self.retire_all();
+                    }
+                    return Ok(conn);
+                }
+                Ok(Err(e)) => why.push(format!("node {host}:{port}: {e}")),
+                Err(_) => why.push(format!(
+                    "node {host}:{port}: no answer within {:?}",
+                    nodes.connect_timeout
+                )),
+            }
+            nodes.failed(i);
+        }
+        Err(mysql_async::Error::Io(
+            std::io::Error::other(format!("no node can serve: {}", why.join("; "))).into(),
+        ))
     }
 }
 
@@ -289,14 +449,10 @@ impl managed::Manager for ShardManager {
             }
             None => self.opts.clone(),
         };
-        let opts = self.certificate_name(opts).await?;
-        let conn = match Conn::new(opts.clone()).await {
-            Err(mysql_async::Error::Driver(
-                mysql_async::DriverError::NoClientSslFlagFromServer,
-            )) if self.plaintext_fallback => {
-                Conn::new(OptsBuilder::from_opts(opts).ssl_opts(None)).await?
-            }
-            answer => answer.inspect_err(|_| self.forget_certificate_name())?,
+        let conn = if self.nodes.addresses.is_empty() {
+            self.connect(opts, 0).await?
+        } else {
+            self.connect_node(opts).await?
         };
         self.kind
             .store(ServerKind::of(&conn) as u8, Ordering::Relaxed);

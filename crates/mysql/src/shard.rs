@@ -117,13 +117,18 @@ impl Shard {
             port: opts.tcp_port(),
             database: opts.db_name().unwrap_or_default().to_owned(),
         };
+        let mut setup = session_setup(lock_wait_timeout_secs(config.statement_timeout));
+        if !config.nodes.is_empty() {
+            // A read waits until the node has applied every write the cluster committed
+            // before it: what a decision reads (an owner, an expiry) is never older than
+            // what another node already granted.
+            setup.push("SET SESSION wsrep_sync_wait = 1".to_owned());
+        }
         let opts = OptsBuilder::from_opts(opts)
             .client_found_rows(true)
             .tcp_nodelay(true)
             .stmt_cache_size(128)
-            .setup(session_setup(lock_wait_timeout_secs(
-                config.statement_timeout,
-            )));
+            .setup(setup);
         let lifetimes = Lifetimes {
             idle_check: config.pool.idle_check,
             idle_timeout: config.pool.idle_timeout,
@@ -135,7 +140,12 @@ impl Shard {
                 (config.tls.mode == shardlock_core::config::TlsMode::VerifyCa)
                     .then(|| config.tls.ca_file.clone())
                     .flatten(),
-            );
+            )
+            .nodes(crate::pool::Nodes::new(
+                &config.nodes,
+                (config.pool.create_timeout / (config.nodes.len().max(1) as u32))
+                    .max(Duration::from_millis(200)),
+            ));
         let pool = ShardPool::builder(manager)
             .max_size(config.pool.max_size)
             .wait_timeout(Some(config.pool.wait_timeout))

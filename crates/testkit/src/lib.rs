@@ -11,19 +11,23 @@
 //! Faults are real: [`Shard::kill`] (SIGKILL), [`Shard::pause`] / [`Shard::resume`]
 //! (SIGSTOP / SIGCONT) and [`Shard::restart`]; a [`Proxy`] in front of a shard blackholes,
 //! delays or resets its connections; a [`Competitor`] transaction holds lease rows locked
-//! (lock waits, 1205) or closes a deadlock with the library's statements (1213). [`Worker`] runs a second OS process (the test
+//! (lock waits, 1205) or closes a deadlock with the library's statements (1213). A
+//! [`GaleraCluster`] is one shard served by three synchronously replicated nodes, each a
+//! [`Shard`] to kill, pause or restart. [`Worker`] runs a second OS process (the test
 //! binary itself, re-entered at a named function) that tests can signal in the same ways.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 mod certs;
 mod competitor;
+mod galera;
 mod proxy;
 mod server;
 mod worker;
 
 pub use certs::TestCerts;
 pub use competitor::Competitor;
+pub use galera::GaleraCluster;
 pub use proxy::{Proxy, ProxyMode};
 pub use server::{Cluster, DevCluster, Shard, DATABASE};
 pub use worker::{worker_main, Worker, WORKER_ENV};

@@ -127,7 +127,10 @@ pub struct Shard {
     /// `FAKETIME` for a shard whose clock is skewed (libfaketime).
     clock: Option<String>,
     /// Arguments added to the server's command line.
-    extra_args: Vec<String>,
+    extra_args: Mutex<Vec<String>>,
+    /// A server configured by its own option file (a Galera node): passed first, instead of
+    /// the testkit's arguments.
+    defaults_file: Option<PathBuf>,
 }
 
 /// A running server under its `sh` guardian.
@@ -153,10 +156,49 @@ impl Shard {
             dir,
             process: Mutex::new(None),
             clock,
-            extra_args,
+            extra_args: Mutex::new(extra_args),
+            defaults_file: None,
         };
         shard.spawn()?;
         Ok(shard)
+    }
+
+    /// A server on `port` configured by the option file `defaults_file` (which names `dir`
+    /// and `port`), started with `extra_args`.
+    pub(crate) fn launch_configured(
+        name: String,
+        dir: tempfile::TempDir,
+        port: u16,
+        defaults_file: PathBuf,
+        extra_args: Vec<String>,
+    ) -> io::Result<Self> {
+        let shard = Self {
+            name,
+            port: AtomicU16::new(port),
+            dir,
+            process: Mutex::new(None),
+            clock: None,
+            extra_args: Mutex::new(extra_args),
+            defaults_file: Some(defaults_file),
+        };
+        shard.spawn()?;
+        Ok(shard)
+    }
+
+    /// The server's data directory.
+    pub(crate) fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Replaces the arguments the next start adds to the command line.
+    pub(crate) fn set_extra_args(&self, args: Vec<String>) {
+        *self.extra_args.lock().unwrap() = args;
+    }
+
+    /// Starts the server process (after [`Shard::kill`]) without waiting for it.
+    pub(crate) fn start_process(&self) -> io::Result<()> {
+        self.kill()?;
+        self.spawn()
     }
 
     fn spawn(&self) -> io::Result<()> {
@@ -175,13 +217,18 @@ impl Shard {
                 .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
                 .env("FAKETIME_DONT_RESET", "1");
         }
-        let mut guardian = command
+        command
             .arg("-c")
             .arg(r#""$@" & pid=$!; echo $pid; read line; kill -9 $pid 2>/dev/null; wait $pid"#)
             .arg("sh")
-            .arg(mariadbd()?)
-            .args(server_args(self.dir.path(), self.port()))
-            .args(&self.extra_args)
+            .arg(mariadbd()?);
+        match &self.defaults_file {
+            // It must come first.
+            Some(file) => command.arg(format!("--defaults-file={}", file.display())),
+            None => command.args(server_args(self.dir.path(), self.port())),
+        };
+        let mut guardian = command
+            .args(self.extra_args.lock().unwrap().iter())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -361,7 +408,7 @@ async fn wait_ready(port: u16, dir: &Path, exited: impl Fn() -> bool) -> io::Res
     }
 }
 
-fn log_tail(dir: &Path) -> String {
+pub(crate) fn log_tail(dir: &Path) -> String {
     let log = fs::read_to_string(dir.join("error.log")).unwrap_or_default();
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(15)..].join("\n")
@@ -397,7 +444,7 @@ fn server_args(dir: &Path, port: u16) -> Vec<String> {
     args
 }
 
-fn mariadbd() -> io::Result<PathBuf> {
+pub(crate) fn mariadbd() -> io::Result<PathBuf> {
     find_program(
         "mariadbd",
         &["/usr/sbin/mariadbd", "/usr/local/mysql/bin/mariadbd"],
@@ -420,12 +467,12 @@ fn find_program(name: &str, fallbacks: &[&str]) -> io::Result<PathBuf> {
         })
 }
 
-fn free_port() -> io::Result<u16> {
+pub(crate) fn free_port() -> io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// The initialised data directory every shard starts from, made once per machine.
-fn template_dir() -> io::Result<PathBuf> {
+pub(crate) fn template_dir() -> io::Result<PathBuf> {
     let root = std::env::temp_dir().join("shardlock-testkit");
     fs::create_dir_all(&root)?;
     let template = root.join(format!("template-{TEMPLATE_VERSION}"));
@@ -470,7 +517,7 @@ fn template_dir() -> io::Result<PathBuf> {
     Ok(template)
 }
 
-fn copy_dir(from: &Path, to: &Path) -> io::Result<()> {
+pub(crate) fn copy_dir(from: &Path, to: &Path) -> io::Result<()> {
     let status = Command::new("cp")
         .arg("-a")
         .arg(format!("{}/.", from.display()))

@@ -267,6 +267,12 @@ pub struct ShardConfig {
     /// may instead (not as well) be given by `user` and `password` or `password-file`, which
     /// keeps the password out of the URL and of `${VAR}` pasting inside it.
     pub url: String,
+    /// The nodes (`host:port`, port 3306 when left out) of a Galera cluster serving this
+    /// shard, in preference order; the URL gives everything but its host and port. Every
+    /// process writes through the first node that is in the cluster's primary component, so
+    /// concurrent grants of a key meet on one node, and moves to the next one when it fails.
+    /// Empty (the default): the shard is the one server of the URL.
+    pub nodes: Vec<String>,
     /// The user to connect as, instead of the URL's.
     pub user: Option<String>,
     /// The password, instead of the URL's.
@@ -327,6 +333,7 @@ impl std::fmt::Debug for ShardConfig {
         f.debug_struct("ShardConfig")
             .field("name", &self.name)
             .field("url", &redact_url(&self.url))
+            .field("nodes", &self.nodes)
             .field("user", &self.user)
             .field("password", &self.password)
             .field("password_file", &self.password_file)
@@ -360,6 +367,7 @@ impl Default for ShardConfig {
         Self {
             name: String::new(),
             url: String::new(),
+            nodes: Vec::new(),
             user: None,
             password: None,
             password_file: None,

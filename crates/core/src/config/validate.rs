@@ -95,6 +95,24 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 "must look like mysql://user:password@host:port/database",
             ));
         }
+        for (j, node) in shard.nodes.iter().enumerate() {
+            let (host, port) = node.rsplit_once(':').unwrap_or((node.as_str(), "3306"));
+            if host.is_empty()
+                || host.contains(['/', '@', '?', ' '])
+                || port.parse::<u16>().map_or(true, |p| p == 0)
+            {
+                return Err(ConfigError::field(
+                    field(&format!("nodes[{j}]")),
+                    format!("`{node}` is not a node address such as db-1.internal:3306"),
+                ));
+            }
+            if let Some(k) = shard.nodes[..j].iter().position(|n| n == node) {
+                return Err(ConfigError::field(
+                    field(&format!("nodes[{j}]")),
+                    format!("`{node}` is listed twice (also nodes[{k}])"),
+                ));
+            }
+        }
         if shard.password.is_some() && shard.password_file.is_some() {
             return Err(ConfigError::field(
                 field("password-file"),

@@ -1,0 +1,263 @@
+//! A shard served by a three-node Galera cluster (`nodes:`): every process writes through the
+//! first node in the cluster's primary component, moves to the next when it dies, and never
+//! takes a grant from a node cut off from the majority.
+
+mod common;
+
+use std::time::Duration;
+
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::{AcquireOptions, Error, LockRouter};
+use shardlock_testkit::{report, Cluster, GaleraCluster, Worker};
+
+const KEYS: usize = 200;
+const TASKS: usize = 32;
+const ROUNDS: usize = 150;
+const APP_ENV: &str = "SHARDLOCK_TEST_APP_URL";
+
+/// Breaker and pools for the Galera tests: statements bounded at 2 s, connections at 1 s per
+/// node (a frozen node is given up on in a second).
+const SETTINGS: &str = "
+    statement-timeout: 2s
+    pool: { max-size: 16, create-timeout: 3s, wait-timeout: 3s, recycle-timeout: 1s }
+";
+
+/// A config with the plain shards of `plain` and the Galera shard `g`.
+fn config(plain: &Cluster, galera: &GaleraCluster, extra: &str) -> String {
+    let mut yaml = plain.config_yaml("");
+    yaml.push_str(&galera.shard_yaml("g"));
+    yaml.push_str(SETTINGS);
+    yaml.push_str(extra);
+    yaml
+}
+
+/// Keys of `c:0..KEYS` that the router places on shard `g`.
+fn keys_on_g(router: &LockRouter) -> Vec<String> {
+    (0..KEYS)
+        .map(|i| format!("c:{i}"))
+        .filter(|k| router.shard_for(k).unwrap() == "g")
+        .collect()
+}
+
+/// Two processes × 32 tasks run fenced read-modify-write rounds on 200 keys over two plain
+/// shards and a Galera shard; the node they write the Galera shard through is SIGKILLed mid
+/// run and later restarted. Counts stay exact, fences rise per key in commit order, no
+/// deadlock reaches a caller, and the Galera shard's keys are granted again soon after the
+/// kill (the time is reported).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_node_in_use_dies_mid_run_and_no_update_is_lost() {
+    let plain = Cluster::start(2).await.unwrap();
+    let galera = GaleraCluster::start(3).await.unwrap();
+    let yaml = config(&plain, &galera, "");
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let on_g = keys_on_g(&router);
+    assert!(!on_g.is_empty(), "some keys live on the Galera shard");
+    let app_url = plain.shard(0).url();
+    let mut app = common::counters::create(&app_url, KEYS).await;
+
+    let writes_on_g1 = || async { common::dml_statements(galera.node(0)).await };
+    let before = writes_on_g1().await;
+    let env = [(common::CONFIG_ENV, yaml.clone()), (APP_ENV, app_url)];
+    let workers: Vec<Worker> = (0..2)
+        .map(|_| Worker::spawn("worker", "counter", &env).unwrap())
+        .collect();
+    // Every process writes the Galera shard through g1, its first node; kill it once a
+    // good part of the run has gone through it.
+    loop {
+        if writes_on_g1().await >= before + 300 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    galera.node(0).kill().unwrap();
+    let killed = std::time::Instant::now();
+    // The shard serves again through g2: the first grant of one of its keys after the kill.
+    let failover = loop {
+        match router
+            .acquire(&on_g[0], AcquireOptions::new().wait(Duration::from_secs(5)))
+            .await
+        {
+            Ok(guard) => {
+                let taken = killed.elapsed();
+                guard.release().await.unwrap();
+                break taken;
+            }
+            Err(e) if e.is_unavailable() => tokio::time::sleep(Duration::from_millis(10)).await,
+            Err(e) => panic!("after the kill: {}", e.report()),
+        }
+    };
+    eprintln!("failover: first grant on the Galera shard {failover:?} after the kill");
+    // g1 comes back and rejoins while the workers still run.
+    galera.restart_node(0).await.unwrap();
+
+    let mut done = 0;
+    let mut unavailable = 0;
+    for w in workers {
+        let reported = w.finish_report("done ").await.unwrap();
+        done += reported[0] as usize;
+        unavailable += reported[1];
+    }
+    assert_eq!(done, 2 * TASKS * ROUNDS);
+    eprintln!("acquires answered unavailable (and retried by the workload): {unavailable}");
+    common::counters::check(&mut app, 2 * TASKS * ROUNDS).await;
+    // The rejoined node has every grant: the cluster is one copy.
+    let mut g1 = galera.node(0).connect().await.unwrap();
+    let rows: Option<u64> = g1
+        .query_first("SELECT COUNT(*) FROM shardlock_lease")
+        .await
+        .unwrap();
+    let mut g2 = galera.node(1).connect().await.unwrap();
+    let rows_g2: Option<u64> = g2
+        .query_first("SELECT COUNT(*) FROM shardlock_lease")
+        .await
+        .unwrap();
+    assert_eq!(rows, rows_g2);
+    router.shutdown().await.unwrap();
+}
+
+/// Each of the 32 tasks does ROUNDS read-modify-write rounds under the key's lock; reports
+/// the rounds done and how many acquires found a shard unavailable.
+async fn counter_worker() {
+    let router = common::worker_router().await;
+    let app_url = std::env::var(APP_ENV).unwrap();
+    let pool = shardlock::mysql_async::Pool::new(app_url.as_str());
+    let unavailable = common::counters::run(
+        &router,
+        &pool,
+        TASKS,
+        ROUNDS,
+        KEYS,
+        AcquireOptions::new().wait(Duration::from_secs(30)),
+    )
+    .await;
+    report!("done {} {unavailable}", TASKS * ROUNDS);
+    router.shutdown().await.unwrap();
+}
+
+crate::worker_entry! { "counter" => counter_worker() }
+
+/// The two other nodes freeze (SIGSTOP): g1 is alone, a minority, and leaves the primary
+/// component. It refuses every statement; a router grants nothing through it, and a holder
+/// whose lease lives there learns it lost it. Once the others are back, the key was never
+/// taken by anyone else.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_cut_off_from_the_majority_grants_nothing() {
+    let plain = Cluster::start(1).await.unwrap();
+    let galera = GaleraCluster::start(3).await.unwrap();
+    let yaml = config(&plain, &galera, "");
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let on_g = keys_on_g(&router);
+    let holder = router
+        .acquire(&on_g[0], AcquireOptions::new().ttl(Duration::from_secs(3)))
+        .await
+        .unwrap();
+
+    galera.node(1).pause().unwrap();
+    galera.node(2).pause().unwrap();
+    galera
+        .wait_non_primary(0, Duration::from_secs(30))
+        .await
+        .unwrap();
+    // The node itself refuses to act (Galera's 1047).
+    let mut g1 = galera.node(0).connect().await.unwrap();
+    let refused = g1
+        .query_drop("UPDATE shardlock_lease SET wanted_at = NOW(3) WHERE lock_key = 'x'")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, shardlock::mysql_async::Error::Server(e) if e.code == 1047),
+        "{refused}"
+    );
+    // No grant through it: the key held elsewhere...
+    let other = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let err = other
+        .acquire(&on_g[1], AcquireOptions::new().wait(Duration::from_secs(1)))
+        .await
+        .unwrap_err();
+    assert!(err.is_unavailable(), "{}", err.report());
+    // ... and the holder's lease cannot be renewed: it is reported lost.
+    tokio::time::timeout(Duration::from_secs(30), holder.lost())
+        .await
+        .expect("the holder learns its lease is gone");
+
+    galera.node(1).resume().unwrap();
+    galera.node(2).resume().unwrap();
+    for i in 0..3 {
+        galera.wait_synced(i).await.unwrap();
+    }
+    // Nothing was granted while the majority was away: on_g[1] has no owner.
+    let (_, row) = other.inspect(&on_g[1]).await.unwrap();
+    assert!(row.as_ref().is_none_or(|r| !r.is_held()), "{row:?}");
+    let again = other
+        .acquire(
+            &on_g[1],
+            AcquireOptions::new().wait(Duration::from_secs(10)),
+        )
+        .await
+        .unwrap();
+    again.release().await.unwrap();
+    match holder.release().await {
+        Err(Error::LockLost { .. }) | Ok(()) => {}
+        Err(e) => panic!("{}", e.report()),
+    }
+    other.shutdown().await.unwrap();
+    router.shutdown().await.unwrap();
+}
+
+/// The node in use freezes (SIGSTOP): it stays in the cluster's view for a moment, then the
+/// other two evict it and go on. The router moves to g2; the holder of a lease whose renewals
+/// went to g1 learns it lost the lease before anyone else is granted the key; and once g1
+/// thaws it grants nothing until it has rejoined.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_frozen_node_is_left_and_its_holders_learn_they_lost() {
+    let plain = Cluster::start(1).await.unwrap();
+    let galera = GaleraCluster::start(3).await.unwrap();
+    let yaml = config(&plain, &galera, "");
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let other = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let on_g = keys_on_g(&router);
+    let holder = router
+        .acquire(&on_g[0], AcquireOptions::new().ttl(Duration::from_secs(3)))
+        .await
+        .unwrap();
+
+    galera.node(0).pause().unwrap();
+    // Another process takes the key as soon as the shard lets it: never while the holder
+    // still believes it holds it.
+    let taken = loop {
+        match other
+            .acquire(
+                &on_g[0],
+                AcquireOptions::new().wait(Duration::from_secs(10)),
+            )
+            .await
+        {
+            Ok(guard) => break guard,
+            Err(e) if e.is_unavailable() => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => panic!("{}", e.report()),
+        }
+    };
+    assert!(
+        !holder.is_held(),
+        "granted to another process while the holder still held it"
+    );
+    assert!(taken.fence() > holder.fence());
+    taken.release().await.unwrap();
+
+    galera.node(0).resume().unwrap();
+    galera.wait_synced(0).await.unwrap();
+    let again = other
+        .acquire(
+            &on_g[1],
+            AcquireOptions::new().wait(Duration::from_secs(10)),
+        )
+        .await
+        .unwrap();
+    again.release().await.unwrap();
+    let _ = holder.release().await;
+    other.shutdown().await.unwrap();
+    router.shutdown().await.unwrap();
+}
