@@ -7,6 +7,7 @@
 //! both sides alike.
 
 mod cleaner;
+mod galera;
 mod harness;
 mod hot_key;
 mod reload;
@@ -68,6 +69,10 @@ pub(crate) enum Scenario {
     /// of the same shard in batches (400,000 rows planted per second of the round, batches of
     /// 1,000, 10 ms apart), against the same load with nothing to clean. Compare p50/p99.
     Cleaner,
+    /// The uncontended cycle (`--tasks`) through a shard served by a three-node Galera
+    /// cluster started on this machine (needs `galera-4`, `mariadb-backup`, `socat`), against
+    /// the same cycle on the single-server shard: the price of synchronous replication.
+    Galera,
 }
 
 #[derive(Debug, Args)]
@@ -175,6 +180,16 @@ pub(crate) async fn run(
             },
             _ => None,
         };
+        let galera = match scenario {
+            Scenario::Galera => match galera::GaleraShard::start(source).await {
+                Ok(galera) => Some(galera),
+                Err(e) => {
+                    eprintln!("skipping galera: cannot start a local Galera cluster ({e})");
+                    continue;
+                }
+            },
+            _ => None,
+        };
         let (mut ours, mut base) = (Vec::new(), Vec::new());
         for round in 0..args.rounds {
             let tag = format!("{run_id}:{round}");
@@ -236,12 +251,22 @@ pub(crate) async fn run(
                     let base = cleaner::while_cleaning(source, false, round).await?;
                     (cleaner::while_cleaning(source, true, round).await?, base)
                 }
+                Scenario::Galera => {
+                    let galera = galera.as_ref().expect("started above");
+                    (
+                        galera.cycle(round).await?,
+                        uncontended::shardlock(&router, round).await?,
+                    )
+                }
             };
             ours.push(o);
             base.push(b);
         }
         if let Some(durable) = durable {
             durable.restore(&pool).await?;
+        }
+        if let Some(galera) = galera {
+            galera.stop().await?;
         }
         comparisons.push(Comparison::of(scenario, ours, base));
     }
