@@ -190,6 +190,8 @@ impl LockRouter {
             handoff_max_count: ns.handoff_max_count,
             handoff_max_time: ns.handoff_max_time,
             drift_ppm: self.inner.topology.load().config.instance.clock_drift_ppm(),
+            // Set per poll, from the shards the grant is made on.
+            clock_skew: Duration::ZERO,
         };
         let turn = match self.enter_queue(key, want, deadline, &ns, progress).await? {
             Entered::Turn(turn) => turn,
@@ -264,12 +266,17 @@ impl LockRouter {
             progress.shard = Some(shard.clone());
             // A key that moved in a recent reload is also taken on the shards it lived on
             // before, in name order, each fence above the previous one; no hand-offs for it.
+            let clock_skew = previous
+                .iter()
+                .map(|old| old.clock_skew())
+                .fold(shard.clock_skew(), Duration::max);
             let want = if previous.is_empty() {
-                want
+                Want { clock_skew, ..want }
             } else {
                 Want {
                     handoff_max_count: 0,
                     handoff_max_time: Duration::ZERO,
+                    clock_skew,
                     ..want
                 }
             };

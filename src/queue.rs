@@ -27,6 +27,10 @@ pub(crate) struct Want {
     /// How much faster than ours the shard's clock may run, in parts per million
     /// (`instance.clock-drift`): the local end of a lease comes that much earlier.
     pub(crate) drift_ppm: u32,
+    /// How far apart the clocks of the servers that may decide the lease's expiry can be (a
+    /// Galera shard's nodes: [`crate::shard::ShardState::clock_skew`]); the local end of a
+    /// lease comes that much earlier.
+    pub(crate) clock_skew: Duration,
 }
 
 impl Want {
@@ -37,13 +41,14 @@ impl Want {
     /// The local end of a lease granted (or renewed) by a statement sent at `sent`: strictly
     /// before the shard can give the key to anyone else. The shard stores the ttl in whole
     /// milliseconds and `NOW(3)` truncates its clock to the millisecond (so the row may end up
-    /// to 1 ms early by its own clock), and the shard's clock may run faster than ours by up
-    /// to `drift_ppm`.
+    /// to 1 ms early by its own clock), the shard's clock may run faster than ours by up
+    /// to `drift_ppm`, and another node of the shard may answer with a clock up to
+    /// `clock_skew` ahead of the one that granted it.
     pub(crate) fn lease_end(&self, sent: Instant) -> Instant {
         let on_shard = Duration::from_millis(u64::from(self.ttl_ms()))
             .saturating_sub(Duration::from_millis(1));
         let ours = on_shard.mul_f64(1.0 - f64::from(self.drift_ppm) / 1e6);
-        sent + ours
+        sent + ours.saturating_sub(self.clock_skew)
     }
 }
 
@@ -256,7 +261,28 @@ mod tests {
             handoff_max_count: 8,
             handoff_max_time: Duration::from_millis(20),
             drift_ppm: 10_000,
+            clock_skew: Duration::ZERO,
         }
+    }
+
+    /// The local end allows for the ms truncation, the drift and, on a replicated shard,
+    /// the nodes' clock skew.
+    #[test]
+    fn a_lease_ends_locally_before_any_server_may_end_it() {
+        let sent = Instant::now();
+        // 1 s less 1 ms, less 1%.
+        assert_eq!(
+            want().lease_end(sent),
+            sent + Duration::from_micros(989_010)
+        );
+        let skewed = Want {
+            clock_skew: Duration::from_millis(500),
+            ..want()
+        };
+        assert_eq!(
+            skewed.lease_end(sent),
+            sent + Duration::from_micros(489_010)
+        );
     }
 
     fn turn_of(e: Entry) -> Turn {

@@ -77,6 +77,17 @@ fn breaker_now() -> std::time::Instant {
 }
 
 impl ShardState {
+    /// How far the clocks of the servers that decide this shard's lease expiry may be apart:
+    /// for a Galera shard twice `node-clock-skew` (each node is used only within it of this
+    /// process's clock, so two nodes are at most twice apart), else nothing (one server).
+    pub(crate) fn clock_skew(&self) -> Duration {
+        if self.config.nodes.is_empty() {
+            Duration::ZERO
+        } else {
+            self.config.node_clock_skew * 2
+        }
+    }
+
     pub(crate) fn new(
         shard: Shard,
         config: ShardConfig,

@@ -201,9 +201,10 @@ impl BackendErrorKind {
             // read-only mode: usually a failover left the URL on a replica, which no retry
             // of the same server fixes.
             // 1047 from a Galera node: "WSREP has not yet prepared node for application use"
-            // (cut off from the primary component, or still joining); the shard's next node
-            // may serve.
-            1290 | 1792 | 1836 | 1047 => Self::ReadOnly,
+            // (cut off from the primary component, or still joining), and 1180, a commit the
+            // server could not complete (a Galera node that lost the primary component while
+            // committing: nothing was committed); the shard's next node may serve.
+            1290 | 1792 | 1836 | 1047 | 1180 => Self::ReadOnly,
             // 1053/1077 shutdown, 1152 and 1158-1161 the server aborted or lost the
             // connection, 1317 the query was killed, 1927 the connection was killed (MariaDB's
             // number), 4031 the server dropped an idle connection (MySQL 8.0.24+).

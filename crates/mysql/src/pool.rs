@@ -150,6 +150,8 @@ pub(crate) struct Nodes {
     addresses: Vec<(String, u16)>,
     /// How long one node may take to let us in before the next is tried.
     connect_timeout: Duration,
+    /// How far a node's clock may be from ours.
+    clock_skew: Duration,
     /// The node the newest connection went to.
     current: std::sync::atomic::AtomicUsize,
     /// Per node: passed over until then, after it failed.
@@ -161,8 +163,12 @@ const NODE_BACKOFF: Duration = Duration::from_secs(2);
 
 impl Nodes {
     /// `addresses` (`host:port`, port 3306 when left out), each tried for at most
-    /// `connect_timeout`.
-    pub(crate) fn new(addresses: &[String], connect_timeout: Duration) -> Self {
+    /// `connect_timeout`, each used only while its clock is within `clock_skew` of ours.
+    pub(crate) fn new(
+        addresses: &[String],
+        connect_timeout: Duration,
+        clock_skew: Duration,
+    ) -> Self {
         let addresses: Vec<(String, u16)> = addresses
             .iter()
             .map(|a| match a.rsplit_once(':') {
@@ -179,6 +185,7 @@ impl Nodes {
         Self {
             addresses,
             connect_timeout,
+            clock_skew,
             current: Default::default(),
             down_until: std::sync::Mutex::new(vec![None; n]),
         }
@@ -202,6 +209,46 @@ impl Nodes {
     fn reached(&self, i: usize) {
         self.down_until.lock().unwrap_or_else(|e| e.into_inner())[i] = None;
     }
+}
+
+/// Whether the clock of the server `conn` reached is within `skew` of ours, the round trip's
+/// uncertainty given to it. The nodes of a Galera shard each decide lease expiry by their own
+/// clock; every process uses a node only within `skew` of its own clock, so that (with the
+/// processes' clocks synchronised too) the nodes that answer one after another are close.
+async fn clock_within(conn: &mut Conn, skew: Duration) -> Result<(), String> {
+    let micros = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as i128)
+    };
+    let before = std::time::SystemTime::now();
+    let theirs: Option<i64> = conn
+        .query_first("SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)")
+        .await
+        .map_err(|e| e.to_string())?;
+    let after = std::time::SystemTime::now();
+    let theirs = i128::from(theirs.ok_or("no clock reading")?);
+    let (before, after) = (micros(before), micros(after));
+    // Anywhere in the round trip: the distance from the nearer end.
+    let off = if theirs < before {
+        before - theirs
+    } else if theirs > after {
+        theirs - after
+    } else {
+        0
+    };
+    if off > skew.as_micros() as i128 {
+        return Err(format!(
+            "its clock is {} ms {} this host's; node-clock-skew allows {} ms",
+            off / 1000,
+            if theirs < before {
+                "behind"
+            } else {
+                "ahead of"
+            },
+            skew.as_millis()
+        ));
+    }
+    Ok(())
 }
 
 /// Whether the Galera node `conn` reached may serve: ready, and in the primary component (a
@@ -289,6 +336,21 @@ impl ShardManager {
             certificate_name: std::sync::Mutex::new(vec![None]),
             nodes: Nodes::default(),
         }
+    }
+
+    /// Whether this is a Galera shard (several nodes).
+    pub(crate) fn has_nodes(&self) -> bool {
+        !self.nodes.addresses.is_empty()
+    }
+
+    /// The node in use stopped answering: passed over for a while, and every connection open
+    /// now closed as it comes back.
+    pub(crate) fn leave_current_node(&self) {
+        let current = self.nodes.current.load(Ordering::Relaxed);
+        if current < self.nodes.addresses.len() {
+            self.nodes.failed(current);
+        }
+        self.retire_all();
     }
 
     /// A Galera shard reached through `nodes`.
@@ -409,6 +471,7 @@ impl ShardManager {
                     .await
                     .map_err(|e| e.to_string())?;
                 galera_node_ready(&mut conn).await?;
+                clock_within(&mut conn, nodes.clock_skew).await?;
                 Ok::<_, String>(conn)
             };
             match tokio::time::timeout(nodes.connect_timeout, attempt).await {
@@ -541,5 +604,31 @@ mod tests {
                 "{statement_ms} ms"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod clock_tests {
+    use std::time::Duration;
+
+    /// A server whose clock is a second behind ours is refused at a 250 ms bound and
+    /// accepted at 2 s; one on our clock is accepted.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_node_whose_clock_is_off_is_refused() {
+        let cluster = shardlock_testkit::Cluster::start_with_clocks(2, &[(1, "-1s")])
+            .await
+            .unwrap();
+        let mut ours = cluster.shard(0).connect().await.unwrap();
+        super::clock_within(&mut ours, Duration::from_millis(250))
+            .await
+            .unwrap();
+        let mut behind = cluster.shard(1).connect().await.unwrap();
+        let refused = super::clock_within(&mut behind, Duration::from_millis(250))
+            .await
+            .unwrap_err();
+        assert!(refused.contains("behind"), "{refused}");
+        super::clock_within(&mut behind, Duration::from_secs(2))
+            .await
+            .unwrap();
     }
 }

@@ -145,6 +145,7 @@ impl Shard {
                 &config.nodes,
                 (config.pool.create_timeout / (config.nodes.len().max(1) as u32))
                     .max(Duration::from_millis(200)),
+                config.node_clock_skew,
             ));
         let pool = ShardPool::builder(manager)
             .max_size(config.pool.max_size)
@@ -298,12 +299,23 @@ impl Shard {
                 || (sent.load(std::sync::atomic::Ordering::Relaxed) && err.code.is_none());
             applied_before = err.maybe_applied;
             if err.kind == BackendErrorKind::Timeout {
+                // On a Galera shard, a node that stops answering (frozen, cut off) is left:
+                // new connections go to the next one, and no caller is handed another
+                // connection to it to wait out its timeout on.
+                if self.pool.manager().has_nodes() {
+                    self.pool.manager().leave_current_node();
+                    self.pool.retain(|_, _| false);
+                }
                 return Err(err);
             }
-            if err.kind == BackendErrorKind::ReadOnly {
-                // The server refuses writes: a demoted primary, which a failover's new DNS
-                // answer no longer names. Every idle connection was opened to it too; closing
-                // them all sends the retry, and every later call, through a new connection.
+            // The server refuses writes: a demoted primary, which a failover's new DNS answer
+            // no longer names; or, on a Galera shard, the node in use is gone. Every idle
+            // connection was opened to it too; closing them all sends the retry, and every
+            // later call, through a new connection (to the next node), instead of handing
+            // each caller in turn a dead one.
+            if err.kind == BackendErrorKind::ReadOnly
+                || (err.kind == BackendErrorKind::Connection && self.pool.manager().has_nodes())
+            {
                 self.pool.manager().retire_all();
                 self.pool.retain(|_, _| false);
             }

@@ -70,6 +70,13 @@ fn quiet_port() -> io::Result<u16> {
 impl GaleraCluster {
     /// Starts a cluster of `n` nodes (`g1..gN`) and waits until every one is synced.
     pub async fn start(n: usize) -> io::Result<Self> {
+        Self::start_with_clocks(n, &[]).await
+    }
+
+    /// Starts a cluster like [`GaleraCluster::start`], running node `i` under libfaketime
+    /// with `FAKETIME=spec` for each `(i, spec)` in `clocks` (`"-30s"`: its wall clock 30 s
+    /// behind), as [`Cluster::start_with_clocks`](crate::Cluster::start_with_clocks) does.
+    pub async fn start_with_clocks(n: usize, clocks: &[(usize, &str)]) -> io::Result<Self> {
         if !Path::new(PROVIDER).exists() {
             return Err(io::Error::new(
                 io::ErrorKind::NotFound,
@@ -99,8 +106,22 @@ impl GaleraCluster {
             } else {
                 Vec::new()
             };
-            let node = Shard::launch_configured(format!("g{}", i + 1), dir, p.client, cnf, args)?;
-            wait_synced(&node).await?;
+            let clock = clocks
+                .iter()
+                .find(|(at, _)| *at == i)
+                .map(|(_, spec)| spec.to_string());
+            let node =
+                Shard::launch_configured(format!("g{}", i + 1), dir, p.client, cnf, args, clock)?;
+            // On a busy machine a joining node can miss the membership protocol's tightened
+            // timeouts and give up; it is started again (twice at most).
+            let mut tries = 0;
+            while let Err(e) = wait_synced(&node).await {
+                tries += 1;
+                if i == 0 || tries > 2 {
+                    return Err(e);
+                }
+                node.start_process()?;
+            }
             // Restarted later, it joins the cluster like the others.
             node.set_extra_args(Vec::new());
             nodes.push(node);
@@ -236,7 +257,7 @@ async fn wait_synced(node: &Shard) -> io::Result<()> {
                 }
             }
         }
-        if started.elapsed() > JOIN_TIMEOUT || node.pid().is_none() {
+        if started.elapsed() > JOIN_TIMEOUT || node.exited() {
             return Err(io::Error::other(format!(
                 "Galera node {} did not become synced; end of its log:\n{}",
                 node.name(),
@@ -287,6 +308,7 @@ fn write_option_file(
          wsrep_node_incoming_address=127.0.0.1:{client}\n\
          wsrep_sst_receive_address=127.0.0.1:{sst}\n\
          wsrep_sst_method=mariabackup\n\
+         wsrep_sst_auth=root:\n\
          wsrep_provider_options=\"gmcast.listen_addr=tcp://127.0.0.1:{group};ist.recv_addr=127.0.0.1:{ist};\
          evs.suspect_timeout=PT1S;evs.inactive_timeout=PT2S;evs.keepalive_period=PT0.3S;\
          evs.inactive_check_period=PT0.5S;evs.install_timeout=PT2S;pc.wait_prim_timeout=PT5S;\

@@ -171,13 +171,14 @@ impl Shard {
         port: u16,
         defaults_file: PathBuf,
         extra_args: Vec<String>,
+        clock: Option<String>,
     ) -> io::Result<Self> {
         let shard = Self {
             name,
             port: AtomicU16::new(port),
             dir,
             process: Mutex::new(None),
-            clock: None,
+            clock,
             extra_args: Mutex::new(extra_args),
             defaults_file: Some(defaults_file),
         };
@@ -369,11 +370,13 @@ impl Shard {
     }
 
     async fn wait_ready(&self) -> io::Result<()> {
-        wait_ready(self.port(), self.dir.path(), || {
-            let mut p = self.process.lock().unwrap();
-            !matches!(p.as_mut().map(|g| g.guardian.try_wait()), Some(Ok(None)))
-        })
-        .await
+        wait_ready(self.port(), self.dir.path(), || self.exited()).await
+    }
+
+    /// Whether the server process is gone (killed, or exited by itself).
+    pub(crate) fn exited(&self) -> bool {
+        let mut p = self.process.lock().unwrap();
+        !matches!(p.as_mut().map(|g| g.guardian.try_wait()), Some(Ok(None)))
     }
 }
 

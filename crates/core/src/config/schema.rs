@@ -256,6 +256,9 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// Default `shards[].node-clock-skew`: NTP keeps servers within milliseconds of each other.
+pub const DEFAULT_NODE_CLOCK_SKEW: Duration = Duration::from_millis(250);
+
 /// One MySQL shard.
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
@@ -273,6 +276,11 @@ pub struct ShardConfig {
     /// concurrent grants of a key meet on one node, and moves to the next one when it fails.
     /// Empty (the default): the shard is the one server of the URL.
     pub nodes: Vec<String>,
+    /// With `nodes`: how far a node's clock may be from this process's (measured on every new
+    /// connection; a node further off is not used). Lease expiry is computed by the node that
+    /// answers, so leases on the shard end locally twice this earlier.
+    #[serde(with = "humantime_serde")]
+    pub node_clock_skew: Duration,
     /// The user to connect as, instead of the URL's.
     pub user: Option<String>,
     /// The password, instead of the URL's.
@@ -334,6 +342,7 @@ impl std::fmt::Debug for ShardConfig {
             .field("name", &self.name)
             .field("url", &redact_url(&self.url))
             .field("nodes", &self.nodes)
+            .field("node_clock_skew", &self.node_clock_skew)
             .field("user", &self.user)
             .field("password", &self.password)
             .field("password_file", &self.password_file)
@@ -368,6 +377,7 @@ impl Default for ShardConfig {
             name: String::new(),
             url: String::new(),
             nodes: Vec::new(),
+            node_clock_skew: DEFAULT_NODE_CLOCK_SKEW,
             user: None,
             password: None,
             password_file: None,

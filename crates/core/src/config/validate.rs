@@ -95,6 +95,12 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 "must look like mysql://user:password@host:port/database",
             ));
         }
+        if shard.node_clock_skew.is_zero() || shard.node_clock_skew > Duration::from_secs(10) {
+            return Err(ConfigError::field(
+                field("node-clock-skew"),
+                "must be above zero and at most 10s (leases end locally twice this early)",
+            ));
+        }
         for (j, node) in shard.nodes.iter().enumerate() {
             let (host, port) = node.rsplit_once(':').unwrap_or((node.as_str(), "3306"));
             if host.is_empty()
