@@ -104,6 +104,7 @@ async fn take_on(
                 let want = Want {
                     handoff_max_count: 0,
                     handoff_max_time: Duration::ZERO,
+                    clock_skew: lease.want.clock_skew.max(target.clock_skew()),
                     ..lease.want
                 };
                 let grant = Grant {

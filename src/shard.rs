@@ -488,7 +488,9 @@ impl ShardState {
     /// same server identity (see [`ShardState::identity`]).
     pub(crate) fn same_database(&self, other: &ShardState) -> bool {
         std::ptr::eq(self, other)
-            || (self.backend.name() == other.name() && self.config.url == other.config.url)
+            || (self.backend.name() == other.name()
+                && self.config.url == other.config.url
+                && self.config.nodes == other.config.nodes)
             || matches!((self.identity.get(), other.identity.get()), (Some(a), Some(b)) if a == b)
     }
 

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::{AcquireOptions, Error, LockRouter};
+use shardlock::{AcquireOptions, LockRouter};
 use shardlock_testkit::{report, Cluster, GaleraCluster, Worker};
 
 const KEYS: usize = 200;
@@ -31,15 +31,28 @@ fn config(plain: &Cluster, galera: &GaleraCluster, extra: &str) -> String {
     yaml
 }
 
-/// Waits a little before the next try of an acquire answered `Unavailable`; panics with
-/// `err` once a minute has passed since `started` (the shard never came back).
-async fn give_up_after(started: std::time::Instant, err: &Error) {
-    assert!(
-        started.elapsed() < Duration::from_secs(60),
-        "the shard stayed unavailable for a minute: {}",
-        err.report()
-    );
-    tokio::time::sleep(Duration::from_millis(20)).await;
+/// `key` acquired through `router` as soon as its shard serves: an acquire answered
+/// `Unavailable` (a breaker open for its cool-down, a node being left) is tried again; panics
+/// once the shard stayed unavailable for a minute, or on any other error.
+async fn acquire_when_served(router: &LockRouter, key: &str) -> shardlock::LockGuard {
+    let started = std::time::Instant::now();
+    loop {
+        match router
+            .acquire(key, AcquireOptions::new().wait(Duration::from_secs(10)))
+            .await
+        {
+            Ok(guard) => return guard,
+            Err(e) if e.is_unavailable() => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "the shard stayed unavailable for a minute: {}",
+                    e.report()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("acquire {key}: {}", e.report()),
+        }
+    }
 }
 
 /// Keys of `c:0..KEYS` that the router places on shard `g`.
@@ -95,21 +108,9 @@ async fn the_node_in_use_dies_mid_run_and_no_update_is_lost() {
     galera.node(0).kill().unwrap();
     let killed = std::time::Instant::now();
     // The shard serves again through g2: the first grant of one of its keys after the kill.
-    let started = std::time::Instant::now();
-    let failover = loop {
-        match router
-            .acquire(&probe, AcquireOptions::new().wait(Duration::from_secs(5)))
-            .await
-        {
-            Ok(guard) => {
-                let taken = killed.elapsed();
-                guard.release().await.unwrap();
-                break taken;
-            }
-            Err(e) if e.is_unavailable() => give_up_after(started, &e).await,
-            Err(e) => panic!("after the kill: {}", e.report()),
-        }
-    };
+    let guard = acquire_when_served(&router, &probe).await;
+    let failover = killed.elapsed();
+    guard.release().await.unwrap();
     eprintln!("failover: first grant on the Galera shard {failover:?} after the kill");
     assert_eq!(
         router.breaker_transitions("g"),
@@ -178,6 +179,15 @@ async fn a_node_cut_off_from_the_majority_grants_nothing() {
     let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
     router.migrate().await.unwrap();
     let on_g = keys_on_g(&router);
+    // A transaction lock's row lock would hold on one node only: refused on this shard.
+    let refused = router
+        .lock_in_transaction(&on_g[2], Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, shardlock::Error::InvalidArgument { .. }),
+        "{refused}"
+    );
     let holder = router
         .acquire(&on_g[0], AcquireOptions::new().ttl(Duration::from_secs(3)))
         .await
@@ -219,20 +229,7 @@ async fn a_node_cut_off_from_the_majority_grants_nothing() {
     // Nothing was granted while the majority was away: on_g[1] has no owner.
     let (_, row) = other.inspect(&on_g[1]).await.unwrap();
     assert!(row.as_ref().is_none_or(|r| !r.is_held()), "{row:?}");
-    let started = std::time::Instant::now();
-    let again = loop {
-        match other
-            .acquire(
-                &on_g[1],
-                AcquireOptions::new().wait(Duration::from_secs(10)),
-            )
-            .await
-        {
-            Ok(guard) => break guard,
-            Err(e) if e.is_unavailable() => give_up_after(started, &e).await,
-            Err(e) => panic!("{}", e.report()),
-        }
-    };
+    let again = acquire_when_served(&other, &on_g[1]).await;
     again.release().await.unwrap();
     // It learnt it lost the lease; its release may find the key free, taken, or the shard
     // still recovering.
@@ -262,20 +259,7 @@ async fn a_frozen_node_is_left_and_its_holders_learn_they_lost() {
     galera.node(0).pause().unwrap();
     // Another process takes the key as soon as the shard lets it: never while the holder
     // still believes it holds it.
-    let started = std::time::Instant::now();
-    let taken = loop {
-        match other
-            .acquire(
-                &on_g[0],
-                AcquireOptions::new().wait(Duration::from_secs(10)),
-            )
-            .await
-        {
-            Ok(guard) => break guard,
-            Err(e) if e.is_unavailable() => give_up_after(started, &e).await,
-            Err(e) => panic!("{}", e.report()),
-        }
-    };
+    let taken = acquire_when_served(&other, &on_g[0]).await;
     assert!(
         !holder.is_held(),
         "granted to another process while the holder still held it"
@@ -287,20 +271,7 @@ async fn a_frozen_node_is_left_and_its_holders_learn_they_lost() {
     galera.wait_synced(0).await.unwrap();
     // Statements that timed out on the frozen node counted for the breaker, which may be
     // open for its cool-down: the shard serves again once it closes.
-    let started = std::time::Instant::now();
-    let again = loop {
-        match other
-            .acquire(
-                &on_g[1],
-                AcquireOptions::new().wait(Duration::from_secs(10)),
-            )
-            .await
-        {
-            Ok(guard) => break guard,
-            Err(e) if e.is_unavailable() => give_up_after(started, &e).await,
-            Err(e) => panic!("{}", e.report()),
-        }
-    };
+    let again = acquire_when_served(&other, &on_g[1]).await;
     again.release().await.unwrap();
     let _ = holder.release().await;
     other.shutdown().await.unwrap();

@@ -212,6 +212,23 @@ impl LockRouter {
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
         let previous = topology.previous_locations(&lock_key);
+        if let Some(galera) = previous
+            .iter()
+            .chain([&shard])
+            .find(|s| !s.config.nodes.is_empty())
+        {
+            // A row lock taken by SELECT ... FOR UPDATE holds on one node only, and
+            // processes may write through different nodes for a while (a failover, a node
+            // left after a timeout): two holders.
+            return Err(Error::InvalidArgument {
+                name: "lock_in_transaction",
+                reason: format!(
+                    "shard `{}` is a Galera cluster, where a transaction lock's row lock holds on \
+                     one node only; use a lease lock (acquire) for this key",
+                    galera.name()
+                ),
+            });
+        }
         // Every shard in one global order (by name), the current one included, so that two
         // processes at different epochs cannot each hold one row and wait for the other's
         // (a deadlock across servers that no server can see).

@@ -220,22 +220,24 @@ async fn clock_within(conn: &mut Conn, skew: Duration) -> Result<(), String> {
         t.duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as i128)
     };
+    // Without the session's causality wait: the reading must be taken when it is answered.
+    conn.query_drop("SET SESSION wsrep_sync_wait = 0")
+        .await
+        .map_err(|e| e.to_string())?;
     let before = std::time::SystemTime::now();
     let theirs: Option<i64> = conn
         .query_first("SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)")
         .await
         .map_err(|e| e.to_string())?;
     let after = std::time::SystemTime::now();
+    conn.query_drop("SET SESSION wsrep_sync_wait = 1")
+        .await
+        .map_err(|e| e.to_string())?;
     let theirs = i128::from(theirs.ok_or("no clock reading")?);
     let (before, after) = (micros(before), micros(after));
-    // Anywhere in the round trip: the distance from the nearer end.
-    let off = if theirs < before {
-        before - theirs
-    } else if theirs > after {
-        theirs - after
-    } else {
-        0
-    };
+    // The reading was taken somewhere in the round trip: the offset could be as large as the
+    // distance from its farther end, and that is what must be within the bound.
+    let off = (theirs - before).abs().max((theirs - after).abs());
     if off > skew.as_micros() as i128 {
         return Err(format!(
             "its clock is {} ms {} this host's; node-clock-skew allows {} ms",
@@ -255,7 +257,10 @@ async fn clock_within(conn: &mut Conn, skew: Duration) -> Result<(), String> {
 /// node cut off from the majority answers, but must grant nothing).
 async fn galera_node_ready(conn: &mut Conn) -> Result<(), String> {
     let status: Vec<(String, String)> = conn
-        .query("SHOW GLOBAL STATUS WHERE Variable_name IN ('wsrep_ready', 'wsrep_cluster_status')")
+        .query(
+            "SHOW GLOBAL STATUS WHERE Variable_name IN \
+             ('wsrep_ready', 'wsrep_cluster_status', 'wsrep_local_state_comment')",
+        )
         .await
         .map_err(|e| e.to_string())?;
     let value = |name: &str| {
@@ -264,17 +269,24 @@ async fn galera_node_ready(conn: &mut Conn) -> Result<(), String> {
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
     };
+    let synced = value("wsrep_local_state_comment");
     match (value("wsrep_ready"), value("wsrep_cluster_status")) {
+        // Synced, not donor or joining: a node still catching up could answer a renewal from
+        // a row older than the cluster's.
         (Some(ready), Some(state))
-            if ready.eq_ignore_ascii_case("ON") && state.eq_ignore_ascii_case("Primary") =>
+            if ready.eq_ignore_ascii_case("ON")
+                && state.eq_ignore_ascii_case("Primary")
+                && synced.is_some_and(|s| s.eq_ignore_ascii_case("Synced")) =>
         {
             Ok(())
         }
         (None, _) | (_, None) => Err("it is not a Galera node (no wsrep status)".into()),
         (ready, state) => Err(format!(
-            "it is not in the cluster's primary component (wsrep_ready {}, wsrep_cluster_status {})",
+            "it is not a synced member of the cluster's primary component (wsrep_ready {}, \
+             wsrep_cluster_status {}, wsrep_local_state_comment {})",
             ready.unwrap_or("?"),
-            state.unwrap_or("?")
+            state.unwrap_or("?"),
+            synced.unwrap_or("?")
         )),
     }
 }

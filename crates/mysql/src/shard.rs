@@ -122,7 +122,7 @@ impl Shard {
             // A read waits until the node has applied every write the cluster committed
             // before it: what a decision reads (an owner, an expiry) is never older than
             // what another node already granted.
-            setup.push("SET SESSION wsrep_sync_wait = 1".to_owned());
+            setup.push("SET SESSION wsrep_sync_wait = 1, wsrep_dirty_reads = OFF".to_owned());
         }
         let opts = OptsBuilder::from_opts(opts)
             .client_found_rows(true)
@@ -295,8 +295,11 @@ impl Shard {
             };
             // A server's error reply means the statement did nothing; a broken connection or a
             // timeout after sending leaves it unknown.
+            // 1180: a Galera node lost the primary component while committing; the survivors
+            // may have applied the write, so its outcome is unknown too.
             err.maybe_applied = applied_before
-                || (sent.load(std::sync::atomic::Ordering::Relaxed) && err.code.is_none());
+                || (sent.load(std::sync::atomic::Ordering::Relaxed)
+                    && (err.code.is_none() || err.code == Some(1180)));
             applied_before = err.maybe_applied;
             if err.kind == BackendErrorKind::Timeout {
                 // On a Galera shard, a node that stops answering (frozen, cut off) is left:

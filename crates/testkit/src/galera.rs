@@ -9,15 +9,17 @@
 //! (client, group communication, IST, SST) and Galera timeouts tightened for loopback, so that
 //! a dead node is evicted in about a second rather than six.
 
-use std::fs::{self, File};
-use std::io::{self, Write};
+use std::fs;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use mysql_async::prelude::Queryable;
 
-use crate::server::{copy_dir, free_port, log_tail, mariadbd, template_dir, Shard, DATABASE};
+use crate::server::{
+    copy_dir, free_port, log_tail, made_once, mariadbd, template_dir, Shard, DATABASE,
+};
 
 /// Bumped whenever the bootstrapped template's contents must change.
 const TEMPLATE_VERSION: &str = "galera-v1";
@@ -328,64 +330,45 @@ fn write_option_file(
 /// once as a one-node cluster that created the database, then shut down cleanly. Made once
 /// per machine, under a file lock.
 fn template() -> io::Result<PathBuf> {
-    let root = std::env::temp_dir().join("shardlock-testkit");
-    fs::create_dir_all(&root)?;
-    let template = root.join(format!("template-{TEMPLATE_VERSION}"));
-    let ready = template.join("SHARDLOCK_TEMPLATE_READY");
-    if ready.exists() {
-        return Ok(template);
-    }
-    let lock = File::create(root.join("galera-template.lock"))?;
-    lock.lock()?;
-    if ready.exists() {
-        return Ok(template);
-    }
-    let staging = root.join(format!(
-        "template-{TEMPLATE_VERSION}.tmp{}",
-        std::process::id()
-    ));
-    let _ = fs::remove_dir_all(&staging);
-    fs::create_dir_all(&staging)?;
-    copy_dir(&template_dir()?, &staging)?;
-    let _ = fs::remove_file(staging.join("SHARDLOCK_TEMPLATE_READY"));
-    let ports = Ports::free()?;
-    let cnf = write_option_file(
-        &staging,
-        "bootstrap",
-        ports,
-        &[format!("127.0.0.1:{}", ports.group)],
-    )?;
-    let mut server = Command::new(mariadbd()?)
-        .arg(format!("--defaults-file={}", cnf.display()))
-        .arg("--wsrep-new-cluster")
-        .spawn()?;
-    let made = bootstrap(ports.client);
-    let made = futures_block_on(made);
-    // A clean shutdown records the cluster's state (grastate.dat) for the nodes to start from.
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(server.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    );
-    server.wait()?;
-    made.map_err(|e| {
-        io::Error::other(format!(
-            "bootstrapping the Galera template failed: {e}\n{}",
-            log_tail(&staging)
-        ))
-    })?;
-    for file in [
-        "gvwstate.dat",
-        "galera.cache",
-        "error.log",
-        "mysqld.pid",
-        "my.cnf",
-    ] {
-        let _ = fs::remove_file(staging.join(file));
-    }
-    File::create(staging.join("SHARDLOCK_TEMPLATE_READY"))?.write_all(b"ok\n")?;
-    let _ = fs::remove_dir_all(&template);
-    fs::rename(&staging, &template)?;
-    Ok(template)
+    made_once(&format!("template-{TEMPLATE_VERSION}"), |staging| {
+        copy_dir(&template_dir()?, staging)?;
+        let _ = fs::remove_file(staging.join("SHARDLOCK_TEMPLATE_READY"));
+        let ports = Ports::free()?;
+        let cnf = write_option_file(
+            staging,
+            "bootstrap",
+            ports,
+            &[format!("127.0.0.1:{}", ports.group)],
+        )?;
+        let mut server = Command::new(mariadbd()?)
+            .arg(format!("--defaults-file={}", cnf.display()))
+            .arg("--wsrep-new-cluster")
+            .spawn()?;
+        let made = futures_block_on(bootstrap(ports.client));
+        // A clean shutdown records the cluster's state (grastate.dat) for the nodes to
+        // start from.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(server.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        server.wait()?;
+        made.map_err(|e| {
+            io::Error::other(format!(
+                "bootstrapping the Galera template failed: {e}\n{}",
+                log_tail(staging)
+            ))
+        })?;
+        for file in [
+            "gvwstate.dat",
+            "galera.cache",
+            "error.log",
+            "mysqld.pid",
+            "my.cnf",
+        ] {
+            let _ = fs::remove_file(staging.join(file));
+        }
+        Ok(())
+    })
 }
 
 /// Waits for the bootstrapping server on `port` and creates the database.

@@ -149,18 +149,28 @@ impl Shard {
         clock: Option<String>,
         extra_args: Vec<String>,
     ) -> io::Result<Self> {
-        let port = free_port()?;
-        let shard = Self {
+        let shard = Self::unstarted(name, dir, free_port()?, clock, extra_args, None);
+        shard.spawn()?;
+        Ok(shard)
+    }
+
+    fn unstarted(
+        name: String,
+        dir: tempfile::TempDir,
+        port: u16,
+        clock: Option<String>,
+        extra_args: Vec<String>,
+        defaults_file: Option<PathBuf>,
+    ) -> Self {
+        Self {
             name,
             port: AtomicU16::new(port),
             dir,
             process: Mutex::new(None),
             clock,
             extra_args: Mutex::new(extra_args),
-            defaults_file: None,
-        };
-        shard.spawn()?;
-        Ok(shard)
+            defaults_file,
+        }
     }
 
     /// A server on `port` configured by the option file `defaults_file` (which names `dir`
@@ -173,15 +183,7 @@ impl Shard {
         extra_args: Vec<String>,
         clock: Option<String>,
     ) -> io::Result<Self> {
-        let shard = Self {
-            name,
-            port: AtomicU16::new(port),
-            dir,
-            process: Mutex::new(None),
-            clock,
-            extra_args: Mutex::new(extra_args),
-            defaults_file: Some(defaults_file),
-        };
+        let shard = Self::unstarted(name, dir, port, clock, extra_args, Some(defaults_file));
         shard.spawn()?;
         Ok(shard)
     }
@@ -476,48 +478,58 @@ pub(crate) fn free_port() -> io::Result<u16> {
 
 /// The initialised data directory every shard starts from, made once per machine.
 pub(crate) fn template_dir() -> io::Result<PathBuf> {
+    made_once(&format!("template-{TEMPLATE_VERSION}"), |staging| {
+        let mut install = Command::new(find_program(
+            "mariadb-install-db",
+            &["/usr/bin/mariadb-install-db", "/usr/bin/mysql_install_db"],
+        )?);
+        install
+            .arg("--no-defaults")
+            .arg(format!("--datadir={}", staging.display()))
+            .arg("--auth-root-authentication-method=normal")
+            .arg("--skip-test-db");
+        if nix::unistd::geteuid().is_root() {
+            install.arg("--user=root");
+        }
+        let out = install.output()?;
+        if !out.status.success() {
+            return Err(io::Error::other(format!(
+                "mariadb-install-db failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        Ok(())
+    })
+}
+
+/// The directory `name` under the testkit's temporary root, filled by `make` once per
+/// machine: made in a staging directory under a file lock (parallel test processes share
+/// it), marked ready, then renamed into place.
+pub(crate) fn made_once(
+    name: &str,
+    make: impl FnOnce(&Path) -> io::Result<()>,
+) -> io::Result<PathBuf> {
     let root = std::env::temp_dir().join("shardlock-testkit");
     fs::create_dir_all(&root)?;
-    let template = root.join(format!("template-{TEMPLATE_VERSION}"));
-    let ready = template.join("SHARDLOCK_TEMPLATE_READY");
+    let made = root.join(name);
+    let ready = made.join("SHARDLOCK_TEMPLATE_READY");
     if ready.exists() {
-        return Ok(template);
+        return Ok(made);
     }
-    let lock = File::create(root.join("template.lock"))?;
+    let lock = File::create(root.join(format!("{name}.lock")))?;
     lock.lock()?;
     if ready.exists() {
-        return Ok(template);
+        return Ok(made);
     }
-    let _ = fs::remove_dir_all(&template);
-    let staging = root.join(format!(
-        "template-{TEMPLATE_VERSION}.tmp{}",
-        std::process::id()
-    ));
+    let _ = fs::remove_dir_all(&made);
+    let staging = root.join(format!("{name}.tmp{}", std::process::id()));
     let _ = fs::remove_dir_all(&staging);
     fs::create_dir_all(&staging)?;
-    let mut install = Command::new(find_program(
-        "mariadb-install-db",
-        &["/usr/bin/mariadb-install-db", "/usr/bin/mysql_install_db"],
-    )?);
-    install
-        .arg("--no-defaults")
-        .arg(format!("--datadir={}", staging.display()))
-        .arg("--auth-root-authentication-method=normal")
-        .arg("--skip-test-db");
-    if nix::unistd::geteuid().is_root() {
-        install.arg("--user=root");
-    }
-    let out = install.output()?;
-    if !out.status.success() {
-        return Err(io::Error::other(format!(
-            "mariadb-install-db failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )));
-    }
+    make(&staging)?;
     File::create(staging.join("SHARDLOCK_TEMPLATE_READY"))?.write_all(b"ok\n")?;
-    fs::rename(&staging, &template)?;
-    Ok(template)
+    fs::rename(&staging, &made)?;
+    Ok(made)
 }
 
 pub(crate) fn copy_dir(from: &Path, to: &Path) -> io::Result<()> {
