@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, LockRouter};
-use shardlock_testkit::{report, Cluster, GaleraCluster, Worker};
+use shardlock_testkit::{Cluster, GaleraCluster, Worker};
 
 const KEYS: usize = 200;
 const TASKS: usize = 32;
@@ -149,20 +149,9 @@ async fn the_node_in_use_dies_mid_run_and_no_update_is_lost() {
 /// Each of the 32 tasks does ROUNDS read-modify-write rounds under the key's lock; reports
 /// the rounds done and how many acquires found a shard unavailable.
 async fn counter_worker() {
-    let router = common::worker_router().await;
-    let app_url = std::env::var(APP_ENV).unwrap();
-    let pool = shardlock::mysql_async::Pool::new(app_url.as_str());
-    let unavailable = common::counters::run(
-        &router,
-        &pool,
-        TASKS,
-        ROUNDS,
-        KEYS,
-        AcquireOptions::new().wait(Duration::from_secs(30)),
-    )
-    .await;
-    report!("done {} {unavailable}", TASKS * ROUNDS);
-    router.shutdown().await.unwrap();
+    common::counters::worker(APP_ENV, TASKS, ROUNDS, KEYS, Duration::from_secs(30))
+        .await
+        .unwrap();
 }
 
 crate::worker_entry! { "counter" => counter_worker() }

@@ -6,8 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use shardlock::AcquireOptions;
-use shardlock_testkit::{report, Worker};
+use shardlock_testkit::Worker;
 
 const KEYS: usize = 200;
 const TASKS: usize = 32;
@@ -45,20 +44,9 @@ async fn two_processes_never_overlap_and_fences_rise_in_commit_order() {
 
 /// Each of the 32 tasks does ROUNDS read-modify-write rounds under the key's lock.
 async fn counter_worker() {
-    let router = common::worker_router().await;
-    let app_url = std::env::var(APP_ENV).unwrap();
-    let pool = shardlock::mysql_async::Pool::new(app_url.as_str());
-    common::counters::run(
-        &router,
-        &pool,
-        TASKS,
-        ROUNDS,
-        KEYS,
-        AcquireOptions::new().wait(Duration::from_secs(30)),
-    )
-    .await;
-    report!("done {}", TASKS * ROUNDS);
-    router.shutdown().await.unwrap();
+    common::counters::worker(APP_ENV, TASKS, ROUNDS, KEYS, Duration::from_secs(30))
+        .await
+        .unwrap();
 }
 
 crate::worker_entry! { "counter" => counter_worker() }

@@ -154,3 +154,30 @@ pub async fn check(app: &mut Conn, total: usize) {
         assert_eq!(count.get(k.as_str()).copied().unwrap_or(0), *value, "{k}");
     }
 }
+
+/// The body of a worker process of the counter tests: `tasks` tasks doing `rounds` rounds on
+/// `c:0..keys` (acquires waiting up to `wait`) through the router its parent configured, with
+/// the counters at the URL in `$app_env`. Reports `done <rounds> <acquires answered
+/// Unavailable>` and gives back the router's shutdown.
+pub async fn worker(
+    app_env: &str,
+    tasks: usize,
+    rounds: usize,
+    keys: usize,
+    wait: std::time::Duration,
+) -> shardlock::Result<()> {
+    let router = super::worker_router().await;
+    let app_url = std::env::var(app_env).unwrap();
+    let pool = Pool::new(app_url.as_str());
+    let unavailable = run(
+        &router,
+        &pool,
+        tasks,
+        rounds,
+        keys,
+        AcquireOptions::new().wait(wait),
+    )
+    .await;
+    shardlock_testkit::report!("done {} {unavailable}", tasks * rounds);
+    router.shutdown().await
+}

@@ -390,7 +390,7 @@ impl Drop for Shard {
 
 /// Waits until the server on `port` answers and has our database; gives up when `exited`
 /// says the process is gone or after [`READY_TIMEOUT`], with the end of its error log.
-async fn wait_ready(port: u16, dir: &Path, exited: impl Fn() -> bool) -> io::Result<()> {
+pub(crate) async fn wait_ready(port: u16, dir: &Path, exited: impl Fn() -> bool) -> io::Result<()> {
     let started = Instant::now();
     let root_url = format!("mysql://root@127.0.0.1:{port}");
     loop {
