@@ -55,6 +55,17 @@ async fn acquire_when_served(router: &LockRouter, key: &str) -> shardlock::LockG
     }
 }
 
+/// `plain` plain shards and the three-node Galera shard `g`, their config, and a migrated
+/// router over them.
+async fn start(plain: usize) -> (Cluster, GaleraCluster, String, LockRouter) {
+    let plain = Cluster::start(plain).await.unwrap();
+    let galera = GaleraCluster::start(3).await.unwrap();
+    let yaml = config(&plain, &galera, "");
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    (plain, galera, yaml, router)
+}
+
 /// Keys of `c:0..KEYS` that the router places on shard `g`.
 fn keys_on_g(router: &LockRouter) -> Vec<String> {
     (0..KEYS)
@@ -73,11 +84,7 @@ fn keys_on_g(router: &LockRouter) -> Vec<String> {
             (its first try's reply was lost with the node) and the workload stops, or the \
             prober's breaker stays open for a minute; run with --run-ignored to see"]
 async fn the_node_in_use_dies_mid_run_and_no_update_is_lost() {
-    let plain = Cluster::start(2).await.unwrap();
-    let galera = GaleraCluster::start(3).await.unwrap();
-    let yaml = config(&plain, &galera, "");
-    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    router.migrate().await.unwrap();
+    let (plain, galera, yaml, router) = start(2).await;
     assert!(
         !keys_on_g(&router).is_empty(),
         "some keys live on the Galera shard"
@@ -162,11 +169,7 @@ crate::worker_entry! { "counter" => counter_worker() }
 /// taken by anyone else.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_node_cut_off_from_the_majority_grants_nothing() {
-    let plain = Cluster::start(1).await.unwrap();
-    let galera = GaleraCluster::start(3).await.unwrap();
-    let yaml = config(&plain, &galera, "");
-    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    router.migrate().await.unwrap();
+    let (_plain, galera, yaml, router) = start(1).await;
     let on_g = keys_on_g(&router);
     // A transaction lock's row lock would hold on one node only: refused on this shard.
     let refused = router
@@ -233,11 +236,7 @@ async fn a_node_cut_off_from_the_majority_grants_nothing() {
 /// thaws it grants nothing until it has rejoined.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_frozen_node_is_left_and_its_holders_learn_they_lost() {
-    let plain = Cluster::start(1).await.unwrap();
-    let galera = GaleraCluster::start(3).await.unwrap();
-    let yaml = config(&plain, &galera, "");
-    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    router.migrate().await.unwrap();
+    let (_plain, galera, yaml, router) = start(1).await;
     let other = LockRouter::from_yaml_str(&yaml).await.unwrap();
     let on_g = keys_on_g(&router);
     let holder = router
