@@ -265,3 +265,118 @@ async fn a_frozen_node_is_left_and_its_holders_learn_they_lost() {
     other.shutdown().await.unwrap();
     router.shutdown().await.unwrap();
 }
+
+/// A node applies the cluster's writes a moment after they commit. A renewal sent to a node
+/// that has not applied the lease's grant yet (made through another node, as just before a
+/// failover) must wait for it and extend the lease: it may never answer "held" for a lease it
+/// did not extend, or the holder would go on after the lease ended on the cluster.
+///
+/// g2 is kept behind by a large transaction committed through g1 just before each grant
+/// (a node applies in commit order); a read on g2 that skips the causality wait shows that
+/// it had not applied the grant when the renewal was sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_renewal_through_a_node_behind_extends_what_it_reports_held() {
+    use shardlock_mysql::{Attempt, GrantRequest, Shard};
+
+    let galera = GaleraCluster::start(3).await.unwrap();
+    // Each node as a shard of its own: the grant goes through g1, the renewal through g2.
+    let through = |i: usize| {
+        let yaml = format!(
+            "shards:\n  - name: g\n    url: {}\n    nodes: [127.0.0.1:{}]\n    statement-timeout: 20s\n",
+            galera.node(i).url(),
+            galera.node(i).port()
+        );
+        let config = shardlock::Config::from_yaml_str(&yaml).unwrap();
+        Shard::new(&config.shards[0], 0).unwrap()
+    };
+    let (g1, g2) = (through(0), through(1));
+    g1.migrate().await.unwrap();
+    let mut raw1 = galera.node(0).connect().await.unwrap();
+    raw1.query_drop("CREATE TABLE ballast (id INT PRIMARY KEY, pad CHAR(200) NOT NULL)")
+        .await
+        .unwrap();
+    // Reads on g2 as it is, not waiting for the cluster's latest writes.
+    let mut dirty2 = galera.node(1).connect().await.unwrap();
+    dirty2
+        .query_drop("SET SESSION wsrep_sync_wait = 0")
+        .await
+        .unwrap();
+    // Reads on g1 after every write the cluster committed (the renewal's included).
+    raw1.query_drop("SET SESSION wsrep_sync_wait = 1, time_zone = '+00:00'")
+        .await
+        .unwrap();
+
+    let mut behind = 0;
+    for round in 0..5u32 {
+        let key = format!("lag:{round}");
+        let rows = 50_000 * (round + 1);
+        raw1.query_drop(format!(
+            "INSERT INTO ballast SELECT {base} + seq, 'x' FROM seq_1_to_{rows}",
+            base = round * 1_000_000
+        ))
+        .await
+        .unwrap();
+        let owner = format!("test:{round}");
+        let req = GrantRequest {
+            key: key.clone().into_bytes(),
+            owner: owner.clone(),
+            ttl_ms: 60_000,
+            fence_floor: 0,
+            reserve: 0,
+            trace: None,
+        };
+        assert!(matches!(
+            g1.acquire(&req).await.unwrap(),
+            Attempt::Granted(_)
+        ));
+        let granted_until = expires_at(&mut raw1, &key).await;
+        // The renewal's clock reading is then at least a millisecond past the grant's (the
+        // nodes share this host's clock): an extension shows as a later end.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let seen_on_g2: Option<u64> = dirty2
+            .query_first(format!(
+                "SELECT COUNT(*) FROM shardlock_lease WHERE lock_key = '{key}'"
+            ))
+            .await
+            .unwrap();
+        let was_behind = seen_on_g2 == Some(0);
+        let renewed = g2
+            .renew(&[(key.as_bytes(), owner.as_str())], Duration::from_secs(20))
+            .await
+            .unwrap();
+        let renewed_until = expires_at(&mut raw1, &key).await;
+        eprintln!(
+            "round {round}: g2 behind {was_behind}, held {:?}, expiry moved {} ms",
+            renewed.held,
+            renewed_until as i64 - granted_until as i64
+        );
+        assert_eq!(
+            renewed.held,
+            vec![true],
+            "the lease is live: the renewal must find it"
+        );
+        assert!(
+            renewed_until > granted_until,
+            "round {round}: answered held, but the lease still ends when it was granted to"
+        );
+        behind += u32::from(was_behind);
+        if behind >= 2 {
+            break;
+        }
+    }
+    assert!(
+        behind > 0,
+        "g2 never lagged behind the grant: the test did not test anything"
+    );
+}
+
+/// When the lease row of `key` ends, in ms since the epoch (`conn` reads in UTC).
+async fn expires_at(conn: &mut shardlock::mysql_async::Conn, key: &str) -> u64 {
+    conn.query_first(format!(
+        "SELECT CAST(UNIX_TIMESTAMP(expires_at) * 1000 AS UNSIGNED) FROM shardlock_lease \
+         WHERE lock_key = '{key}'"
+    ))
+    .await
+    .unwrap()
+    .expect("the lease row")
+}

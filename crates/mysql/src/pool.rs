@@ -143,6 +143,16 @@ pub(crate) struct ShardManager {
     nodes: Nodes,
 }
 
+/// The causality wait of a Galera shard's sessions (`wsrep_sync_wait`): reads (1), updates
+/// and deletes (2), inserts (4). A node applies the cluster's writes a moment after they
+/// commit; until then a statement run there decides on an older row. Certification undoes a
+/// stale write that touches a row written since, but not a decision that writes nothing or
+/// another row: a renewal that matches no row yet and whose read-back then finds the lease
+/// live would answer "held" without extending it, and a fresh grant would read a fence floor
+/// older than one raised through another node. Waiting costs a round through the cluster per
+/// statement (`shardlock bench --scenario galera` measures it).
+pub(crate) const GALERA_SYNC_WAIT: u8 = 7;
+
 /// The nodes of a Galera shard, in preference order: a new connection goes to the first one
 /// that is in the cluster's primary component and not passed over after failing.
 #[derive(Debug, Default)]
@@ -230,7 +240,7 @@ async fn clock_within(conn: &mut Conn, skew: Duration) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     let after = std::time::SystemTime::now();
-    conn.query_drop("SET SESSION wsrep_sync_wait = 1")
+    conn.query_drop(format!("SET SESSION wsrep_sync_wait = {GALERA_SYNC_WAIT}"))
         .await
         .map_err(|e| e.to_string())?;
     let theirs = i128::from(theirs.ok_or("no clock reading")?);

@@ -21,7 +21,7 @@ use crate::lease::{
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{
     lock_wait_timeout_secs, session_setup, Lifetimes, SessionConn, ShardConn, ShardManager,
-    ShardPool,
+    ShardPool, GALERA_SYNC_WAIT,
 };
 
 /// A shard: a named MySQL server (or schema) holding lease rows.
@@ -119,10 +119,11 @@ impl Shard {
         };
         let mut setup = session_setup(lock_wait_timeout_secs(config.statement_timeout));
         if !config.nodes.is_empty() {
-            // A read waits until the node has applied every write the cluster committed
-            // before it: what a decision reads (an owner, an expiry) is never older than
-            // what another node already granted.
-            setup.push("SET SESSION wsrep_sync_wait = 1, wsrep_dirty_reads = OFF".to_owned());
+            // Every statement waits until the node has applied every write the cluster
+            // committed before it (see `GALERA_SYNC_WAIT`).
+            setup.push(format!(
+                "SET SESSION wsrep_sync_wait = {GALERA_SYNC_WAIT}, wsrep_dirty_reads = OFF"
+            ));
         }
         let opts = OptsBuilder::from_opts(opts)
             .client_found_rows(true)
