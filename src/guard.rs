@@ -220,8 +220,9 @@ impl LockGuard {
     /// while the lease allows, else by the release statement itself); otherwise the lease row
     /// is released, owner-checked: only our own row is touched.
     ///
-    /// Returns [`Error::LockLost`] if the lease was no longer ours (someone else's lease is
-    /// left intact), and a backend error if the shard could not be reached (the lease is no
+    /// Returns [`Error::LockLost`] if the lease was no longer ours (someone else holds the key
+    /// now; their lease is left intact) or was already known lost ([`LockGuard::lost`] had
+    /// completed), and a backend error if the shard could not be reached (the lease is no
     /// longer renewed then, so it ends by expiry).
     ///
     /// Cancellation: the release runs in its own task and completes even if this future is
@@ -447,8 +448,10 @@ pub(crate) async fn release_through_shard(
     }
     drop(turn);
     match result {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(lost(&shard, &lease)),
+        // A row nobody holds counts as released (ours may have been freed by a first try
+        // whose reply was lost); a lease the keeper already found lost stays lost.
+        Ok(true) if !lease.is_lost() => Ok(()),
+        Ok(_) => Err(lost(&shard, &lease)),
         Err(e) => Err(e.into_error(shard.name())),
     }
 }

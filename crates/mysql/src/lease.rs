@@ -399,9 +399,20 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
     })
 }
 
+/// Who holds a key, if anyone: read after a release that matched no row.
+const OWNER: &str = "SELECT owner FROM shardlock_lease WHERE lock_key = ?";
+
+/// Releases `key` if `owner` holds it. `false` only when another owner holds it now: a key
+/// nobody holds counts as released, as in [`release_batch`](crate::batch), since the
+/// statement cannot say whose release freed it (ours, whose reply was lost before a retry,
+/// or nobody's after the lease ran out untaken).
 pub(crate) async fn release(conn: &mut Conn, key: &[u8], owner: &str) -> mysql_async::Result<bool> {
     conn.exec_drop(RELEASE, (key, owner)).await?;
-    Ok(conn.affected_rows() == 1)
+    if conn.affected_rows() == 1 {
+        return Ok(true);
+    }
+    let now: Option<Option<Vec<u8>>> = conn.exec_first(OWNER, (key,)).await?;
+    Ok(now.flatten().is_none())
 }
 
 /// What a renewal found.

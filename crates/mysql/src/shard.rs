@@ -385,11 +385,12 @@ impl Shard {
         .await
     }
 
-    /// Releases `key` if `owner` still holds it; `false` when it did not (the lease was lost).
+    /// Releases `key` if `owner` still holds it; `false` when another owner holds it now (the
+    /// lease was lost and taken). A key nobody holds counts as released.
     ///
-    /// Retried once on a broken connection, like the other idempotent statements here. The
-    /// release itself is idempotent, but its answer is not: if the first try released the row
-    /// and only its reply was lost, the retry finds the row free and answers `false`.
+    /// Retried once on a broken connection, like the other idempotent statements here: if the
+    /// first try released the row and only its reply was lost, the retry finds the row free
+    /// and answers `true`.
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
         self.run("release", (key, owner), |c, &(key, owner)| {
             Box::pin(lease::release(c, key, owner))
