@@ -397,4 +397,52 @@ mod tests {
             assert_eq!(stored_fence, fence + 2, "{key}");
         }
     }
+
+    /// A release answers alike whether it goes alone or in a batch: released for its own
+    /// row, and for a row nobody holds (released twice: the second try of a release whose
+    /// first reply was lost finds it so), not released for a row another owner holds.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn single_and_batched_releases_answer_alike() {
+        let cluster = Cluster::start(1).await.unwrap();
+        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let shard = Shard::new(&config.shards[0], 0).unwrap();
+        shard.migrate().await.unwrap();
+        let mut raw = cluster.shard(0).connect().await.unwrap();
+        for batched in [false, true] {
+            let (own, free, taken) = (
+                format!("own:{batched}"),
+                format!("free:{batched}"),
+                format!("taken:{batched}"),
+            );
+            for key in [&own, &free, &taken] {
+                let grant = shard.acquire(&request(key, key, 0)).await.unwrap();
+                assert!(matches!(grant, Attempt::Granted(_)), "{key}: {grant:?}");
+            }
+            assert!(shard.release(free.as_bytes(), &free).await.unwrap());
+            raw.exec_drop(
+                "UPDATE shardlock_lease SET owner = 'other' WHERE lock_key = ?",
+                (&taken,),
+            )
+            .await
+            .unwrap();
+            let leases: Vec<(Vec<u8>, String)> = [&own, &free, &taken]
+                .into_iter()
+                .map(|k| (k.as_bytes().to_vec(), k.clone()))
+                .collect();
+            let answers = if batched {
+                shard.release_batch(&leases).await.unwrap()
+            } else {
+                let mut answers = Vec::new();
+                for (key, owner) in &leases {
+                    answers.push(shard.release(key, owner).await.unwrap());
+                }
+                answers
+            };
+            assert_eq!(answers, vec![true, true, false], "batched: {batched}");
+            assert_eq!(
+                stored(&mut raw, &taken).await.0.as_deref(),
+                Some(&b"other"[..])
+            );
+        }
+    }
 }
