@@ -169,6 +169,20 @@ impl LockRouter {
             let topology = self.inner.topology.load();
             let shard = topology.locate(key);
             progress.shard = Some(shard.clone());
+            // A Galera shard's leases end locally this much early (the config checks its
+            // namespaces' ttls; this a ttl passed with the call).
+            let margin = shard.clock_skew();
+            if !margin.is_zero() && ttl <= margin * 2 {
+                return Err(Error::InvalidArgument {
+                    name: "ttl",
+                    reason: format!(
+                        "must be above {:?} on shard `{}`: a Galera shard's leases end \
+                         {margin:?} early (2 × node-clock-skew)",
+                        margin * 2,
+                        shard.name()
+                    ),
+                });
+            }
             progress.namespace = Some(
                 topology.namespace_label(opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)),
             );

@@ -180,6 +180,22 @@ async fn a_node_cut_off_from_the_majority_grants_nothing() {
         matches!(refused, shardlock::Error::InvalidArgument { .. }),
         "{refused}"
     );
+    // A lease shorter than twice the shard's clock margin (2 × 250 ms) would end locally
+    // before its first renewal: refused.
+    let refused = router
+        .acquire(
+            &on_g[2],
+            AcquireOptions::new().ttl(Duration::from_millis(900)),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            shardlock::Error::InvalidArgument { name: "ttl", .. }
+        ),
+        "{refused}"
+    );
     let holder = router
         .acquire(&on_g[0], AcquireOptions::new().ttl(Duration::from_secs(3)))
         .await

@@ -28,9 +28,16 @@ pub(crate) struct ShardConn {
     broken: bool,
     /// The manager's generation when it was opened (see [`ShardManager::retire_all`]).
     generation: u64,
+    /// The Galera node it reached (its index in the shard's `nodes`; 0 on a plain shard).
+    node: usize,
 }
 
 impl ShardConn {
+    /// The Galera node this connection reached (0 on a plain shard).
+    pub(crate) fn node(&self) -> usize {
+        self.node
+    }
+
     /// Runs `f` on the connection, tracking whether it completed and whether it broke.
     pub(crate) async fn run<'a, T>(
         &'a mut self,
@@ -365,14 +372,22 @@ impl ShardManager {
         !self.nodes.addresses.is_empty()
     }
 
-    /// The node in use stopped answering: passed over for a while, and every connection open
-    /// now closed as it comes back.
-    pub(crate) fn leave_current_node(&self) {
-        let current = self.nodes.current.load(Ordering::Relaxed);
-        if current < self.nodes.addresses.len() {
-            self.nodes.failed(current);
+    /// Node `node` stopped answering: passed over for a while and, if it is the node in use,
+    /// every connection open now is closed as it comes back. A connection to an older node
+    /// timing out says nothing of the node in use.
+    pub(crate) fn leave_node(&self, node: usize) {
+        if node < self.nodes.addresses.len() {
+            self.nodes.failed(node);
         }
-        self.retire_all();
+        self.node_failed(node);
+    }
+
+    /// A connection to node `node` broke: if it is the node in use, every connection open
+    /// now is closed as it comes back (they all reach the same server).
+    pub(crate) fn node_failed(&self, node: usize) {
+        if self.nodes.current.load(Ordering::Relaxed) == node {
+            self.retire_all();
+        }
     }
 
     /// A Galera shard reached through `nodes`.
@@ -478,7 +493,7 @@ impl ShardManager {
     /// A connection to the first Galera node that lets us in and may serve; connections to
     /// another node than the last one are retired, so that every process's connections meet
     /// on the preferred node again once it is back.
-    async fn connect_node(&self, opts: Opts) -> Result<Conn, mysql_async::Error> {
+    async fn connect_node(&self, opts: Opts) -> Result<(Conn, usize), mysql_async::Error> {
         let nodes = &self.nodes;
         let mut why = Vec::new();
         for i in nodes.order() {
@@ -502,7 +517,7 @@ impl ShardManager {
                     if nodes.current.swap(i, Ordering::Relaxed) != i {
                         self.retire_all();
                     }
-                    return Ok(conn);
+                    return Ok((conn, i));
                 }
                 Ok(Err(e)) => why.push(format!("node {host}:{port}: {e}")),
                 Err(_) => why.push(format!(
@@ -534,8 +549,8 @@ impl managed::Manager for ShardManager {
             }
             None => self.opts.clone(),
         };
-        let conn = if self.nodes.addresses.is_empty() {
-            self.connect(opts, 0).await?
+        let (conn, node) = if self.nodes.addresses.is_empty() {
+            (self.connect(opts, 0).await?, 0)
         } else {
             self.connect_node(opts).await?
         };
@@ -547,6 +562,7 @@ impl managed::Manager for ShardManager {
             dirty: false,
             broken: false,
             generation,
+            node,
         })
     }
 

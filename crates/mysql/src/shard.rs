@@ -274,6 +274,8 @@ impl Shard {
         // effect unknown (`BackendError::maybe_applied`). Atomic rather than a `Cell` because
         // the future borrowing it must be `Send`, which a shared `&Cell` is not.
         let sent = std::sync::atomic::AtomicBool::new(false);
+        // The Galera node of the connection the try runs on (0 on a plain shard).
+        let node = std::sync::atomic::AtomicUsize::new(0);
         // Whether an earlier try may have applied: a later try's clean server error (a
         // deadlock, say) does not undo that.
         let mut applied_before = false;
@@ -283,6 +285,7 @@ impl Shard {
             sent.store(false, std::sync::atomic::Ordering::Relaxed);
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
+                node.store(conn.node(), std::sync::atomic::Ordering::Relaxed);
                 sent.store(true, std::sync::atomic::Ordering::Relaxed);
                 conn.run(|c| f(c, args)).await.map_err(classify)
             })
@@ -302,26 +305,38 @@ impl Shard {
                 || (sent.load(std::sync::atomic::Ordering::Relaxed)
                     && (err.code.is_none() || err.code == Some(1180)));
             applied_before = err.maybe_applied;
+            let node = node.load(std::sync::atomic::Ordering::Relaxed);
+            let on_node = sent.load(std::sync::atomic::Ordering::Relaxed);
+            let manager = self.pool.manager();
             if err.kind == BackendErrorKind::Timeout {
-                // On a Galera shard, a node that stops answering (frozen, cut off) is left:
-                // new connections go to the next one, and no caller is handed another
-                // connection to it to wait out its timeout on.
-                if self.pool.manager().has_nodes() {
-                    self.pool.manager().leave_current_node();
-                    self.pool.retain(|_, _| false);
+                // On a Galera shard, a node that stops answering a statement (frozen, cut
+                // off) is left: new connections go to the next one, and no caller is handed
+                // another connection to it to wait out its timeout on. A wait for a pooled
+                // connection that timed out says nothing of any node.
+                if manager.has_nodes() && on_node {
+                    manager.leave_node(node);
+                    self.pool.retain(|c, _| c.node() != node);
                 }
                 return Err(err);
             }
             // The server refuses writes: a demoted primary, which a failover's new DNS answer
-            // no longer names; or, on a Galera shard, the node in use is gone. Every idle
-            // connection was opened to it too; closing them all sends the retry, and every
-            // later call, through a new connection (to the next node), instead of handing
-            // each caller in turn a dead one.
-            if err.kind == BackendErrorKind::ReadOnly
-                || (err.kind == BackendErrorKind::Connection && self.pool.manager().has_nodes())
-            {
-                self.pool.manager().retire_all();
+            // no longer names; or, on a Galera shard, the node of this connection is gone or
+            // out of the primary component. Every idle connection was opened to it too;
+            // closing them all sends the retry, and every later call, through a new
+            // connection (to the next node), instead of handing each caller in turn a dead
+            // one. (A connection that could not be made was to no node in particular.)
+            if err.kind == BackendErrorKind::ReadOnly && !manager.has_nodes() {
+                manager.retire_all();
                 self.pool.retain(|_, _| false);
+            } else if manager.has_nodes()
+                && on_node
+                && matches!(
+                    err.kind,
+                    BackendErrorKind::ReadOnly | BackendErrorKind::Connection
+                )
+            {
+                manager.node_failed(node);
+                self.pool.retain(|c, _| c.node() != node);
             }
             // A broken connection (or one at the server's prepared-statement limit, or to a
             // read-only server, now closed) is retried once, on a new connection.

@@ -20,6 +20,7 @@ impl Config {
         check_shards(&self.shards)?;
         check_routing(&self.routing)?;
         check_namespaces(&self.namespaces)?;
+        check_clock_margins(&self.shards, &self.namespaces)?;
         check_breaker(&self.breaker)?;
         check_cleaner(&self.cleaner)?;
         check_telemetry(&self.telemetry)
@@ -218,6 +219,51 @@ fn check_routing(routing: &RoutingConfig) -> Result<(), ConfigError> {
             "routing.virtual-nodes",
             "must be between 1 and 10000",
         ));
+    }
+    Ok(())
+}
+
+/// On a Galera shard a lease ends locally `2 × node-clock-skew` early, since two of its nodes'
+/// clocks may be that far apart: every namespace's leases (a key may live on any shard) must
+/// last more than twice that margin, and be renewed within what is left of them.
+fn check_clock_margins(
+    shards: &[ShardConfig],
+    namespaces: &BTreeMap<String, NamespaceConfig>,
+) -> Result<(), ConfigError> {
+    let Some((i, widest)) = shards
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !s.nodes.is_empty())
+        .max_by_key(|(_, s)| s.node_clock_skew)
+    else {
+        return Ok(());
+    };
+    let margin = widest.node_clock_skew * 2;
+    for (name, ns) in namespaces {
+        let field = |f: &str| format!("namespaces.{name}.{f}");
+        if ns.ttl <= margin * 2 {
+            return Err(ConfigError::field(
+                field("ttl"),
+                format!(
+                    "must be above {:?}: leases on shards[{i}] (Galera) end {margin:?} early \
+                     (2 × its node-clock-skew); lengthen the ttl or lower node-clock-skew",
+                    margin * 2
+                ),
+            ));
+        }
+        if ns
+            .renew_interval
+            .is_some_and(|every| every >= ns.ttl - margin)
+        {
+            return Err(ConfigError::field(
+                field("renew-interval"),
+                format!(
+                    "must be below {:?}: leases on shards[{i}] (Galera) end {margin:?} before \
+                     their ttl",
+                    ns.ttl - margin
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -470,5 +516,33 @@ mod tests {
             let e = Config::from_yaml_str(&yaml).unwrap_err();
             assert_eq!(e.field.as_deref(), Some(field), "{yaml}\n{e}");
         }
+    }
+
+    /// A Galera shard ends leases `2 × node-clock-skew` early: every namespace's ttl must be
+    /// above twice that, and its renewals come before the early end.
+    #[test]
+    fn leases_must_outlast_a_galera_shards_clock_margin() {
+        let config = |skew: &str, ns: &str| {
+            format!(
+                "shards:\n  - name: s1\n    url: mysql://root@db-1:3306/shardlock\n    \
+                 nodes: [db-1:3306, db-2:3306]\n    node-clock-skew: {skew}\n\
+                 namespaces:\n  default: {{ {ns} }}\n"
+            )
+        };
+        // 10 s leases: the margin of 2 × 2 s fits twice, that of 2 × 3 s does not.
+        assert!(Config::from_yaml_str(&config("2s", "ttl: 10s")).is_ok());
+        let e = Config::from_yaml_str(&config("3s", "ttl: 10s")).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("namespaces.default.ttl"), "{e}");
+        assert!(e.to_string().contains("shards[0]"), "{e}");
+        // Renewals every 7 s would come after leases ended locally at 10 - 4 s.
+        let e = Config::from_yaml_str(&config("2s", "ttl: 10s, renew-interval: 7s")).unwrap_err();
+        assert_eq!(
+            e.field.as_deref(),
+            Some("namespaces.default.renew-interval"),
+            "{e}"
+        );
+        // Without nodes the skew is not used.
+        let plain = config("3s", "ttl: 10s").replace("    nodes: [db-1:3306, db-2:3306]\n", "");
+        assert!(Config::from_yaml_str(&plain).is_ok(), "{plain}");
     }
 }
