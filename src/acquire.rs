@@ -169,20 +169,6 @@ impl LockRouter {
             let topology = self.inner.topology.load();
             let shard = topology.locate(key);
             progress.shard = Some(shard.clone());
-            // A Galera shard's leases end locally this much early (the config checks its
-            // namespaces' ttls; this a ttl passed with the call).
-            let margin = shard.clock_skew();
-            if !margin.is_zero() && ttl <= margin * 2 {
-                return Err(Error::InvalidArgument {
-                    name: "ttl",
-                    reason: format!(
-                        "must be above {:?} on shard `{}`: a Galera shard's leases end \
-                         {margin:?} early (2 × node-clock-skew)",
-                        margin * 2,
-                        shard.name()
-                    ),
-                });
-            }
             progress.namespace = Some(
                 topology.namespace_label(opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)),
             );
@@ -284,6 +270,19 @@ impl LockRouter {
                 .iter()
                 .map(|old| old.clock_skew())
                 .fold(shard.clock_skew(), Duration::max);
+            // Galera shards end leases locally this much early: a lease must outlast twice
+            // that (the config checks its namespaces' ttls; this, a ttl passed with the call).
+            if !clock_skew.is_zero() && want.ttl <= clock_skew * 2 {
+                return Err(Error::InvalidArgument {
+                    name: "ttl",
+                    reason: format!(
+                        "must be above {:?} for key {}: its Galera shard ends leases {clock_skew:?} \
+                         early (2 × node-clock-skew)",
+                        clock_skew * 2,
+                        self.inner.shared.telemetry.key_label(key)
+                    ),
+                });
+            }
             let want = if previous.is_empty() {
                 Want { clock_skew, ..want }
             } else {

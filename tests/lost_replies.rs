@@ -46,6 +46,35 @@ async fn a_grant_whose_reply_was_lost_is_given_back() {
     assert!(freed, "the key stayed blocked by a grant nobody knew of");
 }
 
+/// A release whose reply is lost after the server freed the row is retried; the retry finds
+/// the row free and answers released, not "lost". A lease force-released behind its holder's
+/// back still answers `LockLost`, although its row is just as free.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_release_whose_reply_was_lost_answers_released() {
+    let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = behind_proxy(&cluster).await;
+    // The release statement prepared on the one connection: the reply lost is the one to
+    // the release itself.
+    let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
+    warm.release().await.unwrap();
+    let guard = router.acquire("r", AcquireOptions::new()).await.unwrap();
+    proxy.set(ProxyMode::LoseOneReply);
+    guard.release().await.unwrap();
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "a reply was lost");
+    let (_, row) = direct.inspect("r").await.unwrap();
+    assert!(!row.expect("the row").is_held());
+
+    let guard = router.acquire("f", AcquireOptions::new()).await.unwrap();
+    direct
+        .force_release("f")
+        .await
+        .unwrap()
+        .expect("force-released");
+    let err = guard.release().await.unwrap_err();
+    assert!(matches!(err, shardlock::Error::LockLost { .. }), "{err}");
+    assert_eq!(router.stats().lost, 1);
+}
+
 /// A router reaching one shard through a proxy with a pool of one connection (so a statement
 /// prepared once is prepared on the connection the next call uses), and the proxy.
 async fn behind_proxy(cluster: &shardlock_testkit::Cluster) -> (LockRouter, Proxy) {

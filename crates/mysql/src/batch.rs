@@ -22,7 +22,7 @@
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params};
 
-use crate::lease::{padded_in_list, Attempt, GrantRequest, HELD_MARK, LOCK_WAIT_TIMEOUT};
+use crate::lease::{padded_in_list, Attempt, GrantRequest, Released, HELD_MARK, LOCK_WAIT_TIMEOUT};
 use crate::{fence_floor, now_us};
 
 /// Most keys in one batch: its JSON (about 150 KiB with 255-byte keys, as hex) stays far below
@@ -201,17 +201,20 @@ const RELEASE_HEAD: &str =
 /// After a batch release that did not release every key: who holds each key now.
 const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE lock_key IN ";
 
-/// Releases every (key, owner) still held, in one statement; whether each was released, in
-/// the given order.
+/// Releases every (key, owner) still held, in one statement; what each found, in the given
+/// order.
 ///
-/// When every key was released (the statement changed one row per key) the answers are exact.
-/// Otherwise some lease had been lost before (it expired and was taken, or was
-/// force-released): one more read tells which keys another owner holds now (`false`); a key
-/// nobody holds counts as released, since the statement cannot say whose release freed it.
+/// When every key was released (the statement matched one row per key) the answers are exact.
+/// Otherwise some lease had been lost before (it expired and was taken, force-released, or
+/// deleted by the cleaner): one more read tells which keys another owner holds now
+/// ([`Released::Taken`]), and which have no row ([`Released::Free`]). The rows it finds free
+/// are the ones the statement freed when there are as many as it matched; if there are more
+/// (some key was also freed before), the statement cannot say which are its own, and each
+/// counts as freed.
 pub(crate) async fn release_batch(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
-) -> mysql_async::Result<Vec<bool>> {
+) -> mysql_async::Result<Vec<Released>> {
     debug_assert!(!leases.is_empty() && leases.len() <= MAX_BATCH);
     let mut sorted: Vec<&(&[u8], &str)> = leases.iter().collect();
     sorted.sort();
@@ -223,21 +226,27 @@ pub(crate) async fn release_batch(
         Params::Positional(params),
     )
     .await?;
-    if conn.affected_rows() as usize == leases.len() {
-        return Ok(vec![true; leases.len()]);
+    let matched = conn.affected_rows() as usize;
+    if matched == leases.len() {
+        return Ok(vec![Released::Freed; leases.len()]);
     }
     let (list, keys) = padded_in_list(sorted.iter().map(|(k, _)| *k));
     let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> = conn
         .exec(format!("{OWNERS_HEAD}{list}"), Params::Positional(keys))
         .await?;
-    Ok(leases
+    let found: Vec<Released> = leases
         .iter()
-        .map(|(key, _)| {
-            !rows
-                .iter()
-                .any(|(k, owner)| k.as_slice() == *key && owner.is_some())
-        })
-        .collect())
+        .map(
+            |(key, _)| match rows.iter().find(|(k, _)| k.as_slice() == *key) {
+                Some((_, Some(_))) => Released::Taken,
+                Some((_, None)) => Released::Freed,
+                None => Released::Free,
+            },
+        )
+        .collect();
+    let freed = found.iter().filter(|f| **f == Released::Freed).count();
+    debug_assert!(freed >= matched, "every matched row is free now");
+    Ok(found)
 }
 
 /// `bytes` as uppercase hex, the form `UNHEX` reads.
@@ -398,51 +407,70 @@ mod tests {
         }
     }
 
-    /// A release answers alike whether it goes alone or in a batch: released for its own
-    /// row, and for a row nobody holds (released twice: the second try of a release whose
-    /// first reply was lost finds it so), not released for a row another owner holds.
+    /// What a release answers, alone and in a batch: released for its own row; not released
+    /// for a row another owner holds, nor for one freed or deleted before (force-released,
+    /// cleaned). A batch that finds keys freed before beside its own cannot tell which free
+    /// rows it freed, and counts each as released.
     #[tokio::test(flavor = "multi_thread")]
-    async fn single_and_batched_releases_answer_alike() {
+    async fn releases_answer_for_their_own_rows() {
         let cluster = Cluster::start(1).await.unwrap();
         let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
         let shard = Shard::new(&config.shards[0], 0).unwrap();
         shard.migrate().await.unwrap();
         let mut raw = cluster.shard(0).connect().await.unwrap();
-        for batched in [false, true] {
-            let (own, free, taken) = (
-                format!("own:{batched}"),
-                format!("free:{batched}"),
-                format!("taken:{batched}"),
-            );
-            for key in [&own, &free, &taken] {
-                let grant = shard.acquire(&request(key, key, 0)).await.unwrap();
-                assert!(matches!(grant, Attempt::Granted(_)), "{key}: {grant:?}");
-            }
-            assert!(shard.release(free.as_bytes(), &free).await.unwrap());
-            raw.exec_drop(
-                "UPDATE shardlock_lease SET owner = 'other' WHERE lock_key = ?",
-                (&taken,),
-            )
-            .await
-            .unwrap();
-            let leases: Vec<(Vec<u8>, String)> = [&own, &free, &taken]
-                .into_iter()
-                .map(|k| (k.as_bytes().to_vec(), k.clone()))
-                .collect();
-            let answers = if batched {
-                shard.release_batch(&leases).await.unwrap()
-            } else {
-                let mut answers = Vec::new();
-                for (key, owner) in &leases {
-                    answers.push(shard.release(key, owner).await.unwrap());
+        // `own` is held by its owner, `free` was released, `taken` is another owner's, `gone`
+        // was deleted.
+        let cluster = &cluster;
+        let set_up = |run: &'static str| {
+            let keys = ["own", "free", "taken", "gone"].map(|k| format!("{k}:{run}"));
+            let shard = &shard;
+            async move {
+                let mut raw = cluster.shard(0).connect().await.unwrap();
+                for key in &keys {
+                    let grant = shard.acquire(&request(key, key, 0)).await.unwrap();
+                    assert!(matches!(grant, Attempt::Granted(_)), "{key}: {grant:?}");
                 }
-                answers
-            };
-            assert_eq!(answers, vec![true, true, false], "batched: {batched}");
-            assert_eq!(
-                stored(&mut raw, &taken).await.0.as_deref(),
-                Some(&b"other"[..])
-            );
+                assert!(shard.release(keys[1].as_bytes(), &keys[1]).await.unwrap());
+                raw.exec_drop(
+                    "UPDATE shardlock_lease SET owner = 'other' WHERE lock_key = ?",
+                    (&keys[2],),
+                )
+                .await
+                .unwrap();
+                raw.exec_drop(
+                    "DELETE FROM shardlock_lease WHERE lock_key = ?",
+                    (&keys[3],),
+                )
+                .await
+                .unwrap();
+                keys.map(|k| (k.clone().into_bytes(), k))
+            }
+        };
+        let single = set_up("single").await;
+        let mut answers = Vec::new();
+        for (key, owner) in &single {
+            answers.push(shard.release(key, owner).await.unwrap());
         }
+        assert_eq!(answers, vec![true, false, false, false]);
+        assert_eq!(
+            stored(&mut raw, "taken:single").await.0.as_deref(),
+            Some(&b"other"[..])
+        );
+
+        let [own, _, taken, gone] = set_up("batch").await;
+        assert_eq!(
+            shard.release_batch(&[own, taken, gone]).await.unwrap(),
+            vec![true, false, false]
+        );
+        assert_eq!(
+            stored(&mut raw, "taken:batch").await.0.as_deref(),
+            Some(&b"other"[..])
+        );
+        let [own, free, ..] = set_up("mixed").await;
+        assert_eq!(
+            shard.release_batch(&[own, free]).await.unwrap(),
+            vec![true, true],
+            "two free rows, one matched: which one it freed is not known"
+        );
     }
 }

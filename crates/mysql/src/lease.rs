@@ -402,17 +402,35 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
 /// Who holds a key, if anyone: read after a release that matched no row.
 const OWNER: &str = "SELECT owner FROM shardlock_lease WHERE lock_key = ?";
 
-/// Releases `key` if `owner` holds it. `false` only when another owner holds it now: a key
-/// nobody holds counts as released, as in [`release_batch`](crate::batch), since the
-/// statement cannot say whose release freed it (ours, whose reply was lost before a retry,
-/// or nobody's after the lease ran out untaken).
-pub(crate) async fn release(conn: &mut Conn, key: &[u8], owner: &str) -> mysql_async::Result<bool> {
+/// What a release found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Released {
+    /// The statement freed the owner's row.
+    Freed,
+    /// Nobody holds the key: its row was freed (or deleted) before. By an earlier try of the
+    /// same release whose reply was lost, or by someone else (a force-release, the cleaner):
+    /// only the caller can tell.
+    Free,
+    /// Another owner holds the key.
+    Taken,
+}
+
+/// Releases `key` if `owner` holds it; when it did not, one more read tells whether anyone
+/// does.
+pub(crate) async fn release(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+) -> mysql_async::Result<Released> {
     conn.exec_drop(RELEASE, (key, owner)).await?;
     if conn.affected_rows() == 1 {
-        return Ok(true);
+        return Ok(Released::Freed);
     }
     let now: Option<Option<Vec<u8>>> = conn.exec_first(OWNER, (key,)).await?;
-    Ok(now.flatten().is_none())
+    Ok(match now.flatten() {
+        Some(_) => Released::Taken,
+        None => Released::Free,
+    })
 }
 
 /// What a renewal found.

@@ -16,7 +16,8 @@ use crate::carry::{self, CasRow, MovingJob, PendingJob};
 use crate::cleaner::{self, Beat, Candidate, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
-    self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, RenewOutcome, MAX_RENEW_BATCH,
+    self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, Released, RenewOutcome,
+    MAX_RENEW_BATCH,
 };
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{
@@ -245,6 +246,33 @@ impl Shard {
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
         retry_broken: bool,
     ) -> Result<T, BackendError> {
+        self.with_conn_traced(operation, timeout, args, f, retry_broken)
+            .await
+            .map(|(v, _)| v)
+    }
+
+    /// [`Shard::run`], also saying whether a try before the one that answered may have
+    /// reached the server (its reply lost): what the answer found may then be that try's
+    /// doing.
+    async fn with_conn_tries_noting<A: Sync, T>(
+        &self,
+        operation: &'static str,
+        timeout: Duration,
+        args: &A,
+        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
+    ) -> Result<(T, bool), BackendError> {
+        self.with_conn_traced(operation, timeout, args, f, true)
+            .await
+    }
+
+    async fn with_conn_traced<A: Sync, T>(
+        &self,
+        operation: &'static str,
+        timeout: Duration,
+        args: &A,
+        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
+        retry_broken: bool,
+    ) -> Result<(T, bool), BackendError> {
         let span = self.client_span(operation);
         let result = self
             .with_conn_tries(timeout, args, f, retry_broken)
@@ -267,15 +295,18 @@ impl Shard {
         args: &A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
         retry_broken: bool,
-    ) -> Result<T, BackendError> {
+    ) -> Result<(T, bool), BackendError> {
         let deadline = Instant::now() + timeout;
         let mut reconnected = false;
         // Set once a statement may have reached the server: a failure after that leaves its
         // effect unknown (`BackendError::maybe_applied`). Atomic rather than a `Cell` because
         // the future borrowing it must be `Send`, which a shared `&Cell` is not.
         let sent = std::sync::atomic::AtomicBool::new(false);
-        // The Galera node of the connection the try runs on (0 on a plain shard).
+        // The Galera node of the connection the try runs on (0 on a plain shard), and when the
+        // try sent its statement (µs after the call began).
         let node = std::sync::atomic::AtomicUsize::new(0);
+        let began = Instant::now();
+        let sent_at = std::sync::atomic::AtomicU64::new(0);
         // Whether an earlier try may have applied: a later try's clean server error (a
         // deadlock, say) does not undo that.
         let mut applied_before = false;
@@ -286,12 +317,16 @@ impl Shard {
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
                 node.store(conn.node(), std::sync::atomic::Ordering::Relaxed);
+                sent_at.store(
+                    began.elapsed().as_micros() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
                 sent.store(true, std::sync::atomic::Ordering::Relaxed);
                 conn.run(|c| f(c, args)).await.map_err(classify)
             })
             .await;
             let mut err = match attempt {
-                Ok(Ok(v)) => return Ok(v),
+                Ok(Ok(v)) => return Ok((v, applied_before)),
                 Ok(Err(e)) => e,
                 Err(_) => BackendError::timeout(format!(
                     "no answer within {timeout:?} (statement-timeout)"
@@ -312,8 +347,11 @@ impl Shard {
                 // On a Galera shard, a node that stops answering a statement (frozen, cut
                 // off) is left: new connections go to the next one, and no caller is handed
                 // another connection to it to wait out its timeout on. A wait for a pooled
-                // connection that timed out says nothing of any node.
-                if manager.has_nodes() && on_node {
+                // connection that timed out says nothing of any node, nor does a statement
+                // sent with less than half the time left (the wait took the rest).
+                let waited =
+                    Duration::from_micros(sent_at.load(std::sync::atomic::Ordering::Relaxed));
+                if manager.has_nodes() && on_node && waited <= timeout / 2 {
                     manager.leave_node(node);
                     self.pool.retain(|c, _| c.node() != node);
                 }
@@ -328,15 +366,19 @@ impl Shard {
             if err.kind == BackendErrorKind::ReadOnly && !manager.has_nodes() {
                 manager.retire_all();
                 self.pool.retain(|_, _| false);
-            } else if manager.has_nodes()
-                && on_node
-                && matches!(
-                    err.kind,
-                    BackendErrorKind::ReadOnly | BackendErrorKind::Connection
-                )
-            {
-                manager.node_failed(node);
-                self.pool.retain(|c, _| c.node() != node);
+            } else if manager.has_nodes() && on_node {
+                // A node that refuses (out of the primary component, read-only) is passed
+                // over for a while too; a broken connection alone does not say the node is
+                // gone (the next connection finds out).
+                let refused = err.kind == BackendErrorKind::ReadOnly;
+                if refused || err.kind == BackendErrorKind::Connection {
+                    if refused {
+                        manager.leave_node(node);
+                    } else {
+                        manager.node_failed(node);
+                    }
+                    self.pool.retain(|c, _| c.node() != node);
+                }
             }
             // A broken connection (or one at the server's prepared-statement limit, or to a
             // read-only server, now closed) is retried once, on a new connection.
@@ -383,9 +425,9 @@ impl Shard {
         .await
     }
 
-    /// Releases every (key, owner) still held, in one statement; whether each was released.
-    /// Exact when every key was released; otherwise a key nobody holds now counts as released
-    /// (the statement cannot say whose release freed it) and one another owner holds as not.
+    /// Releases every (key, owner) still held, in one statement; whether each was released
+    /// (see [`Shard::release`]; a batch that also finds keys freed before cannot tell which
+    /// free rows it freed itself, and counts each as released).
     pub async fn release_batch(
         &self,
         leases: &[(Vec<u8>, String)],
@@ -394,23 +436,36 @@ impl Shard {
             .iter()
             .map(|(k, o)| (k.as_slice(), o.as_str()))
             .collect();
-        self.run("release_batch", leases, |c, leases| {
-            Box::pin(batch::release_batch(c, leases))
-        })
-        .await
+        let (found, after_unknown) = self
+            .with_conn_tries_noting(
+                "release_batch",
+                self.statement_timeout,
+                &leases,
+                |c, leases| Box::pin(batch::release_batch(c, leases)),
+            )
+            .await?;
+        Ok(found
+            .into_iter()
+            .map(|f| released(f, after_unknown))
+            .collect())
     }
 
-    /// Releases `key` if `owner` still holds it; `false` when another owner holds it now (the
-    /// lease was lost and taken). A key nobody holds counts as released.
+    /// Releases `key` if `owner` still holds it; `false` when it did not: another owner holds
+    /// it, or it was freed before (force-released, deleted by the cleaner).
     ///
     /// Retried once on a broken connection, like the other idempotent statements here: if the
-    /// first try released the row and only its reply was lost, the retry finds the row free
-    /// and answers `true`.
+    /// first try may have reached the server and the retry finds the row free, that try freed
+    /// it (only its reply was lost), and the answer is `true`.
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
-        self.run("release", (key, owner), |c, &(key, owner)| {
-            Box::pin(lease::release(c, key, owner))
-        })
-        .await
+        let (found, after_unknown) = self
+            .with_conn_tries_noting(
+                "release",
+                self.statement_timeout,
+                &(key, owner),
+                |c, &(key, owner)| Box::pin(lease::release(c, key, owner)),
+            )
+            .await?;
+        Ok(released(found, after_unknown))
     }
 
     /// Raises the stored fence of `key`, held by `owner`, to at least `fence`; `false` when
@@ -781,5 +836,15 @@ impl Shard {
     /// Whether [`Shard::close`] was called.
     pub fn is_closed(&self) -> bool {
         self.pool.is_closed()
+    }
+}
+
+/// Whether a release that found `found` released the lease: a row it freed, or a free row
+/// after a try that may have freed it (`after_unknown`: its reply was lost).
+fn released(found: Released, after_unknown: bool) -> bool {
+    match found {
+        Released::Freed => true,
+        Released::Free => after_unknown,
+        Released::Taken => false,
     }
 }
