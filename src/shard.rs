@@ -337,7 +337,14 @@ impl ShardState {
             outcome == CallOutcome::Failure,
             started.elapsed(),
         );
-        let took = if slow_counts(&result) {
+        // A Galera shard whose node failed within the last statement timeout is failing over:
+        // its calls wait while the survivors evict the node, slow but answered. Not a shard
+        // failure (errors still count).
+        let took = if slow_counts(&result)
+            && !self
+                .backend
+                .failing_over_within(self.backend.statement_timeout())
+        {
             started.elapsed()
         } else {
             Duration::ZERO

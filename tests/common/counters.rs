@@ -87,8 +87,30 @@ pub async fn fenced_increment(
     Ok(true)
 }
 
+/// Acquires that found their shard unavailable (their rounds were retried).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unavailable {
+    pub count: u64,
+    /// When the last one was answered, in ms since the Unix epoch (0: never).
+    pub last_ms: u64,
+}
+
+impl Unavailable {
+    fn add(&mut self, other: Self) {
+        self.count += other.count;
+        self.last_ms = self.last_ms.max(other.last_ms);
+    }
+}
+
+/// Now, in ms since the Unix epoch: comparable across the processes of one host.
+pub fn epoch_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// `tasks` tasks, each doing `rounds` rounds on random keys of `c:0..keys`; returns when all
-/// are done, with how many acquires found their shard unavailable (those rounds are retried).
+/// are done, with the acquires that found their shard unavailable (those rounds are retried).
 pub async fn run(
     router: &LockRouter,
     pool: &Pool,
@@ -96,20 +118,23 @@ pub async fn run(
     rounds: usize,
     keys: usize,
     opts: AcquireOptions,
-) -> u64 {
+) -> Unavailable {
     use rand::Rng;
     let tasks: Vec<_> = (0..tasks)
         .map(|_| {
             let (router, pool, opts) = (router.clone(), pool.clone(), opts.clone());
             tokio::spawn(async move {
-                let mut unavailable = 0;
+                let mut unavailable = Unavailable::default();
                 for _ in 0..rounds {
                     let key = format!("c:{}", rand::rng().random_range(0..keys));
                     loop {
                         match round(&router, &pool, &key, opts.clone()).await {
                             Ok(()) => break,
                             Err(e) if e.is_unavailable() => {
-                                unavailable += 1;
+                                unavailable.add(Unavailable {
+                                    count: 1,
+                                    last_ms: epoch_ms(),
+                                });
                                 tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                             }
                             Err(e) => panic!("acquire {key}: {e}"),
@@ -120,9 +145,9 @@ pub async fn run(
             })
         })
         .collect();
-    let mut unavailable = 0;
+    let mut unavailable = Unavailable::default();
     for t in tasks {
-        unavailable += t.await.unwrap();
+        unavailable.add(t.await.unwrap());
     }
     unavailable
 }
@@ -178,6 +203,11 @@ pub async fn worker(
         AcquireOptions::new().wait(wait),
     )
     .await;
-    shardlock_testkit::report!("done {} {unavailable}", tasks * rounds);
+    shardlock_testkit::report!(
+        "done {} {} {}",
+        tasks * rounds,
+        unavailable.count,
+        unavailable.last_ms
+    );
     router.shutdown().await
 }

@@ -173,6 +173,8 @@ pub(crate) struct Nodes {
     current: std::sync::atomic::AtomicUsize,
     /// Per node: passed over until then, after it failed.
     down_until: std::sync::Mutex<Vec<Option<std::time::Instant>>>,
+    /// When a node last failed (a connection to it broke, it refused or stopped answering).
+    last_failure: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 /// How long a node that failed is passed over before it is tried again.
@@ -205,6 +207,7 @@ impl Nodes {
             clock_skew,
             current: Default::default(),
             down_until: std::sync::Mutex::new(vec![None; n]),
+            last_failure: Default::default(),
         }
     }
 
@@ -221,6 +224,12 @@ impl Nodes {
     fn failed(&self, i: usize) {
         self.down_until.lock().unwrap_or_else(|e| e.into_inner())[i] =
             Some(std::time::Instant::now() + NODE_BACKOFF);
+        self.noted_failure();
+    }
+
+    fn noted_failure(&self) {
+        *self.last_failure.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(std::time::Instant::now());
     }
 
     fn reached(&self, i: usize) {
@@ -385,9 +394,19 @@ impl ShardManager {
     /// A connection to node `node` broke: if it is the node in use, every connection open
     /// now is closed as it comes back (they all reach the same server).
     pub(crate) fn node_failed(&self, node: usize) {
+        self.nodes.noted_failure();
         if self.nodes.current.load(Ordering::Relaxed) == node {
             self.retire_all();
         }
+    }
+
+    /// Whether a node of this Galera shard failed within `window` (never on a plain shard).
+    pub(crate) fn node_failed_within(&self, window: Duration) -> bool {
+        self.nodes
+            .last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|at| at.elapsed() <= window)
     }
 
     /// A Galera shard reached through `nodes`.

@@ -165,6 +165,13 @@ impl Shard {
         })
     }
 
+    /// Whether this is a Galera shard one of whose nodes failed (a connection to it broke, it
+    /// refused or stopped answering) within `window`: while the survivors evict a dead node,
+    /// every node's commits wait, and calls are slow for a reason that is not the shard's.
+    pub fn failing_over_within(&self, window: Duration) -> bool {
+        self.pool.manager().node_failed_within(window)
+    }
+
     /// The shard's configured name.
     pub fn name(&self) -> &str {
         &self.name
