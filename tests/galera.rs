@@ -426,3 +426,103 @@ async fn expires_at(conn: &mut shardlock::mysql_async::Conn, key: &str) -> u64 {
     .unwrap()
     .expect("the lease row")
 }
+
+/// What else runs on a shard runs on a Galera shard: the registry (both instances register),
+/// the cleaner (elected, it deletes a released row and a dead instance's ended lease, and the
+/// key's next fence is still above the deleted row's), a job queue (a job is claimed once) and
+/// CAS locks (one owner at a time).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_registry_cleaner_jobs_and_cas_work_on_a_galera_shard() {
+    let galera = GaleraCluster::start(3).await.unwrap();
+    let yaml = galera.config_yaml(
+        "g",
+        &format!(
+            "{SETTINGS}cleaner:\n  interval: 200ms\n  grace: 300ms\n  registry: heartbeat\n  \
+             heartbeat-interval: 100ms\n  heartbeat-timeout: 3s\n\
+             namespaces:\n  default:\n    ttl: 2s\n    wait: 2s\n"
+        ),
+    );
+    let a = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    a.migrate().await.unwrap();
+    let b = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let ids = [a.instance_id().to_owned(), b.instance_id().to_owned()];
+    let registered = common::eventually(Duration::from_secs(10), || async {
+        a.instances().await.iter().all(|(_, rows)| {
+            rows.as_ref()
+                .is_ok_and(|r| ids.iter().all(|id| r.iter().any(|i| &i.instance_id == id)))
+        })
+    })
+    .await;
+    assert!(registered, "both instances register on the Galera shard");
+
+    // A released row, and an ended lease of an instance that never registered.
+    let g = a.acquire("gone", AcquireOptions::new()).await.unwrap();
+    let old_fence = g.fence();
+    g.release().await.unwrap();
+    let mut g3 = galera.node(2).connect().await.unwrap();
+    g3.query_drop(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         VALUES ('ghost', 'ghost-instance:1', 1, 1000, NOW(3) - INTERVAL 10 SECOND, \
+         NOW(3) - INTERVAL 11 SECOND)",
+    )
+    .await
+    .unwrap();
+    // Once their grace has passed.
+    let started = std::time::Instant::now();
+    let mut deleted = 0;
+    while deleted < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the cleaner deleted {deleted} of the 2 rows"
+        );
+        let report = a.clean_once().await.unwrap();
+        assert!(report.leader, "the only cleaner is elected");
+        deleted += report.deleted();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Read on another node than the one the routers write through, after the cluster's
+    // latest writes.
+    g3.query_drop("SET SESSION wsrep_sync_wait = 1")
+        .await
+        .unwrap();
+    let left: Option<u64> = g3
+        .query_first("SELECT COUNT(*) FROM shardlock_lease WHERE lock_key IN ('gone', 'ghost')")
+        .await
+        .unwrap();
+    assert_eq!(left, Some(0));
+    let again = b.acquire("gone", AcquireOptions::new()).await.unwrap();
+    assert!(
+        again.fence() > old_fence,
+        "the deleted row's fence is a floor"
+    );
+    again.release().await.unwrap();
+
+    // One job, claimed once.
+    let id = a.enqueue_job("q", b"x", Duration::ZERO, 3).await.unwrap();
+    let job = a
+        .claim_job("q", "w1", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("the job");
+    assert_eq!(job.id, id);
+    assert!(b
+        .claim_job("q", "w2", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .is_none());
+    assert!(a.complete_job(&job).await.unwrap());
+
+    // A CAS lock has one owner at a time.
+    let mine = a.cas_acquire("c", "me").await.unwrap().expect("free");
+    assert!(b.cas_acquire("c", "other").await.unwrap().is_none());
+    assert!(a.cas_release(mine).await.unwrap());
+    let theirs = b
+        .cas_acquire("c", "other")
+        .await
+        .unwrap()
+        .expect("released");
+    assert!(b.cas_release(theirs).await.unwrap());
+
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}
