@@ -337,15 +337,12 @@ impl ShardState {
             outcome == CallOutcome::Failure,
             started.elapsed(),
         );
-        // A Galera shard whose node failed within the last statement timeout is failing over:
-        // its calls wait while the survivors evict the node, slow but answered. Not a shard
-        // failure (errors still count).
-        let took = if slow_counts(&result)
-            && !self
-                .backend
-                .failing_over_within(self.backend.statement_timeout())
-        {
-            started.elapsed()
+        // A Galera shard's commits all wait while its cluster evicts a dead member, whichever
+        // node this process uses: a call is slow only beyond the longest that may take
+        // (errors, a statement timeout among them, still count).
+        let elapsed = started.elapsed();
+        let took = if slow_counts(&result) && elapsed > self.backend.stall_allowance() {
+            elapsed
         } else {
             Duration::ZERO
         };

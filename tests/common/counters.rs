@@ -203,11 +203,13 @@ pub async fn worker(
         AcquireOptions::new().wait(wait),
     )
     .await;
+    // Rounds, unavailable acquires, when the last was, calls an open breaker refused.
     shardlock_testkit::report!(
-        "done {} {} {}",
+        "done {} {} {} {}",
         tasks * rounds,
         unavailable.count,
-        unavailable.last_ms
+        unavailable.last_ms,
+        router.stats().breaker_rejections
     );
     router.shutdown().await
 }

@@ -173,9 +173,20 @@ pub(crate) struct Nodes {
     current: std::sync::atomic::AtomicUsize,
     /// Per node: passed over until then, after it failed.
     down_until: std::sync::Mutex<Vec<Option<std::time::Instant>>>,
-    /// When a node last failed (a connection to it broke, it refused or stopped answering).
-    last_failure: std::sync::Mutex<Option<std::time::Instant>>,
+    /// The shard's `statement-timeout`, checked once against the cluster's eviction time.
+    statement_timeout: Duration,
+    eviction_checked: std::sync::atomic::AtomicBool,
+    /// The longest the cluster may take to evict a dead node, ms, as its options say (0: not
+    /// read yet).
+    eviction_ms: AtomicU64,
 }
+
+/// Galera's defaults for `evs.inactive_timeout` (a silent member is dead after this, whatever
+/// the others think) and `evs.inactive_check_period`, assumed until the cluster's are read.
+const DEFAULT_INACTIVE: (Duration, Duration) =
+    (Duration::from_secs(15), Duration::from_millis(500));
+/// What a new view takes once a member is declared dead, about.
+const VIEW_CHANGE: Duration = Duration::from_secs(1);
 
 /// How long a node that failed is passed over before it is tried again.
 const NODE_BACKOFF: Duration = Duration::from_secs(2);
@@ -187,6 +198,7 @@ impl Nodes {
         addresses: &[String],
         connect_timeout: Duration,
         clock_skew: Duration,
+        statement_timeout: Duration,
     ) -> Self {
         let addresses: Vec<(String, u16)> = addresses
             .iter()
@@ -207,7 +219,9 @@ impl Nodes {
             clock_skew,
             current: Default::default(),
             down_until: std::sync::Mutex::new(vec![None; n]),
-            last_failure: Default::default(),
+            statement_timeout,
+            eviction_checked: Default::default(),
+            eviction_ms: AtomicU64::new(0),
         }
     }
 
@@ -224,12 +238,6 @@ impl Nodes {
     fn failed(&self, i: usize) {
         self.down_until.lock().unwrap_or_else(|e| e.into_inner())[i] =
             Some(std::time::Instant::now() + NODE_BACKOFF);
-        self.noted_failure();
-    }
-
-    fn noted_failure(&self) {
-        *self.last_failure.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(std::time::Instant::now());
     }
 
     fn reached(&self, i: usize) {
@@ -277,6 +285,79 @@ async fn clock_within(conn: &mut Conn, skew: Duration) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The first time a node of the shard is reached: reads the time the cluster takes to evict a
+/// dead node (its `evs.suspect_timeout`), and warns when `statement-timeout` is not above it.
+async fn check_eviction_time(conn: &mut Conn, nodes: &Nodes) {
+    if nodes.eviction_checked.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let options: Option<String> = conn
+        .query_first("SELECT @@wsrep_provider_options")
+        .await
+        .ok()
+        .flatten();
+    let Some(options) = options else { return };
+    let inactive = evs_option(&options, "evs.inactive_timeout").unwrap_or(DEFAULT_INACTIVE.0);
+    let check = evs_option(&options, "evs.inactive_check_period").unwrap_or(DEFAULT_INACTIVE.1);
+    nodes.eviction_ms.store(
+        (inactive + check + VIEW_CHANGE).as_millis().max(1) as u64,
+        Ordering::Relaxed,
+    );
+    if let Some(why) = eviction_outlasts(nodes.statement_timeout, &options) {
+        tracing::warn!(
+            "shardlock Galera shard: {why}; while the survivors evict a dead node, statements \
+             sent to them time out, fail their callers and leave healthy nodes; raise \
+             statement-timeout (and pool.wait-timeout) above it"
+        );
+    }
+}
+
+/// Why `statement_timeout` is too short for a cluster with `provider_options`
+/// (`wsrep_provider_options`): its dead-node eviction takes `evs.suspect_timeout` and about
+/// a second more for the new view. `None` when it is long enough, or the option is not there.
+pub(crate) fn eviction_outlasts(
+    statement_timeout: Duration,
+    provider_options: &str,
+) -> Option<String> {
+    let suspect = evs_option(provider_options, "evs.suspect_timeout")?;
+    let eviction = suspect + VIEW_CHANGE;
+    (statement_timeout <= eviction).then(|| {
+        format!(
+            "statement-timeout {statement_timeout:?} is not above the cluster's eviction time, \
+             evs.suspect_timeout {suspect:?} plus about a second"
+        )
+    })
+}
+
+/// The duration option `name` in `provider_options` (`wsrep_provider_options`).
+fn evs_option(provider_options: &str, name: &str) -> Option<Duration> {
+    provider_options.split(';').find_map(|option| {
+        let (n, value) = option.split_once('=')?;
+        (n.trim() == name)
+            .then(|| iso_duration(value.trim()))
+            .flatten()
+    })
+}
+
+/// A duration as Galera writes it (ISO 8601 time part: `PT5S`, `PT1.5S`, `PT1M30S`, `PT1H`).
+fn iso_duration(text: &str) -> Option<Duration> {
+    let mut rest = text.strip_prefix("PT")?;
+    let mut total = 0.0f64;
+    while !rest.is_empty() {
+        let end = rest.find(|c: char| c.is_ascii_alphabetic())?;
+        let value: f64 = rest[..end].parse().ok()?;
+        total += value
+            * match &rest[end..=end] {
+                "H" => 3600.0,
+                "M" => 60.0,
+                "S" => 1.0,
+                _ => return None,
+            };
+        rest = &rest[end + 1..];
+    }
+    Duration::try_from_secs_f64(total).ok()
 }
 
 /// Whether the Galera node `conn` reached may serve: ready, and in the primary component (a
@@ -394,19 +475,23 @@ impl ShardManager {
     /// A connection to node `node` broke: if it is the node in use, every connection open
     /// now is closed as it comes back (they all reach the same server).
     pub(crate) fn node_failed(&self, node: usize) {
-        self.nodes.noted_failure();
         if self.nodes.current.load(Ordering::Relaxed) == node {
             self.retire_all();
         }
     }
 
-    /// Whether a node of this Galera shard failed within `window` (never on a plain shard).
-    pub(crate) fn node_failed_within(&self, window: Duration) -> bool {
-        self.nodes
-            .last_failure
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some_and(|at| at.elapsed() <= window)
+    /// The longest this Galera shard's commits may stall while its cluster evicts a dead
+    /// member: `evs.inactive_timeout` (the hard limit; usually the member is evicted sooner,
+    /// after `evs.suspect_timeout`), a check period and a view change, by Galera's defaults
+    /// until the cluster's own are read; zero on a plain shard.
+    pub(crate) fn eviction_time(&self) -> Duration {
+        if !self.has_nodes() {
+            return Duration::ZERO;
+        }
+        match self.nodes.eviction_ms.load(Ordering::Relaxed) {
+            0 => DEFAULT_INACTIVE.0 + DEFAULT_INACTIVE.1 + VIEW_CHANGE,
+            ms => Duration::from_millis(ms),
+        }
     }
 
     /// A Galera shard reached through `nodes`.
@@ -528,6 +613,7 @@ impl ShardManager {
                     .map_err(|e| e.to_string())?;
                 galera_node_ready(&mut conn).await?;
                 clock_within(&mut conn, nodes.clock_skew).await?;
+                check_eviction_time(&mut conn, nodes).await;
                 Ok::<_, String>(conn)
             };
             match tokio::time::timeout(nodes.connect_timeout, attempt).await {
@@ -661,6 +747,29 @@ mod tests {
                 "{statement_ms} ms"
             );
         }
+    }
+
+    /// The eviction time is read off Galera's own option string; a statement timeout at or
+    /// below `evs.suspect_timeout` plus a second is named, one above it is not.
+    #[test]
+    fn a_statement_timeout_shorter_than_the_clusters_eviction_is_named() {
+        let options = "base_port = 4567; evs.inactive_timeout = PT15S; \
+                       evs.suspect_timeout = PT5S; gcache.size = 128M";
+        let why = super::eviction_outlasts(Duration::from_secs(2), options).unwrap();
+        assert!(why.contains("5s"), "{why}");
+        assert!(super::eviction_outlasts(Duration::from_secs(6), options).is_some());
+        assert!(super::eviction_outlasts(Duration::from_secs(7), options).is_none());
+        let tight = "evs.suspect_timeout = PT1.5S";
+        assert!(super::eviction_outlasts(Duration::from_secs(2), tight).is_some());
+        assert!(super::eviction_outlasts(Duration::from_secs(3), tight).is_none());
+        for (text, secs) in [("PT1M30S", 90.0), ("PT0.5S", 0.5), ("PT1H", 3600.0)] {
+            assert_eq!(
+                super::iso_duration(text),
+                Some(Duration::from_secs_f64(secs))
+            );
+        }
+        assert_eq!(super::iso_duration("5s"), None);
+        assert!(super::eviction_outlasts(Duration::from_secs(1), "gcache.size = 1G").is_none());
     }
 }
 

@@ -148,6 +148,7 @@ impl Shard {
                 (config.pool.create_timeout / (config.nodes.len().max(1) as u32))
                     .max(Duration::from_millis(200)),
                 config.node_clock_skew,
+                config.statement_timeout,
             ));
         let pool = ShardPool::builder(manager)
             .max_size(config.pool.max_size)
@@ -165,11 +166,12 @@ impl Shard {
         })
     }
 
-    /// Whether this is a Galera shard one of whose nodes failed (a connection to it broke, it
-    /// refused or stopped answering) within `window`: while the survivors evict a dead node,
-    /// every node's commits wait, and calls are slow for a reason that is not the shard's.
-    pub fn failing_over_within(&self, window: Duration) -> bool {
-        self.pool.manager().node_failed_within(window)
+    /// How long a call to this shard may be slowed for a reason that is not the shard's
+    /// failing: on a Galera shard, the longest its cluster may take to evict a dead member
+    /// (from its `evs.inactive_timeout`), during which every node's commits wait; zero on a
+    /// plain shard.
+    pub fn stall_allowance(&self) -> Duration {
+        self.pool.manager().eviction_time()
     }
 
     /// The shard's configured name.
