@@ -437,10 +437,18 @@ pub(crate) async fn release_through_shard(
     lease: Arc<LeaseState>,
     turn: Option<Turn>,
 ) -> Result<()> {
-    shard.remove(lease.id);
-    shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
+    // A lease found lost and already ended here (by the keeper, or by a shutdown releasing it
+    // itself) is not released a second time: its row is someone else's, or free.
+    let ended = shard.remove(lease.id).is_none() && lease.is_lost();
+    if !ended {
+        shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
+    }
     let companions = lease.end_companions();
-    let result = shard.release(lease.key.stored(), &lease.owner).await;
+    let result = if ended {
+        Ok(false)
+    } else {
+        shard.release(lease.key.stored(), &lease.owner).await
+    };
     // The key's rows on other shards (it moved); the turn passes on once all are free.
     for (other, row) in companions {
         other.remove(row.id);

@@ -233,7 +233,7 @@ impl ShardState {
             .acquire_lane
             .push((req, orphan), self.batches_in_flight());
         if start {
-            tokio::spawn(self.clone().send_acquires());
+            tokio::spawn(self.clone().send_acquires(self.acquire_runner()));
         }
         answer
     }
@@ -255,7 +255,7 @@ impl ShardState {
         let lease = (key.to_vec(), owner.to_owned());
         let (answer, start) = self.release_lane.push(lease, self.batches_in_flight());
         if start {
-            tokio::spawn(self.clone().send_releases());
+            tokio::spawn(self.clone().send_releases(self.release_runner()));
         }
         answer.await.unwrap_or_else(|_| Err(no_answer()))
     }

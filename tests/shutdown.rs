@@ -33,3 +33,63 @@ async fn a_guard_is_lost_before_its_key_is_free_for_others_at_shutdown() {
         lost_at - granted_at
     );
 }
+
+/// A router used from two runtimes: a release parked mid-statement on one of them, and a
+/// release of the same shard queued behind it on the other (one batch in flight per lane).
+/// The first runtime is dropped outside any runtime, so its release can start no runner for
+/// what queued: the queued release is answered (not sent) instead of waiting forever.
+#[test]
+fn a_release_queued_behind_a_runtime_that_ended_is_answered() {
+    let main = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (cluster, _direct, _) = main.block_on(common::start(1, ""));
+    let proxy = main
+        .block_on(Proxy::start(cluster.shard(0).port()))
+        .unwrap();
+    let router = main.block_on(async {
+        LockRouter::from_yaml_str(&format!(
+            "shards:\n  - name: s1\n    url: {}\n    pool:\n      batches-in-flight: 1\n",
+            proxy.url()
+        ))
+        .await
+        .unwrap()
+    });
+    let (a, b) = main.block_on(async {
+        let a = router.acquire("a", AcquireOptions::new()).await.unwrap();
+        let b = router.acquire("b", AcquireOptions::new()).await.unwrap();
+        (a, b)
+    });
+    // No reply comes back from now on: a's release stays in flight.
+    proxy.set(ProxyMode::Blackhole);
+    let before = router.stats().releases;
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // Each runtime has one thread: a release counted has run up to its statement's reply.
+    let released = |n: u64| router.stats().releases == before + n;
+    other.block_on(async {
+        let _parked = tokio::spawn(a.release());
+        while !released(1) {
+            tokio::task::yield_now().await;
+        }
+    });
+    // Handed out of the runtime unawaited: it is awaited once `other` is gone.
+    #[allow(clippy::async_yields_async)]
+    let queued = main.block_on(async {
+        let queued = tokio::spawn(b.release());
+        while !released(2) {
+            tokio::task::yield_now().await;
+        }
+        queued
+    });
+    drop(other);
+    let answer =
+        main.block_on(async { tokio::time::timeout(Duration::from_secs(30), queued).await });
+    let answer = answer
+        .expect("the queued release was never answered")
+        .unwrap();
+    assert!(answer.is_err(), "it was not sent: {answer:?}");
+}

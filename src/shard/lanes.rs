@@ -131,11 +131,18 @@ impl<R, O> Lane<R, O> {
     }
 
     /// Counts out a runner that ended without [`Lane::next_batch`] doing it: it panicked, or
-    /// its task was cancelled with its runtime. Else the count would stay taken and, once every
-    /// slot leaked, requests would queue with nobody to send them.
-    fn count_out(&self) {
+    /// its task was cancelled (or never ran) with its runtime. Else the count would stay taken
+    /// and, once every slot leaked, requests would queue with nobody to send them. When it was
+    /// the last runner, the requests still queued have nobody to send them either: they are
+    /// returned, to be answered.
+    fn count_out(&self) -> VecDeque<Waiting<R, O>> {
         let mut state = self.state.locked();
         state.running = state.running.saturating_sub(1);
+        if state.running == 0 {
+            std::mem::take(&mut state.queue)
+        } else {
+            VecDeque::new()
+        }
     }
 
     /// Requests waiting now (not counting those in a runner's batch).
@@ -151,8 +158,11 @@ impl<R, O> Lane<R, O> {
 
 impl ShardState {
     /// A runner of the acquire lane: sends what waits, a batch at a time, until nothing does.
-    pub(super) async fn send_acquires(self: Arc<Self>) {
-        let mut running = Running(Some(&self.acquire_lane));
+    /// `running` is its place in the lane, taken when it was started.
+    pub(super) async fn send_acquires(
+        self: Arc<Self>,
+        mut running: Running<AcquireRequest, Attempt>,
+    ) {
         // Callers that went away before their request was sent: nothing is sent for them.
         while let Some(batch) = self.acquire_lane.next_batch(|(r, _)| &r.key, true) {
             let (requests, answers): (Vec<_>, Vec<_>) =
@@ -205,12 +215,11 @@ impl ShardState {
                 }
             }
         }
-        running.0 = None;
+        running.counted = false;
     }
 
     /// A runner of the release lane (see [`ShardState::send_acquires`]).
-    pub(super) async fn send_releases(self: Arc<Self>) {
-        let mut running = Running(Some(&self.release_lane));
+    pub(super) async fn send_releases(self: Arc<Self>, mut running: Running<ReleaseRequest, bool>) {
         // A release is sent even when its caller went away: the row must be freed.
         while let Some(batch) = self.release_lane.next_batch(|(key, _)| key, false) {
             let (leases, answers): (Vec<_>, Vec<_>) =
@@ -227,18 +236,54 @@ impl ShardState {
             };
             answer_each(answers, result);
         }
-        running.0 = None;
+        running.counted = false;
     }
 }
 
-/// A runner's place in its lane, given back if the runner ends any other way than by finding
-/// nothing left to send (see [`Lane::count_out`]); `None` once `next_batch` counted it out.
-struct Running<'a, R, O>(Option<&'a Lane<R, O>>);
+/// What the acquire lane carries: a grant request, and whether its caller may go away.
+pub(super) type AcquireRequest = (GrantRequest, bool);
+/// What the release lane carries: a key and its owner.
+pub(super) type ReleaseRequest = (Vec<u8>, String);
 
-impl<R, O> Drop for Running<'_, R, O> {
+/// A runner's place in its lane, taken when the runner is decided on and given back if it
+/// ends any other way than by finding nothing left to send (see [`Lane::count_out`]): it
+/// panicked, its task was cancelled, or its runtime shut down before it ever ran (it is
+/// created before the task, so that a task dropped unpolled still gives it back). The
+/// requests then left queued with no runner are answered that they were not sent.
+pub(super) struct Running<R, O> {
+    state: Arc<ShardState>,
+    lane: fn(&ShardState) -> &Lane<R, O>,
+    /// Cleared once `next_batch` counted the runner out.
+    counted: bool,
+}
+
+impl ShardState {
+    /// A place among the acquire lane's runners, counted already.
+    pub(super) fn acquire_runner(self: &Arc<Self>) -> Running<AcquireRequest, Attempt> {
+        Running {
+            state: self.clone(),
+            lane: |s| &s.acquire_lane,
+            counted: true,
+        }
+    }
+
+    /// A place among the release lane's runners, counted already.
+    pub(super) fn release_runner(self: &Arc<Self>) -> Running<ReleaseRequest, bool> {
+        Running {
+            state: self.clone(),
+            lane: |s| &s.release_lane,
+            counted: true,
+        }
+    }
+}
+
+impl<R, O> Drop for Running<R, O> {
     fn drop(&mut self) {
-        if let Some(lane) = self.0 {
-            lane.count_out();
+        if !self.counted {
+            return;
+        }
+        for orphan in (self.lane)(&self.state).count_out() {
+            let _ = orphan.answer.send(Err(not_sent()));
         }
     }
 }
@@ -250,10 +295,11 @@ pub(super) struct LeaveLane<'a>(pub(super) &'a Arc<ShardState>);
 impl Drop for LeaveLane<'_> {
     fn drop(&mut self) {
         if self.0.release_lane.leave() {
-            // Without a runtime (the process is ending) nothing runs any more, and the callers
-            // waiting are gone with it.
+            let running = self.0.release_runner();
+            // Without a runtime nothing runs any more: the place is given back, and the
+            // requests queued are answered, as they are by a task that never runs.
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                drop(runtime.spawn(self.0.clone().send_releases()));
+                drop(runtime.spawn(self.0.clone().send_releases(running)));
             }
         }
     }
@@ -293,6 +339,17 @@ fn outcome_each<O>(
             })
             .collect(),
     }
+}
+
+/// What a caller reads when its request was left queued by a lane's last runner, which ended
+/// without sending it (its task was cancelled with its runtime, say): nothing was sent.
+fn not_sent() -> BackendError {
+    BackendError::new(
+        BackendErrorKind::Other,
+        None,
+        "the shard's dispatcher ended (its runtime shut down?) before sending this; nothing \
+         was sent",
+    )
 }
 
 /// What a caller reads when its lane's runner ended without answering (its task was cancelled
