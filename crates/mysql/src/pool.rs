@@ -171,8 +171,11 @@ pub(crate) struct Nodes {
     clock_skew: Duration,
     /// The node the newest connection went to.
     current: std::sync::atomic::AtomicUsize,
-    /// Per node: passed over until then, after it failed.
-    down_until: std::sync::Mutex<Vec<Option<std::time::Instant>>>,
+    /// Per node: passed over until then, after it failed, and how many times in a row it did.
+    down_until: std::sync::Mutex<Vec<(Option<std::time::Instant>, u32)>>,
+    /// When a connection to a less preferred node was last given up to try a preferred one
+    /// again (see [`Nodes::time_to_return`]).
+    return_tried: std::sync::Mutex<Option<std::time::Instant>>,
     /// The shard's `statement-timeout`, checked once against the cluster's eviction time.
     statement_timeout: Duration,
     eviction_checked: std::sync::atomic::AtomicBool,
@@ -188,8 +191,10 @@ const DEFAULT_INACTIVE: (Duration, Duration) =
 /// What a new view takes once a member is declared dead, about.
 const VIEW_CHANGE: Duration = Duration::from_secs(1);
 
-/// How long a node that failed is passed over before it is tried again.
+/// How long a node that failed is passed over before it is tried again; doubled for each
+/// failure in a row, up to [`NODE_BACKOFF_CAP`].
 const NODE_BACKOFF: Duration = Duration::from_secs(2);
+const NODE_BACKOFF_CAP: Duration = Duration::from_secs(30);
 
 impl Nodes {
     /// `addresses` (`host:port`, port 3306 when left out), each tried for at most
@@ -218,7 +223,8 @@ impl Nodes {
             connect_timeout,
             clock_skew,
             current: Default::default(),
-            down_until: std::sync::Mutex::new(vec![None; n]),
+            down_until: std::sync::Mutex::new(vec![(None, 0); n]),
+            return_tried: Default::default(),
             statement_timeout,
             eviction_checked: Default::default(),
             eviction_ms: AtomicU64::new(0),
@@ -231,17 +237,38 @@ impl Nodes {
         let now = std::time::Instant::now();
         let down = self.down_until.lock().unwrap_or_else(|e| e.into_inner());
         let (up, passed): (Vec<usize>, Vec<usize>) =
-            (0..self.addresses.len()).partition(|&i| down[i].is_none_or(|until| until <= now));
+            (0..self.addresses.len()).partition(|&i| down[i].0.is_none_or(|until| until <= now));
         up.into_iter().chain(passed).collect()
     }
 
     fn failed(&self, i: usize) {
-        self.down_until.lock().unwrap_or_else(|e| e.into_inner())[i] =
-            Some(std::time::Instant::now() + NODE_BACKOFF);
+        let mut down = self.down_until.lock().unwrap_or_else(|e| e.into_inner());
+        let (until, times) = &mut down[i];
+        *times = times.saturating_add(1);
+        let backoff = NODE_BACKOFF
+            .saturating_mul(1 << (*times - 1).min(8))
+            .min(NODE_BACKOFF_CAP);
+        *until = Some(std::time::Instant::now() + backoff);
     }
 
     fn reached(&self, i: usize) {
-        self.down_until.lock().unwrap_or_else(|e| e.into_inner())[i] = None;
+        self.down_until.lock().unwrap_or_else(|e| e.into_inner())[i] = (None, 0);
+    }
+
+    /// Whether a connection to `node` should be given up now so that a new one tries a node
+    /// preferred over it, which is no longer passed over: the way every process's connections
+    /// return to the preferred node once it is back. At most once per [`NODE_BACKOFF`], so a
+    /// node still dead costs one failed connection attempt per backoff, not one per call.
+    fn time_to_return(&self, node: usize) -> bool {
+        if node == 0 || self.order().first().is_none_or(|&first| first >= node) {
+            return false;
+        }
+        let mut tried = self.return_tried.lock().unwrap_or_else(|e| e.into_inner());
+        if tried.is_some_and(|at| at.elapsed() < NODE_BACKOFF) {
+            return false;
+        }
+        *tried = Some(std::time::Instant::now());
+        true
     }
 }
 
@@ -681,6 +708,11 @@ impl managed::Manager for ShardManager {
                 "cancelled mid-statement, broken or retired; discarded",
             ));
         }
+        if self.has_nodes() && self.nodes.time_to_return(c.node) {
+            return Err(RecycleError::message(
+                "a preferred Galera node may be back; discarded to try it",
+            ));
+        }
         if metrics.age() > self.lifetimes.max_lifetime
             || metrics.last_used() > self.lifetimes.idle_timeout
         {
@@ -770,6 +802,39 @@ mod tests {
         }
         assert_eq!(super::iso_duration("5s"), None);
         assert!(super::eviction_outlasts(Duration::from_secs(1), "gcache.size = 1G").is_none());
+    }
+
+    /// A node that fails is passed over for 2 s, twice as long for each failure in a row; a
+    /// connection to a less preferred node is given up to try a preferred one only once that
+    /// one is no longer passed over, and at most once per backoff.
+    #[test]
+    fn connections_return_to_a_preferred_node_once_its_backoff_ends() {
+        use std::time::Instant;
+        let nodes = super::Nodes::new(
+            &["a:1".into(), "b:1".into(), "c:1".into()],
+            Duration::from_secs(1),
+            Duration::from_millis(250),
+            Duration::from_secs(6),
+        );
+        let until = |i: usize| nodes.down_until.lock().unwrap()[i].0.unwrap();
+        nodes.failed(0);
+        let first = until(0).saturating_duration_since(Instant::now());
+        nodes.failed(0);
+        let second = until(0).saturating_duration_since(Instant::now());
+        assert!(first <= Duration::from_secs(2) && second > Duration::from_secs(3));
+        assert_eq!(nodes.order(), vec![1, 2, 0]);
+        // Passed over: connections to b stay.
+        assert!(!nodes.time_to_return(1));
+        // Its backoff over: one connection to b is given up, then none until the next backoff.
+        nodes.down_until.lock().unwrap()[0].0 = Some(Instant::now());
+        assert!(nodes.time_to_return(1));
+        assert!(!nodes.time_to_return(1));
+        assert!(!nodes.time_to_return(2));
+        // Connections to the most preferred node never are.
+        *nodes.return_tried.lock().unwrap() = None;
+        assert!(!nodes.time_to_return(0));
+        nodes.reached(0);
+        assert_eq!(nodes.down_until.lock().unwrap()[0], (None, 0));
     }
 }
 
