@@ -437,15 +437,17 @@ pub(crate) async fn release_through_shard(
     lease: Arc<LeaseState>,
     turn: Option<Turn>,
 ) -> Result<()> {
-    // A lease found lost and already ended here (by the keeper, or by a shutdown releasing it
-    // itself) is not released a second time: its row is someone else's, or free.
-    let ended = shard.remove(lease.id).is_none() && lease.is_lost();
-    if !ended {
+    shard.remove(lease.id);
+    // Released once: a second release of the same lease (a shutdown's beside its guard's
+    // drop) sends nothing. A lease the keeper found lost is still released here: its row may
+    // be ours yet (a renewal that timed out after it committed).
+    let again = lease.release_claimed.swap(true, Ordering::AcqRel);
+    if !again {
         shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
     }
     let companions = lease.end_companions();
-    let result = if ended {
-        Ok(false)
+    let result = if again {
+        Ok(!lease.is_lost())
     } else {
         shard.release(lease.key.stored(), &lease.owner).await
     };

@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::sync::LockExt;
+pub(crate) use lanes::is_not_sent;
 use lanes::{no_answer, LeaveLane};
 
 mod keeper;
@@ -252,12 +253,20 @@ impl ShardState {
             let _leave = LeaveLane(self);
             return self.call(|b| b.release(key, owner)).await;
         }
-        let lease = (key.to_vec(), owner.to_owned());
-        let (answer, start) = self.release_lane.push(lease, self.batches_in_flight());
-        if start {
-            tokio::spawn(self.clone().send_releases(self.release_runner()));
+        // Queued again once if the lane's last runner ended without sending it (its runtime
+        // shut down while this caller's runs on): this push starts a runner here.
+        let mut again = true;
+        loop {
+            let lease = (key.to_vec(), owner.to_owned());
+            let (answer, start) = self.release_lane.push(lease, self.batches_in_flight());
+            if start {
+                tokio::spawn(self.clone().send_releases(self.release_runner()));
+            }
+            match answer.await.unwrap_or_else(|_| Err(no_answer())) {
+                Err(e) if again && lanes::is_not_sent(&e) => again = false,
+                answer => return answer,
+            }
         }
-        answer.await.unwrap_or_else(|_| Err(no_answer()))
     }
 
     /// Gives back, owner-checked, a row that a statement whose outcome is unknown (its reply lost

@@ -117,10 +117,12 @@ async fn attempt(
         .into_error(shard.name()));
     };
     pending.taken = true;
-    result
-        .map_err(|_| Error::Shutdown)?
-        .map(Some)
-        .map_err(|e| e.into_error(shard.name()))
+    match result.map_err(|_| Error::Shutdown)? {
+        // The lane's last runner ended (its runtime shut down) before sending it: no answer
+        // this poll; the next one queues it again, and starts a runner on this runtime.
+        Err(e) if crate::shard::is_not_sent(&e) => Ok(None),
+        result => result.map(Some).map_err(|e| e.into_error(shard.name())),
+    }
 }
 
 /// The caller's end of an attempt in flight (see [`attempt`]).

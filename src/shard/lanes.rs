@@ -341,15 +341,23 @@ fn outcome_each<O>(
     }
 }
 
+/// The text of [`not_sent`], by which [`is_not_sent`] knows it.
+const NOT_SENT: &str =
+    "the shard's dispatcher ended (its runtime shut down?) before sending this; nothing was sent";
+
 /// What a caller reads when its request was left queued by a lane's last runner, which ended
-/// without sending it (its task was cancelled with its runtime, say): nothing was sent.
+/// without sending it (its task was cancelled with its runtime, say): nothing was sent. A
+/// caller whose own runtime still runs asks again ([`is_not_sent`]).
 fn not_sent() -> BackendError {
-    BackendError::new(
-        BackendErrorKind::Other,
-        None,
-        "the shard's dispatcher ended (its runtime shut down?) before sending this; nothing \
-         was sent",
-    )
+    BackendError::new(BackendErrorKind::Other, None, NOT_SENT)
+}
+
+/// Whether `e` is [`not_sent`]'s answer: the request can be queued again as it is.
+pub(crate) fn is_not_sent(e: &BackendError) -> bool {
+    e.kind == BackendErrorKind::Other
+        && e.code.is_none()
+        && !e.maybe_applied
+        && e.source.to_string() == NOT_SENT
 }
 
 /// What a caller reads when its lane's runner ended without answering (its task was cancelled

@@ -35,6 +35,10 @@ pub(crate) struct LeaseState {
     /// ([`Want::lease_end`]), so it is always before the shard's own expiry.
     deadline: Mutex<Instant>,
     lost: watch::Sender<bool>,
+    /// Set by the first release of this lease sent to its shard (see
+    /// `guard::release_through_shard`): a second one, a shutdown's beside the guard's drop,
+    /// is not sent.
+    pub(crate) release_claimed: std::sync::atomic::AtomicBool,
     /// The next fence to hand out in memory, and the last one reserved on the shard.
     next_fence: AtomicU64,
     fence_top: u64,
@@ -97,6 +101,7 @@ impl LeaseState {
             want,
             deadline: Mutex::new(want.lease_end(grant.sent)),
             lost: watch::channel(false).0,
+            release_claimed: Default::default(),
             next_fence: AtomicU64::new(grant.fence + 1),
             fence_top: grant.fence + u64::from(grant.reserve),
             local_until: grant.sent + local_for,

@@ -192,9 +192,12 @@ const DEFAULT_INACTIVE: (Duration, Duration) =
 const VIEW_CHANGE: Duration = Duration::from_secs(1);
 
 /// How long a node that failed is passed over before it is tried again; doubled for each
-/// failure in a row, up to [`NODE_BACKOFF_CAP`].
+/// failure in a row, up to [`NODE_BACKOFF_CAP`], and a quarter more or less at random so that
+/// processes do not all come back at once. A node that has not failed for
+/// [`NODE_FAILURES_FORGOTTEN`] starts again from the shortest backoff.
 const NODE_BACKOFF: Duration = Duration::from_secs(2);
 const NODE_BACKOFF_CAP: Duration = Duration::from_secs(30);
+const NODE_FAILURES_FORGOTTEN: Duration = Duration::from_secs(60);
 
 impl Nodes {
     /// `addresses` (`host:port`, port 3306 when left out), each tried for at most
@@ -241,18 +244,38 @@ impl Nodes {
         up.into_iter().chain(passed).collect()
     }
 
+    /// Node `i` failed: passed over for its next backoff. Failures while it is passed over
+    /// already (every statement in flight when it froze) count as one.
     fn failed(&self, i: usize) {
+        use rand::Rng;
+        let now = std::time::Instant::now();
         let mut down = self.down_until.lock().unwrap_or_else(|e| e.into_inner());
         let (until, times) = &mut down[i];
+        if until.is_some_and(|until| until > now) {
+            return;
+        }
+        if until.is_none_or(|until| now > until + NODE_FAILURES_FORGOTTEN) {
+            *times = 0;
+        }
         *times = times.saturating_add(1);
         let backoff = NODE_BACKOFF
             .saturating_mul(1 << (*times - 1).min(8))
-            .min(NODE_BACKOFF_CAP);
-        *until = Some(std::time::Instant::now() + backoff);
+            .min(NODE_BACKOFF_CAP)
+            .mul_f64(rand::rng().random_range(0.75..1.25));
+        *until = Some(now + backoff);
     }
 
+    /// Node `i` let a connection in and may serve: no longer passed over. Its failures are
+    /// remembered a while, so that a node that keeps failing soon after it is reached is
+    /// passed over longer each time.
     fn reached(&self, i: usize) {
-        self.down_until.lock().unwrap_or_else(|e| e.into_inner())[i] = (None, 0);
+        let mut down = self.down_until.lock().unwrap_or_else(|e| e.into_inner());
+        if down[i]
+            .0
+            .is_some_and(|until| until > std::time::Instant::now())
+        {
+            down[i].0 = Some(std::time::Instant::now());
+        }
     }
 
     /// Whether a connection to `node` should be given up now so that a new one tries a node
@@ -260,7 +283,11 @@ impl Nodes {
     /// return to the preferred node once it is back. At most once per [`NODE_BACKOFF`], so a
     /// node still dead costs one failed connection attempt per backoff, not one per call.
     fn time_to_return(&self, node: usize) -> bool {
-        if node == 0 || self.order().first().is_none_or(|&first| first >= node) {
+        let now = std::time::Instant::now();
+        let preferred_up = self.down_until.lock().unwrap_or_else(|e| e.into_inner())[..node]
+            .iter()
+            .any(|(until, _)| until.is_none_or(|until| until <= now));
+        if !preferred_up {
             return false;
         }
         let mut tried = self.return_tried.lock().unwrap_or_else(|e| e.into_inner());
@@ -709,6 +736,10 @@ impl managed::Manager for ShardManager {
             ));
         }
         if self.has_nodes() && self.nodes.time_to_return(c.node) {
+            // Every idle connection reaches the same node: all are given up, so that the
+            // next call opens a new one, which tries the preferred node first (and comes
+            // back here if it is still down).
+            self.retire_all();
             return Err(RecycleError::message(
                 "a preferred Galera node may be back; discarded to try it",
             ));
@@ -804,9 +835,10 @@ mod tests {
         assert!(super::eviction_outlasts(Duration::from_secs(1), "gcache.size = 1G").is_none());
     }
 
-    /// A node that fails is passed over for 2 s, twice as long for each failure in a row; a
-    /// connection to a less preferred node is given up to try a preferred one only once that
-    /// one is no longer passed over, and at most once per backoff.
+    /// A node that fails is passed over for about 2 s, about twice as long for each failure
+    /// in a row (failures while it is passed over count once, and reaching it does not make
+    /// it forget); connections to a less preferred node are given up to try a preferred one
+    /// only once that one is no longer passed over, and at most once per backoff.
     #[test]
     fn connections_return_to_a_preferred_node_once_its_backoff_ends() {
         use std::time::Instant;
@@ -816,25 +848,50 @@ mod tests {
             Duration::from_millis(250),
             Duration::from_secs(6),
         );
-        let until = |i: usize| nodes.down_until.lock().unwrap()[i].0.unwrap();
+        let left = |i: usize| {
+            nodes.down_until.lock().unwrap()[i]
+                .0
+                .unwrap()
+                .saturating_duration_since(Instant::now())
+        };
+        let expire = |i: usize| nodes.down_until.lock().unwrap()[i].0 = Some(Instant::now());
         nodes.failed(0);
-        let first = until(0).saturating_duration_since(Instant::now());
+        let first = left(0);
+        assert!(first > Duration::from_millis(1400) && first <= Duration::from_millis(2500));
         nodes.failed(0);
-        let second = until(0).saturating_duration_since(Instant::now());
-        assert!(first <= Duration::from_secs(2) && second > Duration::from_secs(3));
+        assert_eq!(
+            nodes.down_until.lock().unwrap()[0].1,
+            1,
+            "one failure while passed over"
+        );
         assert_eq!(nodes.order(), vec![1, 2, 0]);
         // Passed over: connections to b stay.
         assert!(!nodes.time_to_return(1));
-        // Its backoff over: one connection to b is given up, then none until the next backoff.
-        nodes.down_until.lock().unwrap()[0].0 = Some(Instant::now());
+        // Its backoff over: connections to b are given up, then not until the next backoff.
+        expire(0);
         assert!(nodes.time_to_return(1));
         assert!(!nodes.time_to_return(1));
         assert!(!nodes.time_to_return(2));
-        // Connections to the most preferred node never are.
+        // Connections to the most preferred node never are, nor to any when every node ahead
+        // is passed over.
         *nodes.return_tried.lock().unwrap() = None;
         assert!(!nodes.time_to_return(0));
+        nodes.failed(0);
+        assert!(
+            left(0) > Duration::from_secs(2),
+            "the second failure in a row: twice as long"
+        );
+        nodes.failed(1);
+        assert!(!nodes.time_to_return(2));
+        // Reached again, node a is no longer passed over but remembers its failures.
         nodes.reached(0);
-        assert_eq!(nodes.down_until.lock().unwrap()[0], (None, 0));
+        assert_eq!(nodes.order()[0], 0);
+        expire(0);
+        nodes.failed(0);
+        assert!(
+            left(0) > Duration::from_secs(5),
+            "the third: four times as long"
+        );
     }
 }
 

@@ -260,20 +260,9 @@ impl Shard {
             .map(|(v, _)| v)
     }
 
-    /// [`Shard::run`], also saying whether a try before the one that answered may have
+    /// [`Shard::with_conn`], also saying whether a try before the one that answered may have
     /// reached the server (its reply lost): what the answer found may then be that try's
     /// doing.
-    async fn with_conn_tries_noting<A: Sync, T>(
-        &self,
-        operation: &'static str,
-        timeout: Duration,
-        args: &A,
-        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
-    ) -> Result<(T, bool), BackendError> {
-        self.with_conn_traced(operation, timeout, args, f, true)
-            .await
-    }
-
     async fn with_conn_traced<A: Sync, T>(
         &self,
         operation: &'static str,
@@ -446,11 +435,12 @@ impl Shard {
             .map(|(k, o)| (k.as_slice(), o.as_str()))
             .collect();
         let (found, after_unknown) = self
-            .with_conn_tries_noting(
+            .with_conn_traced(
                 "release_batch",
                 self.statement_timeout,
                 &leases,
                 |c, leases| Box::pin(batch::release_batch(c, leases)),
+                true,
             )
             .await?;
         Ok(found
@@ -467,11 +457,12 @@ impl Shard {
     /// it (only its reply was lost), and the answer is `true`.
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
         let (found, after_unknown) = self
-            .with_conn_tries_noting(
+            .with_conn_traced(
                 "release",
                 self.statement_timeout,
                 &(key, owner),
                 |c, &(key, owner)| Box::pin(lease::release(c, key, owner)),
+                true,
             )
             .await?;
         Ok(released(found, after_unknown))
