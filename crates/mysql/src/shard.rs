@@ -202,6 +202,7 @@ impl Shard {
     ) -> Result<T, BackendError> {
         self.with_conn(operation, self.statement_timeout, &args, f, true)
             .await
+            .map(|(v, _)| v)
     }
 
     /// [`Shard::run`] for statements that are not idempotent: a connection that broke after
@@ -216,6 +217,7 @@ impl Shard {
     ) -> Result<T, BackendError> {
         self.with_conn(operation, self.statement_timeout, &args, f, false)
             .await
+            .map(|(v, _)| v)
     }
 
     /// A database client span for one call (`operation`, tries included), with
@@ -247,23 +249,10 @@ impl Shard {
         };
     }
 
+    /// Runs `f` as a traced call (see [`Shard::run`]); the answer, and whether a try before
+    /// the one that answered may have reached the server (its reply lost): what the answer
+    /// found may then be that try's doing.
     async fn with_conn<A: Sync, T>(
-        &self,
-        operation: &'static str,
-        timeout: Duration,
-        args: &A,
-        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
-        retry_broken: bool,
-    ) -> Result<T, BackendError> {
-        self.with_conn_traced(operation, timeout, args, f, retry_broken)
-            .await
-            .map(|(v, _)| v)
-    }
-
-    /// [`Shard::with_conn`], also saying whether a try before the one that answered may have
-    /// reached the server (its reply lost): what the answer found may then be that try's
-    /// doing.
-    async fn with_conn_traced<A: Sync, T>(
         &self,
         operation: &'static str,
         timeout: Duration,
@@ -435,7 +424,7 @@ impl Shard {
             .map(|(k, o)| (k.as_slice(), o.as_str()))
             .collect();
         let (found, after_unknown) = self
-            .with_conn_traced(
+            .with_conn(
                 "release_batch",
                 self.statement_timeout,
                 &leases,
@@ -457,7 +446,7 @@ impl Shard {
     /// it (only its reply was lost), and the answer is `true`.
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
         let (found, after_unknown) = self
-            .with_conn_traced(
+            .with_conn(
                 "release",
                 self.statement_timeout,
                 &(key, owner),
@@ -640,7 +629,7 @@ impl Shard {
         let deadline = Instant::now() + timeout;
         for chunk in leases.chunks(MAX_RENEW_BATCH) {
             let left = deadline.saturating_duration_since(Instant::now());
-            let part = self
+            let (part, _) = self
                 .with_conn(
                     "renew",
                     left,
