@@ -136,7 +136,7 @@ async fn the_node_in_use_dies_mid_run_and_no_update_is_lost() {
     let evicted = evicted.await.unwrap();
     eprintln!(
         "failover: first grant on the Galera shard {} ms after the kill; the survivors \
-         evicted the dead node {} ms after the kill (evs.suspect_timeout 2 s), the grant \
+         evicted the dead node {} ms after the kill, the grant \
          came {} ms after that",
         served - killed,
         evicted - killed,

@@ -341,8 +341,10 @@ async fn clock_within(conn: &mut Conn, skew: Duration) -> Result<(), String> {
     Ok(())
 }
 
-/// The first time a node of the shard is reached: reads the time the cluster takes to evict a
-/// dead node (its `evs.suspect_timeout`), and warns when `statement-timeout` is not above it.
+/// The first time a node of the shard is reached: reads the longest the cluster may take to
+/// evict a dead node (its `evs.inactive_timeout`, see [`ShardManager::eviction_time`]), and
+/// warns when `statement-timeout` is not above the usual eviction time
+/// (`evs.suspect_timeout`, see [`eviction_outlasts`]).
 async fn check_eviction_time(conn: &mut Conn, nodes: &Nodes) {
     if nodes.eviction_checked.swap(true, Ordering::Relaxed) {
         return;

@@ -284,6 +284,14 @@ fn write_option_file(
     } else {
         ""
     };
+    // Membership timeouts: a dead node is evicted in 2 to 4 s (tighter, a node starved of CPU
+    // on a busy 2-core machine is evicted for nothing); `SHARDLOCK_TEST_GALERA_EVS` replaces
+    // them, to measure failover under other settings.
+    let evs = std::env::var("SHARDLOCK_TEST_GALERA_EVS").unwrap_or_else(|_| {
+        "evs.suspect_timeout=PT2S;evs.inactive_timeout=PT4S;evs.keepalive_period=PT0.5S;\
+         evs.inactive_check_period=PT1S;evs.install_timeout=PT4S"
+            .to_owned()
+    });
     let options = format!(
         "[mysqld]\n\
          datadir={d}\n\
@@ -313,9 +321,7 @@ fn write_option_file(
          wsrep_sst_method=mariabackup\n\
          wsrep_sst_auth=root:\n\
          wsrep_provider_options=\"gmcast.listen_addr=tcp://127.0.0.1:{group};ist.recv_addr=127.0.0.1:{ist};\
-         evs.suspect_timeout=PT2S;evs.inactive_timeout=PT4S;evs.keepalive_period=PT0.5S;\
-         evs.inactive_check_period=PT1S;evs.install_timeout=PT4S;pc.wait_prim_timeout=PT10S;\
-         gcache.size=32M\"\n",
+         {evs};pc.wait_prim_timeout=PT10S;gcache.size=32M\"\n",
         client = ports.client,
         group = ports.group,
         ist = ports.ist,
