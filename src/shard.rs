@@ -234,7 +234,7 @@ impl ShardState {
             .acquire_lane
             .push((req, orphan), self.batches_in_flight());
         if start {
-            tokio::spawn(self.clone().send_acquires(self.acquire_runner()));
+            tokio::spawn(self.acquire_runner().send_acquires());
         }
         answer
     }
@@ -260,7 +260,7 @@ impl ShardState {
             let lease = (key.to_vec(), owner.to_owned());
             let (answer, start) = self.release_lane.push(lease, self.batches_in_flight());
             if start {
-                tokio::spawn(self.clone().send_releases(self.release_runner()));
+                tokio::spawn(self.release_runner().send_releases());
             }
             match answer.await.unwrap_or_else(|_| Err(no_answer())) {
                 Err(e) if again && lanes::is_not_sent(&e) => again = false,

@@ -156,21 +156,19 @@ impl<R, O> Lane<R, O> {
     }
 }
 
-impl ShardState {
-    /// A runner of the acquire lane: sends what waits, a batch at a time, until nothing does.
-    /// `running` is its place in the lane, taken when it was started.
-    pub(super) async fn send_acquires(
-        self: Arc<Self>,
-        mut running: Running<AcquireRequest, Attempt>,
-    ) {
+impl Running<AcquireRequest, Attempt> {
+    /// A runner of the acquire lane, in its place: sends what waits, a batch at a time, until
+    /// nothing does.
+    pub(super) async fn send_acquires(mut self) {
+        let shard = self.state.clone();
         // Callers that went away before their request was sent: nothing is sent for them.
-        while let Some(batch) = self.acquire_lane.next_batch(|(r, _)| &r.key, true) {
+        while let Some(batch) = shard.acquire_lane.next_batch(|(r, _)| &r.key, true) {
             let (requests, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
             let (requests, orphans): (Vec<GrantRequest>, Vec<bool>) = requests.into_iter().unzip();
-            let stats = &self.shared.stats;
+            let stats = &shard.shared.stats;
             let result = if let [request] = requests.as_slice() {
-                let result = self.call_timed(self.backend.acquire(request), |r| {
+                let result = shard.call_timed(shard.backend.acquire(request), |r| {
                     !matches!(r, Ok(Attempt::Locked))
                 });
                 result.await.map(|attempt| BatchGrants {
@@ -178,8 +176,8 @@ impl ShardState {
                     statements: 1,
                 })
             } else {
-                let result = self.call_timed(
-                    self.backend.acquire_batch(&requests),
+                let result = shard.call_timed(
+                    shard.backend.acquire_batch(&requests),
                     |r| !matches!(r, Ok(b) if b.attempts.contains(&Attempt::Locked)),
                 );
                 stats.acquire_batches.fetch_add(1, Ordering::Relaxed);
@@ -211,32 +209,35 @@ impl ShardState {
                 let untaken = matches!(answer.send(outcome), Err(Ok(Attempt::Granted(_))));
                 if orphan && (untaken || unknown || locked) {
                     let ttl = Duration::from_millis(u64::from(request.ttl_ms));
-                    self.give_back(request.key, request.owner, ttl);
+                    shard.give_back(request.key, request.owner, ttl);
                 }
             }
         }
-        running.counted = false;
+        self.counted = false;
     }
+}
 
-    /// A runner of the release lane (see [`ShardState::send_acquires`]).
-    pub(super) async fn send_releases(self: Arc<Self>, mut running: Running<ReleaseRequest, bool>) {
+impl Running<ReleaseRequest, bool> {
+    /// A runner of the release lane (see [`Running::send_acquires`]).
+    pub(super) async fn send_releases(mut self) {
+        let shard = self.state.clone();
         // A release is sent even when its caller went away: the row must be freed.
-        while let Some(batch) = self.release_lane.next_batch(|(key, _)| key, false) {
+        while let Some(batch) = shard.release_lane.next_batch(|(key, _)| key, false) {
             let (leases, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
             let result = if let [(key, owner)] = leases.as_slice() {
-                let result = self.call(|b| b.release(key, owner)).await;
+                let result = shard.call(|b| b.release(key, owner)).await;
                 result.map(|released| vec![released])
             } else {
-                let stats = &self.shared.stats;
+                let stats = &shard.shared.stats;
                 stats.release_batches.fetch_add(1, Ordering::Relaxed);
                 let keys = leases.len() as u64;
                 stats.batched_releases.fetch_add(keys, Ordering::Relaxed);
-                self.call(|b| b.release_batch(&leases)).await
+                shard.call(|b| b.release_batch(&leases)).await
             };
             answer_each(answers, result);
         }
-        running.counted = false;
+        self.counted = false;
     }
 }
 
@@ -299,7 +300,7 @@ impl Drop for LeaveLane<'_> {
             // Without a runtime nothing runs any more: the place is given back, and the
             // requests queued are answered, as they are by a task that never runs.
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                drop(runtime.spawn(self.0.clone().send_releases(running)));
+                drop(runtime.spawn(running.send_releases()));
             }
         }
     }
