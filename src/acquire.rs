@@ -164,6 +164,12 @@ impl LockRouter {
             name: "ttl",
             reason,
         })?;
+        if let Some(at_least) = opts.at_least {
+            check_ttl(at_least).map_err(|reason| Error::InvalidArgument {
+                name: "lock_at_least",
+                reason,
+            })?;
+        }
         let deadline = instant_after(wait.or(opts.wait).unwrap_or(ns.wait));
         {
             let topology = self.inner.topology.load();
@@ -184,14 +190,24 @@ impl LockRouter {
 
         // One poller per key in this process: the others wait in memory, and may be handed the
         // lease directly by the holder when it releases.
+        // A hold that outlasts its release, or a leadership, is never handed over in memory:
+        // no fences are set aside for it.
+        let handoffs = opts.handoffs && opts.at_least.is_none();
         let want = Want {
             ttl,
             renew_every: ns.renew_interval_for(ttl),
-            handoff_max_count: ns.handoff_max_count,
-            handoff_max_time: ns.handoff_max_time,
+            handoff_max_count: if handoffs { ns.handoff_max_count } else { 0 },
+            handoff_max_time: if handoffs {
+                ns.handoff_max_time
+            } else {
+                Duration::ZERO
+            },
             drift_ppm: self.inner.topology.load().config.instance.clock_drift_ppm(),
             // Set per poll, from the shards the grant is made on.
             clock_skew: Duration::ZERO,
+            keep_alive: opts.keep_alive,
+            at_least: opts.at_least,
+            handoffs,
         };
         let turn = match self.enter_queue(key, want, deadline, &ns, progress).await? {
             Entered::Turn(turn) => turn,

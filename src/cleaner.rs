@@ -20,7 +20,7 @@ use shardlock_mysql::InstanceRow;
 
 use crate::registry::{InstanceRegistry, StaticRegistry};
 use crate::shard::ShardState;
-use crate::{AcquireOptions, LockGuard, LockMode, LockRouter};
+use crate::{AcquireOptions, Leadership, LockGuard, LockRouter};
 
 /// The key of the lock that elects the one cleaner of a deployment.
 pub const CLEANER_LOCK_KEY: &str = "shardlock:cleaner";
@@ -105,15 +105,11 @@ impl LockRouter {
     pub async fn clean_once(&self) -> Result<CleanerReport> {
         let pass = self.inner.cleaner.passes.fetch_add(1, Ordering::Relaxed) + 1;
         let mut leader = self.inner.cleaner.leader.lock().await;
-        if !leader.as_ref().is_some_and(LockGuard::is_held) {
+        if !leader.as_ref().is_some_and(Leadership::is_leader) {
             *leader = None;
-            match self
-                .try_acquire(CLEANER_LOCK_KEY, AcquireOptions::new())
-                .await
-            {
-                // Elected through the shard only: an in-process lock elects nobody.
-                Ok(Some(guard)) if guard.mode() == LockMode::Remote => *leader = Some(guard),
-                Ok(_) | Err(Error::Unavailable { .. }) => {
+            match self.try_lead(CLEANER_LOCK_KEY, AcquireOptions::new()).await {
+                Ok(Some(leadership)) => *leader = Some(leadership),
+                Ok(None) => {
                     return Ok(CleanerReport {
                         pass,
                         leader: false,
@@ -123,7 +119,7 @@ impl LockRouter {
                 Err(e) => return Err(e),
             }
         }
-        let guard = leader.as_ref().expect("elected above");
+        let guard = leader.as_ref().expect("elected above").guard();
         let topology = self.inner.topology.load_full();
         let config = topology.config.cleaner.clone();
         let registry = self.registry(&config);
@@ -170,8 +166,8 @@ impl LockRouter {
                 _ = tokio::time::sleep(interval) => {}
             }
         }
-        if let Some(guard) = self.inner.cleaner.leader.lock().await.take() {
-            let _ = guard.release().await;
+        if let Some(leadership) = self.inner.cleaner.leader.lock().await.take() {
+            let _ = leadership.resign().await;
         }
     }
 

@@ -182,19 +182,76 @@ impl LockGuard {
         let _ = lost.wait_for(|lost| *lost).await;
     }
 
+    /// Moves the end of the lease to at least `by` from now (by the shard's clock), on every
+    /// row of it; never earlier. For a lease without keep-alive
+    /// ([`crate::AcquireOptions::keep_alive`]) this is the only way it lasts longer than its
+    /// ttl; a renewed lease keeps being renewed by its own ttl after that end.
+    /// [`LockGuard::held_until`] moves with it. A [`LockMode::LocalFallback`] guard has no end
+    /// to move: `Ok` at once.
+    ///
+    /// Returns [`Error::LockLost`] if the lease already ended or was taken over (the guard then
+    /// reports it lost), and a backend error if a shard could not be reached (the lease's end
+    /// may or may not have moved; [`LockGuard::held_until`] stays where it was).
+    pub async fn extend(&self, by: std::time::Duration) -> Result<()> {
+        shardlock_core::config::check_ttl(by).map_err(|reason| Error::InvalidArgument {
+            name: "extend",
+            reason,
+        })?;
+        let lease = &self.hold.lease;
+        if lease.local {
+            return Ok(());
+        }
+        if !self.is_held() {
+            return Err(self.lost_error());
+        }
+        let sent = Instant::now();
+        let mut rows = vec![(self.hold.shard.clone(), lease.clone())];
+        rows.extend(lease.companion_rows());
+        for (shard, row) in &rows {
+            match shard
+                .call(|b| b.extend(row.key.stored(), &row.owner, by))
+                .await
+            {
+                Ok(true) => {}
+                Ok(false) => {
+                    row.mark_lost("ended or taken over before it was extended", &shard.shared);
+                    return Err(self.lost_error());
+                }
+                Err(e) => return Err(e.into_error(shard.name())),
+            }
+        }
+        for (_, row) in &rows {
+            let want = crate::queue::Want {
+                ttl: by,
+                ..row.want
+            };
+            row.extend(want.lease_end(sent));
+        }
+        // Reported lost meanwhile (its local end passed before the answer came): the row may
+        // still be ours, but the guard no longer says so.
+        if lease.is_lost() {
+            return Err(self.lost_error());
+        }
+        Ok(())
+    }
+
+    pub(crate) fn lost_error(&self) -> Error {
+        Error::LockLost {
+            key_label: self
+                .hold
+                .shard
+                .shared
+                .telemetry
+                .key_label(&self.hold.lease.key),
+        }
+    }
+
     /// Re-enters the lock: returns another guard of the same grant (same fence). The lock is
     /// released when the last of them is released or dropped. Reentrancy is only ever
     /// explicit.
     pub fn reenter(&self) -> Result<LockGuard> {
         if self.hold.lease.is_lost() {
-            return Err(Error::LockLost {
-                key_label: self
-                    .hold
-                    .shard
-                    .shared
-                    .telemetry
-                    .key_label(&self.hold.lease.key),
-            });
+            return Err(self.lost_error());
         }
         self.hold.guards.fetch_add(1, Ordering::AcqRel);
         Ok(LockGuard::new(self.hold.clone()))
@@ -287,8 +344,10 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
     // A lease with rows on other shards (its key moved) or placed under an older topology (its
     // key may have moved) is not handed over: it is released everywhere and the waiters poll
     // where the key lives now.
-    // A lease known lost is not handed over either: whoever holds the key now keeps it.
+    // A lease known lost is not handed over either: whoever holds the key now keeps it. Nor
+    // one that must stay taken after its release (`lock_at_least`).
     if lease.has_companions()
+        || lease.at_least().is_some()
         || lease.placed_epoch.load(Ordering::Acquire) < shard.shared.epoch()
         || !lease.is_live()
     {
@@ -309,7 +368,7 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
     if let Some(next) = next {
         // In memory only when the waiter asked for this lease's own ttl; otherwise the
         // release statement grants it with the waiter's.
-        let same_terms = next.want.ttl == lease.ttl;
+        let same_terms = next.want.same_terms(&lease.want);
         if let Some(fence) = lease.local_fence().filter(|_| same_terms) {
             // Unlock first: if the waiter gave up meanwhile, the guard comes back and is
             // dropped right here, which ends its hold on this same lease.
@@ -446,15 +505,21 @@ pub(crate) async fn release_through_shard(
         shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
     }
     let companions = lease.end_companions();
+    // Rows that must stay taken for a while after their grant (`lock_at_least`, a scheduled
+    // run) stay so on every shard.
     let result = if again {
         Ok(true)
     } else {
-        shard.release(lease.key.stored(), &lease.owner).await
+        shard
+            .release_after(lease.key.stored(), &lease.owner, lease.at_least())
+            .await
     };
     // The key's rows on other shards (it moved); the turn passes on once all are free.
     for (other, row) in companions {
         other.remove(row.id);
-        let _ = other.release(row.key.stored(), &row.owner).await;
+        let _ = other
+            .release_after(row.key.stored(), &row.owner, row.at_least())
+            .await;
     }
     drop(turn);
     match result {

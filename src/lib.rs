@@ -4,6 +4,7 @@
 
 mod acquire;
 mod cleaner;
+mod election;
 mod fence;
 mod guard;
 mod moves;
@@ -12,6 +13,7 @@ pub mod patterns;
 mod queue;
 mod registry;
 mod router;
+mod schedule;
 mod shard;
 mod state;
 mod stats;
@@ -21,11 +23,13 @@ pub mod telemetry;
 mod topology;
 
 pub use cleaner::{CleanerReport, ForceReleased, ShardCleaned, CLEANER_LOCK_KEY};
+pub use election::{Leader, Leadership};
 pub use fence::fenced_exec;
 pub use guard::{LockGuard, LockMode, LOCAL_FENCE_BIT};
 pub use options::AcquireOptions;
 pub use registry::{InstanceRegistry, StaticRegistry};
 pub use router::{LockRouter, RouterBuilder};
+pub use schedule::ScheduledRun;
 pub use shardlock_core::config::FailurePolicy;
 pub use shardlock_core::Transition as BreakerTransition;
 pub use stats::LockStats;
@@ -47,6 +51,8 @@ const _: () = {
     const fn send_sync<T: Send + Sync>() {}
     send_sync::<LockRouter>();
     send_sync::<LockGuard>();
+    send_sync::<Leadership>();
+    send_sync::<ScheduledRun>();
     send_sync::<patterns::TxLockGuard>();
     send_sync::<patterns::CasGuard>();
     send_sync::<Error>();

@@ -31,9 +31,31 @@ pub(crate) struct Want {
     /// Galera shard's nodes: [`crate::shard::ShardState::clock_skew`]); the local end of a
     /// lease comes that much earlier.
     pub(crate) clock_skew: Duration,
+    /// Renewed in the background while held; `false`: the lease ends at its ttl unless the
+    /// holder extends it ([`crate::AcquireOptions::keep_alive`]).
+    pub(crate) keep_alive: bool,
+    /// The row stays taken at least this long after the grant, even if released earlier
+    /// ([`crate::AcquireOptions::lock_at_least`]).
+    pub(crate) at_least: Option<Duration>,
+    /// Whether a waiter takes a grant handed over in memory (not a leadership: its term must
+    /// be a shard grant's fence).
+    pub(crate) handoffs: bool,
 }
 
 impl Want {
+    /// Whether a lease granted for `self` may be handed over in memory to a waiter that wants
+    /// `other`: the same ttl, both renewed (a lease without keep-alive ends where its first
+    /// holder's extensions put it, no term of a later holder's), neither kept after its
+    /// release, and a waiter that takes hand-offs.
+    pub(crate) fn same_terms(&self, other: &Want) -> bool {
+        self.ttl == other.ttl
+            && self.keep_alive
+            && other.keep_alive
+            && self.at_least.is_none()
+            && other.at_least.is_none()
+            && other.handoffs
+    }
+
     pub(crate) fn ttl_ms(&self) -> u32 {
         u32::try_from(self.ttl.as_millis()).unwrap_or(u32::MAX)
     }
@@ -262,6 +284,9 @@ mod tests {
             handoff_max_time: Duration::from_millis(20),
             drift_ppm: 10_000,
             clock_skew: Duration::ZERO,
+            keep_alive: true,
+            at_least: None,
+            handoffs: true,
         }
     }
 

@@ -269,6 +269,20 @@ impl ShardState {
         }
     }
 
+    /// [`ShardState::release`], leaving the key taken until `at_least` after its grant when
+    /// that is set (one statement of its own, not batched: such releases are rare).
+    pub(crate) async fn release_after(
+        self: &Arc<Self>,
+        key: &[u8],
+        owner: &str,
+        at_least: Option<Duration>,
+    ) -> Result<bool, BackendError> {
+        match at_least {
+            None => self.release(key, owner).await,
+            Some(_) => self.call(|b| b.release_after(key, owner, at_least)).await,
+        }
+    }
+
     /// Gives back, owner-checked, a row that a statement whose outcome is unknown (its reply lost
     /// or late) may have granted to `owner`: retried in the background until the shard answers,
     /// for up to `ttl` (after that the row has ended by itself). Nobody else is kept waiting for
@@ -466,13 +480,22 @@ impl ShardState {
     /// it: it checks the leases registered after it swapped the topology in, and this checks
     /// the epoch after registering, so one of the two sees the other).
     pub(crate) fn insert(self: &Arc<Self>, lease: Arc<LeaseState>) {
-        let every = lease.renew_every.as_millis() as u64;
+        // A lease without keep-alive is not renewed: it only wakes the keeper to be reported
+        // lost at its end.
+        let every = if lease.want.keep_alive {
+            lease.renew_every.as_millis() as u64
+        } else {
+            u64::MAX
+        };
         let was_empty = {
             let mut leases = self.leases.locked();
             leases.insert(lease.id, lease.clone());
             leases.len() == 1
         };
-        if self.shortest_ms.fetch_min(every, Ordering::AcqRel) > every || was_empty {
+        if !lease.want.keep_alive
+            || self.shortest_ms.fetch_min(every, Ordering::AcqRel) > every
+            || was_empty
+        {
             self.wake.notify_one();
         }
         if !lease.is_companion() && lease.placed_epoch.load(Ordering::Acquire) < self.shared.epoch()

@@ -16,7 +16,6 @@ use futures_util::future::join_all;
 use shardlock_core::Config;
 use tokio::time::Instant;
 
-use crate::guard::LockGuard;
 use crate::queue::KeyQueues;
 use crate::registry::{self, InstanceRegistry};
 use crate::shard::Shared;
@@ -140,7 +139,7 @@ impl Inner {
 /// many passes it ran, and a registry set in code (which overrides `cleaner.registry`).
 #[derive(Default)]
 pub(crate) struct CleanerState {
-    pub(crate) leader: tokio::sync::Mutex<Option<LockGuard>>,
+    pub(crate) leader: tokio::sync::Mutex<Option<crate::Leadership>>,
     pub(crate) passes: AtomicU64,
     pub(crate) registry: RwLock<Option<Arc<dyn InstanceRegistry>>>,
 }

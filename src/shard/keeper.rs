@@ -129,16 +129,22 @@ impl ShardState {
         let now = Instant::now();
         let reconcile = (self.local_count() > 0).then(|| now + RECONCILE_EVERY);
         let leases = self.leases.locked();
-        let Some(period) = leases.values().map(|l| l.renew_every).min() else {
-            return reconcile;
-        };
-        let tick = match *next_tick {
-            Some(t) if t <= now + period => t,
-            _ => now + period,
-        };
-        *next_tick = Some(tick);
-        let earliest = leases.values().map(|l| l.deadline()).min()?;
-        Some(reconcile.map_or(tick, |r| r.min(tick)).min(earliest))
+        let earliest = leases.values().map(|l| l.deadline()).min();
+        // Leases without keep-alive are not renewed, only reported lost at their end.
+        let period = leases
+            .values()
+            .filter(|l| l.want.keep_alive)
+            .map(|l| l.renew_every)
+            .min();
+        let tick = period.map(|period| {
+            let tick = match *next_tick {
+                Some(t) if t <= now + period => t,
+                _ => now + period,
+            };
+            *next_tick = Some(tick);
+            tick
+        });
+        [reconcile, tick, earliest].into_iter().flatten().min()
     }
 
     /// Re-acquires local leases if there are any, reports expired leases, and renews the rest
@@ -179,6 +185,8 @@ impl ShardState {
                 true
             }
         });
+        // Leases without keep-alive end at their deadline (above) unless extended.
+        leases.retain(|l| l.want.keep_alive);
         let Some(period) = leases.iter().map(|l| l.renew_every).min() else {
             *next_tick = None;
             self.shortest_ms.store(u64::MAX, Ordering::Release);

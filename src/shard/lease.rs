@@ -39,6 +39,9 @@ pub(crate) struct LeaseState {
     /// `guard::release_through_shard`): a second one, a shutdown's beside the guard's drop,
     /// is not sent.
     pub(crate) release_claimed: std::sync::atomic::AtomicBool,
+    /// The row stays taken this many µs after its grant even if released earlier (0: no such
+    /// bound). From [`Want::at_least`]; a scheduled run sets it to the end of its interval.
+    at_least_us: AtomicU64,
     /// The next fence to hand out in memory, and the last one reserved on the shard.
     next_fence: AtomicU64,
     fence_top: u64,
@@ -102,6 +105,10 @@ impl LeaseState {
             deadline: Mutex::new(want.lease_end(grant.sent)),
             lost: watch::channel(false).0,
             release_claimed: Default::default(),
+            at_least_us: AtomicU64::new(
+                want.at_least
+                    .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+            ),
             next_fence: AtomicU64::new(grant.fence + 1),
             fence_top: grant.fence + u64::from(grant.reserve),
             local_until: grant.sent + local_for,
@@ -170,6 +177,11 @@ impl LeaseState {
         !self.companions.locked().rows.is_empty()
     }
 
+    /// The companion rows of this lease, with their shards.
+    pub(crate) fn companion_rows(&self) -> Vec<(Arc<ShardState>, Arc<LeaseState>)> {
+        self.companions.locked().rows.clone()
+    }
+
     /// The shards this lease has companion rows on.
     pub(crate) fn companion_shards(&self) -> Vec<Arc<ShardState>> {
         let companions = self.companions.locked();
@@ -220,6 +232,21 @@ impl LeaseState {
             self.next_fence.store(fence + 1, Ordering::Release);
             fence
         })
+    }
+
+    /// How long after its grant the row stays taken, if it must outlast a release.
+    pub(crate) fn at_least(&self) -> Option<Duration> {
+        match self.at_least_us.load(Ordering::Acquire) {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        }
+    }
+
+    pub(crate) fn set_at_least(&self, at_least: Duration) {
+        let us = u64::try_from(at_least.as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        self.at_least_us.store(us, Ordering::Release);
     }
 
     pub(crate) fn deadline(&self) -> Instant {

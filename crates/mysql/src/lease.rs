@@ -311,10 +311,11 @@ pub(crate) async fn handoff(
 /// Renewal of many leases in one statement. Owners are unique per grant and each is written
 /// to one key only, so `key IN (...) AND owner IN (...)` matches exactly our (key, owner)
 /// pairs while letting the server use the primary key. Only live leases are extended: one that
-/// already expired on the shard's clock stays lost even if nobody took it yet.
-const RENEW_HEAD: &str =
-    "UPDATE shardlock_lease SET expires_at = NOW(3) + INTERVAL ttl_ms * 1000 MICROSECOND \
-                          WHERE expires_at > NOW(3) AND lock_key IN ";
+/// already expired on the shard's clock stays lost even if nobody took it yet. A renewal never
+/// brings a lease's end forward: one its holder extended ([`extend`]) keeps that end.
+const RENEW_HEAD: &str = "UPDATE shardlock_lease \
+     SET expires_at = GREATEST(expires_at, NOW(3) + INTERVAL ttl_ms * 1000 MICROSECOND) \
+     WHERE expires_at > NOW(3) AND lock_key IN ";
 const HELD_HEAD: &str =
     "SELECT lock_key FROM shardlock_lease WHERE expires_at > NOW(3) AND lock_key IN ";
 
@@ -399,6 +400,74 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
     })
 }
 
+/// Moves the end of a live lease to at least `?` µs from now, owner-checked; never earlier.
+///
+/// Parameters: µs, key, owner.
+const EXTEND: &str = "UPDATE shardlock_lease \
+     SET expires_at = GREATEST(expires_at, NOW(3) + INTERVAL ? MICROSECOND) \
+     WHERE lock_key = ? AND owner = ? AND expires_at > NOW(3)";
+
+/// Whether `owner`'s lease of `key` was live and now lasts at least `by` from the shard's now.
+pub(crate) async fn extend(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+    by: std::time::Duration,
+) -> mysql_async::Result<bool> {
+    let us = u64::try_from(by.as_micros()).unwrap_or(u64::MAX);
+    conn.exec_drop(EXTEND, (us, key, owner)).await?;
+    Ok(conn.affected_rows() == 1)
+}
+
+/// The shard's clock when `owner`'s grant of `key` was made, in ms since the epoch; `None` if
+/// `owner` does not hold it.
+const GRANTED_AT: &str = "SELECT CAST(UNIX_TIMESTAMP(acquired_at) * 1000 AS UNSIGNED) \
+     FROM shardlock_lease WHERE lock_key = ? AND owner = ?";
+
+pub(crate) async fn granted_at_ms(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+) -> mysql_async::Result<Option<u64>> {
+    conn.exec_first(GRANTED_AT, (key, owner)).await
+}
+
+/// Moves the end of a live lease to at least `?` µs after its grant and its stored fence to
+/// at least `?`, owner-checked; neither ever goes down.
+///
+/// Parameters: fence, µs, key, owner.
+const HOLD_UNTIL: &str = "UPDATE shardlock_lease \
+     SET fence = GREATEST(fence, ?), \
+     expires_at = GREATEST(expires_at, acquired_at + INTERVAL ? MICROSECOND) \
+     WHERE lock_key = ? AND owner = ? AND expires_at > NOW(3)";
+
+/// Whether `owner`'s lease of `key` was live and now lasts at least `after_grant` past its
+/// grant, with every later grant's fence above `fence`.
+pub(crate) async fn hold_until(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+    after_grant: std::time::Duration,
+    fence: u64,
+) -> mysql_async::Result<bool> {
+    let us = u64::try_from(after_grant.as_micros()).unwrap_or(u64::MAX);
+    conn.exec_drop(HOLD_UNTIL, (fence, us, key, owner)).await?;
+    Ok(conn.affected_rows() == 1)
+}
+
+/// Release of a live lease that must stay taken until `?` µs after its grant: before then the
+/// row keeps its owner and ends then, with a ttl of 0 so that a renewal still on its way
+/// cannot move that end; after, or if the lease already ended, a plain release. Assignments
+/// run left to right: `owner` is decided on the row as it was, the rest on that decision.
+///
+/// Parameters: µs, µs, key, owner.
+const RELEASE_AT_LEAST: &str = "UPDATE shardlock_lease SET \
+     owner = IF(expires_at > NOW(3) AND acquired_at + INTERVAL ? MICROSECOND > NOW(3), owner, NULL), \
+     ttl_ms = IF(owner IS NULL, ttl_ms, 0), \
+     expires_at = IF(owner IS NULL, NOW(3), acquired_at + INTERVAL ? MICROSECOND), \
+     wanted_at = NULL \
+     WHERE lock_key = ? AND owner = ?";
+
 /// Who holds a key, if anyone: read after a release that matched no row.
 const OWNER: &str = "SELECT owner FROM shardlock_lease WHERE lock_key = ?";
 
@@ -415,14 +484,22 @@ pub(crate) enum Released {
     Taken,
 }
 
-/// Releases `key` if `owner` holds it; when it did not, one more read tells whether anyone
-/// does.
+/// Releases `key` if `owner` holds it, leaving it taken until `at_least` after the grant
+/// when that is set; when `owner` did not hold it, one more read tells whether anyone does.
 pub(crate) async fn release(
     conn: &mut Conn,
     key: &[u8],
     owner: &str,
+    at_least: Option<std::time::Duration>,
 ) -> mysql_async::Result<Released> {
-    conn.exec_drop(RELEASE, (key, owner)).await?;
+    match at_least {
+        None => conn.exec_drop(RELEASE, (key, owner)).await?,
+        Some(at_least) => {
+            let us = u64::try_from(at_least.as_micros()).unwrap_or(u64::MAX);
+            conn.exec_drop(RELEASE_AT_LEAST, (us, us, key, owner))
+                .await?
+        }
+    }
     if conn.affected_rows() == 1 {
         return Ok(Released::Freed);
     }

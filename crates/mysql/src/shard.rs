@@ -445,16 +445,74 @@ impl Shard {
     /// first try may have reached the server and the retry finds the row free, that try freed
     /// it (only its reply was lost), and the answer is `true`.
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
+        self.release_after(key, owner, None).await
+    }
+
+    /// [`Shard::release`], leaving the key taken (by `owner`, unrenewed) until `at_least`
+    /// after the grant when that is set and has not passed yet.
+    pub async fn release_after(
+        &self,
+        key: &[u8],
+        owner: &str,
+        at_least: Option<Duration>,
+    ) -> Result<bool, BackendError> {
         let (found, after_unknown) = self
             .with_conn(
                 "release",
                 self.statement_timeout,
-                &(key, owner),
-                |c, &(key, owner)| Box::pin(lease::release(c, key, owner)),
+                &(key, owner, at_least),
+                |c, &(key, owner, at_least)| Box::pin(lease::release(c, key, owner, at_least)),
                 true,
             )
             .await?;
         Ok(released(found, after_unknown))
+    }
+
+    /// Moves the end of `owner`'s live lease of `key` to at least `by` from the shard's now;
+    /// `false` when it is not a live lease of `owner` any more.
+    pub async fn extend(
+        &self,
+        key: &[u8],
+        owner: &str,
+        by: Duration,
+    ) -> Result<bool, BackendError> {
+        self.run("extend", (key, owner, by), |c, &(key, owner, by)| {
+            Box::pin(lease::extend(c, key, owner, by))
+        })
+        .await
+    }
+
+    /// Moves the end of `owner`'s live lease of `key` to at least `after_grant` past its grant
+    /// and its stored fence to at least `fence` (every later grant's is above it); `false` when
+    /// it is not a live lease of `owner` any more.
+    pub async fn hold_until(
+        &self,
+        key: &[u8],
+        owner: &str,
+        after_grant: Duration,
+        fence: u64,
+    ) -> Result<bool, BackendError> {
+        self.run(
+            "hold_until",
+            (key, owner, after_grant, fence),
+            |c, &(key, owner, after_grant, fence)| {
+                Box::pin(lease::hold_until(c, key, owner, after_grant, fence))
+            },
+        )
+        .await
+    }
+
+    /// The shard's clock at `owner`'s grant of `key`, ms since the epoch; `None` when `owner`
+    /// does not hold it.
+    pub async fn granted_at_ms(
+        &self,
+        key: &[u8],
+        owner: &str,
+    ) -> Result<Option<u64>, BackendError> {
+        self.run("granted_at", (key, owner), |c, &(key, owner)| {
+            Box::pin(lease::granted_at_ms(c, key, owner))
+        })
+        .await
     }
 
     /// Raises the stored fence of `key`, held by `owner`, to at least `fence`; `false` when

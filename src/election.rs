@@ -1,0 +1,147 @@
+//! Leader election over the lease lock: one leader per name across every process, with a term
+//! that only goes up.
+//!
+//! A leadership is the lease of the key `name`, taken through the shard only (an in-process
+//! lock elects nobody) and never handed over in memory, so every term is the fence of a shard
+//! grant, above every earlier term of the name, and the row always names the leader.
+
+use std::time::Duration;
+
+use shardlock_core::Result;
+
+use crate::{AcquireOptions, LockGuard, LockMode, LockRouter};
+
+/// How long one acquire of a campaign waits before it asks again (placement and policy are
+/// read again on every poll anyway; this only bounds one call).
+const CAMPAIGN_WAIT: Duration = Duration::from_secs(60);
+
+/// How long a campaign pauses after the name's shard could not elect anyone (unreachable, or
+/// only an in-process lock was granted).
+const CAMPAIGN_PAUSE: Duration = Duration::from_millis(500);
+
+/// This process leads `name` while it lives and [`Leadership::is_leader`] is true.
+///
+/// The leadership is a lease: renewed in the background, lost when renewals fail for longer
+/// than its ttl or when it is force-released. Check [`Leadership::is_leader`] before acting as
+/// leader, or race the work against [`Leadership::lost`]; guard writes with the term
+/// ([`crate::fenced_exec`] with [`Leadership::guard`]) so a leader that paused past its lease
+/// cannot overwrite its successor's work. Dropping it resigns.
+#[derive(Debug)]
+#[must_use = "dropping the leadership resigns at once"]
+pub struct Leadership {
+    guard: LockGuard,
+}
+
+impl Leadership {
+    /// The term: the fence of this leadership's grant, larger than every earlier term of the
+    /// name.
+    pub fn term(&self) -> u64 {
+        self.guard.fence()
+    }
+
+    /// The name led.
+    pub fn name(&self) -> &str {
+        self.guard.key()
+    }
+
+    /// Whether this process still surely leads (see [`LockGuard::is_held`]).
+    pub fn is_leader(&self) -> bool {
+        self.guard.is_held()
+    }
+
+    /// Completes when the leadership is lost. Cancel-safe.
+    pub async fn lost(&self) {
+        self.guard.lost().await
+    }
+
+    /// The lease behind the leadership, for fenced writes.
+    pub fn guard(&self) -> &LockGuard {
+        &self.guard
+    }
+
+    /// Gives the leadership up: the next campaigner is elected at its next poll. Errors as
+    /// for [`LockGuard::release`].
+    pub async fn resign(self) -> Result<()> {
+        self.guard.release().await
+    }
+}
+
+/// Who leads a name, as its row on the shard says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Leader {
+    /// The leader's instance id (`instance.id`).
+    pub instance_id: String,
+    /// The owner written by the leader's grant: `<instance id>:<start nonce>:<grant seq>`.
+    pub owner: String,
+    /// The leader's term.
+    pub term: u64,
+    /// Until its lease ends unless renewed, by the shard's clock.
+    pub expires_in: Duration,
+}
+
+impl LockRouter {
+    /// Campaigns for the leadership of `name` until elected: the first campaigner leads, the
+    /// others wait (polling as any acquire does) and the next one is elected when the leader
+    /// resigns, or when its lease ends after it died or lost its shard. `opts` gives the
+    /// namespace and ttl (its `wait` is ignored: wrap the call in a timeout to bound it).
+    /// While the name's shard cannot elect anyone the campaign waits for it.
+    ///
+    /// Returns early only with an error that waiting cannot mend: an invalid name or options,
+    /// or [`crate::Error::Shutdown`].
+    ///
+    /// Cancellation: as for [`LockRouter::acquire`]; no leadership is left behind.
+    pub async fn campaign(&self, name: &str, opts: AcquireOptions) -> Result<Leadership> {
+        loop {
+            let opts = opts.clone().wait(CAMPAIGN_WAIT);
+            match self.lead(name, opts).await {
+                Ok(Some(leadership)) => return Ok(leadership),
+                // Not elected within the wait, or only in process: ask again.
+                Ok(None) => tokio::time::sleep(CAMPAIGN_PAUSE).await,
+                Err(e) if e.is_unavailable() => tokio::time::sleep(CAMPAIGN_PAUSE).await,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Takes the leadership of `name` if nobody holds it: `Ok(None)` when another process (or
+    /// task) leads, or when the name's shard is unavailable and only an in-process lock could
+    /// be had. Errors as for [`LockRouter::try_acquire`].
+    pub async fn try_lead(&self, name: &str, opts: AcquireOptions) -> Result<Option<Leadership>> {
+        match self.lead(name, opts.wait(Duration::ZERO)).await {
+            Err(e) if e.is_unavailable() => Ok(None),
+            other => other,
+        }
+    }
+
+    async fn lead(&self, name: &str, mut opts: AcquireOptions) -> Result<Option<Leadership>> {
+        opts.handoffs = false;
+        let key = shardlock_core::LockKey::new(name)?;
+        let wait = opts.wait;
+        let Some(guard) = self.acquire_inner(key, &opts, wait).await? else {
+            return Ok(None);
+        };
+        if guard.mode() != LockMode::Remote {
+            // Elected through the shard only: an in-process lock elects nobody.
+            return Ok(None);
+        }
+        Ok(Some(Leadership { guard }))
+    }
+
+    /// Who leads `name` now, if anyone, as the row on its shard says. A read only: a leader
+    /// whose process died is reported until its lease ends.
+    pub async fn leader(&self, name: &str) -> Result<Option<Leader>> {
+        let (_, row) = self.inspect(name).await?;
+        Ok(row.filter(|row| row.is_held()).and_then(|row| {
+            let owner = row.owner?;
+            // The instance id may itself hold ':'; the nonce and sequence never do.
+            let instance_id = owner.rsplitn(3, ':').nth(2)?.to_owned();
+            Some(Leader {
+                instance_id,
+                term: row.fence,
+                expires_in: Duration::from_millis(row.expires_in_ms.max(0) as u64),
+                owner,
+            })
+        }))
+    }
+}

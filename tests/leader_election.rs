@@ -1,0 +1,168 @@
+//! Leader election across processes on real shards: three campaigners, the leader frozen past
+//! its lease and then killed; a new leader each time, terms strictly rising, and never two
+//! processes believing they lead at one instant (a history of beliefs, checked afterwards).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::history::{self, Hold, Recorder};
+use shardlock::{AcquireOptions, Leader, LockRouter};
+use shardlock_testkit::Worker;
+
+const NAME: &str = "leader:billing";
+const DIR_ENV: &str = "SHARDLOCK_TEST_HISTORY_DIR";
+const EVENT: Duration = Duration::from_secs(60);
+
+fn opts() -> AcquireOptions {
+    AcquireOptions::new().ttl(Duration::from_secs(2))
+}
+
+/// Waits until `name` is led by an instance for which `pick` holds.
+async fn leader_where(router: &LockRouter, pick: impl Fn(&Leader) -> bool) -> Leader {
+    let deadline = tokio::time::Instant::now() + EVENT;
+    loop {
+        if let Some(l) = router.leader(NAME).await.unwrap().filter(|l| pick(l)) {
+            return l;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no such leader came"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn worker_of(leader: &Leader) -> usize {
+    leader
+        .instance_id
+        .strip_prefix("campaigner-")
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_campaigners_one_leader_at_a_time_terms_rising() {
+    let (cluster, router, _yaml) = common::start(2, "").await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut workers: Vec<Worker> = (0..3)
+        .map(|i| {
+            let yaml = cluster.config_yaml(&format!("instance:\n  id: campaigner-{i}\n"));
+            let env = [
+                (common::CONFIG_ENV, yaml),
+                (DIR_ENV, dir.path().display().to_string()),
+            ];
+            Worker::spawn("worker", "campaigner", &env).unwrap()
+        })
+        .collect();
+
+    let first = leader_where(&router, |_| true).await;
+    let a = worker_of(&first);
+    // Each leader is acted on once it has recorded a belief: frozen or killed while it
+    // believes it leads.
+    workers[a]
+        .expect(&format!("leading {}", first.term))
+        .await
+        .unwrap();
+    // Frozen past its lease: another is elected, and the frozen one steps down when it wakes.
+    workers[a].pause().unwrap();
+    let paused = tokio::time::Instant::now();
+    let second = leader_where(&router, |l| l.instance_id != first.instance_id).await;
+    println!("frozen leader replaced after {:?}", paused.elapsed());
+    assert!(second.term > first.term, "{first:?} then {second:?}");
+    workers[a].resume().unwrap();
+    workers[a].expect("stepped-down").await.unwrap();
+    // Killed: another is elected.
+    let b = worker_of(&second);
+    workers[b]
+        .expect(&format!("leading {}", second.term))
+        .await
+        .unwrap();
+    workers[b].kill().await.unwrap();
+    let killed = tokio::time::Instant::now();
+    let third = leader_where(&router, |l| l.instance_id != second.instance_id).await;
+    println!("killed leader replaced after {:?}", killed.elapsed());
+    assert!(third.term > second.term, "{second:?} then {third:?}");
+    let c = worker_of(&third);
+    workers[c]
+        .expect(&format!("leading {}", third.term))
+        .await
+        .unwrap();
+
+    std::fs::write(dir.path().join("stop"), b"").unwrap();
+    for (i, w) in workers.into_iter().enumerate() {
+        if i != b {
+            let (status, lines) = w.finish().await.unwrap();
+            assert!(status.success(), "{lines:?}");
+        }
+    }
+    // Beliefs are recorded in slices; one leadership is one hold from its first slice to
+    // its last.
+    let mut merged: Vec<Hold> = Vec::new();
+    for h in history::read(dir.path()) {
+        match merged
+            .iter_mut()
+            .find(|m| m.process == h.process && m.fence == h.fence)
+        {
+            Some(m) => {
+                m.start = m.start.min(h.start);
+                m.end = m.end.max(h.end);
+            }
+            None => merged.push(h),
+        }
+    }
+    let terms = history::check_no_two_holders(&merged);
+    assert!(terms >= 3, "{merged:?}");
+    assert!(
+        router.leader(NAME).await.unwrap().is_none(),
+        "the last leader resigned"
+    );
+}
+
+fn stop_file(dir: &Path) -> PathBuf {
+    dir.join("stop")
+}
+
+/// Campaigns until the stop file appears; while leading, records every 20 ms the instant up
+/// to which it believed it led (taken before the check that vouches for it).
+async fn campaigner() {
+    let router = common::worker_router().await;
+    let dir = PathBuf::from(std::env::var(DIR_ENV).unwrap());
+    let recorder = Recorder::create(&dir);
+    'campaign: while !stop_file(&dir).exists() {
+        let leadership = tokio::select! {
+            l = router.campaign(NAME, opts()) => l.unwrap(),
+            _ = async {
+                while !stop_file(&dir).exists() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            } => break 'campaign,
+        };
+        let term = leadership.term();
+        shardlock_testkit::report!("leader {term}");
+        let started = history::now_ns();
+        let mut since = started;
+        loop {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let now = history::now_ns();
+            if !leadership.is_leader() {
+                shardlock_testkit::report!("stepped-down {term}");
+                break;
+            }
+            recorder.hold(NAME, true, since, now, term);
+            if since == started {
+                shardlock_testkit::report!("leading {term}");
+            }
+            since = now;
+            if stop_file(&dir).exists() {
+                leadership.resign().await.unwrap();
+                break 'campaign;
+            }
+        }
+    }
+    router.shutdown().await.unwrap();
+}
+
+crate::worker_entry! { "campaigner" => campaigner() }
