@@ -53,6 +53,28 @@ impl LockRouter {
         }
     }
 
+    /// `key` in the scope of the namespace of `opts`: its keys are other locks than the same
+    /// keys elsewhere when it has a `key-prefix`.
+    pub(crate) fn scope(&self, key: LockKey, opts: &AcquireOptions) -> Result<LockKey> {
+        Ok(match &self.namespace_of(opts)?.key_prefix {
+            Some(prefix) => key.scoped(prefix),
+            None => key,
+        })
+    }
+
+    /// Whether a live lease holds `key` (in the scope of the namespace of `opts`) on its shard:
+    /// a read, through the shard's breaker.
+    pub(crate) async fn is_held(&self, key: &LockKey, opts: &AcquireOptions) -> Result<bool> {
+        let key = self.scope(key.clone(), opts)?;
+        let topology = self.inner.topology.load_full();
+        let shard = topology.locate(&key);
+        shard
+            .call(|b| b.inspect(key.stored()))
+            .await
+            .map(|row| row.is_some_and(|row| row.is_held()))
+            .map_err(|e| e.into_error(shard.name()))
+    }
+
     /// Acquires `key`, waiting `wait` (the namespace's when `None`); `Ok(None)` on timeout.
     /// Traced as a `shardlock.acquire` span and measured (see [`crate::telemetry`]).
     pub(crate) async fn acquire_inner(
@@ -61,6 +83,7 @@ impl LockRouter {
         opts: &AcquireOptions,
         wait: Option<Duration>,
     ) -> Result<Option<LockGuard>> {
+        let key = self.scope(key, opts)?;
         let mut wait = wait;
         if self.inner.gate.is_closed() {
             // Waiting to join the fleet counts against the caller's wait.

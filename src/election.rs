@@ -128,10 +128,18 @@ impl LockRouter {
         Ok(Some(Leadership { guard }))
     }
 
-    /// Who leads `name` now, if anyone, as the row on its shard says. A read only: a leader
-    /// whose process died is reported until its lease ends.
-    pub async fn leader(&self, name: &str) -> Result<Option<Leader>> {
-        let (_, row) = self.inspect(name).await?;
+    /// Who leads `name` now, if anyone, as the row on its shard says (`opts` names the
+    /// namespace campaigned in, for its key scope). A read only: a leader whose process died is
+    /// reported until its lease ends.
+    pub async fn leader(&self, name: &str, opts: AcquireOptions) -> Result<Option<Leader>> {
+        let key = self.scope(shardlock_core::LockKey::new(name)?, &opts)?;
+        let topology = self.inner.topology.load_full();
+        let shard = topology.locate(&key);
+        let row = shard
+            .unguarded()
+            .inspect(key.stored())
+            .await
+            .map_err(|e| e.into_error(shard.name()))?;
         Ok(row.filter(|row| row.is_held()).and_then(|row| {
             let owner = row.owner?;
             // The instance id may itself hold ':'; the nonce and sequence never do.

@@ -7,13 +7,16 @@ mod cleaner;
 mod election;
 mod fence;
 mod guard;
+mod listing;
 mod moves;
 mod options;
 pub mod patterns;
 mod queue;
 mod registry;
 mod router;
+mod rwlock;
 mod schedule;
+mod semaphore;
 mod shard;
 mod state;
 mod stats;
@@ -21,15 +24,20 @@ mod status;
 mod sync;
 pub mod telemetry;
 mod topology;
+#[cfg(feature = "tower")]
+pub mod tower;
 
 pub use cleaner::{CleanerReport, ForceReleased, ShardCleaned, CLEANER_LOCK_KEY};
 pub use election::{Leader, Leadership};
 pub use fence::fenced_exec;
 pub use guard::{LockGuard, LockMode, LOCAL_FENCE_BIT};
+pub use listing::{ListOptions, ListedLease, Listing, DEFAULT_LIST_LIMIT};
 pub use options::AcquireOptions;
 pub use registry::{InstanceRegistry, StaticRegistry};
 pub use router::{LockRouter, RouterBuilder};
+pub use rwlock::{ReadGuard, RwLock, WriteGuard};
 pub use schedule::ScheduledRun;
+pub use semaphore::{Permit, Semaphore};
 pub use shardlock_core::config::FailurePolicy;
 pub use shardlock_core::Transition as BreakerTransition;
 pub use stats::LockStats;
@@ -42,7 +50,7 @@ pub use shardlock_core::{
 };
 pub use shardlock_mysql::{
     connect_opts, mysql_async, InstanceRow, InstanceVerdict, LeaseRow, MigrateReport, PoolStatus,
-    MIGRATIONS,
+    MAX_DATA_BYTES, MIGRATIONS,
 };
 
 /// Services hold routers and guards across `.await` points in spawned tasks: each must stay
@@ -53,6 +61,9 @@ const _: () = {
     send_sync::<LockGuard>();
     send_sync::<Leadership>();
     send_sync::<ScheduledRun>();
+    send_sync::<Permit>();
+    send_sync::<ReadGuard>();
+    send_sync::<WriteGuard>();
     send_sync::<patterns::TxLockGuard>();
     send_sync::<patterns::CasGuard>();
     send_sync::<Error>();

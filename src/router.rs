@@ -249,7 +249,7 @@ impl LockRouter {
         config.validate()?;
         let _one_at_a_time = self.inner.reloading.lock().await;
         let old = self.inner.topology.load_full();
-        keep_bucket_counts(&old.config, &config)?;
+        keep_lock_identities(&old.config, &config)?;
         let window = config.move_window().max(old.config.move_window());
         let shared = &self.inner.shared;
         let mut next = Topology::build(
@@ -530,13 +530,41 @@ impl LockRouter {
     }
 }
 
-/// Refuses a reload that changes how many buckets a namespace has: a holder of a bucket that
-/// no longer exists would not be excluded by [`LockRouter::acquire_all_buckets`].
-fn keep_bucket_counts(old: &Config, next: &Config) -> Result<()> {
+/// Refuses a reload that changes which locks a namespace's keys are: how many buckets it has
+/// (a holder of a bucket that no longer exists would not be excluded by
+/// [`LockRouter::acquire_all_buckets`]) or its key prefix (a holder under the old prefix
+/// would not exclude a caller under the new one).
+fn keep_lock_identities(old: &Config, next: &Config) -> Result<()> {
+    // Removed and added back in a later reload, a namespace would escape the checks below.
+    for (name, before) in &old.namespaces {
+        if !next.namespaces.contains_key(name)
+            && (before.key_prefix.is_some() || before.buckets > 1)
+        {
+            return Err(shardlock_core::ConfigError::field(
+                format!("namespaces.{name}"),
+                "cannot be removed in a reload while it has buckets or a key-prefix: added back \
+                 later with other ones, its keys would be other locks than those held now. \
+                 Restart the processes without it instead",
+            )
+            .into());
+        }
+    }
     for (name, ns) in &next.namespaces {
         let Some(before) = old.namespaces.get(name) else {
             continue;
         };
+        if before.key_prefix != ns.key_prefix {
+            return Err(shardlock_core::ConfigError::field(
+                format!("namespaces.{name}.key-prefix"),
+                format!(
+                    "cannot change from {:?} to {:?} in a reload: a holder under the old prefix \
+                     would not exclude a caller under the new one. Introduce a new namespace \
+                     with the new prefix and move callers to it",
+                    before.key_prefix, ns.key_prefix
+                ),
+            )
+            .into());
+        }
         if before.buckets != ns.buckets {
             return Err(shardlock_core::ConfigError::field(
                 format!("namespaces.{name}.buckets"),

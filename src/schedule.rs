@@ -84,14 +84,7 @@ impl LockRouter {
         if guard.mode() != LockMode::Remote {
             let shard = guard.shard().to_owned();
             drop(guard);
-            return Err(Error::Unavailable {
-                shard,
-                source: shardlock_core::BackendError::new(
-                    shardlock_core::BackendErrorKind::BreakerOpen,
-                    None,
-                    "a scheduled job runs only under a lease on its shard, and its breaker is open",
-                ),
-            });
+            return Err(crate::semaphore::local_refused(shard));
         }
         let interval = hold_to_interval_end(&guard, every).await?;
         let run = ScheduledRun {

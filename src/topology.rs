@@ -75,7 +75,7 @@ pub(crate) struct Topology {
 }
 
 /// A fingerprint of what places keys under `config`: each shard's name and weight, the ring's
-/// virtual nodes and each namespace's buckets. Two processes with equal fingerprints place
+/// virtual nodes and each namespace's buckets and key prefix. Two processes with equal fingerprints place
 /// every key on the same shard name. (Not the URLs: one database is often reached by several,
 /// through proxies or aliases. A shard pointed at another server is told apart by its
 /// identity, at reloads.) FNV-1a, 64 bits, in hex: stable across processes, builds and
@@ -88,7 +88,19 @@ pub(crate) fn fingerprint(config: &Config) -> String {
         .collect();
     lines.push(format!("virtual-nodes {}", config.routing.virtual_nodes));
     for (name, ns) in &config.namespaces {
-        lines.push(format!("namespace {name} {}", ns.buckets));
+        // A prefix joins the line only when set: fleets without prefixes keep the fingerprint
+        // earlier versions computed.
+        match &ns.key_prefix {
+            None => lines.push(format!("namespace {name} {}", ns.buckets)),
+            Some(prefix) => lines.push(format!(
+                "namespace {name} {} prefix {}",
+                ns.buckets,
+                prefix
+                    .bytes()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>()
+            )),
+        }
     }
     lines.sort();
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;

@@ -23,7 +23,12 @@ fn opts() -> AcquireOptions {
 async fn leader_where(router: &LockRouter, pick: impl Fn(&Leader) -> bool) -> Leader {
     let deadline = tokio::time::Instant::now() + EVENT;
     loop {
-        if let Some(l) = router.leader(NAME).await.unwrap().filter(|l| pick(l)) {
+        if let Some(l) = router
+            .leader(NAME, opts())
+            .await
+            .unwrap()
+            .filter(|l| pick(l))
+        {
             return l;
         }
         assert!(
@@ -116,7 +121,7 @@ async fn three_campaigners_one_leader_at_a_time_terms_rising() {
     let terms = history::check_no_two_holders(&merged);
     assert!(terms >= 3, "{merged:?}");
     assert!(
-        router.leader(NAME).await.unwrap().is_none(),
+        router.leader(NAME, opts()).await.unwrap().is_none(),
         "the last leader resigned"
     );
 }

@@ -448,3 +448,72 @@ async fn a_waiter_handed_the_lock_gets_the_ttl_it_asked_for() {
     );
     next.release().await.unwrap();
 }
+
+/// A namespace with a `key-prefix` locks its keys in its own scope: the same key in two
+/// scoped namespaces is two locks, and the lock is the prefixed key, as tools see it. The
+/// prefix cannot change in a reload.
+#[tokio::test(flavor = "multi_thread")]
+async fn namespaces_with_key_prefixes_lock_their_own_keys() {
+    let scopes =
+        "namespaces:\n  billing:\n    key-prefix: billing/\n  stock:\n    key-prefix: stock/\n";
+    let (cluster, router, _yaml) = common::start(2, scopes).await;
+    let other = LockRouter::from_yaml_str(&cluster.config_yaml(scopes))
+        .await
+        .unwrap();
+    let billing = AcquireOptions::new().namespace("billing");
+    let stock = AcquireOptions::new().namespace("stock");
+
+    let b = router.acquire("order:1", billing.clone()).await.unwrap();
+    let s = router.acquire("order:1", stock.clone()).await.unwrap();
+    let plain = router
+        .acquire("order:1", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(b.key(), "order:1", "the key as the caller wrote it");
+    assert_eq!(b.shard(), router.shard_for("billing/order:1").unwrap());
+    let (_, row) = router.inspect("billing/order:1").await.unwrap();
+    assert_eq!(row.unwrap().owner.as_deref(), Some(b.owner()));
+    let (_, row) = router.inspect("stock/order:1").await.unwrap();
+    assert_eq!(row.unwrap().owner.as_deref(), Some(s.owner()));
+    // Within a scope it is one lock for every process.
+    assert!(other
+        .try_acquire("order:1", billing.clone().wait(Duration::ZERO))
+        .await
+        .unwrap()
+        .is_none());
+    b.release().await.unwrap();
+    let again = other
+        .try_acquire("order:1", billing.clone().wait(Duration::ZERO))
+        .await
+        .unwrap()
+        .expect("free once released");
+    again.release().await.unwrap();
+    s.release().await.unwrap();
+    plain.release().await.unwrap();
+
+    let moved = cluster.config_yaml(
+        "namespaces:\n  billing:\n    key-prefix: payments/\n  stock:\n    key-prefix: stock/\n",
+    );
+    let err = router
+        .reload(shardlock::Config::from_yaml_str(&moved).unwrap())
+        .await
+        .unwrap_err();
+    match &err {
+        Error::Config(e) => assert_eq!(
+            e.field.as_deref(),
+            Some("namespaces.billing.key-prefix"),
+            "{e}"
+        ),
+        other => panic!("{other}"),
+    }
+    // Nor can a scoped namespace leave (it could come back with another prefix later).
+    let gone = cluster.config_yaml("namespaces:\n  stock:\n    key-prefix: stock/\n");
+    let err = router
+        .reload(shardlock::Config::from_yaml_str(&gone).unwrap())
+        .await
+        .unwrap_err();
+    match &err {
+        Error::Config(e) => assert_eq!(e.field.as_deref(), Some("namespaces.billing"), "{e}"),
+        other => panic!("{other}"),
+    }
+}

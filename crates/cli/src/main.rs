@@ -57,6 +57,21 @@ enum Command {
         /// The lock key, exactly as the application passes it.
         key: String,
     },
+    /// Lease rows on every shard in key order: holder, fence, time left, data.
+    List {
+        /// Live leases only.
+        #[arg(long)]
+        held: bool,
+        /// Keys starting with this (after the namespace's key-prefix).
+        #[arg(long, value_name = "P", default_value = "")]
+        prefix: String,
+        /// Keys of this namespace's scope (its key-prefix).
+        #[arg(long, value_name = "NAME")]
+        namespace: Option<String>,
+        /// At most this many leases.
+        #[arg(long, default_value_t = shardlock::DEFAULT_LIST_LIMIT)]
+        limit: usize,
+    },
     /// Remove a stuck lock whoever holds it, fenced: its fence is raised, so the evicted
     /// holder's later writes through the fence are rejected and it sees its lease lost.
     Release {
@@ -306,6 +321,29 @@ async fn run_command(
             let router = source.tool_router().await?;
             let (shard, row) = router.inspect(&key).await?;
             output::inspect(&key, &shard, row.as_ref(), cli.json);
+        }
+        Command::List {
+            held,
+            prefix,
+            namespace,
+            limit,
+        } => {
+            let router = source.tool_router().await?;
+            let mut opts = shardlock::ListOptions::new().prefix(prefix).limit(limit);
+            if let Some(namespace) = namespace {
+                opts = opts.namespace(namespace);
+            }
+            if held {
+                opts = opts.held_only();
+            }
+            let listing = router.list(opts).await?;
+            output::list(&listing, cli.json);
+            if !listing.failed.is_empty() {
+                return Err(failure::fail(
+                    failure::Exit::Unavailable,
+                    "some shards could not be read",
+                ));
+            }
         }
         Command::Release { key, force, yes } => {
             if !force {

@@ -236,6 +236,7 @@ pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: b
                 "expires_in_ms": r.expires_in_ms,
                 "held_for_ms": r.held_for_ms,
                 "wanted_ms_ago": r.wanted_ms_ago,
+                "data": r.data.as_deref().map(String::from_utf8_lossy),
             })
         });
         println!("{}", json!({ "key": key, "shard": shard, "lease": lease }));
@@ -256,6 +257,9 @@ pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: b
             if let Some(ago) = r.wanted_ms_ago {
                 println!("wanted:  by another owner {ago} ms ago");
             }
+            if let Some(data) = &r.data {
+                println!("data:    {}", String::from_utf8_lossy(data));
+            }
         }
         Some(r) => {
             let why = if r.owner.is_some() {
@@ -266,5 +270,82 @@ pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: b
             println!("lease:   free, {why}");
             println!("fence:   {} (the next grant gets a larger one)", r.fence);
         }
+    }
+}
+
+/// Data shown in a table cell: its text, cut to `width` characters.
+fn cell(data: Option<&[u8]>, width: usize) -> String {
+    let Some(data) = data else {
+        return "-".into();
+    };
+    let text = String::from_utf8_lossy(data).replace(['\n', '\t'], " ");
+    if text.chars().count() <= width {
+        return text;
+    }
+    let cut: String = text.chars().take(width.saturating_sub(1)).collect();
+    format!("{cut}…")
+}
+
+pub(crate) fn list(listing: &shardlock::Listing, as_json: bool) {
+    if as_json {
+        let leases: Vec<_> = listing
+            .leases
+            .iter()
+            .map(|l| {
+                json!({
+                    "key": l.key,
+                    "bucket": l.bucket,
+                    "shard": l.shard,
+                    "held": l.row.is_held(),
+                    "owner": l.row.owner,
+                    "fence": l.row.fence,
+                    "expires_in_ms": l.row.expires_in_ms,
+                    "held_for_ms": l.row.held_for_ms,
+                    "data": l.row.data.as_deref().map(String::from_utf8_lossy),
+                })
+            })
+            .collect();
+        let failed: Vec<_> = listing
+            .failed
+            .iter()
+            .map(|(shard, e)| json!({ "shard": shard, "error": e.report().to_string() }))
+            .collect();
+        println!(
+            "{}",
+            json!({ "leases": leases, "failed": failed, "truncated": listing.truncated })
+        );
+        return;
+    }
+    println!(
+        "{:<40} {:<8} {:<36} {:>18} {:>12} {:<24}",
+        "KEY", "SHARD", "HOLDER", "FENCE", "EXPIRES IN", "DATA"
+    );
+    for l in &listing.leases {
+        let key = match l.bucket {
+            Some(b) => format!("{} [bucket {b}]", l.key),
+            None => l.key.clone(),
+        };
+        let (holder, expires) = if l.row.is_held() {
+            (
+                l.row.owner.clone().unwrap_or_default(),
+                format!("{} ms", l.row.expires_in_ms),
+            )
+        } else if l.row.owner.is_some() {
+            ("(expired)".into(), "-".into())
+        } else {
+            ("(free)".into(), "-".into())
+        };
+        println!(
+            "{key:<40} {:<8} {holder:<36} {:>18} {expires:>12} {:<24}",
+            l.shard,
+            l.row.fence,
+            cell(l.row.data.as_deref(), 24)
+        );
+    }
+    if listing.truncated {
+        println!("(more leases match: raise --limit or narrow --prefix)");
+    }
+    for (shard, e) in &listing.failed {
+        println!("{shard}: not read: {}", e.report());
     }
 }

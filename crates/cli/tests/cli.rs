@@ -46,7 +46,7 @@ async fn migrate_status_and_inspect() {
     let first = json(&shardlock(&config, &["--json", "migrate"]));
     assert_eq!(
         first["shards"][0]["applied"],
-        serde_json::json!([1, 2, 3, 4, 5, 6, 7])
+        serde_json::json!([1, 2, 3, 4, 5, 6, 7, 8])
     );
     let again = json(&shardlock(&config, &["--json", "migrate"]));
     assert_eq!(
@@ -84,6 +84,37 @@ async fn migrate_status_and_inspect() {
     assert!(inspect["lease"]["expires_in_ms"].as_i64().unwrap() > 0);
     let text = shardlock(&config, &["inspect", "order:1001"]);
     assert!(String::from_utf8_lossy(&text.stdout).contains(guard.owner()));
+
+    // Data stored with the lease, and the list of leases.
+    guard.set_data(b"refund 17").await.unwrap();
+    let inspect = json(&shardlock(&config, &["--json", "inspect", "order:1001"]));
+    assert_eq!(inspect["lease"]["data"], "refund 17");
+    let other = router
+        .acquire("invoice:7", AcquireOptions::new())
+        .await
+        .unwrap();
+    other.release().await.unwrap();
+    let listed = json(&shardlock(&config, &["--json", "list"]));
+    let keys: Vec<&str> = listed["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["invoice:7", "order:1001"]);
+    let held = json(&shardlock(
+        &config,
+        &["--json", "list", "--held", "--prefix", "order:"],
+    ));
+    assert_eq!(held["leases"].as_array().unwrap().len(), 1);
+    assert_eq!(held["leases"][0]["owner"], guard.owner());
+    assert_eq!(held["leases"][0]["data"], "refund 17");
+    let text = shardlock(&config, &["list", "--held"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("order:1001") && text.contains("refund 17") && !text.contains("invoice:7"),
+        "{text}"
+    );
 
     guard.release().await.unwrap();
     let after = json(&shardlock(&config, &["--json", "inspect", "order:1001"]));

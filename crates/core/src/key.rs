@@ -50,7 +50,19 @@ impl LockKey {
         Self::build(key, Some(bucket))
     }
 
+    /// This key in the scope `prefix` (a namespace's `key-prefix`): the lock whose identity
+    /// is `prefix` followed by the key's bytes, placed and stored as such. The key as the
+    /// caller wrote it ([`LockKey::as_str`]) and its bucket stay.
+    pub fn scoped(&self, prefix: &str) -> Self {
+        Self::build_in(prefix, &self.text, self.bucket)
+            .expect("a valid key stays valid under a prefix")
+    }
+
     fn build(key: &str, bucket: Option<u32>) -> Result<Self> {
+        Self::build_in("", key, bucket)
+    }
+
+    fn build_in(prefix: &str, key: &str, bucket: Option<u32>) -> Result<Self> {
         if key.is_empty() {
             return Err(Error::InvalidKey {
                 reason: "the key is empty".into(),
@@ -65,7 +77,9 @@ impl LockKey {
                 ),
             });
         }
-        let mut identity = key.as_bytes().to_vec();
+        let mut identity = Vec::with_capacity(prefix.len() + key.len());
+        identity.extend_from_slice(prefix.as_bytes());
+        identity.extend_from_slice(key.as_bytes());
         if let Some(b) = bucket {
             identity.push(BUCKET_MARK);
             identity.extend_from_slice(b.to_string().as_bytes());
@@ -139,6 +153,24 @@ impl LockKey {
         (stored.first() != Some(&DIGEST_MARK)).then_some(stored)
     }
 
+    /// How a lock stored as `stored` reads: its key (with any namespace prefix) and bucket, or
+    /// for a key stored as a digest, its label ([`LockKey::stored_label_hash`]) and `None`
+    /// (neither can be recovered from the digest).
+    pub fn describe_stored(stored: &[u8]) -> (String, Option<u32>) {
+        if stored.first() == Some(&DIGEST_MARK) {
+            return (Self::stored_label_hash(stored), None);
+        }
+        match stored.iter().position(|&b| b == BUCKET_MARK) {
+            Some(at) => (
+                String::from_utf8_lossy(&stored[..at]).into_owned(),
+                std::str::from_utf8(&stored[at + 1..])
+                    .ok()
+                    .and_then(|n| n.parse().ok()),
+            ),
+            None => (String::from_utf8_lossy(stored).into_owned(), None),
+        }
+    }
+
     /// Whether the stored form is a digest.
     pub fn is_digest(&self) -> bool {
         self.stored.first() == Some(&DIGEST_MARK)
@@ -158,6 +190,37 @@ impl std::fmt::Display for LockKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scoped_key_is_the_prefixed_lock_and_keeps_its_text_and_bucket() {
+        let key = LockKey::new("order:1").unwrap().scoped("billing/");
+        assert_eq!(key.stored(), b"billing/order:1");
+        assert_eq!(key.placement(), b"billing/order:1");
+        assert_eq!(key.as_str(), "order:1");
+        // The same lock as the plain key spelled with the prefix (tools name it so).
+        assert_eq!(
+            key.stored(),
+            LockKey::new("billing/order:1").unwrap().stored()
+        );
+        let bucket = LockKey::bucket("sku:1", 3).unwrap().scoped("stock/");
+        assert_eq!(bucket.bucket_number(), Some(3));
+        assert_eq!(bucket.stored(), b"stock/sku:1\xFE3");
+        // A long key under a prefix is digested like any other.
+        let long = LockKey::new(&"k".repeat(250)).unwrap().scoped("billing/");
+        assert!(long.is_digest());
+        assert_eq!(
+            LockKey::describe_stored(bucket.stored()),
+            ("stock/sku:1".to_owned(), Some(3))
+        );
+        assert_eq!(
+            LockKey::describe_stored(long.stored()),
+            (long.label_hash(), None)
+        );
+        assert_eq!(
+            LockKey::describe_stored(key.stored()),
+            ("billing/order:1".to_owned(), None)
+        );
+    }
 
     #[test]
     fn rejects_empty_and_oversized_keys() {

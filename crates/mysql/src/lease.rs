@@ -319,13 +319,91 @@ const RENEW_HEAD: &str = "UPDATE shardlock_lease \
 const HELD_HEAD: &str =
     "SELECT lock_key FROM shardlock_lease WHERE expires_at > NOW(3) AND lock_key IN ";
 
+/// What a read of a lease row returns ([`LeaseRow`], then the stored key): the data only while
+/// the owner that stored it holds the row.
+macro_rules! row_columns {
+    () => {
+        "SELECT owner, fence, ttl_ms, \
+         CAST(TIMESTAMPDIFF(MICROSECOND, NOW(3), expires_at) DIV 1000 AS SIGNED), \
+         CAST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000 AS SIGNED), \
+         CAST(GREATEST(TIMESTAMPDIFF(MICROSECOND, wanted_at, NOW(3)) DIV 1000, 0) AS SIGNED), \
+         IF(data_owner = owner, data, NULL), lock_key \
+         FROM shardlock_lease"
+    };
+}
 /// Durations relative to the shard's clock, in milliseconds. A batch may mark a key wanted
 /// up to a millisecond ahead of the clock (see `batch.rs`): "wanted for" counts from 0.
-const INSPECT: &str = "SELECT owner, fence, ttl_ms, \
-     CAST(TIMESTAMPDIFF(MICROSECOND, NOW(3), expires_at) DIV 1000 AS SIGNED), \
-     CAST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000 AS SIGNED), \
-     CAST(GREATEST(TIMESTAMPDIFF(MICROSECOND, wanted_at, NOW(3)) DIV 1000, 0) AS SIGNED) \
-     FROM shardlock_lease WHERE lock_key = ?";
+const INSPECT: &str = concat!(row_columns!(), " WHERE lock_key = ?");
+
+/// Stores `?` with a live lease of its owner.
+///
+/// Parameters: data, key, owner.
+const SET_DATA: &str = "UPDATE shardlock_lease SET data_owner = owner, data = ? \
+     WHERE lock_key = ? AND owner = ? AND expires_at > NOW(3)";
+
+/// Longest payload stored with a lease (the column's width).
+pub const MAX_DATA_BYTES: usize = 1024;
+
+/// Whether `owner` held `key` live and its data is now `data`.
+pub(crate) async fn set_data(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+    data: &[u8],
+) -> mysql_async::Result<bool> {
+    conn.exec_drop(SET_DATA, (data, key, owner)).await?;
+    Ok(conn.affected_rows() == 1)
+}
+
+/// Which rows [`crate::Shard::list`] reads.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListFilter {
+    /// Stored keys starting with these bytes (all when empty).
+    pub prefix: Vec<u8>,
+    /// Only live leases.
+    pub held_only: bool,
+    /// At most this many rows, in key order.
+    pub limit: usize,
+}
+
+/// The smallest byte string above every string that starts with `prefix`, if there is one
+/// (not for a prefix of 0xFF bytes only).
+fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xFF {
+            end.push(last + 1);
+            return Some(end);
+        }
+    }
+    None
+}
+
+/// Lease rows in key order, as a range of the primary key.
+pub(crate) async fn list(
+    conn: &mut Conn,
+    filter: &ListFilter,
+) -> mysql_async::Result<Vec<(Vec<u8>, LeaseRow)>> {
+    let mut sql = String::from(concat!(row_columns!(), " WHERE lock_key >= ?"));
+    let mut params: Vec<Value> = vec![filter.prefix.as_slice().into()];
+    if let Some(end) = prefix_end(&filter.prefix).filter(|_| !filter.prefix.is_empty()) {
+        sql.push_str(" AND lock_key < ?");
+        params.push(end.into());
+    }
+    if filter.held_only {
+        sql.push_str(" AND owner IS NOT NULL AND expires_at > NOW(3)");
+    }
+    sql.push_str(" ORDER BY lock_key LIMIT ?");
+    params.push((filter.limit as u64).into());
+    let rows: Vec<InspectRow> = conn.exec(sql, Params::Positional(params)).await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| {
+            let key = row.7.clone();
+            (key, lease_row(row))
+        })
+        .collect())
+}
 
 const COUNT_HELD: &str =
     "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL AND expires_at > NOW(3)";
@@ -589,6 +667,8 @@ pub struct LeaseRow {
     pub held_for_ms: i64,
     /// Milliseconds since someone else last failed to take the key, if ever since the grant.
     pub wanted_ms_ago: Option<i64>,
+    /// What the holder stored with its lease ([`crate::MAX_DATA_BYTES`] at most), if anything.
+    pub data: Option<Vec<u8>>,
 }
 
 impl LeaseRow {
@@ -598,20 +678,34 @@ impl LeaseRow {
     }
 }
 
-type InspectRow = (Option<Vec<u8>>, u64, u32, i64, i64, Option<i64>);
+type InspectRow = (
+    Option<Vec<u8>>,
+    u64,
+    u32,
+    i64,
+    i64,
+    Option<i64>,
+    Option<Vec<u8>>,
+    Vec<u8>,
+);
+
+fn lease_row(
+    (owner, fence, ttl_ms, expires_in_ms, held_for_ms, wanted_ms_ago, data, _key): InspectRow,
+) -> LeaseRow {
+    LeaseRow {
+        owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+        fence,
+        ttl_ms,
+        expires_in_ms,
+        held_for_ms,
+        wanted_ms_ago,
+        data,
+    }
+}
 
 pub(crate) async fn inspect(conn: &mut Conn, key: &[u8]) -> mysql_async::Result<Option<LeaseRow>> {
     let row: Option<InspectRow> = conn.exec_first(INSPECT, (key,)).await?;
-    Ok(row.map(
-        |(owner, fence, ttl_ms, expires_in_ms, held_for_ms, wanted_ms_ago)| LeaseRow {
-            owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
-            fence,
-            ttl_ms,
-            expires_in_ms,
-            held_for_ms,
-            wanted_ms_ago,
-        },
-    ))
+    Ok(row.map(lease_row))
 }
 
 pub(crate) async fn holder_trace(

@@ -40,6 +40,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "instance_topology",
         include_str!("../migrations/0007_instance_topology.sql"),
     ),
+    (
+        8,
+        "lease_data",
+        include_str!("../migrations/0008_lease_data.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\

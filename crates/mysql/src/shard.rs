@@ -502,6 +502,31 @@ impl Shard {
         .await
     }
 
+    /// Stores `data` with `owner`'s live lease of `key`; `false` when it is not a live lease of
+    /// `owner` any more.
+    pub async fn set_data(
+        &self,
+        key: &[u8],
+        owner: &str,
+        data: &[u8],
+    ) -> Result<bool, BackendError> {
+        self.run("set_data", (key, owner, data), |c, &(key, owner, data)| {
+            Box::pin(lease::set_data(c, key, owner, data))
+        })
+        .await
+    }
+
+    /// Lease rows matching `filter`, in key order, with their stored keys.
+    pub async fn list(
+        &self,
+        filter: &lease::ListFilter,
+    ) -> Result<Vec<(Vec<u8>, LeaseRow)>, BackendError> {
+        self.run("list", filter, |c, &filter| {
+            Box::pin(lease::list(c, filter))
+        })
+        .await
+    }
+
     /// The shard's clock at `owner`'s grant of `key`, ms since the epoch; `None` when `owner`
     /// does not hold it.
     pub async fn granted_at_ms(

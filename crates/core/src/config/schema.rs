@@ -517,6 +517,10 @@ pub struct NamespaceConfig {
     pub handoff_max_time: Duration,
     /// What an acquire does while the key's shard breaker is open.
     pub on_shard_failure: FailurePolicy,
+    /// Bytes put before every key locked in this namespace (`key-prefix: "billing/"` makes
+    /// `order:1` the lock `billing/order:1`), so that teams sharing shards cannot take each
+    /// other's locks by accident. Unset: keys are locks as given. Cannot change in a reload.
+    pub key_prefix: Option<String>,
 }
 
 /// What an acquire does while the breaker of the key's shard is open (the shard failed).
@@ -550,6 +554,7 @@ impl Default for NamespaceConfig {
             bucket_spill: false,
             handoff_max_time: DEFAULT_HANDOFF_MAX_TIME,
             on_shard_failure: FailurePolicy::FailFast,
+            key_prefix: None,
         }
     }
 }

@@ -312,6 +312,31 @@ fn check_namespaces(namespaces: &BTreeMap<String, NamespaceConfig>) -> Result<()
                 "backoff-base must be above zero and at most backoff-cap",
             ));
         }
+        if let Some(prefix) = &ns.key_prefix {
+            if prefix.is_empty() || prefix.len() > 64 {
+                return Err(ConfigError::field(
+                    field("key-prefix"),
+                    "must be 1-64 bytes (leave it out for keys as given)",
+                ));
+            }
+            // Scopes must not overlap: with `bill` and `billing`, `bill` + `ing:1` would be
+            // `billing` + `:1`.
+            let overlapping = namespaces.iter().find(|(other, o)| {
+                *other != name
+                    && o.key_prefix
+                        .as_deref()
+                        .is_some_and(|p| p.len() > prefix.len() && p.starts_with(prefix.as_str()))
+            });
+            if let Some((other, _)) = overlapping {
+                return Err(ConfigError::field(
+                    field("key-prefix"),
+                    format!(
+                        "`{prefix}` begins namespaces.{other}.key-prefix: a key of one scope \
+                         could be a key of the other; end prefixes with a separator such as `/`"
+                    ),
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -456,6 +481,39 @@ pub fn check_ttl(ttl: Duration) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use crate::config::{Config, ShardConfig, DEFAULT_FLEET, GOOD};
+
+    #[test]
+    fn key_prefixes_must_be_short_and_must_not_overlap() {
+        let with = |prefixes: &[(&str, &str)]| {
+            // GOOD ends inside `namespaces:`.
+            let mut yaml = GOOD.to_owned();
+            for (name, prefix) in prefixes {
+                yaml.push_str(&format!("  {name}:\n    key-prefix: \"{prefix}\"\n"));
+            }
+            Config::from_yaml_str(&yaml)
+        };
+        let c = with(&[("billing", "billing/"), ("orders", "orders/")]).unwrap();
+        let billing = c.namespace("billing").unwrap();
+        assert_eq!(billing.key_prefix.as_deref(), Some("billing/"));
+        // Two namespaces may share one scope on purpose.
+        assert!(with(&[("a", "shared/"), ("b", "shared/")]).is_ok());
+        let e = with(&[("billing", "")]).unwrap_err();
+        assert_eq!(
+            e.field.as_deref(),
+            Some("namespaces.billing.key-prefix"),
+            "{e}"
+        );
+        let e = with(&[("bill", "bill"), ("billing", "billing")]).unwrap_err();
+        assert_eq!(
+            e.field.as_deref(),
+            Some("namespaces.bill.key-prefix"),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("namespaces.billing.key-prefix"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn an_empty_fleet_is_refused_and_none_means_default() {

@@ -1,0 +1,200 @@
+//! Read/write locks: many readers or one writer per name, across every process.
+//!
+//! Built from leases. A reader holds one of the name's reader slots (buckets `0..readers` of
+//! the name); a writer first takes the name's writer intent (its bucket `u32::MAX`), which
+//! turns new readers away, then every reader slot in order, waiting for the readers inside to
+//! leave. So a writer excludes every reader and every other writer, readers share, and a
+//! waiting writer is not starved by a stream of readers. Every part is a lease: renewed, ended
+//! by its ttl if its holder dies, reported lost.
+
+use futures_util::future::select_all;
+use shardlock_core::config::MAX_BUCKETS;
+use shardlock_core::{Backoff, Error, LockKey, Result};
+use tokio::time::Instant;
+
+use crate::semaphore::{local_refused, remote_slot};
+use crate::state::instant_after;
+use crate::{AcquireOptions, LockGuard, LockRouter};
+
+/// The bucket of a name that is its writer intent.
+const WRITER_INTENT: u32 = u32::MAX;
+
+/// A read/write lock made by [`LockRouter::rw_lock`]. Cheap to clone; every process that uses
+/// the name must give the same reader count.
+#[derive(Debug, Clone)]
+pub struct RwLock {
+    router: LockRouter,
+    name: String,
+    readers: u32,
+}
+
+/// A read hold: one reader slot.
+#[derive(Debug)]
+#[must_use = "dropping the read guard releases it at once"]
+pub struct ReadGuard {
+    slot: LockGuard,
+}
+
+/// A write hold: the writer intent and every reader slot.
+#[derive(Debug)]
+#[must_use = "dropping the write guard releases it at once"]
+pub struct WriteGuard {
+    intent: LockGuard,
+    slots: Vec<LockGuard>,
+}
+
+impl ReadGuard {
+    /// Whether the read hold is surely still this process's.
+    pub fn is_held(&self) -> bool {
+        self.slot.is_held()
+    }
+
+    /// Completes when the read hold is lost. Cancel-safe.
+    pub async fn lost(&self) {
+        self.slot.lost().await
+    }
+
+    /// Releases the read hold. Errors as for [`LockGuard::release`].
+    pub async fn release(self) -> Result<()> {
+        self.slot.release().await
+    }
+}
+
+impl WriteGuard {
+    /// The fence of this write hold (the writer intent's grant): larger than every earlier
+    /// writer's of the name.
+    pub fn fence(&self) -> u64 {
+        self.intent.fence()
+    }
+
+    /// Whether every lease of the write hold is surely still this process's.
+    pub fn is_held(&self) -> bool {
+        self.intent.is_held() && self.slots.iter().all(LockGuard::is_held)
+    }
+
+    /// Completes when any lease of the write hold is lost: stop writing. Cancel-safe.
+    pub async fn lost(&self) {
+        let all = std::iter::once(&self.intent)
+            .chain(&self.slots)
+            .map(|g| Box::pin(g.lost()));
+        select_all(all).await;
+    }
+
+    /// Releases the write hold: the reader slots first, then the intent. Returns the first
+    /// error, after releasing everything.
+    pub async fn release(self) -> Result<()> {
+        let mut first = Ok(());
+        for guard in self.slots.into_iter().chain(std::iter::once(self.intent)) {
+            if let Err(e) = guard.release().await {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+}
+
+impl LockRouter {
+    /// The read/write lock `name`, letting up to `readers` readers (1 to 1024) in at once;
+    /// a writer takes `readers + 1` leases, so keep it near the readers you expect.
+    pub fn rw_lock(&self, name: &str, readers: u32) -> Result<RwLock> {
+        LockKey::new(name)?;
+        if readers == 0 || readers > MAX_BUCKETS {
+            return Err(Error::InvalidArgument {
+                name: "readers",
+                reason: format!("must be between 1 and {MAX_BUCKETS}, got {readers}"),
+            });
+        }
+        Ok(RwLock {
+            router: self.clone(),
+            name: name.to_owned(),
+            readers,
+        })
+    }
+}
+
+impl RwLock {
+    /// Takes a read hold, waiting up to the wait of `opts` while a writer holds or waits for
+    /// the lock (or every reader slot is taken). [`Error::Timeout`] if not in time; errors and
+    /// cancellation as for [`LockRouter::acquire`].
+    pub async fn read(&self, opts: AcquireOptions) -> Result<ReadGuard> {
+        let ns = self.router.namespace_of(&opts)?;
+        let started = Instant::now();
+        let deadline = instant_after(opts.wait.unwrap_or(ns.wait));
+        let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
+        let intent = self.part(WRITER_INTENT)?;
+        loop {
+            // A writer holds or waits: let it go first. (Only for the writer's turn: exclusion
+            // rests on the slots, so an intent that cannot be read is taken as absent.)
+            let writer = match self.router.is_held(&intent, &opts).await {
+                Ok(writer) => writer,
+                Err(e) if e.is_unavailable() => false,
+                Err(e) => return Err(e),
+            };
+            let mut unavailable = None;
+            let mut reached = false;
+            if !writer {
+                let first = rand::random::<u32>() % self.readers;
+                for offset in 0..self.readers {
+                    let slot = self.part((first + offset) % self.readers)?;
+                    match remote_slot(&self.router, slot, &opts).await {
+                        Ok(Some(slot)) => return Ok(ReadGuard { slot }),
+                        Ok(None) => reached = true,
+                        Err(e) if e.is_unavailable() => unavailable = Some(e),
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            let now = Instant::now();
+            match unavailable {
+                // No slot's shard could be reached: as an acquire of an unavailable key.
+                Some(e) if !reached => return Err(e),
+                _ if now >= deadline => return Err(self.timeout(started)),
+                _ => {}
+            }
+            tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
+        }
+    }
+
+    /// Takes the write hold: the writer intent, then every reader slot in order, all within
+    /// the wait of `opts`. On failure what was taken is released. Errors and cancellation as
+    /// for [`LockRouter::acquire_all_buckets`].
+    pub async fn write(&self, opts: AcquireOptions) -> Result<WriteGuard> {
+        let ns = self.router.namespace_of(&opts)?;
+        let deadline = instant_after(opts.wait.unwrap_or(ns.wait));
+        let left = || Some(deadline.saturating_duration_since(Instant::now()));
+        // On error the guards taken so far are dropped, which releases them. Only leases on the
+        // shards count: an in-process lock (the `local` policy) would exclude nobody elsewhere.
+        let remote = |guard: LockGuard| match guard.mode() {
+            crate::LockMode::Remote => Ok(guard),
+            _ => Err(local_refused(guard.shard().to_owned())),
+        };
+        let intent = remote(
+            self.router
+                .acquire_key(self.part(WRITER_INTENT)?, &opts, left())
+                .await?,
+        )?;
+        let mut slots = Vec::with_capacity(self.readers as usize);
+        for slot in 0..self.readers {
+            slots.push(remote(
+                self.router
+                    .acquire_key(self.part(slot)?, &opts, left())
+                    .await?,
+            )?);
+        }
+        Ok(WriteGuard { intent, slots })
+    }
+
+    fn part(&self, bucket: u32) -> Result<LockKey> {
+        LockKey::bucket(&self.name, bucket)
+    }
+
+    fn timeout(&self, started: Instant) -> Error {
+        let key = LockKey::new(&self.name).expect("checked when made");
+        Error::Timeout {
+            key_label: self.router.inner.shared.telemetry.key_label(&key),
+            waited: started.elapsed(),
+        }
+    }
+}

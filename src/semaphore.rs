@@ -1,0 +1,168 @@
+//! Semaphores: up to N holders of one name across every process, each permit a lease.
+//!
+//! A semaphore's permits are slot rows: the buckets `0..permits` of its name (see
+//! [`LockRouter::acquire_bucket`]), each a lease of its own on its own shard. A permit is
+//! whichever slot is free, so at most `permits` are held at once, each with its own fence,
+//! renewal and lost signal, and a crashed holder's permit returns when its lease ends.
+
+use std::time::Duration;
+
+use shardlock_core::config::MAX_BUCKETS;
+use shardlock_core::{Backoff, Error, LockKey, Result};
+use tokio::time::Instant;
+
+use crate::state::instant_after;
+use crate::{AcquireOptions, LockGuard, LockRouter};
+
+/// A semaphore of `permits` permits named `name`, made by [`LockRouter::semaphore`]. Cheap to
+/// clone; every process that uses the name must give the same number of permits (one that
+/// gives more lets more holders in).
+#[derive(Debug, Clone)]
+pub struct Semaphore {
+    router: LockRouter,
+    name: String,
+    permits: u32,
+}
+
+/// One permit of a [`Semaphore`]: a lease on one of its slots. Release it with
+/// [`Permit::release`]; dropping it releases in the background.
+#[derive(Debug)]
+#[must_use = "dropping the permit releases it at once"]
+pub struct Permit {
+    guard: LockGuard,
+}
+
+impl Permit {
+    /// Which slot (0-based, below the permit count) this permit holds.
+    pub fn slot(&self) -> u32 {
+        self.guard.bucket().expect("a permit is a slot lease")
+    }
+
+    /// The fencing token of this grant of the slot: larger than every earlier one of the slot.
+    pub fn fence(&self) -> u64 {
+        self.guard.fence()
+    }
+
+    /// The lease behind the permit: `is_held`, `lost`, `extend`, fenced writes.
+    pub fn guard(&self) -> &LockGuard {
+        &self.guard
+    }
+
+    /// Gives the permit back. Errors as for [`LockGuard::release`].
+    pub async fn release(self) -> Result<()> {
+        self.guard.release().await
+    }
+}
+
+impl LockRouter {
+    /// The semaphore `name` with `permits` permits (1 to 1024).
+    pub fn semaphore(&self, name: &str, permits: u32) -> Result<Semaphore> {
+        LockKey::new(name)?;
+        if permits == 0 || permits > MAX_BUCKETS {
+            return Err(Error::InvalidArgument {
+                name: "permits",
+                reason: format!("must be between 1 and {MAX_BUCKETS}, got {permits}"),
+            });
+        }
+        Ok(Semaphore {
+            router: self.clone(),
+            name: name.to_owned(),
+            permits,
+        })
+    }
+}
+
+impl Semaphore {
+    /// The number of permits.
+    pub fn permits(&self) -> u32 {
+        self.permits
+    }
+
+    /// Takes a permit, waiting up to the wait of `opts` (its namespace's if not set): every
+    /// slot is tried once per round, from a random one on, with the namespace's backoff
+    /// between rounds. [`Error::Timeout`] if none came free in time. Errors and cancellation
+    /// as for [`LockRouter::acquire`].
+    pub async fn acquire(&self, opts: AcquireOptions) -> Result<Permit> {
+        let ns = self.router.namespace_of(&opts)?;
+        let started = Instant::now();
+        let deadline = instant_after(opts.wait.unwrap_or(ns.wait));
+        let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
+        loop {
+            if let Some(permit) = self.try_round(&opts).await? {
+                return Ok(permit);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    key_label: self
+                        .router
+                        .inner
+                        .shared
+                        .telemetry
+                        .key_label(&LockKey::new(&self.name)?),
+                    waited: started.elapsed(),
+                });
+            }
+            tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
+        }
+    }
+
+    /// Tries every slot once: `Ok(None)` when all are held.
+    pub async fn try_acquire(&self, opts: AcquireOptions) -> Result<Option<Permit>> {
+        self.try_round(&opts).await
+    }
+
+    /// One try of every slot. A slot whose shard cannot be reached is passed over (another
+    /// may be free); when none could be reached, the last such error is the answer.
+    async fn try_round(&self, opts: &AcquireOptions) -> Result<Option<Permit>> {
+        let first = rand::random::<u32>() % self.permits;
+        let mut unavailable = None;
+        let mut reached = false;
+        for offset in 0..self.permits {
+            let slot = LockKey::bucket(&self.name, (first + offset) % self.permits)?;
+            match remote_slot(&self.router, slot, opts).await {
+                Ok(Some(guard)) => return Ok(Some(Permit { guard })),
+                Ok(None) => reached = true,
+                Err(e) if e.is_unavailable() => unavailable = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        match unavailable {
+            Some(e) if !reached => Err(e),
+            _ => Ok(None),
+        }
+    }
+}
+
+/// Tries a slot once, through its shard only: an in-process lock of a slot (the `local`
+/// failure policy while its shard is down) counts nowhere else, so it would let more holders
+/// in than the slots allow; it is given back and the slot answers as unavailable.
+pub(crate) async fn remote_slot(
+    router: &LockRouter,
+    slot: LockKey,
+    opts: &AcquireOptions,
+) -> Result<Option<LockGuard>> {
+    match router
+        .acquire_inner(slot, opts, Some(Duration::ZERO))
+        .await?
+    {
+        Some(guard) if guard.mode() != crate::LockMode::Remote => {
+            let shard = guard.shard().to_owned();
+            drop(guard);
+            Err(local_refused(shard))
+        }
+        other => Ok(other),
+    }
+}
+
+/// Why an in-process grant is refused where only shard grants count.
+pub(crate) fn local_refused(shard: String) -> Error {
+    Error::Unavailable {
+        shard,
+        source: shardlock_core::BackendError::new(
+            shardlock_core::BackendErrorKind::BreakerOpen,
+            None,
+            "only a lease on the shard counts here, and the shard's breaker is open",
+        ),
+    }
+}
