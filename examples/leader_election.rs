@@ -42,7 +42,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     terms.sort_unstable();
     terms.dedup();
     assert_eq!(terms.len(), 3, "each leader had a term of its own");
-    println!("leader now: {:?}", observer.leader("leader:billing").await?);
+    println!(
+        "leader now: {:?}",
+        observer
+            .leader("leader:billing", AcquireOptions::new())
+            .await?
+    );
     observer.shutdown().await?;
     Ok(())
 }
