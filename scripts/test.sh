@@ -64,7 +64,7 @@ case "$dev_up" in
   # Started here: stopped again however the examples end.
   *) trap '"${shardlock[@]}" dev down >/dev/null' EXIT ;;
 esac
-for example in cas_lock fenced_write http_lock job_queue leader_election scheduled_job state_claim tx_lock; do
+for example in cas_lock fenced_write http_lock job_queue leader_election list_leases scheduled_job semaphore state_claim tx_lock; do
   echo "example $example"
   cargo run --locked --quiet --example "$example" >/dev/null
 done
