@@ -133,13 +133,7 @@ impl LockRouter {
     /// reported until its lease ends.
     pub async fn leader(&self, name: &str, opts: AcquireOptions) -> Result<Option<Leader>> {
         let key = self.scope(shardlock_core::LockKey::new(name)?, &opts)?;
-        let topology = self.inner.topology.load_full();
-        let shard = topology.locate(&key);
-        let row = shard
-            .unguarded()
-            .inspect(key.stored())
-            .await
-            .map_err(|e| e.into_error(shard.name()))?;
+        let (_, row) = self.inspect_key(&key).await?;
         Ok(row.filter(|row| row.is_held()).and_then(|row| {
             let owner = row.owner?;
             // The instance id may itself hold ':'; the nonce and sequence never do.

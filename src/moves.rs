@@ -118,6 +118,14 @@ async fn take_on(
                     LeaseState::new(lease.key.clone(), grant, want, Duration::ZERO, None)
                         .belonging_to(lease),
                 );
+                // A hold that must outlast its release (a scheduled run) is kept as long on
+                // the new shard, from the new row's later grant: also if its holder dies.
+                if let Some(at_least) = lease.at_least() {
+                    companion.set_at_least(at_least);
+                    let _ = target
+                        .call(|b| b.hold_until(&req.key, &req.owner, at_least, 0))
+                        .await;
+                }
                 target.insert(companion.clone());
                 if !lease.adopt(target.clone(), companion.clone()) {
                     // Released (or lost) meanwhile: give the row back.
@@ -155,11 +163,15 @@ async fn take_on(
     // renewal, no hand-off); its rows are given back.
     lease.mark_lost(why, shared);
     if shard.remove(lease.id).is_some() {
-        let _ = shard.release(&req.key, &lease.owner).await;
+        let _ = shard
+            .release_after(&req.key, &lease.owner, lease.at_least())
+            .await;
     }
     for (other, row) in lease.end_companions() {
         other.remove(row.id);
-        let _ = other.release(row.key.stored(), &row.owner).await;
+        let _ = other
+            .release_after(row.key.stored(), &row.owner, row.at_least())
+            .await;
     }
     false
 }

@@ -8,11 +8,10 @@
 //! by its ttl if its holder dies, reported lost.
 
 use futures_util::future::select_all;
-use shardlock_core::config::MAX_BUCKETS;
 use shardlock_core::{Backoff, Error, LockKey, Result};
 use tokio::time::Instant;
 
-use crate::semaphore::{local_refused, remote_slot};
+use crate::semaphore::{check_slots, local_refused, take_a_slot};
 use crate::state::instant_after;
 use crate::{AcquireOptions, LockGuard, LockRouter};
 
@@ -99,13 +98,7 @@ impl LockRouter {
     /// The read/write lock `name`, letting up to `readers` readers (1 to 1024) in at once;
     /// a writer takes `readers + 1` leases, so keep it near the readers you expect.
     pub fn rw_lock(&self, name: &str, readers: u32) -> Result<RwLock> {
-        LockKey::new(name)?;
-        if readers == 0 || readers > MAX_BUCKETS {
-            return Err(Error::InvalidArgument {
-                name: "readers",
-                reason: format!("must be between 1 and {MAX_BUCKETS}, got {readers}"),
-            });
-        }
+        check_slots(name, readers, "readers")?;
         Ok(RwLock {
             router: self.clone(),
             name: name.to_owned(),
@@ -132,26 +125,17 @@ impl RwLock {
                 Err(e) if e.is_unavailable() => false,
                 Err(e) => return Err(e),
             };
-            let mut unavailable = None;
-            let mut reached = false;
             if !writer {
-                let first = rand::random::<u32>() % self.readers;
-                for offset in 0..self.readers {
-                    let slot = self.part((first + offset) % self.readers)?;
-                    match remote_slot(&self.router, slot, &opts).await {
-                        Ok(Some(slot)) => return Ok(ReadGuard { slot }),
-                        Ok(None) => reached = true,
-                        Err(e) if e.is_unavailable() => unavailable = Some(e),
-                        Err(e) => return Err(e),
-                    }
+                // No slot's shard could be reached: an error, as for an unavailable key.
+                if let Some(slot) =
+                    take_a_slot(&self.router, &self.name, self.readers, &opts).await?
+                {
+                    return Ok(ReadGuard { slot });
                 }
             }
             let now = Instant::now();
-            match unavailable {
-                // No slot's shard could be reached: as an acquire of an unavailable key.
-                Some(e) if !reached => return Err(e),
-                _ if now >= deadline => return Err(self.timeout(started)),
-                _ => {}
+            if now >= deadline {
+                return Err(self.timeout(started));
             }
             tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
         }

@@ -57,13 +57,7 @@ impl Permit {
 impl LockRouter {
     /// The semaphore `name` with `permits` permits (1 to 1024).
     pub fn semaphore(&self, name: &str, permits: u32) -> Result<Semaphore> {
-        LockKey::new(name)?;
-        if permits == 0 || permits > MAX_BUCKETS {
-            return Err(Error::InvalidArgument {
-                name: "permits",
-                reason: format!("must be between 1 and {MAX_BUCKETS}, got {permits}"),
-            });
-        }
+        check_slots(name, permits, "permits")?;
         Ok(Semaphore {
             router: self.clone(),
             name: name.to_owned(),
@@ -112,25 +106,48 @@ impl Semaphore {
         self.try_round(&opts).await
     }
 
-    /// One try of every slot. A slot whose shard cannot be reached is passed over (another
-    /// may be free); when none could be reached, the last such error is the answer.
     async fn try_round(&self, opts: &AcquireOptions) -> Result<Option<Permit>> {
-        let first = rand::random::<u32>() % self.permits;
-        let mut unavailable = None;
-        let mut reached = false;
-        for offset in 0..self.permits {
-            let slot = LockKey::bucket(&self.name, (first + offset) % self.permits)?;
-            match remote_slot(&self.router, slot, opts).await {
-                Ok(Some(guard)) => return Ok(Some(Permit { guard })),
-                Ok(None) => reached = true,
-                Err(e) if e.is_unavailable() => unavailable = Some(e),
-                Err(e) => return Err(e),
-            }
+        let guard = take_a_slot(&self.router, &self.name, self.permits, opts).await?;
+        Ok(guard.map(|guard| Permit { guard }))
+    }
+}
+
+/// Checks a name of slot rows and how many it has (`field`: what the caller calls them).
+pub(crate) fn check_slots(name: &str, count: u32, field: &'static str) -> Result<()> {
+    LockKey::new(name)?;
+    if count == 0 || count > MAX_BUCKETS {
+        return Err(Error::InvalidArgument {
+            name: field,
+            reason: format!("must be between 1 and {MAX_BUCKETS}, got {count}"),
+        });
+    }
+    Ok(())
+}
+
+/// One try of every slot `0..count` of `name`, from a random one on. A slot whose shard
+/// cannot be reached is passed over (another may be free); when none could be reached, the
+/// last such error is the answer.
+pub(crate) async fn take_a_slot(
+    router: &LockRouter,
+    name: &str,
+    count: u32,
+    opts: &AcquireOptions,
+) -> Result<Option<LockGuard>> {
+    let first = rand::random::<u32>() % count;
+    let mut unavailable = None;
+    let mut reached = false;
+    for offset in 0..count {
+        let slot = LockKey::bucket(name, (first + offset) % count)?;
+        match remote_slot(router, slot, opts).await {
+            Ok(Some(guard)) => return Ok(Some(guard)),
+            Ok(None) => reached = true,
+            Err(e) if e.is_unavailable() => unavailable = Some(e),
+            Err(e) => return Err(e),
         }
-        match unavailable {
-            Some(e) if !reached => Err(e),
-            _ => Ok(None),
-        }
+    }
+    match unavailable {
+        Some(e) if !reached => Err(e),
+        _ => Ok(None),
     }
 }
 

@@ -135,9 +135,13 @@ impl LockRouter {
     /// Cancellation: a read only; nothing changes. A connection dropped mid-statement is discarded
     /// at the pool's next checkout, never reused.
     pub async fn inspect(&self, key: &str) -> Result<(String, Option<LeaseRow>)> {
-        let key = LockKey::new(key)?;
+        self.inspect_key(&LockKey::new(key)?).await
+    }
+
+    /// [`LockRouter::inspect`] of a key already made (and scoped).
+    pub(crate) async fn inspect_key(&self, key: &LockKey) -> Result<(String, Option<LeaseRow>)> {
         let topology = self.inner.topology.load_full();
-        let shard = topology.locate(&key);
+        let shard = topology.locate(key);
         let row = shard
             .unguarded()
             .inspect(key.stored())
