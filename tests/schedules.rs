@@ -171,6 +171,67 @@ async fn three_processes_on_one_schedule_run_each_interval_once() {
     );
 }
 
+/// The shard's clock now, ms since the epoch.
+async fn shard_now_ms(cluster: &Cluster) -> u64 {
+    let mut conn = cluster.shard(0).connect().await.unwrap();
+    conn.query_first("SELECT CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS UNSIGNED)")
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// A run that outlasts its interval frees the key at its release; if the shard's clock then
+/// steps back into that interval, the next run still belongs to a later one (its interval
+/// comes from the fence, which the first run raised), so an interval never runs twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_interval_never_runs_twice_when_the_shard_clock_steps_back() {
+    let cluster = Cluster::start_with_clocks(1, &[(0, "+0")]).await.unwrap();
+    let router = LockRouter::from_yaml_str(&cluster.config_yaml(""))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let every_ms = EVERY.as_millis() as u64;
+
+    // The run lasts until the shard's clock is past its interval.
+    let first = router
+        .run_exclusive("job:steps", EVERY, AcquireOptions::new(), |run| {
+            let cluster = &cluster;
+            async move {
+                let end = (run.interval() + 1) * every_ms;
+                while shard_now_ms(cluster).await <= end {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                run.interval()
+            }
+        })
+        .await
+        .unwrap()
+        .expect("nobody else runs it");
+    // Released after its interval: free now. The clock steps back two intervals.
+    cluster.shard(0).set_clock("-2s").unwrap();
+    assert!(
+        common::eventually(EVENT, || async {
+            shard_now_ms(&cluster).await < (first + 1) * every_ms
+        })
+        .await,
+        "the shard's clock stepped back into the first run's interval"
+    );
+    let second = router
+        .run_exclusive(
+            "job:steps",
+            EVERY,
+            AcquireOptions::new(),
+            |run| async move { run.interval() },
+        )
+        .await
+        .unwrap()
+        .expect("the key was free");
+    assert!(
+        second > first,
+        "interval {first} ran again as {second} after the clock stepped back"
+    );
+}
+
 /// Ticks four times per interval for ten seconds; each run reports its interval and fence and
 /// takes a little while.
 async fn scheduled_worker() {
