@@ -36,6 +36,9 @@ impl LockRouter {
         wait: Option<Duration>,
     ) -> Result<LockGuard> {
         let started = Instant::now();
+        // Scoped here already (again in acquire_inner, which keeps it), so that the timeout
+        // names the lock.
+        let key = self.scope(key, opts)?;
         let key_label = self.inner.shared.telemetry.key_label(&key);
         match self.acquire_inner(key, opts, wait).await? {
             Some(guard) => Ok(guard),

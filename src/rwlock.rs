@@ -8,10 +8,10 @@
 //! by its ttl if its holder dies, reported lost.
 
 use futures_util::future::select_all;
-use shardlock_core::{Backoff, Error, LockKey, Result};
+use shardlock_core::{Backoff, LockKey, Result};
 use tokio::time::Instant;
 
-use crate::semaphore::{check_slots, local_refused, take_a_slot};
+use crate::semaphore::{check_slots, local_refused, slots_timeout, take_a_slot};
 use crate::state::instant_after;
 use crate::{AcquireOptions, LockGuard, LockRouter};
 
@@ -109,7 +109,7 @@ impl LockRouter {
 
 impl RwLock {
     /// Takes a read hold, waiting up to the wait of `opts` while a writer holds or waits for
-    /// the lock (or every reader slot is taken). [`Error::Timeout`] if not in time; errors and
+    /// the lock (or every reader slot is taken). [`crate::Error::Timeout`] if not in time; errors and
     /// cancellation as for [`LockRouter::acquire`].
     pub async fn read(&self, opts: AcquireOptions) -> Result<ReadGuard> {
         let ns = self.router.namespace_of(&opts)?;
@@ -135,7 +135,7 @@ impl RwLock {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(self.timeout(started));
+                return Err(slots_timeout(&self.router, &self.name, &opts, started));
             }
             tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
         }
@@ -172,13 +172,5 @@ impl RwLock {
 
     fn part(&self, bucket: u32) -> Result<LockKey> {
         LockKey::bucket(&self.name, bucket)
-    }
-
-    fn timeout(&self, started: Instant) -> Error {
-        let key = LockKey::new(&self.name).expect("checked when made");
-        Error::Timeout {
-            key_label: self.router.inner.shared.telemetry.key_label(&key),
-            waited: started.elapsed(),
-        }
     }
 }

@@ -87,15 +87,7 @@ impl Semaphore {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::Timeout {
-                    key_label: self
-                        .router
-                        .inner
-                        .shared
-                        .telemetry
-                        .key_label(&LockKey::new(&self.name)?),
-                    waited: started.elapsed(),
-                });
+                return Err(slots_timeout(&self.router, &self.name, &opts, started));
             }
             tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
         }
@@ -109,6 +101,29 @@ impl Semaphore {
     async fn try_round(&self, opts: &AcquireOptions) -> Result<Option<Permit>> {
         let guard = take_a_slot(&self.router, &self.name, self.permits, opts).await?;
         Ok(guard.map(|guard| Permit { guard }))
+    }
+}
+
+/// The timeout of a wait for a slot of `name`, counted as an acquire's and naming the lock as
+/// its spans do.
+pub(crate) fn slots_timeout(
+    router: &LockRouter,
+    name: &str,
+    opts: &AcquireOptions,
+    started: Instant,
+) -> Error {
+    let shared = &router.inner.shared;
+    shared
+        .stats
+        .timeouts
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let key_label = match LockKey::new(name).and_then(|key| router.scope(key, opts)) {
+        Ok(key) => shared.telemetry.key_label(&key),
+        Err(_) => name.to_owned(),
+    };
+    Error::Timeout {
+        key_label,
+        waited: started.elapsed(),
     }
 }
 

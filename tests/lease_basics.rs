@@ -475,6 +475,17 @@ async fn namespaces_with_key_prefixes_lock_their_own_keys() {
     assert_eq!(row.unwrap().owner.as_deref(), Some(b.owner()));
     let (_, row) = router.inspect("stock/order:1").await.unwrap();
     assert_eq!(row.unwrap().owner.as_deref(), Some(s.owner()));
+    // Errors, spans and metrics name the lock with its scope.
+    let recording = LockRouter::from_yaml_str(
+        &cluster.config_yaml(&format!("{scopes}telemetry:\n  record-keys: true\n")),
+    )
+    .await
+    .unwrap();
+    let err = recording
+        .acquire("order:1", billing.clone().wait(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("`billing/order:1`"), "{err}");
     // Within a scope it is one lock for every process.
     assert!(other
         .try_acquire("order:1", billing.clone().wait(Duration::ZERO))

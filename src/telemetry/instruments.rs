@@ -150,7 +150,7 @@ impl Telemetry {
             if let Ok(mut hot) = self.hot.try_lock() {
                 hot.record(
                     Instant::now().into_std(),
-                    key.as_str(),
+                    key.scoped_str(),
                     took.as_micros() as u64,
                 );
             }

@@ -32,7 +32,10 @@ const BUCKET_MARK: u8 = 0xFE;
 /// `0xFE` and the bucket number in decimal, stored (or digested) the same way.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LockKey {
+    /// The lock's name as text: its namespace's prefix (if any), then the key as given.
     text: String,
+    /// Where the key as given starts in `text`.
+    given_from: usize,
     bucket: Option<u32>,
     /// The lock's identity: the key's bytes, plus the bucket suffix for a bucket.
     identity: Vec<u8>,
@@ -54,7 +57,7 @@ impl LockKey {
     /// is `prefix` followed by the key's bytes, placed and stored as such. The key as the
     /// caller wrote it ([`LockKey::as_str`]) and its bucket stay.
     pub fn scoped(&self, prefix: &str) -> Self {
-        Self::build_in(prefix, &self.text, self.bucket)
+        Self::build_in(prefix, self.as_str(), self.bucket)
             .expect("a valid key stays valid under a prefix")
     }
 
@@ -96,7 +99,8 @@ impl LockKey {
             stored
         };
         Ok(Self {
-            text: key.to_owned(),
+            text: format!("{prefix}{key}"),
+            given_from: prefix.len(),
             bucket,
             identity,
             stored,
@@ -116,6 +120,11 @@ impl LockKey {
 
     /// The key as the caller wrote it.
     pub fn as_str(&self) -> &str {
+        &self.text[self.given_from..]
+    }
+
+    /// The key with its namespace's prefix: the lock as tools (`inspect`, `list`) name it.
+    pub fn scoped_str(&self) -> &str {
         &self.text
     }
 
@@ -197,6 +206,8 @@ mod tests {
         assert_eq!(key.stored(), b"billing/order:1");
         assert_eq!(key.placement(), b"billing/order:1");
         assert_eq!(key.as_str(), "order:1");
+        assert_eq!(key.scoped_str(), "billing/order:1");
+        assert_eq!(key.to_string(), "billing/order:1");
         // The same lock as the plain key spelled with the prefix (tools name it so).
         assert_eq!(
             key.stored(),
