@@ -58,11 +58,18 @@ impl LockRouter {
 
     /// `key` in the scope of the namespace of `opts`: its keys are other locks than the same
     /// keys elsewhere when it has a `key-prefix`.
+    /// On the path of every acquire: the namespace is looked at, not copied.
     pub(crate) fn scope(&self, key: LockKey, opts: &AcquireOptions) -> Result<LockKey> {
-        Ok(match &self.namespace_of(opts)?.key_prefix {
-            Some(prefix) => key.scoped(prefix),
-            None => key,
-        })
+        let topology = self.inner.topology.load();
+        let name = opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
+        match topology.config.namespace(name) {
+            Some(ns) => Ok(match &ns.key_prefix {
+                Some(prefix) => key.scoped(prefix),
+                None => key,
+            }),
+            // Not configured: the same error as everywhere else.
+            None => self.namespace_of(opts).map(|_| key),
+        }
     }
 
     /// Whether a live lease holds `key` (in the scope of the namespace of `opts`) on its shard:

@@ -49,7 +49,7 @@ struct Server {
     most: Arc<AtomicUsize>,
 }
 
-async fn serve(router: LockRouter, wait: Duration) -> Server {
+async fn serve(router: LockRouter, opts: AcquireOptions) -> Server {
     let release = Arc::new(Notify::new());
     let entered = Arc::new(Notify::new());
     let inside = Arc::new(AtomicUsize::new(0));
@@ -76,10 +76,11 @@ async fn serve(router: LockRouter, wait: Duration) -> Server {
         match refused {
             Refused::Busy => (StatusCode::CONFLICT, "in progress").into_response(),
             Refused::Failed(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
-            Refused::Lost => (StatusCode::SERVICE_UNAVAILABLE, "lock lost").into_response(),
+            // Told apart from the others in the test below.
+            Refused::Lost => (StatusCode::GONE, "lock lost").into_response(),
         }
     })
-    .options(AcquireOptions::new().wait(wait));
+    .options(opts);
     let app = Router::new()
         .route("/pay/{id}", get(handler))
         .route("/health", get(|| async { "ok" }))
@@ -100,7 +101,7 @@ async fn requests_for_one_key_run_one_at_a_time() {
     let (cluster, router, _yaml) = common::start(2, "").await;
 
     // Answered busy at once while the key is held.
-    let server = serve(router.clone(), Duration::ZERO).await;
+    let server = serve(router.clone(), AcquireOptions::new().wait(Duration::ZERO)).await;
     let slow = tokio::spawn(get_status(server.addr, "/pay/slow-1"));
     server.entered.notified().await;
     assert_eq!(get_status(server.addr, "/pay/slow-1").await, 409);
@@ -129,7 +130,11 @@ async fn requests_for_one_key_run_one_at_a_time() {
     );
 
     // Told to wait: concurrent requests for one key queue and each runs alone.
-    let server = serve(router.clone(), Duration::from_secs(30)).await;
+    let server = serve(
+        router.clone(),
+        AcquireOptions::new().wait(Duration::from_secs(30)),
+    )
+    .await;
     let first = tokio::spawn(get_status(server.addr, "/pay/slow-3"));
     server.entered.notified().await;
     let queued: Vec<_> = (0..4)
@@ -160,7 +165,22 @@ async fn requests_for_one_key_run_one_at_a_time() {
     );
 
     // A key the router refuses is answered as failed, not run.
-    let server = serve(router, Duration::ZERO).await;
+    let server = serve(router.clone(), AcquireOptions::new().wait(Duration::ZERO)).await;
     let long = format!("/pay/{}", "x".repeat(1100));
     assert_eq!(get_status(server.addr, &long).await, 503);
+
+    // A request whose lock is lost mid-way (force-released: its next renewal finds it gone)
+    // is stopped and answered as lost, though its handler never returned.
+    let short = AcquireOptions::new()
+        .wait(Duration::ZERO)
+        .ttl(Duration::from_secs(1));
+    let server = serve(router.clone(), short).await;
+    let stuck = tokio::spawn(get_status(server.addr, "/pay/slow-9"));
+    server.entered.notified().await;
+    router
+        .force_release("payment:slow-9")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stuck.await.unwrap(), 410, "answered as lost");
 }
