@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use crate::guard::{Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
 use crate::options::AcquireOptions;
 use crate::queue::{Delivery, Entry, Turn, Want};
+use crate::router::unknown_namespace;
 use crate::router::LockRouter;
 use crate::shard::ShardState;
 use crate::shard::{Grant, LeaseState};
@@ -67,8 +68,7 @@ impl LockRouter {
                 Some(prefix) => key.scoped(prefix),
                 None => key,
             }),
-            // Not configured: the same error as everywhere else.
-            None => self.namespace_of(opts).map(|_| key),
+            None => Err(unknown_namespace(name)),
         }
     }
 

@@ -91,8 +91,11 @@ async fn take_on(
     let why = loop {
         if lease.is_lost() || lease.has_ended() {
             if tried {
-                // A try whose reply was lost may have taken the row: give it back.
-                let _ = target.release(&req.key, &req.owner).await;
+                // A try whose reply was lost may have taken the row: give it back (kept as
+                // long as the lease's own rows must be).
+                let _ = target
+                    .release_after(&req.key, &req.owner, lease.at_least())
+                    .await;
             }
             return false;
         }
@@ -130,7 +133,9 @@ async fn take_on(
                 if !lease.adopt(target.clone(), companion.clone()) {
                     // Released (or lost) meanwhile: give the row back.
                     target.remove(companion.id);
-                    let _ = target.release(&req.key, &req.owner).await;
+                    let _ = target
+                        .release_after(&req.key, &req.owner, companion.at_least())
+                        .await;
                     return false;
                 }
                 shared.stats.followed.fetch_add(1, Ordering::Relaxed);

@@ -472,12 +472,7 @@ impl LockRouter {
             .config
             .namespace(name)
             .cloned()
-            .ok_or_else(|| Error::InvalidArgument {
-                name: "namespace",
-                reason: format!(
-                    "`{name}` is not configured; add it under `namespaces:` or use `default`"
-                ),
-            })
+            .ok_or_else(|| unknown_namespace(name))
     }
 
     /// Every shard of the topology, current and leaving.
@@ -527,6 +522,14 @@ impl LockRouter {
             s.close();
         }
         first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// The error of a call naming a namespace the config does not have.
+pub(crate) fn unknown_namespace(name: &str) -> Error {
+    Error::InvalidArgument {
+        name: "namespace",
+        reason: format!("`{name}` is not configured; add it under `namespaces:` or use `default`"),
     }
 }
 

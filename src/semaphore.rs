@@ -117,9 +117,14 @@ pub(crate) fn slots_timeout(
         .stats
         .timeouts
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let key_label = match LockKey::new(name).and_then(|key| router.scope(key, opts)) {
-        Ok(key) => shared.telemetry.key_label(&key),
-        Err(_) => name.to_owned(),
+    // The name was checked when the semaphore was made; its scope is gone only if a reload
+    // removed its namespace meanwhile, and then it is labelled unscoped.
+    let key_label = match LockKey::new(name) {
+        Ok(key) => match router.scope(key.clone(), opts) {
+            Ok(scoped) => shared.telemetry.key_label(&scoped),
+            Err(_) => shared.telemetry.key_label(&key),
+        },
+        Err(_) => LockKey::name_label_hash(name),
     };
     Error::Timeout {
         key_label,

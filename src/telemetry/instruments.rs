@@ -212,9 +212,12 @@ impl Telemetry {
         let top = self.hot.locked().top(Instant::now().into_std(), n);
         top.into_iter()
             .map(|(key, us)| {
-                let label = match LockKey::new(&key) {
-                    Ok(k) if !self.record_keys => k.label_hash(),
-                    _ => key,
+                // Recorded by the lock's name (its scope's prefix and key, buckets together):
+                // labelled as that plain lock is, whatever its length.
+                let label = if self.record_keys {
+                    key
+                } else {
+                    LockKey::name_label_hash(&key)
                 };
                 (label, Duration::from_micros(us))
             })

@@ -56,7 +56,11 @@ impl LockKey {
     /// This key in the scope `prefix` (a namespace's `key-prefix`): the lock whose identity
     /// is `prefix` followed by the key's bytes, placed and stored as such. The key as the
     /// caller wrote it ([`LockKey::as_str`]) and its bucket stay.
-    pub fn scoped(&self, prefix: &str) -> Self {
+    /// Scoping a key again in the same scope returns it as it is.
+    pub fn scoped(self, prefix: &str) -> Self {
+        if self.given_from == prefix.len() && self.text.starts_with(prefix) {
+            return self;
+        }
         Self::build_in(prefix, self.as_str(), self.bucket)
             .expect("a valid key stays valid under a prefix")
     }
@@ -90,14 +94,7 @@ impl LockKey {
         // SHA-256 rather than a fast hash: two identities with the same digest would be one
         // lock, and keys can come from users, so collisions must be infeasible to construct,
         // not just unlikely.
-        let stored = if identity.len() <= MAX_STORED_KEY_BYTES {
-            identity.clone()
-        } else {
-            let mut stored = Vec::with_capacity(33);
-            stored.push(DIGEST_MARK);
-            stored.extend_from_slice(&Sha256::digest(&identity));
-            stored
-        };
+        let stored = stored_form(&identity);
         Ok(Self {
             text: format!("{prefix}{key}"),
             given_from: prefix.len(),
@@ -137,6 +134,12 @@ impl LockKey {
     /// of reach. Buckets of one key get labels of their own (the stored bytes are hashed).
     pub fn label_hash(&self) -> String {
         Self::stored_label_hash(self.stored())
+    }
+
+    /// [`LockKey::label_hash`] of the plain lock named `name` (a [`LockKey::scoped_str`]),
+    /// whatever its length.
+    pub fn name_label_hash(name: &str) -> String {
+        Self::stored_label_hash(&stored_form(name.as_bytes()))
     }
 
     /// [`LockKey::label_hash`] of the key stored as `stored` (a lease row's primary key).
@@ -186,6 +189,18 @@ impl LockKey {
     }
 }
 
+/// The bytes a lock of `identity` is stored as: itself, or past the column's width a digest.
+fn stored_form(identity: &[u8]) -> Vec<u8> {
+    if identity.len() <= MAX_STORED_KEY_BYTES {
+        identity.to_vec()
+    } else {
+        let mut stored = Vec::with_capacity(33);
+        stored.push(DIGEST_MARK);
+        stored.extend_from_slice(&Sha256::digest(identity));
+        stored
+    }
+}
+
 impl std::fmt::Display for LockKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.text)?;
@@ -207,6 +222,11 @@ mod tests {
         assert_eq!(key.placement(), b"billing/order:1");
         assert_eq!(key.as_str(), "order:1");
         assert_eq!(key.scoped_str(), "billing/order:1");
+        assert_eq!(key.clone().scoped("billing/"), key, "scoped once");
+        assert_eq!(
+            LockKey::name_label_hash("billing/order:1"),
+            key.label_hash()
+        );
         assert_eq!(key.to_string(), "billing/order:1");
         // The same lock as the plain key spelled with the prefix (tools name it so).
         assert_eq!(
