@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use shardlock_core::{Error, Result};
-use shardlock_mysql::{GrantRequest, HandoffOutcome};
+use shardlock_mysql::{GrantRequest, HandoffOutcome, ReleaseAnswer};
 use tokio::time::Instant;
 
 use crate::queue::{NextWaiter, Turn};
@@ -508,7 +508,7 @@ pub(crate) async fn release_through_shard(
     // Rows that must stay taken for a while after their grant (`lock_at_least`, a scheduled
     // run) stay so on every shard.
     let result = if again {
-        Ok(true)
+        Ok(ReleaseAnswer::Released)
     } else {
         shard
             .release_after(lease.key.stored(), &lease.owner, lease.at_least())
@@ -525,7 +525,16 @@ pub(crate) async fn release_through_shard(
     match result {
         // A row nobody holds counts as released (ours may have been freed by a first try
         // whose reply was lost); a lease the keeper already found lost stays lost.
-        Ok(true) if !lease.is_lost() => Ok(()),
+        Ok(ReleaseAnswer::Released) if !lease.is_lost() => Ok(()),
+        // Another owner holds the row after a first try whose reply was lost. If the lease
+        // cannot have ended on the shard yet (its local end comes before the shard's), that
+        // try freed the row for its new owner (or an operator revoked the lease, which a free
+        // row after a lost reply cannot tell either): released.
+        Ok(ReleaseAnswer::TakenAfterLostReply)
+            if !lease.is_lost() && tokio::time::Instant::now() < lease.deadline() =>
+        {
+            Ok(())
+        }
         Ok(_) => Err(lost(&shard, &lease)),
         Err(e) => Err(e.into_error(shard.name())),
     }

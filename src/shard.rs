@@ -13,7 +13,7 @@ use shardlock_core::{
     Admission, BackendError, BackendErrorKind, Breaker, BreakerConfig, BreakerState, CallOutcome,
     Transition,
 };
-use shardlock_mysql::{Attempt, GrantRequest, Shard};
+use shardlock_mysql::{Attempt, GrantRequest, ReleaseAnswer, Shard};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -64,7 +64,7 @@ pub(crate) struct ShardState {
     /// Acquires waiting to be sent (see [`lanes`]).
     acquire_lane: lanes::Lane<(GrantRequest, bool), Attempt>,
     /// Releases waiting to be sent: (key, owner).
-    release_lane: lanes::Lane<(Vec<u8>, String), bool>,
+    release_lane: lanes::Lane<(Vec<u8>, String), ReleaseAnswer>,
     /// Set while a reconciliation pass runs (beside the keeper loop).
     reconciling: std::sync::atomic::AtomicBool,
     /// The keeper panics at its next tick (tests of its supervision).
@@ -246,7 +246,7 @@ impl ShardState {
         self: &Arc<Self>,
         key: &[u8],
         owner: &str,
-    ) -> Result<bool, BackendError> {
+    ) -> Result<ReleaseAnswer, BackendError> {
         if self.release_lane.enter_alone(self.batches_in_flight()) {
             // Sent by the caller: a release dropped midway leaves the row to its ttl, as it
             // would in a batch whose caller went away (the statement still runs there).
@@ -276,7 +276,7 @@ impl ShardState {
         key: &[u8],
         owner: &str,
         at_least: Option<Duration>,
-    ) -> Result<bool, BackendError> {
+    ) -> Result<ReleaseAnswer, BackendError> {
         match at_least {
             None => self.release(key, owner).await,
             Some(_) => self.call(|b| b.release_after(key, owner, at_least)).await,
@@ -308,7 +308,10 @@ impl ShardState {
                     // Alone, not in a batch: a batch release counts a free row as freed, and
                     // the row may be free only because the statement being undone has not
                     // written it yet; a single release waits behind that statement's lock.
-                    && matches!(shard.call(|b| b.release(&key, &owner)).await, Ok(true))
+                    && matches!(
+                        shard.call(|b| b.release(&key, &owner)).await,
+                        Ok(ReleaseAnswer::Released)
+                    )
                 {
                     return;
                 }

@@ -86,7 +86,9 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
             };
             earlier.push(fence + 3);
             match b {
-                Before::Released => assert!(shard.release(key, &other).await.unwrap()),
+                Before::Released => {
+                    assert!(shard.release(key, &other).await.unwrap().is_released())
+                }
                 Before::Expired => raw
                     .exec_drop(
                         "UPDATE shardlock_lease SET expires_at = NOW(3) - INTERVAL 1 SECOND \
@@ -147,9 +149,9 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
         let released = shard.release_batch(&leases).await.unwrap();
         for ((released, b), key) in released.iter().zip(&before).zip(&keys) {
             assert_eq!(
-                *released,
+                released.is_released(),
                 *b != Before::Held,
-                "size {n}: {key:?} ({b:?}) released {released}"
+                "size {n}: {key:?} ({b:?}) released {released:?}"
             );
         }
         let live: Option<u64> = raw
@@ -346,7 +348,7 @@ async fn a_batch_chosen_as_a_deadlock_victim_half_way_is_retried_and_grants_ever
             shard.acquire(&request(key, "before", 0)).await.unwrap(),
             Attempt::Granted(_)
         ));
-        assert!(shard.release(key, "before").await.unwrap());
+        assert!(shard.release(key, "before").await.unwrap().is_released());
     }
     let mut competitor = shardlock_testkit::Competitor::begin(server, true)
         .await

@@ -47,8 +47,10 @@ async fn a_grant_whose_reply_was_lost_is_given_back() {
 }
 
 /// A release whose reply is lost after the server freed the row is retried; the retry finds
-/// the row free and answers released, not "lost". A lease force-released behind its holder's
-/// back still answers `LockLost`, although its row is just as free.
+/// the row free and answers released, not "lost"; so does one whose retry finds the key
+/// already taken by another owner, which the lost try had freed it for (the lease could not
+/// have ended yet). A lease force-released behind its holder's back still answers
+/// `LockLost`, although its row is just as free.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_release_whose_reply_was_lost_answers_released() {
     let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
@@ -63,6 +65,22 @@ async fn a_release_whose_reply_was_lost_answers_released() {
     assert_eq!(proxy.mode(), ProxyMode::Pass, "a reply was lost");
     let (_, row) = direct.inspect("r").await.unwrap();
     assert!(!row.expect("the row").is_held());
+
+    let guard = router.acquire("t", AcquireOptions::new()).await.unwrap();
+    proxy.set(ProxyMode::LoseOneReplyThenBlackhole);
+    let release = tokio::spawn(guard.release());
+    // The release's reply is lost; its retry waits on the cut link while another owner takes
+    // the key the release freed.
+    proxy.wait_for(ProxyMode::Blackhole).await;
+    let taker = direct
+        .try_acquire("t", AcquireOptions::new().wait(Duration::ZERO))
+        .await
+        .unwrap()
+        .expect("the release freed the key before its reply was lost");
+    proxy.set(ProxyMode::Pass);
+    release.await.unwrap().expect("released, not lost");
+    taker.release().await.unwrap();
+    assert_eq!(router.stats().lost, 0);
 
     let guard = router.acquire("f", AcquireOptions::new()).await.unwrap();
     direct

@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use shardlock_core::{BackendErrorKind, BreakerState};
-use shardlock_mysql::{Attempt, GrantRequest};
+use shardlock_mysql::{Attempt, GrantRequest, ReleaseAnswer};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -113,7 +113,7 @@ impl ShardState {
             owner,
             "shardlock gave back a row of a lease it had lost"
         );
-        matches!(self.release(key, &owner).await, Ok(true))
+        matches!(self.release(key, &owner).await, Ok(ReleaseAnswer::Released))
     }
 
     /// Makes the keeper panic at once (tests of its supervision).

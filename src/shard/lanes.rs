@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use shardlock_core::{BackendError, BackendErrorKind};
-use shardlock_mysql::{Attempt, BatchGrants, GrantRequest, MAX_BATCH};
+use shardlock_mysql::{Attempt, BatchGrants, GrantRequest, ReleaseAnswer, MAX_BATCH};
 use tokio::sync::oneshot;
 
 use super::ShardState;
@@ -217,7 +217,7 @@ impl Running<AcquireRequest, Attempt> {
     }
 }
 
-impl Running<ReleaseRequest, bool> {
+impl Running<ReleaseRequest, ReleaseAnswer> {
     /// A runner of the release lane (see [`Running::send_acquires`]).
     pub(super) async fn send_releases(mut self) {
         let shard = self.state.clone();
@@ -269,7 +269,7 @@ impl ShardState {
     }
 
     /// A place among the release lane's runners, counted already.
-    pub(super) fn release_runner(self: &Arc<Self>) -> Running<ReleaseRequest, bool> {
+    pub(super) fn release_runner(self: &Arc<Self>) -> Running<ReleaseRequest, ReleaseAnswer> {
         Running {
             state: self.clone(),
             lane: |s| &s.release_lane,

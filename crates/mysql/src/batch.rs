@@ -430,7 +430,11 @@ mod tests {
                     let grant = shard.acquire(&request(key, key, 0)).await.unwrap();
                     assert!(matches!(grant, Attempt::Granted(_)), "{key}: {grant:?}");
                 }
-                assert!(shard.release(keys[1].as_bytes(), &keys[1]).await.unwrap());
+                assert!(shard
+                    .release(keys[1].as_bytes(), &keys[1])
+                    .await
+                    .unwrap()
+                    .is_released());
                 raw.exec_drop(
                     "UPDATE shardlock_lease SET owner = 'other' WHERE lock_key = ?",
                     (&keys[2],),
@@ -451,7 +455,8 @@ mod tests {
         for (key, owner) in &single {
             answers.push(shard.release(key, owner).await.unwrap());
         }
-        assert_eq!(answers, vec![true, false, false, false]);
+        use crate::ReleaseAnswer::{NotHeld, Released};
+        assert_eq!(answers, vec![Released, NotHeld, NotHeld, NotHeld]);
         assert_eq!(
             stored(&mut raw, "taken:single").await.0.as_deref(),
             Some(&b"other"[..])
@@ -460,7 +465,7 @@ mod tests {
         let [own, _, taken, gone] = set_up("batch").await;
         assert_eq!(
             shard.release_batch(&[own, taken, gone]).await.unwrap(),
-            vec![true, false, false]
+            vec![Released, NotHeld, NotHeld]
         );
         assert_eq!(
             stored(&mut raw, "taken:batch").await.0.as_deref(),
@@ -469,7 +474,7 @@ mod tests {
         let [own, free, ..] = set_up("mixed").await;
         assert_eq!(
             shard.release_batch(&[own, free]).await.unwrap(),
-            vec![true, true],
+            vec![Released, Released],
             "two free rows, one matched: which one it freed is not known"
         );
     }

@@ -562,6 +562,30 @@ pub(crate) enum Released {
     Taken,
 }
 
+/// What an owner-checked release answers its caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseAnswer {
+    /// The owner's row is free: this call freed it, or its first try did (its reply was lost
+    /// and the retry found the row free).
+    Released,
+    /// A first try's reply was lost and the retry found another owner on the row: that try
+    /// freed it and someone took it since, or the lease had ended before. The server cannot
+    /// tell these apart; the caller can, by whether its lease could have ended by now (a
+    /// lease that cannot have expired yet was freed by that try, or revoked behind its back,
+    /// which a free row after a lost reply cannot tell either).
+    TakenAfterLostReply,
+    /// Not the owner's: another owner holds it, or it was freed before (force-released,
+    /// deleted by the cleaner).
+    NotHeld,
+}
+
+impl ReleaseAnswer {
+    /// Whether the row was surely freed by this release.
+    pub fn is_released(self) -> bool {
+        self == Self::Released
+    }
+}
+
 /// Releases `key` if `owner` holds it, leaving it taken until `at_least` after the grant
 /// when that is set; when `owner` did not hold it, one more read tells whether anyone does.
 pub(crate) async fn release(

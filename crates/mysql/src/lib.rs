@@ -23,8 +23,8 @@ pub use carry::{CasRow, MovingJob, PendingJob};
 pub use cleaner::{Beat, Candidate, InstanceRow, InstanceVerdict};
 pub use error::classify;
 pub use lease::{
-    Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ListFilter, RenewOutcome,
-    FLOOR_BATCH, HELD_MARK, MAX_DATA_BYTES, MAX_RENEW_BATCH,
+    Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ListFilter, ReleaseAnswer,
+    RenewOutcome, FLOOR_BATCH, HELD_MARK, MAX_DATA_BYTES, MAX_RENEW_BATCH,
 };
 pub use migrate::{MigrateReport, MIGRATIONS};
 pub use patterns::{ClaimedJob, JobEnd, StateTable};

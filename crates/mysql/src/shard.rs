@@ -16,8 +16,8 @@ use crate::carry::{self, CasRow, MovingJob, PendingJob};
 use crate::cleaner::{self, Beat, Candidate, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
-    self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, Released, RenewOutcome,
-    MAX_RENEW_BATCH,
+    self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ReleaseAnswer, Released,
+    RenewOutcome, MAX_RENEW_BATCH,
 };
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{
@@ -418,7 +418,7 @@ impl Shard {
     pub async fn release_batch(
         &self,
         leases: &[(Vec<u8>, String)],
-    ) -> Result<Vec<bool>, BackendError> {
+    ) -> Result<Vec<ReleaseAnswer>, BackendError> {
         let leases: Vec<(&[u8], &str)> = leases
             .iter()
             .map(|(k, o)| (k.as_slice(), o.as_str()))
@@ -438,13 +438,15 @@ impl Shard {
             .collect())
     }
 
-    /// Releases `key` if `owner` still holds it; `false` when it did not: another owner holds
-    /// it, or it was freed before (force-released, deleted by the cleaner).
+    /// Releases `key` if `owner` still holds it; [`ReleaseAnswer::NotHeld`] when it did not:
+    /// another owner holds it, or it was freed before (force-released, deleted by the
+    /// cleaner).
     ///
     /// Retried once on a broken connection, like the other idempotent statements here: if the
     /// first try may have reached the server and the retry finds the row free, that try freed
-    /// it (only its reply was lost), and the answer is `true`.
-    pub async fn release(&self, key: &[u8], owner: &str) -> Result<bool, BackendError> {
+    /// it (only its reply was lost), and the answer is [`ReleaseAnswer::Released`]; if the
+    /// retry finds another owner, [`ReleaseAnswer::TakenAfterLostReply`].
+    pub async fn release(&self, key: &[u8], owner: &str) -> Result<ReleaseAnswer, BackendError> {
         self.release_after(key, owner, None).await
     }
 
@@ -455,7 +457,7 @@ impl Shard {
         key: &[u8],
         owner: &str,
         at_least: Option<Duration>,
-    ) -> Result<bool, BackendError> {
+    ) -> Result<ReleaseAnswer, BackendError> {
         let (found, after_unknown) = self
             .with_conn(
                 "release",
@@ -911,12 +913,12 @@ impl Shard {
     }
 }
 
-/// Whether a release that found `found` released the lease: a row it freed, or a free row
+/// What a release that found `found` answers: released for a row it freed, or a free row
 /// after a try that may have freed it (`after_unknown`: its reply was lost).
-fn released(found: Released, after_unknown: bool) -> bool {
-    match found {
-        Released::Freed => true,
-        Released::Free => after_unknown,
-        Released::Taken => false,
+fn released(found: Released, after_unknown: bool) -> ReleaseAnswer {
+    match (found, after_unknown) {
+        (Released::Freed, _) | (Released::Free, true) => ReleaseAnswer::Released,
+        (Released::Taken, true) => ReleaseAnswer::TakenAfterLostReply,
+        (Released::Free | Released::Taken, false) => ReleaseAnswer::NotHeld,
     }
 }

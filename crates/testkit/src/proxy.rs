@@ -32,6 +32,9 @@ pub enum ProxyMode {
     /// The next reply only is swallowed (and its connection reset); then the proxy passes
     /// everything again: a client that retries on another connection gets through.
     LoseOneReply,
+    /// Like [`ProxyMode::LoseOneReply`], but then the link is blackholed (until the mode is
+    /// changed): a client's retry waits while the test acts on the shard.
+    LoseOneReplyThenBlackhole,
     /// Like [`ProxyMode::LoseOneReply`], for the reply to the first request (chunk) that
     /// contains these bytes (a text statement such as `COMMIT`).
     LoseReplyTo(&'static [u8]),
@@ -86,6 +89,12 @@ impl Proxy {
     /// The mode in force.
     pub fn mode(&self) -> ProxyMode {
         *self.mode.borrow()
+    }
+
+    /// Waits until the mode is `mode` (set by the test, or by the proxy itself after a
+    /// [`ProxyMode::LoseOneReply`] or [`ProxyMode::LoseOneReplyThenBlackhole`]).
+    pub async fn wait_for(&self, mode: ProxyMode) {
+        let _ = self.mode.subscribe().wait_for(|m| *m == mode).await;
     }
 }
 
@@ -159,13 +168,18 @@ async fn pump(
                 if lose == ProxyMode::LoseReplies {
                     return None; // swallowed; the connection is reset
                 }
-                let one = lose == ProxyMode::LoseOneReply
-                    || (matches!(lose, ProxyMode::LoseReplyTo(_)) && armed.load(SeqCst));
+                let one = matches!(
+                    lose,
+                    ProxyMode::LoseOneReply | ProxyMode::LoseOneReplyThenBlackhole
+                ) || (matches!(lose, ProxyMode::LoseReplyTo(_)) && armed.load(SeqCst));
                 if one
                     && modes.send_if_modified(|m| {
                         let first = *m == lose;
                         if first {
-                            *m = ProxyMode::Pass;
+                            *m = match lose {
+                                ProxyMode::LoseOneReplyThenBlackhole => ProxyMode::Blackhole,
+                                _ => ProxyMode::Pass,
+                            };
                         }
                         first
                     })
@@ -195,6 +209,7 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
         ProxyMode::Pass
         | ProxyMode::LoseReplies
         | ProxyMode::LoseOneReply
+        | ProxyMode::LoseOneReplyThenBlackhole
         | ProxyMode::LoseReplyTo(_) => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
     }
