@@ -58,12 +58,18 @@ impl Ports {
     }
 }
 
-/// A port in 20000-32767 (below Linux's default ephemeral range) that is free now.
+/// A port in 20000-32767 (below Linux's default ephemeral range) that is free now and was
+/// not handed out before in this process: a node's IST and SST ports stay unbound until it
+/// receives a state transfer, so "free now" alone once gave one node's client port to
+/// another node's IST listener, and that node's rejoin failed.
 fn quiet_port() -> io::Result<u16> {
     use rand::Rng;
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
     for _ in 0..200 {
         let port = rand::rng().random_range(20_000..32_768);
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if !handed_out.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.push(port);
             return Ok(port);
         }
     }
@@ -284,12 +290,15 @@ fn write_option_file(
     } else {
         ""
     };
-    // Membership timeouts: a dead node is evicted in 2 to 4 s (tighter, a node starved of CPU
-    // on a busy 2-core machine is evicted for nothing); `SHARDLOCK_TEST_GALERA_EVS` replaces
-    // them, to measure failover under other settings.
+    // Membership timeouts, as in `ops/mariadb/galera-lock-shard.cnf`: a dead node is suspected
+    // after 1 s, and the survivors agree on a view without it a moment later (their join
+    // messages are sent again every 0.25 s, not every second, which kept them from agreeing
+    // in time on this loaded machine and split them into non-primary views);
+    // `SHARDLOCK_TEST_GALERA_EVS` replaces them, to measure failover under other settings.
     let evs = std::env::var("SHARDLOCK_TEST_GALERA_EVS").unwrap_or_else(|_| {
-        "evs.suspect_timeout=PT2S;evs.inactive_timeout=PT4S;evs.keepalive_period=PT0.5S;\
-         evs.inactive_check_period=PT1S;evs.install_timeout=PT4S"
+        "evs.suspect_timeout=PT1S;evs.inactive_timeout=PT2S;evs.keepalive_period=PT0.25S;\
+         evs.inactive_check_period=PT0.25S;evs.join_retrans_period=PT0.25S;\
+         evs.install_timeout=PT2S"
             .to_owned()
     });
     let options = format!(
