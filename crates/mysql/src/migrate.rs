@@ -66,12 +66,33 @@ pub struct MigrateReport {
     pub version: u32,
 }
 
-/// Applies missing migrations. Concurrent callers serialize on a named server lock, and every
-/// statement is idempotent, so running it twice (or from two processes) is harmless.
-pub(crate) async fn migrate(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
-    let got: Option<i64> = conn
+/// Applies missing migrations. Every step is idempotent (a change already there is recognised
+/// and skipped, a version already recorded is not recorded again), so running it twice, or
+/// from two processes at once, is harmless. On a single server, concurrent callers also
+/// serialize on a named server lock, so that they do not wait on each other's DDL one
+/// statement at a time. On a Galera shard (`cluster`) that lock would hold on one node only
+/// (and some Galera builds refuse it), so none is taken: DDL runs in total order across the
+/// cluster and idempotence does the rest. A server that refuses the lock is migrated without
+/// it too.
+pub(crate) async fn migrate(conn: &mut Conn, cluster: bool) -> mysql_async::Result<MigrateReport> {
+    if cluster {
+        return apply_again_on_conflict(conn).await;
+    }
+    let got: Option<i64> = match conn
         .query_first("SELECT GET_LOCK('shardlock.migrate', 30)")
-        .await?;
+        .await
+    {
+        Ok(got) => got,
+        Err(mysql_async::Error::Server(e)) => {
+            tracing::debug!(
+                code = e.code,
+                "migrating without GET_LOCK, which the server refused: {}",
+                e.message
+            );
+            return apply_again_on_conflict(conn).await;
+        }
+        Err(e) => return Err(e),
+    };
     if got != Some(1) {
         return Err(mysql_async::Error::Other(
             "another process held the migration lock for 30 s".into(),
@@ -85,6 +106,25 @@ pub(crate) async fn migrate(conn: &mut Conn) -> mysql_async::Result<MigrateRepor
         .await;
     result
 }
+
+/// [`apply`], run again from the start when a statement lost a certification conflict (1213)
+/// to the same step run by another process through another node: it is done, or will be
+/// found done.
+async fn apply_again_on_conflict(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
+    let mut tries = 0;
+    loop {
+        match apply(conn).await {
+            Err(mysql_async::Error::Server(e)) if e.code == DEADLOCK && tries < 10 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(10 * tries)).await;
+            }
+            result => return result,
+        }
+    }
+}
+
+/// A deadlock, or on Galera a certification conflict.
+const DEADLOCK: u16 = 1213;
 
 async fn apply(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
     conn.query_drop(VERSION_TABLE).await?;
@@ -103,8 +143,9 @@ async fn apply(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
                     other => other?,
                 }
             }
+            // IGNORE: a process migrating beside this one (without the lock) recorded it first.
             conn.exec_drop(
-                "INSERT INTO shardlock_schema_version (version, name) VALUES (?, ?)",
+                "INSERT IGNORE INTO shardlock_schema_version (version, name) VALUES (?, ?)",
                 (version, name),
             )
             .await?;

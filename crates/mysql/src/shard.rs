@@ -881,7 +881,10 @@ impl Shard {
             .map_err(classify_pool)?;
         // GET_LOCK state: reset before reuse.
         let conn: &mut ShardConn = &mut conn;
-        migrate::migrate(conn.raw()).await.map_err(classify)
+        let cluster = self.pool.manager().has_nodes();
+        migrate::migrate(conn.raw(), cluster)
+            .await
+            .map_err(classify)
     }
 
     /// A pooled connection for a session of the caller's own (a transaction lock, the
