@@ -16,9 +16,9 @@ const ROUNDS: usize = 150;
 const APP_ENV: &str = "SHARDLOCK_TEST_APP_URL";
 
 /// Statements and pool waits for the Galera tests: bounded at 6 s, above the time the
-/// testkit's clusters take to evict a dead node (1-1.5 s, at most 3.25 s), during which every node's commits
-/// wait: a statement sent to a survivor then waits it out rather than timing out, failing its
-/// caller and leaving a healthy node. Connections: 1 s per node.
+/// testkit's clusters take to evict a dead node (1-1.5 s, at most 3.25 s), during which every
+/// node's commits wait: a statement sent to a survivor then waits it out rather than timing
+/// out, failing its caller and leaving a healthy node. Connections: 1 s per node.
 const SETTINGS: &str = "
     statement-timeout: 6s
     pool: { max-size: 16, create-timeout: 3s, wait-timeout: 6s, recycle-timeout: 1s }
