@@ -176,6 +176,19 @@ async fn the_node_in_use_dies_mid_run_and_no_update_is_lost() {
         last_unavailable - served
     );
     common::counters::check(&mut app, 2 * TASKS * ROUNDS).await;
+    // This process's connections, moved to g2 by the failover, meet on g1 again now that it is
+    // back: it is every process's first node.
+    let on_g2 = writes_on_g1().await;
+    let returned = common::eventually(Duration::from_secs(30), || async {
+        let guard = router.acquire(&probe, AcquireOptions::new()).await.unwrap();
+        guard.release().await.unwrap();
+        writes_on_g1().await > on_g2
+    })
+    .await;
+    assert!(
+        returned,
+        "the router's writes went back to g1 once it had rejoined"
+    );
     // The rejoined node has every grant: the cluster is one copy.
     let mut g1 = galera.node(0).connect().await.unwrap();
     let rows: Option<u64> = g1
