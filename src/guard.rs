@@ -514,6 +514,8 @@ pub(crate) async fn release_through_shard(
             .release_after(lease.key.stored(), &lease.owner, lease.at_least())
             .await
     };
+    // Read before the companions' releases, which may each take a statement timeout.
+    let answered_at = tokio::time::Instant::now();
     // The key's rows on other shards (it moved); the turn passes on once all are free.
     for (other, row) in companions {
         other.remove(row.id);
@@ -526,12 +528,13 @@ pub(crate) async fn release_through_shard(
         // A row nobody holds counts as released (ours may have been freed by a first try
         // whose reply was lost); a lease the keeper already found lost stays lost.
         Ok(ReleaseAnswer::Released) if !lease.is_lost() => Ok(()),
-        // Another owner holds the row after a first try whose reply was lost. If the lease
-        // cannot have ended on the shard yet (its local end comes before the shard's), that
-        // try freed the row for its new owner (or an operator revoked the lease, which a free
-        // row after a lost reply cannot tell either): released.
+        // Another owner holds the row after a first try whose outcome is unknown (its reply
+        // was lost). If the lease cannot have ended on the shard by the time the retry read
+        // the row (its local end comes before the shard's), that try freed the row for its new
+        // owner: released. (Or an operator had revoked the lease and someone took the key
+        // since, which a free row after a lost reply cannot tell apart either.)
         Ok(ReleaseAnswer::TakenAfterLostReply)
-            if !lease.is_lost() && tokio::time::Instant::now() < lease.deadline() =>
+            if !lease.is_lost() && answered_at < lease.deadline() =>
         {
             Ok(())
         }

@@ -549,8 +549,9 @@ async fn the_registry_cleaner_jobs_and_cas_work_on_a_galera_shard() {
 }
 
 /// Two processes migrate a fresh Galera shard at once, each through another node: no lock
-/// serializes them (a named lock would hold on one node only), yet both succeed, every
-/// migration is recorded once and the schema is whole on every node (DDL runs in total order
+/// serializes them (a named lock would hold on one node only), yet both succeed (their
+/// statements conflict in certification, 1213, which is retried), every migration is
+/// recorded and the schema is whole on every node (DDL runs in total order
 /// across the cluster, and every step is idempotent).
 #[tokio::test(flavor = "multi_thread")]
 async fn two_processes_migrate_a_galera_shard_through_different_nodes_at_once() {
@@ -573,6 +574,10 @@ async fn two_processes_migrate_a_galera_shard_through_different_nodes_at_once() 
     assert_eq!(two.unwrap().version, latest);
     for node in 0..3 {
         let mut conn = galera.node(node).connect().await.unwrap();
+        // After every write the cluster committed before this read.
+        conn.query_drop("SET SESSION wsrep_sync_wait = 1")
+            .await
+            .unwrap();
         let versions: Vec<u32> = conn
             .query("SELECT version FROM shardlock_schema_version ORDER BY version")
             .await

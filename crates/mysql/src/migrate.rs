@@ -83,7 +83,9 @@ pub(crate) async fn migrate(conn: &mut Conn, cluster: bool) -> mysql_async::Resu
         .await
     {
         Ok(got) => got,
-        Err(mysql_async::Error::Server(e)) => {
+        // Refused (some Galera builds do), not merely slow or killed while another process
+        // holds it: those are errors.
+        Err(mysql_async::Error::Server(e)) if !LOCK_WAIT_ENDED.contains(&e.code) => {
             tracing::debug!(
                 code = e.code,
                 "migrating without GET_LOCK, which the server refused: {}",
@@ -98,7 +100,9 @@ pub(crate) async fn migrate(conn: &mut Conn, cluster: bool) -> mysql_async::Resu
             "another process held the migration lock for 30 s".into(),
         ));
     }
-    let result = apply(conn).await;
+    // Again on a conflict too: a Galera cluster reached through one address (no `nodes`)
+    // takes the lock on whichever node that address leads to.
+    let result = apply_again_on_conflict(conn).await;
     // A failed release is not reported over the migration's own result: the connection was
     // taken raw, so the pool resets it before reuse, and the reset frees the lock anyway.
     let _ = conn
@@ -111,14 +115,16 @@ pub(crate) async fn migrate(conn: &mut Conn, cluster: bool) -> mysql_async::Resu
 /// to the same step run by another process through another node: it is done, or will be
 /// found done.
 async fn apply_again_on_conflict(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
+    // One report across the runs: a version applied before a conflict is still this call's.
+    let mut report = MigrateReport::default();
     let mut tries = 0;
     loop {
-        match apply(conn).await {
+        match apply(conn, &mut report).await {
             Err(mysql_async::Error::Server(e)) if e.code == DEADLOCK && tries < 10 => {
                 tries += 1;
                 tokio::time::sleep(std::time::Duration::from_millis(10 * tries)).await;
             }
-            result => return result,
+            result => return result.map(|()| report),
         }
     }
 }
@@ -126,12 +132,17 @@ async fn apply_again_on_conflict(conn: &mut Conn) -> mysql_async::Result<Migrate
 /// A deadlock, or on Galera a certification conflict.
 const DEADLOCK: u16 = 1213;
 
-async fn apply(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
+/// Errors of a `GET_LOCK` that ended without being refused: the statement's time limit (MySQL
+/// 3024, MariaDB 1969) or a kill (1317).
+const LOCK_WAIT_ENDED: &[u16] = &[3024, 1969, 1317];
+
+/// Applies what `shardlock_schema_version` does not list yet, adding each version applied to
+/// `report`.
+async fn apply(conn: &mut Conn, report: &mut MigrateReport) -> mysql_async::Result<()> {
     conn.query_drop(VERSION_TABLE).await?;
     let done: Vec<u32> = conn
         .query("SELECT version FROM shardlock_schema_version")
         .await?;
-    let mut report = MigrateReport::default();
     for &(version, name, sql) in MIGRATIONS {
         if !done.contains(&version) {
             // DDL commits on its own, so a version interrupted half-way (a lost connection,
@@ -153,7 +164,7 @@ async fn apply(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
         }
         report.version = version;
     }
-    Ok(report)
+    Ok(())
 }
 
 /// Splits a migration file into statements: `;` at the end of a line ends one; `--` lines are
