@@ -594,3 +594,78 @@ async fn two_processes_migrate_a_galera_shard_through_different_nodes_at_once() 
         assert_eq!(columns, Some(10), "node g{}", node + 1);
     }
 }
+
+/// Fences rise across a node failover although the nodes' clocks differ: g2 and g3 run 8 s
+/// behind g1 (the shard allows 10 s of skew), so a fence taken from the clock of the node
+/// that answers would go down by 8 s less the failover's time after g1 dies. A key granted again through g2 is above
+/// its last fence (kept in its replicated row), and a key whose row the cleaner deleted
+/// through g2 is above the deleted row's fence (the shard's replicated fence floor).
+#[tokio::test(flavor = "multi_thread")]
+async fn fences_rise_across_a_failover_to_nodes_whose_clocks_are_behind() {
+    use shardlock::mysql_async::prelude::Queryable;
+
+    let galera = GaleraCluster::start_with_clocks(3, &[(1, "-8s"), (2, "-8s")])
+        .await
+        .unwrap();
+    let yaml = galera.config_yaml(
+        "g",
+        &format!(
+            "    node-clock-skew: 10s\n{SETTINGS}cleaner:\n  grace: 100ms\n  registry: static\n\
+             namespaces:\n  default:\n    ttl: 120s\n    wait: 10s\n"
+        ),
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    // The skew is real: g2's clock reads about 8 s before g1's.
+    let now_us = |i: usize| {
+        let node = galera.node(i);
+        async move {
+            let mut c = node.connect().await.unwrap();
+            let us: Option<u64> = c
+                .query_first("SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)")
+                .await
+                .unwrap();
+            us.unwrap()
+        }
+    };
+    let behind = now_us(0).await.saturating_sub(now_us(1).await);
+    assert!(behind > 7_000_000, "g2 is {behind} µs behind g1");
+
+    let held = router.acquire("held", AcquireOptions::new()).await.unwrap();
+    let held_fence = held.fence();
+    held.release().await.unwrap();
+    let cleaned = router
+        .acquire("cleaned", AcquireOptions::new())
+        .await
+        .unwrap();
+    let cleaned_fence = cleaned.fence();
+    cleaned.release().await.unwrap();
+
+    galera.node(0).kill().unwrap();
+    let again = acquire_when_served(&router, "held").await;
+    assert!(
+        again.fence() > held_fence,
+        "fence of a key granted again through g2: {} after {held_fence}",
+        again.fence()
+    );
+    again.release().await.unwrap();
+
+    // The cleaner deletes the released row through g2 once its grace has passed.
+    let deleted = common::eventually(Duration::from_secs(20), || async {
+        router.clean_once().await.unwrap();
+        router.inspect("cleaned").await.unwrap().1.is_none()
+    })
+    .await;
+    assert!(deleted, "the cleaner deleted the released row");
+    let fresh = router
+        .acquire("cleaned", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(
+        fresh.fence() > cleaned_fence,
+        "fence of a deleted key granted again through g2: {} after {cleaned_fence}",
+        fresh.fence()
+    );
+    fresh.release().await.unwrap();
+    router.shutdown().await.unwrap();
+}
