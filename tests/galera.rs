@@ -57,6 +57,18 @@ async fn acquire_when_served(router: &LockRouter, key: &str) -> shardlock::LockG
     }
 }
 
+/// Node `i` of `galera` as a shard of its own (its only node), as a process whose preferred
+/// node it is would reach the cluster.
+fn through(galera: &GaleraCluster, i: usize) -> shardlock_mysql::Shard {
+    let yaml = format!(
+        "shards:\n  - name: g\n    url: {}\n    nodes: [127.0.0.1:{}]\n    statement-timeout: 20s\n",
+        galera.node(i).url(),
+        galera.node(i).port()
+    );
+    let config = shardlock::Config::from_yaml_str(&yaml).unwrap();
+    shardlock_mysql::Shard::new(&config.shards[0], 0).unwrap()
+}
+
 /// `plain` plain shards and the three-node Galera shard `g`, their config, and a migrated
 /// router over them.
 async fn start(plain: usize) -> (Cluster, GaleraCluster, String, LockRouter) {
@@ -343,20 +355,11 @@ async fn a_frozen_node_is_left_and_its_holders_learn_they_lost() {
 /// it had not applied the grant when the renewal was sent.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_renewal_through_a_node_behind_extends_what_it_reports_held() {
-    use shardlock_mysql::{Attempt, GrantRequest, Shard};
+    use shardlock_mysql::{Attempt, GrantRequest};
 
     let galera = GaleraCluster::start(3).await.unwrap();
     // Each node as a shard of its own: the grant goes through g1, the renewal through g2.
-    let through = |i: usize| {
-        let yaml = format!(
-            "shards:\n  - name: g\n    url: {}\n    nodes: [127.0.0.1:{}]\n    statement-timeout: 20s\n",
-            galera.node(i).url(),
-            galera.node(i).port()
-        );
-        let config = shardlock::Config::from_yaml_str(&yaml).unwrap();
-        Shard::new(&config.shards[0], 0).unwrap()
-    };
-    let (g1, g2) = (through(0), through(1));
+    let (g1, g2) = (through(&galera, 0), through(&galera, 1));
     g1.migrate().await.unwrap();
     let mut raw1 = galera.node(0).connect().await.unwrap();
     raw1.query_drop("CREATE TABLE ballast (id INT PRIMARY KEY, pad CHAR(200) NOT NULL)")
@@ -555,19 +558,8 @@ async fn the_registry_cleaner_jobs_and_cas_work_on_a_galera_shard() {
 /// across the cluster, and every step is idempotent).
 #[tokio::test(flavor = "multi_thread")]
 async fn two_processes_migrate_a_galera_shard_through_different_nodes_at_once() {
-    use shardlock_mysql::Shard;
-
     let galera = GaleraCluster::start(3).await.unwrap();
-    let through = |i: usize| {
-        let yaml = format!(
-            "shards:\n  - name: g\n    url: {}\n    nodes: [127.0.0.1:{}]\n",
-            galera.node(i).url(),
-            galera.node(i).port()
-        );
-        let config = shardlock::Config::from_yaml_str(&yaml).unwrap();
-        Shard::new(&config.shards[0], 0).unwrap()
-    };
-    let (g1, g2) = (through(0), through(1));
+    let (g1, g2) = (through(&galera, 0), through(&galera, 1));
     let (one, two) = tokio::join!(g1.migrate(), g2.migrate());
     let latest = shardlock_mysql::MIGRATIONS.last().unwrap().0;
     assert_eq!(one.unwrap().version, latest);
