@@ -38,11 +38,13 @@ pub(super) fn default_backoff() -> Backoff {
     )
 }
 
-/// The baselines' pool: as many connections as the shard's shardlock pool, and (like
-/// shardlock's pool) no session reset on every return, so prepared statements stay cached.
-/// Reaches the shard as shardlock does (credentials beside the URL, TLS).
-pub(super) fn baseline_pool(shard: &ShardConfig) -> Result<Pool, AnyError> {
-    let max = shard.pool.max_size;
+/// The baselines' pool: a connection for each of the uncontended scenario's `tasks` (the raw
+/// cycle at 64 tasks is the raw cycle at 64 connections, as a team would run it), and never
+/// fewer than the shard's shardlock pool; like shardlock's pool, no session reset on every
+/// return, so prepared statements stay cached. Reaches the shard as shardlock does
+/// (credentials beside the URL, TLS).
+pub(super) fn baseline_pool(shard: &ShardConfig, tasks: u32) -> Result<Pool, AnyError> {
+    let max = shard.pool.max_size.max(tasks as usize);
     let constraints = PoolConstraints::new(1, max.max(1)).ok_or("pool size")?;
     let opts = OptsBuilder::from_opts(shardlock::connect_opts(shard, 0)?)
         .pool_opts(

@@ -89,7 +89,7 @@ pub(crate) struct BenchArgs {
     /// Interleaved rounds per side; each side reports its median round.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     rounds: u32,
-    /// Concurrent tasks in the uncontended scenario.
+    /// Concurrent tasks in the uncontended scenario (and connections of the raw baseline).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
     tasks: u32,
     /// Concurrent tasks on the hot key.
@@ -138,7 +138,7 @@ pub(crate) async fn run(
     let shard = config.shards[0].clone();
     let router = LockRouter::new(config).await?;
     router.migrate().await?;
-    let pool = baseline_pool(&shard)?;
+    let pool = baseline_pool(&shard, args.tasks)?;
     prepare_baseline_tables(&pool).await?;
     let counters = Counters { pool: pool.clone() };
     let run_id = std::time::SystemTime::now()

@@ -43,6 +43,9 @@ pub(super) struct Batching {
     pub(super) keys_per_release: f64,
     /// Acquire statements (writes and read-backs) per key.
     pub(super) acquire_statements_per_key: f64,
+    /// Share of the keys that went alone, as a single acquire (a lane with nothing queued)
+    /// and as a single release.
+    pub(super) alone: (f64, f64),
 }
 
 /// The shard's server-wide counters at one moment (the harness reads them before and after
@@ -192,8 +195,13 @@ fn print_report(report: &Report) {
         }
         if let Some(b) = c.shardlock.batching {
             println!(
-                "  shardlock sent {:.1} keys per acquire write ({:.2} acquire statements per key), {:.1} per release",
-                b.keys_per_acquire, b.acquire_statements_per_key, b.keys_per_release
+                "  shardlock sent {:.1} keys per acquire write ({:.2} acquire statements per key), {:.1} per release; \
+                 {:.0}% of acquires and {:.0}% of releases went alone",
+                b.keys_per_acquire,
+                b.acquire_statements_per_key,
+                b.keys_per_release,
+                b.alone.0 * 100.0,
+                b.alone.1 * 100.0
             );
         }
         let target = match c.scenario {
