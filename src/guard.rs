@@ -10,7 +10,6 @@ use shardlock_core::{Error, Result};
 use shardlock_mysql::{GrantRequest, HandoffOutcome, ReleaseAnswer};
 use tokio::time::Instant;
 
-use crate::finish::Finish;
 use crate::queue::{NextWaiter, Turn};
 use crate::shard::ShardState;
 use crate::shard::{Grant, LeaseState};
@@ -283,8 +282,8 @@ impl LockGuard {
     /// completed), and a backend error if the shard could not be reached (the lease is no
     /// longer renewed then, so it ends by expiry).
     ///
-    /// Cancellation: the release completes even if this future is dropped (it is then
-    /// finished in a task of its own).
+    /// Cancellation: the release runs in its own task and completes even if this future is
+    /// dropped.
     pub async fn release(mut self) -> Result<()> {
         self.done = true;
         if self.hold.guards.fetch_sub(1, Ordering::AcqRel) > 1 {
@@ -292,8 +291,9 @@ impl LockGuard {
         }
         match end_hold(&self.hold) {
             None => Ok(()),
-            // Run by this poll; finished in a task of its own if the caller stops waiting.
-            Some(shard_work) => Finish::new(shard_work, drop).await,
+            Some(shard_work) => tokio::spawn(shard_work)
+                .await
+                .map_err(|_| Error::Shutdown)?,
         }
     }
 }

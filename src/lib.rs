@@ -6,7 +6,6 @@ mod acquire;
 mod cleaner;
 mod election;
 mod fence;
-mod finish;
 mod guard;
 mod listing;
 mod moves;

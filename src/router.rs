@@ -379,8 +379,7 @@ impl LockRouter {
     /// in FIFO order. Between polls the waiter backs off exponentially with jitter.
     ///
     /// Cancellation: dropping the future at any point leaves no lease behind. An attempt in
-    /// flight completes (in a task of its own once nobody waits for it) and, if it won,
-    /// releases the lease it got.
+    /// flight completes in its own task and, if it won, releases the lease it got.
     pub async fn acquire(&self, key: &str, opts: AcquireOptions) -> Result<LockGuard> {
         let key = LockKey::new(key)?;
         self.acquire_key(key, &opts, None).await

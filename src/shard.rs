@@ -18,7 +18,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::sync::LockExt;
-pub(crate) use lanes::{is_not_sent, AttemptAnswer};
+pub(crate) use lanes::is_not_sent;
 use lanes::{no_answer, LeaveLane};
 
 mod keeper;
@@ -216,16 +216,8 @@ impl ShardState {
     /// failed after it may have reached the server (its reply lost or late), or a `Locked`
     /// answer after a try whose connection broke once it had sent. An answer sent but never
     /// taken is the caller's to give back (acquire/attempt.rs).
-    ///
-    /// A lone attempt (nothing queued, a runner's place free) is sent by its caller, without
-    /// a task hop (see [`lanes::AttemptAnswer`]).
-    pub(crate) fn attempt(self: &Arc<Self>, req: &GrantRequest) -> lanes::AttemptAnswer {
-        if self.breaker_state() != BreakerState::Open
-            && self.acquire_lane.enter_alone(self.batches_in_flight())
-        {
-            return lanes::AttemptAnswer::alone(self, req.clone());
-        }
-        lanes::AttemptAnswer::Queued(self.send_acquire(req.clone(), true))
+    pub(crate) fn attempt(self: &Arc<Self>, req: &GrantRequest) -> lanes::Answer<Attempt> {
+        self.send_acquire(req.clone(), true)
     }
 
     fn send_acquire(self: &Arc<Self>, req: GrantRequest, orphan: bool) -> lanes::Answer<Attempt> {

@@ -3,21 +3,20 @@
 //! An acquire's caller may give up at any moment (its wait ends, its future is dropped) while
 //! the statement is on the wire. A grant that lands after that must not stay behind as a lease
 //! nobody holds, and a statement whose reply was lost may have granted all the same. So the
-//! statement always runs to its end — in the shard's dispatcher, or, sent alone, in the
-//! caller's poll and then, if the caller goes away first, in a task of its own — and whoever
-//! sees a winning answer last gives it back: that task or runner, or the caller's end
-//! ([`PendingAttempt`]) when it drops with an answer untaken.
+//! statement runs in a task of its own, and whoever sees a winning answer last gives it back:
+//! the task, or the caller's end ([`PendingAttempt`]) when it drops with an answer untaken.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use shardlock_core::{BackendError, BackendErrorKind, Error, LockKey, Result};
 use shardlock_mysql::{Attempt, GrantRequest};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::queue::Want;
 use crate::router::LockRouter;
-use crate::shard::{AttemptAnswer, Grant, ShardState};
+use crate::shard::{Grant, ShardState};
 
 /// What one grant attempt came to.
 #[derive(Debug)]
@@ -74,10 +73,10 @@ impl LockRouter {
     }
 }
 
-/// One acquire statement, run so that it always completes. If the caller goes away
-/// meanwhile, whoever sees a winning result last releases it: the runner or the task that
-/// finishes a lone statement (when the caller was gone before the answer) or
-/// [`PendingAttempt`]'s drop (when the answer was already sent but not yet taken).
+/// One acquire statement, run in its own task so that it always completes. If the caller
+/// goes away meanwhile, whoever sees a winning result last releases it: the task (when the
+/// caller was gone before the answer) or [`PendingAttempt`]'s drop (when the answer was
+/// already sent but not yet taken).
 ///
 /// The caller waits until `deadline` at most (or the statement timeout, for a deadline
 /// already past: a single try), so no acquire outlives its wait. `None` when the answer
@@ -88,8 +87,8 @@ async fn attempt(
     req: &GrantRequest,
     deadline: Instant,
 ) -> Result<Option<Attempt>> {
-    // Sent alone by this poll, or by the shard's dispatcher; either way a grant nobody is
-    // there to take, or an outcome that is unknown, is given back (see `ShardState::attempt`).
+    // Sent by the shard's dispatcher in a task of its own, which also gives the grant back if
+    // nobody is there to take it, or if its outcome is unknown (see `ShardState::attempt`).
     let rx = shard.attempt(req);
     let mut pending = PendingAttempt {
         rx,
@@ -128,7 +127,7 @@ async fn attempt(
 
 /// The caller's end of an attempt in flight (see [`attempt`]).
 struct PendingAttempt {
-    rx: AttemptAnswer,
+    rx: oneshot::Receiver<std::result::Result<Attempt, shardlock_core::BackendError>>,
     shard: Arc<ShardState>,
     key: Vec<u8>,
     owner: String,
@@ -140,7 +139,9 @@ impl Drop for PendingAttempt {
         if self.taken {
             return;
         }
-        if let Some(Ok(Attempt::Granted(_))) = self.rx.abandon() {
+        // After close() the task can no longer send; a grant sent before is ours to undo.
+        self.rx.close();
+        if let Ok(Ok(Attempt::Granted(_))) = self.rx.try_recv() {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let (shard, key, owner) = (
                     self.shard.clone(),

@@ -23,7 +23,6 @@ use shardlock_mysql::{Attempt, BatchGrants, GrantRequest, ReleaseAnswer, MAX_BAT
 use tokio::sync::oneshot;
 
 use super::ShardState;
-use crate::finish::Finish;
 use crate::sync::LockExt;
 
 /// Where a caller waits for its request's answer.
@@ -372,102 +371,4 @@ pub(super) fn no_answer() -> BackendError {
     );
     e.maybe_applied = true;
     e
-}
-
-/// Where an acquire attempt's caller waits for its answer (see `ShardState::attempt`): a
-/// lone attempt's own statement, which the caller's poll drives (one round trip, no task hop:
-/// what a lone caller pays is the statement alone), or its lane's answer.
-///
-/// A lone attempt still always completes: dropped before its answer (its caller gave up), its
-/// statement is finished by a task of its own, which gives back a grant nobody takes, as a
-/// runner does for a caller that went away.
-pub(crate) enum AttemptAnswer {
-    /// Sent by the caller.
-    Alone(Finish<Result<Attempt, BackendError>>),
-    /// In a lane, answered by its runner.
-    Queued(Answer<Attempt>),
-}
-
-impl AttemptAnswer {
-    /// The attempt of `req` sent by its caller, who was counted in as the acquire lane's
-    /// runner ([`Lane::enter_alone`]): one statement through the breaker, then the lane is
-    /// left (a runner starts for what queued meanwhile). An outcome the shard may have applied
-    /// without saying so (a lost reply), or a `Locked` answer after a try whose connection
-    /// broke once it had sent, is given back whoever waits, as a runner gives it back.
-    pub(super) fn alone(shard: &Arc<ShardState>, req: GrantRequest) -> Self {
-        let ttl = Duration::from_millis(u64::from(req.ttl_ms));
-        let (state, key, owner) = (shard.clone(), req.key.clone(), req.owner.clone());
-        // Taken outside the statement's future, so that a future dropped unpolled (its
-        // runtime shut down) still gives the runner's place back.
-        let leave = LeaveAcquireLane(shard.clone());
-        let statement = async move {
-            let leave = leave;
-            let result = state
-                .call_timed(state.backend.acquire(&req), |r| {
-                    !matches!(r, Ok(Attempt::Locked))
-                })
-                .await;
-            let sent = match &result {
-                Err(e) if e.kind == BackendErrorKind::BreakerOpen => 0,
-                _ => 1,
-            };
-            let stats = &state.shared.stats;
-            stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
-            drop(leave);
-            let unknown = matches!(&result, Err(e) if e.maybe_applied);
-            if unknown || matches!(result, Ok(Attempt::Locked)) {
-                state.give_back(req.key, req.owner, ttl);
-            }
-            result
-        };
-        let shard = shard.clone();
-        AttemptAnswer::Alone(Finish::new(statement, move |result| {
-            if let Ok(Attempt::Granted(_)) = result {
-                shard.give_back(key, owner, ttl);
-            }
-        }))
-    }
-
-    /// The caller went away without its answer. A lone statement is finished by a task of
-    /// its own when this is dropped; a queued one's runner gives back what nobody takes, but
-    /// a grant that reached the channel before is returned, for the caller's end to give back.
-    pub(crate) fn abandon(&mut self) -> Option<Result<Attempt, BackendError>> {
-        match self {
-            AttemptAnswer::Alone(_) => None,
-            AttemptAnswer::Queued(rx) => {
-                // After close() the runner can no longer send; a grant sent before is ours.
-                rx.close();
-                rx.try_recv().ok()
-            }
-        }
-    }
-}
-
-impl std::future::Future for AttemptAnswer {
-    type Output = Result<Result<Attempt, BackendError>, oneshot::error::RecvError>;
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        match &mut *self {
-            AttemptAnswer::Queued(rx) => std::pin::Pin::new(rx).poll(cx),
-            AttemptAnswer::Alone(statement) => std::pin::Pin::new(statement).poll(cx).map(Ok),
-        }
-    }
-}
-
-/// Counts a lone acquire out of its lane when its statement ends (or is dropped), and starts
-/// a runner for what queued behind it (see [`LeaveLane`]).
-struct LeaveAcquireLane(Arc<ShardState>);
-
-impl Drop for LeaveAcquireLane {
-    fn drop(&mut self) {
-        if self.0.acquire_lane.leave() {
-            let running = self.0.acquire_runner();
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                drop(runtime.spawn(running.send_acquires()));
-            }
-        }
-    }
 }
