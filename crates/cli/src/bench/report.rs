@@ -43,9 +43,11 @@ pub(super) struct Batching {
     pub(super) keys_per_release: f64,
     /// Acquire statements (writes and read-backs) per key.
     pub(super) acquire_statements_per_key: f64,
-    /// Share of the keys that went alone, as a single acquire (a lane with nothing queued)
-    /// and as a single release.
-    pub(super) alone: (f64, f64),
+    /// Share of the keys that went alone, as a single acquire (nothing else queued when a
+    /// runner took it)...
+    pub(super) alone_acquires: f64,
+    /// ... and as a single release.
+    pub(super) alone_releases: f64,
 }
 
 /// The shard's server-wide counters at one moment (the harness reads them before and after
@@ -200,8 +202,8 @@ fn print_report(report: &Report) {
                 b.keys_per_acquire,
                 b.acquire_statements_per_key,
                 b.keys_per_release,
-                b.alone.0 * 100.0,
-                b.alone.1 * 100.0
+                b.alone_acquires * 100.0,
+                b.alone_releases * 100.0
             );
         }
         let target = match c.scenario {

@@ -53,10 +53,8 @@ fn batching(before: &LockStats, after: &LockStats) -> Batching {
         keys_per_release: per(keys, release_batches + keys - batched_releases),
         acquire_statements_per_key: (after.acquire_statements - before.acquire_statements) as f64
             / keys.max(1.0),
-        alone: (
-            (keys - batched) / keys.max(1.0),
-            (keys - batched_releases) / keys.max(1.0),
-        ),
+        alone_acquires: (keys - batched) / keys.max(1.0),
+        alone_releases: (keys - batched_releases) / keys.max(1.0),
     }
 }
 
