@@ -133,11 +133,10 @@ async fn a_reload_that_changes_only_a_ttl_moves_nothing() {
     assert_eq!(before, after, "no key moved");
     assert!(held.is_held(), "a lease held across the reload stays held");
 
-    let writes_before = common::status_sum(&cluster, "Com_insert").await
-        + common::status_sum(&cluster, "Com_update").await;
+    let writes_before =
+        common::inserts(&cluster).await + common::status_sum(&cluster, "Com_update").await;
     let g = router.acquire("k:2", AcquireOptions::new()).await.unwrap();
-    let writes = common::status_sum(&cluster, "Com_insert").await
-        + common::status_sum(&cluster, "Com_update").await
+    let writes = common::inserts(&cluster).await + common::status_sum(&cluster, "Com_update").await
         - writes_before;
     assert_eq!(
         writes, 1,

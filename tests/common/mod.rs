@@ -32,13 +32,25 @@ pub async fn worker_router() -> LockRouter {
         .expect("worker router")
 }
 
-/// Statements that write rows (INSERT, UPDATE, DELETE), from the server's own counters.
-/// Lock statements are all writes; reads by the tests themselves are not counted.
+/// Statements that write rows (INSERT, INSERT ... SELECT, UPDATE, DELETE), from the server's
+/// own counters. Lock statements are all writes; reads by the tests themselves are not
+/// counted.
 pub async fn dml_statements(shard: &Shard) -> u64 {
     shard
-        .global_status_sum(&["Com_insert", "Com_update", "Com_delete"])
+        .global_status_sum(&[
+            "Com_insert",
+            "Com_insert_select",
+            "Com_update",
+            "Com_delete",
+        ])
         .await
         .unwrap()
+}
+
+/// Inserts of either form (`INSERT ... VALUES`, `INSERT ... SELECT`: an acquire is the
+/// second) over all shards.
+pub async fn inserts(cluster: &Cluster) -> u64 {
+    status_sum(cluster, "Com_insert").await + status_sum(cluster, "Com_insert_select").await
 }
 
 /// Sum of a global status counter over all shards.

@@ -22,8 +22,11 @@
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params};
 
-use crate::lease::{padded_in_list, Attempt, GrantRequest, Released, HELD_MARK, LOCK_WAIT_TIMEOUT};
-use crate::{fence_floor, now_us};
+use crate::lease::{
+    floor_row_missing, padded_in_list, Attempt, GrantRequest, Released, HELD_MARK,
+    LOCK_WAIT_TIMEOUT,
+};
+use crate::{floor_row, floor_row_is, joined_floor, now_us};
 
 /// Most keys in one batch: its JSON (about 150 KiB with 255-byte keys, as hex) stays far below
 /// `max_allowed_packet`, and the read-back's key list far below the server's 65,535
@@ -57,7 +60,7 @@ pub const MAX_BATCH: usize = 256;
 ///   `every_kind_of_row_is_read_back_even_when_the_clock_stands_still` pins that down.
 const ACQUIRE_BATCH: &str = concat!(
     "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
-    "SELECT UNHEX(src.k), src.o, GREATEST(LAST_INSERT_ID(GREATEST(", now_us!(), ", ", fence_floor!(), ")), src.f) + src.r, ",
+    "SELECT UNHEX(src.k), src.o, GREATEST(LAST_INSERT_ID(GREATEST(", now_us!(), ", ", joined_floor!(), ")), src.f) + src.r, ",
     "src.t, NOW(3) + INTERVAL src.t * 1000 MICROSECOND, NOW(3), src.tr, NULL ",
     "FROM JSON_TABLE(?, '$[*]' COLUMNS (",
     "k VARCHAR(512) CHARACTER SET ascii PATH '$[0]', ",
@@ -66,10 +69,10 @@ const ACQUIRE_BATCH: &str = concat!(
     "r INT UNSIGNED PATH '$[3]', ",
     "t INT UNSIGNED PATH '$[4]', ",
     "tr VARCHAR(55) CHARACTER SET ascii PATH '$[5]'",
-    ")) AS src ORDER BY src.k ",
+    ")) AS src JOIN ", floor_row!(), " ON ", floor_row_is!(), " ORDER BY src.k ",
     "ON DUPLICATE KEY UPDATE ",
     "owner = IF(shardlock_lease.owner IS NULL OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
-    "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", fence_floor!(), ", src.f) + src.r, shardlock_lease.fence), ",
+    "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", joined_floor!(), ", src.f) + src.r, shardlock_lease.fence), ",
     "ttl_ms = IF(shardlock_lease.owner = src.o, src.t, shardlock_lease.ttl_ms), ",
     "expires_at = IF(shardlock_lease.owner = src.o, NOW(3) + INTERVAL src.t * 1000 MICROSECOND, shardlock_lease.expires_at), ",
     "acquired_at = IF(shardlock_lease.owner = src.o, NOW(3), shardlock_lease.acquired_at), ",
@@ -134,6 +137,7 @@ pub(crate) async fn acquire_batch(
         }
         result => result?,
     }
+    floor_row_missing(conn)?;
     if let Some(base) = all_inserted(conn, reqs.len()) {
         return Ok(BatchGrants {
             attempts: reqs
@@ -405,6 +409,91 @@ mod tests {
             let (_, stored_fence) = stored(&mut raw, &key).await;
             assert_eq!(stored_fence, fence + 2, "{key}");
         }
+    }
+
+    /// A shard whose fence floor row is gone (removed by hand) answers every acquire, alone
+    /// or in a batch, with an error that says so, never with a held key; `migrate` makes the
+    /// row again.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_missing_fence_floor_is_an_error_until_migrate() {
+        let cluster = Cluster::start(1).await.unwrap();
+        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let shard = Shard::new(&config.shards[0], 0).unwrap();
+        shard.migrate().await.unwrap();
+        let mut raw = cluster.shard(0).connect().await.unwrap();
+        raw.query_drop("DELETE FROM shardlock_meta WHERE name = 'fence-floor'")
+            .await
+            .unwrap();
+        let alone = shard.acquire(&request("alone", "mine:0", 0)).await;
+        let err = alone.expect_err("no floor, no grant");
+        let said = shardlock_core::Report(&err).to_string();
+        assert!(said.contains("fence floor"), "{said}");
+        let reqs = [request("a", "mine:1", 0), request("b", "mine:2", 0)];
+        let batch = shard.acquire_batch(&reqs).await;
+        let err = batch.expect_err("no floor, no grant");
+        let said = shardlock_core::Report(&err).to_string();
+        assert!(said.contains("fence floor"), "{said}");
+        let rows: Option<u64> = raw
+            .query_first("SELECT COUNT(*) FROM shardlock_lease")
+            .await
+            .unwrap();
+        assert_eq!(rows, Some(0), "nothing was written");
+
+        shard.migrate().await.unwrap();
+        let grant = shard.acquire(&request("alone", "mine:3", 0)).await.unwrap();
+        assert!(matches!(grant, Attempt::Granted(_)), "{grant:?}");
+        let batch = shard.acquire_batch(&reqs).await.unwrap();
+        assert!(
+            batch
+                .attempts
+                .iter()
+                .all(|a| matches!(a, Attempt::Granted(_))),
+            "{batch:?}"
+        );
+    }
+
+    /// An acquire, alone or in a batch, share-locks the fence floor's row until it commits:
+    /// a raise of the floor waits for it (here, until its lock wait ends), so no acquire
+    /// that read the old floor commits after the raise. Also on a server whose default
+    /// isolation is `READ COMMITTED`, where a write's read of another table locks nothing
+    /// unless the session asks for `REPEATABLE READ`.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_raise_of_the_fence_floor_waits_for_acquires_in_flight() {
+        let cluster = Cluster::start(1).await.unwrap();
+        let mut admin = cluster.shard(0).connect().await.unwrap();
+        admin
+            .query_drop("SET GLOBAL TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            .await
+            .unwrap();
+        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let shard = Shard::new(&config.shards[0], 0).unwrap();
+        shard.migrate().await.unwrap();
+        let mut raiser = cluster.shard(0).connect().await.unwrap();
+        raiser
+            .query_drop("SET SESSION innodb_lock_wait_timeout = 1")
+            .await
+            .unwrap();
+        for batch in [false, true] {
+            let mut session = shard.connection().await.unwrap();
+            let conn = session.raw();
+            conn.query_drop("BEGIN").await.unwrap();
+            let req = request(&format!("in-flight:{batch}"), "mine", 0);
+            if batch {
+                let other = request(&format!("in-flight:{batch}:2"), "mine:2", 0);
+                acquire_batch(conn, &[&req, &other]).await.unwrap();
+            } else {
+                crate::lease::acquire(conn, &req).await.unwrap();
+            }
+            let raised = crate::lease::raise_shard_floor(&mut raiser, 1).await;
+            match raised {
+                Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {}
+                other => panic!("batch {batch}: the raise did not wait: {other:?}"),
+            }
+            conn.query_drop("ROLLBACK").await.unwrap();
+        }
+        crate::lease::raise_shard_floor(&mut raiser, 1)
+            .await
+            .unwrap();
     }
 
     /// What a release answers, alone and in a batch: released for its own row; not released

@@ -26,6 +26,42 @@ macro_rules! fence_floor {
     };
 }
 
+/// The fence floor's row joined into an acquire (`FROM ... JOIN` it, or `FROM` it alone), so
+/// that the statement reads it once, as `meta.value`, for both the insert and the update
+/// branch: read as a subquery in each, it was the costliest part of an acquire on the server
+/// (a second table opened and locked per reference). A row read by `INSERT ... SELECT` is
+/// share-locked until the statement commits, as the subquery's was: a raise of the floor
+/// waits for acquires in flight, and every acquire after it reads the raised floor.
+///
+/// Every migrated shard has the row (migration 5). Without it the `SELECT` yields nothing and
+/// nothing is written: [`floor_row_missing`] turns that reply into an error instead of an
+/// answer.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! floor_row {
+    () => {
+        "shardlock_meta AS meta"
+    };
+}
+
+/// [`floor_row`]'s condition.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! floor_row_is {
+    () => {
+        "meta.name = 'fence-floor'"
+    };
+}
+
+/// One above the fence floor read through [`floor_row`].
+#[macro_export]
+#[doc(hidden)]
+macro_rules! joined_floor {
+    () => {
+        "(CAST(meta.value AS UNSIGNED) + 1)"
+    };
+}
+
 /// What a grant asks of the shard: the row `key` for `owner` for `ttl`, with a first fence of
 /// at least `fence_floor` (and above every earlier fence of the key and the shard's fence
 /// floor), and `reserve` more fences set aside after it.
@@ -73,10 +109,11 @@ pub struct GrantRequest {
 /// floor, reserve, owner, ttl ms, owner, ttl us, owner, owner, trace, owner.
 const ACQUIRE: &str = concat!(
     "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
-    "VALUES (?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ", fence_floor!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), ?, NULL) ",
+    "SELECT ?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ", joined_floor!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), ?, NULL ",
+    "FROM ", floor_row!(), " WHERE ", floor_row_is!(), " ",
     "ON DUPLICATE KEY UPDATE ",
     "owner = IF(owner IS NULL OR expires_at <= NOW(3), ?, owner), ",
-    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ", fence_floor!(), ", ?)) + ?, ",
+    "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ", joined_floor!(), ", ?)) + ?, ",
     "fence + 0 * LAST_INSERT_ID(9223372036854775808 + LEAST(GREATEST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000, 0), 1000000000))), ",
     "ttl_ms = IF(owner = ?, ?, ttl_ms), ",
     "expires_at = IF(owner = ?, NOW(3) + INTERVAL ? MICROSECOND, expires_at), ",
@@ -435,6 +472,23 @@ pub enum Attempt {
 /// The server gave up waiting for a row lock.
 pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
 
+/// An error when the acquire just sent wrote nothing because the shard lacks its fence floor
+/// row (see [`floor_row`]): its reply counts no source row. Read as an answer, the empty write
+/// would look like a held key to every caller, forever.
+pub(crate) fn floor_row_missing(conn: &Conn) -> mysql_async::Result<()> {
+    let info = conn.info();
+    let mut words = info.split_whitespace();
+    let records = words.by_ref().find(|w| *w == "Records:").and(words.next());
+    if records == Some("0") {
+        return Err(mysql_async::Error::Other(
+            "the shard has no fence floor (row 'fence-floor' of shardlock_meta): \
+             run `shardlock migrate` on it"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async::Result<Attempt> {
     let ttl_us = u64::from(req.ttl_ms) * 1000;
     let owner = req.owner.as_str();
@@ -468,6 +522,7 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
         }
         result => result?,
     }
+    floor_row_missing(conn)?;
     Ok(match conn.last_insert_id().unwrap_or(0) {
         reported if reported >= HELD_MARK => Attempt::Held {
             held_for_ms: reported - HELD_MARK,

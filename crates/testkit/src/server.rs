@@ -340,7 +340,7 @@ impl Shard {
     }
 
     /// The sum of several global status counters, read in one statement (a `SELECT`, so it
-    /// does not disturb `Com_insert`, `Com_update` or `Com_delete`).
+    /// does not disturb `Com_insert`, `Com_insert_select`, `Com_update` or `Com_delete`).
     pub async fn global_status_sum(&self, names: &[&str]) -> mysql_async::Result<u64> {
         let mut conn = self.connect().await?;
         let list = vec!["?"; names.len()].join(",");
