@@ -34,9 +34,12 @@ impl GaleraShard {
     /// on the node every write goes through (g1).
     pub(super) async fn cycle(&self, round: Round<'_>) -> Result<Measurement, AnyError> {
         let writes = || {
-            self.cluster
-                .node(0)
-                .global_status_sum(&["Com_insert", "Com_update", "Com_delete"])
+            self.cluster.node(0).global_status_sum(&[
+                "Com_insert",
+                "Com_insert_select",
+                "Com_update",
+                "Com_delete",
+            ])
         };
         let before = writes().await?;
         let mut m = uncontended::shardlock(&self.router, round).await?;

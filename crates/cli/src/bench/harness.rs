@@ -84,10 +84,19 @@ struct DeadlockSurfaced(MyError);
 
 /// Server-side counters of the benchmark shard.
 pub(super) struct Counters {
-    pub(super) pool: Pool,
+    pool: Pool,
+    /// The shard's server process, when it runs on this machine: its CPU time is read with
+    /// every [`Reading`].
+    server: Option<u32>,
 }
 
 impl Counters {
+    /// The counters of the shard `pool` reaches, and its server process if it runs here.
+    pub(super) async fn new(pool: Pool) -> Result<Self, AnyError> {
+        let server = local_server(&pool).await?;
+        Ok(Counters { pool, server })
+    }
+
     /// The server's counts so far, as a [`Reading`].
     ///
     /// Server-wide, not per session: the routers' own background statements (renewals,
@@ -99,7 +108,7 @@ impl Counters {
         let mut c = self.pool.get_conn().await?;
         let row: Option<(u64, u64)> = c
             .query_first(
-                "SELECT CAST(SUM(IF(VARIABLE_NAME IN ('COM_INSERT','COM_UPDATE','COM_DELETE'), VARIABLE_VALUE, 0)) AS UNSIGNED), \
+                "SELECT CAST(SUM(IF(VARIABLE_NAME IN ('COM_INSERT','COM_INSERT_SELECT','COM_UPDATE','COM_DELETE'), VARIABLE_VALUE, 0)) AS UNSIGNED), \
                         CAST(SUM(IF(VARIABLE_NAME = 'INNODB_DEADLOCKS', VARIABLE_VALUE, 0)) AS UNSIGNED) \
                  FROM information_schema.GLOBAL_STATUS",
             )
@@ -108,8 +117,43 @@ impl Counters {
         Ok(Reading {
             statements,
             deadlocks,
+            server_cpu: self
+                .server
+                .and_then(|pid| cpu_time(&format!("/proc/{pid}/stat"))),
+            own_cpu: cpu_time("/proc/self/stat"),
         })
     }
+}
+
+/// The pid of the shard's server when it runs on this machine: the process whose pid is in
+/// the server's `pid_file` and whose working directory is the server's `datadir` (so that a
+/// remote server's pid file, read here, never names a local process). `None` otherwise, or
+/// where there is no `/proc`.
+async fn local_server(pool: &Pool) -> Result<Option<u32>, AnyError> {
+    let mut c = pool.get_conn().await?;
+    let files: Option<(String, String)> = c.query_first("SELECT @@pid_file, @@datadir").await?;
+    let Some((pid_file, datadir)) = files else {
+        return Ok(None);
+    };
+    let pid = std::fs::read_to_string(&pid_file)
+        .ok()
+        .and_then(|text| text.trim().parse::<u32>().ok());
+    Ok(pid.filter(|pid| {
+        let cwd = std::fs::read_link(format!("/proc/{pid}/cwd"));
+        let datadir = std::fs::canonicalize(datadir.trim_end_matches('/'));
+        matches!((cwd, datadir), (Ok(cwd), Ok(dir)) if cwd == dir)
+    }))
+}
+
+/// User plus system CPU time of the process whose `/proc/<pid>/stat` is at `path`.
+fn cpu_time(path: &str) -> Option<Duration> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    // The fields after the command name, which is in parentheses and may hold spaces: the
+    // 14th and 15th of the line (utime, stime) are the 12th and 13th of these.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let ticks: u64 = fields.next()?.parse::<u64>().ok()? + fields.next()?.parse::<u64>().ok()?;
+    // In USER_HZ, which is 100 on every Linux architecture this runs on.
+    Some(Duration::from_millis(ticks * 10))
 }
 
 /// One round of a scenario: what every scenario's measurement takes.

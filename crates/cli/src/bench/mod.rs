@@ -140,7 +140,7 @@ pub(crate) async fn run(
     router.migrate().await?;
     let pool = baseline_pool(&shard, args.tasks)?;
     prepare_baseline_tables(&pool).await?;
-    let counters = Counters { pool: pool.clone() };
+    let counters = Counters::new(pool.clone()).await?;
     let run_id = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis();

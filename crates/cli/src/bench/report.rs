@@ -29,6 +29,14 @@ pub(super) struct Measurement {
     pub(super) max_ms: f64,
     /// The latency distribution: (quantile, ms) at fixed quantiles, for the plot.
     pub(super) latency_quantiles: Vec<(f64, f64)>,
+    /// CPU time the shard's server spent per op, in µs, when it runs on this machine: what
+    /// the lock costs the database, which a busy service shares, whatever the machine's noise
+    /// does to ops/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) server_cpu_us_per_op: Option<f64>,
+    /// CPU time this process spent per op, in µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) own_cpu_us_per_op: Option<f64>,
     /// shardlock's distinct-key rounds: how its dispatcher grouped the keys (its own stats).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) batching: Option<Batching>,
@@ -56,10 +64,14 @@ pub(super) struct Batching {
 /// no part of the harness.
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct Reading {
-    /// Row-writing statements (INSERT/UPDATE/DELETE).
+    /// Row-writing statements (INSERT, INSERT ... SELECT, UPDATE, DELETE).
     pub(super) statements: u64,
     /// `Innodb_deadlocks`.
     pub(super) deadlocks: u64,
+    /// CPU time the shard's server process has used, when it runs on this machine.
+    pub(super) server_cpu: Option<Duration>,
+    /// CPU time this process has used (the routers, the baselines' pools, the bench itself).
+    pub(super) own_cpu: Option<Duration>,
 }
 
 /// The quantiles kept of every latency distribution.
@@ -179,20 +191,31 @@ fn print_report(report: &Report) {
         report.shard, report.rounds, report.round_secs
     );
     println!(
-        "{:<40} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9}",
-        "", "ops/s", "stmts/op", "p50 ms", "p99 ms", "dl errs", "InnoDB dl"
+        "{:<40} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9}",
+        "",
+        "ops/s",
+        "stmts/op",
+        "p50 ms",
+        "p99 ms",
+        "dl errs",
+        "InnoDB dl",
+        "db µs/op",
+        "app µs/op"
     );
+    let cpu = |us: Option<f64>| us.map_or_else(|| "-".to_owned(), |us| format!("{us:.0}"));
     for c in &report.comparisons {
         for m in [&c.shardlock, &c.baseline] {
             println!(
-                "{:<40} {:>9.0} {:>9.2} {:>8.2} {:>8.2} {:>8} {:>9}",
+                "{:<40} {:>9.0} {:>9.2} {:>8.2} {:>8.2} {:>8} {:>9} {:>9} {:>9}",
                 m.name,
                 m.ops_per_sec,
                 m.statements_per_op,
                 m.p50_ms,
                 m.p99_ms,
                 m.deadlock_errors_surfaced,
-                m.innodb_deadlocks
+                m.innodb_deadlocks,
+                cpu(m.server_cpu_us_per_op),
+                cpu(m.own_cpu_us_per_op)
             );
         }
         if let Some(b) = c.shardlock.batching {
@@ -219,6 +242,16 @@ fn print_report(report: &Report) {
                 c.shardlock.p99_ms / c.baseline.p99_ms.max(f64::MIN_POSITIVE)
             );
             continue;
+        }
+        if let (Some(ours), Some(base)) = (
+            c.shardlock.server_cpu_us_per_op,
+            c.baseline.server_cpu_us_per_op,
+        ) {
+            println!(
+                "  the shard's server spent {ours:.0} µs of CPU per op for shardlock, {base:.0} µs \
+                 for the baseline ({:.2}x)",
+                ours / base.max(f64::MIN_POSITIVE)
+            );
         }
         println!(
             "  -> {:?}: shardlock at {:.2}x the baseline\n",
@@ -248,6 +281,12 @@ pub(super) fn summarize(
     m.ops_per_sec = m.ops as f64 / m.seconds;
     m.statements_per_op = (after.statements - before.statements) as f64 / m.ops.max(1) as f64;
     m.innodb_deadlocks = after.deadlocks - before.deadlocks;
+    let per_op = |before: Option<Duration>, after: Option<Duration>| {
+        let spent = after?.checked_sub(before?)?;
+        (m.ops > 0).then(|| spent.as_secs_f64() * 1e6 / m.ops as f64)
+    };
+    m.server_cpu_us_per_op = per_op(before.server_cpu, after.server_cpu);
+    m.own_cpu_us_per_op = per_op(before.own_cpu, after.own_cpu);
     m.p50_ms = pct(0.50);
     m.p99_ms = pct(0.99);
     m.max_ms = pct(1.0);
