@@ -26,7 +26,7 @@ use crate::lease::{
     floor_row_missing, padded_in_list, Attempt, GrantRequest, Released, HELD_MARK,
     LOCK_WAIT_TIMEOUT,
 };
-use crate::{floor_row, floor_row_is, joined_floor, now_us};
+use crate::{floor_lock, floor_row, floor_row_is, joined_floor, now_us};
 
 /// Most keys in one batch: its JSON (about 150 KiB with 255-byte keys, as hex) stays far below
 /// `max_allowed_packet`, and the read-back's key list far below the server's 65,535
@@ -69,7 +69,7 @@ const ACQUIRE_BATCH: &str = concat!(
     "r INT UNSIGNED PATH '$[3]', ",
     "t INT UNSIGNED PATH '$[4]', ",
     "tr VARCHAR(55) CHARACTER SET ascii PATH '$[5]'",
-    ")) AS src JOIN ", floor_row!(), " ON ", floor_row_is!(), " ORDER BY src.k ",
+    ")) AS src JOIN ", floor_row!(), " ON ", floor_row_is!(), " ORDER BY src.k ", floor_lock!(), " ",
     "ON DUPLICATE KEY UPDATE ",
     "owner = IF(shardlock_lease.owner IS NULL OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
     "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", joined_floor!(), ", src.f) + src.r, shardlock_lease.fence), ",
@@ -428,18 +428,31 @@ mod tests {
         let err = alone.expect_err("no floor, no grant");
         let said = shardlock_core::Report(&err).to_string();
         assert!(said.contains("fence floor"), "{said}");
+        assert!(!err.maybe_applied, "the reply said nothing was written");
         let reqs = [request("a", "mine:1", 0), request("b", "mine:2", 0)];
         let batch = shard.acquire_batch(&reqs).await;
         let err = batch.expect_err("no floor, no grant");
         let said = shardlock_core::Report(&err).to_string();
         assert!(said.contains("fence floor"), "{said}");
+        assert!(!err.maybe_applied, "the reply said nothing was written");
         let rows: Option<u64> = raw
             .query_first("SELECT COUNT(*) FROM shardlock_lease")
             .await
             .unwrap();
         assert_eq!(rows, Some(0), "nothing was written");
 
+        let clock = shard.clock_us().await.unwrap();
         shard.migrate().await.unwrap();
+        let floor: Option<u64> = raw
+            .query_first(
+                "SELECT CAST(value AS UNSIGNED) FROM shardlock_meta WHERE name = 'fence-floor'",
+            )
+            .await
+            .unwrap();
+        assert!(
+            floor >= Some(clock),
+            "made again at the clock: {floor:?} < {clock}"
+        );
         let grant = shard.acquire(&request("alone", "mine:3", 0)).await.unwrap();
         assert!(matches!(grant, Attempt::Granted(_)), "{grant:?}");
         let batch = shard.acquire_batch(&reqs).await.unwrap();
@@ -455,8 +468,8 @@ mod tests {
     /// An acquire, alone or in a batch, share-locks the fence floor's row until it commits:
     /// a raise of the floor waits for it (here, until its lock wait ends), so no acquire
     /// that read the old floor commits after the raise. Also on a server whose default
-    /// isolation is `READ COMMITTED`, where a write's read of another table locks nothing
-    /// unless the session asks for `REPEATABLE READ`.
+    /// isolation is `READ COMMITTED`, where `INSERT ... SELECT` reads its source without
+    /// locks unless the statement asks for them.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_raise_of_the_fence_floor_waits_for_acquires_in_flight() {
         let cluster = Cluster::start(1).await.unwrap();

@@ -17,21 +17,26 @@ macro_rules! now_us {
 }
 
 /// One above the shard's fence floor (`shardlock_meta`: raised when keys move here, and to the
-/// fence of every row the cleaner deletes): every new fence is at least this.
+/// fence of every row the cleaner deletes): every new fence is at least this. Read with a
+/// share lock whatever the session's isolation level (see [`floor_row`]).
 #[macro_export]
 #[doc(hidden)]
 macro_rules! fence_floor {
     () => {
-        "(COALESCE((SELECT CAST(value AS UNSIGNED) FROM shardlock_meta WHERE name = 'fence-floor'), 0) + 1)"
+        "(COALESCE((SELECT CAST(value AS UNSIGNED) FROM shardlock_meta WHERE name = 'fence-floor' LOCK IN SHARE MODE), 0) + 1)"
     };
 }
 
 /// The fence floor's row joined into an acquire (`FROM ... JOIN` it, or `FROM` it alone), so
 /// that the statement reads it once, as `meta.value`, for both the insert and the update
 /// branch: read as a subquery in each, it was the costliest part of an acquire on the server
-/// (a second table opened and locked per reference). A row read by `INSERT ... SELECT` is
-/// share-locked until the statement commits, as the subquery's was: a raise of the floor
-/// waits for acquires in flight, and every acquire after it reads the raised floor.
+/// (a second table opened and locked per reference).
+///
+/// The `SELECT` ends with [`floor_lock`]: the row stays share-locked until the acquire commits,
+/// so a raise of the floor waits for acquires in flight, and every acquire after it reads the
+/// raised floor. Without it that holds only at `REPEATABLE READ`: at `READ COMMITTED` (a common
+/// server default, which shardlock leaves alone because callers' own transactions run on its
+/// sessions) `INSERT ... SELECT` reads its source without locks.
 ///
 /// Every migrated shard has the row (migration 5). Without it the `SELECT` yields nothing and
 /// nothing is written: [`floor_row_missing`] turns that reply into an error instead of an
@@ -50,6 +55,16 @@ macro_rules! floor_row {
 macro_rules! floor_row_is {
     () => {
         "meta.name = 'fence-floor'"
+    };
+}
+
+/// The end of the `SELECT` that reads [`floor_row`]: its share lock, at every isolation level
+/// (MySQL 8 also spells it `FOR SHARE`, which MariaDB does not take).
+#[macro_export]
+#[doc(hidden)]
+macro_rules! floor_lock {
+    () => {
+        "LOCK IN SHARE MODE"
     };
 }
 
@@ -110,7 +125,7 @@ pub struct GrantRequest {
 const ACQUIRE: &str = concat!(
     "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, holder_trace, wanted_at) ",
     "SELECT ?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ", joined_floor!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), ?, NULL ",
-    "FROM ", floor_row!(), " WHERE ", floor_row_is!(), " ",
+    "FROM ", floor_row!(), " WHERE ", floor_row_is!(), " ", floor_lock!(), " ",
     "ON DUPLICATE KEY UPDATE ",
     "owner = IF(owner IS NULL OR expires_at <= NOW(3), ?, owner), ",
     "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ", joined_floor!(), ", ?)) + ?, ",
@@ -473,13 +488,11 @@ pub enum Attempt {
 pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
 
 /// An error when the acquire just sent wrote nothing because the shard lacks its fence floor
-/// row (see [`floor_row`]): its reply counts no source row. Read as an answer, the empty write
-/// would look like a held key to every caller, forever.
+/// row (see [`floor_row`]): no row was affected, where the session's `CLIENT_FOUND_ROWS`
+/// counts every row the statement met, even one it left as it was. Read as an answer, the
+/// empty write would look like a held key to every caller, forever.
 pub(crate) fn floor_row_missing(conn: &Conn) -> mysql_async::Result<()> {
-    let info = conn.info();
-    let mut words = info.split_whitespace();
-    let records = words.by_ref().find(|w| *w == "Records:").and(words.next());
-    if records == Some("0") {
+    if conn.affected_rows() == 0 {
         return Err(mysql_async::Error::Other(
             "the shard has no fence floor (row 'fence-floor' of shardlock_meta): \
              run `shardlock migrate` on it"

@@ -164,14 +164,19 @@ async fn apply(conn: &mut Conn, report: &mut MigrateReport) -> mysql_async::Resu
         }
         report.version = version;
     }
-    // Every acquire reads the fence floor's row (a missing one is an error there, not a floor
-    // of 0): one removed by hand is made again, at 0, what a missing row always meant.
+    // Every acquire reads the fence floor's row (a missing one is an error there): one
+    // removed by hand is made again.
     conn.query_drop(ENSURE_FENCE_FLOOR).await
 }
 
-/// The fence floor's row, if it is missing (migration 5 makes it first).
-const ENSURE_FENCE_FLOOR: &str =
-    "INSERT IGNORE INTO shardlock_meta (name, value) VALUES ('fence-floor', '0')";
+/// The fence floor's row, if it is missing (migration 5 makes it first, at 0). A floor removed
+/// by hand is lost; made again at the shard's clock, it is at least above every fence the
+/// cleaner deleted here (it deletes only rows the clock has passed), where 0 would not be.
+const ENSURE_FENCE_FLOOR: &str = concat!(
+    "INSERT IGNORE INTO shardlock_meta (name, value) VALUES ('fence-floor', CAST(",
+    crate::now_us!(),
+    " AS CHAR))"
+);
 
 /// Splits a migration file into statements: `;` at the end of a line ends one; `--` lines are
 /// comments. Line-based rather than a SQL tokenizer, so a migration must not end a line

@@ -771,27 +771,22 @@ impl managed::Manager for ShardManager {
     }
 }
 
-/// Statements run on every new (and every reset) connection: they pin the session whatever
-/// the server's defaults are. `time_zone`: shard time is read as `UNIX_TIMESTAMP(NOW(n))`, in
-/// UTC without DST ambiguity. `autocommit`: every lease statement commits on its own.
-/// `sql_mode`: the lease statements rely on left-to-right assignment in `ON DUPLICATE KEY
-/// UPDATE`, which MariaDB's `SIMULTANEOUS_ASSIGNMENT` would change. `innodb_lock_wait_timeout`
-/// (see [`lock_wait_timeout_secs`]): a statement queued behind another transaction's row lock
-/// is answered (1205) before our own statement timeout. `REPEATABLE READ`: a write's read of
-/// another table (an acquire's read of the fence floor) share-locks the row it reads only at
-/// this level; on a server whose default is `READ COMMITTED` (common), a raise of the floor
-/// would not wait for the acquires that read the old one. (A statement of its own: the
-/// variable's name differs between MySQL and MariaDB, the statement does not.)
+/// Statements run on every new (and every reset) connection: one statement that pins the
+/// session whatever the server's defaults are. `time_zone`: shard time is read as
+/// `UNIX_TIMESTAMP(NOW(n))`, in UTC without DST ambiguity. `autocommit`: every lease statement
+/// commits on its own. `sql_mode`: the lease statements rely on left-to-right assignment in
+/// `ON DUPLICATE KEY UPDATE`, which MariaDB's `SIMULTANEOUS_ASSIGNMENT` would change.
+/// `innodb_lock_wait_timeout` (see [`lock_wait_timeout_secs`]): a statement queued behind
+/// another transaction's row lock is answered (1205) before our own statement timeout.
+/// `lc_messages`: a batch acquire reads the server's `Records: .. Duplicates: ..` reply text,
+/// which a server set to another language translates.
 pub(crate) fn session_setup(lock_wait_timeout_secs: u64) -> Vec<String> {
-    vec![
-        format!(
-            "SET time_zone = '+00:00', autocommit = 1, \
-             sql_mode = 'STRICT_TRANS_TABLES,NO_ENGINE_SUBSTITUTION', \
-             innodb_lock_wait_timeout = {}",
-            lock_wait_timeout_secs.max(1)
-        ),
-        "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ".to_owned(),
-    ]
+    vec![format!(
+        "SET time_zone = '+00:00', autocommit = 1, \
+         sql_mode = 'STRICT_TRANS_TABLES,NO_ENGINE_SUBSTITUTION', \
+         innodb_lock_wait_timeout = {}, lc_messages = 'en_US'",
+        lock_wait_timeout_secs.max(1)
+    )]
 }
 
 /// The server's lock wait for a shard's sessions: whole seconds (the server's unit), at least

@@ -320,12 +320,14 @@ impl Shard {
                 )),
             };
             // A server's error reply means the statement did nothing; a broken connection or a
-            // timeout after sending leaves it unknown.
+            // timeout after sending leaves it unknown. `Other` is a reply read and refused here
+            // (an acquire that found no fence floor wrote nothing), not a lost one.
             // 1180: a Galera node lost the primary component while committing; the survivors
             // may have applied the write, so its outcome is unknown too.
+            let lost = err.code.is_none() && err.kind != BackendErrorKind::Other;
             err.maybe_applied = applied_before
                 || (sent.load(std::sync::atomic::Ordering::Relaxed)
-                    && (err.code.is_none() || err.code == Some(1180)));
+                    && (lost || err.code == Some(1180)));
             applied_before = err.maybe_applied;
             let node = node.load(std::sync::atomic::Ordering::Relaxed);
             let on_node = sent.load(std::sync::atomic::Ordering::Relaxed);
