@@ -17,13 +17,15 @@ macro_rules! now_us {
 }
 
 /// One above the shard's fence floor (`shardlock_meta`: raised when keys move here, and to the
-/// fence of every row the cleaner deletes): every new fence is at least this. Read with a
-/// share lock whatever the session's isolation level (see [`floor_row`]).
+/// fence of every row the cleaner deletes): every new fence is at least this. A subquery, for
+/// the statements that only need the floor as a bound: the hand-off (its key's row, granted
+/// here, is already above it) and the clock read of a move. Acquires read it through
+/// [`floor_row`], locked.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! fence_floor {
     () => {
-        "(COALESCE((SELECT CAST(value AS UNSIGNED) FROM shardlock_meta WHERE name = 'fence-floor' LOCK IN SHARE MODE), 0) + 1)"
+        "(COALESCE((SELECT CAST(value AS UNSIGNED) FROM shardlock_meta WHERE name = 'fence-floor'), 0) + 1)"
     };
 }
 
