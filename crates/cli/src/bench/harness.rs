@@ -119,8 +119,10 @@ impl Counters {
             deadlocks,
             server_cpu: self
                 .server
-                .and_then(|pid| cpu_time(&format!("/proc/{pid}/stat"))),
-            own_cpu: cpu_time("/proc/self/stat"),
+                .and_then(|pid| cpu_time(&format!("/proc/{pid}/stat"), false)),
+            // With the bench workers this process ran and waited for (the overlap scenario's
+            // two shardlock processes).
+            own_cpu: cpu_time("/proc/self/stat", true),
         })
     }
 }
@@ -145,13 +147,17 @@ async fn local_server(pool: &Pool) -> Result<Option<u32>, AnyError> {
     }))
 }
 
-/// User plus system CPU time of the process whose `/proc/<pid>/stat` is at `path`.
-fn cpu_time(path: &str) -> Option<Duration> {
+/// User plus system CPU time of the process whose `/proc/<pid>/stat` is at `path`, and with
+/// `children`, of the children it waited for.
+fn cpu_time(path: &str, children: bool) -> Option<Duration> {
     let stat = std::fs::read_to_string(path).ok()?;
     // The fields after the command name, which is in parentheses and may hold spaces: the
-    // 14th and 15th of the line (utime, stime) are the 12th and 13th of these.
-    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
-    let ticks: u64 = fields.next()?.parse::<u64>().ok()? + fields.next()?.parse::<u64>().ok()?;
+    // 14th to 17th of the line (utime, stime, cutime, cstime) are the 12th to 15th of these.
+    let fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let mut ticks = 0;
+    for field in fields.take(if children { 4 } else { 2 }) {
+        ticks += field.parse::<u64>().ok()?;
+    }
     // In USER_HZ, which is 100 on every Linux architecture this runs on.
     Some(Duration::from_millis(ticks * 10))
 }
