@@ -284,6 +284,15 @@ mod tests {
         }
     }
 
+    /// A shard of its own, migrated, and the cluster it runs on.
+    async fn migrated_shard() -> (Cluster, Shard) {
+        let cluster = Cluster::start(1).await.unwrap();
+        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let shard = Shard::new(&config.shards[0], 0).unwrap();
+        shard.migrate().await.unwrap();
+        (cluster, shard)
+    }
+
     /// The owner and fence stored for `key`.
     async fn stored(raw: &mut Conn, key: &str) -> (Option<Vec<u8>>, u64) {
         raw.exec_first(
@@ -303,10 +312,7 @@ mod tests {
     /// new row, and the held key would be answered as granted.
     #[tokio::test(flavor = "multi_thread")]
     async fn every_kind_of_row_is_read_back_even_when_the_clock_stands_still() {
-        let cluster = Cluster::start(1).await.unwrap();
-        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let shard = Shard::new(&config.shards[0], 0).unwrap();
-        shard.migrate().await.unwrap();
+        let (cluster, shard) = migrated_shard().await;
         // The session the shard's own statements use, with the options they use.
         let mut session = shard.connection().await.unwrap();
         let conn = session.raw();
@@ -378,10 +384,7 @@ mod tests {
     /// that: each first fence is answered from the reply alone, as the server stored it.
     #[tokio::test(flavor = "multi_thread")]
     async fn fresh_keys_answered_from_the_reply_carry_the_fences_stored() {
-        let cluster = Cluster::start(1).await.unwrap();
-        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let shard = Shard::new(&config.shards[0], 0).unwrap();
-        shard.migrate().await.unwrap();
+        let (cluster, shard) = migrated_shard().await;
         let floor = shard.clock_us().await.unwrap() + 1_000_000_000;
         shard.raise_shard_floor(floor).await.unwrap();
         let mut session = shard.connection().await.unwrap();
@@ -416,10 +419,7 @@ mod tests {
     /// row again.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_missing_fence_floor_is_an_error_until_migrate() {
-        let cluster = Cluster::start(1).await.unwrap();
-        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let shard = Shard::new(&config.shards[0], 0).unwrap();
-        shard.migrate().await.unwrap();
+        let (cluster, shard) = migrated_shard().await;
         let mut raw = cluster.shard(0).connect().await.unwrap();
         raw.query_drop("DELETE FROM shardlock_meta WHERE name = 'fence-floor'")
             .await
@@ -515,10 +515,7 @@ mod tests {
     /// rows it freed, and counts each as released.
     #[tokio::test(flavor = "multi_thread")]
     async fn releases_answer_for_their_own_rows() {
-        let cluster = Cluster::start(1).await.unwrap();
-        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let shard = Shard::new(&config.shards[0], 0).unwrap();
-        shard.migrate().await.unwrap();
+        let (cluster, shard) = migrated_shard().await;
         let mut raw = cluster.shard(0).connect().await.unwrap();
         // `own` is held by its owner, `free` was released, `taken` is another owner's, `gone`
         // was deleted.
