@@ -1,6 +1,6 @@
 //! Batched acquires and releases on real shards: the batch statements against every kind of
 //! row, the dispatcher forming batches under load without changing any answer, and callers
-//! that give up while their key sits in a batch.
+//! that give up while their key sits in a batch or keep their futures without polling them.
 
 mod common;
 
@@ -548,4 +548,61 @@ async fn batches_whose_replies_are_lost_leave_no_key_held_by_nobody() {
             .unwrap_or_else(|| panic!("{key} still held"));
         g.release().await.unwrap();
     }
+}
+
+/// Acquire and release futures that were polled once and then kept without being polled (a
+/// `select!` loop that took another branch, a stream not driven for a while) stall no other
+/// caller of the shard: their statements are sent by the dispatcher's own tasks, so the lane
+/// places and connections they took are given back as the statements end, not when the
+/// callers look again. More such futures are kept than the shard lets batches run at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn futures_kept_without_polling_stall_no_other_caller() {
+    use futures_util::FutureExt;
+    let (cluster, router, _yaml) = common::start(1, "").await;
+    let mut acquires = Vec::new();
+    for i in 0..4 {
+        let (router, key) = (router.clone(), format!("kept:{i}"));
+        let mut acquire =
+            Box::pin(async move { router.acquire(&key, AcquireOptions::new()).await });
+        assert!(
+            (&mut acquire).now_or_never().is_none(),
+            "answered before a round trip"
+        );
+        acquires.push(acquire);
+    }
+    let mut releases = Vec::new();
+    for i in 0..4 {
+        let guard = router
+            .acquire(&format!("kept-release:{i}"), AcquireOptions::new())
+            .await
+            .unwrap();
+        let mut release = Box::pin(guard.release());
+        assert!(
+            (&mut release).now_or_never().is_none(),
+            "answered before a round trip"
+        );
+        releases.push(release);
+    }
+    let others = router.clone();
+    let cycles = tokio::spawn(async move {
+        for i in 0..50 {
+            let guard = others
+                .acquire(&format!("other:{i}"), AcquireOptions::new())
+                .await
+                .unwrap();
+            guard.release().await.unwrap();
+        }
+    });
+    // Not a timing threshold: a stalled shard never finishes.
+    tokio::time::timeout(Duration::from_secs(60), cycles)
+        .await
+        .expect("50 lock cycles stalled behind futures nobody polled")
+        .unwrap();
+    for acquire in acquires {
+        acquire.await.unwrap().release().await.unwrap();
+    }
+    for release in releases {
+        release.await.unwrap();
+    }
+    assert_eq!(common::live_leases(&cluster).await, 0);
 }
