@@ -585,13 +585,7 @@ async fn futures_kept_without_polling_stall_no_other_caller() {
     }
     let others = router.clone();
     let cycles = tokio::spawn(async move {
-        for i in 0..50 {
-            let guard = others
-                .acquire(&format!("other:{i}"), AcquireOptions::new())
-                .await
-                .unwrap();
-            guard.release().await.unwrap();
-        }
+        common::lock_cycles(&others, "other", 50, AcquireOptions::new()).await
     });
     // Not a timing threshold: a stalled shard never finishes.
     tokio::time::timeout(Duration::from_secs(60), cycles)

@@ -178,13 +178,7 @@ async fn holder_worker() {
 #[tokio::test(flavor = "multi_thread")]
 async fn two_cleaners_never_both_delete() {
     let (cluster, router_a, yaml) = common::start(2, &cleaner_yaml("2s")).await;
-    for i in 0..300 {
-        let g = router_a
-            .acquire(&format!("gone:{i}"), AcquireOptions::new())
-            .await
-            .unwrap();
-        g.release().await.unwrap();
-    }
+    common::lock_cycles(&router_a, "gone", 300, AcquireOptions::new()).await;
     let (one, two) = (router(&yaml).await, router(&yaml).await);
     let mut deleted = [0u64; 2];
     let mut leader_passes = [0u32; 2];

@@ -121,13 +121,7 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
 
     // A known workload: 50 grants, then 3 tries of a key that is held.
     let opts = AcquireOptions::new().namespace("orders");
-    for i in 0..50 {
-        let g = router
-            .acquire(&format!("o:{i}"), opts.clone())
-            .await
-            .unwrap();
-        g.release().await.unwrap();
-    }
+    common::lock_cycles(&router, "o", 50, opts.clone()).await;
     let held = router.acquire("busy", opts.clone()).await.unwrap();
     let other = metered_router(&cluster, "", &telemetry).await;
     for _ in 0..3 {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Conn;
-use shardlock::LockRouter;
+use shardlock::{AcquireOptions, LockRouter};
 use shardlock_testkit::{Cluster, Shard};
 
 /// Environment variable carrying the YAML config to worker processes.
@@ -32,25 +32,28 @@ pub async fn worker_router() -> LockRouter {
         .expect("worker router")
 }
 
-/// Statements that write rows (INSERT, INSERT ... SELECT, UPDATE, DELETE), from the server's
-/// own counters. Lock statements are all writes; reads by the tests themselves are not
-/// counted.
+/// Statements that write rows, from the server's own counters. Lock statements are all
+/// writes; reads by the tests themselves are not counted.
 pub async fn dml_statements(shard: &Shard) -> u64 {
-    shard
-        .global_status_sum(&[
-            "Com_insert",
-            "Com_insert_select",
-            "Com_update",
-            "Com_delete",
-        ])
-        .await
-        .unwrap()
+    shard.row_writes().await.unwrap()
 }
 
 /// Inserts of either form (`INSERT ... VALUES`, `INSERT ... SELECT`: an acquire is the
 /// second) over all shards.
 pub async fn inserts(cluster: &Cluster) -> u64 {
     status_sum(cluster, "Com_insert").await + status_sum(cluster, "Com_insert_select").await
+}
+
+/// `n` lock cycles on `router`: keys `{prefix}:0` to `{prefix}:{n-1}`, each acquired with
+/// `opts` and released at once.
+pub async fn lock_cycles(router: &LockRouter, prefix: &str, n: usize, opts: AcquireOptions) {
+    for i in 0..n {
+        let guard = router
+            .acquire(&format!("{prefix}:{i}"), opts.clone())
+            .await
+            .unwrap();
+        guard.release().await.unwrap();
+    }
 }
 
 /// Sum of a global status counter over all shards.

@@ -29,5 +29,5 @@ pub use certs::TestCerts;
 pub use competitor::Competitor;
 pub use galera::GaleraCluster;
 pub use proxy::{Proxy, ProxyMode};
-pub use server::{Cluster, DevCluster, Shard, DATABASE};
+pub use server::{Cluster, DevCluster, Shard, DATABASE, ROW_WRITES};
 pub use worker::{worker_main, Worker, WORKER_ENV};

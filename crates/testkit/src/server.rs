@@ -117,6 +117,15 @@ fn libfaketime() -> io::Result<PathBuf> {
         })
 }
 
+/// The server's counters of row-writing statements: every lock statement counts in one of
+/// them (an acquire is an `INSERT ... SELECT`, a release an `UPDATE`).
+pub const ROW_WRITES: &[&str] = &[
+    "Com_insert",
+    "Com_insert_select",
+    "Com_update",
+    "Com_delete",
+];
+
 /// One local `mariadbd` with its data directory.
 #[derive(Debug)]
 pub struct Shard {
@@ -334,13 +343,18 @@ impl Shard {
         mysql_async::Conn::from_url(self.url()).await
     }
 
+    /// Row-writing statements the server has run ([`ROW_WRITES`]).
+    pub async fn row_writes(&self) -> mysql_async::Result<u64> {
+        self.global_status_sum(ROW_WRITES).await
+    }
+
     /// A global status counter, e.g. `Com_update` or `Innodb_deadlocks`.
     pub async fn global_status(&self, name: &str) -> mysql_async::Result<u64> {
         self.global_status_sum(&[name]).await
     }
 
     /// The sum of several global status counters, read in one statement (a `SELECT`, so it
-    /// does not disturb `Com_insert`, `Com_insert_select`, `Com_update` or `Com_delete`).
+    /// does not disturb the [`ROW_WRITES`] counters).
     pub async fn global_status_sum(&self, names: &[&str]) -> mysql_async::Result<u64> {
         let mut conn = self.connect().await?;
         let list = vec!["?"; names.len()].join(",");

@@ -33,14 +33,7 @@ impl GaleraShard {
     /// One round of the uncontended cycle through the Galera shard, its statements counted
     /// on the node every write goes through (g1).
     pub(super) async fn cycle(&self, round: Round<'_>) -> Result<Measurement, AnyError> {
-        let writes = || {
-            self.cluster.node(0).global_status_sum(&[
-                "Com_insert",
-                "Com_insert_select",
-                "Com_update",
-                "Com_delete",
-            ])
-        };
+        let writes = || self.cluster.node(0).row_writes();
         let before = writes().await?;
         let mut m = uncontended::shardlock(&self.router, round).await?;
         m.name = "shardlock acquire+release, distinct keys, 3-node Galera shard".into();

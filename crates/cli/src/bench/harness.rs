@@ -10,6 +10,7 @@ use shardlock::config::ShardConfig;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{Error as MyError, OptsBuilder, Pool, PoolConstraints, PoolOpts};
 use shardlock::{AcquireOptions, Backoff, LockRouter};
+use shardlock_testkit::ROW_WRITES;
 
 use super::report::{summarize, Measurement, Reading};
 use super::BenchArgs;
@@ -106,11 +107,15 @@ impl Counters {
     /// shard this bench runs on by default.
     pub(super) async fn read(&self) -> Result<Reading, AnyError> {
         let mut c = self.pool.get_conn().await?;
+        let writes = vec!["?"; ROW_WRITES.len()].join(",");
         let row: Option<(u64, u64)> = c
-            .query_first(
-                "SELECT CAST(SUM(IF(VARIABLE_NAME IN ('COM_INSERT','COM_INSERT_SELECT','COM_UPDATE','COM_DELETE'), VARIABLE_VALUE, 0)) AS UNSIGNED), \
-                        CAST(SUM(IF(VARIABLE_NAME = 'INNODB_DEADLOCKS', VARIABLE_VALUE, 0)) AS UNSIGNED) \
-                 FROM information_schema.GLOBAL_STATUS",
+            .exec_first(
+                format!(
+                    "SELECT CAST(SUM(IF(VARIABLE_NAME IN ({writes}), VARIABLE_VALUE, 0)) AS UNSIGNED), \
+                            CAST(SUM(IF(VARIABLE_NAME = 'INNODB_DEADLOCKS', VARIABLE_VALUE, 0)) AS UNSIGNED) \
+                     FROM information_schema.GLOBAL_STATUS"
+                ),
+                ROW_WRITES.to_vec(),
             )
             .await?;
         let (statements, deadlocks) = row.unwrap_or_default();
