@@ -710,10 +710,13 @@ impl managed::Manager for ShardManager {
             }
             None => self.opts.clone(),
         };
+        // Connecting (and resetting, and pinging, below) is boxed: the driver's futures for
+        // them are kilobytes, and inline they would make every pool checkout — so every
+        // statement's future, and every future above it — that large, copied on each move.
         let (conn, node) = if self.nodes.addresses.is_empty() {
-            (self.connect(opts, 0).await?, 0)
+            (Box::pin(self.connect(opts, 0)).await?, 0)
         } else {
-            self.connect_node(opts).await?
+            Box::pin(self.connect_node(opts)).await?
         };
         self.kind
             .store(ServerKind::of(&conn) as u8, Ordering::Relaxed);
@@ -756,7 +759,7 @@ impl managed::Manager for ShardManager {
         if c.dirty {
             // COM_RESET_CONNECTION: ends transactions, frees GET_LOCK locks and temporary
             // tables, then mysql_async re-runs our setup statements.
-            if !c.conn.reset().await? {
+            if !Box::pin(c.conn.reset()).await? {
                 return Err(RecycleError::message(
                     "server cannot reset sessions; discarded",
                 ));
@@ -765,7 +768,7 @@ impl managed::Manager for ShardManager {
         } else if metrics.last_used() > self.lifetimes.idle_check {
             // Only after a while idle: a ping on every checkout would double the round trips
             // of a busy pool, whose connections the server has no reason to have dropped.
-            c.conn.ping().await?;
+            Box::pin(c.conn.ping()).await?;
         }
         Ok(())
     }
