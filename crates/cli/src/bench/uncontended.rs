@@ -32,6 +32,7 @@ pub(super) async fn shardlock(
         )
         .await?;
     m.batching = Some(batching(&before, &router.stats()));
+    round.sweep(&format!("bench:u:{}:", round.tag)).await?;
     Ok(m)
 }
 
