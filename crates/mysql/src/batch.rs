@@ -293,6 +293,15 @@ mod tests {
         (cluster, shard)
     }
 
+    /// Connections the server has accepted so far.
+    async fn connections(raw: &mut Conn) -> u64 {
+        let row: Option<(String, u64)> = raw
+            .query_first("SHOW GLOBAL STATUS LIKE 'Connections'")
+            .await
+            .unwrap();
+        row.unwrap().1
+    }
+
     /// The owner and fence stored for `key`.
     async fn stored(raw: &mut Conn, key: &str) -> (Option<Vec<u8>>, u64) {
         raw.exec_first(
@@ -424,6 +433,9 @@ mod tests {
         raw.query_drop("DELETE FROM shardlock_meta WHERE name = 'fence-floor'")
             .await
             .unwrap();
+        // The shard's pool holds a connection it has used.
+        shard.clock_us().await.unwrap();
+        let before = connections(&mut raw).await;
         let alone = shard.acquire(&request("alone", "mine:0", 0)).await;
         let err = alone.expect_err("no floor, no grant");
         let said = shardlock_core::Report(&err).to_string();
@@ -440,6 +452,13 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(rows, Some(0), "nothing was written");
+        // The refusals were replies read in full: the shard's connection was kept, not
+        // closed and opened again for each.
+        assert_eq!(
+            connections(&mut raw).await,
+            before,
+            "a connection was opened again"
+        );
 
         let clock = shard.clock_us().await.unwrap();
         shard.migrate().await.unwrap();

@@ -495,13 +495,31 @@ pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
 /// empty write would look like a held key to every caller, forever.
 pub(crate) fn floor_row_missing(conn: &Conn) -> mysql_async::Result<()> {
     if conn.affected_rows() == 0 {
-        return Err(mysql_async::Error::Other(
-            "the shard has no fence floor (row 'fence-floor' of shardlock_meta): \
-             run `shardlock migrate` on it"
-                .into(),
-        ));
+        return Err(mysql_async::Error::Other(Box::new(NoFenceFloor)));
     }
     Ok(())
+}
+
+/// An acquire's reply read and refused here: the shard has no fence floor row. The statement
+/// ran to its end, so its connection is as good as before (see [`is_refused_here`]).
+#[derive(Debug)]
+struct NoFenceFloor;
+
+impl std::fmt::Display for NoFenceFloor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(
+            "the shard has no fence floor (row 'fence-floor' of shardlock_meta): \
+             run `shardlock migrate` on it",
+        )
+    }
+}
+
+impl std::error::Error for NoFenceFloor {}
+
+/// Whether `e` is a reply this crate read in full and refused ([`NoFenceFloor`]), which the
+/// driver, seeing an `Error::Other`, would count as fatal to the connection.
+pub(crate) fn is_refused_here(e: &mysql_async::Error) -> bool {
+    matches!(e, mysql_async::Error::Other(e) if e.is::<NoFenceFloor>())
 }
 
 pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async::Result<Attempt> {

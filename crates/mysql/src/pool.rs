@@ -49,8 +49,9 @@ impl ShardConn {
         if let Err(e) = &result {
             // A connection at the server's prepared-statement limit is closed, which frees
             // the statements it cached there; one to a read-only server (a demoted primary,
-            // still answering under the old address) too.
-            self.broken |= e.is_fatal()
+            // still answering under the old address) too. A reply refused here (a shard
+            // without a fence floor) was read in full: the connection stays.
+            self.broken |= (e.is_fatal() && !crate::lease::is_refused_here(e))
                 || matches!(e, mysql_async::Error::Server(s)
                     if s.code == PREPARED_STATEMENT_LIMIT || is_read_only(s.code));
         }
