@@ -603,10 +603,12 @@ async fn futures_kept_without_polling_stall_no_other_caller() {
 
 /// The futures of a lock cycle stay small. Every layer above a statement (breaker, dispatcher
 /// runner, acquire, release) holds the one below it, and a future is copied whole each time
-/// it is moved — into a task, a box, an `instrument` wrapper. The driver's connect, reset and
-/// ping futures are kilobytes; inline in the pool checkout they made each statement's future
-/// 7 KiB and an acquire's 17 KiB, and copying them cost a tenth of a lock cycle's client CPU.
-/// A count, not a timing: sizes as this build lays them out (debug builds are the larger).
+/// it is moved — into a task, a box, an `instrument` wrapper. Inline in the pool checkout,
+/// the driver's connect and reset futures made each statement's future 7 KiB and an
+/// acquire's 17 KiB, and copying them cost a tenth of a lock cycle's client CPU. Bounded
+/// here: a shard's statement futures (what the dispatcher's runners and the breaker hold) and
+/// the router's acquire futures. A count, not a timing: sizes as this build lays them out
+/// (debug builds are the larger; a new compiler may move them a little).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_futures_of_a_lock_cycle_stay_small() {
     let (_cluster, router, yaml) = common::start(1, "").await;

@@ -516,8 +516,8 @@ impl std::fmt::Display for NoFenceFloor {
 
 impl std::error::Error for NoFenceFloor {}
 
-/// Whether `e` is a reply this crate read in full and refused ([`NoFenceFloor`]), which the
-/// driver, seeing an `Error::Other`, would count as fatal to the connection.
+/// Whether `e` is a reply this crate read in full and refused ([`NoFenceFloor`]): an
+/// `Error::Other`, which `is_fatal` calls fatal to the connection, though it is not.
 pub(crate) fn is_refused_here(e: &mysql_async::Error) -> bool {
     matches!(e, mysql_async::Error::Other(e) if e.is::<NoFenceFloor>())
 }

@@ -24,7 +24,9 @@ pub(crate) struct ShardConn {
     /// Set when the session state was changed (a transaction, `GET_LOCK`, the caller's own
     /// SQL); the connection is reset before reuse.
     dirty: bool,
-    /// Set after a transport error: the connection is discarded.
+    /// Set after an error that leaves the connection unusable (a transport error), or that
+    /// closing it cures (the server's prepared-statement limit, a read-only server): the
+    /// connection is discarded.
     broken: bool,
     /// The manager's generation when it was opened (see [`ShardManager::retire_all`]).
     generation: u64,
@@ -711,9 +713,10 @@ impl managed::Manager for ShardManager {
             }
             None => self.opts.clone(),
         };
-        // Connecting (and resetting, and pinging, below) is boxed: the driver's futures for
-        // them are kilobytes, and inline they would make every pool checkout — so every
-        // statement's future, and every future above it — that large, copied on each move.
+        // Connecting (and resetting, below) is boxed: both are rare, and inline their futures
+        // (the driver's reset, which re-runs the session setup, is kilobytes) would make every
+        // pool checkout — so every statement's future, and every future above it — that
+        // large, copied whole on each move. (The driver's ping is boxed already.)
         let (conn, node) = if self.nodes.addresses.is_empty() {
             (Box::pin(self.connect(opts, 0)).await?, 0)
         } else {
@@ -769,7 +772,7 @@ impl managed::Manager for ShardManager {
         } else if metrics.last_used() > self.lifetimes.idle_check {
             // Only after a while idle: a ping on every checkout would double the round trips
             // of a busy pool, whose connections the server has no reason to have dropped.
-            Box::pin(c.conn.ping()).await?;
+            c.conn.ping().await?;
         }
         Ok(())
     }

@@ -38,6 +38,7 @@ impl GaleraShard {
         let mut m = uncontended::shardlock(&self.router, round).await?;
         m.name = "shardlock acquire+release, distinct keys, 3-node Galera shard".into();
         m.statements_per_op = (writes().await? - before) as f64 / m.ops.max(1) as f64;
+        uncontended::sweep(&self.router, round).await?;
         Ok(m)
     }
 

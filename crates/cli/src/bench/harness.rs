@@ -98,6 +98,30 @@ impl Counters {
         Ok(Counters { pool, server })
     }
 
+    /// Waits, up to 30 s, until the server has purged what earlier rounds deleted and
+    /// changed (InnoDB's history list is short again), so that no round pays for the purge of
+    /// the one before it: the raw baseline's deleted rows, the rows swept after a shardlock
+    /// round. MariaDB reports the list's length as a status variable; where it does not,
+    /// nothing is waited for.
+    pub(super) async fn settle(&self) -> Result<(), AnyError> {
+        let mut c = self.pool.get_conn().await?;
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let length: Option<u64> = c
+                .query_first(
+                    "SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_STATUS \
+                     WHERE VARIABLE_NAME = 'INNODB_HISTORY_LIST_LENGTH'",
+                )
+                .await?;
+            match length {
+                Some(n) if n > 1_000 && Instant::now() < until => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                _ => return Ok(()),
+            }
+        }
+    }
+
     /// The server's counts so far, as a [`Reading`].
     ///
     /// Server-wide, not per session: the routers' own background statements (renewals,
@@ -129,31 +153,6 @@ impl Counters {
             // two shardlock processes).
             own_cpu: cpu_time("/proc/self/stat", true),
         })
-    }
-}
-
-impl Round<'_> {
-    /// Deletes the released rows of the keys under `prefix` (which ends in `:`) that this
-    /// round's cycles left on the shard, outside the measured time. In production the cleaner
-    /// keeps the table at the rows still in use; the bench runs none, and without this every
-    /// round's rows (tens of thousands of distinct keys) would stay, making each later
-    /// round's inserts, and each later run's, dearer than the raw baseline's, whose owner
-    /// deletes its row. The keys are never taken again, so no fence needs a floor.
-    pub(super) async fn sweep(&self, prefix: &str) -> Result<(), AnyError> {
-        // Every key under `prefix`, by primary key range: `:` is followed by `;` in byte order.
-        let end = format!("{};", prefix.trim_end_matches(':'));
-        let mut c = self.counters.pool.get_conn().await?;
-        loop {
-            c.exec_drop(
-                "DELETE FROM shardlock_lease WHERE lock_key >= ? AND lock_key < ? \
-                 AND owner IS NULL LIMIT 10000",
-                (prefix, &end),
-            )
-            .await?;
-            if c.affected_rows() == 0 {
-                return Ok(());
-            }
-        }
     }
 }
 
@@ -195,8 +194,8 @@ fn cpu_time(path: &str, children: bool) -> Option<Duration> {
 /// One round of a scenario: what every scenario's measurement takes.
 #[derive(Clone, Copy)]
 pub(super) struct Round<'a> {
-    /// Part of every key the round takes, unique per run and round, so that no round meets
-    /// rows another one left.
+    /// Part of every key the round takes, unique per run, scenario and round, so that no
+    /// round meets rows another one left.
     pub(super) tag: &'a str,
     pub(super) args: &'a BenchArgs,
     pub(super) counters: &'a Counters,
@@ -221,6 +220,7 @@ impl Round<'_> {
                 .progress_chars("=> "),
         );
         bar.set_prefix(name.to_owned());
+        counters.settle().await?;
         let before = counters.read().await?;
         let done = Arc::new(AtomicU64::new(0));
         let started = Instant::now();

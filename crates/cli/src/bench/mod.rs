@@ -192,7 +192,8 @@ pub(crate) async fn run(
         };
         let (mut ours, mut base) = (Vec::new(), Vec::new());
         for round in 0..args.rounds {
-            let tag = format!("{run_id}:{round}");
+            // Unique per run, scenario and round: no round meets keys another one took.
+            let tag = format!("{run_id}:{scenario:?}:{round}");
             let round = Round {
                 tag: &tag,
                 args: &args,
@@ -200,7 +201,7 @@ pub(crate) async fn run(
             };
             let (o, b) = match scenario {
                 Scenario::Uncontended | Scenario::Durable => (
-                    uncontended::shardlock(&router, round).await?,
+                    uncontended::shardlock_swept(&router, round).await?,
                     uncontended::raw_sql(&pool, round).await?,
                 ),
                 Scenario::HotKey => (
@@ -255,7 +256,7 @@ pub(crate) async fn run(
                     let galera = galera.as_ref().expect("started above");
                     (
                         galera.cycle(round).await?,
-                        uncontended::shardlock(&router, round).await?,
+                        uncontended::shardlock_swept(&router, round).await?,
                     )
                 }
             };

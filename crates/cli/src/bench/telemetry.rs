@@ -38,10 +38,11 @@ impl MetricsOn {
         round: Round<'_>,
     ) -> Result<(Measurement, Measurement), AnyError> {
         let tag = format!("{}:on", round.tag);
-        let mut on = uncontended::shardlock(&self.router, Round { tag: &tag, ..round }).await?;
+        let mut on =
+            uncontended::shardlock_swept(&self.router, Round { tag: &tag, ..round }).await?;
         on.name = "distinct keys, metrics on".into();
         let tag = format!("{}:off", round.tag);
-        let mut off = uncontended::shardlock(off, Round { tag: &tag, ..round }).await?;
+        let mut off = uncontended::shardlock_swept(off, Round { tag: &tag, ..round }).await?;
         off.name = "distinct keys, metrics off".into();
         Ok((on, off))
     }
