@@ -376,8 +376,14 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let shard = rig.cluster.shard(0);
-    // Reconciliation's acquire of the local key waits behind the competitor...
-    while shard.lock_waits_now().await.unwrap() == 0 {
+    // Reconciliation's acquire of the local key waits behind the competitor, in a wait that
+    // begins after the remote lease was granted: one that began before may be about to end
+    // (the remote acquire itself may have queued behind it), and reconciliation's next try
+    // comes a moment after, while no wait runs.
+    let begun = shard.lock_waits_begun().await.unwrap();
+    while shard.lock_waits_begun().await.unwrap() == begun
+        || shard.lock_waits_now().await.unwrap() == 0
+    {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // ... and the remote lease is renewed before that wait ends.

@@ -84,4 +84,10 @@ impl Shard {
     pub async fn lock_waits_now(&self) -> mysql_async::Result<u64> {
         self.global_status("Innodb_row_lock_current_waits").await
     }
+
+    /// Row lock waits this shard's server has begun since it started
+    /// (`Innodb_row_lock_waits`): a wait that begins after a moment is one that raises it.
+    pub async fn lock_waits_begun(&self) -> mysql_async::Result<u64> {
+        self.global_status("Innodb_row_lock_waits").await
+    }
 }
