@@ -230,9 +230,7 @@ impl ShardState {
             let _ = answer.send(Err(self.rejected()));
             return rx;
         }
-        let (answer, start) = self
-            .acquire_lane
-            .push((req, orphan), self.batches_in_flight());
+        let (answer, start) = self.acquire_lane.push((req, orphan), self.runners());
         if start {
             tokio::spawn(self.acquire_runner().send_acquires());
         }
@@ -247,7 +245,7 @@ impl ShardState {
         key: &[u8],
         owner: &str,
     ) -> Result<ReleaseAnswer, BackendError> {
-        if self.release_lane.enter_alone(self.batches_in_flight()) {
+        if self.release_lane.enter_alone(self.runners()) {
             // Sent by the caller: a release dropped midway leaves the row to its ttl, as it
             // would in a batch whose caller went away (the statement still runs there).
             let _leave = LeaveLane(self);
@@ -258,7 +256,7 @@ impl ShardState {
         let mut again = true;
         loop {
             let lease = (key.to_vec(), owner.to_owned());
-            let (answer, start) = self.release_lane.push(lease, self.batches_in_flight());
+            let (answer, start) = self.release_lane.push(lease, self.runners());
             if start {
                 tokio::spawn(self.release_runner().send_releases());
             }
@@ -320,9 +318,11 @@ impl ShardState {
         });
     }
 
-    /// How many batches of each kind may be in flight (`pool.batches-in-flight`).
-    fn batches_in_flight(&self) -> usize {
-        self.config.pool.batches_in_flight()
+    /// How many batches of each kind may be in flight (`pool.batches-in-flight`, and more
+    /// while many requests wait: see [`lanes::Runners`]).
+    fn runners(&self) -> lanes::Runners {
+        let pool = &self.config.pool;
+        lanes::Runners::new(pool.batches_in_flight(), pool.max_size)
     }
 
     /// Acquires and releases waiting for a runner of this shard now.

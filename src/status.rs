@@ -44,7 +44,8 @@ pub struct ShardStatus {
     /// bottleneck.
     pub batch_waiting: usize,
     /// Acquire and release statements of this process's dispatcher out to the shard now (a
-    /// lone request is a batch of one); at most twice `pool.batches-in-flight`.
+    /// lone request is a batch of one); at most twice `pool.batches-in-flight`, and up to
+    /// twice that while many requests wait (see `PoolConfig::batches_in_flight`).
     pub batches_in_flight: usize,
 }
 

@@ -2,11 +2,16 @@
 //! their kind are in flight wait in a lane and go together, as one batch, when a runner frees
 //! up (group commit, without a timer).
 //!
-//! A lane lets a few runners work at once (`in_flight`): a request that finds fewer running
-//! starts one, which sends it at once — a lone caller pays one round trip and nothing more.
-//! Requests that arrive while all runners are busy queue, and the next runner to finish takes
-//! every one of them (up to [`MAX_BATCH`] keys) into one statement. So batches grow exactly
-//! when the shard is busy, which is when its per-statement cost is what limits throughput.
+//! A lane lets a few runners work at once (`pool.batches-in-flight`): a request that finds
+//! fewer running starts one, which sends it at once — a lone caller pays one round trip and
+//! nothing more. Requests that arrive while all runners are busy queue, and the next runner
+//! to finish takes every one of them (up to [`MAX_BATCH`] keys) into one statement. So
+//! batches grow exactly when the shard is busy, which is when its per-statement cost is what
+//! limits throughput.
+//! When the queue grows deep all the same ([`DEEP_QUEUE`] requests), one more runner starts
+//! for it, up to [`Runners::most`], and the shard is given more statements to work on at once,
+//! so that its cores do not wait between round trips; such an extra runner ends as soon as
+//! the queue is short again.
 //!
 //! Each request's caller waits on its own answer. Runners are tasks of their own: a caller
 //! that gives up (its wait ended, its future was dropped) leaves its request to be answered
@@ -58,14 +63,45 @@ impl<R, O> Default for Lane<R, O> {
     }
 }
 
+/// Requests waiting that make a lane's queue deep: a push that makes the queue this long
+/// starts one more runner (see [`Runners`]). While more than the steady runners run, a runner
+/// that finds fewer waiting ends, so the extra ones only ever take a batch from a deep queue.
+pub(super) const DEEP_QUEUE: usize = 8;
+
+/// How many runners a lane may have at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Runners {
+    /// At any time: `pool.batches-in-flight`.
+    pub(super) steady: usize,
+    /// While [`DEEP_QUEUE`] requests or more wait: up to twice `steady`, the extra runners of
+    /// both lanes taking at most half of what the steady ones leave of the pool (none while
+    /// that is under 4), so that renewals, give-backs and callers' own statements still find
+    /// connections.
+    pub(super) most: usize,
+}
+
+impl Runners {
+    /// The runners of a shard with `batches_in_flight` (at least 1) and a pool of `pool_size`.
+    pub(super) fn new(batches_in_flight: usize, pool_size: usize) -> Self {
+        let steady = batches_in_flight.max(1);
+        let spare = pool_size.saturating_sub(2 * steady);
+        Self {
+            steady,
+            most: steady + steady.min(spare / 4),
+        }
+    }
+}
+
 impl<R, O> Lane<R, O> {
     /// Queues `request`; returns the receiver of its answer, and whether the caller must start
-    /// a runner (fewer than `limit` run; the new one is counted already).
-    pub(super) fn push(&self, request: R, limit: usize) -> (Answer<O>, bool) {
+    /// a runner (the new one is counted already): when fewer than `runners.steady` run, or
+    /// when the queue is now [`DEEP_QUEUE`] long and fewer than `runners.most` run.
+    pub(super) fn push(&self, request: R, runners: Runners) -> (Answer<O>, bool) {
         let (answer, rx) = oneshot::channel();
         let mut state = self.state.locked();
         state.queue.push_back(Waiting { request, answer });
-        let start = state.running < limit.max(1);
+        let deep = state.queue.len() >= DEEP_QUEUE && state.running < runners.most;
+        let start = state.running < runners.steady || deep;
         if start {
             state.running += 1;
         }
@@ -73,12 +109,12 @@ impl<R, O> Lane<R, O> {
     }
 
     /// Counts the caller in as a runner of its own request when nothing waits and fewer than
-    /// `limit` run: a lone request is then sent by its caller, without a task hop. The caller
-    /// must call [`Lane::leave`] when done (whether to start a runner for what queued
-    /// meanwhile is its answer).
-    pub(super) fn enter_alone(&self, limit: usize) -> bool {
+    /// `runners.steady` run: a lone request is then sent by its caller, without a task hop.
+    /// The caller must call [`Lane::leave`] when done (whether to start a runner for what
+    /// queued meanwhile is its answer).
+    pub(super) fn enter_alone(&self, runners: Runners) -> bool {
         let mut state = self.state.locked();
-        let alone = state.queue.is_empty() && state.running < limit.max(1);
+        let alone = state.queue.is_empty() && state.running < runners.steady;
         if alone {
             state.running += 1;
         }
@@ -100,14 +136,21 @@ impl<R, O> Lane<R, O> {
     /// The next batch for a runner: the waiting requests in arrival order, up to
     /// [`MAX_BATCH`], one per key (a later request for a key already in the batch waits for
     /// the next one); with `skip_gone`, requests whose caller has gone are dropped unsent.
-    /// `None` when nothing is left to send: the runner then ends, counted out under the same
-    /// lock that [`Lane::push`] counts under, so no request is left without a runner.
+    /// `None` when nothing is left to send, or when more than `runners.steady` run and fewer
+    /// than [`DEEP_QUEUE`] wait (the steady runners take those): the runner then ends,
+    /// counted out under the same lock that [`Lane::push`] counts under, so no request is
+    /// left without a runner.
     pub(super) fn next_batch(
         &self,
         key: impl Fn(&R) -> &[u8],
         skip_gone: bool,
+        runners: Runners,
     ) -> Option<Vec<Waiting<R, O>>> {
         let mut state = self.state.locked();
+        if state.running > runners.steady && state.queue.len() < DEEP_QUEUE {
+            state.running -= 1;
+            return None;
+        }
         let mut batch = Vec::new();
         let mut later = VecDeque::new();
         let mut keys = HashSet::new();
@@ -162,7 +205,11 @@ impl Running<AcquireRequest, Attempt> {
     pub(super) async fn send_acquires(mut self) {
         let shard = self.state.clone();
         // Callers that went away before their request was sent: nothing is sent for them.
-        while let Some(batch) = shard.acquire_lane.next_batch(|(r, _)| &r.key, true) {
+        while let Some(batch) =
+            shard
+                .acquire_lane
+                .next_batch(|(r, _)| &r.key, true, shard.runners())
+        {
             let (requests, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
             let (requests, orphans): (Vec<GrantRequest>, Vec<bool>) = requests.into_iter().unzip();
@@ -222,7 +269,11 @@ impl Running<ReleaseRequest, ReleaseAnswer> {
     pub(super) async fn send_releases(mut self) {
         let shard = self.state.clone();
         // A release is sent even when its caller went away: the row must be freed.
-        while let Some(batch) = shard.release_lane.next_batch(|(key, _)| key, false) {
+        while let Some(batch) =
+            shard
+                .release_lane
+                .next_batch(|(key, _)| key, false, shard.runners())
+        {
             let (leases, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
             let result = if let [(key, owner)] = leases.as_slice() {
@@ -371,4 +422,74 @@ pub(super) fn no_answer() -> BackendError {
     );
     e.maybe_applied = true;
     e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_runners_take_at_most_half_of_what_the_steady_ones_leave_of_the_pool() {
+        let runners = |batches, pool| {
+            let r = Runners::new(batches, pool);
+            (r.steady, r.most)
+        };
+        // The default: a pool of 16, two batches in flight.
+        assert_eq!(runners(2, 16), (2, 4));
+        assert_eq!(runners(4, 32), (4, 8));
+        assert_eq!(runners(2, 8), (2, 3));
+        // No extra runner where the steady ones take the pool already...
+        assert_eq!(runners(2, 4), (2, 2));
+        assert_eq!(runners(8, 16), (8, 8));
+        assert_eq!(runners(1, 4), (1, 1));
+        // ...and the bound holds for every size the config allows (1 ..= pool per kind).
+        for pool in 1..=64 {
+            for batches in 1..=pool {
+                let r = Runners::new(batches, pool);
+                assert!(r.steady == batches && r.most <= 2 * batches);
+                let extras = 2 * (r.most - r.steady);
+                assert!(
+                    extras <= pool.saturating_sub(2 * batches) / 2,
+                    "{batches} of {pool}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_deep_queue_starts_extra_runners_which_end_once_it_is_short() {
+        fn key(request: &(Vec<u8>, ())) -> &[u8] {
+            &request.0
+        }
+        let lane: Lane<(Vec<u8>, ()), ()> = Lane::default();
+        let runners = Runners::new(2, 16);
+        let mut answers = Vec::new();
+        let mut started = Vec::new();
+        for request in 0..20 {
+            let (answer, start) = lane.push((vec![request], ()), runners);
+            answers.push(answer);
+            started.push(start);
+        }
+        // The two steady runners start with the first two requests; the next ones wait until
+        // DEEP_QUEUE of them are queued, and then start the extra runners, up to `most`.
+        let starts: Vec<usize> = (0..20).filter(|&i| started[i]).collect();
+        assert_eq!(starts, vec![0, 1, DEEP_QUEUE - 1, DEEP_QUEUE]);
+        assert_eq!(lane.running(), runners.most);
+        // The first runner to look takes the whole queue (the others find less than a deep
+        // one). A short queue starts nobody, and the extra runners end at their next look,
+        // leaving it to a steady one.
+        assert_eq!(lane.next_batch(key, false, runners).unwrap().len(), 20);
+        let (_answer, start) = lane.push((vec![99], ()), runners);
+        assert!(!start);
+        for _ in runners.steady..runners.most {
+            assert!(lane.next_batch(key, false, runners).is_none());
+        }
+        assert_eq!(lane.running(), runners.steady);
+        assert_eq!(lane.next_batch(key, false, runners).unwrap().len(), 1);
+        // A runner that finds nothing left ends, counted out under the lane's lock.
+        for _ in 0..runners.steady {
+            assert!(lane.next_batch(key, false, runners).is_none());
+        }
+        assert_eq!(lane.running(), 0);
+    }
 }

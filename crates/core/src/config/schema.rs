@@ -417,7 +417,10 @@ pub struct PoolConfig {
     /// How many batches of acquires (and, apart, of releases) may be in flight to the shard
     /// at once. Requests that arrive while that many are out wait and go together in the
     /// next batch; fewer in flight means bigger batches (fewer statements, more waiting per
-    /// lock), more means smaller ones. Default: an eighth of `max-size`, at least 1.
+    /// lock), more means smaller ones. While 8 or more requests of a kind wait, more go out:
+    /// up to twice as many, the extra ones of both kinds taking at most half of the
+    /// connections that `2 × batches-in-flight` leaves of `max-size` (none on a pool that small);
+    /// they stop once fewer than 8 wait. Default: an eighth of `max-size`, at least 1.
     pub batches_in_flight: Option<usize>,
 }
 
