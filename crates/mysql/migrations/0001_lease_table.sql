@@ -3,7 +3,9 @@
 -- lock_key     the key's UTF-8 bytes, compared byte for byte (binary, no collation): `Order:1`
 --              and `order:1` are different locks. Keys over 255 bytes are stored as 0xFF
 --              followed by the key's SHA-256 (0xFF never occurs in UTF-8).
--- owner        '<instance id>:<start nonce>:<grant seq>' of the holder; NULL once released.
+-- owner        '<instance id>:<start nonce>:<grant seq>' of the holder. Once released, a
+--              tombstone of the same length (its first byte ':', which starts no owner), or
+--              NULL.
 -- fence        the highest fencing token reserved by the latest grant: a grant takes the next
 --              fence (at least one above the stored one, and at least the shard clock in
 --              microseconds) and sets aside a range after it for in-memory hand-offs, storing

@@ -23,10 +23,10 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params};
 
 use crate::lease::{
-    floor_row_missing, padded_in_list, Attempt, GrantRequest, Released, HELD_MARK,
+    floor_row_missing, names_holder, padded_in_list, Attempt, GrantRequest, Released, HELD_MARK,
     LOCK_WAIT_TIMEOUT,
 };
-use crate::{floor_lock, floor_row, floor_row_is, joined_floor, now_us};
+use crate::{floor_lock, floor_row, floor_row_is, joined_floor, now_us, released, tombstone};
 
 /// Most keys in one batch: its JSON (about 150 KiB with 255-byte keys, as hex) stays far below
 /// `max_allowed_packet`, and the read-back's key list far below the server's 65,535
@@ -71,7 +71,7 @@ const ACQUIRE_BATCH: &str = concat!(
     "tr VARCHAR(55) CHARACTER SET ascii PATH '$[5]'",
     ")) AS src JOIN ", floor_row!(), " ON ", floor_row_is!(), " ORDER BY src.k ", floor_lock!(), " ",
     "ON DUPLICATE KEY UPDATE ",
-    "owner = IF(shardlock_lease.owner IS NULL OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
+    "owner = IF(", released!("shardlock_lease.owner"), " OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
     "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", joined_floor!(), ", src.f) + src.r, shardlock_lease.fence), ",
     "ttl_ms = IF(shardlock_lease.owner = src.o, src.t, shardlock_lease.ttl_ms), ",
     "expires_at = IF(shardlock_lease.owner = src.o, NOW(3) + INTERVAL src.t * 1000 MICROSECOND, shardlock_lease.expires_at), ",
@@ -198,9 +198,11 @@ fn all_inserted(conn: &Conn, n: usize) -> Option<u64> {
 /// The owner-checked release of many keys. Owners are unique per grant and each is written to
 /// one key only, so `lock_key IN (...) AND owner IN (...)` matches exactly the (key, owner)
 /// pairs while the server uses the primary key.
-const RELEASE_HEAD: &str =
-    "UPDATE shardlock_lease SET owner = NULL, expires_at = NOW(3), wanted_at = NULL \
-     WHERE lock_key IN ";
+const RELEASE_HEAD: &str = concat!(
+    "UPDATE shardlock_lease SET owner = ",
+    tombstone!(),
+    ", expires_at = NOW(3), wanted_at = NULL WHERE lock_key IN "
+);
 
 /// After a batch release that did not release every key: who holds each key now.
 const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE lock_key IN ";
@@ -242,8 +244,8 @@ pub(crate) async fn release_batch(
         .iter()
         .map(
             |(key, _)| match rows.iter().find(|(k, _)| k.as_slice() == *key) {
-                Some((_, Some(_))) => Released::Taken,
-                Some((_, None)) => Released::Freed,
+                Some((_, owner)) if names_holder(owner) => Released::Taken,
+                Some(_) => Released::Freed,
                 None => Released::Free,
             },
         )
@@ -269,6 +271,8 @@ mod tests {
     use mysql_async::prelude::Queryable;
     use shardlock_core::Config;
     use shardlock_testkit::Cluster;
+
+    use std::time::Duration;
 
     use super::*;
     use crate::Shard;
@@ -311,6 +315,140 @@ mod tests {
         .await
         .unwrap()
         .unwrap()
+    }
+
+    /// A release, alone or in a batch, turns the owner into a tombstone of the same length (so
+    /// the server can update the row in place), and every reader takes the row as released,
+    /// even when the shard's clock steps back behind the release (its `expires_at` is then in
+    /// the future again): nothing reads it as held, the cleaner takes it for a released row,
+    /// no owner-checked statement of the old owner matches it, and a single or batch acquire
+    /// takes it.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_released_row_keeps_its_size_and_reads_as_released_everywhere() {
+        let (cluster, shard) = migrated_shard().await;
+        let mut raw = cluster.shard(0).connect().await.unwrap();
+        let keys = ["alone", "batch:a", "batch:b", "cleaned"];
+        for key in keys {
+            let mut req = request(key, &format!("me:{key}"), 0);
+            // Traced, so that a holder's trace left on a released row would show.
+            req.trace = Some(format!("00-{:032x}-{:016x}-01", 1, 1));
+            assert!(matches!(
+                shard.acquire(&req).await.unwrap(),
+                Attempt::Granted(_)
+            ));
+            assert_eq!(shard.holder_trace(key.as_bytes()).await.unwrap(), req.trace);
+        }
+        let owner = |key: &str| format!("me:{key}");
+        assert!(shard
+            .release(b"alone", &owner("alone"))
+            .await
+            .unwrap()
+            .is_released());
+        let batch: Vec<(Vec<u8>, String)> = ["batch:a", "batch:b", "cleaned"]
+            .iter()
+            .map(|k| (k.as_bytes().to_vec(), owner(k)))
+            .collect();
+        let answers = shard.release_batch(&batch).await.unwrap();
+        assert!(answers.iter().all(|a| a.is_released()), "{answers:?}");
+        for key in keys {
+            let (stored_owner, _) = stored(&mut raw, key).await;
+            let stored_owner = stored_owner.expect("a tombstone, not NULL");
+            assert_eq!(stored_owner.len(), owner(key).len(), "{key}: same length");
+            assert_eq!(stored_owner[0], b':', "{key}");
+            assert_eq!(&stored_owner[1..], &owner(key).as_bytes()[1..], "{key}");
+        }
+        // The cleaner's scan, before the clock steps back: released rows, without an owner.
+        // (Its row aged past the scan's conditions, a second and a second's fences.)
+        raw.query_drop(
+            "UPDATE shardlock_lease SET expires_at = NOW(3) - INTERVAL 1 SECOND, \
+             fence = fence - 1000000 WHERE lock_key = 'cleaned'",
+        )
+        .await
+        .unwrap();
+        let candidates = shard
+            .cleanup_candidates(b"", Duration::ZERO, Duration::ZERO, 100)
+            .await
+            .unwrap();
+        let cleaned = candidates.iter().find(|c| c.key == b"cleaned").unwrap();
+        assert_eq!(cleaned.owner, None, "read as a released row");
+        let deleted = shard
+            .delete_ended(
+                &[b"cleaned".to_vec()],
+                None,
+                Duration::ZERO,
+                Duration::ZERO,
+                u64::MAX,
+            )
+            .await
+            .unwrap();
+        assert_eq!(deleted, 1, "deleted as a released row");
+        // The shard's clock steps back an hour behind the releases.
+        raw.query_drop("UPDATE shardlock_lease SET expires_at = NOW(3) + INTERVAL 1 HOUR")
+            .await
+            .unwrap();
+        for key in ["alone", "batch:a", "batch:b"] {
+            let row = shard.inspect(key.as_bytes()).await.unwrap().unwrap();
+            assert_eq!(row.owner, None, "{key}: inspect");
+            assert_eq!(shard.holder_trace(key.as_bytes()).await.unwrap(), None);
+            let mine = owner(key);
+            assert!(!shard
+                .extend(key.as_bytes(), &mine, Duration::from_secs(9))
+                .await
+                .unwrap());
+            assert!(!shard.set_data(key.as_bytes(), &mine, b"x").await.unwrap());
+            let renewed = shard
+                .renew(&[(key.as_bytes(), mine.as_str())], Duration::from_secs(5))
+                .await
+                .unwrap();
+            assert_eq!(renewed.held, vec![false], "{key}: renewed by its old owner");
+        }
+        assert_eq!(shard.count_held().await.unwrap(), 0);
+        let live = shard
+            .live_owners(vec![b"alone".to_vec(), b"batch:a".to_vec()])
+            .await
+            .unwrap();
+        assert!(live.is_empty(), "{live:?}");
+        let fences = shard.fences_after(b"", 100).await.unwrap();
+        assert!(fences.iter().all(|f| f.live_owner.is_none()), "{fences:?}");
+        let held_only = crate::lease::ListFilter {
+            prefix: Vec::new(),
+            held_only: true,
+            limit: 100,
+        };
+        assert!(shard.list(&held_only).await.unwrap().is_empty());
+        // A release of the old owner again finds the row free, not taken (what it answers
+        // after a lost reply), alone and in a batch beside a lease it does free.
+        let mut session = shard.connection().await.unwrap();
+        let conn = session.raw();
+        let again = crate::lease::release(conn, b"alone", &owner("alone"), None).await;
+        assert_eq!(again.unwrap(), Released::Free);
+        let other = request("other", "me:other", 0);
+        assert!(matches!(
+            shard.acquire(&other).await.unwrap(),
+            Attempt::Granted(_)
+        ));
+        let pair: [(&[u8], &str); 2] = [(b"batch:a", "me:batch:a"), (b"other", "me:other")];
+        let found = release_batch(conn, &pair).await.unwrap();
+        assert_eq!(found, vec![Released::Freed, Released::Freed]);
+        // Both kinds of acquire take such a row.
+        let single = request("alone", "you:1", 0);
+        assert!(matches!(
+            shard.acquire(&single).await.unwrap(),
+            Attempt::Granted(_)
+        ));
+        let reqs = [
+            request("batch:a", "you:2", 0),
+            request("batch:b", "you:3", 0),
+        ];
+        let grants = shard.acquire_batch(&reqs).await.unwrap();
+        assert!(
+            grants
+                .attempts
+                .iter()
+                .all(|a| matches!(a, Attempt::Granted(_))),
+            "{grants:?}"
+        );
+        assert_eq!(shard.count_held().await.unwrap(), 3);
     }
 
     /// A batch answers from the write's reply alone only when every row was new, even on a

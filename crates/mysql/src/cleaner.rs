@@ -3,8 +3,8 @@
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params, Value};
 
-use crate::lease::padded_in_list;
-use crate::now_us;
+use crate::lease::{holding_owner, padded_in_list};
+use crate::{now_us, released};
 
 /// Registers the instance on first call (`started_at` = now) and beats afterwards; a
 /// deregistered instance that beats again is alive again. Times are the shard's `NOW(3)`, and
@@ -259,7 +259,7 @@ pub(crate) async fn candidates(
         .into_iter()
         .map(|(key, owner, fence)| Candidate {
             key,
-            owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+            owner: holding_owner(owner).map(|o| String::from_utf8_lossy(&o).into_owned()),
             fence,
         })
         .collect())
@@ -282,7 +282,7 @@ pub(crate) async fn delete(
     let (key_list, mut values) = padded_in_list(keys.iter().map(Vec::as_slice));
     let mut sql = format!("DELETE FROM shardlock_lease WHERE lock_key IN {key_list}");
     match owners {
-        None => sql.push_str(" AND owner IS NULL"),
+        None => sql.push_str(concat!(" AND ", released!("owner"))),
         Some(owners) => {
             let (owner_list, owner_values) = padded_in_list(owners.iter().map(|o| o.as_bytes()));
             sql.push_str(&format!(" AND owner IN {owner_list}"));

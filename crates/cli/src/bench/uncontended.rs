@@ -64,7 +64,7 @@ pub(super) async fn sweep(router: &LockRouter, round: Round<'_>) -> Result<(), A
         let c = shard.raw();
         c.exec_drop(
             "DELETE FROM shardlock_lease WHERE lock_key >= ? AND lock_key < ? \
-             AND owner IS NULL LIMIT 10000",
+             AND (owner IS NULL OR LEFT(owner, 1) = ':') LIMIT 10000",
             (&from, &to),
         )
         .await?;
