@@ -268,11 +268,11 @@ fn hex(bytes: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use mysql_async::prelude::Queryable;
     use shardlock_core::Config;
     use shardlock_testkit::Cluster;
-
-    use std::time::Duration;
 
     use super::*;
     use crate::Shard;
@@ -358,7 +358,8 @@ mod tests {
             assert_eq!(&stored_owner[1..], &owner(key).as_bytes()[1..], "{key}");
         }
         // The cleaner's scan, before the clock steps back: released rows, without an owner.
-        // (Its row aged past the scan's conditions, a second and a second's fences.)
+        // (The row is first aged past the scan's conditions: ended a second ago, its fence a
+        // second below the clock.)
         raw.query_drop(
             "UPDATE shardlock_lease SET expires_at = NOW(3) - INTERVAL 1 SECOND, \
              fence = fence - 1000000 WHERE lock_key = 'cleaned'",
