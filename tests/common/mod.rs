@@ -65,16 +65,18 @@ pub async fn status_sum(cluster: &Cluster, name: &str) -> u64 {
     sum
 }
 
-/// Number of live lease rows on every shard together.
+/// Number of live lease rows on every shard together: not released, not ended (by UTC: this
+/// session keeps the server's time zone, while leases are written in UTC).
 pub async fn live_leases(cluster: &Cluster) -> u64 {
     let mut total = 0;
     for s in cluster.shards() {
         let mut c = s.connect().await.unwrap();
         let n: Option<u64> = c
-            .query_first(
-                "SELECT COUNT(*) FROM shardlock_lease WHERE owner IS NOT NULL AND LEFT(owner, 1) <> ':' \
-                 AND expires_at > UTC_TIMESTAMP(3)",
-            )
+            .query_first(concat!(
+                "SELECT COUNT(*) FROM shardlock_lease WHERE NOT ",
+                shardlock_mysql::released!("owner"),
+                " AND expires_at > UTC_TIMESTAMP(3)"
+            ))
             .await
             .unwrap();
         total += n.unwrap_or(0);
