@@ -313,6 +313,40 @@ async fn bench_reports_statement_and_deadlock_counts() {
     );
 }
 
+/// The shard-down scenario measures the healthy shards' keys of a service whose last shard
+/// dies: every cycle of them completes, with no error, while the dead shard's keys are
+/// refused by its breaker. (Its router once started with that shard unreachable, which, as a
+/// router that cannot read every shard's registry grants nothing, measured 0 ops/s.)
+#[tokio::test(flavor = "multi_thread")]
+async fn bench_shard_down_serves_the_healthy_shards() {
+    let (_cluster, dir, config) = cluster_with_config(2).await;
+    let out_dir = dir.path().join("bench");
+    let report = json(&shardlock(
+        &config,
+        &[
+            "--json",
+            "bench",
+            "--scenario",
+            "shard-down",
+            "--duration",
+            "1s",
+            "--rounds",
+            "1",
+            "--tasks",
+            "2",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ],
+    ));
+    let down = &report["comparisons"][0];
+    assert_eq!(down["scenario"], "shard-down", "{report}");
+    for run in ["shardlock", "baseline"] {
+        let m = &down[run];
+        assert!(m["ops"].as_u64().unwrap() > 0, "{run}: {m}");
+        assert_eq!(m["errors"], 0, "{run}: {m}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn release_force_cleaner_and_registered_instances() {
     let (_cluster, _dir, config) = cluster_with_config(2).await;

@@ -53,9 +53,14 @@ impl Proxy {
     /// Starts a proxy to `127.0.0.1:upstream_port`, in [`ProxyMode::Pass`]. Needs a Tokio
     /// runtime; its tasks run there.
     pub async fn start(upstream_port: u16) -> io::Result<Self> {
+        Self::start_to(SocketAddr::from(([127, 0, 0, 1], upstream_port))).await
+    }
+
+    /// [`Proxy::start`] to any `upstream` address (the proxy itself still listens on
+    /// loopback).
+    pub async fn start_to(upstream: SocketAddr) -> io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();
-        let upstream = SocketAddr::from(([127, 0, 0, 1], upstream_port));
         let (mode, _) = watch::channel(ProxyMode::Pass);
         let modes = mode.clone();
         let accept = tokio::spawn(async move {

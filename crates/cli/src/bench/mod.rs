@@ -45,9 +45,10 @@ pub(crate) enum Scenario {
     /// 32 tasks on 500 keys over all shards; a reload that moves keys (first shard's weight
     /// doubled) happens a third into the round. Throughput in the move window against before.
     Reload,
-    /// Acquire latency of keys on the healthy shards while the last shard is down (its URL
-    /// points at a closed port; 4 tasks keep calling its keys, answered by its breaker),
-    /// against the same load with every shard up. Compare p50/p99.
+    /// Acquire latency of keys on the healthy shards while the last shard is down (cut off
+    /// once the router is up: a proxy in front of it resets every connection; 4 tasks keep
+    /// calling its keys, answered by its breaker), against the same load with every shard up.
+    /// Compare p50/p99.
     ShardDown,
     /// The uncontended cycle (16 tasks, distinct keys) with metrics on (an OpenTelemetry meter
     /// provider feeding the Prometheus exporter; spans as `SHARDLOCK_LOG` enables them)
@@ -233,7 +234,8 @@ pub(crate) async fn run(
                 }
                 Scenario::Reload => reload::throughput_across_reload(source, round).await?,
                 Scenario::ShardDown => {
-                    // The all-up run first: it migrates every shard, which the other run cannot.
+                    // The all-up run first, then the one whose last shard dies once its router
+                    // is up.
                     let base = shard_down::with_a_shard_down(source, false, round).await?;
                     (
                         shard_down::with_a_shard_down(source, true, round).await?,

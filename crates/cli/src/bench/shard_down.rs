@@ -5,13 +5,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shardlock::{AcquireOptions, LockRouter};
+use shardlock_testkit::{Proxy, ProxyMode};
 
 use super::harness::{bench_config, Round};
 use super::report::Measurement;
 use crate::{AnyError, ConfigSource};
 
 /// `args.tasks` tasks acquiring and releasing keys of every shard but the last, while 4 tasks
-/// keep calling keys of the last one; with `down`, that shard's URL points at a closed port.
+/// keep calling keys of the last one; with `down`, that shard is reached through a proxy that
+/// resets every connection, old and new, from the moment the router is up (see [`cut_off`]).
 pub(super) async fn with_a_shard_down(
     source: &ConfigSource,
     down: bool,
@@ -23,12 +25,15 @@ pub(super) async fn with_a_shard_down(
     }
     let victim = config.shards.last_mut().expect("at least 2 shards");
     let victim_name = victim.name.clone();
-    if down {
-        victim.url = "mysql://root@127.0.0.1:1/shardlock".into(); // nothing listens on port 1
-    }
+    let proxy = if down {
+        Some(cut_off(&mut victim.url).await?)
+    } else {
+        None
+    };
     let router = LockRouter::new(config).await?;
-    if !down {
-        router.migrate().await?;
+    router.migrate().await?;
+    if let Some(proxy) = &proxy {
+        proxy.set(ProxyMode::Reset);
     }
     let keys = |healthy: bool, n: usize| -> Result<Vec<String>, AnyError> {
         let mut keys = Vec::with_capacity(n);
@@ -82,4 +87,33 @@ pub(super) async fn with_a_shard_down(
     }
     let _ = router.shutdown().await;
     m
+}
+
+/// Puts a proxy between `url`'s shard and its clients, and points `url` at it; the proxy
+/// passes everything until it is set otherwise.
+///
+/// The router starts with the shard up: a router that cannot read the instance registry on
+/// every shard when it starts grants nothing until it can (it cannot tell which topology the
+/// others run), so a shard down from the start would measure nothing. What the scenario
+/// measures is the running service whose shard dies.
+async fn cut_off(url: &mut String) -> Result<Proxy, AnyError> {
+    let mut through = url::Url::parse(url).map_err(|e| format!("shard URL `{url}`: {e}"))?;
+    let host = through
+        .host_str()
+        .ok_or_else(|| format!("shard URL `{url}` names no host"))?;
+    let upstream = tokio::net::lookup_host((host, through.port().unwrap_or(3306)))
+        .await?
+        .next()
+        .ok_or_else(|| format!("shard URL `{url}`: `{host}` resolves to no address"))?;
+    let proxy = Proxy::start_to(upstream).await?;
+    through.set_host(Some("127.0.0.1"))?;
+    through
+        .set_port(Some(proxy.port()))
+        .map_err(|()| format!("shard URL `{url}` cannot name a port"))?;
+    // On loopback the driver would switch to the server's Unix socket, past the proxy.
+    through
+        .query_pairs_mut()
+        .append_pair("prefer_socket", "false");
+    *url = through.into();
+    Ok(proxy)
 }
