@@ -259,27 +259,31 @@ async fn demo_sells_all_stock_and_oversells_nothing() {
     assert!(stdout.contains("nothing oversold"), "{stdout}");
 }
 
+/// `shardlock --json bench` with one round of 1 s and its report in `out_dir`, plus `args`:
+/// the report.
+fn short_bench(config: &Path, out_dir: &Path, args: &[&str]) -> Value {
+    let out = out_dir.to_str().unwrap();
+    let mut all = vec![
+        "--json",
+        "bench",
+        "--duration",
+        "1s",
+        "--rounds",
+        "1",
+        "--out",
+        out,
+    ];
+    all.extend_from_slice(args);
+    json(&shardlock(config, &all))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bench_reports_statement_and_deadlock_counts() {
     let (_cluster, dir, config) = cluster_with_config(1).await;
     let out_dir = dir.path().join("bench");
-    let report = json(&shardlock(
-        &config,
-        &[
-            "--json",
-            "bench",
-            "--duration",
-            "1s",
-            "--rounds",
-            "1",
-            // One task: every acquire and release goes alone, so the count is exact (with
-            // more, batches form and the count depends on timing).
-            "--tasks",
-            "1",
-            "--out",
-            out_dir.to_str().unwrap(),
-        ],
-    ));
+    // One task: every acquire and release goes alone, so the count is exact (with more,
+    // batches form and the count depends on timing).
+    let report = short_bench(&config, &out_dir, &["--tasks", "1"]);
     assert!(out_dir.join("latest.json").exists());
     let picture = std::fs::read_to_string(out_dir.join("latest.svg")).unwrap();
     assert!(
@@ -321,23 +325,11 @@ async fn bench_reports_statement_and_deadlock_counts() {
 async fn bench_shard_down_serves_the_healthy_shards() {
     let (_cluster, dir, config) = cluster_with_config(2).await;
     let out_dir = dir.path().join("bench");
-    let report = json(&shardlock(
+    let report = short_bench(
         &config,
-        &[
-            "--json",
-            "bench",
-            "--scenario",
-            "shard-down",
-            "--duration",
-            "1s",
-            "--rounds",
-            "1",
-            "--tasks",
-            "2",
-            "--out",
-            out_dir.to_str().unwrap(),
-        ],
-    ));
+        &out_dir,
+        &["--scenario", "shard-down", "--tasks", "2"],
+    );
     let down = &report["comparisons"][0];
     assert_eq!(down["scenario"], "shard-down", "{report}");
     for run in ["shardlock", "baseline"] {
