@@ -37,11 +37,8 @@ impl LockRouter {
         wait: Option<Duration>,
     ) -> Result<LockGuard> {
         let started = Instant::now();
-        // Scoped here already (again in acquire_inner, which keeps it), so that the timeout
-        // names the lock.
         let key = self.scope(key, opts)?;
-        let key_label = self.inner.shared.telemetry.key_label(&key);
-        match self.acquire_inner(key, opts, wait).await? {
+        match self.acquire_scoped(&key, opts, wait).await? {
             Some(guard) => Ok(guard),
             None => {
                 self.inner
@@ -49,8 +46,10 @@ impl LockRouter {
                     .stats
                     .timeouts
                     .fetch_add(1, Ordering::Relaxed);
+                // Labelled only now: a label is a hash and a formatted string, a tenth of
+                // what an in-memory hand-off costs.
                 Err(Error::Timeout {
-                    key_label,
+                    key_label: self.inner.shared.telemetry.key_label(&key),
                     waited: started.elapsed(),
                 })
             }
@@ -94,6 +93,16 @@ impl LockRouter {
         wait: Option<Duration>,
     ) -> Result<Option<LockGuard>> {
         let key = self.scope(key, opts)?;
+        self.acquire_scoped(&key, opts, wait).await
+    }
+
+    /// [`LockRouter::acquire_inner`] of a key already in its namespace's scope.
+    async fn acquire_scoped(
+        &self,
+        key: &LockKey,
+        opts: &AcquireOptions,
+        wait: Option<Duration>,
+    ) -> Result<Option<LockGuard>> {
         let mut wait = wait;
         if self.inner.gate.is_closed() {
             // Waiting to join the fleet counts against the caller's wait.
@@ -103,7 +112,7 @@ impl LockRouter {
             };
             let started = Instant::now();
             let _ = tokio::time::timeout_at(instant_after(budget), self.inner.gate.opened()).await;
-            self.check_joined(&key)?;
+            self.check_joined(key)?;
             wait = Some(budget.saturating_sub(started.elapsed()));
         }
         self.acquire_joined(key, opts, wait).await
@@ -112,7 +121,7 @@ impl LockRouter {
     /// [`LockRouter::acquire_inner`] once this router has joined its fleet.
     async fn acquire_joined(
         &self,
-        key: LockKey,
+        key: &LockKey,
         opts: &AcquireOptions,
         wait: Option<Duration>,
     ) -> Result<Option<LockGuard>> {
@@ -133,11 +142,11 @@ impl LockRouter {
             shardlock.mode = tracing::field::Empty,
         );
         if !span.is_disabled() {
-            span.record("shardlock.key", telemetry.key_label(&key));
+            span.record("shardlock.key", telemetry.key_label(key));
         }
         let mut progress = Progress::default();
         let result = self
-            .acquire_steps(&key, opts, wait, &mut progress)
+            .acquire_steps(key, opts, wait, &mut progress)
             .instrument(span.clone())
             .await;
         let took = started.elapsed();
@@ -176,7 +185,7 @@ impl LockRouter {
             mode,
         };
         let bound = progress.shard.as_ref().map(|s| &s.acquires);
-        telemetry.acquired(&key, attrs, took, progress.waited(), bound);
+        telemetry.acquired(key, attrs, took, progress.waited(), bound);
         result
     }
 
@@ -246,7 +255,10 @@ impl LockRouter {
             Entered::Turn(turn) => turn,
             Entered::Answered(answer) => return Ok(answer),
         };
-        self.poll(key, want, turn, deadline, &ns, progress).await
+        // Boxed: polling the shard is the large part of an acquire's future, and a caller
+        // handed the lease in memory never gets there, yet every acquire's future would be
+        // that large, and copied whole each time it moves (a tenth of an in-memory hand-off).
+        Box::pin(self.poll(key, want, turn, deadline, &ns, progress)).await
     }
 
     /// Phase 1: the key's queue in this process. The first comes out with the key's turn (it

@@ -605,7 +605,10 @@ async fn futures_kept_without_polling_stall_no_other_caller() {
 /// runner, acquire, release) holds the one below it, and a future is copied whole each time
 /// it is moved — into a task, a box, an `instrument` wrapper. Inline in the pool checkout,
 /// the driver's connect and reset futures made each statement's future 7 KiB and an
-/// acquire's 17 KiB, and copying them cost a tenth of a lock cycle's client CPU. Bounded
+/// acquire's 17 KiB, and copying them cost a tenth of a lock cycle's client CPU. An acquire's
+/// future also carried its shard-polling phase, which a caller handed the lease in memory
+/// never reaches (5.2 KiB of this test's acquire future, boxed 1.5 KiB; copying it was a tenth
+/// of a hand-off's instructions); that phase is boxed. Bounded
 /// here: a shard's statement futures (what the dispatcher's runners and the breaker hold) and
 /// the router's acquire futures. A count, not a timing: sizes as this build lays them out
 /// (debug builds are the larger; a new compiler may move them a little).
@@ -642,6 +645,6 @@ async fn the_futures_of_a_lock_cycle_stay_small() {
         ),
     ];
     for (what, size) in calls {
-        assert!(size <= 9 * 1024, "{what}'s future is {size} bytes");
+        assert!(size <= 2 * 1024, "{what}'s future is {size} bytes");
     }
 }

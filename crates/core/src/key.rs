@@ -95,8 +95,12 @@ impl LockKey {
         // lock, and keys can come from users, so collisions must be infeasible to construct,
         // not just unlikely.
         let stored = stored_form(&identity);
+        // Pushed, not `format!`ted: built on every acquire, where the formatter's cost shows.
+        let mut text = String::with_capacity(prefix.len() + key.len());
+        text.push_str(prefix);
+        text.push_str(key);
         Ok(Self {
-            text: format!("{prefix}{key}"),
+            text,
             given_from: prefix.len(),
             bucket,
             identity,
