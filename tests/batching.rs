@@ -645,6 +645,6 @@ async fn the_futures_of_a_lock_cycle_stay_small() {
         ),
     ];
     for (what, size) in calls {
-        assert!(size <= 2 * 1024, "{what}'s future is {size} bytes");
+        assert!(size <= 3 * 1024, "{what}'s future is {size} bytes");
     }
 }
