@@ -37,9 +37,13 @@ pub struct LockKey {
     /// Where the key as given starts in `text`.
     given_from: usize,
     bucket: Option<u32>,
-    /// The lock's identity: the key's bytes, plus the bucket suffix for a bucket.
-    identity: Vec<u8>,
-    stored: Vec<u8>,
+    /// A bucket's identity: `text`'s bytes, the bucket mark and the bucket number. A plain
+    /// key's identity is `text` itself, so it carries none.
+    bucket_identity: Option<Vec<u8>>,
+    /// The digest form, when the identity is longer than the column; else the identity is
+    /// stored as it is. A plain key that fits is thus one allocation: keys are built on every
+    /// acquire, and three allocations per key showed in the in-memory hand-off.
+    digest: Option<Vec<u8>>,
 }
 
 impl LockKey {
@@ -84,27 +88,24 @@ impl LockKey {
                 ),
             });
         }
-        let mut identity = Vec::with_capacity(prefix.len() + key.len());
-        identity.extend_from_slice(prefix.as_bytes());
-        identity.extend_from_slice(key.as_bytes());
-        if let Some(b) = bucket {
-            identity.push(BUCKET_MARK);
-            identity.extend_from_slice(b.to_string().as_bytes());
-        }
-        // SHA-256 rather than a fast hash: two identities with the same digest would be one
-        // lock, and keys can come from users, so collisions must be infeasible to construct,
-        // not just unlikely.
-        let stored = stored_form(&identity);
         // Pushed, not `format!`ted: built on every acquire, where the formatter's cost shows.
         let mut text = String::with_capacity(prefix.len() + key.len());
         text.push_str(prefix);
         text.push_str(key);
+        let bucket_identity = bucket.map(|b| {
+            let mut identity = text.clone().into_bytes();
+            identity.push(BUCKET_MARK);
+            identity.extend_from_slice(b.to_string().as_bytes());
+            identity
+        });
+        let identity = bucket_identity.as_deref().unwrap_or(text.as_bytes());
+        let digest = (identity.len() > MAX_STORED_KEY_BYTES).then(|| digest_form(identity));
         Ok(Self {
             text,
             given_from: prefix.len(),
             bucket,
-            identity,
-            stored,
+            bucket_identity,
+            digest,
         })
     }
 
@@ -116,7 +117,9 @@ impl LockKey {
     /// Where the lock is placed on the ring: its identity bytes (for a plain key, the key
     /// itself), so that the buckets of one key land on shards independently.
     pub fn placement(&self) -> &[u8] {
-        &self.identity
+        self.bucket_identity
+            .as_deref()
+            .unwrap_or(self.text.as_bytes())
     }
 
     /// The key as the caller wrote it.
@@ -156,7 +159,7 @@ impl LockKey {
 
     /// The bytes stored in the lease row's primary key.
     pub fn stored(&self) -> &[u8] {
-        &self.stored
+        self.digest.as_deref().unwrap_or(self.placement())
     }
 
     /// The placement bytes (see [`LockKey::placement`]) of a lock stored as `stored`, or
@@ -189,7 +192,7 @@ impl LockKey {
 
     /// Whether the stored form is a digest.
     pub fn is_digest(&self) -> bool {
-        self.stored.first() == Some(&DIGEST_MARK)
+        self.digest.is_some()
     }
 }
 
@@ -198,11 +201,19 @@ fn stored_form(identity: &[u8]) -> Vec<u8> {
     if identity.len() <= MAX_STORED_KEY_BYTES {
         identity.to_vec()
     } else {
-        let mut stored = Vec::with_capacity(33);
-        stored.push(DIGEST_MARK);
-        stored.extend_from_slice(&Sha256::digest(identity));
-        stored
+        digest_form(identity)
     }
+}
+
+/// The digest form of an identity longer than the column: the mark, then its SHA-256.
+/// SHA-256 rather than a fast hash: two identities with the same digest would be one lock,
+/// and keys can come from users, so collisions must be infeasible to construct, not just
+/// unlikely.
+fn digest_form(identity: &[u8]) -> Vec<u8> {
+    let mut stored = Vec::with_capacity(33);
+    stored.push(DIGEST_MARK);
+    stored.extend_from_slice(&Sha256::digest(identity));
+    stored
 }
 
 impl std::fmt::Display for LockKey {
@@ -294,6 +305,55 @@ mod tests {
         let long = LockKey::bucket(&"k".repeat(MAX_STORED_KEY_BYTES), 0).unwrap();
         assert!(long.is_digest());
         assert_eq!(LockKey::new("plain").unwrap().placement(), b"plain");
+    }
+
+    /// The stored bytes are the row's primary key: any change to them makes one lock two
+    /// across versions. Pinned here byte for byte, at the column's width and past it, for
+    /// plain, prefixed and bucket keys.
+    #[test]
+    fn stored_bytes_are_pinned_at_the_width_and_past_it() {
+        let digest = |identity: &[u8]| {
+            let mut d = vec![DIGEST_MARK];
+            d.extend_from_slice(&Sha256::digest(identity));
+            d
+        };
+        let fits = "w".repeat(MAX_STORED_KEY_BYTES);
+        assert_eq!(LockKey::new(&fits).unwrap().stored(), fits.as_bytes());
+        let over = "w".repeat(MAX_STORED_KEY_BYTES + 1);
+        assert_eq!(
+            LockKey::new(&over).unwrap().stored(),
+            digest(over.as_bytes())
+        );
+        // The digest itself, as written: `sha256sum` of 256 `w`s, after the mark.
+        let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+        assert_eq!(
+            hex(LockKey::new(&over).unwrap().stored()),
+            "ff38bc2286bb38fa85cbfdfd496efb50dfd1a879f1bab3bd8d93dee14a3ea68203"
+        );
+        let scoped = LockKey::new(&"w".repeat(MAX_STORED_KEY_BYTES - 1))
+            .unwrap()
+            .scoped("ab");
+        let identity = format!("ab{}", "w".repeat(MAX_STORED_KEY_BYTES - 1));
+        assert_eq!(scoped.stored(), digest(identity.as_bytes()));
+        assert_eq!(scoped.placement(), identity.as_bytes());
+        let bucket = LockKey::bucket(&"w".repeat(MAX_STORED_KEY_BYTES - 2), 7).unwrap();
+        let mut identity = "w".repeat(MAX_STORED_KEY_BYTES - 2).into_bytes();
+        identity.extend_from_slice(b"\xfe7");
+        assert_eq!(bucket.stored(), identity.as_slice());
+        assert_eq!(bucket.placement(), identity.as_slice());
+        let bucket = LockKey::bucket(&"w".repeat(MAX_STORED_KEY_BYTES - 1), 12).unwrap();
+        let mut identity = "w".repeat(MAX_STORED_KEY_BYTES - 1).into_bytes();
+        identity.extend_from_slice(b"\xfe12");
+        assert_eq!(bucket.stored(), digest(&identity));
+        assert_eq!(
+            hex(bucket.stored()),
+            "ff5a5c90f2a2c9ee73515432068efd1c66e363a62d03198bfbe48e5192ac8b919d"
+        );
+        assert_eq!(bucket.placement(), identity.as_slice());
+        let scoped_bucket = LockKey::bucket("sku", 2).unwrap().scoped("p/");
+        assert_eq!(scoped_bucket.stored(), b"p/sku\xfe2");
+        assert_eq!(scoped_bucket.as_str(), "sku");
+        assert_eq!(scoped_bucket.scoped_str(), "p/sku");
     }
 
     #[test]
