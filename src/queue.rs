@@ -4,7 +4,6 @@
 //! poll.
 
 use std::any::Any;
-use std::collections::hash_map::Entry as MapEntry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -90,8 +89,16 @@ pub(crate) enum Delivery {
 /// exactly while the key is busy here, so memory is bounded by the keys in use.
 #[derive(Debug, Default)]
 pub(crate) struct KeyQueues {
-    map: Mutex<HashMap<Vec<u8>, VecDeque<Slot>>>,
+    map: Mutex<HashMap<Arc<[u8]>, Queue>>,
     next_id: AtomicU64,
+}
+
+/// A busy key's waiters, and one shared copy of the key's bytes, which its turn and waiters
+/// hold too: entering a busy key's queue copies no key (and hashes it once).
+#[derive(Debug)]
+struct Queue {
+    key: Arc<[u8]>,
+    waiters: VecDeque<Slot>,
 }
 
 #[derive(Debug)]
@@ -113,22 +120,31 @@ pub(crate) enum Entry {
 impl KeyQueues {
     pub(crate) fn enter(self: &Arc<Self>, key: &[u8], want: Want) -> Entry {
         let mut map = self.map.locked();
-        match map.entry(key.to_vec()) {
-            MapEntry::Vacant(v) => {
-                v.insert(VecDeque::new());
+        // Looked up by the borrowed key: the map's `entry` would take an owned one.
+        match map.get_mut(key) {
+            None => {
+                let key: Arc<[u8]> = Arc::from(key);
+                let waiters = VecDeque::new();
+                map.insert(
+                    key.clone(),
+                    Queue {
+                        key: key.clone(),
+                        waiters,
+                    },
+                );
                 Entry::Turn(Turn {
                     queues: self.clone(),
-                    key: key.to_vec(),
+                    key,
                     live: true,
                 })
             }
-            MapEntry::Occupied(mut o) => {
+            Some(queue) => {
                 let (tx, rx) = oneshot::channel();
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                o.get_mut().push_back(Slot { id, tx, want });
+                queue.waiters.push_back(Slot { id, tx, want });
                 Entry::Queued(Waiter {
                     queues: self.clone(),
-                    key: key.to_vec(),
+                    key: queue.key.clone(),
                     id,
                     rx,
                     done: false,
@@ -138,24 +154,24 @@ impl KeyQueues {
     }
 
     /// Gives the key's turn to the next live waiter, or marks the key idle.
-    fn pass_on(self: &Arc<Self>, key: &[u8], yield_first: bool) {
+    fn pass_on(self: &Arc<Self>, key: &Arc<[u8]>, yield_first: bool) {
         loop {
             let slot = {
                 let mut map = self.map.locked();
-                let Some(waiters) = map.get_mut(key) else {
+                let Some(queue) = map.get_mut(&**key) else {
                     return;
                 };
-                match waiters.pop_front() {
+                match queue.waiters.pop_front() {
                     Some(slot) => slot,
                     None => {
-                        map.remove(key);
+                        map.remove(&**key);
                         return;
                     }
                 }
             };
             let turn = Turn {
                 queues: self.clone(),
-                key: key.to_vec(),
+                key: key.clone(),
                 live: true,
             };
             match slot.tx.send(Delivery::Turn { turn, yield_first }) {
@@ -169,7 +185,7 @@ impl KeyQueues {
 
     /// Tasks waiting in some key's queue now.
     pub(crate) fn waiting(&self) -> usize {
-        self.map.locked().values().map(VecDeque::len).sum()
+        self.map.locked().values().map(|q| q.waiters.len()).sum()
     }
 
     #[cfg(test)]
@@ -183,7 +199,7 @@ impl KeyQueues {
 #[derive(Debug)]
 pub(crate) struct Turn {
     queues: Arc<KeyQueues>,
-    key: Vec<u8>,
+    key: Arc<[u8]>,
     live: bool,
 }
 
@@ -192,8 +208,8 @@ impl Turn {
     /// this turn. The key stays busy meanwhile.
     pub(crate) fn next_waiter(&self) -> Option<NextWaiter> {
         let mut map = self.queues.map.locked();
-        let waiters = map.get_mut(&self.key)?;
-        while let Some(slot) = waiters.pop_front() {
+        let queue = map.get_mut(&*self.key)?;
+        while let Some(slot) = queue.waiters.pop_front() {
             if !slot.tx.is_closed() {
                 return Some(NextWaiter {
                     tx: slot.tx,
@@ -238,7 +254,7 @@ impl NextWaiter {
 #[derive(Debug)]
 pub(crate) struct Waiter {
     queues: Arc<KeyQueues>,
-    key: Vec<u8>,
+    key: Arc<[u8]>,
     id: u64,
     rx: oneshot::Receiver<Delivery>,
     done: bool,
@@ -262,8 +278,8 @@ impl Drop for Waiter {
         // Never a panic in drop: a map poisoned by another task's panic is still consistent
         // (every change to it is one insert or removal).
         let mut map = self.queues.map.locked();
-        if let Some(waiters) = map.get_mut(&self.key) {
-            waiters.retain(|s| s.id != self.id);
+        if let Some(queue) = map.get_mut(&*self.key) {
+            queue.waiters.retain(|s| s.id != self.id);
         }
         drop(map);
         self.rx.close();
