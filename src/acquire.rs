@@ -200,7 +200,15 @@ impl LockRouter {
         if self.inner.shared.is_closed() {
             return Err(Error::Shutdown);
         }
-        let ns = self.namespace_of(opts)?;
+        // One snapshot of the topology for the namespace, the key's shard and the clock's
+        // drift: each load and name lookup is on the path of every in-memory hand-off.
+        let topology = self.inner.topology.load();
+        let name = opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE);
+        let ns = topology
+            .config
+            .namespace(name)
+            .cloned()
+            .ok_or_else(|| unknown_namespace(name))?;
         let ttl = opts.ttl.unwrap_or(ns.ttl);
         check_ttl(ttl).map_err(|reason| Error::InvalidArgument {
             name: "ttl",
@@ -213,22 +221,19 @@ impl LockRouter {
             })?;
         }
         let deadline = instant_after(wait.or(opts.wait).unwrap_or(ns.wait));
+        let shard = topology.locate(key);
+        progress.shard = Some(shard.clone());
+        progress.namespace = Some(topology.namespace_label(name));
+        // `fail-fast` answers at once while the key's shard breaker is open, before waiting in
+        // the key's queue behind this process's other callers (a holder whose release waits
+        // for the failing shard, say): the shard would refuse it anyway.
+        if ns.on_shard_failure == FailurePolicy::FailFast
+            && shard.breaker_state() == BreakerState::Open
         {
-            let topology = self.inner.topology.load();
-            let shard = topology.locate(key);
-            progress.shard = Some(shard.clone());
-            progress.namespace = Some(
-                topology.namespace_label(opts.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)),
-            );
-            // `fail-fast` answers at once while the key's shard breaker is open, before
-            // waiting in the key's queue behind this process's other callers (a holder whose
-            // release waits for the failing shard, say): the shard would refuse it anyway.
-            if ns.on_shard_failure == FailurePolicy::FailFast
-                && shard.breaker_state() == BreakerState::Open
-            {
-                return Err(shard.rejected().into_error(shard.name()));
-            }
+            return Err(shard.rejected().into_error(shard.name()));
         }
+        let drift_ppm = topology.config.instance.clock_drift_ppm();
+        drop(topology);
 
         // One poller per key in this process: the others wait in memory, and may be handed the
         // lease directly by the holder when it releases.
@@ -244,7 +249,7 @@ impl LockRouter {
             } else {
                 Duration::ZERO
             },
-            drift_ppm: self.inner.topology.load().config.instance.clock_drift_ppm(),
+            drift_ppm,
             // Set per poll, from the shards the grant is made on.
             clock_skew: Duration::ZERO,
             keep_alive: opts.keep_alive,
