@@ -302,6 +302,14 @@ async fn bench_reports_statement_and_deadlock_counts() {
         (per_cycle - 2.0).abs() < 0.01,
         "two statements per lock cycle, got {per_cycle}"
     );
+    // Linux tells how much of the machine's CPU time its host took during each round.
+    for side in ["shardlock", "baseline"] {
+        let steal = uncontended[side]["host_steal"].as_f64();
+        assert!(
+            steal.is_some_and(|s| (0.0..=1.0).contains(&s)),
+            "{side}: the host's share of the round's CPU time, got {steal:?}"
+        );
+    }
     let hot = &comparisons[1];
     let ours = &hot["shardlock"];
     assert_eq!(ours["deadlock_errors_surfaced"], 0);

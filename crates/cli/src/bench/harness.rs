@@ -12,7 +12,7 @@ use shardlock::mysql_async::{Error as MyError, OptsBuilder, Pool, PoolConstraint
 use shardlock::{AcquireOptions, Backoff, LockRouter};
 use shardlock_testkit::ROW_WRITES;
 
-use super::report::{summarize, Measurement, Reading};
+use super::report::{summarize, MachineCpu, Measurement, Reading};
 use super::BenchArgs;
 use crate::{AnyError, ConfigSource};
 
@@ -152,6 +152,9 @@ impl Counters {
             // With the bench workers this process ran and waited for (the overlap scenario's
             // two shardlock processes).
             own_cpu: cpu_time("/proc/self/stat", true),
+            machine_cpu: std::fs::read_to_string("/proc/stat")
+                .ok()
+                .and_then(|stat| MachineCpu::parse(&stat)),
         })
     }
 }

@@ -37,6 +37,11 @@ pub(super) struct Measurement {
     /// CPU time this process spent per op, in µs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) own_cpu_us_per_op: Option<f64>,
+    /// Share of this machine's CPU time that its host took during the round (a virtual
+    /// machine's `steal`), where `/proc/stat` tells it: rounds the host slowed by different
+    /// amounts are not comparable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) host_steal: Option<f64>,
     /// shardlock's distinct-key rounds: how its dispatcher grouped the keys (its own stats).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) batching: Option<Batching>,
@@ -72,6 +77,37 @@ pub(super) struct Reading {
     pub(super) server_cpu: Option<Duration>,
     /// CPU time this process has used (the routers, the baselines' pools, the bench itself).
     pub(super) own_cpu: Option<Duration>,
+    /// This machine's CPU time so far, where `/proc/stat` tells it.
+    pub(super) machine_cpu: Option<MachineCpu>,
+}
+
+/// All CPUs' time since boot, in ticks, and the part of it the host took (`steal`): the first
+/// line of `/proc/stat`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct MachineCpu {
+    pub(super) total: u64,
+    pub(super) steal: u64,
+}
+
+impl MachineCpu {
+    /// Reads the `cpu` line of a `/proc/stat` text: user, nice, system, idle, iowait, irq,
+    /// softirq and steal make up the total (guest time is counted in user already). `None`
+    /// for a text without that line or with fewer than those eight fields (a kernel before
+    /// 2.6.11 has no steal).
+    pub(super) fn parse(stat: &str) -> Option<Self> {
+        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+        let fields: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .ok()?;
+        (fields.len() == 8).then(|| MachineCpu {
+            total: fields.iter().sum(),
+            steal: fields[7],
+        })
+    }
 }
 
 /// The quantiles kept of every latency distribution.
@@ -253,6 +289,16 @@ fn print_report(report: &Report) {
                 ours / base.max(f64::MIN_POSITIVE)
             );
         }
+        // Only where the host took any: on bare metal, or a host with time to spare, it is 0.
+        let steal = c.shardlock.host_steal.zip(c.baseline.host_steal);
+        if let Some((ours, base)) = steal.filter(|&(ours, base)| ours + base > 0.0) {
+            println!(
+                "  the host took {:.0}% of this machine's CPU time in shardlock's median round, \
+                 {:.0}% in the baseline's",
+                ours * 100.0,
+                base * 100.0
+            );
+        }
         println!(
             "  -> {:?}: shardlock at {:.2}x the baseline\n",
             c.scenario, c.ratio
@@ -287,10 +333,73 @@ pub(super) fn summarize(
     };
     m.server_cpu_us_per_op = per_op(before.server_cpu, after.server_cpu);
     m.own_cpu_us_per_op = per_op(before.own_cpu, after.own_cpu);
+    m.host_steal = before
+        .machine_cpu
+        .zip(after.machine_cpu)
+        .and_then(|(b, a)| {
+            let total = a.total.checked_sub(b.total).filter(|&t| t > 0)?;
+            Some(a.steal.checked_sub(b.steal)? as f64 / total as f64)
+        });
     m.p50_ms = pct(0.50);
     m.p99_ms = pct(0.99);
     m.max_ms = pct(1.0);
     if !latencies.is_empty() {
         m.latency_quantiles = QUANTILES.iter().map(|&q| (q, pct(q))).collect();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_machines_cpu_line_gives_its_total_and_the_hosts_steal() {
+        let stat = "cpu  100 5 50 800 10 1 2 32 7 0\ncpu0 50 2 25 400 5 0 1 16 3 0\nintr 1 2\n";
+        assert_eq!(
+            MachineCpu::parse(stat),
+            Some(MachineCpu {
+                total: 1000,
+                steal: 32
+            })
+        );
+        // Without steal (an old kernel), or without the line, nothing is claimed.
+        assert_eq!(MachineCpu::parse("cpu  100 5 50 800 10 1 2\n"), None);
+        assert_eq!(MachineCpu::parse("cpu0 1 2 3 4 5 6 7 8\n"), None);
+        assert_eq!(MachineCpu::parse("cpu  1 2 x 4 5 6 7 8\n"), None);
+    }
+
+    #[test]
+    fn a_rounds_steal_is_the_hosts_share_of_the_time_between_its_readings() {
+        let reading = |total, steal| Reading {
+            machine_cpu: Some(MachineCpu { total, steal }),
+            ..Default::default()
+        };
+        let mut m = Measurement::default();
+        summarize(
+            &mut m,
+            vec![1_000; 10],
+            Duration::from_secs(1),
+            reading(10_000, 100),
+            reading(10_400, 200),
+        );
+        assert_eq!(m.host_steal, Some(0.25));
+        // No time passed, or no reading: no share.
+        let mut m = Measurement::default();
+        summarize(
+            &mut m,
+            vec![],
+            Duration::from_secs(1),
+            reading(5, 1),
+            reading(5, 1),
+        );
+        assert_eq!(m.host_steal, None);
+        summarize(
+            &mut m,
+            vec![],
+            Duration::from_secs(1),
+            Reading::default(),
+            reading(5, 1),
+        );
+        assert_eq!(m.host_steal, None);
     }
 }
