@@ -414,8 +414,14 @@ async fn hold_and_write(
     } else {
         end
     };
+    // A belief whose deadline passed before `start` was read (this process was frozen
+    // between the grant and reading the clock, past the lease's local deadline, so the guard
+    // was not held by the time this task ran again) ended at that deadline, not when the task
+    // woke up. Recorded at the wake-up, it would put a belief nobody had inside the next
+    // holder's lease. Recorded at its deadline, it is still checked against that holder: a
+    // local deadline that outlived the lease on the shard fails the check.
     let at = format!("{key}@{}@{}", guard.shard(), guard.owner());
-    recorder.hold(&at, remote, start, end.max(start), guard.fence());
+    recorder.hold(&at, remote, start.min(end), end, guard.fence());
     let _ = guard.release().await;
     Some(outcome)
 }
