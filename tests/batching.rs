@@ -578,7 +578,8 @@ async fn batches_whose_replies_are_lost_leave_no_key_held_by_nobody() {
 /// `select!` loop that took another branch, a stream not driven for a while) stall no other
 /// caller of the shard: their statements are sent by the dispatcher's own tasks, so the lane
 /// places and connections they took are given back as the statements end, not when the
-/// callers look again. More such futures are kept than the shard lets batches run at once.
+/// callers look again. More such futures are kept than the lanes' steady runners (extra
+/// runners start only while 8 requests queue).
 #[tokio::test(flavor = "multi_thread")]
 async fn futures_kept_without_polling_stall_no_other_caller() {
     use futures_util::FutureExt;

@@ -385,7 +385,11 @@ async fn hold_and_write(
         _ = tokio::time::sleep(Duration::from_millis(hold_ms)) => {}
         _ = guard.lost() => {}
     }
-    let outcome = if !guard.is_held() {
+    // The belief lasted at least until the guard last said it was held, whatever its deadline
+    // says: a guard that says held past its deadline is recorded as the holder it claims to be.
+    let checked = history::now_ns();
+    let held = guard.is_held();
+    let outcome = if !held {
         1
     } else {
         match common::counters::fenced_increment(pool, key, guard.fence(), true).await {
@@ -408,12 +412,15 @@ async fn hold_and_write(
     // A graceful shutdown marks every guard lost before it sends any release, so a belief it
     // ended ended after it began and before anyone else could be granted the key; this task
     // may notice only later on a loaded machine.
+    // (Never before the grant returned: a grant that landed after the shutdown began, before
+    // it marked every guard lost, began at `start`.)
     let shut = SHUTDOWN_AT.load(std::sync::atomic::Ordering::Acquire);
     let end = if !guard.is_held() && shut != 0 {
-        end.min(shut)
+        end.min(shut.max(start))
     } else {
         end
     };
+    let end = if held { end.max(checked) } else { end };
     // A belief whose deadline passed before `start` was read (this process was frozen
     // between the grant and reading the clock, past the lease's local deadline, so the guard
     // was not held by the time this task ran again) ended at that deadline, not when the task
