@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use mysql_async::prelude::Queryable;
 
 use crate::server::{
-    copy_dir, free_port, log_tail, made_once, mariadbd, template_dir, wait_ready, Shard, DATABASE,
+    claim_port, copy_dir, log_tail, made_once, mariadbd, template_dir, wait_ready, Shard, DATABASE,
 };
 
 /// Bumped whenever the bootstrapped template's contents must change.
@@ -45,35 +45,17 @@ struct Ports {
 }
 
 impl Ports {
-    /// Free ports below the kernel's ephemeral range: a node binds its ports only when it
-    /// starts, seconds after they were chosen, and meanwhile the tests' own connections take
-    /// ephemeral ports, which could be these.
+    /// Claimed ports ([`claim_port`]), not merely free ones: a node binds its IST and SST
+    /// ports only when it receives a state transfer, so a port free now once became another
+    /// node's client port, and the first node's rejoin failed.
     fn free() -> io::Result<Self> {
         Ok(Self {
-            client: quiet_port()?,
-            group: quiet_port()?,
-            ist: quiet_port()?,
-            sst: quiet_port()?,
+            client: claim_port()?,
+            group: claim_port()?,
+            ist: claim_port()?,
+            sst: claim_port()?,
         })
     }
-}
-
-/// A port in 20000-32767 (below Linux's default ephemeral range) that is free now and was
-/// not handed out before in this process: a node's IST and SST ports stay unbound until it
-/// receives a state transfer, so "free now" alone once gave one node's client port to
-/// another node's IST listener, and that node's rejoin failed.
-fn quiet_port() -> io::Result<u16> {
-    use rand::Rng;
-    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
-    for _ in 0..200 {
-        let port = rand::rng().random_range(20_000..32_768);
-        if !handed_out.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            handed_out.push(port);
-            return Ok(port);
-        }
-    }
-    free_port()
 }
 
 impl GaleraCluster {

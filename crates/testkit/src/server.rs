@@ -158,7 +158,7 @@ impl Shard {
         clock: Option<String>,
         extra_args: Vec<String>,
     ) -> io::Result<Self> {
-        let shard = Self::unstarted(name, dir, free_port()?, clock, extra_args, None);
+        let shard = Self::unstarted(name, dir, claim_port()?, clock, extra_args, None);
         shard.spawn()?;
         Ok(shard)
     }
@@ -368,8 +368,8 @@ impl Shard {
         Ok(sum.unwrap_or(0))
     }
 
-    /// Waits until the server answers; if another process took its port between our probe
-    /// and its start, moves it to a new free port and tries again.
+    /// Waits until the server answers; if something else took its port between our probe
+    /// and its start, moves it to a new port and tries again.
     async fn wait_ready_or_move(&self) -> io::Result<()> {
         let mut tries = 0;
         loop {
@@ -377,7 +377,7 @@ impl Shard {
                 Err(e) if tries < 5 && e.to_string().contains("already in use") => {
                     tries += 1;
                     self.kill()?;
-                    self.port.store(free_port()?, Ordering::Relaxed);
+                    self.port.store(claim_port()?, Ordering::Relaxed);
                     self.spawn()?;
                 }
                 other => return other,
@@ -389,31 +389,75 @@ impl Shard {
         wait_ready(self.port(), self.dir.path(), || self.exited()).await
     }
 
-    /// Whether the server process is gone (killed, or exited by itself).
+    /// Whether the server process is gone (killed, or exited by itself: its guardian lives
+    /// on until told to end, so the server is looked up by its pid).
     pub(crate) fn exited(&self) -> bool {
         let mut p = self.process.lock().unwrap();
-        !matches!(p.as_mut().map(|g| g.guardian.try_wait()), Some(Ok(None)))
+        match p.as_mut() {
+            Some(g) => !matches!(g.guardian.try_wait(), Ok(None)) || !alive(g.server_pid),
+            None => true,
+        }
     }
 }
 
 impl Drop for Shard {
     fn drop(&mut self) {
+        // A server that died by itself mid-test leaves a test failing on closed connections,
+        // and its log is deleted with its data directory: keep the log's end in the test's
+        // output.
+        if self.pid().is_some() && self.exited() {
+            eprintln!(
+                "shard {} (port {}) had exited by itself; end of its log:\n{}",
+                self.name,
+                self.port(),
+                log_tail(self.dir.path())
+            );
+        }
         let _ = self.kill();
     }
 }
 
+/// Whether process `pid` runs: it exists and is not a zombie its parent has yet to reap.
+fn alive(pid: Pid) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may hold any byte.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => false,
+    }
+}
+
 /// Waits until the server on `port` answers and has our database; gives up when `exited`
-/// says the process is gone or after [`READY_TIMEOUT`], with the end of its error log.
+/// says the process is gone or after [`READY_TIMEOUT`], with the end of its error log, and
+/// at once if the server answering on `port` is another one (its data directory is not
+/// `dir`): a test must never run against, nor later lose, a server that is not its own.
 pub(crate) async fn wait_ready(port: u16, dir: &Path, exited: impl Fn() -> bool) -> io::Result<()> {
     let started = Instant::now();
     let root_url = format!("mysql://root@127.0.0.1:{port}");
+    let ours = fs::canonicalize(dir)?;
     loop {
         if let Ok(mut conn) = mysql_async::Conn::from_url(root_url.as_str()).await {
+            let datadir: mysql_async::Result<Option<String>> =
+                conn.query_first("SELECT @@datadir").await;
+            if let Ok(Some(datadir)) = &datadir {
+                if fs::canonicalize(datadir).ok().as_ref() != Some(&ours) {
+                    let _ = conn.disconnect().await;
+                    return Err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        format!(
+                            "port {port} is already in use by another server (data in {datadir}, \
+                             not {})",
+                            ours.display()
+                        ),
+                    ));
+                }
+            }
             let created = conn
                 .query_drop(format!("CREATE DATABASE IF NOT EXISTS {DATABASE}"))
                 .await;
             let _ = conn.disconnect().await;
-            if created.is_ok() {
+            if datadir.is_ok() && created.is_ok() {
                 return Ok(());
             }
         }
@@ -486,8 +530,58 @@ fn find_program(name: &str, fallbacks: &[&str]) -> io::Result<PathBuf> {
         })
 }
 
-pub(crate) fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// Where server ports are claimed: one file per port, holding the claimant's pid.
+const PORT_CLAIMS: &str = "ports";
+/// Server ports are taken from here, below Linux's default ephemeral range (32768-60999):
+/// while a server is down between a kill and its restart, or has not yet bound its port
+/// (InnoDB starts first), a client connection of any process could otherwise take the port
+/// as its own end.
+const SERVER_PORTS: std::ops::Range<u16> = 20_000..32_768;
+
+/// A loopback port for a server of this process: free now, below the ephemeral range, and
+/// claimed for this process until it exits. Test processes run side by side, and each once
+/// probed "free now" alone: two of them were handed one port, one server failed to bind it,
+/// and its test ran against the other's server until that test ended and killed it. A claim
+/// of a process that is gone is taken over.
+pub(crate) fn claim_port() -> io::Result<u16> {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    claim_port_in(&testkit_root()?.join(PORT_CLAIMS), || {
+        rng.random_range(SERVER_PORTS)
+    })
+}
+
+/// [`claim_port`] with the claims kept in `claims` and candidate ports drawn from `pick`.
+fn claim_port_in(claims: &Path, mut pick: impl FnMut() -> u16) -> io::Result<u16> {
+    const TRIES: usize = 500;
+    fs::create_dir_all(claims)?;
+    let lock = File::create(claims.join(".lock"))?;
+    lock.lock()?;
+    for _ in 0..TRIES {
+        let port = pick();
+        let claim = claims.join(port.to_string());
+        let holder = fs::read_to_string(&claim)
+            .ok()
+            .and_then(|pid| pid.trim().parse().ok())
+            .map(Pid::from_raw);
+        if holder.is_some_and(alive) || TcpListener::bind(("127.0.0.1", port)).is_err() {
+            continue;
+        }
+        fs::write(&claim, std::process::id().to_string())?;
+        return Ok(port);
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AddrInUse,
+        format!("no unclaimed free port after {TRIES} tries"),
+    ))
+}
+
+/// The testkit's directory under the machine's temporary directory, shared by every test
+/// process.
+fn testkit_root() -> io::Result<PathBuf> {
+    let root = std::env::temp_dir().join("shardlock-testkit");
+    fs::create_dir_all(&root)?;
+    Ok(root)
 }
 
 /// The initialised data directory every shard starts from, made once per machine.
@@ -524,8 +618,7 @@ pub(crate) fn made_once(
     name: &str,
     make: impl FnOnce(&Path) -> io::Result<()>,
 ) -> io::Result<PathBuf> {
-    let root = std::env::temp_dir().join("shardlock-testkit");
-    fs::create_dir_all(&root)?;
+    let root = testkit_root()?;
     let made = root.join(name);
     let ready = made.join("SHARDLOCK_TEMPLATE_READY");
     if ready.exists() {
@@ -669,3 +762,75 @@ impl DevCluster {
 }
 
 use std::os::unix::process::CommandExt as _;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The two processes' race this guards against: a server that cannot bind its port, while
+    /// another server answers there, is moved to a port of its own; the test then runs
+    /// against its own server, which outlives the other.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_server_whose_port_another_server_holds_moves_and_is_never_mistaken_for_it() {
+        let other = Cluster::start(1).await.unwrap();
+        let taken = other.shard(0).port();
+        let dir = tempfile::Builder::new()
+            .prefix("shardlock-shard-")
+            .tempdir()
+            .unwrap();
+        copy_dir(&template_dir().unwrap(), dir.path()).unwrap();
+        let shard = Shard::unstarted("late".into(), dir, taken, None, Vec::new(), None);
+        shard.spawn().unwrap();
+        shard.wait_ready_or_move().await.unwrap();
+        assert_ne!(shard.port(), taken);
+        drop(other);
+        let mut conn = shard.connect().await.unwrap();
+        let datadir: String = conn.query_first("SELECT @@datadir").await.unwrap().unwrap();
+        assert_eq!(
+            fs::canonicalize(datadir).unwrap(),
+            fs::canonicalize(shard.dir()).unwrap()
+        );
+    }
+
+    /// A port another live process claimed is never handed out, one whose claimant is gone
+    /// is, and no port is handed out twice.
+    #[test]
+    fn claims_of_live_processes_hold_and_those_of_gone_ones_are_taken_over() {
+        // Free ports no other test process will start a server on.
+        let ports: Vec<u16> = (0..3).map(|_| claim_port().unwrap()).collect();
+        let claims = tempfile::tempdir().unwrap();
+        let mut live = Command::new("sleep").arg("60").spawn().unwrap();
+        let mut gone = Command::new("true").spawn().unwrap();
+        gone.wait().unwrap();
+        fs::write(
+            claims.path().join(ports[0].to_string()),
+            live.id().to_string(),
+        )
+        .unwrap();
+        fs::write(
+            claims.path().join(ports[1].to_string()),
+            gone.id().to_string(),
+        )
+        .unwrap();
+        let mut turn = 0;
+        let mut pick = || {
+            turn += 1;
+            ports[turn % ports.len()]
+        };
+        let mut handed: Vec<u16> = (0..2)
+            .map(|_| claim_port_in(claims.path(), &mut pick).unwrap())
+            .collect();
+        let spent = claim_port_in(claims.path(), &mut pick).unwrap_err();
+        live.kill().unwrap();
+        live.wait().unwrap();
+        handed.sort();
+        let mut expected = vec![ports[1], ports[2]];
+        expected.sort();
+        assert_eq!(handed, expected);
+        assert_eq!(spent.kind(), io::ErrorKind::AddrInUse);
+        for port in handed {
+            let holder = fs::read_to_string(claims.path().join(port.to_string())).unwrap();
+            assert_eq!(holder, std::process::id().to_string());
+        }
+    }
+}
