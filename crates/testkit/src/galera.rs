@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use mysql_async::prelude::Queryable;
 
 use crate::server::{
-    claim_port, copy_dir, log_tail, made_once, mariadbd, template_dir, wait_ready, Shard, DATABASE,
+    alive, claim_port, copy_dir, ensure_ours, log_tail, made_once, mariadbd, template_dir,
+    wait_ready, Shard, DATABASE,
 };
 
 /// Bumped whenever the bootstrapped template's contents must change.
@@ -238,6 +239,7 @@ async fn wait_synced(node: &Shard) -> io::Result<()> {
                 && is("wsrep_cluster_status", "Primary")
             {
                 let mut conn = node.connect().await.map_err(io::Error::other)?;
+                ensure_ours(&mut conn, node.port(), node.dir()).await?;
                 let has: Option<String> = conn
                     .query_first(format!("SHOW DATABASES LIKE '{DATABASE}'"))
                     .await
@@ -342,7 +344,8 @@ fn template() -> io::Result<PathBuf> {
             .arg(format!("--defaults-file={}", cnf.display()))
             .arg("--wsrep-new-cluster")
             .spawn()?;
-        let made = futures_block_on(wait_ready(ports.client, staging, || false));
+        let pid = nix::unistd::Pid::from_raw(server.id() as i32);
+        let made = futures_block_on(wait_ready(ports.client, staging, || !alive(pid)));
         // A clean shutdown records the cluster's state (grastate.dat) for the nodes to
         // start from.
         let _ = nix::sys::signal::kill(

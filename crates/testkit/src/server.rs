@@ -313,7 +313,10 @@ impl Shard {
     /// SIGKILL: the server dies at once, without flushing or closing connections cleanly.
     pub fn kill(&self) -> io::Result<()> {
         if let Some(mut g) = self.process.lock().unwrap().take() {
-            let _ = kill(g.server_pid, Signal::SIGKILL);
+            // A server that died by itself may have been reaped, and its pid reused.
+            if alive(g.server_pid) {
+                let _ = kill(g.server_pid, Signal::SIGKILL);
+            }
             drop(g.stdin);
             g.guardian.wait()?;
         }
@@ -374,7 +377,13 @@ impl Shard {
         let mut tries = 0;
         loop {
             match self.wait_ready().await {
-                Err(e) if tries < 5 && e.to_string().contains("already in use") => {
+                // Ours found another server on the port, or the server logged that it could
+                // not bind it.
+                Err(e)
+                    if tries < 5
+                        && (e.kind() == io::ErrorKind::AddrInUse
+                            || e.to_string().contains("already in use")) =>
+                {
                     tries += 1;
                     self.kill()?;
                     self.port.store(claim_port()?, Ordering::Relaxed);
@@ -417,14 +426,15 @@ impl Drop for Shard {
     }
 }
 
-/// Whether process `pid` runs: it exists and is not a zombie its parent has yet to reap.
-fn alive(pid: Pid) -> bool {
+/// Whether process `pid` runs: it exists and is not a zombie its parent has yet to reap. A
+/// process this one may not look at (`/proc` mounted with `hidepid`) counts as running.
+pub(crate) fn alive(pid: Pid) -> bool {
     match fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state follows the command name, which is in parentheses and may hold any byte.
         Ok(stat) => stat
             .rsplit_once(')')
             .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
-        Err(_) => false,
+        Err(e) => e.kind() != io::ErrorKind::NotFound,
     }
 }
 
@@ -435,29 +445,21 @@ fn alive(pid: Pid) -> bool {
 pub(crate) async fn wait_ready(port: u16, dir: &Path, exited: impl Fn() -> bool) -> io::Result<()> {
     let started = Instant::now();
     let root_url = format!("mysql://root@127.0.0.1:{port}");
-    let ours = fs::canonicalize(dir)?;
     loop {
         if let Ok(mut conn) = mysql_async::Conn::from_url(root_url.as_str()).await {
-            let datadir: mysql_async::Result<Option<String>> =
-                conn.query_first("SELECT @@datadir").await;
-            if let Ok(Some(datadir)) = &datadir {
-                if fs::canonicalize(datadir).ok().as_ref() != Some(&ours) {
+            let ready = match ensure_ours(&mut conn, port, dir).await {
+                Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
                     let _ = conn.disconnect().await;
-                    return Err(io::Error::new(
-                        io::ErrorKind::AddrInUse,
-                        format!(
-                            "port {port} is already in use by another server (data in {datadir}, \
-                             not {})",
-                            ours.display()
-                        ),
-                    ));
+                    return Err(e);
                 }
-            }
-            let created = conn
-                .query_drop(format!("CREATE DATABASE IF NOT EXISTS {DATABASE}"))
-                .await;
+                Err(_) => false,
+                Ok(()) => conn
+                    .query_drop(format!("CREATE DATABASE IF NOT EXISTS {DATABASE}"))
+                    .await
+                    .is_ok(),
+            };
             let _ = conn.disconnect().await;
-            if datadir.is_ok() && created.is_ok() {
+            if ready {
                 return Ok(());
             }
         }
@@ -468,6 +470,31 @@ pub(crate) async fn wait_ready(port: u16, dir: &Path, exited: impl Fn() -> bool)
             )));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Fails with [`io::ErrorKind::AddrInUse`] if the server `conn` reached on `port` is not the
+/// one whose data directory is `dir`.
+pub(crate) async fn ensure_ours(
+    conn: &mut mysql_async::Conn,
+    port: u16,
+    dir: &Path,
+) -> io::Result<()> {
+    let datadir: Option<String> = conn
+        .query_first("SELECT @@datadir")
+        .await
+        .map_err(io::Error::other)?;
+    let ours = fs::canonicalize(dir)?;
+    match datadir {
+        Some(theirs) if fs::canonicalize(&theirs).ok().as_ref() == Some(&ours) => Ok(()),
+        theirs => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!(
+                "port {port} is already in use by another server (data in {}, not {})",
+                theirs.as_deref().unwrap_or("?"),
+                ours.display()
+            ),
+        )),
     }
 }
 
@@ -532,22 +559,48 @@ fn find_program(name: &str, fallbacks: &[&str]) -> io::Result<PathBuf> {
 
 /// Where server ports are claimed: one file per port, holding the claimant's pid.
 const PORT_CLAIMS: &str = "ports";
-/// Server ports are taken from here, below Linux's default ephemeral range (32768-60999):
-/// while a server is down between a kill and its restart, or has not yet bound its port
-/// (InnoDB starts first), a client connection of any process could otherwise take the port
-/// as its own end.
-const SERVER_PORTS: std::ops::Range<u16> = 20_000..32_768;
+/// The ports servers are given: outside the kernel's ephemeral range (client ends of
+/// connections, `bind` to port 0), preferably 20000 up to its start (32768 by default), else
+/// above its end. While a server is down between a kill and its restart, or has not yet bound
+/// its port (InnoDB starts first), a client connection of any process could otherwise take the
+/// port as its own end.
+fn server_ports() -> io::Result<std::ops::Range<u16>> {
+    const RANGE: &str = "/proc/sys/net/ipv4/ip_local_port_range";
+    const ENOUGH: usize = 1_000;
+    let ephemeral: Vec<u16> = fs::read_to_string(RANGE)
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    let (low, high) = match ephemeral[..] {
+        [low, high] => (low, high),
+        _ => (32_768, 60_999),
+    };
+    let below = 20_000..low.min(32_768);
+    let above = high.saturating_add(1).max(20_000)..u16::MAX;
+    [below, above]
+        .into_iter()
+        .find(|r| r.len() >= ENOUGH)
+        .ok_or_else(|| {
+            io::Error::other(format!(
+                "the kernel hands out ports {low}-{high} to client connections ({RANGE}), which \
+                 leaves too few for test servers outside it; narrow it, e.g. \
+                 `sysctl net.ipv4.ip_local_port_range=\"32768 60999\"`"
+            ))
+        })
+}
 
-/// A loopback port for a server of this process: free now, below the ephemeral range, and
+/// A loopback port for a server of this process: free now, outside the ephemeral range, and
 /// claimed for this process until it exits. Test processes run side by side, and each once
 /// probed "free now" alone: two of them were handed one port, one server failed to bind it,
 /// and its test ran against the other's server until that test ended and killed it. A claim
 /// of a process that is gone is taken over.
 pub(crate) fn claim_port() -> io::Result<u16> {
     use rand::Rng;
+    let ports = server_ports()?;
     let mut rng = rand::rng();
     claim_port_in(&testkit_root()?.join(PORT_CLAIMS), || {
-        rng.random_range(SERVER_PORTS)
+        rng.random_range(ports.clone())
     })
 }
 
@@ -714,10 +767,10 @@ impl DevCluster {
                 .process_group(0)
                 .spawn()?;
             fs::write(dir.join("server.pid"), child.id().to_string())?;
-            started.push((port, dir));
+            started.push((port, dir, Pid::from_raw(child.id() as i32)));
         }
-        for (port, dir) in &started {
-            wait_ready(*port, dir, || false).await?;
+        for (port, dir, pid) in &started {
+            wait_ready(*port, dir, || !alive(*pid)).await?;
         }
         Ok(started.len())
     }
@@ -800,8 +853,12 @@ mod tests {
         let ports: Vec<u16> = (0..3).map(|_| claim_port().unwrap()).collect();
         let claims = tempfile::tempdir().unwrap();
         let mut live = Command::new("sleep").arg("60").spawn().unwrap();
-        let mut gone = Command::new("true").spawn().unwrap();
-        gone.wait().unwrap();
+        // No process has a pid above the kernel's largest.
+        let pid_max: u32 = fs::read_to_string("/proc/sys/kernel/pid_max")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
         fs::write(
             claims.path().join(ports[0].to_string()),
             live.id().to_string(),
@@ -809,7 +866,7 @@ mod tests {
         .unwrap();
         fs::write(
             claims.path().join(ports[1].to_string()),
-            gone.id().to_string(),
+            (pid_max + 1).to_string(),
         )
         .unwrap();
         let mut turn = 0;
