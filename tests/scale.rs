@@ -70,9 +70,13 @@ async fn a_hundred_thousand_leases_are_renewed_in_bounded_statements_and_none_is
     assert_eq!(after.lost, before.lost);
     let ticks = after.renew_ticks - before.renew_ticks;
     let statements = after.renew_statements - before.renew_statements;
+    // A tick that failed (a chunk not answered within the statement timeout) sent the chunks
+    // before it and is tried again soon; every other tick sent each chunk once.
+    let failed = after.renew_failures - before.renew_failures;
     assert!(
-        (fewest * ticks..=most * ticks).contains(&statements),
-        "{statements} statements in {ticks} ticks, expected {fewest}..={most} a tick ({chunks:?})"
+        (fewest * (ticks - failed)..=most * ticks).contains(&statements),
+        "{statements} statements in {ticks} ticks ({failed} failed), expected {fewest}..={most} a \
+         tick ({chunks:?})"
     );
     futures_util::future::join_all(guards.into_iter().map(|g| g.release()))
         .await

@@ -1,13 +1,14 @@
 //! The lease keeper: per shard, one background task renews every lease this process holds
-//! there with one statement per tick, reports leases that can no longer be trusted, and
-//! re-acquires on the shard the keys held in process while it was unavailable.
+//! there, one statement per tick for each `MAX_RENEW_BATCH` of them, reports leases that can
+//! no longer be trusted, and re-acquires on the shard the keys held in process while it was
+//! unavailable.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use shardlock_core::{BackendErrorKind, BreakerState};
-use shardlock_mysql::{Attempt, GrantRequest, ReleaseAnswer};
+use shardlock_mysql::{Attempt, GrantRequest, ReleaseAnswer, MAX_RENEW_BATCH};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -197,57 +198,71 @@ impl ShardState {
         if next_tick.is_some_and(|t| t > now) {
             return;
         }
-        // Bounded by the soonest local deadline: a renewal that answers after the lease ended
-        // is worthless.
-        let earliest = leases
-            .iter()
-            .map(|l| l.deadline())
-            .min()
-            .expect("non-empty");
-        let timeout = self.statement_timeout().min(earliest - now);
-        let pairs: Vec<(&[u8], &str)> = leases
-            .iter()
-            .map(|l| (l.key.stored(), l.owner.as_str()))
-            .collect();
-        let sent = Instant::now();
-        let renewed = self.call(|b| b.renew(&pairs, timeout)).await;
+        let started = Instant::now();
+        let mut statements = 0;
+        let mut failed = None;
+        // One statement per chunk, each with its own statement timeout: on a slow shard a
+        // tick of many chunks may take longer than one statement may, and each chunk that
+        // answered extends its leases whatever the later ones do.
+        for chunk in leases.chunks(MAX_RENEW_BATCH) {
+            // Bounded by the chunk's soonest local deadline: a renewal that answers after the
+            // lease ended is worthless.
+            let earliest = chunk
+                .iter()
+                .map(|l| l.deadline())
+                .min()
+                .expect("chunks are not empty");
+            let sent = Instant::now();
+            let timeout = self
+                .statement_timeout()
+                .min(earliest.saturating_duration_since(sent));
+            let pairs: Vec<(&[u8], &str)> = chunk
+                .iter()
+                .map(|l| (l.key.stored(), l.owner.as_str()))
+                .collect();
+            match self.call(|b| b.renew(&pairs, timeout)).await {
+                Ok(outcome) => {
+                    statements += u64::from(outcome.statements);
+                    for (lease, held) in chunk.iter().zip(outcome.held) {
+                        if held {
+                            lease.extend(lease.want.lease_end(sent));
+                        } else if self.remove(lease.id).is_some() {
+                            // Still registered, so not released meanwhile: someone else has it.
+                            lease.mark_lost(
+                                "taken over, force-released or expired on the shard",
+                                &self.shared,
+                            );
+                        }
+                    }
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
         // Counted when done, together with the statements, so a snapshot never sees a tick
         // whose statement is still on its way.
         let stats = &self.shared.stats;
         stats.renew_ticks.fetch_add(1, Ordering::Relaxed);
-        let took = sent.elapsed().as_micros();
+        stats.renew_micros.fetch_add(
+            u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
         stats
-            .renew_micros
-            .fetch_add(u64::try_from(took).unwrap_or(u64::MAX), Ordering::Relaxed);
-        match renewed {
-            Ok(outcome) => {
-                self.shared
-                    .stats
-                    .renew_statements
-                    .fetch_add(outcome.statements as u64, Ordering::Relaxed);
-                for (lease, held) in leases.iter().zip(outcome.held) {
-                    if held {
-                        lease.extend(lease.want.lease_end(sent));
-                    } else if self.remove(lease.id).is_some() {
-                        // Still registered, so not released meanwhile: someone else has it.
-                        lease.mark_lost(
-                            "taken over, force-released or expired on the shard",
-                            &self.shared,
-                        );
-                    }
-                }
-                *next_tick = Some(sent + period);
+            .renew_statements
+            .fetch_add(statements, Ordering::Relaxed);
+        match failed {
+            None => {
+                *next_tick = Some(started + period);
                 tracing::trace!(
                     shard = self.name(),
                     leases = leases.len(),
                     "shardlock renewed leases"
                 );
             }
-            Err(e) => {
-                self.shared
-                    .stats
-                    .renew_failures
-                    .fetch_add(1, Ordering::Relaxed);
+            Some(e) => {
+                stats.renew_failures.fetch_add(1, Ordering::Relaxed);
                 if e.kind == BackendErrorKind::BreakerOpen {
                     tracing::debug!(
                         shard = self.name(),
