@@ -74,7 +74,7 @@ counters! {
     renew_ticks,
     /// Renewal statements sent (summed over shards).
     renew_statements,
-    /// Time spent in renewal ticks, from the first statement sent to the last answer, in
+    /// Time spent in renewal ticks, from the first statement sent to the last answer handled, in
     /// microseconds (summed over shards): `renew_micros / renew_ticks` is a tick's mean
     /// duration.
     renew_micros,

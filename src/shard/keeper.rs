@@ -186,7 +186,13 @@ impl ShardState {
                 true
             }
         });
-        // Leases without keep-alive end at their deadline (above) unless extended.
+        // Leases without keep-alive end at their deadline (above) unless extended; the tick
+        // must not keep the keeper from reporting that end.
+        let unrenewed_end = leases
+            .iter()
+            .filter(|l| !l.want.keep_alive)
+            .map(|l| l.deadline())
+            .min();
         leases.retain(|l| l.want.keep_alive);
         let Some(period) = leases.iter().map(|l| l.renew_every).min() else {
             *next_tick = None;
@@ -201,21 +207,29 @@ impl ShardState {
         let started = Instant::now();
         let mut statements = 0;
         let mut failed = None;
+        let mut cut_short = false;
         // One statement per chunk, each with its own statement timeout: on a slow shard a
         // tick of many chunks may take longer than one statement may, and each chunk that
-        // answered extends its leases whatever the later ones do.
+        // answered extends its leases whatever the later ones do. Soonest deadlines first, so
+        // a tick cut short (or tried again) renews the leases that end first, and no later
+        // chunk ends before the one being sent.
+        leases.sort_by_cached_key(|l| l.deadline());
         for chunk in leases.chunks(MAX_RENEW_BATCH) {
-            // Bounded by the chunk's soonest local deadline: a renewal that answers after the
-            // lease ended is worthless.
+            // Bounded by the soonest local deadline of the chunk and of the leases not renewed:
+            // a renewal that answers after a lease ended is worthless, and the keeper must be
+            // free to report that end when it comes. Past it, the next tick reports it at once.
             let earliest = chunk
                 .iter()
                 .map(|l| l.deadline())
+                .chain(unrenewed_end)
                 .min()
                 .expect("chunks are not empty");
             let sent = Instant::now();
-            let timeout = self
-                .statement_timeout()
-                .min(earliest.saturating_duration_since(sent));
+            if earliest <= sent {
+                cut_short = true;
+                break;
+            }
+            let timeout = self.statement_timeout().min(earliest - sent);
             let pairs: Vec<(&[u8], &str)> = chunk
                 .iter()
                 .map(|l| (l.key.stored(), l.owner.as_str()))
@@ -243,16 +257,20 @@ impl ShardState {
         }
         // Counted when done, together with the statements, so a snapshot never sees a tick
         // whose statement is still on its way.
+        // A tick cut short before its first chunk sent nothing and is not one.
         let stats = &self.shared.stats;
-        stats.renew_ticks.fetch_add(1, Ordering::Relaxed);
-        stats.renew_micros.fetch_add(
-            u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        if statements > 0 || failed.is_some() {
+            stats.renew_ticks.fetch_add(1, Ordering::Relaxed);
+            stats.renew_micros.fetch_add(
+                u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
+        }
         stats
             .renew_statements
             .fetch_add(statements, Ordering::Relaxed);
         match failed {
+            None if cut_short => *next_tick = Some(Instant::now()),
             None => {
                 *next_tick = Some(started + period);
                 tracing::trace!(

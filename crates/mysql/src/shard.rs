@@ -710,9 +710,9 @@ impl Shard {
             held: Vec::with_capacity(leases.len()),
             statements: 0,
         };
-        // The caller's `timeout` bounds all chunks together, not the statement timeout each: a
-        // renewal answered after a lease's local end is worthless, so the keeper passes the
-        // statement timeout or, if sooner, the time left before its earliest lease ends.
+        // The caller's `timeout` bounds all chunks together: a renewal answered after a lease's
+        // local end is worthless. (The lease keeper passes one chunk at a time, each with the
+        // statement timeout or, if sooner, the time left before the soonest lease end.)
         let deadline = Instant::now() + timeout;
         for chunk in leases.chunks(MAX_RENEW_BATCH) {
             let left = deadline.saturating_duration_since(Instant::now());
