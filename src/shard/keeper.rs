@@ -210,20 +210,25 @@ impl ShardState {
         let mut cut_short = false;
         // One statement per chunk, each with its own statement timeout: on a slow shard a
         // tick of many chunks may take longer than one statement may, and each chunk that
-        // answered extends its leases whatever the later ones do. Soonest deadlines first, so
-        // a tick cut short (or tried again) renews the leases that end first, and no later
-        // chunk ends before the one being sent.
-        leases.sort_by_cached_key(|l| l.deadline());
-        for chunk in leases.chunks(MAX_RENEW_BATCH) {
-            // Bounded by the soonest local deadline of the chunk and of the leases not renewed:
-            // a renewal that answers after a lease ended is worthless, and the keeper must be
-            // free to report that end when it comes. Past it, the next tick reports it at once.
-            let earliest = chunk
-                .iter()
-                .map(|l| l.deadline())
-                .chain(unrenewed_end)
-                .min()
-                .expect("chunks are not empty");
+        // answered extends its leases whatever the later ones do. The chunk whose lease ends
+        // soonest goes first, so a tick cut short (or tried again) serves the soonest ends
+        // first, and no later chunk's lease ends before the one being sent. (Chunks are not
+        // cut in deadline order: leases granted together would then meet, chunk after chunk,
+        // the releases of the same keys sent together, row lock against row lock.)
+        let mut chunks: Vec<(Instant, &[Arc<LeaseState>])> = leases
+            .chunks(MAX_RENEW_BATCH)
+            .map(|chunk| {
+                let end = chunk.iter().map(|l| l.deadline()).min();
+                (end.expect("chunks are not empty"), chunk)
+            })
+            .collect();
+        chunks.sort_by_key(|(end, _)| *end);
+        for (end, chunk) in chunks {
+            // Bounded by the soonest local deadline of the chunk and of the leases not renewed
+            // (deadlines only move later meanwhile): a renewal that answers after a lease ended
+            // is worthless, and the keeper must be free to report that end when it comes. Past
+            // it, the next tick reports it at once.
+            let earliest = unrenewed_end.map_or(end, |other| other.min(end));
             let sent = Instant::now();
             if earliest <= sent {
                 cut_short = true;
