@@ -202,6 +202,7 @@ impl LockRouter {
                 gate: Gate::default(),
                 registered: std::sync::atomic::AtomicBool::new(false),
                 beat_now: Arc::default(),
+                heartbeat: std::sync::Mutex::default(),
             }),
         };
         // Leases registered on a shard under an older topology than the one in force follow
@@ -513,6 +514,12 @@ impl LockRouter {
             if let Err(e) = r {
                 first_error.get_or_insert(e);
             }
+        }
+        // The heartbeat stops at its next turn, now that the router is closed; one on its way
+        // to a shard would mark the instance live again after the deregistration.
+        let heartbeat = self.inner.heartbeat.locked().take();
+        if let Some(heartbeat) = heartbeat {
+            let _ = heartbeat.await;
         }
         registry::deregister(&self.config(), self.instance_id(), &shards).await;
         for s in &shards {

@@ -41,6 +41,9 @@ pub(crate) struct Inner {
     /// Wakes the heartbeat before its interval: a reload or a move's end changes what this
     /// router advertises (topology, moving), which routers starting meanwhile rely on.
     pub(crate) beat_now: Arc<tokio::sync::Notify>,
+    /// The heartbeat task, which shutdown waits for before deregistering: a heartbeat still on
+    /// its way would register the instance again, live, after it is gone.
+    pub(crate) heartbeat: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 /// Whether a router may grant yet. A router that starts while another live instance in the
@@ -159,7 +162,7 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
     let weak = Arc::downgrade(inner);
     let mut closed = inner.shared.closed.subscribe();
     let beat_now = inner.beat_now.clone();
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         // Heartbeats missed in a row, per shard.
         let mut missed = std::collections::HashMap::new();
         loop {
@@ -175,6 +178,7 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
             }
         }
     });
+    *inner.heartbeat.locked() = Some(task);
 }
 
 /// A transaction lock held in this process (see [`crate::patterns`]): when a reload moves its
