@@ -97,3 +97,65 @@ fn a_release_queued_behind_a_runtime_that_ended_is_sent_by_its_own() {
     let (_, row) = main.block_on(direct.inspect("b")).unwrap();
     assert!(!row.expect("b's row").is_held());
 }
+
+/// A heartbeat writes the instance's row as live again. One still on its way when the router
+/// deregisters would make a process that is gone count as live for `heartbeat-timeout`, to
+/// cleaners and to routers starting with another topology (which then grant nothing):
+/// shutdown deregisters only once no heartbeat is on its way. The heartbeat is held on its
+/// way by a transaction holding the instance's row.
+#[tokio::test(flavor = "multi_thread")]
+async fn shutdown_deregisters_only_after_the_last_heartbeat() {
+    use mysql_async::prelude::Queryable;
+    let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+    let server = cluster.shard(0);
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 20s\n\
+         cleaner:\n  heartbeat-interval: 50ms\n  heartbeat-timeout: 5s\n",
+        server.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let id = router.instance_id().to_owned();
+    let mut holder = server.connect().await.unwrap();
+    holder.query_drop("BEGIN").await.unwrap();
+    holder
+        .exec_drop(
+            "SELECT instance_id FROM shardlock_instance WHERE instance_id = ? FOR UPDATE",
+            (&id,),
+        )
+        .await
+        .unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(30), || async {
+            server.lock_waits_now().await.unwrap() >= 1
+        })
+        .await,
+        "no heartbeat waited for the instance's row"
+    );
+    let shutdown = tokio::spawn(async move { router.shutdown().await });
+    // Without leases to give back, a shutdown that did not wait would send its deregistration
+    // at once, and it would wait for the row behind the heartbeat.
+    let watched = tokio::time::Instant::now();
+    while watched.elapsed() < Duration::from_secs(1) {
+        let waits = server.lock_waits_now().await.unwrap();
+        assert!(
+            waits <= 1,
+            "the deregistration was sent while a heartbeat was on its way"
+        );
+        assert!(
+            !shutdown.is_finished(),
+            "shutdown returned while a heartbeat was on its way"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holder.query_drop("ROLLBACK").await.unwrap();
+    shutdown.await.unwrap().unwrap();
+    let deregistered: Option<bool> = holder
+        .exec_first(
+            "SELECT deregistered_at IS NOT NULL FROM shardlock_instance WHERE instance_id = ?",
+            (&id,),
+        )
+        .await
+        .unwrap();
+    assert_eq!(deregistered, Some(true));
+}
