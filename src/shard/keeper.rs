@@ -261,8 +261,8 @@ impl ShardState {
             }
         }
         // Counted when done, together with the statements, so a snapshot never sees a tick
-        // whose statement is still on its way.
-        // A tick cut short before its first chunk sent nothing and is not one.
+        // whose statement is still on its way; a tick cut short before its first chunk sent
+        // nothing and is not one.
         let stats = &self.shared.stats;
         if statements > 0 || failed.is_some() {
             stats.renew_ticks.fetch_add(1, Ordering::Relaxed);
