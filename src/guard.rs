@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use crate::queue::{NextWaiter, Turn};
 use crate::shard::ShardState;
-use crate::shard::{Grant, LeaseState};
+use crate::shard::{Grant, LeaseState, NOT_RENEWED};
 use crate::sync::LockExt;
 
 /// Where a lock is held.
@@ -173,13 +173,27 @@ impl LockGuard {
         self.hold.lease.valid_until()
     }
 
-    /// Completes when the lease is lost: renewal failed until the lease ended, or the key was
-    /// taken over or force-released. Never completes for a lease that stays held.
-    /// Cancel-safe.
+    /// Completes when the lease is lost: renewal failed until the lease ended (then at its
+    /// local deadline, when [`LockGuard::is_held`] turns false), or the key was taken over or
+    /// force-released. Never completes for a lease that stays held. Cancel-safe.
     pub async fn lost(&self) {
+        let lease = &self.hold.lease;
         // A companion row's loss (a moved key) is reported through the lease it belongs to.
-        let mut lost = self.hold.lease.subscribe_lost();
-        let _ = lost.wait_for(|lost| *lost).await;
+        let mut lost = lease.subscribe_lost();
+        loop {
+            tokio::select! {
+                _ = lost.wait_for(|lost| *lost) => return,
+                // The keeper reports a lease lost at its deadline, but not while it waits on a
+                // renewal statement (up to a statement timeout): a lease granted meanwhile, with
+                // a shorter ttl than that, ends first. Its deadline is watched here too.
+                _ = tokio::time::sleep_until(lease.valid_until()) => {
+                    if !self.is_held() {
+                        lease.mark_lost(NOT_RENEWED, &self.hold.shard.shared);
+                        return;
+                    }
+                }
+            }
+        }
     }
 
     /// Moves the end of the lease to at least `by` from now (by the shard's clock), on every

@@ -27,7 +27,7 @@ mod lease;
 mod shared;
 
 pub(crate) use keeper::spawn_keeper;
-pub(crate) use lease::{Grant, LeaseState, SHUT_DOWN};
+pub(crate) use lease::{Grant, LeaseState, NOT_RENEWED, SHUT_DOWN};
 pub(crate) use shared::Shared;
 
 /// Breaker transitions kept per shard for `breaker_transitions`.

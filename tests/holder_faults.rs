@@ -184,3 +184,86 @@ async fn a_keeper_that_panics_reports_its_leases_lost_and_is_replaced() {
         .unwrap();
     assert!(again.fence() > before_fence);
 }
+
+/// A lease granted while its shard's keeper waits on a renewal of other leases (a row of
+/// theirs locked by another transaction, so the statement waits out its timeout) and whose ttl
+/// is shorter than that wait: it cannot be renewed, and it is reported lost at its own
+/// deadline, while the keeper still waits, not once the keeper is free again (a holder that
+/// goes on until `lost()` would otherwise work on after the shard freed the key).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_granted_while_the_keeper_waits_is_reported_lost_at_its_own_deadline() {
+    let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+    // A long statement timeout: the renewal below waits up to its lease's end, ten seconds.
+    let router = shardlock::LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 30s\ncleaner:\n  registry: static\n",
+        cluster.shard(0).url()
+    ))
+    .await
+    .unwrap();
+    router.migrate().await.unwrap();
+    // Renewed every 5 s.
+    let long = router
+        .acquire("long", AcquireOptions::new().ttl(Duration::from_secs(15)))
+        .await
+        .unwrap();
+    // Every lease row locked, none of the gaps between them (so new keys can be inserted).
+    let mut blocker = cluster.shard(0).connect().await.unwrap();
+    blocker
+        .query_drop("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    blocker.query_drop("BEGIN").await.unwrap();
+    blocker
+        .query_drop("SELECT lock_key FROM shardlock_lease FOR UPDATE")
+        .await
+        .unwrap();
+    // A renewal statement begun after the rows were locked waits on them.
+    let waits = || async {
+        let mut c = cluster.shard(0).connect().await.unwrap();
+        let n: Option<u64> = c
+            .query_first(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+                 WHERE INFO LIKE 'UPDATE shardlock_lease SET expires_at%'",
+            )
+            .await
+            .unwrap();
+        n.unwrap_or(0) > 0
+    };
+    assert!(
+        common::eventually(Duration::from_secs(30), waits).await,
+        "the keeper's renewal never came to wait on the locked row"
+    );
+    let before = router.stats();
+
+    let short = router
+        .acquire(
+            "short",
+            AcquireOptions::new()
+                .ttl(Duration::from_millis(300))
+                .wait(Duration::ZERO),
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), short.lost())
+        .await
+        .expect("the short lease was never reported lost");
+    // Reported while the keeper's tick was still waiting: no tick has ended since.
+    let after = router.stats();
+    assert_eq!(
+        (after.renew_ticks, after.renew_failures),
+        (before.renew_ticks, before.renew_failures),
+        "the short lease was reported lost only once the keeper's renewal had ended"
+    );
+    assert!(!short.is_held());
+    assert_eq!(after.lost, before.lost + 1);
+    assert!(matches!(short.release().await, Err(Error::LockLost { .. })));
+
+    // Once the row is let go, the waiting renewal goes through: the long lease stays.
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let renewed_from = long.held_until();
+    tokio::select! {
+        _ = async { while long.held_until() <= renewed_from { tokio::time::sleep(Duration::from_millis(10)).await } } => {}
+        _ = long.lost() => panic!("the long lease was lost"),
+    }
+    long.release().await.unwrap();
+}

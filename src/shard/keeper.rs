@@ -13,7 +13,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::ShardState;
-use crate::shard::LeaseState;
+use crate::shard::{LeaseState, NOT_RENEWED};
 use crate::sync::LockExt;
 
 /// How often the keeper tries to re-acquire on the shard the keys held locally.
@@ -180,7 +180,7 @@ impl ShardState {
         leases.retain(|l| {
             if l.deadline() <= now {
                 self.remove(l.id);
-                l.mark_lost("not renewed before its lease ended", &self.shared);
+                l.mark_lost(NOT_RENEWED, &self.shared);
                 false
             } else {
                 true

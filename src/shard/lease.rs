@@ -318,3 +318,6 @@ impl LeaseState {
 
 /// Why leases end at `shutdown()`.
 pub(crate) const SHUT_DOWN: &str = "router shut down";
+
+/// Why a lease ends at its local deadline.
+pub(crate) const NOT_RENEWED: &str = "not renewed before its lease ended";
