@@ -501,7 +501,18 @@ pub(crate) async fn ensure_ours(
 pub(crate) fn log_tail(dir: &Path) -> String {
     let log = fs::read_to_string(dir.join("error.log")).unwrap_or_default();
     let lines: Vec<&str> = log.lines().collect();
-    lines[lines.len().saturating_sub(15)..].join("\n")
+    // A crash report (its stack and the query that crashed) runs on for some 50 lines, whose
+    // end shows only the process's limits: it is shown from its start.
+    let from = lines
+        .iter()
+        .rposition(|l| l.contains("got signal"))
+        .unwrap_or(lines.len().saturating_sub(15));
+    lines[from..]
+        .iter()
+        .take(60)
+        .copied()
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 fn server_args(dir: &Path, port: u16) -> Vec<String> {
