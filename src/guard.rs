@@ -181,12 +181,16 @@ impl LockGuard {
         // A companion row's loss (a moved key) is reported through the lease it belongs to.
         let mut lost = lease.subscribe_lost();
         loop {
+            // The keeper reports a lease lost at its deadline, but not while it waits on a
+            // renewal statement (up to a statement timeout): a lease granted meanwhile, with a
+            // shorter ttl than that, ends first. Its deadline is watched here too, and looked
+            // at again if it moves earlier meanwhile.
+            let moved = lease.end_moved();
+            let until = lease.valid_until();
             tokio::select! {
                 _ = lost.wait_for(|lost| *lost) => return,
-                // The keeper reports a lease lost at its deadline, but not while it waits on a
-                // renewal statement (up to a statement timeout): a lease granted meanwhile, with
-                // a shorter ttl than that, ends first. Its deadline is watched here too.
-                _ = tokio::time::sleep_until(lease.valid_until()) => {
+                _ = moved => {}
+                _ = tokio::time::sleep_until(until) => {
                     if !self.is_held() {
                         lease.mark_lost(NOT_RENEWED, &self.hold.shard.shared);
                         return;

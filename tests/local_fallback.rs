@@ -419,3 +419,93 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
     local.release().await.unwrap();
     remote.release().await.unwrap();
 }
+
+/// A lease held in process, whose `lost()` is awaited from before its shard returns:
+/// reconciliation places it on the shard, where it has a deadline again. If the keeper cannot
+/// renew it by then (it waits on another lease's row), `lost()` reports it at that deadline,
+/// not once the keeper is free again (it does not sleep on toward the in-process lease's
+/// endless one).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reconciled_lease_is_reported_lost_at_its_new_deadline_while_the_keeper_waits() {
+    let rig = Rig::start("local", None, POOL).await;
+    // Statements wait on locked rows here for seconds: neither a failure nor a slow call.
+    let yaml = rig
+        .yaml
+        .replacen("statement-timeout: 1s", "statement-timeout: 30s", 1)
+        .replacen("slow-call: 200ms", "slow-call: 30s", 1);
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let keys = rig.keys("k", 2, false);
+    let (local_key, remote_key) = (&keys[0], &keys[1]);
+    let shard = rig.cluster.shard(0);
+    // The local key's row exists on the shard (released), so a transaction can lock it.
+    let once = router
+        .acquire(local_key, AcquireOptions::new())
+        .await
+        .unwrap();
+    let mut holds_local_row = Competitor::begin(shard, false).await.unwrap();
+    let local_row = holds_local_row.key_of(once.owner()).await.unwrap().unwrap();
+    once.release().await.unwrap();
+    // A remote lease, renewed every 5 s, whose renewal will wait on its row.
+    let remote = router
+        .acquire(
+            remote_key,
+            AcquireOptions::new().ttl(Duration::from_secs(15)),
+        )
+        .await
+        .unwrap();
+    let mut holds_remote_row = Competitor::begin(shard, false).await.unwrap();
+    let remote_row = holds_remote_row
+        .key_of(remote.owner())
+        .await
+        .unwrap()
+        .unwrap();
+
+    rig.proxy.set(ProxyMode::Reset);
+    while router.breaker_state("s1") != Some(BreakerState::Open) {
+        let _ = router.try_acquire("other", AcquireOptions::new()).await;
+    }
+    let local = router
+        .acquire(local_key, AcquireOptions::new().ttl(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), LockMode::LocalFallback);
+    let mut lost = Box::pin(local.lost());
+    assert!(futures_util::poll!(lost.as_mut()).is_pending());
+    holds_local_row.lock(&local_row).await.unwrap();
+    holds_remote_row.lock(&remote_row).await.unwrap();
+    rig.proxy.set(ProxyMode::Pass);
+    // Reconciliation's acquire of the local key and the keeper's renewal of the remote lease
+    // both wait on their rows.
+    assert!(
+        common::eventually(Duration::from_secs(30), || async {
+            shard.lock_waits_now().await.unwrap() >= 2
+        })
+        .await,
+        "reconciliation and renewal never both waited"
+    );
+    let before = router.stats();
+
+    // Reconciliation goes through; the keeper still waits.
+    holds_local_row.end().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), lost)
+        .await
+        .expect("the reconciled lease was never reported lost");
+    let after = router.stats();
+    assert_eq!(after.reconciled, before.reconciled + 1);
+    assert_eq!(
+        (after.renew_ticks, after.renew_failures),
+        (before.renew_ticks, before.renew_failures),
+        "the reconciled lease was reported lost only once the keeper's renewal had ended"
+    );
+    assert!(!local.is_held());
+    assert!(matches!(local.release().await, Err(Error::LockLost { .. })));
+
+    // Once its row is let go, the remote lease's renewal goes through.
+    holds_remote_row.end().await.unwrap();
+    let renewed_from = remote.held_until();
+    tokio::select! {
+        _ = async { while remote.held_until() <= renewed_from { tokio::time::sleep(Duration::from_millis(10)).await } } => {}
+        _ = remote.lost() => panic!("the remote lease was lost"),
+    }
+    remote.release().await.unwrap();
+}

@@ -178,7 +178,9 @@ impl ShardState {
         let now = Instant::now();
         let mut leases = self.held();
         leases.retain(|l| {
-            if l.deadline() <= now {
+            // Or already reported lost (by its holder's `lost()` at its deadline, just before
+            // a renewal's late answer extended it): nobody is told it is held any more.
+            if l.deadline() <= now || l.is_lost() {
                 self.remove(l.id);
                 l.mark_lost(NOT_RENEWED, &self.shared);
                 false
@@ -244,6 +246,7 @@ impl ShardState {
                     statements += u64::from(outcome.statements);
                     for (lease, held) in chunk.iter().zip(outcome.held) {
                         if held {
+                            // A lease reported lost meanwhile stays so: it is dropped above.
                             lease.extend(lease.want.lease_end(sent));
                         } else if self.remove(lease.id).is_some() {
                             // Still registered, so not released meanwhile: someone else has it.

@@ -34,6 +34,10 @@ pub(crate) struct LeaseState {
     /// or last renewed it was sent, allowing for the shard's time truncation and clock drift
     /// ([`Want::lease_end`]), so it is always before the shard's own expiry.
     deadline: Mutex<Instant>,
+    /// Told when [`LeaseState::valid_until`] may have moved earlier (a local lease placed on
+    /// its shard, a companion row adopted), so that a `lost()` sleeping toward the old end
+    /// looks again.
+    end_moved: tokio::sync::Notify,
     lost: watch::Sender<bool>,
     /// Set by the first release of this lease sent to its shard (see
     /// `guard::release_through_shard`): a second one, a shutdown's beside the guard's drop,
@@ -103,6 +107,7 @@ impl LeaseState {
             renew_every: want.renew_every,
             want,
             deadline: Mutex::new(want.lease_end(grant.sent)),
+            end_moved: tokio::sync::Notify::new(),
             lost: watch::channel(false).0,
             release_claimed: Default::default(),
             at_least_us: AtomicU64::new(
@@ -169,6 +174,7 @@ impl LeaseState {
             return false;
         }
         companions.rows.push((shard, companion));
+        self.end_moved.notify_waiters();
         true
     }
 
@@ -266,6 +272,13 @@ impl LeaseState {
 
     pub(crate) fn set_deadline(&self, to: Instant) {
         *self.deadline.locked() = to;
+        self.end_moved.notify_waiters();
+    }
+
+    /// Completes once [`LeaseState::valid_until`] may have moved earlier than it was when this
+    /// was called.
+    pub(crate) fn end_moved(&self) -> tokio::sync::futures::Notified<'_> {
+        self.end_moved.notified()
     }
 
     pub(crate) fn extend(&self, to: Instant) {
