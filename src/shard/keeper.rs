@@ -61,13 +61,14 @@ impl ShardState {
                         // row just taken is given back below instead.
                         let moved = !self.shared.is_closed() && local.remove(&lease.id).is_some();
                         if moved {
+                            // Counted before the holder's `lost()` can see the new deadline.
+                            stats.reconciled.fetch_add(1, Ordering::Relaxed);
                             lease.set_deadline(lease.want.lease_end(sent));
                             self.insert(lease.clone());
                         }
                         moved
                     };
                     if moved {
-                        stats.reconciled.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(
                             shard = self.name(),
                             key = self.shared.telemetry.key_label(&lease.key),
@@ -179,8 +180,9 @@ impl ShardState {
         let mut leases = self.held();
         leases.retain(|l| {
             // Or already reported lost (by its holder's `lost()` at its deadline, just before
-            // a renewal's late answer extended it): nobody is told it is held any more.
-            if l.deadline() <= now || l.is_lost() {
+            // a renewal's late answer extended it), or a companion row of a lease that was:
+            // nobody is told it is held any more.
+            if l.deadline() <= now || l.is_lost() || l.parent_is_lost() {
                 self.remove(l.id);
                 l.mark_lost(NOT_RENEWED, &self.shared);
                 false

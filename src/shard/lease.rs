@@ -148,6 +148,14 @@ impl LeaseState {
         self.parent.get().is_some()
     }
 
+    /// Whether this is a companion row of a lease that was lost.
+    pub(crate) fn parent_is_lost(&self) -> bool {
+        self.parent
+            .get()
+            .and_then(Weak::upgrade)
+            .is_some_and(|p| p.is_lost())
+    }
+
     /// The highest fence this grant reserved on its shard.
     pub(crate) fn fence_top(&self) -> u64 {
         self.fence_top
