@@ -206,21 +206,17 @@ async fn a_lease_granted_while_the_keeper_waits_is_reported_lost_at_its_own_dead
         .acquire("long", AcquireOptions::new().ttl(Duration::from_secs(15)))
         .await
         .unwrap();
-    // Every lease row locked, none of the gaps between them (so new keys can be inserted).
-    let mut blocker = cluster.shard(0).connect().await.unwrap();
-    blocker
-        .query_drop("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    // The long lease's row locked by another transaction (that row only: new keys can still
+    // be inserted).
+    let shard = cluster.shard(0);
+    let mut blocker = shardlock_testkit::Competitor::begin(shard, false)
         .await
         .unwrap();
-    blocker.query_drop("BEGIN").await.unwrap();
-    blocker
-        .query_drop("SELECT lock_key FROM shardlock_lease FOR UPDATE")
-        .await
-        .unwrap();
+    let row = blocker.key_of(long.owner()).await.unwrap().unwrap();
+    blocker.lock(&row).await.unwrap();
     // A renewal statement begun after the rows were locked waits on them. (Read from the
     // server's counter, not by polling `information_schema.PROCESSLIST`, which crashed
     // MariaDB 10.11.19 here, freeing the query's temporary table.)
-    let shard = cluster.shard(0);
     assert!(
         common::eventually(Duration::from_secs(30), || async {
             shard.lock_waits_now().await.unwrap() > 0
@@ -254,7 +250,7 @@ async fn a_lease_granted_while_the_keeper_waits_is_reported_lost_at_its_own_dead
     assert!(matches!(short.release().await, Err(Error::LockLost { .. })));
 
     // Once the row is let go, the waiting renewal goes through: the long lease stays.
-    blocker.query_drop("ROLLBACK").await.unwrap();
+    blocker.end().await.unwrap();
     let renewed_from = long.held_until();
     tokio::select! {
         _ = async { while long.held_until() <= renewed_from { tokio::time::sleep(Duration::from_millis(10)).await } } => {}
