@@ -169,11 +169,7 @@ async fn a_keeper_that_panics_reports_its_leases_lost_and_is_replaced() {
         .unwrap();
     // Renewed twice, and so held past several ttls.
     for _ in 0..2 {
-        let until = after.held_until();
-        tokio::select! {
-            _ = async { while after.held_until() <= until { tokio::time::sleep(Duration::from_millis(10)).await } } => {}
-            _ = after.lost() => panic!("the lease after the panic was not renewed"),
-        }
+        common::renewed(&after, "the lease after the panic was not renewed").await;
     }
     assert!(after.is_held());
     after.release().await.unwrap();
@@ -251,10 +247,6 @@ async fn a_lease_granted_while_the_keeper_waits_is_reported_lost_at_its_own_dead
 
     // Once the row is let go, the waiting renewal goes through: the long lease stays.
     blocker.end().await.unwrap();
-    let renewed_from = long.held_until();
-    tokio::select! {
-        _ = async { while long.held_until() <= renewed_from { tokio::time::sleep(Duration::from_millis(10)).await } } => {}
-        _ = long.lost() => panic!("the long lease was lost"),
-    }
+    common::renewed(&long, "the long lease was lost").await;
     long.release().await.unwrap();
 }

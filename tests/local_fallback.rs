@@ -502,10 +502,6 @@ async fn a_reconciled_lease_is_reported_lost_at_its_new_deadline_while_the_keepe
 
     // Once its row is let go, the remote lease's renewal goes through.
     holds_remote_row.end().await.unwrap();
-    let renewed_from = remote.held_until();
-    tokio::select! {
-        _ = async { while remote.held_until() <= renewed_from { tokio::time::sleep(Duration::from_millis(10)).await } } => {}
-        _ = remote.lost() => panic!("the remote lease was lost"),
-    }
+    common::renewed(&remote, "the remote lease was lost").await;
     remote.release().await.unwrap();
 }

@@ -102,6 +102,20 @@ where
     }
 }
 
+/// Waits until `guard`'s lease is renewed (its end moves on); panics, saying `lost`, if the
+/// lease is lost first.
+pub async fn renewed(guard: &shardlock::LockGuard, lost: &str) {
+    let until = guard.held_until();
+    tokio::select! {
+        _ = async {
+            while guard.held_until() <= until {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        } => {}
+        _ = guard.lost() => panic!("{lost}"),
+    }
+}
+
 /// Tries `key` on `router` until it is granted (the shard frees it), releases it, and returns
 /// when the grant's answer came: no later than the instant another process held it.
 pub async fn first_grant(router: &LockRouter, key: &str) -> tokio::time::Instant {
