@@ -25,6 +25,7 @@ use shardlock_core::{Config, Error, Result};
 use shardlock_mysql::{Beat, InstanceRow};
 
 use crate::shard::{ShardState, Shared};
+use crate::sync::LockExt;
 use crate::topology::Topology;
 
 /// Says which instances are dead, so that the cleaner may delete their leases that ended
@@ -70,6 +71,44 @@ impl InstanceRegistry for StaticRegistry {
             .cloned()
             .collect();
         Box::pin(async move { Ok(dead) })
+    }
+}
+
+/// The instance ids of this process's live routers. The heartbeat registry keeps one row per
+/// id, and a router leaves its own id out when it reads which topology the others run
+/// ([`live_fleet`]): two routers of one process under one id would read as one instance, and
+/// one could end a reload's move while the other still places keys the old way.
+static IN_USE: std::sync::Mutex<BTreeSet<String>> = std::sync::Mutex::new(BTreeSet::new());
+
+/// One router's hold on its instance id in this process: given up when dropped (with the
+/// router, or at the end of its shutdown).
+#[derive(Debug)]
+pub(crate) struct IdClaim(String);
+
+impl IdClaim {
+    /// Claims `id` for a router of this process; `None` while another live router has it.
+    pub(crate) fn take(id: &str) -> Option<Self> {
+        IN_USE
+            .locked()
+            .insert(id.to_owned())
+            .then(|| Self(id.to_owned()))
+    }
+
+    /// The error for a configured `id` that [`IdClaim::take`] refused.
+    pub(crate) fn refused(id: &str) -> Error {
+        Error::InvalidArgument {
+            name: "instance.id",
+            reason: format!(
+                "`{id}` is the id of another router of this process that has not shut down. Give \
+                 each router its own id (or `auto`), or shut the other one down first"
+            ),
+        }
+    }
+}
+
+impl Drop for IdClaim {
+    fn drop(&mut self) {
+        IN_USE.locked().remove(&self.0);
     }
 }
 

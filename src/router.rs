@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::guard::{release_through_shard, LockGuard};
 use crate::moves;
 use crate::options::AcquireOptions;
-use crate::registry::{self, host_name};
+use crate::registry::{self, host_name, IdClaim};
 use crate::shard::{ShardState, Shared};
 use crate::state::{instant_after, spawn_heartbeat, CleanerState, Gate, Inner};
 use crate::sync::LockExt;
@@ -183,9 +183,18 @@ impl LockRouter {
         path: Option<&Path>,
         meter: Option<opentelemetry::metrics::Meter>,
     ) -> Result<Self> {
-        let instance_id = match config.instance.id.as_deref() {
-            None | Some("auto") => auto_instance_id(),
-            Some(id) => id.to_owned(),
+        let (instance_id, id_claim) = match config.instance.id.as_deref() {
+            // Another router of this process may have drawn the same random suffix.
+            None | Some("auto") => loop {
+                let id = auto_instance_id();
+                if let Some(claim) = IdClaim::take(&id) {
+                    break (id, claim);
+                }
+            },
+            Some(id) => (
+                id.to_owned(),
+                IdClaim::take(id).ok_or_else(|| IdClaim::refused(id))?,
+            ),
         };
         let telemetry = crate::telemetry::Telemetry::new(&config.telemetry, meter);
         let shared = Arc::new(Shared::new(instance_id, telemetry));
@@ -203,6 +212,7 @@ impl LockRouter {
                 registered: std::sync::atomic::AtomicBool::new(false),
                 beat_now: Arc::default(),
                 heartbeat: std::sync::Mutex::default(),
+                id_claim: std::sync::Mutex::new(Some(id_claim)),
             }),
         };
         // Leases registered on a shard under an older topology than the one in force follow
@@ -522,6 +532,8 @@ impl LockRouter {
             let _ = heartbeat.await;
         }
         registry::deregister(&self.config(), self.instance_id(), &shards).await;
+        // Another router of this process may take the id now.
+        self.inner.id_claim.locked().take();
         for s in &shards {
             for lease in s.take_local() {
                 lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared);

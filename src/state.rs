@@ -44,6 +44,8 @@ pub(crate) struct Inner {
     /// The heartbeat task, which shutdown waits for before deregistering: a heartbeat still on
     /// its way would register the instance again, live, after it is gone.
     pub(crate) heartbeat: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// This router's instance id, claimed in this process until it is dropped or shut down.
+    pub(crate) id_claim: std::sync::Mutex<Option<registry::IdClaim>>,
 }
 
 /// Whether a router may grant yet. A router that starts while another live instance in the
