@@ -386,7 +386,7 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
     if let Some(next) = next {
         // In memory only when the waiter asked for this lease's own ttl; otherwise the
         // release statement grants it with the waiter's.
-        let same_terms = next.want.same_terms(&lease.want);
+        let same_terms = lease.want.same_terms(&next.want);
         if let Some(fence) = lease.local_fence().filter(|_| same_terms) {
             // Unlock first: if the waiter gave up meanwhile, the guard comes back and is
             // dropped right here, which ends its hold on this same lease.

@@ -19,6 +19,49 @@ fn opts() -> AcquireOptions {
     AcquireOptions::new().ttl(Duration::from_secs(2))
 }
 
+/// A lock of the name released in this process goes to a campaigner through the shard, never
+/// in memory: the row then names the new leader, and its term is the row's fence.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_campaigner_is_elected_through_the_shard_not_handed_a_lock_in_memory() {
+    // Hand-offs allowed for long after the grant, so that the release below could hand over.
+    let (_cluster, router, _) = common::start(
+        1,
+        "namespaces:\n  default:\n    ttl: 120s\n    handoff-max-time: 60s\n",
+    )
+    .await;
+    let held = router.acquire(NAME, AcquireOptions::new()).await.unwrap();
+    let campaign = tokio::spawn({
+        let router = router.clone();
+        async move { router.campaign(NAME, AcquireOptions::new()).await }
+    });
+    let queued = common::eventually(EVENT, || async { router.stats().queued == 1 }).await;
+    assert!(queued, "the campaigner waits in memory behind the holder");
+    let (owner, fence, handoffs) = (
+        held.owner().to_owned(),
+        held.fence(),
+        router.stats().local_handoffs,
+    );
+    held.release().await.unwrap();
+    let leadership = campaign.await.unwrap().unwrap();
+    assert_eq!(
+        router.stats().local_handoffs,
+        handoffs,
+        "handed over in memory"
+    );
+    let leader = router
+        .leader(NAME, AcquireOptions::new())
+        .await
+        .unwrap()
+        .expect("a leader");
+    assert_ne!(
+        leader.owner, owner,
+        "the row still names the released holder"
+    );
+    assert_eq!(leader.term, leadership.term());
+    assert!(leadership.term() > fence);
+    leadership.resign().await.unwrap();
+}
+
 /// Waits until `name` is led by an instance for which `pick` holds.
 async fn leader_where(router: &LockRouter, pick: impl Fn(&Leader) -> bool) -> Leader {
     let deadline = tokio::time::Instant::now() + EVENT;
