@@ -174,7 +174,9 @@ impl LockRouter {
     /// Removes a stuck lock: frees `key` whoever holds it and raises its fence above every
     /// fence the holder had, so the holder's writes through [`crate::fenced_exec`] are
     /// rejected once a new holder has written, and the holder sees
-    /// [`LockGuard::lost`] at its next renewal. `None` when nobody holds the key.
+    /// [`LockGuard::lost`] at its next renewal (a lease that is not renewed, with
+    /// `keep_alive(false)` or `lock_at_most`, only at its end: until then only `fenced_exec`
+    /// stops its writes). `None` when nobody holds the key.
     ///
     /// While a reload's move is in progress, the key is freed on the shards it lived on
     /// before as well (where a process that has not reloaded may hold it); the answer is the
@@ -184,6 +186,27 @@ impl LockRouter {
     /// raised) unreported; calling again answers `None` there, or evicts whoever took the key
     /// since.
     pub async fn force_release(&self, key: &str) -> Result<Option<ForceReleased>> {
+        self.force_release_of(key, None).await
+    }
+
+    /// [`LockRouter::force_release`], only if `owner` holds `key`: what an operator who looked
+    /// at the holder (`inspect`) and confirmed it should evict, rather than whoever took the
+    /// key since. `None` when `owner` holds it nowhere (released, or evicted, meanwhile).
+    ///
+    /// Cancellation: as for [`LockRouter::force_release`].
+    pub async fn force_release_owner(
+        &self,
+        key: &str,
+        owner: &str,
+    ) -> Result<Option<ForceReleased>> {
+        self.force_release_of(key, Some(owner)).await
+    }
+
+    async fn force_release_of(
+        &self,
+        key: &str,
+        owner: Option<&str>,
+    ) -> Result<Option<ForceReleased>> {
         let key = LockKey::new(key)?;
         let topology = self.inner.topology.load_full();
         let mut shards = vec![topology.locate(&key).clone()];
@@ -191,7 +214,7 @@ impl LockRouter {
         drop(topology);
         let mut first = None;
         for shard in shards {
-            if let Some(released) = force_release_on(&shard, &key).await? {
+            if let Some(released) = force_release_on(&shard, &key, owner).await? {
                 first.get_or_insert(released);
             }
         }
@@ -370,11 +393,16 @@ fn instance_of(owner: &str) -> Option<String> {
         .map(|(instance, _)| instance.to_owned())
 }
 
-/// [`LockRouter::force_release`] on one shard.
-async fn force_release_on(shard: &ShardState, key: &LockKey) -> Result<Option<ForceReleased>> {
+/// [`LockRouter::force_release`] on one shard, of `expected`'s lease only if given.
+async fn force_release_on(
+    shard: &ShardState,
+    key: &LockKey,
+    expected: Option<&str>,
+) -> Result<Option<ForceReleased>> {
     let name = shard.name().to_owned();
     let backend = |e: shardlock_core::BackendError| e.into_error(&name);
-    // The holder may change between the look and the release: look again, a few times.
+    // The holder may change between the look and the release: look again, a few times (once
+    // for an expected owner: another is never evicted).
     for _ in 0..3 {
         let row = shard
             .unguarded()
@@ -384,6 +412,9 @@ async fn force_release_on(shard: &ShardState, key: &LockKey) -> Result<Option<Fo
         let Some((owner, row)) = row.and_then(|r| Some((r.owner.clone()?, r))) else {
             return Ok(None);
         };
+        if expected.is_some_and(|o| o != owner) {
+            return Ok(None);
+        }
         let released = shard
             .unguarded()
             .force_release(key.stored(), &owner)
@@ -397,6 +428,9 @@ async fn force_release_on(shard: &ShardState, key: &LockKey) -> Result<Option<Fo
                 was_live: row.is_held(),
                 fence,
             }));
+        }
+        if expected.is_some() {
+            return Ok(None);
         }
     }
     Err(Error::Backend {

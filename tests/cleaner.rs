@@ -313,7 +313,12 @@ async fn force_release_evicts_a_live_holder_with_a_fence_that_rejects_its_writes
         .unwrap();
 
     let operator = router(&yaml).await;
-    let released = operator.force_release("account:1").await.unwrap().unwrap();
+    // As `shardlock release --force` does once the operator confirmed the holder it showed.
+    let released = operator
+        .force_release_owner("account:1", stuck.owner())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(released.was_live);
     assert_eq!(released.owner, stuck.owner());
     assert!(released.fence > stuck.fence());
@@ -336,6 +341,14 @@ async fn force_release_evicts_a_live_holder_with_a_fence_that_rejects_its_writes
         shardlock::fenced_exec(&mut app, sql, params, fence).await,
         Err(Error::FenceRejected { .. })
     ));
+    // The evicted holder confirmed again evicts nobody: not the holder that took the key since.
+    assert!(operator
+        .force_release_owner("account:1", stuck.owner())
+        .await
+        .unwrap()
+        .is_none());
+    let (_, row) = operator.inspect("account:1").await.unwrap();
+    assert_eq!(row.and_then(|r| r.owner).as_deref(), Some(next.owner()));
     assert!(operator
         .force_release("nobody:holds:this")
         .await

@@ -366,7 +366,22 @@ async fn run_command(
             {
                 return Err(failure::fail(failure::Exit::Refused, "not released"));
             }
-            let released = router.force_release(&key).await?;
+            let released = if yes {
+                router.force_release(&key).await?
+            } else {
+                // The holder confirmed, not whoever took the key since.
+                let released = router.force_release_owner(&key, &owner).await?;
+                if released.is_none() {
+                    return Err(failure::fail(
+                        failure::Exit::Refused,
+                        format!(
+                            "`{key}` is no longer held by {owner}: not released (run again to \
+                             see its holder now)"
+                        ),
+                    ));
+                }
+                released
+            };
             output::force_released(&key, &shard, released.as_ref(), cli.json);
         }
         Command::Cleaner { once } => {
