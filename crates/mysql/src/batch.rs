@@ -212,11 +212,13 @@ const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE loc
 ///
 /// When every key was released (the statement matched one row per key) the answers are exact.
 /// Otherwise some lease had been lost before (it expired and was taken, force-released, or
-/// deleted by the cleaner): one more read tells which keys another owner holds now
-/// ([`Released::Taken`]), and which have no row ([`Released::Free`]). The rows it finds free
-/// are the ones the statement freed when there are as many as it matched; if there are more
-/// (some key was also freed before), the statement cannot say which are its own, and each
-/// counts as freed.
+/// deleted by the cleaner): one more read tells what each row shows now. A row showing the
+/// owner's own tombstone was freed by that owner ([`Released::Freed`]). A row the statement
+/// freed may show another state by the time it is read, though (taken by a waiter at once, and
+/// perhaps released again): when the count of rows it freed is all tombstones of its own, the
+/// others were lost before ([`Released::Taken`] if another owner holds them now, else
+/// [`Released::Free`]), and when it covers every other key, all were freed. In between the
+/// statement cannot say which are its own: a key held now counts as taken, a free one as freed.
 pub(crate) async fn release_batch(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
@@ -240,19 +242,38 @@ pub(crate) async fn release_batch(
     let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> = conn
         .exec(format!("{OWNERS_HEAD}{list}"), Params::Positional(keys))
         .await?;
-    let found: Vec<Released> = leases
+    let now: Vec<Option<&Option<Vec<u8>>>> = leases
         .iter()
-        .map(
-            |(key, _)| match rows.iter().find(|(k, _)| k.as_slice() == *key) {
-                Some((_, owner)) if names_holder(owner) => Released::Taken,
-                Some(_) => Released::Freed,
-                None => Released::Free,
-            },
-        )
+        .map(|(key, _)| {
+            rows.iter()
+                .find(|(k, _)| k.as_slice() == *key)
+                .map(|(_, o)| o)
+        })
         .collect();
-    let freed = found.iter().filter(|f| **f == Released::Freed).count();
-    debug_assert!(freed >= matched, "every matched row is free now");
-    Ok(found)
+    let own = |owner: &Option<Vec<u8>>, of: &str| {
+        owner.as_deref().is_some_and(|o| {
+            o.len() == of.len() && o.first() == Some(&b':') && o[1..] == of.as_bytes()[1..]
+        })
+    };
+    let ours = leases
+        .iter()
+        .zip(&now)
+        .filter(|((_, of), row)| row.is_some_and(|o| own(o, of)))
+        .count();
+    // Rows this statement freed that show something else by now.
+    let changed = matched.saturating_sub(ours);
+    let others = leases.len() - ours;
+    Ok(leases
+        .iter()
+        .zip(now)
+        .map(|((_, of), row)| match row {
+            Some(o) if own(o, of) => Released::Freed,
+            _ if changed == others => Released::Freed,
+            Some(o) if names_holder(o) => Released::Taken,
+            Some(_) if changed > 0 => Released::Freed,
+            _ => Released::Free,
+        })
+        .collect())
 }
 
 /// `bytes` as uppercase hex, the form `UNHEX` reads.
@@ -431,6 +452,22 @@ mod tests {
         let pair: [(&[u8], &str); 2] = [(b"batch:a", "me:batch:a"), (b"other", "me:other")];
         let found = release_batch(conn, &pair).await.unwrap();
         assert_eq!(found, vec![Released::Freed, Released::Freed]);
+        // A lease force-released before, beside one the batch frees: the lost one is told so.
+        for key in ["forced:a", "forced:b"] {
+            let req = request(key, &format!("me:{key}"), 0);
+            assert!(matches!(
+                shard.acquire(&req).await.unwrap(),
+                Attempt::Granted(_)
+            ));
+        }
+        assert!(shard
+            .force_release(b"forced:b", "me:forced:b")
+            .await
+            .unwrap()
+            .is_some());
+        let pair: [(&[u8], &str); 2] = [(b"forced:a", "me:forced:a"), (b"forced:b", "me:forced:b")];
+        let found = release_batch(conn, &pair).await.unwrap();
+        assert_eq!(found, vec![Released::Freed, Released::Free]);
         // Both kinds of acquire take such a row.
         let single = request("alone", "you:1", 0);
         assert!(matches!(
