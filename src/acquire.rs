@@ -457,12 +457,22 @@ impl LockRouter {
         } = taken;
         let shard = &shard;
         let moved = !companions.0.is_empty();
+        // Given back if the caller goes away while the previous shards' fences are raised
+        // (below), like those shards' rows: nothing between here and the guard may leave it.
+        let mut own = CompanionGrants(Vec::new(), companions.1.clone());
+        let grant = if moved {
+            own.0.push((shard.clone(), grant));
+            None
+        } else {
+            Some(grant)
+        };
         // The previous shards' rows get this grant's fence too: a process still
         // placing the key there must be granted a larger one.
+        let fence = grant.as_ref().map_or_else(|| own.0[0].1.fence, |g| g.fence);
         let mut failed = None;
         for (old, companion) in &companions.0 {
             let raised = old
-                .call(|b| b.raise_fence(key.stored(), &companion.owner, grant.fence))
+                .call(|b| b.raise_fence(key.stored(), &companion.owner, fence))
                 .await;
             if !matches!(raised, Ok(true)) {
                 failed = Some((old.name().to_owned(), raised));
@@ -470,8 +480,7 @@ impl LockRouter {
             }
         }
         if let Some((name, raised)) = failed {
-            // Every row of this grant is given back as `companions` drops.
-            companions.0.push((shard.clone(), grant));
+            // Every row of this grant is given back as `companions` and `own` drop.
             return Err(match raised {
                 Err(e) => e.into_error(&name),
                 Ok(_) => Error::LockLost {
@@ -486,6 +495,7 @@ impl LockRouter {
                 .moved_grants
                 .fetch_add(1, Ordering::Relaxed);
         }
+        let grant = grant.unwrap_or_else(|| own.0.pop().expect("the grant was kept").1);
         let guard = self.hold(shard, key, grant, want, Some(turn), topology);
         let lease = &guard.hold().lease;
         while let Some((old, grant)) = companions.0.pop() {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Pool;
 use shardlock::{AcquireOptions, Config, LockRouter};
-use shardlock_testkit::{report, Cluster, Worker};
+use shardlock_testkit::{report, Cluster, Proxy, ProxyMode, Worker};
 
 const KEYS: usize = 500;
 const TASKS: usize = 32;
@@ -760,5 +760,75 @@ async fn a_process_started_with_another_topology_grants_nothing_until_its_fleet_
     held.release().await.unwrap();
     let next = new.acquire(&key, AcquireOptions::new()).await.unwrap();
     assert!(next.fence() > fence);
+    next.release().await.unwrap();
+}
+
+/// A caller that gives up while its moved key's previous shard is raising its fence (the last
+/// step of the acquire) leaves no lease behind: the grant on the key's new shard is given back
+/// as the one on its previous shard is.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acquire_of_a_moved_key_given_up_half_way_leaves_no_lease() {
+    let cluster = Cluster::start(2).await.unwrap();
+    // The key's previous shard answers slowly, so the acquire can be dropped mid-step.
+    let proxy = Proxy::start(cluster.shard(1).port()).await.unwrap();
+    let policy = "routing:\n  move-window: 60s\nnamespaces:\n  default:\n    ttl: 60s\n";
+    let s1 = format!("  - name: s1\n    url: {}\n", cluster.shard(0).url());
+    let s2 = format!(
+        "  - name: s2\n    url: {}\n    statement-timeout: 10s\n    \
+         pool: {{ wait-timeout: 10s, create-timeout: 10s }}\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&format!("shards:\n{s1}{s2}{policy}"))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let mut on_s2 = (0..)
+        .map(|i| format!("k:{i}"))
+        .filter(|k| router.shard_for(k).unwrap() == "s2");
+    let (key, warm) = (on_s2.next().unwrap(), on_s2.next().unwrap());
+    let one = Config::from_yaml_str(&format!("shards:\n{s1}{policy}")).unwrap();
+    router.reload(one).await.unwrap();
+    assert_eq!(router.moves_in_progress(), 1);
+    // A moved key taken and released first, so that s2's connections are open.
+    router
+        .acquire(&warm, AcquireOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::Delay(Duration::from_millis(250)));
+
+    // Taken on s2 (the previous shard), then on s1; dropped once s1's row shows, while s2 is
+    // asked to raise its fence.
+    let mut acquire = Box::pin(router.acquire(&key, AcquireOptions::new()));
+    let held_on_s1 = async {
+        loop {
+            let (shard, row) = router.inspect(&key).await.unwrap();
+            assert_eq!(shard, "s1");
+            if row.is_some_and(|r| r.is_held()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::select! {
+        guard = &mut acquire => panic!("the acquire ended before it was dropped: {guard:?}"),
+        () = held_on_s1 => {}
+    }
+    drop(acquire);
+    proxy.set(ProxyMode::Pass);
+
+    // Well within the 60 s ttl: the row is given back, and the key is free for anyone.
+    let freed = common::eventually(Duration::from_secs(10), || async {
+        let (_, row) = router.inspect(&key).await.unwrap();
+        !row.is_some_and(|r| r.is_held())
+    })
+    .await;
+    assert!(freed, "the grant on s1 was left behind");
+    let next = router
+        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .unwrap();
     next.release().await.unwrap();
 }
