@@ -350,6 +350,11 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
         if shard.remove_local(lease.id) {
             shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
             drop(turn);
+            // A re-acquire whose reply was lost may have taken the row under this owner.
+            if lease.maybe_on_shard.load(Ordering::Acquire) {
+                let key = lease.key.stored().to_vec();
+                shard.give_back(key, lease.owner.clone(), lease.ttl);
+            }
             return None;
         }
         // Re-acquired on the shard meanwhile (or found held there): release the row.

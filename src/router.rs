@@ -537,6 +537,14 @@ impl LockRouter {
         for s in &shards {
             for lease in s.take_local() {
                 lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared);
+                // A re-acquire whose reply was lost may have taken the row: once, before the
+                // pool closes (else it ends by expiry).
+                if lease
+                    .maybe_on_shard
+                    .load(std::sync::atomic::Ordering::Acquire)
+                {
+                    let _ = s.release(lease.key.stored(), &lease.owner).await;
+                }
             }
             s.close();
         }

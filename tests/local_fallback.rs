@@ -505,3 +505,54 @@ async fn a_reconciled_lease_is_reported_lost_at_its_new_deadline_while_the_keepe
     common::renewed(&remote, "the remote lease was lost").await;
     remote.release().await.unwrap();
 }
+
+/// Re-acquiring a local hold on its returning shard may write the row and lose the reply. The
+/// holder that then releases while its lease is still local gives that row back, instead of
+/// leaving the key taken, by nobody, for the lease's whole ttl.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reacquire_whose_reply_was_lost_is_given_back_when_the_local_holder_releases() {
+    let rig = Rig::start("local", None, POOL).await;
+    let mut keys = rig.keys("k", 2, false);
+    let (key, probe) = (keys.remove(0), keys.remove(0));
+    cut_off(&rig, &probe).await;
+    let guard = rig
+        .router
+        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    assert_eq!(guard.mode(), LockMode::LocalFallback);
+    let other = direct_router(&rig).await;
+
+    // The re-acquire's statement names the holder's owner: its reply is lost, and then the
+    // link is cut, so that its retry on another connection gets no answer either and the
+    // breaker opens again.
+    let owner: &'static [u8] = Box::leak(guard.owner().as_bytes().to_vec().into_boxed_slice());
+    let opened = rig.router.stats().breaker_opened;
+    rig.proxy.set(ProxyMode::LoseReplyToThenBlackhole(owner));
+    rig.proxy.wait_for(ProxyMode::Blackhole).await;
+    let failed = common::eventually(Duration::from_secs(20), || async {
+        rig.router.stats().breaker_opened > opened
+    })
+    .await;
+    assert!(failed, "the re-acquire never failed");
+    let (_, row) = other.inspect(&key).await.unwrap();
+    let row = row.expect("the re-acquire wrote the row");
+    assert_eq!(row.owner.as_deref(), Some(guard.owner()));
+    assert_eq!(rig.router.stats().reconciled, 0, "{:?}", rig.router.stats());
+    guard.release().await.unwrap();
+
+    // Once the shard is back for this process (its probes pass), the row is given back: well
+    // before the 60 s ttl.
+    rig.proxy.set(ProxyMode::Pass);
+    let freed = common::eventually(Duration::from_secs(20), || async {
+        if let Ok(Some(g)) = rig.router.try_acquire(&probe, AcquireOptions::new()).await {
+            let _ = g.release().await;
+        }
+        match other.try_acquire(&key, AcquireOptions::new()).await {
+            Ok(Some(g)) => g.release().await.is_ok(),
+            _ => false,
+        }
+    })
+    .await;
+    assert!(freed, "the row the re-acquire wrote was left to its ttl");
+}

@@ -75,8 +75,8 @@ impl ShardState {
                             "shardlock re-acquired a locally held key on its shard"
                         );
                     } else {
-                        // Released meanwhile: give the row back.
-                        let _ = self.release(&req.key, &req.owner).await;
+                        // Released meanwhile: give the row back (until the shard answers).
+                        self.give_back(req.key, req.owner, lease.ttl);
                     }
                 }
                 Ok(Attempt::Held { .. }) => {
@@ -88,7 +88,13 @@ impl ShardState {
                         );
                     }
                 }
-                // Still failing, or the row locked by another transaction: next time.
+                // Still failing, or the row locked by another transaction: next time. A
+                // write whose reply was lost may have taken the row: a release while the lease
+                // is still local gives it back (see `guard::end_hold`).
+                Err(e) if e.maybe_applied => {
+                    lease.maybe_on_shard.store(true, Ordering::Release);
+                    return;
+                }
                 Ok(Attempt::Locked) | Err(_) => return,
             }
         }

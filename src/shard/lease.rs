@@ -56,6 +56,9 @@ pub(crate) struct LeaseState {
     pub(crate) turn: Mutex<Option<Turn>>,
     /// Granted in process while the shard's breaker was open (`LockMode::LocalFallback`).
     pub(crate) local: bool,
+    /// Set when re-acquiring this local lease on its shard may have written its row unheard
+    /// (the reply was lost): released while still local, it gives that row back.
+    pub(crate) maybe_on_shard: std::sync::atomic::AtomicBool,
     /// The topology epoch up to which this lease is known to be visible where the key lives:
     /// granted under it, or followed there by a row on the key's new shard (see
     /// [`crate::moves`]). Only ever rises.
@@ -110,6 +113,7 @@ impl LeaseState {
             end_moved: tokio::sync::Notify::new(),
             lost: watch::channel(false).0,
             release_claimed: Default::default(),
+            maybe_on_shard: Default::default(),
             at_least_us: AtomicU64::new(
                 want.at_least
                     .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),

@@ -38,6 +38,9 @@ pub enum ProxyMode {
     /// Like [`ProxyMode::LoseOneReply`], for the reply to the first request (chunk) that
     /// contains these bytes (a text statement such as `COMMIT`).
     LoseReplyTo(&'static [u8]),
+    /// Like [`ProxyMode::LoseReplyTo`], but then the link is blackholed (until the mode is
+    /// changed), as [`ProxyMode::LoseOneReplyThenBlackhole`] does.
+    LoseReplyToThenBlackhole(&'static [u8]),
 }
 
 /// A proxy listening on its own loopback port and forwarding to `upstream`. Stops (resetting
@@ -163,7 +166,9 @@ async fn pump(
         let lose = *mode.borrow();
         match replies {
             None => {
-                if let ProxyMode::LoseReplyTo(pattern) = lose {
+                if let ProxyMode::LoseReplyTo(pattern)
+                | ProxyMode::LoseReplyToThenBlackhole(pattern) = lose
+                {
                     if buf[..n].windows(pattern.len()).any(|w| w == pattern) {
                         armed.store(true, SeqCst);
                     }
@@ -176,13 +181,17 @@ async fn pump(
                 let one = matches!(
                     lose,
                     ProxyMode::LoseOneReply | ProxyMode::LoseOneReplyThenBlackhole
-                ) || (matches!(lose, ProxyMode::LoseReplyTo(_)) && armed.load(SeqCst));
+                ) || (matches!(
+                    lose,
+                    ProxyMode::LoseReplyTo(_) | ProxyMode::LoseReplyToThenBlackhole(_)
+                ) && armed.load(SeqCst));
                 if one
                     && modes.send_if_modified(|m| {
                         let first = *m == lose;
                         if first {
                             *m = match lose {
-                                ProxyMode::LoseOneReplyThenBlackhole => ProxyMode::Blackhole,
+                                ProxyMode::LoseOneReplyThenBlackhole
+                                | ProxyMode::LoseReplyToThenBlackhole(_) => ProxyMode::Blackhole,
                                 _ => ProxyMode::Pass,
                             };
                         }
@@ -215,7 +224,8 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
         | ProxyMode::LoseReplies
         | ProxyMode::LoseOneReply
         | ProxyMode::LoseOneReplyThenBlackhole
-        | ProxyMode::LoseReplyTo(_) => Some(Duration::ZERO),
+        | ProxyMode::LoseReplyTo(_)
+        | ProxyMode::LoseReplyToThenBlackhole(_) => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
     }
 }
