@@ -403,6 +403,80 @@ async fn a_batch_chosen_as_a_deadlock_victim_half_way_is_retried_and_grants_ever
     }
 }
 
+/// A row that another transaction keeps locked past the server's lock wait undoes the whole
+/// batch it is in, and the server does not say which key waited: the batch's keys are sent
+/// again one by one, so that the free ones are granted (not answered busy) and only the locked
+/// key's caller is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_locked_past_the_lock_wait_leaves_the_other_keys_of_its_batch_granted() {
+    let (cluster, _migrated, _) = common::start(1, "").await;
+    // A lock wait of 1 s, well inside each caller's own wait for its answer (2.45 s).
+    let (router, _proxy) = batching_behind_proxy(&cluster, "2400ms").await;
+    let server = cluster.shard(0);
+    for key in ["lw:busy", "lw:locked"] {
+        let g = router.acquire(key, AcquireOptions::new()).await.unwrap();
+        g.release().await.unwrap();
+    }
+    let mut holds_busy = shardlock_testkit::Competitor::begin(server, false)
+        .await
+        .unwrap();
+    holds_busy.lock(b"lw:busy").await.unwrap();
+    let mut holds_locked = shardlock_testkit::Competitor::begin(server, false)
+        .await
+        .unwrap();
+    holds_locked.lock(b"lw:locked").await.unwrap();
+    let try_acquire = |key: String| {
+        let router = router.clone();
+        tokio::spawn(async move { router.try_acquire(&key, AcquireOptions::new()).await })
+    };
+
+    // The one runner waits on `lw:busy`'s row while the others queue behind it...
+    let busy = try_acquire("lw:busy".into());
+    assert!(
+        common::eventually(Duration::from_secs(30), || async {
+            server.lock_waits_now().await.unwrap() > 0
+        })
+        .await,
+        "the first acquire never waited"
+    );
+    let mut keys = vec!["lw:locked".to_owned()];
+    keys.extend((0..4).map(|i| format!("lw:free:{i}")));
+    let calls: Vec<_> = keys.iter().cloned().map(try_acquire).collect();
+    assert!(
+        common::eventually(Duration::from_secs(30), || async {
+            router.status().await[0].batch_waiting == keys.len()
+        })
+        .await,
+        "the acquires never queued"
+    );
+    // ... and go as one batch once it is free, which waits on `lw:locked` and is undone.
+    let batches = router.stats().acquire_batches;
+    holds_busy.end().await.unwrap();
+    busy.await
+        .unwrap()
+        .unwrap()
+        .expect("free")
+        .release()
+        .await
+        .unwrap();
+    let mut answers = Vec::new();
+    for call in calls {
+        answers.push(call.await.unwrap());
+    }
+    assert_eq!(router.stats().acquire_batches, batches + 1);
+    assert!(
+        !matches!(answers[0], Ok(Some(_))),
+        "granted while another transaction held its row"
+    );
+    for (key, answer) in keys.iter().zip(answers).skip(1) {
+        match answer {
+            Ok(Some(guard)) => guard.release().await.unwrap(),
+            other => panic!("{key}, free, was answered {other:?}"),
+        }
+    }
+    holds_locked.end().await.unwrap();
+}
+
 /// A batch of fresh keys whose write's reply is lost (the server acted, the connection broke)
 /// is retried on another connection and finds its own grants: every caller is granted its
 /// key, and holds it on the shard under its own owner.

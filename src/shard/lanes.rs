@@ -246,9 +246,21 @@ impl Running<AcquireRequest, Attempt> {
             let wrote = requests.len() > 1;
             let unknown = matches!(&result, Err(e) if e.maybe_applied
                 || (wrote && e.kind != BackendErrorKind::BreakerOpen));
-            let outcomes = outcome_each(result, requests.len(), unknown);
-            for (((request, orphan), answer), outcome) in
-                requests.into_iter().zip(orphans).zip(answers).zip(outcomes)
+            let mut outcomes = outcome_each(result, requests.len(), unknown);
+            let mut unknowns = vec![unknown; requests.len()];
+            // A row locked by another transaction past the server's lock wait undoes the whole
+            // batch, so the server did not say which key waited: every key is sent again on its
+            // own, so that the free ones are granted (not answered busy) and only the locked
+            // key's caller waits on.
+            if wrote && outcomes.iter().all(|o| matches!(o, Ok(Attempt::Locked))) {
+                (outcomes, unknowns) = shard.acquire_each(&requests).await;
+            }
+            for ((((request, orphan), answer), outcome), unknown) in requests
+                .into_iter()
+                .zip(orphans)
+                .zip(answers)
+                .zip(outcomes)
+                .zip(unknowns)
             {
                 let locked = matches!(outcome, Ok(Attempt::Locked));
                 // Nobody took a grant (its caller gave up), or the outcome is unknown: given
@@ -261,6 +273,51 @@ impl Running<AcquireRequest, Attempt> {
             }
         }
         self.counted = false;
+    }
+}
+
+impl ShardState {
+    /// Each request's own single acquire, two at a time (a key still locked by another
+    /// transaction holds one connection for the server's lock wait while the other serves the
+    /// rest): each outcome, and whether it is unknown (the statement may have been applied).
+    async fn acquire_each(
+        &self,
+        requests: &[GrantRequest],
+    ) -> (Vec<Result<Attempt, BackendError>>, Vec<bool>) {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let outcomes: Mutex<Vec<Option<Result<Attempt, BackendError>>>> =
+            Mutex::new((0..requests.len()).map(|_| None).collect());
+        let sender = || async {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(request) = requests.get(i) else {
+                    return;
+                };
+                let outcome = self
+                    .call_timed(self.backend.acquire(request), |r| {
+                        !matches!(r, Ok(Attempt::Locked))
+                    })
+                    .await;
+                outcomes.locked()[i] = Some(outcome);
+            }
+        };
+        tokio::join!(sender(), sender());
+        let outcomes: Vec<_> = outcomes
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .into_iter()
+            .map(|o| o.expect("every request was sent"))
+            .collect();
+        let sent = outcomes
+            .iter()
+            .filter(|o| !matches!(o, Err(e) if e.kind == BackendErrorKind::BreakerOpen))
+            .count();
+        (self.shared.stats.acquire_statements).fetch_add(sent as u64, Ordering::Relaxed);
+        let unknowns = outcomes
+            .iter()
+            .map(|o| matches!(o, Err(e) if e.maybe_applied))
+            .collect();
+        (outcomes, unknowns)
     }
 }
 
