@@ -457,18 +457,20 @@ impl LockRouter {
         } = taken;
         let shard = &shard;
         let moved = !companions.0.is_empty();
+        let fence = grant.fence;
         // Given back if the caller goes away while the previous shards' fences are raised
         // (below), like those shards' rows: nothing between here and the guard may leave it.
-        let mut own = CompanionGrants(Vec::new(), companions.1.clone());
-        let grant = if moved {
-            own.0.push((shard.clone(), grant));
-            None
+        let (grant, mut own) = if moved {
+            let key = companions.1.clone();
+            (
+                None,
+                Some(CompanionGrants(vec![(shard.clone(), grant)], key)),
+            )
         } else {
-            Some(grant)
+            (Some(grant), None)
         };
         // The previous shards' rows get this grant's fence too: a process still
         // placing the key there must be granted a larger one.
-        let fence = grant.as_ref().map_or_else(|| own.0[0].1.fence, |g| g.fence);
         let mut failed = None;
         for (old, companion) in &companions.0 {
             let raised = old
@@ -495,7 +497,10 @@ impl LockRouter {
                 .moved_grants
                 .fetch_add(1, Ordering::Relaxed);
         }
-        let grant = grant.unwrap_or_else(|| own.0.pop().expect("the grant was kept").1);
+        let grant = match own.as_mut() {
+            Some(own) => own.0.pop().expect("kept there when the key moved").1,
+            None => grant.expect("kept here when the key did not move"),
+        };
         let guard = self.hold(shard, key, grant, want, Some(turn), topology);
         let lease = &guard.hold().lease;
         while let Some((old, grant)) = companions.0.pop() {
