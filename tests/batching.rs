@@ -410,8 +410,10 @@ async fn a_batch_chosen_as_a_deadlock_victim_half_way_is_retried_and_grants_ever
 #[tokio::test(flavor = "multi_thread")]
 async fn a_row_locked_past_the_lock_wait_leaves_the_other_keys_of_its_batch_granted() {
     let (cluster, _migrated, _) = common::start(1, "").await;
-    // A lock wait of 1 s, well inside each caller's own wait for its answer (2.45 s).
-    let (router, _proxy) = batching_behind_proxy(&cluster, "2400ms").await;
+    // The default statement timeout: a lock wait of 1 s, and each caller waits 2.05 s for
+    // its answer, so the free keys must be answered before the locked one is (after a second
+    // lock wait).
+    let (router, _proxy) = batching_behind_proxy(&cluster, "2s").await;
     let server = cluster.shard(0);
     for key in ["lw:busy", "lw:locked"] {
         let g = router.acquire(key, AcquireOptions::new()).await.unwrap();

@@ -246,30 +246,19 @@ impl Running<AcquireRequest, Attempt> {
             let wrote = requests.len() > 1;
             let unknown = matches!(&result, Err(e) if e.maybe_applied
                 || (wrote && e.kind != BackendErrorKind::BreakerOpen));
-            let mut outcomes = outcome_each(result, requests.len(), unknown);
-            let mut unknowns = vec![unknown; requests.len()];
+            let outcomes = outcome_each(result, requests.len(), unknown);
+            let each = requests.into_iter().zip(orphans).zip(answers);
             // A row locked by another transaction past the server's lock wait undoes the whole
-            // batch, so the server did not say which key waited: every key is sent again on its
-            // own, so that the free ones are granted (not answered busy) and only the locked
-            // key's caller waits on.
+            // batch, and the server does not say which key waited: every key is sent again on
+            // its own, so that the free ones are granted (not answered busy) and only the
+            // locked key's caller waits on.
             if wrote && outcomes.iter().all(|o| matches!(o, Ok(Attempt::Locked))) {
-                (outcomes, unknowns) = shard.acquire_each(&requests).await;
+                let each = each.map(|(request, answer)| Waiting { request, answer });
+                shard.acquire_each(each.collect()).await;
+                continue;
             }
-            for ((((request, orphan), answer), outcome), unknown) in requests
-                .into_iter()
-                .zip(orphans)
-                .zip(answers)
-                .zip(outcomes)
-                .zip(unknowns)
-            {
-                let locked = matches!(outcome, Ok(Attempt::Locked));
-                // Nobody took a grant (its caller gave up), or the outcome is unknown: given
-                // back, owner-checked.
-                let untaken = matches!(answer.send(outcome), Err(Ok(Attempt::Granted(_))));
-                if orphan && (untaken || unknown || locked) {
-                    let ttl = Duration::from_millis(u64::from(request.ttl_ms));
-                    shard.give_back(request.key, request.owner, ttl);
-                }
+            for (((request, orphan), answer), outcome) in each.zip(outcomes) {
+                shard.answer_acquire(request, orphan, answer, outcome, unknown);
             }
         }
         self.counted = false;
@@ -277,47 +266,56 @@ impl Running<AcquireRequest, Attempt> {
 }
 
 impl ShardState {
-    /// Each request's own single acquire, two at a time (a key still locked by another
+    /// Answers an acquire's caller with `outcome`. A grant nobody took (its caller gave up), or
+    /// an outcome that is unknown or undone by a lock wait, is given back, owner-checked, for a
+    /// caller that may go away.
+    fn answer_acquire(
+        self: &Arc<Self>,
+        request: GrantRequest,
+        orphan: bool,
+        answer: oneshot::Sender<Result<Attempt, BackendError>>,
+        outcome: Result<Attempt, BackendError>,
+        unknown: bool,
+    ) {
+        let locked = matches!(outcome, Ok(Attempt::Locked));
+        let untaken = matches!(answer.send(outcome), Err(Ok(Attempt::Granted(_))));
+        if orphan && (untaken || unknown || locked) {
+            let ttl = Duration::from_millis(u64::from(request.ttl_ms));
+            self.give_back(request.key, request.owner, ttl);
+        }
+    }
+
+    /// Sends each request as a single acquire, two at a time (a key still locked by another
     /// transaction holds one connection for the server's lock wait while the other serves the
-    /// rest): each outcome, and whether it is unknown (the statement may have been applied).
-    async fn acquire_each(
-        &self,
-        requests: &[GrantRequest],
-    ) -> (Vec<Result<Attempt, BackendError>>, Vec<bool>) {
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let outcomes: Mutex<Vec<Option<Result<Attempt, BackendError>>>> =
-            Mutex::new((0..requests.len()).map(|_| None).collect());
+    /// rest), and answers each caller as soon as its own statement has: skipped if it went
+    /// away meanwhile.
+    async fn acquire_each(self: &Arc<Self>, requests: Vec<Waiting<AcquireRequest, Attempt>>) {
+        let queue = Mutex::new(requests.into_iter());
         let sender = || async {
             loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(request) = requests.get(i) else {
+                let Some(Waiting {
+                    request: (request, orphan),
+                    answer,
+                }) = queue.locked().next()
+                else {
                     return;
                 };
+                if orphan && answer.is_closed() {
+                    continue;
+                }
                 let outcome = self
-                    .call_timed(self.backend.acquire(request), |r| {
+                    .call_timed(self.backend.acquire(&request), |r| {
                         !matches!(r, Ok(Attempt::Locked))
                     })
                     .await;
-                outcomes.locked()[i] = Some(outcome);
+                if !matches!(&outcome, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
+                    (self.shared.stats.acquire_statements).fetch_add(1, Ordering::Relaxed);
+                }
+                let unknown = matches!(&outcome, Err(e) if e.maybe_applied);
+                self.answer_acquire(request, orphan, answer, outcome, unknown);
             }
         };
         tokio::join!(sender(), sender());
-        let outcomes: Vec<_> = outcomes
-            .into_inner()
-            .unwrap_or_else(|e| e.into_inner())
-            .into_iter()
-            .map(|o| o.expect("every request was sent"))
-            .collect();
-        let sent = outcomes
-            .iter()
-            .filter(|o| !matches!(o, Err(e) if e.kind == BackendErrorKind::BreakerOpen))
-            .count();
-        (self.shared.stats.acquire_statements).fetch_add(sent as u64, Ordering::Relaxed);
-        let unknowns = outcomes
-            .iter()
-            .map(|o| matches!(o, Err(e) if e.maybe_applied))
-            .collect();
-        (outcomes, unknowns)
     }
 }
 
