@@ -350,8 +350,9 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
         if shard.remove_local(lease.id) {
             shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
             drop(turn);
-            // A re-acquire whose reply was lost may have taken the row under this owner.
-            if lease.maybe_on_shard.load(Ordering::Acquire) {
+            // A re-acquire whose reply was lost may have taken the row under this owner
+            // (whoever clears the mark gives it back: this release, or the keeper).
+            if lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
                 let key = lease.key.stored().to_vec();
                 shard.give_back(key, lease.owner.clone(), lease.ttl);
             }

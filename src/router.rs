@@ -532,8 +532,6 @@ impl LockRouter {
             let _ = heartbeat.await;
         }
         registry::deregister(&self.config(), self.instance_id(), &shards).await;
-        // Another router of this process may take the id now.
-        self.inner.id_claim.locked().take();
         for s in &shards {
             for lease in s.take_local() {
                 lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared);
@@ -541,13 +539,15 @@ impl LockRouter {
                 // pool closes (else it ends by expiry).
                 if lease
                     .maybe_on_shard
-                    .load(std::sync::atomic::Ordering::Acquire)
+                    .swap(false, std::sync::atomic::Ordering::SeqCst)
                 {
                     let _ = s.release(lease.key.stored(), &lease.owner).await;
                 }
             }
             s.close();
         }
+        // Another router of this process may take the id now.
+        self.inner.id_claim.locked().take();
         first_error.map_or(Ok(()), Err)
     }
 }

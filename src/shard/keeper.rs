@@ -92,7 +92,13 @@ impl ShardState {
                 // write whose reply was lost may have taken the row: a release while the lease
                 // is still local gives it back (see `guard::end_hold`).
                 Err(e) if e.maybe_applied => {
-                    lease.maybe_on_shard.store(true, Ordering::Release);
+                    lease.maybe_on_shard.store(true, Ordering::SeqCst);
+                    // Released while the call was out: its release did not see the mark.
+                    // Whoever clears the mark gives the row back, once.
+                    let released = !self.local.locked().contains_key(&lease.id);
+                    if released && lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
+                        self.give_back(req.key, req.owner, lease.ttl);
+                    }
                     return;
                 }
                 Ok(Attempt::Locked) | Err(_) => return,
