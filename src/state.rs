@@ -113,8 +113,12 @@ impl Drop for Inner {
         };
         let shards = self.topology.load().current.shards.clone();
         let id = self.shared.instance_id.clone();
+        // The id stays this router's until it is deregistered: a router of this process that
+        // took it sooner would be marked deregistered by this one.
+        let claim = self.id_claim.locked().take();
         runtime.spawn(async move {
             join_all(shards.iter().map(|s| s.unguarded().deregister(&id))).await;
+            drop(claim);
         });
     }
 }

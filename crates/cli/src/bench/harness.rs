@@ -17,9 +17,11 @@ use super::BenchArgs;
 use crate::{AnyError, ConfigSource};
 
 /// The config of one of the benchmark's routers: its own fleet (see `instance.fleet`), since
-/// the benchmark runs routers of different topologies side by side on keys no one else uses.
+/// the benchmark runs routers of different topologies side by side on keys no one else uses,
+/// and its own instance id (a configured one is refused to a second router of this process).
 pub(super) fn bench_config(source: &ConfigSource, role: &str) -> shardlock::Config {
     let mut config = source.config.clone();
+    config.instance.id = None;
     config.instance.fleet = Some(format!(
         "shardlock-bench:{role}:{}:{}",
         std::process::id(),
