@@ -215,10 +215,10 @@ const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE loc
 /// deleted by the cleaner): one more read tells what each row shows now. A row showing the
 /// owner's own tombstone was freed by that owner ([`Released::Freed`]). A row the statement
 /// freed may show another state by the time it is read, though (taken by a waiter at once, and
-/// perhaps released again): when the count of rows it freed is all tombstones of its own, the
-/// others were lost before ([`Released::Taken`] if another owner holds them now, else
-/// [`Released::Free`]), and when it covers every other key, all were freed. In between the
-/// statement cannot say which are its own: a key held now counts as taken, a free one as freed.
+/// perhaps released again), so the statement cannot always say which rows are its own: a key
+/// another owner holds now counts as [`Released::Taken`], a row with no owner (`NULL`: freed by
+/// a force-release) as [`Released::Free`] when every row the statement freed shows its own
+/// tombstone, and any other free row as freed.
 pub(crate) async fn release_batch(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
@@ -260,18 +260,18 @@ pub(crate) async fn release_batch(
         .zip(&now)
         .filter(|((_, of), row)| row.is_some_and(|o| own(o, of)))
         .count();
-    // Rows this statement freed that show something else by now.
+    // Rows this statement freed that show something else by now (none, or fewer, when some
+    // own tombstone is an earlier release's).
     let changed = matched.saturating_sub(ours);
-    let others = leases.len() - ours;
     Ok(leases
         .iter()
         .zip(now)
         .map(|((_, of), row)| match row {
             Some(o) if own(o, of) => Released::Freed,
-            _ if changed == others => Released::Freed,
             Some(o) if names_holder(o) => Released::Taken,
-            Some(_) if changed > 0 => Released::Freed,
-            _ => Released::Free,
+            Some(None) if changed == 0 => Released::Free,
+            Some(_) => Released::Freed,
+            None => Released::Free,
         })
         .collect())
 }
