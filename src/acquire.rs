@@ -621,8 +621,9 @@ struct Taken {
     companions: CompanionGrants,
 }
 
-/// Grants taken on a moved key's previous shards while its new shard is still to be tried:
-/// released in the background if the acquire does not end in a guard.
+/// Grants of a moved key not yet part of a guard: those on its previous shards while its new
+/// shard is still to be tried, and the new shard's own while the previous shards' fences are
+/// raised (`hold_grant`). Released in the background if the acquire does not end in a guard.
 #[derive(Debug)]
 struct CompanionGrants(Vec<(Arc<ShardState>, Grant)>, Vec<u8>);
 
