@@ -297,17 +297,20 @@ impl ShardState {
                 std::time::Duration::from_millis(500),
             );
             while Instant::now() < until {
-                // Only through a closed breaker: a half-open one's probes are for the callers,
-                // and a release that may wait must not be what decides the shard's health.
+                // Not while the breaker is open. While it is half-open the release is a probe
+                // like any other call: the give-back may be all this process sends the shard
+                // (its callers gone, no lease to renew), and waiting for a closed breaker would
+                // then keep the key held by nobody for its whole ttl. Its duration does not
+                // count (`call_waiting`): it may wait behind the very statement it undoes.
                 // Until it is given back: a "not ours" may come before the statement being undone
                 // has finished on the server (its client gave up; the server did not), so only a
                 // release that freed the row ends this early.
-                if shard.breaker_state() == shardlock_core::BreakerState::Closed
+                if shard.breaker_state() != shardlock_core::BreakerState::Open
                     // Alone, not in a batch: a batch release counts a free row as freed, and
                     // the row may be free only because the statement being undone has not
                     // written it yet; a single release waits behind that statement's lock.
                     && matches!(
-                        shard.call(|b| b.release(&key, &owner)).await,
+                        shard.call_waiting(|b| b.release(&key, &owner)).await,
                         Ok(ReleaseAnswer::Released)
                     )
                 {

@@ -638,7 +638,8 @@ async fn batches_whose_replies_are_lost_leave_no_key_held_by_nobody() {
             common::live_leases(&cluster).await == 0
         })
         .await,
-        "keys granted with their replies lost were not given back"
+        "keys granted with their replies lost were not given back: the router {:?}",
+        router.status().await
     );
     for key in &keys {
         let g = direct

@@ -46,6 +46,53 @@ async fn a_grant_whose_reply_was_lost_is_given_back() {
     assert!(freed, "the key stayed blocked by a grant nobody knew of");
 }
 
+/// A grant whose reply was lost while the shard's breaker opened is given back once the shard
+/// answers again, though nothing else of the process calls it: the give-back probes the
+/// half-open breaker itself rather than wait for callers to close it, which would leave the
+/// key held by nobody for the lease's whole ttl.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_lost_behind_an_opening_breaker_is_given_back_by_a_probe() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let router = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\nbreaker:\n  consecutive-failures: 1\n  \
+         cooldown: 200ms\ncleaner:\n  registry: static\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    let g = router.acquire("warm", AcquireOptions::new()).await.unwrap();
+    g.release().await.unwrap();
+
+    // The lost reply is the one failure that opens the breaker, before the give-back it
+    // starts sends anything: the give-back cannot free the key while replies are lost.
+    proxy.set(ProxyMode::LoseReplies);
+    let long = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::ZERO);
+    let err = router.try_acquire("k", long).await.unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    assert_eq!(router.stats().breaker_opened, 1);
+    proxy.set(ProxyMode::Pass);
+    let (_, row) = other.inspect("k").await.unwrap();
+    let row = row.expect("the acquire reached the server");
+    assert!(row.is_held(), "{row:?}");
+
+    let freed = common::eventually(Duration::from_secs(10), || async {
+        other
+            .try_acquire("k", AcquireOptions::new().wait(Duration::ZERO))
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    assert!(
+        freed,
+        "the grant was not given back behind the breaker: {:?}",
+        router.status().await
+    );
+}
+
 /// A release whose reply is lost after the server freed the row is retried; the retry finds
 /// the row free and answers released, not "lost"; so does one whose retry finds the key
 /// already taken by another owner, which the lost try had freed it for (the lease could not
