@@ -210,6 +210,20 @@ impl ShardState {
         answer.await.unwrap_or_else(|_| Err(no_answer()))
     }
 
+    /// [`ShardState::acquire`] sent by the caller on a connection of its own, outside the
+    /// lanes: for the keeper's re-acquires of local leases, whose row may be locked by another
+    /// transaction for the server's whole lock wait. In a lane it would hold a runner that
+    /// long, and every caller's acquire of the shard would queue behind it (a lane has one
+    /// steady runner for a pool under 16). The wait says nothing about the shard's health,
+    /// so its duration does not count with the breaker.
+    pub(crate) async fn acquire_alone(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
+        let attempt = self.call_waiting(|b| b.acquire(req)).await;
+        if !matches!(&attempt, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
+            (self.shared.stats.acquire_statements).fetch_add(1, Ordering::Relaxed);
+        }
+        attempt
+    }
+
     /// [`ShardState::acquire`] for a caller that may go away (an acquire's poll): the
     /// dispatcher, whose task always completes, gives the grant back if the caller is gone when
     /// it is answered, and gives the key back when the outcome is unknown — a statement that

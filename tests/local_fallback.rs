@@ -330,7 +330,8 @@ async fn reconciling_takes_over_a_row_this_process_lost_instead_of_conflicting_w
 /// Re-acquiring a local lease on its returning shard can wait behind another transaction for
 /// seconds (here the server's lock wait of 4 s under a 5 s statement timeout, beyond the 2 s
 /// ttl of a remote lease on the same shard). Meanwhile the keeper keeps renewing that remote
-/// lease: reconciliation runs beside it, and tries again later, never surfacing the wait.
+/// lease and callers' acquires of the shard go ahead: reconciliation runs beside them, and
+/// tries again later, never surfacing the wait.
 #[tokio::test(flavor = "multi_thread")]
 async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
     let rig = Rig::start("local", None, POOL).await;
@@ -338,7 +339,7 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
         .yaml
         .replacen("statement-timeout: 1s", "statement-timeout: 5s", 1);
     let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    let keys = rig.keys("k", 2, false);
+    let keys = rig.keys("k", 3, false);
     let (local_key, remote_key) = (&keys[0], &keys[1]);
     // The local key's row exists on the shard (released), so a transaction can lock it.
     let once = router
@@ -401,6 +402,14 @@ async fn remote_leases_are_renewed_while_reconciliation_waits_behind_a_lock() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(remote.is_held());
+    // Nor does a caller's acquire of the shard wait behind it: reconciliation sends its
+    // statements on connections of its own, not through the lane callers' acquires queue in.
+    let third = router
+        .acquire(&keys[2], AcquireOptions::new())
+        .await
+        .expect("an acquire queued behind reconciliation's wait");
+    assert_eq!(third.mode(), LockMode::Remote);
+    third.release().await.unwrap();
     let reconciled = router.stats().reconciled;
     assert_eq!(reconciled, 0, "reconciled through a locked row");
 

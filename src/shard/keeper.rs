@@ -44,12 +44,12 @@ impl ShardState {
             };
             let stats = &self.shared.stats;
             let mut sent = Instant::now();
-            let mut attempt = self.acquire(&req).await;
+            let mut attempt = self.acquire_alone(&req).await;
             if matches!(attempt, Ok(Attempt::Held { .. }))
                 && self.give_back_stale_row(&req.key, lease.id).await
             {
                 sent = Instant::now();
-                attempt = self.acquire(&req).await;
+                attempt = self.acquire_alone(&req).await;
             }
             match attempt {
                 Ok(Attempt::Granted(_)) => {
