@@ -11,7 +11,7 @@ use std::time::Duration;
 use shardlock_core::config::ShardConfig;
 use shardlock_core::{
     Admission, BackendError, BackendErrorKind, Breaker, BreakerConfig, BreakerState, CallOutcome,
-    Transition,
+    ProbeTicket, Transition,
 };
 use shardlock_mysql::{Attempt, GrantRequest, ReleaseAnswer, Shard};
 use tokio::sync::Notify;
@@ -214,10 +214,14 @@ impl ShardState {
     /// lanes: for the keeper's re-acquires of local leases, whose row may be locked by another
     /// transaction for the server's whole lock wait. In a lane it would hold a runner that
     /// long, and every caller's acquire of the shard would queue behind it (a lane has one
-    /// steady runner for a pool under 16). The wait says nothing about the shard's health,
-    /// so its duration does not count with the breaker.
+    /// steady runner for a pool under 16). Judged by the breaker as the lane judges it.
     pub(crate) async fn acquire_alone(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
-        let attempt = self.call_waiting(|b| b.acquire(req)).await;
+        // Only a wait that ended `Locked` says nothing of the shard's health.
+        let attempt = self
+            .call_timed(self.backend.acquire(req), |r| {
+                !matches!(r, Ok(Attempt::Locked))
+            })
+            .await;
         if !matches!(&attempt, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
             (self.shared.stats.acquire_statements).fetch_add(1, Ordering::Relaxed);
         }
@@ -296,9 +300,9 @@ impl ShardState {
     }
 
     /// Gives back, owner-checked, a row that a statement whose outcome is unknown (its reply lost
-    /// or late) may have granted to `owner`: retried in the background until the shard answers,
-    /// for up to `ttl` (after that the row has ended by itself). Nobody else is kept waiting for
-    /// the lease's whole ttl because one reply got lost.
+    /// or late) may have granted to `owner`, or whose release failed: retried in the background
+    /// until the shard answers, for up to `ttl` (after that the row has ended by itself). Nobody
+    /// else is kept waiting for the lease's whole ttl because one reply got lost.
     pub(crate) fn give_back(self: &Arc<Self>, key: Vec<u8>, owner: String, ttl: Duration) {
         let shard = self.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -310,24 +314,34 @@ impl ShardState {
                 std::time::Duration::from_millis(5),
                 std::time::Duration::from_millis(500),
             );
-            while Instant::now() < until {
-                // Not while the breaker is open. While it is half-open the release is a probe
-                // like any other call: the give-back may be all this process sends the shard
-                // (its callers gone, no lease to renew), and waiting for a closed breaker would
-                // then keep the key held by nobody for its whole ttl. Its duration does not
-                // count (`call_waiting`): it may wait behind the very statement it undoes.
-                // Until it is given back: a "not ours" may come before the statement being undone
-                // has finished on the server (its client gave up; the server did not), so only a
-                // release that freed the row ends this early.
-                if shard.breaker_state() != shardlock_core::BreakerState::Open
-                    // Alone, not in a batch: a batch release counts a free row as freed, and
-                    // the row may be free only because the statement being undone has not
-                    // written it yet; a single release waits behind that statement's lock.
-                    && matches!(
-                        shard.call_waiting(|b| b.release(&key, &owner)).await,
-                        Ok(ReleaseAnswer::Released)
-                    )
-                {
+            // Until the pool is closed (shutdown, or the shard left the topology): the row
+            // then ends by expiry.
+            while Instant::now() < until && !shard.is_closed() {
+                // Not while the breaker is open, nor while all its half-open probes are out (a
+                // refusal not counted as a caller's). While it is half-open the release may be
+                // a probe: the give-back may be all this process sends the shard (its callers
+                // gone, no lease to renew), and waiting for callers to close the breaker would
+                // then keep the key held by nobody for its whole ttl. Such a probe decides only
+                // when it succeeds promptly: it may wait behind the very statement it undoes,
+                // or behind another transaction's lock on the row, neither of which says the
+                // shard is sick.
+                let probe = match shard.admit() {
+                    Admission::Rejected => {
+                        tokio::time::sleep(backoff.next_delay()).await;
+                        continue;
+                    }
+                    Admission::Probe(ticket) => Some(ticket),
+                    Admission::Call => None,
+                };
+                // Alone, not in a batch: a batch release counts a free row as freed, and the
+                // row may be free only because the statement being undone has not written it
+                // yet; a single release waits behind that statement's lock.
+                let release = shard.backend.release(&key, &owner);
+                let released = shard.run_admitted(probe, release, |_| true, false).await;
+                // Until it is given back: a "not ours" may come before the statement being
+                // undone has finished on the server (its client gave up; the server did not),
+                // so only a release that freed the row ends this early.
+                if matches!(released, Ok(ReleaseAnswer::Released)) {
                     return;
                 }
                 tokio::time::sleep(backoff.next_delay()).await;
@@ -352,25 +366,46 @@ impl ShardState {
         self.acquire_lane.running() + self.release_lane.running()
     }
 
+    /// Whether a call may go to the shard now (see [`Breaker::admit`]); a transition it makes
+    /// is noted. An admitted call must be run with [`ShardState::run_admitted`].
+    fn admit(&self) -> Admission {
+        let (admission, transition) = self.breaker.locked().admit(breaker_now());
+        self.note(transition);
+        admission
+    }
+
     async fn call_timed<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, BackendError>>,
         slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
     ) -> Result<T, BackendError> {
-        let (admission, transition) = self.breaker.locked().admit(breaker_now());
-        self.note(transition);
-        let probe = match admission {
+        let probe = match self.admit() {
             Admission::Rejected => return Err(self.rejected()),
-            Admission::Probe => true,
-            Admission::Call => false,
+            Admission::Probe(ticket) => Some(ticket),
+            Admission::Call => None,
         };
+        self.run_admitted(probe, call, slow_counts, true).await
+    }
+
+    /// Runs a call [`ShardState::admit`] let through (as a half-open probe with `probe`) and
+    /// reports how it went to the breaker: a failure, or a success slower than the slow-call
+    /// threshold where `slow_counts` says its duration tells of the shard. A probe with
+    /// `probe_may_fail` false decides its spell only by succeeding promptly; otherwise its slot
+    /// is given back unjudged.
+    async fn run_admitted<T>(
+        &self,
+        probe: Option<ProbeTicket>,
+        call: impl std::future::Future<Output = Result<T, BackendError>>,
+        slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
+        probe_may_fail: bool,
+    ) -> Result<T, BackendError> {
         let mut permit = ProbePermit {
             state: self,
-            armed: probe,
+            ticket: probe,
         };
         let started = Instant::now();
         let result = call.await;
-        permit.armed = false;
+        permit.ticket = None;
         let outcome = match &result {
             Err(e) if e.kind.is_infrastructure() => CallOutcome::Failure,
             _ => CallOutcome::Success,
@@ -389,11 +424,18 @@ impl ShardState {
         } else {
             Duration::ZERO
         };
-        let transition = self
-            .breaker
-            .lock()
-            .unwrap()
-            .record(breaker_now(), outcome, took, probe);
+        let mut breaker = self.breaker.locked();
+        let transition = match probe {
+            Some(ticket)
+                if !probe_may_fail
+                    && (outcome == CallOutcome::Failure || took >= breaker.config().slow_call) =>
+            {
+                breaker.abandon_probe(ticket);
+                None
+            }
+            probe => breaker.record(breaker_now(), outcome, took, probe),
+        };
+        drop(breaker);
         self.note(transition);
         result
     }
@@ -582,15 +624,15 @@ impl ShardState {
 /// Gives a half-open probe's permit back if its call was dropped before it completed.
 struct ProbePermit<'a> {
     state: &'a ShardState,
-    armed: bool,
+    ticket: Option<ProbeTicket>,
 }
 
 impl Drop for ProbePermit<'_> {
     fn drop(&mut self) {
-        if self.armed {
+        if let Some(ticket) = self.ticket {
             // Never a panic in drop: the breaker's state is consistent after any panic.
             let mut breaker = self.state.breaker.locked();
-            breaker.abandon_probe();
+            breaker.abandon_probe(ticket);
         }
     }
 }

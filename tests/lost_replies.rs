@@ -93,6 +93,63 @@ async fn a_grant_lost_behind_an_opening_breaker_is_given_back_by_a_probe() {
     );
 }
 
+/// A give-back admitted as a half-open breaker's probe that waits behind another transaction's
+/// lock on its row until the statement times out decides nothing: the lock says nothing of
+/// the shard's health, and a breaker reopened by it (its cool-down doubled each time) would
+/// refuse the process's callers for as long as the lock is held. Once the lock is gone the key
+/// is given back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_give_back_behind_a_locked_row_never_reopens_the_breaker() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let shard = cluster.shard(0);
+    let proxy = Proxy::start(shard.port()).await.unwrap();
+    // A lock wait of 4.5 s under a 5 s statement timeout: a wait retried inside the call
+    // times out.
+    let router = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 5s\nbreaker:\n  \
+         consecutive-failures: 1\n  cooldown: 200ms\ncleaner:\n  registry: static\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    let g = router.acquire("warm", AcquireOptions::new()).await.unwrap();
+    g.release().await.unwrap();
+
+    proxy.set(ProxyMode::LoseReplies);
+    let long = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::ZERO);
+    router.try_acquire("k", long).await.unwrap_err();
+    assert_eq!(router.stats().breaker_opened, 1);
+    let mut competitor = shardlock_testkit::Competitor::begin(shard, false)
+        .await
+        .unwrap();
+    competitor.lock(b"k").await.unwrap();
+    let begun = shard.lock_waits_begun().await.unwrap();
+    proxy.set(ProxyMode::Pass);
+    // The give-back's first call waits twice (once more after the lock wait's error) and
+    // times out; a third wait is its next call's.
+    while shard.lock_waits_begun().await.unwrap() < begun + 3 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    competitor.end().await.unwrap();
+
+    let freed = common::eventually(Duration::from_secs(15), || async {
+        other
+            .try_acquire("k", AcquireOptions::new().wait(Duration::ZERO))
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    assert!(freed, "the key was not given back once the lock was gone");
+    assert_eq!(
+        router.stats().breaker_opened,
+        1,
+        "a give-back waiting on a locked row reopened the breaker"
+    );
+}
+
 /// A release whose reply is lost after the server freed the row is retried; the retry finds
 /// the row free and answers released, not "lost"; so does one whose retry finds the key
 /// already taken by another owner, which the lost try had freed it for (the lease could not

@@ -123,14 +123,21 @@ pub enum CallOutcome {
 /// What [`Breaker::admit`] decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Admission {
-    /// Go ahead; report with `probe: false`.
+    /// Go ahead; report with `probe: None`.
     Call,
-    /// Go ahead as one of the half-open probes; report with `probe: true`, or call
-    /// [`Breaker::abandon_probe`] if the call never completes.
-    Probe,
+    /// Go ahead as one of the half-open probes; report with `probe: Some(ticket)`, or hand the
+    /// ticket to [`Breaker::abandon_probe`] if the call never completes.
+    Probe(ProbeTicket),
     /// Refused: the breaker is open (or all probe slots are taken).
     Rejected,
 }
+
+/// Which half-open spell a probe was admitted in. A probe that completes after its spell
+/// ended (a failed probe beside it reopened the breaker, and the next spell began) is not
+/// counted in the new one: neither its slot, which the new spell never gave it, nor its
+/// outcome, which says how the shard was before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProbeTicket(u64);
 
 /// A transition, for logs and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,9 +172,12 @@ pub struct Breaker {
     /// The cool-down of the current (or next) open spell: doubled by each failed probe,
     /// back to the configured one when the breaker closes or trips from closed.
     cooldown: Duration,
+    /// Probes of this half-open spell admitted and not yet reported.
     probes_in_flight: u32,
     /// Successful probes of this half-open spell; `config.probes` of them close it.
     probe_successes: u32,
+    /// Half-open spells begun so far: the current one's number, on its probes' tickets.
+    spell: u64,
 }
 
 impl Breaker {
@@ -184,6 +194,7 @@ impl Breaker {
             cooldown,
             probes_in_flight: 0,
             probe_successes: 0,
+            spell: 0,
         }
     }
 
@@ -215,7 +226,7 @@ impl Breaker {
             BreakerState::Open => Admission::Rejected,
             BreakerState::HalfOpen if self.probes_in_flight < self.config.probes => {
                 self.probes_in_flight += 1;
-                Admission::Probe
+                Admission::Probe(ProbeTicket(self.spell))
             }
             BreakerState::HalfOpen => Admission::Rejected,
         };
@@ -232,13 +243,16 @@ impl Breaker {
         now: Instant,
         outcome: CallOutcome,
         took: Duration,
-        probe: bool,
+        probe: Option<ProbeTicket>,
     ) -> Option<Transition> {
         let failed = outcome == CallOutcome::Failure || took >= self.config.slow_call;
-        if probe {
+        if let Some(ticket) = probe {
+            if ticket.0 != self.spell {
+                return None; // a late probe of an earlier half-open spell
+            }
             self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
             if self.state != BreakerState::HalfOpen {
-                return None; // a late probe of an earlier half-open spell
+                return None; // its spell ended: the breaker reopened or closed meanwhile
             }
             return if failed {
                 self.cooldown = (self.cooldown * 2).min(self.config.max_cooldown);
@@ -284,15 +298,19 @@ impl Breaker {
         None
     }
 
-    /// Gives back a probe slot whose call was dropped before it completed.
-    pub fn abandon_probe(&mut self) {
-        self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+    /// Gives back a probe slot whose call was dropped before it completed (if its spell is
+    /// still the current one: a new spell's slots were never its).
+    pub fn abandon_probe(&mut self, ticket: ProbeTicket) {
+        if ticket.0 == self.spell {
+            self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+        }
     }
 
     /// Moves an open breaker whose cool-down ended to half-open.
     fn settle(&mut self, now: Instant) -> Option<Transition> {
         if self.state == BreakerState::Open && self.state(now) == BreakerState::HalfOpen {
             self.state = BreakerState::HalfOpen;
+            self.spell += 1;
             self.probe_successes = 0;
             self.probes_in_flight = 0;
             return Some(Transition {
@@ -348,9 +366,16 @@ mod tests {
         (Breaker::new(BreakerConfig::default()), Instant::now())
     }
 
+    fn probe_ticket(admission: Admission) -> ProbeTicket {
+        match admission {
+            Admission::Probe(ticket) => ticket,
+            other => panic!("admitted as {other:?}, not as a probe"),
+        }
+    }
+
     fn call(b: &mut Breaker, now: Instant, outcome: CallOutcome) -> Option<Transition> {
         assert_eq!(b.admit(now).0, Admission::Call);
-        b.record(now, outcome, FAST, false)
+        b.record(now, outcome, FAST, None)
     }
 
     #[test]
@@ -443,7 +468,7 @@ mod tests {
         let (mut b, t) = breaker();
         for _ in 0..5 {
             assert_eq!(b.admit(t).0, Admission::Call);
-            b.record(t, CallOutcome::Success, Duration::from_secs(2), false);
+            b.record(t, CallOutcome::Success, Duration::from_secs(2), None);
         }
         assert_eq!(b.state(t), BreakerState::Open);
     }
@@ -461,24 +486,22 @@ mod tests {
         let t1 = t + Duration::from_secs(1);
         assert_eq!(b.state(t1), BreakerState::HalfOpen);
         let (first, moved) = b.admit(t1);
+        let ticket = probe_ticket(first);
         assert_eq!(
-            (first, moved),
-            (
-                Admission::Probe,
-                Some(Transition {
-                    from: BreakerState::Open,
-                    to: BreakerState::HalfOpen
-                })
-            )
+            moved,
+            Some(Transition {
+                from: BreakerState::Open,
+                to: BreakerState::HalfOpen
+            })
         );
-        assert_eq!(b.admit(t1).0, Admission::Probe);
-        assert_eq!(b.admit(t1).0, Admission::Probe);
+        probe_ticket(b.admit(t1).0);
+        probe_ticket(b.admit(t1).0);
         assert_eq!(b.admit(t1).0, Admission::Rejected, "only 3 probes at once");
-        b.abandon_probe(); // a probe whose future was dropped gives its slot back
-        assert_eq!(b.admit(t1).0, Admission::Probe);
-        assert_eq!(b.record(t1, CallOutcome::Success, FAST, true), None);
-        assert_eq!(b.record(t1, CallOutcome::Success, FAST, true), None);
-        let closed = b.record(t1, CallOutcome::Success, FAST, true);
+        b.abandon_probe(ticket); // a probe whose future was dropped gives its slot back
+        let ticket = probe_ticket(b.admit(t1).0);
+        assert_eq!(b.record(t1, CallOutcome::Success, FAST, Some(ticket)), None);
+        assert_eq!(b.record(t1, CallOutcome::Success, FAST, Some(ticket)), None);
+        let closed = b.record(t1, CallOutcome::Success, FAST, Some(ticket));
         assert_eq!(
             closed,
             Some(Transition {
@@ -487,6 +510,38 @@ mod tests {
             })
         );
         assert_eq!(b.admit(t1).0, Admission::Call);
+    }
+
+    /// A probe still out when its spell ended (another probe failed and the breaker reopened)
+    /// takes nothing from the next spell when it completes: neither a slot (more probes than
+    /// configured would reach a shard just back) nor a success toward closing it.
+    #[test]
+    fn a_probe_of_an_earlier_half_open_spell_counts_in_no_later_one() {
+        let (mut b, t) = breaker();
+        for _ in 0..5 {
+            call(&mut b, t, CallOutcome::Failure);
+        }
+        let t1 = t + Duration::from_secs(1);
+        let (slow, dropped) = (probe_ticket(b.admit(t1).0), probe_ticket(b.admit(t1).0));
+        let failing = probe_ticket(b.admit(t1).0);
+        b.record(t1, CallOutcome::Failure, FAST, Some(failing));
+        let t2 = t1 + Duration::from_secs(2);
+        let tickets: Vec<ProbeTicket> = (0..3).map(|_| probe_ticket(b.admit(t2).0)).collect();
+        assert_eq!(b.admit(t2).0, Admission::Rejected);
+        // The first spell's other probes end now: one completes, one is dropped.
+        assert_eq!(b.record(t2, CallOutcome::Success, FAST, Some(slow)), None);
+        b.abandon_probe(dropped);
+        assert_eq!(b.admit(t2).0, Admission::Rejected, "only 3 probes at once");
+        // A probe of this spell dropped gives its slot back.
+        b.abandon_probe(tickets[0]);
+        let last = probe_ticket(b.admit(t2).0);
+        // Three successes of this spell close it; the first spell's did not count.
+        for ticket in [tickets[1], tickets[2]] {
+            assert_eq!(b.record(t2, CallOutcome::Success, FAST, Some(ticket)), None);
+        }
+        assert_eq!(b.state(t2), BreakerState::HalfOpen);
+        let closed = b.record(t2, CallOutcome::Success, FAST, Some(last));
+        assert_eq!(closed.map(|t| t.to), Some(BreakerState::Closed));
     }
 
     #[test]
@@ -499,8 +554,8 @@ mod tests {
         let mut expected = Duration::from_secs(1);
         for _ in 0..8 {
             now += expected;
-            assert_eq!(b.admit(now).0, Admission::Probe);
-            let reopened = b.record(now, CallOutcome::Failure, FAST, true);
+            let ticket = probe_ticket(b.admit(now).0);
+            let reopened = b.record(now, CallOutcome::Failure, FAST, Some(ticket));
             assert_eq!(
                 reopened,
                 Some(Transition {
@@ -524,7 +579,7 @@ mod tests {
         for _ in 0..5 {
             call(&mut b, t, CallOutcome::Failure);
         }
-        assert_eq!(b.record(t, CallOutcome::Success, FAST, false), None);
+        assert_eq!(b.record(t, CallOutcome::Success, FAST, None), None);
         assert_eq!(b.state(t), BreakerState::Open);
     }
 

@@ -14,7 +14,9 @@ mod key;
 mod ring;
 
 pub use backoff::Backoff;
-pub use breaker::{Admission, Breaker, BreakerConfig, BreakerState, CallOutcome, Transition};
+pub use breaker::{
+    Admission, Breaker, BreakerConfig, BreakerState, CallOutcome, ProbeTicket, Transition,
+};
 pub use config::{Config, ConfigError};
 pub use error::{BackendError, BackendErrorKind, Error, Report, Result};
 pub use hotkeys::HotKeys;
