@@ -297,8 +297,9 @@ impl LockGuard {
     ///
     /// Returns [`Error::LockLost`] if the lease was no longer ours (someone else holds the key
     /// now; their lease is left intact) or was already known lost ([`LockGuard::lost`] had
-    /// completed), and a backend error if the shard could not be reached (the lease is no
-    /// longer renewed then, so it ends by expiry).
+    /// completed), and a backend error if the shard could not be reached: the lease is no
+    /// longer renewed then, and its row is given back in the background once the shard answers
+    /// again (or ends by expiry, whichever comes first).
     ///
     /// Cancellation: the release runs in its own task and completes even if this future is
     /// dropped.
@@ -538,14 +539,16 @@ pub(crate) async fn release_through_shard(
             .release_after(lease.key.stored(), &lease.owner, lease.at_least())
             .await
     };
+    retry_if_failed(&shard, &lease, &result);
     // Read before the companions' releases, which may each take a statement timeout.
     let answered_at = tokio::time::Instant::now();
     // The key's rows on other shards (it moved); the turn passes on once all are free.
     for (other, row) in companions {
         other.remove(row.id);
-        let _ = other
+        let released = other
             .release_after(row.key.stored(), &row.owner, row.at_least())
             .await;
+        retry_if_failed(&other, &row, &released);
     }
     drop(turn);
     match result {
@@ -565,6 +568,30 @@ pub(crate) async fn release_through_shard(
         Ok(_) => Err(lost(&shard, &lease)),
         Err(e) => Err(e.into_error(shard.name())),
     }
+}
+
+/// Gives `lease`'s row back in the background when its release failed (the shard could not be
+/// reached, or answered neither the statement nor its retry): the lease is no longer renewed,
+/// but its row would stay taken until the shard's clock ends it, and every other process wait
+/// that long for a key its holder let go. Retried until the shard answers, for as long as the
+/// row can last. Not a row that must stay taken for a while after its grant (`at_least`): its
+/// release only shortens it to that, which its own end does as well.
+fn retry_if_failed(
+    shard: &Arc<ShardState>,
+    lease: &LeaseState,
+    answer: &std::result::Result<ReleaseAnswer, shardlock_core::BackendError>,
+) {
+    if answer.is_ok() || lease.at_least().is_some() {
+        return;
+    }
+    let left = lease
+        .deadline()
+        .saturating_duration_since(tokio::time::Instant::now());
+    shard.give_back(
+        lease.key.stored().to_vec(),
+        lease.owner.clone(),
+        lease.ttl.max(left),
+    );
 }
 
 fn lost(shard: &ShardState, lease: &LeaseState) -> Error {

@@ -197,6 +197,38 @@ async fn a_release_whose_reply_was_lost_answers_released() {
     assert_eq!(router.stats().lost, 1);
 }
 
+/// A release that failed (the shard cut off: the statement and its retry both refused) is
+/// given back once the shard answers again, though its caller has its error and is gone: the
+/// key is free then, not only at the end of its minute-long lease.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_release_is_given_back_once_the_shard_answers() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = behind_proxy(&cluster).await;
+    let long = AcquireOptions::new().ttl(Duration::from_secs(60));
+    let guard = router.acquire("cut", long).await.unwrap();
+    proxy.set(ProxyMode::Reset);
+    guard
+        .release()
+        .await
+        .expect_err("released through a cut link");
+    let (_, row) = other.inspect("cut").await.unwrap();
+    assert!(
+        row.expect("the lease's row").is_held(),
+        "the release reached the shard"
+    );
+
+    proxy.set(ProxyMode::Pass);
+    let freed = common::eventually(Duration::from_secs(10), || async {
+        other
+            .try_acquire("cut", AcquireOptions::new().wait(Duration::ZERO))
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    assert!(freed, "the key stayed held after its holder released it");
+}
+
 /// A router reaching one shard through a proxy with a pool of one connection (so a statement
 /// prepared once is prepared on the connection the next call uses), and the proxy.
 async fn behind_proxy(cluster: &shardlock_testkit::Cluster) -> (LockRouter, Proxy) {
