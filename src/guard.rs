@@ -449,7 +449,8 @@ async fn handoff_through_shard(
     // A companion taken since the hold ended was refused; one taken just before is released.
     for (other, row) in lease.end_companions() {
         other.remove(row.id);
-        let _ = other.release(row.key.stored(), &row.owner).await;
+        let released = other.release(row.key.stored(), &row.owner).await;
+        retry_if_failed(&other, &row, &released);
     }
     let (id, owner) = shared.next_owner();
     let want = next.want;
@@ -503,11 +504,14 @@ async fn handoff_through_shard(
         }
         Err(e) => {
             next.turn(turn, false);
+            let key = lease.key.stored().to_vec();
             if e.maybe_applied {
                 // Unknown whether the hand-off happened: neither owner may keep the row.
-                let key = lease.key.stored().to_vec();
                 shard.give_back(key.clone(), req.owner.clone(), lease.ttl.max(want.ttl));
                 shard.give_back(key, lease.owner.clone(), lease.ttl.max(want.ttl));
+            } else {
+                // Not sent, or refused: the row is still the releasing owner's.
+                shard.release_later(key, lease.owner.clone(), lease.ttl);
             }
             Err(e.into_error(shard.name()))
         }
@@ -584,14 +588,13 @@ fn retry_if_failed(
     if answer.is_ok() || lease.at_least().is_some() {
         return;
     }
-    let left = lease
-        .deadline()
-        .saturating_duration_since(tokio::time::Instant::now());
-    shard.give_back(
-        lease.key.stored().to_vec(),
-        lease.owner.clone(),
-        lease.ttl.max(left),
-    );
+    // An extended lease's row may last beyond its ttl; a local one's deadline is no row's.
+    let left = match lease.local {
+        true => std::time::Duration::ZERO,
+        false => lease.deadline().saturating_duration_since(Instant::now()),
+    };
+    let (key, owner) = (lease.key.stored().to_vec(), lease.owner.clone());
+    shard.release_later(key, owner, lease.ttl.max(left));
 }
 
 fn lost(shard: &ShardState, lease: &LeaseState) -> Error {

@@ -300,10 +300,27 @@ impl ShardState {
     }
 
     /// Gives back, owner-checked, a row that a statement whose outcome is unknown (its reply lost
-    /// or late) may have granted to `owner`, or whose release failed: retried in the background
-    /// until the shard answers, for up to `ttl` (after that the row has ended by itself). Nobody
-    /// else is kept waiting for the lease's whole ttl because one reply got lost.
+    /// or late) may have granted to `owner`: retried in the background until the shard answers,
+    /// for up to `ttl` (after that the row has ended by itself). Nobody else is kept waiting for
+    /// the lease's whole ttl because one reply got lost.
     pub(crate) fn give_back(self: &Arc<Self>, key: Vec<u8>, owner: String, ttl: Duration) {
+        self.release_in_background(key, owner, ttl, false);
+    }
+
+    /// [`ShardState::give_back`] for a row that is surely `owner`'s or already gone, because
+    /// its release failed and nothing that could grant it to `owner` again is still pending:
+    /// any answer of the shard ends it.
+    pub(crate) fn release_later(self: &Arc<Self>, key: Vec<u8>, owner: String, ttl: Duration) {
+        self.release_in_background(key, owner, ttl, true);
+    }
+
+    fn release_in_background(
+        self: &Arc<Self>,
+        key: Vec<u8>,
+        owner: String,
+        ttl: Duration,
+        any_answer_ends: bool,
+    ) {
         let shard = self.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
@@ -321,10 +338,10 @@ impl ShardState {
                 // refusal not counted as a caller's). While it is half-open the release may be
                 // a probe: the give-back may be all this process sends the shard (its callers
                 // gone, no lease to renew), and waiting for callers to close the breaker would
-                // then keep the key held by nobody for its whole ttl. Such a probe decides only
-                // when it succeeds promptly: it may wait behind the very statement it undoes,
-                // or behind another transaction's lock on the row, neither of which says the
-                // shard is sick.
+                // then keep the key held by nobody for its whole ttl. A timeout or a slow answer
+                // decides nothing (`tentative`): it may wait behind the very statement it
+                // undoes, or behind another transaction's lock on the row, neither of which
+                // says the shard is sick; a refused connection or a lost server does.
                 let probe = match shard.admit() {
                     Admission::Rejected => {
                         tokio::time::sleep(backoff.next_delay()).await;
@@ -337,12 +354,14 @@ impl ShardState {
                 // row may be free only because the statement being undone has not written it
                 // yet; a single release waits behind that statement's lock.
                 let release = shard.backend.release(&key, &owner);
-                let released = shard.run_admitted(probe, release, |_| true, false).await;
-                // Until it is given back: a "not ours" may come before the statement being
-                // undone has finished on the server (its client gave up; the server did not),
-                // so only a release that freed the row ends this early.
-                if matches!(released, Ok(ReleaseAnswer::Released)) {
-                    return;
+                let released = shard.run_admitted(probe, release, |_| true, true).await;
+                // Undoing a grant: a "not ours" may come before the statement being undone has
+                // finished on the server (its client gave up; the server did not), so only a
+                // release that freed the row ends it early.
+                match released {
+                    Ok(ReleaseAnswer::Released) => return,
+                    Ok(_) if any_answer_ends => return,
+                    _ => {}
                 }
                 tokio::time::sleep(backoff.next_delay()).await;
             }
@@ -384,20 +403,20 @@ impl ShardState {
             Admission::Probe(ticket) => Some(ticket),
             Admission::Call => None,
         };
-        self.run_admitted(probe, call, slow_counts, true).await
+        self.run_admitted(probe, call, slow_counts, false).await
     }
 
     /// Runs a call [`ShardState::admit`] let through (as a half-open probe with `probe`) and
     /// reports how it went to the breaker: a failure, or a success slower than the slow-call
-    /// threshold where `slow_counts` says its duration tells of the shard. A probe with
-    /// `probe_may_fail` false decides its spell only by succeeding promptly; otherwise its slot
-    /// is given back unjudged.
+    /// threshold where `slow_counts` says its duration tells of the shard. A `tentative` call
+    /// that timed out or was slow decides nothing (a probe's slot is given back unjudged):
+    /// only a prompt answer or a failure that is not a timeout is recorded.
     async fn run_admitted<T>(
         &self,
         probe: Option<ProbeTicket>,
         call: impl std::future::Future<Output = Result<T, BackendError>>,
         slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
-        probe_may_fail: bool,
+        tentative: bool,
     ) -> Result<T, BackendError> {
         let mut permit = ProbePermit {
             state: self,
@@ -425,14 +444,14 @@ impl ShardState {
             Duration::ZERO
         };
         let mut breaker = self.breaker.locked();
+        let timed_out = matches!(&result, Err(e) if e.kind == BackendErrorKind::Timeout);
+        let undecided = tentative && (timed_out || took >= breaker.config().slow_call);
         let transition = match probe {
-            Some(ticket)
-                if !probe_may_fail
-                    && (outcome == CallOutcome::Failure || took >= breaker.config().slow_call) =>
-            {
+            Some(ticket) if undecided => {
                 breaker.abandon_probe(ticket);
                 None
             }
+            None if undecided => None,
             probe => breaker.record(breaker_now(), outcome, took, probe),
         };
         drop(breaker);

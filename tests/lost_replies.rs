@@ -49,14 +49,16 @@ async fn a_grant_whose_reply_was_lost_is_given_back() {
 /// A grant whose reply was lost while the shard's breaker opened is given back once the shard
 /// answers again, though nothing else of the process calls it: the give-back probes the
 /// half-open breaker itself rather than wait for callers to close it, which would leave the
-/// key held by nobody for the lease's whole ttl.
+/// key held by nobody for the lease's whole ttl. While the shard still refuses connections,
+/// such a probe's failure reopens the breaker, as a caller's would: give-backs do not keep
+/// probing a dead shard every few milliseconds, whatever the cool-down.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grant_lost_behind_an_opening_breaker_is_given_back_by_a_probe() {
     let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     let router = LockRouter::from_yaml_str(&format!(
         "shards:\n  - name: s1\n    url: {}\nbreaker:\n  consecutive-failures: 1\n  \
-         cooldown: 200ms\ncleaner:\n  registry: static\n",
+         cooldown: 1s\ncleaner:\n  registry: static\n",
         proxy.url()
     ))
     .await
@@ -73,10 +75,20 @@ async fn a_grant_lost_behind_an_opening_breaker_is_given_back_by_a_probe() {
     let err = router.try_acquire("k", long).await.unwrap_err();
     assert!(err.is_unavailable(), "{err}");
     assert_eq!(router.stats().breaker_opened, 1);
-    proxy.set(ProxyMode::Pass);
+    // Refused from well before the cool-down ends: no give-back reaches the server meanwhile.
+    proxy.set(ProxyMode::Reset);
     let (_, row) = other.inspect("k").await.unwrap();
     let row = row.expect("the acquire reached the server");
     assert!(row.is_held(), "{row:?}");
+    let reopened = common::eventually(Duration::from_secs(10), || async {
+        router.stats().breaker_opened >= 2
+    })
+    .await;
+    assert!(
+        reopened,
+        "a give-back's refused probe left the breaker half-open"
+    );
+    proxy.set(ProxyMode::Pass);
 
     let freed = common::eventually(Duration::from_secs(10), || async {
         other
