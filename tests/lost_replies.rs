@@ -11,23 +11,8 @@ use shardlock_testkit::{Proxy, ProxyMode};
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grant_whose_reply_was_lost_is_given_back() {
     let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let router = LockRouter::from_yaml_str(&format!(
-        "shards:\n  - name: s1\n    url: {}\ncleaner:\n  registry: static\n",
-        proxy.url()
-    ))
-    .await
-    .unwrap();
-    // Warm the pool, so that the lost statement travels on an open connection.
-    let g = router.acquire("warm", AcquireOptions::new()).await.unwrap();
-    g.release().await.unwrap();
-
-    proxy.set(ProxyMode::LoseReplies);
-    let long = AcquireOptions::new()
-        .ttl(Duration::from_secs(60))
-        .wait(Duration::ZERO);
-    let err = router.try_acquire("k", long).await.unwrap_err();
-    assert!(err.is_unavailable(), "{err}");
+    let (router, proxy) = behind_proxy(&cluster, "", "").await;
+    lose_the_grant(&router, &proxy, "k").await;
     // The server did grant it: the reply was lost on the way back.
     let (_, row) = other.inspect("k").await.unwrap();
     let row = row.expect("the acquire reached the server");
@@ -35,14 +20,7 @@ async fn a_grant_whose_reply_was_lost_is_given_back() {
 
     // Once the link carries replies again the grant is given back, long before its minute.
     proxy.set(ProxyMode::Pass);
-    let freed = common::eventually(Duration::from_secs(10), || async {
-        other
-            .try_acquire("k", AcquireOptions::new().wait(Duration::ZERO))
-            .await
-            .unwrap()
-            .is_some()
-    })
-    .await;
+    let freed = freed_within(&other, "k", Duration::from_secs(10)).await;
     assert!(freed, "the key stayed blocked by a grant nobody knew of");
 }
 
@@ -55,25 +33,12 @@ async fn a_grant_whose_reply_was_lost_is_given_back() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grant_lost_behind_an_opening_breaker_is_given_back_by_a_probe() {
     let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let router = LockRouter::from_yaml_str(&format!(
-        "shards:\n  - name: s1\n    url: {}\nbreaker:\n  consecutive-failures: 1\n  \
-         cooldown: 1s\ncleaner:\n  registry: static\n",
-        proxy.url()
-    ))
-    .await
-    .unwrap();
-    let g = router.acquire("warm", AcquireOptions::new()).await.unwrap();
-    g.release().await.unwrap();
+    let breaker = "breaker:\n  consecutive-failures: 1\n  cooldown: 1s\n";
+    let (router, proxy) = behind_proxy(&cluster, "", breaker).await;
 
     // The lost reply is the one failure that opens the breaker, before the give-back it
     // starts sends anything: the give-back cannot free the key while replies are lost.
-    proxy.set(ProxyMode::LoseReplies);
-    let long = AcquireOptions::new()
-        .ttl(Duration::from_secs(60))
-        .wait(Duration::ZERO);
-    let err = router.try_acquire("k", long).await.unwrap_err();
-    assert!(err.is_unavailable(), "{err}");
+    lose_the_grant(&router, &proxy, "k").await;
     assert_eq!(router.stats().breaker_opened, 1);
     // Refused from well before the cool-down ends: no give-back reaches the server meanwhile.
     proxy.set(ProxyMode::Reset);
@@ -90,14 +55,7 @@ async fn a_grant_lost_behind_an_opening_breaker_is_given_back_by_a_probe() {
     );
     proxy.set(ProxyMode::Pass);
 
-    let freed = common::eventually(Duration::from_secs(10), || async {
-        other
-            .try_acquire("k", AcquireOptions::new().wait(Duration::ZERO))
-            .await
-            .unwrap()
-            .is_some()
-    })
-    .await;
+    let freed = freed_within(&other, "k", Duration::from_secs(10)).await;
     assert!(
         freed,
         "the grant was not given back behind the breaker: {:?}",
@@ -114,24 +72,16 @@ async fn a_grant_lost_behind_an_opening_breaker_is_given_back_by_a_probe() {
 async fn a_give_back_behind_a_locked_row_never_reopens_the_breaker() {
     let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let shard = cluster.shard(0);
-    let proxy = Proxy::start(shard.port()).await.unwrap();
     // A lock wait of 4.5 s under a 5 s statement timeout: a wait retried inside the call
     // times out.
-    let router = LockRouter::from_yaml_str(&format!(
-        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 5s\nbreaker:\n  \
-         consecutive-failures: 1\n  cooldown: 200ms\ncleaner:\n  registry: static\n",
-        proxy.url()
-    ))
-    .await
-    .unwrap();
-    let g = router.acquire("warm", AcquireOptions::new()).await.unwrap();
-    g.release().await.unwrap();
+    let (router, proxy) = behind_proxy(
+        &cluster,
+        "    statement-timeout: 5s\n",
+        "breaker:\n  consecutive-failures: 1\n  cooldown: 200ms\n",
+    )
+    .await;
 
-    proxy.set(ProxyMode::LoseReplies);
-    let long = AcquireOptions::new()
-        .ttl(Duration::from_secs(60))
-        .wait(Duration::ZERO);
-    router.try_acquire("k", long).await.unwrap_err();
+    lose_the_grant(&router, &proxy, "k").await;
     assert_eq!(router.stats().breaker_opened, 1);
     let mut competitor = shardlock_testkit::Competitor::begin(shard, false)
         .await
@@ -146,14 +96,7 @@ async fn a_give_back_behind_a_locked_row_never_reopens_the_breaker() {
     }
     competitor.end().await.unwrap();
 
-    let freed = common::eventually(Duration::from_secs(15), || async {
-        other
-            .try_acquire("k", AcquireOptions::new().wait(Duration::ZERO))
-            .await
-            .unwrap()
-            .is_some()
-    })
-    .await;
+    let freed = freed_within(&other, "k", Duration::from_secs(15)).await;
     assert!(freed, "the key was not given back once the lock was gone");
     assert_eq!(
         router.stats().breaker_opened,
@@ -170,11 +113,9 @@ async fn a_give_back_behind_a_locked_row_never_reopens_the_breaker() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_release_whose_reply_was_lost_answers_released() {
     let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let (router, proxy) = behind_proxy(&cluster).await;
     // The release statement prepared on the one connection: the reply lost is the one to
     // the release itself.
-    let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
-    warm.release().await.unwrap();
+    let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
     let guard = router.acquire("r", AcquireOptions::new()).await.unwrap();
     proxy.set(ProxyMode::LoseOneReply);
     guard.release().await.unwrap();
@@ -215,7 +156,7 @@ async fn a_release_whose_reply_was_lost_answers_released() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failed_release_is_given_back_once_the_shard_answers() {
     let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let (router, proxy) = behind_proxy(&cluster).await;
+    let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
     let long = AcquireOptions::new().ttl(Duration::from_secs(60));
     let guard = router.acquire("cut", long).await.unwrap();
     proxy.set(ProxyMode::Reset);
@@ -230,36 +171,63 @@ async fn a_failed_release_is_given_back_once_the_shard_answers() {
     );
 
     proxy.set(ProxyMode::Pass);
-    let freed = common::eventually(Duration::from_secs(10), || async {
-        other
-            .try_acquire("cut", AcquireOptions::new().wait(Duration::ZERO))
-            .await
-            .unwrap()
-            .is_some()
-    })
-    .await;
+    let freed = freed_within(&other, "cut", Duration::from_secs(10)).await;
     assert!(freed, "the key stayed held after its holder released it");
 }
 
-/// A router reaching one shard through a proxy with a pool of one connection (so a statement
-/// prepared once is prepared on the connection the next call uses), and the proxy.
-async fn behind_proxy(cluster: &shardlock_testkit::Cluster) -> (LockRouter, Proxy) {
+/// A shard's pool of one connection: a statement prepared once is prepared on the connection
+/// the next call uses.
+const POOL_OF_ONE: &str = "    pool:\n      max-size: 1\n";
+
+/// A router reaching the one shard of `cluster` through a proxy, and the proxy. `shard` and
+/// `top` are YAML lines added to the shard's entry and to the top level. A lease taken and
+/// released first warms the pool, so that the next statement travels on an open connection
+/// on which the lock statements are prepared.
+async fn behind_proxy(
+    cluster: &shardlock_testkit::Cluster,
+    shard: &str,
+    top: &str,
+) -> (LockRouter, Proxy) {
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     let router = LockRouter::from_yaml_str(&format!(
-        "shards:\n  - name: s1\n    url: {}\n    pool:\n      max-size: 1\n\
-         cleaner:\n  registry: static\n",
+        "shards:\n  - name: s1\n    url: {}\n{shard}{top}cleaner:\n  registry: static\n",
         proxy.url()
     ))
     .await
     .unwrap();
+    let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
+    warm.release().await.unwrap();
     (router, proxy)
+}
+
+/// Takes `key` for a minute through `proxy` while it loses every reply: the caller is told
+/// the shard is unavailable, though the server granted it.
+async fn lose_the_grant(router: &LockRouter, proxy: &Proxy, key: &str) {
+    proxy.set(ProxyMode::LoseReplies);
+    let long = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::ZERO);
+    let err = router.try_acquire(key, long).await.unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+}
+
+/// Whether `other` can take `key` within `limit`.
+async fn freed_within(other: &LockRouter, key: &str, limit: Duration) -> bool {
+    common::eventually(limit, || async {
+        other
+            .try_acquire(key, AcquireOptions::new().wait(Duration::ZERO))
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
     use shardlock::mysql_async::prelude::Queryable;
     let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let (router, proxy) = behind_proxy(&cluster).await;
+    let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
     let mut admin = cluster.shard(0).connect().await.unwrap();
     let count = |sql: &'static str| {
         let url = cluster.shard(0).url();
