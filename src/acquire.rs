@@ -362,7 +362,11 @@ impl LockRouter {
             // One owner for the grant's rows on every shard, so that a row where the key lived
             // and the row where it lives now are recognisably the same lease.
             let (_, owner) = self.inner.shared.next_owner();
-            let mut companions = CompanionGrants(Vec::new(), key.stored().to_vec());
+            let mut companions = CompanionGrants {
+                grants: Vec::new(),
+                key: key.stored().to_vec(),
+                ttl: want.ttl,
+            };
             let mut held_for = None;
             let mut floor = 0;
             for old in &previous {
@@ -373,7 +377,7 @@ impl LockRouter {
                 {
                     Tried::Granted(grant) => {
                         floor = grant.fence;
-                        companions.0.push((old.clone(), grant));
+                        companions.grants.push((old.clone(), grant));
                     }
                     Tried::Busy(held) => {
                         held_for = held;
@@ -381,7 +385,7 @@ impl LockRouter {
                     }
                 }
             }
-            if companions.0.len() == previous.len() {
+            if companions.grants.len() == previous.len() {
                 progress.attempts += 1;
                 let tried = match self
                     .try_grant(&shard, key, &owner, want, floor, deadline)
@@ -456,23 +460,24 @@ impl LockRouter {
             mut companions,
         } = taken;
         let shard = &shard;
-        let moved = !companions.0.is_empty();
+        let moved = !companions.grants.is_empty();
         let fence = grant.fence;
         // Given back if the caller goes away while the previous shards' fences are raised
         // (below), like those shards' rows: nothing between here and the guard may leave it.
         let (grant, mut own) = if moved {
-            let key = companions.1.clone();
-            (
-                None,
-                Some(CompanionGrants(vec![(shard.clone(), grant)], key)),
-            )
+            let own = CompanionGrants {
+                grants: vec![(shard.clone(), grant)],
+                key: companions.key.clone(),
+                ttl: companions.ttl,
+            };
+            (None, Some(own))
         } else {
             (Some(grant), None)
         };
         // The previous shards' rows get this grant's fence too: a process still
         // placing the key there must be granted a larger one.
         let mut failed = None;
-        for (old, companion) in &companions.0 {
+        for (old, companion) in &companions.grants {
             let raised = old
                 .call(|b| b.raise_fence(key.stored(), &companion.owner, fence))
                 .await;
@@ -498,12 +503,12 @@ impl LockRouter {
                 .fetch_add(1, Ordering::Relaxed);
         }
         let grant = match own.as_mut() {
-            Some(own) => own.0.pop().expect("kept there when the key moved").1,
+            Some(own) => own.grants.pop().expect("kept there when the key moved").1,
             None => grant.expect("kept here when the key did not move"),
         };
         let guard = self.hold(shard, key, grant, want, Some(turn), topology);
         let lease = &guard.hold().lease;
-        while let Some((old, grant)) = companions.0.pop() {
+        while let Some((old, grant)) = companions.grants.pop() {
             let companion = Arc::new(
                 LeaseState::new(key.clone(), grant, want, Duration::ZERO, None).belonging_to(lease),
             );
@@ -512,7 +517,7 @@ impl LockRouter {
                 // Lost already (the guard reports it): this row and the rest are
                 // given back as `companions` drops.
                 old.remove(companion.id);
-                companions.0.push((
+                companions.grants.push((
                     old,
                     Grant {
                         id: companion.id,
@@ -623,23 +628,21 @@ struct Taken {
 
 /// Grants of a moved key not yet part of a guard: those on its previous shards while its new
 /// shard is still to be tried, and the new shard's own while the previous shards' fences are
-/// raised (`hold_grant`). Released in the background if the acquire does not end in a guard.
+/// raised (`hold_grant`). Released in the background if the acquire does not end in a guard,
+/// retried until the shard answers (or the row can have ended), as a failed release is.
 #[derive(Debug)]
-struct CompanionGrants(Vec<(Arc<ShardState>, Grant)>, Vec<u8>);
+struct CompanionGrants {
+    grants: Vec<(Arc<ShardState>, Grant)>,
+    /// The key, as stored.
+    key: Vec<u8>,
+    /// The lease's ttl: how long a row left behind would block the key.
+    ttl: Duration,
+}
 
 impl Drop for CompanionGrants {
     fn drop(&mut self) {
-        if self.0.is_empty() {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime: the rows end by expiry
-        };
-        for (shard, grant) in self.0.drain(..) {
-            let key = self.1.clone();
-            runtime.spawn(async move {
-                let _ = shard.release(&key, &grant.owner).await;
-            });
+        for (shard, grant) in self.grants.drain(..) {
+            shard.release_later(self.key.clone(), grant.owner, self.ttl);
         }
     }
 }

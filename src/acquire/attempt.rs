@@ -95,6 +95,7 @@ async fn attempt(
         shard: shard.clone(),
         key: req.key.clone(),
         owner: req.owner.clone(),
+        ttl: Duration::from_millis(req.ttl_ms.into()),
         taken: false,
     };
     let sent = Instant::now();
@@ -131,6 +132,8 @@ struct PendingAttempt {
     shard: Arc<ShardState>,
     key: Vec<u8>,
     owner: String,
+    /// The ttl asked for: how long a grant left behind would block the key.
+    ttl: Duration,
     taken: bool,
 }
 
@@ -139,19 +142,15 @@ impl Drop for PendingAttempt {
         if self.taken {
             return;
         }
-        // After close() the task can no longer send; a grant sent before is ours to undo.
+        // After close() the task can no longer send; a grant sent before is ours to undo,
+        // retried until the shard answers (nothing else can grant it to this owner again).
         self.rx.close();
         if let Ok(Ok(Attempt::Granted(_))) = self.rx.try_recv() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let (shard, key, owner) = (
-                    self.shard.clone(),
-                    std::mem::take(&mut self.key),
-                    std::mem::take(&mut self.owner),
-                );
-                runtime.spawn(async move {
-                    let _ = shard.release(&key, &owner).await;
-                });
-            }
+            let (key, owner) = (
+                std::mem::take(&mut self.key),
+                std::mem::take(&mut self.owner),
+            );
+            self.shard.release_later(key, owner, self.ttl);
         }
     }
 }
