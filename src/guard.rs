@@ -580,7 +580,7 @@ pub(crate) async fn release_through_shard(
 /// that long for a key its holder let go. Retried until the shard answers, for as long as the
 /// row can last. Not a row that must stay taken for a while after its grant (`at_least`): its
 /// release only shortens it to that, which its own end does as well.
-fn retry_if_failed(
+pub(crate) fn retry_if_failed(
     shard: &Arc<ShardState>,
     lease: &LeaseState,
     answer: &std::result::Result<ReleaseAnswer, shardlock_core::BackendError>,

@@ -91,11 +91,8 @@ async fn take_on(
     let why = loop {
         if lease.is_lost() || lease.has_ended() {
             if tried {
-                // A try whose reply was lost may have taken the row: give it back (kept as
-                // long as the lease's own rows must be).
-                let _ = target
-                    .release_after(&req.key, &req.owner, lease.at_least())
-                    .await;
+                // A try whose reply was lost may have taken the row: give it back.
+                give_back_try(target, &req, lease.ttl, lease.at_least()).await;
             }
             return false;
         }
@@ -133,9 +130,7 @@ async fn take_on(
                 if !lease.adopt(target.clone(), companion.clone()) {
                     // Released (or lost) meanwhile: give the row back.
                     target.remove(companion.id);
-                    let _ = target
-                        .release_after(&req.key, &req.owner, companion.at_least())
-                        .await;
+                    give_back_try(target, &req, lease.ttl, companion.at_least()).await;
                     return false;
                 }
                 shared.stats.followed.fetch_add(1, Ordering::Relaxed);
@@ -168,17 +163,36 @@ async fn take_on(
     // renewal, no hand-off); its rows are given back.
     lease.mark_lost(why, shared);
     if shard.remove(lease.id).is_some() {
-        let _ = shard
+        let released = shard
             .release_after(&req.key, &lease.owner, lease.at_least())
             .await;
+        crate::guard::retry_if_failed(shard, lease, &released);
     }
     for (other, row) in lease.end_companions() {
         other.remove(row.id);
-        let _ = other
+        let released = other
             .release_after(row.key.stored(), &row.owner, row.at_least())
             .await;
+        crate::guard::retry_if_failed(&other, &row, &released);
     }
     false
+}
+
+/// Gives back the row on `target` that a try of a move (`req`) may have taken, for a lease
+/// that no longer wants it: owner-checked, in the background and retried until the shard
+/// answers (for up to `ttl`), so that a new shard failing at that moment does not leave the
+/// key held by nobody for the lease's ttl. A row that must stay taken a while after its grant
+/// (`at_least`) is released once, to that: its own end does the same.
+async fn give_back_try(
+    target: &Arc<ShardState>,
+    req: &GrantRequest,
+    ttl: Duration,
+    at_least: Option<Duration>,
+) {
+    match at_least {
+        None => target.give_back(req.key.clone(), req.owner.clone(), ttl),
+        Some(_) => drop(target.release_after(&req.key, &req.owner, at_least).await),
+    }
 }
 
 /// Once `previous`'s move window is over, copies the fence of every row on its shards to the

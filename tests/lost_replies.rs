@@ -175,6 +175,64 @@ async fn a_failed_release_is_given_back_once_the_shard_answers() {
     assert!(freed, "the key stayed held after its holder released it");
 }
 
+/// A lease released while its key's move to a new shard is under way, after a try there whose
+/// reply was lost, gives that try's row back once the new shard answers again, though the
+/// shard was cut off when the lease ended: the key is free then, not only at the end of its
+/// minute-long lease.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_move_given_up_after_a_lost_reply_gives_its_row_back_once_the_shard_answers() {
+    let (cluster, other, _) = common::start(2, "cleaner:\n  registry: static\n").await;
+    let proxy = Proxy::start(cluster.shard(1).port()).await.unwrap();
+    // s1 alone, then s1 and s2 (through the proxy), with a move window long enough that the
+    // move is still under way when the lease ends.
+    let yaml = |s2: &str| {
+        format!(
+            "shards:\n  - name: s1\n    url: {}\n{s2}routing:\n  move-window: 30s\n\
+             breaker:\n  consecutive-failures: 1\n  cooldown: 1s\ncleaner:\n  registry: static\n",
+            cluster.shard(0).url()
+        )
+    };
+    let router = LockRouter::from_yaml_str(&yaml("")).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("moving:{i}"))
+        .find(|k| other.shard_for(k).unwrap() == "s2")
+        .unwrap();
+    let long = AcquireOptions::new().ttl(Duration::from_secs(60));
+    let held = router.acquire(&key, long).await.unwrap();
+
+    // The move's first try on s2 (the one request carrying the lease's owner) is granted with
+    // its reply lost, which opens the breaker; then the link is cut.
+    let owner: &'static [u8] = Box::leak(held.owner().as_bytes().into());
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(owner));
+    let two = format!("  - name: s2\n    url: {}\n", proxy.url());
+    let two = shardlock::Config::from_yaml_str(&yaml(&two)).unwrap();
+    router.reload(two).await.unwrap();
+    proxy.wait_for(ProxyMode::Blackhole).await;
+    proxy.set(ProxyMode::Reset);
+    let (shard, row) = other.inspect(&key).await.unwrap();
+    assert_eq!(shard, "s2");
+    assert!(row.expect("the try reached s2").is_held(), "{key}");
+
+    // The lease ends while s2 refuses connections: the move gives up its try's row then.
+    held.release().await.unwrap();
+    let reopened = common::eventually(Duration::from_secs(10), || async {
+        router.stats().breaker_opened >= 2
+    })
+    .await;
+    assert!(
+        reopened,
+        "nothing probed s2 after the move gave up: {:?}",
+        router.stats()
+    );
+    proxy.set(ProxyMode::Pass);
+    let freed = freed_within(&other, &key, Duration::from_secs(10)).await;
+    assert!(
+        freed,
+        "the move's row stayed held after its lease ended: {:?}",
+        router.status().await
+    );
+}
+
 /// A shard's pool of one connection: a statement prepared once is prepared on the connection
 /// the next call uses.
 const POOL_OF_ONE: &str = "    pool:\n      max-size: 1\n";
