@@ -301,8 +301,8 @@ impl ShardState {
 
     /// Gives back, owner-checked, a row that a statement whose outcome is unknown (its reply lost
     /// or late) may have granted to `owner`: retried in the background until the shard answers,
-    /// for up to `ttl` (after that the row has ended by itself). Nobody else is kept waiting for
-    /// the lease's whole ttl because one reply got lost.
+    /// for up to `ttl` and the shard's clock skew (after that the row has ended by itself).
+    /// Nobody else is kept waiting for the lease's whole ttl because one reply got lost.
     pub(crate) fn give_back(self: &Arc<Self>, key: Vec<u8>, owner: String, ttl: Duration) {
         self.release_in_background(key, owner, ttl, false);
     }
@@ -326,7 +326,9 @@ impl ShardState {
             return;
         };
         runtime.spawn(async move {
-            let until = Instant::now() + ttl;
+            // As long as the row can last: on a Galera shard a node whose clock lags may keep
+            // it up to the nodes' skew longer.
+            let until = Instant::now() + ttl + shard.clock_skew();
             let mut backoff = shardlock_core::Backoff::new(
                 std::time::Duration::from_millis(5),
                 std::time::Duration::from_millis(500),
