@@ -197,39 +197,30 @@ impl Shard {
     /// Ends, from `conn`, every stranded session of its node (see [`Stranded`]), so that a
     /// statement still on its way to one is never run after this call: not after a retry that
     /// found its own row, nor after the release that gave its effect back. A session the
-    /// server no longer knows is done with, and so is one it refuses to end (with a warning);
-    /// when the connection fails, the rest stay listed and the error is the try's.
+    /// server no longer knows is done with; on any other error the rest stay listed and the
+    /// error is the try's.
     async fn kill_stranded(&self, conn: &mut ShardConn) -> mysql_async::Result<()> {
-        // Every try that finds sessions listed ends them itself, each session listed until
-        // one such `KILL` is answered: a try that ran while another try's `KILL` was still on
-        // the wire could otherwise be overtaken by the very statement it is to follow.
         let node = conn.node();
-        let of_node: Vec<Stranded> = self
-            .stranded
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|s| s.node == node)
-            .copied()
-            .collect();
-        for session in of_node {
+        let take = || {
+            let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
+            let at = stranded.iter().position(|s| s.node == node)?;
+            let session = stranded.remove(at);
+            self.stranded_count
+                .store(stranded.len(), std::sync::atomic::Ordering::Relaxed);
+            Some(session)
+        };
+        while let Some(session) = take() {
             let kill = format!("KILL CONNECTION {}", session.thread);
             match conn.run(|c| c.query_drop(kill)).await {
                 Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
-                // Refused (a user that may not end it, say): asking again would refuse every
-                // later statement of the shard with it.
-                Err(mysql_async::Error::Server(e)) => {
-                    tracing::warn!(shard = %self.name, thread = session.thread, error = %e, "shardlock could not end a session whose statement may still reach the server")
+                Err(e) => {
+                    self.strand(session);
+                    return Err(e);
                 }
-                Err(e) => return Err(e),
                 Ok(()) => {
                     tracing::debug!(shard = %self.name, thread = session.thread, "shardlock ended a session whose statement may still reach the server")
                 }
             }
-            let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
-            stranded.retain(|s| *s != session);
-            self.stranded_count
-                .store(stranded.len(), std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
     }
