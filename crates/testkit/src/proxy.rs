@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::server::DATABASE;
@@ -41,19 +41,6 @@ pub enum ProxyMode {
     /// Like [`ProxyMode::LoseReplyTo`], but then the link is blackholed (until the mode is
     /// changed), as [`ProxyMode::LoseOneReplyThenBlackhole`] does.
     LoseReplyToThenBlackhole(&'static [u8]),
-    /// The first request (chunk) that contains these bytes is held back and its client's
-    /// connection reset, while the proxy keeps that connection's server side open: the client
-    /// gives up on a statement that is still on its way, as one stuck in a partition's
-    /// retransmissions is. [`Proxy::deliver`] sends it on. Then the proxy passes everything.
-    StrandTo(&'static [u8]),
-}
-
-/// A request held back by [`ProxyMode::StrandTo`], with its connection's server side.
-#[derive(Debug)]
-struct Stranded {
-    request: Vec<u8>,
-    server_read: OwnedReadHalf,
-    server_write: OwnedWriteHalf,
 }
 
 /// A proxy listening on its own loopback port and forwarding to `upstream`. Stops (resetting
@@ -63,7 +50,6 @@ pub struct Proxy {
     port: u16,
     mode: watch::Sender<ProxyMode>,
     accept: JoinHandle<()>,
-    stranded: tokio::sync::Mutex<mpsc::UnboundedReceiver<Stranded>>,
 }
 
 impl Proxy {
@@ -80,32 +66,12 @@ impl Proxy {
         let port = listener.local_addr()?.port();
         let (mode, _) = watch::channel(ProxyMode::Pass);
         let modes = mode.clone();
-        let (strand, stranded) = mpsc::unbounded_channel();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(serve(client, upstream, modes.clone(), strand.clone()));
+                tokio::spawn(serve(client, upstream, modes.clone()));
             }
         });
-        Ok(Self {
-            port,
-            mode,
-            accept,
-            stranded: tokio::sync::Mutex::new(stranded),
-        })
-    }
-
-    /// Sends on the request [`ProxyMode::StrandTo`] held back (waiting until one is), on the
-    /// server connection it was meant for. Whether the server ran it: `true` when it answered,
-    /// `false` when it had closed that session instead.
-    pub async fn deliver(&self) -> bool {
-        let Some(mut held) = self.stranded.lock().await.recv().await else {
-            return false;
-        };
-        if held.server_write.write_all(&held.request).await.is_err() {
-            return false;
-        }
-        let mut reply = [0u8; 1024];
-        matches!(held.server_read.read(&mut reply).await, Ok(n) if n > 0)
+        Ok(Self { port, mode, accept })
     }
 
     /// The port clients connect to.
@@ -150,17 +116,10 @@ impl Drop for Proxy {
 
 /// One client connection: connect upstream once the link is not blackholed, then pump both
 /// ways until either side closes or the mode says reset.
-async fn serve(
-    client: TcpStream,
-    upstream: SocketAddr,
-    modes: watch::Sender<ProxyMode>,
-    strand: mpsc::UnboundedSender<Stranded>,
-) {
+async fn serve(client: TcpStream, upstream: SocketAddr, modes: watch::Sender<ProxyMode>) {
     let mut mode = modes.subscribe();
     // Set when a request this connection forwarded matched `LoseReplyTo`.
     let armed = std::sync::atomic::AtomicBool::new(false);
-    // A request this connection's client sent that `StrandTo` held back.
-    let held = std::sync::Mutex::new(None);
     // Closing with SO_LINGER 0 sends RST: what a reset means, and harmless otherwise. (Tokio
     // deprecates SO_LINGER because a non-zero linger blocks the thread on drop; zero does not.)
     #[allow(deprecated)]
@@ -174,46 +133,22 @@ async fn serve(
     #[allow(deprecated)]
     let _ = server.set_linger(Some(Duration::ZERO));
     let _ = (client.set_nodelay(true), server.set_nodelay(true));
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let requests = Direction::Requests {
-        modes: &modes,
-        held: &held,
-    };
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
     tokio::select! {
-        _ = pump(&mut client_read, &mut server_write, mode.clone(), requests, &armed) => {}
-        _ = pump(&mut server_read, &mut client_write, mode, Direction::Replies(&modes), &armed) => {}
+        _ = pump(client_read, server_write, mode.clone(), None, &armed) => {}
+        _ = pump(server_read, client_write, mode, Some(&modes), &armed) => {}
     }
-    let request = held.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let Some(request) = request {
-        // The client's side is reset as this returns; the server's waits for `deliver`.
-        let _ = strand.send(Stranded {
-            request,
-            server_read,
-            server_write,
-        });
-    }
-}
-
-/// Which way a [`pump`] forwards, and what it needs for that.
-#[derive(Clone, Copy)]
-enum Direction<'a> {
-    /// Client to server: the proxy's mode, to end a `StrandTo`, and where its request is held.
-    Requests {
-        modes: &'a watch::Sender<ProxyMode>,
-        held: &'a std::sync::Mutex<Option<Vec<u8>>>,
-    },
-    /// Server to client: the proxy's mode, to end a `LoseOneReply`.
-    Replies(&'a watch::Sender<ProxyMode>),
 }
 
 /// Forwards chunks from `from` to `to` as the mode allows; returns when either side closes or
 /// on reset.
 async fn pump(
-    from: &mut OwnedReadHalf,
-    to: &mut OwnedWriteHalf,
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
     mut mode: watch::Receiver<ProxyMode>,
-    direction: Direction<'_>,
+    // For the replies' direction: the proxy's mode, to end a `LoseOneReply`.
+    replies: Option<&watch::Sender<ProxyMode>>,
     armed: &std::sync::atomic::AtomicBool,
 ) -> Option<()> {
     use std::sync::atomic::Ordering::SeqCst;
@@ -229,32 +164,17 @@ async fn pump(
             changed = mode.changed() => { changed.ok()?; continue; }
         };
         let lose = *mode.borrow();
-        let contains = |pattern: &[u8]| buf[..n].windows(pattern.len()).any(|w| w == pattern);
-        match direction {
-            Direction::Requests { modes, held } => {
+        match replies {
+            None => {
                 if let ProxyMode::LoseReplyTo(pattern)
                 | ProxyMode::LoseReplyToThenBlackhole(pattern) = lose
                 {
-                    if contains(pattern) {
+                    if buf[..n].windows(pattern.len()).any(|w| w == pattern) {
                         armed.store(true, SeqCst);
                     }
                 }
-                if let ProxyMode::StrandTo(pattern) = lose {
-                    if contains(pattern)
-                        && modes.send_if_modified(|m| {
-                            let first = *m == lose;
-                            if first {
-                                *m = ProxyMode::Pass;
-                            }
-                            first
-                        })
-                    {
-                        *held.lock().unwrap_or_else(|e| e.into_inner()) = Some(buf[..n].to_vec());
-                        return None;
-                    }
-                }
             }
-            Direction::Replies(modes) => {
+            Some(modes) => {
                 if lose == ProxyMode::LoseReplies {
                     return None; // swallowed; the connection is reset
                 }
@@ -305,8 +225,7 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
         | ProxyMode::LoseOneReply
         | ProxyMode::LoseOneReplyThenBlackhole
         | ProxyMode::LoseReplyTo(_)
-        | ProxyMode::LoseReplyToThenBlackhole(_)
-        | ProxyMode::StrandTo(_) => Some(Duration::ZERO),
+        | ProxyMode::LoseReplyToThenBlackhole(_) => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
     }
 }
