@@ -233,6 +233,35 @@ async fn a_move_given_up_after_a_lost_reply_gives_its_row_back_once_the_shard_an
     );
 }
 
+/// An acquire whose connection broke while its statement was still on its way to the shard
+/// (held in a partition's retransmissions, say) is retried on another connection and granted.
+/// The broken connection's session is ended first, so that the statement, reaching the shard
+/// after the lease was released, grants nothing: the key is not left held by nobody for the
+/// lease's ttl.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_statement_that_reaches_the_shard_after_its_retry_grants_nothing() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
+    proxy.set(ProxyMode::StrandTo(b"stranded-key"));
+    let long = AcquireOptions::new().ttl(Duration::from_secs(60));
+    let guard = router.acquire("stranded-key", long).await.unwrap();
+    assert_eq!(
+        proxy.mode(),
+        ProxyMode::Pass,
+        "the acquire was not held back"
+    );
+    guard.release().await.unwrap();
+
+    let ran = proxy.deliver().await;
+    let (_, row) = other.inspect("stranded-key").await.unwrap();
+    let row = row.expect("the lease's row");
+    assert!(
+        !row.is_held(),
+        "the held-back acquire ran after the release: {row:?}"
+    );
+    assert!(!ran, "the broken connection's session was still open");
+}
+
 /// A shard's pool of one connection: a statement prepared once is prepared on the connection
 /// the next call uses.
 const POOL_OF_ONE: &str = "    pool:\n      max-size: 1\n";

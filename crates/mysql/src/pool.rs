@@ -40,6 +40,11 @@ impl ShardConn {
         self.node
     }
 
+    /// The server's thread id of the connection's session.
+    pub(crate) fn thread(&self) -> u32 {
+        self.conn.id()
+    }
+
     /// Runs `f` on the connection, tracking whether it completed and whether it broke.
     pub(crate) async fn run<'a, T>(
         &'a mut self,

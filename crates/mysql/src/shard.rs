@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use deadpool::Runtime;
 use futures_util::future::BoxFuture;
+use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, OptsBuilder};
 use rand::Rng;
 use shardlock_core::config::ShardConfig;
@@ -33,7 +34,32 @@ pub struct Shard {
     statement_timeout: Duration,
     /// Where the shard is, for the database client spans of its calls.
     server: Server,
+    /// Server sessions whose connection broke while a statement of theirs may still be on
+    /// its way to the server (see [`Shard::kill_stranded`]).
+    stranded: std::sync::Mutex<Vec<Stranded>>,
+    /// How many are listed there: read by every statement, the list locked only when not 0.
+    stranded_count: std::sync::atomic::AtomicUsize,
 }
+
+/// A server session that may still run a statement sent before its connection broke: the
+/// statement can sit in a kernel's buffers, or a network's, and reach the server after the
+/// client gave up and retried (or gave its effect back) on another connection. Ended with
+/// `KILL CONNECTION` before any later statement of the shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stranded {
+    /// The Galera node the session is on (0 on a plain shard): its thread id means nothing on
+    /// another node.
+    node: usize,
+    /// The server's thread id of the session.
+    thread: u32,
+}
+
+/// Stranded sessions kept at most: beyond that the oldest are let go (a shard that breaks
+/// that many connections in a row is not answering anything, stranded statements included).
+const MOST_STRANDED: usize = 64;
+
+/// The server's "unknown thread id": the session has ended already.
+const ER_NO_SUCH_THREAD: u16 = 1094;
 
 /// A shard's server as OpenTelemetry's database attributes name it.
 #[derive(Debug)]
@@ -163,7 +189,62 @@ impl Shard {
             pool,
             statement_timeout: config.statement_timeout,
             server,
+            stranded: std::sync::Mutex::new(Vec::new()),
+            stranded_count: std::sync::atomic::AtomicUsize::new(0),
         })
+    }
+
+    /// Ends, from `conn`, every stranded session of its node (see [`Stranded`]), so that a
+    /// statement still on its way to one is never run after this call: not after a retry that
+    /// found its own row, nor after the release that gave its effect back. A session the
+    /// server no longer knows is done with, and so is one it refuses to end (with a warning);
+    /// when the connection fails, the rest stay listed and the error is the try's.
+    async fn kill_stranded(&self, conn: &mut ShardConn) -> mysql_async::Result<()> {
+        // Every try that finds sessions listed ends them itself, each session listed until
+        // one such `KILL` is answered: a try that ran while another try's `KILL` was still on
+        // the wire could otherwise be overtaken by the very statement it is to follow.
+        let node = conn.node();
+        let of_node: Vec<Stranded> = self
+            .stranded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|s| s.node == node)
+            .copied()
+            .collect();
+        for session in of_node {
+            let kill = format!("KILL CONNECTION {}", session.thread);
+            match conn.run(|c| c.query_drop(kill)).await {
+                Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
+                // Refused (a user that may not end it, say): asking again would refuse every
+                // later statement of the shard with it.
+                Err(mysql_async::Error::Server(e)) => {
+                    tracing::warn!(shard = %self.name, thread = session.thread, error = %e, "shardlock could not end a session whose statement may still reach the server")
+                }
+                Err(e) => return Err(e),
+                Ok(()) => {
+                    tracing::debug!(shard = %self.name, thread = session.thread, "shardlock ended a session whose statement may still reach the server")
+                }
+            }
+            let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
+            stranded.retain(|s| *s != session);
+            self.stranded_count
+                .store(stranded.len(), std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Lists `session` as stranded (see [`Stranded`]).
+    fn strand(&self, session: Stranded) {
+        let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
+        if !stranded.contains(&session) {
+            if stranded.len() == MOST_STRANDED {
+                stranded.remove(0);
+            }
+            stranded.push(session);
+        }
+        self.stranded_count
+            .store(stranded.len(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// How long a call to this shard may be slowed for a reason that is not the shard's
@@ -292,6 +373,8 @@ impl Shard {
         // The Galera node of the connection the try runs on (0 on a plain shard), and when the
         // try sent its statement (µs after the call began).
         let node = std::sync::atomic::AtomicUsize::new(0);
+        // The server's thread id of the try's session (0 until connected).
+        let thread = std::sync::atomic::AtomicU32::new(0);
         let began = Instant::now();
         let sent_at = std::sync::atomic::AtomicU64::new(0);
         // Whether an earlier try may have applied: a later try's clean server error (a
@@ -301,9 +384,18 @@ impl Shard {
             // Each try from unsent: only a statement of this try may have reached the server
             // now (`applied_before` remembers earlier ones).
             sent.store(false, std::sync::atomic::Ordering::Relaxed);
+            thread.store(0, std::sync::atomic::Ordering::Relaxed);
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
                 node.store(conn.node(), std::sync::atomic::Ordering::Relaxed);
+                if self
+                    .stranded_count
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    > 0
+                {
+                    self.kill_stranded(&mut conn).await.map_err(classify)?;
+                }
+                thread.store(conn.thread(), std::sync::atomic::Ordering::Relaxed);
                 sent_at.store(
                     began.elapsed().as_micros() as u64,
                     std::sync::atomic::Ordering::Relaxed,
@@ -325,11 +417,14 @@ impl Shard {
             // 1180: a Galera node lost the primary component while committing; the survivors
             // may have applied the write, so its outcome is unknown too.
             let lost = err.code.is_none() && err.kind != BackendErrorKind::Other;
-            err.maybe_applied = applied_before
-                || (sent.load(std::sync::atomic::Ordering::Relaxed)
-                    && (lost || err.code == Some(1180)));
+            let on_wire = sent.load(std::sync::atomic::Ordering::Relaxed);
+            err.maybe_applied = applied_before || (on_wire && (lost || err.code == Some(1180)));
             applied_before = err.maybe_applied;
             let node = node.load(std::sync::atomic::Ordering::Relaxed);
+            let thread = thread.load(std::sync::atomic::Ordering::Relaxed);
+            if on_wire && lost && thread != 0 {
+                self.strand(Stranded { node, thread });
+            }
             let on_node = sent.load(std::sync::atomic::Ordering::Relaxed);
             let manager = self.pool.manager();
             if err.kind == BackendErrorKind::Timeout {

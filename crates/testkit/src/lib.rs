@@ -28,6 +28,6 @@ mod worker;
 pub use certs::TestCerts;
 pub use competitor::Competitor;
 pub use galera::GaleraCluster;
-pub use proxy::{Proxy, ProxyMode};
+pub use proxy::{HeldRequest, Proxy, ProxyMode};
 pub use server::{Cluster, DevCluster, Shard, DATABASE, ROW_WRITES};
 pub use worker::{worker_main, Worker, WORKER_ENV};

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::server::DATABASE;
@@ -41,6 +41,41 @@ pub enum ProxyMode {
     /// Like [`ProxyMode::LoseReplyTo`], but then the link is blackholed (until the mode is
     /// changed), as [`ProxyMode::LoseOneReplyThenBlackhole`] does.
     LoseReplyToThenBlackhole(&'static [u8]),
+    /// The first request (chunk) that contains these bytes is held back and its client's
+    /// connection reset, while the proxy keeps that connection's server side open: the client
+    /// gives up on a statement that is still on its way, as one stuck in a partition's
+    /// retransmissions is. [`Proxy::held`] hands it to the test. Then the proxy passes
+    /// everything.
+    StrandTo(&'static [u8]),
+    /// Like [`ProxyMode::StrandTo`], but then the link is blackholed (until the mode is
+    /// changed), as [`ProxyMode::LoseOneReplyThenBlackhole`] does.
+    StrandToThenBlackhole(&'static [u8]),
+}
+
+/// A request held back by [`ProxyMode::StrandTo`], with its connection's server side.
+#[derive(Debug)]
+pub struct HeldRequest {
+    request: Vec<u8>,
+    thread: u32,
+    server_read: OwnedReadHalf,
+    server_write: OwnedWriteHalf,
+}
+
+impl HeldRequest {
+    /// The server's thread id of the session it was meant for (from the server's greeting).
+    pub fn thread(&self) -> u32 {
+        self.thread
+    }
+
+    /// Sends it on, on the server connection it was meant for. Whether the server ran it:
+    /// `true` when it answered, `false` when it had closed that session instead.
+    pub async fn deliver(mut self) -> bool {
+        if self.server_write.write_all(&self.request).await.is_err() {
+            return false;
+        }
+        let mut reply = [0u8; 1024];
+        matches!(self.server_read.read(&mut reply).await, Ok(n) if n > 0)
+    }
 }
 
 /// A proxy listening on its own loopback port and forwarding to `upstream`. Stops (resetting
@@ -50,6 +85,7 @@ pub struct Proxy {
     port: u16,
     mode: watch::Sender<ProxyMode>,
     accept: JoinHandle<()>,
+    held: tokio::sync::Mutex<mpsc::UnboundedReceiver<HeldRequest>>,
 }
 
 impl Proxy {
@@ -66,12 +102,28 @@ impl Proxy {
         let port = listener.local_addr()?.port();
         let (mode, _) = watch::channel(ProxyMode::Pass);
         let modes = mode.clone();
+        let (hold, held) = mpsc::unbounded_channel();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(serve(client, upstream, modes.clone()));
+                tokio::spawn(serve(client, upstream, modes.clone(), hold.clone()));
             }
         });
-        Ok(Self { port, mode, accept })
+        Ok(Self {
+            port,
+            mode,
+            accept,
+            held: tokio::sync::Mutex::new(held),
+        })
+    }
+
+    /// The next request [`ProxyMode::StrandTo`] holds back, once it does.
+    pub async fn held(&self) -> HeldRequest {
+        self.held
+            .lock()
+            .await
+            .recv()
+            .await
+            .expect("the proxy runs while it is borrowed")
     }
 
     /// The port clients connect to.
@@ -116,10 +168,19 @@ impl Drop for Proxy {
 
 /// One client connection: connect upstream once the link is not blackholed, then pump both
 /// ways until either side closes or the mode says reset.
-async fn serve(client: TcpStream, upstream: SocketAddr, modes: watch::Sender<ProxyMode>) {
+async fn serve(
+    client: TcpStream,
+    upstream: SocketAddr,
+    modes: watch::Sender<ProxyMode>,
+    hold: mpsc::UnboundedSender<HeldRequest>,
+) {
     let mut mode = modes.subscribe();
     // Set when a request this connection forwarded matched `LoseReplyTo`.
     let armed = std::sync::atomic::AtomicBool::new(false);
+    // A request this connection's client sent that `StrandTo` held back.
+    let held = std::sync::Mutex::new(None);
+    // The server's thread id of the session, read off its greeting.
+    let thread = std::sync::atomic::AtomicU32::new(0);
     // Closing with SO_LINGER 0 sends RST: what a reset means, and harmless otherwise. (Tokio
     // deprecates SO_LINGER because a non-zero linger blocks the thread on drop; zero does not.)
     #[allow(deprecated)]
@@ -133,22 +194,62 @@ async fn serve(client: TcpStream, upstream: SocketAddr, modes: watch::Sender<Pro
     #[allow(deprecated)]
     let _ = server.set_linger(Some(Duration::ZERO));
     let _ = (client.set_nodelay(true), server.set_nodelay(true));
-    let (client_read, client_write) = client.into_split();
-    let (server_read, server_write) = server.into_split();
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let requests = Direction::Requests {
+        modes: &modes,
+        held: &held,
+    };
     tokio::select! {
-        _ = pump(client_read, server_write, mode.clone(), None, &armed) => {}
-        _ = pump(server_read, client_write, mode, Some(&modes), &armed) => {}
+        _ = pump(&mut client_read, &mut server_write, mode.clone(), requests, &armed) => {}
+        _ = pump(&mut server_read, &mut client_write, mode, Direction::Replies { modes: &modes, thread: &thread }, &armed) => {}
     }
+    let request = held.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(request) = request {
+        // The client's side is reset as this returns; the server's waits for `deliver`.
+        let _ = hold.send(HeldRequest {
+            request,
+            thread: thread.into_inner(),
+            server_read,
+            server_write,
+        });
+    }
+}
+
+/// Which way a [`pump`] forwards, and what it needs for that.
+#[derive(Clone, Copy)]
+enum Direction<'a> {
+    /// Client to server: the proxy's mode, to end a `StrandTo`, and where its request is held.
+    Requests {
+        modes: &'a watch::Sender<ProxyMode>,
+        held: &'a std::sync::Mutex<Option<Vec<u8>>>,
+    },
+    /// Server to client: the proxy's mode, to end a `LoseOneReply`, and where the session's
+    /// thread id goes once the server's greeting names it.
+    Replies {
+        modes: &'a watch::Sender<ProxyMode>,
+        thread: &'a std::sync::atomic::AtomicU32,
+    },
+}
+
+/// The connection id a server's greeting (protocol 10: a packet header, the version byte, the
+/// server's version ending in NUL, then the id) names; `None` for any other chunk.
+fn greeting_thread(chunk: &[u8]) -> Option<u32> {
+    if chunk.get(4) != Some(&10) {
+        return None;
+    }
+    let version_end = 5 + chunk.get(5..)?.iter().position(|&b| b == 0)?;
+    let id = chunk.get(version_end + 1..version_end + 5)?;
+    Some(u32::from_le_bytes(id.try_into().ok()?))
 }
 
 /// Forwards chunks from `from` to `to` as the mode allows; returns when either side closes or
 /// on reset.
 async fn pump(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
+    from: &mut OwnedReadHalf,
+    to: &mut OwnedWriteHalf,
     mut mode: watch::Receiver<ProxyMode>,
-    // For the replies' direction: the proxy's mode, to end a `LoseOneReply`.
-    replies: Option<&watch::Sender<ProxyMode>>,
+    direction: Direction<'_>,
     armed: &std::sync::atomic::AtomicBool,
 ) -> Option<()> {
     use std::sync::atomic::Ordering::SeqCst;
@@ -164,17 +265,42 @@ async fn pump(
             changed = mode.changed() => { changed.ok()?; continue; }
         };
         let lose = *mode.borrow();
-        match replies {
-            None => {
+        let contains = |pattern: &[u8]| buf[..n].windows(pattern.len()).any(|w| w == pattern);
+        match direction {
+            Direction::Requests { modes, held } => {
                 if let ProxyMode::LoseReplyTo(pattern)
                 | ProxyMode::LoseReplyToThenBlackhole(pattern) = lose
                 {
-                    if buf[..n].windows(pattern.len()).any(|w| w == pattern) {
+                    if contains(pattern) {
                         armed.store(true, SeqCst);
                     }
                 }
+                if let ProxyMode::StrandTo(pattern) | ProxyMode::StrandToThenBlackhole(pattern) =
+                    lose
+                {
+                    if contains(pattern)
+                        && modes.send_if_modified(|m| {
+                            let first = *m == lose;
+                            if first {
+                                *m = match lose {
+                                    ProxyMode::StrandToThenBlackhole(_) => ProxyMode::Blackhole,
+                                    _ => ProxyMode::Pass,
+                                };
+                            }
+                            first
+                        })
+                    {
+                        *held.lock().unwrap_or_else(|e| e.into_inner()) = Some(buf[..n].to_vec());
+                        return None;
+                    }
+                }
             }
-            Some(modes) => {
+            Direction::Replies { modes, thread } => {
+                if thread.load(SeqCst) == 0 {
+                    if let Some(id) = greeting_thread(&buf[..n]) {
+                        thread.store(id, SeqCst);
+                    }
+                }
                 if lose == ProxyMode::LoseReplies {
                     return None; // swallowed; the connection is reset
                 }
@@ -225,7 +351,9 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
         | ProxyMode::LoseOneReply
         | ProxyMode::LoseOneReplyThenBlackhole
         | ProxyMode::LoseReplyTo(_)
-        | ProxyMode::LoseReplyToThenBlackhole(_) => Some(Duration::ZERO),
+        | ProxyMode::LoseReplyToThenBlackhole(_)
+        | ProxyMode::StrandTo(_)
+        | ProxyMode::StrandToThenBlackhole(_) => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
     }
 }
