@@ -252,7 +252,7 @@ async fn a_statement_that_reaches_the_shard_after_its_retry_grants_nothing() {
     );
     guard.release().await.unwrap();
 
-    let ran = proxy.deliver().await;
+    let ran = proxy.held().await.deliver().await;
     let (_, row) = other.inspect("stranded-key").await.unwrap();
     let row = row.expect("the lease's row");
     assert!(
@@ -260,6 +260,58 @@ async fn a_statement_that_reaches_the_shard_after_its_retry_grants_nothing() {
         "the held-back acquire ran after the release: {row:?}"
     );
     assert!(!ran, "the broken connection's session was still open");
+}
+
+/// After a restart the shard's thread ids start over: the id of a session stranded before it
+/// may be another client's by the time the next statement would end it. That session is left
+/// alone (only a session still holding its own lock is ended), whatever it is running.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_given_a_stranded_thread_id_after_a_restart_is_left_alone() {
+    use shardlock::mysql_async::prelude::Queryable;
+    let (cluster, _, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let shard = cluster.shard(0);
+    // Thread ids well above those the restarted server hands out first.
+    for _ in 0..20 {
+        drop(shard.connect().await.unwrap());
+    }
+    let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
+    proxy.set(ProxyMode::StrandToThenBlackhole(b"stranded-key"));
+    let long = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::ZERO);
+    let acquire = tokio::spawn({
+        let router = router.clone();
+        async move { router.try_acquire("stranded-key", long).await }
+    });
+    let stranded = proxy.held().await.thread();
+    shard.restart().await.unwrap();
+    // One session per connection: no switch to the Unix socket, which takes a second id.
+    let tcp_only = format!("{}?prefer_socket=false", shard.url());
+    let mut innocent = None;
+    while innocent.is_none() {
+        let conn = shardlock::mysql_async::Conn::from_url(tcp_only.as_str())
+            .await
+            .unwrap();
+        assert!(conn.id() <= stranded, "no session got thread {stranded}");
+        innocent = Some(conn).filter(|c| c.id() == stranded);
+    }
+    let mut innocent = innocent.unwrap();
+    innocent.query_drop("BEGIN").await.unwrap();
+
+    proxy.set(ProxyMode::Pass);
+    let _ = acquire.await.unwrap();
+    let after = router
+        .acquire("after", AcquireOptions::new())
+        .await
+        .unwrap();
+    after.release().await.unwrap();
+    let alive = innocent
+        .query_first::<u32, _>("SELECT CONNECTION_ID()")
+        .await;
+    assert!(
+        matches!(alive, Ok(Some(id)) if id == stranded),
+        "the session given thread {stranded} after the restart was ended: {alive:?}"
+    );
 }
 
 /// A shard's pool of one connection: a statement prepared once is prepared on the connection

@@ -32,6 +32,43 @@ pub(crate) struct ShardConn {
     generation: u64,
     /// The Galera node it reached (its index in the shard's `nodes`; 0 on a plain shard).
     node: usize,
+    /// Who its server session is, provably (see [`SessionId`]); `None` on a Galera shard, or
+    /// when the server refused the session's lock.
+    session: Option<SessionId>,
+}
+
+/// A server session told apart from every other the server has had: its thread id, and a
+/// user lock (`GET_LOCK`) named by a random token that the session holds from the moment it
+/// is opened (and takes again after each reset). Thread ids start over when the server
+/// restarts, so an id alone may name another process's session by then; the server answers
+/// `IS_USED_LOCK` with this thread's id only while this very session lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SessionId {
+    pub(crate) thread: u32,
+    token: u64,
+}
+
+impl SessionId {
+    /// The name of the session's lock.
+    pub(crate) fn lock_name(&self) -> String {
+        format!("shardlock-session:{:016x}", self.token)
+    }
+
+    /// Takes the session's lock on `conn`: whether the server granted it. A server that
+    /// refuses user locks (some Galera builds do) answers with an error, which means no.
+    async fn take(&self, conn: &mut Conn) -> mysql_async::Result<bool> {
+        let taken: Option<Option<i64>> = match conn
+            .query_first(format!("SELECT GET_LOCK('{}', 0)", self.lock_name()))
+            .await
+        {
+            Err(mysql_async::Error::Server(e)) => {
+                tracing::debug!(error = %e, "the server refused a session lock");
+                None
+            }
+            answer => answer?,
+        };
+        Ok(taken.flatten() == Some(1))
+    }
 }
 
 impl ShardConn {
@@ -40,9 +77,9 @@ impl ShardConn {
         self.node
     }
 
-    /// The server's thread id of the connection's session.
-    pub(crate) fn thread(&self) -> u32 {
-        self.conn.id()
+    /// Who its server session is (see [`SessionId`]).
+    pub(crate) fn session(&self) -> Option<SessionId> {
+        self.session
     }
 
     /// Runs `f` on the connection, tracking whether it completed and whether it broke.
@@ -722,13 +759,24 @@ impl managed::Manager for ShardManager {
         // (the driver's reset, which re-runs the session setup, is kilobytes) would make every
         // pool checkout — so every statement's future, and every future above it — that
         // large, copied whole on each move. (The driver's ping is boxed already.)
-        let (conn, node) = if self.nodes.addresses.is_empty() {
+        let (mut conn, node) = if self.nodes.addresses.is_empty() {
             (Box::pin(self.connect(opts, 0)).await?, 0)
         } else {
             Box::pin(self.connect_node(opts)).await?
         };
         self.kind
             .store(ServerKind::of(&conn) as u8, Ordering::Relaxed);
+        // Only a plain shard's sessions are told apart: a Galera shard's retry may run on
+        // another node, from which a session of this one cannot be ended.
+        let mut session = None;
+        if self.nodes.addresses.is_empty() {
+            use rand::Rng;
+            let id = SessionId {
+                thread: conn.id(),
+                token: rand::rng().random(),
+            };
+            session = Box::pin(id.take(&mut conn)).await?.then_some(id);
+        }
         Ok(ShardConn {
             conn,
             in_flight: false,
@@ -736,6 +784,7 @@ impl managed::Manager for ShardManager {
             broken: false,
             generation,
             node,
+            session,
         })
     }
 
@@ -772,6 +821,10 @@ impl managed::Manager for ShardManager {
                 return Err(RecycleError::message(
                     "server cannot reset sessions; discarded",
                 ));
+            }
+            // The reset freed the session's own lock too.
+            if let Some(id) = c.session {
+                c.session = Box::pin(id.take(&mut c.conn)).await?.then_some(id);
             }
             c.dirty = false;
         } else if metrics.last_used() > self.lifetimes.idle_check {

@@ -22,8 +22,8 @@ use crate::lease::{
 };
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{
-    lock_wait_timeout_secs, session_setup, Lifetimes, SessionConn, ShardConn, ShardManager,
-    ShardPool, GALERA_SYNC_WAIT,
+    lock_wait_timeout_secs, session_setup, Lifetimes, SessionConn, SessionId, ShardConn,
+    ShardManager, ShardPool, GALERA_SYNC_WAIT,
 };
 
 /// A shard: a named MySQL server (or schema) holding lease rows.
@@ -35,27 +35,23 @@ pub struct Shard {
     /// Where the shard is, for the database client spans of its calls.
     server: Server,
     /// Server sessions whose connection broke while a statement of theirs may still be on
-    /// its way to the server (see [`Shard::kill_stranded`]).
+    /// its way to the server (see [`Shard::end_stranded`]), at most `most_stranded`.
     stranded: std::sync::Mutex<Vec<Stranded>>,
+    most_stranded: usize,
     /// How many are listed there: read by every statement, the list locked only when not 0.
     stranded_count: std::sync::atomic::AtomicUsize,
 }
 
 /// A server session that may still run a statement sent before its connection broke: the
 /// statement can sit in a kernel's buffers, or a network's, and reach the server after the
-/// client gave up and retried (or gave its effect back) on another connection. Ended with
-/// `KILL CONNECTION` before any later statement of the shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stranded {
-    /// The Galera node the session is on (0 on a plain shard): its thread id means nothing on
-    /// another node.
-    node: usize,
-    /// The server's thread id of the session.
-    thread: u32,
-}
+/// client gave up and retried (or gave its effect back) on another connection. Ended before
+/// any later statement of the shard (see [`Shard::end_stranded`]). Only sessions told apart
+/// by a [`SessionId`] are listed: a plain shard's.
+type Stranded = SessionId;
 
-/// Stranded sessions kept at most: beyond that the oldest are let go (a shard that breaks
-/// that many connections in a row is not answering anything, stranded statements included).
+/// Stranded sessions kept at least (twice the pool's size when that is more): beyond that the
+/// oldest are let go. Every pooled connection broken with a statement on the wire, twice over,
+/// is a shard that has not answered anything since, stranded statements included.
 const MOST_STRANDED: usize = 64;
 
 /// The server's "unknown thread id": the session has ended already.
@@ -190,40 +186,49 @@ impl Shard {
             statement_timeout: config.statement_timeout,
             server,
             stranded: std::sync::Mutex::new(Vec::new()),
+            most_stranded: MOST_STRANDED.max(2 * config.pool.max_size),
             stranded_count: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
-    /// Ends, from `conn`, every stranded session of its node (see [`Stranded`]), so that a
-    /// statement still on its way to one is never run after this call: not after a retry that
-    /// found its own row, nor after the release that gave its effect back. A session the
-    /// server no longer knows is done with, and so is one it refuses to end (with a warning);
-    /// when the connection fails, the rest stay listed and the error is the try's.
-    async fn kill_stranded(&self, conn: &mut ShardConn) -> mysql_async::Result<()> {
-        // Every try that finds sessions listed ends them itself, each session listed until
-        // one such `KILL` is answered: a try that ran while another try's `KILL` was still on
-        // the wire could otherwise be overtaken by the very statement it is to follow.
-        let node = conn.node();
-        let of_node: Vec<Stranded> = self
+    /// Ends, from `conn`, every stranded session (see [`Stranded`]) and waits until each is
+    /// gone, so that a statement still on its way to one never runs after this returns: not
+    /// after a retry that found its own row, nor after the release that gave its effect back.
+    ///
+    /// A session is ended only while the server says it holds its own lock: after a restart
+    /// its thread id may be another session's, which is left alone. A session the server
+    /// refuses to end (a user that may not) is let go with a warning, since asking again would
+    /// refuse every later statement of the shard; when the connection fails, every session
+    /// stays listed and the error is the try's.
+    async fn end_stranded(&self, conn: &mut ShardConn) -> mysql_async::Result<()> {
+        // Every try that finds sessions listed ends them itself, each listed until one try
+        // has seen it gone: a try that ran while another try's `KILL` was still on the wire,
+        // or its victim still finishing, could be overtaken by the very statement it follows.
+        let listed = self
             .stranded
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|s| s.node == node)
-            .copied()
-            .collect();
-        for session in of_node {
+            .clone();
+        for session in listed {
+            let holder = format!("SELECT IS_USED_LOCK('{}')", session.lock_name());
             let kill = format!("KILL CONNECTION {}", session.thread);
-            match conn.run(|c| c.query_drop(kill)).await {
-                Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
-                // Refused (a user that may not end it, say): asking again would refuse every
-                // later statement of the shard with it.
-                Err(mysql_async::Error::Server(e)) => {
-                    tracing::warn!(shard = %self.name, thread = session.thread, error = %e, "shardlock could not end a session whose statement may still reach the server")
+            loop {
+                let held_by: Option<Option<u64>> =
+                    conn.run(|c| c.query_first(holder.as_str())).await?;
+                if held_by.flatten() != Some(u64::from(session.thread)) {
+                    break;
                 }
-                Err(e) => return Err(e),
-                Ok(()) => {
-                    tracing::debug!(shard = %self.name, thread = session.thread, "shardlock ended a session whose statement may still reach the server")
+                match conn.run(|c| c.query_drop(kill.as_str())).await {
+                    // Gone between the two statements, or ending: asked again above.
+                    Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
+                    Err(mysql_async::Error::Server(e)) => {
+                        tracing::warn!(shard = %self.name, thread = session.thread, error = %e, "shardlock could not end a session whose statement may still reach the server");
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                    // The session ends a moment after it is told to (its statement, if one
+                    // is running, rolled back or committed first).
+                    Ok(()) => tokio::time::sleep(Duration::from_millis(1)).await,
                 }
             }
             let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
@@ -238,7 +243,7 @@ impl Shard {
     fn strand(&self, session: Stranded) {
         let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
         if !stranded.contains(&session) {
-            if stranded.len() == MOST_STRANDED {
+            if stranded.len() == self.most_stranded {
                 stranded.remove(0);
             }
             stranded.push(session);
@@ -373,8 +378,8 @@ impl Shard {
         // The Galera node of the connection the try runs on (0 on a plain shard), and when the
         // try sent its statement (µs after the call began).
         let node = std::sync::atomic::AtomicUsize::new(0);
-        // The server's thread id of the try's session (0 until connected).
-        let thread = std::sync::atomic::AtomicU32::new(0);
+        // Who the try's server session is, once the try has a connection (see [`Stranded`]).
+        let session = std::sync::Mutex::new(None);
         let began = Instant::now();
         let sent_at = std::sync::atomic::AtomicU64::new(0);
         // Whether an earlier try may have applied: a later try's clean server error (a
@@ -384,7 +389,7 @@ impl Shard {
             // Each try from unsent: only a statement of this try may have reached the server
             // now (`applied_before` remembers earlier ones).
             sent.store(false, std::sync::atomic::Ordering::Relaxed);
-            thread.store(0, std::sync::atomic::Ordering::Relaxed);
+            *session.lock().unwrap_or_else(|e| e.into_inner()) = None;
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
                 node.store(conn.node(), std::sync::atomic::Ordering::Relaxed);
@@ -393,9 +398,9 @@ impl Shard {
                     .load(std::sync::atomic::Ordering::Relaxed)
                     > 0
                 {
-                    self.kill_stranded(&mut conn).await.map_err(classify)?;
+                    self.end_stranded(&mut conn).await.map_err(classify)?;
                 }
-                thread.store(conn.thread(), std::sync::atomic::Ordering::Relaxed);
+                *session.lock().unwrap_or_else(|e| e.into_inner()) = conn.session();
                 sent_at.store(
                     began.elapsed().as_micros() as u64,
                     std::sync::atomic::Ordering::Relaxed,
@@ -421,9 +426,9 @@ impl Shard {
             err.maybe_applied = applied_before || (on_wire && (lost || err.code == Some(1180)));
             applied_before = err.maybe_applied;
             let node = node.load(std::sync::atomic::Ordering::Relaxed);
-            let thread = thread.load(std::sync::atomic::Ordering::Relaxed);
-            if on_wire && lost && thread != 0 {
-                self.strand(Stranded { node, thread });
+            let session = *session.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(session) = session.filter(|_| on_wire && lost) {
+                self.strand(session);
             }
             let on_node = sent.load(std::sync::atomic::Ordering::Relaxed);
             let manager = self.pool.manager();
