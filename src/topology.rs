@@ -137,7 +137,10 @@ impl Topology {
                 shards.push(same.clone());
                 continue;
             }
-            let shard = Shard::new(sc, i).map_err(|e| locate(e, source))?;
+            let mut shard = Shard::new(sc, i).map_err(|e| locate(e, source))?;
+            if let Some(old) = reuse.iter().find(|s| s.name() == sc.name) {
+                shard = shard.with_stranded_of(old.unguarded());
+            }
             let state = ShardState::new(shard, sc.clone(), config.breaker.clone(), shared.clone());
             spawn_keeper(&state, shared.closed.subscribe());
             shards.push(state);

@@ -235,13 +235,20 @@ async fn a_move_given_up_after_a_lost_reply_gives_its_row_back_once_the_shard_an
 
 /// An acquire whose connection broke while its statement was still on its way to the shard
 /// (held in a partition's retransmissions, say) is retried on another connection and granted.
-/// The broken connection's session is ended first, so that the statement, reaching the shard
-/// after the lease was released, grants nothing: the key is not left held by nobody for the
-/// lease's ttl.
+/// The broken connection's session (one reset since it opened) is ended first, so that the
+/// statement, reaching the shard after the lease was released, grants nothing: the key is not
+/// left held by nobody for the lease's ttl.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_statement_that_reaches_the_shard_after_its_retry_grants_nothing() {
     let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
+    // The pool's one connection lent for a transaction and reset since: its session took its
+    // lock again.
+    let tx = router
+        .lock_in_transaction("tx", Duration::from_secs(5))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
     proxy.set(ProxyMode::StrandTo(b"stranded-key"));
     let long = AcquireOptions::new().ttl(Duration::from_secs(60));
     let guard = router.acquire("stranded-key", long).await.unwrap();
@@ -284,6 +291,12 @@ async fn a_session_given_a_stranded_thread_id_after_a_restart_is_left_alone() {
         async move { router.try_acquire("stranded-key", long).await }
     });
     let stranded = proxy.held().await.thread();
+    let listed = |router: LockRouter| async move { router.status().await[0].pool.stranded };
+    assert_eq!(
+        listed(router.clone()).await,
+        1,
+        "the session was not listed"
+    );
     shard.restart().await.unwrap();
     // One session per connection: no switch to the Unix socket, which takes a second id.
     let tcp_only = format!("{}?prefer_socket=false", shard.url());
@@ -305,6 +318,11 @@ async fn a_session_given_a_stranded_thread_id_after_a_restart_is_left_alone() {
         .await
         .unwrap();
     after.release().await.unwrap();
+    assert_eq!(
+        listed(router.clone()).await,
+        0,
+        "the session was not looked up"
+    );
     let alive = innocent
         .query_first::<u32, _>("SELECT CONNECTION_ID()")
         .await;

@@ -31,7 +31,7 @@
 //! | `shardlock_acquire_statements_total`, `shardlock_acquire_batches_total`, `shardlock_acquire_batched_total`, `shardlock_release_batches_total`, `shardlock_release_batched_total` | counter | instance |
 //! | `shardlock_batches` | gauge: the dispatcher | instance, shard, state (in_flight, waiting) |
 //! | `shardlock_breaker_state` | gauge: 1 for the state the breaker is in, 0 for the others | instance, shard, state (closed, half_open, open) |
-//! | `shardlock_pool_connections_max`, `_open`, `_idle`, `shardlock_pool_requests_pending` | gauge | instance, shard |
+//! | `shardlock_pool_connections_max`, `_open`, `_idle`, `shardlock_pool_requests_pending`, `shardlock_pool_sessions_stranded` | gauge | instance, shard |
 //! | `shardlock_cleaner_deleted_total` | counter | shard, reason (released, abandoned) |
 //! | `shardlock_hot_key_wait_seconds` | gauge: wait over the hot-key window, top keys | instance, key |
 //!

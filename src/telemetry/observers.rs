@@ -135,7 +135,7 @@ where
         },
     );
     type ReadPool = fn(&PoolStatus) -> usize;
-    let pool: [(&'static str, &'static str, ReadPool); 4] = [
+    let pool: [(&'static str, &'static str, ReadPool); 5] = [
         (
             "shardlock.pool.connections.max",
             "Most connections the shard's pool opens",
@@ -155,6 +155,11 @@ where
             "shardlock.pool.requests.pending",
             "Callers waiting for a connection to the shard",
             |p| p.waiting,
+        ),
+        (
+            "shardlock.pool.sessions.stranded",
+            "Sessions whose statement may still reach the shard, to end before its next statement",
+            |p| p.stranded,
         ),
     ];
     for (name, description, read) in pool {
@@ -238,6 +243,7 @@ mod tests {
     fn router() -> RouterSnapshot {
         let mut pool = PoolStatus::default();
         (pool.max_size, pool.size, pool.available, pool.waiting) = (8, 3, 2, 1);
+        pool.stranded = 4;
         RouterSnapshot {
             instance_id: "observed-1".to_owned(),
             stats: LockStats {
@@ -325,6 +331,7 @@ mod tests {
         assert_eq!(metric("shardlock_pool_connections_open", &[s1]), 3.0);
         assert_eq!(metric("shardlock_pool_connections_idle", &[s1]), 2.0);
         assert_eq!(metric("shardlock_pool_requests_pending", &[s1]), 1.0);
+        assert_eq!(metric("shardlock_pool_sessions_stranded", &[s1]), 4.0);
         let hot = [r#"shardlock_key="k""#];
         assert_eq!(metric("shardlock_hot_key_wait_seconds", &hot), 1.5);
         assert!(!text.contains("rank="), "{text}");

@@ -50,7 +50,7 @@ pub(crate) fn status(
                     "local_fallback_leases": s.local_fallback_leases,
                     "batch_waiting": s.batch_waiting,
                     "batches_in_flight": s.batches_in_flight,
-                    "pool": {"max_size": s.pool.max_size, "size": s.pool.size, "available": s.pool.available, "waiting": s.pool.waiting},
+                    "pool": {"max_size": s.pool.max_size, "size": s.pool.size, "available": s.pool.available, "waiting": s.pool.waiting, "stranded": s.pool.stranded},
                 })
             })
             .collect();
@@ -80,10 +80,13 @@ pub(crate) fn status(
     );
     for s in status {
         let held = s.held_leases.map_or("-".to_owned(), |n| n.to_string());
-        let pool = format!(
+        let mut pool = format!(
             "{}/{}/{} (max {})",
             s.pool.size, s.pool.available, s.pool.waiting, s.pool.max_size
         );
+        if s.pool.stranded > 0 {
+            pool.push_str(&format!(", {} stranded", s.pool.stranded));
+        }
         let name = if s.current {
             s.name.clone()
         } else {

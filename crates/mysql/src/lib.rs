@@ -16,6 +16,7 @@ mod migrate;
 mod patterns;
 mod pool;
 mod shard;
+mod stranded;
 mod tls;
 
 pub use batch::{BatchGrants, MAX_BATCH};

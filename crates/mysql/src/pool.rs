@@ -46,35 +46,98 @@ pub(crate) struct ShardConn {
 pub(crate) struct SessionId {
     pub(crate) thread: u32,
     token: u64,
+    /// The server the session is on (a hash of its `@@hostname` and `@@port`): only that
+    /// server can say whether the session lives.
+    pub(crate) server: u64,
 }
 
 impl SessionId {
-    /// The name of the session's lock.
-    pub(crate) fn lock_name(&self) -> String {
-        format!("shardlock-session:{:016x}", self.token)
+    /// Tells apart the session of `conn`, new: takes its lock and reads which server and
+    /// thread answer. Why not, when it cannot be: the server refused user locks (some Galera
+    /// builds do); it is a Galera node (a retry may run on another node, from which a session
+    /// of this one cannot be ended); or the thread that answers is not the one the server
+    /// greeted the connection with (a proxy such as ProxySQL in between).
+    async fn open(conn: &mut Conn, kind: ServerKind) -> mysql_async::Result<Result<Self, String>> {
+        use rand::Rng;
+        let token = rand::rng().random();
+        // Only MariaDB has the variable (MySQL's Galera builds are not supported shards).
+        let galera = if kind == ServerKind::Mariadb {
+            "@@wsrep_on"
+        } else {
+            "0"
+        };
+        let probe = format!(
+            "SELECT GET_LOCK('{}', 0), CONNECTION_ID(), @@hostname, @@port, {galera}",
+            lock_name(token)
+        );
+        let row: mysql_async::Row = match conn.query_first(probe).await {
+            Err(mysql_async::Error::Server(e)) => return Ok(Err(e.to_string())),
+            answer => match answer? {
+                Some(row) => row,
+                None => return Ok(Err("no answer to the session probe".into())),
+            },
+        };
+        let number = |i: usize| {
+            row.get_opt::<Option<u64>, _>(i)
+                .and_then(Result::ok)
+                .flatten()
+        };
+        let (taken, thread, port, galera) = (number(0), number(1), number(3), number(4));
+        let host: Option<String> = row.get_opt(2).and_then(Result::ok).flatten();
+        if taken != Some(1) {
+            return Ok(Err("the server did not grant a session lock".into()));
+        }
+        if galera != Some(0) {
+            return Ok(Err("a Galera node (wsrep_on)".into()));
+        }
+        if thread != Some(u64::from(conn.id())) {
+            return Ok(Err(format!(
+                "the session is thread {thread:?}, the greeting said {}: a proxy in between",
+                conn.id()
+            )));
+        }
+        let server = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            (host, port).hash(&mut hasher);
+            hasher.finish()
+        };
+        Ok(Ok(Self {
+            thread: conn.id(),
+            token,
+            server,
+        }))
     }
 
-    /// Takes the session's lock on `conn`: whether the server granted it. A server that
-    /// refuses user locks (some Galera builds do) answers with an error, which means no.
-    async fn take(&self, conn: &mut Conn) -> mysql_async::Result<bool> {
-        let taken: Option<Option<i64>> = match conn
+    /// Takes the session's lock again on `conn`, after a reset freed it: whether the server
+    /// granted it.
+    async fn take_again(&self, conn: &mut Conn) -> mysql_async::Result<bool> {
+        let taken: Option<Option<i64>> = conn
             .query_first(format!("SELECT GET_LOCK('{}', 0)", self.lock_name()))
-            .await
-        {
-            Err(mysql_async::Error::Server(e)) => {
-                tracing::debug!(error = %e, "the server refused a session lock");
-                None
-            }
-            answer => answer?,
-        };
+            .await?;
         Ok(taken.flatten() == Some(1))
     }
+
+    /// The name of the session's lock.
+    pub(crate) fn lock_name(&self) -> String {
+        lock_name(self.token)
+    }
+}
+
+/// The name of a session's lock (see [`SessionId`]).
+fn lock_name(token: u64) -> String {
+    format!("shardlock-session:{token:016x}")
 }
 
 impl ShardConn {
     /// The Galera node this connection reached (0 on a plain shard).
     pub(crate) fn node(&self) -> usize {
         self.node
+    }
+
+    /// Whether an error left it unusable: it is discarded when it comes back.
+    pub(crate) fn is_broken(&self) -> bool {
+        self.broken
     }
 
     /// Who its server session is (see [`SessionId`]).
@@ -176,6 +239,9 @@ pub(crate) struct Lifetimes {
 /// deadpool's manager for one shard.
 pub(crate) struct ShardManager {
     opts: Opts,
+    /// Set once a connection's session could not be told apart (see [`SessionId::open`]):
+    /// warned about once.
+    unguarded_warned: std::sync::atomic::AtomicBool,
     lifetimes: Lifetimes,
     /// Read again for every new connection, so a rotated secret takes effect without a reload.
     password_file: Option<PathBuf>,
@@ -547,6 +613,7 @@ impl ShardManager {
     pub(crate) fn new(opts: Opts, lifetimes: Lifetimes, password_file: Option<PathBuf>) -> Self {
         Self {
             opts,
+            unguarded_warned: Default::default(),
             lifetimes,
             password_file,
             generation: AtomicU64::new(0),
@@ -770,12 +837,15 @@ impl managed::Manager for ShardManager {
         // another node, from which a session of this one cannot be ended.
         let mut session = None;
         if self.nodes.addresses.is_empty() {
-            use rand::Rng;
-            let id = SessionId {
-                thread: conn.id(),
-                token: rand::rng().random(),
-            };
-            session = Box::pin(id.take(&mut conn)).await?.then_some(id);
+            let kind = ServerKind::of(&conn);
+            match Box::pin(SessionId::open(&mut conn, kind)).await? {
+                Ok(id) => session = Some(id),
+                Err(why) if !self.unguarded_warned.swap(true, Ordering::Relaxed) => {
+                    let (host, port) = (self.opts.ip_or_hostname(), self.opts.tcp_port());
+                    tracing::warn!(server = %format!("{host}:{port}"), %why, "shardlock cannot tell this shard's sessions apart: a statement whose connection breaks while it is still on its way may run after its retry");
+                }
+                Err(_) => {}
+            }
         }
         Ok(ShardConn {
             conn,
@@ -822,9 +892,14 @@ impl managed::Manager for ShardManager {
                     "server cannot reset sessions; discarded",
                 ));
             }
-            // The reset freed the session's own lock too.
+            // The reset freed the session's own lock too. A session that cannot take it again
+            // could not be looked up if it were stranded: discarded.
             if let Some(id) = c.session {
-                c.session = Box::pin(id.take(&mut c.conn)).await?.then_some(id);
+                if !Box::pin(id.take_again(&mut c.conn)).await? {
+                    return Err(RecycleError::message(
+                        "session lock not taken again after a reset; discarded",
+                    ));
+                }
             }
             c.dirty = false;
         } else if metrics.last_used() > self.lifetimes.idle_check {

@@ -1,10 +1,10 @@
 //! One shard: its pool, its statement timeout, and the lease operations on it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool::Runtime;
 use futures_util::future::BoxFuture;
-use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, OptsBuilder};
 use rand::Rng;
 use shardlock_core::config::ShardConfig;
@@ -25,6 +25,7 @@ use crate::pool::{
     lock_wait_timeout_secs, session_setup, Lifetimes, SessionConn, SessionId, ShardConn,
     ShardManager, ShardPool, GALERA_SYNC_WAIT,
 };
+use crate::stranded::{StrandedSessions, MOST_STRANDED};
 
 /// A shard: a named MySQL server (or schema) holding lease rows.
 #[derive(Debug)]
@@ -34,28 +35,44 @@ pub struct Shard {
     statement_timeout: Duration,
     /// Where the shard is, for the database client spans of its calls.
     server: Server,
-    /// Server sessions whose connection broke while a statement of theirs may still be on
-    /// its way to the server (see [`Shard::end_stranded`]), at most `most_stranded`.
-    stranded: std::sync::Mutex<Vec<Stranded>>,
+    /// Sessions whose statement may still be on its way to the server (see
+    /// [`crate::stranded`]), at most `most_stranded`.
+    stranded: Arc<StrandedSessions>,
     most_stranded: usize,
-    /// How many are listed there: read by every statement, the list locked only when not 0.
-    stranded_count: std::sync::atomic::AtomicUsize,
 }
 
-/// A server session that may still run a statement sent before its connection broke: the
-/// statement can sit in a kernel's buffers, or a network's, and reach the server after the
-/// client gave up and retried (or gave its effect back) on another connection. Ended before
-/// any later statement of the shard (see [`Shard::end_stranded`]). Only sessions told apart
-/// by a [`SessionId`] are listed: a plain shard's.
-type Stranded = SessionId;
+/// A try's statement on the wire: its session is listed as stranded if the try is dropped
+/// before the answer (a timeout, or a caller gone) or the answer is lost. Either way the pool
+/// discards the connection (mid-statement, or broken), so no later try ends a session in use.
+struct OnTheWire<'a> {
+    shard: &'a Shard,
+    session: Option<SessionId>,
+}
 
-/// Stranded sessions kept at least (twice the pool's size when that is more): beyond that the
-/// oldest are let go. Every pooled connection broken with a statement on the wire, twice over,
-/// is a shard that has not answered anything since, stranded statements included.
-const MOST_STRANDED: usize = 64;
+impl OnTheWire<'_> {
+    /// The try ended: `lost` when its outcome is unknown.
+    fn answered(mut self, lost: bool) {
+        let session = self.session.take();
+        if let Some(session) = session.filter(|_| lost) {
+            self.shard.strand(session);
+        }
+    }
+}
 
-/// The server's "unknown thread id": the session has ended already.
-const ER_NO_SUCH_THREAD: u16 = 1094;
+impl Drop for OnTheWire<'_> {
+    fn drop(&mut self) {
+        if let Some(session) = self.session.take() {
+            self.shard.strand(session);
+        }
+    }
+}
+
+/// Whether a try's error leaves its outcome unknown, the statement sent: a broken connection
+/// or a timeout. A server's error reply means the statement did nothing, and `Other` is a
+/// reply read and refused here (an acquire that found no fence floor wrote nothing).
+fn is_lost(err: &BackendError) -> bool {
+    err.code.is_none() && err.kind != BackendErrorKind::Other
+}
 
 /// A shard's server as OpenTelemetry's database attributes name it.
 #[derive(Debug)]
@@ -77,6 +94,10 @@ pub struct PoolStatus {
     pub available: usize,
     /// Callers waiting for a connection.
     pub waiting: usize,
+    /// Sessions whose statement may still reach the server, ended before the shard's next
+    /// statement (see [`Shard`]): a connection broke, or timed out, with a statement on the
+    /// wire, and no statement has looked them up since.
+    pub stranded: usize,
 }
 
 /// The shard's password from `password` or `password-file`, if either is given. The file is
@@ -185,71 +206,23 @@ impl Shard {
             pool,
             statement_timeout: config.statement_timeout,
             server,
-            stranded: std::sync::Mutex::new(Vec::new()),
+            stranded: Default::default(),
             most_stranded: MOST_STRANDED.max(2 * config.pool.max_size),
-            stranded_count: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
-    /// Ends, from `conn`, every stranded session (see [`Stranded`]) and waits until each is
-    /// gone, so that a statement still on its way to one never runs after this returns: not
-    /// after a retry that found its own row, nor after the release that gave its effect back.
-    ///
-    /// A session is ended only while the server says it holds its own lock: after a restart
-    /// its thread id may be another session's, which is left alone. A session the server
-    /// refuses to end (a user that may not) is let go with a warning, since asking again would
-    /// refuse every later statement of the shard; when the connection fails, every session
-    /// stays listed and the error is the try's.
-    async fn end_stranded(&self, conn: &mut ShardConn) -> mysql_async::Result<()> {
-        // Every try that finds sessions listed ends them itself, each listed until one try
-        // has seen it gone: a try that ran while another try's `KILL` was still on the wire,
-        // or its victim still finishing, could be overtaken by the very statement it follows.
-        let listed = self
-            .stranded
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        for session in listed {
-            let holder = format!("SELECT IS_USED_LOCK('{}')", session.lock_name());
-            let kill = format!("KILL CONNECTION {}", session.thread);
-            loop {
-                let held_by: Option<Option<u64>> =
-                    conn.run(|c| c.query_first(holder.as_str())).await?;
-                if held_by.flatten() != Some(u64::from(session.thread)) {
-                    break;
-                }
-                match conn.run(|c| c.query_drop(kill.as_str())).await {
-                    // Gone between the two statements, or ending: asked again above.
-                    Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
-                    Err(mysql_async::Error::Server(e)) => {
-                        tracing::warn!(shard = %self.name, thread = session.thread, error = %e, "shardlock could not end a session whose statement may still reach the server");
-                        break;
-                    }
-                    Err(e) => return Err(e),
-                    // The session ends a moment after it is told to (its statement, if one
-                    // is running, rolled back or committed first).
-                    Ok(()) => tokio::time::sleep(Duration::from_millis(1)).await,
-                }
-            }
-            let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
-            stranded.retain(|s| *s != session);
-            self.stranded_count
-                .store(stranded.len(), std::sync::atomic::Ordering::Relaxed);
-        }
-        Ok(())
+    /// This shard, replacing `old` in a reload, with the sessions `old` has stranded: its pool
+    /// closes, but a statement on its way to one of them may still reach the server, and `old`
+    /// keeps serving calls that began before the reload.
+    pub fn with_stranded_of(mut self, old: &Shard) -> Self {
+        self.stranded = old.stranded.clone();
+        self
     }
 
-    /// Lists `session` as stranded (see [`Stranded`]).
-    fn strand(&self, session: Stranded) {
-        let mut stranded = self.stranded.lock().unwrap_or_else(|e| e.into_inner());
-        if !stranded.contains(&session) {
-            if stranded.len() == self.most_stranded {
-                stranded.remove(0);
-            }
-            stranded.push(session);
-        }
-        self.stranded_count
-            .store(stranded.len(), std::sync::atomic::Ordering::Relaxed);
+    /// Lists `session` as stranded (see [`crate::stranded`]).
+    fn strand(&self, session: SessionId) {
+        self.stranded
+            .strand(&self.name, session, self.most_stranded);
     }
 
     /// How long a call to this shard may be slowed for a reason that is not the shard's
@@ -378,8 +351,6 @@ impl Shard {
         // The Galera node of the connection the try runs on (0 on a plain shard), and when the
         // try sent its statement (µs after the call began).
         let node = std::sync::atomic::AtomicUsize::new(0);
-        // Who the try's server session is, once the try has a connection (see [`Stranded`]).
-        let session = std::sync::Mutex::new(None);
         let began = Instant::now();
         let sent_at = std::sync::atomic::AtomicU64::new(0);
         // Whether an earlier try may have applied: a later try's clean server error (a
@@ -389,24 +360,31 @@ impl Shard {
             // Each try from unsent: only a statement of this try may have reached the server
             // now (`applied_before` remembers earlier ones).
             sent.store(false, std::sync::atomic::Ordering::Relaxed);
-            *session.lock().unwrap_or_else(|e| e.into_inner()) = None;
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
                 node.store(conn.node(), std::sync::atomic::Ordering::Relaxed);
-                if self
-                    .stranded_count
-                    .load(std::sync::atomic::Ordering::Relaxed)
-                    > 0
-                {
-                    self.end_stranded(&mut conn).await.map_err(classify)?;
+                if self.stranded.any() {
+                    // Bounded by the try's deadline; a session still there two statement
+                    // timeouts after it was ended is let go.
+                    let killed_for = 2 * self.statement_timeout;
+                    self.stranded
+                        .end(&self.name, &mut conn, killed_for)
+                        .await
+                        .map_err(classify)?;
                 }
-                *session.lock().unwrap_or_else(|e| e.into_inner()) = conn.session();
                 sent_at.store(
                     began.elapsed().as_micros() as u64,
                     std::sync::atomic::Ordering::Relaxed,
                 );
                 sent.store(true, std::sync::atomic::Ordering::Relaxed);
-                conn.run(|c| f(c, args)).await.map_err(classify)
+                let on_wire = OnTheWire {
+                    shard: self,
+                    session: conn.session(),
+                };
+                let answer = conn.run(|c| f(c, args)).await.map_err(classify);
+                // A connection still usable was answered: nothing of it is left on the way.
+                on_wire.answered(answer.as_ref().is_err_and(is_lost) && conn.is_broken());
+                answer
             })
             .await;
             let mut err = match attempt {
@@ -421,15 +399,11 @@ impl Shard {
             // (an acquire that found no fence floor wrote nothing), not a lost one.
             // 1180: a Galera node lost the primary component while committing; the survivors
             // may have applied the write, so its outcome is unknown too.
-            let lost = err.code.is_none() && err.kind != BackendErrorKind::Other;
+            let lost = is_lost(&err);
             let on_wire = sent.load(std::sync::atomic::Ordering::Relaxed);
             err.maybe_applied = applied_before || (on_wire && (lost || err.code == Some(1180)));
             applied_before = err.maybe_applied;
             let node = node.load(std::sync::atomic::Ordering::Relaxed);
-            let session = *session.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(session) = session.filter(|_| on_wire && lost) {
-                self.strand(session);
-            }
             let on_node = sent.load(std::sync::atomic::Ordering::Relaxed);
             let manager = self.pool.manager();
             if err.kind == BackendErrorKind::Timeout {
@@ -1004,6 +978,7 @@ impl Shard {
             size: s.size,
             available: s.available,
             waiting: s.waiting,
+            stranded: self.stranded.count(),
         }
     }
 

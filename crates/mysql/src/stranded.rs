@@ -1,0 +1,195 @@
+//! Server sessions that may still run a statement sent before their connection broke: the
+//! statement can sit in a kernel's buffers, or a network's, and reach the server after the
+//! client gave up and retried (or gave its effect back) on another connection. A retry that
+//! found its own row is followed by a release; the late statement would then grant the key
+//! again, to an owner nobody holds. So a shard lists such sessions, and its next statement
+//! first ends them and waits until they are gone.
+//!
+//! Only sessions told apart by a [`SessionId`] are listed: a plain shard's, each holding its
+//! own lock, so that a thread id that names another client's session after a restart is
+//! never ended.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use mysql_async::prelude::Queryable;
+
+use crate::pool::{SessionId, ShardConn};
+
+/// The server's "unknown thread id": the session has ended already.
+const ER_NO_SUCH_THREAD: u16 = 1094;
+
+/// Stranded sessions kept at least (twice the pool's size when that is more): beyond that the
+/// oldest are let go. Every pooled connection broken with a statement on the wire, twice over,
+/// is a shard that has not answered anything since, stranded statements included.
+pub(crate) const MOST_STRANDED: usize = 64;
+
+/// How long a session stays listed when no connection to its server comes to look it up (the
+/// shard's address moved to another server: a failover). A statement still in transit is
+/// retransmitted for about a quarter of an hour at most (Linux's `tcp_retries2` default).
+const LISTED_AT_MOST: Duration = Duration::from_secs(20 * 60);
+
+/// One listed session.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    session: SessionId,
+    listed: Instant,
+    /// When a `KILL` of it was first answered.
+    killed: Option<Instant>,
+}
+
+/// The sessions a shard lists as stranded. Shared with the shard that replaces it in a
+/// reload, whose pool reaches the same server.
+#[derive(Debug, Default)]
+pub(crate) struct StrandedSessions {
+    list: Mutex<Vec<Entry>>,
+    /// How many are listed: read by every statement, the list locked only when not 0.
+    count: AtomicUsize,
+}
+
+impl StrandedSessions {
+    /// Whether any session is listed.
+    pub(crate) fn any(&self) -> bool {
+        self.count() > 0
+    }
+
+    /// How many sessions are listed.
+    pub(crate) fn count(&self) -> usize {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Lists `session`, keeping at most `most` (the oldest let go, with a warning).
+    pub(crate) fn strand(&self, shard: &str, session: SessionId, most: usize) {
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        if !list.iter().any(|e| e.session == session) {
+            if list.len() >= most {
+                tracing::warn!(shard, listed = list.len(), "shardlock let go of the oldest session whose statement may still reach the server");
+                list.remove(0);
+            }
+            list.push(Entry {
+                session,
+                listed: Instant::now(),
+                killed: None,
+            });
+        }
+        self.count.store(list.len(), Ordering::Relaxed);
+    }
+
+    /// Ends, from `conn`, every listed session of its server and waits until each is gone, so
+    /// that a statement still on its way to one never runs after this returns: not after a
+    /// retry that found its own row, nor after the release that gave its effect back.
+    ///
+    /// A session is ended only while the server says it holds its own lock. Sessions of
+    /// another server stay listed for a connection to theirs, for [`LISTED_AT_MOST`]. Let go
+    /// with a warning, since waiting on would fail every later statement of the shard: a
+    /// session the server refuses to end (a user that may not) or to look up, and one still
+    /// there `killed_for` after it was ended. When the connection fails, every session stays
+    /// listed and the error is the try's.
+    pub(crate) async fn end(
+        &self,
+        shard: &str,
+        conn: &mut ShardConn,
+        killed_for: Duration,
+    ) -> mysql_async::Result<()> {
+        // A connection whose session could not be told apart cannot look any up either.
+        let Some(here) = conn.session().map(|s| s.server) else {
+            return Ok(());
+        };
+        // Every try that finds sessions listed ends them itself, each listed until one try
+        // has seen it gone: a try that ran while another try's `KILL` was still on the wire,
+        // or its victim still finishing, could be overtaken by the very statement it follows.
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let now = Instant::now();
+            let (stale, listed): (Vec<Entry>, Vec<Entry>) = self
+                .list
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .partition(|e| {
+                    now - e.listed > LISTED_AT_MOST
+                        || e.killed.is_some_and(|at| now - at > killed_for)
+                });
+            if !stale.is_empty() {
+                tracing::warn!(shard, sessions = stale.len(), "shardlock let go of sessions whose statements may still reach the server: not looked up, or not gone after being ended");
+                self.forget(stale.iter().map(|e| e.session));
+            }
+            let there: Vec<Entry> = listed
+                .into_iter()
+                .filter(|e| e.session.server == here)
+                .collect();
+            if there.is_empty() {
+                return Ok(());
+            }
+            let holders: Vec<String> = there
+                .iter()
+                .map(|e| format!("IS_USED_LOCK('{}')", e.session.lock_name()))
+                .collect();
+            let probe = format!("SELECT {}", holders.join(", "));
+            let row: Option<mysql_async::Row> = match conn
+                .run(|c| c.query_first(probe.as_str()))
+                .await
+            {
+                Err(mysql_async::Error::Server(e)) => {
+                    tracing::warn!(shard, error = %e, "shardlock could not look up sessions whose statements may still reach the server");
+                    self.forget(there.iter().map(|e| e.session));
+                    return Ok(());
+                }
+                answer => answer?,
+            };
+            let holder = |i: usize| {
+                row.as_ref()
+                    .and_then(|r| r.get_opt::<Option<u64>, _>(i))
+                    .and_then(Result::ok)
+                    .flatten()
+            };
+            let (alive, gone): (Vec<_>, Vec<_>) = there
+                .iter()
+                .enumerate()
+                .partition(|&(i, e)| holder(i) == Some(u64::from(e.session.thread)));
+            self.forget(gone.into_iter().map(|(_, e)| e.session));
+            if alive.is_empty() {
+                return Ok(());
+            }
+            for (_, entry) in alive.into_iter().filter(|(_, e)| e.killed.is_none()) {
+                let thread = entry.session.thread;
+                match conn
+                    .run(|c| c.query_drop(format!("KILL CONNECTION {thread}")))
+                    .await
+                {
+                    // Gone since the look-up: seen so by the next one.
+                    Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
+                    Err(mysql_async::Error::Server(e)) => {
+                        tracing::warn!(shard, thread, error = %e, "shardlock could not end a session whose statement may still reach the server");
+                        self.forget([entry.session]);
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                    Ok(()) => {}
+                }
+                self.killed(entry.session);
+            }
+            // A session ends a moment after it is told to: its statement, if one is running,
+            // rolled back or committed first.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
+    }
+
+    /// Takes `sessions` off the list.
+    fn forget(&self, sessions: impl IntoIterator<Item = SessionId>) {
+        let sessions: Vec<SessionId> = sessions.into_iter().collect();
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        list.retain(|e| !sessions.contains(&e.session));
+        self.count.store(list.len(), Ordering::Relaxed);
+    }
+
+    /// A `KILL` of `session` was answered.
+    fn killed(&self, session: SessionId) {
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = list.iter_mut().find(|e| e.session == session) {
+            entry.killed.get_or_insert_with(Instant::now);
+        }
+    }
+}
