@@ -612,7 +612,8 @@ fn keep_lock_identities(old: &Config, next: &Config) -> Result<()> {
 }
 
 /// Closes the pool of a shard that left the topology, once its move window has passed and no
-/// lease of this process is held there any more (or it comes back in a later reload).
+/// lease of this process is held there any more, nor any give-back retrying (or it comes back
+/// in a later reload).
 async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Duration) {
     tokio::time::sleep(window).await;
     loop {
@@ -626,7 +627,13 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
         {
             return; // back in the topology
         }
-        if shard.held().is_empty() && shard.local_count() == 0 && !topology.still_needed(&shard) {
+        // A give-back still retrying would stop with the pool, leaving its key held by nobody
+        // until the row expires.
+        if shard.held().is_empty()
+            && shard.local_count() == 0
+            && !shard.giving_back()
+            && !topology.still_needed(&shard)
+        {
             shard.close();
             tracing::info!(
                 shard = shard.name(),

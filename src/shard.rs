@@ -67,9 +67,28 @@ pub(crate) struct ShardState {
     release_lane: lanes::Lane<(Vec<u8>, String), ReleaseAnswer>,
     /// Set while a reconciliation pass runs (beside the keeper loop).
     reconciling: std::sync::atomic::AtomicBool,
+    /// Give-backs retrying in the background (see [`ShardState::give_back`]): a shard that
+    /// left the topology keeps its pool until they end.
+    giving_back: Arc<std::sync::atomic::AtomicUsize>,
     /// The keeper panics at its next tick (tests of its supervision).
     #[cfg(feature = "fault-injection")]
     pub(crate) panic_next_tick: std::sync::atomic::AtomicBool,
+}
+
+/// One give-back counted in its shard's `giving_back` while it lives.
+struct GivingBack(Arc<std::sync::atomic::AtomicUsize>);
+
+impl GivingBack {
+    fn new(count: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self(count.clone())
+    }
+}
+
+impl Drop for GivingBack {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// The breaker's clock: Tokio's, so tests with paused time drive it.
@@ -114,6 +133,7 @@ impl ShardState {
             acquire_lane: lanes::Lane::default(),
             release_lane: lanes::Lane::default(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
+            giving_back: Default::default(),
             #[cfg(feature = "fault-injection")]
             panic_next_tick: std::sync::atomic::AtomicBool::new(false),
         });
@@ -325,7 +345,9 @@ impl ShardState {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let giving_back = GivingBack::new(&self.giving_back);
         runtime.spawn(async move {
+            let _giving_back = giving_back;
             // As long as the row can last: on a Galera shard a node whose clock lags may keep
             // it up to the nodes' skew longer.
             let until = Instant::now() + ttl + shard.clock_skew();
@@ -368,6 +390,11 @@ impl ShardState {
                 tokio::time::sleep(backoff.next_delay()).await;
             }
         });
+    }
+
+    /// Whether give-backs are still retrying in the background.
+    pub(crate) fn giving_back(&self) -> bool {
+        self.giving_back.load(std::sync::atomic::Ordering::Relaxed) > 0
     }
 
     /// How many batches of each kind may be in flight (`pool.batches-in-flight`, and more
