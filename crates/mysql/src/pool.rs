@@ -32,8 +32,8 @@ pub(crate) struct ShardConn {
     generation: u64,
     /// The Galera node it reached (its index in the shard's `nodes`; 0 on a plain shard).
     node: usize,
-    /// Who its server session is, provably (see [`SessionId`]); `None` on a Galera shard, or
-    /// when the server refused the session's lock.
+    /// Who its server session is, provably (see [`SessionId`]); `None` when that cannot be
+    /// told (a Galera shard, a server that refused the session's lock, a proxy in between).
     session: Option<SessionId>,
 }
 
@@ -52,8 +52,8 @@ pub(crate) struct SessionId {
 }
 
 impl SessionId {
-    /// Tells apart the session of `conn`, new: takes its lock and reads which server and
-    /// thread answer. Why not, when it cannot be: the server refused user locks (some Galera
+    /// The identity of `conn`'s new session: takes its lock and reads which server and thread
+    /// answer. Why there is none, when there cannot be: the server refused user locks (some Galera
     /// builds do); it is a Galera node (a retry may run on another node, from which a session
     /// of this one cannot be ended); or the thread that answers is not the one the server
     /// greeted the connection with (a proxy such as ProxySQL in between).
