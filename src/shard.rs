@@ -69,25 +69,29 @@ pub(crate) struct ShardState {
     reconciling: std::sync::atomic::AtomicBool,
     /// Give-backs retrying in the background (see [`ShardState::give_back`]): a shard that
     /// left the topology keeps its pool until they end.
-    giving_back: Arc<std::sync::atomic::AtomicUsize>,
+    giving_back: std::sync::atomic::AtomicUsize,
     /// The keeper panics at its next tick (tests of its supervision).
     #[cfg(feature = "fault-injection")]
     pub(crate) panic_next_tick: std::sync::atomic::AtomicBool,
 }
 
-/// One give-back counted in its shard's `giving_back` while it lives.
-struct GivingBack(Arc<std::sync::atomic::AtomicUsize>);
+/// A give-back's hold on its shard, counted in the shard's `giving_back` while it lives.
+struct GivingBack(Arc<ShardState>);
 
 impl GivingBack {
-    fn new(count: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
-        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Self(count.clone())
+    fn new(shard: &Arc<ShardState>) -> Self {
+        shard
+            .giving_back
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self(shard.clone())
     }
 }
 
 impl Drop for GivingBack {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        self.0
+            .giving_back
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -341,13 +345,12 @@ impl ShardState {
         ttl: Duration,
         any_answer_ends: bool,
     ) {
-        let shard = self.clone();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let giving_back = GivingBack::new(&self.giving_back);
+        let giving_back = GivingBack::new(self);
         runtime.spawn(async move {
-            let _giving_back = giving_back;
+            let shard = &giving_back.0;
             // As long as the row can last: on a Galera shard a node whose clock lags may keep
             // it up to the nodes' skew longer.
             let until = Instant::now() + ttl + shard.clock_skew();
