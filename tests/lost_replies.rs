@@ -269,6 +269,40 @@ async fn a_statement_that_reaches_the_shard_after_its_retry_grants_nothing() {
     assert!(!ran, "the broken connection's session was still open");
 }
 
+/// A try that times out with its statement still on the way (held in a partition's
+/// retransmissions, say) is dropped mid-statement, its connection not broken: its session is
+/// listed all the same and ended before the shard's next statement, so the statement,
+/// arriving after the key was granted to another owner and released, grants nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_statement_whose_try_timed_out_grants_nothing_when_it_arrives() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let shard = format!("    statement-timeout: 1s\n{POOL_OF_ONE}");
+    let (router, proxy) = behind_proxy(&cluster, &shard, "").await;
+    proxy.set(ProxyMode::HoldTo(b"held-key"));
+    let long = AcquireOptions::new().ttl(Duration::from_secs(60));
+    let timed_out = router.acquire("held-key", long.clone()).await;
+    assert!(
+        matches!(&timed_out, Err(shardlock::Error::Unavailable { source, .. }) if source.maybe_applied),
+        "the held acquire did not time out: {timed_out:?}"
+    );
+    assert_eq!(
+        proxy.mode(),
+        ProxyMode::Pass,
+        "the acquire was not held back"
+    );
+    let guard = router.acquire("held-key", long).await.unwrap();
+    guard.release().await.unwrap();
+
+    let ran = proxy.held().await.deliver().await;
+    let (_, row) = other.inspect("held-key").await.unwrap();
+    let row = row.expect("the lease's row");
+    assert!(
+        !row.is_held(),
+        "the held-back acquire ran after the release: {row:?}"
+    );
+    assert!(!ran, "the timed-out try's session was still open");
+}
+
 /// After a restart the shard's thread ids start over: the id of a session stranded before it
 /// may be another client's by the time the next statement would end it. That session is left
 /// alone (only a session still holding its own lock is ended), whatever it is running.

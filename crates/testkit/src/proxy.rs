@@ -50,15 +50,22 @@ pub enum ProxyMode {
     /// Like [`ProxyMode::StrandTo`], but then the link is blackholed (until the mode is
     /// changed), as [`ProxyMode::LoseOneReplyThenBlackhole`] does.
     StrandToThenBlackhole(&'static [u8]),
+    /// The first request (chunk) that contains these bytes is held back, and its connection
+    /// stays open both ways with nothing more forwarded: the client hears nothing until it
+    /// gives up (its own timeout), with the statement still on its way. [`Proxy::held`] hands
+    /// it to the test. Then the proxy passes everything.
+    HoldTo(&'static [u8]),
 }
 
-/// A request held back by [`ProxyMode::StrandTo`], with its connection's server side.
+/// A request held back by [`ProxyMode::StrandTo`] or [`ProxyMode::HoldTo`], with its
+/// connection's server side (and, for `HoldTo`, its client side, kept open until then).
 #[derive(Debug)]
 pub struct HeldRequest {
     request: Vec<u8>,
     thread: u32,
     server_read: OwnedReadHalf,
     server_write: OwnedWriteHalf,
+    _client: Option<(OwnedReadHalf, OwnedWriteHalf)>,
 }
 
 impl HeldRequest {
@@ -116,7 +123,8 @@ impl Proxy {
         })
     }
 
-    /// The next request [`ProxyMode::StrandTo`] holds back, once it does.
+    /// The next request [`ProxyMode::StrandTo`] or [`ProxyMode::HoldTo`] holds back, once it
+    /// does.
     pub async fn held(&self) -> HeldRequest {
         self.held
             .lock()
@@ -177,7 +185,8 @@ async fn serve(
     let mut mode = modes.subscribe();
     // Set when a request this connection forwarded matched `LoseReplyTo`.
     let armed = std::sync::atomic::AtomicBool::new(false);
-    // A request this connection's client sent that `StrandTo` held back.
+    // A request this connection's client sent that `StrandTo` or `HoldTo` held back, and
+    // whether its client side stays open (`HoldTo`).
     let held = std::sync::Mutex::new(None);
     // The server's thread id of the session, read off its greeting.
     let thread = std::sync::atomic::AtomicU32::new(0);
@@ -205,13 +214,15 @@ async fn serve(
         _ = pump(&mut server_read, &mut client_write, mode, Direction::Replies { modes: &modes, thread: &thread }, &armed) => {}
     }
     let request = held.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let Some(request) = request {
-        // The client's side is reset as this returns; the server's waits for `deliver`.
+    if let Some((request, keep_client)) = request {
+        // The client's side is reset as this returns (for `HoldTo`, once the request is
+        // delivered or dropped); the server's waits for `deliver`.
         let _ = hold.send(HeldRequest {
             request,
             thread: thread.into_inner(),
             server_read,
             server_write,
+            _client: keep_client.then_some((client_read, client_write)),
         });
     }
 }
@@ -219,10 +230,11 @@ async fn serve(
 /// Which way a [`pump`] forwards, and what it needs for that.
 #[derive(Clone, Copy)]
 enum Direction<'a> {
-    /// Client to server: the proxy's mode, to end a `StrandTo`, and where its request is held.
+    /// Client to server: the proxy's mode, to end a `StrandTo` or `HoldTo`, and where its
+    /// request is held (with whether its client side stays open).
     Requests {
         modes: &'a watch::Sender<ProxyMode>,
-        held: &'a std::sync::Mutex<Option<Vec<u8>>>,
+        held: &'a std::sync::Mutex<Option<(Vec<u8>, bool)>>,
     },
     /// Server to client: the proxy's mode, to end a `LoseOneReply`, and where the session's
     /// thread id goes once the server's greeting names it.
@@ -275,8 +287,9 @@ async fn pump(
                         armed.store(true, SeqCst);
                     }
                 }
-                if let ProxyMode::StrandTo(pattern) | ProxyMode::StrandToThenBlackhole(pattern) =
-                    lose
+                if let ProxyMode::StrandTo(pattern)
+                | ProxyMode::StrandToThenBlackhole(pattern)
+                | ProxyMode::HoldTo(pattern) = lose
                 {
                     if contains(pattern)
                         && modes.send_if_modified(|m| {
@@ -290,7 +303,9 @@ async fn pump(
                             first
                         })
                     {
-                        *held.lock().unwrap_or_else(|e| e.into_inner()) = Some(buf[..n].to_vec());
+                        let keep_client = matches!(lose, ProxyMode::HoldTo(_));
+                        *held.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some((buf[..n].to_vec(), keep_client));
                         return None;
                     }
                 }
@@ -353,7 +368,8 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
         | ProxyMode::LoseReplyTo(_)
         | ProxyMode::LoseReplyToThenBlackhole(_)
         | ProxyMode::StrandTo(_)
-        | ProxyMode::StrandToThenBlackhole(_) => Some(Duration::ZERO),
+        | ProxyMode::StrandToThenBlackhole(_)
+        | ProxyMode::HoldTo(_) => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
     }
 }
