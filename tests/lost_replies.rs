@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use shardlock::{AcquireOptions, LockRouter};
-use shardlock_testkit::{Proxy, ProxyMode};
+use shardlock_testkit::{HeldRequest, Proxy, ProxyMode};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grant_whose_reply_was_lost_is_given_back() {
@@ -301,6 +301,80 @@ async fn a_statement_whose_try_timed_out_grants_nothing_when_it_arrives() {
         "the held-back acquire ran after the release: {row:?}"
     );
     assert!(!ran, "the timed-out try's session was still open");
+}
+
+/// A transaction lock given up with its lock statement still on the way (held in a
+/// partition's retransmissions, say) leaves no row locked. Arriving late, the statement locks
+/// the row in a transaction nobody holds, which the server would keep until it noticed the
+/// connection gone: hours, on a network gone silent. The process's next statement on the
+/// shard ends that session, whatever the statement is (a heartbeat, a lease's).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_given_up_on_the_wire_is_ended_by_the_next_statement() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
+    let _link = strand_a_transaction_lock(&router, &proxy, &other).await;
+
+    let lease = router
+        .acquire("another-key", AcquireOptions::new())
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+    let tx = other.lock_in_transaction("tx-key", Duration::ZERO).await;
+    assert!(
+        tx.is_ok(),
+        "the row stayed locked after the next statement: {tx:?}"
+    );
+    tx.unwrap().commit().await.unwrap();
+}
+
+/// As above, when the next thing the process does on the shard is lock the same row: the
+/// session it lends for that transaction first ends the stranded one, which would otherwise
+/// make it wait out its whole wait.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_given_up_on_the_wire_does_not_block_the_next_one() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
+    let _link = strand_a_transaction_lock(&router, &proxy, &other).await;
+
+    let tx = router
+        .lock_in_transaction("tx-key", Duration::from_secs(5))
+        .await;
+    assert!(
+        tx.is_ok(),
+        "the stranded session still held the row: {tx:?}"
+    );
+    tx.unwrap().commit().await.unwrap();
+}
+
+/// Gives up on a transaction lock of `tx-key` through `proxy` while its lock statement is
+/// held back, then delivers the statement: its session, which nobody holds now, locks the row
+/// (`other` is refused it). The session's link stays open while the result lives, as a
+/// partition's does until the server notices.
+async fn strand_a_transaction_lock(
+    router: &LockRouter,
+    proxy: &Proxy,
+    other: &LockRouter,
+) -> HeldRequest {
+    proxy.set(ProxyMode::HoldTo(b"FOR UPDATE"));
+    let given_up = router
+        .lock_in_transaction("tx-key", Duration::from_secs(1))
+        .await;
+    assert!(
+        matches!(given_up, Err(shardlock::Error::Timeout { .. })),
+        "the held lock statement was not given up: {given_up:?}"
+    );
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "the lock was not held back");
+    let mut held = proxy.held().await;
+    assert!(
+        held.deliver().await,
+        "the session was gone before its lock statement arrived"
+    );
+    let busy = other.lock_in_transaction("tx-key", Duration::ZERO).await;
+    assert!(
+        matches!(busy, Err(shardlock::Error::Timeout { .. })),
+        "the late lock statement did not lock the row: {busy:?}"
+    );
+    held
 }
 
 /// After a restart the shard's thread ids start over: the id of a session stranded before it

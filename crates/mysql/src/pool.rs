@@ -9,6 +9,8 @@ use futures_util::future::BoxFuture;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, OptsBuilder};
 
+use crate::stranded::Lister;
+
 /// The server's `max_prepared_stmt_count` was reached. The limit is server-wide, so the
 /// statement that hits it is not at fault: closing the connection that got the error gives
 /// back its cached statements, and the runner retries once on another connection.
@@ -180,31 +182,63 @@ impl ShardConn {
 /// A connection of a shard's pool lent to one caller for a session of its own: a transaction
 /// lock's, or the caller's own SQL. Dropped, it goes back to the pool, which resets it before
 /// anyone reuses it; [`SessionConn::discard`] closes it instead.
+///
+/// Let go with a statement cut off (its future dropped) or its link broken, its server
+/// session may live on, still to run that statement or holding the transaction it was in (a
+/// transaction lock's row) with nobody to end it: the session is then listed as stranded (see
+/// [`crate::stranded`]), ended before the shard's next statement, and the connection is
+/// discarded.
 #[derive(Debug)]
 pub struct SessionConn {
-    conn: managed::Object<ShardManager>,
+    /// `None` once let go.
+    conn: Option<managed::Object<ShardManager>>,
     /// The savepoint that marks a transaction lock's transaction: random per lock, so that no
     /// savepoint of the caller's SQL can stand in for it.
     pub(crate) savepoint: String,
+    stranded: Lister,
 }
 
 impl SessionConn {
-    pub(crate) fn new(conn: managed::Object<ShardManager>) -> Self {
+    pub(crate) fn new(conn: managed::Object<ShardManager>, stranded: Lister) -> Self {
         Self {
-            conn,
+            conn: Some(conn),
             savepoint: String::new(),
+            stranded,
         }
     }
 
     /// The raw connection for the caller's own SQL.
     pub fn raw(&mut self) -> &mut Conn {
-        self.conn.raw()
+        self.conn.as_mut().expect("open until let go").raw()
     }
 
     /// Closes the connection instead of pooling it: the server then rolls back whatever it
     /// was running, and nothing of its session reaches the next user.
-    pub fn discard(self) {
-        drop(managed::Object::take(self.conn));
+    pub fn discard(mut self) {
+        if let Some(conn) = self.let_go() {
+            drop(managed::Object::take(conn));
+        }
+    }
+
+    /// Takes the connection out; lists its session when a statement was cut off on it or its
+    /// link broke (the driver counts the connection as disconnected until a statement is
+    /// answered), and then marks it for the pool to discard, so that no one else's statements
+    /// run in a session listed to be ended.
+    fn let_go(&mut self) -> Option<managed::Object<ShardManager>> {
+        let mut conn = self.conn.take()?;
+        if conn.conn.is_disconnected() {
+            conn.broken = true;
+            if let Some(session) = conn.session {
+                self.stranded.strand(session);
+            }
+        }
+        Some(conn)
+    }
+}
+
+impl Drop for SessionConn {
+    fn drop(&mut self) {
+        drop(self.let_go());
     }
 }
 

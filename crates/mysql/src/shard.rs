@@ -25,7 +25,7 @@ use crate::pool::{
     lock_wait_timeout_secs, session_setup, Lifetimes, SessionConn, SessionId, ShardConn,
     ShardManager, ShardPool, GALERA_SYNC_WAIT,
 };
-use crate::stranded::{StrandedSessions, MOST_STRANDED};
+use crate::stranded::{Lister, StrandedSessions, MOST_STRANDED};
 
 /// A shard: a named MySQL server (or schema) holding lease rows.
 #[derive(Debug)]
@@ -225,6 +225,17 @@ impl Shard {
             .strand(&self.name, session, self.most_stranded);
     }
 
+    /// Ends every listed session of `conn`'s server first (see [`crate::stranded`]); a
+    /// session still there two statement timeouts after it was ended is let go.
+    async fn end_stranded(&self, conn: &mut ShardConn) -> mysql_async::Result<()> {
+        if !self.stranded.any() {
+            return Ok(());
+        }
+        self.stranded
+            .end(&self.name, conn, 2 * self.statement_timeout)
+            .await
+    }
+
     /// How long a call to this shard may be slowed for a reason that is not the shard's
     /// failing: on a Galera shard, the longest its cluster may take to evict a dead member
     /// (from its `evs.inactive_timeout`), during which every node's commits wait; zero on a
@@ -363,15 +374,8 @@ impl Shard {
             let attempt = tokio::time::timeout_at(deadline, async {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
                 node.store(conn.node(), std::sync::atomic::Ordering::Relaxed);
-                if self.stranded.any() {
-                    // Bounded by the try's deadline; a session still there two statement
-                    // timeouts after it was ended is let go.
-                    let killed_for = 2 * self.statement_timeout;
-                    self.stranded
-                        .end(&self.name, &mut conn, killed_for)
-                        .await
-                        .map_err(classify)?;
-                }
+                // Bounded by the try's deadline.
+                self.end_stranded(&mut conn).await.map_err(classify)?;
                 sent_at.store(
                     began.elapsed().as_micros() as u64,
                     std::sync::atomic::Ordering::Relaxed,
@@ -965,9 +969,18 @@ impl Shard {
 
     /// A pooled connection for a session of the caller's own (a transaction lock, the
     /// caller's SQL); it is reset before anyone reuses it.
+    ///
+    /// Sessions of this shard listed as stranded are ended first: one may hold the very row
+    /// the session is for (a transaction lock given up with its lock statement on the wire).
     pub async fn connection(&self) -> Result<SessionConn, BackendError> {
-        let conn = self.pool.get().await.map_err(classify_pool)?;
-        Ok(SessionConn::new(conn))
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        self.end_stranded(&mut conn).await.map_err(classify)?;
+        let stranded = Lister {
+            sessions: self.stranded.clone(),
+            shard: self.name.as_str().into(),
+            most: self.most_stranded,
+        };
+        Ok(SessionConn::new(conn, stranded))
     }
 
     /// The pool's state.

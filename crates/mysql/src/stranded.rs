@@ -10,7 +10,7 @@
 //! never ended.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use mysql_async::prelude::Queryable;
@@ -46,6 +46,23 @@ pub(crate) struct StrandedSessions {
     list: Mutex<Vec<Entry>>,
     /// How many are listed: read by every statement, the list locked only when not 0.
     count: AtomicUsize,
+}
+
+/// A shard's list as a connection lent for a session carries it (see
+/// [`crate::pool::SessionConn`]), to list its own session.
+#[derive(Debug, Clone)]
+pub(crate) struct Lister {
+    pub(crate) sessions: Arc<StrandedSessions>,
+    pub(crate) shard: Arc<str>,
+    /// At most this many listed (see [`StrandedSessions::strand`]).
+    pub(crate) most: usize,
+}
+
+impl Lister {
+    /// Lists `session`.
+    pub(crate) fn strand(&self, session: SessionId) {
+        self.sessions.strand(&self.shard, session, self.most);
+    }
 }
 
 impl StrandedSessions {

@@ -75,8 +75,10 @@ impl HeldRequest {
     }
 
     /// Sends it on, on the server connection it was meant for. Whether the server ran it:
-    /// `true` when it answered, `false` when it had closed that session instead.
-    pub async fn deliver(mut self) -> bool {
+    /// `true` when it answered, `false` when it had closed that session instead. The server
+    /// connection stays open while this lives: what the request did in its session (a
+    /// transaction it opened, a lock it took) lasts as long as the session.
+    pub async fn deliver(&mut self) -> bool {
         if self.server_write.write_all(&self.request).await.is_err() {
             return false;
         }
