@@ -259,14 +259,7 @@ async fn a_statement_that_reaches_the_shard_after_its_retry_grants_nothing() {
     );
     guard.release().await.unwrap();
 
-    let ran = proxy.held().await.deliver().await;
-    let (_, row) = other.inspect("stranded-key").await.unwrap();
-    let row = row.expect("the lease's row");
-    assert!(
-        !row.is_held(),
-        "the held-back acquire ran after the release: {row:?}"
-    );
-    assert!(!ran, "the broken connection's session was still open");
+    arrives_too_late(&proxy, &other, "stranded-key").await;
 }
 
 /// A try that times out with its statement still on the way (held in a partition's
@@ -293,14 +286,7 @@ async fn a_statement_whose_try_timed_out_grants_nothing_when_it_arrives() {
     let guard = router.acquire("held-key", long).await.unwrap();
     guard.release().await.unwrap();
 
-    let ran = proxy.held().await.deliver().await;
-    let (_, row) = other.inspect("held-key").await.unwrap();
-    let row = row.expect("the lease's row");
-    assert!(
-        !row.is_held(),
-        "the held-back acquire ran after the release: {row:?}"
-    );
-    assert!(!ran, "the timed-out try's session was still open");
+    arrives_too_late(&proxy, &other, "held-key").await;
 }
 
 /// A transaction lock given up with its lock statement still on the way (held in a
@@ -312,14 +298,12 @@ async fn a_statement_whose_try_timed_out_grants_nothing_when_it_arrives() {
 async fn a_transaction_lock_given_up_on_the_wire_is_ended_by_the_next_statement() {
     let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
-    let _link = strand_a_transaction_lock(&router, &proxy, &other).await;
+    let _link = strand_a_transaction_lock(&router, &proxy, &cluster).await;
 
-    let lease = router
-        .acquire("another-key", AcquireOptions::new())
-        .await
-        .unwrap();
-    lease.release().await.unwrap();
-    let tx = other.lock_in_transaction("tx-key", Duration::ZERO).await;
+    a_lease_cycle(&router).await;
+    let tx = other
+        .lock_in_transaction("tx-key", Duration::from_secs(2))
+        .await;
     assert!(
         tx.is_ok(),
         "the row stayed locked after the next statement: {tx:?}"
@@ -329,12 +313,12 @@ async fn a_transaction_lock_given_up_on_the_wire_is_ended_by_the_next_statement(
 
 /// As above, when the next thing the process does on the shard is lock the same row: the
 /// session it lends for that transaction first ends the stranded one, which would otherwise
-/// make it wait out its whole wait.
+/// make it wait out its whole wait. A transaction lock that ends cleanly lists nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_given_up_on_the_wire_does_not_block_the_next_one() {
-    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (cluster, _, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
-    let _link = strand_a_transaction_lock(&router, &proxy, &other).await;
+    let _link = strand_a_transaction_lock(&router, &proxy, &cluster).await;
 
     let tx = router
         .lock_in_transaction("tx-key", Duration::from_secs(5))
@@ -344,16 +328,89 @@ async fn a_transaction_lock_given_up_on_the_wire_does_not_block_the_next_one() {
         "the stranded session still held the row: {tx:?}"
     );
     tx.unwrap().commit().await.unwrap();
+    assert_eq!(
+        router.status().await[0].pool.stranded,
+        0,
+        "a committed transaction lock listed its session"
+    );
+}
+
+/// A transaction lock's guard dropped while its link is cut: the connection's close never
+/// reaches the server, whose session keeps the transaction, and the row, until it notices
+/// (hours, on a silent network). The process's next statement on the shard ends it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_dropped_while_cut_off_is_ended_by_the_next_statement() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
+    let tx = router
+        .lock_in_transaction("tx-key", Duration::from_secs(2))
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::HoldClose);
+    drop(tx);
+    let _link = proxy.held().await;
+    assert!(
+        a_tx_row_is_locked(&cluster).await,
+        "the row was freed though its session never heard the close"
+    );
+
+    a_lease_cycle(&router).await;
+    let tx = other
+        .lock_in_transaction("tx-key", Duration::from_secs(2))
+        .await;
+    assert!(
+        tx.is_ok(),
+        "the row stayed locked after the next statement: {tx:?}"
+    );
+    tx.unwrap().commit().await.unwrap();
+}
+
+/// A transaction lock's `COMMIT` whose answer is lost says that it may have committed, as it
+/// did.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_commit_whose_answer_is_lost_may_have_applied() {
+    use shardlock::mysql_async::prelude::Queryable;
+    let (cluster, _, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    admin
+        .query_drop("CREATE TABLE paid (id INT PRIMARY KEY)")
+        .await
+        .unwrap();
+    let mut tx = router
+        .lock_in_transaction("tx-key", Duration::from_secs(2))
+        .await
+        .unwrap();
+    tx.conn()
+        .query_drop("INSERT INTO paid VALUES (1)")
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::LoseReplyTo(b"RELEASE SAVEPOINT"));
+    let committed = tx.commit().await;
+    assert_eq!(
+        proxy.mode(),
+        ProxyMode::Pass,
+        "the COMMIT's answer was lost"
+    );
+    assert!(
+        matches!(&committed, Err(shardlock::Error::Unavailable { source, .. }) if source.maybe_applied),
+        "a lost COMMIT answer did not say it may have applied: {committed:?}"
+    );
+    let rows: Option<u64> = admin
+        .query_first("SELECT COUNT(*) FROM paid")
+        .await
+        .unwrap();
+    assert_eq!(rows, Some(1), "the COMMIT ran");
 }
 
 /// Gives up on a transaction lock of `tx-key` through `proxy` while its lock statement is
-/// held back, then delivers the statement: its session, which nobody holds now, locks the row
-/// (`other` is refused it). The session's link stays open while the result lives, as a
-/// partition's does until the server notices.
+/// held back, then delivers the statement: its session, which nobody holds now, locks the row.
+/// The session's link stays open while the result lives, as a partition's does until the
+/// server notices.
 async fn strand_a_transaction_lock(
     router: &LockRouter,
     proxy: &Proxy,
-    other: &LockRouter,
+    cluster: &shardlock_testkit::Cluster,
 ) -> HeldRequest {
     proxy.set(ProxyMode::HoldTo(b"FOR UPDATE"));
     let given_up = router
@@ -369,12 +426,53 @@ async fn strand_a_transaction_lock(
         held.deliver().await,
         "the session was gone before its lock statement arrived"
     );
-    let busy = other.lock_in_transaction("tx-key", Duration::ZERO).await;
     assert!(
-        matches!(busy, Err(shardlock::Error::Timeout { .. })),
-        "the late lock statement did not lock the row: {busy:?}"
+        a_tx_row_is_locked(cluster).await,
+        "the late lock statement did not lock the row"
     );
     held
+}
+
+/// Whether a row of `shardlock_txlock` is locked on the one shard of `cluster`, by the
+/// server's own answer to a locking read that waits for nothing.
+async fn a_tx_row_is_locked(cluster: &shardlock_testkit::Cluster) -> bool {
+    use shardlock::mysql_async::prelude::Queryable;
+    let mut conn = cluster.shard(0).connect().await.unwrap();
+    conn.query_drop("START TRANSACTION").await.unwrap();
+    let read = conn
+        .query_drop("SELECT lock_key FROM shardlock_txlock FOR UPDATE NOWAIT")
+        .await;
+    match read {
+        Ok(()) => false,
+        // MariaDB answers a locked row's NOWAIT with 1205, MySQL with 3572.
+        Err(shardlock::mysql_async::Error::Server(e)) if e.code == 1205 || e.code == 3572 => true,
+        Err(e) => panic!("the locking read failed: {e}"),
+    }
+}
+
+/// Takes and releases a lease through `router`: a statement on its shard.
+async fn a_lease_cycle(router: &LockRouter) {
+    let lease = router
+        .acquire("another-key", AcquireOptions::new())
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+}
+
+/// Delivers the acquire of `key` that `proxy` held back, now that its lease was released: its
+/// session must have been ended, and `key` left free.
+async fn arrives_too_late(proxy: &Proxy, other: &LockRouter, key: &str) {
+    let ran = proxy.held().await.deliver().await;
+    let (_, row) = other.inspect(key).await.unwrap();
+    let row = row.expect("the lease's row");
+    assert!(
+        !row.is_held(),
+        "the held-back acquire ran after the release: {row:?}"
+    );
+    assert!(
+        !ran,
+        "the session was still open when its statement arrived"
+    );
 }
 
 /// After a restart the shard's thread ids start over: the id of a session stranded before it

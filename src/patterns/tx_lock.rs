@@ -133,7 +133,8 @@ impl TxLockGuard {
     ///
     /// Cancellation: the connection is closed, not pooled, and the lock is released either way; a
     /// `COMMIT` that reached the server may still have committed, else the server rolls back. Read
-    /// your rows to learn which.
+    /// your rows to learn which. So does an [`Error::Unavailable`] whose source says
+    /// `maybe_applied`: the `COMMIT` was sent and its answer lost.
     pub async fn commit(mut self) -> Result<()> {
         if !self.is_held() {
             self.end(false).await?;

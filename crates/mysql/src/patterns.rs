@@ -86,7 +86,13 @@ impl SessionConn {
             raw.query_drop(TX_BEGIN).await?;
             raw.query_drop(lock).await
         };
-        run.await.map_err(classify)
+        let locked = run.await;
+        if locked.is_err() {
+            // No lock's transaction to end: an answered failure locked nothing, and a
+            // connection cut off mid-statement is listed as such when it is let go.
+            self.savepoint.clear();
+        }
+        locked.map_err(classify)
     }
 
     /// Commits the transaction of [`SessionConn::lock_tx_row`], releasing the lock; `false`
@@ -94,7 +100,11 @@ impl SessionConn {
     /// not): nothing is committed now, the session is rolled back, and what ran before may
     /// have been committed.
     pub async fn commit(&mut self) -> Result<bool, BackendError> {
-        self.end_lock(TX_COMMIT).await
+        self.end_lock(TX_COMMIT).await.map_err(|mut e| {
+            // Unanswered (a broken link, a lost reply): the COMMIT may have run.
+            e.maybe_applied |= e.code.is_none();
+            e
+        })
     }
 
     /// Rolls back the transaction of [`SessionConn::lock_tx_row`] like

@@ -9,7 +9,7 @@ use futures_util::future::BoxFuture;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, OptsBuilder};
 
-use crate::stranded::Lister;
+use crate::stranded::{Ending, Lister};
 
 /// The server's `max_prepared_stmt_count` was reached. The limit is server-wide, so the
 /// statement that hits it is not at fault: closing the connection that got the error gives
@@ -220,16 +220,18 @@ impl SessionConn {
         }
     }
 
-    /// Takes the connection out; lists its session when a statement was cut off on it or its
-    /// link broke (the driver counts the connection as disconnected until a statement is
-    /// answered), and then marks it for the pool to discard, so that no one else's statements
-    /// run in a session listed to be ended.
+    /// Takes the connection out. Lists its session when the server may keep it going with
+    /// nobody to end it: a statement was cut off on it or its link broke (the driver counts
+    /// the connection as disconnected until a statement is answered), or a transaction lock's
+    /// transaction is still open (a guard dropped, perhaps while its link is cut, so that the
+    /// server never hears the connection close). Such a connection is marked for the pool to
+    /// discard, so that no one else's statements run in a session listed to be ended.
     fn let_go(&mut self) -> Option<managed::Object<ShardManager>> {
         let mut conn = self.conn.take()?;
-        if conn.conn.is_disconnected() {
+        if conn.conn.is_disconnected() || !self.savepoint.is_empty() {
             conn.broken = true;
             if let Some(session) = conn.session {
-                self.stranded.strand(session);
+                self.stranded.strand(session, Ending::Killed);
             }
         }
         Some(conn)

@@ -1,6 +1,5 @@
 //! One shard: its pool, its statement timeout, and the lease operations on it.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool::Runtime;
@@ -25,7 +24,7 @@ use crate::pool::{
     lock_wait_timeout_secs, session_setup, Lifetimes, SessionConn, SessionId, ShardConn,
     ShardManager, ShardPool, GALERA_SYNC_WAIT,
 };
-use crate::stranded::{Lister, StrandedSessions, MOST_STRANDED};
+use crate::stranded::{Ending, Lister, MOST_STRANDED};
 
 /// A shard: a named MySQL server (or schema) holding lease rows.
 #[derive(Debug)]
@@ -36,9 +35,8 @@ pub struct Shard {
     /// Where the shard is, for the database client spans of its calls.
     server: Server,
     /// Sessions whose statement may still be on its way to the server (see
-    /// [`crate::stranded`]), at most `most_stranded`.
-    stranded: Arc<StrandedSessions>,
-    most_stranded: usize,
+    /// [`crate::stranded`]).
+    stranded: Lister,
 }
 
 /// A try's statement on the wire: its session is listed as stranded if the try is dropped
@@ -54,7 +52,7 @@ impl OnTheWire<'_> {
     fn answered(mut self, lost: bool) {
         let session = self.session.take();
         if let Some(session) = session.filter(|_| lost) {
-            self.shard.strand(session);
+            self.shard.stranded.strand(session, Ending::UntilGone);
         }
     }
 }
@@ -62,7 +60,7 @@ impl OnTheWire<'_> {
 impl Drop for OnTheWire<'_> {
     fn drop(&mut self) {
         if let Some(session) = self.session.take() {
-            self.shard.strand(session);
+            self.shard.stranded.strand(session, Ending::UntilGone);
         }
     }
 }
@@ -206,8 +204,7 @@ impl Shard {
             pool,
             statement_timeout: config.statement_timeout,
             server,
-            stranded: Default::default(),
-            most_stranded: MOST_STRANDED.max(2 * config.pool.max_size),
+            stranded: Lister::new(&config.name, MOST_STRANDED.max(2 * config.pool.max_size)),
         })
     }
 
@@ -215,23 +212,18 @@ impl Shard {
     /// closes, but a statement on its way to one of them may still reach the server, and `old`
     /// keeps serving calls that began before the reload.
     pub fn with_stranded_of(mut self, old: &Shard) -> Self {
-        self.stranded = old.stranded.clone();
+        self.stranded.sessions = old.stranded.sessions.clone();
         self
-    }
-
-    /// Lists `session` as stranded (see [`crate::stranded`]).
-    fn strand(&self, session: SessionId) {
-        self.stranded
-            .strand(&self.name, session, self.most_stranded);
     }
 
     /// Ends every listed session of `conn`'s server first (see [`crate::stranded`]); a
     /// session still there two statement timeouts after it was ended is let go.
     async fn end_stranded(&self, conn: &mut ShardConn) -> mysql_async::Result<()> {
-        if !self.stranded.any() {
+        if !self.stranded.sessions.any() {
             return Ok(());
         }
         self.stranded
+            .sessions
             .end(&self.name, conn, 2 * self.statement_timeout)
             .await
     }
@@ -974,13 +966,16 @@ impl Shard {
     /// the session is for (a transaction lock given up with its lock statement on the wire).
     pub async fn connection(&self) -> Result<SessionConn, BackendError> {
         let mut conn = self.pool.get().await.map_err(classify_pool)?;
-        self.end_stranded(&mut conn).await.map_err(classify)?;
-        let stranded = Lister {
-            sessions: self.stranded.clone(),
-            shard: self.name.as_str().into(),
-            most: self.most_stranded,
-        };
-        Ok(SessionConn::new(conn, stranded))
+        tokio::time::timeout(self.statement_timeout, self.end_stranded(&mut conn))
+            .await
+            .map_err(|_| {
+                BackendError::timeout(format!(
+                    "no answer within {:?} (statement-timeout)",
+                    self.statement_timeout
+                ))
+            })?
+            .map_err(classify)?;
+        Ok(SessionConn::new(conn, self.stranded.clone()))
     }
 
     /// The pool's state.
@@ -991,7 +986,7 @@ impl Shard {
             size: s.size,
             available: s.available,
             waiting: s.waiting,
-            stranded: self.stranded.count(),
+            stranded: self.stranded.sessions.count(),
         }
     }
 

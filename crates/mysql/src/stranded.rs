@@ -30,10 +30,23 @@ pub(crate) const MOST_STRANDED: usize = 64;
 /// retransmitted for about a quarter of an hour at most (Linux's `tcp_retries2` default).
 const LISTED_AT_MOST: Duration = Duration::from_secs(20 * 60);
 
+/// How long a listed session holds up the shard's statements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Until it is gone: a lease statement, whose late arrival could grant a key after the
+    /// retry or give-back meant to settle it. Ending is quick: the statement is short.
+    UntilGone,
+    /// Only until it is told to end: a session of the caller's own (a transaction lock's, the
+    /// caller's SQL), whose statement touches no lease row, and whose rollback may take
+    /// minutes that no lease statement should wait out.
+    Killed,
+}
+
 /// One listed session.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     session: SessionId,
+    ending: Ending,
     listed: Instant,
     /// When a `KILL` of it was first answered.
     killed: Option<Instant>,
@@ -48,20 +61,30 @@ pub(crate) struct StrandedSessions {
     count: AtomicUsize,
 }
 
-/// A shard's list as a connection lent for a session carries it (see
-/// [`crate::pool::SessionConn`]), to list its own session.
+/// A shard's list, with what listing needs: the shard's name and how many it keeps. A
+/// connection lent for a session carries a clone (see [`crate::pool::SessionConn`]), to list
+/// its own session.
 #[derive(Debug, Clone)]
 pub(crate) struct Lister {
     pub(crate) sessions: Arc<StrandedSessions>,
-    pub(crate) shard: Arc<str>,
+    shard: Arc<str>,
     /// At most this many listed (see [`StrandedSessions::strand`]).
-    pub(crate) most: usize,
+    most: usize,
 }
 
 impl Lister {
+    pub(crate) fn new(shard: &str, most: usize) -> Self {
+        Self {
+            sessions: Default::default(),
+            shard: shard.into(),
+            most,
+        }
+    }
+
     /// Lists `session`.
-    pub(crate) fn strand(&self, session: SessionId) {
-        self.sessions.strand(&self.shard, session, self.most);
+    pub(crate) fn strand(&self, session: SessionId, ending: Ending) {
+        self.sessions
+            .strand(&self.shard, session, ending, self.most);
     }
 }
 
@@ -77,7 +100,7 @@ impl StrandedSessions {
     }
 
     /// Lists `session`, keeping at most `most` (the oldest let go, with a warning).
-    pub(crate) fn strand(&self, shard: &str, session: SessionId, most: usize) {
+    pub(crate) fn strand(&self, shard: &str, session: SessionId, ending: Ending, most: usize) {
         let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
         if !list.iter().any(|e| e.session == session) {
             if list.len() >= most {
@@ -86,6 +109,7 @@ impl StrandedSessions {
             }
             list.push(Entry {
                 session,
+                ending,
                 listed: Instant::now(),
                 killed: None,
             });
@@ -93,9 +117,11 @@ impl StrandedSessions {
         self.count.store(list.len(), Ordering::Relaxed);
     }
 
-    /// Ends, from `conn`, every listed session of its server and waits until each is gone, so
-    /// that a statement still on its way to one never runs after this returns: not after a
-    /// retry that found its own row, nor after the release that gave its effect back.
+    /// Ends, from `conn`, every listed session of its server and waits until each listed
+    /// [`Ending::UntilGone`] is gone, so that a statement still on its way to one never runs
+    /// after this returns: not after a retry that found its own row, nor after the release
+    /// that gave its effect back. A session listed [`Ending::Killed`] is forgotten once told
+    /// to end.
     ///
     /// A session is ended only while the server says it holds its own lock. Sessions of
     /// another server stay listed for a connection to theirs, for [`LISTED_AT_MOST`]. Let go
@@ -169,6 +195,7 @@ impl StrandedSessions {
             if alive.is_empty() {
                 return Ok(());
             }
+            let wait = alive.iter().any(|(_, e)| e.ending == Ending::UntilGone);
             for (_, entry) in alive.into_iter().filter(|(_, e)| e.killed.is_none()) {
                 let thread = entry.session.thread;
                 match conn
@@ -183,9 +210,16 @@ impl StrandedSessions {
                         continue;
                     }
                     Err(e) => return Err(e),
+                    Ok(()) if entry.ending == Ending::Killed => {
+                        self.forget([entry.session]);
+                        continue;
+                    }
                     Ok(()) => {}
                 }
                 self.killed(entry.session);
+            }
+            if !wait {
+                return Ok(());
             }
             // A session ends a moment after it is told to: its statement, if one is running,
             // rolled back or committed first.

@@ -55,6 +55,10 @@ pub enum ProxyMode {
     /// gives up (its own timeout), with the statement still on its way. [`Proxy::held`] hands
     /// it to the test. Then the proxy passes everything.
     HoldTo(&'static [u8]),
+    /// The next connection its client closes stays open on the server's side, as when the
+    /// close is lost in a cut and the server keeps the session: [`Proxy::held`] hands that
+    /// side to the test (with nothing to deliver). Then the proxy passes everything.
+    HoldClose,
 }
 
 /// A request held back by [`ProxyMode::StrandTo`] or [`ProxyMode::HoldTo`], with its
@@ -125,8 +129,8 @@ impl Proxy {
         })
     }
 
-    /// The next request [`ProxyMode::StrandTo`] or [`ProxyMode::HoldTo`] holds back, once it
-    /// does.
+    /// The next request [`ProxyMode::StrandTo`] or [`ProxyMode::HoldTo`] holds back (or the
+    /// server side [`ProxyMode::HoldClose`] keeps), once it does.
     pub async fn held(&self) -> HeldRequest {
         self.held
             .lock()
@@ -272,7 +276,22 @@ async fn pump(
         passable(&mut mode).await?;
         let n = tokio::select! {
             read = from.read(&mut buf) => match read {
-                Ok(0) | Err(_) => return None,
+                Ok(0) => {
+                    if let Direction::Requests { modes, held } = direction {
+                        if modes.send_if_modified(|m| {
+                            let hold = *m == ProxyMode::HoldClose;
+                            if hold {
+                                *m = ProxyMode::Pass;
+                            }
+                            hold
+                        }) {
+                            *held.lock().unwrap_or_else(|e| e.into_inner()) =
+                                Some((Vec::new(), false));
+                        }
+                    }
+                    return None;
+                }
+                Err(_) => return None,
                 Ok(n) => n,
             },
             // Re-check the mode before reading further (a blackhole stops reading).
@@ -371,7 +390,8 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
         | ProxyMode::LoseReplyToThenBlackhole(_)
         | ProxyMode::StrandTo(_)
         | ProxyMode::StrandToThenBlackhole(_)
-        | ProxyMode::HoldTo(_) => Some(Duration::ZERO),
+        | ProxyMode::HoldTo(_)
+        | ProxyMode::HoldClose => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
     }
 }
