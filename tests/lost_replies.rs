@@ -313,7 +313,7 @@ async fn a_transaction_lock_given_up_on_the_wire_is_ended_by_the_next_statement(
 
 /// As above, when the next thing the process does on the shard is lock the same row: the
 /// session it lends for that transaction first ends the stranded one, which would otherwise
-/// make it wait out its whole wait. A transaction lock that ends cleanly lists nothing.
+/// make it wait out its whole wait. A transaction lock committed lists nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_given_up_on_the_wire_does_not_block_the_next_one() {
     let (cluster, _, _) = common::start(1, "cleaner:\n  registry: static\n").await;

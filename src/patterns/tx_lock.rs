@@ -18,12 +18,11 @@ use crate::LockRouter;
 
 /// A row lock held inside an open transaction on a dedicated connection. Run your SQL on
 /// [`TxLockGuard::conn`]; [`TxLockGuard::commit`] or [`TxLockGuard::rollback`] ends the
-/// transaction and the lock together. Dropping the guard rolls back (the connection is reset
-/// before reuse); if this process dies, the server rolls back when it notices the connection
-/// is gone. A connection whose link broke, or whose statement was cut off (its future
-/// dropped), is closed instead, and its server session, which may live on holding the row, is
-/// ended by this process's next statement on the shard (on a plain shard; see the README's
-/// "What each lock mode survives").
+/// transaction and the lock together. Dropping the guard rolls back: the connection is closed,
+/// and since the server may not hear that (a cut link), its session is also ended by this
+/// process's next statement on the shard, on a plain shard (see the README's "What each lock
+/// mode survives"); so is that of a connection whose link broke or whose statement was cut
+/// off. If this process dies, the server rolls back when it notices the connection is gone.
 ///
 /// Across a reload that moves the key, the lock follows it: the row is also locked on the
 /// key's new shard (in a transaction of its own) within half the move window. If that fails,

@@ -100,9 +100,10 @@ impl SessionConn {
     /// not): nothing is committed now, the session is rolled back, and what ran before may
     /// have been committed.
     pub async fn commit(&mut self) -> Result<bool, BackendError> {
+        let locked = !self.savepoint.is_empty();
         self.end_lock(TX_COMMIT).await.map_err(|mut e| {
-            // Unanswered (a broken link, a lost reply): the COMMIT may have run.
-            e.maybe_applied |= e.code.is_none();
+            // Unanswered (a broken link, a lost reply): the lock's COMMIT may have run.
+            e.maybe_applied |= locked && e.code.is_none();
             e
         })
     }
@@ -115,22 +116,26 @@ impl SessionConn {
     }
 
     /// Ends the lock's transaction with `sql`, which starts at its savepoint; `false` (and
-    /// the session rolled back) when the savepoint, and so the transaction, was gone.
+    /// the session rolled back) when the savepoint, and so the transaction, was gone. The
+    /// savepoint is kept until the transaction is known to have ended, so that a connection
+    /// let go after an error is listed (see [`SessionConn`]).
     async fn end_lock(&mut self, sql: &str) -> Result<bool, BackendError> {
         if self.savepoint.is_empty() {
             // No lock was taken on this connection: there is no lock's transaction to end.
             self.rollback().await?;
             return Ok(false);
         }
-        let sql = sql.replace("{savepoint}", &std::mem::take(&mut self.savepoint));
-        match self.raw().query_drop(sql).await {
-            Ok(()) => Ok(true),
+        let sql = sql.replace("{savepoint}", &self.savepoint);
+        let ended = match self.raw().query_drop(sql).await {
+            Ok(()) => true,
             Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_SAVEPOINT => {
                 self.rollback().await?;
-                Ok(false)
+                false
             }
-            Err(e) => Err(classify(e)),
-        }
+            Err(e) => return Err(classify(e)),
+        };
+        self.savepoint.clear();
+        Ok(ended)
     }
 
     /// Rolls back the transaction of [`SessionConn::lock_tx_row`], releasing the lock.

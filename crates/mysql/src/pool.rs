@@ -111,6 +111,16 @@ impl SessionId {
         }))
     }
 
+    /// A session of thread `thread` on server 0, for unit tests of the list.
+    #[cfg(test)]
+    pub(crate) fn of_thread(thread: u32) -> Self {
+        Self {
+            thread,
+            token: u64::from(thread),
+            server: 0,
+        }
+    }
+
     /// Takes the session's lock again on `conn`, after a reset freed it: whether the server
     /// granted it.
     async fn take_again(&self, conn: &mut Conn) -> mysql_async::Result<bool> {
@@ -220,21 +230,23 @@ impl SessionConn {
         }
     }
 
-    /// Takes the connection out. Lists its session when the server may keep it going with
-    /// nobody to end it: a statement was cut off on it or its link broke (the driver counts
-    /// the connection as disconnected until a statement is answered), or a transaction lock's
-    /// transaction is still open (a guard dropped, perhaps while its link is cut, so that the
-    /// server never hears the connection close). Such a connection is marked for the pool to
-    /// discard, so that no one else's statements run in a session listed to be ended.
+    /// Takes the connection out, for the pool (or `None`, closed). Lists its session when the
+    /// server may keep it going with nobody to end it: a statement was cut off on it or its
+    /// link broke (the driver counts the connection as disconnected until a statement is
+    /// answered), or a transaction lock's transaction is still open (a guard dropped, perhaps
+    /// while its link is cut, so that the server never hears the connection close). Such a
+    /// connection is closed at once: pooled, it would keep its row locked while idle, and no
+    /// one else's statements may run in a session listed to be ended.
     fn let_go(&mut self) -> Option<managed::Object<ShardManager>> {
-        let mut conn = self.conn.take()?;
-        if conn.conn.is_disconnected() || !self.savepoint.is_empty() {
-            conn.broken = true;
-            if let Some(session) = conn.session {
-                self.stranded.strand(session, Ending::Killed);
-            }
+        let conn = self.conn.take()?;
+        if !conn.conn.is_disconnected() && self.savepoint.is_empty() {
+            return Some(conn);
         }
-        Some(conn)
+        if let Some(session) = conn.session {
+            self.stranded.strand(session, Ending::Killed);
+        }
+        drop(managed::Object::take(conn));
+        None
     }
 }
 

@@ -99,13 +99,22 @@ impl StrandedSessions {
         self.count.load(Ordering::Relaxed)
     }
 
-    /// Lists `session`, keeping at most `most` (the oldest let go, with a warning).
+    /// Lists `session`, keeping at most `most`: beyond that the oldest is let go, with a
+    /// warning, one listed [`Ending::Killed`] first; a session to be killed never pushes out
+    /// one to be waited for.
     pub(crate) fn strand(&self, shard: &str, session: SessionId, ending: Ending, most: usize) {
         let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
         if !list.iter().any(|e| e.session == session) {
             if list.len() >= most {
+                // One only to be told to end goes first, the new one if need be: letting it go
+                // may leave a row locked for longer, never a key granted late.
+                let oldest = list.iter().position(|e| e.ending == Ending::Killed);
                 tracing::warn!(shard, listed = list.len(), "shardlock let go of the oldest session whose statement may still reach the server");
-                list.remove(0);
+                match (oldest, ending) {
+                    (Some(oldest), _) => drop(list.remove(oldest)),
+                    (None, Ending::UntilGone) => drop(list.remove(0)),
+                    (None, Ending::Killed) => return,
+                }
             }
             list.push(Entry {
                 session,
@@ -242,5 +251,34 @@ impl StrandedSessions {
         if let Some(entry) = list.iter_mut().find(|e| e.session == session) {
             entry.killed.get_or_insert_with(Instant::now);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A full list lets go of a session only to be told to end before any lease statement's,
+    /// whose late arrival could grant a key.
+    #[test]
+    fn a_full_list_lets_go_of_a_session_only_to_be_told_to_end_first() {
+        let list = StrandedSessions::default();
+        let kept = |list: &StrandedSessions| -> Vec<u32> {
+            let listed = list.list.lock().unwrap();
+            listed.iter().map(|e| e.session.thread).collect()
+        };
+        list.strand("s", SessionId::of_thread(1), Ending::UntilGone, 2);
+        list.strand("s", SessionId::of_thread(2), Ending::Killed, 2);
+        list.strand("s", SessionId::of_thread(3), Ending::UntilGone, 2);
+        assert_eq!(
+            kept(&list),
+            [1, 3],
+            "the session only to be told to end goes"
+        );
+        list.strand("s", SessionId::of_thread(4), Ending::UntilGone, 2);
+        assert_eq!(kept(&list), [3, 4], "then the oldest");
+        list.strand("s", SessionId::of_thread(5), Ending::Killed, 2);
+        assert_eq!(kept(&list), [3, 4], "never one to be waited for");
+        assert_eq!(list.count(), 2);
     }
 }

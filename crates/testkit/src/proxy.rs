@@ -55,9 +55,10 @@ pub enum ProxyMode {
     /// gives up (its own timeout), with the statement still on its way. [`Proxy::held`] hands
     /// it to the test. Then the proxy passes everything.
     HoldTo(&'static [u8]),
-    /// The next connection its client closes stays open on the server's side, as when the
-    /// close is lost in a cut and the server keeps the session: [`Proxy::held`] hands that
-    /// side to the test (with nothing to deliver). Then the proxy passes everything.
+    /// The next connection its client closes (a `COM_QUIT`, or the end of its stream) stays
+    /// open on the server's side, as when the close is lost in a cut and the server keeps the
+    /// session: [`Proxy::held`] hands that side to the test (with nothing to deliver). Then
+    /// the proxy passes everything.
     HoldClose,
 }
 
@@ -130,13 +131,13 @@ impl Proxy {
     }
 
     /// The next request [`ProxyMode::StrandTo`] or [`ProxyMode::HoldTo`] holds back (or the
-    /// server side [`ProxyMode::HoldClose`] keeps), once it does.
+    /// server side [`ProxyMode::HoldClose`] keeps), once it does. Panics when none is within
+    /// a minute: the test's request never came, and it would wait for ever.
     pub async fn held(&self) -> HeldRequest {
-        self.held
-            .lock()
+        let next = async { self.held.lock().await.recv().await };
+        tokio::time::timeout(Duration::from_secs(60), next)
             .await
-            .recv()
-            .await
+            .expect("nothing was held back within a minute")
             .expect("the proxy runs while it is borrowed")
     }
 
@@ -278,16 +279,7 @@ async fn pump(
             read = from.read(&mut buf) => match read {
                 Ok(0) => {
                     if let Direction::Requests { modes, held } = direction {
-                        if modes.send_if_modified(|m| {
-                            let hold = *m == ProxyMode::HoldClose;
-                            if hold {
-                                *m = ProxyMode::Pass;
-                            }
-                            hold
-                        }) {
-                            *held.lock().unwrap_or_else(|e| e.into_inner()) =
-                                Some((Vec::new(), false));
-                        }
+                        hold_close(modes, held);
                     }
                     return None;
                 }
@@ -299,6 +291,14 @@ async fn pump(
         };
         let lose = *mode.borrow();
         let contains = |pattern: &[u8]| buf[..n].windows(pattern.len()).any(|w| w == pattern);
+        // A `COM_QUIT` (a packet of one byte, sequence 0, command 1) closes as the end of the
+        // stream does.
+        if lose == ProxyMode::HoldClose && buf[..n] == [1, 0, 0, 0, 1] {
+            if let Direction::Requests { modes, held } = direction {
+                hold_close(modes, held);
+                return None;
+            }
+        }
         match direction {
             Direction::Requests { modes, held } => {
                 if let ProxyMode::LoseReplyTo(pattern)
@@ -373,6 +373,21 @@ async fn pump(
             passable(&mut mode).await?;
         }
         to.write_all(&buf[..n]).await.ok()?;
+    }
+}
+
+/// A client's close under [`ProxyMode::HoldClose`], the first one: its connection's server
+/// side is held (with nothing to deliver), and the proxy passes everything from now on.
+fn hold_close(modes: &watch::Sender<ProxyMode>, held: &std::sync::Mutex<Option<(Vec<u8>, bool)>>) {
+    let first = modes.send_if_modified(|m| {
+        let hold = *m == ProxyMode::HoldClose;
+        if hold {
+            *m = ProxyMode::Pass;
+        }
+        hold
+    });
+    if first {
+        *held.lock().unwrap_or_else(|e| e.into_inner()) = Some((Vec::new(), false));
     }
 }
 
