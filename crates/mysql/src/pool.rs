@@ -53,13 +53,22 @@ pub(crate) struct SessionId {
     pub(crate) server: u64,
 }
 
+/// What a new session's probe found (see [`SessionId::open`]).
+enum Identity {
+    /// The session, told apart from every other the server has had.
+    Known(SessionId),
+    /// Why it cannot be told apart.
+    Unknown(String),
+}
+
 impl SessionId {
     /// The identity of `conn`'s new session: takes its lock and reads which server and thread
     /// answer. Why there is none, when there cannot be: the server refused user locks (some Galera
     /// builds do); it is a Galera node (a retry may run on another node, from which a session
     /// of this one cannot be ended); or the thread that answers is not the one the server
-    /// greeted the connection with (a proxy such as ProxySQL in between).
-    async fn open(conn: &mut Conn, kind: ServerKind) -> mysql_async::Result<Result<Self, String>> {
+    /// greeted the connection with (a proxy such as ProxySQL in between). An error is the
+    /// connection's: it failed.
+    async fn open(conn: &mut Conn, kind: ServerKind) -> mysql_async::Result<Identity> {
         use rand::Rng;
         let token = rand::rng().random();
         // Only MariaDB has the variable (MySQL's Galera builds are not supported shards).
@@ -73,10 +82,10 @@ impl SessionId {
             lock_name(token)
         );
         let row: mysql_async::Row = match conn.query_first(probe).await {
-            Err(mysql_async::Error::Server(e)) => return Ok(Err(e.to_string())),
+            Err(mysql_async::Error::Server(e)) => return Ok(Identity::Unknown(e.to_string())),
             answer => match answer? {
                 Some(row) => row,
-                None => return Ok(Err("no answer to the session probe".into())),
+                None => return Ok(Identity::Unknown("no answer to the session probe".into())),
             },
         };
         let number = |i: usize| {
@@ -87,13 +96,15 @@ impl SessionId {
         let (taken, thread, port, galera) = (number(0), number(1), number(3), number(4));
         let host: Option<String> = row.get_opt(2).and_then(Result::ok).flatten();
         if taken != Some(1) {
-            return Ok(Err("the server did not grant a session lock".into()));
+            return Ok(Identity::Unknown(
+                "the server did not grant a session lock".into(),
+            ));
         }
         if galera != Some(0) {
-            return Ok(Err("a Galera node (wsrep_on)".into()));
+            return Ok(Identity::Unknown("a Galera node (wsrep_on)".into()));
         }
         if thread != Some(u64::from(conn.id())) {
-            return Ok(Err(format!(
+            return Ok(Identity::Unknown(format!(
                 "the session is thread {thread:?}, the greeting said {}: a proxy in between",
                 conn.id()
             )));
@@ -104,7 +115,7 @@ impl SessionId {
             (host, port).hash(&mut hasher);
             hasher.finish()
         };
-        Ok(Ok(Self {
+        Ok(Identity::Known(Self {
             thread: conn.id(),
             token,
             server,
@@ -887,12 +898,12 @@ impl managed::Manager for ShardManager {
         if self.nodes.addresses.is_empty() {
             let kind = ServerKind::of(&conn);
             match Box::pin(SessionId::open(&mut conn, kind)).await? {
-                Ok(id) => session = Some(id),
-                Err(why) if !self.unguarded_warned.swap(true, Ordering::Relaxed) => {
+                Identity::Known(id) => session = Some(id),
+                Identity::Unknown(why) if !self.unguarded_warned.swap(true, Ordering::Relaxed) => {
                     let (host, port) = (self.opts.ip_or_hostname(), self.opts.tcp_port());
                     tracing::warn!(server = %format!("{host}:{port}"), %why, "shardlock cannot tell this shard's sessions apart: a statement whose connection breaks while it is still on its way may run after its retry");
                 }
-                Err(_) => {}
+                Identity::Unknown(_) => {}
             }
         }
         Ok(ShardConn {
