@@ -300,15 +300,7 @@ async fn a_transaction_lock_given_up_on_the_wire_is_ended_by_the_next_statement(
     let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
     let _link = strand_a_transaction_lock(&router, &proxy, &cluster).await;
 
-    a_lease_cycle(&router).await;
-    let tx = other
-        .lock_in_transaction("tx-key", Duration::from_secs(2))
-        .await;
-    assert!(
-        tx.is_ok(),
-        "the row stayed locked after the next statement: {tx:?}"
-    );
-    tx.unwrap().commit().await.unwrap();
+    the_next_statement_frees_the_row(&router, &other).await;
 }
 
 /// As above, when the next thing the process does on the shard is lock the same row: the
@@ -354,15 +346,7 @@ async fn a_transaction_lock_dropped_while_cut_off_is_ended_by_the_next_statement
         "the row was freed though its session never heard the close"
     );
 
-    a_lease_cycle(&router).await;
-    let tx = other
-        .lock_in_transaction("tx-key", Duration::from_secs(2))
-        .await;
-    assert!(
-        tx.is_ok(),
-        "the row stayed locked after the next statement: {tx:?}"
-    );
-    tx.unwrap().commit().await.unwrap();
+    the_next_statement_frees_the_row(&router, &other).await;
 }
 
 /// A transaction lock's `COMMIT` whose answer is lost says that it may have committed, as it
@@ -450,13 +434,22 @@ async fn a_tx_row_is_locked(cluster: &shardlock_testkit::Cluster) -> bool {
     }
 }
 
-/// Takes and releases a lease through `router`: a statement on its shard.
-async fn a_lease_cycle(router: &LockRouter) {
+/// Takes and releases a lease through `router`, a statement on its shard; then `other` must
+/// be able to lock `tx-key`'s row.
+async fn the_next_statement_frees_the_row(router: &LockRouter, other: &LockRouter) {
     let lease = router
         .acquire("another-key", AcquireOptions::new())
         .await
         .unwrap();
     lease.release().await.unwrap();
+    let tx = other
+        .lock_in_transaction("tx-key", Duration::from_secs(2))
+        .await;
+    assert!(
+        tx.is_ok(),
+        "the row stayed locked after the next statement: {tx:?}"
+    );
+    tx.unwrap().commit().await.unwrap();
 }
 
 /// Delivers the acquire of `key` that `proxy` held back, now that its lease was released: its
