@@ -206,9 +206,8 @@ impl ShardConn {
 ///
 /// Let go with a statement cut off (its future dropped) or its link broken, its server
 /// session may live on, still to run that statement or holding the transaction it was in (a
-/// transaction lock's row) with nobody to end it: the session is then listed as stranded (see
-/// [`crate::stranded`]), ended before the shard's next statement, and the connection is
-/// discarded.
+/// transaction lock's row) with nobody to end it: the session is then listed as stranded,
+/// ended before the shard's next statement, and the connection is discarded.
 #[derive(Debug)]
 pub struct SessionConn {
     /// `None` once let go.
