@@ -17,8 +17,8 @@ use tokio::time::Instant;
 use crate::guard::{Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
 use crate::options::AcquireOptions;
 use crate::queue::{Delivery, Entry, Turn, Want};
-use crate::router::unknown_namespace;
 use crate::router::LockRouter;
+use crate::router::{unknown_namespace, LAPSED};
 use crate::shard::ShardState;
 use crate::shard::{Grant, LeaseState};
 use crate::state::instant_after;
@@ -104,7 +104,26 @@ impl LockRouter {
         wait: Option<Duration>,
     ) -> Result<Option<LockGuard>> {
         let mut wait = wait;
-        if self.inner.gate.is_closed() {
+        // Read before the gate: a lapse counted from here on makes a grant suspect.
+        let mut lapses = self.lapses();
+        // Closes the gate if the heartbeat lapsed.
+        self.inner.lapsed();
+        let gate = &self.inner.gate;
+        // A lapse from being cut off from every shard leaves in-process locks to a namespace
+        // that falls back on them; a grant from a shard is given back below.
+        let falls_back = || {
+            gate.is_rejoining()
+                && !gate.is_replaced()
+                && self
+                    .namespace_of(opts)
+                    .is_ok_and(|ns| ns.on_shard_failure == FailurePolicy::Local)
+        };
+        // Through a closed gate: a grant from a shard is given back even if the router has
+        // joined again by the time it comes (a reload may have moved the key meanwhile).
+        let mut through_closed_gate = false;
+        if gate.is_closed() && falls_back() {
+            through_closed_gate = true;
+        } else if gate.is_closed() {
             // Waiting to join the fleet counts against the caller's wait.
             let budget = match wait {
                 Some(w) => w,
@@ -112,10 +131,25 @@ impl LockRouter {
             };
             let started = Instant::now();
             let _ = tokio::time::timeout_at(instant_after(budget), self.inner.gate.opened()).await;
-            self.check_joined(key)?;
+            lapses = self.joined(key)?;
             wait = Some(budget.saturating_sub(started.elapsed()));
         }
-        self.acquire_joined(key, opts, wait).await
+        let granted = self.acquire_joined(key, opts, wait).await?;
+        let from_shard = granted
+            .as_ref()
+            .is_some_and(|guard| guard.mode() != LockMode::LocalFallback);
+        let joined = match self.still_joined(key, lapses) {
+            Ok(()) if through_closed_gate => Err(self.not_granting(key, LAPSED.to_owned())),
+            joined => joined,
+        };
+        if let (true, Err(lapsed)) = (from_shard, joined) {
+            // Never handed out: the caller sees the lapse instead.
+            if let Some(guard) = granted {
+                let _ = guard.release().await;
+            }
+            return Err(lapsed);
+        }
+        Ok(granted)
     }
 
     /// [`LockRouter::acquire_inner`] once this router has joined its fleet.

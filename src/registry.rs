@@ -17,12 +17,11 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures_util::future::{join_all, BoxFuture};
 use shardlock_core::config::RegistryKind;
 use shardlock_core::{Config, Error, Result};
-use shardlock_mysql::{Beat, InstanceRow};
+use shardlock_mysql::{Beat, Heartbeat, InstanceRow};
 
 use crate::shard::{ShardState, Shared};
 use crate::sync::LockExt;
@@ -110,49 +109,6 @@ impl Drop for IdClaim {
     fn drop(&mut self) {
         IN_USE.locked().remove(&self.0);
     }
-}
-
-/// Refuses to start a router whose configured (not `auto`) instance id is live in the
-/// heartbeat registry under another host or process: a copy-pasted config, or an old
-/// incarnation still running. Shards that cannot be asked are skipped.
-pub(crate) async fn refuse_twin(topology: &Topology, id: &str) -> Result<()> {
-    let config = &topology.config;
-    if config.cleaner.registry != RegistryKind::Heartbeat
-        || matches!(config.instance.id.as_deref(), None | Some("auto"))
-    {
-        return Ok(());
-    }
-    let (host, pid) = (host_name(), std::process::id());
-    let timeout = config.cleaner.heartbeat_timeout;
-    let shards = &topology.current.shards;
-    let answers = join_all(
-        shards
-            .iter()
-            .map(|s| async move { (s.name().to_owned(), s.unguarded().instances().await) }),
-    )
-    .await;
-    for (shard, rows) in answers {
-        let Ok(rows) = rows else { continue };
-        let twin = rows.into_iter().find(|r| {
-            r.instance_id == id
-                && !r.deregistered
-                && u128::try_from(r.heartbeat_ms_ago).unwrap_or(0) < timeout.as_millis()
-                && (r.host != host || r.pid != pid)
-        });
-        if let Some(twin) = twin {
-            return Err(Error::InvalidArgument {
-                name: "instance.id",
-                reason: format!(
-                    "`{id}` is live in the registry on shard {shard}: host {}, pid {}, last \
-                     heartbeat {} ms ago. Give each process its own id (or `auto`), or wait \
-                     until that process has stopped (its heartbeat older than \
-                     cleaner.heartbeat-timeout)",
-                    twin.host, twin.pid, twin.heartbeat_ms_ago
-                ),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// The other live instances of `router`'s fleet in the registry: `Ok(None)` under a registry
@@ -282,16 +238,20 @@ pub(crate) async fn laggards(topology: &Topology, id: &str, fingerprint: &str) -
 const HEARTBEATS_MISSED_BEFORE_WARNING: u32 = 3;
 
 /// One heartbeat of this process on every current shard of `topology`, if the registry in
-/// force is `heartbeat`;
-/// `missed` counts failures in a row per shard (a warning at the third). Returns the interval
-/// to the next one.
+/// force is `heartbeat`; `missed` counts failures in a row per shard (a warning at the
+/// third). `reached` is called as each shard's heartbeat succeeds: a slow shard does not
+/// hold back the proof that the others were reached. Returns another start that beats under
+/// this instance id, live, described with the first shard where it does (this process's
+/// heartbeat was refused there).
 pub(crate) async fn beat(
     topology: &Topology,
     shared: &Shared,
     missed: &mut std::collections::HashMap<String, u32>,
-) -> Duration {
+    reached: &(dyn Fn() + Sync),
+) -> Option<String> {
+    let mut taken_by = None;
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
-        return topology.config.cleaner.heartbeat_interval;
+        return None;
     }
     let host = host_name();
     let beat = Beat {
@@ -301,16 +261,26 @@ pub(crate) async fn beat(
         topology: &topology.fingerprint,
         moving: topology.moves_in_progress() > 0,
         fleet: topology.config.instance.fleet(),
+        nonce: shared.nonce(),
+        timeout: topology.config.cleaner.heartbeat_timeout,
     };
-    let beats = topology
-        .current
-        .shards
-        .iter()
-        .map(|s| async move { (s.name().to_owned(), s.call(|b| b.heartbeat(beat)).await) });
+    let beats = topology.current.shards.iter().map(|s| async move {
+        let outcome = s.call(|b| b.heartbeat(beat)).await;
+        if matches!(outcome, Ok(Heartbeat::Beaten)) {
+            reached();
+        }
+        (s.name().to_owned(), outcome)
+    });
     for (shard, beat) in join_all(beats).await {
         let missed = missed.entry(shard.clone()).or_default();
         match beat {
-            Ok(()) => *missed = 0,
+            Ok(outcome) => {
+                *missed = 0;
+                if let Heartbeat::TakenBy { host, pid } = outcome {
+                    taken_by
+                        .get_or_insert_with(|| format!("host {host}, pid {pid} (shard {shard})"));
+                }
+            }
             Err(e) => {
                 *missed += 1;
                 shared
@@ -327,16 +297,19 @@ pub(crate) async fn beat(
             }
         }
     }
-    topology.config.cleaner.heartbeat_interval
+    taken_by
 }
 
-/// Marks this instance as shut down in the registry of every shard (router shutdown).
-pub(crate) async fn deregister(config: &Config, id: &str, shards: &[Arc<ShardState>]) {
+/// Marks this instance as shut down in the registry of every shard (router shutdown), where
+/// its start (`nonce`) beat last.
+pub(crate) async fn deregister(config: &Config, id: &str, nonce: &str, shards: &[Arc<ShardState>]) {
     if config.cleaner.registry != RegistryKind::Heartbeat {
         return;
     }
+    // Not through the breaker: a deregistration skipped would keep the id live for
+    // `heartbeat-timeout`, refusing a new start under it meanwhile.
     join_all(shards.iter().map(|s| async move {
-        if let Err(e) = s.call(|b| b.deregister(id)).await {
+        if let Err(e) = s.unguarded().deregister(id, nonce).await {
             tracing::debug!(shard = s.name(), error = %shardlock_core::Report(&e), "shardlock deregistration failed");
         }
     }))

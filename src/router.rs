@@ -69,11 +69,15 @@ impl RouterBuilder {
     }
 }
 
+/// Why a grant sought across a heartbeat lapse was given back.
+pub(crate) const LAPSED: &str = "this process's heartbeat lapsed while it sought the lock \
+     (paused, or cut off from every shard); what it was granted was given back";
+
 impl LockRouter {
     /// A router for `config` (already validated by [`Config::from_yaml_str`] or
-    /// [`Config::validate`]). Pools connect lazily, but a configured (not `auto`) instance id is first
-    /// checked against the heartbeat registry of every shard that answers (a live twin is
-    /// refused). Call [`LockRouter::migrate`] once per deployment.
+    /// [`Config::validate`]). Pools connect lazily, but its first heartbeat is refused, and
+    /// the router with it, on a shard where another live start beats under the same
+    /// instance id (heartbeat registry). Call [`LockRouter::migrate`] once per deployment.
     ///
     /// Cancellation: nothing is granted before this returns; the half-built router is dropped with
     /// its pools and keepers, and deregisters in the background if its first heartbeat completed.
@@ -126,14 +130,26 @@ impl LockRouter {
     /// another live process uses is refused (see `instance.id` in the reference config).
     async fn started(self) -> Result<Self> {
         let topology = self.inner.topology.load_full();
-        if let Err(e) = registry::refuse_twin(&topology, self.instance_id()).await {
-            self.inner.shared.closed.send_replace(true);
-            return Err(e);
-        }
         // Registered before reading the others: of two routers starting at once, the later
         // reader sees the earlier one (else both could read an empty registry and both grant,
-        // each under its own topology).
-        self.inner.beat(&mut Default::default()).await;
+        // each under its own topology). A heartbeat is refused where another live start beats
+        // under the same id: a copy-pasted config, or an old incarnation still running.
+        if let Some(twin) = self.inner.beat(&mut Default::default()).await {
+            self.inner.shared.closed.send_replace(true);
+            let id = self.instance_id();
+            // Rows it did take (of a start under the same id at the same moment, each may
+            // win some shards) must not keep the id live: neither start would run.
+            let shards = &topology.current.shards;
+            registry::deregister(&topology.config, id, self.inner.shared.nonce(), shards).await;
+            return Err(Error::InvalidArgument {
+                name: "instance.id",
+                reason: format!(
+                    "`{id}` is live in the registry: {twin}. Give each process its own id (or \
+                     `auto`), or wait until that process has stopped (its heartbeat older than \
+                     cleaner.heartbeat-timeout)"
+                ),
+            });
+        }
         if let Some(why) = registry::fleet_disagreement(&topology, self.instance_id()).await {
             tracing::warn!(why, "shardlock grants nothing until its fleet agrees");
             self.inner.gate.close(why);
@@ -168,12 +184,47 @@ impl LockRouter {
 
     /// Refuses a grant of `key` while this router waits to join its fleet (see [`Gate`]).
     pub(crate) fn check_joined(&self, key: &LockKey) -> Result<()> {
+        self.inner.lapsed();
         match self.inner.gate.why() {
             None => Ok(()),
-            Some(why) => Err(Error::Unavailable {
-                shard: self.inner.topology.load().locate(key).name().to_owned(),
-                source: BackendError::new(BackendErrorKind::Other, None, why),
-            }),
+            Some(why) => Err(self.not_granting(key, why)),
+        }
+    }
+
+    /// [`LockRouter::check_joined`], answering what [`LockRouter::still_joined`] compares
+    /// once the grant is made: the lapses counted before the check.
+    pub(crate) fn joined(&self, key: &LockKey) -> Result<u64> {
+        let lapses = self.lapses();
+        self.check_joined(key)?;
+        Ok(lapses)
+    }
+
+    /// Times this router's heartbeat lapsed so far.
+    pub(crate) fn lapses(&self) -> u64 {
+        self.inner
+            .shared
+            .stats
+            .heartbeat_lapses
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// After a grant of `key` sought since [`LockRouter::joined`] answered `since`: an error if
+    /// the heartbeat lapsed meanwhile, or the router stopped granting. The grant must then be
+    /// given back: its statements may have waited out a pause unsent, or been retried
+    /// meanwhile, on a placement the fleet no longer uses (see `Gate` in `state.rs`).
+    pub(crate) fn still_joined(&self, key: &LockKey, since: u64) -> Result<()> {
+        self.inner.lapsed();
+        if self.inner.gate.is_closed() || self.lapses() != since {
+            return Err(self.not_granting(key, LAPSED.to_owned()));
+        }
+        Ok(())
+    }
+
+    /// The error of a grant of `key` refused for `why` by this router itself.
+    pub(crate) fn not_granting(&self, key: &LockKey, why: String) -> Error {
+        Error::Unavailable {
+            shard: self.inner.topology.load().locate(key).name().to_owned(),
+            source: BackendError::new(BackendErrorKind::Other, None, why),
         }
     }
 
@@ -531,7 +582,13 @@ impl LockRouter {
         if let Some(heartbeat) = heartbeat {
             let _ = heartbeat.await;
         }
-        registry::deregister(&self.config(), self.instance_id(), &shards).await;
+        registry::deregister(
+            &self.config(),
+            self.instance_id(),
+            self.inner.shared.nonce(),
+            &shards,
+        )
+        .await;
         for s in &shards {
             for lease in s.take_local() {
                 lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared);

@@ -7,7 +7,7 @@
 //! them has to reach up into `router.rs`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
@@ -53,11 +53,28 @@ pub(crate) struct Inner {
 /// that is over: it knows only its own placement, not the one the others still use, so a key
 /// it places elsewhere could be held there already. Checked at start, and again with each
 /// heartbeat until the fleet agrees; once open it stays open (reloads from then on are the
-/// move protocol's business).
+/// move protocol's business) unless the router's heartbeat lapses.
+///
+/// A router whose latest heartbeat that reached a shard is older than halfway from
+/// `cleaner.heartbeat-interval` to `cleaner.heartbeat-timeout` (a process paused, or cut off
+/// from every shard) may soon count as dead in the registry, and
+/// meanwhile the others may have ended a move without it, or another process may have
+/// started under its instance id. Its gate closes ([`Gate::lapsed`]) and it joins its fleet
+/// again as if it had just started (see [`spawn_heartbeat`]); a process whose heartbeat finds
+/// its id taken over ([`Gate::replace`]) never opens again.
 #[derive(Debug)]
 pub(crate) struct Gate {
     closed: tokio::sync::watch::Sender<bool>,
     why: std::sync::Mutex<String>,
+    /// The clock's origin for `beaten_ms`.
+    born: Instant,
+    /// When the latest heartbeat that reached a shard was sent, in ms after `born` plus one;
+    /// 0 before the first.
+    beaten_ms: AtomicU64,
+    /// Set from a lapse until the router has joined its fleet again: only that opens the gate.
+    rejoining: AtomicBool,
+    /// Set when another process took this router's instance id over: the gate stays closed.
+    replaced: AtomicBool,
 }
 
 impl Default for Gate {
@@ -65,22 +82,100 @@ impl Default for Gate {
         Self {
             closed: tokio::sync::watch::channel(false).0,
             why: std::sync::Mutex::default(),
+            born: Instant::now(),
+            beaten_ms: AtomicU64::new(0),
+            rejoining: AtomicBool::new(false),
+            replaced: AtomicBool::new(false),
         }
     }
 }
 
 impl Gate {
+    /// Closes the gate for `why` (a replaced router keeps the reason it was replaced for).
     pub(crate) fn close(&self, why: String) {
+        if self.replaced.load(Ordering::Acquire) {
+            return;
+        }
         *self.why.locked() = why;
         self.closed.send_replace(true);
     }
 
+    /// Opens the gate: the fleet agrees. Not while a lapse is being recovered from (only
+    /// [`Gate::rejoined`] ends that) or after the router was replaced.
     pub(crate) fn open(&self) {
-        self.closed.send_replace(false);
+        if !self.rejoining.load(Ordering::Acquire) && !self.replaced.load(Ordering::Acquire) {
+            self.closed.send_replace(false);
+        }
     }
 
+    /// The router joined its fleet again after a lapse.
+    pub(crate) fn rejoined(&self) {
+        self.rejoining.store(false, Ordering::Release);
+        self.open();
+    }
+
+    /// Another process took this router's instance id over while it counted as dead: it
+    /// grants nothing from now on, for `why`.
+    pub(crate) fn replace(&self, why: String) {
+        *self.why.locked() = why;
+        self.replaced.store(true, Ordering::Release);
+        self.closed.send_replace(true);
+    }
+
+    pub(crate) fn is_replaced(&self) -> bool {
+        self.replaced.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn is_rejoining(&self) -> bool {
+        self.rejoining.load(Ordering::Acquire)
+    }
+
+    /// Records a heartbeat sent at `sent` that reached at least one shard.
+    pub(crate) fn beaten(&self, sent: Instant) {
+        let ms = u64::try_from(sent.saturating_duration_since(self.born).as_millis())
+            .unwrap_or(u64::MAX - 1);
+        self.beaten_ms.fetch_max(ms + 1, Ordering::AcqRel);
+    }
+
+    /// Whether the latest heartbeat that reached a shard is `lapse` old or older; if so, and
+    /// first to see it, counts the lapse in `lapses` and closes the gate until the router has
+    /// joined its fleet again. No heartbeat yet: not lapsed (the start joins the fleet).
+    ///
+    /// An acquire that passed the gate before a lapse and is granted after it gives the grant
+    /// back: its statement may have waited out the pause unsent, or its waiting retried
+    /// meanwhile, on a placement the fleet no longer uses.
+    pub(crate) fn lapsed(&self, lapse: Duration, lapses: &AtomicU64) -> Lapse {
+        let beaten = self.beaten_ms.load(Ordering::Acquire);
+        if beaten == 0 {
+            return Lapse::No;
+        }
+        let age = Duration::from_millis(
+            u64::try_from(self.born.elapsed().as_millis())
+                .unwrap_or(u64::MAX)
+                .saturating_sub(beaten - 1),
+        );
+        if age < lapse {
+            return Lapse::No;
+        }
+        if self.rejoining.swap(true, Ordering::AcqRel) {
+            return Lapse::Ongoing;
+        }
+        {
+            lapses.fetch_add(1, Ordering::AcqRel);
+            self.close(format!(
+                "this process's heartbeat last reached a shard {} ms ago (paused, or cut off \
+                 from every shard): the others may count it dead, so it grants nothing until \
+                 it has joined its fleet again",
+                age.as_millis()
+            ));
+        }
+        Lapse::New
+    }
+
+    /// Closed, or rejoining, or replaced: the flags are read too, so that a gate opened by
+    /// a join that raced with a lapse (or a replacement) still refuses.
     pub(crate) fn is_closed(&self) -> bool {
-        *self.closed.borrow()
+        *self.closed.borrow() || self.is_rejoining() || self.is_replaced()
     }
 
     pub(crate) fn why(&self) -> Option<String> {
@@ -112,12 +207,18 @@ impl Drop for Inner {
             return;
         };
         let shards = self.topology.load().current.shards.clone();
-        let id = self.shared.instance_id.clone();
+        let shared = self.shared.clone();
+        let id = shared.instance_id.clone();
         // The id stays this router's until it is deregistered: a router of this process that
         // took it sooner would be marked deregistered by this one.
         let claim = self.id_claim.locked().take();
         runtime.spawn(async move {
-            join_all(shards.iter().map(|s| s.unguarded().deregister(&id))).await;
+            join_all(
+                shards
+                    .iter()
+                    .map(|s| s.unguarded().deregister(&id, shared.nonce())),
+            )
+            .await;
             drop(claim);
         });
     }
@@ -125,12 +226,62 @@ impl Drop for Inner {
 
 impl Inner {
     /// One heartbeat on every current shard (see [`registry::beat`]); from then on the router
-    /// counts as registered, and deregisters when dropped. Returns the interval to the next.
-    pub(crate) async fn beat(&self, missed: &mut HashMap<String, u32>) -> Duration {
+    /// counts as registered, and deregisters when dropped. Returns another start that beats
+    /// under this router's instance id, live, if one does (this router's heartbeat was
+    /// refused there).
+    pub(crate) async fn beat(&self, missed: &mut HashMap<String, u32>) -> Option<String> {
         let topology = self.topology.load_full();
-        let interval = registry::beat(&topology, &self.shared, missed).await;
+        let sent = Instant::now();
+        let reached = || self.gate.beaten(sent);
+        let taken_by = registry::beat(&topology, &self.shared, missed, &reached).await;
         self.registered.store(true, Ordering::Release);
-        interval
+        taken_by
+    }
+
+    /// Whether this router's heartbeat has lapsed (see [`Gate`]); the heartbeat is woken to
+    /// join the fleet again at once when it just did.
+    pub(crate) fn lapsed(&self) -> bool {
+        let config = self.config();
+        if config.cleaner.registry != shardlock_core::config::RegistryKind::Heartbeat {
+            return false;
+        }
+        let lapse = (config.cleaner.heartbeat_timeout + config.cleaner.heartbeat_interval) / 2;
+        match self.gate.lapsed(lapse, &self.shared.stats.heartbeat_lapses) {
+            Lapse::No => false,
+            Lapse::New => {
+                self.beat_now.notify_one();
+                true
+            }
+            Lapse::Ongoing => true,
+        }
+    }
+
+    /// Another start took this router's instance id over while this one counted as dead: it
+    /// grants nothing from now on, and its heartbeat stops.
+    fn replaced_by(&self, twin: &str) {
+        let why = format!(
+            "instance id `{}` was taken over by {twin} while this process counted as dead (its \
+             heartbeat lapsed): it grants nothing and heartbeats no more. Shut it down; give \
+             each process its own id (or `auto`)",
+            self.instance_id()
+        );
+        tracing::error!(
+            why,
+            "shardlock router replaced by another start under its id"
+        );
+        self.gate.replace(why);
+    }
+
+    /// After a lapse, once this router heartbeats again: opens the gate if its fleet agrees.
+    async fn rejoin(&self) {
+        let topology = self.topology.load_full();
+        match registry::fleet_disagreement(&topology, self.instance_id()).await {
+            None => {
+                tracing::info!("shardlock's heartbeat lapsed and its fleet agrees: granting again");
+                self.gate.rejoined();
+            }
+            Some(why) => self.gate.close(why),
+        }
     }
 
     /// The configuration in force.
@@ -161,9 +312,27 @@ impl std::fmt::Debug for CleanerState {
     }
 }
 
+/// What [`Gate::lapsed`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lapse {
+    No,
+    /// Just lapsed: the gate closed now.
+    New,
+    /// Lapsed earlier, not joined again yet.
+    Ongoing,
+}
+
+/// How soon a router that is joining its fleet again after a lapse beats and asks again.
+const REJOIN_RETRY: Duration = Duration::from_millis(250);
+
 /// Starts the heartbeat of the router of `inner` on every current shard, every
 /// `cleaner.heartbeat-interval` and whenever `beat_now` is notified, while the registry in
-/// force is `heartbeat`. It ends with the router (shutdown or drop).
+/// force is `heartbeat`. It ends with the router (shutdown or drop), or when another process
+/// took its instance id over.
+///
+/// A heartbeat refused because another start beats under the same id ends it, the router
+/// replaced. After a lapse (see [`Gate`]) it beats, then opens the gate once the fleet
+/// agrees, every [`REJOIN_RETRY`] until then (live again, only not granting).
 pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
     let weak = Arc::downgrade(inner);
     let mut closed = inner.shared.closed.subscribe();
@@ -172,13 +341,28 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
         // Heartbeats missed in a row, per shard.
         let mut missed = std::collections::HashMap::new();
         loop {
+            let started = Instant::now();
             let interval = {
                 let Some(inner) = weak.upgrade() else { return };
-                inner.beat(&mut missed).await
+                inner.lapsed();
+                let rejoining = inner.gate.is_rejoining();
+                if let Some(twin) = inner.beat(&mut missed).await {
+                    inner.replaced_by(&twin);
+                    return;
+                }
+                if rejoining {
+                    inner.rejoin().await;
+                }
+                if inner.gate.is_rejoining() {
+                    REJOIN_RETRY
+                } else {
+                    inner.config().cleaner.heartbeat_interval
+                }
             };
             tokio::select! {
                 _ = closed.wait_for(|c| *c) => return,
-                _ = tokio::time::sleep(interval) => {}
+                // At a steady rate, however long the beat took: the lapse allows for it.
+                _ = tokio::time::sleep_until(started + interval) => {}
                 // A reload, or a move's end: advertise the change without waiting.
                 _ = beat_now.notified() => {}
             }

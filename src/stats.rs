@@ -83,6 +83,11 @@ counters! {
     /// Heartbeats to the instance registry that failed (a warning is logged once one shard
     /// misses three in a row).
     heartbeat_failures,
+    /// Times this router's heartbeat lapsed: the latest one that reached a shard was older
+    /// than halfway from `cleaner.heartbeat-interval` to `cleaner.heartbeat-timeout`, the
+    /// process paused or cut off from every shard. It then grants nothing from shards until
+    /// it has joined its fleet again.
+    heartbeat_lapses,
     /// Calls not sent because the shard's breaker was open (acquires answered
     /// `Unavailable` at once, or granted locally; renewals and releases skipped).
     breaker_rejections,

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::faults::{Rig, POOL, WAIT};
 use shardlock::{AcquireOptions, BreakerState, Error, LockMode, LockRouter, LOCAL_FENCE_BIT};
-use shardlock_testkit::{Competitor, ProxyMode};
+use shardlock_testkit::{Cluster, Competitor, Proxy, ProxyMode};
 
 /// Counts of one phase of the 64-task run.
 #[derive(Default)]
@@ -168,10 +168,75 @@ async fn held_locally() -> (Rig, String, shardlock::LockGuard) {
 
 /// Cuts the rig's router off from `s1` until its breaker opens.
 async fn cut_off(rig: &Rig, key: &str) {
-    rig.proxy.set(ProxyMode::Reset);
-    while rig.router.breaker_state("s1") != Some(BreakerState::Open) {
-        let _ = rig.router.try_acquire(key, AcquireOptions::new()).await;
+    cut_off_from(&rig.router, &rig.proxy, key).await;
+}
+
+/// Cuts `router` off from `s1`, behind `proxy`, until its breaker opens.
+async fn cut_off_from(router: &LockRouter, proxy: &Proxy, key: &str) {
+    proxy.set(ProxyMode::Reset);
+    while router.breaker_state("s1") != Some(BreakerState::Open) {
+        let _ = router.try_acquire(key, AcquireOptions::new()).await;
     }
+}
+
+/// Cut off from its only shard for most of the heartbeat timeout, a process may count as
+/// dead elsewhere, so it takes nothing from the shard until it has joined its fleet again;
+/// the in-process locks of the `local` policy go on meanwhile, and shard grants come back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_cut_off_from_every_shard_for_long_still_grants_in_process() {
+    let cluster = Cluster::start(1).await.expect("start shards");
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = common::faults::config_yaml(&cluster, &proxy.url(), POOL, "local")
+        + "cleaner:\n  heartbeat-interval: 100ms\n  heartbeat-timeout: 2s\ninstance:\n  id: cut\n";
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let registered = common::eventually(Duration::from_secs(10), || async {
+        router.instances().await.iter().all(|(_, rows)| {
+            rows.as_ref()
+                .is_ok_and(|rows| rows.iter().any(|i| i.instance_id == "cut"))
+        })
+    })
+    .await;
+    assert!(registered, "its heartbeat reached the shard");
+    let remote = router
+        .acquire("before", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(remote.mode(), LockMode::Remote);
+    remote.release().await.unwrap();
+
+    cut_off_from(&router, &proxy, "cut").await;
+    // The heartbeat lapses: the last that reached the shard is over 1.05 s old.
+    let lapsed = common::eventually(Duration::from_secs(60), || {
+        let lapses = router.stats().heartbeat_lapses;
+        async move { lapses == 1 }
+    })
+    .await;
+    assert!(lapsed, "the heartbeat lapsed");
+    let local = router
+        .acquire("during", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), LockMode::LocalFallback);
+    local.release().await.unwrap();
+
+    proxy.set(ProxyMode::Pass);
+    let back = common::eventually(Duration::from_secs(30), || async {
+        let once = AcquireOptions::new().wait(Duration::ZERO);
+        match router.try_acquire("after", once).await {
+            Ok(Some(guard)) => {
+                let remote = guard.mode() == LockMode::Remote;
+                guard.release().await.unwrap();
+                remote
+            }
+            _ => false,
+        }
+    })
+    .await;
+    assert!(
+        back,
+        "shard grants resume once the process has joined its fleet again"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,12 +1,15 @@
 //! Two routers configured with one instance id (a copy-pasted config, an old incarnation
 //! still running): the second one is refused at start, in this process or another, and the
-//! owners of two starts under one id never collide.
+//! owners of two starts under one id never collide. A process that comes back from a pause
+//! longer than the heartbeat timeout joins its fleet again before it grants, and grants nothing
+//! if another process started under its id meanwhile.
 
 mod common;
 
 use std::time::Duration;
 
-use shardlock::{AcquireOptions, Error, LockRouter};
+use shardlock::mysql_async::prelude::Queryable;
+use shardlock::{AcquireOptions, Error, InstanceVerdict, LockRouter};
 use shardlock_testkit::{report, Worker};
 
 const TWIN: &str = "instance:\n  id: twin\n";
@@ -67,6 +70,241 @@ async fn two_routers_with_one_instance_id_never_share_an_owner() {
     next.release().await.unwrap();
 }
 
+/// Heartbeats every 100 ms; dead after 2 s without one.
+const BEATS: &str =
+    "cleaner:\n  registry: heartbeat\n  heartbeat-interval: 100ms\n  heartbeat-timeout: 2s\n";
+
+/// A worker under instance id `twin` in `role`, once it said `first`.
+async fn twin_in(role: &str, yaml: &str, first: &str) -> Worker {
+    let mut worker =
+        Worker::spawn("worker", role, &[(common::CONFIG_ENV, yaml.to_owned())]).unwrap();
+    worker.expect(first).await.unwrap();
+    worker
+}
+
+/// Freezes `worker` until the registry counts it dead on every shard.
+async fn pause_until_dead(router: &LockRouter, worker: &Worker) {
+    worker.pause().unwrap();
+    let timeout = Duration::from_secs(2);
+    let dead = common::eventually(Duration::from_secs(60), || async {
+        router.instances().await.iter().all(|(_, rows)| {
+            rows.as_ref().is_ok_and(|rows| {
+                rows.iter()
+                    .any(|i| i.instance_id == "twin" && i.verdict(timeout) == InstanceVerdict::Dead)
+            })
+        })
+    })
+    .await;
+    assert!(dead, "the frozen worker counts as dead");
+}
+
+/// The worker's next outcome that is not a grant, within a minute (it grants in a loop
+/// while nothing stops it).
+async fn next_refusal(worker: &mut Worker) -> String {
+    tokio::time::timeout(Duration::from_secs(60), worker.expect("refused"))
+        .await
+        .expect("the worker went on granting")
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_resumed_after_its_twin_started_grants_nothing() {
+    let (cluster, router, _) = common::start(2, BEATS).await;
+    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    let mut paused = twin_in("looping-twin", &yaml, "granted").await;
+    pause_until_dead(&router, &paused).await;
+    let twin = LockRouter::from_yaml_str(&yaml)
+        .await
+        .expect("the frozen process counts as dead: its id is free");
+    paused.resume().unwrap();
+
+    // It may first say that its heartbeat lapsed, then that its id was taken over.
+    let mut said = next_refusal(&mut paused).await;
+    while !said.contains("taken over") {
+        assert!(said.contains("heartbeat"), "{said}");
+        said = next_refusal(&mut paused).await;
+    }
+    assert!(
+        said.contains(&format!("pid {}", std::process::id())),
+        "{said}"
+    );
+    // From then on it grants nothing (the window of tries under way may hold some from
+    // before), and its heartbeat leaves the twin's row alone.
+    paused.expect("tries").await.unwrap();
+    for _ in 0..2 {
+        let tries = paused.expect("tries").await.unwrap();
+        assert_eq!(tries, "refused", "after being taken over");
+    }
+    for (shard, rows) in router.instances().await {
+        let row = rows.unwrap().into_iter().find(|i| i.instance_id == "twin");
+        assert_eq!(
+            row.map(|r| r.pid),
+            Some(std::process::id()),
+            "shard {shard}"
+        );
+    }
+    let once = AcquireOptions::new().wait(Duration::ZERO);
+    let held = twin.try_acquire("k", once).await.unwrap().expect("free");
+    held.release().await.unwrap();
+    twin.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_resumed_after_counting_as_dead_grants_again_once_it_has_rejoined() {
+    let (cluster, router, _) = common::start(1, BEATS).await;
+    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    let mut paused = twin_in("looping-twin", &yaml, "granted").await;
+    pause_until_dead(&router, &paused).await;
+    paused.resume().unwrap();
+    let lapses = tokio::time::timeout(Duration::from_secs(60), paused.expect("lapses"))
+        .await
+        .expect("its heartbeat lapsed")
+        .unwrap();
+    assert_eq!(lapses, "1");
+    // Two windows of tries all granted: the second wholly after the lapse.
+    for _ in 0..2 {
+        let tries = tokio::time::timeout(Duration::from_secs(60), paused.expect("tries granted"))
+            .await
+            .expect("it rejoined its fleet");
+        tries.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_sought_across_a_lapse_is_given_back() {
+    let (cluster, router, _) = common::start(1, BEATS).await;
+    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    let held = router
+        .try_acquire(WAITED_FOR, AcquireOptions::new().wait(Duration::ZERO))
+        .await
+        .unwrap()
+        .expect("free");
+    let mut paused = twin_in("waiting-twin", &yaml, "waiting").await;
+    // Its wait under way (it tried the key, which marks it wanted) before it freezes.
+    let wanted = common::eventually(Duration::from_secs(60), || async {
+        let (_, row) = router.inspect(WAITED_FOR).await.unwrap();
+        row.is_some_and(|row| row.wanted_ms_ago.is_some())
+    })
+    .await;
+    assert!(wanted, "the waiter tried the key");
+    pause_until_dead(&router, &paused).await;
+    // Freed while the waiter is frozen: its next try after the pause finds the key free, on
+    // a placement it can no longer vouch for.
+    held.release().await.unwrap();
+    paused.resume().unwrap();
+    let said = paused.expect("").await.unwrap();
+    assert!(
+        said.starts_with("refused") && said.contains("heartbeat"),
+        "{said}"
+    );
+    let again = router
+        .try_acquire(WAITED_FOR, AcquireOptions::new().wait(Duration::ZERO))
+        .await
+        .unwrap();
+    assert!(again.is_some(), "the grant given back leaves no lease");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_sought_across_a_lapse_is_given_back() {
+    let (cluster, router, _) = common::start(1, BEATS).await;
+    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    let held = router
+        .lock_in_transaction(WAITED_FOR, Duration::ZERO)
+        .await
+        .unwrap();
+    let mut paused = twin_in("tx-waiting-twin", &yaml, "waiting").await;
+    // Its wait under way: the server counts a row lock waited for.
+    let waiting = common::eventually(Duration::from_secs(60), || async {
+        let mut shard = cluster.shard(0).connect().await.unwrap();
+        let waits: Option<(String, u64)> = shard
+            .query_first("SHOW GLOBAL STATUS LIKE 'Innodb_row_lock_current_waits'")
+            .await
+            .unwrap();
+        waits.is_some_and(|(_, n)| n == 1)
+    })
+    .await;
+    assert!(waiting, "the waiter waits for the row");
+    pause_until_dead(&router, &paused).await;
+    // Freed while the waiter is frozen: the server hands it the row meanwhile.
+    held.rollback().await.unwrap();
+    paused.resume().unwrap();
+    let said = paused.expect("").await.unwrap();
+    assert!(
+        said.starts_with("refused") && said.contains("heartbeat"),
+        "{said}"
+    );
+    let again = router.lock_in_transaction(WAITED_FOR, Duration::ZERO).await;
+    assert!(again.is_ok(), "the row given back is free: {again:?}");
+}
+
+/// The key `waiting-twin` waits for.
+const WAITED_FOR: &str = "waited-for";
+
+/// Waits up to two minutes for [`WAITED_FOR`], and says how that ended.
+async fn waiting_twin_worker() {
+    let router = common::worker_router().await;
+    report!("waiting");
+    let wait = AcquireOptions::new().wait(Duration::from_secs(120));
+    match router.acquire(WAITED_FOR, wait).await {
+        Ok(guard) => report!("granted {}", guard.fence()),
+        Err(e) => report!("refused {}", shardlock::Report(&e)),
+    }
+}
+
+/// Waits up to two minutes for [`WAITED_FOR`]'s transaction lock, and says how that ended.
+async fn tx_waiting_twin_worker() {
+    let router = common::worker_router().await;
+    report!("waiting");
+    match router
+        .lock_in_transaction(WAITED_FOR, Duration::from_secs(120))
+        .await
+    {
+        Ok(guard) => report!("granted {}", guard.shard()),
+        Err(e) => report!("refused {}", shardlock::Report(&e)),
+    }
+}
+
+/// Locks and releases a new key every 20 ms, reporting each change of outcome (`granted`,
+/// `busy`, `refused` and why), how the last 20 tries went (`tries` and an outcome, or
+/// `mixed`), and each heartbeat lapse (`lapses` and how many so far).
+async fn looping_twin_worker() {
+    let router = common::worker_router().await;
+    let (mut last, mut recent, mut lapses) = (String::new(), Vec::new(), 0);
+    for n in 0u64.. {
+        if router.stats().heartbeat_lapses != lapses {
+            lapses = router.stats().heartbeat_lapses;
+            report!("lapses {lapses}");
+        }
+        let once = AcquireOptions::new().wait(Duration::ZERO);
+        let said = match router.try_acquire(&format!("loop:{n}"), once).await {
+            Ok(Some(guard)) => {
+                let _ = guard.release().await;
+                "granted".to_owned()
+            }
+            Ok(None) => "busy".to_owned(),
+            Err(e) => format!("refused {}", shardlock::Report(&e)),
+        };
+        // Numbers (how long ago) aside, the same outcome is reported once.
+        let outcome: String = said.chars().filter(|c| !c.is_ascii_digit()).collect();
+        if outcome != last {
+            report!("{said}");
+            last = outcome;
+        }
+        recent.push(said.split(' ').next().unwrap_or_default().to_owned());
+        if recent.len() == 20 {
+            recent.dedup();
+            let all = if recent.len() == 1 {
+                &recent[0]
+            } else {
+                "mixed"
+            };
+            report!("tries {all}");
+            recent.clear();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn twin_worker() {
     let yaml = std::env::var(common::CONFIG_ENV).unwrap();
     match LockRouter::from_yaml_str(&yaml).await {
@@ -75,4 +313,9 @@ async fn twin_worker() {
     }
 }
 
-crate::worker_entry! { "twin" => twin_worker() }
+crate::worker_entry! {
+    "twin" => twin_worker(),
+    "looping-twin" => looping_twin_worker(),
+    "waiting-twin" => waiting_twin_worker(),
+    "tx-waiting-twin" => tx_waiting_twin_worker(),
+}

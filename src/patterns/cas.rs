@@ -36,7 +36,7 @@ impl LockRouter {
     /// answers `None`). Read the row's version on [`LockRouter::shard_connection`] to release it.
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
-        self.check_joined(&lock_key)?;
+        let lapses = self.joined(&lock_key)?;
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
         let mut taken: Vec<Arc<ShardState>> = Vec::new();
@@ -55,10 +55,11 @@ impl LockRouter {
             }
             taken.push(at);
         }
-        let version = match version {
+        let version = match version.and_then(|v| self.still_joined(&lock_key, lapses).map(|()| v)) {
             Ok(Some(version)) => version,
-            // Someone owns it somewhere, or a shard failed: give back what was taken (a row
-            // that cannot be given back now stays owned until its owner releases it).
+            // Someone owns it somewhere, or a shard failed, or the heartbeat lapsed meanwhile:
+            // give back what was taken (a row that cannot be given back now stays owned until
+            // its owner releases it).
             failed => {
                 for at in taken {
                     let _ = at

@@ -210,7 +210,7 @@ impl LockRouter {
     /// a move, on previous shards) have their connections closed, which rolls them back.
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
         let lock_key = LockKey::new(key)?;
-        self.check_joined(&lock_key)?;
+        let lapses = self.joined(&lock_key)?;
         let deadline = crate::state::instant_after(wait);
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
@@ -249,6 +249,8 @@ impl LockRouter {
                 others.push(Discard(Some(locked)));
             }
         }
+        // Dropped on a lapse: their connections close, which rolls the rows back.
+        self.still_joined(&lock_key, lapses)?;
         let conn = conn
             .and_then(|mut c| c.0.take())
             .expect("the current shard is in the order");

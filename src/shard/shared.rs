@@ -37,6 +37,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// This router's start nonce.
+    pub(crate) fn nonce(&self) -> &str {
+        &self.nonce
+    }
+
     pub(crate) fn new(instance_id: String, telemetry: crate::telemetry::Telemetry) -> Self {
         Self {
             telemetry,

@@ -27,7 +27,7 @@
 //! | `shardlock_statement_duration_seconds` | histogram: one call to a shard | shard, outcome (ok, failure) |
 //! | `shardlock_hold_duration_seconds` | histogram | shard, mode |
 //! | `shardlock_renewal_statements_total`, `shardlock_renewal_failures_total` | counter | instance |
-//! | `shardlock_leases_lost_total`, `shardlock_local_handoffs_total`, `shardlock_breaker_rejections_total` | counter | instance |
+//! | `shardlock_leases_lost_total`, `shardlock_local_handoffs_total`, `shardlock_breaker_rejections_total`, `shardlock_heartbeat_lapses_total` | counter | instance |
 //! | `shardlock_acquire_statements_total`, `shardlock_acquire_batches_total`, `shardlock_acquire_batched_total`, `shardlock_release_batches_total`, `shardlock_release_batched_total` | counter | instance |
 //! | `shardlock_batches` | gauge: the dispatcher | instance, shard, state (in_flight, waiting) |
 //! | `shardlock_breaker_state` | gauge: 1 for the state the breaker is in, 0 for the others | instance, shard, state (closed, half_open, open) |

@@ -58,7 +58,7 @@ where
     F: Fn() -> Option<RouterSnapshot> + Clone + Send + Sync + 'static,
 {
     type Read = fn(&LockStats) -> u64;
-    let counters: [(&'static str, &'static str, Read); 10] = [
+    let counters: [(&'static str, &'static str, Read); 11] = [
         (
             "shardlock.acquire.statements",
             "Acquire statements sent (one alone; per batch its write, and a read-back unless every key was new)",
@@ -99,6 +99,11 @@ where
             "shardlock.local_handoffs",
             "Grants handed over in memory",
             |s| s.local_handoffs,
+        ),
+        (
+            "shardlock.heartbeat.lapses",
+            "Times the heartbeat lapsed: the process counted as maybe dead and joined its fleet again",
+            |s| s.heartbeat_lapses,
         ),
         (
             "shardlock.breaker.rejections",

@@ -6,18 +6,34 @@ use mysql_async::{Conn, Params, Value};
 use crate::lease::{holding_owner, padded_in_list};
 use crate::{now_us, released};
 
-/// Registers the instance on first call (`started_at` = now) and beats afterwards; a
-/// deregistered instance that beats again is alive again. Times are the shard's `NOW(3)`, and
-/// [`ALIVE_HEAD`] compares them with the same clock, so liveness never depends on two
-/// machines' clocks agreeing.
-const HEARTBEAT: &str = "INSERT INTO shardlock_instance \
-     (instance_id, host, pid, started_at, heartbeat_at, deregistered_at, topology, moving, fleet) \
-     VALUES (?, ?, ?, NOW(3), NOW(3), NULL, ?, ?, ?) \
-     ON DUPLICATE KEY UPDATE heartbeat_at = NOW(3), deregistered_at = NULL, topology = ?, \
-     moving = ?, fleet = ?";
+/// A heartbeat of the process with start nonce `?`: the row is written only while it is this
+/// process's (same nonce) or nobody's that is live (deregistered, or silent for longer than
+/// `?` µs), so that another start under the same id, which took the row over while this
+/// process counted as dead, keeps it (see [`Heartbeat::TakenBy`]). A deregistered instance
+/// that beats again is alive again. `started_at` is reset when another start takes the row
+/// (the assignments run left to right: it compares the old nonce). Times are the shard's
+/// `NOW(3)`, and [`ALIVE_HEAD`] compares them with the same clock, so liveness never depends
+/// on two machines' clocks agreeing.
+const HEARTBEAT: &str = "UPDATE shardlock_instance SET host = ?, pid = ?, \
+     started_at = IF(nonce <=> ?, started_at, NOW(3)), nonce = ?, heartbeat_at = NOW(3), \
+     deregistered_at = NULL, topology = ?, moving = ?, fleet = ? \
+     WHERE instance_id = ? AND (nonce <=> ? OR deregistered_at IS NOT NULL \
+     OR heartbeat_at <= NOW(3) - INTERVAL ? MICROSECOND)";
 
-const DEREGISTER: &str =
-    "UPDATE shardlock_instance SET deregistered_at = NOW(3) WHERE instance_id = ?";
+/// The first heartbeat of an instance id on the shard (`started_at` = now); an existing row
+/// is left as it is. Then [`BEAT_LAST`] says whose the row is.
+const REGISTER: &str = "INSERT INTO shardlock_instance \
+     (instance_id, host, pid, nonce, started_at, heartbeat_at, deregistered_at, topology, \
+     moving, fleet) VALUES (?, ?, ?, ?, NOW(3), NOW(3), NULL, ?, ?, ?) \
+     ON DUPLICATE KEY UPDATE instance_id = instance_id";
+
+/// Who beat last under an instance id.
+const BEAT_LAST: &str = "SELECT nonce, host, pid FROM shardlock_instance WHERE instance_id = ?";
+
+/// Owner-checked like a release: a process whose id another start has taken over since (see
+/// [`HEARTBEAT`]) leaves that one's row live.
+const DEREGISTER: &str = "UPDATE shardlock_instance SET deregistered_at = NOW(3) \
+     WHERE instance_id = ? AND nonce = ?";
 
 /// The living among some instances: registered, not deregistered, heard from within `?` µs.
 const ALIVE_HEAD: &str = "SELECT instance_id FROM shardlock_instance \
@@ -161,25 +177,74 @@ pub struct Beat<'a> {
     pub moving: bool,
     /// Its fleet.
     pub fleet: &'a str,
+    /// Its start nonce: the row is its own while it holds it.
+    pub nonce: &'a str,
+    /// `cleaner.heartbeat-timeout`: a row another start has not beaten for this long may be
+    /// taken over.
+    pub timeout: std::time::Duration,
 }
 
-pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::Result<()> {
-    let params: Vec<mysql_async::Value> = vec![
-        beat.instance.into(),
+/// What a heartbeat found: a row is written only while it is its own start's, or nobody's
+/// that is live (see [`Shard::heartbeat`](crate::Shard::heartbeat)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Heartbeat {
+    /// The row is this process's: it beat.
+    Beaten,
+    /// Another start beats under this instance id, live: the row was left alone.
+    TakenBy {
+        /// Its host.
+        host: String,
+        /// Its process id.
+        pid: u32,
+    },
+}
+
+pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::Result<Heartbeat> {
+    let timeout_us = u64::try_from(beat.timeout.as_micros()).unwrap_or(u64::MAX);
+    let params: Vec<Value> = vec![
         beat.host.into(),
         beat.pid.into(),
+        beat.nonce.into(),
+        beat.nonce.into(),
         beat.topology.into(),
         beat.moving.into(),
         beat.fleet.into(),
+        beat.instance.into(),
+        beat.nonce.into(),
+        timeout_us.into(),
+    ];
+    conn.exec_drop(HEARTBEAT, params).await?;
+    if conn.affected_rows() > 0 {
+        return Ok(Heartbeat::Beaten);
+    }
+    let params: Vec<Value> = vec![
+        beat.instance.into(),
+        beat.host.into(),
+        beat.pid.into(),
+        beat.nonce.into(),
         beat.topology.into(),
         beat.moving.into(),
         beat.fleet.into(),
     ];
-    conn.exec_drop(HEARTBEAT, params).await
+    // Affected rows count the rows matched (see `Shard::new`): an existing row counts too,
+    // so whose the row is now is read back.
+    conn.exec_drop(REGISTER, params).await?;
+    let last: Option<(Option<Vec<u8>>, String, u32)> =
+        conn.exec_first(BEAT_LAST, (beat.instance,)).await?;
+    Ok(match last {
+        Some((nonce, host, pid)) if nonce.as_deref() != Some(beat.nonce.as_bytes()) => {
+            Heartbeat::TakenBy { host, pid }
+        }
+        _ => Heartbeat::Beaten,
+    })
 }
 
-pub(crate) async fn deregister(conn: &mut Conn, instance: &str) -> mysql_async::Result<()> {
-    conn.exec_drop(DEREGISTER, (instance,)).await
+pub(crate) async fn deregister(
+    conn: &mut Conn,
+    (instance, nonce): (&str, &str),
+) -> mysql_async::Result<()> {
+    conn.exec_drop(DEREGISTER, (instance, nonce)).await
 }
 
 pub(crate) async fn alive(

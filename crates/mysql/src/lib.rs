@@ -21,7 +21,7 @@ mod tls;
 
 pub use batch::{BatchGrants, MAX_BATCH};
 pub use carry::{CasRow, MovingJob, PendingJob};
-pub use cleaner::{Beat, Candidate, InstanceRow, InstanceVerdict};
+pub use cleaner::{Beat, Candidate, Heartbeat, InstanceRow, InstanceVerdict};
 pub use error::classify;
 pub use lease::{
     Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ListFilter, ReleaseAnswer,

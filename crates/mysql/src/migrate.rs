@@ -45,6 +45,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "lease_data",
         include_str!("../migrations/0008_lease_data.sql"),
     ),
+    (
+        9,
+        "instance_nonce",
+        include_str!("../migrations/0009_instance_nonce.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\

@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use crate::batch::{self, BatchGrants};
 use crate::carry::{self, CasRow, MovingJob, PendingJob};
-use crate::cleaner::{self, Beat, Candidate, InstanceRow};
+use crate::cleaner::{self, Beat, Candidate, Heartbeat, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ReleaseAnswer, Released,
@@ -829,18 +829,19 @@ impl Shard {
             .await
     }
 
-    /// Registers `instance` or renews its heartbeat.
-    pub async fn heartbeat(&self, beat: Beat<'_>) -> Result<(), BackendError> {
+    /// Registers `instance` or renews its heartbeat, unless another live start beats under
+    /// its id.
+    pub async fn heartbeat(&self, beat: Beat<'_>) -> Result<Heartbeat, BackendError> {
         self.run("heartbeat", beat, |c, &beat| {
             Box::pin(cleaner::heartbeat(c, beat))
         })
         .await
     }
 
-    /// Marks `instance` as shut down.
-    pub async fn deregister(&self, instance: &str) -> Result<(), BackendError> {
-        self.run("deregister", instance, |c, &instance| {
-            Box::pin(cleaner::deregister(c, instance))
+    /// Marks `instance` as shut down, if the start with `nonce` beat last under it.
+    pub async fn deregister(&self, instance: &str, nonce: &str) -> Result<(), BackendError> {
+        self.run("deregister", (instance, nonce), |c, &who| {
+            Box::pin(cleaner::deregister(c, who))
         })
         .await
     }
