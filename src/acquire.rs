@@ -107,23 +107,18 @@ impl LockRouter {
         // Read before the gate: a lapse counted from here on makes a grant suspect.
         let mut lapses = self.lapses();
         // Closes the gate if the heartbeat lapsed.
-        self.inner.lapsed();
+        self.inner.notice_lapse();
         let gate = &self.inner.gate;
         // A lapse from being cut off from every shard leaves in-process locks to a namespace
-        // that falls back on them; a grant from a shard is given back below.
-        let falls_back = || {
-            gate.is_rejoining()
-                && !gate.is_replaced()
-                && self
-                    .namespace_of(opts)
-                    .is_ok_and(|ns| ns.on_shard_failure == FailurePolicy::Local)
-        };
-        // Through a closed gate: a grant from a shard is given back even if the router has
-        // joined again by the time it comes (a reload may have moved the key meanwhile).
-        let mut through_closed_gate = false;
-        if gate.is_closed() && falls_back() {
-            through_closed_gate = true;
-        } else if gate.is_closed() {
+        // that falls back on them. A grant from a shard that passed the closed gate this way
+        // is given back below, even if the router has joined again by the time it comes (a
+        // reload may have moved the key meanwhile).
+        let through_closed_gate = gate.is_rejoining()
+            && !gate.is_replaced()
+            && self
+                .namespace_of(opts)
+                .is_ok_and(|ns| ns.on_shard_failure == FailurePolicy::Local);
+        if gate.is_closed() && !through_closed_gate {
             // Waiting to join the fleet counts against the caller's wait.
             let budget = match wait {
                 Some(w) => w,

@@ -184,7 +184,7 @@ impl LockRouter {
 
     /// Refuses a grant of `key` while this router waits to join its fleet (see [`Gate`]).
     pub(crate) fn check_joined(&self, key: &LockKey) -> Result<()> {
-        self.inner.lapsed();
+        self.inner.notice_lapse();
         match self.inner.gate.why() {
             None => Ok(()),
             Some(why) => Err(self.not_granting(key, why)),
@@ -213,7 +213,7 @@ impl LockRouter {
     /// given back: its statements may have waited out a pause unsent, or been retried
     /// meanwhile, on a placement the fleet no longer uses (see `Gate` in `state.rs`).
     pub(crate) fn still_joined(&self, key: &LockKey, since: u64) -> Result<()> {
-        self.inner.lapsed();
+        self.inner.notice_lapse();
         if self.inner.gate.is_closed() || self.lapses() != since {
             return Err(self.not_granting(key, LAPSED.to_owned()));
         }

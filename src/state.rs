@@ -59,7 +59,7 @@ pub(crate) struct Inner {
 /// `cleaner.heartbeat-interval` to `cleaner.heartbeat-timeout` (a process paused, or cut off
 /// from every shard) may soon count as dead in the registry, and
 /// meanwhile the others may have ended a move without it, or another process may have
-/// started under its instance id. Its gate closes ([`Gate::lapsed`]) and it joins its fleet
+/// started under its instance id. Its gate closes ([`Gate::lapse_if_stale`]) and it joins its fleet
 /// again as if it had just started (see [`spawn_heartbeat`]); a process whose heartbeat finds
 /// its id taken over ([`Gate::replace`]) never opens again.
 #[derive(Debug)]
@@ -137,39 +137,35 @@ impl Gate {
         self.beaten_ms.fetch_max(ms + 1, Ordering::AcqRel);
     }
 
-    /// Whether the latest heartbeat that reached a shard is `lapse` old or older; if so, and
-    /// first to see it, counts the lapse in `lapses` and closes the gate until the router has
-    /// joined its fleet again. No heartbeat yet: not lapsed (the start joins the fleet).
+    /// If the latest heartbeat that reached a shard is `lapse` old or older and no lapse is
+    /// being recovered from yet: counts the lapse in `lapses`, closes the gate until the
+    /// router has joined its fleet again, and answers `true`. No heartbeat yet: no lapse (the
+    /// start joins the fleet).
     ///
     /// An acquire that passed the gate before a lapse and is granted after it gives the grant
     /// back: its statement may have waited out the pause unsent, or its waiting retried
     /// meanwhile, on a placement the fleet no longer uses.
-    pub(crate) fn lapsed(&self, lapse: Duration, lapses: &AtomicU64) -> Lapse {
+    pub(crate) fn lapse_if_stale(&self, lapse: Duration, lapses: &AtomicU64) -> bool {
         let beaten = self.beaten_ms.load(Ordering::Acquire);
         if beaten == 0 {
-            return Lapse::No;
+            return false;
         }
         let age = Duration::from_millis(
             u64::try_from(self.born.elapsed().as_millis())
                 .unwrap_or(u64::MAX)
                 .saturating_sub(beaten - 1),
         );
-        if age < lapse {
-            return Lapse::No;
+        if age < lapse || self.rejoining.swap(true, Ordering::AcqRel) {
+            return false;
         }
-        if self.rejoining.swap(true, Ordering::AcqRel) {
-            return Lapse::Ongoing;
-        }
-        {
-            lapses.fetch_add(1, Ordering::AcqRel);
-            self.close(format!(
-                "this process's heartbeat last reached a shard {} ms ago (paused, or cut off \
-                 from every shard): the others may count it dead, so it grants nothing until \
-                 it has joined its fleet again",
-                age.as_millis()
-            ));
-        }
-        Lapse::New
+        lapses.fetch_add(1, Ordering::AcqRel);
+        self.close(format!(
+            "this process's heartbeat last reached a shard {} ms ago (paused, or cut off from \
+             every shard): the others may count it dead, so it grants nothing until it has \
+             joined its fleet again",
+            age.as_millis()
+        ));
+        true
     }
 
     /// Closed, or rejoining, or replaced: the flags are read too, so that a gate opened by
@@ -238,21 +234,19 @@ impl Inner {
         taken_by
     }
 
-    /// Whether this router's heartbeat has lapsed (see [`Gate`]); the heartbeat is woken to
-    /// join the fleet again at once when it just did.
-    pub(crate) fn lapsed(&self) -> bool {
+    /// Closes the gate if this router's heartbeat has lapsed (see [`Gate`]), and wakes the
+    /// heartbeat to join the fleet again at once.
+    pub(crate) fn notice_lapse(&self) {
         let config = self.config();
         if config.cleaner.registry != shardlock_core::config::RegistryKind::Heartbeat {
-            return false;
+            return;
         }
         let lapse = (config.cleaner.heartbeat_timeout + config.cleaner.heartbeat_interval) / 2;
-        match self.gate.lapsed(lapse, &self.shared.stats.heartbeat_lapses) {
-            Lapse::No => false,
-            Lapse::New => {
-                self.beat_now.notify_one();
-                true
-            }
-            Lapse::Ongoing => true,
+        if self
+            .gate
+            .lapse_if_stale(lapse, &self.shared.stats.heartbeat_lapses)
+        {
+            self.beat_now.notify_one();
         }
     }
 
@@ -312,16 +306,6 @@ impl std::fmt::Debug for CleanerState {
     }
 }
 
-/// What [`Gate::lapsed`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Lapse {
-    No,
-    /// Just lapsed: the gate closed now.
-    New,
-    /// Lapsed earlier, not joined again yet.
-    Ongoing,
-}
-
 /// How soon a router that is joining its fleet again after a lapse beats and asks again.
 const REJOIN_RETRY: Duration = Duration::from_millis(250);
 
@@ -344,7 +328,7 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
             let started = Instant::now();
             let interval = {
                 let Some(inner) = weak.upgrade() else { return };
-                inner.lapsed();
+                inner.notice_lapse();
                 let rejoining = inner.gate.is_rejoining();
                 if let Some(twin) = inner.beat(&mut missed).await {
                     inner.replaced_by(&twin);
