@@ -113,7 +113,7 @@ impl LockRouter {
         // that falls back on them. A grant from a shard that passed the closed gate this way
         // is given back below, even if the router has joined again by the time it comes (a
         // reload may have moved the key meanwhile).
-        let through_closed_gate = gate.is_rejoining()
+        let through_closed_gate = gate.is_lapsed()
             && !gate.is_replaced()
             && self
                 .namespace_of(opts)

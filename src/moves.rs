@@ -223,6 +223,11 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         let Some(why) = laggards.await else {
             break;
         };
+        router
+            .shared
+            .stats
+            .moves_kept
+            .fetch_add(1, Ordering::Relaxed);
         if !warned {
             tracing::warn!(why, "shardlock keeps a move in force past its window");
             warned = true;

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use futures_util::future::{join_all, BoxFuture};
 use shardlock_core::config::RegistryKind;
-use shardlock_core::{Config, Error, Result};
+use shardlock_core::{BackendError, Config, Error, Result};
 use shardlock_mysql::{Beat, Heartbeat, InstanceRow};
 
 use crate::shard::{ShardState, Shared};
@@ -126,15 +126,10 @@ async fn live_fleet(
     let timeout = topology.config.cleaner.heartbeat_timeout;
     let shards = topology.all_shards();
     let answers = join_all(shards.iter().map(|s| async move {
-        match s.unguarded().instances().await {
-            // Not migrated to this version yet (no registry table, or one without the
-            // topology columns): no instance there says its topology, as with instances of
-            // older versions, which are not counted.
-            Err(e) if matches!(e.code, Some(ER_NO_SUCH_TABLE | ER_BAD_FIELD)) => Ok(Vec::new()),
-            answer => {
-                answer.map_err(|e| format!("shard {}: {}", s.name(), shardlock_core::Report(&e)))
-            }
-        }
+        s.unguarded()
+            .instances()
+            .await
+            .map_err(|e| format!("shard {}: {}", s.name(), unmigrated_or(&e)))
     }))
     .await;
     let mut rows = Vec::new();
@@ -160,7 +155,7 @@ async fn live_fleet(
     rows.retain(|row| seen.insert(row.instance_id.clone()));
     rows.retain(|row| {
         !row.deregistered
-            && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < timeout.as_millis()
+            && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < row.live_for(timeout).as_millis()
             && row.instance_id != id
             && row.fleet.as_deref() == Some(fleet)
     });
@@ -170,6 +165,22 @@ async fn live_fleet(
 /// The server's "table does not exist" and "unknown column" errors.
 const ER_NO_SUCH_TABLE: u16 = 1146;
 const ER_BAD_FIELD: u16 = 1054;
+
+/// `e` as a log line or error says it, and what to do when it is the registry's schema that
+/// predates this version (a binary rolled out before `shardlock migrate` ran): such a shard's
+/// registry can neither record this process nor say which topology the others run, so the
+/// process grants nothing until it is migrated.
+fn unmigrated_or(e: &BackendError) -> String {
+    let report = shardlock_core::Report(e);
+    if matches!(e.code, Some(ER_NO_SUCH_TABLE | ER_BAD_FIELD)) {
+        format!(
+            "its registry table predates this version of shardlock ({report}): run `shardlock \
+             migrate` (or `LockRouter::migrate`) on it"
+        )
+    } else {
+        report.to_string()
+    }
+}
 
 /// How the registry names an instance in a log line or error.
 fn describe(row: &InstanceRow) -> String {
@@ -237,21 +248,43 @@ pub(crate) async fn laggards(topology: &Topology, id: &str, fingerprint: &str) -
 /// Heartbeats missed in a row on one shard before a warning.
 const HEARTBEATS_MISSED_BEFORE_WARNING: u32 = 3;
 
+/// What one heartbeat on every current shard found.
+#[derive(Debug, Default)]
+pub(crate) struct Beats {
+    /// Another start that beats under this instance id, live, described with the first shard
+    /// where it does (this process's heartbeat was refused there).
+    pub(crate) taken_by: Option<String>,
+    /// The shards the heartbeat did not reach, each with why: a process reading the registry
+    /// there may not know of this one.
+    pub(crate) unreached: Vec<String>,
+}
+
+impl Beats {
+    /// Why this process may be unknown in the registry of some shard, if it may.
+    pub(crate) fn unreached(&self) -> Option<String> {
+        (!self.unreached.is_empty()).then(|| {
+            format!(
+                "this process's heartbeat has not reached {}: a process reading the registry \
+                 there may not know of it, so it grants nothing until it has",
+                self.unreached.join("; ")
+            )
+        })
+    }
+}
+
 /// One heartbeat of this process on every current shard of `topology`, if the registry in
 /// force is `heartbeat`; `missed` counts failures in a row per shard (a warning at the
 /// third). `reached` is called as each shard's heartbeat succeeds: a slow shard does not
-/// hold back the proof that the others were reached. Returns another start that beats under
-/// this instance id, live, described with the first shard where it does (this process's
-/// heartbeat was refused there).
+/// hold back the proof that the others were reached.
 pub(crate) async fn beat(
     topology: &Topology,
     shared: &Shared,
     missed: &mut std::collections::HashMap<String, u32>,
     reached: &(dyn Fn() + Sync),
-) -> Option<String> {
-    let mut taken_by = None;
+) -> Beats {
+    let mut beats = Beats::default();
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
-        return None;
+        return beats;
     }
     let host = host_name();
     let beat = Beat {
@@ -264,20 +297,21 @@ pub(crate) async fn beat(
         nonce: shared.nonce(),
         timeout: topology.config.cleaner.heartbeat_timeout,
     };
-    let beats = topology.current.shards.iter().map(|s| async move {
+    let sent = topology.current.shards.iter().map(|s| async move {
         let outcome = s.call(|b| b.heartbeat(beat)).await;
         if matches!(outcome, Ok(Heartbeat::Beaten)) {
             reached();
         }
         (s.name().to_owned(), outcome)
     });
-    for (shard, beat) in join_all(beats).await {
+    for (shard, beat) in join_all(sent).await {
         let missed = missed.entry(shard.clone()).or_default();
         match beat {
             Ok(outcome) => {
                 *missed = 0;
                 if let Heartbeat::TakenBy { host, pid } = outcome {
-                    taken_by
+                    beats
+                        .taken_by
                         .get_or_insert_with(|| format!("host {host}, pid {pid} (shard {shard})"));
                 }
             }
@@ -287,17 +321,19 @@ pub(crate) async fn beat(
                     .stats
                     .heartbeat_failures
                     .fetch_add(1, Ordering::Relaxed);
+                let why = unmigrated_or(&e);
                 // Others' cleaners count this instance dead after `heartbeat-timeout` without
                 // one: worth a warning once it keeps failing, not on one miss.
                 if *missed == HEARTBEATS_MISSED_BEFORE_WARNING {
-                    tracing::warn!(shard, error = %shardlock_core::Report(&e), missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
+                    tracing::warn!(shard, error = why, missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
                 } else {
-                    tracing::debug!(shard, error = %shardlock_core::Report(&e), "shardlock heartbeat failed");
+                    tracing::debug!(shard, error = why, "shardlock heartbeat failed");
                 }
+                beats.unreached.push(format!("shard {shard} ({why})"));
             }
         }
     }
-    taken_by
+    beats
 }
 
 /// Marks this instance as shut down in the registry of every shard (router shutdown), where

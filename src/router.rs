@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use futures_util::future::join_all;
-use shardlock_core::config::DEFAULT_NAMESPACE;
+use shardlock_core::config::{RegistryKind, DEFAULT_NAMESPACE};
 use shardlock_core::{BackendError, BackendErrorKind, Config, Error, LockKey, Result};
 use tokio::time::Instant;
 
@@ -134,7 +134,8 @@ impl LockRouter {
         // reader sees the earlier one (else both could read an empty registry and both grant,
         // each under its own topology). A heartbeat is refused where another live start beats
         // under the same id: a copy-pasted config, or an old incarnation still running.
-        if let Some(twin) = self.inner.beat(&mut Default::default()).await {
+        let beats = self.inner.beat(&mut Default::default()).await;
+        if let Some(twin) = beats.taken_by {
             self.inner.shared.closed.send_replace(true);
             let id = self.instance_id();
             // Rows it did take (of a start under the same id at the same moment, each may
@@ -150,36 +151,23 @@ impl LockRouter {
                 ),
             });
         }
-        if let Some(why) = registry::fleet_disagreement(&topology, self.instance_id()).await {
+        if let Some(why) = beats.unreached() {
+            // Unregistered there, it could be missed by a reload's move, or by a start under
+            // its id: it joins once a heartbeat has reached every shard (a shard migrated
+            // later, or back). Made before `migrate` (the usual first run) it joins in
+            // `migrate`; failures that go on are warned of by the heartbeat.
+            tracing::info!(
+                why,
+                "shardlock grants nothing until its heartbeat reaches every shard"
+            );
+            self.inner.gate.unjoined(why);
+        } else if let Some(why) = registry::fleet_disagreement(&topology, self.instance_id()).await
+        {
             tracing::warn!(why, "shardlock grants nothing until its fleet agrees");
-            self.inner.gate.close(why);
-            self.spawn_joining();
+            self.inner.gate.unjoined(why);
         }
         spawn_heartbeat(&self.inner);
         Ok(self)
-    }
-
-    /// Reads the registry again every 250 ms until the fleet agrees, then opens the gate.
-    fn spawn_joining(&self) {
-        let weak = Arc::downgrade(&self.inner);
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-                let Some(inner) = weak.upgrade() else { return };
-                if inner.shared.is_closed() {
-                    return;
-                }
-                let topology = inner.topology.load_full();
-                match registry::fleet_disagreement(&topology, inner.instance_id()).await {
-                    None => {
-                        tracing::info!("shardlock's fleet agrees on its topology: granting");
-                        inner.gate.open();
-                        return;
-                    }
-                    Some(why) => inner.gate.close(why),
-                }
-            }
-        });
     }
 
     /// Refuses a grant of `key` while this router waits to join its fleet (see [`Gate`]).
@@ -261,6 +249,7 @@ impl LockRouter {
                 tx_locks: std::sync::Mutex::default(),
                 gate: Gate::default(),
                 registered: std::sync::atomic::AtomicBool::new(false),
+                joining: tokio::sync::Mutex::new(()),
                 beat_now: Arc::default(),
                 heartbeat: std::sync::Mutex::default(),
                 id_claim: std::sync::Mutex::new(Some(id_claim)),
@@ -347,6 +336,17 @@ impl LockRouter {
         );
         let next = Arc::new(next);
         self.inner.topology.store(next.clone());
+        if old.config.cleaner.registry != RegistryKind::Heartbeat
+            && next.config.cleaner.registry == RegistryKind::Heartbeat
+        {
+            // Unregistered so far: it joins as a start does (its first heartbeat is not late,
+            // a lapse).
+            self.inner.gate.unjoined(
+                "this process switched to the heartbeat registry and has not joined its fleet \
+                 in it yet"
+                    .to_owned(),
+            );
+        }
         // Published after the swap: a lease registered from now on sees the new epoch and
         // follows its key itself; those registered before are found here.
         shared.epoch.store(next.epoch, Ordering::SeqCst);
@@ -582,6 +582,8 @@ impl LockRouter {
         if let Some(heartbeat) = heartbeat {
             let _ = heartbeat.await;
         }
+        // Nor may one of `migrate` (which beats no more once it holds this, the router closed).
+        let _no_more_beats = self.inner.joining.lock().await;
         registry::deregister(
             &self.config(),
             self.instance_id(),

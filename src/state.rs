@@ -38,6 +38,9 @@ pub(crate) struct Inner {
     pub(crate) gate: Gate,
     /// Set once the heartbeat registered this router on its shards.
     pub(crate) registered: std::sync::atomic::AtomicBool,
+    /// One heartbeat-and-join at a time (the heartbeat task's, `migrate`'s): two beats of one
+    /// router never cross on a shard, and joins see each other's outcome.
+    pub(crate) joining: tokio::sync::Mutex<()>,
     /// Wakes the heartbeat before its interval: a reload or a move's end changes what this
     /// router advertises (topology, moving), which routers starting meanwhile rely on.
     pub(crate) beat_now: Arc<tokio::sync::Notify>,
@@ -48,12 +51,14 @@ pub(crate) struct Inner {
     pub(crate) id_claim: std::sync::Mutex<Option<registry::IdClaim>>,
 }
 
-/// Whether a router may grant yet. A router that starts while another live instance in the
-/// registry runs another topology, or still has a reload's move in force, grants nothing until
-/// that is over: it knows only its own placement, not the one the others still use, so a key
-/// it places elsewhere could be held there already. Checked at start, and again with each
-/// heartbeat until the fleet agrees; once open it stays open (reloads from then on are the
-/// move protocol's business) unless the router's heartbeat lapses.
+/// Whether a router may grant yet. A router grants nothing until one heartbeat has reached
+/// every shard of its topology (unregistered there, a reload's move or a start under its id
+/// could miss it), nor while another live instance in the registry runs another topology, or
+/// still has a reload's move in force: it knows only its own placement, not the one the
+/// others still use, so a key it places elsewhere could be held there already. Checked at
+/// start, and again with each heartbeat (every [`REJOIN_RETRY`]) until it has joined; once
+/// open it stays open (reloads from then on are the move protocol's business) unless the
+/// router's heartbeat lapses.
 ///
 /// A router whose latest heartbeat that reached a shard is older than halfway from
 /// `cleaner.heartbeat-interval` to `cleaner.heartbeat-timeout` (a process paused, or cut off
@@ -71,8 +76,18 @@ pub(crate) struct Gate {
     /// When the latest heartbeat that reached a shard was sent, in ms after `born` plus one;
     /// 0 before the first.
     beaten_ms: AtomicU64,
-    /// Set from a lapse until the router has joined its fleet again: only that opens the gate.
+    /// The shortest lapse (see [`Gate::lapse_if_stale`]) of the configurations whose
+    /// heartbeats the registry may still hold somewhere, in ms; `u64::MAX` before the first.
+    /// Others count this process dead by the timeout its row says, so after a reload that
+    /// lengthens `cleaner.heartbeat-timeout` the old, shorter lapse holds until a heartbeat
+    /// with the new one has reached every shard.
+    advertised_lapse_ms: AtomicU64,
+    /// Set from a lapse (or a start that has not joined yet) until the router has joined its
+    /// fleet: only that opens the gate.
     rejoining: AtomicBool,
+    /// Set while joining after a lapse, not after a start: only then may a namespace with the
+    /// `local` failure policy grant in process through the closed gate.
+    lapsed: AtomicBool,
     /// Set when another process took this router's instance id over: the gate stays closed.
     replaced: AtomicBool,
 }
@@ -84,40 +99,43 @@ impl Default for Gate {
             why: std::sync::Mutex::default(),
             born: Instant::now(),
             beaten_ms: AtomicU64::new(0),
+            advertised_lapse_ms: AtomicU64::new(u64::MAX),
             rejoining: AtomicBool::new(false),
+            lapsed: AtomicBool::new(false),
             replaced: AtomicBool::new(false),
         }
     }
 }
 
+// Every change of state takes the `why` lock: a join (the heartbeat task's, or `migrate`'s)
+// and a lapse, or two joins, that run at the same time must not leave the gate closed with
+// nothing left to open it.
 impl Gate {
-    /// Closes the gate for `why` (a replaced router keeps the reason it was replaced for).
-    pub(crate) fn close(&self, why: String) {
-        if self.replaced.load(Ordering::Acquire) {
-            return;
-        }
-        *self.why.locked() = why;
-        self.closed.send_replace(true);
-    }
-
-    /// Opens the gate: the fleet agrees. Not while a lapse is being recovered from (only
-    /// [`Gate::rejoined`] ends that) or after the router was replaced.
-    pub(crate) fn open(&self) {
-        if !self.rejoining.load(Ordering::Acquire) && !self.replaced.load(Ordering::Acquire) {
+    /// The router joined its fleet: its heartbeat reached every shard, and the fleet agrees.
+    pub(crate) fn rejoined(&self) {
+        let _state = self.why.locked();
+        self.rejoining.store(false, Ordering::Release);
+        self.lapsed.store(false, Ordering::Release);
+        if !self.replaced.load(Ordering::Acquire) {
             self.closed.send_replace(false);
         }
     }
 
-    /// The router joined its fleet again after a lapse.
-    pub(crate) fn rejoined(&self) {
-        self.rejoining.store(false, Ordering::Release);
-        self.open();
+    /// While the router joins its fleet: why it may not grant yet. Nothing once it has
+    /// joined (a join that ran meanwhile found every shard reached and the fleet agreeing).
+    pub(crate) fn not_yet(&self, why: String) {
+        let mut current = self.why.locked();
+        if self.rejoining.load(Ordering::Acquire) && !self.replaced.load(Ordering::Acquire) {
+            *current = why;
+            self.closed.send_replace(true);
+        }
     }
 
     /// Another process took this router's instance id over while it counted as dead: it
     /// grants nothing from now on, for `why`.
     pub(crate) fn replace(&self, why: String) {
-        *self.why.locked() = why;
+        let mut current = self.why.locked();
+        *current = why;
         self.replaced.store(true, Ordering::Release);
         self.closed.send_replace(true);
     }
@@ -130,41 +148,78 @@ impl Gate {
         self.rejoining.load(Ordering::Acquire)
     }
 
-    /// Records a heartbeat sent at `sent` that reached at least one shard.
-    pub(crate) fn beaten(&self, sent: Instant) {
+    /// Joining its fleet again after a lapse (see [`Gate::lapse_if_stale`]).
+    pub(crate) fn is_lapsed(&self) -> bool {
+        self.lapsed.load(Ordering::Acquire)
+    }
+
+    /// The router has not yet joined its fleet: its first heartbeat did not reach every
+    /// shard, for `why`. It grants nothing until one has and the fleet agrees (as after a
+    /// lapse, see [`spawn_heartbeat`]).
+    pub(crate) fn unjoined(&self, why: String) {
+        self.join_again(why, false);
+    }
+
+    /// Records a heartbeat sent at `sent` that reached a shard, from a configuration whose
+    /// lapse is `lapse`.
+    pub(crate) fn beaten(&self, sent: Instant, lapse: Duration) {
         let ms = u64::try_from(sent.saturating_duration_since(self.born).as_millis())
             .unwrap_or(u64::MAX - 1);
         self.beaten_ms.fetch_max(ms + 1, Ordering::AcqRel);
+        self.advertised_lapse_ms
+            .fetch_min(millis(lapse), Ordering::AcqRel);
     }
 
-    /// If the latest heartbeat that reached a shard is `lapse` old or older and no lapse is
-    /// being recovered from yet: counts the lapse in `lapses`, closes the gate until the
-    /// router has joined its fleet again, and answers `true`. No heartbeat yet: no lapse (the
-    /// start joins the fleet).
+    /// A heartbeat from a configuration whose lapse is `lapse` reached every shard: the
+    /// registry holds no other configuration's any more.
+    pub(crate) fn beaten_everywhere(&self, lapse: Duration) {
+        self.advertised_lapse_ms
+            .store(millis(lapse), Ordering::Release);
+    }
+
+    /// If the latest heartbeat that reached a shard is `lapse` old or older (or the shorter
+    /// lapse a heartbeat still in the registry advertised), and no lapse is being recovered
+    /// from yet: counts the lapse in `lapses`, closes the gate until the router has joined its
+    /// fleet again, and answers `true`. No heartbeat yet: the time since the router was made
+    /// counts (a start whose first heartbeat reached every shard has one).
     ///
     /// An acquire that passed the gate before a lapse and is granted after it gives the grant
     /// back: its statement may have waited out the pause unsent, or its waiting retried
     /// meanwhile, on a placement the fleet no longer uses.
     pub(crate) fn lapse_if_stale(&self, lapse: Duration, lapses: &AtomicU64) -> bool {
-        let beaten = self.beaten_ms.load(Ordering::Acquire);
-        if beaten == 0 {
+        let beaten = self.beaten_ms.load(Ordering::Acquire).saturating_sub(1);
+        let lapse = lapse.min(Duration::from_millis(
+            self.advertised_lapse_ms.load(Ordering::Acquire),
+        ));
+        let age = Duration::from_millis(millis(self.born.elapsed()).saturating_sub(beaten));
+        if age < lapse {
             return false;
         }
-        let age = Duration::from_millis(
-            u64::try_from(self.born.elapsed().as_millis())
-                .unwrap_or(u64::MAX)
-                .saturating_sub(beaten - 1),
-        );
-        if age < lapse || self.rejoining.swap(true, Ordering::AcqRel) {
-            return false;
-        }
-        lapses.fetch_add(1, Ordering::AcqRel);
-        self.close(format!(
+        let why = format!(
             "this process's heartbeat last reached a shard {} ms ago (paused, or cut off from \
              every shard): the others may count it dead, so it grants nothing until it has \
              joined its fleet again",
             age.as_millis()
-        ));
+        );
+        if !self.join_again(why, true) {
+            return false;
+        }
+        lapses.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// Closes the gate until the router has joined its fleet, for `why`, after a lapse if
+    /// `lapsed`; `false` if it was joining already (the reason it had stays).
+    fn join_again(&self, why: String, lapsed: bool) -> bool {
+        let mut current = self.why.locked();
+        if self.rejoining.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        self.lapsed.store(lapsed, Ordering::Release);
+        if !self.replaced.load(Ordering::Acquire) {
+            *current = why;
+            self.closed.send_replace(true);
+        }
         true
     }
 
@@ -222,16 +277,43 @@ impl Drop for Inner {
 
 impl Inner {
     /// One heartbeat on every current shard (see [`registry::beat`]); from then on the router
-    /// counts as registered, and deregisters when dropped. Returns another start that beats
-    /// under this router's instance id, live, if one does (this router's heartbeat was
-    /// refused there).
-    pub(crate) async fn beat(&self, missed: &mut HashMap<String, u32>) -> Option<String> {
+    /// counts as registered, and deregisters when dropped.
+    pub(crate) async fn beat(&self, missed: &mut HashMap<String, u32>) -> registry::Beats {
         let topology = self.topology.load_full();
+        let lapse = lapse(&topology.config);
         let sent = Instant::now();
-        let reached = || self.gate.beaten(sent);
-        let taken_by = registry::beat(&topology, &self.shared, missed, &reached).await;
+        let reached = || self.gate.beaten(sent, lapse);
+        let beats = registry::beat(&topology, &self.shared, missed, &reached).await;
+        if beats.unreached.is_empty() && beats.taken_by.is_none() {
+            self.gate.beaten_everywhere(lapse);
+        }
         self.registered.store(true, Ordering::Release);
-        taken_by
+        beats
+    }
+
+    /// One heartbeat; then, while the router joins its fleet (its start, or after a lapse),
+    /// opens the gate if the heartbeat reached every shard and the fleet agrees. Answers
+    /// `false` once another start has taken this router's instance id over: the router is
+    /// replaced, and grants and heartbeats no more.
+    pub(crate) async fn beat_and_join(&self, missed: &mut HashMap<String, u32>) -> bool {
+        let _one = self.joining.lock().await;
+        if self.shared.is_closed() {
+            // Shut down: a heartbeat now would register it again, live.
+            return true;
+        }
+        let joining = self.gate.is_rejoining();
+        let beats = self.beat(missed).await;
+        if let Some(twin) = &beats.taken_by {
+            self.replaced_by(twin);
+            return false;
+        }
+        if joining {
+            match beats.unreached() {
+                Some(why) => self.gate.not_yet(why),
+                None => self.rejoin().await,
+            }
+        }
+        true
     }
 
     /// Closes the gate if this router's heartbeat has lapsed (see [`Gate`]), and wakes the
@@ -241,7 +323,7 @@ impl Inner {
         if config.cleaner.registry != shardlock_core::config::RegistryKind::Heartbeat {
             return;
         }
-        let lapse = (config.cleaner.heartbeat_timeout + config.cleaner.heartbeat_interval) / 2;
+        let lapse = lapse(&config);
         if self
             .gate
             .lapse_if_stale(lapse, &self.shared.stats.heartbeat_lapses)
@@ -266,15 +348,18 @@ impl Inner {
         self.gate.replace(why);
     }
 
-    /// After a lapse, once this router heartbeats again: opens the gate if its fleet agrees.
+    /// Once this router's heartbeat reached every shard, at its start or after a lapse: opens
+    /// the gate if its fleet agrees.
     async fn rejoin(&self) {
         let topology = self.topology.load_full();
         match registry::fleet_disagreement(&topology, self.instance_id()).await {
             None => {
-                tracing::info!("shardlock's heartbeat lapsed and its fleet agrees: granting again");
+                tracing::info!(
+                    "shardlock's heartbeat reaches every shard and its fleet agrees: granting"
+                );
                 self.gate.rejoined();
             }
-            Some(why) => self.gate.close(why),
+            Some(why) => self.gate.not_yet(why),
         }
     }
 
@@ -306,7 +391,20 @@ impl std::fmt::Debug for CleanerState {
     }
 }
 
-/// How soon a router that is joining its fleet again after a lapse beats and asks again.
+/// How long after its latest heartbeat that reached a shard a router under `config` stops
+/// granting: halfway from `cleaner.heartbeat-interval` to `cleaner.heartbeat-timeout`, well
+/// before the others count it dead.
+fn lapse(config: &Config) -> Duration {
+    (config.cleaner.heartbeat_timeout + config.cleaner.heartbeat_interval) / 2
+}
+
+/// `d` in whole milliseconds, `u64::MAX` if longer.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// How soon a router that is joining its fleet (at its start, or again after a lapse)
+/// beats and asks again.
 const REJOIN_RETRY: Duration = Duration::from_millis(250);
 
 /// Starts the heartbeat of the router of `inner` on every current shard, every
@@ -329,13 +427,8 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
             let interval = {
                 let Some(inner) = weak.upgrade() else { return };
                 inner.notice_lapse();
-                let rejoining = inner.gate.is_rejoining();
-                if let Some(twin) = inner.beat(&mut missed).await {
-                    inner.replaced_by(&twin);
+                if !inner.beat_and_join(&mut missed).await {
                     return;
-                }
-                if rejoining {
-                    inner.rejoin().await;
                 }
                 if inner.gate.is_rejoining() {
                     REJOIN_RETRY
@@ -390,4 +483,58 @@ pub(crate) fn instant_after(wait: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(wait)
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sleeps past `d`: an age compared with `d` afterwards is at least `d`.
+    fn past(d: Duration) {
+        std::thread::sleep(d + Duration::from_millis(5));
+    }
+
+    #[test]
+    fn a_router_whose_heartbeat_never_reached_a_shard_lapses_from_its_start() {
+        let (gate, lapses) = (Gate::default(), AtomicU64::new(0));
+        let lapse = Duration::from_millis(20);
+        past(lapse);
+        assert!(gate.lapse_if_stale(lapse, &lapses));
+        assert!(gate.is_closed() && gate.is_rejoining());
+        assert_eq!(lapses.load(Ordering::Acquire), 1);
+    }
+
+    #[test]
+    fn a_join_that_lost_a_race_leaves_the_gate_as_the_winner_left_it() {
+        let gate = Gate::default();
+        gate.unjoined("not reached yet".to_owned());
+        assert!(gate.is_closed());
+        // `migrate`'s join found every shard reached; the heartbeat task's, sent before the
+        // migration, answers after it.
+        gate.rejoined();
+        gate.not_yet("a shard not migrated".to_owned());
+        assert!(!gate.is_closed(), "{:?}", gate.why());
+    }
+
+    #[test]
+    fn a_lapse_counts_by_the_shortest_timeout_the_registry_may_still_hold() {
+        let (gate, lapses) = (Gate::default(), AtomicU64::new(0));
+        let (old, new) = (Duration::from_millis(20), Duration::from_secs(3600));
+        // A heartbeat of the configuration before a reload reached a shard; the one after
+        // the reload, with a longer timeout, has not reached every shard yet.
+        gate.beaten(Instant::now(), old);
+        gate.beaten(Instant::now(), new);
+        past(old);
+        assert!(gate.lapse_if_stale(new, &lapses), "by the old timeout");
+
+        let (gate, lapses) = (Gate::default(), AtomicU64::new(0));
+        gate.beaten(Instant::now(), old);
+        gate.beaten_everywhere(new);
+        past(old);
+        assert!(
+            !gate.lapse_if_stale(new, &lapses),
+            "every shard holds the new one"
+        );
+        assert!(!gate.is_closed());
+    }
 }

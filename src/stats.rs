@@ -108,4 +108,8 @@ counters! {
     /// Fences of moved keys copied from the shards they left to their new shards, as their
     /// floor there, once a move window was over.
     fences_carried,
+    /// Registry reads, once a move window was over, that kept the move in force: a live
+    /// instance of the fleet still ran the previous topology, or the registry could not be
+    /// read on every shard (read again every `cleaner.heartbeat-interval`).
+    moves_kept,
 }

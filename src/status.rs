@@ -51,14 +51,18 @@ pub struct ShardStatus {
 
 impl LockRouter {
     /// Creates or upgrades shardlock's tables on every shard; idempotent and safe to run from
-    /// several processes at once. Returns what each shard applied.
+    /// several processes at once. Returns what each shard applied. A router made before its
+    /// shards were migrated grants nothing until its heartbeat reaches them all (see
+    /// `cleaner.registry` in the reference config); it heartbeats before this returns.
     ///
     /// Cancellation: steps already run stay (DDL commits on its own; a later call skips them). The
     /// connection goes back to the pool unmarked (reset, not discarded, at its next checkout) and
     /// may hold the migration lock (`GET_LOCK`) until then, stalling other `migrate` calls.
     pub async fn migrate(&self) -> Result<Vec<(String, MigrateReport)>> {
         let topology = self.inner.topology.load_full();
-        let runs = topology.current.shards.iter().map(|s| async move {
+        // Previous placements' shards too: the registry is read there during a move.
+        let shards = topology.all_shards();
+        let runs = shards.iter().map(|s| async move {
             let report = s
                 .unguarded()
                 .migrate()
@@ -69,6 +73,11 @@ impl LockRouter {
         let mut out = Vec::new();
         for result in join_all(runs).await {
             out.push(result?);
+        }
+        // A router made before its shards were migrated could not heartbeat there, and
+        // grants nothing until it has: it joins now rather than at its next retry.
+        if self.inner.gate.is_rejoining() {
+            self.inner.beat_and_join(&mut Default::default()).await;
         }
         Ok(out)
     }

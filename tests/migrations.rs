@@ -1,9 +1,14 @@
 //! Migrations: a version whose changes were made but not recorded (the process died between
-//! its DDL, which commits on its own, and the version row) is run again without error.
+//! its DDL, which commits on its own, and the version row) is run again without error; a
+//! router whose shards are not migrated to its version grants nothing until they are.
 
 mod common;
 
+use std::time::Duration;
+
 use shardlock::mysql_async::prelude::Queryable;
+use shardlock::{AcquireOptions, Error, LockRouter};
+use shardlock_testkit::Cluster;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_version_interrupted_after_its_ddl_runs_again() {
@@ -34,4 +39,66 @@ async fn every_version_runs_again_over_its_own_changes() {
         let report = router.migrate().await.unwrap();
         assert_eq!(report[0].1.applied, vec![version], "{name}: {report:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_router_grants_only_once_its_heartbeat_reaches_a_migrated_registry_on_every_shard() {
+    let cluster = Cluster::start(2).await.unwrap();
+    // A namespace that falls back on in-process locks when its shard fails.
+    let yaml = cluster.config_yaml("namespaces:\n  local:\n    on-shard-failure: local\n");
+    let once = || AcquireOptions::new().wait(Duration::ZERO);
+    // Made before the first migration (the usual first run): no registry to heartbeat in.
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let refused = router.try_acquire("k", once()).await.unwrap_err();
+    let said = shardlock::Report(&refused).to_string();
+    assert!(
+        matches!(refused, Error::Unavailable { .. }) && said.contains("shardlock migrate"),
+        "{said}"
+    );
+    // It heartbeats as `migrate` ends, and grants at once.
+    router.migrate().await.unwrap();
+    let held = router
+        .try_acquire("k", once())
+        .await
+        .unwrap()
+        .expect("free");
+    held.release().await.unwrap();
+
+    // A new version rolled out before its migration ran on one shard: the heartbeat cannot
+    // record the new start there, which others would then not see; it grants nothing, on any
+    // shard, until the shard is migrated.
+    let mut s2 = cluster.shard(1).connect().await.unwrap();
+    let last = shardlock::MIGRATIONS.last().unwrap().0;
+    s2.query_drop("ALTER TABLE shardlock_instance DROP COLUMN heartbeat_timeout_ms")
+        .await
+        .unwrap();
+    s2.exec_drop(
+        "DELETE FROM shardlock_schema_version WHERE version = ?",
+        (last,),
+    )
+    .await
+    .unwrap();
+    let early = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| early.shard_for(k).unwrap() == "s1")
+        .unwrap();
+    // Nor in process, as after a shard failure: it never joined its fleet.
+    for namespace in ["default", "local"] {
+        let opts = once().namespace(namespace);
+        let refused = early.try_acquire(&key, opts).await.unwrap_err();
+        let said = shardlock::Report(&refused).to_string();
+        assert!(
+            said.contains("shard s2") && said.contains("shardlock migrate"),
+            "{namespace}: {said}"
+        );
+    }
+    let report = early.migrate().await.unwrap();
+    assert_eq!(report[1].1.applied, vec![last], "{report:?}");
+    let held = early
+        .try_acquire(&key, once())
+        .await
+        .unwrap()
+        .expect("free");
+    held.release().await.unwrap();
 }

@@ -109,8 +109,11 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
     let extra = "namespaces:\n  orders:\n    ttl: 5s\ncleaner:\n  grace: 100ms\n";
     let cluster = Cluster::start(2).await.unwrap();
     let router = metered_router(&cluster, extra, &telemetry).await;
-    // Built without the provider: it records nothing there, whatever it does.
-    let unmetered = common::worker_router_from(&cluster).await;
+    // Built without the provider: it records nothing there, whatever it does. The same
+    // config: two routers of one fleet on two topologies would wait for each other.
+    let unmetered = LockRouter::from_yaml_str(&cluster.config_yaml(extra))
+        .await
+        .unwrap();
     unmetered
         .acquire("unmetered", AcquireOptions::new())
         .await
@@ -123,7 +126,7 @@ async fn prometheus_endpoint_serves_every_dashboard_metric_with_exact_counts() {
     let opts = AcquireOptions::new().namespace("orders");
     common::lock_cycles(&router, "o", 50, opts.clone()).await;
     let held = router.acquire("busy", opts.clone()).await.unwrap();
-    let other = metered_router(&cluster, "", &telemetry).await;
+    let other = metered_router(&cluster, extra, &telemetry).await;
     for _ in 0..3 {
         assert!(other
             .try_acquire("busy", AcquireOptions::new())

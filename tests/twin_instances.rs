@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::{AcquireOptions, Error, InstanceVerdict, LockRouter};
+use shardlock::{AcquireOptions, Config, Error, InstanceVerdict, LockRouter};
 use shardlock_testkit::{report, Worker};
 
 const TWIN: &str = "instance:\n  id: twin\n";
@@ -236,6 +236,61 @@ async fn a_transaction_lock_sought_across_a_lapse_is_given_back() {
     let again = router.lock_in_transaction(WAITED_FOR, Duration::ZERO).await;
     assert!(again.is_ok(), "the row given back is free: {again:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_with_a_longer_heartbeat_timeout_counts_as_live_for_as_long_as_it_may_grant() {
+    // The observer counts an instance dead after 2 s without a heartbeat; the worker, set for
+    // a minute (a rolling change of the setting), grants until its own lapse, 30 s.
+    let (cluster, router, _) = common::start(2, &format!("{BEATS}{WINDOW}")).await;
+    let slow = BEATS.replace("heartbeat-timeout: 2s", "heartbeat-timeout: 60s");
+    let yaml = cluster.config_yaml(&format!("{TWIN}{slow}"));
+    let paused = twin_in("looping-twin", &yaml, "granted").await;
+    paused.pause().unwrap();
+    let silent_past_ours = common::eventually(Duration::from_secs(60), || async {
+        router.instances().await.iter().all(|(_, rows)| {
+            rows.as_ref().is_ok_and(|rows| {
+                rows.iter()
+                    .any(|i| i.instance_id == "twin" && i.heartbeat_ms_ago > 4_000)
+            })
+        })
+    })
+    .await;
+    assert!(silent_past_ours, "the frozen worker's heartbeat is 4 s old");
+    for (shard, rows) in router.instances().await {
+        let row = rows.unwrap().into_iter().find(|i| i.instance_id == "twin");
+        let verdict = row.map(|r| r.verdict(Duration::from_secs(2)));
+        assert_eq!(verdict, Some(InstanceVerdict::Running), "shard {shard}");
+    }
+
+    // A move away from the topology it runs stays in force past its window: once it resumes,
+    // it still grants moved keys on their old shard.
+    let one = Config::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n{BEATS}{WINDOW}",
+        cluster.shard(0).url()
+    ))
+    .unwrap();
+    router.reload(one).await.unwrap();
+    let checked = common::eventually(Duration::from_secs(60), || async {
+        router.stats().moves_kept > 0 || router.moves_in_progress() == 0
+    })
+    .await;
+    assert!(checked, "the move's window ended");
+    assert!(
+        router.stats().moves_kept > 0 && router.moves_in_progress() > 0,
+        "the move ended while the worker may still grant by the topology it left"
+    );
+    // Nor may another start take its id over meanwhile.
+    let twin = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    let refused = LockRouter::from_yaml_str(&twin).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("live in the registry"),
+        "{refused}"
+    );
+    paused.resume().unwrap();
+}
+
+/// A short move window.
+const WINDOW: &str = "routing:\n  move-window: 500ms\n";
 
 /// The key `waiting-twin` waits for.
 const WAITED_FOR: &str = "waited-for";

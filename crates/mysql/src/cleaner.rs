@@ -6,25 +6,45 @@ use mysql_async::{Conn, Params, Value};
 use crate::lease::{holding_owner, padded_in_list};
 use crate::{now_us, released};
 
+/// `NOW(3)` less the longer of `?` µs (the reader's own `cleaner.heartbeat-timeout`) and the
+/// timeout the row's instance beat with: a row whose `heartbeat_at` is older is silent past
+/// both, and counts as dead by either process's rule. An instance whose timeout is longer than
+/// the reader's stops granting (its heartbeat lapses, by its own clock) before its own
+/// timeout, so it never grants while a reader with a shorter timeout counts it dead. A macro,
+/// for `concat!` (see `now_us!`).
+macro_rules! silent_past_timeout {
+    () => {
+        "NOW(3) - INTERVAL GREATEST(?, COALESCE(heartbeat_timeout_ms, 0) * 1000) MICROSECOND"
+    };
+}
+
 /// A heartbeat of the process with start nonce `?`: the row is written only while it is this
-/// process's (same nonce) or nobody's that is live (deregistered, or silent for longer than
-/// `?` µs), so that another start under the same id, which took the row over while this
-/// process counted as dead, keeps it (see [`Heartbeat::TakenBy`]). A deregistered instance
-/// that beats again is alive again. `started_at` is reset when another start takes the row
-/// (the assignments run left to right: it compares the old nonce). Times are the shard's
-/// `NOW(3)`, and [`ALIVE_HEAD`] compares them with the same clock, so liveness never depends
-/// on two machines' clocks agreeing.
-const HEARTBEAT: &str = "UPDATE shardlock_instance SET host = ?, pid = ?, \
-     started_at = IF(nonce <=> ?, started_at, NOW(3)), nonce = ?, heartbeat_at = NOW(3), \
-     deregistered_at = NULL, topology = ?, moving = ?, fleet = ? \
-     WHERE instance_id = ? AND (nonce <=> ? OR deregistered_at IS NOT NULL \
-     OR heartbeat_at <= NOW(3) - INTERVAL ? MICROSECOND)";
+/// process's (same nonce) or nobody's that is live (deregistered, or silent past the
+/// longer of the writer's timeout, `?` µs, and the row's own), so that another start
+/// under the same id, which took the row over while this process counted as dead, keeps it
+/// (see [`Heartbeat::TakenBy`]). A deregistered instance that beats again is alive again.
+/// `started_at` is reset when another start takes the row (the assignments run left to right:
+/// it compares the old nonce), and so is `heartbeat_timeout_ms`, which within one start only
+/// grows: a heartbeat of the configuration before a reload that lengthened the timeout, late
+/// on the wire (or retried), never leaves the shorter one in the row after the router saw
+/// the longer one reach every shard (see `Gate` in the router). Times are the shard's `NOW(3)`, and [`ALIVE_HEAD`] compares them with the
+/// same clock, so liveness never depends on two machines' clocks agreeing.
+const HEARTBEAT: &str = concat!(
+    "UPDATE shardlock_instance SET host = ?, pid = ?, ",
+    "started_at = IF(nonce <=> ?, started_at, NOW(3)), ",
+    "heartbeat_timeout_ms = IF(nonce <=> ?, GREATEST(COALESCE(heartbeat_timeout_ms, 0), ?), ?), ",
+    "nonce = ?, heartbeat_at = NOW(3), ",
+    "deregistered_at = NULL, topology = ?, moving = ?, fleet = ? ",
+    "WHERE instance_id = ? AND (nonce <=> ? OR deregistered_at IS NOT NULL OR heartbeat_at <= ",
+    silent_past_timeout!(),
+    ")"
+);
 
 /// The first heartbeat of an instance id on the shard (`started_at` = now); an existing row
 /// is left as it is. Then [`BEAT_LAST`] says whose the row is.
 const REGISTER: &str = "INSERT INTO shardlock_instance \
      (instance_id, host, pid, nonce, started_at, heartbeat_at, deregistered_at, topology, \
-     moving, fleet) VALUES (?, ?, ?, ?, NOW(3), NOW(3), NULL, ?, ?, ?) \
+     moving, fleet, heartbeat_timeout_ms) VALUES (?, ?, ?, ?, NOW(3), NOW(3), NULL, ?, ?, ?, ?) \
      ON DUPLICATE KEY UPDATE instance_id = instance_id";
 
 /// Who beat last under an instance id.
@@ -35,15 +55,18 @@ const BEAT_LAST: &str = "SELECT nonce, host, pid FROM shardlock_instance WHERE i
 const DEREGISTER: &str = "UPDATE shardlock_instance SET deregistered_at = NOW(3) \
      WHERE instance_id = ? AND nonce = ?";
 
-/// The living among some instances: registered, not deregistered, heard from within `?` µs.
-const ALIVE_HEAD: &str = "SELECT instance_id FROM shardlock_instance \
-     WHERE deregistered_at IS NULL AND heartbeat_at > NOW(3) - INTERVAL ? MICROSECOND \
-     AND instance_id IN ";
+/// The living among some instances: registered, not deregistered, heard from within the
+/// longer of `?` µs and the timeout they beat with.
+const ALIVE_HEAD: &str = concat!(
+    "SELECT instance_id FROM shardlock_instance WHERE deregistered_at IS NULL AND heartbeat_at > ",
+    silent_past_timeout!(),
+    " AND instance_id IN "
+);
 
 const INSTANCES: &str = "SELECT instance_id, host, pid, \
      DATE_FORMAT(started_at, '%Y-%m-%dT%H:%i:%s.%fZ'), \
      CAST(TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) DIV 1000 AS SIGNED), \
-     deregistered_at IS NOT NULL, topology, moving <> 0, fleet \
+     deregistered_at IS NOT NULL, topology, moving <> 0, fleet, heartbeat_timeout_ms \
      FROM shardlock_instance ORDER BY instance_id";
 
 /// Rows the cleaner may remove, after `?` in key order, at most `?` of them: their lease ended
@@ -111,6 +134,9 @@ pub struct InstanceRow {
     pub moving: bool,
     /// The fleet it belongs to (`instance.fleet`; `None` from versions before migration 7).
     pub fleet: Option<String>,
+    /// The `cleaner.heartbeat-timeout` it beat with (`None` from versions before migration
+    /// 10): readers count it live for the longer of theirs and this.
+    pub heartbeat_timeout: Option<std::time::Duration>,
 }
 
 /// What the heartbeat registry says of an instance (see [`InstanceRow::verdict`]).
@@ -137,25 +163,37 @@ impl InstanceVerdict {
 }
 
 impl InstanceRow {
-    /// The registry's verdict with `heartbeat_timeout`, by the rule the cleaner applies
-    /// (alive: not deregistered and heard from within the timeout, shard clock).
+    /// The registry's verdict by a reader with `heartbeat_timeout`, by the rule the cleaner
+    /// applies (alive: not deregistered and heard from within the longer of that and the
+    /// instance's own timeout, shard clock).
     pub fn verdict(&self, heartbeat_timeout: std::time::Duration) -> InstanceVerdict {
         if self.deregistered {
             InstanceVerdict::ShutDown
-        } else if u128::try_from(self.heartbeat_ms_ago).unwrap_or(0) < heartbeat_timeout.as_millis()
+        } else if u128::try_from(self.heartbeat_ms_ago).unwrap_or(0)
+            < self.live_for(heartbeat_timeout).as_millis()
         {
             InstanceVerdict::Running
         } else {
             InstanceVerdict::Dead
         }
     }
+
+    /// How long after its latest heartbeat a reader with `heartbeat_timeout` counts it live:
+    /// the longer of that and its own timeout.
+    pub fn live_for(&self, heartbeat_timeout: std::time::Duration) -> std::time::Duration {
+        self.heartbeat_timeout
+            .map_or(heartbeat_timeout, |own| own.max(heartbeat_timeout))
+    }
 }
 
 /// Registry rows of instances not heard from for longer than `?` µs (dead or shut down that
 /// long ago): they decide nothing any more, and a host restarting services under new ids
 /// would otherwise add a row each time.
-const FORGET: &str =
-    "DELETE FROM shardlock_instance WHERE heartbeat_at < NOW(3) - INTERVAL ? MICROSECOND";
+/// (Nor for less than the timeout the row's instance beat with.)
+const FORGET: &str = concat!(
+    "DELETE FROM shardlock_instance WHERE heartbeat_at < ",
+    silent_past_timeout!()
+);
 
 pub(crate) async fn forget_instances(conn: &mut Conn, silent_us: u64) -> mysql_async::Result<u64> {
     conn.exec_drop(FORGET, (silent_us,)).await?;
@@ -179,8 +217,8 @@ pub struct Beat<'a> {
     pub fleet: &'a str,
     /// Its start nonce: the row is its own while it holds it.
     pub nonce: &'a str,
-    /// `cleaner.heartbeat-timeout`: a row another start has not beaten for this long may be
-    /// taken over.
+    /// `cleaner.heartbeat-timeout`: a row another start has not beaten for this long, nor for
+    /// the timeout the row says, may be taken over. Written into the row.
     pub timeout: std::time::Duration,
 }
 
@@ -202,10 +240,14 @@ pub enum Heartbeat {
 
 pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::Result<Heartbeat> {
     let timeout_us = u64::try_from(beat.timeout.as_micros()).unwrap_or(u64::MAX);
+    let timeout_ms = u64::try_from(beat.timeout.as_millis()).unwrap_or(u64::MAX);
     let params: Vec<Value> = vec![
         beat.host.into(),
         beat.pid.into(),
         beat.nonce.into(),
+        beat.nonce.into(),
+        timeout_ms.into(),
+        timeout_ms.into(),
         beat.nonce.into(),
         beat.topology.into(),
         beat.moving.into(),
@@ -226,6 +268,7 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
         beat.topology.into(),
         beat.moving.into(),
         beat.fleet.into(),
+        timeout_ms.into(),
     ];
     // Affected rows count the rows matched (see `Shard::new`): an existing row counts too,
     // so whose the row is now is read back.
@@ -276,6 +319,7 @@ type InstanceTuple = (
     Option<Vec<u8>>,
     bool,
     Option<Vec<u8>>,
+    Option<u64>,
 );
 
 pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<InstanceRow>> {
@@ -293,6 +337,7 @@ pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<Instan
                 topology,
                 moving,
                 fleet,
+                timeout_ms,
             )| {
                 InstanceRow {
                     instance_id: String::from_utf8_lossy(&id).into_owned(),
@@ -304,6 +349,7 @@ pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<Instan
                     topology: topology.map(|t| String::from_utf8_lossy(&t).into_owned()),
                     moving,
                     fleet: fleet.map(|f| String::from_utf8_lossy(&f).into_owned()),
+                    heartbeat_timeout: timeout_ms.map(std::time::Duration::from_millis),
                 }
             },
         )
@@ -374,4 +420,68 @@ pub(crate) async fn force_release(
     Ok((conn.affected_rows() == 1)
         .then(|| conn.last_insert_id())
         .flatten())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use shardlock_core::Config;
+    use shardlock_testkit::Cluster;
+
+    use super::*;
+    use crate::Shard;
+
+    /// A heartbeat of instance `id` from the start with `nonce`, set for `timeout`.
+    fn beat<'a>(id: &'a str, nonce: &'a str, timeout: Duration) -> Beat<'a> {
+        Beat {
+            instance: id,
+            host: "host",
+            pid: 1,
+            topology: "t",
+            moving: false,
+            fleet: "default",
+            nonce,
+            timeout,
+        }
+    }
+
+    /// The timeout the registry row of `id` says.
+    async fn row_timeout(shard: &Shard, id: &str) -> Option<Duration> {
+        let rows = shard.instances().await.unwrap();
+        rows.into_iter()
+            .find(|r| r.instance_id == id)
+            .and_then(|r| r.heartbeat_timeout)
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_row_is_judged_by_the_longest_timeout_its_start_beat_with() {
+        let cluster = Cluster::start(1).await.unwrap();
+        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let shard = Shard::new(&config.shards[0], 0).unwrap();
+        shard.migrate().await.unwrap();
+        let (long, short) = (Duration::from_secs(60), Duration::from_millis(1));
+
+        let beaten = shard.heartbeat(beat("a", "n1", long)).await.unwrap();
+        assert_eq!(beaten, Heartbeat::Beaten);
+        // A heartbeat from before a reload that lengthened the timeout, late on the wire.
+        let late = shard.heartbeat(beat("a", "n1", short)).await.unwrap();
+        assert_eq!(late, Heartbeat::Beaten);
+        assert_eq!(row_timeout(&shard, "a").await, Some(long), "only grows");
+
+        // Silent for longer than a reader's timeout, not its own: live, and its id is kept.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let alive = shard.alive_instances(&["a".to_owned()], short).await;
+        assert_eq!(alive.unwrap(), vec!["a".to_owned()]);
+        let rows = shard.instances().await.unwrap();
+        assert_eq!(rows[0].verdict(short), InstanceVerdict::Running);
+        let taken = shard.heartbeat(beat("a", "n2", short)).await.unwrap();
+        assert!(matches!(taken, Heartbeat::TakenBy { .. }), "{taken:?}");
+
+        // Once it deregistered, the next start's row says that start's own timeout.
+        shard.deregister("a", "n1").await.unwrap();
+        let next = shard.heartbeat(beat("a", "n2", short)).await.unwrap();
+        assert_eq!(next, Heartbeat::Beaten);
+        assert_eq!(row_timeout(&shard, "a").await, Some(short));
+    }
 }

@@ -50,6 +50,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "instance_nonce",
         include_str!("../migrations/0009_instance_nonce.sql"),
     ),
+    (
+        10,
+        "instance_timeout",
+        include_str!("../migrations/0010_instance_timeout.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\

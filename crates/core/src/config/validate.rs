@@ -397,6 +397,12 @@ fn check_cleaner(c: &CleanerConfig) -> Result<(), ConfigError> {
              instance look dead",
         ),
         (
+            "cleaner.heartbeat-timeout",
+            c.heartbeat_timeout <= Duration::from_secs(24 * 3600),
+            "must be at most 24h: every process counts an instance live for as long as its \
+             own timeout says",
+        ),
+        (
             "cleaner.instance-retention",
             c.instance_retention >= c.heartbeat_timeout.max(Duration::from_secs(3600)),
             "must be at least 1h and at least heartbeat-timeout: only rows that no process of any \
