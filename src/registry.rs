@@ -113,8 +113,8 @@ impl Drop for IdClaim {
 
 /// The other live instances of `router`'s fleet in the registry: `Ok(None)` under a registry
 /// other than `heartbeat` (nothing to read), `Err` naming the shards whose registry did not
-/// answer. Read on every shard of the topology, previous placements' included (processes that
-/// have not reloaded heartbeat there); one row per instance, its freshest.
+/// answer. Read on every shard of the topology, those of moves still in force included
+/// (processes that have not reloaded heartbeat there); one row per instance, its freshest.
 async fn live_fleet(
     topology: &Topology,
     id: &str,
@@ -124,7 +124,7 @@ async fn live_fleet(
     }
     let fleet = topology.config.instance.fleet();
     let timeout = topology.config.cleaner.heartbeat_timeout;
-    let shards = topology.all_shards();
+    let shards = topology.registry_shards();
     let answers = join_all(shards.iter().map(|s| async move {
         s.unguarded()
             .instances()

@@ -147,7 +147,7 @@ impl LockRouter {
                 reason: format!(
                     "`{id}` is live in the registry: {twin}. Give each process its own id (or \
                      `auto`), or wait until that process has stopped (its heartbeat older than \
-                     cleaner.heartbeat-timeout)"
+                     the longer of cleaner.heartbeat-timeout and the timeout it runs with)"
                 ),
             });
         }
@@ -295,7 +295,8 @@ impl LockRouter {
     /// every other.
     ///
     /// Cancellation: the swap happens without an await after the shards' identities were
-    /// read; a call dropped before that changes nothing.
+    /// read and a join under way (see `migrate`) has finished; a call dropped before that
+    /// changes nothing.
     pub async fn reload(&self, config: Config) -> Result<()> {
         config.validate()?;
         let _one_at_a_time = self.inner.reloading.lock().await;
@@ -335,7 +336,9 @@ impl LockRouter {
             "shardlock topology reloaded"
         );
         let next = Arc::new(next);
-        self.inner.topology.store(next.clone());
+        // Not between a join's heartbeat and its reading of the fleet: the join vouches for
+        // the topology it beat with.
+        let joining = self.inner.joining.lock().await;
         if old.config.cleaner.registry != RegistryKind::Heartbeat
             && next.config.cleaner.registry == RegistryKind::Heartbeat
         {
@@ -347,6 +350,8 @@ impl LockRouter {
                     .to_owned(),
             );
         }
+        self.inner.topology.store(next.clone());
+        drop(joining);
         // Published after the swap: a lease registered from now on sees the new epoch and
         // follows its key itself; those registered before are found here.
         shared.epoch.store(next.epoch, Ordering::SeqCst);

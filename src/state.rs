@@ -153,9 +153,10 @@ impl Gate {
         self.lapsed.load(Ordering::Acquire)
     }
 
-    /// The router has not yet joined its fleet: its first heartbeat did not reach every
-    /// shard, for `why`. It grants nothing until one has and the fleet agrees (as after a
-    /// lapse, see [`spawn_heartbeat`]).
+    /// The router has not joined its fleet yet, for `why`: at its start (its first heartbeat
+    /// did not reach every shard, or the fleet disagrees), or on a switch to the heartbeat
+    /// registry. It grants nothing until a heartbeat has reached every shard and the fleet
+    /// agrees (as after a lapse, see [`spawn_heartbeat`]).
     pub(crate) fn unjoined(&self, why: String) {
         self.join_again(why, false);
     }
@@ -209,9 +210,13 @@ impl Gate {
     }
 
     /// Closes the gate until the router has joined its fleet, for `why`, after a lapse if
-    /// `lapsed`; `false` if it was joining already (the reason it had stays).
+    /// `lapsed`; `false` if it was joining already (the reason it had stays). A router that
+    /// joins for another reason than a lapse is never taken for a lapsed one.
     fn join_again(&self, why: String, lapsed: bool) -> bool {
         let mut current = self.why.locked();
+        if !lapsed {
+            self.lapsed.store(false, Ordering::Release);
+        }
         if self.rejoining.swap(true, Ordering::AcqRel) {
             return false;
         }
@@ -337,7 +342,8 @@ impl Inner {
     fn replaced_by(&self, twin: &str) {
         let why = format!(
             "instance id `{}` was taken over by {twin} while this process counted as dead (its \
-             heartbeat lapsed): it grants nothing and heartbeats no more. Shut it down; give \
+             heartbeat lapsed), or before its heartbeat first reached that shard: it grants \
+             nothing and heartbeats no more. Shut it down; give \
              each process its own id (or `auto`)",
             self.instance_id()
         );

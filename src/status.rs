@@ -60,8 +60,8 @@ impl LockRouter {
     /// may hold the migration lock (`GET_LOCK`) until then, stalling other `migrate` calls.
     pub async fn migrate(&self) -> Result<Vec<(String, MigrateReport)>> {
         let topology = self.inner.topology.load_full();
-        // Previous placements' shards too: the registry is read there during a move.
-        let shards = topology.all_shards();
+        // Those of moves in force too: the registry is read there.
+        let shards = topology.registry_shards();
         let runs = shards.iter().map(|s| async move {
             let report = s
                 .unguarded()

@@ -291,6 +291,22 @@ impl Topology {
         self.previous.iter().filter(|p| p.in_force(now)).count()
     }
 
+    /// The shards whose registry says who runs what: the current ones and those of earlier
+    /// placements still in force (processes that have not reloaded heartbeat there). A
+    /// placement whose move is over is left out: its shards' pools close once drained.
+    pub(crate) fn registry_shards(&self) -> Vec<Arc<ShardState>> {
+        let now = Instant::now();
+        let mut out: Vec<Arc<ShardState>> = self.current.shards.clone();
+        for previous in self.previous.iter().filter(|p| p.in_force(now)) {
+            for s in &previous.placement.shards {
+                if !out.iter().any(|o| Arc::ptr_eq(o, s)) {
+                    out.push(s.clone());
+                }
+            }
+        }
+        out
+    }
+
     /// Every shard in this topology, current or still in a move window, without repeats.
     pub(crate) fn all_shards(&self) -> Vec<Arc<ShardState>> {
         let mut out: Vec<Arc<ShardState>> = self.current.shards.clone();

@@ -832,3 +832,34 @@ async fn an_acquire_of_a_moved_key_given_up_half_way_leaves_no_lease() {
         .unwrap();
     next.release().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shard_whose_move_is_over_is_not_read_for_the_registry_once_its_pool_closed() {
+    let cluster = Cluster::start(2).await.unwrap();
+    let short = |yaml: String| yaml.replace("move-window: 3s", "move-window: 500ms");
+    let router = LockRouter::from_yaml_str(&short(config_for(&cluster, 2)))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let one = Config::from_yaml_str(&short(config_for(&cluster, 1))).unwrap();
+    router.reload(one).await.unwrap();
+    // No other process: the move ends, and the pool of the shard that left closes (the
+    // server sees no connection but the one asking).
+    let drained = common::eventually(Duration::from_secs(60), || async {
+        let mut s2 = cluster.shard(1).connect().await.unwrap();
+        let threads: Option<(String, u64)> = s2
+            .query_first("SHOW GLOBAL STATUS LIKE 'Threads_connected'")
+            .await
+            .unwrap();
+        router.moves_in_progress() == 0 && threads.is_some_and(|(_, n)| n == 1)
+    })
+    .await;
+    assert!(drained, "the shard that left was drained");
+    // Joining reads the registry where the fleet may still be (here `migrate`, which covers
+    // the same shards): not on that shard any more.
+    let report = router
+        .migrate()
+        .await
+        .expect("the registry's shards answer");
+    assert_eq!(report.len(), 1, "{report:?}");
+}
