@@ -296,21 +296,18 @@ impl Topology {
     /// placement whose move is over is left out: its shards' pools close once drained.
     pub(crate) fn registry_shards(&self) -> Vec<Arc<ShardState>> {
         let now = Instant::now();
-        let mut out: Vec<Arc<ShardState>> = self.current.shards.clone();
-        for previous in self.previous.iter().filter(|p| p.in_force(now)) {
-            for s in &previous.placement.shards {
-                if !out.iter().any(|o| Arc::ptr_eq(o, s)) {
-                    out.push(s.clone());
-                }
-            }
-        }
-        out
+        self.shards_of(|p| p.in_force(now))
     }
 
     /// Every shard in this topology, current or still in a move window, without repeats.
     pub(crate) fn all_shards(&self) -> Vec<Arc<ShardState>> {
+        self.shards_of(|_| true)
+    }
+
+    /// The current shards and those of the earlier placements `kept`, without repeats.
+    fn shards_of(&self, kept: impl Fn(&Previous) -> bool) -> Vec<Arc<ShardState>> {
         let mut out: Vec<Arc<ShardState>> = self.current.shards.clone();
-        for previous in &self.previous {
+        for previous in self.previous.iter().filter(|p| kept(p)) {
             for s in &previous.placement.shards {
                 if !out.iter().any(|o| Arc::ptr_eq(o, s)) {
                     out.push(s.clone());
