@@ -124,8 +124,9 @@ impl LockRouter {
         let config = topology.config.cleaner.clone();
         let registry = self.registry(&config);
         let mut shards = Vec::new();
-        for shard in topology.all_shards() {
-            shards.push(clean_shard(&shard, &config, &registry, guard).await);
+        // Not a shard that left and was drained: its rows are not this fleet's any more.
+        for shard in topology.all_shards().iter().filter(|s| !s.is_closed()) {
+            shards.push(clean_shard(shard, &config, &registry, guard).await);
         }
         let report = CleanerReport {
             pass,

@@ -117,7 +117,8 @@ impl LockRouter {
         let topology = self.inner.topology.load_full();
         let mut leases = Vec::new();
         let mut failed = Vec::new();
-        for shard in topology.all_shards() {
+        // Not a shard that left and was drained: nothing of this process is held there.
+        for shard in topology.all_shards().iter().filter(|s| !s.is_closed()) {
             match shard.unguarded().list(&filter).await {
                 Ok(rows) => leases.extend(rows.into_iter().map(|(stored, row)| {
                     let (key, bucket) = LockKey::describe_stored(&stored);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Pool;
-use shardlock::{AcquireOptions, Config, LockRouter};
+use shardlock::{AcquireOptions, Config, ListOptions, LockRouter};
 use shardlock_testkit::{report, Cluster, Proxy, ProxyMode, Worker};
 
 const KEYS: usize = 500;
@@ -834,7 +834,7 @@ async fn an_acquire_of_a_moved_key_given_up_half_way_leaves_no_lease() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_shard_whose_move_is_over_is_not_read_for_the_registry_once_its_pool_closed() {
+async fn a_shard_whose_move_is_over_is_left_alone_once_its_pool_closed() {
     let cluster = Cluster::start(2).await.unwrap();
     let short = |yaml: String| yaml.replace("move-window: 3s", "move-window: 500ms");
     let router = LockRouter::from_yaml_str(&short(config_for(&cluster, 2)))
@@ -862,4 +862,20 @@ async fn a_shard_whose_move_is_over_is_not_read_for_the_registry_once_its_pool_c
         .await
         .expect("the registry's shards answer");
     assert_eq!(report.len(), 1, "{report:?}");
+    // Nor cleaned or listed: only `status` still shows it, closed.
+    let cleaned = router.clean_once().await.unwrap();
+    assert!(
+        cleaned
+            .shards
+            .iter()
+            .all(|s| s.error.is_none() && s.shard == "s1"),
+        "{cleaned:?}"
+    );
+    let listed = router.list(ListOptions::default()).await.unwrap();
+    assert!(listed.failed.is_empty(), "{listed:?}");
+    let status = router.status().await;
+    assert!(
+        status.iter().any(|s| s.name == "s2" && s.closed),
+        "{status:?}"
+    );
 }
