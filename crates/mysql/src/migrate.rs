@@ -122,15 +122,16 @@ pub(crate) async fn migrate(conn: &mut Conn, cluster: bool) -> mysql_async::Resu
 }
 
 /// [`apply`], run again from the start when a statement lost a certification conflict (1213)
-/// to the same step run by another process through another node: it is done, or will be
-/// found done.
+/// to the same step run by another process through another node, or was aborted for that
+/// node's DDL (1317: on Galera, a statement holding a metadata lock that a replicated DDL
+/// needs is interrupted): it is done, or will be found done.
 async fn apply_again_on_conflict(conn: &mut Conn) -> mysql_async::Result<MigrateReport> {
     // One report across the runs: a version applied before a conflict is still this call's.
     let mut report = MigrateReport::default();
     let mut tries = 0;
     loop {
         match apply(conn, &mut report).await {
-            Err(mysql_async::Error::Server(e)) if e.code == DEADLOCK && tries < 10 => {
+            Err(mysql_async::Error::Server(e)) if CONFLICT.contains(&e.code) && tries < 10 => {
                 tries += 1;
                 tokio::time::sleep(std::time::Duration::from_millis(10 * tries)).await;
             }
@@ -139,8 +140,9 @@ async fn apply_again_on_conflict(conn: &mut Conn) -> mysql_async::Result<Migrate
     }
 }
 
-/// A deadlock, or on Galera a certification conflict.
-const DEADLOCK: u16 = 1213;
+/// A deadlock, or on Galera a certification conflict (1213); a statement interrupted for
+/// another node's DDL (1317).
+const CONFLICT: &[u16] = &[1213, 1317];
 
 /// Errors of a `GET_LOCK` that ended without being refused: the statement's time limit (MySQL
 /// 3024, MariaDB 1969) or a kill (1317).
