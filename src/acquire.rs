@@ -14,6 +14,7 @@ use shardlock_core::config::{check_ttl, FailurePolicy, NamespaceConfig, DEFAULT_
 use shardlock_core::{Backoff, BreakerState, Error, LockKey, Result};
 use tokio::time::Instant;
 
+use crate::clock::Moment;
 use crate::guard::{Hold, LockGuard, LockMode, LOCAL_FENCE_BIT};
 use crate::options::AcquireOptions;
 use crate::queue::{Delivery, Entry, Turn, Want};
@@ -553,7 +554,7 @@ impl LockRouter {
                         owner: companion.owner.clone(),
                         fence: 0,
                         reserve: 0,
-                        sent: Instant::now(),
+                        sent: Moment::now(),
                     },
                 ));
                 break;
@@ -585,7 +586,7 @@ impl LockRouter {
             owner,
             fence,
             reserve: 0,
-            sent: Instant::now(),
+            sent: Moment::now(),
         };
         let lease =
             Arc::new(LeaseState::local(key.clone(), grant, want, turn).placed_at(topology.epoch));

@@ -10,7 +10,8 @@ use shardlock_core::{Error, Result};
 use shardlock_mysql::{GrantRequest, HandoffOutcome, ReleaseAnswer};
 use tokio::time::Instant;
 
-use crate::queue::{NextWaiter, Turn};
+use crate::clock::Moment;
+use crate::queue::{NextWaiter, Turn, Want};
 use crate::shard::ShardState;
 use crate::shard::{Grant, LeaseState, NOT_RENEWED};
 use crate::sync::LockExt;
@@ -168,9 +169,11 @@ impl LockGuard {
     /// renewal, after which [`LockGuard::is_held`] is false unless it was renewed. Past once
     /// the lease ended; a lease lost early (taken over, force-released) may end before it, so
     /// check [`LockGuard::is_held`] too. A [`LockMode::LocalFallback`] guard has no end of its
-    /// own (a far-off instant).
+    /// own (a far-off instant). An instant of the runtime's clock, which stands still while
+    /// the host is suspended: the lease's end comes earlier by any suspend from now on (and
+    /// [`LockGuard::is_held`] counts it).
     pub fn held_until(&self) -> tokio::time::Instant {
-        self.hold.lease.valid_until()
+        self.hold.lease.valid_until().timer()
     }
 
     /// Completes when the lease is lost: renewal failed until the lease ended (then at its
@@ -184,9 +187,11 @@ impl LockGuard {
             // The keeper reports a lease lost at its deadline, but not while it waits on a
             // renewal statement (up to a statement timeout): a lease granted meanwhile, with a
             // shorter ttl than that, ends first. Its deadline is watched here too, and looked
-            // at again if it moves earlier meanwhile.
+            // at again if it moves earlier meanwhile, and at least every
+            // `SUSPEND_NOTICED_WITHIN` (a suspend of the host ends leases early by the
+            // runtime's clock).
             let moved = lease.end_moved();
-            let until = lease.valid_until();
+            let until = lease.valid_until().checked_timer();
             tokio::select! {
                 _ = lost.wait_for(|lost| *lost) => return,
                 _ = moved => {}
@@ -222,7 +227,7 @@ impl LockGuard {
         if !self.is_held() {
             return Err(self.lost_error());
         }
-        let sent = Instant::now();
+        let sent = Moment::now();
         let mut rows = vec![(self.hold.shard.clone(), lease.clone())];
         rows.extend(lease.companion_rows());
         for (shard, row) in &rows {
@@ -239,7 +244,7 @@ impl LockGuard {
             }
         }
         for (_, row) in &rows {
-            let want = crate::queue::Want {
+            let want = Want {
                 ttl: by,
                 ..row.want
             };
@@ -462,7 +467,7 @@ async fn handoff_through_shard(
         reserve: want.handoff_max_count,
         trace: None,
     };
-    let sent = Instant::now();
+    let sent = Moment::now();
     match shard.call(|b| b.handoff(&lease.owner, &req)).await {
         Ok(HandoffOutcome::Granted(fence)) => {
             shared.stats.grants.fetch_add(1, Ordering::Relaxed);
@@ -545,7 +550,7 @@ pub(crate) async fn release_through_shard(
     };
     retry_if_failed(&shard, &lease, &result);
     // Read before the companions' releases, which may each take a statement timeout.
-    let answered_at = tokio::time::Instant::now();
+    let answered_at = Moment::now();
     // The key's rows on other shards (it moved); the turn passes on once all are free.
     for (other, row) in companions {
         other.remove(row.id);
@@ -591,7 +596,7 @@ pub(crate) fn retry_if_failed(
     // An extended lease's row may last beyond its ttl; a local one's deadline is no row's.
     let left = match lease.local {
         true => std::time::Duration::ZERO,
-        false => lease.deadline().saturating_duration_since(Instant::now()),
+        false => lease.deadline().saturating_duration_since(Moment::now()),
     };
     let (key, owner) = (lease.key.stored().to_vec(), lease.owner.clone());
     shard.release_later(key, owner, lease.ttl.max(left));

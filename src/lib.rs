@@ -4,6 +4,7 @@
 
 mod acquire;
 mod cleaner;
+mod clock;
 mod election;
 mod fence;
 mod guard;

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use shardlock_core::{Backoff, LockKey};
 use shardlock_mysql::{Attempt, GrantRequest, FLOOR_BATCH};
-use tokio::time::Instant;
 
+use crate::clock::Moment;
 use crate::queue::Want;
 use crate::registry;
 use crate::shard::ShardState;
@@ -96,7 +96,7 @@ async fn take_on(
             }
             return false;
         }
-        let sent = Instant::now();
+        let sent = Moment::now();
         tried = true;
         // The same request on every try: a retry after a lost reply finds its own row.
         match target.acquire(&req).await {
@@ -148,7 +148,7 @@ async fn take_on(
             // Unreachable, or its row locked by another transaction: again, within the window.
             failed => {
                 let delay = backoff.next_delay();
-                if Instant::now() + delay < deadline {
+                if Moment::now() + delay < deadline {
                     tokio::time::sleep(delay).await;
                     continue;
                 }
@@ -209,7 +209,7 @@ async fn give_back_try(
 ///
 /// Every process does this for itself; the copies are idempotent (`GREATEST`).
 pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
-    tokio::time::sleep_until(previous.until).await;
+    tokio::time::sleep_until(previous.until.timer()).await;
     let mut warned = false;
     loop {
         let Some(router) = inner.upgrade() else {

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::clock::Moment;
 use tokio::sync::oneshot;
-use tokio::time::Instant;
 
 use crate::sync::LockExt;
 
@@ -65,7 +65,7 @@ impl Want {
     /// to 1 ms early by its own clock), the shard's clock may run faster than ours by up
     /// to `drift_ppm`, and another node of the shard may answer with a clock up to
     /// `clock_skew` ahead of the one that granted it.
-    pub(crate) fn lease_end(&self, sent: Instant) -> Instant {
+    pub(crate) fn lease_end(&self, sent: Moment) -> Moment {
         let on_shard = Duration::from_millis(u64::from(self.ttl_ms()))
             .saturating_sub(Duration::from_millis(1));
         let ours = on_shard.mul_f64(1.0 - f64::from(self.drift_ppm) / 1e6);
@@ -310,7 +310,7 @@ mod tests {
     /// the nodes' clock skew.
     #[test]
     fn a_lease_ends_locally_before_any_server_may_end_it() {
-        let sent = Instant::now();
+        let sent = Moment::now();
         // 1 s less 1 ms, less 1%.
         assert_eq!(
             want().lease_end(sent),

@@ -16,6 +16,7 @@ use futures_util::future::join_all;
 use shardlock_core::Config;
 use tokio::time::Instant;
 
+use crate::clock::Moment;
 use crate::queue::KeyQueues;
 use crate::registry::{self, InstanceRegistry};
 use crate::shard::Shared;
@@ -71,8 +72,8 @@ pub(crate) struct Inner {
 pub(crate) struct Gate {
     closed: tokio::sync::watch::Sender<bool>,
     why: std::sync::Mutex<String>,
-    /// The clock's origin for `beaten_ms`.
-    born: Instant,
+    /// The clock's origin for `beaten_ms` (the lease clock: a suspend of the host counts).
+    born: Moment,
     /// When the latest heartbeat that reached a shard was sent, in ms after `born` plus one;
     /// 0 before the first.
     beaten_ms: AtomicU64,
@@ -97,7 +98,7 @@ impl Default for Gate {
         Self {
             closed: tokio::sync::watch::channel(false).0,
             why: std::sync::Mutex::default(),
-            born: Instant::now(),
+            born: Moment::now(),
             beaten_ms: AtomicU64::new(0),
             advertised_lapse_ms: AtomicU64::new(u64::MAX),
             rejoining: AtomicBool::new(false),
@@ -163,7 +164,7 @@ impl Gate {
 
     /// Records a heartbeat sent at `sent` that reached a shard, from a configuration whose
     /// lapse is `lapse`.
-    pub(crate) fn beaten(&self, sent: Instant, lapse: Duration) {
+    pub(crate) fn beaten(&self, sent: Moment, lapse: Duration) {
         let ms = u64::try_from(sent.saturating_duration_since(self.born).as_millis())
             .unwrap_or(u64::MAX - 1);
         self.beaten_ms.fetch_max(ms + 1, Ordering::AcqRel);
@@ -286,7 +287,7 @@ impl Inner {
     pub(crate) async fn beat(&self, missed: &mut HashMap<String, u32>) -> registry::Beats {
         let topology = self.topology.load_full();
         let lapse = lapse(&topology.config);
-        let sent = Instant::now();
+        let sent = Moment::now();
         let reached = || self.gate.beaten(sent, lapse);
         let beats = registry::beat(&topology, &self.shared, missed, &reached).await;
         if beats.unreached.is_empty() && beats.taken_by.is_none() {
@@ -528,13 +529,13 @@ mod tests {
         let (old, new) = (Duration::from_millis(20), Duration::from_secs(3600));
         // A heartbeat of the configuration before a reload reached a shard; the one after
         // the reload, with a longer timeout, has not reached every shard yet.
-        gate.beaten(Instant::now(), old);
-        gate.beaten(Instant::now(), new);
+        gate.beaten(Moment::now(), old);
+        gate.beaten(Moment::now(), new);
         past(old);
         assert!(gate.lapse_if_stale(new, &lapses), "by the old timeout");
 
         let (gate, lapses) = (Gate::default(), AtomicU64::new(0));
-        gate.beaten(Instant::now(), old);
+        gate.beaten(Moment::now(), old);
         gate.beaten_everywhere(new);
         past(old);
         assert!(

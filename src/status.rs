@@ -97,6 +97,16 @@ impl LockRouter {
             .is_some()
     }
 
+    /// Counts `d` as time the host spent suspended, just now, for every router of this process:
+    /// by the lease clock, `d` passes at once, while the runtime's clock (and the shards')
+    /// does not move. For tests of how leases and heartbeats meet a suspend only (feature
+    /// `fault-injection`).
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn pretend_host_suspended(d: Duration) {
+        crate::clock::pretend_suspend(d);
+    }
+
     /// The last transitions (up to 64) of shard `name`'s breaker in this process, oldest first.
     pub fn breaker_transitions(&self, name: &str) -> Vec<Transition> {
         self.shard_state(name)

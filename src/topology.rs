@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::clock::Moment;
 use shardlock_core::{Config, ConfigError, LockKey, Result, Ring};
 use shardlock_mysql::Shard;
-use tokio::time::Instant;
 
 use crate::shard::Shared;
 use crate::shard::{spawn_keeper, ShardState};
@@ -35,7 +35,7 @@ impl Placement {
 pub(crate) struct Previous {
     pub(crate) placement: Arc<Placement>,
     /// End of the move window: processes that have not reloaded may place keys here until then.
-    pub(crate) until: Instant,
+    pub(crate) until: Moment,
     /// Set once the fences of its shards' rows were copied to where their keys live now (see
     /// [`crate::moves::carry_fences`]); until then its shards are still consulted as a floor.
     pub(crate) fences_carried: Arc<AtomicBool>,
@@ -47,7 +47,7 @@ pub(crate) struct Previous {
 
 impl Previous {
     /// Whether acquires of keys that moved away from it must still take them here too.
-    fn in_force(&self, now: Instant) -> bool {
+    fn in_force(&self, now: Moment) -> bool {
         self.until > now || !self.fences_carried.load(Ordering::Acquire)
     }
 }
@@ -59,7 +59,7 @@ pub(crate) struct Topology {
     pub(crate) epoch: u64,
     /// When this topology was swapped in: leases placed before it follow their moved keys
     /// within half the move window from then (see [`crate::moves`]).
-    pub(crate) reloaded_at: Instant,
+    pub(crate) reloaded_at: Moment,
     pub(crate) config: Arc<Config>,
     pub(crate) current: Arc<Placement>,
     /// Earlier placements, oldest first, each until its move window ends and its fences were
@@ -163,7 +163,7 @@ impl Topology {
             namespace_labels,
             fingerprint: fingerprint(&config),
             epoch,
-            reloaded_at: Instant::now(),
+            reloaded_at: Moment::now(),
             config: Arc::new(config),
             current: Arc::new(Placement { ring, shards }),
             previous,
@@ -182,7 +182,7 @@ impl Topology {
         if self.previous.is_empty() {
             return Vec::new();
         }
-        let now = Instant::now();
+        let now = Moment::now();
         let current = self.locate(key);
         let mut out: Vec<Arc<ShardState>> = Vec::new();
         for previous in &self.previous {
@@ -202,7 +202,7 @@ impl Topology {
     /// this one until `window` from now (and its fences carried over). When the ring does not
     /// change at all, nothing moves and this placement is not kept.
     pub(crate) fn previous_for_next(&self, next: &Topology, window: Duration) -> Vec<Previous> {
-        let now = Instant::now();
+        let now = Moment::now();
         let mut kept: Vec<_> = self
             .previous
             .iter()
@@ -246,7 +246,7 @@ impl Topology {
     ) -> Vec<Arc<ShardState>> {
         // Placements no longer in force have carried their own rows on already (and their
         // shards may be closed).
-        let now = Instant::now();
+        let now = Moment::now();
         let later = self
             .previous
             .iter()
@@ -279,7 +279,7 @@ impl Topology {
     /// Whether `shard` is still needed by an earlier placement in force (its move window is
     /// open or its fences are still to be carried over).
     pub(crate) fn still_needed(&self, shard: &Arc<ShardState>) -> bool {
-        let now = Instant::now();
+        let now = Moment::now();
         self.previous
             .iter()
             .any(|p| p.in_force(now) && p.placement.shards.iter().any(|s| Arc::ptr_eq(s, shard)))
@@ -287,7 +287,7 @@ impl Topology {
 
     /// How many earlier placements are still in force.
     pub(crate) fn moves_in_progress(&self) -> usize {
-        let now = Instant::now();
+        let now = Moment::now();
         self.previous.iter().filter(|p| p.in_force(now)).count()
     }
 
@@ -295,7 +295,7 @@ impl Topology {
     /// placements still in force (processes that have not reloaded heartbeat there). A
     /// placement whose move is over is left out: its shards' pools close once drained.
     pub(crate) fn registry_shards(&self) -> Vec<Arc<ShardState>> {
-        let now = Instant::now();
+        let now = Moment::now();
         self.shards_of(|p| p.in_force(now))
     }
 

@@ -44,3 +44,50 @@ async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
     );
     proxy.set(ProxyMode::Pass);
 }
+
+/// The runtime's clock stands still while the host is suspended; the shard's does not, so a
+/// lease may have ended on its shard, and the key gone to someone else, before its holder's
+/// process runs again. The holder counts the suspend (the lease clock) the moment it runs: its
+/// guard says the lease is no longer held, `lost()` completes without waiting for a renewal to
+/// fail, and the router, whose heartbeat may have counted as dead meanwhile, grants again only
+/// once it has joined its fleet anew. (The suspend is pretended: the lease clock moves on by a
+/// minute while the runtime's clock and the shard's do not.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_suspend_of_the_host_ends_its_leases_by_the_time_it_wakes() {
+    let (cluster, holder, _) = common::start(1, "").await;
+    let guard = holder
+        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(3)))
+        .await
+        .unwrap();
+    let fence = guard.fence();
+    assert!(guard.is_held());
+    assert_eq!(holder.stats().heartbeat_lapses, 0);
+
+    LockRouter::pretend_host_suspended(Duration::from_secs(60));
+    assert!(
+        !guard.is_held(),
+        "a lease of 3 s still held after the host slept a minute"
+    );
+    assert!(guard.held_until() <= tokio::time::Instant::now());
+    tokio::time::timeout(Duration::from_secs(30), guard.lost())
+        .await
+        .expect("the lease that ended in the suspend was not reported lost");
+
+    // The heartbeat is a minute old by the lease clock: the router lapsed, and joins again
+    // before its next grant.
+    let again = holder
+        .acquire("k2", AcquireOptions::new().wait(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(holder.stats().heartbeat_lapses, 1);
+    again.release().await.unwrap();
+
+    // The lost lease is no longer renewed: the shard frees it by its own clock, and the next
+    // holder's fence is higher.
+    let other = common::worker_router_from(&cluster).await;
+    common::first_grant(&other, "k").await;
+    let next = other.acquire("k", AcquireOptions::new()).await.unwrap();
+    assert!(next.fence() > fence);
+    assert!(!guard.is_held());
+    next.release().await.unwrap();
+}

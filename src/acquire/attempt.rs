@@ -14,6 +14,7 @@ use shardlock_mysql::{Attempt, GrantRequest};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::clock::Moment;
 use crate::queue::Want;
 use crate::router::LockRouter;
 use crate::shard::{Grant, ShardState};
@@ -50,12 +51,12 @@ impl LockRouter {
             reserve: want.handoff_max_count,
             trace: crate::telemetry::current_traceparent(),
         };
-        let sent = Instant::now();
+        let sent = Moment::now();
         Ok(match attempt(shard, &req, deadline).await? {
             None => Tried::Busy(None),
             // Granted, but the answer came so late that the lease may already have ended on
             // the shard: no use to anyone. Given back; the key counts as busy.
-            Some(Attempt::Granted(_)) if Instant::now() >= want.lease_end(sent) => {
+            Some(Attempt::Granted(_)) if Moment::now() >= want.lease_end(sent) => {
                 shard.give_back(req.key, req.owner, want.ttl);
                 Tried::Busy(None)
             }

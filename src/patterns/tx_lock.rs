@@ -11,6 +11,7 @@ use shardlock_mysql::SessionConn;
 use tokio::sync::watch;
 
 use super::Discard;
+use crate::clock::Moment;
 use crate::shard::ShardState;
 use crate::state::{FollowsKey, Inner};
 use crate::sync::LockExt;
@@ -367,8 +368,8 @@ fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
         };
         if !there {
             let deadline = topology.reloaded_at + topology.config.move_window() / 2;
-            let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match lock_row(&target, &state.key, wait, deadline).await {
+            let wait = deadline.saturating_duration_since(Moment::now());
+            match lock_row(&target, &state.key, wait, deadline.timer()).await {
                 Ok(conn) => {
                     let mut rows = state.rows.locked();
                     if !rows.ended {

@@ -7,10 +7,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use crate::clock::Moment;
 use shardlock_core::{BackendErrorKind, BreakerState};
 use shardlock_mysql::{Attempt, GrantRequest, ReleaseAnswer, MAX_RENEW_BATCH};
 use tokio::sync::watch;
-use tokio::time::Instant;
 
 use super::ShardState;
 use crate::shard::{LeaseState, NOT_RENEWED};
@@ -43,12 +43,12 @@ impl ShardState {
                 trace: None,
             };
             let stats = &self.shared.stats;
-            let mut sent = Instant::now();
+            let mut sent = Moment::now();
             let mut attempt = self.acquire_alone(&req).await;
             if matches!(attempt, Ok(Attempt::Held { .. }))
                 && self.give_back_stale_row(&req.key, lease.id).await
             {
-                sent = Instant::now();
+                sent = Moment::now();
                 attempt = self.acquire_alone(&req).await;
             }
             match attempt {
@@ -139,8 +139,8 @@ impl ShardState {
 
     /// When the keeper must act next: the renewal tick, or the earliest local deadline (a
     /// lease whose renewals keep failing is reported lost exactly then, not later).
-    fn plan(&self, next_tick: &mut Option<Instant>) -> Option<Instant> {
-        let now = Instant::now();
+    fn plan(&self, next_tick: &mut Option<Moment>) -> Option<Moment> {
+        let now = Moment::now();
         let reconcile = (self.local_count() > 0).then(|| now + RECONCILE_EVERY);
         let leases = self.leases.locked();
         let earliest = leases.values().map(|l| l.deadline()).min();
@@ -163,7 +163,7 @@ impl ShardState {
 
     /// Re-acquires local leases if there are any, reports expired leases, and renews the rest
     /// if the tick is due.
-    async fn tick(self: &Arc<Self>, next_tick: &mut Option<Instant>) {
+    async fn tick(self: &Arc<Self>, next_tick: &mut Option<Moment>) {
         #[cfg(feature = "fault-injection")]
         if self.panic_next_tick.swap(false, Ordering::AcqRel) {
             panic!(
@@ -188,7 +188,7 @@ impl ShardState {
                 done.0.reconcile().await;
             });
         }
-        let now = Instant::now();
+        let now = Moment::now();
         let mut leases = self.held();
         leases.retain(|l| {
             // Or already reported lost (by its holder's `lost()` at its deadline, just before
@@ -220,7 +220,7 @@ impl ShardState {
         if next_tick.is_some_and(|t| t > now) {
             return;
         }
-        let started = Instant::now();
+        let started = Moment::now();
         let mut statements = 0;
         let mut failed = None;
         let mut cut_short = false;
@@ -231,7 +231,7 @@ impl ShardState {
         // first, and no later chunk's lease ends before the one being sent. (Chunks are not
         // cut in deadline order: leases granted together would then meet, chunk after chunk,
         // the releases of the same keys sent together, row lock against row lock.)
-        let mut chunks: Vec<(Instant, &[Arc<LeaseState>])> = leases
+        let mut chunks: Vec<(Moment, &[Arc<LeaseState>])> = leases
             .chunks(MAX_RENEW_BATCH)
             .map(|chunk| {
                 let end = chunk.iter().map(|l| l.deadline()).min();
@@ -245,7 +245,7 @@ impl ShardState {
             // is worthless, and the keeper must be free to report that end when it comes. Past
             // it, the next tick reports it at once.
             let earliest = unrenewed_end.map_or(end, |other| other.min(end));
-            let sent = Instant::now();
+            let sent = Moment::now();
             if earliest <= sent {
                 cut_short = true;
                 break;
@@ -292,7 +292,7 @@ impl ShardState {
             .renew_statements
             .fetch_add(statements, Ordering::Relaxed);
         match failed {
-            None if cut_short => *next_tick = Some(Instant::now()),
+            None if cut_short => *next_tick = Some(Moment::now()),
             None => {
                 *next_tick = Some(started + period);
                 tracing::trace!(
@@ -313,7 +313,7 @@ impl ShardState {
                     tracing::warn!(shard = self.name(), error = %shardlock_core::Report(&e), leases = leases.len(), "shardlock renewal failed; retrying");
                 }
                 // Retry soon; leases are reported lost only when their deadline passes.
-                *next_tick = Some(Instant::now() + (period / 4).max(Duration::from_millis(20)));
+                *next_tick = Some(Moment::now() + (period / 4).max(Duration::from_millis(20)));
             }
         }
     }
@@ -356,9 +356,11 @@ async fn keep(weak: Weak<ShardState>, mut closed: watch::Receiver<bool>) {
                 Some(state) => state.plan(&mut next_tick),
                 None => return,
             };
+            // Looked at again within `SUSPEND_NOTICED_WITHIN`: the leases that ended while the
+            // host was suspended are reported lost soon after it wakes.
             let sleep = async {
                 match wake_at {
-                    Some(at) => tokio::time::sleep_until(at).await,
+                    Some(at) => tokio::time::sleep_until(at.checked_timer()).await,
                     None => std::future::pending().await,
                 }
             };

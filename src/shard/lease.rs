@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use crate::clock::Moment;
 use shardlock_core::LockKey;
 use tokio::sync::watch;
-use tokio::time::Instant;
 
 use super::ShardState;
 use super::Shared;
@@ -33,7 +33,7 @@ pub(crate) struct LeaseState {
     /// Local, conservative end of the lease: measured from *before* the statement that granted
     /// or last renewed it was sent, allowing for the shard's time truncation and clock drift
     /// ([`Want::lease_end`]), so it is always before the shard's own expiry.
-    deadline: Mutex<Instant>,
+    deadline: Mutex<Moment>,
     /// Told when [`LeaseState::valid_until`] may have moved earlier (a local lease placed on
     /// its shard, a companion row adopted), so that a `lost()` sleeping toward the old end
     /// looks again.
@@ -50,7 +50,7 @@ pub(crate) struct LeaseState {
     next_fence: AtomicU64,
     fence_top: u64,
     /// In-memory hand-offs end this long after the shard grant.
-    local_until: Instant,
+    local_until: Moment,
     /// This process's turn on the key: held until the lease is released, so local waiters
     /// queue in memory instead of polling the shard.
     pub(crate) turn: Mutex<Option<Turn>>,
@@ -90,7 +90,7 @@ pub(crate) struct Grant {
     pub(crate) owner: String,
     pub(crate) fence: u64,
     pub(crate) reserve: u32,
-    pub(crate) sent: Instant,
+    pub(crate) sent: Moment,
 }
 
 impl LeaseState {
@@ -226,7 +226,7 @@ impl LeaseState {
 
     /// Whether the lease is surely still ours on its shard, and on its companions' shards.
     pub(crate) fn is_live(&self) -> bool {
-        let now = Instant::now();
+        let now = Moment::now();
         !self.is_lost()
             && now < self.deadline()
             && self
@@ -241,7 +241,7 @@ impl LeaseState {
     /// A fence for an in-memory hand-off, if this lease may still make one: it is live, its
     /// reserved fences are not used up, and its time for local hand-offs has not run out.
     pub(crate) fn local_fence(&self) -> Option<u64> {
-        if Instant::now() >= self.local_until || !self.is_live() {
+        if Moment::now() >= self.local_until || !self.is_live() {
             return None;
         }
         // Holds of one lease follow each other, so nobody else takes fences meanwhile.
@@ -267,22 +267,22 @@ impl LeaseState {
         self.at_least_us.store(us, Ordering::Release);
     }
 
-    pub(crate) fn deadline(&self) -> Instant {
+    pub(crate) fn deadline(&self) -> Moment {
         *self.deadline.locked()
     }
 
     /// The earliest local deadline of this lease and its companion rows.
-    pub(crate) fn valid_until(&self) -> Instant {
+    pub(crate) fn valid_until(&self) -> Moment {
         let own = self.deadline();
         let companions = self.companions.locked();
         companions
             .rows
             .iter()
             .map(|(_, c)| c.deadline())
-            .fold(own, Instant::min)
+            .fold(own, Moment::min)
     }
 
-    pub(crate) fn set_deadline(&self, to: Instant) {
+    pub(crate) fn set_deadline(&self, to: Moment) {
         *self.deadline.locked() = to;
         self.end_moved.notify_waiters();
     }
@@ -293,7 +293,7 @@ impl LeaseState {
         self.end_moved.notified()
     }
 
-    pub(crate) fn extend(&self, to: Instant) {
+    pub(crate) fn extend(&self, to: Moment) {
         let mut d = self.deadline.locked();
         if to > *d {
             *d = to;
