@@ -458,7 +458,12 @@ async fn handoff_through_shard(
         retry_if_failed(&other, &row, &released);
     }
     let (id, owner) = shared.next_owner();
-    let want = next.want;
+    // A waiter in memory never polled, so its terms carry no clock skew: on a Galera shard the
+    // new lease ends locally as early as the released one did.
+    let want = Want {
+        clock_skew: lease.want.clock_skew.max(shard.clock_skew()),
+        ..next.want
+    };
     let req = GrantRequest {
         key: lease.key.stored().to_vec(),
         owner,

@@ -547,6 +547,31 @@ async fn the_registry_cleaner_jobs_and_cas_work_on_a_galera_shard() {
         .expect("released");
     assert!(b.cas_release(theirs).await.unwrap());
 
+    // A lease handed from its holder to a task waiting in memory through the release
+    // statement (held past `handoff-max-time`) ends locally as early as a polled grant on this
+    // shard does, allowing for the nodes' clock skew, though the waiter never polled: at most
+    // the ttl (2 s) less 2 × `node-clock-skew` (250 ms) from now.
+    let first = a.acquire("h", AcquireOptions::new()).await.unwrap();
+    let handoffs = a.stats().handoffs;
+    let waiter = tokio::spawn({
+        let a = a.clone();
+        async move { a.acquire("h", AcquireOptions::new()).await }
+    });
+    let queued =
+        common::eventually(Duration::from_secs(10), || async { a.stats().queued == 1 }).await;
+    assert!(queued, "the second acquire waits in memory");
+    // Past `handoff-max-time` (20 ms): not handed over in memory.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    first.release().await.unwrap();
+    let second = waiter.await.unwrap().unwrap();
+    assert_eq!(a.stats().handoffs, handoffs + 1);
+    assert!(
+        second.held_until() <= tokio::time::Instant::now() + Duration::from_millis(1500),
+        "a lease handed over on a Galera shard ends {:?} from now",
+        second.held_until() - tokio::time::Instant::now()
+    );
+    second.release().await.unwrap();
+
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
 }
