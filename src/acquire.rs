@@ -446,6 +446,21 @@ impl LockRouter {
                     }
                 }
                 if let Tried::Granted(grant) = tried {
+                    // Sent under a placement a reload has replaced since: the statement may
+                    // have run only after the fleet ended the key's move (held up behind a
+                    // row lock, a slow shard, a pause), when the others no longer look for
+                    // it here and may hold the key where it lives now. Given back with the
+                    // rest as `companions` drops; polled again under the new placement.
+                    // (A reload after this check finds the lease and makes it follow.)
+                    if self.inner.topology.load().epoch != topology.epoch {
+                        companions.grants.push((shard, grant));
+                        self.inner
+                            .shared
+                            .stats
+                            .stale_grants
+                            .fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
                     let taken = Taken {
                         shard,
                         grant,

@@ -112,4 +112,8 @@ counters! {
     /// instance of the fleet still ran the previous topology, or the registry could not be
     /// read on every shard (read again every `cleaner.heartbeat-interval`).
     moves_kept,
+    /// Grants (leases, transaction locks, CAS takes) given back because a reload came while
+    /// their statement was out: it may have run after the fleet ended the key's move, where
+    /// nobody looks for it any more. The key is taken again under the new placement.
+    stale_grants,
 }

@@ -879,3 +879,94 @@ async fn a_shard_whose_move_is_over_is_left_alone_once_its_pool_closed() {
         "{status:?}"
     );
 }
+
+/// An acquire's statement sent under the topology before a reload that runs only after the
+/// fleet ended the key's move (held up here behind another transaction's lock on the key's
+/// row; a paused process or a slow shard alike) grants on a shard nobody looks at for the key
+/// any more, while the key may be held where it lives now. That grant is given back, not
+/// handed out, and the acquire waits for the key where it lives now.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_sent_before_a_reload_that_lands_after_the_move_ended_is_given_back() {
+    let cluster = Cluster::start(4).await.unwrap();
+    // Statements may wait on a row lock for long; none of it is a failing shard.
+    let config = |n: usize| {
+        let mut yaml = String::from("shards:\n");
+        for s in &cluster.shards()[..n] {
+            yaml.push_str(&format!(
+                "  - name: {}\n    url: {}\n    statement-timeout: 60s\n",
+                s.name(),
+                s.url()
+            ));
+        }
+        yaml + "routing:\n  move-window: 500ms\nbreaker:\n  slow-call: 60s\n\
+                cleaner:\n  heartbeat-interval: 100ms\n\
+                namespaces:\n  default:\n    ttl: 1s\n    wait: 60s\n"
+    };
+    let a = LockRouter::from_yaml_str(&config(4)).await.unwrap();
+    a.migrate().await.unwrap();
+    let b = LockRouter::from_yaml_str(&config(4)).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| a.shard_for(k).unwrap() == "s4")
+        .unwrap();
+    // The key's row on s4, released, and locked by another transaction.
+    let first = a.acquire(&key, AcquireOptions::new()).await.unwrap();
+    first.release().await.unwrap();
+    let mut blocker = cluster.shard(3).connect().await.unwrap();
+    blocker.query_drop("START TRANSACTION").await.unwrap();
+    blocker
+        .exec_drop(
+            "SELECT 1 FROM shardlock_lease WHERE lock_key = ? FOR UPDATE",
+            (key.as_str(),),
+        )
+        .await
+        .unwrap();
+
+    let mut acquiring = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move { a.acquire(&key, AcquireOptions::new()).await }
+    });
+    // a's statement waits for the row on s4.
+    common::until_a_row_lock_is_waited_for(cluster.shard(3)).await;
+
+    let three = Config::from_yaml_str(&config(3)).unwrap();
+    a.reload(three.clone()).await.unwrap();
+    b.reload(three).await.unwrap();
+    // Both advertise the new topology and the window passed: b's move is over, and b takes
+    // the key where it lives now, on s1–s3 alone.
+    let over = common::eventually(Duration::from_secs(30), || async {
+        b.moves_in_progress() == 0
+    })
+    .await;
+    assert!(over, "b's move never ended");
+    let theirs = b
+        .acquire(&key, AcquireOptions::new().wait(Duration::ZERO))
+        .await
+        .unwrap();
+    assert_ne!(theirs.shard(), "s4");
+
+    // a's statement, sent under the old topology, now runs and grants on s4.
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let given_back = common::eventually(Duration::from_secs(30), || async {
+        a.stats().stale_grants == 1
+    });
+    tokio::select! {
+        got = &mut acquiring => {
+            let got = got.unwrap();
+            panic!(
+                "a was handed the key while b holds it on {}: {:?}",
+                theirs.shard(),
+                got.map(|g| (g.shard().to_owned(), g.is_held()))
+            );
+        }
+        given_back = given_back => assert!(given_back, "{:?}", a.stats()),
+    }
+
+    // Once b lets go, a takes the key where it lives now, above b's fence.
+    let fence = theirs.fence();
+    theirs.release().await.unwrap();
+    let ours = acquiring.await.unwrap().unwrap();
+    assert_eq!(ours.shard(), a.shard_for(&key).unwrap());
+    assert!(ours.fence() > fence);
+    ours.release().await.unwrap();
+}

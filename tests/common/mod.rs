@@ -164,3 +164,27 @@ macro_rules! worker_entry {
         }
     };
 }
+
+/// Waits until a statement on `shard` waits for a row lock (another transaction holds the
+/// row); panics after 30 s.
+pub async fn until_a_row_lock_is_waited_for(shard: &Shard) {
+    let mut conn = shard.connect().await.unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        let waiting: Option<u64> = conn
+            .query_first(
+                "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'",
+            )
+            .await
+            .unwrap();
+        if waiting > Some(0) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no statement waited for a row lock on {}",
+            shard.name()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
