@@ -10,7 +10,7 @@ use std::time::Duration;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::patterns::StateMachine;
 use shardlock::{Config, Error, LockRouter};
-use shardlock_testkit::Cluster;
+use shardlock_testkit::{Cluster, Shard};
 
 /// Four shards, configs listing the first three and all four (500 ms move window), and a
 /// router over each, migrated.
@@ -306,4 +306,143 @@ async fn a_transaction_lock_that_fails_on_a_later_shard_leaves_no_row_locked() {
         .query("SELECT lock_key FROM shardlock_txlock FOR UPDATE")
         .await;
     assert!(rows.is_ok(), "a row is still locked: {rows:?}");
+}
+
+/// The shard of `cluster` that `router` places `key` on.
+fn shard_of<'c>(cluster: &'c Cluster, router: &LockRouter, key: &str) -> &'c Shard {
+    let name = router.shard_for(key).unwrap();
+    cluster.shards().iter().find(|s| s.name() == name).unwrap()
+}
+
+/// A transaction that holds `key`'s row of `table` on `shard` locked until it is dropped or
+/// rolled back (the row made first if it is not there).
+async fn row_locked(shard: &Shard, table: &str, key: &str) -> shardlock::mysql_async::Conn {
+    let mut conn = shard.connect().await.unwrap();
+    conn.exec_drop(
+        format!("INSERT IGNORE INTO {table} (lock_key) VALUES (?)"),
+        (key,),
+    )
+    .await
+    .unwrap();
+    conn.query_drop("START TRANSACTION").await.unwrap();
+    conn.exec_drop(
+        format!("SELECT 1 FROM {table} WHERE lock_key = ? FOR UPDATE"),
+        (key,),
+    )
+    .await
+    .unwrap();
+    conn
+}
+
+/// A transaction lock whose row was locked under the topology before a reload, but only after
+/// the fleet ended the key's move (the lock statement held up behind another transaction's
+/// lock on the row), is rolled back and locked again where the key lives now, not handed out
+/// while another process holds the key there.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_taken_on_the_old_shard_after_the_move_ended_is_taken_again() {
+    let (cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "tx:").await;
+    let a = LockRouter::new(four.clone()).await.unwrap();
+    let b = LockRouter::new(four).await.unwrap();
+    let old = shard_of(&cluster, &a, &key);
+    let mut blocker = row_locked(old, "shardlock_txlock", &key).await;
+    let mut locking = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move { a.lock_in_transaction(&key, Duration::from_secs(60)).await }
+    });
+    common::until_a_row_lock_is_waited_for(old).await;
+
+    a.reload(three.clone()).await.unwrap();
+    b.reload(three).await.unwrap();
+    moves_done(&b).await;
+    let theirs = b.lock_in_transaction(&key, Duration::ZERO).await.unwrap();
+    assert_ne!(theirs.shard(), old.name());
+
+    // a's lock statement, sent under the old topology, now locks the row on the old shard.
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let taken_again = common::eventually(Duration::from_secs(30), || async {
+        a.stats().stale_grants == 1
+    });
+    tokio::select! {
+        got = &mut locking => panic!(
+            "a was handed the lock while b holds it on {}: {:?}",
+            theirs.shard(),
+            got.unwrap().map(|g| g.shard().to_owned())
+        ),
+        taken_again = taken_again => assert!(taken_again, "{:?}", a.stats()),
+    }
+    theirs.commit().await.unwrap();
+    let ours = locking.await.unwrap().unwrap();
+    assert_eq!(ours.shard(), a.shard_for(&key).unwrap());
+    ours.commit().await.unwrap();
+}
+
+/// A transaction lock held when a reload moves its key commits only once its row is locked
+/// where the key lives now: the processes that reloaded lock it only there once their move is
+/// over. Held up there by another transaction past half the move window, the lock is lost,
+/// and its commit rolls back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_commits_only_once_it_followed_its_key() {
+    let (cluster, three, four) = cluster().await;
+    // Long enough that the commit below is asked for well before the follow gives up.
+    let window = |c: Config| {
+        let mut c = c;
+        c.routing.move_window = Some(Duration::from_secs(6));
+        c
+    };
+    let (three, four) = (window(three), window(four));
+    let key = moving_key(&three, &four, "tx:").await;
+    let a = LockRouter::new(four).await.unwrap();
+    let held = a
+        .lock_in_transaction(&key, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let new = shard_of(
+        &cluster,
+        &LockRouter::new(three.clone()).await.unwrap(),
+        &key,
+    );
+    let mut blocker = row_locked(new, "shardlock_txlock", &key).await;
+
+    a.reload(three).await.unwrap();
+    let committed = held.commit().await;
+    assert!(
+        matches!(committed, Err(Error::LockLost { .. })),
+        "committed before its row was locked where its key lives now: {committed:?}"
+    );
+    assert_eq!(a.stats().stale_grants, 0);
+    blocker.query_drop("ROLLBACK").await.unwrap();
+}
+
+/// A CAS lock taken on the key's old shard under the topology before a reload, but only after
+/// the fleet ended the key's move and carried its owned rows over (the take held up behind
+/// another transaction's lock on the row), is given back: another process owns the key where
+/// it lives now.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_lock_taken_on_the_old_shard_after_the_move_ended_is_given_back() {
+    let (cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "cas:").await;
+    let a = LockRouter::new(four.clone()).await.unwrap();
+    let b = LockRouter::new(four).await.unwrap();
+    let old = shard_of(&cluster, &a, &key);
+    let mine = a.cas_acquire(&key, "a").await.unwrap().expect("free");
+    assert!(a.cas_release(mine).await.unwrap());
+    let mut blocker = row_locked(old, "shardlock_cas", &key).await;
+    let taking = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move { a.cas_acquire(&key, "a").await }
+    });
+    common::until_a_row_lock_is_waited_for(old).await;
+
+    a.reload(three.clone()).await.unwrap();
+    b.reload(three).await.unwrap();
+    moves_done(&b).await;
+    let theirs = b.cas_acquire(&key, "b").await.unwrap().expect("free");
+
+    // a's take, sent under the old topology, now runs on the old shard.
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let got = taking.await.unwrap().unwrap();
+    assert!(got.is_none(), "a took the key b owns: {got:?}");
+    assert_eq!(a.stats().stale_grants, 1);
+    assert!(b.cas_release(theirs).await.unwrap());
 }

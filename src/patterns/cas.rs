@@ -1,5 +1,6 @@
 //! Version compare-and-set locks on rows of `shardlock_cas`.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use shardlock_core::{LockKey, Result};
@@ -17,6 +18,17 @@ pub struct CasGuard {
     pub owner: String,
     /// The row's version after the acquire (it rises with every acquire and release).
     pub version: u64,
+}
+
+/// What one try of [`LockRouter::cas_acquire`] under one topology came to.
+enum CasTry {
+    /// Taken: the row's version now.
+    Taken(u64),
+    /// Someone else owns the key.
+    Owned,
+    /// A reload replaced the topology while the key was being taken: what was taken was
+    /// given back; take it again.
+    Replaced,
 }
 
 impl LockRouter {
@@ -37,13 +49,30 @@ impl LockRouter {
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
         let lapses = self.joined(&lock_key)?;
+        loop {
+            match self.cas_take(&lock_key, owner, lapses).await? {
+                CasTry::Taken(version) => {
+                    return Ok(Some(CasGuard {
+                        key: key.to_owned(),
+                        owner: owner.to_owned(),
+                        version,
+                    }))
+                }
+                CasTry::Owned => return Ok(None),
+                CasTry::Replaced => {}
+            }
+        }
+    }
+
+    /// [`LockRouter::cas_acquire`] under the topology in force.
+    async fn cas_take(&self, lock_key: &LockKey, owner: &str, lapses: u64) -> Result<CasTry> {
         let topology = self.inner.topology.load_full();
-        let shard = topology.locate(&lock_key).clone();
+        let shard = topology.locate(lock_key).clone();
         let mut taken: Vec<Arc<ShardState>> = Vec::new();
         let mut version = Ok(None);
         let token = self.inner.shared.next_owner().1;
         for at in topology
-            .previous_locations(&lock_key)
+            .previous_locations(lock_key)
             .into_iter()
             .chain([shard])
         {
@@ -55,25 +84,36 @@ impl LockRouter {
             }
             taken.push(at);
         }
-        let version = match version.and_then(|v| self.still_joined(&lock_key, lapses).map(|()| v)) {
-            Ok(Some(version)) => version,
+        // Taken under a placement a reload has replaced since: a row may have been taken only
+        // after the fleet ended the key's move and carried its owned rows over (held up behind
+        // a row lock, a slow shard, a pause), where nobody looks for it any more.
+        let replaced = self.inner.topology.load().epoch != topology.epoch;
+        let version = match version.and_then(|v| self.still_joined(lock_key, lapses).map(|()| v)) {
+            Ok(Some(version)) if !replaced => Ok(version),
             // Someone owns it somewhere, or a shard failed, or the heartbeat lapsed meanwhile:
             // give back what was taken (a row that cannot be given back now stays owned until
-            // its owner releases it).
-            failed => {
+            // its owner releases it). Taken again under the new placement after a reload.
+            failed => Err(failed),
+        };
+        match version {
+            Ok(version) => Ok(CasTry::Taken(version)),
+            Err(failed) => {
                 for at in taken {
                     let _ = at
                         .run(|b| b.release_cas(lock_key.stored(), owner, None))
                         .await;
                 }
-                return failed.map(|_| None);
+                if replaced && failed.is_ok() {
+                    self.inner
+                        .shared
+                        .stats
+                        .stale_grants
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Ok(CasTry::Replaced);
+                }
+                failed.map(|_| CasTry::Owned)
             }
-        };
-        Ok(Some(CasGuard {
-            key: key.to_owned(),
-            owner: owner.to_owned(),
-            version,
-        }))
+        }
     }
 
     /// Releases a CAS lock: only if the row still has the guard's owner and version. `false`

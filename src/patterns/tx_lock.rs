@@ -26,9 +26,10 @@ use crate::LockRouter;
 /// off. If this process dies, the server rolls back when it notices the connection is gone.
 ///
 /// Across a reload that moves the key, the lock follows it: the row is also locked on the
-/// key's new shard (in a transaction of its own) within half the move window. If that fails,
-/// the lock is lost: [`TxLockGuard::is_held`] turns false, [`TxLockGuard::lost`] completes
-/// and [`TxLockGuard::commit`] rolls back and answers [`Error::LockLost`].
+/// key's new shard (in a transaction of its own) within half the move window, and
+/// [`TxLockGuard::commit`] waits for that. If it fails, the lock is lost:
+/// [`TxLockGuard::is_held`] turns false, [`TxLockGuard::lost`] completes and
+/// [`TxLockGuard::commit`] rolls back and answers [`Error::LockLost`].
 #[must_use = "dropping the guard rolls the transaction back and releases the lock at once"]
 pub struct TxLockGuard {
     /// `None` once committed or rolled back.
@@ -36,6 +37,8 @@ pub struct TxLockGuard {
     key: String,
     shard: String,
     state: Arc<TxLockState>,
+    /// The router, for a follow that `commit` must wait for.
+    router: Weak<Inner>,
 }
 
 /// What a reload needs to make a transaction lock follow its key: where the row is locked and
@@ -110,7 +113,7 @@ impl TxLockGuard {
     }
 
     /// False once the lock is lost: its key moved in a reload and could not be locked on its
-    /// new shard in time.
+    /// new shard in time (true while it is being locked there).
     pub fn is_held(&self) -> bool {
         !*self.state.lost.borrow()
     }
@@ -136,6 +139,10 @@ impl TxLockGuard {
     /// your rows to learn which. So does an [`Error::Unavailable`] whose source says
     /// `maybe_applied`: the `COMMIT` was sent and its answer lost.
     pub async fn commit(mut self) -> Result<()> {
+        // A reload may have moved the key: nothing commits under the lock before it is held
+        // where the key lives now. The processes that reloaded lock it only there once their
+        // move is over, and transaction locks leave no row for that end to find.
+        follow_now(self.router.clone(), self.state.clone()).await;
         if !self.is_held() {
             self.end(false).await?;
             return Err(Error::LockLost {
@@ -213,6 +220,31 @@ impl LockRouter {
         let lock_key = LockKey::new(key)?;
         let lapses = self.joined(&lock_key)?;
         let deadline = crate::state::instant_after(wait);
+        loop {
+            let left = match wait.is_zero() {
+                true => Duration::ZERO,
+                false => deadline.saturating_duration_since(tokio::time::Instant::now()),
+            };
+            if let Some(guard) = self
+                .lock_under_topology(key, &lock_key, left, deadline, lapses)
+                .await?
+            {
+                return Ok(guard);
+            }
+        }
+    }
+
+    /// [`LockRouter::lock_in_transaction`] under the topology in force; `None` when a reload
+    /// replaced it while the rows were being locked (they are rolled back: lock again).
+    async fn lock_under_topology(
+        &self,
+        key: &str,
+        lock_key: &LockKey,
+        wait: Duration,
+        deadline: tokio::time::Instant,
+        lapses: u64,
+    ) -> Result<Option<TxLockGuard>> {
+        let lock_key = lock_key.clone();
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
         let previous = topology.previous_locations(&lock_key);
@@ -252,6 +284,19 @@ impl LockRouter {
         }
         // Dropped on a lapse: their connections close, which rolls the rows back.
         self.still_joined(&lock_key, lapses)?;
+        // Locked under a placement a reload has replaced since: a row may have been locked
+        // only after the fleet ended the key's move (held up behind another transaction, a
+        // slow shard, a pause), when the others lock the key where it lives now alone.
+        // Rolled back as the connections close; locked again under the new placement. (A
+        // reload after this check finds the lock registered below and makes it follow.)
+        if self.inner.topology.load().epoch != topology.epoch {
+            self.inner
+                .shared
+                .stats
+                .stale_grants
+                .fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
         let conn = conn
             .and_then(|mut c| c.0.take())
             .expect("the current shard is in the order");
@@ -279,12 +324,13 @@ impl LockRouter {
         if self.inner.shared.epoch() > topology.epoch {
             follow(Arc::downgrade(&self.inner), state.clone());
         }
-        Ok(TxLockGuard {
+        Ok(Some(TxLockGuard {
             conn: Some(conn),
             key: key.to_owned(),
             shard: shard.name().to_owned(),
             state,
-        })
+            router: Arc::downgrade(&self.inner),
+        }))
     }
 }
 
@@ -350,10 +396,16 @@ impl FollowsKey for TxLockState {
     }
 }
 
-/// Locks a transaction lock's row on its key's new shard too, within half the move window of
-/// the reload; or marks the lock lost.
+/// [`follow_now`] in the background.
 fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
-    tokio::spawn(async move {
+    tokio::spawn(follow_now(inner, state));
+}
+
+/// Locks a transaction lock's row on its key's new shard too, within half the move window of
+/// the reload; or marks the lock lost. Nothing to do for a lock placed under the topology in
+/// force.
+async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
+    {
         let _one_at_a_time = state.following.lock().await;
         let Some(topology) = inner.upgrade().map(|i| i.topology.load_full()) else {
             return;
@@ -388,5 +440,5 @@ fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
         state
             .placed_epoch
             .fetch_max(topology.epoch, Ordering::AcqRel);
-    });
+    }
 }
