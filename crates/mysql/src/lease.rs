@@ -211,7 +211,9 @@ const RELEASE: &str = concat!(
 /// Release that hands the lease straight to a waiting owner of this process, in one
 /// statement, unless another process marked the row as wanted since the grant: then it is
 /// released for everyone. The new grant's fence comes back through `LAST_INSERT_ID(expr)` as
-/// in [`ACQUIRE`]; a plain release reports 0.
+/// in [`ACQUIRE`]; a plain release reports 0. Only a live row is handed over: a statement held
+/// up until after the row ended (its holder lost it meanwhile) must not bring it back, on a
+/// shard a reload's move may have left since, where nobody would look for it.
 ///
 /// Parameters: new owner ×2, reserve, new owner, ttl ms, new owner, ttl us, new owner | key,
 /// old owner.
@@ -228,7 +230,7 @@ const HANDOFF: &str = concat!(
     "acquired_at = IF(owner <=> ?, NOW(3), acquired_at), ",
     "holder_trace = NULL, ",
     "wanted_at = NULL ",
-    "WHERE lock_key = ? AND owner = ?"
+    "WHERE lock_key = ? AND owner = ? AND expires_at > NOW(3)"
 );
 
 /// Raises the stored fence of a lease we hold to at least `?`: after a moved key was granted on
@@ -922,6 +924,38 @@ pub(crate) async fn count_held(conn: &mut Conn) -> mysql_async::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A hand-off statement that runs after the releasing holder's row ended (held up behind
+    /// a row lock, a slow shard) hands nothing over: the row stays ended.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_lease_that_ended_on_the_shard_is_not_handed_over() {
+        use shardlock_core::Config;
+
+        let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let shard = crate::Shard::new(&config.shards[0], 0).unwrap();
+        shard.migrate().await.unwrap();
+        let grant = |owner: &str, ttl_ms| GrantRequest {
+            key: b"k".to_vec(),
+            owner: owner.to_owned(),
+            ttl_ms,
+            fence_floor: 0,
+            reserve: 0,
+            trace: None,
+        };
+        let granted = shard.acquire(&grant("a", 1)).await.unwrap();
+        assert!(matches!(granted, Attempt::Granted(_)), "{granted:?}");
+        // Past its 1 ms by the shard's clock.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let handed = shard.handoff("a", &grant("b", 60_000)).await.unwrap();
+        assert_eq!(handed, HandoffOutcome::NotOurs);
+
+        // A live lease is handed over.
+        let granted = shard.acquire(&grant("c", 60_000)).await.unwrap();
+        assert!(matches!(granted, Attempt::Granted(_)), "{granted:?}");
+        let handed = shard.handoff("c", &grant("d", 60_000)).await.unwrap();
+        assert!(matches!(handed, HandoffOutcome::Granted(_)), "{handed:?}");
+    }
 
     #[test]
     fn in_lists_are_padded_to_powers_of_two() {
