@@ -275,9 +275,11 @@ impl Beats {
 /// One heartbeat of this process on every current shard of `topology`, if the registry in
 /// force is `heartbeat`; `missed` counts failures in a row per shard (a warning at the
 /// third). `reached` is called as each shard's heartbeat succeeds: a slow shard does not
-/// hold back the proof that the others were reached.
+/// hold back the proof that the others were reached. `fingerprint` is the topology it
+/// advertises (see `Inner::advertised_fingerprint`).
 pub(crate) async fn beat(
     topology: &Topology,
+    fingerprint: &str,
     shared: &Shared,
     missed: &mut std::collections::HashMap<String, u32>,
     reached: &(dyn Fn() + Sync),
@@ -291,7 +293,7 @@ pub(crate) async fn beat(
         instance: &shared.instance_id,
         host: &host,
         pid: std::process::id(),
-        topology: &topology.fingerprint,
+        topology: fingerprint,
         moving: topology.moves_in_progress() > 0,
         fleet: topology.config.instance.fleet(),
         nonce: shared.nonce(),

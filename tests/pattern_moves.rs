@@ -446,3 +446,73 @@ async fn a_cas_lock_taken_on_the_old_shard_after_the_move_ended_is_given_back() 
     assert_eq!(a.stats().stale_grants, 1);
     assert!(b.cas_release(theirs).await.unwrap());
 }
+
+/// What `router`'s own registry row on s1 advertises: its topology's fingerprint, and whether
+/// a move was in force at its latest heartbeat.
+async fn advertised(router: &LockRouter) -> Option<(String, bool)> {
+    let shards = router.instances().await;
+    let (_, rows) = shards.into_iter().find(|(name, _)| name == "s1")?;
+    let row = rows
+        .ok()?
+        .into_iter()
+        .find(|r| r.instance_id == router.instance_id())?;
+    Some((row.topology?, row.moving))
+}
+
+/// A process that reloads while it holds a transaction lock on a moved key advertises the
+/// topology it reloaded from until the lock holds where the key lives now. The lock leaves no
+/// row for the others' move to wait on: seeing the process as not reloaded, they keep the move
+/// in force, locking the key where it lived too, and do not lock it on its new shard alone
+/// beside it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_advertises_its_old_topology_until_its_transaction_locks_followed() {
+    let (cluster, three, four) = cluster().await;
+    // Long enough that the follow is still waiting at the heartbeat after the reload.
+    let window = |mut c: Config| {
+        c.routing.move_window = Some(Duration::from_secs(6));
+        c
+    };
+    let (three, four) = (window(three), window(four));
+    let key = moving_key(&three, &four, "tx:").await;
+    let a = LockRouter::new(four).await.unwrap();
+    let held = a
+        .lock_in_transaction(&key, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let (before, moving) = advertised(&a).await.expect("registered on s1");
+    assert!(!moving);
+    let new = shard_of(
+        &cluster,
+        &LockRouter::new(three.clone()).await.unwrap(),
+        &key,
+    );
+    let mut blocker = row_locked(new, "shardlock_txlock", &key).await;
+
+    a.reload(three).await.unwrap();
+    // The heartbeat the reload sends at once (the first to say a move is in force).
+    let started = std::time::Instant::now();
+    let during = loop {
+        match advertised(&a).await {
+            Some((fingerprint, true)) => break fingerprint,
+            _ => assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "no heartbeat after the reload"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(held.is_held(), "still following");
+    assert_eq!(
+        during, before,
+        "advertised the new topology before its lock followed"
+    );
+
+    // Once it followed, the new one.
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let followed = common::eventually(Duration::from_secs(30), || async {
+        advertised(&a).await.is_some_and(|(f, _)| f != before)
+    })
+    .await;
+    assert!(followed, "the new topology was never advertised");
+    held.commit().await.unwrap();
+}

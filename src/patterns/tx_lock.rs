@@ -394,6 +394,12 @@ impl FollowsKey for TxLockState {
     fn follow(self: Arc<Self>, inner: Weak<Inner>) {
         follow(inner, self);
     }
+
+    fn follow_pending(&self, epoch: u64) -> bool {
+        self.placed_epoch.load(Ordering::Acquire) < epoch
+            && !*self.lost.borrow()
+            && !self.rows.locked().ended
+    }
 }
 
 /// [`follow_now`] in the background.
@@ -440,5 +446,9 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
         state
             .placed_epoch
             .fetch_max(topology.epoch, Ordering::AcqRel);
+    }
+    // Followed (or lost): the topology it followed to may be advertised now.
+    if let Some(inner) = inner.upgrade() {
+        inner.beat_now.notify_one();
     }
 }
