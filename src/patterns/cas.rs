@@ -68,7 +68,8 @@ impl LockRouter {
     async fn cas_take(&self, lock_key: &LockKey, owner: &str, lapses: u64) -> Result<CasTry> {
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(lock_key).clone();
-        let mut taken: Vec<Arc<ShardState>> = Vec::new();
+        // Each shard's row taken, with its version after the take.
+        let mut taken: Vec<(Arc<ShardState>, u64)> = Vec::new();
         let mut version = Ok(None);
         let token = self.inner.shared.next_owner().1;
         for at in topology
@@ -79,10 +80,10 @@ impl LockRouter {
             version = at
                 .run(|b| b.take_cas(lock_key.stored(), owner, &token))
                 .await;
-            if !matches!(version, Ok(Some(_))) {
-                break;
+            match version {
+                Ok(Some(taken_at)) => taken.push((at, taken_at)),
+                _ => break,
             }
-            taken.push(at);
         }
         // Taken under a placement a reload has replaced since: a row may have been taken only
         // after the fleet ended the key's move and carried its owned rows over (held up behind
@@ -91,19 +92,28 @@ impl LockRouter {
         let version = match version.and_then(|v| self.still_joined(lock_key, lapses).map(|()| v)) {
             Ok(Some(version)) if !replaced => Ok(version),
             // Someone owns it somewhere, or a shard failed, or the heartbeat lapsed meanwhile:
-            // give back what was taken (a row that cannot be given back now stays owned until
-            // its owner releases it). Taken again under the new placement after a reload.
+            // give back what was taken, by version: a give-back applied late never frees a
+            // later take under the same owner name (a row that cannot be given back now stays
+            // owned until its owner releases it). Taken again under the new placement after a
+            // reload.
             failed => Err(failed),
         };
         match version {
             Ok(version) => Ok(CasTry::Taken(version)),
             Err(failed) => {
-                for at in taken {
-                    let _ = at
-                        .run(|b| b.release_cas(lock_key.stored(), owner, None))
+                let mut given_back = Ok(false);
+                for (at, version) in taken {
+                    let freed = at
+                        .run(|b| b.release_cas(lock_key.stored(), owner, Some(version)))
                         .await;
+                    if freed.is_err() {
+                        given_back = freed;
+                    }
                 }
                 if replaced && failed.is_ok() {
+                    // A row left owned would read as someone else's under the new placement:
+                    // that failure is the answer, not a take that cannot succeed.
+                    given_back?;
                     self.inner
                         .shared
                         .stats
