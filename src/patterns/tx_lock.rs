@@ -221,12 +221,16 @@ impl LockRouter {
         let lapses = self.joined(&lock_key)?;
         let deadline = crate::state::instant_after(wait);
         loop {
-            let left = match wait.is_zero() {
-                true => Duration::ZERO,
-                false => deadline.saturating_duration_since(tokio::time::Instant::now()),
+            // A try without waiting (`NOWAIT`) gets its own bound on every pass.
+            let (left, until) = match wait.is_zero() {
+                true => (Duration::ZERO, crate::state::instant_after(Duration::ZERO)),
+                false => (
+                    deadline.saturating_duration_since(tokio::time::Instant::now()),
+                    deadline,
+                ),
             };
             if let Some(guard) = self
-                .lock_under_topology(key, &lock_key, left, deadline, lapses)
+                .lock_under_topology(key, &lock_key, left, until, lapses)
                 .await?
             {
                 return Ok(guard);
