@@ -452,13 +452,17 @@ impl LockRouter {
                     // it here and may hold the key where it lives now. Given back with the
                     // rest as `companions` drops; polled again under the new placement.
                     // (A reload after this check finds the lease and makes it follow.)
-                    if self.inner.topology.load().epoch != topology.epoch {
+                    let now = self.inner.topology.load();
+                    if now.epoch != topology.epoch && !places_alike(&topology, &now, key) {
                         companions.grants.push((shard, grant));
                         self.inner
                             .shared
                             .stats
                             .stale_grants
                             .fetch_add(1, Ordering::Relaxed);
+                        if Instant::now() >= deadline {
+                            return Ok(None);
+                        }
                         continue;
                     }
                     let taken = Taken {
@@ -633,6 +637,17 @@ impl LockRouter {
         shard.insert(lease.clone());
         LockGuard::new(Hold::new(lease, shard.clone(), fence))
     }
+}
+
+/// Whether `now` places `key` where `then` did: on the same shard, with no earlier location
+/// that `then` did not take it on too.
+fn places_alike(then: &Topology, now: &Topology, key: &LockKey) -> bool {
+    let taken = then.previous_locations(key);
+    now.locate(key).same_database(then.locate(key))
+        && now
+            .previous_locations(key)
+            .iter()
+            .all(|p| taken.iter().any(|t| t.same_database(p)))
 }
 
 /// How far an acquire got, for its span and metrics.
