@@ -32,7 +32,7 @@ impl Moment {
     }
 
     /// The runtime instant at which this moment comes if the host is not suspended meanwhile
-    /// (now, for a moment already past).
+    /// (one already past, for a moment already past).
     pub(crate) fn timer(self) -> Instant {
         self.0.checked_sub(slept()).unwrap_or_else(Instant::now)
     }
@@ -84,8 +84,13 @@ fn slept() -> Duration {
     #[cfg(feature = "fault-injection")]
     let read = read + Duration::from_nanos(PRETENDED_NS.load(Ordering::Acquire));
     let ns = u64::try_from(read.as_nanos()).unwrap_or(u64::MAX);
-    let most = SLEPT_NS.fetch_max(ns, Ordering::AcqRel).max(ns);
-    Duration::from_nanos(most)
+    // Written only when it grows (a suspend, or a reading's jitter): read by every core on
+    // every lease check, so the cache line stays shared.
+    let most = SLEPT_NS.load(Ordering::Acquire);
+    if ns <= most {
+        return Duration::from_nanos(most);
+    }
+    Duration::from_nanos(SLEPT_NS.fetch_max(ns, Ordering::AcqRel).max(ns))
 }
 
 /// Counts `d` as spent suspended, as if the host had slept that long just now (tests only).

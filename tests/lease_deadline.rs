@@ -51,7 +51,8 @@ async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
 /// guard says the lease is no longer held, `lost()` completes without waiting for a renewal to
 /// fail, and the router, whose heartbeat may have counted as dead meanwhile, grants again only
 /// once it has joined its fleet anew. (The suspend is pretended: the lease clock moves on by a
-/// minute while the runtime's clock and the shard's do not.)
+/// minute while the runtime's clock and the shard's do not; it is process-wide, and the test
+/// runner, nextest, runs each test in a process of its own.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_suspend_of_the_host_ends_its_leases_by_the_time_it_wakes() {
     let (cluster, holder, _) = common::start(1, "").await;
