@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::patterns::StateMachine;
+use shardlock::patterns::{StateMachine, TxLockGuard};
 use shardlock::{Config, Error, LockRouter};
 use shardlock_testkit::{Cluster, Shard};
 
@@ -377,16 +377,13 @@ async fn a_transaction_lock_taken_on_the_old_shard_after_the_move_ended_is_taken
     ours.commit().await.unwrap();
 }
 
-/// A transaction lock held when a reload moves its key commits only once its row is locked
-/// where the key lives now: the processes that reloaded lock it only there once their move is
-/// over. Held up there by another transaction past half the move window, the lock is lost,
-/// and its commit rolls back.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_transaction_lock_commits_only_once_it_followed_its_key() {
+/// A router over the four shards with a 6 s move window (long enough that a follow still
+/// waits while a test looks), holding a transaction lock on a key the three-shard config
+/// (returned) moves.
+async fn a_transaction_lock_on_a_moving_key() -> (Cluster, Config, String, LockRouter, TxLockGuard)
+{
     let (cluster, three, four) = cluster().await;
-    // Long enough that the commit below is asked for well before the follow gives up.
-    let window = |c: Config| {
-        let mut c = c;
+    let window = |mut c: Config| {
         c.routing.move_window = Some(Duration::from_secs(6));
         c
     };
@@ -397,6 +394,16 @@ async fn a_transaction_lock_commits_only_once_it_followed_its_key() {
         .lock_in_transaction(&key, Duration::from_secs(5))
         .await
         .unwrap();
+    (cluster, three, key, a, held)
+}
+
+/// A transaction lock held when a reload moves its key commits only once its row is locked
+/// where the key lives now: the processes that reloaded lock it only there once their move is
+/// over. Held up there by another transaction past half the move window, the lock is lost,
+/// and its commit rolls back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_commits_only_once_it_followed_its_key() {
+    let (cluster, three, key, a, held) = a_transaction_lock_on_a_moving_key().await;
     let new = shard_of(
         &cluster,
         &LockRouter::new(three.clone()).await.unwrap(),
@@ -466,19 +473,7 @@ async fn advertised(router: &LockRouter) -> Option<(String, bool)> {
 /// beside it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_process_advertises_its_old_topology_until_its_transaction_locks_followed() {
-    let (cluster, three, four) = cluster().await;
-    // Long enough that the follow is still waiting at the heartbeat after the reload.
-    let window = |mut c: Config| {
-        c.routing.move_window = Some(Duration::from_secs(6));
-        c
-    };
-    let (three, four) = (window(three), window(four));
-    let key = moving_key(&three, &four, "tx:").await;
-    let a = LockRouter::new(four).await.unwrap();
-    let held = a
-        .lock_in_transaction(&key, Duration::from_secs(5))
-        .await
-        .unwrap();
+    let (cluster, three, key, a, held) = a_transaction_lock_on_a_moving_key().await;
     let (before, moving) = advertised(&a).await.expect("registered on s1");
     assert!(!moving);
     let new = shard_of(
