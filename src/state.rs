@@ -290,7 +290,7 @@ impl Inner {
         let sent = Moment::now();
         let reached = || self.gate.beaten(sent, lapse);
         let fingerprint = self.advertised_fingerprint(&topology);
-        let beats = registry::beat(&topology, fingerprint, &self.shared, missed, &reached).await;
+        let beats = registry::beat(&topology, &fingerprint, &self.shared, missed, &reached).await;
         if beats.unreached.is_empty() && beats.taken_by.is_none() {
             self.gate.beaten_everywhere(lapse);
         }
@@ -467,29 +467,25 @@ pub(crate) trait FollowsKey: Send + Sync + std::fmt::Debug {
     /// Starts following its key to where `topology` places it (in the background).
     fn follow(self: Arc<Self>, router: Weak<Inner>);
 
-    /// Whether it still holds and has not yet followed its key to where the topology of
-    /// `epoch` places it.
-    fn follow_pending(&self, epoch: u64) -> bool;
+    /// If it still holds and has not yet followed its key to where the topology of `epoch`
+    /// places it: the epoch and fingerprint of the topology it holds under.
+    fn pending_since(&self, epoch: u64) -> Option<(u64, String)>;
 }
 
 impl Inner {
-    /// The topology this process advertises in the registry: the one before the last reload
-    /// while a transaction lock placed under it has not followed its key yet. Such a lock
-    /// leaves no row for the others' move to wait on: they must keep the move in force (lock
-    /// the key where it lived too) until it holds where the key lives now, as for a process
-    /// that has not reloaded.
-    fn advertised_fingerprint<'t>(&self, topology: &'t Topology) -> &'t str {
-        let following = || {
-            self.tx_locks
-                .locked()
-                .iter()
-                .filter_map(Weak::upgrade)
-                .any(|lock| lock.follow_pending(topology.epoch))
-        };
-        match topology.previous.last() {
-            Some(previous) if following() => &previous.fingerprint,
-            _ => &topology.fingerprint,
-        }
+    /// The topology this process advertises in the registry: while a transaction lock has
+    /// not followed its key yet, the oldest one such a lock holds under. Such a lock leaves no
+    /// row for the others' move to wait on: they must keep the move away from that topology
+    /// in force (lock the key where it lived too) until the lock holds where the key lives
+    /// now, as for a process that has not reloaded.
+    fn advertised_fingerprint(&self, topology: &Topology) -> String {
+        self.tx_locks
+            .locked()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter_map(|lock| lock.pending_since(topology.epoch))
+            .min_by_key(|(epoch, _)| *epoch)
+            .map_or_else(|| topology.fingerprint.clone(), |(_, placed)| placed)
     }
 
     /// Every transaction lock placed under an older epoch than `topology`'s follows its key.

@@ -454,15 +454,19 @@ async fn a_cas_lock_taken_on_the_old_shard_after_the_move_ended_is_given_back() 
     assert!(b.cas_release(theirs).await.unwrap());
 }
 
+/// `router`'s own registry row on s1.
+async fn own_row(router: &LockRouter) -> Option<shardlock::InstanceRow> {
+    let shards = router.instances().await;
+    let (_, rows) = shards.into_iter().find(|(name, _)| name == "s1")?;
+    rows.ok()?
+        .into_iter()
+        .find(|r| r.instance_id == router.instance_id())
+}
+
 /// What `router`'s own registry row on s1 advertises: its topology's fingerprint, and whether
 /// a move was in force at its latest heartbeat.
 async fn advertised(router: &LockRouter) -> Option<(String, bool)> {
-    let shards = router.instances().await;
-    let (_, rows) = shards.into_iter().find(|(name, _)| name == "s1")?;
-    let row = rows
-        .ok()?
-        .into_iter()
-        .find(|r| r.instance_id == router.instance_id())?;
+    let row = own_row(router).await?;
     Some((row.topology?, row.moving))
 }
 
@@ -483,7 +487,7 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
     );
     let mut blocker = row_locked(new, "shardlock_txlock", &key).await;
 
-    a.reload(three).await.unwrap();
+    a.reload(three.clone()).await.unwrap();
     // The heartbeat the reload sends at once (the first to say a move is in force).
     let started = std::time::Instant::now();
     let during = loop {
@@ -500,6 +504,31 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
     assert_eq!(
         during, before,
         "advertised the new topology before its lock followed"
+    );
+
+    // Reloaded again meanwhile: still the topology the lock holds under, not the one between.
+    let mut two = three.clone();
+    two.shards.truncate(2);
+    let reloaded = std::time::Instant::now();
+    a.reload(two).await.unwrap();
+    let after_the_second = loop {
+        // A heartbeat the shard saw after the second reload began.
+        if let Some(row) = own_row(&a).await {
+            let since = i64::try_from(reloaded.elapsed().as_millis()).unwrap();
+            if row.heartbeat_ms_ago + 5 < since {
+                break row.topology.unwrap();
+            }
+        }
+        assert!(
+            reloaded.elapsed() < Duration::from_secs(30),
+            "no heartbeat after the reload"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(held.is_held(), "still following");
+    assert_eq!(
+        after_the_second, before,
+        "advertised the topology in between"
     );
 
     // Once it followed, the new one.

@@ -50,6 +50,9 @@ pub(crate) struct TxLockState {
     label: String,
     /// The topology epoch up to which the lock is known to hold where the key lives.
     placed_epoch: AtomicU64,
+    /// The fingerprint of the topology of `placed_epoch`: advertised while the lock has not
+    /// followed its key under a later one (see `Inner::advertised_fingerprint`).
+    placed_in: std::sync::Mutex<String>,
     rows: std::sync::Mutex<TxRows>,
     lost: watch::Sender<bool>,
     /// One follower at a time.
@@ -310,6 +313,7 @@ impl LockRouter {
             label: shard.shared.telemetry.key_label(&lock_key),
             key: lock_key,
             placed_epoch: AtomicU64::new(topology.epoch),
+            placed_in: std::sync::Mutex::new(topology.fingerprint.clone()),
             rows: std::sync::Mutex::new(TxRows {
                 shards,
                 others,
@@ -399,10 +403,10 @@ impl FollowsKey for TxLockState {
         follow(inner, self);
     }
 
-    fn follow_pending(&self, epoch: u64) -> bool {
-        self.placed_epoch.load(Ordering::Acquire) < epoch
-            && !*self.lost.borrow()
-            && !self.rows.locked().ended
+    fn pending_since(&self, epoch: u64) -> Option<(u64, String)> {
+        let placed = self.placed_epoch.load(Ordering::Acquire);
+        let pending = placed < epoch && !*self.lost.borrow() && !self.rows.locked().ended;
+        pending.then(|| (placed, self.placed_in.locked().clone()))
     }
 }
 
@@ -411,9 +415,9 @@ fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
     tokio::spawn(follow_now(inner, state));
 }
 
-/// Locks a transaction lock's row on its key's new shard too, within half the move window of
-/// the reload; or marks the lock lost. Nothing to do for a lock placed under the topology in
-/// force.
+/// Locks a transaction lock's row where its key lives now too (and where it lived before, for
+/// earlier placements still in force), within half the move window of the reload; or marks the
+/// lock lost. Nothing to do for a lock placed under the topology in force.
 async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
     {
         let _one_at_a_time = state.following.lock().await;
@@ -423,13 +427,21 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
         if state.placed_epoch.load(Ordering::Acquire) >= topology.epoch {
             return;
         }
-        let target = topology.locate(&state.key).clone();
-        let there = {
-            let rows = state.rows.locked();
-            rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
-        };
-        if !there {
-            let deadline = topology.reloaded_at + topology.config.move_window() / 2;
+        // Where the key lives now, and every earlier location still in force (after two
+        // reloads in a row, the middle placement's processes still lock it there), in the
+        // same order as `lock_under_topology`; those already locked are kept.
+        let mut targets: Vec<Arc<ShardState>> = topology.previous_locations(&state.key);
+        targets.push(topology.locate(&state.key).clone());
+        targets.sort_by(|a, b| a.name().cmp(b.name()));
+        let deadline = topology.reloaded_at + topology.config.move_window() / 2;
+        for target in targets {
+            let there = {
+                let rows = state.rows.locked();
+                rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
+            };
+            if there {
+                continue;
+            }
             let wait = deadline.saturating_duration_since(Moment::now());
             match lock_row(&target, &state.key, wait, deadline.timer()).await {
                 Ok(conn) => {
@@ -444,12 +456,16 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
                     state.mark_lost(
                         "its key moved in a reload and its row could not be locked on the new shard in time",
                     );
+                    break;
                 }
             }
         }
-        state
+        let before = state
             .placed_epoch
             .fetch_max(topology.epoch, Ordering::AcqRel);
+        if before < topology.epoch {
+            *state.placed_in.locked() = topology.fingerprint.clone();
+        }
     }
     // Followed (or lost): the topology it followed to may be advertised now.
     if let Some(inner) = inner.upgrade() {
