@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use shardlock_core::config::{check_ttl, FailurePolicy, NamespaceConfig, DEFAULT_NAMESPACE};
 use shardlock_core::{Backoff, BreakerState, Error, LockKey, Result};
+use shardlock_mysql::ReleaseAnswer;
 use tokio::time::Instant;
 
 use crate::clock::Moment;
@@ -351,6 +352,9 @@ impl LockRouter {
         progress: &mut Progress,
     ) -> Result<Option<LockGuard>> {
         let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
+        // Set once a grant was given back after a reload: the acquire polls once more under
+        // the new placement, even past its wait.
+        let mut polled_after_a_reload = false;
         loop {
             if self.inner.shared.is_closed() {
                 return Err(Error::Shutdown);
@@ -454,15 +458,25 @@ impl LockRouter {
                     // (A reload after this check finds the lease and makes it follow.)
                     let now = self.inner.topology.load();
                     if now.epoch != topology.epoch && !places_alike(&topology, &now, key) {
-                        companions.grants.push((shard, grant));
                         self.inner
                             .shared
                             .stats
                             .stale_grants
                             .fetch_add(1, Ordering::Relaxed);
-                        if Instant::now() >= deadline {
+                        // Given back before the next poll, which would find its own row
+                        // taken (a try without waiting polls once more): if that fails, or
+                        // the caller goes away meanwhile, as `companions` drops.
+                        let owner = grant.owner.clone();
+                        companions.grants.push((shard.clone(), grant));
+                        if let Ok(ReleaseAnswer::Released) =
+                            shard.release(key.stored(), &owner).await
+                        {
+                            companions.grants.pop();
+                        }
+                        if Instant::now() >= deadline && polled_after_a_reload {
                             return Ok(None);
                         }
+                        polled_after_a_reload = true;
                         continue;
                     }
                     let taken = Taken {
