@@ -110,18 +110,19 @@ impl LockRouter {
                         given_back = freed;
                     }
                 }
-                if replaced && failed.is_ok() {
-                    // A row left owned would read as someone else's under the new placement:
-                    // that failure is the answer, not a take that cannot succeed.
-                    given_back?;
-                    self.inner
-                        .shared
-                        .stats
-                        .stale_grants
-                        .fetch_add(1, Ordering::Relaxed);
-                    return Ok(CasTry::Replaced);
+                // A shard's failure is the answer. Else a row left owned is: it would stay
+                // owned with no guard to release it, and read as someone else's.
+                failed?;
+                given_back?;
+                if !replaced {
+                    return Ok(CasTry::Owned);
                 }
-                failed.map(|_| CasTry::Owned)
+                self.inner
+                    .shared
+                    .stats
+                    .stale_grants
+                    .fetch_add(1, Ordering::Relaxed);
+                Ok(CasTry::Replaced)
             }
         }
     }
