@@ -510,6 +510,9 @@ async fn handoff_through_shard(
         }
         Ok(HandoffOutcome::NotOurs) => {
             next.turn(turn, false);
+            // The row may have ended under our owner (the statement came after its end):
+            // released like any other, which does nothing to another owner's row.
+            shard.release_later(lease.key.stored().to_vec(), lease.owner.clone(), lease.ttl);
             Err(lost(&shard, &lease))
         }
         Err(e) => {
@@ -608,7 +611,7 @@ pub(crate) fn retry_if_failed(
 }
 
 fn lost(shard: &ShardState, lease: &LeaseState) -> Error {
-    lease.mark_lost("already taken over when released", &shard.shared);
+    lease.mark_lost("ended or taken over before it was released", &shard.shared);
     Error::LockLost {
         key_label: shard.shared.telemetry.key_label(&lease.key),
     }
