@@ -404,9 +404,13 @@ impl FollowsKey for TxLockState {
     }
 
     fn pending_since(&self, epoch: u64) -> Option<(u64, String)> {
+        // The fingerprint first: `follow_now` writes the epoch first, so a follow between the
+        // two reads pairs a newer epoch with the older fingerprint (advertising an older
+        // placement is safe), never the reverse.
+        let placed_in = self.placed_in.locked().clone();
         let placed = self.placed_epoch.load(Ordering::Acquire);
         let pending = placed < epoch && !*self.lost.borrow() && !self.rows.locked().ended;
-        pending.then(|| (placed, self.placed_in.locked().clone()))
+        pending.then_some((placed, placed_in))
     }
 }
 
@@ -456,6 +460,10 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
                     state.mark_lost(
                         "its key moved in a reload and its row could not be locked on the new shard in time",
                     );
+                    // Lost: the rows it took elsewhere are rolled back now, not when its guard
+                    // ends (they would keep the key's new location from the others).
+                    let others = std::mem::take(&mut state.rows.locked().others);
+                    drop(others);
                     break;
                 }
             }
