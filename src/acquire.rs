@@ -463,15 +463,22 @@ impl LockRouter {
                             .stats
                             .stale_grants
                             .fetch_add(1, Ordering::Relaxed);
-                        // Given back before the next poll, which would find its own row
-                        // taken (a try without waiting polls once more): if that fails, or
-                        // the caller goes away meanwhile, as `companions` drops.
-                        let owner = grant.owner.clone();
-                        companions.grants.push((shard.clone(), grant));
-                        if let Ok(ReleaseAnswer::Released) =
-                            shard.release(key.stored(), &owner).await
-                        {
-                            companions.grants.pop();
+                        // Given back before the next poll, which would find its own rows
+                        // taken (a try without waiting polls once more): what could not be,
+                        // or was not yet when the caller went away, as `companions` drops.
+                        companions.grants.push((shard, grant));
+                        let mut i = companions.grants.len();
+                        while i > 0 {
+                            i -= 1;
+                            let (at, owner) = {
+                                let (at, grant) = &companions.grants[i];
+                                (at.clone(), grant.owner.clone())
+                            };
+                            if let Ok(ReleaseAnswer::Released) =
+                                at.release(key.stored(), &owner).await
+                            {
+                                companions.grants.remove(i);
+                            }
                         }
                         if Instant::now() >= deadline && polled_after_a_reload {
                             return Ok(None);
