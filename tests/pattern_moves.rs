@@ -470,11 +470,31 @@ async fn advertised(router: &LockRouter) -> Option<(String, bool)> {
     Some((row.topology?, row.moving))
 }
 
+/// The fingerprint `router` advertised in the first of its heartbeats that s1 saw after
+/// `since`.
+async fn advertised_after(router: &LockRouter, since: std::time::Instant) -> String {
+    loop {
+        // Read before the row: a heartbeat younger than this was sent after `since` (5 ms for
+        // the shard's clock's millisecond truncation).
+        let waited = i64::try_from(since.elapsed().as_millis()).unwrap();
+        if let Some(row) = own_row(router).await {
+            if row.heartbeat_ms_ago + 5 < waited {
+                return row.topology.unwrap();
+            }
+        }
+        assert!(
+            since.elapsed() < Duration::from_secs(30),
+            "no heartbeat after the reload"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A process that reloads while it holds a transaction lock on a moved key advertises the
 /// topology it reloaded from until the lock holds where the key lives now. The lock leaves no
 /// row for the others' move to wait on: seeing the process as not reloaded, they keep the move
 /// in force, locking the key where it lived too, and do not lock it on its new shard alone
-/// beside it.
+/// beside it. After a second reload meanwhile, still the topology the lock holds under.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_process_advertises_its_old_topology_until_its_transaction_locks_followed() {
     let (cluster, three, key, a, held) = a_transaction_lock_on_a_moving_key().await;
@@ -487,19 +507,9 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
     );
     let mut blocker = row_locked(new, "shardlock_txlock", &key).await;
 
+    let reloaded = std::time::Instant::now();
     a.reload(three.clone()).await.unwrap();
-    // The heartbeat the reload sends at once (the first to say a move is in force).
-    let started = std::time::Instant::now();
-    let during = loop {
-        match advertised(&a).await {
-            Some((fingerprint, true)) => break fingerprint,
-            _ => assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "no heartbeat after the reload"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let during = advertised_after(&a, reloaded).await;
     assert!(held.is_held(), "still following");
     assert_eq!(
         during, before,
@@ -511,20 +521,7 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
     two.shards.truncate(2);
     let reloaded = std::time::Instant::now();
     a.reload(two).await.unwrap();
-    let after_the_second = loop {
-        // A heartbeat the shard saw after the second reload began.
-        if let Some(row) = own_row(&a).await {
-            let since = i64::try_from(reloaded.elapsed().as_millis()).unwrap();
-            if row.heartbeat_ms_ago + 5 < since {
-                break row.topology.unwrap();
-            }
-        }
-        assert!(
-            reloaded.elapsed() < Duration::from_secs(30),
-            "no heartbeat after the reload"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let after_the_second = advertised_after(&a, reloaded).await;
     assert!(held.is_held(), "still following");
     assert_eq!(
         after_the_second, before,
