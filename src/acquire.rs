@@ -453,9 +453,9 @@ impl LockRouter {
                     // Sent under a placement a reload has replaced since: the statement may
                     // have run only after the fleet ended the key's move (held up behind a
                     // row lock, a slow shard, a pause), when the others no longer look for
-                    // it here and may hold the key where it lives now. Given back with the
-                    // rest as `companions` drops; polled again under the new placement.
-                    // (A reload after this check finds the lease and makes it follow.)
+                    // it here and may hold the key where it lives now. Given back, and
+                    // polled again under the new placement (unless the key stayed where it
+                    // was). A reload after this check finds the lease and makes it follow.
                     let now = self.inner.topology.load();
                     if now.epoch != topology.epoch && !places_alike(&topology, &now, key) {
                         self.inner
