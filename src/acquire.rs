@@ -450,19 +450,7 @@ impl LockRouter {
                     }
                 }
                 if let Tried::Granted(grant) = tried {
-                    // Sent under a placement a reload has replaced since: the statement may
-                    // have run only after the fleet ended the key's move (held up behind a
-                    // row lock, a slow shard, a pause), when the others no longer look for
-                    // it here and may hold the key where it lives now. Given back, and
-                    // polled again under the new placement (unless the key stayed where it
-                    // was). A reload after this check finds the lease and makes it follow.
-                    let now = self.inner.topology.load();
-                    if now.epoch != topology.epoch && !places_alike(&topology, &now, key) {
-                        self.inner
-                            .shared
-                            .stats
-                            .stale_grants
-                            .fetch_add(1, Ordering::Relaxed);
+                    if self.placed_elsewhere_since(&topology, key) {
                         // Given back before the next poll, which would find its own rows
                         // taken (a try without waiting polls once more): what could not be,
                         // or was not yet when the caller went away, as `companions` drops.
@@ -658,17 +646,6 @@ impl LockRouter {
         shard.insert(lease.clone());
         LockGuard::new(Hold::new(lease, shard.clone(), fence))
     }
-}
-
-/// Whether `now` places `key` where `then` did: on the same shard, with no earlier location
-/// that `then` did not take it on too.
-fn places_alike(then: &Topology, now: &Topology, key: &LockKey) -> bool {
-    let taken = then.previous_locations(key);
-    now.locate(key).same_database(then.locate(key))
-        && now
-            .previous_locations(key)
-            .iter()
-            .all(|p| taken.iter().any(|t| t.same_database(p)))
 }
 
 /// How far an acquire got, for its span and metrics.

@@ -208,6 +208,25 @@ impl LockRouter {
         Ok(())
     }
 
+    /// Whether a grant of `key` made under `topology` must be given back and sought again: a
+    /// reload has replaced `topology` since and placed the key elsewhere. Its statement may
+    /// have run only after the fleet ended the key's move (held up behind a row lock, a slow
+    /// shard, a pause), where nobody looks for the key any more while the others may hold it
+    /// where it lives now. Counted in `stats().stale_grants`. (A grant checked before a
+    /// reload is found by it and follows its key.)
+    pub(crate) fn placed_elsewhere_since(&self, topology: &Topology, key: &LockKey) -> bool {
+        let now = self.inner.topology.load();
+        let stale = now.epoch != topology.epoch && !now.places_like(topology, key);
+        if stale {
+            self.inner
+                .shared
+                .stats
+                .stale_grants
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        stale
+    }
+
     /// The error of a grant of `key` refused for `why` by this router itself.
     pub(crate) fn not_granting(&self, key: &LockKey, why: String) -> Error {
         Error::Unavailable {

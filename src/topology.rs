@@ -175,6 +175,17 @@ impl Topology {
         self.current.locate(key)
     }
 
+    /// Whether this topology places `key` where `then` did: on the same shard, with no earlier
+    /// location that `then` did not have too.
+    pub(crate) fn places_like(&self, then: &Topology, key: &LockKey) -> bool {
+        let before = then.previous_locations(key);
+        self.locate(key).same_database(then.locate(key))
+            && self
+                .previous_locations(key)
+                .iter()
+                .all(|p| before.iter().any(|b| b.same_database(p)))
+    }
+
     /// The shards `key` lived on under earlier placements whose move window is still open,
     /// other than its current one, without repeats and in name order (every process takes
     /// them in the same order).

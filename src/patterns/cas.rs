@@ -1,6 +1,5 @@
 //! Version compare-and-set locks on rows of `shardlock_cas`.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use shardlock_core::{LockKey, Result};
@@ -85,10 +84,9 @@ impl LockRouter {
                 _ => break,
             }
         }
-        // Taken under a placement a reload has replaced since: a row may have been taken only
-        // after the fleet ended the key's move and carried its owned rows over (held up behind
-        // a row lock, a slow shard, a pause), where nobody looks for it any more.
-        let replaced = self.inner.topology.load().epoch != topology.epoch;
+        // Taken under a placement a reload replaced (see `placed_elsewhere_since`): a row
+        // taken after the move's end carried the owned rows over is nobody's to carry.
+        let replaced = !taken.is_empty() && self.placed_elsewhere_since(&topology, lock_key);
         let version = match version.and_then(|v| self.still_joined(lock_key, lapses).map(|()| v)) {
             Ok(Some(version)) if !replaced => Ok(version),
             // Someone owns it somewhere, or a shard failed, or the heartbeat lapsed meanwhile:
@@ -114,15 +112,11 @@ impl LockRouter {
                 // owned with no guard to release it, and read as someone else's.
                 failed?;
                 given_back?;
-                if !replaced {
-                    return Ok(CasTry::Owned);
-                }
-                self.inner
-                    .shared
-                    .stats
-                    .stale_grants
-                    .fetch_add(1, Ordering::Relaxed);
-                Ok(CasTry::Replaced)
+                Ok(if replaced {
+                    CasTry::Replaced
+                } else {
+                    CasTry::Owned
+                })
             }
         }
     }

@@ -291,17 +291,9 @@ impl LockRouter {
         }
         // Dropped on a lapse: their connections close, which rolls the rows back.
         self.still_joined(&lock_key, lapses)?;
-        // Locked under a placement a reload has replaced since: a row may have been locked
-        // only after the fleet ended the key's move (held up behind another transaction, a
-        // slow shard, a pause), when the others lock the key where it lives now alone.
-        // Rolled back as the connections close; locked again under the new placement. (A
-        // reload after this check finds the lock registered below and makes it follow.)
-        if self.inner.topology.load().epoch != topology.epoch {
-            self.inner
-                .shared
-                .stats
-                .stale_grants
-                .fetch_add(1, Ordering::Relaxed);
+        // Locked under a placement a reload replaced (see `placed_elsewhere_since`): rolled
+        // back as the connections close, and locked again under the new placement.
+        if self.placed_elsewhere_since(&topology, &lock_key) {
             return Ok(None);
         }
         let conn = conn
