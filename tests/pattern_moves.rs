@@ -537,3 +537,81 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
     assert!(followed, "the new topology was never advertised");
     held.commit().await.unwrap();
 }
+
+/// A transaction lock whose follow fails part way — its row locked on the key's shard after
+/// one reload, then held up on its shard after a second — rolls back the rows the follow took
+/// at once, not when its guard ends: they would keep the key from the processes that lock it
+/// there.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
+    let (cluster, three, four) = cluster().await;
+    let window = |mut c: Config| {
+        c.routing.move_window = Some(Duration::from_secs(6));
+        c
+    };
+    let (three, four) = (window(three), window(four));
+    let mut two = three.clone();
+    two.shards.truncate(2);
+    // A key on a different shard under each of four, three and two shards.
+    let routers = [
+        LockRouter::new(four.clone()).await.unwrap(),
+        LockRouter::new(three.clone()).await.unwrap(),
+        LockRouter::new(two.clone()).await.unwrap(),
+    ];
+    let (key, [_, p1, p2]) = (0..)
+        .map(|i| format!("follow:{i}"))
+        .map(|k| {
+            let placed = routers.each_ref().map(|r| r.shard_for(&k).unwrap());
+            (k, placed)
+        })
+        .find(|(_, [p0, p1, p2])| p0 != p1 && p1 != p2 && p0 != p2)
+        .unwrap();
+    // Gone from the fleet: routers of other topologies would keep `a` from joining.
+    for router in routers {
+        router.shutdown().await.unwrap();
+    }
+    let shard = |name: &str| cluster.shards().iter().find(|s| s.name() == name).unwrap();
+    let a = LockRouter::new(four).await.unwrap();
+    let held = a
+        .lock_in_transaction(&key, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let (before, _) = advertised(&a).await.expect("registered on s1");
+
+    // Reloaded once: it follows its key to p1.
+    a.reload(three).await.unwrap();
+    let followed = common::eventually(Duration::from_secs(30), || async {
+        advertised(&a).await.is_some_and(|(f, _)| f != before)
+    })
+    .await;
+    assert!(followed, "the first follow never ended");
+    assert!(held.is_held());
+
+    // Reloaded again, with the key's row on p2 held by another transaction past the follow's
+    // time: lost.
+    let mut blocker = row_locked(shard(&p2), "shardlock_txlock", &key).await;
+    a.reload(two).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), held.lost())
+        .await
+        .expect("the follow to p2 was held up past its time");
+
+    // The row the first follow took on p1 is free while the guard lives.
+    let mut c = shard(&p1).connect().await.unwrap();
+    c.query_drop("SET SESSION innodb_lock_wait_timeout = 10")
+        .await
+        .unwrap();
+    let mut tx = c.start_transaction(Default::default()).await.unwrap();
+    let locked: Result<Option<u8>, _> = tx
+        .exec_first(
+            "SELECT 1 FROM shardlock_txlock WHERE lock_key = ? FOR UPDATE",
+            (key.as_str(),),
+        )
+        .await;
+    assert!(
+        locked.is_ok(),
+        "the row on {p1} is still locked by a lost lock: {locked:?}"
+    );
+    tx.rollback().await.unwrap();
+    assert!(matches!(held.commit().await, Err(Error::LockLost { .. })));
+    blocker.query_drop("ROLLBACK").await.unwrap();
+}

@@ -880,39 +880,48 @@ async fn a_shard_whose_move_is_over_is_left_alone_once_its_pool_closed() {
     );
 }
 
-/// An acquire's statement sent under the topology before a reload that runs only after the
-/// fleet ended the key's move (held up here behind another transaction's lock on the key's
-/// row; a paused process or a slow shard alike) grants on a shard nobody looks at for the key
-/// any more, while the key may be held where it lives now. That grant is given back, not
-/// handed out, and the acquire waits for the key where it lives now.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_grant_sent_before_a_reload_that_lands_after_the_move_ended_is_given_back() {
-    let cluster = Cluster::start(4).await.unwrap();
-    // Statements may wait on a row lock for long; none of it is a failing shard.
-    let config = |n: usize| {
-        let mut yaml = String::from("shards:\n");
-        for s in &cluster.shards()[..n] {
-            yaml.push_str(&format!(
-                "  - name: {}\n    url: {}\n    statement-timeout: 60s\n",
-                s.name(),
-                s.url()
-            ));
-        }
-        yaml + "routing:\n  move-window: 500ms\nbreaker:\n  slow-call: 60s\n\
-                cleaner:\n  heartbeat-interval: 100ms\n\
-                namespaces:\n  default:\n    ttl: 1s\n    wait: 60s\n"
-    };
-    let a = LockRouter::from_yaml_str(&config(4)).await.unwrap();
+/// The config listing the first `n` shards of the cluster, for statements that may wait on a
+/// row lock for long: none of it is a failing shard.
+fn patient_config(cluster: &Cluster, n: usize) -> String {
+    let mut yaml = String::from("shards:\n");
+    for s in &cluster.shards()[..n] {
+        yaml.push_str(&format!(
+            "  - name: {}\n    url: {}\n    statement-timeout: 60s\n",
+            s.name(),
+            s.url()
+        ));
+    }
+    yaml + "routing:\n  move-window: 500ms\nbreaker:\n  slow-call: 60s\n\
+            cleaner:\n  heartbeat-interval: 100ms\n\
+            namespaces:\n  default:\n    ttl: 1s\n    wait: 60s\n"
+}
+
+/// Two routers over the four shards of `cluster` (tables migrated), a key whose shards under
+/// four and three shards `choose` accepts, and a transaction holding the key's row locked on
+/// its shard under four (the row made by a lease taken and released).
+async fn a_key_whose_row_is_locked(
+    cluster: &Cluster,
+    choose: impl Fn(&str, &str) -> bool,
+) -> (LockRouter, LockRouter, String, shardlock::mysql_async::Conn) {
+    let a = LockRouter::from_yaml_str(&patient_config(cluster, 4))
+        .await
+        .unwrap();
     a.migrate().await.unwrap();
-    let b = LockRouter::from_yaml_str(&config(4)).await.unwrap();
+    let b = LockRouter::from_yaml_str(&patient_config(cluster, 4))
+        .await
+        .unwrap();
+    let three = LockRouter::from_yaml_str(&patient_config(cluster, 3))
+        .await
+        .unwrap();
     let key = (0..)
         .map(|i| format!("k:{i}"))
-        .find(|k| a.shard_for(k).unwrap() == "s4")
+        .find(|k| choose(&a.shard_for(k).unwrap(), &three.shard_for(k).unwrap()))
         .unwrap();
-    // The key's row on s4, released, and locked by another transaction.
+    drop(three);
     let first = a.acquire(&key, AcquireOptions::new()).await.unwrap();
     first.release().await.unwrap();
-    let mut blocker = cluster.shard(3).connect().await.unwrap();
+    let shard = shard_named(cluster, &a.shard_for(&key).unwrap());
+    let mut blocker = shard.connect().await.unwrap();
     blocker.query_drop("START TRANSACTION").await.unwrap();
     blocker
         .exec_drop(
@@ -921,6 +930,23 @@ async fn a_grant_sent_before_a_reload_that_lands_after_the_move_ended_is_given_b
         )
         .await
         .unwrap();
+    (a, b, key, blocker)
+}
+
+fn shard_named<'c>(cluster: &'c Cluster, name: &str) -> &'c shardlock_testkit::Shard {
+    cluster.shards().iter().find(|s| s.name() == name).unwrap()
+}
+
+/// An acquire's statement sent under the topology before a reload that runs only after the
+/// fleet ended the key's move (held up here behind another transaction's lock on the key's
+/// row; a paused process or a slow shard alike) grants on a shard nobody looks at for the key
+/// any more, while the key may be held where it lives now. That grant is given back, not
+/// handed out, and the acquire waits for the key where it lives now.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_sent_before_a_reload_that_lands_after_the_move_ended_is_given_back() {
+    let cluster = Cluster::start(4).await.unwrap();
+    let (a, b, key, mut blocker) =
+        a_key_whose_row_is_locked(&cluster, |four, _| four == "s4").await;
 
     let mut acquiring = tokio::spawn({
         let (a, key) = (a.clone(), key.clone());
@@ -929,7 +955,7 @@ async fn a_grant_sent_before_a_reload_that_lands_after_the_move_ended_is_given_b
     // a's statement waits for the row on s4.
     common::until_a_row_lock_is_waited_for(cluster.shard(3)).await;
 
-    let three = Config::from_yaml_str(&config(3)).unwrap();
+    let three = Config::from_yaml_str(&patient_config(&cluster, 3)).unwrap();
     a.reload(three.clone()).await.unwrap();
     b.reload(three).await.unwrap();
     // Both advertise the new topology and the window passed: b's move is over, and b takes
@@ -968,5 +994,58 @@ async fn a_grant_sent_before_a_reload_that_lands_after_the_move_ended_is_given_b
     let ours = acquiring.await.unwrap().unwrap();
     assert_eq!(ours.shard(), a.shard_for(&key).unwrap());
     assert!(ours.fence() > fence);
+    ours.release().await.unwrap();
+}
+
+/// A try (no wait) whose statement, sent under the placement before a reload, granted only
+/// after it on the shard the key left gives that grant back and tries once more where the key
+/// lives now: a free key is not answered `None` (a `run_exclusive` would skip its run).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_try_whose_grant_went_stale_in_a_reload_tries_again_where_the_key_lives() {
+    let cluster = Cluster::start(4).await.unwrap();
+    let (a, _b, key, mut blocker) =
+        a_key_whose_row_is_locked(&cluster, |four, _| four == "s4").await;
+    let trying = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move { a.try_acquire(&key, AcquireOptions::new()).await }
+    });
+    common::until_a_row_lock_is_waited_for(cluster.shard(3)).await;
+
+    a.reload(Config::from_yaml_str(&patient_config(&cluster, 3)).unwrap())
+        .await
+        .unwrap();
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let ours = trying
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the key is free where it lives now");
+    assert_eq!(ours.shard(), a.shard_for(&key).unwrap());
+    assert_eq!(a.stats().stale_grants, 1);
+    ours.release().await.unwrap();
+}
+
+/// A grant whose statement ran across a reload that left its key where it was (and gave it no
+/// earlier location the grant missed) is kept, not given back and taken again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_across_a_reload_that_left_its_key_in_place_is_kept() {
+    let cluster = Cluster::start(4).await.unwrap();
+    let (a, _b, key, mut blocker) =
+        a_key_whose_row_is_locked(&cluster, |four, three| four == three).await;
+    let home = a.shard_for(&key).unwrap();
+    let acquiring = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move { a.acquire(&key, AcquireOptions::new()).await }
+    });
+    common::until_a_row_lock_is_waited_for(shard_named(&cluster, &home)).await;
+
+    a.reload(Config::from_yaml_str(&patient_config(&cluster, 3)).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(a.shard_for(&key).unwrap(), home);
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let ours = acquiring.await.unwrap().unwrap();
+    assert_eq!(ours.shard(), home);
+    assert_eq!(a.stats().stale_grants, 0, "a grant in place was given back");
     ours.release().await.unwrap();
 }

@@ -166,25 +166,26 @@ macro_rules! worker_entry {
 }
 
 /// Waits until a statement on `shard` waits for a row lock (another transaction holds the
-/// row); panics after 30 s.
+/// row); panics after 30 s, with what the server's sessions were doing. Read from the server's
+/// live counter: `information_schema.INNODB_TRX` is a snapshot that the server renews only
+/// after 100 ms without readers, so polled faster it can show a wait that began later never.
 pub async fn until_a_row_lock_is_waited_for(shard: &Shard) {
-    let mut conn = shard.connect().await.unwrap();
     let started = std::time::Instant::now();
-    loop {
-        let waiting: Option<u64> = conn
-            .query_first(
-                "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'",
-            )
-            .await
-            .unwrap();
-        if waiting > Some(0) {
-            return;
+    while shard.lock_waits_now().await.unwrap() == 0 {
+        if started.elapsed() > Duration::from_secs(30) {
+            let mut conn = shard.connect().await.unwrap();
+            let sessions: Vec<(u64, String, u64, Option<String>, Option<String>)> = conn
+                .query(
+                    "SELECT id, command, time, state, info FROM information_schema.processlist \
+                     WHERE id <> CONNECTION_ID()",
+                )
+                .await
+                .unwrap();
+            panic!(
+                "no statement waited for a row lock on {}: sessions {sessions:?}",
+                shard.name()
+            );
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "no statement waited for a row lock on {}",
-            shard.name()
-        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -544,6 +544,26 @@ impl Shard {
 mod tests {
     use super::*;
 
+    /// A give-back names the version its take wrote: applied late (after the key was
+    /// released and taken again under the same owner name), it frees nothing.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_late_cas_give_back_leaves_a_later_take_under_the_same_owner_alone() {
+        let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+        let config = shardlock_core::Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let shard = Shard::new(&config.shards[0], 0).unwrap();
+        shard.migrate().await.unwrap();
+        let first = shard.take_cas(b"k", "a", "t1").await.unwrap().unwrap();
+        assert!(shard.release_cas(b"k", "a", Some(first)).await.unwrap());
+        let second = shard.take_cas(b"k", "a", "t2").await.unwrap().unwrap();
+        assert!(second > first);
+
+        let late = shard.release_cas(b"k", "a", Some(first)).await.unwrap();
+        assert!(!late, "a give-back of the first take freed the second");
+        let retaken = shard.take_cas(b"k", "b", "t3").await.unwrap();
+        assert_eq!(retaken, None, "the second take is still owned");
+        assert!(shard.release_cas(b"k", "a", Some(second)).await.unwrap());
+    }
+
     #[test]
     fn a_state_table_splices_only_checked_names() {
         let table = StateTable::new("coupon", "code", "state").unwrap();
