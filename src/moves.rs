@@ -327,8 +327,12 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
     }
     let mut carried = 0;
     for source in sources {
-        // Rows the cleaner deleted there had fences below its clock (and its floor): that is
-        // the floor of every shard its keys may have moved to.
+        carried += carry_leases(router, previous, source).await?;
+        // Rows the cleaner deleted there had fences below its clock and its floor (raised to
+        // a row's fence before it is deleted): that is the floor of every shard its keys may
+        // have moved to. Read after the scan: a row deleted while the scan ran was not found
+        // by it, and its fence may have been ahead of the clock when the scan began (fences
+        // reserved for hand-offs).
         let clock = source
             .call_waiting(|b| b.clock_us())
             .await
@@ -341,7 +345,6 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
                     .map_err(on(target))?;
             }
         }
-        carried += carry_leases(router, previous, source).await?;
         carry_cas(router, previous, source).await?;
         let running = carry_jobs(router, source).await?;
         if running > 0 {

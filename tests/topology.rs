@@ -524,6 +524,126 @@ async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
     }
 }
 
+/// The cleaner may delete a row of the shard a key left while the move's carry is still
+/// scanning that shard, once the shard's clock passed the row's fence (here: fences reserved
+/// ahead of the clock for hand-offs). The carry floors the key's new shard (whose clock is a
+/// minute behind) at the old one's clock and floor as they are after its scan, which the
+/// cleaner raised to the deleted fence: the key's next fence is above it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_cleaned_while_the_move_carries_fences_leaves_its_fence_as_the_floor() {
+    let cluster = Cluster::start_with_clocks(4, &[(3, "+60s")]).await.unwrap();
+    let listing = |names: &[&str]| {
+        let mut yaml = String::from("shards:\n");
+        for s in cluster
+            .shards()
+            .iter()
+            .filter(|s| names.contains(&s.name()))
+        {
+            yaml.push_str(&format!(
+                "  - name: {}\n    url: {}\n    statement-timeout: 60s\n",
+                s.name(),
+                s.url()
+            ));
+        }
+        yaml.push_str(
+            "routing:\n  move-window: 500ms\nbreaker:\n  slow-call: 60s\ncleaner:\n  grace: 0s\n\
+             namespaces:\n  default:\n    ttl: 5s\n  hot:\n    ttl: 5s\n    \
+             handoff-max-count: 1000000\n",
+        );
+        Config::from_yaml_str(&yaml).unwrap()
+    };
+    let after = listing(&["s1", "s2", "s3"]);
+    LockRouter::new(listing(&["s1", "s2", "s3", "s4"]))
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let router = LockRouter::new(listing(&["s1", "s2", "s4"])).await.unwrap();
+    let probe = LockRouter::new(after.clone()).await.unwrap();
+    let on_s4 = |prefix: &str, n: usize| -> Vec<String> {
+        (0..)
+            .map(|i| format!("{prefix}{i:05}"))
+            .filter(|k| router.shard_for(k).unwrap() == "s4")
+            .take(n)
+            .collect()
+    };
+    // The key, sorting after a full batch of the carry's scan of released rows on s4.
+    let key = on_s4("z:", 1).remove(0);
+    let planted = on_s4("a:", shardlock_mysql::FLOOR_BATCH);
+    let mut s4 = cluster.shard(3).connect().await.unwrap();
+    s4.exec_batch(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         VALUES (?, NULL, 1, 1000, NOW(3), NOW(3))",
+        planted.iter().map(|k| (k.as_str(),)),
+    )
+    .await
+    .unwrap();
+    // Its fences run seconds ahead of s4's clock: each grant reserves a million for hand-offs.
+    let mut highest = 0;
+    for _ in 0..3 {
+        let g = router
+            .acquire(&key, AcquireOptions::new().namespace("hot"))
+            .await
+            .unwrap();
+        highest = g.fence() + 1_000_000;
+        g.release().await.unwrap();
+    }
+    // The carry's first batch is held up on the new shard of one of the planted keys.
+    let held_up = &planted[0];
+    let target = shard_named(&cluster, &probe.shard_for(held_up).unwrap());
+    let mut blocker = target.connect().await.unwrap();
+    blocker
+        .exec_drop(
+            "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+             VALUES (?, NULL, 1, 1000, NOW(3) + INTERVAL 1 HOUR, NOW(3))",
+            (held_up.as_str(),),
+        )
+        .await
+        .unwrap();
+    blocker.query_drop("START TRANSACTION").await.unwrap();
+    blocker
+        .exec_drop(
+            "SELECT 1 FROM shardlock_lease WHERE lock_key = ? FOR UPDATE",
+            (held_up.as_str(),),
+        )
+        .await
+        .unwrap();
+    router.reload(after.clone()).await.unwrap();
+    common::until_a_row_lock_is_waited_for(target).await;
+
+    // Meanwhile s4's clock passes the key's fence and the cleaner deletes its row there.
+    let cleaned = common::eventually(Duration::from_secs(30), || async {
+        router.clean_once().await.unwrap();
+        let mut s4 = cluster.shard(3).connect().await.unwrap();
+        let left: Option<u64> = s4
+            .exec_first(
+                "SELECT COUNT(*) FROM shardlock_lease WHERE lock_key = ?",
+                (key.as_str(),),
+            )
+            .await
+            .unwrap();
+        left == Some(0)
+    })
+    .await;
+    assert!(cleaned, "the cleaner deleted the key's row on s4");
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let carried = common::eventually(Duration::from_secs(30), || async {
+        router.moves_in_progress() == 0
+    })
+    .await;
+    assert!(carried, "the move ended");
+
+    let g = router.acquire(&key, AcquireOptions::new()).await.unwrap();
+    assert_ne!(g.shard(), "s4");
+    assert!(
+        g.fence() > highest,
+        "the fence went back: {} after {highest}",
+        g.fence()
+    );
+    g.release().await.unwrap();
+}
+
 /// A config listing `shards` as `(name, url)`, with a 500 ms move window and `extra` appended.
 fn listing(shards: &[(&str, String)], extra: &str) -> Config {
     let mut yaml = String::from("shards:\n");
