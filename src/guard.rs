@@ -118,10 +118,12 @@ impl LockGuard {
         Self { hold, done: false }
     }
 
-    /// The fencing token of this grant: larger than that of every earlier grant of the key.
+    /// The fencing token of this grant: larger than that of every earlier grant of the key
+    /// from a shard.
     ///
     /// A [`LockMode::LocalFallback`] guard's fence has the top bit set ([`LOCAL_FENCE_BIT`]):
-    /// it only orders holds inside this process, and [`crate::fenced_exec`] refuses it.
+    /// it only orders holds inside this process, and [`crate::fenced_exec`] refuses it. It is
+    /// not comparable with a shard's fences: the next grant from the shard has a lower one.
     pub fn fence(&self) -> u64 {
         self.hold.fence
     }
