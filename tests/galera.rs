@@ -326,7 +326,43 @@ async fn a_frozen_node_is_left_and_its_holders_learn_they_lost() {
     galera.node(0).pause().unwrap();
     // Another process takes the key as soon as the shard lets it: never while the holder
     // still believes it holds it.
-    let taken = acquire_when_served(&other, &on_g[0]).await;
+    let frozen_at = std::time::Instant::now();
+    let taken = loop {
+        match other
+            .acquire(&on_g[0], AcquireOptions::new().wait(Duration::from_secs(10)))
+            .await
+        {
+            Ok(g) => break g,
+            Err(e) if e.is_unavailable() => {
+                eprintln!("DIAG {:?} unavailable: {}", frozen_at.elapsed(), e.report());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => {
+                let mut rows = Vec::new();
+                for i in 1..3 {
+                    let mut c = galera.node(i).connect().await.unwrap();
+                    let r: Option<(Option<Vec<u8>>, u64, String, String)> = c
+                        .exec_first(
+                            "SELECT owner, fence, CAST(expires_at AS CHAR), CAST(NOW(3) AS CHAR) FROM shardlock_lease WHERE lock_key = ?",
+                            (on_g[0].as_str(),),
+                        )
+                        .await
+                        .unwrap();
+                    rows.push(r.map(|(o, f, e, n)| (o.map(|o| String::from_utf8_lossy(&o).into_owned()), f, e, n)));
+                }
+                panic!(
+                    "DIAG after {:?}: {}; holder held {} fence {} owner? ; rows {rows:?}; other {:?}; router {:?}; other status {:?}",
+                    frozen_at.elapsed(),
+                    e.report(),
+                    holder.is_held(),
+                    holder.fence(),
+                    other.stats(),
+                    router.stats(),
+                    other.status().await,
+                );
+            }
+        }
+    };
     assert!(
         !holder.is_held(),
         "granted to another process while the holder still held it"
