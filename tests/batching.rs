@@ -620,6 +620,76 @@ async fn lose_one_batch_reply(pattern: &'static [u8], taken_before: bool) {
     assert_eq!(common::live_leases(&cluster).await, 0);
 }
 
+/// A batch whose write committed but whose reply was lost is sent again; if that retry waits
+/// out a row lock (another transaction took one of its rows meanwhile), the server undoes the
+/// retry alone: the first try's rows stay. Callers that gave up by then are not asked again,
+/// so those rows are given back: no key stays held by nobody for its ttl.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_batch_reply_whose_retry_waits_out_a_row_lock_leaves_no_key_held_by_nobody() {
+    let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    // A server lock wait of 2 s, and 1.4 s more for the retry to get through the blackhole.
+    let (router, proxy) = batching_behind_proxy(&cluster, "3400ms").await;
+    let mut keys: Vec<String> = (0..31).map(|i| format!("lost-retry:{i}")).collect();
+    keys.push("lost-retry:MARKED".to_owned());
+    let marked: String = b"lost-retry:MARKED"
+        .iter()
+        .map(|b| format!("{b:02X}"))
+        .collect();
+    proxy.set(shardlock_testkit::ProxyMode::LoseReplyToThenBlackhole(
+        Box::leak(marked.into_bytes().into_boxed_slice()),
+    ));
+    let callers = {
+        let (router, keys) = (router.clone(), keys.clone());
+        tokio::spawn(async move { acquire_all(&router, &keys, Duration::from_millis(200)).await })
+    };
+    let lost = common::eventually(Duration::from_secs(30), || async {
+        proxy.mode() == shardlock_testkit::ProxyMode::Blackhole
+    })
+    .await;
+    assert!(lost, "no batch carried the marked key");
+    // The marked key's row, written by the batch whose reply was lost, is locked here while
+    // the retry waits in the blackhole.
+    let mut blocker = cluster.shard(0).connect().await.unwrap();
+    blocker.query_drop("BEGIN").await.unwrap();
+    let row: Option<u8> = blocker
+        .query_first(
+            "SELECT 1 FROM shardlock_lease WHERE lock_key = 'lost-retry:MARKED' FOR UPDATE",
+        )
+        .await
+        .unwrap();
+    assert_eq!(row, Some(1), "the batch's write did not commit");
+    let (guards, _) = callers.await.unwrap();
+    assert!(guards.is_empty(), "granted while the retry was blackholed");
+    let waits = cluster.shard(0).lock_waits_begun().await.unwrap();
+    proxy.set(shardlock_testkit::ProxyMode::Pass);
+    // The retry waits on the row until the server's lock wait ends (1205).
+    let waited = common::eventually(Duration::from_secs(30), || async {
+        cluster.shard(0).lock_waits_begun().await.unwrap() > waits
+            && cluster.shard(0).lock_waits_now().await.unwrap() == 0
+    })
+    .await;
+    assert!(waited, "the retry never waited on the row");
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let freed = common::eventually(Duration::from_secs(30), || async {
+        common::live_leases(&cluster).await == 0
+    })
+    .await;
+    assert!(
+        freed,
+        "keys of callers that gave up stayed held: {} live leases; the router {:?}",
+        common::live_leases(&cluster).await,
+        router.stats()
+    );
+    for key in &keys {
+        let g = direct
+            .try_acquire(key, AcquireOptions::new())
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{key} still held"));
+        g.release().await.unwrap();
+    }
+}
+
 /// Batches whose replies are all lost for a while: every caller is answered (an error, since
 /// it cannot know), and each key it may have been granted is given back once the link carries
 /// replies again: nothing stays held, every key can be taken by another process at once.

@@ -329,7 +329,10 @@ async fn a_frozen_node_is_left_and_its_holders_learn_they_lost() {
     let frozen_at = std::time::Instant::now();
     let taken = loop {
         match other
-            .acquire(&on_g[0], AcquireOptions::new().wait(Duration::from_secs(10)))
+            .acquire(
+                &on_g[0],
+                AcquireOptions::new().wait(Duration::from_secs(10)),
+            )
             .await
         {
             Ok(g) => break g,
@@ -348,7 +351,9 @@ async fn a_frozen_node_is_left_and_its_holders_learn_they_lost() {
                         )
                         .await
                         .unwrap();
-                    rows.push(r.map(|(o, f, e, n)| (o.map(|o| String::from_utf8_lossy(&o).into_owned()), f, e, n)));
+                    rows.push(r.map(|(o, f, e, n)| {
+                        (o.map(|o| String::from_utf8_lossy(&o).into_owned()), f, e, n)
+                    }));
                 }
                 panic!(
                     "DIAG after {:?}: {}; holder held {} fence {} owner? ; rows {rows:?}; other {:?}; router {:?}; other status {:?}",

@@ -89,19 +89,25 @@ impl ShardState {
                     }
                 }
                 // Still failing, or the row locked by another transaction: next time. A
-                // write whose reply was lost may have taken the row: a release while the lease
-                // is still local gives it back (see `guard::end_hold`).
-                Err(e) if e.maybe_applied => {
-                    lease.maybe_on_shard.store(true, Ordering::SeqCst);
-                    // Released while the call was out: its release did not see the mark.
-                    // Whoever clears the mark gives the row back, once.
-                    let released = !self.local.locked().contains_key(&lease.id);
-                    if released && lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
-                        self.give_back(req.key, req.owner, lease.ttl);
+                // write whose reply was lost may have taken the row (also one answered
+                // `Locked`: its retry after the lost reply waited out the lock): a release
+                // while the lease is still local gives it back (see `guard::end_hold`).
+                outcome => {
+                    let maybe_applied = match &outcome {
+                        Err(e) => e.maybe_applied,
+                        _ => true,
+                    };
+                    if maybe_applied {
+                        lease.maybe_on_shard.store(true, Ordering::SeqCst);
+                        // Released while the call was out: its release did not see the mark.
+                        // Whoever clears the mark gives the row back, once.
+                        let released = !self.local.locked().contains_key(&lease.id);
+                        if released && lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
+                            self.give_back(req.key, req.owner, lease.ttl);
+                        }
                     }
                     return;
                 }
-                Ok(Attempt::Locked) | Err(_) => return,
             }
         }
     }

@@ -301,6 +301,11 @@ impl ShardState {
                     return;
                 };
                 if orphan && answer.is_closed() {
+                    // Its caller went away, so it is not asked again; but the batch's first
+                    // try may have written its row before the retry waited out the lock (a
+                    // lost reply): given back, owner-checked (nothing if it was not written).
+                    let ttl = Duration::from_millis(u64::from(request.ttl_ms));
+                    self.give_back(request.key, request.owner, ttl);
                     continue;
                 }
                 let outcome = self
