@@ -174,10 +174,10 @@ pub async fn until_a_row_lock_is_waited_for(shard: &Shard) {
     while shard.lock_waits_now().await.unwrap() == 0 {
         if started.elapsed() > Duration::from_secs(30) {
             let mut conn = shard.connect().await.unwrap();
-            let sessions: Vec<(u64, String, u64, Option<String>, Option<String>)> = conn
+            let sessions: Vec<String> = conn
                 .query(
-                    "SELECT id, command, time, state, info FROM information_schema.processlist \
-                     WHERE id <> CONNECTION_ID()",
+                    "SELECT CONCAT_WS(' | ', ID, COMMAND, TIME, STATE, LEFT(INFO, 120)) \
+                     FROM information_schema.PROCESSLIST WHERE ID <> CONNECTION_ID()",
                 )
                 .await
                 .unwrap();
