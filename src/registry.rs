@@ -114,7 +114,7 @@ impl Drop for IdClaim {
 /// The other live instances of `router`'s fleet in the registry: `Ok(None)` under a registry
 /// other than `heartbeat` (nothing to read), `Err` naming the shards whose registry did not
 /// answer. Read on every shard of the topology, those of moves still in force included
-/// (processes that have not reloaded heartbeat there); one row per instance, its freshest.
+/// (processes that have not reloaded heartbeat there); every live row of each instance.
 async fn live_fleet(
     topology: &Topology,
     id: &str,
@@ -147,12 +147,12 @@ async fn live_fleet(
             silent.join("; ")
         ));
     }
-    // An instance's latest heartbeat says what it runs now: a reload moves its heartbeats to
-    // the new topology's shards, and its row on a shard it left keeps the old topology until
-    // it times out.
-    rows.sort_by_key(|row| row.heartbeat_ms_ago);
-    let mut seen = BTreeSet::new();
-    rows.retain(|row| seen.insert(row.instance_id.clone()));
+    // Every live row of an instance, not only its freshest: each shard dates its rows by its
+    // own clock, so which row is an instance's latest cannot be told across shards (a clock
+    // stepped back makes a row it left long ago look newest). An instance counts as running
+    // every topology a live row of it says. Its rows agree once it has beaten on each: it
+    // beats on every shard of a placement still in force, so a shard it leaves in a reload
+    // keeps a row of the new topology, not of the one it left.
     rows.retain(|row| {
         !row.deregistered
             && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < row.live_for(timeout).as_millis()
@@ -299,6 +299,21 @@ pub(crate) async fn beat(
         nonce: shared.nonce(),
         timeout: topology.config.cleaner.heartbeat_timeout,
     };
+    // Also on the shards of earlier placements still in force, best effort: a shard left in
+    // this reload then keeps a row of the topology moved to (see `live_fleet`). Their
+    // failures are not this process's: only the current shards must know of it.
+    let left: Vec<_> = topology
+        .registry_shards()
+        .into_iter()
+        .filter(|s| {
+            !(topology.current.shards.iter()).any(|c| Arc::ptr_eq(c, s) || c.same_database(s))
+        })
+        .collect();
+    let left = join_all(left.iter().map(|s| async move {
+        if let Err(e) = s.call(|b| b.heartbeat(beat)).await {
+            tracing::debug!(shard = s.name(), error = %shardlock_core::Report(&e), "shardlock heartbeat on a shard being left failed");
+        }
+    }));
     let sent = topology.current.shards.iter().map(|s| async move {
         let outcome = s.call(|b| b.heartbeat(beat)).await;
         if matches!(outcome, Ok(Heartbeat::Beaten)) {
@@ -306,7 +321,8 @@ pub(crate) async fn beat(
         }
         (s.name().to_owned(), outcome)
     });
-    for (shard, beat) in join_all(sent).await {
+    let (answers, _) = futures_util::future::join(join_all(sent), left).await;
+    for (shard, beat) in answers {
         let missed = missed.entry(shard.clone()).or_default();
         match beat {
             Ok(outcome) => {

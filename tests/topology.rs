@@ -644,6 +644,64 @@ async fn a_row_cleaned_while_the_move_carries_fences_leaves_its_fence_as_the_flo
     g.release().await.unwrap();
 }
 
+/// A process's row in the registry of a shard it left in a reload is not taken for what it
+/// runs now, whatever that shard's clock says: with the clock stepped back, the row looks
+/// newer than the process's rows where it beats now. A process started with the old topology
+/// still finds that the fleet runs another one, and grants nothing, rather than taking a key
+/// on the shard it left while the process holds it where it lives now.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_on_a_shard_left_whose_clock_stepped_back_is_not_taken_for_the_fleets_topology() {
+    let cluster = Cluster::start_with_clocks(3, &[(0, "+0")]).await.unwrap();
+    let shards: Vec<(&str, String)> = cluster
+        .shards()
+        .iter()
+        .map(|s| (s.name(), s.url()))
+        .collect();
+    let extra = "cleaner:\n  heartbeat-interval: 100ms\n";
+    let old = listing(&shards[..2], extra);
+    let new = listing(&shards[1..], extra);
+    LockRouter::new(listing(&shards, extra))
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let r = LockRouter::new(old.clone()).await.unwrap();
+    let probe = LockRouter::new(new.clone()).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| r.shard_for(k).unwrap() == "s1" && probe.shard_for(k).unwrap() == "s3")
+        .unwrap();
+    probe.shutdown().await.unwrap();
+    r.acquire("joined", AcquireOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    r.reload(new).await.unwrap();
+    let over = common::eventually(Duration::from_secs(30), || async {
+        r.moves_in_progress() == 0
+    })
+    .await;
+    assert!(over, "the move never ended");
+    let held = r.acquire(&key, AcquireOptions::new()).await.unwrap();
+    assert_eq!(held.shard(), "s3");
+
+    cluster.shard(0).set_clock("-120s").unwrap();
+    let s = LockRouter::new(old).await.unwrap();
+    let theirs = s
+        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(3)))
+        .await;
+    assert!(
+        matches!(&theirs, Err(e) if e.is_unavailable()),
+        "a process of the old topology was answered {:?} while {} holds the key on s3",
+        theirs.map(|g| (g.shard().to_owned(), g.fence())),
+        r.instance_id()
+    );
+    held.release().await.unwrap();
+}
+
 /// A config listing `shards` as `(name, url)`, with a 500 ms move window and `extra` appended.
 fn listing(shards: &[(&str, String)], extra: &str) -> Config {
     let mut yaml = String::from("shards:\n");
