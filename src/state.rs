@@ -401,9 +401,17 @@ impl std::fmt::Debug for CleanerState {
 
 /// How long after its latest heartbeat that reached a shard a router under `config` stops
 /// granting: halfway from `cleaner.heartbeat-interval` to `cleaner.heartbeat-timeout`, well
-/// before the others count it dead.
+/// before the others count it dead; and, by a clock that runs slow by `instance.clock-drift`,
+/// still half an interval short of the timeout (halfway alone is, only up to a drift of a
+/// third, which the timeout of at least two intervals allows).
 fn lapse(config: &Config) -> Duration {
-    (config.cleaner.heartbeat_timeout + config.cleaner.heartbeat_interval) / 2
+    let (interval, timeout) = (
+        config.cleaner.heartbeat_interval,
+        config.cleaner.heartbeat_timeout,
+    );
+    let drift = f64::from(config.instance.clock_drift_ppm()) / 1e6;
+    let halfway = (timeout + interval) / 2;
+    halfway.min(timeout.div_f64(1.0 + drift).saturating_sub(interval / 2))
 }
 
 /// `d` in whole milliseconds, `u64::MAX` if longer.
@@ -515,6 +523,27 @@ pub(crate) fn instant_after(wait: Duration) -> Instant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whatever the drift a config allows, a router's lapse, stretched by that drift, comes
+    /// before the others count it dead.
+    #[test]
+    fn a_lapse_comes_before_the_timeout_by_a_clock_as_slow_as_the_drift_allows() {
+        for (drift, interval, timeout) in [(0.01, 1, 30), (0.5, 1, 2), (0.34, 5, 10), (0.0, 1, 2)] {
+            let config = Config::from_yaml_str(&format!(
+                "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:3306/test\n\
+                 instance:\n  clock-drift: {drift}\n\
+                 cleaner:\n  heartbeat-interval: {interval}s\n  heartbeat-timeout: {timeout}s\n"
+            ))
+            .unwrap();
+            let stretched = lapse(&config).mul_f64(1.0 + drift);
+            assert!(
+                stretched < Duration::from_secs(timeout),
+                "drift {drift}: a lapse of {:?} is {stretched:?} by a slow clock",
+                lapse(&config)
+            );
+            assert!(lapse(&config) > Duration::ZERO);
+        }
+    }
 
     /// Sleeps past `d`: an age compared with `d` afterwards is at least `d`.
     fn past(d: Duration) {
