@@ -309,9 +309,21 @@ pub(crate) async fn beat(
             !(topology.current.shards.iter()).any(|c| Arc::ptr_eq(c, s) || c.same_database(s))
         })
         .collect();
+    // Bounded by half an interval: a shard being left is often one being retired, and a dead
+    // one must not hold back the heartbeat on the current shards.
+    let bound = topology.config.cleaner.heartbeat_interval / 2;
     let left = join_all(left.iter().map(|s| async move {
-        if let Err(e) = s.call(|b| b.heartbeat(beat)).await {
-            tracing::debug!(shard = s.name(), error = %shardlock_core::Report(&e), "shardlock heartbeat on a shard being left failed");
+        match tokio::time::timeout(bound, s.call(|b| b.heartbeat(beat))).await {
+            Ok(Ok(Heartbeat::TakenBy { host, pid })) => {
+                tracing::warn!(shard = s.name(), host, pid, "shardlock heartbeat on a shard being left refused: another start beats under this instance id there");
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(shard = s.name(), error = %shardlock_core::Report(&e), "shardlock heartbeat on a shard being left failed");
+            }
+            Err(_) => {
+                tracing::debug!(shard = s.name(), "shardlock heartbeat on a shard being left took too long");
+            }
         }
     }));
     let sent = topology.current.shards.iter().map(|s| async move {

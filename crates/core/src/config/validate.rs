@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::{
     redact_url, CleanerConfig, Config, ConfigError, InstanceConfig, NamespaceConfig, RoutingConfig,
-    ShardConfig, TelemetryConfig, TlsMode,
+    ShardConfig, TelemetryConfig, TlsMode, DEFAULT_CLOCK_DRIFT,
 };
 use crate::BreakerConfig;
 
@@ -23,6 +23,7 @@ impl Config {
         check_clock_margins(&self.shards, &self.namespaces)?;
         check_breaker(&self.breaker)?;
         check_cleaner(&self.cleaner)?;
+        check_lapse(&self.instance, &self.cleaner)?;
         check_telemetry(&self.telemetry)
     }
 }
@@ -411,6 +412,27 @@ fn check_cleaner(c: &CleanerConfig) -> Result<(), ConfigError> {
     ])
 }
 
+/// A router stops granting once its latest heartbeat is `timeout / (1 + clock-drift) −
+/// interval / 2` old by its own clock (at the latest; see `state.rs`), so that it has stopped
+/// before the others count it dead even by a clock that slow. That must leave it more than
+/// its next heartbeat, or it lapses on every one.
+fn check_lapse(instance: &InstanceConfig, c: &CleanerConfig) -> Result<(), ConfigError> {
+    let drift = instance.clock_drift.unwrap_or(DEFAULT_CLOCK_DRIFT);
+    let least = c.heartbeat_interval.mul_f64(1.75 * (1.0 + drift));
+    if c.heartbeat_timeout < least {
+        return Err(ConfigError::field(
+            "cleaner.heartbeat-timeout",
+            format!(
+                "must be at least 1.75 × heartbeat-interval × (1 + instance.clock-drift) \
+                 = {least:?}: a router stops granting at heartbeat-timeout / (1 + clock-drift) \
+                 − heartbeat-interval / 2 after its latest heartbeat, which must leave it its \
+                 next one"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The exporters start after the config is loaded (`shardlock::telemetry::init`); checking
 /// their addresses here makes a typo fail with the file's line instead of at that later start.
 fn check_telemetry(t: &TelemetryConfig) -> Result<(), ConfigError> {
@@ -487,6 +509,19 @@ pub fn check_ttl(ttl: Duration) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use crate::config::{Config, ShardConfig, DEFAULT_FLEET, GOOD};
+
+    #[test]
+    fn a_heartbeat_timeout_too_short_for_the_clock_drift_is_refused() {
+        let yaml = |drift: &str| {
+            format!(
+                "instance:\n  clock-drift: {drift}\ncleaner:\n  heartbeat-interval: 1s\n  \
+                 heartbeat-timeout: 2s\n{GOOD}"
+            )
+        };
+        assert!(Config::from_yaml_str(&yaml("0.01")).is_ok());
+        let e = Config::from_yaml_str(&yaml("0.5")).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("cleaner.heartbeat-timeout"), "{e}");
+    }
 
     #[test]
     fn key_prefixes_must_be_short_and_must_not_overlap() {
