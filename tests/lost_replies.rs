@@ -635,6 +635,25 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
     );
     assert!(router.complete_job(&job).await.unwrap());
 
+    // Complete: the reply to its update is lost; the retry finds the claim ended, by that
+    // try, and answers that it completed the job.
+    router
+        .enqueue_job("q", b"third", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    let job = router
+        .claim_job("q", "w", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("a job");
+    proxy.set(ProxyMode::LoseOneReply);
+    let completed = router.complete_job(&job).await.unwrap();
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "a reply was lost");
+    assert!(
+        completed,
+        "a completion whose reply was lost answered false"
+    );
+
     // CAS: whichever reply is lost, the lock ends up taken by its caller, once.
     let warm = router.cas_acquire("warm", "me").await.unwrap().unwrap();
     router.cas_release(warm).await.unwrap();
@@ -642,6 +661,13 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
     let guard = router.cas_acquire("c", "me").await.unwrap().expect("taken");
     assert!(direct.cas_acquire("c", "other").await.unwrap().is_none());
     assert!(router.cas_release(guard).await.unwrap());
+    // And a release whose reply is lost answers that it released.
+    let guard = router.cas_acquire("c", "me").await.unwrap().expect("taken");
+    proxy.set(ProxyMode::LoseOneReply);
+    let released = router.cas_release(guard).await.unwrap();
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "a reply was lost");
+    assert!(released, "a release whose reply was lost answered false");
+    assert!(direct.cas_acquire("c", "other").await.unwrap().is_some());
 
     // A state transition cannot tell its own earlier try from someone else's: it answers
     // that the outcome is unknown, never a false "lost".

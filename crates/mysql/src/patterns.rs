@@ -146,6 +146,12 @@ impl SessionConn {
 
 // Version compare-and-set locks.
 
+/// Whether the CAS row of `key` is free at version `?`: what a release of the version before
+/// leaves (a release's retry after a lost reply reads it; a later take or release moves the
+/// version on, and the answer is then "not freed").
+const CAS_FREED_AT: &str =
+    "SELECT COUNT(*) FROM shardlock_cas WHERE lock_key = ? AND owner IS NULL AND version = ?";
+
 /// Creates the key's row, free, on first use; an existing row is left as it is. An upsert that
 /// changes nothing rather than `INSERT IGNORE`, which would also turn other errors into
 /// warnings; ownership is decided by [`CAS_TAKE`] alone.
@@ -203,6 +209,16 @@ pub(crate) async fn free_cas(
     conn.exec_drop(CAS_FREE, (key, owner, version, version))
         .await?;
     Ok(conn.affected_rows() == 1)
+}
+
+/// Whether the CAS row of `key` is free at `version` (see [`CAS_FREED_AT`]).
+pub(crate) async fn cas_freed_at(
+    conn: &mut Conn,
+    key: &[u8],
+    version: u64,
+) -> mysql_async::Result<bool> {
+    let n: Option<u64> = conn.exec_first(CAS_FREED_AT, (key, version)).await?;
+    Ok(n == Some(1))
 }
 
 // State-machine claims.
@@ -284,6 +300,11 @@ const ENQUEUE_JOB: &str = "INSERT INTO shardlock_job \
 /// again cannot finish the new claim.
 const FINISH_JOB: &str = "UPDATE shardlock_job SET status = ?, lease_until = NULL \
      WHERE id = ? AND status = 'claimed' AND locked_by = ? AND lease_until > NOW(3)";
+
+/// Whether job `id` was ended with status `?` under claim `?`: what [`FINISH_JOB`] leaves (the
+/// claim token is unique per claim, and a new claim replaces it).
+const FINISHED_BY: &str =
+    "SELECT COUNT(*) FROM shardlock_job WHERE id = ? AND status = ? AND locked_by = ?";
 
 /// Abandoned claims with no retries left are failed for good, not left claimed for ever. Under
 /// READ COMMITTED only the rows that match are locked, and claimers never lock those; `LIMIT`
@@ -369,6 +390,21 @@ pub(crate) async fn finish_job(
     Ok(conn.affected_rows() == 1)
 }
 
+/// Whether job `id` was ended as `end` under `claim` (see [`FINISHED_BY`]).
+pub(crate) async fn finished_by(
+    conn: &mut Conn,
+    id: u64,
+    claim: &str,
+    end: JobEnd,
+) -> mysql_async::Result<bool> {
+    let status = match end {
+        JobEnd::Done => "done",
+        JobEnd::Failed => "failed",
+    };
+    let n: Option<u64> = conn.exec_first(FINISHED_BY, (id, status, claim)).await?;
+    Ok(n == Some(1))
+}
+
 /// Claims the next due job of `queue` under `claim` for `lease`; after a try whose reply was
 /// lost (`look_first`), first the job that try may have claimed.
 pub(crate) async fn claim_job(
@@ -436,18 +472,33 @@ impl Shard {
 
     /// Frees the CAS row of `key` if `owner` owns it (at `version`, when given); whether it
     /// did.
+    ///
+    /// A try whose reply was lost is retried; a retry that finds the row no longer ours at
+    /// `version` asks whether it is free at the next one, which is what the lost try left.
     pub async fn release_cas(
         &self,
         key: &[u8],
         owner: &str,
         version: Option<u64>,
     ) -> Result<bool, BackendError> {
-        self.run(
-            "release_cas",
-            (key, owner, version),
-            |c, &(key, owner, version)| Box::pin(free_cas(c, key, owner, version)),
-        )
-        .await
+        let (freed, lost_try) = self
+            .with_conn(
+                "release_cas",
+                self.statement_timeout(),
+                &(key, owner, version),
+                |c, &(key, owner, version)| Box::pin(free_cas(c, key, owner, version)),
+                true,
+            )
+            .await?;
+        match version {
+            Some(version) if !freed && lost_try => {
+                self.run("release_cas", (key, version + 1), |c, &(key, next)| {
+                    Box::pin(cas_freed_at(c, key, next))
+                })
+                .await
+            }
+            _ => Ok(freed),
+        }
     }
 
     /// Frees a CAS row still owned by `owner` at `version`; whether it was. The carry uses it
@@ -533,8 +584,22 @@ impl Shard {
         claim: &str,
         end: JobEnd,
     ) -> Result<bool, BackendError> {
+        let (finished, lost_try) = self
+            .with_conn(
+                "finish_job",
+                self.statement_timeout(),
+                &(id, claim, end),
+                |c, &(id, claim, end)| Box::pin(finish_job(c, id, claim, end)),
+                true,
+            )
+            .await?;
+        if finished || !lost_try {
+            return Ok(finished);
+        }
+        // The retry after a lost reply found the claim ended: by that try, if the job is
+        // ended as asked under this claim.
         self.run("finish_job", (id, claim, end), |c, &(id, claim, end)| {
-            Box::pin(finish_job(c, id, claim, end))
+            Box::pin(finished_by(c, id, claim, end))
         })
         .await
     }

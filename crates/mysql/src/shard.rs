@@ -314,7 +314,7 @@ impl Shard {
     /// Runs `f` as a traced call (see [`Shard::run`]); the answer, and whether a try before
     /// the one that answered may have reached the server (its reply lost): what the answer
     /// found may then be that try's doing.
-    async fn with_conn<A: Sync, T>(
+    pub(crate) async fn with_conn<A: Sync, T>(
         &self,
         operation: &'static str,
         timeout: Duration,
