@@ -395,6 +395,33 @@ impl ShardState {
         });
     }
 
+    /// Undoes, by its call token, a CAS take whose outcome is unknown: retried in the
+    /// background until the shard answers (CAS rows never expire). On a plain shard the answer
+    /// comes after the take, if it is still on its way: the shard's next statement ends such a
+    /// session first.
+    pub(crate) fn give_back_cas(self: &Arc<Self>, key: Vec<u8>, token: String) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let giving_back = GivingBack::new(self);
+        runtime.spawn(async move {
+            let shard = &giving_back.0;
+            let mut backoff = shardlock_core::Backoff::new(
+                std::time::Duration::from_millis(5),
+                std::time::Duration::from_millis(500),
+            );
+            while !shard.is_closed() {
+                match shard.call(|b| b.give_back_cas(&key, &token)).await {
+                    Ok(_) => return,
+                    Err(e) => {
+                        tracing::debug!(shard = shard.name(), error = %shardlock_core::Report(&e), "shardlock CAS give-back failed; retrying");
+                    }
+                }
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+        });
+    }
+
     /// Whether give-backs are still retrying in the background.
     pub(crate) fn giving_back(&self) -> bool {
         self.giving_back.load(std::sync::atomic::Ordering::Relaxed) > 0

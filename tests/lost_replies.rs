@@ -535,6 +535,43 @@ async fn a_session_given_a_stranded_thread_id_after_a_restart_is_left_alone() {
 /// the next call uses.
 const POOL_OF_ONE: &str = "    pool:\n      max-size: 1\n";
 
+/// A CAS take whose reply was lost and whose retry failed (the link down) may have taken the
+/// row: it is given back by the call's token once the shard answers, not left owned for good
+/// with no guard to release it (CAS rows never expire).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_answers() {
+    let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let shard = format!("    statement-timeout: 1s\n{POOL_OF_ONE}");
+    let (router, proxy) = behind_proxy(&cluster, &shard, "").await;
+    let warm = router.cas_acquire("warm", "w").await.unwrap().unwrap();
+    assert!(router.cas_release(warm).await.unwrap());
+    // The owner's name is sent in the take's statement alone.
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
+    let taken = router.cas_acquire("c", "lost-take-owner").await;
+    assert!(taken.is_err(), "answered without a reply: {taken:?}");
+    let owner: Option<Option<String>> = {
+        use shardlock::mysql_async::prelude::Queryable;
+        let mut c = cluster.shard(0).connect().await.unwrap();
+        c.query_first("SELECT owner FROM shardlock_cas WHERE lock_key = 'c'")
+            .await
+            .unwrap()
+    };
+    assert_eq!(
+        owner.flatten().as_deref(),
+        Some("lost-take-owner"),
+        "the take whose reply was lost was made"
+    );
+    proxy.set(ProxyMode::Pass);
+    let freed = common::eventually(Duration::from_secs(30), || async {
+        match direct.cas_acquire("c", "other").await.unwrap() {
+            Some(g) => direct.cas_release(g).await.unwrap(),
+            None => false,
+        }
+    })
+    .await;
+    assert!(freed, "the row stayed owned by a take nobody holds");
+}
+
 /// A router reaching the one shard of `cluster` through a proxy, and the proxy. `shard` and
 /// `top` are YAML lines added to the shard's entry and to the top level. A lease taken and
 /// released first warms the pool, so that the next statement travels on an open connection

@@ -35,7 +35,9 @@ impl LockRouter {
     /// `owner` where the version is still the one read. `None` when someone else owns it (or
     /// won the race). Two statements; the row is created on first use. A retry after a lost
     /// reply learns that its first try won (a token per call is written with the owner); a
-    /// key already held under the same owner name by another call is not given twice.
+    /// key already held under the same owner name by another call is not given twice. A take
+    /// whose outcome stays unknown (its retry failed too) is given back by that token in the
+    /// background once the shard answers.
     ///
     /// While a reload's move is in progress, a key that moved is taken on the shards it lived
     /// on before as well (and given back there if it cannot be taken everywhere); once the
@@ -76,9 +78,16 @@ impl LockRouter {
             .into_iter()
             .chain([shard])
         {
-            version = at
-                .run(|b| b.take_cas(lock_key.stored(), owner, &token))
+            let took = at
+                .call(|b| b.take_cas(lock_key.stored(), owner, &token))
                 .await;
+            // The take may have been made (its reply lost, its retry failed): undone by its
+            // token once the shard answers, or the row would stay owned for good with no guard
+            // to release it.
+            if took.as_ref().is_err_and(|e| e.maybe_applied) {
+                at.give_back_cas(lock_key.stored().to_vec(), token.clone());
+            }
+            version = took.map_err(|e| e.into_error(at.name()));
             match version {
                 Ok(Some(taken_at)) => taken.push((at, taken_at)),
                 _ => break,

@@ -146,6 +146,12 @@ impl SessionConn {
 
 // Version compare-and-set locks.
 
+/// Frees the CAS row of `key` if the take of call token `?` owns it: a take whose outcome is
+/// unknown (its reply lost, its retry failed) is undone by its token, unique per call, so no
+/// other take is freed.
+const CAS_GIVE_BACK: &str = "UPDATE shardlock_cas SET owner = NULL, version = version + 1 \
+     WHERE lock_key = ? AND token = ? AND owner IS NOT NULL";
+
 /// Whether the CAS row of `key` is free at version `?`: what a release of the version before
 /// leaves (a release's retry after a lost reply reads it; a later take or release moves the
 /// version on, and the answer is then "not freed").
@@ -208,6 +214,16 @@ pub(crate) async fn free_cas(
 ) -> mysql_async::Result<bool> {
     conn.exec_drop(CAS_FREE, (key, owner, version, version))
         .await?;
+    Ok(conn.affected_rows() == 1)
+}
+
+/// Frees the CAS row of `key` if the take of `token` owns it; whether it did.
+pub(crate) async fn give_back_cas(
+    conn: &mut Conn,
+    key: &[u8],
+    token: &str,
+) -> mysql_async::Result<bool> {
+    conn.exec_drop(CAS_GIVE_BACK, (key, token)).await?;
     Ok(conn.affected_rows() == 1)
 }
 
@@ -499,6 +515,15 @@ impl Shard {
             }
             _ => Ok(freed),
         }
+    }
+
+    /// Frees the CAS row of `key` if the take of call token `token` owns it (a take whose
+    /// outcome is unknown); whether it did.
+    pub async fn give_back_cas(&self, key: &[u8], token: &str) -> Result<bool, BackendError> {
+        self.run("give_back_cas", (key, token), |c, &(key, token)| {
+            Box::pin(give_back_cas(c, key, token))
+        })
+        .await
     }
 
     /// Frees a CAS row still owned by `owner` at `version`; whether it was. The carry uses it
