@@ -396,16 +396,17 @@ impl ShardState {
     }
 
     /// Undoes, by its call token, a CAS take whose outcome is unknown: retried in the
-    /// background until the shard answers (CAS rows never expire). On a plain shard the answer
-    /// comes after the take, if it is still on its way: the shard's next statement ends such a
-    /// session first.
+    /// background until the shard answers (CAS rows never expire), or its pool closes (a
+    /// warning then names the key). On a plain shard the answer comes after the take, if it
+    /// is still on its way: the shard's next statement ends such a session first (not on a
+    /// Galera shard, where a take still on its way may land after the answer). Not counted as
+    /// a give-back a leaving shard's drain waits for: it has no end of its own.
     pub(crate) fn give_back_cas(self: &Arc<Self>, key: Vec<u8>, token: String) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let giving_back = GivingBack::new(self);
+        let shard = self.clone();
         runtime.spawn(async move {
-            let shard = &giving_back.0;
             let mut backoff = shardlock_core::Backoff::new(
                 std::time::Duration::from_millis(5),
                 std::time::Duration::from_millis(500),
@@ -419,6 +420,13 @@ impl ShardState {
                 }
                 tokio::time::sleep(backoff.next_delay()).await;
             }
+            tracing::warn!(
+                shard = shard.name(),
+                key = shard.shared.telemetry.stored_key_label(&key),
+                token,
+                "shardlock gave up giving back a CAS take whose outcome is unknown (the shard \
+                 left or the router shut down): the row may stay owned; free it by its token"
+            );
         });
     }
 

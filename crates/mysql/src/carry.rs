@@ -29,7 +29,8 @@ pub(crate) async fn owned_cas_after(
 }
 
 /// Writes owned CAS rows where their keys now live: a free (or missing) row takes the carried
-/// owner and version; an owned one is left alone. The version is assigned first, while
+/// owner and version, and no call token (the take that made it was on another shard); an
+/// owned one is left alone. The version is assigned first, while
 /// `owner` still has its old value. (Placeholders are cast: a derived table's column types are
 /// otherwise the server's guess.)
 pub(crate) async fn adopt_cas(conn: &mut Conn, rows: &[CasRow]) -> mysql_async::Result<()> {
@@ -53,6 +54,7 @@ pub(crate) async fn adopt_cas(conn: &mut Conn, rows: &[CasRow]) -> mysql_async::
          SELECT src.k, src.o, CAST(src.v AS UNSIGNED) FROM {} \
          ON DUPLICATE KEY UPDATE \
          version = IF(shardlock_cas.owner IS NULL, CAST(src.v AS UNSIGNED), shardlock_cas.version), \
+         token = IF(shardlock_cas.owner IS NULL, NULL, shardlock_cas.token), \
          owner = IF(shardlock_cas.owner IS NULL, src.o, shardlock_cas.owner)",
         rows_source(&["k", "o", "v"], rows.len())
     );
@@ -69,7 +71,7 @@ pub(crate) async fn free_carried_cas(
     version: u64,
 ) -> mysql_async::Result<bool> {
     conn.exec_drop(
-        "UPDATE shardlock_cas SET owner = NULL, version = version + 2 \
+        "UPDATE shardlock_cas SET owner = NULL, token = NULL, version = version + 2 \
          WHERE lock_key = ? AND owner = ? AND version = ?",
         (key, owner, version),
     )

@@ -149,8 +149,8 @@ impl SessionConn {
 /// Frees the CAS row of `key` if the take of call token `?` owns it: a take whose outcome is
 /// unknown (its reply lost, its retry failed) is undone by its token, unique per call, so no
 /// other take is freed.
-const CAS_GIVE_BACK: &str = "UPDATE shardlock_cas SET owner = NULL, version = version + 1 \
-     WHERE lock_key = ? AND token = ? AND owner IS NOT NULL";
+const CAS_GIVE_BACK: &str = "UPDATE shardlock_cas SET owner = NULL, token = NULL, \
+     version = version + 1 WHERE lock_key = ? AND token = ? AND owner IS NOT NULL";
 
 /// Whether the CAS row of `key` is free at version `?`: what a release of the version before
 /// leaves (a release's retry after a lost reply reads it; a later take or release moves the
@@ -166,7 +166,9 @@ const CAS_ROW: &str = "INSERT INTO shardlock_cas (lock_key, owner, version) VALU
 
 /// A plain read, locking nothing: [`CAS_TAKE`] checks what was read again, so a race lost in
 /// between shows as no row changed rather than as a wait. `token` tells a try whose reply was
-/// lost that the grant is its own.
+/// lost that the grant is its own; it names the take that owns the row, and every statement
+/// that frees a row or carries an owner into it clears it (a give-back by token must never
+/// match a later owner).
 const CAS_READ: &str = "SELECT owner, version, token FROM shardlock_cas WHERE lock_key = ?";
 
 /// Sets the owner only where the version is still the one read and nobody owns the row: a
@@ -178,8 +180,8 @@ const CAS_TAKE: &str = "UPDATE shardlock_cas SET owner = ?, token = ?, version =
 /// Owner-checked, and version-checked when the caller knows the version (`? IS NULL OR
 /// version = ?`: one statement for both cases), so a release after someone force-changed the
 /// row does nothing. The version rises, so a take based on a read from before fails.
-const CAS_FREE: &str = "UPDATE shardlock_cas SET owner = NULL, version = version + 1 \
-     WHERE lock_key = ? AND owner = ? AND (? IS NULL OR version = ?)";
+const CAS_FREE: &str = "UPDATE shardlock_cas SET owner = NULL, token = NULL, \
+     version = version + 1 WHERE lock_key = ? AND owner = ? AND (? IS NULL OR version = ?)";
 
 /// Takes the CAS row of `key` for `owner` (creating it free on first use): its new version,
 /// or `None` when it is owned (or the race was lost). `token` is unique per call: a retry
@@ -652,6 +654,22 @@ mod tests {
         let retaken = shard.take_cas(b"k", "b", "t3").await.unwrap();
         assert_eq!(retaken, None, "the second take is still owned");
         assert!(shard.release_cas(b"k", "a", Some(second)).await.unwrap());
+
+        // A give-back by a call's token frees only that call's take: not a row freed since
+        // and then owned by a holder carried in from another shard.
+        shard.take_cas(b"k", "a", "t4").await.unwrap().unwrap();
+        assert!(shard.give_back_cas(b"k", "t4").await.unwrap());
+        let mut session = shard.connection().await.unwrap();
+        let carried: crate::CasRow = (b"k".to_vec(), "h".to_owned(), 100);
+        crate::carry::adopt_cas(session.raw(), &[carried])
+            .await
+            .unwrap();
+        drop(session);
+        assert!(
+            !shard.give_back_cas(b"k", "t4").await.unwrap(),
+            "a late give-back freed a carried holder's row"
+        );
+        assert_eq!(shard.take_cas(b"k", "b", "t5").await.unwrap(), None);
     }
 
     #[test]
