@@ -305,6 +305,18 @@ async fn batching_behind_proxy(
     (router, proxy)
 }
 
+/// Asserts that `other` can take every key of `keys` at once (and lets it go again).
+async fn every_key_is_free(other: &LockRouter, keys: &[String]) {
+    for key in keys {
+        let g = other
+            .try_acquire(key, AcquireOptions::new())
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{key} still held"));
+        g.release().await.unwrap();
+    }
+}
+
 /// Acquires `keys` at once from `router`, each within `wait`: the guards granted, and how many
 /// callers got an error.
 async fn acquire_all(
@@ -680,14 +692,7 @@ async fn a_lost_batch_reply_whose_retry_waits_out_a_row_lock_leaves_no_key_held_
         common::live_leases(&cluster).await,
         router.stats()
     );
-    for key in &keys {
-        let g = direct
-            .try_acquire(key, AcquireOptions::new())
-            .await
-            .unwrap()
-            .unwrap_or_else(|| panic!("{key} still held"));
-        g.release().await.unwrap();
-    }
+    every_key_is_free(&direct, &keys).await;
 }
 
 /// Batches whose replies are all lost for a while: every caller is answered (an error, since
@@ -711,14 +716,7 @@ async fn batches_whose_replies_are_lost_leave_no_key_held_by_nobody() {
         "keys granted with their replies lost were not given back: the router {:?}",
         router.status().await
     );
-    for key in &keys {
-        let g = direct
-            .try_acquire(key, AcquireOptions::new())
-            .await
-            .unwrap()
-            .unwrap_or_else(|| panic!("{key} still held"));
-        g.release().await.unwrap();
-    }
+    every_key_is_free(&direct, &keys).await;
 }
 
 /// Acquire and release futures that were polled once and then kept without being polled (a

@@ -404,26 +404,35 @@ async fn waiters_after_a_reload_are_not_handed_a_moved_lease_and_pollers_follow_
     last.release().await.unwrap();
 }
 
+/// A 500 ms move window, a cleaner with no grace, and a namespace `hot` whose grants reserve
+/// a million fences each for in-memory hand-offs (a second of the clock floor).
+const RUN_AHEAD: &str = "routing:\n  move-window: 500ms\ncleaner:\n  grace: 0s\nnamespaces:\n  \
+     default:\n    ttl: 5s\n  hot:\n    ttl: 5s\n    handoff-max-count: 1000000\n";
+
+/// A config listing the shards of `cluster` named in `names`, each with `per_shard` lines,
+/// then `tail`.
+fn shards_named(cluster: &Cluster, names: &[&str], per_shard: &str, tail: &str) -> Config {
+    let mut yaml = String::from("shards:\n");
+    for s in cluster
+        .shards()
+        .iter()
+        .filter(|s| names.contains(&s.name()))
+    {
+        yaml.push_str(&format!(
+            "  - name: {}\n    url: {}\n{per_shard}",
+            s.name(),
+            s.url()
+        ));
+    }
+    Config::from_yaml_str(&(yaml + tail)).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
     // s4's clock is a minute ahead of the others': its fences are clock-floored a minute
     // "later" than the shard its keys move to.
     let cluster = Cluster::start_with_clocks(4, &[(3, "+60s")]).await.unwrap();
-    let listing = |names: &[&str]| {
-        let mut yaml = String::from("shards:\n");
-        for s in cluster
-            .shards()
-            .iter()
-            .filter(|s| names.contains(&s.name()))
-        {
-            yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
-        }
-        yaml.push_str(
-            "routing:\n  move-window: 500ms\ncleaner:\n  grace: 0s\nnamespaces:\n  \
-             default:\n    ttl: 5s\n  hot:\n    ttl: 5s\n    handoff-max-count: 1000000\n",
-        );
-        Config::from_yaml_str(&yaml).unwrap()
-    };
+    let listing = |names: &[&str]| shards_named(&cluster, names, "", RUN_AHEAD);
     let cluster = &cluster;
     let clock = |i: usize| async move {
         let mut c = cluster.shard(i).connect().await.unwrap();
@@ -532,25 +541,10 @@ async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_row_cleaned_while_the_move_carries_fences_leaves_its_fence_as_the_floor() {
     let cluster = Cluster::start_with_clocks(4, &[(3, "+60s")]).await.unwrap();
+    // Statements may wait on a row lock for long; none of it is a failing shard.
     let listing = |names: &[&str]| {
-        let mut yaml = String::from("shards:\n");
-        for s in cluster
-            .shards()
-            .iter()
-            .filter(|s| names.contains(&s.name()))
-        {
-            yaml.push_str(&format!(
-                "  - name: {}\n    url: {}\n    statement-timeout: 60s\n",
-                s.name(),
-                s.url()
-            ));
-        }
-        yaml.push_str(
-            "routing:\n  move-window: 500ms\nbreaker:\n  slow-call: 60s\ncleaner:\n  grace: 0s\n\
-             namespaces:\n  default:\n    ttl: 5s\n  hot:\n    ttl: 5s\n    \
-             handoff-max-count: 1000000\n",
-        );
-        Config::from_yaml_str(&yaml).unwrap()
+        let tail = format!("breaker:\n  slow-call: 60s\n{RUN_AHEAD}");
+        shards_named(&cluster, names, "    statement-timeout: 60s\n", &tail)
     };
     let after = listing(&["s1", "s2", "s3"]);
     LockRouter::new(listing(&["s1", "s2", "s3", "s4"]))

@@ -303,9 +303,11 @@ impl ShardState {
                 if orphan && answer.is_closed() {
                     // Its caller went away, so it is not asked again; but the batch's first
                     // try may have written its row before the retry waited out the lock (a
-                    // lost reply): given back, owner-checked (nothing if it was not written).
+                    // lost reply): released, owner-checked (nothing if it was not written).
+                    // That try is over (the retry ended its session first), so the shard's
+                    // first answer ends it.
                     let ttl = Duration::from_millis(u64::from(request.ttl_ms));
-                    self.give_back(request.key, request.owner, ttl);
+                    self.release_later(request.key, request.owner, ttl);
                     continue;
                 }
                 let outcome = self

@@ -499,24 +499,20 @@ impl Shard {
         owner: &str,
         version: Option<u64>,
     ) -> Result<bool, BackendError> {
-        let (freed, lost_try) = self
-            .with_conn(
-                "release_cas",
-                self.statement_timeout(),
-                &(key, owner, version),
-                |c, &(key, owner, version)| Box::pin(free_cas(c, key, owner, version)),
-                true,
-            )
-            .await?;
-        match version {
-            Some(version) if !freed && lost_try => {
-                self.run("release_cas", (key, version + 1), |c, &(key, next)| {
-                    Box::pin(cas_freed_at(c, key, next))
+        self.run_confirmed(
+            "release_cas",
+            (key, owner, version),
+            |c, &(key, owner, version)| Box::pin(free_cas(c, key, owner, version)),
+            |c, &(key, _, version)| {
+                Box::pin(async move {
+                    match version {
+                        Some(version) => cas_freed_at(c, key, version + 1).await,
+                        None => Ok(false),
+                    }
                 })
-                .await
-            }
-            _ => Ok(freed),
-        }
+            },
+        )
+        .await
     }
 
     /// Frees the CAS row of `key` if the take of call token `token` owns it (a take whose
@@ -611,23 +607,13 @@ impl Shard {
         claim: &str,
         end: JobEnd,
     ) -> Result<bool, BackendError> {
-        let (finished, lost_try) = self
-            .with_conn(
-                "finish_job",
-                self.statement_timeout(),
-                &(id, claim, end),
-                |c, &(id, claim, end)| Box::pin(finish_job(c, id, claim, end)),
-                true,
-            )
-            .await?;
-        if finished || !lost_try {
-            return Ok(finished);
-        }
-        // The retry after a lost reply found the claim ended: by that try, if the job is
-        // ended as asked under this claim.
-        self.run("finish_job", (id, claim, end), |c, &(id, claim, end)| {
-            Box::pin(finished_by(c, id, claim, end))
-        })
+        self.run_confirmed(
+            "finish_job",
+            (id, claim, end),
+            |c, &(id, claim, end)| Box::pin(finish_job(c, id, claim, end)),
+            // By the lost try, if the job is ended as asked under this claim.
+            |c, &(id, claim, end)| Box::pin(finished_by(c, id, claim, end)),
+        )
         .await
     }
 }

@@ -267,6 +267,25 @@ impl Shard {
             .map(|(v, _)| v)
     }
 
+    /// [`Shard::run`] for a conditional write answered by whether it changed its row. When it
+    /// did not and a try before the one that answered may have reached the server (its reply
+    /// lost), the row may be as it is because of that try: `confirm` reads whether it is.
+    pub(crate) async fn run_confirmed<A: Sync>(
+        &self,
+        operation: &'static str,
+        args: A,
+        write: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<bool>>,
+        confirm: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<bool>>,
+    ) -> Result<bool, BackendError> {
+        let (changed, lost_try) = self
+            .with_conn(operation, self.statement_timeout, &args, write, true)
+            .await?;
+        if changed || !lost_try {
+            return Ok(changed);
+        }
+        self.run(operation, args, confirm).await
+    }
+
     /// [`Shard::run`] for statements that are not idempotent: a connection that broke after
     /// the statement may have reached the server is not retried (the error says so,
     /// [`BackendError::maybe_applied`]); deadlocks and lock wait timeouts, which undo the
@@ -314,7 +333,7 @@ impl Shard {
     /// Runs `f` as a traced call (see [`Shard::run`]); the answer, and whether a try before
     /// the one that answered may have reached the server (its reply lost): what the answer
     /// found may then be that try's doing.
-    pub(crate) async fn with_conn<A: Sync, T>(
+    async fn with_conn<A: Sync, T>(
         &self,
         operation: &'static str,
         timeout: Duration,
