@@ -46,15 +46,6 @@ async fn moving_key(three: &Config, four: &Config, prefix: &str) -> String {
         .unwrap()
 }
 
-/// Waits until `router`'s moves are over (windows passed, rows carried).
-async fn moves_done(router: &LockRouter) {
-    let done = common::eventually(Duration::from_secs(30), || async {
-        router.moves_in_progress() == 0
-    })
-    .await;
-    assert!(done, "the move ended");
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_excludes_across_a_reload_and_follows_its_key() {
     let (_cluster, three, four) = cluster().await;
@@ -73,8 +64,8 @@ async fn a_transaction_lock_excludes_across_a_reload_and_follows_its_key() {
         "the reloaded process is kept out: {refused:?}"
     );
     a.reload(four).await.unwrap();
-    moves_done(&a).await;
-    moves_done(&b).await;
+    common::moves_done(&a).await;
+    common::moves_done(&b).await;
     assert!(held.is_held(), "the lock followed its key");
     let refused = b.lock_in_transaction(&key, Duration::ZERO).await;
     assert!(
@@ -100,8 +91,8 @@ async fn a_cas_lock_taken_before_a_reload_stays_taken_and_releasable_after_it() 
     b.reload(four.clone()).await.unwrap();
     assert!(b.cas_acquire(&key, "b").await.unwrap().is_none());
     a.reload(four.clone()).await.unwrap();
-    moves_done(&a).await;
-    moves_done(&b).await;
+    common::moves_done(&a).await;
+    common::moves_done(&b).await;
     assert!(
         b.cas_acquire(&key, "b").await.unwrap().is_none(),
         "still taken once the move is over"
@@ -179,7 +170,7 @@ async fn jobs_enqueued_before_a_reload_are_each_done_exactly_once_after_it() {
         record(job.payload);
     }
     for r in &routers {
-        moves_done(r).await;
+        common::moves_done(r).await;
     }
     let mut carried = 0;
     for s in cluster.shards() {
@@ -354,7 +345,7 @@ async fn a_transaction_lock_taken_on_the_old_shard_after_the_move_ended_is_taken
 
     a.reload(three.clone()).await.unwrap();
     b.reload(three).await.unwrap();
-    moves_done(&b).await;
+    common::moves_done(&b).await;
     let theirs = b.lock_in_transaction(&key, Duration::ZERO).await.unwrap();
     assert_ne!(theirs.shard(), old.name());
 
@@ -443,7 +434,7 @@ async fn a_cas_lock_taken_on_the_old_shard_after_the_move_ended_is_given_back() 
 
     a.reload(three.clone()).await.unwrap();
     b.reload(three).await.unwrap();
-    moves_done(&b).await;
+    common::moves_done(&b).await;
     let theirs = b.cas_acquire(&key, "b").await.unwrap().expect("free");
 
     // a's take, sent under the old topology, now runs on the old shard.

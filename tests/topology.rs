@@ -622,11 +622,7 @@ async fn a_row_cleaned_while_the_move_carries_fences_leaves_its_fence_as_the_flo
     .await;
     assert!(cleaned, "the cleaner deleted the key's row on s4");
     blocker.query_drop("ROLLBACK").await.unwrap();
-    let carried = common::eventually(Duration::from_secs(30), || async {
-        router.moves_in_progress() == 0
-    })
-    .await;
-    assert!(carried, "the move ended");
+    common::moves_done(&router).await;
 
     let g = router.acquire(&key, AcquireOptions::new()).await.unwrap();
     assert_ne!(g.shard(), "s4");
@@ -674,11 +670,7 @@ async fn a_row_on_a_shard_left_whose_clock_stepped_back_is_not_taken_for_the_fle
         .await
         .unwrap();
     r.reload(new).await.unwrap();
-    let over = common::eventually(Duration::from_secs(30), || async {
-        r.moves_in_progress() == 0
-    })
-    .await;
-    assert!(over, "the move never ended");
+    common::moves_done(&r).await;
     let held = r.acquire(&key, AcquireOptions::new()).await.unwrap();
     assert_eq!(held.shard(), "s3");
 

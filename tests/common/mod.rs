@@ -189,3 +189,12 @@ pub async fn until_a_row_lock_is_waited_for(shard: &Shard) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Waits until `router`'s moves are over (windows passed, rows carried); panics after 30 s.
+pub async fn moves_done(router: &shardlock::LockRouter) {
+    let done = eventually(Duration::from_secs(30), || async {
+        router.moves_in_progress() == 0
+    })
+    .await;
+    assert!(done, "the move never ended");
+}

@@ -364,6 +364,16 @@ pub enum JobEnd {
     Failed,
 }
 
+impl JobEnd {
+    /// The job's status once it ended so.
+    fn status(self) -> &'static str {
+        match self {
+            JobEnd::Done => "done",
+            JobEnd::Failed => "failed",
+        }
+    }
+}
+
 /// A job claimed on a shard.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimedJob {
@@ -400,10 +410,7 @@ pub(crate) async fn finish_job(
     claim: &str,
     end: JobEnd,
 ) -> mysql_async::Result<bool> {
-    let status = match end {
-        JobEnd::Done => "done",
-        JobEnd::Failed => "failed",
-    };
+    let status = end.status();
     conn.exec_drop(FINISH_JOB, (status, id, claim)).await?;
     Ok(conn.affected_rows() == 1)
 }
@@ -415,10 +422,7 @@ pub(crate) async fn finished_by(
     claim: &str,
     end: JobEnd,
 ) -> mysql_async::Result<bool> {
-    let status = match end {
-        JobEnd::Done => "done",
-        JobEnd::Failed => "failed",
-    };
+    let status = end.status();
     let n: Option<u64> = conn.exec_first(FINISHED_BY, (id, status, claim)).await?;
     Ok(n == Some(1))
 }
