@@ -356,6 +356,20 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
                 ),
             ));
         }
+        // This process's last heartbeat there names the topology it moved to.
+        let fingerprint = router.advertised_fingerprint(&topology);
+        registry::beat_before_leaving(&topology, &fingerprint, &router.shared, source)
+            .await
+            .map_err(|e| {
+                not_yet(
+                    source,
+                    format!(
+                        "its registry did not take this process's heartbeat of the topology it \
+                         moved to: {}",
+                        shardlock_core::Report(&e)
+                    ),
+                )
+            })?;
     }
     Ok(carried)
 }

@@ -289,16 +289,7 @@ pub(crate) async fn beat(
         return beats;
     }
     let host = host_name();
-    let beat = Beat {
-        instance: &shared.instance_id,
-        host: &host,
-        pid: std::process::id(),
-        topology: fingerprint,
-        moving: topology.moves_in_progress() > 0,
-        fleet: topology.config.instance.fleet(),
-        nonce: shared.nonce(),
-        timeout: topology.config.cleaner.heartbeat_timeout,
-    };
+    let beat = this_beat(topology, fingerprint, shared, &host);
     // Also on the shards of earlier placements still in force, best effort: a shard left in
     // this reload then keeps a row of the topology moved to (see `live_fleet`). Their
     // failures are not this process's: only the current shards must know of it.
@@ -364,6 +355,43 @@ pub(crate) async fn beat(
         }
     }
     beats
+}
+
+/// This process's heartbeat under `topology`, advertising `fingerprint`.
+fn this_beat<'a>(
+    topology: &'a Topology,
+    fingerprint: &'a str,
+    shared: &'a Shared,
+    host: &'a str,
+) -> Beat<'a> {
+    Beat {
+        instance: &shared.instance_id,
+        host,
+        pid: std::process::id(),
+        topology: fingerprint,
+        moving: topology.moves_in_progress() > 0,
+        fleet: topology.config.instance.fleet(),
+        nonce: shared.nonce(),
+        timeout: topology.config.cleaner.heartbeat_timeout,
+    }
+}
+
+/// One heartbeat on `shard`, a shard of a placement whose move is about to end, if the registry
+/// in force is `heartbeat`: after the end this process beats there no more, and its row there
+/// must name the topology it moved to (see `live_fleet`), not the one it left, even if every
+/// best-effort beat there failed. An error when the shard did not take it.
+pub(crate) async fn beat_before_leaving(
+    topology: &Topology,
+    fingerprint: &str,
+    shared: &Shared,
+    shard: &ShardState,
+) -> Result<(), BackendError> {
+    if topology.config.cleaner.registry != RegistryKind::Heartbeat {
+        return Ok(());
+    }
+    let host = host_name();
+    let beat = this_beat(topology, fingerprint, shared, &host);
+    shard.call(|b| b.heartbeat(beat)).await.map(drop)
 }
 
 /// Marks this instance as shut down in the registry of every shard (router shutdown), where

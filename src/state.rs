@@ -487,7 +487,7 @@ impl Inner {
     /// row for the others' move to wait on: they must keep the move away from that topology
     /// in force (lock the key where it lived too) until the lock holds where the key lives
     /// now, as for a process that has not reloaded.
-    fn advertised_fingerprint(&self, topology: &Topology) -> String {
+    pub(crate) fn advertised_fingerprint(&self, topology: &Topology) -> String {
         self.tx_locks
             .locked()
             .iter()
