@@ -9,11 +9,12 @@
 //! instead. Either way nobody is left believing it holds a key that another process can take.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use shardlock_core::{Backoff, LockKey};
-use shardlock_mysql::{Attempt, GrantRequest, FLOOR_BATCH};
+use futures_util::future::BoxFuture;
+use shardlock_core::{BackendError, BackendErrorKind, Backoff, LockKey};
+use shardlock_mysql::{Attempt, CasRow, GrantRequest, FLOOR_BATCH};
 
 use crate::clock::Moment;
 use crate::queue::Want;
@@ -465,9 +466,8 @@ async fn carry_leases(
 }
 
 /// Moves the owned CAS rows of moved keys from `source` to every later placement of the key
-/// that is in force (a process not yet at the newest topology still looks there): written
-/// where the row is free, then freed on `source`; if the holder released it on `source`
-/// meanwhile, the copies are freed again. A row whose key's placement cannot be told (a
+/// that is in force (a process not yet at the newest topology still looks there), one row
+/// at a time (see [`carry_cas_row`]). A row whose key's placement cannot be told (a
 /// digest) is not moved: the move stays in force until its holder releases it.
 async fn carry_cas(
     router: &Inner,
@@ -494,25 +494,7 @@ async fn carry_cas(
             if targets.is_empty() {
                 continue; // the key did not move
             }
-            for target in &targets {
-                target
-                    .call_waiting(|b| b.adopt_cas(std::slice::from_ref(&row)))
-                    .await
-                    .map_err(on(target))?;
-            }
-            let freed = source
-                .call_waiting(|b| b.free_carried_cas(&row))
-                .await
-                .map_err(on(source))?;
-            if !freed {
-                // Released by its holder before the copies were written: free them again.
-                for target in &targets {
-                    target
-                        .call_waiting(|b| b.free_cas(&row))
-                        .await
-                        .map_err(on(target))?;
-                }
-            }
+            carry_cas_row(router, source, &row.0, &targets).await?;
         }
         if !full {
             break;
@@ -528,6 +510,77 @@ async fn carry_cas(
         ));
     }
     Ok(())
+}
+
+/// Carries the CAS row of a moved key from `source` to `targets`, if it is owned: its copies,
+/// named by a token of this carry's own, are written while the row is held locked on
+/// `source`, and the row is freed there in the same transaction. Copies nobody counts on (the
+/// carry failed and the holder then released the row) are given back by that token, which no
+/// other row has: never a row owned there already, whatever its owner name and version.
+async fn carry_cas_row(
+    router: &Inner,
+    source: &Arc<ShardState>,
+    key: &[u8],
+    targets: &[Arc<ShardState>],
+) -> shardlock_core::Result<()> {
+    let token = router.shared.next_owner().1;
+    // The row copied, once: a try after the one that wrote copies (a deadlock, say) is
+    // refused rather than copying the row as it is then, so one look settles the copies.
+    let copied: Mutex<Option<CasRow>> = Mutex::new(None);
+    let (token_ref, copied_ref) = (token.as_str(), &copied);
+    let copy = move |row: CasRow| {
+        let copying: BoxFuture<'_, Result<(), BackendError>> = Box::pin(async move {
+            let first = {
+                let mut slot = copied_ref.lock().unwrap();
+                let first = slot.is_none();
+                slot.get_or_insert_with(|| row.clone());
+                first
+            };
+            if !first {
+                return Err(BackendError::new(
+                    BackendErrorKind::Other,
+                    None,
+                    "a try before this one wrote the row's copies: settled before it is \
+                     carried again",
+                ));
+            }
+            for target in targets {
+                target
+                    .call_waiting(|b| b.adopt_cas(std::slice::from_ref(&row), token_ref))
+                    .await
+                    .map_err(|e| {
+                        BackendError::new(
+                            e.kind,
+                            e.code,
+                            format!("writing its copy on shard `{}`: {e}", target.name()),
+                        )
+                    })?;
+            }
+            Ok(())
+        });
+        copying
+    };
+    let carried = source.call_waiting(|b| b.carry_cas_row(key, &copy)).await;
+    if let Some(row) = copied.into_inner().unwrap() {
+        let kept = match carried {
+            Ok(true) => true,
+            // Outcome unknown: the copies stay while the row is owned as copied (the next
+            // pass counts on them) or once a carry freed it.
+            _ => source
+                .call_waiting(|b| b.cas_carry_kept(&row))
+                .await
+                .map_err(on(source))?,
+        };
+        if !kept {
+            for target in targets {
+                target
+                    .call_waiting(|b| b.give_back_cas(key, &token))
+                    .await
+                    .map_err(on(target))?;
+            }
+        }
+    }
+    carried.map(drop).map_err(on(source))
 }
 
 /// Moves the unfinished jobs of moved queues from `source` to where the queues live now: ready

@@ -15,11 +15,20 @@ use shardlock_testkit::{Cluster, Shard};
 /// Four shards, configs listing the first three and all four (500 ms move window), and a
 /// router over each, migrated.
 async fn cluster() -> (Cluster, Config, Config) {
+    cluster_with("").await
+}
+
+/// [`cluster`] with `per_shard` (YAML lines) in each shard's entry.
+async fn cluster_with(per_shard: &str) -> (Cluster, Config, Config) {
     let cluster = Cluster::start(4).await.unwrap();
     let config = |n: usize| {
         let mut yaml = String::from("shards:\n");
         for s in &cluster.shards()[..n] {
-            yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
+            yaml.push_str(&format!(
+                "  - name: {}\n    url: {}\n{per_shard}",
+                s.name(),
+                s.url()
+            ));
         }
         yaml.push_str("routing:\n  move-window: 500ms\ncleaner:\n  heartbeat-interval: 100ms\n");
         Config::from_yaml_str(&yaml).unwrap()
@@ -114,6 +123,85 @@ async fn a_cas_lock_taken_before_a_reload_stays_taken_and_releasable_after_it() 
     );
     let next = b.cas_acquire(&key, "b").await.unwrap().expect("free again");
     assert!(b.cas_release(next).await.unwrap());
+}
+
+/// Two keys that live on one shard under `three` and move under `four`, in key order (the
+/// order a carry takes them in).
+async fn two_moving_keys(three: &Config, four: &Config, prefix: &str) -> (String, String) {
+    let (a, b) = (
+        LockRouter::new(three.clone()).await.unwrap(),
+        LockRouter::new(four.clone()).await.unwrap(),
+    );
+    let mut seen: HashMap<String, String> = HashMap::new();
+    for key in (0..).map(|i| format!("{prefix}{i}")) {
+        let old = a.shard_for(&key).unwrap().to_string();
+        if old == b.shard_for(&key).unwrap() {
+            continue;
+        }
+        if let Some(other) = seen.get(&old) {
+            let mut pair = [other.clone(), key];
+            pair.sort();
+            let [first, second] = pair;
+            return (first, second);
+        }
+        seen.insert(old, key);
+    }
+    unreachable!()
+}
+
+/// A carry that scanned an owned CAS row, and reaches it only after its holder released it and
+/// took it again under the same owner name (on the old shard and, the move being in force, on
+/// the new one, where that first take has the version the scan read), carries the row as it
+/// is now and leaves the holder's take on the new shard alone: not freed, not written over.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_carry_that_scanned_a_cas_row_before_its_holder_took_it_again_leaves_the_new_take_alone()
+{
+    // The carry waits on a row lock while the holder acts: statements may wait that long.
+    let (cluster, three, four) = cluster_with("    statement-timeout: 30s\n").await;
+    let (first, second) = two_moving_keys(&three, &four, "cas:").await;
+    let a = LockRouter::new(three).await.unwrap();
+    let old = shard_of(&cluster, &a, &second);
+    let carried = a.cas_acquire(&first, "a").await.unwrap().expect("free");
+    let held = a.cas_acquire(&second, "o").await.unwrap().expect("free");
+    // The carry, once past its scan, waits to write the first key's copy.
+    let new = &cluster.shards()[3];
+    let mut blocker = row_locked(new, "shardlock_cas", &first).await;
+    a.reload(four).await.unwrap();
+    assert_eq!(shard_of(&cluster, &a, &second).name(), new.name());
+    common::until_a_row_lock_is_waited_for(new).await;
+
+    assert!(a.cas_release(held.clone()).await.unwrap());
+    let again = a.cas_acquire(&second, "o").await.unwrap().expect("free");
+    assert_eq!(
+        again.version, held.version,
+        "the new shard's first take has the version the carry read on the old one"
+    );
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    common::moves_done(&a).await;
+
+    let other = a.cas_acquire(&second, "b").await.unwrap();
+    assert!(
+        other.is_none(),
+        "the carry freed the holder's take: {other:?}"
+    );
+    assert!(
+        a.cas_acquire(&first, "b").await.unwrap().is_none(),
+        "the first key was carried"
+    );
+    let mut conn = old.connect().await.unwrap();
+    let left: Option<Option<String>> = conn
+        .exec_first(
+            "SELECT owner FROM shardlock_cas WHERE lock_key = ?",
+            (&second,),
+        )
+        .await
+        .unwrap();
+    assert_eq!(left, Some(None), "the take on the old shard was carried");
+    assert!(
+        a.cas_release(again).await.unwrap(),
+        "the holder releases its take where the key lives"
+    );
+    assert!(a.cas_release(carried).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread")]

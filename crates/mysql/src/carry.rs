@@ -3,8 +3,9 @@
 //! conditional statement, so a carry interrupted anywhere and run again (by this process or
 //! another) neither loses nor duplicates anything.
 
+use futures_util::future::BoxFuture;
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, Params, Value};
+use mysql_async::{Conn, Params, TxOpts, Value};
 
 use crate::lease::{padded_in_list, rows_source};
 
@@ -29,11 +30,15 @@ pub(crate) async fn owned_cas_after(
 }
 
 /// Writes owned CAS rows where their keys now live: a free (or missing) row takes the carried
-/// owner and version, and no call token (the take that made it was on another shard); an
-/// owned one is left alone. The version is assigned first, while
-/// `owner` still has its old value. (Placeholders are cast: a derived table's column types are
-/// otherwise the server's guess.)
-pub(crate) async fn adopt_cas(conn: &mut Conn, rows: &[CasRow]) -> mysql_async::Result<()> {
+/// owner and version, and `token`, which names this carry's copies (the take that made the
+/// row was on another shard, and its call's token stays there); an owned one is left alone.
+/// The version is assigned first, while `owner` still has its old value. (Placeholders are
+/// cast: a derived table's column types are otherwise the server's guess.)
+pub(crate) async fn adopt_cas(
+    conn: &mut Conn,
+    rows: &[CasRow],
+    token: &str,
+) -> mysql_async::Result<()> {
     if rows.is_empty() {
         return Ok(());
     }
@@ -41,51 +46,90 @@ pub(crate) async fn adopt_cas(conn: &mut Conn, rows: &[CasRow]) -> mysql_async::
     // processes then lock rows in one order and cannot deadlock each other.
     let mut sorted: Vec<&CasRow> = rows.iter().collect();
     sorted.sort();
-    let mut params: Vec<Value> = Vec::with_capacity(rows.len() * 3);
+    let mut params: Vec<Value> = Vec::with_capacity(rows.len() * 4);
     for (key, owner, version) in sorted {
         params.extend([
             key.as_slice().into(),
             owner.as_str().into(),
             (*version).into(),
+            token.into(),
         ]);
     }
     let sql = format!(
-        "INSERT INTO shardlock_cas (lock_key, owner, version) \
-         SELECT src.k, src.o, CAST(src.v AS UNSIGNED) FROM {} \
+        "INSERT INTO shardlock_cas (lock_key, owner, version, token) \
+         SELECT src.k, src.o, CAST(src.v AS UNSIGNED), src.t FROM {} \
          ON DUPLICATE KEY UPDATE \
          version = IF(shardlock_cas.owner IS NULL, CAST(src.v AS UNSIGNED), shardlock_cas.version), \
-         token = IF(shardlock_cas.owner IS NULL, NULL, shardlock_cas.token), \
+         token = IF(shardlock_cas.owner IS NULL, src.t, shardlock_cas.token), \
          owner = IF(shardlock_cas.owner IS NULL, src.o, shardlock_cas.owner)",
-        rows_source(&["k", "o", "v"], rows.len())
+        rows_source(&["k", "o", "v", "t"], rows.len())
     );
     conn.exec_drop(sql, Params::Positional(params)).await
 }
 
-/// Frees a CAS row carried elsewhere if it is still owned by `owner` at `version`, raising
-/// the version by 2 (a holder's release raises it by 1), so that after a lost reply a second
-/// look tells who freed it. Whether this call (or its lost first try) freed it.
-pub(crate) async fn free_carried_cas(
+/// The row as a carry of it reads it, locking it until the carry commits or rolls back: its
+/// holder's release (which goes to the old shard first) and other processes' carries of the
+/// row wait, so what the carry decides from it holds until the row is freed.
+const CAS_HOLD: &str = "SELECT owner, version FROM shardlock_cas WHERE lock_key = ? FOR UPDATE";
+
+/// Frees a carried row, raising the version by 2 (a holder's release raises it by 1), so a
+/// later look tells a carry's free from a release.
+const CAS_FREE_CARRIED: &str = "UPDATE shardlock_cas SET owner = NULL, token = NULL, \
+     version = version + 2 WHERE lock_key = ? AND owner = ? AND version = ?";
+
+/// Carries the CAS row of `key` if it is owned: holds it locked here, writes it (its owner and
+/// version as they are now, not as a scan saw them) where its key now lives with `copy`, on
+/// other shards, and frees it here in the same transaction; whether it was owned, and so
+/// carried.
+///
+/// The lock is what makes the carry safe to run from several processes at once: a carry that
+/// scanned the row before another one freed it (and its holder then released the copy) finds
+/// it free rather than writing the released lock back. A try that fails after `copy` leaves
+/// copies that may or may not be counted on; the caller settles them with [`carry_kept`].
+pub(crate) async fn carry_cas_row(
     conn: &mut Conn,
     key: &[u8],
-    owner: &str,
-    version: u64,
+    copy: &CopyCas<'_>,
 ) -> mysql_async::Result<bool> {
-    conn.exec_drop(
-        "UPDATE shardlock_cas SET owner = NULL, token = NULL, version = version + 2 \
-         WHERE lock_key = ? AND owner = ? AND version = ?",
-        (key, owner, version),
-    )
-    .await?;
-    if conn.affected_rows() == 1 {
-        return Ok(true);
+    let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    let now: Option<(Option<Vec<u8>>, u64)> = tx.exec_first(CAS_HOLD, (key,)).await?;
+    let Some((Some(owner), version)) = now else {
+        tx.rollback().await?;
+        return Ok(false);
+    };
+    let row: CasRow = (
+        key.to_vec(),
+        String::from_utf8_lossy(&owner).into_owned(),
+        version,
+    );
+    if let Err(e) = copy(row).await {
+        tx.rollback().await?;
+        return Err(mysql_async::Error::Other(Box::new(e)));
     }
-    let row: Option<(Option<Vec<u8>>, u64)> = conn
-        .exec_first(
-            "SELECT owner, version FROM shardlock_cas WHERE lock_key = ?",
-            (key,),
-        )
+    tx.exec_drop(CAS_FREE_CARRIED, (key, owner, version))
         .await?;
-    Ok(matches!(row, Some((None, v)) if v == version + 2))
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Writes a carried row's copies on the shards its key now lives on (see [`adopt_cas`]).
+pub type CopyCas<'a> =
+    dyn Fn(CasRow) -> BoxFuture<'a, Result<(), shardlock_core::BackendError>> + Send + Sync + 'a;
+
+/// After a carry whose copies of `row` were written but whose outcome is unknown: whether the
+/// copies are to be kept. They are while the row is still owned as copied (a later carry
+/// counts on them) or once a carry freed it; not once its holder released it. Read with the
+/// row locked, so that a carry's transaction still open is waited for.
+pub(crate) async fn carry_kept(conn: &mut Conn, row: &CasRow) -> mysql_async::Result<bool> {
+    let (key, owner, version) = (row.0.as_slice(), row.1.as_bytes(), row.2);
+    let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    let now: Option<(Option<Vec<u8>>, u64)> = tx.exec_first(CAS_HOLD, (key,)).await?;
+    tx.rollback().await?;
+    Ok(match now {
+        Some((Some(o), v)) => o == owner && v == version,
+        Some((None, v)) => v == version + 2,
+        None => false,
+    })
 }
 
 /// A job not finished yet, as the carry sees it.

@@ -20,7 +20,7 @@ mod stranded;
 mod tls;
 
 pub use batch::{BatchGrants, MAX_BATCH};
-pub use carry::{CasRow, MovingJob, PendingJob};
+pub use carry::{CasRow, CopyCas, MovingJob, PendingJob};
 pub use cleaner::{Beat, Candidate, Heartbeat, InstanceRow, InstanceVerdict};
 pub use error::classify;
 pub use lease::{

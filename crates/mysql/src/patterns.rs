@@ -8,7 +8,6 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, IsolationLevel, TxOpts};
 use shardlock_core::{BackendError, Error};
 
-use crate::carry::CasRow;
 use crate::error::classify;
 use crate::pool::SessionConn;
 use crate::shard::Shard;
@@ -166,9 +165,9 @@ const CAS_ROW: &str = "INSERT INTO shardlock_cas (lock_key, owner, version) VALU
 
 /// A plain read, locking nothing: [`CAS_TAKE`] checks what was read again, so a race lost in
 /// between shows as no row changed rather than as a wait. `token` tells a try whose reply was
-/// lost that the grant is its own; it names the take that owns the row, and every statement
-/// that frees a row or carries an owner into it clears it (a give-back by token must never
-/// match a later owner).
+/// lost that the grant is its own; it names the take that owns the row: every statement that
+/// frees a row clears it, and an owner carried into a row brings the carry's own token (a
+/// give-back by a call's token must never match a later owner).
 const CAS_READ: &str = "SELECT owner, version, token FROM shardlock_cas WHERE lock_key = ?";
 
 /// Sets the owner only where the version is still the one read and nobody owns the row: a
@@ -528,21 +527,6 @@ impl Shard {
         .await
     }
 
-    /// Frees a CAS row still owned by `owner` at `version`; whether it was. The carry uses it
-    /// on the copies it wrote of a carried row when the holder released the original first:
-    /// the owner and version checks leave alone a row the copy was never written to (it was
-    /// owned already) or that changed hands since. It lives here, beside the `free_cas`
-    /// statement it runs, so that the shard module needs nothing from the patterns.
-    pub async fn free_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
-        let (key, owner, version) = (row.0.as_slice(), row.1.as_str(), row.2);
-        self.run(
-            "free_cas",
-            (key, owner, version),
-            |c, &(key, owner, version)| Box::pin(free_cas(c, key, owner, Some(version))),
-        )
-        .await
-    }
-
     /// Moves row `id` of `table` from state `from` to `to`; whether this call did. Not
     /// retried once it may have reached the server: a retry could not tell its own transition
     /// from someone else's (the error then says the outcome is unknown).
@@ -651,7 +635,7 @@ mod tests {
         assert!(shard.give_back_cas(b"k", "t4").await.unwrap());
         let mut session = shard.connection().await.unwrap();
         let carried: crate::CasRow = (b"k".to_vec(), "h".to_owned(), 100);
-        crate::carry::adopt_cas(session.raw(), &[carried])
+        crate::carry::adopt_cas(session.raw(), &[carried], "carry")
             .await
             .unwrap();
         drop(session);

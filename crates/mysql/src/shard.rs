@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::batch::{self, BatchGrants};
-use crate::carry::{self, CasRow, MovingJob, PendingJob};
+use crate::carry::{self, CasRow, CopyCas, MovingJob, PendingJob};
 use crate::cleaner::{self, Beat, Candidate, Heartbeat, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
@@ -673,23 +673,38 @@ impl Shard {
         .await
     }
 
-    /// Writes carried CAS rows here where the key's row is free (see the carry module).
-    pub async fn adopt_cas(&self, rows: &[CasRow]) -> Result<(), BackendError> {
-        self.run("adopt_cas", rows, |c, &rows| {
-            Box::pin(carry::adopt_cas(c, rows))
+    /// Writes carried CAS rows here where the key's row is free, as copies named by `token`
+    /// (see the carry module).
+    pub async fn adopt_cas(&self, rows: &[CasRow], token: &str) -> Result<(), BackendError> {
+        self.run("adopt_cas", (rows, token), |c, &(rows, token)| {
+            Box::pin(carry::adopt_cas(c, rows, token))
         })
         .await
     }
 
-    /// Frees a CAS row carried to another shard (see the carry module); whether this call
-    /// freed it, a lost reply included.
-    pub async fn free_carried_cas(&self, row: &CasRow) -> Result<bool, BackendError> {
-        let (key, owner, version) = (row.0.as_slice(), row.1.as_str(), row.2);
-        self.run(
-            "free_carried_cas",
-            (key, owner, version),
-            |c, &(key, owner, version)| Box::pin(carry::free_carried_cas(c, key, owner, version)),
-        )
+    /// Carries the CAS row of `key`, if it is owned, to where its key now lives: `copy` writes
+    /// it there while the row is held locked here, then it is freed here (see the carry
+    /// module); whether it was owned. Not retried once it may have reached the server: a
+    /// failure after `copy` leaves it to [`Shard::cas_carry_kept`] to tell whether the copies
+    /// are counted on.
+    pub async fn carry_cas_row(
+        &self,
+        key: &[u8],
+        copy: &CopyCas<'_>,
+    ) -> Result<bool, BackendError> {
+        self.run_once("carry_cas_row", (key, copy), |c, &(key, copy)| {
+            Box::pin(carry::carry_cas_row(c, key, copy))
+        })
+        .await
+    }
+
+    /// After a carry whose copies of `row` were written but whose outcome is unknown: whether
+    /// the copies are to be kept (the row is still owned as copied, or a carry freed it)
+    /// rather than given back.
+    pub async fn cas_carry_kept(&self, row: &CasRow) -> Result<bool, BackendError> {
+        self.run("cas_carry_kept", row, |c, &row| {
+            Box::pin(carry::carry_kept(c, row))
+        })
         .await
     }
 
