@@ -323,11 +323,12 @@ const FINISH_JOB: &str = "UPDATE shardlock_job SET status = ?, lease_until = NUL
 const FINISHED_BY: &str =
     "SELECT COUNT(*) FROM shardlock_job WHERE id = ? AND status = ? AND locked_by = ?";
 
-/// Abandoned claims with no retries left are failed for good, not left claimed for ever. Under
+/// Abandoned claims with no retries left are failed for good, not left claimed for ever, and
+/// by no claim: [`FINISHED_BY`] must not read this as the abandoned claim's own failing. Under
 /// READ COMMITTED only the rows that match are locked, and claimers never lock those; `LIMIT`
 /// bounds the work one claim does.
-const FAIL_EXHAUSTED: &str = "UPDATE shardlock_job SET status = 'failed', lease_until = NULL \
-     WHERE queue = ? AND status = 'claimed' AND lease_until <= NOW(3) \
+const FAIL_EXHAUSTED: &str = "UPDATE shardlock_job SET status = 'failed', lease_until = NULL, \
+     locked_by = NULL WHERE queue = ? AND status = 'claimed' AND lease_until <= NOW(3) \
      AND retry_count >= max_retries LIMIT 100";
 
 /// A crashed worker's job first. `FOR UPDATE SKIP LOCKED` (MySQL 8.0, MariaDB 10.6) locks
@@ -644,6 +645,62 @@ mod tests {
             "a late give-back freed a carried holder's row"
         );
         assert_eq!(shard.take_cas(b"k", "b", "t5").await.unwrap(), None);
+    }
+
+    /// A claim that ran out with no retries left, failed for good by the next claimer, does
+    /// not read as failed by its own worker: a `fail_job` whose first try's reply was lost
+    /// would otherwise answer `true` for a claim that no longer held.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_job_failed_for_running_out_is_not_read_as_failed_by_its_claim() {
+        let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+        let config = shardlock_core::Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let shard = Shard::new(&config.shards[0], 0).unwrap();
+        shard.migrate().await.unwrap();
+        let id = shard
+            .enqueue_job("q", b"p", Duration::ZERO, 0, "r1")
+            .await
+            .unwrap();
+        let claim = shard
+            .claim_job("q", "c1", Duration::from_millis(1), false)
+            .await
+            .unwrap()
+            .expect("the job is ready");
+        assert_eq!(claim.id, id);
+        // Until the server's clock says the claim ran out.
+        let mut conn = shard.connection().await.unwrap();
+        loop {
+            let out: Option<u64> = conn
+                .raw()
+                .exec_first(
+                    "SELECT COUNT(*) FROM shardlock_job WHERE id = ? AND lease_until <= NOW(3)",
+                    (id,),
+                )
+                .await
+                .unwrap();
+            if out == Some(1) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(conn);
+        let next = shard
+            .claim_job("q", "c2", Duration::from_secs(60), false)
+            .await
+            .unwrap();
+        assert!(next.is_none(), "no retries were left: {next:?}");
+        let mut conn = shard.connection().await.unwrap();
+        let status: Option<String> = conn
+            .raw()
+            .exec_first("SELECT status FROM shardlock_job WHERE id = ?", (id,))
+            .await
+            .unwrap();
+        assert_eq!(status.as_deref(), Some("failed"));
+        assert!(
+            !finished_by(conn.raw(), id, "c1", JobEnd::Failed)
+                .await
+                .unwrap(),
+            "a job failed for running out reads as failed by the claim that ran out"
+        );
     }
 
     #[test]
