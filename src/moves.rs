@@ -513,27 +513,29 @@ async fn carry_cas(
 }
 
 /// Carries the CAS row of a moved key from `source` to `targets`, if it is owned: its copies,
-/// named by a token of this carry's own, are written while the row is held locked on
-/// `source`, and the row is freed there in the same transaction. Copies nobody counts on (the
-/// carry failed and the holder then released the row) are given back by that token, which no
-/// other row has: never a row owned there already, whatever its owner name and version.
+/// named by the token of the take that made the row (or, lacking one, a token of this carry's
+/// own), are written while the row is held locked on `source`, and the row is freed there in
+/// the same transaction. Copies nobody counts on (the carry failed, and the holder then
+/// released the row) are given back by that token, which only that take and its copies have:
+/// never a row owned there by another take, whatever its owner name and version.
 async fn carry_cas_row(
     router: &Inner,
     source: &Arc<ShardState>,
     key: &[u8],
     targets: &[Arc<ShardState>],
 ) -> shardlock_core::Result<()> {
-    let token = router.shared.next_owner().1;
-    // The row copied, once: a try after the one that wrote copies (a deadlock, say) is
-    // refused rather than copying the row as it is then, so one look settles the copies.
-    let copied: Mutex<Option<CasRow>> = Mutex::new(None);
-    let (token_ref, copied_ref) = (token.as_str(), &copied);
-    let copy = move |row: CasRow| {
+    // The row copied and its copies' token, once: a try after the one that wrote copies (a
+    // deadlock, say) is refused rather than copying the row as it is then, so one look
+    // settles the copies.
+    let copied: Mutex<Option<(CasRow, String)>> = Mutex::new(None);
+    let copied_ref = &copied;
+    let copy = move |row: CasRow, token: Option<String>| {
         let copying: BoxFuture<'_, Result<(), BackendError>> = Box::pin(async move {
+            let token = token.unwrap_or_else(|| router.shared.next_owner().1);
             let first = {
                 let mut slot = copied_ref.lock().unwrap();
                 let first = slot.is_none();
-                slot.get_or_insert_with(|| row.clone());
+                slot.get_or_insert_with(|| (row.clone(), token.clone()));
                 first
             };
             if !first {
@@ -546,7 +548,7 @@ async fn carry_cas_row(
             }
             for target in targets {
                 target
-                    .call_waiting(|b| b.adopt_cas(std::slice::from_ref(&row), token_ref))
+                    .call_waiting(|b| b.adopt_cas(std::slice::from_ref(&row), &token))
                     .await
                     .map_err(|e| {
                         BackendError::new(
@@ -561,22 +563,28 @@ async fn carry_cas_row(
         copying
     };
     let carried = source.call_waiting(|b| b.carry_cas_row(key, &copy)).await;
-    if let Some(row) = copied.into_inner().unwrap() {
-        let kept = match carried {
-            Ok(true) => true,
-            // Outcome unknown: the copies stay while the row is owned as copied (the next
-            // pass counts on them) or once a carry freed it.
-            _ => source
-                .call_waiting(|b| b.cas_carry_kept(&row))
+    let Some((row, token)) = copied.into_inner().unwrap() else {
+        return carried.map(drop).map_err(on(source));
+    };
+    if !matches!(carried, Ok(true)) {
+        // Outcome unknown. A copy cut off on its way (the try's time ran out) could still land
+        // after what is decided here: each target's next statement first ends such a session.
+        for target in targets {
+            target
+                .call_waiting(|b| b.clock_us())
                 .await
-                .map_err(on(source))?,
-        };
+                .map_err(on(target))?;
+        }
+        // The copies stay while the row is owned as copied (the next pass counts on them) or
+        // once a carry freed it; else they are given back, in the background until each
+        // target answers: the next pass would not find them (the row is not owned here).
+        let kept = source
+            .call_waiting(|b| b.cas_carry_kept(&row))
+            .await
+            .map_err(on(source))?;
         if !kept {
             for target in targets {
-                target
-                    .call_waiting(|b| b.give_back_cas(key, &token))
-                    .await
-                    .map_err(on(target))?;
+                target.give_back_cas(key.to_vec(), token.clone(), None);
             }
         }
     }

@@ -401,32 +401,49 @@ impl ShardState {
     /// is still on its way: the shard's next statement ends such a session first (not on a
     /// Galera shard, where a take still on its way may land after the answer). Not counted as
     /// a give-back a leaving shard's drain waits for: it has no end of its own.
-    pub(crate) fn give_back_cas(self: &Arc<Self>, key: Vec<u8>, token: String) {
+    ///
+    /// When the take is not found here, a move's carry may have brought it to the key's new
+    /// shard, `then` (its copies bear the take's token): given back there too.
+    pub(crate) fn give_back_cas(
+        self: &Arc<Self>,
+        key: Vec<u8>,
+        token: String,
+        then: Option<Arc<ShardState>>,
+    ) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let shard = self.clone();
+        let first = self.clone();
         runtime.spawn(async move {
-            let mut backoff = shardlock_core::Backoff::new(
-                std::time::Duration::from_millis(5),
-                std::time::Duration::from_millis(500),
-            );
-            while !shard.is_closed() {
-                match shard.call(|b| b.give_back_cas(&key, &token)).await {
-                    Ok(_) => return,
-                    Err(e) => {
-                        tracing::debug!(shard = shard.name(), error = %shardlock_core::Report(&e), "shardlock CAS give-back failed; retrying");
+            for shard in std::iter::once(first).chain(then) {
+                let mut backoff = shardlock_core::Backoff::new(
+                    std::time::Duration::from_millis(5),
+                    std::time::Duration::from_millis(500),
+                );
+                let found = loop {
+                    if shard.is_closed() {
+                        tracing::warn!(
+                            shard = shard.name(),
+                            key = shard.shared.telemetry.stored_key_label(&key),
+                            token,
+                            "shardlock gave up giving back a CAS take whose outcome is unknown \
+                             (the shard left or the router shut down): the row may stay owned; \
+                             free it by its token"
+                        );
+                        return;
                     }
+                    match shard.call(|b| b.give_back_cas(&key, &token)).await {
+                        Ok(found) => break found,
+                        Err(e) => {
+                            tracing::debug!(shard = shard.name(), error = %shardlock_core::Report(&e), "shardlock CAS give-back failed; retrying");
+                        }
+                    }
+                    tokio::time::sleep(backoff.next_delay()).await;
+                };
+                if found {
+                    return;
                 }
-                tokio::time::sleep(backoff.next_delay()).await;
             }
-            tracing::warn!(
-                shard = shard.name(),
-                key = shard.shared.telemetry.stored_key_label(&key),
-                token,
-                "shardlock gave up giving back a CAS take whose outcome is unknown (the shard \
-                 left or the router shut down): the row may stay owned; free it by its token"
-            );
         });
     }
 

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use shardlock::{AcquireOptions, LockRouter};
+use shardlock::{AcquireOptions, Config, LockRouter};
 use shardlock_testkit::{HeldRequest, Proxy, ProxyMode};
 
 #[tokio::test(flavor = "multi_thread")]
@@ -549,15 +549,8 @@ async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_an
     proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
     let taken = router.cas_acquire("c", "lost-take-owner").await;
     assert!(taken.is_err(), "answered without a reply: {taken:?}");
-    let owner: Option<Option<String>> = {
-        use shardlock::mysql_async::prelude::Queryable;
-        let mut c = cluster.shard(0).connect().await.unwrap();
-        c.query_first("SELECT owner FROM shardlock_cas WHERE lock_key = 'c'")
-            .await
-            .unwrap()
-    };
     assert_eq!(
-        owner.flatten().as_deref(),
+        cas_owner(cluster.shard(0), "c").await.as_deref(),
         Some("lost-take-owner"),
         "the take whose reply was lost was made"
     );
@@ -570,6 +563,76 @@ async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_an
     })
     .await;
     assert!(freed, "the row stayed owned by a take nobody holds");
+}
+
+/// A CAS take whose outcome stayed unknown on its key's old shard during a move, and that
+/// another process's carry brought to the key's new shard before the old shard answered
+/// again, is given back there: the copy bears the take's call token.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_take_of_unknown_outcome_carried_by_a_move_is_given_back_where_it_went() {
+    let top = "routing:\n  move-window: 300ms\ncleaner:\n  registry: static\n";
+    let (cluster, _, _) = common::start(2, top).await;
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let s1 = |url: &str| {
+        format!("  - name: s1\n    url: {url}\n    statement-timeout: 1s\n{POOL_OF_ONE}")
+    };
+    let s2 = format!("  - name: s2\n    url: {}\n", cluster.shard(1).url());
+    let (via_proxy, direct) = (s1(&proxy.url()), s1(&cluster.shard(0).url()));
+    let a = LockRouter::from_yaml_str(&format!("shards:\n{via_proxy}{top}"))
+        .await
+        .unwrap();
+    let b = LockRouter::from_yaml_str(&format!("shards:\n{direct}{top}"))
+        .await
+        .unwrap();
+    let two = |s1: &str| Config::from_yaml_str(&format!("shards:\n{s1}{s2}{top}")).unwrap();
+    a.reload(two(&via_proxy)).await.unwrap();
+    b.reload(two(&direct)).await.unwrap();
+    let on = |shard: &'static str| {
+        let b = &b;
+        (0..)
+            .map(|i| format!("c{i}"))
+            .find(move |k| b.shard_for(k).unwrap() == shard)
+            .unwrap()
+    };
+    let (moved, stayed) = (on("s2"), on("s1"));
+    let warm = a.cas_acquire(&stayed, "w").await.unwrap().unwrap();
+    assert!(a.cas_release(warm).await.unwrap());
+
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
+    let taken = a.cas_acquire(&moved, "lost-take-owner").await;
+    assert!(taken.is_err(), "answered without a reply: {taken:?}");
+    common::moves_done(&b).await;
+    for (shard, owner) in [(0, None), (1, Some("lost-take-owner"))] {
+        assert_eq!(
+            cas_owner(cluster.shard(shard), &moved).await.as_deref(),
+            owner,
+            "the take whose reply was lost was made, and carried to s2"
+        );
+    }
+
+    proxy.set(ProxyMode::Pass);
+    let freed = common::eventually(Duration::from_secs(30), || async {
+        match b.cas_acquire(&moved, "other").await.unwrap() {
+            Some(g) => b.cas_release(g).await.unwrap(),
+            None => false,
+        }
+    })
+    .await;
+    assert!(
+        freed,
+        "the carried take stayed owned with nobody holding it"
+    );
+}
+
+/// The owner of `key`'s CAS row on `shard`.
+async fn cas_owner(shard: &shardlock_testkit::Shard, key: &str) -> Option<String> {
+    use shardlock::mysql_async::prelude::Queryable;
+    let mut c = shard.connect().await.unwrap();
+    let owner: Option<Option<String>> = c
+        .exec_first("SELECT owner FROM shardlock_cas WHERE lock_key = ?", (key,))
+        .await
+        .unwrap();
+    owner.flatten()
 }
 
 /// A router reaching the one shard of `cluster` through a proxy, and the proxy. `shard` and

@@ -68,13 +68,17 @@ async fn a_router_grants_only_once_its_heartbeat_reaches_a_migrated_registry_on_
     // record the new start there, which others would then not see; it grants nothing, on any
     // shard, until the shard is migrated.
     let mut s2 = cluster.shard(1).connect().await.unwrap();
-    let last = shardlock::MIGRATIONS.last().unwrap().0;
+    let timeout_migration = shardlock::MIGRATIONS
+        .iter()
+        .find(|(_, name, _)| *name == "instance_timeout")
+        .unwrap()
+        .0;
     s2.query_drop("ALTER TABLE shardlock_instance DROP COLUMN heartbeat_timeout_ms")
         .await
         .unwrap();
     s2.exec_drop(
         "DELETE FROM shardlock_schema_version WHERE version = ?",
-        (last,),
+        (timeout_migration,),
     )
     .await
     .unwrap();
@@ -94,7 +98,7 @@ async fn a_router_grants_only_once_its_heartbeat_reaches_a_migrated_registry_on_
         );
     }
     let report = early.migrate().await.unwrap();
-    assert_eq!(report[1].1.applied, vec![last], "{report:?}");
+    assert_eq!(report[1].1.applied, vec![timeout_migration], "{report:?}");
     let held = early
         .try_acquire(&key, once())
         .await

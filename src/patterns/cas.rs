@@ -69,14 +69,14 @@ impl LockRouter {
     async fn cas_take(&self, lock_key: &LockKey, owner: &str, lapses: u64) -> Result<CasTry> {
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(lock_key).clone();
-        // Each shard's row taken, with its version after the take.
-        let mut taken: Vec<(Arc<ShardState>, u64)> = Vec::new();
+        // Each shard whose row this call took.
+        let mut taken: Vec<Arc<ShardState>> = Vec::new();
         let mut version = Ok(None);
         let token = self.inner.shared.next_owner().1;
         for at in topology
             .previous_locations(lock_key)
             .into_iter()
-            .chain([shard])
+            .chain([shard.clone()])
         {
             let took = at
                 .call(|b| b.take_cas(lock_key.stored(), owner, &token))
@@ -85,11 +85,12 @@ impl LockRouter {
             // token once the shard answers, or the row would stay owned for good with no guard
             // to release it.
             if took.as_ref().is_err_and(|e| e.maybe_applied) {
-                at.give_back_cas(lock_key.stored().to_vec(), token.clone());
+                let then = (!Arc::ptr_eq(&at, &shard)).then(|| shard.clone());
+                at.give_back_cas(lock_key.stored().to_vec(), token.clone(), then);
             }
             version = took.map_err(|e| e.into_error(at.name()));
             match version {
-                Ok(Some(taken_at)) => taken.push((at, taken_at)),
+                Ok(Some(_)) => taken.push(at),
                 _ => break,
             }
         }
@@ -99,20 +100,22 @@ impl LockRouter {
         let version = match version.and_then(|v| self.still_joined(lock_key, lapses).map(|()| v)) {
             Ok(Some(version)) if !replaced => Ok(version),
             // Someone owns it somewhere, or a shard failed, or the heartbeat lapsed meanwhile:
-            // give back what was taken, by version: a give-back applied late never frees a
-            // later take under the same owner name (a row that cannot be given back now stays
-            // owned until its owner releases it). Taken again under the new placement after a
-            // reload.
+            // give back what was taken, by this call's token: a give-back applied late never
+            // frees a later take under the same owner name (a row that cannot be given back
+            // now stays owned until its owner releases it). On the key's shard too: a move's
+            // carry may have brought a take there meanwhile, as a copy bearing the token.
+            // Taken again under the new placement after a reload.
             failed => Err(failed),
         };
         match version {
             Ok(version) => Ok(CasTry::Taken(version)),
             Err(failed) => {
                 let mut given_back = Ok(false);
-                for (at, version) in taken {
-                    let freed = at
-                        .run(|b| b.release_cas(lock_key.stored(), owner, Some(version)))
-                        .await;
+                if !taken.is_empty() && !taken.iter().any(|at| Arc::ptr_eq(at, &shard)) {
+                    taken.push(shard);
+                }
+                for at in taken {
+                    let freed = at.run(|b| b.give_back_cas(lock_key.stored(), &token)).await;
                     if freed.is_err() {
                         given_back = freed;
                     }

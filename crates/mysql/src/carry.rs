@@ -30,8 +30,8 @@ pub(crate) async fn owned_cas_after(
 }
 
 /// Writes owned CAS rows where their keys now live: a free (or missing) row takes the carried
-/// owner and version, and `token`, which names this carry's copies (the take that made the
-/// row was on another shard, and its call's token stays there); an owned one is left alone.
+/// owner and version, and `token`, which names the copies (see [`carry_cas_row`]); an owned
+/// one is left alone.
 /// The version is assigned first, while `owner` still has its old value. (Placeholders are
 /// cast: a derived table's column types are otherwise the server's guess.)
 pub(crate) async fn adopt_cas(
@@ -70,17 +70,26 @@ pub(crate) async fn adopt_cas(
 /// The row as a carry of it reads it, locking it until the carry commits or rolls back: its
 /// holder's release (which goes to the old shard first) and other processes' carries of the
 /// row wait, so what the carry decides from it holds until the row is freed.
-const CAS_HOLD: &str = "SELECT owner, version FROM shardlock_cas WHERE lock_key = ? FOR UPDATE";
+const CAS_HOLD: &str =
+    "SELECT owner, version, token FROM shardlock_cas WHERE lock_key = ? FOR UPDATE";
 
-/// Frees a carried row, raising the version by 2 (a holder's release raises it by 1), so a
-/// later look tells a carry's free from a release.
+/// Frees a carried row, raising the version by 2 (a holder's release raises it by 1), and
+/// marks it carried at that version: a mark that takes, releases and give-backs leave alone,
+/// so a later look tells a carry's free from a release however the row changed since.
 const CAS_FREE_CARRIED: &str = "UPDATE shardlock_cas SET owner = NULL, token = NULL, \
-     version = version + 2 WHERE lock_key = ? AND owner = ? AND version = ?";
+     version = version + 2, carried_version = ? \
+     WHERE lock_key = ? AND owner = ? AND version = ?";
+
+/// The row as [`carry_kept`] reads it, locked like [`CAS_HOLD`].
+const CAS_CARRIED: &str =
+    "SELECT owner, version, carried_version FROM shardlock_cas WHERE lock_key = ? FOR UPDATE";
 
 /// Carries the CAS row of `key` if it is owned: holds it locked here, writes it (its owner and
 /// version as they are now, not as a scan saw them) where its key now lives with `copy`, on
 /// other shards, and frees it here in the same transaction; whether it was owned, and so
-/// carried.
+/// carried. `copy` is given the row's token, the call token of the take that made it (or of
+/// the carry that brought it here): copies bear it, so that a give-back of that take by its
+/// token, which finds the row freed here, frees them where they are.
 ///
 /// The lock is what makes the carry safe to run from several processes at once: a carry that
 /// scanned the row before another one freed it (and its holder then released the copy) finds
@@ -92,8 +101,9 @@ pub(crate) async fn carry_cas_row(
     copy: &CopyCas<'_>,
 ) -> mysql_async::Result<bool> {
     let mut tx = conn.start_transaction(TxOpts::default()).await?;
-    let now: Option<(Option<Vec<u8>>, u64)> = tx.exec_first(CAS_HOLD, (key,)).await?;
-    let Some((Some(owner), version)) = now else {
+    type Held = (Option<Vec<u8>>, u64, Option<Vec<u8>>);
+    let now: Option<Held> = tx.exec_first(CAS_HOLD, (key,)).await?;
+    let Some((Some(owner), version, token)) = now else {
         tx.rollback().await?;
         return Ok(false);
     };
@@ -102,32 +112,41 @@ pub(crate) async fn carry_cas_row(
         String::from_utf8_lossy(&owner).into_owned(),
         version,
     );
-    if let Err(e) = copy(row).await {
+    let token = token.map(|t| String::from_utf8_lossy(&t).into_owned());
+    if let Err(e) = copy(row, token).await {
         tx.rollback().await?;
         return Err(mysql_async::Error::Other(Box::new(e)));
     }
-    tx.exec_drop(CAS_FREE_CARRIED, (key, owner, version))
+    tx.exec_drop(CAS_FREE_CARRIED, (version + 2, key, owner, version))
         .await?;
     tx.commit().await?;
     Ok(true)
 }
 
-/// Writes a carried row's copies on the shards its key now lives on (see [`adopt_cas`]).
-pub type CopyCas<'a> =
-    dyn Fn(CasRow) -> BoxFuture<'a, Result<(), shardlock_core::BackendError>> + Send + Sync + 'a;
+/// Writes a carried row's copies, named by its token (when it has one), on the shards its key
+/// now lives on (see [`adopt_cas`]).
+pub type CopyCas<'a> = dyn Fn(CasRow, Option<String>) -> BoxFuture<'a, Result<(), shardlock_core::BackendError>>
+    + Send
+    + Sync
+    + 'a;
 
 /// After a carry whose copies of `row` were written but whose outcome is unknown: whether the
 /// copies are to be kept. They are while the row is still owned as copied (a later carry
-/// counts on them) or once a carry freed it; not once its holder released it. Read with the
-/// row locked, so that a carry's transaction still open is waited for.
+/// counts on them) or once a carry freed it at that state (marked carried at its version + 2,
+/// or later: a later carry's mark hides an earlier one, and keeping is the side that never
+/// frees a lock someone holds); not once its holder released it. Read with the row locked, so
+/// that a carry's transaction still open is waited for.
 pub(crate) async fn carry_kept(conn: &mut Conn, row: &CasRow) -> mysql_async::Result<bool> {
     let (key, owner, version) = (row.0.as_slice(), row.1.as_bytes(), row.2);
     let mut tx = conn.start_transaction(TxOpts::default()).await?;
-    let now: Option<(Option<Vec<u8>>, u64)> = tx.exec_first(CAS_HOLD, (key,)).await?;
+    let now: Option<(Option<Vec<u8>>, u64, Option<u64>)> =
+        tx.exec_first(CAS_CARRIED, (key,)).await?;
     tx.rollback().await?;
     Ok(match now {
-        Some((Some(o), v)) => o == owner && v == version,
-        Some((None, v)) => v == version + 2,
+        Some((o, v, carried)) => {
+            (o.as_deref() == Some(owner) && v == version)
+                || carried.is_some_and(|at| at >= version + 2)
+        }
         None => false,
     })
 }
@@ -287,4 +306,67 @@ fn id_list(ids: &[u64]) -> (String, Vec<Value>) {
     let last = params.last().cloned().unwrap_or(Value::NULL);
     params.resize(list.matches('?').count(), last);
     (list, params)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Shard;
+
+    /// A carry of a row another carry freed already, whose holder then released the copy,
+    /// writes nothing back: it carries the row as it is when it holds it, not as a scan saw
+    /// it, and a free row is nothing to carry. A carry whose outcome went unheard tells a
+    /// carry's free from its holder's release, however the row changed since.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_carry_is_told_from_a_release_and_a_second_carry_writes_nothing_back() {
+        let cluster = shardlock_testkit::Cluster::start(2).await.unwrap();
+        let config = shardlock_core::Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let (old, new) = (
+            Shard::new(&config.shards[0], 0).unwrap(),
+            Shard::new(&config.shards[1], 1).unwrap(),
+        );
+        old.migrate().await.unwrap();
+        new.migrate().await.unwrap();
+        let version = old.take_cas(b"k", "o", "t1").await.unwrap().unwrap();
+        let scanned = old.owned_cas_after(b"", 10).await.unwrap();
+        assert_eq!(scanned, vec![(b"k".to_vec(), "o".to_owned(), version)]);
+
+        let new_ref = &new;
+        let copy = |row, token: Option<String>| {
+            let copying: futures_util::future::BoxFuture<'_, _> = Box::pin(async move {
+                new_ref
+                    .adopt_cas(&[row], token.as_deref().unwrap_or("carry"))
+                    .await
+            });
+            copying
+        };
+        assert!(old.carry_cas_row(b"k", &copy).await.unwrap(), "carried");
+        // A carry that did not hear its commit's answer learns it was made, however the row
+        // changed since (a take and give-back by a process the move is still in force for).
+        let carried = scanned[0].clone();
+        assert!(old.cas_carry_kept(&carried).await.unwrap());
+        old.take_cas(b"k", "x", "t-x").await.unwrap().unwrap();
+        assert!(old.give_back_cas(b"k", "t-x").await.unwrap());
+        assert!(
+            old.cas_carry_kept(&carried).await.unwrap(),
+            "a carried row, taken and given back since, read as released: its copy, the lock, \
+             would be given back"
+        );
+        assert!(new.release_cas(b"k", "o", Some(version)).await.unwrap());
+
+        // A second carry that scanned the row before the first freed it.
+        let second = |_, _| -> futures_util::future::BoxFuture<'_, _> {
+            Box::pin(async { panic!("a free row was copied") })
+        };
+        assert!(!old.carry_cas_row(&scanned[0].0, &second).await.unwrap());
+        assert!(
+            new.take_cas(b"k", "b", "t2").await.unwrap().is_some(),
+            "the released lock was written back"
+        );
+
+        // A row released by its holder, not carried: copies of it are nobody's.
+        let version = old.take_cas(b"r", "o", "t3").await.unwrap().unwrap();
+        assert!(old.release_cas(b"r", "o", Some(version)).await.unwrap());
+        let released = (b"r".to_vec(), "o".to_owned(), version);
+        assert!(!old.cas_carry_kept(&released).await.unwrap());
+    }
 }

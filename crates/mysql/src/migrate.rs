@@ -55,6 +55,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "instance_timeout",
         include_str!("../migrations/0010_instance_timeout.sql"),
     ),
+    (
+        11,
+        "cas_carried",
+        include_str!("../migrations/0011_cas_carried.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\
