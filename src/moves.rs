@@ -490,6 +490,16 @@ async fn carry_cas(
                 stuck += 1;
                 continue;
             };
+            // A key that lives on `source` again (a reload undone while its move was in force)
+            // stays: copied to the placement in between, it would be left where nobody looks
+            // once that move ends.
+            if topology
+                .current
+                .locate_bytes(placement)
+                .same_database(source)
+            {
+                continue;
+            }
             let targets = topology.later_locations(&previous.placement, source, Some(placement));
             if targets.is_empty() {
                 continue; // the key did not move
@@ -563,32 +573,59 @@ async fn carry_cas_row(
         copying
     };
     let carried = source.call_waiting(|b| b.carry_cas_row(key, &copy)).await;
-    let Some((row, token)) = copied.into_inner().unwrap() else {
-        return carried.map(drop).map_err(on(source));
-    };
-    if !matches!(carried, Ok(true)) {
-        // Outcome unknown. A copy cut off on its way (the try's time ran out) could still land
-        // after what is decided here: each target's next statement first ends such a session.
-        for target in targets {
-            target
-                .call_waiting(|b| b.clock_us())
-                .await
-                .map_err(on(target))?;
-        }
-        // The copies stay while the row is owned as copied (the next pass counts on them) or
-        // once a carry freed it; else they are given back, in the background until each
-        // target answers: the next pass would not find them (the row is not owned here).
-        let kept = source
-            .call_waiting(|b| b.cas_carry_kept(&row))
-            .await
-            .map_err(on(source))?;
-        if !kept {
-            for target in targets {
-                target.give_back_cas(key.to_vec(), token.clone(), None);
-            }
-        }
+    if let (Some((row, token)), false) = (copied.into_inner().unwrap(), matches!(carried, Ok(true)))
+    {
+        settle_copies(source.clone(), targets.to_vec(), row, token);
     }
     carried.map(drop).map_err(on(source))
+}
+
+/// Settles the copies of `row` (named by `token`) that a carry wrote on `targets` when its
+/// outcome is unknown, in the background until done: the next pass would not find them once
+/// the row is free on `source`. A copy cut off on its way (the try's time ran out) could still
+/// land after what is decided: each target's next statement first ends such a session (on a
+/// plain shard). The copies stay while the row is owned as copied (the next pass counts on
+/// them) or once a carry freed it; else they are given back.
+fn settle_copies(
+    source: Arc<ShardState>,
+    targets: Vec<Arc<ShardState>>,
+    row: CasRow,
+    token: String,
+) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
+        loop {
+            if source.is_closed() || targets.iter().any(|t| t.is_closed()) {
+                tracing::warn!(
+                    shard = source.name(),
+                    key = source.shared.telemetry.stored_key_label(&row.0),
+                    token,
+                    "shardlock could not settle a CAS carry whose outcome is unknown (a shard \
+                     left or the router shut down): a copy of the lock may stay owned on the \
+                     key's new shard; free it by its token if its holder released it"
+                );
+                return;
+            }
+            let mut ended = true;
+            for target in &targets {
+                ended &= target.call_waiting(|b| b.clock_us()).await.is_ok();
+            }
+            if ended {
+                if let Ok(kept) = source.call_waiting(|b| b.cas_carry_kept(&row)).await {
+                    if !kept {
+                        for target in &targets {
+                            target.give_back_cas(row.0.clone(), token.clone(), None);
+                        }
+                    }
+                    return;
+                }
+            }
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
+    });
 }
 
 /// Moves the unfinished jobs of moved queues from `source` to where the queues live now: ready

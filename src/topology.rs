@@ -24,7 +24,7 @@ impl Placement {
         self.locate_bytes(key.placement())
     }
 
-    fn locate_bytes(&self, placement: &[u8]) -> &Arc<ShardState> {
+    pub(crate) fn locate_bytes(&self, placement: &[u8]) -> &Arc<ShardState> {
         &self.shards[self.ring.locate(placement)]
     }
 }

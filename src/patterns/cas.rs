@@ -117,6 +117,8 @@ impl LockRouter {
                 for at in taken {
                     let freed = at.run(|b| b.give_back_cas(lock_key.stored(), &token)).await;
                     if freed.is_err() {
+                        // Left to the background, until the shard answers.
+                        at.give_back_cas(lock_key.stored().to_vec(), token.clone(), None);
                         given_back = freed;
                     }
                 }

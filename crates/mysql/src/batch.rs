@@ -296,6 +296,7 @@ mod tests {
     use shardlock_testkit::Cluster;
 
     use super::*;
+    use crate::testing::migrated_shard;
     use crate::Shard;
 
     fn request(key: &str, owner: &str, fence_floor: u64) -> GrantRequest {
@@ -307,15 +308,6 @@ mod tests {
             reserve: 2,
             trace: None,
         }
-    }
-
-    /// A shard of its own, migrated, and the cluster it runs on.
-    async fn migrated_shard() -> (Cluster, Shard) {
-        let cluster = Cluster::start(1).await.unwrap();
-        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let shard = Shard::new(&config.shards[0], 0).unwrap();
-        shard.migrate().await.unwrap();
-        (cluster, shard)
     }
 
     /// Connections the server has accepted so far.

@@ -31,8 +31,9 @@ pub(crate) async fn owned_cas_after(
 
 /// Writes owned CAS rows where their keys now live: a free (or missing) row takes the carried
 /// owner and version, and `token`, which names the copies (see [`carry_cas_row`]); an owned
-/// one is left alone.
-/// The version is assigned first, while `owner` still has its old value. (Placeholders are
+/// one is left alone. A filled row's carried mark (see [`CAS_FREE_CARRIED`]) is cleared: the
+/// version it names may come again, the version being the carried one now. The version is
+/// assigned first, while `owner` still has its old value. (Placeholders are
 /// cast: a derived table's column types are otherwise the server's guess.)
 pub(crate) async fn adopt_cas(
     conn: &mut Conn,
@@ -60,6 +61,7 @@ pub(crate) async fn adopt_cas(
          SELECT src.k, src.o, CAST(src.v AS UNSIGNED), src.t FROM {} \
          ON DUPLICATE KEY UPDATE \
          version = IF(shardlock_cas.owner IS NULL, CAST(src.v AS UNSIGNED), shardlock_cas.version), \
+         carried_version = IF(shardlock_cas.owner IS NULL, NULL, shardlock_cas.carried_version), \
          token = IF(shardlock_cas.owner IS NULL, src.t, shardlock_cas.token), \
          owner = IF(shardlock_cas.owner IS NULL, src.o, shardlock_cas.owner)",
         rows_source(&["k", "o", "v", "t"], rows.len())
@@ -134,7 +136,8 @@ pub type CopyCas<'a> = dyn Fn(CasRow, Option<String>) -> BoxFuture<'a, Result<()
 /// copies are to be kept. They are while the row is still owned as copied (a later carry
 /// counts on them) or once a carry freed it at that state (marked carried at its version + 2,
 /// or later: a later carry's mark hides an earlier one, and keeping is the side that never
-/// frees a lock someone holds); not once its holder released it. Read with the row locked, so
+/// frees a lock someone holds; or free at version + 2 with no mark, as versions before the
+/// mark leave a carried row); not once its holder released it. Read with the row locked, so
 /// that a carry's transaction still open is waited for.
 pub(crate) async fn carry_kept(conn: &mut Conn, row: &CasRow) -> mysql_async::Result<bool> {
     let (key, owner, version) = (row.0.as_slice(), row.1.as_bytes(), row.2);
@@ -146,6 +149,7 @@ pub(crate) async fn carry_kept(conn: &mut Conn, row: &CasRow) -> mysql_async::Re
         Some((o, v, carried)) => {
             (o.as_deref() == Some(owner) && v == version)
                 || carried.is_some_and(|at| at >= version + 2)
+                || (o.is_none() && v == version + 2)
         }
         None => false,
     })
@@ -310,22 +314,15 @@ fn id_list(ids: &[u64]) -> (String, Vec<Value>) {
 
 #[cfg(test)]
 mod tests {
-    use crate::Shard;
-
+    use super::*;
     /// A carry of a row another carry freed already, whose holder then released the copy,
     /// writes nothing back: it carries the row as it is when it holds it, not as a scan saw
     /// it, and a free row is nothing to carry. A carry whose outcome went unheard tells a
     /// carry's free from its holder's release, however the row changed since.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_carry_is_told_from_a_release_and_a_second_carry_writes_nothing_back() {
-        let cluster = shardlock_testkit::Cluster::start(2).await.unwrap();
-        let config = shardlock_core::Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let (old, new) = (
-            Shard::new(&config.shards[0], 0).unwrap(),
-            Shard::new(&config.shards[1], 1).unwrap(),
-        );
-        old.migrate().await.unwrap();
-        new.migrate().await.unwrap();
+        let (_cluster, shards) = crate::testing::migrated_shards(2).await;
+        let [old, new] = <[_; 2]>::try_from(shards).unwrap();
         let version = old.take_cas(b"k", "o", "t1").await.unwrap().unwrap();
         let scanned = old.owned_cas_after(b"", 10).await.unwrap();
         assert_eq!(scanned, vec![(b"k".to_vec(), "o".to_owned(), version)]);
@@ -361,6 +358,20 @@ mod tests {
         assert!(
             new.take_cas(b"k", "b", "t2").await.unwrap().is_some(),
             "the released lock was written back"
+        );
+
+        // The key carried back here later (as copies are written, with the version it had
+        // there, 1) and released: the mark of the carry that took it away says nothing of it.
+        let mut session = old.connection().await.unwrap();
+        let back: CasRow = (b"k".to_vec(), "o2".to_owned(), 1);
+        adopt_cas(session.raw(), std::slice::from_ref(&back), "t4")
+            .await
+            .unwrap();
+        drop(session);
+        assert!(old.release_cas(b"k", "o2", Some(1)).await.unwrap());
+        assert!(
+            !old.cas_carry_kept(&back).await.unwrap(),
+            "a released row read as carried by an earlier carry's mark"
         );
 
         // A row released by its holder, not carried: copies of it are nobody's.

@@ -426,9 +426,6 @@ pub(crate) async fn force_release(
 mod tests {
     use std::time::Duration;
 
-    use shardlock_core::Config;
-    use shardlock_testkit::Cluster;
-
     use super::*;
     use crate::Shard;
 
@@ -456,10 +453,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_row_is_judged_by_the_longest_timeout_its_start_beat_with() {
-        let cluster = Cluster::start(1).await.unwrap();
-        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let shard = Shard::new(&config.shards[0], 0).unwrap();
-        shard.migrate().await.unwrap();
+        let (_cluster, shard) = crate::testing::migrated_shard().await;
         let (long, short) = (Duration::from_secs(60), Duration::from_millis(1));
 
         let beaten = shard.heartbeat(beat("a", "n1", long)).await.unwrap();

@@ -929,12 +929,7 @@ mod tests {
     /// a row lock, a slow shard) hands nothing over: the row stays ended.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_lease_that_ended_on_the_shard_is_not_handed_over() {
-        use shardlock_core::Config;
-
-        let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
-        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let shard = crate::Shard::new(&config.shards[0], 0).unwrap();
-        shard.migrate().await.unwrap();
+        let (_cluster, shard) = crate::testing::migrated_shard().await;
         let grant = |owner: &str, ttl_ms| GrantRequest {
             key: b"k".to_vec(),
             owner: owner.to_owned(),

@@ -34,3 +34,30 @@ pub use shard::{connect_opts, PoolStatus, Shard};
 
 /// Re-exported so callers can run their own SQL on a shard connection.
 pub use mysql_async;
+
+#[cfg(test)]
+mod testing {
+    use shardlock_core::Config;
+    use shardlock_testkit::Cluster;
+
+    use crate::Shard;
+
+    /// `n` shards of their own, migrated, and the cluster they run on.
+    pub(crate) async fn migrated_shards(n: usize) -> (Cluster, Vec<Shard>) {
+        let cluster = Cluster::start(n).await.unwrap();
+        let config = Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
+        let mut shards = Vec::new();
+        for (i, config) in config.shards.iter().enumerate() {
+            let shard = Shard::new(config, i).unwrap();
+            shard.migrate().await.unwrap();
+            shards.push(shard);
+        }
+        (cluster, shards)
+    }
+
+    /// One shard of its own, migrated, and the cluster it runs on.
+    pub(crate) async fn migrated_shard() -> (Cluster, Shard) {
+        let (cluster, mut shards) = migrated_shards(1).await;
+        (cluster, shards.remove(0))
+    }
+}

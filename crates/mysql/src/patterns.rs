@@ -615,10 +615,7 @@ mod tests {
     /// released and taken again under the same owner name), it frees nothing.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_late_cas_give_back_leaves_a_later_take_under_the_same_owner_alone() {
-        let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
-        let config = shardlock_core::Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let shard = Shard::new(&config.shards[0], 0).unwrap();
-        shard.migrate().await.unwrap();
+        let (_cluster, shard) = crate::testing::migrated_shard().await;
         let first = shard.take_cas(b"k", "a", "t1").await.unwrap().unwrap();
         assert!(shard.release_cas(b"k", "a", Some(first)).await.unwrap());
         let second = shard.take_cas(b"k", "a", "t2").await.unwrap().unwrap();
@@ -652,10 +649,7 @@ mod tests {
     /// would otherwise answer `true` for a claim that no longer held.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_job_failed_for_running_out_is_not_read_as_failed_by_its_claim() {
-        let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
-        let config = shardlock_core::Config::from_yaml_str(&cluster.config_yaml("")).unwrap();
-        let shard = Shard::new(&config.shards[0], 0).unwrap();
-        shard.migrate().await.unwrap();
+        let (_cluster, shard) = crate::testing::migrated_shard().await;
         let id = shard
             .enqueue_job("q", b"p", Duration::ZERO, 0, "r1")
             .await
