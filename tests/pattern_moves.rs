@@ -204,6 +204,62 @@ async fn a_carry_that_scanned_a_cas_row_before_its_holder_took_it_again_leaves_t
     assert!(a.cas_release(carried).await.unwrap());
 }
 
+/// A reload undone while its move is in force: the older move, whose carry runs while the
+/// newer one's is held up past the key's new shard, does not copy a CAS lock away from the
+/// shard its key lives on again to the placement in between, where nobody looks once the
+/// newer move ends.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_lock_stays_home_when_a_reload_is_undone_during_its_move() {
+    // The carries wait on row locks while the test sets the order: statements may wait.
+    let (cluster, three, four) = cluster_with("    statement-timeout: 30s\n").await;
+    let key = moving_key(&three, &four, "cas:").await;
+    let a = LockRouter::new(three.clone()).await.unwrap();
+    let held = a.cas_acquire(&key, "o").await.unwrap().expect("free");
+    let leased = a.acquire(&key, Default::default()).await.unwrap();
+    leased.release().await.unwrap();
+
+    a.reload(four).await.unwrap();
+    let new = shard_of(&cluster, &a, &key);
+    // A lease row and a job of the key's on the shard in between, locked: the older move's
+    // carry waits to write the key's fence floor there, before it gets to CAS rows; the newer
+    // one's, having found no CAS row there, waits to move the job back.
+    let leased = a.acquire(&key, Default::default()).await.unwrap();
+    leased.release().await.unwrap();
+    let job = a.enqueue_job(&key, b"j", Duration::ZERO, 0).await.unwrap();
+    let mut floors_held = row_locked(new, "shardlock_lease", &key).await;
+    let mut job_held = new.connect().await.unwrap();
+    job_held.query_drop("START TRANSACTION").await.unwrap();
+    job_held
+        .exec_drop(
+            "SELECT 1 FROM shardlock_job WHERE id = ? FOR UPDATE",
+            (job,),
+        )
+        .await
+        .unwrap();
+    a.reload(three).await.unwrap();
+    let both_wait = common::eventually(Duration::from_secs(30), || async {
+        new.lock_waits_now().await.unwrap() >= 2
+    })
+    .await;
+    assert!(both_wait, "both carries wait on the shard in between");
+
+    floors_held.query_drop("ROLLBACK").await.unwrap();
+    let older_done = common::eventually(Duration::from_secs(30), || async {
+        a.moves_in_progress() == 1
+    })
+    .await;
+    assert!(older_done, "the older move ended");
+    job_held.query_drop("ROLLBACK").await.unwrap();
+    common::moves_done(&a).await;
+
+    let other = a.cas_acquire(&key, "x").await.unwrap();
+    assert!(
+        other.is_none(),
+        "another owner took a held CAS lock: {other:?}"
+    );
+    assert!(a.cas_release(held).await.unwrap());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn jobs_enqueued_before_a_reload_are_each_done_exactly_once_after_it() {
     const JOBS: usize = 1000;
