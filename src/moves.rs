@@ -484,27 +484,12 @@ async fn carry_cas(
         let Some(last) = rows.last() else { break };
         after.clone_from(&last.0);
         let full = rows.len() == FLOOR_BATCH;
-        let topology = router.topology.load_full();
         for row in rows {
-            let Some(placement) = LockKey::placement_of_stored(&row.0) else {
+            if LockKey::placement_of_stored(&row.0).is_none() {
                 stuck += 1;
                 continue;
-            };
-            // A key that lives on `source` again (a reload undone while its move was in force)
-            // stays: copied to the placement in between, it would be left where nobody looks
-            // once that move ends.
-            if topology
-                .current
-                .locate_bytes(placement)
-                .same_database(source)
-            {
-                continue;
             }
-            let targets = topology.later_locations(&previous.placement, source, Some(placement));
-            if targets.is_empty() {
-                continue; // the key did not move
-            }
-            carry_cas_row(router, source, &row.0, &targets).await?;
+            carry_cas_row(router, previous, source, &row.0).await?;
         }
         if !full {
             break;
@@ -522,30 +507,49 @@ async fn carry_cas(
     Ok(())
 }
 
-/// Carries the CAS row of a moved key from `source` to `targets`, if it is owned: its copies,
-/// named by the token of the take that made the row (or, lacking one, a token of this carry's
-/// own), are written while the row is held locked on `source`, and the row is freed there in
-/// the same transaction. Copies nobody counts on (the carry failed, and the holder then
-/// released the row) are given back by that token, which only that take and its copies have:
-/// never a row owned there by another take, whatever its owner name and version.
+/// Carries the CAS row of `key` from `source` to where the key lives under the placements
+/// after `previous` still in force, if it is owned and moved: its copies, named by the token
+/// of the take that made the row (or, lacking one, a token of this carry's own), are written
+/// while the row is held locked on `source`, and the row is freed there in the same
+/// transaction. Where the key lives is read with the row held, so a reload meanwhile is seen.
+/// Copies nobody counts on (the carry failed, and the holder then released the row) are given
+/// back by that token and their version: never a row owned there by another take, whatever
+/// its owner name.
 async fn carry_cas_row(
     router: &Inner,
+    previous: &Previous,
     source: &Arc<ShardState>,
     key: &[u8],
-    targets: &[Arc<ShardState>],
 ) -> shardlock_core::Result<()> {
-    // The row copied and its copies' token, once: a try after the one that wrote copies (a
-    // deadlock, say) is refused rather than copying the row as it is then, so one look
-    // settles the copies.
-    let copied: Mutex<Option<(CasRow, String)>> = Mutex::new(None);
+    // The row copied, its copies' token and where they went, once: a try after the one that
+    // wrote copies (a deadlock, say) is refused rather than copying the row as it is then, so
+    // one look settles the copies.
+    type Copied = (CasRow, String, Vec<Arc<ShardState>>);
+    let copied: Mutex<Option<Copied>> = Mutex::new(None);
     let copied_ref = &copied;
     let copy = move |row: CasRow, token: Option<String>| {
-        let copying: BoxFuture<'_, Result<(), BackendError>> = Box::pin(async move {
+        let copying: BoxFuture<'_, Result<bool, BackendError>> = Box::pin(async move {
+            let topology = router.topology.load_full();
+            let placement = LockKey::placement_of_stored(&row.0).unwrap_or_default();
+            // A key that lives on `source` again (a reload undone while its move was in
+            // force) stays: copied to the placement in between, it would be left where nobody
+            // looks once that move ends.
+            if topology
+                .current
+                .locate_bytes(placement)
+                .same_database(source)
+            {
+                return Ok(false);
+            }
+            let targets = topology.later_locations(&previous.placement, source, Some(placement));
+            if targets.is_empty() {
+                return Ok(false); // the key did not move
+            }
             let token = token.unwrap_or_else(|| router.shared.next_owner().1);
             let first = {
                 let mut slot = copied_ref.lock().unwrap();
                 let first = slot.is_none();
-                slot.get_or_insert_with(|| (row.clone(), token.clone()));
+                slot.get_or_insert_with(|| (row.clone(), token.clone(), targets.clone()));
                 first
             };
             if !first {
@@ -556,7 +560,7 @@ async fn carry_cas_row(
                      carried again",
                 ));
             }
-            for target in targets {
+            for target in &targets {
                 target
                     .call_waiting(|b| b.adopt_cas(std::slice::from_ref(&row), &token))
                     .await
@@ -568,14 +572,15 @@ async fn carry_cas_row(
                         )
                     })?;
             }
-            Ok(())
+            Ok(true)
         });
         copying
     };
     let carried = source.call_waiting(|b| b.carry_cas_row(key, &copy)).await;
-    if let (Some((row, token)), false) = (copied.into_inner().unwrap(), matches!(carried, Ok(true)))
+    if let (Some((row, token, targets)), false) =
+        (copied.into_inner().unwrap(), matches!(carried, Ok(true)))
     {
-        settle_copies(source.clone(), targets.to_vec(), row, token);
+        settle_copies(source.clone(), targets, row, token);
     }
     carried.map(drop).map_err(on(source))
 }
@@ -585,7 +590,8 @@ async fn carry_cas_row(
 /// the row is free on `source`. A copy cut off on its way (the try's time ran out) could still
 /// land after what is decided: each target's next statement first ends such a session (on a
 /// plain shard). The copies stay while the row is owned as copied (the next pass counts on
-/// them) or once a carry freed it; else they are given back.
+/// them) or once a carry freed it; else they are given back, by token and version (a copy of
+/// the same take carried back and forth since has another version).
 fn settle_copies(
     source: Arc<ShardState>,
     targets: Vec<Arc<ShardState>>,
@@ -617,7 +623,7 @@ fn settle_copies(
                 if let Ok(kept) = source.call_waiting(|b| b.cas_carry_kept(&row)).await {
                     if !kept {
                         for target in &targets {
-                            target.give_back_cas(row.0.clone(), token.clone(), None);
+                            target.give_back_cas(row.0.clone(), token.clone(), Some(row.2), None);
                         }
                     }
                     return;

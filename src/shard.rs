@@ -403,11 +403,13 @@ impl ShardState {
     /// a give-back a leaving shard's drain waits for: it has no end of its own.
     ///
     /// When the take is not found here, a move's carry may have brought it to the key's new
-    /// shard, `then` (its copies bear the take's token): given back there too.
+    /// shard, `then` (its copies bear the take's token): given back there too. With
+    /// `version`, only a row at that version is (a carry's copy of a known version).
     pub(crate) fn give_back_cas(
         self: &Arc<Self>,
         key: Vec<u8>,
         token: String,
+        version: Option<u64>,
         then: Option<Arc<ShardState>>,
     ) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -432,7 +434,7 @@ impl ShardState {
                         );
                         return;
                     }
-                    match shard.call(|b| b.give_back_cas(&key, &token)).await {
+                    match shard.call(|b| b.give_back_cas(&key, &token, version)).await {
                         Ok(found) => break found,
                         Err(e) => {
                             tracing::debug!(shard = shard.name(), error = %shardlock_core::Report(&e), "shardlock CAS give-back failed; retrying");

@@ -570,7 +570,11 @@ async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_an
 /// again, is given back there: the copy bears the take's call token.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_take_of_unknown_outcome_carried_by_a_move_is_given_back_where_it_went() {
-    let top = "routing:\n  move-window: 300ms\ncleaner:\n  registry: static\n";
+    // The taker's move stays in force throughout; the carrier's ends soon after its reload.
+    let (long, top) = (
+        "routing:\n  move-window: 10m\ncleaner:\n  registry: static\n",
+        "routing:\n  move-window: 300ms\ncleaner:\n  registry: static\n",
+    );
     let (cluster, _, _) = common::start(2, top).await;
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     let s1 = |url: &str| {
@@ -578,20 +582,20 @@ async fn a_cas_take_of_unknown_outcome_carried_by_a_move_is_given_back_where_it_
     };
     let s2 = format!("  - name: s2\n    url: {}\n", cluster.shard(1).url());
     let (via_proxy, direct) = (s1(&proxy.url()), s1(&cluster.shard(0).url()));
-    let a = LockRouter::from_yaml_str(&format!("shards:\n{via_proxy}{top}"))
+    let a = LockRouter::from_yaml_str(&format!("shards:\n{via_proxy}{long}"))
         .await
         .unwrap();
     let b = LockRouter::from_yaml_str(&format!("shards:\n{direct}{top}"))
         .await
         .unwrap();
-    let two = |s1: &str| Config::from_yaml_str(&format!("shards:\n{s1}{s2}{top}")).unwrap();
-    a.reload(two(&via_proxy)).await.unwrap();
-    b.reload(two(&direct)).await.unwrap();
+    let two =
+        |s1: &str, top: &str| Config::from_yaml_str(&format!("shards:\n{s1}{s2}{top}")).unwrap();
+    a.reload(two(&via_proxy, long)).await.unwrap();
     let on = |shard: &'static str| {
-        let b = &b;
+        let a = &a;
         (0..)
             .map(|i| format!("c{i}"))
-            .find(move |k| b.shard_for(k).unwrap() == shard)
+            .find(move |k| a.shard_for(k).unwrap() == shard)
             .unwrap()
     };
     let (moved, stayed) = (on("s2"), on("s1"));
@@ -601,6 +605,7 @@ async fn a_cas_take_of_unknown_outcome_carried_by_a_move_is_given_back_where_it_
     proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
     let taken = a.cas_acquire(&moved, "lost-take-owner").await;
     assert!(taken.is_err(), "answered without a reply: {taken:?}");
+    b.reload(two(&direct, top)).await.unwrap();
     common::moves_done(&b).await;
     for (shard, owner) in [(0, None), (1, Some("lost-take-owner"))] {
         assert_eq!(

@@ -217,16 +217,15 @@ async fn a_cas_lock_stays_home_when_a_reload_is_undone_during_its_move() {
     let held = a.cas_acquire(&key, "o").await.unwrap().expect("free");
     let leased = a.acquire(&key, Default::default()).await.unwrap();
     leased.release().await.unwrap();
+    // A lease row and a job of the key's on the shard in between, locked before the moves
+    // begin: the older move's carry waits to write the key's fence floor there, before it gets
+    // to CAS rows; the newer one's, having found no CAS row there, waits to move the job back.
+    let new = &cluster.shards()[3];
+    let mut floors_held = row_locked(new, "shardlock_lease", &key).await;
 
     a.reload(four).await.unwrap();
-    let new = shard_of(&cluster, &a, &key);
-    // A lease row and a job of the key's on the shard in between, locked: the older move's
-    // carry waits to write the key's fence floor there, before it gets to CAS rows; the newer
-    // one's, having found no CAS row there, waits to move the job back.
-    let leased = a.acquire(&key, Default::default()).await.unwrap();
-    leased.release().await.unwrap();
+    assert_eq!(shard_of(&cluster, &a, &key).name(), new.name());
     let job = a.enqueue_job(&key, b"j", Duration::ZERO, 0).await.unwrap();
-    let mut floors_held = row_locked(new, "shardlock_lease", &key).await;
     let mut job_held = new.connect().await.unwrap();
     job_held.query_drop("START TRANSACTION").await.unwrap();
     job_held

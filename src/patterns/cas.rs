@@ -86,7 +86,7 @@ impl LockRouter {
             // to release it.
             if took.as_ref().is_err_and(|e| e.maybe_applied) {
                 let then = (!Arc::ptr_eq(&at, &shard)).then(|| shard.clone());
-                at.give_back_cas(lock_key.stored().to_vec(), token.clone(), then);
+                at.give_back_cas(lock_key.stored().to_vec(), token.clone(), None, then);
             }
             version = took.map_err(|e| e.into_error(at.name()));
             match version {
@@ -112,13 +112,17 @@ impl LockRouter {
             Err(failed) => {
                 let mut given_back = Ok(false);
                 if !taken.is_empty() && !taken.iter().any(|at| Arc::ptr_eq(at, &shard)) {
-                    taken.push(shard);
+                    taken.push(shard.clone());
                 }
                 for at in taken {
-                    let freed = at.run(|b| b.give_back_cas(lock_key.stored(), &token)).await;
+                    let freed = at
+                        .run(|b| b.give_back_cas(lock_key.stored(), &token, None))
+                        .await;
                     if freed.is_err() {
-                        // Left to the background, until the shard answers.
-                        at.give_back_cas(lock_key.stored().to_vec(), token.clone(), None);
+                        // Left to the background, until the shard answers (and then on the
+                        // key's shard, where a carry may have brought it meanwhile).
+                        let then = (!Arc::ptr_eq(&at, &shard)).then(|| shard.clone());
+                        at.give_back_cas(lock_key.stored().to_vec(), token.clone(), None, then);
                         given_back = freed;
                     }
                 }

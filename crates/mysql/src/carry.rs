@@ -88,8 +88,8 @@ const CAS_CARRIED: &str =
 
 /// Carries the CAS row of `key` if it is owned: holds it locked here, writes it (its owner and
 /// version as they are now, not as a scan saw them) where its key now lives with `copy`, on
-/// other shards, and frees it here in the same transaction; whether it was owned, and so
-/// carried. `copy` is given the row's token, the call token of the take that made it (or of
+/// other shards, and frees it here in the same transaction; whether it was carried (`copy`
+/// answers `false` for a key that does not move: nothing is written). `copy` is given the row's token, the call token of the take that made it (or of
 /// the carry that brought it here): copies bear it, so that a give-back of that take by its
 /// token, which finds the row freed here, frees them where they are.
 ///
@@ -115,9 +115,16 @@ pub(crate) async fn carry_cas_row(
         version,
     );
     let token = token.map(|t| String::from_utf8_lossy(&t).into_owned());
-    if let Err(e) = copy(row, token).await {
-        tx.rollback().await?;
-        return Err(mysql_async::Error::Other(Box::new(e)));
+    match copy(row, token).await {
+        Ok(true) => {}
+        Ok(false) => {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        Err(e) => {
+            tx.rollback().await?;
+            return Err(mysql_async::Error::Other(Box::new(e)));
+        }
     }
     tx.exec_drop(CAS_FREE_CARRIED, (version + 2, key, owner, version))
         .await?;
@@ -126,8 +133,8 @@ pub(crate) async fn carry_cas_row(
 }
 
 /// Writes a carried row's copies, named by its token (when it has one), on the shards its key
-/// now lives on (see [`adopt_cas`]).
-pub type CopyCas<'a> = dyn Fn(CasRow, Option<String>) -> BoxFuture<'a, Result<(), shardlock_core::BackendError>>
+/// now lives on (see [`adopt_cas`]); `false` when the key does not move.
+pub type CopyCas<'a> = dyn Fn(CasRow, Option<String>) -> BoxFuture<'a, Result<bool, shardlock_core::BackendError>>
     + Send
     + Sync
     + 'a;
@@ -333,6 +340,7 @@ mod tests {
                 new_ref
                     .adopt_cas(&[row], token.as_deref().unwrap_or("carry"))
                     .await
+                    .map(|()| true)
             });
             copying
         };
@@ -342,7 +350,7 @@ mod tests {
         let carried = scanned[0].clone();
         assert!(old.cas_carry_kept(&carried).await.unwrap());
         old.take_cas(b"k", "x", "t-x").await.unwrap().unwrap();
-        assert!(old.give_back_cas(b"k", "t-x").await.unwrap());
+        assert!(old.give_back_cas(b"k", "t-x", None).await.unwrap());
         assert!(
             old.cas_carry_kept(&carried).await.unwrap(),
             "a carried row, taken and given back since, read as released: its copy, the lock, \

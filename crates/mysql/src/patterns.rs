@@ -149,7 +149,8 @@ impl SessionConn {
 /// unknown (its reply lost, its retry failed) is undone by its token, unique per call, so no
 /// other take is freed.
 const CAS_GIVE_BACK: &str = "UPDATE shardlock_cas SET owner = NULL, token = NULL, \
-     version = version + 1 WHERE lock_key = ? AND token = ? AND owner IS NOT NULL";
+     version = version + 1 WHERE lock_key = ? AND token = ? AND owner IS NOT NULL \
+     AND (? IS NULL OR version = ?)";
 
 /// Whether the CAS row of `key` is free at version `?`: what a release of the version before
 /// leaves (a release's retry after a lost reply reads it; a later take or release moves the
@@ -218,13 +219,16 @@ pub(crate) async fn free_cas(
     Ok(conn.affected_rows() == 1)
 }
 
-/// Frees the CAS row of `key` if the take of `token` owns it; whether it did.
+/// Frees the CAS row of `key` if the take of `token` owns it (at `version`, when given);
+/// whether it did.
 pub(crate) async fn give_back_cas(
     conn: &mut Conn,
     key: &[u8],
     token: &str,
+    version: Option<u64>,
 ) -> mysql_async::Result<bool> {
-    conn.exec_drop(CAS_GIVE_BACK, (key, token)).await?;
+    conn.exec_drop(CAS_GIVE_BACK, (key, token, version, version))
+        .await?;
     Ok(conn.affected_rows() == 1)
 }
 
@@ -520,11 +524,18 @@ impl Shard {
     }
 
     /// Frees the CAS row of `key` if the take of call token `token` owns it (a take whose
-    /// outcome is unknown); whether it did.
-    pub async fn give_back_cas(&self, key: &[u8], token: &str) -> Result<bool, BackendError> {
-        self.run("give_back_cas", (key, token), |c, &(key, token)| {
-            Box::pin(give_back_cas(c, key, token))
-        })
+    /// outcome is unknown, or a carry's copy of it), at `version` when given; whether it did.
+    pub async fn give_back_cas(
+        &self,
+        key: &[u8],
+        token: &str,
+        version: Option<u64>,
+    ) -> Result<bool, BackendError> {
+        self.run(
+            "give_back_cas",
+            (key, token, version),
+            |c, &(key, token, version)| Box::pin(give_back_cas(c, key, token, version)),
+        )
         .await
     }
 
@@ -630,7 +641,7 @@ mod tests {
         // A give-back by a call's token frees only that call's take: not a row freed since
         // and then owned by a holder carried in from another shard.
         shard.take_cas(b"k", "a", "t4").await.unwrap().unwrap();
-        assert!(shard.give_back_cas(b"k", "t4").await.unwrap());
+        assert!(shard.give_back_cas(b"k", "t4", None).await.unwrap());
         let mut session = shard.connection().await.unwrap();
         let carried: crate::CasRow = (b"k".to_vec(), "h".to_owned(), 100);
         crate::carry::adopt_cas(session.raw(), &[carried], "carry")
@@ -638,7 +649,7 @@ mod tests {
             .unwrap();
         drop(session);
         assert!(
-            !shard.give_back_cas(b"k", "t4").await.unwrap(),
+            !shard.give_back_cas(b"k", "t4", None).await.unwrap(),
             "a late give-back freed a carried holder's row"
         );
         assert_eq!(shard.take_cas(b"k", "b", "t5").await.unwrap(), None);
