@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::clock::Moment;
 use shardlock_core::{BackendErrorKind, BreakerState};
-use shardlock_mysql::{Attempt, GrantRequest, ReleaseAnswer, MAX_RENEW_BATCH};
+use shardlock_mysql::{Attempt, GrantRequest, MAX_RENEW_BATCH};
 use tokio::sync::watch;
 
 use super::ShardState;
@@ -117,23 +117,26 @@ impl ShardState {
     /// shard was unreachable leaves its row until the shard's clock ends it, and reconciling
     /// the key's local holder must not count that as another process's. (A grant of the key
     /// made since the local lease, whose row may be written before its lease is registered,
-    /// has a higher number and is never touched.) `true` when such a row was released.
+    /// has a higher number and is never touched.) `true` when the acquire is worth trying
+    /// again: such a row was released, or the row is free by now (the lost lease's own
+    /// give-back, retried in the background, freed it first).
     async fn give_back_stale_row(self: &Arc<Self>, key: &[u8], local_id: u64) -> bool {
-        let Ok(Some(row)) = self.call(|b| b.inspect(key)).await else {
+        let Ok(row) = self.call(|b| b.inspect(key)).await else {
             return false;
         };
-        let Some(owner) = row
-            .owner
-            .filter(|o| row.expires_in_ms > 0 && self.shared.is_stale_own(o, local_id))
-        else {
-            return false;
+        let Some(owner) = row.and_then(|r| r.owner.filter(|_| r.expires_in_ms > 0)) else {
+            return true;
         };
+        if !self.shared.is_stale_own(&owner, local_id) {
+            return false;
+        }
         tracing::info!(
             shard = self.name(),
             owner,
             "shardlock gave back a row of a lease it had lost"
         );
-        matches!(self.release(key, &owner).await, Ok(ReleaseAnswer::Released))
+        // Whatever it answers but a failure, the row is not that lease's any more.
+        self.release(key, &owner).await.is_ok()
     }
 
     /// Makes the keeper panic at once (tests of its supervision).
