@@ -237,6 +237,7 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         drop((router, topology));
         tokio::time::sleep(interval).await;
     }
+    previous.carry_begun.store(true, Ordering::Release);
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         let Some(router) = inner.upgrade() else {

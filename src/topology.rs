@@ -39,6 +39,11 @@ pub(crate) struct Previous {
     /// Set once the fences of its shards' rows were copied to where their keys live now (see
     /// [`crate::moves::carry_fences`]); until then its shards are still consulted as a floor.
     pub(crate) fences_carried: Arc<AtomicBool>,
+    /// Set once this process's carry of its shards' rows began: no live process of the fleet
+    /// ran its topology then, so rows taken here since exclude nobody the key's current shard
+    /// does not, and a CAS take here that lands after the carry's scan passed its key would be
+    /// left behind (see [`Topology::carrying_at`]).
+    pub(crate) carry_begun: Arc<AtomicBool>,
     /// The fingerprint of the topology it belonged to: processes of the fleet that still
     /// advertise it have not reloaded, and keep the move in force (see
     /// [`crate::moves::carry_fences`]).
@@ -209,6 +214,14 @@ impl Topology {
         out
     }
 
+    /// Whether `key`, taken on `at` as one of its previous locations, lives there under a
+    /// placement whose carry began (see [`Previous::carry_begun`]).
+    pub(crate) fn carrying_at(&self, key: &LockKey, at: &ShardState) -> bool {
+        self.previous.iter().any(|p| {
+            p.carry_begun.load(Ordering::Acquire) && p.placement.locate(key).same_database(at)
+        })
+    }
+
     /// The placements a reload to a new topology must keep: earlier ones still in force, and
     /// this one until `window` from now (and its fences carried over). When the ring does not
     /// change at all, nothing moves and this placement is not kept.
@@ -240,6 +253,7 @@ impl Topology {
                 placement: self.current.clone(),
                 until: now + window,
                 fences_carried: Arc::default(),
+                carry_begun: Arc::default(),
                 fingerprint: self.fingerprint.clone(),
             });
         }

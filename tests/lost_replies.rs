@@ -550,7 +550,7 @@ async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_an
     let taken = router.cas_acquire("c", "lost-take-owner").await;
     assert!(taken.is_err(), "answered without a reply: {taken:?}");
     assert_eq!(
-        cas_owner(cluster.shard(0), "c").await.as_deref(),
+        common::cas_owner(cluster.shard(0), "c").await.as_deref(),
         Some("lost-take-owner"),
         "the take whose reply was lost was made"
     );
@@ -609,7 +609,9 @@ async fn a_cas_take_of_unknown_outcome_carried_by_a_move_is_given_back_where_it_
     common::moves_done(&b).await;
     for (shard, owner) in [(0, None), (1, Some("lost-take-owner"))] {
         assert_eq!(
-            cas_owner(cluster.shard(shard), &moved).await.as_deref(),
+            common::cas_owner(cluster.shard(shard), &moved)
+                .await
+                .as_deref(),
             owner,
             "the take whose reply was lost was made, and carried to s2"
         );
@@ -627,17 +629,6 @@ async fn a_cas_take_of_unknown_outcome_carried_by_a_move_is_given_back_where_it_
         freed,
         "the carried take stayed owned with nobody holding it"
     );
-}
-
-/// The owner of `key`'s CAS row on `shard`.
-async fn cas_owner(shard: &shardlock_testkit::Shard, key: &str) -> Option<String> {
-    use shardlock::mysql_async::prelude::Queryable;
-    let mut c = shard.connect().await.unwrap();
-    let owner: Option<Option<String>> = c
-        .exec_first("SELECT owner FROM shardlock_cas WHERE lock_key = ?", (key,))
-        .await
-        .unwrap();
-    owner.flatten()
 }
 
 /// A router reaching the one shard of `cluster` through a proxy, and the proxy. `shard` and

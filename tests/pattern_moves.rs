@@ -188,15 +188,11 @@ async fn a_carry_that_scanned_a_cas_row_before_its_holder_took_it_again_leaves_t
         a.cas_acquire(&first, "b").await.unwrap().is_none(),
         "the first key was carried"
     );
-    let mut conn = old.connect().await.unwrap();
-    let left: Option<Option<String>> = conn
-        .exec_first(
-            "SELECT owner FROM shardlock_cas WHERE lock_key = ?",
-            (&second,),
-        )
-        .await
-        .unwrap();
-    assert_eq!(left, Some(None), "the take on the old shard was carried");
+    assert_eq!(
+        common::cas_owner(old, &second).await,
+        None,
+        "the take on the old shard was carried"
+    );
     assert!(
         a.cas_release(again).await.unwrap(),
         "the holder releases its take where the key lives"
@@ -586,6 +582,35 @@ async fn a_cas_lock_taken_on_the_old_shard_after_the_move_ended_is_given_back() 
     assert!(got.is_none(), "a took the key b owns: {got:?}");
     assert_eq!(a.stats().stale_grants, 1);
     assert!(b.cas_release(theirs).await.unwrap());
+}
+
+/// A CAS take that reaches its key's old shard only after the move's carry passed the key
+/// there (held up behind another transaction's lock on the row) is given back on that shard:
+/// the move ends without carrying it, and a row left owned there would hold the key for good
+/// once a later reload places the key there again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_take_landing_on_the_old_shard_after_the_carry_passed_its_key_is_given_back_there() {
+    let (cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "cas:").await;
+    let a = LockRouter::new(three).await.unwrap();
+    let old = shard_of(&cluster, &a, &key);
+    a.reload(four).await.unwrap();
+    let mut blocker = row_locked(old, "shardlock_cas", &key).await;
+    let taking = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move { a.cas_acquire(&key, "a").await }
+    });
+    common::until_a_row_lock_is_waited_for(old).await;
+    common::moves_done(&a).await;
+
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let guard = taking.await.unwrap().unwrap().expect("free");
+    assert_eq!(
+        common::cas_owner(old, &key).await,
+        None,
+        "the take was left owned on the old shard"
+    );
+    assert!(a.cas_release(guard).await.unwrap());
 }
 
 /// `router`'s own registry row on s1.

@@ -108,7 +108,23 @@ impl LockRouter {
             failed => Err(failed),
         };
         match version {
-            Ok(version) => Ok(CasTry::Taken(version)),
+            Ok(version) => {
+                // Taken on a previous shard whose carry began: that row excludes nobody the
+                // key's shard does not, and if it landed after the carry's scan passed the key
+                // it would be left behind, owned for good, once the move ends. Given back by
+                // this call's token (a carry that moved it meanwhile left nothing there).
+                for at in taken {
+                    if !Arc::ptr_eq(&at, &shard) && topology.carrying_at(lock_key, &at) {
+                        let given = at
+                            .run(|b| b.give_back_cas(lock_key.stored(), &token, None))
+                            .await;
+                        if given.is_err() {
+                            at.give_back_cas(lock_key.stored().to_vec(), token.clone(), None, None);
+                        }
+                    }
+                }
+                Ok(CasTry::Taken(version))
+            }
             Err(failed) => {
                 let mut given_back = Ok(false);
                 if !taken.is_empty() && !taken.iter().any(|at| Arc::ptr_eq(at, &shard)) {

@@ -15,6 +15,16 @@ use shardlock_testkit::{Cluster, Shard};
 /// Environment variable carrying the YAML config to worker processes.
 pub const CONFIG_ENV: &str = "SHARDLOCK_TEST_CONFIG";
 
+/// The owner of `key`'s CAS row on `shard` (`None`: free, or no row).
+pub async fn cas_owner(shard: &Shard, key: &str) -> Option<String> {
+    let mut c = shard.connect().await.unwrap();
+    let owner: Option<Option<String>> = c
+        .exec_first("SELECT owner FROM shardlock_cas WHERE lock_key = ?", (key,))
+        .await
+        .unwrap();
+    owner.flatten()
+}
+
 /// `n` fresh shards and a migrated router over them; `extra` is appended to the YAML.
 pub async fn start(n: usize, extra: &str) -> (Cluster, LockRouter, String) {
     let cluster = Cluster::start(n).await.expect("start shards");
