@@ -39,10 +39,11 @@ pub(crate) struct Previous {
     /// Set once the fences of its shards' rows were copied to where their keys live now (see
     /// [`crate::moves::carry_fences`]); until then its shards are still consulted as a floor.
     pub(crate) fences_carried: Arc<AtomicBool>,
-    /// Set once this process's carry of its shards' rows began: no live process of the fleet
-    /// ran its topology then, so rows taken here since exclude nobody the key's current shard
-    /// does not, and a CAS take here that lands after the carry's scan passed its key would be
-    /// left behind (see [`Topology::carrying_at`]).
+    /// Set once this process's carry of its shards' rows began: its window was over and (with
+    /// the heartbeat registry) no live process of the fleet ran its topology, so rows taken
+    /// here since exclude nobody the key's shards under later placements do not, and a CAS
+    /// take here that lands after the carry's scan passed its key would be left behind (see
+    /// [`Topology::carrying_at`]).
     pub(crate) carry_begun: Arc<AtomicBool>,
     /// The fingerprint of the topology it belonged to: processes of the fleet that still
     /// advertise it have not reloaded, and keep the move in force (see
@@ -214,12 +215,29 @@ impl Topology {
         out
     }
 
-    /// Whether `key`, taken on `at` as one of its previous locations, lives there under a
-    /// placement whose carry began (see [`Previous::carry_begun`]).
+    /// Whether `key`, taken on `at` as one of its previous locations, lives there only under
+    /// placements whose carry began (see [`Previous::carry_begun`]): a later placement still
+    /// waiting for processes that run it needs the row there.
     pub(crate) fn carrying_at(&self, key: &LockKey, at: &ShardState) -> bool {
-        self.previous.iter().any(|p| {
-            p.carry_begun.load(Ordering::Acquire) && p.placement.locate(key).same_database(at)
-        })
+        let mut placing = self
+            .previous
+            .iter()
+            .filter(|p| p.placement.locate(key).same_database(at))
+            .peekable();
+        placing.peek().is_some() && placing.all(|p| p.carry_begun.load(Ordering::Acquire))
+    }
+
+    /// The shards `key` lived on under earlier placements, oldest placement first, without
+    /// repeats.
+    pub(crate) fn previous_shards_oldest_first(&self, key: &LockKey) -> Vec<Arc<ShardState>> {
+        let mut out: Vec<Arc<ShardState>> = Vec::new();
+        for p in &self.previous {
+            let shard = p.placement.locate(key);
+            if !out.iter().any(|s| s.same_database(shard)) {
+                out.push(shard.clone());
+            }
+        }
+        out
     }
 
     /// The placements a reload to a new topology must keep: earlier ones still in force, and

@@ -112,9 +112,14 @@ impl LockRouter {
                 // Taken on a previous shard whose carry began: that row excludes nobody the
                 // key's shard does not, and if it landed after the carry's scan passed the key
                 // it would be left behind, owned for good, once the move ends. Given back by
-                // this call's token (a carry that moved it meanwhile left nothing there).
-                for at in taken {
-                    if !Arc::ptr_eq(&at, &shard) && topology.carrying_at(lock_key, &at) {
+                // this call's token (a carry that moved it meanwhile left nothing there),
+                // oldest placement first: a carry from an older shard writes its copy on a
+                // newer one while holding the older row, so the give-back there waits for it
+                // and the one on the newer shard then finds the copy.
+                for at in topology.previous_shards_oldest_first(lock_key) {
+                    let was_taken = taken.iter().any(|t| t.same_database(&at));
+                    if was_taken && !at.same_database(&shard) && topology.carrying_at(lock_key, &at)
+                    {
                         let given = at
                             .run(|b| b.give_back_cas(lock_key.stored(), &token, None))
                             .await;
