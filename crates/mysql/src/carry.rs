@@ -133,7 +133,7 @@ pub(crate) async fn carry_cas_row(
 }
 
 /// Writes a carried row's copies, named by its token (when it has one), on the shards its key
-/// now lives on (see [`adopt_cas`]); `false` when the key does not move.
+/// now lives on (see [`crate::Shard::adopt_cas`]); `false` when the key does not move.
 pub type CopyCas<'a> = dyn Fn(CasRow, Option<String>) -> BoxFuture<'a, Result<bool, shardlock_core::BackendError>>
     + Send
     + Sync
