@@ -613,6 +613,64 @@ async fn a_cas_take_landing_on_the_old_shard_after_the_carry_passed_its_key_is_g
     assert!(a.cas_release(guard).await.unwrap());
 }
 
+/// Two reloads in a row, one process still running the topology in between: a key on one
+/// shard under the first two topologies, and another under the third. The first move's carry
+/// began (nobody runs its topology), the second's waits for that process. A CAS take under
+/// the third topology keeps its row on the shard of the first two: the process in between
+/// takes the key there, and only there.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_take_keeps_its_row_where_a_placement_still_waiting_for_its_fleet_puts_the_key() {
+    let (cluster, _, _) = cluster().await;
+    let config = |weights: &[u32]| {
+        let mut yaml = String::from("shards:\n");
+        for (s, weight) in cluster.shards().iter().zip(weights) {
+            yaml.push_str(&format!(
+                "  - name: {}\n    url: {}\n    weight: {weight}\n",
+                s.name(),
+                s.url()
+            ));
+        }
+        yaml.push_str("routing:\n  move-window: 500ms\ncleaner:\n  heartbeat-interval: 100ms\n");
+        Config::from_yaml_str(&yaml).unwrap()
+    };
+    let (t0, t1, t2) = (
+        config(&[1, 1, 1]),
+        config(&[1, 1, 1, 1]),
+        config(&[1, 1, 1, 8]),
+    );
+    let key = {
+        let routers = [
+            LockRouter::new(t0.clone()).await.unwrap(),
+            LockRouter::new(t1.clone()).await.unwrap(),
+            LockRouter::new(t2.clone()).await.unwrap(),
+        ];
+        let at = |i: usize, k: &str| routers[i].shard_for(k).unwrap();
+        (0..)
+            .map(|i| format!("cas:{i}"))
+            .find(|k| at(0, k) == at(1, k) && at(1, k) != at(2, k))
+            .unwrap()
+    };
+    let a = LockRouter::new(t0.clone()).await.unwrap();
+    let b = LockRouter::new(t0).await.unwrap();
+    a.reload(t1.clone()).await.unwrap();
+    b.reload(t1).await.unwrap();
+    a.reload(t2).await.unwrap();
+    // The first move ends; the second stays in force while b runs its topology.
+    let first_done = common::eventually(Duration::from_secs(30), || async {
+        a.moves_in_progress() == 1
+    })
+    .await;
+    assert!(first_done, "the first move never ended");
+
+    let held = a.cas_acquire(&key, "a").await.unwrap().expect("free");
+    let other = b.cas_acquire(&key, "b").await.unwrap();
+    assert!(
+        other.is_none(),
+        "the process between the reloads took a held CAS lock: {other:?}"
+    );
+    assert!(a.cas_release(held).await.unwrap());
+}
+
 /// `router`'s own registry row on s1.
 async fn own_row(router: &LockRouter) -> Option<shardlock::InstanceRow> {
     let shards = router.instances().await;
