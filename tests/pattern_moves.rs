@@ -21,19 +21,10 @@ async fn cluster() -> (Cluster, Config, Config) {
 /// [`cluster`] with `per_shard` (YAML lines) in each shard's entry.
 async fn cluster_with(per_shard: &str) -> (Cluster, Config, Config) {
     let cluster = Cluster::start(4).await.unwrap();
-    let config = |n: usize| {
-        let mut yaml = String::from("shards:\n");
-        for s in &cluster.shards()[..n] {
-            yaml.push_str(&format!(
-                "  - name: {}\n    url: {}\n{per_shard}",
-                s.name(),
-                s.url()
-            ));
-        }
-        yaml.push_str("routing:\n  move-window: 500ms\ncleaner:\n  heartbeat-interval: 100ms\n");
-        Config::from_yaml_str(&yaml).unwrap()
-    };
-    let (three, four) = (config(3), config(4));
+    let (three, four) = (
+        config_of(&cluster, &[1; 3], per_shard),
+        config_of(&cluster, &[1; 4], per_shard),
+    );
     LockRouter::new(four.clone())
         .await
         .unwrap()
@@ -41,6 +32,21 @@ async fn cluster_with(per_shard: &str) -> (Cluster, Config, Config) {
         .await
         .unwrap();
     (cluster, three, four)
+}
+
+/// A config listing the first shards of `cluster`, one per weight in `weights`, each entry
+/// with `per_shard` (YAML lines) added (500 ms move window).
+fn config_of(cluster: &Cluster, weights: &[u32], per_shard: &str) -> Config {
+    let mut yaml = String::from("shards:\n");
+    for (s, weight) in cluster.shards().iter().zip(weights) {
+        yaml.push_str(&format!(
+            "  - name: {}\n    url: {}\n    weight: {weight}\n{per_shard}",
+            s.name(),
+            s.url()
+        ));
+    }
+    yaml.push_str("routing:\n  move-window: 500ms\ncleaner:\n  heartbeat-interval: 100ms\n");
+    Config::from_yaml_str(&yaml).unwrap()
 }
 
 /// A key that lives on another shard under `four` than under `three`.
@@ -621,18 +627,7 @@ async fn a_cas_take_landing_on_the_old_shard_after_the_carry_passed_its_key_is_g
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_take_keeps_its_row_where_a_placement_still_waiting_for_its_fleet_puts_the_key() {
     let (cluster, _, _) = cluster().await;
-    let config = |weights: &[u32]| {
-        let mut yaml = String::from("shards:\n");
-        for (s, weight) in cluster.shards().iter().zip(weights) {
-            yaml.push_str(&format!(
-                "  - name: {}\n    url: {}\n    weight: {weight}\n",
-                s.name(),
-                s.url()
-            ));
-        }
-        yaml.push_str("routing:\n  move-window: 500ms\ncleaner:\n  heartbeat-interval: 100ms\n");
-        Config::from_yaml_str(&yaml).unwrap()
-    };
+    let config = |weights: &[u32]| config_of(&cluster, weights, "");
     let (t0, t1, t2) = (
         config(&[1, 1, 1]),
         config(&[1, 1, 1, 1]),

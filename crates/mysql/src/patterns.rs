@@ -207,6 +207,16 @@ pub(crate) async fn take_cas(
     Ok((conn.affected_rows() == 1).then_some(version + 1))
 }
 
+/// Runs a conditional write of one row; whether it changed that row.
+async fn changed_one(
+    conn: &mut Conn,
+    sql: &str,
+    params: impl Into<mysql_async::Params> + Send,
+) -> mysql_async::Result<bool> {
+    conn.exec_drop(sql, params).await?;
+    Ok(conn.affected_rows() == 1)
+}
+
 /// Frees the CAS row of `key` if `owner` owns it (at `version`, when given); whether it did.
 pub(crate) async fn free_cas(
     conn: &mut Conn,
@@ -214,9 +224,7 @@ pub(crate) async fn free_cas(
     owner: &str,
     version: Option<u64>,
 ) -> mysql_async::Result<bool> {
-    conn.exec_drop(CAS_FREE, (key, owner, version, version))
-        .await?;
-    Ok(conn.affected_rows() == 1)
+    changed_one(conn, CAS_FREE, (key, owner, version, version)).await
 }
 
 /// Frees the CAS row of `key` if the take of `token` owns it (at `version`, when given);
@@ -227,9 +235,7 @@ pub(crate) async fn give_back_cas(
     token: &str,
     version: Option<u64>,
 ) -> mysql_async::Result<bool> {
-    conn.exec_drop(CAS_GIVE_BACK, (key, token, version, version))
-        .await?;
-    Ok(conn.affected_rows() == 1)
+    changed_one(conn, CAS_GIVE_BACK, (key, token, version, version)).await
 }
 
 /// Whether the CAS row of `key` is free at `version` (see [`CAS_FREED_AT`]).
@@ -300,9 +306,7 @@ pub(crate) async fn transition(
     from: &str,
     to: &str,
 ) -> mysql_async::Result<bool> {
-    conn.exec_drop(table.transition.as_str(), (to, id, from))
-        .await?;
-    Ok(conn.affected_rows() == 1)
+    changed_one(conn, table.transition.as_str(), (to, id, from)).await
 }
 
 // Job claims.
@@ -415,8 +419,7 @@ pub(crate) async fn finish_job(
     end: JobEnd,
 ) -> mysql_async::Result<bool> {
     let status = end.status();
-    conn.exec_drop(FINISH_JOB, (status, id, claim)).await?;
-    Ok(conn.affected_rows() == 1)
+    changed_one(conn, FINISH_JOB, (status, id, claim)).await
 }
 
 /// Whether job `id` was ended as `end` under `claim` (see [`FINISHED_BY`]).
