@@ -666,6 +666,95 @@ async fn a_cas_take_keeps_its_row_where_a_placement_still_waiting_for_its_fleet_
     assert!(a.cas_release(held).await.unwrap());
 }
 
+/// A clone of a CAS guard released already, released again after the key was taken anew
+/// under the same owner name during a move, frees nothing: not the new take's row on the old
+/// shard either, where a process still running the old topology takes the key alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_released_cas_guard_released_again_during_a_move_leaves_a_new_take_alone() {
+    let (_cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "cas:").await;
+    let old = LockRouter::new(three.clone()).await.unwrap();
+    let new = LockRouter::new(three).await.unwrap();
+    new.reload(four).await.unwrap();
+    let first = new.cas_acquire(&key, "svc").await.unwrap().expect("free");
+    assert!(new.cas_release(first.clone()).await.unwrap());
+    let second = new
+        .cas_acquire(&key, "svc")
+        .await
+        .unwrap()
+        .expect("free again");
+    assert_eq!(new.moves_in_progress(), 1, "the move is in force");
+
+    let again = new.cas_release(first).await.unwrap();
+    let other = old.cas_acquire(&key, "x").await.unwrap();
+    assert!(
+        other.is_none(),
+        "a process on the old topology took a held CAS lock: {other:?}"
+    );
+    assert!(!again, "a guard released already released something again");
+    assert!(new.cas_release(second).await.unwrap());
+}
+
+/// Two reloads in a row: a CAS take made under the second topology while the first's move was
+/// in force has rows on both earlier shards, with versions of their own. The first move's
+/// carry copies its row onto the third topology's shard (the second move waits for a process
+/// running it), with the first shard's version; the second's carry then finds the copy there.
+/// The holder's release frees it all the same: it names the take, not a version.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_lock_taken_between_two_reloads_is_released_where_the_first_carry_put_it() {
+    let (cluster, _, _) = cluster().await;
+    let config = |weights: &[u32]| config_of(&cluster, weights, "");
+    let (t0, t1, t2) = (
+        config(&[1, 1, 1]),
+        config(&[1, 1, 1, 1]),
+        config(&[1, 1, 8, 1]),
+    );
+    let key = {
+        let routers = [
+            LockRouter::new(t0.clone()).await.unwrap(),
+            LockRouter::new(t1.clone()).await.unwrap(),
+            LockRouter::new(t2.clone()).await.unwrap(),
+        ];
+        let at = |i: usize, k: &str| routers[i].shard_for(k).unwrap();
+        (0..)
+            .map(|i| format!("cas:{i}"))
+            .find(|k| at(0, k) != at(1, k) && at(1, k) != at(2, k) && at(0, k) != at(2, k))
+            .unwrap()
+    };
+    // A process on the first topology: it keeps the first move in force, and takes and
+    // releases the key twice, so its row there is ahead of the one on the second shard.
+    let first = LockRouter::new(t0.clone()).await.unwrap();
+    for _ in 0..2 {
+        let guard = first.cas_acquire(&key, "p").await.unwrap().expect("free");
+        assert!(first.cas_release(guard).await.unwrap());
+    }
+    let holder = LockRouter::new(t0).await.unwrap();
+    holder.reload(t1.clone()).await.unwrap();
+    let held = holder.cas_acquire(&key, "h").await.unwrap().expect("free");
+    // A process started on the second topology (it carries nothing) keeps the second move in
+    // force until the first one's carry is done.
+    let second = LockRouter::new(t1).await.unwrap();
+    holder.reload(t2).await.unwrap();
+    first.shutdown().await.unwrap();
+    let first_done = common::eventually(Duration::from_secs(30), || async {
+        holder.moves_in_progress() == 1
+    })
+    .await;
+    assert!(first_done, "the first move never ended");
+    second.shutdown().await.unwrap();
+    common::moves_done(&holder).await;
+
+    assert!(
+        holder.cas_release(held).await.unwrap(),
+        "the holder could not release its lock where the first carry put it"
+    );
+    let next = holder.cas_acquire(&key, "n").await.unwrap();
+    assert!(
+        next.is_some(),
+        "the lock stayed owned with nobody holding it"
+    );
+}
+
 /// `router`'s own registry row on s1.
 async fn own_row(router: &LockRouter) -> Option<shardlock::InstanceRow> {
     let shards = router.instances().await;

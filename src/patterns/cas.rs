@@ -17,12 +17,16 @@ pub struct CasGuard {
     pub owner: String,
     /// The row's version after the acquire (it rises with every acquire and release).
     pub version: u64,
+    /// The take's token, unique per call, written in the row's `token` column with the owner
+    /// (and carried with it when a reload moves the key): the release frees only the rows of
+    /// this take, never a later take under the same owner name.
+    pub token: String,
 }
 
 /// What one try of [`LockRouter::cas_acquire`] under one topology came to.
 enum CasTry {
-    /// Taken: the row's version now.
-    Taken(u64),
+    /// Taken: the row's version now, and the take's token.
+    Taken(u64, String),
     /// Someone else owns the key.
     Owned,
     /// A reload replaced the topology while the key was being taken: what was taken was
@@ -46,17 +50,19 @@ impl LockRouter {
     ///
     /// Cancellation: a take that reached a shard may have committed and earlier takes are not given
     /// back: the key may stay owned by `owner` with no guard (CAS rows never expire; a new call
-    /// answers `None`). Read the row's version on [`LockRouter::shard_connection`] to release it.
+    /// answers `None`). Read the row's version and token on [`LockRouter::shard_connection`] to
+    /// release it.
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
         let lapses = self.joined(&lock_key)?;
         loop {
             match self.cas_take(&lock_key, owner, lapses).await? {
-                CasTry::Taken(version) => {
+                CasTry::Taken(version, token) => {
                     return Ok(Some(CasGuard {
                         key: key.to_owned(),
                         owner: owner.to_owned(),
                         version,
+                        token,
                     }))
                 }
                 CasTry::Owned => return Ok(None),
@@ -128,7 +134,7 @@ impl LockRouter {
                         }
                     }
                 }
-                Ok(CasTry::Taken(version))
+                Ok(CasTry::Taken(version, token))
             }
             Err(failed) => {
                 let mut given_back = Ok(false);
@@ -160,10 +166,15 @@ impl LockRouter {
         }
     }
 
-    /// Releases a CAS lock: only if the row still has the guard's owner and version. `false`
-    /// when it did not (someone force-changed it). While a reload's move is in progress, the
-    /// owner's rows on the key's previous shards are released too (the guard's version is the
-    /// current shard's).
+    /// Releases a CAS lock: only the rows its take made (or a move carried), named by the
+    /// guard's token. `false` when there were none (someone force-changed the row, or the guard
+    /// was released already). While a reload's move is in progress, the take's rows on the
+    /// key's previous shards are released too.
+    ///
+    /// A release never frees another take, whatever its owner name: a clone of a guard
+    /// released already, released again after the key was taken anew under the same owner,
+    /// answers `false` and leaves the new take whole on every shard (processes still running
+    /// the old topology take the key on the old shard alone).
     ///
     /// Cancellation: rows freed before the drop stay free, a release in flight may have committed,
     /// and the others stay owned (CAS rows never expire): call again with a clone of the guard (a
@@ -177,7 +188,7 @@ impl LockRouter {
         let mut failure = None;
         for old in topology.previous_locations(&lock_key) {
             match old
-                .run(|b| b.release_cas(lock_key.stored(), &guard.owner, None))
+                .run(|b| b.give_back_cas(lock_key.stored(), &guard.token, None))
                 .await
             {
                 Ok(freed) => released |= freed,
@@ -185,7 +196,7 @@ impl LockRouter {
             }
         }
         match shard
-            .run(|b| b.release_cas(lock_key.stored(), &guard.owner, Some(guard.version)))
+            .run(|b| b.release_cas(lock_key.stored(), &guard.token, guard.version))
             .await
         {
             Ok(freed) => released |= freed,

@@ -356,7 +356,7 @@ mod tests {
             "a carried row, taken and given back since, read as released: its copy, the lock, \
              would be given back"
         );
-        assert!(new.release_cas(b"k", "o", Some(version)).await.unwrap());
+        assert!(new.release_cas(b"k", "t1", version).await.unwrap());
 
         // A second carry that scanned the row before the first freed it.
         let second = |_, _| -> futures_util::future::BoxFuture<'_, _> {
@@ -376,7 +376,7 @@ mod tests {
             .await
             .unwrap();
         drop(session);
-        assert!(old.release_cas(b"k", "o2", Some(1)).await.unwrap());
+        assert!(old.release_cas(b"k", "t4", 1).await.unwrap());
         assert!(
             !old.cas_carry_kept(&back).await.unwrap(),
             "a released row read as carried by an earlier carry's mark"
@@ -384,7 +384,7 @@ mod tests {
 
         // A row released by its holder, not carried: copies of it are nobody's.
         let version = old.take_cas(b"r", "o", "t3").await.unwrap().unwrap();
-        assert!(old.release_cas(b"r", "o", Some(version)).await.unwrap());
+        assert!(old.release_cas(b"r", "t3", version).await.unwrap());
         let released = (b"r".to_vec(), "o".to_owned(), version);
         assert!(!old.cas_carry_kept(&released).await.unwrap());
     }

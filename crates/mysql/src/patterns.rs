@@ -145,9 +145,9 @@ impl SessionConn {
 
 // Version compare-and-set locks.
 
-/// Frees the CAS row of `key` if the take of call token `?` owns it: a take whose outcome is
-/// unknown (its reply lost, its retry failed) is undone by its token, unique per call, so no
-/// other take is freed.
+/// Frees the CAS row of `key` if the take of call token `?` owns it: a release, and a take
+/// whose outcome is unknown (its reply lost, its retry failed) undone, name the take by its
+/// token, unique per call, so no other take is freed, whatever its owner name.
 const CAS_GIVE_BACK: &str = "UPDATE shardlock_cas SET owner = NULL, token = NULL, \
      version = version + 1 WHERE lock_key = ? AND token = ? AND owner IS NOT NULL \
      AND (? IS NULL OR version = ?)";
@@ -176,12 +176,6 @@ const CAS_READ: &str = "SELECT owner, version, token FROM shardlock_cas WHERE lo
 /// alone does not prove the row is still free. Judged by affected rows.
 const CAS_TAKE: &str = "UPDATE shardlock_cas SET owner = ?, token = ?, version = version + 1 \
      WHERE lock_key = ? AND version = ? AND owner IS NULL";
-
-/// Owner-checked, and version-checked when the caller knows the version (`? IS NULL OR
-/// version = ?`: one statement for both cases), so a release after someone force-changed the
-/// row does nothing. The version rises, so a take based on a read from before fails.
-const CAS_FREE: &str = "UPDATE shardlock_cas SET owner = NULL, token = NULL, \
-     version = version + 1 WHERE lock_key = ? AND owner = ? AND (? IS NULL OR version = ?)";
 
 /// Takes the CAS row of `key` for `owner` (creating it free on first use): its new version,
 /// or `None` when it is owned (or the race was lost). `token` is unique per call: a retry
@@ -215,16 +209,6 @@ async fn changed_one(
 ) -> mysql_async::Result<bool> {
     conn.exec_drop(sql, params).await?;
     Ok(conn.affected_rows() == 1)
-}
-
-/// Frees the CAS row of `key` if `owner` owns it (at `version`, when given); whether it did.
-pub(crate) async fn free_cas(
-    conn: &mut Conn,
-    key: &[u8],
-    owner: &str,
-    version: Option<u64>,
-) -> mysql_async::Result<bool> {
-    changed_one(conn, CAS_FREE, (key, owner, version, version)).await
 }
 
 /// Frees the CAS row of `key` if the take of `token` owns it (at `version`, when given);
@@ -499,29 +483,26 @@ impl Shard {
         .await
     }
 
-    /// Frees the CAS row of `key` if `owner` owns it (at `version`, when given); whether it
-    /// did.
+    /// Releases the CAS row of `key` taken by the call of token `token` (or a carry's copy of
+    /// that take); whether it did. The token, unique per call, names the take whatever
+    /// happened since: a release of a guard released already (a clone, a retry) never frees a
+    /// later take under the same owner name, and a copy carried in with another version is
+    /// still found.
     ///
-    /// A try whose reply was lost is retried; a retry that finds the row no longer ours at
-    /// `version` asks whether it is free at the next one, which is what the lost try left.
+    /// A try whose reply was lost is retried; a retry that finds the row no longer the take's
+    /// asks whether it is free at `version + 1`, which is what the lost try left of the take
+    /// that wrote `version`.
     pub async fn release_cas(
         &self,
         key: &[u8],
-        owner: &str,
-        version: Option<u64>,
+        token: &str,
+        version: u64,
     ) -> Result<bool, BackendError> {
         self.run_confirmed(
             "release_cas",
-            (key, owner, version),
-            |c, &(key, owner, version)| Box::pin(free_cas(c, key, owner, version)),
-            |c, &(key, _, version)| {
-                Box::pin(async move {
-                    match version {
-                        Some(version) => cas_freed_at(c, key, version + 1).await,
-                        None => Ok(false),
-                    }
-                })
-            },
+            (key, token, version),
+            |c, &(key, token, _)| Box::pin(give_back_cas(c, key, token, None)),
+            |c, &(key, _, version)| Box::pin(cas_freed_at(c, key, version + 1)),
         )
         .await
     }
@@ -625,21 +606,21 @@ impl Shard {
 mod tests {
     use super::*;
 
-    /// A give-back names the version its take wrote: applied late (after the key was
+    /// A release names its take by the take's token: applied late (after the key was
     /// released and taken again under the same owner name), it frees nothing.
     #[tokio::test(flavor = "multi_thread")]
     async fn a_late_cas_give_back_leaves_a_later_take_under_the_same_owner_alone() {
         let (_cluster, shard) = crate::testing::migrated_shard().await;
         let first = shard.take_cas(b"k", "a", "t1").await.unwrap().unwrap();
-        assert!(shard.release_cas(b"k", "a", Some(first)).await.unwrap());
+        assert!(shard.release_cas(b"k", "t1", first).await.unwrap());
         let second = shard.take_cas(b"k", "a", "t2").await.unwrap().unwrap();
         assert!(second > first);
 
-        let late = shard.release_cas(b"k", "a", Some(first)).await.unwrap();
+        let late = shard.release_cas(b"k", "t1", first).await.unwrap();
         assert!(!late, "a give-back of the first take freed the second");
         let retaken = shard.take_cas(b"k", "b", "t3").await.unwrap();
         assert_eq!(retaken, None, "the second take is still owned");
-        assert!(shard.release_cas(b"k", "a", Some(second)).await.unwrap());
+        assert!(shard.release_cas(b"k", "t2", second).await.unwrap());
 
         // A give-back by a call's token frees only that call's take: not a row freed since
         // and then owned by a holder carried in from another shard.
