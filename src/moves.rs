@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use shardlock_core::{BackendError, BackendErrorKind, Backoff, LockKey};
-use shardlock_mysql::{Attempt, CasRow, GrantRequest, FLOOR_BATCH};
+use shardlock_mysql::{Attempt, CasGiveBack, CasRow, GrantRequest, FLOOR_BATCH};
 
 use crate::clock::Moment;
 use crate::queue::Want;
@@ -532,14 +532,12 @@ async fn carry_cas_row(
         let copying: BoxFuture<'_, Result<bool, BackendError>> = Box::pin(async move {
             let topology = router.topology.load_full();
             let placement = LockKey::placement_of_stored(&row.0).unwrap_or_default();
-            // A key that lives on `source` again (a reload undone while its move was in
-            // force) stays: copied to the placement in between, it would be left where nobody
-            // looks once that move ends.
-            if topology
-                .current
-                .locate_bytes(placement)
-                .same_database(source)
-            {
+            // A key that a later placement still in force puts on `source` stays: a
+            // placement in between that kept it here has processes that take it here alone
+            // (freed, it would be granted twice), and a reload undone while its move was in
+            // force brought it home (copied to the placement in between, it would be left
+            // where nobody looks once that move ends). That placement's move carries it on.
+            if topology.placed_later_on(&previous.placement, source, placement) {
                 return Ok(false);
             }
             let targets = topology.later_locations(&previous.placement, source, Some(placement));
@@ -624,7 +622,12 @@ fn settle_copies(
                 if let Ok(kept) = source.call_waiting(|b| b.cas_carry_kept(&row)).await {
                     if !kept {
                         for target in &targets {
-                            target.give_back_cas(row.0.clone(), token.clone(), Some(row.2), None);
+                            target.give_back_cas(
+                                row.0.clone(),
+                                token.clone(),
+                                CasGiveBack::Undone(Some(row.2)),
+                                None,
+                            );
                         }
                     }
                     return;

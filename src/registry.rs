@@ -220,9 +220,15 @@ pub(crate) async fn fleet_disagreement(topology: &Topology, id: &str) -> Option<
 }
 
 /// Why a move away from the topology with `fingerprint` must stay in force, if it must: live
-/// instances of the fleet of a router with `topology` and instance `id` still run it (they have not reloaded, and would grant a moved
-/// key where this process no longer looks), or the registry cannot be read on every shard
-/// (unread is not "nobody there"). `None` under another registry than `heartbeat`.
+/// instances of the fleet of a router with `topology` and instance `id` run another topology
+/// than this router's, or the registry cannot be read on every shard (unread is not "nobody
+/// there"). `None` under another registry than `heartbeat`.
+///
+/// Not only those still running `fingerprint`: one that has not reloaded grants a moved key
+/// where this process no longer looks, and one that reloaded elsewhere (a chained reload still
+/// rolling out, a topology in between skipped) takes a key only where its own topology puts
+/// it, so it would not see what this move's carry writes where this one puts it, and its
+/// holders would not release there. The move ends once the fleet runs one topology.
 pub(crate) async fn laggards(topology: &Topology, id: &str, fingerprint: &str) -> Option<String> {
     if topology.fingerprint == fingerprint {
         // Back to that topology (a reload undone): whoever runs it runs ours.
@@ -232,14 +238,24 @@ pub(crate) async fn laggards(topology: &Topology, id: &str, fingerprint: &str) -
         Ok(rows) => rows?,
         Err(why) => return Some(why),
     };
+    let own = topology.fingerprint.as_str();
     let lagging: BTreeSet<_> = rows
         .iter()
-        .filter(|row| row.topology.as_deref() == Some(fingerprint))
-        .map(describe)
+        .filter(|row| row.topology.as_deref().is_some_and(|theirs| theirs != own))
+        .map(|row| {
+            let theirs = row.topology.as_deref().unwrap_or_default();
+            let which = if theirs == fingerprint {
+                "the previous topology".to_owned()
+            } else {
+                format!("topology {theirs}")
+            };
+            format!("{} runs {which}", describe(row))
+        })
         .collect();
     (!lagging.is_empty()).then(|| {
         format!(
-            "instances of this fleet still run the previous topology: {}; reload them",
+            "instances of this fleet run another topology than this process ({own}): {}; \
+             reload them with this process's config",
             lagging.into_iter().collect::<Vec<_>>().join("; ")
         )
     })

@@ -13,7 +13,7 @@ use shardlock_core::{
     Admission, BackendError, BackendErrorKind, Breaker, BreakerConfig, BreakerState, CallOutcome,
     ProbeTicket, Transition,
 };
-use shardlock_mysql::{Attempt, GrantRequest, ReleaseAnswer, Shard};
+use shardlock_mysql::{Attempt, CasGiveBack, GrantRequest, ReleaseAnswer, Shard};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -403,13 +403,13 @@ impl ShardState {
     /// a give-back a leaving shard's drain waits for: it has no end of its own.
     ///
     /// When the take is not found here, a move's carry may have brought it to the key's new
-    /// shard, `then` (its copies bear the take's token): given back there too. With
-    /// `version`, only a row at that version is (a carry's copy of a known version).
+    /// shard, `then` (its copies bear the take's token): given back there too, undone. `how`
+    /// says how the row is freed here (see [`CasGiveBack`]).
     pub(crate) fn give_back_cas(
         self: &Arc<Self>,
         key: Vec<u8>,
         token: String,
-        version: Option<u64>,
+        how: CasGiveBack,
         then: Option<Arc<ShardState>>,
     ) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -417,7 +417,8 @@ impl ShardState {
         };
         let first = self.clone();
         runtime.spawn(async move {
-            for shard in std::iter::once(first).chain(then) {
+            let steps = std::iter::once((first, how)).chain(then.map(|t| (t, CasGiveBack::Undone(None))));
+            for (shard, how) in steps {
                 let mut backoff = shardlock_core::Backoff::new(
                     std::time::Duration::from_millis(5),
                     std::time::Duration::from_millis(500),
@@ -434,7 +435,7 @@ impl ShardState {
                         );
                         return;
                     }
-                    match shard.call(|b| b.give_back_cas(&key, &token, version)).await {
+                    match shard.call(|b| b.give_back_cas(&key, &token, how)).await {
                         Ok(found) => break found,
                         Err(e) => {
                             tracing::debug!(shard = shard.name(), error = %shardlock_core::Report(&e), "shardlock CAS give-back failed; retrying");

@@ -109,7 +109,7 @@ counters! {
     /// floor there, once a move window was over.
     fences_carried,
     /// Registry reads, once a move window was over, that kept the move in force: a live
-    /// instance of the fleet still ran the previous topology, or the registry could not be
+    /// instance of the fleet ran another topology than this process, or the registry could not be
     /// read on every shard (read again every `cleaner.heartbeat-interval`).
     moves_kept,
     /// Grants (leases, transaction locks, CAS takes) given back because a reload came while

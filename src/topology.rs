@@ -278,6 +278,36 @@ impl Topology {
         kept
     }
 
+    /// The placements that came after `previous` and are still in force, the current one
+    /// last. Placements no longer in force have carried their own rows on already (and their
+    /// shards may be closed).
+    fn later_placements<'a>(
+        &'a self,
+        previous: &'a Arc<Placement>,
+    ) -> impl Iterator<Item = &'a Arc<Placement>> + 'a {
+        let now = Moment::now();
+        self.previous
+            .iter()
+            .skip_while(move |p| !Arc::ptr_eq(&p.placement, previous))
+            .skip(1)
+            .filter(move |p| p.in_force(now))
+            .map(|p| &p.placement)
+            .chain(std::iter::once(&self.current))
+    }
+
+    /// Whether a placement after `previous` still in force, or the current one, puts a key
+    /// placed at `placement` on `shard`: the key lives there still (a placement in between
+    /// kept it there, or a reload was undone), and that placement's own move carries it on.
+    pub(crate) fn placed_later_on(
+        &self,
+        previous: &Arc<Placement>,
+        shard: &ShardState,
+        placement: &[u8],
+    ) -> bool {
+        self.later_placements(previous)
+            .any(|p| p.locate_bytes(placement).same_database(shard))
+    }
+
     /// Where a key placed at `placement` (by its placement bytes; `None`: a digest, whose
     /// placement is unknown, so every shard) lives under the placements that came after
     /// `previous`, the current one included, other than `from`, without repeats.
@@ -287,24 +317,13 @@ impl Topology {
         from: &ShardState,
         placement: Option<&[u8]>,
     ) -> Vec<Arc<ShardState>> {
-        // Placements no longer in force have carried their own rows on already (and their
-        // shards may be closed).
-        let now = Moment::now();
-        let later = self
-            .previous
-            .iter()
-            .skip_while(|p| !Arc::ptr_eq(&p.placement, previous))
-            .skip(1)
-            .filter(|p| p.in_force(now))
-            .map(|p| &p.placement)
-            .chain(std::iter::once(&self.current));
         let mut out: Vec<Arc<ShardState>> = Vec::new();
         let mut add = |s: &Arc<ShardState>| {
             if !s.same_database(from) && !out.iter().any(|o| o.same_database(s)) {
                 out.push(s.clone());
             }
         };
-        for p in later {
+        for p in self.later_placements(previous) {
             match placement {
                 Some(bytes) => add(p.locate_bytes(bytes)),
                 None => p.shards.iter().for_each(&mut add),

@@ -619,13 +619,14 @@ async fn a_cas_take_landing_on_the_old_shard_after_the_carry_passed_its_key_is_g
     assert!(a.cas_release(guard).await.unwrap());
 }
 
-/// Two reloads in a row, one process still running the topology in between: a key on one
-/// shard under the first two topologies, and another under the third. The first move's carry
-/// began (nobody runs its topology), the second's waits for that process. A CAS take under
-/// the third topology keeps its row on the shard of the first two: the process in between
-/// takes the key there, and only there.
+/// Three topologies, a key on one shard under the first two and on another under the third.
+/// A process reloads through all three while another stops at the second and holds the key
+/// there, where its topology takes it alone. The first move must not end while that process
+/// runs the second topology: its carry would copy the row to the third shard and free it here,
+/// and a second take under the second topology would be granted. Nor does the first move's
+/// carry free a row a later placement still puts on its shard.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_cas_take_keeps_its_row_where_a_placement_still_waiting_for_its_fleet_puts_the_key() {
+async fn a_move_stays_in_force_while_a_process_runs_a_later_topology_than_its_own_placement() {
     let (cluster, _, _) = cluster().await;
     let config = |weights: &[u32]| config_of(&cluster, weights, "");
     let (t0, t1, t2) = (
@@ -649,21 +650,31 @@ async fn a_cas_take_keeps_its_row_where_a_placement_still_waiting_for_its_fleet_
     let b = LockRouter::new(t0).await.unwrap();
     a.reload(t1.clone()).await.unwrap();
     b.reload(t1).await.unwrap();
+    let held = b.cas_acquire(&key, "b").await.unwrap().expect("free");
     a.reload(t2).await.unwrap();
-    // The first move ends; the second stays in force while b runs its topology.
-    let first_done = common::eventually(Duration::from_secs(30), || async {
-        a.moves_in_progress() == 1
+    // Registry reads that kept a's moves in force, past both windows.
+    let kept = common::eventually(Duration::from_secs(30), || async {
+        a.stats().moves_kept >= 10
     })
     .await;
-    assert!(first_done, "the first move never ended");
-
-    let held = a.cas_acquire(&key, "a").await.unwrap().expect("free");
-    let other = b.cas_acquire(&key, "b").await.unwrap();
+    assert!(kept, "a's moves were never kept in force by b");
+    assert_eq!(
+        a.moves_in_progress(),
+        2,
+        "the first move ended while a process ran the topology after it"
+    );
+    let other = b.cas_acquire(&key, "other").await.unwrap();
     assert!(
         other.is_none(),
-        "the process between the reloads took a held CAS lock: {other:?}"
+        "a second take under the topology in between was granted: {other:?}"
     );
-    assert!(a.cas_release(held).await.unwrap());
+    let newer = a.cas_acquire(&key, "a").await.unwrap();
+    assert!(newer.is_none(), "a took a held CAS lock: {newer:?}");
+    assert!(b.cas_release(held).await.unwrap());
+    let next = a.cas_acquire(&key, "a").await.unwrap().expect("free");
+    let refused = b.cas_acquire(&key, "b").await.unwrap();
+    assert!(refused.is_none(), "b took a held CAS lock: {refused:?}");
+    assert!(a.cas_release(next).await.unwrap());
 }
 
 /// A clone of a CAS guard released already, released again after the key was taken anew
@@ -697,9 +708,9 @@ async fn a_released_cas_guard_released_again_during_a_move_leaves_a_new_take_alo
 
 /// Two reloads in a row: a CAS take made under the second topology while the first's move was
 /// in force has rows on both earlier shards, with versions of their own. The first move's
-/// carry copies its row onto the third topology's shard (the second move waits for a process
-/// running it), with the first shard's version; the second's carry then finds the copy there.
-/// The holder's release frees it all the same: it names the take, not a version.
+/// carry (its window closed first) copies its row onto the second and third topologies'
+/// shards, with the first shard's version; the second's carry then finds the copy on the
+/// third. The holder's release frees it all the same: it names the take, not a version.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_lock_taken_between_two_reloads_is_released_where_the_first_carry_put_it() {
     let (cluster, _, _) = cluster().await;
@@ -729,19 +740,10 @@ async fn a_cas_lock_taken_between_two_reloads_is_released_where_the_first_carry_
         assert!(first.cas_release(guard).await.unwrap());
     }
     let holder = LockRouter::new(t0).await.unwrap();
-    holder.reload(t1.clone()).await.unwrap();
+    holder.reload(t1).await.unwrap();
     let held = holder.cas_acquire(&key, "h").await.unwrap().expect("free");
-    // A process started on the second topology (it carries nothing) keeps the second move in
-    // force until the first one's carry is done.
-    let second = LockRouter::new(t1).await.unwrap();
     holder.reload(t2).await.unwrap();
     first.shutdown().await.unwrap();
-    let first_done = common::eventually(Duration::from_secs(30), || async {
-        holder.moves_in_progress() == 1
-    })
-    .await;
-    assert!(first_done, "the first move never ended");
-    second.shutdown().await.unwrap();
     common::moves_done(&holder).await;
 
     assert!(

@@ -3,9 +3,13 @@
 use std::sync::Arc;
 
 use shardlock_core::{LockKey, Result};
+use shardlock_mysql::CasGiveBack;
 
 use crate::shard::ShardState;
 use crate::LockRouter;
+
+/// A take undone, or released: by its token, at any version.
+const UNDONE: CasGiveBack = CasGiveBack::Undone(None);
 
 /// A version compare-and-set lock held by [`LockRouter::cas_acquire`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,7 +96,7 @@ impl LockRouter {
             // to release it.
             if took.as_ref().is_err_and(|e| e.maybe_applied) {
                 let then = (!Arc::ptr_eq(&at, &shard)).then(|| shard.clone());
-                at.give_back_cas(lock_key.stored().to_vec(), token.clone(), None, then);
+                at.give_back_cas(lock_key.stored().to_vec(), token.clone(), UNDONE, then);
             }
             version = took.map_err(|e| e.into_error(at.name()));
             match version {
@@ -121,16 +125,21 @@ impl LockRouter {
                 // this call's token (a carry that moved it meanwhile left nothing there),
                 // oldest placement first: a carry from an older shard writes its copy on a
                 // newer one while holding the older row, so the give-back there waits for it
-                // and the one on the newer shard then finds the copy.
+                // and the one on the newer shard then finds the copy. Freed marked carried,
+                // not undone: the lock lives on where the key lives now, so a carry of this
+                // row whose outcome is unknown keeps its copies (this take's own row among
+                // them: a copy that changed nothing there looks just like it).
                 for at in topology.previous_shards_oldest_first(lock_key) {
                     let was_taken = taken.iter().any(|t| t.same_database(&at));
                     if was_taken && !at.same_database(&shard) && topology.carrying_at(lock_key, &at)
                     {
+                        let passed = CasGiveBack::PassedOn;
                         let given = at
-                            .run(|b| b.give_back_cas(lock_key.stored(), &token, None))
+                            .run(|b| b.give_back_cas(lock_key.stored(), &token, passed))
                             .await;
                         if given.is_err() {
-                            at.give_back_cas(lock_key.stored().to_vec(), token.clone(), None, None);
+                            let key = lock_key.stored().to_vec();
+                            at.give_back_cas(key, token.clone(), passed, None);
                         }
                     }
                 }
@@ -143,13 +152,13 @@ impl LockRouter {
                 }
                 for at in taken {
                     let freed = at
-                        .run(|b| b.give_back_cas(lock_key.stored(), &token, None))
+                        .run(|b| b.give_back_cas(lock_key.stored(), &token, UNDONE))
                         .await;
                     if freed.is_err() {
                         // Left to the background, until the shard answers (and then on the
                         // key's shard, where a carry may have brought it meanwhile).
                         let then = (!Arc::ptr_eq(&at, &shard)).then(|| shard.clone());
-                        at.give_back_cas(lock_key.stored().to_vec(), token.clone(), None, then);
+                        at.give_back_cas(lock_key.stored().to_vec(), token.clone(), UNDONE, then);
                         given_back = freed;
                     }
                 }
@@ -188,7 +197,7 @@ impl LockRouter {
         let mut failure = None;
         for old in topology.previous_locations(&lock_key) {
             match old
-                .run(|b| b.give_back_cas(lock_key.stored(), &guard.token, None))
+                .run(|b| b.give_back_cas(lock_key.stored(), &guard.token, UNDONE))
                 .await
             {
                 Ok(freed) => released |= freed,

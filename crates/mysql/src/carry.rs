@@ -350,7 +350,10 @@ mod tests {
         let carried = scanned[0].clone();
         assert!(old.cas_carry_kept(&carried).await.unwrap());
         old.take_cas(b"k", "x", "t-x").await.unwrap().unwrap();
-        assert!(old.give_back_cas(b"k", "t-x", None).await.unwrap());
+        assert!(old
+            .give_back_cas(b"k", "t-x", crate::CasGiveBack::Undone(None))
+            .await
+            .unwrap());
         assert!(
             old.cas_carry_kept(&carried).await.unwrap(),
             "a carried row, taken and given back since, read as released: its copy, the lock, \
@@ -387,5 +390,39 @@ mod tests {
         assert!(old.release_cas(b"r", "t3", version).await.unwrap());
         let released = (b"r".to_vec(), "o".to_owned(), version);
         assert!(!old.cas_carry_kept(&released).await.unwrap());
+    }
+
+    /// A take's row on a shard its key moved away from, given back by the take once that
+    /// move's carry began, is passed on, not undone: a carry of it whose outcome is unknown
+    /// keeps its copies, the take's own row on the new shard among them (a copy that changed
+    /// nothing there looks just like it).
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_take_passed_on_from_an_old_shard_keeps_a_carrys_copies() {
+        let (_cluster, shards) = crate::testing::migrated_shards(2).await;
+        let [old, new] = <[_; 2]>::try_from(shards).unwrap();
+        // Taken on both shards of a move by one call: one token, here one version too.
+        let version = old.take_cas(b"k", "h", "t1").await.unwrap().unwrap();
+        assert_eq!(new.take_cas(b"k", "h", "t1").await.unwrap(), Some(version));
+        // A carry's copy of the old row, which changes nothing on the new shard; the carry
+        // then did not hear its commit's answer (it was not made).
+        let copied: CasRow = (b"k".to_vec(), "h".to_owned(), version);
+        let mut session = new.connection().await.unwrap();
+        adopt_cas(session.raw(), std::slice::from_ref(&copied), "t1")
+            .await
+            .unwrap();
+        drop(session);
+
+        let passed = crate::CasGiveBack::PassedOn;
+        assert!(old.give_back_cas(b"k", "t1", passed).await.unwrap());
+        assert!(
+            old.cas_carry_kept(&copied).await.unwrap(),
+            "a take passed on read as released: the carry's settle would give back the take's \
+             own row on the new shard"
+        );
+        assert_eq!(
+            old.take_cas(b"k", "x", "t2").await.unwrap(),
+            Some(version + 3),
+            "the old row is free"
+        );
     }
 }

@@ -28,7 +28,7 @@ pub use lease::{
     RenewOutcome, FLOOR_BATCH, HELD_MARK, MAX_DATA_BYTES, MAX_RENEW_BATCH,
 };
 pub use migrate::{MigrateReport, MIGRATIONS};
-pub use patterns::{ClaimedJob, JobEnd, StateTable};
+pub use patterns::{CasGiveBack, ClaimedJob, JobEnd, StateTable};
 pub use pool::SessionConn;
 pub use shard::{connect_opts, PoolStatus, Shard};
 

@@ -152,6 +152,15 @@ const CAS_GIVE_BACK: &str = "UPDATE shardlock_cas SET owner = NULL, token = NULL
      version = version + 1 WHERE lock_key = ? AND token = ? AND owner IS NOT NULL \
      AND (? IS NULL OR version = ?)";
 
+/// Frees the CAS row of `key` that the take of call token `?` made on a shard its key lived on
+/// before a reload, once the move's carry began there: the take holds the key where it lives
+/// now, so the row is freed marked carried, as a carry frees a row it carried (`carried_version`,
+/// version + 2, assigned first while `version` is still the old one). A carry of this row whose
+/// outcome is unknown then keeps its copies, the take's own rows among them.
+const CAS_PASS_ON: &str = "UPDATE shardlock_cas SET carried_version = version + 2, \
+     owner = NULL, token = NULL, version = version + 2 \
+     WHERE lock_key = ? AND token = ? AND owner IS NOT NULL";
+
 /// Whether the CAS row of `key` is free at version `?`: what a release of the version before
 /// leaves (a release's retry after a lost reply reads it; a later take or release moves the
 /// version on, and the answer is then "not freed").
@@ -211,15 +220,30 @@ async fn changed_one(
     Ok(conn.affected_rows() == 1)
 }
 
-/// Frees the CAS row of `key` if the take of `token` owns it (at `version`, when given);
-/// whether it did.
+/// How [`Shard::give_back_cas`] frees the row of a take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CasGiveBack {
+    /// The take is undone (or released): only at this version, when given (a carry's copy
+    /// of a known version).
+    Undone(Option<u64>),
+    /// The take holds its key where the key lives now, and this row is on a shard the key
+    /// lived on before, whose move's carry began: freed marked carried (see [`CAS_PASS_ON`]).
+    PassedOn,
+}
+
+/// Frees the CAS row of `key` if the take of `token` owns it, as `how` says; whether it did.
 pub(crate) async fn give_back_cas(
     conn: &mut Conn,
     key: &[u8],
     token: &str,
-    version: Option<u64>,
+    how: CasGiveBack,
 ) -> mysql_async::Result<bool> {
-    changed_one(conn, CAS_GIVE_BACK, (key, token, version, version)).await
+    match how {
+        CasGiveBack::Undone(version) => {
+            changed_one(conn, CAS_GIVE_BACK, (key, token, version, version)).await
+        }
+        CasGiveBack::PassedOn => changed_one(conn, CAS_PASS_ON, (key, token)).await,
+    }
 }
 
 /// Whether the CAS row of `key` is free at `version` (see [`CAS_FREED_AT`]).
@@ -501,24 +525,25 @@ impl Shard {
         self.run_confirmed(
             "release_cas",
             (key, token, version),
-            |c, &(key, token, _)| Box::pin(give_back_cas(c, key, token, None)),
+            |c, &(key, token, _)| Box::pin(give_back_cas(c, key, token, CasGiveBack::Undone(None))),
             |c, &(key, _, version)| Box::pin(cas_freed_at(c, key, version + 1)),
         )
         .await
     }
 
     /// Frees the CAS row of `key` if the take of call token `token` owns it (a take whose
-    /// outcome is unknown, or a carry's copy of it), at `version` when given; whether it did.
+    /// outcome is unknown, a carry's copy of it, or a take's row left behind on a shard its
+    /// key moved away from), as `how` says; whether it did.
     pub async fn give_back_cas(
         &self,
         key: &[u8],
         token: &str,
-        version: Option<u64>,
+        how: CasGiveBack,
     ) -> Result<bool, BackendError> {
         self.run(
             "give_back_cas",
-            (key, token, version),
-            |c, &(key, token, version)| Box::pin(give_back_cas(c, key, token, version)),
+            (key, token, how),
+            |c, &(key, token, how)| Box::pin(give_back_cas(c, key, token, how)),
         )
         .await
     }
@@ -625,7 +650,10 @@ mod tests {
         // A give-back by a call's token frees only that call's take: not a row freed since
         // and then owned by a holder carried in from another shard.
         shard.take_cas(b"k", "a", "t4").await.unwrap().unwrap();
-        assert!(shard.give_back_cas(b"k", "t4", None).await.unwrap());
+        assert!(shard
+            .give_back_cas(b"k", "t4", CasGiveBack::Undone(None))
+            .await
+            .unwrap());
         let mut session = shard.connection().await.unwrap();
         let carried: crate::CasRow = (b"k".to_vec(), "h".to_owned(), 100);
         crate::carry::adopt_cas(session.raw(), &[carried], "carry")
@@ -633,7 +661,10 @@ mod tests {
             .unwrap();
         drop(session);
         assert!(
-            !shard.give_back_cas(b"k", "t4", None).await.unwrap(),
+            !shard
+                .give_back_cas(b"k", "t4", CasGiveBack::Undone(None))
+                .await
+                .unwrap(),
             "a late give-back freed a carried holder's row"
         );
         assert_eq!(shard.take_cas(b"k", "b", "t5").await.unwrap(), None);
