@@ -1,5 +1,6 @@
 //! A version compare-and-set lock: acquire sets an owner where the version is still the one
-//! read, release clears it where owner and version still match. No lease, no renewal: choose
+//! read, release clears it where the take that set it (its token, in the guard) still owns
+//! it. No lease, no renewal: choose
 //! it for rare, short critical sections where a crashed holder may be cleared by hand (or by
 //! `shardlock release --force` on a lease lock instead, which you should prefer otherwise).
 //!

@@ -177,8 +177,10 @@ impl LockRouter {
 
     /// Releases a CAS lock: only the rows its take made (or a move carried), named by the
     /// guard's token. `false` when there were none (someone force-changed the row, or the guard
-    /// was released already). While a reload's move is in progress, the take's rows on the
-    /// key's previous shards are released too.
+    /// was released already), and also when a release whose reply was lost freed a row carried
+    /// in with another shard's version (the retry cannot tell its own release then). While a
+    /// reload's move is in progress, the take's rows on the key's previous shards are released
+    /// too.
     ///
     /// A release never frees another take, whatever its owner name: a clone of a guard
     /// released already, released again after the key was taken anew under the same owner,

@@ -176,8 +176,9 @@ const CAS_ROW: &str = "INSERT INTO shardlock_cas (lock_key, owner, version) VALU
 /// A plain read, locking nothing: [`CAS_TAKE`] checks what was read again, so a race lost in
 /// between shows as no row changed rather than as a wait. `token` tells a try whose reply was
 /// lost that the grant is its own; it names the take that owns the row: every statement that
-/// frees a row clears it, and an owner carried into a row brings the carry's own token (a
-/// give-back by a call's token must never match a later owner).
+/// frees a row clears it, and an owner carried into a row brings the token of the take that
+/// made it (or, lacking one, the carry's own): a release or give-back by a call's token
+/// reaches that take's copies and never matches a later owner.
 const CAS_READ: &str = "SELECT owner, version, token FROM shardlock_cas WHERE lock_key = ?";
 
 /// Sets the owner only where the version is still the one read and nobody owns the row: a
@@ -227,7 +228,9 @@ pub enum CasGiveBack {
     /// of a known version).
     Undone(Option<u64>),
     /// The take holds its key where the key lives now, and this row is on a shard the key
-    /// lived on before, whose move's carry began: freed marked carried (see [`CAS_PASS_ON`]).
+    /// lived on before, whose move's carry began: freed marked carried, as a carry frees a row
+    /// it carried (version + 2, `carried_version`), so that a carry of the row whose outcome is
+    /// unknown keeps its copies.
     PassedOn,
 }
 
