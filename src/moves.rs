@@ -203,41 +203,17 @@ async fn give_back_try(
 /// shards' clocks say and however far a key's fences ran ahead of its shard's clock. A shard
 /// that cannot be read is retried until it can (its moved keys then keep depending on it).
 ///
-/// The move is not over while a live instance of the fleet still advertises `previous`'s
-/// topology in the registry: that process has not reloaded and still grants moved keys only
-/// there, so this one keeps taking them there too (and warns, naming it) however long the
-/// operator takes.
+/// The move is not over while a live instance of the fleet advertises another topology than
+/// this process's in the registry: one still on `previous`'s has not reloaded and grants moved
+/// keys only there, and one that reloaded elsewhere (a chained reload rolling out) takes keys
+/// only where its own topology puts them, so this one keeps taking them on the old shards too
+/// (and warns, naming it) however long the operator takes. The registry is read again before
+/// every try, and a try stops if this process reloaded meanwhile.
 ///
 /// Every process does this for itself; the copies are idempotent (`GREATEST`).
 pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
     tokio::time::sleep_until(previous.until.timer()).await;
     let mut warned = false;
-    loop {
-        let Some(router) = inner.upgrade() else {
-            return;
-        };
-        if router.shared.is_closed() {
-            return;
-        }
-        let topology = router.topology.load_full();
-        let laggards = registry::laggards(&topology, router.instance_id(), &previous.fingerprint);
-        let Some(why) = laggards.await else {
-            break;
-        };
-        router
-            .shared
-            .stats
-            .moves_kept
-            .fetch_add(1, Ordering::Relaxed);
-        if !warned {
-            tracing::warn!(why, "shardlock keeps a move in force past its window");
-            warned = true;
-        }
-        let interval = router.config().cleaner.heartbeat_interval;
-        drop((router, topology));
-        tokio::time::sleep(interval).await;
-    }
-    previous.carry_begun.store(true, Ordering::Release);
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         let Some(router) = inner.upgrade() else {
@@ -246,7 +222,26 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         if router.shared.is_closed() {
             return;
         }
-        match carry_once(&router, &previous).await {
+        // Read again before every try: a process may have reloaded since the last one.
+        let topology = router.topology.load_full();
+        let laggards = registry::laggards(&topology, router.instance_id(), &previous.fingerprint);
+        if let Some(why) = laggards.await {
+            router
+                .shared
+                .stats
+                .moves_kept
+                .fetch_add(1, Ordering::Relaxed);
+            if !warned {
+                tracing::warn!(why, "shardlock keeps a move in force past its window");
+                warned = true;
+            }
+            let interval = router.config().cleaner.heartbeat_interval;
+            drop((router, topology));
+            tokio::time::sleep(interval).await;
+            continue;
+        }
+        previous.carry_begun.store(true, Ordering::Release);
+        match carry_once(&router, &previous, topology.epoch).await {
             Ok(carried) => {
                 previous.fences_carried.store(true, Ordering::Release);
                 router.beat_now.notify_one();
@@ -265,7 +260,7 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
                 tracing::warn!(error = %shardlock_core::Report(&e), "shardlock could not carry the fences of moved keys yet; moved keys keep taking their old shards meanwhile")
             }
         }
-        drop(router);
+        drop((router, topology));
         tokio::time::sleep(backoff.next_delay()).await;
     }
 }
@@ -285,6 +280,11 @@ fn not_yet(shard: &ShardState, why: String) -> shardlock_core::Error {
     }
 }
 
+/// Why a carry that began under one topology stops: a reload came since the registry said the
+/// whole fleet runs it (see [`registry::laggards`]), so it is read again before the next try.
+const RELOADED_SINCE: &str =
+    "a reload came since this carry began: the fleet's topology is checked again first";
+
 /// A backend error of `shard`, named.
 fn on(shard: &ShardState) -> impl Fn(shardlock_core::BackendError) -> shardlock_core::Error + '_ {
     move |e| e.into_error(shard.name())
@@ -296,7 +296,11 @@ fn on(shard: &ShardState) -> impl Fn(shardlock_core::BackendError) -> shardlock_
 /// still following), a job of a moved queue still running there, an owned CAS row of a key
 /// whose placement cannot be told (over 255 bytes), or a shard whose identity is unknown (it
 /// might be the same database as another: nothing is moved between them).
-async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Result<u64> {
+async fn carry_once(
+    router: &Inner,
+    previous: &Previous,
+    epoch: u64,
+) -> shardlock_core::Result<u64> {
     let mut sources: Vec<&Arc<ShardState>> = Vec::new();
     for s in &previous.placement.shards {
         if !sources.iter().any(|o| o.same_database(s)) {
@@ -304,6 +308,9 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
         }
     }
     let topology = router.topology.load_full();
+    if let (Some(first), true) = (sources.first(), topology.epoch != epoch) {
+        return Err(not_yet(first, RELOADED_SINCE.to_owned()));
+    }
     let mut everywhere: Vec<&Arc<ShardState>> = sources.clone();
     everywhere.extend(topology.current.shards.iter());
     everywhere.extend(
@@ -347,7 +354,7 @@ async fn carry_once(router: &Inner, previous: &Previous) -> shardlock_core::Resu
                     .map_err(on(target))?;
             }
         }
-        carry_cas(router, previous, source).await?;
+        carry_cas(router, source, epoch).await?;
         let running = carry_jobs(router, source).await?;
         if running > 0 {
             return Err(not_yet(
@@ -472,8 +479,8 @@ async fn carry_leases(
 /// digest) is not moved: the move stays in force until its holder releases it.
 async fn carry_cas(
     router: &Inner,
-    previous: &Previous,
     source: &Arc<ShardState>,
+    epoch: u64,
 ) -> shardlock_core::Result<()> {
     let mut after = Vec::new();
     let mut stuck = 0;
@@ -490,7 +497,7 @@ async fn carry_cas(
                 stuck += 1;
                 continue;
             }
-            carry_cas_row(router, previous, source, &row.0).await?;
+            carry_cas_row(router, source, &row.0, epoch).await?;
         }
         if !full {
             break;
@@ -508,19 +515,22 @@ async fn carry_cas(
     Ok(())
 }
 
-/// Carries the CAS row of `key` from `source` to where the key lives under the placements
-/// after `previous` still in force, if it is owned and moved: its copies, named by the token
-/// of the take that made the row (or, lacking one, a token of this carry's own), are written
-/// while the row is held locked on `source`, and the row is freed there in the same
-/// transaction. Where the key lives is read with the row held, so a reload meanwhile is seen.
-/// Copies nobody counts on (the carry failed, and the holder then released the row) are given
-/// back by that token and their version: never a row owned there by another take, whatever
-/// its owner name.
+/// Carries the CAS row of `key` from `source` to where the key lives now, if it is owned and
+/// moved: its copy, named by the token of the take that made the row (or, lacking one, a
+/// token of this carry's own), is written while the row is held locked on `source`, and the
+/// row is freed there in the same transaction. Where the key lives is read with the row held,
+/// under the topology of `epoch`, which the whole fleet ran when this carry began (see
+/// [`registry::laggards`]): every process takes the key there, and every holder releases it
+/// there, whatever earlier placements it still has in force. (Copies on the shards of those
+/// placements would be left where a holder that skipped them, or whose move ended, never
+/// releases.) A reload since stops the carry, to be checked again. Copies nobody counts on
+/// (the carry failed, and the holder then released the row) are given back by that token and
+/// their version: never a row owned there by another take, whatever its owner name.
 async fn carry_cas_row(
     router: &Inner,
-    previous: &Previous,
     source: &Arc<ShardState>,
     key: &[u8],
+    epoch: u64,
 ) -> shardlock_core::Result<()> {
     // The row copied, its copies' token and where they went, once: a try after the one that
     // wrote copies (a deadlock, say) is refused rather than copying the row as it is then, so
@@ -531,19 +541,21 @@ async fn carry_cas_row(
     let copy = move |row: CasRow, token: Option<String>| {
         let copying: BoxFuture<'_, Result<bool, BackendError>> = Box::pin(async move {
             let topology = router.topology.load_full();
+            if topology.epoch != epoch {
+                return Err(BackendError::new(
+                    BackendErrorKind::Other,
+                    None,
+                    RELOADED_SINCE,
+                ));
+            }
             let placement = LockKey::placement_of_stored(&row.0).unwrap_or_default();
-            // A key that a later placement still in force puts on `source` stays: a
-            // placement in between that kept it here has processes that take it here alone
-            // (freed, it would be granted twice), and a reload undone while its move was in
-            // force brought it home (copied to the placement in between, it would be left
-            // where nobody looks once that move ends). That placement's move carries it on.
-            if topology.placed_later_on(&previous.placement, source, placement) {
+            // A key that lives on `source` (it did not move, or a reload was undone while its
+            // move was in force) stays.
+            let target = topology.current.locate_bytes(placement);
+            if target.same_database(source) {
                 return Ok(false);
             }
-            let targets = topology.later_locations(&previous.placement, source, Some(placement));
-            if targets.is_empty() {
-                return Ok(false); // the key did not move
-            }
+            let targets = vec![target.clone()];
             let token = token.unwrap_or_else(|| router.shared.next_owner().1);
             let first = {
                 let mut slot = copied_ref.lock().unwrap();

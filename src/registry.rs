@@ -254,8 +254,9 @@ pub(crate) async fn laggards(topology: &Topology, id: &str, fingerprint: &str) -
         .collect();
     (!lagging.is_empty()).then(|| {
         format!(
-            "instances of this fleet run another topology than this process ({own}): {}; \
-             reload them with this process's config",
+            "instances of this fleet run another topology than this process ({own}): {}; put \
+             every instance on one config (reload them with this process's, or this process \
+             with theirs; a `shardlock cleaner` takes a new config only by a restart)",
             lagging.into_iter().collect::<Vec<_>>().join("; ")
         )
     })

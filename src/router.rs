@@ -309,7 +309,8 @@ impl LockRouter {
     /// is rejected and the old one stays in force.
     ///
     /// Reload every process of the fleet: with the `heartbeat` registry the move stays in
-    /// force while any live instance of the fleet still runs the old topology; under
+    /// force while any live instance of the fleet runs another topology (not yet reloaded, or
+    /// reloaded elsewhere); under
     /// `registry: static`, every process must apply a change within half the move window of
     /// every other.
     ///

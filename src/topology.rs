@@ -40,13 +40,14 @@ pub(crate) struct Previous {
     /// [`crate::moves::carry_fences`]); until then its shards are still consulted as a floor.
     pub(crate) fences_carried: Arc<AtomicBool>,
     /// Set once this process's carry of its shards' rows began: its window was over and (with
-    /// the heartbeat registry) no live process of the fleet ran its topology, so rows taken
+    /// the heartbeat registry) every live process of the fleet ran this one's topology, so rows taken
     /// here since exclude nobody the key's shards under later placements do not, and a CAS
     /// take here that lands after the carry's scan passed its key would be left behind (see
     /// [`Topology::carrying_at`]).
     pub(crate) carry_begun: Arc<AtomicBool>,
-    /// The fingerprint of the topology it belonged to: processes of the fleet that still
-    /// advertise it have not reloaded, and keep the move in force (see
+    /// The fingerprint of the topology it belonged to: a reload back to it ends the move at
+    /// once (whoever runs it runs this process's topology); otherwise processes of the fleet
+    /// that advertise any topology but this process's keep the move in force (see
     /// [`crate::moves::carry_fences`]).
     pub(crate) fingerprint: String,
 }
@@ -293,19 +294,6 @@ impl Topology {
             .filter(move |p| p.in_force(now))
             .map(|p| &p.placement)
             .chain(std::iter::once(&self.current))
-    }
-
-    /// Whether a placement after `previous` still in force, or the current one, puts a key
-    /// placed at `placement` on `shard`: the key lives there still (a placement in between
-    /// kept it there, or a reload was undone), and that placement's own move carries it on.
-    pub(crate) fn placed_later_on(
-        &self,
-        previous: &Arc<Placement>,
-        shard: &ShardState,
-        placement: &[u8],
-    ) -> bool {
-        self.later_placements(previous)
-            .any(|p| p.locate_bytes(placement).same_database(shard))
     }
 
     /// Where a key placed at `placement` (by its placement bytes; `None`: a digest, whose

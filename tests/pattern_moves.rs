@@ -37,6 +37,11 @@ async fn cluster_with(per_shard: &str) -> (Cluster, Config, Config) {
 /// A config listing the first shards of `cluster`, one per weight in `weights`, each entry
 /// with `per_shard` (YAML lines) added (500 ms move window).
 fn config_of(cluster: &Cluster, weights: &[u32], per_shard: &str) -> Config {
+    windowed(cluster, weights, per_shard, "500ms")
+}
+
+/// [`config_of`] with a move window of `window`.
+fn windowed(cluster: &Cluster, weights: &[u32], per_shard: &str, window: &str) -> Config {
     let mut yaml = String::from("shards:\n");
     for (s, weight) in cluster.shards().iter().zip(weights) {
         yaml.push_str(&format!(
@@ -45,7 +50,9 @@ fn config_of(cluster: &Cluster, weights: &[u32], per_shard: &str) -> Config {
             s.url()
         ));
     }
-    yaml.push_str("routing:\n  move-window: 500ms\ncleaner:\n  heartbeat-interval: 100ms\n");
+    yaml.push_str(&format!(
+        "routing:\n  move-window: {window}\ncleaner:\n  heartbeat-interval: 100ms\n"
+    ));
     Config::from_yaml_str(&yaml).unwrap()
 }
 
@@ -754,6 +761,64 @@ async fn a_cas_lock_taken_between_two_reloads_is_released_where_the_first_carry_
     assert!(
         next.is_some(),
         "the lock stayed owned with nobody holding it"
+    );
+}
+
+/// Two config changes rolled out as one reload by one process and as two by another: a key
+/// on three shards under the three topologies. The first move's carry (the second's window is
+/// still open) writes its copy only where the key lives now, which the whole fleet runs: a
+/// copy on the middle topology's shard would be left where the holder, which skipped that
+/// topology, never releases, and the second move's carry would then bring it back onto the
+/// key's shard, owned for good by a lock released long before.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_lock_released_by_a_process_that_skipped_a_topology_leaves_no_copy_behind() {
+    let (cluster, _, _) = cluster().await;
+    let config = |weights: &[u32]| windowed(&cluster, weights, "", "3s");
+    let (t0, t1, t2) = (
+        config(&[1, 1, 1]),
+        config(&[1, 1, 1, 1]),
+        config(&[1, 1, 8, 1]),
+    );
+    let key = {
+        let routers = [
+            LockRouter::new(t0.clone()).await.unwrap(),
+            LockRouter::new(t1.clone()).await.unwrap(),
+            LockRouter::new(t2.clone()).await.unwrap(),
+        ];
+        let at = |i: usize, k: &str| routers[i].shard_for(k).unwrap();
+        (0..)
+            .map(|i| format!("cas:{i}"))
+            .find(|k| at(0, k) != at(1, k) && at(1, k) != at(2, k) && at(0, k) != at(2, k))
+            .unwrap()
+    };
+    // A process on the first topology keeps the first move in force.
+    let first = LockRouter::new(t0.clone()).await.unwrap();
+    let stepwise = LockRouter::new(t0.clone()).await.unwrap();
+    let holder = LockRouter::new(t0).await.unwrap();
+    stepwise.reload(t1).await.unwrap();
+    // The first move's window is over once a registry read kept it in force.
+    let kept = common::eventually(Duration::from_secs(30), || async {
+        stepwise.stats().moves_kept >= 1
+    })
+    .await;
+    assert!(kept, "the first move was never kept in force");
+    stepwise.reload(t2.clone()).await.unwrap();
+    holder.reload(t2).await.unwrap();
+    let held = holder.cas_acquire(&key, "h").await.unwrap().expect("free");
+    first.shutdown().await.unwrap();
+    let first_done = common::eventually(Duration::from_secs(30), || async {
+        stepwise.moves_in_progress() <= 1
+    })
+    .await;
+    assert!(first_done, "the first move never ended");
+    assert!(holder.cas_release(held).await.unwrap());
+    common::moves_done(&stepwise).await;
+    common::moves_done(&holder).await;
+
+    let next = stepwise.cas_acquire(&key, "n").await.unwrap();
+    assert!(
+        next.is_some(),
+        "a copy of the released lock was left owned where the key lives"
     );
 }
 
