@@ -224,7 +224,7 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         }
         // Read again before every try: a process may have reloaded since the last one.
         let topology = router.topology.load_full();
-        let laggards = registry::laggards(&topology, router.instance_id(), &previous.fingerprint);
+        let laggards = registry::laggards(&topology, router.instance_id(), &previous);
         if let Some(why) = laggards.await {
             router
                 .shared

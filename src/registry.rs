@@ -23,9 +23,10 @@ use shardlock_core::config::RegistryKind;
 use shardlock_core::{BackendError, Config, Error, Result};
 use shardlock_mysql::{Beat, Heartbeat, InstanceRow};
 
+use crate::clock::Moment;
 use crate::shard::{ShardState, Shared};
 use crate::sync::LockExt;
-use crate::topology::Topology;
+use crate::topology::{Previous, Topology};
 
 /// Says which instances are dead, so that the cleaner may delete their leases that ended
 /// without a release. Built in: the heartbeat table (`cleaner.registry: heartbeat`) and a
@@ -219,25 +220,48 @@ pub(crate) async fn fleet_disagreement(topology: &Topology, id: &str) -> Option<
     })
 }
 
-/// Why a move away from the topology with `fingerprint` must stay in force, if it must: live
-/// instances of the fleet of a router with `topology` and instance `id` run another topology
-/// than this router's, or the registry cannot be read on every shard (unread is not "nobody
-/// there"). `None` under another registry than `heartbeat`.
+/// Why the move away from `previous` must stay in force, if it must: live instances of the
+/// fleet of a router with `topology` and instance `id` run another topology than this
+/// router's, or the registry cannot be read on every shard (unread is not "nobody there").
 ///
-/// Not only those still running `fingerprint`: one that has not reloaded grants a moved key
-/// where this process no longer looks, and one that reloaded elsewhere (a chained reload still
-/// rolling out, a topology in between skipped) takes a key only where its own topology puts
-/// it, so it would not see what this move's carry writes where this one puts it, and its
-/// holders would not release there. The move ends once the fleet runs one topology.
-pub(crate) async fn laggards(topology: &Topology, id: &str, fingerprint: &str) -> Option<String> {
-    if topology.fingerprint == fingerprint {
-        // Back to that topology (a reload undone): whoever runs it runs ours.
+/// Not only those still running `previous`'s topology: one that has not reloaded grants a
+/// moved key where this process no longer looks, and one that reloaded elsewhere (a chained
+/// reload still rolling out, a topology in between skipped) takes a key only where its own
+/// topology puts it, so it would not see what this move's carry writes where this one puts
+/// it, and its holders would not release there. The move ends once the fleet runs one
+/// topology.
+///
+/// Under another registry than `heartbeat` nothing says which topology the others run: the
+/// move stays in force until every move's window is over, by which time every process applied
+/// this process's reload (the contract of a static registry).
+pub(crate) async fn laggards(topology: &Topology, id: &str, previous: &Previous) -> Option<String> {
+    // Back to that topology (a reload undone), on the same databases: whoever runs it runs
+    // ours. (A shard pointed at another server keeps the fingerprint, which leaves URLs out.)
+    let same_databases = || {
+        previous.placement.shards.iter().all(|p| {
+            topology
+                .current
+                .shards
+                .iter()
+                .any(|c| c.name() == p.name() && c.same_database(p))
+        })
+    };
+    if topology.fingerprint == previous.fingerprint && same_databases() {
         return None;
     }
     let rows = match live_fleet(topology, id).await {
-        Ok(rows) => rows?,
+        Ok(Some(rows)) => rows,
+        Ok(None) => {
+            let now = Moment::now();
+            return topology.previous.iter().any(|p| p.until > now).then(|| {
+                "the registry is not `heartbeat`: a move's carry waits until every move's \
+                     window is over, when every process has applied the reload"
+                    .to_owned()
+            });
+        }
         Err(why) => return Some(why),
     };
+    let fingerprint = previous.fingerprint.as_str();
     let own = topology.fingerprint.as_str();
     let lagging: BTreeSet<_> = rows
         .iter()

@@ -626,33 +626,47 @@ async fn a_cas_take_landing_on_the_old_shard_after_the_carry_passed_its_key_is_g
     assert!(a.cas_release(guard).await.unwrap());
 }
 
+/// Configs listing three shards of `cluster`, then four, then four weighted `last` (move
+/// window `window`), and a key whose shards under the three satisfy `placed`.
+async fn three_topologies(
+    cluster: &Cluster,
+    last: &[u32],
+    window: &str,
+    placed: impl Fn([&str; 3]) -> bool,
+) -> ([Config; 3], String) {
+    let configs = [&[1, 1, 1][..], &[1, 1, 1, 1], last].map(|w| windowed(cluster, w, "", window));
+    let mut routers = Vec::new();
+    for config in &configs {
+        routers.push(LockRouter::new(config.clone()).await.unwrap());
+    }
+    let key = (0..)
+        .map(|i| format!("cas:{i}"))
+        .find(|k| {
+            let at = routers.iter().map(|r| r.shard_for(k).unwrap());
+            let at: Vec<String> = at.collect();
+            placed([&at[0], &at[1], &at[2]])
+        })
+        .unwrap();
+    (configs, key)
+}
+
+/// Three shards apart.
+fn all_apart([a, b, c]: [&str; 3]) -> bool {
+    a != b && b != c && a != c
+}
+
 /// Three topologies, a key on one shard under the first two and on another under the third.
 /// A process reloads through all three while another stops at the second and holds the key
 /// there, where its topology takes it alone. The first move must not end while that process
 /// runs the second topology: its carry would copy the row to the third shard and free it here,
-/// and a second take under the second topology would be granted. Nor does the first move's
-/// carry free a row a later placement still puts on its shard.
+/// and a second take under the second topology would be granted.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_move_stays_in_force_while_a_process_runs_a_later_topology_than_its_own_placement() {
     let (cluster, _, _) = cluster().await;
-    let config = |weights: &[u32]| config_of(&cluster, weights, "");
-    let (t0, t1, t2) = (
-        config(&[1, 1, 1]),
-        config(&[1, 1, 1, 1]),
-        config(&[1, 1, 1, 8]),
-    );
-    let key = {
-        let routers = [
-            LockRouter::new(t0.clone()).await.unwrap(),
-            LockRouter::new(t1.clone()).await.unwrap(),
-            LockRouter::new(t2.clone()).await.unwrap(),
-        ];
-        let at = |i: usize, k: &str| routers[i].shard_for(k).unwrap();
-        (0..)
-            .map(|i| format!("cas:{i}"))
-            .find(|k| at(0, k) == at(1, k) && at(1, k) != at(2, k))
-            .unwrap()
-    };
+    let ([t0, t1, t2], key) = three_topologies(&cluster, &[1, 1, 1, 8], "500ms", |[a, b, c]| {
+        a == b && b != c
+    })
+    .await;
     let a = LockRouter::new(t0.clone()).await.unwrap();
     let b = LockRouter::new(t0).await.unwrap();
     a.reload(t1.clone()).await.unwrap();
@@ -721,24 +735,7 @@ async fn a_released_cas_guard_released_again_during_a_move_leaves_a_new_take_alo
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_lock_taken_between_two_reloads_is_released_where_the_first_carry_put_it() {
     let (cluster, _, _) = cluster().await;
-    let config = |weights: &[u32]| config_of(&cluster, weights, "");
-    let (t0, t1, t2) = (
-        config(&[1, 1, 1]),
-        config(&[1, 1, 1, 1]),
-        config(&[1, 1, 8, 1]),
-    );
-    let key = {
-        let routers = [
-            LockRouter::new(t0.clone()).await.unwrap(),
-            LockRouter::new(t1.clone()).await.unwrap(),
-            LockRouter::new(t2.clone()).await.unwrap(),
-        ];
-        let at = |i: usize, k: &str| routers[i].shard_for(k).unwrap();
-        (0..)
-            .map(|i| format!("cas:{i}"))
-            .find(|k| at(0, k) != at(1, k) && at(1, k) != at(2, k) && at(0, k) != at(2, k))
-            .unwrap()
-    };
+    let ([t0, t1, t2], key) = three_topologies(&cluster, &[1, 1, 8, 1], "500ms", all_apart).await;
     // A process on the first topology: it keeps the first move in force, and takes and
     // releases the key twice, so its row there is ahead of the one on the second shard.
     let first = LockRouter::new(t0.clone()).await.unwrap();
@@ -773,24 +770,7 @@ async fn a_cas_lock_taken_between_two_reloads_is_released_where_the_first_carry_
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_lock_released_by_a_process_that_skipped_a_topology_leaves_no_copy_behind() {
     let (cluster, _, _) = cluster().await;
-    let config = |weights: &[u32]| windowed(&cluster, weights, "", "3s");
-    let (t0, t1, t2) = (
-        config(&[1, 1, 1]),
-        config(&[1, 1, 1, 1]),
-        config(&[1, 1, 8, 1]),
-    );
-    let key = {
-        let routers = [
-            LockRouter::new(t0.clone()).await.unwrap(),
-            LockRouter::new(t1.clone()).await.unwrap(),
-            LockRouter::new(t2.clone()).await.unwrap(),
-        ];
-        let at = |i: usize, k: &str| routers[i].shard_for(k).unwrap();
-        (0..)
-            .map(|i| format!("cas:{i}"))
-            .find(|k| at(0, k) != at(1, k) && at(1, k) != at(2, k) && at(0, k) != at(2, k))
-            .unwrap()
-    };
+    let ([t0, t1, t2], key) = three_topologies(&cluster, &[1, 1, 8, 1], "3s", all_apart).await;
     // A process on the first topology keeps the first move in force.
     let first = LockRouter::new(t0.clone()).await.unwrap();
     let stepwise = LockRouter::new(t0.clone()).await.unwrap();
@@ -819,6 +799,35 @@ async fn a_cas_lock_released_by_a_process_that_skipped_a_topology_leaves_no_copy
     assert!(
         next.is_some(),
         "a copy of the released lock was left owned where the key lives"
+    );
+}
+
+/// Under `registry: static` nothing says which topology the others run: a move's carry waits
+/// until every move's window is over, when by the contract every process has applied every
+/// reload. Two reloads in a row, the first move's window shorter: until the second's is over,
+/// a process may still legally run the topology in between, taking the key only where that
+/// topology and its own earlier moves put it, so the first move must not end (and carry a
+/// lock onto the last topology's shard alone) before then.
+#[tokio::test(flavor = "multi_thread")]
+async fn under_a_static_registry_a_move_ends_only_once_every_later_window_is_over() {
+    let (cluster, _, _) = cluster().await;
+    let (mut configs, _) = three_topologies(&cluster, &[1, 1, 8, 1], "2s", all_apart).await;
+    for config in &mut configs {
+        config.cleaner.registry = shardlock::config::RegistryKind::Static;
+    }
+    configs[2].routing.move_window = Some(Duration::from_secs(10));
+    let [t0, t1, t2] = configs;
+    let router = LockRouter::new(t0).await.unwrap();
+    router.reload(t1).await.unwrap();
+    router.reload(t2).await.unwrap();
+    let first_done = common::eventually(Duration::from_secs(60), || async {
+        router.moves_in_progress() <= 1
+    })
+    .await;
+    assert!(first_done, "the first move never ended");
+    assert!(
+        router.stats().moves_kept >= 1,
+        "the first move ended while the second's window was open"
     );
 }
 
