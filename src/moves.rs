@@ -473,8 +473,7 @@ async fn carry_leases(
     Ok(carried)
 }
 
-/// Moves the owned CAS rows of moved keys from `source` to every later placement of the key
-/// that is in force (a process not yet at the newest topology still looks there), one row
+/// Moves the owned CAS rows of moved keys from `source` to where their keys live now, one row
 /// at a time (see [`carry_cas_row`]). A row whose key's placement cannot be told (a
 /// digest) is not moved: the move stays in force until its holder releases it.
 async fn carry_cas(

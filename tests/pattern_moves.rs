@@ -729,9 +729,9 @@ async fn a_released_cas_guard_released_again_during_a_move_leaves_a_new_take_alo
 
 /// Two reloads in a row: a CAS take made under the second topology while the first's move was
 /// in force has rows on both earlier shards, with versions of their own. The first move's
-/// carry (its window closed first) copies its row onto the second and third topologies'
-/// shards, with the first shard's version; the second's carry then finds the copy on the
-/// third. The holder's release frees it all the same: it names the take, not a version.
+/// carry (its window closed first) copies its row onto the third topology's shard, where the
+/// key lives now, with the first shard's version; the second's carry then finds the copy
+/// there. The holder's release frees it all the same: it names the take, not a version.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_lock_taken_between_two_reloads_is_released_where_the_first_carry_put_it() {
     let (cluster, _, _) = cluster().await;

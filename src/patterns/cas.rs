@@ -180,7 +180,8 @@ impl LockRouter {
     /// was released already), and also when a release whose reply was lost freed a row carried
     /// in with another shard's version (the retry cannot tell its own release then). While a
     /// reload's move is in progress, the take's rows on the key's previous shards are released
-    /// too.
+    /// too, and every shard twice (a carry running meanwhile may copy a row of the take onto a
+    /// shard already released).
     ///
     /// A release never frees another take, whatever its owner name: a clone of a guard
     /// released already, released again after the key was taken anew under the same owner,
@@ -194,24 +195,33 @@ impl LockRouter {
         let lock_key = LockKey::new(&guard.key)?;
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(&lock_key).clone();
+        let previous = topology.previous_locations(&lock_key);
         // Every shard is tried; the first failure is reported after (release again to retry).
         let mut released = false;
         let mut failure = None;
-        for old in topology.previous_locations(&lock_key) {
-            match old
-                .run(|b| b.give_back_cas(lock_key.stored(), &guard.token, UNDONE))
+        // While a move is in force, twice: a carry of another process (one whose topology puts
+        // the key elsewhere, a reload undone or chained) may copy a row of this take onto a
+        // shard released a moment before, while holding the row where it copies from. This
+        // release waited for that row lock on the first pass, so the copy is there by the
+        // second.
+        let passes = if previous.is_empty() { 1 } else { 2 };
+        for _ in 0..passes {
+            for old in &previous {
+                match old
+                    .run(|b| b.give_back_cas(lock_key.stored(), &guard.token, UNDONE))
+                    .await
+                {
+                    Ok(freed) => released |= freed,
+                    Err(e) => drop(failure.get_or_insert(e)),
+                }
+            }
+            match shard
+                .run(|b| b.release_cas(lock_key.stored(), &guard.token, guard.version))
                 .await
             {
                 Ok(freed) => released |= freed,
                 Err(e) => drop(failure.get_or_insert(e)),
             }
-        }
-        match shard
-            .run(|b| b.release_cas(lock_key.stored(), &guard.token, guard.version))
-            .await
-        {
-            Ok(freed) => released |= freed,
-            Err(e) => drop(failure.get_or_insert(e)),
         }
         failure.map_or(Ok(released), Err)
     }
