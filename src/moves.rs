@@ -531,10 +531,10 @@ async fn carry_cas_row(
     key: &[u8],
     epoch: u64,
 ) -> shardlock_core::Result<()> {
-    // The row copied, its copies' token and where they went, once: a try after the one that
-    // wrote copies (a deadlock, say) is refused rather than copying the row as it is then, so
-    // one look settles the copies.
-    type Copied = (CasRow, String, Vec<Arc<ShardState>>);
+    // The row copied, its copy's token and where it went, once: a try after the one that
+    // wrote the copy (a deadlock, say) is refused rather than copying the row as it is then,
+    // so one look settles the copy.
+    type Copied = (CasRow, String, Arc<ShardState>);
     let copied: Mutex<Option<Copied>> = Mutex::new(None);
     let copied_ref = &copied;
     let copy = move |row: CasRow, token: Option<String>| {
@@ -554,12 +554,11 @@ async fn carry_cas_row(
             if target.same_database(source) {
                 return Ok(false);
             }
-            let targets = vec![target.clone()];
             let token = token.unwrap_or_else(|| router.shared.next_owner().1);
             let first = {
                 let mut slot = copied_ref.lock().unwrap();
                 let first = slot.is_none();
-                slot.get_or_insert_with(|| (row.clone(), token.clone(), targets.clone()));
+                slot.get_or_insert_with(|| (row.clone(), token.clone(), target.clone()));
                 first
             };
             if !first {
@@ -570,51 +569,44 @@ async fn carry_cas_row(
                      carried again",
                 ));
             }
-            for target in &targets {
-                target
-                    .call_waiting(|b| b.adopt_cas(std::slice::from_ref(&row), &token))
-                    .await
-                    .map_err(|e| {
-                        BackendError::new(
-                            e.kind,
-                            e.code,
-                            format!("writing its copy on shard `{}`: {e}", target.name()),
-                        )
-                    })?;
-            }
+            target
+                .call_waiting(|b| b.adopt_cas(std::slice::from_ref(&row), &token))
+                .await
+                .map_err(|e| {
+                    BackendError::new(
+                        e.kind,
+                        e.code,
+                        format!("writing its copy on shard `{}`: {e}", target.name()),
+                    )
+                })?;
             Ok(true)
         });
         copying
     };
     let carried = source.call_waiting(|b| b.carry_cas_row(key, &copy)).await;
-    if let (Some((row, token, targets)), false) =
+    if let (Some((row, token, target)), false) =
         (copied.into_inner().unwrap(), matches!(carried, Ok(true)))
     {
-        settle_copies(source.clone(), targets, row, token);
+        settle_copy(source.clone(), target, row, token);
     }
     carried.map(drop).map_err(on(source))
 }
 
-/// Settles the copies of `row` (named by `token`) that a carry wrote on `targets` when its
-/// outcome is unknown, in the background until done: the next pass would not find them once
-/// the row is free on `source`. A copy cut off on its way (the try's time ran out) could still
-/// land after what is decided: each target's next statement first ends such a session (on a
-/// plain shard). The copies stay while the row is owned as copied (the next pass counts on
-/// them) or once a carry freed it; else they are given back, by token and version (a copy of
-/// the same take carried back and forth since has another version).
-fn settle_copies(
-    source: Arc<ShardState>,
-    targets: Vec<Arc<ShardState>>,
-    row: CasRow,
-    token: String,
-) {
+/// Settles the copy of `row` (named by `token`) that a carry wrote on `target` when its
+/// outcome is unknown, in the background until done: the next pass would not find it once the
+/// row is free on `source`. A copy cut off on its way (the try's time ran out) could still
+/// land after what is decided: the target's next statement first ends such a session (on a
+/// plain shard). The copy stays while the row is owned as copied (the next pass counts on it)
+/// or once a carry freed it; else it is given back, by token and version (a copy of the same
+/// take carried back and forth since has another version).
+fn settle_copy(source: Arc<ShardState>, target: Arc<ShardState>, row: CasRow, token: String) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
     runtime.spawn(async move {
         let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
         loop {
-            if source.is_closed() || targets.iter().any(|t| t.is_closed()) {
+            if source.is_closed() || target.is_closed() {
                 tracing::warn!(
                     shard = source.name(),
                     key = source.shared.telemetry.stored_key_label(&row.0),
@@ -625,21 +617,11 @@ fn settle_copies(
                 );
                 return;
             }
-            let mut ended = true;
-            for target in &targets {
-                ended &= target.call_waiting(|b| b.clock_us()).await.is_ok();
-            }
-            if ended {
+            if target.call_waiting(|b| b.clock_us()).await.is_ok() {
                 if let Ok(kept) = source.call_waiting(|b| b.cas_carry_kept(&row)).await {
                     if !kept {
-                        for target in &targets {
-                            target.give_back_cas(
-                                row.0.clone(),
-                                token.clone(),
-                                CasGiveBack::Undone(Some(row.2)),
-                                None,
-                            );
-                        }
+                        let undone = CasGiveBack::Undone(Some(row.2));
+                        target.give_back_cas(row.0.clone(), token.clone(), undone, None);
                     }
                     return;
                 }

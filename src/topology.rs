@@ -279,23 +279,6 @@ impl Topology {
         kept
     }
 
-    /// The placements that came after `previous` and are still in force, the current one
-    /// last. Placements no longer in force have carried their own rows on already (and their
-    /// shards may be closed).
-    fn later_placements<'a>(
-        &'a self,
-        previous: &'a Arc<Placement>,
-    ) -> impl Iterator<Item = &'a Arc<Placement>> + 'a {
-        let now = Moment::now();
-        self.previous
-            .iter()
-            .skip_while(move |p| !Arc::ptr_eq(&p.placement, previous))
-            .skip(1)
-            .filter(move |p| p.in_force(now))
-            .map(|p| &p.placement)
-            .chain(std::iter::once(&self.current))
-    }
-
     /// Where a key placed at `placement` (by its placement bytes; `None`: a digest, whose
     /// placement is unknown, so every shard) lives under the placements that came after
     /// `previous`, the current one included, other than `from`, without repeats.
@@ -305,13 +288,24 @@ impl Topology {
         from: &ShardState,
         placement: Option<&[u8]>,
     ) -> Vec<Arc<ShardState>> {
+        // Placements no longer in force have carried their own rows on already (and their
+        // shards may be closed).
+        let now = Moment::now();
+        let later = self
+            .previous
+            .iter()
+            .skip_while(|p| !Arc::ptr_eq(&p.placement, previous))
+            .skip(1)
+            .filter(|p| p.in_force(now))
+            .map(|p| &p.placement)
+            .chain(std::iter::once(&self.current));
         let mut out: Vec<Arc<ShardState>> = Vec::new();
         let mut add = |s: &Arc<ShardState>| {
             if !s.same_database(from) && !out.iter().any(|o| o.same_database(s)) {
                 out.push(s.clone());
             }
         };
-        for p in self.later_placements(previous) {
+        for p in later {
             match placement {
                 Some(bytes) => add(p.locate_bytes(bytes)),
                 None => p.shards.iter().for_each(&mut add),

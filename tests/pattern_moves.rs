@@ -811,11 +811,13 @@ async fn a_cas_lock_released_by_a_process_that_skipped_a_topology_leaves_no_copy
 #[tokio::test(flavor = "multi_thread")]
 async fn under_a_static_registry_a_move_ends_only_once_every_later_window_is_over() {
     let (cluster, _, _) = cluster().await;
-    let (mut configs, _) = three_topologies(&cluster, &[1, 1, 8, 1], "2s", all_apart).await;
+    // The first window long enough that the second reload, two awaits later, always comes
+    // within it, even on a busy machine.
+    let (mut configs, _) = three_topologies(&cluster, &[1, 1, 8, 1], "5s", all_apart).await;
     for config in &mut configs {
         config.cleaner.registry = shardlock::config::RegistryKind::Static;
     }
-    configs[2].routing.move_window = Some(Duration::from_secs(10));
+    configs[2].routing.move_window = Some(Duration::from_secs(12));
     let [t0, t1, t2] = configs;
     let router = LockRouter::new(t0).await.unwrap();
     router.reload(t1).await.unwrap();
