@@ -208,7 +208,8 @@ async fn give_back_try(
 /// keys only there, and one that reloaded elsewhere (a chained reload rolling out) takes keys
 /// only where its own topology puts them, so this one keeps taking them on the old shards too
 /// (and warns, naming it) however long the operator takes. The registry is read again before
-/// every try, and a try stops if this process reloaded meanwhile.
+/// every try, and a try stops if this process reloaded meanwhile. Nor is it over before every
+/// move before it (see [`older_move`]).
 ///
 /// Every process does this for itself; the copies are idempotent (`GREATEST`).
 pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
@@ -224,8 +225,11 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         }
         // Read again before every try: a process may have reloaded since the last one.
         let topology = router.topology.load_full();
-        let laggards = registry::laggards(&topology, router.instance_id(), &previous);
-        if let Some(why) = laggards.await {
+        let kept = match older_move(&topology, &previous) {
+            Some(why) => Some(why.to_owned()),
+            None => registry::laggards(&topology, router.instance_id(), &previous).await,
+        };
+        if let Some(why) = kept {
             router
                 .shared
                 .stats
@@ -263,6 +267,22 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         drop((router, topology));
         tokio::time::sleep(backoff.next_delay()).await;
     }
+}
+
+/// Why `previous`'s carry waits for a move before it: moves end oldest first. A carry of an
+/// older placement may write its rows onto `previous`'s shards (where their keys lived when
+/// it began) while this one's scan of them has passed already: a CAS lock's only row, a
+/// fence, a queue's jobs, then left where nobody looks once both moves are over. Every
+/// process carries in this order, so a carry of `previous` anywhere begins after the older
+/// rows were freed on their shards, which their copies preceded.
+fn older_move(topology: &Topology, previous: &Previous) -> Option<&'static str> {
+    let mut older = topology
+        .previous
+        .iter()
+        .take_while(|p| !Arc::ptr_eq(&p.fences_carried, &previous.fences_carried));
+    older
+        .any(|p| !p.fences_carried.load(Ordering::Acquire))
+        .then_some("a move before it is not over yet: moves end oldest first")
 }
 
 /// Stored keys and the fences they carry.

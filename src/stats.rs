@@ -108,9 +108,10 @@ counters! {
     /// Fences of moved keys copied from the shards they left to their new shards, as their
     /// floor there, once a move window was over.
     fences_carried,
-    /// Registry reads, once a move window was over, that kept the move in force: a live
-    /// instance of the fleet ran another topology than this process, or the registry could not be
-    /// read on every shard (read again every `cleaner.heartbeat-interval`).
+    /// Looks, once a move window was over, that kept the move in force: a live instance of
+    /// the fleet ran another topology than this process, the registry could not be read on
+    /// every shard, or a move before it was not over yet (moves end oldest first). Looked
+    /// again every `cleaner.heartbeat-interval`.
     moves_kept,
     /// Grants (leases, transaction locks, CAS takes) given back because a reload came while
     /// their statement was out: it may have run after the fleet ended the key's move, where

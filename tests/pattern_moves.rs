@@ -761,6 +761,53 @@ async fn a_cas_lock_taken_between_two_reloads_is_released_where_the_first_carry_
     );
 }
 
+/// Two reloads in a row, a CAS lock held on its key's first shard. The first move's carry
+/// writes the lock's copy onto the second topology's shard, where it is held up (another
+/// transaction holds the row there) while the process reloads again. The second move, whose
+/// window ends meanwhile, waits for the first: its scan of the second shard would pass before
+/// the copy lands, the first carry would then free the row, and once both moves were over the
+/// lock would be only where nobody looks.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_later_move_waits_for_an_earlier_carry_still_writing_onto_its_shards() {
+    let (cluster, _, _) = cluster().await;
+    let (mut configs, key) = three_topologies(&cluster, &[1, 1, 8, 1], "500ms", all_apart).await;
+    // The held-up copy waits for the row for as long as its statement may take.
+    for shard in configs.iter_mut().flat_map(|c| c.shards.iter_mut()) {
+        shard.statement_timeout = Duration::from_secs(30);
+    }
+    let [t0, t1, t2] = configs;
+    let probe = LockRouter::new(t1.clone()).await.unwrap();
+    let second = shard_of(&cluster, &probe, &key);
+    probe.shutdown().await.unwrap();
+    let router = LockRouter::new(t0).await.unwrap();
+    let held = router.cas_acquire(&key, "h").await.unwrap().expect("free");
+    let mut blocker = row_locked(second, "shardlock_cas", &key).await;
+    router.reload(t1).await.unwrap();
+    common::until_a_row_lock_is_waited_for(second).await;
+    let kept = router.stats().moves_kept;
+    router.reload(t2).await.unwrap();
+    // The second window is over: its move either ended or was kept behind the first.
+    let looked = common::eventually(Duration::from_secs(30), || async {
+        router.moves_in_progress() < 2 || router.stats().moves_kept > kept
+    })
+    .await;
+    assert!(looked, "the second move was never looked at");
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    common::moves_done(&router).await;
+
+    let other = router.cas_acquire(&key, "x").await.unwrap();
+    assert!(
+        other.is_none(),
+        "a second take of a held CAS lock was granted once both moves were over: {other:?}"
+    );
+    assert!(router.cas_release(held).await.unwrap());
+    let next = router.cas_acquire(&key, "n").await.unwrap();
+    assert!(
+        next.is_some(),
+        "the lock stayed owned with nobody holding it"
+    );
+}
+
 /// Two config changes rolled out as one reload by one process and as two by another: a key
 /// on three shards under the three topologies. The first move's carry (the second's window is
 /// still open) writes its copy only where the key lives now, which the whole fleet runs: a
