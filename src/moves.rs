@@ -214,7 +214,8 @@ async fn give_back_try(
 /// Every process does this for itself; the copies are idempotent (`GREATEST`).
 pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
     tokio::time::sleep_until(previous.until.timer()).await;
-    let mut warned = false;
+    // The last reason warned of: each new one is warned of once.
+    let mut warned: Option<String> = None;
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         let Some(router) = inner.upgrade() else {
@@ -235,9 +236,9 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
                 .stats
                 .moves_kept
                 .fetch_add(1, Ordering::Relaxed);
-            if !warned {
+            if warned.as_ref() != Some(&why) {
                 tracing::warn!(why, "shardlock keeps a move in force past its window");
-                warned = true;
+                warned = Some(why);
             }
             let interval = router.config().cleaner.heartbeat_interval;
             drop((router, topology));
@@ -272,15 +273,18 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
 /// Why `previous`'s carry waits for a move before it: moves end oldest first. A carry of an
 /// older placement may write its rows onto `previous`'s shards (where their keys lived when
 /// it began) while this one's scan of them has passed already: a CAS lock's only row, a
-/// fence, a queue's jobs, then left where nobody looks once both moves are over. Every
-/// process carries in this order, so a carry of `previous` anywhere begins after the older
-/// rows were freed on their shards, which their copies preceded.
+/// fence, a queue's jobs, then left where nobody looks once both moves are over. An older
+/// carry that began before a reload finishes under the topology it began with (only its CAS
+/// copies check the epoch): what it wrote is found by this one, which reads those shards
+/// after it. The order holds within each process; a process that lacks the older placement
+/// (started, or rejoined, since) grants nothing until its fleet agrees and no move is in
+/// force (see [`registry::fleet_disagreement`]).
 fn older_move(topology: &Topology, previous: &Previous) -> Option<&'static str> {
-    let mut older = topology
-        .previous
+    let own = |p: &Previous| Arc::ptr_eq(&p.fences_carried, &previous.fences_carried);
+    // Not in the list (it stays there until carried): nothing is known to come before it.
+    let at = topology.previous.iter().position(own)?;
+    topology.previous[..at]
         .iter()
-        .take_while(|p| !Arc::ptr_eq(&p.fences_carried, &previous.fences_carried));
-    older
         .any(|p| !p.fences_carried.load(Ordering::Acquire))
         .then_some("a move before it is not over yet: moves end oldest first")
 }
