@@ -10,7 +10,7 @@ use std::time::Duration;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::patterns::{StateMachine, TxLockGuard};
 use shardlock::{Config, Error, LockRouter};
-use shardlock_testkit::{Cluster, Shard};
+use shardlock_testkit::{report, Cluster, Shard, Worker};
 
 /// Four shards, configs listing the first three and all four (500 ms move window), and a
 /// router over each, migrated.
@@ -42,6 +42,12 @@ fn config_of(cluster: &Cluster, weights: &[u32], per_shard: &str) -> Config {
 
 /// [`config_of`] with a move window of `window`.
 fn windowed(cluster: &Cluster, weights: &[u32], per_shard: &str, window: &str) -> Config {
+    let yaml = placement_yaml(cluster, weights, per_shard, window);
+    Config::from_yaml_str(&format!("{yaml}cleaner:\n  heartbeat-interval: 100ms\n")).unwrap()
+}
+
+/// The shards and routing of [`windowed`], as YAML.
+fn placement_yaml(cluster: &Cluster, weights: &[u32], per_shard: &str, window: &str) -> String {
     let mut yaml = String::from("shards:\n");
     for (s, weight) in cluster.shards().iter().zip(weights) {
         yaml.push_str(&format!(
@@ -50,10 +56,8 @@ fn windowed(cluster: &Cluster, weights: &[u32], per_shard: &str, window: &str) -
             s.url()
         ));
     }
-    yaml.push_str(&format!(
-        "routing:\n  move-window: {window}\ncleaner:\n  heartbeat-interval: 100ms\n"
-    ));
-    Config::from_yaml_str(&yaml).unwrap()
+    yaml.push_str(&format!("routing:\n  move-window: {window}\n"));
+    yaml
 }
 
 /// A key that lives on another shard under `four` than under `three`.
@@ -900,6 +904,91 @@ async fn under_a_static_registry_a_move_ends_only_once_every_later_window_is_ove
         router.stats().moves_kept >= 1,
         "the first move ended while the second's window was open"
     );
+}
+
+/// Heartbeats every 100 ms; dead after 2 s without one.
+const BEATS: &str = "cleaner:\n  heartbeat-interval: 100ms\n  heartbeat-timeout: 2s\n";
+
+/// The config a worker reloads onto, and the key it takes.
+const RELOAD_ENV: &str = "SHARDLOCK_TEST_RELOAD";
+const KEY_ENV: &str = "SHARDLOCK_TEST_KEY";
+
+/// A CAS holder frozen past its heartbeat timeout while the rest of the fleet reloaded: the
+/// fleet counts it dead, ends the move without it and carries its lock to the key's new shard.
+/// Resumed, still on the old topology, its release finds nothing where it places the key: it
+/// says so as an error, not `false` (the lock is still owned where the fleet put it), and
+/// releases it once reloaded.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_holder_that_lapsed_through_a_move_releases_where_the_fleet_carried_its_lock() {
+    let (cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "cas:").await;
+    let yaml =
+        |weights: &[u32]| format!("{}{BEATS}", placement_yaml(&cluster, weights, "", "500ms"));
+    let (old, new) = (yaml(&[1; 3]), yaml(&[1; 4]));
+    let mut holder = Worker::spawn(
+        "worker",
+        "lapsed-cas-holder",
+        &[
+            (
+                common::CONFIG_ENV,
+                format!("instance:\n  id: holder\n{old}"),
+            ),
+            (RELOAD_ENV, format!("instance:\n  id: holder\n{new}")),
+            (KEY_ENV, key.clone()),
+        ],
+    )
+    .unwrap();
+    holder.expect("taken").await.unwrap();
+    let router = LockRouter::from_yaml_str(&old).await.unwrap();
+    router
+        .reload(Config::from_yaml_str(&new).unwrap())
+        .await
+        .unwrap();
+    holder.pause().unwrap();
+    // Counted dead, the holder keeps the move in force no more.
+    common::moves_done(&router).await;
+    let carried = router.cas_acquire(&key, "x").await.unwrap();
+    assert!(carried.is_none(), "the lock was not carried: {carried:?}");
+
+    holder.resume().unwrap();
+    let said = holder.expect("").await.unwrap();
+    assert!(
+        said.starts_with("refused") && said.contains("not joined to its fleet"),
+        "a lapsed holder's release that found nothing said: {said}"
+    );
+    let said = holder.expect("").await.unwrap();
+    assert_eq!(said, "released true", "once reloaded");
+    let next = router.cas_acquire(&key, "n").await.unwrap();
+    assert!(
+        next.is_some(),
+        "the lock stayed owned with nobody holding it"
+    );
+}
+
+/// Takes the key of [`KEY_ENV`] by CAS; once its heartbeat lapsed (a pause), releases it and
+/// says how that went; then reloads onto the config of [`RELOAD_ENV`] and releases it again.
+async fn lapsed_cas_holder_worker() {
+    let router = common::worker_router().await;
+    let key = std::env::var(KEY_ENV).unwrap();
+    let guard = router.cas_acquire(&key, "h").await.unwrap().expect("free");
+    report!("taken");
+    while router.stats().heartbeat_lapses == 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    match router.cas_release(guard.clone()).await {
+        Ok(freed) => report!("released {freed}"),
+        Err(e) => report!("refused {}", shardlock::Report(&e)),
+    }
+    let reload = Config::from_yaml_str(&std::env::var(RELOAD_ENV).unwrap()).unwrap();
+    router.reload(reload).await.unwrap();
+    match router.cas_release(guard).await {
+        Ok(freed) => report!("released {freed}"),
+        Err(e) => report!("refused {}", shardlock::Report(&e)),
+    }
+}
+
+crate::worker_entry! {
+    "lapsed-cas-holder" => lapsed_cas_holder_worker(),
 }
 
 /// `router`'s own registry row on s1.

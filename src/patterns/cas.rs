@@ -188,6 +188,11 @@ impl LockRouter {
     /// answers `false` and leaves the new take whole on every shard (processes still running
     /// the old topology take the key on the old shard alone).
     ///
+    /// A process not joined to its fleet (its heartbeat lapsed, or the fleet runs another
+    /// topology) that finds none of the take's rows answers [`crate::Error::Unavailable`]
+    /// rather than `false`: the fleet may have carried the lock to where its topology puts
+    /// the key. Release again once this process runs the fleet's topology.
+    ///
     /// Cancellation: rows freed before the drop stay free, a release in flight may have committed,
     /// and the others stay owned (CAS rows never expire): call again with a clone of the guard (a
     /// row already freed answers `false`).
@@ -223,6 +228,24 @@ impl LockRouter {
                 Err(e) => drop(failure.get_or_insert(e)),
             }
         }
-        failure.map_or(Ok(released), Err)
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        // Nothing of the take where this process places the key, and it grants nothing now
+        // (its heartbeat lapsed, or its fleet runs another topology): the fleet may have ended
+        // a move without it and carried the take to where the fleet's topology puts the key,
+        // which this process does not know. `false` would leave that copy owned for good.
+        if !released {
+            self.inner.notice_lapse();
+            if let Some(why) = self.inner.gate.why() {
+                return Err(self.not_granting(
+                    &lock_key,
+                    format!(
+                        "this CAS release found no row of its take where this process places                          the key, and this process is not joined to its fleet ({why}): a move                          the fleet ended meanwhile may have carried the lock to where its                          topology puts the key; release again, with a clone of the guard, once                          this process runs the fleet's topology"
+                    ),
+                ));
+            }
+        }
+        Ok(released)
     }
 }
