@@ -172,6 +172,11 @@ impl Gate {
             .fetch_min(millis(lapse), Ordering::AcqRel);
     }
 
+    /// Whether a heartbeat ever reached a shard.
+    pub(crate) fn ever_beaten(&self) -> bool {
+        self.beaten_ms.load(Ordering::Acquire) > 0
+    }
+
     /// A heartbeat from a configuration whose lapse is `lapse` reached every shard: the
     /// registry holds no other configuration's any more.
     pub(crate) fn beaten_everywhere(&self, lapse: Duration) {
@@ -189,11 +194,23 @@ impl Gate {
     /// back: its statement may have waited out the pause unsent, or its waiting retried
     /// meanwhile, on a placement the fleet no longer uses.
     pub(crate) fn lapse_if_stale(&self, lapse: Duration, lapses: &AtomicU64) -> bool {
+        self.lapse_if_stale_at(Moment::now(), lapse, lapses)
+    }
+
+    /// [`Gate::lapse_if_stale`] as of `at`: the moment a heartbeat is sent, so that a pause
+    /// just before it counts, though the heartbeat then reaches a shard.
+    pub(crate) fn lapse_if_stale_at(
+        &self,
+        at: Moment,
+        lapse: Duration,
+        lapses: &AtomicU64,
+    ) -> bool {
         let beaten = self.beaten_ms.load(Ordering::Acquire).saturating_sub(1);
         let lapse = lapse.min(Duration::from_millis(
             self.advertised_lapse_ms.load(Ordering::Acquire),
         ));
-        let age = Duration::from_millis(millis(self.born.elapsed()).saturating_sub(beaten));
+        let lived = millis(at.saturating_duration_since(self.born));
+        let age = Duration::from_millis(lived.saturating_sub(beaten));
         if age < lapse {
             return false;
         }
@@ -289,6 +306,12 @@ impl Inner {
         let topology = self.topology.load_full();
         let lapse = lapse(&topology.config);
         let sent = Moment::now();
+        // A pause since the last look at the lapse (the heartbeat loop's, a grant's) is one:
+        // counted before this heartbeat, fresh once it reaches a shard, hides it. (Before the
+        // first heartbeat, the start joins the fleet anyway.)
+        if self.gate.ever_beaten() {
+            self.notice_lapse_at(sent);
+        }
         let reached = || self.gate.beaten(sent, lapse);
         let fingerprint = self.advertised_fingerprint(&topology);
         let beats = registry::beat(&topology, &fingerprint, &self.shared, missed, &reached).await;
@@ -327,15 +350,18 @@ impl Inner {
     /// Closes the gate if this router's heartbeat has lapsed (see [`Gate`]), and wakes the
     /// heartbeat to join the fleet again at once.
     pub(crate) fn notice_lapse(&self) {
+        self.notice_lapse_at(Moment::now());
+    }
+
+    /// [`Inner::notice_lapse`] as of `at`.
+    fn notice_lapse_at(&self, at: Moment) {
         let config = self.config();
         if config.cleaner.registry != shardlock_core::config::RegistryKind::Heartbeat {
             return;
         }
         let lapse = lapse(&config);
-        if self
-            .gate
-            .lapse_if_stale(lapse, &self.shared.stats.heartbeat_lapses)
-        {
+        let lapses = &self.shared.stats.heartbeat_lapses;
+        if self.gate.lapse_if_stale_at(at, lapse, lapses) {
             self.beat_now.notify_one();
         }
     }
@@ -563,6 +589,20 @@ mod tests {
         past(lapse);
         assert!(gate.lapse_if_stale(lapse, &lapses));
         assert!(gate.is_closed() && gate.is_rejoining());
+        assert_eq!(lapses.load(Ordering::Acquire), 1);
+    }
+
+    #[test]
+    fn a_heartbeat_sent_after_a_pause_counts_the_lapse_though_it_then_reaches_a_shard() {
+        let (gate, lapses) = (Gate::default(), AtomicU64::new(0));
+        let lapse = Duration::from_millis(20);
+        gate.beaten(Moment::now(), lapse);
+        assert!(gate.ever_beaten());
+        past(lapse);
+        let sent = Moment::now();
+        assert!(gate.lapse_if_stale_at(sent, lapse, &lapses));
+        gate.beaten(sent, lapse);
+        assert!(gate.is_closed(), "the fresh heartbeat hid the pause");
         assert_eq!(lapses.load(Ordering::Acquire), 1);
     }
 

@@ -7,10 +7,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use nix::sys::signal::Signal;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::patterns::{StateMachine, TxLockGuard};
 use shardlock::{Config, Error, LockRouter};
 use shardlock_testkit::{report, Cluster, Shard, Worker};
+use tokio::signal::unix::SignalKind;
 
 /// Four shards, configs listing the first three and all four (500 ms move window), and a
 /// router over each, migrated.
@@ -951,12 +953,16 @@ async fn a_cas_holder_that_lapsed_through_a_move_releases_where_the_fleet_carrie
     assert!(carried.is_none(), "the lock was not carried: {carried:?}");
 
     holder.resume().unwrap();
-    let said = holder.expect("").await.unwrap();
+    holder.signal(Signal::SIGUSR1).unwrap();
+    let minute = Duration::from_secs(60);
+    let said = tokio::time::timeout(minute, holder.expect("")).await;
+    let said = said.expect("the holder said nothing").unwrap();
     assert!(
         said.starts_with("refused") && said.contains("not joined to its fleet"),
         "a lapsed holder's release that found nothing said: {said}"
     );
-    let said = holder.expect("").await.unwrap();
+    let said = tokio::time::timeout(minute, holder.expect("")).await;
+    let said = said.expect("the holder said nothing").unwrap();
     assert_eq!(said, "released true", "once reloaded");
     let next = router.cas_acquire(&key, "n").await.unwrap();
     assert!(
@@ -965,13 +971,16 @@ async fn a_cas_holder_that_lapsed_through_a_move_releases_where_the_fleet_carrie
     );
 }
 
-/// Takes the key of [`KEY_ENV`] by CAS; once its heartbeat lapsed (a pause), releases it and
-/// says how that went; then reloads onto the config of [`RELOAD_ENV`] and releases it again.
+/// Takes the key of [`KEY_ENV`] by CAS; told to go on (SIGUSR1, after its pause), releases it
+/// once its heartbeat lapsed and says how that went; then reloads onto the config of
+/// [`RELOAD_ENV`] and releases it again.
 async fn lapsed_cas_holder_worker() {
+    let mut go = tokio::signal::unix::signal(SignalKind::user_defined1()).unwrap();
     let router = common::worker_router().await;
     let key = std::env::var(KEY_ENV).unwrap();
     let guard = router.cas_acquire(&key, "h").await.unwrap().expect("free");
     report!("taken");
+    go.recv().await;
     while router.stats().heartbeat_lapses == 0 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

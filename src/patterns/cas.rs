@@ -6,6 +6,7 @@ use shardlock_core::{LockKey, Result};
 use shardlock_mysql::CasGiveBack;
 
 use crate::shard::ShardState;
+use crate::topology::Topology;
 use crate::LockRouter;
 
 /// A take undone, or released: by its token, at any version.
@@ -188,19 +189,70 @@ impl LockRouter {
     /// answers `false` and leaves the new take whole on every shard (processes still running
     /// the old topology take the key on the old shard alone).
     ///
-    /// A process not joined to its fleet (its heartbeat lapsed, or the fleet runs another
-    /// topology) that finds none of the take's rows answers [`crate::Error::Unavailable`]
-    /// rather than `false`: the fleet may have carried the lock to where its topology puts
-    /// the key. Release again once this process runs the fleet's topology.
+    /// With the `heartbeat` registry, a process not joined to its fleet during the call (its
+    /// heartbeat lapsed, or the fleet runs another topology) that finds none of the take's
+    /// rows answers [`crate::Error::Unavailable`] rather than `false`: the fleet may have
+    /// ended a move without it and carried the lock to where its topology puts the key.
+    /// Release again once this process has joined (reloaded onto the fleet's topology). A
+    /// release that finds nothing after a reload came during it releases again under the new
+    /// topology.
     ///
     /// Cancellation: rows freed before the drop stay free, a release in flight may have committed,
     /// and the others stay owned (CAS rows never expire): call again with a clone of the guard (a
-    /// row already freed answers `false`).
+    /// row already freed answers `false`, or `Unavailable` while this process is not joined).
     pub async fn cas_release(&self, guard: CasGuard) -> Result<bool> {
         let lock_key = LockKey::new(&guard.key)?;
-        let topology = self.inner.topology.load_full();
-        let shard = topology.locate(&lock_key).clone();
-        let previous = topology.previous_locations(&lock_key);
+        let lapses = self.lapses();
+        loop {
+            let topology = self.inner.topology.load_full();
+            if self.release_under(&topology, &lock_key, &guard).await? {
+                return Ok(true);
+            }
+            // Nothing of the take where this process placed the key. Reloaded meanwhile: the
+            // fleet may have carried it to where the new topology puts the key.
+            if self.inner.topology.load().epoch != topology.epoch {
+                continue;
+            }
+            // Not joined to its fleet, now or at any moment of this call (its heartbeat lapsed,
+            // or the fleet runs another topology): the fleet may have ended a move without it
+            // and carried the take to where the fleet's topology puts the key, which this
+            // process does not know. `false` would leave that copy owned for good.
+            self.inner.notice_lapse();
+            let why = match self.inner.gate.why() {
+                Some(why) => why,
+                None if self.lapses() != lapses => {
+                    "its heartbeat lapsed during this release (paused, or cut off from every \
+                     shard)"
+                        .to_owned()
+                }
+                None => return Ok(false),
+            };
+            let what = format!(
+                "this CAS release of `{}` (token {}) found no row of its take where this \
+                 process places the key, and this process is not joined to its fleet: {why}",
+                self.inner.shared.telemetry.key_label(&lock_key),
+                guard.token
+            );
+            let then = if self.inner.gate.is_replaced() {
+                "it never joins again: free the row by its token where the fleet places the key"
+            } else {
+                "a move the fleet ended meanwhile may have carried the lock to where its \
+                 topology puts the key; release again, with a clone of the guard, once this \
+                 process has joined its fleet (reloaded onto the fleet's topology)"
+            };
+            return Err(self.not_granting(&lock_key, format!("{what}. {then}")));
+        }
+    }
+
+    /// One release of `guard`'s take under `topology`: whether a row of it was freed.
+    async fn release_under(
+        &self,
+        topology: &Topology,
+        lock_key: &LockKey,
+        guard: &CasGuard,
+    ) -> Result<bool> {
+        let shard = topology.locate(lock_key).clone();
+        let previous = topology.previous_locations(lock_key);
         // Every shard is tried; the first failure is reported after (release again to retry).
         let mut released = false;
         let mut failure = None;
@@ -228,24 +280,6 @@ impl LockRouter {
                 Err(e) => drop(failure.get_or_insert(e)),
             }
         }
-        if let Some(e) = failure {
-            return Err(e);
-        }
-        // Nothing of the take where this process places the key, and it grants nothing now
-        // (its heartbeat lapsed, or its fleet runs another topology): the fleet may have ended
-        // a move without it and carried the take to where the fleet's topology puts the key,
-        // which this process does not know. `false` would leave that copy owned for good.
-        if !released {
-            self.inner.notice_lapse();
-            if let Some(why) = self.inner.gate.why() {
-                return Err(self.not_granting(
-                    &lock_key,
-                    format!(
-                        "this CAS release found no row of its take where this process places                          the key, and this process is not joined to its fleet ({why}): a move                          the fleet ended meanwhile may have carried the lock to where its                          topology puts the key; release again, with a clone of the guard, once                          this process runs the fleet's topology"
-                    ),
-                ));
-            }
-        }
-        Ok(released)
+        failure.map_or(Ok(released), Err)
     }
 }
