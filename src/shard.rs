@@ -33,6 +33,10 @@ pub(crate) use shared::Shared;
 /// Breaker transitions kept per shard for `breaker_transitions`.
 const TRANSITIONS_KEPT: usize = 64;
 
+/// Where a CAS take given back may have been carried, asked once its first shard did not hold
+/// it (see [`ShardState::give_back_cas`]).
+pub(crate) type CasFollow = Box<dyn FnOnce() -> Vec<Arc<ShardState>> + Send>;
+
 /// A shard and the leases this process holds on it.
 #[derive(Debug)]
 pub(crate) struct ShardState {
@@ -402,52 +406,74 @@ impl ShardState {
     /// Galera shard, where a take still on its way may land after the answer). Not counted as
     /// a give-back a leaving shard's drain waits for: it has no end of its own.
     ///
-    /// When the take is not found here, a move's carry may have brought it to the key's new
-    /// shard, `then` (its copies bear the take's token): given back there too, undone. `how`
-    /// says how the row is freed here (see [`CasGiveBack`]).
+    /// When the take is not found here, a move's carry may have brought it to where the key
+    /// lives now: `then` names those shards when asked (the key's shards under the topology
+    /// in force then, a reload since included; copies bear the take's token), where it is
+    /// given back too, undone, until found. `how` says how the row is freed here (see
+    /// [`CasGiveBack`]).
     pub(crate) fn give_back_cas(
         self: &Arc<Self>,
         key: Vec<u8>,
         token: String,
         how: CasGiveBack,
-        then: Option<Arc<ShardState>>,
+        then: Option<CasFollow>,
     ) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let first = self.clone();
         runtime.spawn(async move {
-            let steps = std::iter::once((first, how)).chain(then.map(|t| (t, CasGiveBack::Undone(None))));
-            for (shard, how) in steps {
-                let mut backoff = shardlock_core::Backoff::new(
-                    std::time::Duration::from_millis(5),
-                    std::time::Duration::from_millis(500),
-                );
-                let found = loop {
-                    if shard.is_closed() {
-                        tracing::warn!(
-                            shard = shard.name(),
-                            key = shard.shared.telemetry.stored_key_label(&key),
-                            token,
-                            "shardlock gave up giving back a CAS take whose outcome is unknown \
-                             (the shard left or the router shut down): the row may stay owned; \
-                             free it by its token"
-                        );
-                        return;
-                    }
-                    match shard.call(|b| b.give_back_cas(&key, &token, how)).await {
-                        Ok(found) => break found,
-                        Err(e) => {
-                            tracing::debug!(shard = shard.name(), error = %shardlock_core::Report(&e), "shardlock CAS give-back failed; retrying");
-                        }
-                    }
-                    tokio::time::sleep(backoff.next_delay()).await;
-                };
-                if found {
-                    return;
+            match first.give_back_cas_until_answered(&key, &token, how).await {
+                Some(false) => {}
+                Some(true) | None => return,
+            }
+            let Some(then) = then else { return };
+            // Asked only now: a carry may have moved the take while the first shard was down.
+            for shard in then().into_iter().filter(|s| !s.same_database(&first)) {
+                let undone = CasGiveBack::Undone(None);
+                match shard
+                    .give_back_cas_until_answered(&key, &token, undone)
+                    .await
+                {
+                    Some(false) => {}
+                    Some(true) | None => return,
                 }
             }
         });
+    }
+
+    /// One give-back of a CAS take by its token, retried until this shard answers: whether
+    /// the take was found here (`None`: the shard left or the router shut down first).
+    async fn give_back_cas_until_answered(
+        &self,
+        key: &[u8],
+        token: &str,
+        how: CasGiveBack,
+    ) -> Option<bool> {
+        let mut backoff = shardlock_core::Backoff::new(
+            std::time::Duration::from_millis(5),
+            std::time::Duration::from_millis(500),
+        );
+        loop {
+            if self.is_closed() {
+                tracing::warn!(
+                    shard = self.name(),
+                    key = self.shared.telemetry.stored_key_label(key),
+                    token,
+                    "shardlock gave up giving back a CAS take whose outcome is unknown (the \
+                     shard left or the router shut down): the row may stay owned; free it by \
+                     its token"
+                );
+                return None;
+            }
+            match self.call(|b| b.give_back_cas(key, token, how)).await {
+                Ok(found) => return Some(found),
+                Err(e) => {
+                    tracing::debug!(shard = self.name(), error = %shardlock_core::Report(&e), "shardlock CAS give-back failed; retrying");
+                }
+            }
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
     }
 
     /// Whether give-backs are still retrying in the background.

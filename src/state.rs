@@ -193,18 +193,10 @@ impl Gate {
     /// An acquire that passed the gate before a lapse and is granted after it gives the grant
     /// back: its statement may have waited out the pause unsent, or its waiting retried
     /// meanwhile, on a placement the fleet no longer uses.
-    pub(crate) fn lapse_if_stale(&self, lapse: Duration, lapses: &AtomicU64) -> bool {
-        self.lapse_if_stale_at(Moment::now(), lapse, lapses)
-    }
-
-    /// [`Gate::lapse_if_stale`] as of `at`: the moment a heartbeat is sent, so that a pause
-    /// just before it counts, though the heartbeat then reaches a shard.
-    pub(crate) fn lapse_if_stale_at(
-        &self,
-        at: Moment,
-        lapse: Duration,
-        lapses: &AtomicU64,
-    ) -> bool {
+    ///
+    /// Judged as of `at`: now, or the moment a heartbeat is sent, so that a pause just before
+    /// it counts though the heartbeat then reaches a shard.
+    pub(crate) fn lapse_if_stale(&self, at: Moment, lapse: Duration, lapses: &AtomicU64) -> bool {
         let beaten = self.beaten_ms.load(Ordering::Acquire).saturating_sub(1);
         let lapse = lapse.min(Duration::from_millis(
             self.advertised_lapse_ms.load(Ordering::Acquire),
@@ -361,7 +353,7 @@ impl Inner {
         }
         let lapse = lapse(&config);
         let lapses = &self.shared.stats.heartbeat_lapses;
-        if self.gate.lapse_if_stale_at(at, lapse, lapses) {
+        if self.gate.lapse_if_stale(at, lapse, lapses) {
             self.beat_now.notify_one();
         }
     }
@@ -587,7 +579,7 @@ mod tests {
         let (gate, lapses) = (Gate::default(), AtomicU64::new(0));
         let lapse = Duration::from_millis(20);
         past(lapse);
-        assert!(gate.lapse_if_stale(lapse, &lapses));
+        assert!(gate.lapse_if_stale(Moment::now(), lapse, &lapses));
         assert!(gate.is_closed() && gate.is_rejoining());
         assert_eq!(lapses.load(Ordering::Acquire), 1);
     }
@@ -600,7 +592,7 @@ mod tests {
         assert!(gate.ever_beaten());
         past(lapse);
         let sent = Moment::now();
-        assert!(gate.lapse_if_stale_at(sent, lapse, &lapses));
+        assert!(gate.lapse_if_stale(sent, lapse, &lapses));
         gate.beaten(sent, lapse);
         assert!(gate.is_closed(), "the fresh heartbeat hid the pause");
         assert_eq!(lapses.load(Ordering::Acquire), 1);
@@ -627,14 +619,17 @@ mod tests {
         gate.beaten(Moment::now(), old);
         gate.beaten(Moment::now(), new);
         past(old);
-        assert!(gate.lapse_if_stale(new, &lapses), "by the old timeout");
+        assert!(
+            gate.lapse_if_stale(Moment::now(), new, &lapses),
+            "by the old timeout"
+        );
 
         let (gate, lapses) = (Gate::default(), AtomicU64::new(0));
         gate.beaten(Moment::now(), old);
         gate.beaten_everywhere(new);
         past(old);
         assert!(
-            !gate.lapse_if_stale(new, &lapses),
+            !gate.lapse_if_stale(Moment::now(), new, &lapses),
             "every shard holds the new one"
         );
         assert!(!gate.is_closed());

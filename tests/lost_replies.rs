@@ -631,6 +631,82 @@ async fn a_cas_take_of_unknown_outcome_carried_by_a_move_is_given_back_where_it_
     );
 }
 
+/// As above across two reloads: the take of unknown outcome was made under the second
+/// topology on the key's first shard, and before that shard answers again the taker reloads
+/// once more and another process's carry brings the take to the key's shard under the third
+/// topology. The give-back follows it there: where the key lives when the first shard is found
+/// empty, not where it lived at the take.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_take_of_unknown_outcome_is_given_back_where_a_later_reload_carried_it() {
+    let (long, top) = (
+        "routing:\n  move-window: 10m\ncleaner:\n  registry: static\n",
+        "routing:\n  move-window: 300ms\ncleaner:\n  registry: static\n",
+    );
+    let (cluster, _, _) = common::start(3, top).await;
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let s1 = |url: &str| {
+        format!("  - name: s1\n    url: {url}\n    statement-timeout: 1s\n{POOL_OF_ONE}")
+    };
+    let later = |n: usize| {
+        let entry = |i: usize| {
+            format!(
+                "  - name: s{}\n    url: {}\n",
+                i + 1,
+                cluster.shard(i).url()
+            )
+        };
+        (1..n).map(entry).collect::<String>()
+    };
+    let (via_proxy, direct) = (s1(&proxy.url()), s1(&cluster.shard(0).url()));
+    let config = |s1: &str, n: usize, top: &str| {
+        Config::from_yaml_str(&format!("shards:\n{s1}{}{top}", later(n))).unwrap()
+    };
+    let a = LockRouter::new(config(&via_proxy, 1, long)).await.unwrap();
+    let b = LockRouter::new(config(&direct, 1, top)).await.unwrap();
+    a.reload(config(&via_proxy, 2, long)).await.unwrap();
+    let last = LockRouter::new(config(&direct, 3, top)).await.unwrap();
+    let moved = (0..)
+        .map(|i| format!("c{i}"))
+        .find(|k| a.shard_for(k).unwrap() == "s2" && last.shard_for(k).unwrap() == "s3")
+        .unwrap();
+    last.shutdown().await.unwrap();
+    let stayed = (0..)
+        .map(|i| format!("w{i}"))
+        .find(|k| a.shard_for(k).unwrap() == "s1")
+        .unwrap();
+    let warm = a.cas_acquire(&stayed, "w").await.unwrap().unwrap();
+    assert!(a.cas_release(warm).await.unwrap());
+
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
+    let taken = a.cas_acquire(&moved, "lost-take-owner").await;
+    assert!(taken.is_err(), "answered without a reply: {taken:?}");
+    a.reload(config(&via_proxy, 3, long)).await.unwrap();
+    b.reload(config(&direct, 3, top)).await.unwrap();
+    common::moves_done(&b).await;
+    for (shard, owner) in [(0, None), (1, None), (2, Some("lost-take-owner"))] {
+        assert_eq!(
+            common::cas_owner(cluster.shard(shard), &moved)
+                .await
+                .as_deref(),
+            owner,
+            "the take whose reply was lost was made on s1, and carried to s3"
+        );
+    }
+
+    proxy.set(ProxyMode::Pass);
+    let freed = common::eventually(Duration::from_secs(30), || async {
+        match b.cas_acquire(&moved, "other").await.unwrap() {
+            Some(g) => b.cas_release(g).await.unwrap(),
+            None => false,
+        }
+    })
+    .await;
+    assert!(
+        freed,
+        "the carried take stayed owned with nobody holding it"
+    );
+}
+
 /// A router reaching the one shard of `cluster` through a proxy, and the proxy. `shard` and
 /// `top` are YAML lines added to the shard's entry and to the top level. A lease taken and
 /// released first warms the pool, so that the next statement travels on an open connection

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use shardlock_core::{LockKey, Result};
 use shardlock_mysql::CasGiveBack;
 
-use crate::shard::ShardState;
+use crate::shard::{CasFollow, ShardState};
 use crate::topology::Topology;
 use crate::LockRouter;
 
@@ -96,7 +96,7 @@ impl LockRouter {
             // token once the shard answers, or the row would stay owned for good with no guard
             // to release it.
             if took.as_ref().is_err_and(|e| e.maybe_applied) {
-                let then = (!Arc::ptr_eq(&at, &shard)).then(|| shard.clone());
+                let then = Some(self.follow_key(lock_key, &shard));
                 at.give_back_cas(lock_key.stored().to_vec(), token.clone(), UNDONE, then);
             }
             version = took.map_err(|e| e.into_error(at.name()));
@@ -156,9 +156,9 @@ impl LockRouter {
                         .run(|b| b.give_back_cas(lock_key.stored(), &token, UNDONE))
                         .await;
                     if freed.is_err() {
-                        // Left to the background, until the shard answers (and then on the
-                        // key's shard, where a carry may have brought it meanwhile).
-                        let then = (!Arc::ptr_eq(&at, &shard)).then(|| shard.clone());
+                        // Left to the background, until the shard answers (and then where
+                        // the key lives by then, where a carry may have brought it).
+                        let then = Some(self.follow_key(lock_key, &shard));
                         at.give_back_cas(lock_key.stored().to_vec(), token.clone(), UNDONE, then);
                         given_back = freed;
                     }
@@ -242,6 +242,23 @@ impl LockRouter {
             };
             return Err(self.not_granting(&lock_key, format!("{what}. {then}")));
         }
+    }
+
+    /// Where a take of `key` given back in the background may have been carried: the key's
+    /// shards under the topology in force when asked (earlier placements still in force, then
+    /// the current one), so that a reload after the take is followed too; `shard`, the key's
+    /// shard at the take, once the router is gone.
+    fn follow_key(&self, key: &LockKey, shard: &Arc<ShardState>) -> CasFollow {
+        let (inner, key, shard) = (Arc::downgrade(&self.inner), key.clone(), shard.clone());
+        Box::new(move || match inner.upgrade() {
+            Some(inner) => {
+                let topology = inner.topology.load();
+                let mut at = topology.previous_locations(&key);
+                at.push(topology.locate(&key).clone());
+                at
+            }
+            None => vec![shard],
+        })
     }
 
     /// One release of `guard`'s take under `topology`: whether a row of it was freed.
