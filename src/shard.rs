@@ -33,9 +33,10 @@ pub(crate) use shared::Shared;
 /// Breaker transitions kept per shard for `breaker_transitions`.
 const TRANSITIONS_KEPT: usize = 64;
 
-/// Where a CAS take given back may have been carried, asked once its first shard did not hold
-/// it (see [`ShardState::give_back_cas`]).
-pub(crate) type CasFollow = Box<dyn FnOnce() -> Vec<Arc<ShardState>> + Send>;
+/// Where a CAS take given back may have been carried, asked once its first shard answered
+/// (see [`ShardState::give_back_cas`]).
+pub(crate) type CasFollow =
+    Box<dyn FnOnce() -> futures_util::future::BoxFuture<'static, Vec<Arc<ShardState>>> + Send>;
 
 /// A shard and the leases this process holds on it.
 #[derive(Debug)]
@@ -406,11 +407,11 @@ impl ShardState {
     /// Galera shard, where a take still on its way may land after the answer). Not counted as
     /// a give-back a leaving shard's drain waits for: it has no end of its own.
     ///
-    /// When the take is not found here, a move's carry may have brought it to where the key
-    /// lives now: `then` names those shards when asked (the key's shards under the topology
-    /// in force then, a reload since included; copies bear the take's token), where it is
-    /// given back too, undone, until found. `how` says how the row is freed here (see
-    /// [`CasGiveBack`]).
+    /// A move's carry may have brought the take to where the key lives now (its copies bear
+    /// the take's token), also while a copy of unknown outcome is kept beside a row found
+    /// here: `then` names those shards once this one answered (the key's shards under the
+    /// topology in force then, a reload since included), where it is given back too, undone,
+    /// on each in turn. `how` says how the row is freed here (see [`CasGiveBack`]).
     pub(crate) fn give_back_cas(
         self: &Arc<Self>,
         key: Vec<u8>,
@@ -423,20 +424,18 @@ impl ShardState {
         };
         let first = self.clone();
         runtime.spawn(async move {
-            match first.give_back_cas_until_answered(&key, &token, how).await {
-                Some(false) => {}
-                Some(true) | None => return,
-            }
+            // Closed (a shard that left in a reload): where the key went is still looked at.
+            first.give_back_cas_until_answered(&key, &token, how).await;
             let Some(then) = then else { return };
             // Asked only now: a carry may have moved the take while the first shard was down.
-            for shard in then().into_iter().filter(|s| !s.same_database(&first)) {
-                let undone = CasGiveBack::Undone(None);
-                match shard
-                    .give_back_cas_until_answered(&key, &token, undone)
-                    .await
-                {
-                    Some(false) => {}
-                    Some(true) | None => return,
+            // Earlier placements first: a carry in flight from one of them to the key's shard
+            // holds its row there, so the give-back there waits for its copy.
+            for shard in then().await {
+                if !shard.same_database(&first) {
+                    let undone = CasGiveBack::Undone(None);
+                    shard
+                        .give_back_cas_until_answered(&key, &token, undone)
+                        .await;
                 }
             }
         });

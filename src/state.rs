@@ -252,6 +252,12 @@ impl Gate {
     pub(crate) async fn opened(&self) {
         let _ = self.closed.subscribe().wait_for(|closed| !closed).await;
     }
+
+    /// Whether the gate is closed, to watch without holding the router: `wait_for` answers an
+    /// error once the router is gone.
+    pub(crate) fn watch(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.closed.subscribe()
+    }
 }
 
 impl Drop for Inner {

@@ -555,14 +555,10 @@ async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_an
         "the take whose reply was lost was made"
     );
     proxy.set(ProxyMode::Pass);
-    let freed = common::eventually(Duration::from_secs(30), || async {
-        match direct.cas_acquire("c", "other").await.unwrap() {
-            Some(g) => direct.cas_release(g).await.unwrap(),
-            None => false,
-        }
-    })
-    .await;
-    assert!(freed, "the row stayed owned by a take nobody holds");
+    assert!(
+        taken_again(&direct, "c").await,
+        "the row stayed owned by a take nobody holds"
+    );
 }
 
 /// A CAS take whose outcome stayed unknown on its key's old shard during a move, and that
@@ -607,26 +603,15 @@ async fn a_cas_take_of_unknown_outcome_carried_by_a_move_is_given_back_where_it_
     assert!(taken.is_err(), "answered without a reply: {taken:?}");
     b.reload(two(&direct, top)).await.unwrap();
     common::moves_done(&b).await;
-    for (shard, owner) in [(0, None), (1, Some("lost-take-owner"))] {
-        assert_eq!(
-            common::cas_owner(cluster.shard(shard), &moved)
-                .await
-                .as_deref(),
-            owner,
-            "the take whose reply was lost was made, and carried to s2"
-        );
-    }
+    assert_eq!(
+        cas_owners(&cluster, &moved).await,
+        [None, Some("lost-take-owner".to_owned())],
+        "the take whose reply was lost was made, and carried to s2"
+    );
 
     proxy.set(ProxyMode::Pass);
-    let freed = common::eventually(Duration::from_secs(30), || async {
-        match b.cas_acquire(&moved, "other").await.unwrap() {
-            Some(g) => b.cas_release(g).await.unwrap(),
-            None => false,
-        }
-    })
-    .await;
     assert!(
-        freed,
+        taken_again(&b, &moved).await,
         "the carried take stayed owned with nobody holding it"
     );
 }
@@ -683,28 +668,38 @@ async fn a_cas_take_of_unknown_outcome_is_given_back_where_a_later_reload_carrie
     a.reload(config(&via_proxy, 3, long)).await.unwrap();
     b.reload(config(&direct, 3, top)).await.unwrap();
     common::moves_done(&b).await;
-    for (shard, owner) in [(0, None), (1, None), (2, Some("lost-take-owner"))] {
-        assert_eq!(
-            common::cas_owner(cluster.shard(shard), &moved)
-                .await
-                .as_deref(),
-            owner,
-            "the take whose reply was lost was made on s1, and carried to s3"
-        );
-    }
+    assert_eq!(
+        cas_owners(&cluster, &moved).await,
+        [None, None, Some("lost-take-owner".to_owned())],
+        "the take whose reply was lost was made on s1, and carried to s3"
+    );
 
     proxy.set(ProxyMode::Pass);
-    let freed = common::eventually(Duration::from_secs(30), || async {
-        match b.cas_acquire(&moved, "other").await.unwrap() {
-            Some(g) => b.cas_release(g).await.unwrap(),
+    assert!(
+        taken_again(&b, &moved).await,
+        "the carried take stayed owned with nobody holding it"
+    );
+}
+
+/// Whether `router` takes `key` by CAS (and releases it) within 30 s: the give-back of a
+/// take nobody holds freed it.
+async fn taken_again(router: &LockRouter, key: &str) -> bool {
+    common::eventually(Duration::from_secs(30), || async {
+        match router.cas_acquire(key, "other").await.unwrap() {
+            Some(g) => router.cas_release(g).await.unwrap(),
             None => false,
         }
     })
-    .await;
-    assert!(
-        freed,
-        "the carried take stayed owned with nobody holding it"
-    );
+    .await
+}
+
+/// The owner of `key`'s CAS row on each shard of `cluster`, in order.
+async fn cas_owners(cluster: &shardlock_testkit::Cluster, key: &str) -> Vec<Option<String>> {
+    let mut owners = Vec::new();
+    for shard in cluster.shards() {
+        owners.push(common::cas_owner(shard, key).await);
+    }
+    owners
 }
 
 /// A router reaching the one shard of `cluster` through a proxy, and the proxy. `shard` and

@@ -958,7 +958,7 @@ async fn a_cas_holder_that_lapsed_through_a_move_releases_where_the_fleet_carrie
     let said = tokio::time::timeout(minute, holder.expect("")).await;
     let said = said.expect("the holder said nothing").unwrap();
     assert!(
-        said.starts_with("refused") && said.contains("not joined to its fleet"),
+        said.starts_with("refused") && said.contains("was not joined to its fleet"),
         "a lapsed holder's release that found nothing said: {said}"
     );
     let said = tokio::time::timeout(minute, holder.expect("")).await;

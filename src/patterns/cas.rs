@@ -202,7 +202,7 @@ impl LockRouter {
     /// row already freed answers `false`, or `Unavailable` while this process is not joined).
     pub async fn cas_release(&self, guard: CasGuard) -> Result<bool> {
         let lock_key = LockKey::new(&guard.key)?;
-        let lapses = self.lapses();
+        let (lapses, closed) = (self.lapses(), self.inner.gate.is_closed());
         loop {
             let topology = self.inner.topology.load_full();
             if self.release_under(&topology, &lock_key, &guard).await? {
@@ -225,11 +225,12 @@ impl LockRouter {
                      shard)"
                         .to_owned()
                 }
+                None if closed => "it joined only during this release".to_owned(),
                 None => return Ok(false),
             };
             let what = format!(
                 "this CAS release of `{}` (token {}) found no row of its take where this \
-                 process places the key, and this process is not joined to its fleet: {why}",
+                 process places the key, and this process was not joined to its fleet: {why}",
                 self.inner.shared.telemetry.key_label(&lock_key),
                 guard.token
             );
@@ -246,18 +247,26 @@ impl LockRouter {
 
     /// Where a take of `key` given back in the background may have been carried: the key's
     /// shards under the topology in force when asked (earlier placements still in force, then
-    /// the current one), so that a reload after the take is followed too; `shard`, the key's
-    /// shard at the take, once the router is gone.
+    /// the current one), so that a reload after the take is followed too. Asked once this
+    /// process has joined its fleet: before that (its heartbeat lapsed, or it runs another
+    /// topology than the fleet) the fleet may have carried the take where this process does
+    /// not look. `shard`, the key's shard at the take, once the router is gone.
     fn follow_key(&self, key: &LockKey, shard: &Arc<ShardState>) -> CasFollow {
         let (inner, key, shard) = (Arc::downgrade(&self.inner), key.clone(), shard.clone());
-        Box::new(move || match inner.upgrade() {
-            Some(inner) => {
+        let mut gate = self.inner.gate.watch();
+        Box::new(move || {
+            Box::pin(async move {
+                if gate.wait_for(|closed| !closed).await.is_err() {
+                    return vec![shard];
+                }
+                let Some(inner) = inner.upgrade() else {
+                    return vec![shard];
+                };
                 let topology = inner.topology.load();
                 let mut at = topology.previous_locations(&key);
                 at.push(topology.locate(&key).clone());
                 at
-            }
-            None => vec![shard],
+            })
         })
     }
 
