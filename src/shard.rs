@@ -441,14 +441,9 @@ impl ShardState {
         });
     }
 
-    /// One give-back of a CAS take by its token, retried until this shard answers: whether
-    /// the take was found here (`None`: the shard left or the router shut down first).
-    async fn give_back_cas_until_answered(
-        &self,
-        key: &[u8],
-        token: &str,
-        how: CasGiveBack,
-    ) -> Option<bool> {
+    /// One give-back of a CAS take by its token, retried until this shard answers (or it left,
+    /// or the router shut down: a warning names the key).
+    async fn give_back_cas_until_answered(&self, key: &[u8], token: &str, how: CasGiveBack) {
         let mut backoff = shardlock_core::Backoff::new(
             std::time::Duration::from_millis(5),
             std::time::Duration::from_millis(500),
@@ -463,10 +458,10 @@ impl ShardState {
                      shard left or the router shut down): the row may stay owned; free it by \
                      its token"
                 );
-                return None;
+                return;
             }
             match self.call(|b| b.give_back_cas(key, token, how)).await {
-                Ok(found) => return Some(found),
+                Ok(_) => return,
                 Err(e) => {
                     tracing::debug!(shard = self.name(), error = %shardlock_core::Report(&e), "shardlock CAS give-back failed; retrying");
                 }

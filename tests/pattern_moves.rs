@@ -671,6 +671,15 @@ async fn topologies(
     (configs, key)
 }
 
+/// Asserts that `router` takes `key` by CAS: the lock was not left owned by nobody.
+async fn assert_taken_again(router: &LockRouter, key: &str) {
+    let next = router.cas_acquire(key, "n").await.unwrap();
+    assert!(
+        next.is_some(),
+        "the lock stayed owned with nobody holding it"
+    );
+}
+
 /// Three shards apart.
 fn all_apart([a, b, c]: [&str; 3]) -> bool {
     a != b && b != c && a != c
@@ -775,11 +784,7 @@ async fn a_cas_lock_taken_between_two_reloads_is_released_where_the_first_carry_
         holder.cas_release(held).await.unwrap(),
         "the holder could not release its lock where the first carry put it"
     );
-    let next = holder.cas_acquire(&key, "n").await.unwrap();
-    assert!(
-        next.is_some(),
-        "the lock stayed owned with nobody holding it"
-    );
+    assert_taken_again(&holder, &key).await;
 }
 
 /// Two reloads in a row, a CAS lock held on its key's first shard. The first move's carry
@@ -829,11 +834,7 @@ async fn a_later_move_waits_for_an_earlier_carry_still_writing_onto_its_shards()
         "a second take of a held CAS lock was granted once both moves were over: {other:?}"
     );
     assert!(router.cas_release(held).await.unwrap());
-    let next = router.cas_acquire(&key, "n").await.unwrap();
-    assert!(
-        next.is_some(),
-        "the lock stayed owned with nobody holding it"
-    );
+    assert_taken_again(&router, &key).await;
 }
 
 /// Two config changes rolled out as one reload by one process and as two by another: a key
@@ -964,11 +965,7 @@ async fn a_cas_holder_that_lapsed_through_a_move_releases_where_the_fleet_carrie
     let said = tokio::time::timeout(minute, holder.expect("")).await;
     let said = said.expect("the holder said nothing").unwrap();
     assert_eq!(said, "released true", "once reloaded");
-    let next = router.cas_acquire(&key, "n").await.unwrap();
-    assert!(
-        next.is_some(),
-        "the lock stayed owned with nobody holding it"
-    );
+    assert_taken_again(&router, &key).await;
 }
 
 /// Takes the key of [`KEY_ENV`] by CAS; told to go on (SIGUSR1, after its pause), releases it
