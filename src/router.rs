@@ -306,7 +306,8 @@ impl LockRouter {
     /// another server moves every key of the shard. A change of a namespace's `buckets` is
     /// refused. Shards that stay keep their pools; the pools of shards that left are closed
     /// once no move needs them and no lease of this process is held there. An invalid config
-    /// is rejected and the old one stays in force.
+    /// is rejected and the old one stays in force; one equal to the configuration in force
+    /// changes nothing, the epoch included.
     ///
     /// Reload every process of the fleet: with the `heartbeat` registry the move stays in
     /// force while any live instance of the fleet runs another topology (not yet reloaded, or
@@ -321,6 +322,16 @@ impl LockRouter {
         config.validate()?;
         let _one_at_a_time = self.inner.reloading.lock().await;
         let old = self.inner.topology.load_full();
+        // The configuration in force again (a periodic SIGHUP, a config-sync job): nothing to
+        // move. A new epoch would stop the carry of a move under way and send a release that
+        // found nothing round again, each for nothing.
+        if *old.config == config {
+            tracing::info!(
+                epoch = old.epoch,
+                "shardlock reload: the configuration is the one in force; nothing changes"
+            );
+            return Ok(());
+        }
         keep_lock_identities(&old.config, &config)?;
         let window = config.move_window().max(old.config.move_window());
         let shared = &self.inner.shared;
@@ -431,7 +442,27 @@ impl LockRouter {
         self.inner.topology.load().moves_in_progress()
     }
 
-    /// The topology epoch: 1 at start, one more per reload.
+    /// Whether this process grants locks now: it has joined its fleet. With the `heartbeat`
+    /// registry it has not while its heartbeat has not yet reached every shard (a start), the
+    /// fleet runs another topology than this process, its heartbeat lapsed (paused, or cut
+    /// off from every shard) until it has joined again, or for good once another process
+    /// took its instance id over; grants meanwhile answer [`crate::Error::Unavailable`] saying
+    /// which. Always, under `registry: static`.
+    pub fn is_joined(&self) -> bool {
+        self.inner.notice_lapse();
+        !self.inner.gate.is_closed()
+    }
+
+    /// Completes once this process has joined its fleet (see [`LockRouter::is_joined`]): at
+    /// once if it has; never if another process took its instance id over. For a caller told
+    /// to retry once joined (a CAS release by a process whose heartbeat lapsed). Cancel-safe.
+    pub async fn wait_joined(&self) {
+        self.inner.notice_lapse();
+        self.inner.gate.opened().await;
+    }
+
+    /// The topology epoch: 1 at start, one more per reload that changes the configuration (a
+    /// reload of the configuration in force changes nothing).
     pub fn epoch(&self) -> u64 {
         self.inner.topology.load().epoch
     }

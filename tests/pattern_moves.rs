@@ -487,6 +487,43 @@ async fn row_locked(shard: &Shard, table: &str, key: &str) -> shardlock::mysql_a
     conn
 }
 
+/// A CAS release that found nothing looks again under a reload that came meanwhile only if
+/// that reload placed the key elsewhere: one that left it in place (a policy change, a
+/// config-sync job reloading again and again) does not send the release round again, or
+/// reloads faster than a release runs would keep it going.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_release_that_found_nothing_is_not_sent_again_after_a_reload_that_left_its_key_in_place()
+{
+    let extra = "cleaner:\n  registry: static\nnamespaces:\n  default:\n    ttl: 5s\n";
+    let (cluster, router, yaml) = common::start(2, extra).await;
+    let key = "cas:released-twice";
+    let guard = router.cas_acquire(key, "me").await.unwrap().unwrap();
+    assert!(router.cas_release(guard.clone()).await.unwrap());
+    let name = router.shard_for(key).unwrap();
+    let shard = cluster.shards().iter().find(|s| s.name() == name).unwrap();
+
+    // The release of the clone waits on the row while a reload changes only a policy.
+    let mut blocker = row_locked(shard, "shardlock_cas", key).await;
+    let updates = shard.global_status("Com_update").await.unwrap();
+    let release = tokio::spawn({
+        let router = router.clone();
+        async move { router.cas_release(guard).await }
+    });
+    common::until_a_row_lock_is_waited_for(shard).await;
+    let policy = Config::from_yaml_str(&yaml.replace("ttl: 5s", "ttl: 7s")).unwrap();
+    router.reload(policy).await.unwrap();
+    assert_eq!(router.epoch(), 2);
+    blocker.query_drop("ROLLBACK").await.unwrap();
+
+    let released = release.await.unwrap().unwrap();
+    assert!(!released, "the guard was released already");
+    let sent = shard.global_status("Com_update").await.unwrap() - updates;
+    assert_eq!(
+        sent, 1,
+        "one release statement: the reload left the key where the release looked"
+    );
+}
+
 /// A transaction lock whose row was locked under the topology before a reload, but only after
 /// the fleet ended the key's move (the lock statement held up behind another transaction's
 /// lock on the row), is rolled back and locked again where the key lives now, not handed out
@@ -970,7 +1007,7 @@ async fn a_cas_holder_that_lapsed_through_a_move_releases_where_the_fleet_carrie
 
 /// Takes the key of [`KEY_ENV`] by CAS; told to go on (SIGUSR1, after its pause), releases it
 /// once its heartbeat lapsed and says how that went; then reloads onto the config of
-/// [`RELOAD_ENV`] and releases it again.
+/// [`RELOAD_ENV`] and, once joined to its fleet, releases it again.
 async fn lapsed_cas_holder_worker() {
     let mut go = tokio::signal::unix::signal(SignalKind::user_defined1()).unwrap();
     let router = common::worker_router().await;
@@ -981,12 +1018,16 @@ async fn lapsed_cas_holder_worker() {
     while router.stats().heartbeat_lapses == 0 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert!(!router.is_joined(), "lapsed, then on another topology");
     match router.cas_release(guard.clone()).await {
         Ok(freed) => report!("released {freed}"),
         Err(e) => report!("refused {}", shardlock::Report(&e)),
     }
     let reload = Config::from_yaml_str(&std::env::var(RELOAD_ENV).unwrap()).unwrap();
     router.reload(reload).await.unwrap();
+    // As the refusal advises.
+    router.wait_joined().await;
+    assert!(router.is_joined());
     match router.cas_release(guard).await {
         Ok(freed) => report!("released {freed}"),
         Err(e) => report!("refused {}", shardlock::Report(&e)),

@@ -129,6 +129,12 @@ async fn a_reload_that_changes_only_a_ttl_moves_nothing() {
         .await
         .unwrap();
     assert_eq!(router.epoch(), 2);
+    // The same configuration again (a periodic SIGHUP): nothing changes, the epoch included.
+    router
+        .reload(Config::from_yaml_str(&changed).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(router.epoch(), 2, "a reload of the config in force is none");
     let after: Vec<String> = keys.iter().map(|k| router.shard_for(k).unwrap()).collect();
     assert_eq!(before, after, "no key moved");
     assert!(held.is_held(), "a lease held across the reload stays held");

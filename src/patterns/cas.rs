@@ -193,9 +193,10 @@ impl LockRouter {
     /// heartbeat lapsed, or the fleet runs another topology) that finds none of the take's
     /// rows answers [`crate::Error::Unavailable`] rather than `false`: the fleet may have
     /// ended a move without it and carried the lock to where its topology puts the key.
-    /// Release again once this process has joined (reloaded onto the fleet's topology). A
-    /// release that finds nothing after a reload came during it releases again under the new
-    /// topology.
+    /// Release again once this process has joined (reloaded onto the fleet's topology:
+    /// [`LockRouter::wait_joined`]). A
+    /// release that finds nothing after a reload placed the key elsewhere during it releases
+    /// again under the new topology.
     ///
     /// Cancellation: rows freed before the drop stay free, a release in flight may have committed,
     /// and the others stay owned (CAS rows never expire): call again with a clone of the guard (a
@@ -208,9 +209,12 @@ impl LockRouter {
             if self.release_under(&topology, &lock_key, &guard).await? {
                 return Ok(true);
             }
-            // Nothing of the take where this process placed the key. Reloaded meanwhile: the
-            // fleet may have carried it to where the new topology puts the key.
-            if self.inner.topology.load().epoch != topology.epoch {
+            // Nothing of the take where this process placed the key. Reloaded meanwhile onto a
+            // placement of the key it did not look at: the fleet may have carried it to where
+            // the new topology puts the key. (A reload that placed the key as before sends no
+            // release round again: a config-sync job reloading faster than it runs would keep
+            // it going.)
+            if !self.inner.topology.load().places_like(&topology, &lock_key) {
                 continue;
             }
             // Not joined to its fleet, now or at any moment of this call (its heartbeat lapsed,
@@ -239,7 +243,8 @@ impl LockRouter {
             } else {
                 "a move the fleet ended meanwhile may have carried the lock to where its \
                  topology puts the key; release again, with a clone of the guard, once this \
-                 process has joined its fleet (reloaded onto the fleet's topology)"
+                 process has joined its fleet (reloaded onto the fleet's topology; see \
+                 LockRouter::wait_joined)"
             };
             return Err(self.not_granting(&lock_key, format!("{what}. {then}")));
         }
