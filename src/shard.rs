@@ -34,9 +34,10 @@ pub(crate) use shared::Shared;
 const TRANSITIONS_KEPT: usize = 64;
 
 /// Where a CAS take given back may have been carried, asked once its first shard answered
-/// (see [`ShardState::give_back_cas`]).
+/// and again after each round (see [`ShardState::give_back_cas`]): the topology epoch it was
+/// read under, and the shards.
 pub(crate) type CasFollow =
-    Box<dyn FnOnce() -> futures_util::future::BoxFuture<'static, Vec<Arc<ShardState>>> + Send>;
+    Box<dyn Fn() -> futures_util::future::BoxFuture<'static, (u64, Vec<Arc<ShardState>>)> + Send>;
 
 /// A shard and the leases this process holds on it.
 #[derive(Debug)]
@@ -411,7 +412,9 @@ impl ShardState {
     /// the take's token), also while a copy of unknown outcome is kept beside a row found
     /// here: `then` names those shards once this one answered (the key's shards under the
     /// topology in force then, a reload since included), where it is given back too, undone,
-    /// on each in turn. `how` says how the row is freed here (see [`CasGiveBack`]).
+    /// on each in turn; asked again once they answered, until no reload came during a round
+    /// (one may have moved the key on, and a carry the take with it). `how` says how the row
+    /// is freed here (see [`CasGiveBack`]).
     pub(crate) fn give_back_cas(
         self: &Arc<Self>,
         key: Vec<u8>,
@@ -429,14 +432,26 @@ impl ShardState {
             let Some(then) = then else { return };
             // Asked only now: a carry may have moved the take while the first shard was down.
             // Earlier placements first: a carry in flight from one of them to the key's shard
-            // holds its row there, so the give-back there waits for its copy.
-            for shard in then().await {
-                if !shard.same_database(&first) {
-                    let undone = CasGiveBack::Undone(None);
-                    shard
-                        .give_back_cas_until_answered(&key, &token, undone)
-                        .await;
+            // holds its row there, so the give-back there waits for its copy. Asked again
+            // after each round in which a reload came: a carry held up on a shard of the round
+            // (it holds the row there) may have moved the take on to where the reload puts the
+            // key, a shard visited already among them (a reload undone).
+            let mut round = None;
+            loop {
+                let (epoch, shards) = then().await;
+                if round == Some(epoch) {
+                    return;
                 }
+                for shard in shards {
+                    // The first round skips the first shard: it just answered.
+                    if round.is_some() || !shard.same_database(&first) {
+                        let undone = CasGiveBack::Undone(None);
+                        shard
+                            .give_back_cas_until_answered(&key, &token, undone)
+                            .await;
+                    }
+                }
+                round = Some(epoch);
             }
         });
     }

@@ -5,6 +5,7 @@ mod common;
 
 use std::time::Duration;
 
+use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, Config, LockRouter};
 use shardlock_testkit::{HeldRequest, Proxy, ProxyMode};
 
@@ -353,7 +354,6 @@ async fn a_transaction_lock_dropped_while_cut_off_is_ended_by_the_next_statement
 /// did.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_commit_whose_answer_is_lost_may_have_applied() {
-    use shardlock::mysql_async::prelude::Queryable;
     let (cluster, _, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
     let mut admin = cluster.shard(0).connect().await.unwrap();
@@ -420,7 +420,6 @@ async fn strand_a_transaction_lock(
 /// Whether a row of `shardlock_txlock` is locked on the one shard of `cluster`, by the
 /// server's own answer to a locking read that waits for nothing.
 async fn a_tx_row_is_locked(cluster: &shardlock_testkit::Cluster) -> bool {
-    use shardlock::mysql_async::prelude::Queryable;
     let mut conn = cluster.shard(0).connect().await.unwrap();
     conn.query_drop("START TRANSACTION").await.unwrap();
     let read = conn
@@ -473,7 +472,6 @@ async fn arrives_too_late(proxy: &Proxy, other: &LockRouter, key: &str) {
 /// alone (only a session still holding its own lock is ended), whatever it is running.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_session_given_a_stranded_thread_id_after_a_restart_is_left_alone() {
-    use shardlock::mysql_async::prelude::Queryable;
     let (cluster, _, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let shard = cluster.shard(0);
     // Thread ids well above those the restarted server hands out first.
@@ -681,6 +679,85 @@ async fn a_cas_take_of_unknown_outcome_is_given_back_where_a_later_reload_carrie
     );
 }
 
+/// As above with the reload during the give-back itself. The take's first shard answered
+/// found empty (a carry had brought the take to the key's next shard); the follow-up, under
+/// the taker's topology then, waited there behind another carry, which held the row while it
+/// brought the take on to the key's shard under a later topology; and the taker reloaded onto
+/// that topology meanwhile. The follow-up asks again after a round in which a reload came.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_take_of_unknown_outcome_is_followed_through_a_reload_during_its_give_back() {
+    let (long, top) = (
+        "routing:\n  move-window: 10m\ncleaner:\n  registry: static\n",
+        "routing:\n  move-window: 300ms\ncleaner:\n  registry: static\n",
+    );
+    let (cluster, _, _) = common::start(3, top).await;
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let s1 = |url: &str| {
+        format!("  - name: s1\n    url: {url}\n    statement-timeout: 1s\n{POOL_OF_ONE}")
+    };
+    // Statements held up behind the test's row lock wait for it.
+    let later = |n: usize| {
+        let entry = |i: usize| {
+            let url = cluster.shard(i).url();
+            format!(
+                "  - name: s{}\n    url: {url}\n    statement-timeout: 30s\n",
+                i + 1
+            )
+        };
+        (1..n).map(entry).collect::<String>()
+    };
+    let (via_proxy, direct) = (s1(&proxy.url()), s1(&cluster.shard(0).url()));
+    let config = |s1: &str, n: usize, top: &str| {
+        Config::from_yaml_str(&format!("shards:\n{s1}{}{top}", later(n))).unwrap()
+    };
+    let a = LockRouter::new(config(&via_proxy, 1, long)).await.unwrap();
+    let b = LockRouter::new(config(&direct, 1, top)).await.unwrap();
+    a.reload(config(&via_proxy, 2, long)).await.unwrap();
+    let last = LockRouter::new(config(&direct, 3, top)).await.unwrap();
+    let moved = (0..)
+        .map(|i| format!("c{i}"))
+        .find(|k| a.shard_for(k).unwrap() == "s2" && last.shard_for(k).unwrap() == "s3")
+        .unwrap();
+    last.shutdown().await.unwrap();
+    let stayed = (0..)
+        .map(|i| format!("w{i}"))
+        .find(|k| a.shard_for(k).unwrap() == "s1")
+        .unwrap();
+    let warm = a.cas_acquire(&stayed, "w").await.unwrap().unwrap();
+    assert!(a.cas_release(warm).await.unwrap());
+
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
+    let taken = a.cas_acquire(&moved, "lost-take-owner").await;
+    assert!(taken.is_err(), "answered without a reply: {taken:?}");
+    // The other process's first move carries the take from s1 to s2.
+    b.reload(config(&direct, 2, top)).await.unwrap();
+    common::moves_done(&b).await;
+    let owner = Some("lost-take-owner".to_owned());
+    assert_eq!(cas_owners(&cluster, &moved).await, [None, owner, None]);
+
+    // Its second move's carry waits on the take's row on s2, which the test holds.
+    let s2 = &cluster.shards()[1];
+    let mut blocker = common::row_locked(s2, "shardlock_cas", &moved).await;
+    b.reload(config(&direct, 3, top)).await.unwrap();
+    common::until_a_row_lock_is_waited_for(s2).await;
+    // The give-back answers on s1, found empty; its follow-up, under the taker's second
+    // topology, waits on s2 behind the carry.
+    proxy.set(ProxyMode::Pass);
+    let behind = common::eventually(Duration::from_secs(30), || async {
+        s2.lock_waits_now().await.unwrap() >= 2
+    })
+    .await;
+    assert!(behind, "the give-back's follow-up never reached s2");
+    a.reload(config(&via_proxy, 3, long)).await.unwrap();
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    common::moves_done(&b).await;
+
+    assert!(
+        taken_again(&b, &moved).await,
+        "the take the carry brought on to s3 stayed owned with nobody holding it"
+    );
+}
+
 /// Whether `router` takes `key` by CAS (and releases it) within 30 s: the give-back of a
 /// take nobody holds freed it.
 async fn taken_again(router: &LockRouter, key: &str) -> bool {
@@ -748,7 +825,6 @@ async fn freed_within(other: &LockRouter, key: &str, limit: Duration) -> bool {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
-    use shardlock::mysql_async::prelude::Queryable;
     let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let (router, proxy) = behind_proxy(&cluster, POOL_OF_ONE, "").await;
     let mut admin = cluster.shard(0).connect().await.unwrap();

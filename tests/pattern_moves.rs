@@ -184,7 +184,7 @@ async fn a_carry_that_scanned_a_cas_row_before_its_holder_took_it_again_leaves_t
     let held = a.cas_acquire(&second, "o").await.unwrap().expect("free");
     // The carry, once past its scan, waits to write the first key's copy.
     let new = &cluster.shards()[3];
-    let mut blocker = row_locked(new, "shardlock_cas", &first).await;
+    let mut blocker = common::row_locked(new, "shardlock_cas", &first).await;
     a.reload(four).await.unwrap();
     assert_eq!(shard_of(&cluster, &a, &second).name(), new.name());
     common::until_a_row_lock_is_waited_for(new).await;
@@ -236,7 +236,7 @@ async fn a_cas_lock_stays_home_when_a_reload_is_undone_during_its_move() {
     // begin: the older move's carry waits to write the key's fence floor there, before it gets
     // to CAS rows; the newer one waits for it, then for the job to move it back.
     let new = &cluster.shards()[3];
-    let mut floors_held = row_locked(new, "shardlock_lease", &key).await;
+    let mut floors_held = common::row_locked(new, "shardlock_lease", &key).await;
 
     a.reload(four).await.unwrap();
     assert_eq!(shard_of(&cluster, &a, &key).name(), new.name());
@@ -467,26 +467,6 @@ fn shard_of<'c>(cluster: &'c Cluster, router: &LockRouter, key: &str) -> &'c Sha
     cluster.shards().iter().find(|s| s.name() == name).unwrap()
 }
 
-/// A transaction that holds `key`'s row of `table` on `shard` locked until it is dropped or
-/// rolled back (the row made first if it is not there).
-async fn row_locked(shard: &Shard, table: &str, key: &str) -> shardlock::mysql_async::Conn {
-    let mut conn = shard.connect().await.unwrap();
-    conn.exec_drop(
-        format!("INSERT IGNORE INTO {table} (lock_key) VALUES (?)"),
-        (key,),
-    )
-    .await
-    .unwrap();
-    conn.query_drop("START TRANSACTION").await.unwrap();
-    conn.exec_drop(
-        format!("SELECT 1 FROM {table} WHERE lock_key = ? FOR UPDATE"),
-        (key,),
-    )
-    .await
-    .unwrap();
-    conn
-}
-
 /// A CAS release that found nothing looks again under a reload that came meanwhile only if
 /// that reload placed the key elsewhere: one that left it in place (a policy change, a
 /// config-sync job reloading again and again) does not send the release round again, or
@@ -499,11 +479,10 @@ async fn a_release_that_found_nothing_is_not_sent_again_after_a_reload_that_left
     let key = "cas:released-twice";
     let guard = router.cas_acquire(key, "me").await.unwrap().unwrap();
     assert!(router.cas_release(guard.clone()).await.unwrap());
-    let name = router.shard_for(key).unwrap();
-    let shard = cluster.shards().iter().find(|s| s.name() == name).unwrap();
+    let shard = shard_of(&cluster, &router, key);
 
     // The release of the clone waits on the row while a reload changes only a policy.
-    let mut blocker = row_locked(shard, "shardlock_cas", key).await;
+    let mut blocker = common::row_locked(shard, "shardlock_cas", key).await;
     let updates = shard.global_status("Com_update").await.unwrap();
     let release = tokio::spawn({
         let router = router.clone();
@@ -535,7 +514,7 @@ async fn a_transaction_lock_taken_on_the_old_shard_after_the_move_ended_is_taken
     let a = LockRouter::new(four.clone()).await.unwrap();
     let b = LockRouter::new(four).await.unwrap();
     let old = shard_of(&cluster, &a, &key);
-    let mut blocker = row_locked(old, "shardlock_txlock", &key).await;
+    let mut blocker = common::row_locked(old, "shardlock_txlock", &key).await;
     let mut locking = tokio::spawn({
         let (a, key) = (a.clone(), key.clone());
         async move { a.lock_in_transaction(&key, Duration::from_secs(60)).await }
@@ -599,7 +578,7 @@ async fn a_transaction_lock_commits_only_once_it_followed_its_key() {
         &LockRouter::new(three.clone()).await.unwrap(),
         &key,
     );
-    let mut blocker = row_locked(new, "shardlock_txlock", &key).await;
+    let mut blocker = common::row_locked(new, "shardlock_txlock", &key).await;
 
     a.reload(three).await.unwrap();
     let committed = held.commit().await;
@@ -624,7 +603,7 @@ async fn a_cas_lock_taken_on_the_old_shard_after_the_move_ended_is_given_back() 
     let old = shard_of(&cluster, &a, &key);
     let mine = a.cas_acquire(&key, "a").await.unwrap().expect("free");
     assert!(a.cas_release(mine).await.unwrap());
-    let mut blocker = row_locked(old, "shardlock_cas", &key).await;
+    let mut blocker = common::row_locked(old, "shardlock_cas", &key).await;
     let taking = tokio::spawn({
         let (a, key) = (a.clone(), key.clone());
         async move { a.cas_acquire(&key, "a").await }
@@ -655,7 +634,7 @@ async fn a_cas_take_landing_on_the_old_shard_after_the_carry_passed_its_key_is_g
     let a = LockRouter::new(three).await.unwrap();
     let old = shard_of(&cluster, &a, &key);
     a.reload(four).await.unwrap();
-    let mut blocker = row_locked(old, "shardlock_cas", &key).await;
+    let mut blocker = common::row_locked(old, "shardlock_cas", &key).await;
     let taking = tokio::spawn({
         let (a, key) = (a.clone(), key.clone());
         async move { a.cas_acquire(&key, "a").await }
@@ -850,7 +829,7 @@ async fn a_later_move_waits_for_an_earlier_carry_still_writing_onto_its_shards()
     let probe = LockRouter::new(t1.clone()).await.unwrap();
     let second = shard_of(&cluster, &probe, &key);
     probe.shutdown().await.unwrap();
-    let mut blocker = row_locked(second, "shardlock_cas", &key).await;
+    let mut blocker = common::row_locked(second, "shardlock_cas", &key).await;
     router.reload(t1).await.unwrap();
     common::until_a_row_lock_is_waited_for(second).await;
     let kept = router.stats().moves_kept;
@@ -1089,7 +1068,7 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
         &LockRouter::new(three.clone()).await.unwrap(),
         &key,
     );
-    let mut blocker = row_locked(new, "shardlock_txlock", &key).await;
+    let mut blocker = common::row_locked(new, "shardlock_txlock", &key).await;
 
     let reloaded = std::time::Instant::now();
     a.reload(three.clone()).await.unwrap();
@@ -1173,7 +1152,7 @@ async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
 
     // Reloaded again, with the key's row on p2 held by another transaction past the follow's
     // time: lost.
-    let mut blocker = row_locked(shard(&p2), "shardlock_txlock", &key).await;
+    let mut blocker = common::row_locked(shard(&p2), "shardlock_txlock", &key).await;
     a.reload(two).await.unwrap();
     tokio::time::timeout(Duration::from_secs(30), held.lost())
         .await

@@ -251,26 +251,29 @@ impl LockRouter {
     }
 
     /// Where a take of `key` given back in the background may have been carried: the key's
-    /// shards under the topology in force when asked (earlier placements still in force, then
-    /// the current one), so that a reload after the take is followed too. Asked once this
+    /// shards under the topology in force each time it is asked (earlier placements still in
+    /// force, then the current one) and that topology's epoch, so that a reload after the take
+    /// is followed too. Asked once this
     /// process has joined its fleet: before that (its heartbeat lapsed, or it runs another
     /// topology than the fleet) the fleet may have carried the take where this process does
     /// not look. `shard`, the key's shard at the take, once the router is gone.
     fn follow_key(&self, key: &LockKey, shard: &Arc<ShardState>) -> CasFollow {
         let (inner, key, shard) = (Arc::downgrade(&self.inner), key.clone(), shard.clone());
-        let mut gate = self.inner.gate.watch();
+        let gate = self.inner.gate.watch();
         Box::new(move || {
+            let (inner, key, shard) = (inner.clone(), key.clone(), shard.clone());
+            let mut gate = gate.clone();
             Box::pin(async move {
                 if gate.wait_for(|closed| !closed).await.is_err() {
-                    return vec![shard];
+                    return (0, vec![shard]);
                 }
                 let Some(inner) = inner.upgrade() else {
-                    return vec![shard];
+                    return (0, vec![shard]);
                 };
                 let topology = inner.topology.load();
                 let mut at = topology.previous_locations(&key);
                 at.push(topology.locate(&key).clone());
-                at
+                (topology.epoch, at)
             })
         })
     }

@@ -66,6 +66,26 @@ pub async fn lock_cycles(router: &LockRouter, prefix: &str, n: usize, opts: Acqu
     }
 }
 
+/// A transaction that holds `key`'s row of `table` on `shard` locked until it is dropped or
+/// rolled back (the row made first if it is not there).
+pub async fn row_locked(shard: &Shard, table: &str, key: &str) -> Conn {
+    let mut conn = shard.connect().await.unwrap();
+    conn.exec_drop(
+        format!("INSERT IGNORE INTO {table} (lock_key) VALUES (?)"),
+        (key,),
+    )
+    .await
+    .unwrap();
+    conn.query_drop("START TRANSACTION").await.unwrap();
+    conn.exec_drop(
+        format!("SELECT 1 FROM {table} WHERE lock_key = ? FOR UPDATE"),
+        (key,),
+    )
+    .await
+    .unwrap();
+    conn
+}
+
 /// Sum of a global status counter over all shards.
 pub async fn status_sum(cluster: &Cluster, name: &str) -> u64 {
     let mut sum = 0;
