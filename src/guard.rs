@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use crate::clock::Moment;
 use crate::queue::{NextWaiter, Turn, Want};
 use crate::shard::ShardState;
-use crate::shard::{Grant, LeaseState, NOT_RENEWED};
+use crate::shard::{Grant, LeaseState, NOT_RENEWED, REGISTRY_LAPSED};
 use crate::sync::LockExt;
 
 /// Where a lock is held.
@@ -92,9 +92,21 @@ impl Hold {
         })
     }
 
-    /// Whether this lease (and every companion row of it) is surely still ours.
+    /// Whether this lease (and every companion row of it) is surely still ours: and a lease
+    /// on a shard no longer than the registry surely counts this process live (see
+    /// `Shared::beaten`).
     fn is_live(&self) -> bool {
         self.lease.is_live()
+            && (self.lease.local || self.shard.shared.registry_live_at(Moment::now()))
+    }
+
+    /// Until when the lease is surely ours (see [`Hold::is_live`]).
+    fn valid_until(&self) -> Moment {
+        let own = self.lease.valid_until();
+        match self.shard.shared.registry_live_until() {
+            Some(live) if !self.lease.local => own.min(live),
+            _ => own,
+        }
     }
 }
 
@@ -162,7 +174,11 @@ impl LockGuard {
         &self.hold.lease.owner
     }
 
-    /// False once the lease is known lost or its local deadline passed without renewal.
+    /// False once the lease is known lost or its local deadline passed without renewal; with
+    /// the `heartbeat` registry also once this process's heartbeat lapsed (paused, or cut off
+    /// from every shard, past halfway from `heartbeat-interval` to `heartbeat-timeout`): the
+    /// others may count it dead, and a process started onto another topology meanwhile may
+    /// hold the key where that topology puts it. Such a lease stays lost.
     pub fn is_held(&self) -> bool {
         self.hold.is_live()
     }
@@ -175,12 +191,12 @@ impl LockGuard {
     /// the host is suspended: the lease's end comes earlier by any suspend from now on (and
     /// [`LockGuard::is_held`] counts it).
     pub fn held_until(&self) -> tokio::time::Instant {
-        self.hold.lease.valid_until().timer()
+        self.hold.valid_until().timer()
     }
 
     /// Completes when the lease is lost: renewal failed until the lease ended (then at its
-    /// local deadline, when [`LockGuard::is_held`] turns false), or the key was taken over or
-    /// force-released. Never completes for a lease that stays held. Cancel-safe.
+    /// local deadline, when [`LockGuard::is_held`] turns false), the key was taken over or
+    /// force-released, or this process's heartbeat lapsed (see [`LockGuard::is_held`]). Never completes for a lease that stays held. Cancel-safe.
     pub async fn lost(&self) {
         let lease = &self.hold.lease;
         // A companion row's loss (a moved key) is reported through the lease it belongs to.
@@ -193,13 +209,14 @@ impl LockGuard {
             // `SUSPEND_NOTICED_WITHIN` (a suspend of the host ends leases early by the
             // runtime's clock).
             let moved = lease.end_moved();
-            let until = lease.valid_until().checked_timer();
+            let until = self.hold.valid_until().checked_timer();
             tokio::select! {
                 _ = lost.wait_for(|lost| *lost) => return,
                 _ = moved => {}
                 _ = tokio::time::sleep_until(until) => {
                     if !self.is_held() {
-                        lease.mark_lost(NOT_RENEWED, &self.hold.shard.shared);
+                        let why = if lease.is_live() { REGISTRY_LAPSED } else { NOT_RENEWED };
+                        lease.mark_lost(why, &self.hold.shard.shared);
                         return;
                     }
                 }

@@ -381,6 +381,9 @@ impl LockRouter {
                     .to_owned(),
             );
         }
+        if next.config.cleaner.registry != RegistryKind::Heartbeat {
+            shared.registry_unlimited();
+        }
         self.inner.topology.store(next.clone());
         drop(joining);
         // Published after the swap: a lease registered from now on sees the new epoch and

@@ -172,6 +172,14 @@ impl Gate {
             .fetch_min(millis(lapse), Ordering::AcqRel);
     }
 
+    /// The lapse that holds with `lapse` configured: the shortest of it and those the
+    /// registry may still hold somewhere.
+    pub(crate) fn lapse_in_force(&self, lapse: Duration) -> Duration {
+        lapse.min(Duration::from_millis(
+            self.advertised_lapse_ms.load(Ordering::Acquire),
+        ))
+    }
+
     /// Whether a heartbeat ever reached a shard.
     pub(crate) fn ever_beaten(&self) -> bool {
         self.beaten_ms.load(Ordering::Acquire) > 0
@@ -198,9 +206,7 @@ impl Gate {
     /// it counts though the heartbeat then reaches a shard.
     pub(crate) fn lapse_if_stale(&self, at: Moment, lapse: Duration, lapses: &AtomicU64) -> bool {
         let beaten = self.beaten_ms.load(Ordering::Acquire).saturating_sub(1);
-        let lapse = lapse.min(Duration::from_millis(
-            self.advertised_lapse_ms.load(Ordering::Acquire),
-        ));
+        let lapse = self.lapse_in_force(lapse);
         let lived = millis(at.saturating_duration_since(self.born));
         let age = Duration::from_millis(lived.saturating_sub(beaten));
         if age < lapse {
@@ -310,7 +316,10 @@ impl Inner {
         if self.gate.ever_beaten() {
             self.notice_lapse_at(sent);
         }
-        let reached = || self.gate.beaten(sent, lapse);
+        let reached = || {
+            self.gate.beaten(sent, lapse);
+            (self.shared).beaten(sent, sent + self.gate.lapse_in_force(lapse));
+        };
         let fingerprint = self.advertised_fingerprint(&topology);
         let beats = registry::beat(&topology, &fingerprint, &self.shared, missed, &reached).await;
         if beats.unreached.is_empty() && beats.taken_by.is_none() {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::patterns::{StateMachine, TxLockGuard};
-use shardlock::{Config, Error, LockRouter};
+use shardlock::{AcquireOptions, Config, Error, LockRouter};
 use shardlock_testkit::{report, Cluster, Shard, Worker};
 use tokio::signal::unix::SignalKind;
 
@@ -1013,8 +1013,63 @@ async fn lapsed_cas_holder_worker() {
     }
 }
 
+/// A holder paused past its heartbeat timeout counts as dead. A process started meanwhile onto
+/// another topology (a restart onto a changed config, the old fleet taken for gone) finds no
+/// live instance of the old one and takes the key where its topology puts it, which the
+/// holder's lease on the key's old shard does not exclude. That lease's ttl has not run out,
+/// yet it is lost by the time its holder runs again: a lease lasts no longer than the registry
+/// surely counts its holder live.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_held_through_a_lapse_is_lost_when_a_restart_onto_another_topology_took_its_key() {
+    let (cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "lease:").await;
+    let yaml =
+        |weights: &[u32]| format!("{}{BEATS}", placement_yaml(&cluster, weights, "", "500ms"));
+    let mut holder = Worker::spawn(
+        "worker",
+        "lapsed-lease-holder",
+        &[(common::CONFIG_ENV, yaml(&[1; 3])), (KEY_ENV, key.clone())],
+    )
+    .unwrap();
+    holder.expect("held").await.unwrap();
+    holder.pause().unwrap();
+    // Started onto four shards, it joins its fleet once the holder's heartbeat timed out.
+    let restarted = LockRouter::from_yaml_str(&yaml(&[1; 4])).await.unwrap();
+    let minute = Duration::from_secs(60);
+    let joined = tokio::time::timeout(minute, restarted.wait_joined()).await;
+    joined.expect("the restarted process never joined its fleet");
+    let taken = restarted.try_acquire(&key, AcquireOptions::new()).await;
+    assert!(
+        taken.unwrap().is_some(),
+        "the key is free where the new topology puts it"
+    );
+
+    holder.resume().unwrap();
+    holder.signal(Signal::SIGUSR1).unwrap();
+    let said = tokio::time::timeout(minute, holder.expect("")).await;
+    let said = said.expect("the holder said nothing").unwrap();
+    assert_eq!(
+        said, "held false",
+        "the paused holder took its lease for held while another process held the key"
+    );
+}
+
+/// Holds the key of [`KEY_ENV`] under a lease of a minute; told to go on (SIGUSR1, after its
+/// pause), says whether it still holds it.
+async fn lapsed_lease_holder_worker() {
+    let mut go = tokio::signal::unix::signal(SignalKind::user_defined1()).unwrap();
+    let router = common::worker_router().await;
+    let key = std::env::var(KEY_ENV).unwrap();
+    let ttl = AcquireOptions::new().ttl(Duration::from_secs(60));
+    let guard = router.acquire(&key, ttl).await.unwrap();
+    report!("held");
+    go.recv().await;
+    report!("held {}", guard.is_held());
+}
+
 crate::worker_entry! {
     "lapsed-cas-holder" => lapsed_cas_holder_worker(),
+    "lapsed-lease-holder" => lapsed_lease_holder_worker(),
 }
 
 /// `router`'s own registry row on s1.

@@ -9,8 +9,13 @@ use std::sync::{Arc, Mutex, Weak};
 use tokio::sync::watch;
 
 use super::{LeaseState, ShardState};
+use crate::clock::Moment;
 use crate::stats::Stats;
 use crate::sync::LockExt;
+
+/// Why a lease ends when its process's heartbeat lapsed.
+pub(crate) const REGISTRY_LAPSED: &str = "this process's heartbeat lapsed while it held the \
+     lease (paused, or cut off from every shard): the registry may have counted it dead";
 
 /// What every shard of a router shares: who we are, grant numbers, counters, key queues.
 #[derive(Debug)]
@@ -34,6 +39,9 @@ pub(crate) struct Shared {
     /// Every shard state made for this router that is still alive: the topology's, and those
     /// a reload left that still hold leases (draining).
     shard_states: Mutex<Vec<Weak<ShardState>>>,
+    /// Until when the registry surely counts this process live (see [`Shared::beaten`]);
+    /// `None`: no limit (the `static` registry, or no heartbeat yet).
+    registry_live_until: Mutex<Option<Moment>>,
 }
 
 impl Shared {
@@ -53,7 +61,45 @@ impl Shared {
             epoch: AtomicU64::new(1),
             follow: std::sync::OnceLock::new(),
             shard_states: Mutex::default(),
+            registry_live_until: Mutex::default(),
         }
+    }
+
+    /// Whether the registry surely counts this process live at `at`: a lease on a shard is
+    /// this process's no longer than that (see [`Shared::beaten`]).
+    pub(crate) fn registry_live_at(&self, at: Moment) -> bool {
+        self.registry_live_until().is_none_or(|until| at < until)
+    }
+
+    /// See [`Shared::registry_live_at`].
+    pub(crate) fn registry_live_until(&self) -> Option<Moment> {
+        *self.registry_live_until.locked()
+    }
+
+    /// A heartbeat sent at `sent` reached a shard: the registry counts this process live until
+    /// `until` (the heartbeat's sending plus its lapse, see `Gate`). If the registry may have
+    /// counted it dead before that heartbeat (paused, or cut off from every shard, for longer
+    /// than its lapse), every lease it holds on a shard is lost first, for good: another
+    /// process may have started meanwhile onto another topology, found no live instance of
+    /// this one, and granted the keys where its topology puts them, which this process's
+    /// leases do not exclude. (A later heartbeat makes it live again, not its leases.)
+    pub(crate) fn beaten(&self, sent: Moment, until: Moment) {
+        if !self.registry_live_at(sent) {
+            for shard in self.shard_states() {
+                for lease in shard.held() {
+                    if !lease.local {
+                        lease.mark_lost(REGISTRY_LAPSED, self);
+                    }
+                }
+            }
+        }
+        let mut live = self.registry_live_until.locked();
+        *live = Some(live.map_or(until, |l| l.max(until)));
+    }
+
+    /// No registry judges this process any more (a reload onto `registry: static`).
+    pub(crate) fn registry_unlimited(&self) {
+        *self.registry_live_until.locked() = None;
     }
 
     /// Sets what [`Shared::follow`] does; the first call wins.
