@@ -100,7 +100,8 @@ impl Hold {
             && (self.lease.local || self.shard.shared.registry_live_at(Moment::now()))
     }
 
-    /// Until when the lease is surely ours (see [`Hold::is_live`]).
+    /// Until when the lease is surely ours (see [`Hold::is_live`]): also until the registry
+    /// surely counts this process live, unlike [`LockGuard::held_until`].
     fn valid_until(&self) -> Moment {
         let own = self.lease.valid_until();
         match self.shard.shared.registry_live_until() {
@@ -185,13 +186,13 @@ impl LockGuard {
 
     /// Until when the lease is surely this process's: its local deadline, moved on by every
     /// renewal, after which [`LockGuard::is_held`] is false unless it was renewed. Past once
-    /// the lease ended; a lease lost early (taken over, force-released) may end before it, so
-    /// check [`LockGuard::is_held`] too. A [`LockMode::LocalFallback`] guard has no end of its
+    /// the lease ended; a lease lost early (taken over, force-released, its process's
+    /// heartbeat lapsed) may end before it, so check [`LockGuard::is_held`] too. A [`LockMode::LocalFallback`] guard has no end of its
     /// own (a far-off instant). An instant of the runtime's clock, which stands still while
     /// the host is suspended: the lease's end comes earlier by any suspend from now on (and
     /// [`LockGuard::is_held`] counts it).
     pub fn held_until(&self) -> tokio::time::Instant {
-        self.hold.valid_until().timer()
+        self.hold.lease.valid_until().timer()
     }
 
     /// Completes when the lease is lost: renewal failed until the lease ended (then at its

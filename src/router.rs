@@ -324,8 +324,9 @@ impl LockRouter {
         let old = self.inner.topology.load_full();
         // The configuration in force again (a periodic SIGHUP, a config-sync job): nothing to
         // move. A new epoch would stop the carry of a move under way and send a release that
-        // found nothing round again, each for nothing.
-        if *old.config == config {
+        // found nothing round again, each for nothing. Unless a current shard's pool was
+        // closed (drained as it left, while a reload brought it back): rebuilt below.
+        if *old.config == config && old.current.shards.iter().all(|s| !s.is_closed()) {
             tracing::info!(
                 epoch = old.epoch,
                 "shardlock reload: the configuration is the one in force; nothing changes"
@@ -451,17 +452,23 @@ impl LockRouter {
     /// off from every shard) until it has joined again, or for good once another process
     /// took its instance id over; grants meanwhile answer [`crate::Error::Unavailable`] saying
     /// which. Always, under `registry: static`.
+    /// False once the router shut down.
     pub fn is_joined(&self) -> bool {
         self.inner.notice_lapse();
-        !self.inner.gate.is_closed()
+        !self.inner.gate.is_closed() && !self.inner.shared.is_closed()
     }
 
     /// Completes once this process has joined its fleet (see [`LockRouter::is_joined`]): at
     /// once if it has; never if another process took its instance id over. For a caller told
-    /// to retry once joined (a CAS release by a process whose heartbeat lapsed). Cancel-safe.
+    /// to retry once joined (a CAS release by a process whose heartbeat lapsed). Completes
+    /// also when the router shuts down (check [`LockRouter::is_joined`]). Cancel-safe.
     pub async fn wait_joined(&self) {
         self.inner.notice_lapse();
-        self.inner.gate.opened().await;
+        let mut closed = self.inner.shared.closed.subscribe();
+        tokio::select! {
+            () = self.inner.gate.opened() => {}
+            _ = closed.wait_for(|closed| *closed) => {}
+        }
     }
 
     /// The topology epoch: 1 at start, one more per reload that changes the configuration (a

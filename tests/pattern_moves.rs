@@ -474,8 +474,22 @@ fn shard_of<'c>(cluster: &'c Cluster, router: &LockRouter, key: &str) -> &'c Sha
 #[tokio::test(flavor = "multi_thread")]
 async fn a_release_that_found_nothing_is_not_sent_again_after_a_reload_that_left_its_key_in_place()
 {
-    let extra = "cleaner:\n  registry: static\nnamespaces:\n  default:\n    ttl: 5s\n";
-    let (cluster, router, yaml) = common::start(2, extra).await;
+    let (cluster, _, _) = common::start(2, "cleaner:\n  registry: static\n").await;
+    // The release waits on the test's row lock as long as it takes (the default statement
+    // timeout would end its wait, and the release would be sent again).
+    let shards: String = (cluster.shards().iter())
+        .map(|s| {
+            format!(
+                "  - name: {}\n    url: {}\n    statement-timeout: 30s\n",
+                s.name(),
+                s.url()
+            )
+        })
+        .collect();
+    let yaml = format!(
+        "shards:\n{shards}cleaner:\n  registry: static\nnamespaces:\n  default:\n    ttl: 5s\n"
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
     let key = "cas:released-twice";
     let guard = router.cas_acquire(key, "me").await.unwrap().unwrap();
     assert!(router.cas_release(guard.clone()).await.unwrap());
