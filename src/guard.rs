@@ -96,8 +96,16 @@ impl Hold {
     /// on a shard no longer than the registry surely counts this process live (see
     /// `Shared::beaten`).
     fn is_live(&self) -> bool {
-        self.lease.is_live()
-            && (self.lease.local || self.shard.shared.registry_live_at(Moment::now()))
+        if !self.lease.is_live() {
+            return false;
+        }
+        let shared = &self.shard.shared;
+        if self.lease.local || shared.registry_live_at(Moment::now()) {
+            return true;
+        }
+        // For good: a heartbeat landing later makes the process live again, not its leases.
+        self.lease.mark_lost(REGISTRY_LAPSED, shared);
+        false
     }
 
     /// Until when the lease is surely ours (see [`Hold::is_live`]): also until the registry

@@ -316,9 +316,18 @@ impl Inner {
         if self.gate.ever_beaten() {
             self.notice_lapse_at(sent);
         }
+        let first = std::sync::atomic::AtomicBool::new(true);
         let reached = || {
+            // Judged again as its first shard took it: held up longer than the lapse (a slow
+            // pool, a slow shard), its rows may have counted as dead already. (Its later
+            // shards come after a row of its own: a slow one is no lapse.)
+            if first.swap(false, Ordering::AcqRel) && self.gate.ever_beaten() {
+                let landed = Moment::now();
+                self.notice_lapse_at(landed);
+                self.shared.lose_leases_if_lapsed(landed);
+            }
             self.gate.beaten(sent, lapse);
-            (self.shared).beaten(sent, sent + self.gate.lapse_in_force(lapse));
+            (self.shared).beaten(sent, self.gate.lapse_in_force(lapse));
         };
         let fingerprint = self.advertised_fingerprint(&topology);
         let beats = registry::beat(&topology, &fingerprint, &self.shared, missed, &reached).await;

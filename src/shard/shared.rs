@@ -5,6 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -39,9 +40,10 @@ pub(crate) struct Shared {
     /// Every shard state made for this router that is still alive: the topology's, and those
     /// a reload left that still hold leases (draining).
     shard_states: Mutex<Vec<Weak<ShardState>>>,
-    /// Until when the registry surely counts this process live (see [`Shared::beaten`]);
+    /// When the newest heartbeat that reached a shard was sent, and the lapse in force: the
+    /// registry surely counts this process live until their sum (see [`Shared::beaten`]).
     /// `None`: no limit (the `static` registry, or no heartbeat yet).
-    registry_live_until: Mutex<Option<Moment>>,
+    registry_live: Mutex<Option<(Moment, Duration)>>,
 }
 
 impl Shared {
@@ -61,7 +63,7 @@ impl Shared {
             epoch: AtomicU64::new(1),
             follow: std::sync::OnceLock::new(),
             shard_states: Mutex::default(),
-            registry_live_until: Mutex::default(),
+            registry_live: Mutex::default(),
         }
     }
 
@@ -73,33 +75,46 @@ impl Shared {
 
     /// See [`Shared::registry_live_at`].
     pub(crate) fn registry_live_until(&self) -> Option<Moment> {
-        *self.registry_live_until.locked()
+        self.registry_live
+            .locked()
+            .map(|(sent, lapse)| sent + lapse)
     }
 
     /// A heartbeat sent at `sent` reached a shard: the registry counts this process live until
-    /// `until` (the heartbeat's sending plus its lapse, see `Gate`). If the registry may have
-    /// counted it dead before that heartbeat (paused, or cut off from every shard, for longer
-    /// than its lapse), every lease it holds on a shard is lost first, for good: another
-    /// process may have started meanwhile onto another topology, found no live instance of
-    /// this one, and granted the keys where its topology puts them, which this process's
-    /// leases do not exclude. (A later heartbeat makes it live again, not its leases.)
-    pub(crate) fn beaten(&self, sent: Moment, until: Moment) {
-        if !self.registry_live_at(sent) {
-            for shard in self.shard_states() {
-                for lease in shard.held() {
-                    if !lease.local {
-                        lease.mark_lost(REGISTRY_LAPSED, self);
-                    }
+    /// the newest such sending plus `lapse` (the lapse in force, see `Gate`: a shorter one
+    /// counts at once). If the registry may have counted it dead before this heartbeat was
+    /// sent (paused, or cut off from every shard, for longer than the lapse), every lease it
+    /// holds on a shard is lost first, for good: another process may have started meanwhile
+    /// onto another topology, found no live instance of this one, and granted the keys where
+    /// its topology puts them, which this process's leases do not exclude. (A heartbeat held
+    /// up after its sending is judged as it lands: [`Shared::lose_leases_if_lapsed`].)
+    pub(crate) fn beaten(&self, sent: Moment, lapse: Duration) {
+        self.lose_leases_if_lapsed(sent);
+        let mut live = self.registry_live.locked();
+        let newest = live.map_or(sent, |(before, _)| before.max(sent));
+        *live = Some((newest, lapse));
+    }
+
+    /// Marks every lease of this process on a shard lost if the registry may have counted it
+    /// dead by `at` (see [`Shared::beaten`]).
+    pub(crate) fn lose_leases_if_lapsed(&self, at: Moment) {
+        if self.registry_live_at(at) {
+            return;
+        }
+        for shard in self.shard_states() {
+            for lease in shard.held() {
+                if !lease.local {
+                    lease.mark_lost(REGISTRY_LAPSED, self);
                 }
             }
         }
-        let mut live = self.registry_live_until.locked();
-        *live = Some(live.map_or(until, |l| l.max(until)));
     }
 
-    /// No registry judges this process any more (a reload onto `registry: static`).
+    /// No registry judges this process any more (a reload onto `registry: static`); leases
+    /// that lapsed before stay lost.
     pub(crate) fn registry_unlimited(&self) {
-        *self.registry_live_until.locked() = None;
+        self.lose_leases_if_lapsed(Moment::now());
+        *self.registry_live.locked() = None;
     }
 
     /// Sets what [`Shared::follow`] does; the first call wins.
