@@ -621,50 +621,13 @@ async fn a_cas_take_of_unknown_outcome_carried_by_a_move_is_given_back_where_it_
 /// empty, not where it lived at the take.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_take_of_unknown_outcome_is_given_back_where_a_later_reload_carried_it() {
-    let (long, top) = (
-        "routing:\n  move-window: 10m\ncleaner:\n  registry: static\n",
-        "routing:\n  move-window: 300ms\ncleaner:\n  registry: static\n",
-    );
-    let (cluster, _, _) = common::start(3, top).await;
-    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let s1 = |url: &str| {
-        format!("  - name: s1\n    url: {url}\n    statement-timeout: 1s\n{POOL_OF_ONE}")
-    };
-    let later = |n: usize| {
-        let entry = |i: usize| {
-            format!(
-                "  - name: s{}\n    url: {}\n",
-                i + 1,
-                cluster.shard(i).url()
-            )
-        };
-        (1..n).map(entry).collect::<String>()
-    };
-    let (via_proxy, direct) = (s1(&proxy.url()), s1(&cluster.shard(0).url()));
-    let config = |s1: &str, n: usize, top: &str| {
-        Config::from_yaml_str(&format!("shards:\n{s1}{}{top}", later(n))).unwrap()
-    };
-    let a = LockRouter::new(config(&via_proxy, 1, long)).await.unwrap();
-    let b = LockRouter::new(config(&direct, 1, top)).await.unwrap();
-    a.reload(config(&via_proxy, 2, long)).await.unwrap();
-    let last = LockRouter::new(config(&direct, 3, top)).await.unwrap();
-    let moved = (0..)
-        .map(|i| format!("c{i}"))
-        .find(|k| a.shard_for(k).unwrap() == "s2" && last.shard_for(k).unwrap() == "s3")
+    let (cluster, proxy, a, b, moved) = Chain::with_a_lost_take().await;
+    a.reload(Chain::config(&cluster, Some(&proxy), 3, LONG))
+        .await
         .unwrap();
-    last.shutdown().await.unwrap();
-    let stayed = (0..)
-        .map(|i| format!("w{i}"))
-        .find(|k| a.shard_for(k).unwrap() == "s1")
+    b.reload(Chain::config(&cluster, None, 3, TOP))
+        .await
         .unwrap();
-    let warm = a.cas_acquire(&stayed, "w").await.unwrap().unwrap();
-    assert!(a.cas_release(warm).await.unwrap());
-
-    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
-    let taken = a.cas_acquire(&moved, "lost-take-owner").await;
-    assert!(taken.is_err(), "answered without a reply: {taken:?}");
-    a.reload(config(&via_proxy, 3, long)).await.unwrap();
-    b.reload(config(&direct, 3, top)).await.unwrap();
     common::moves_done(&b).await;
     assert_eq!(
         cas_owners(&cluster, &moved).await,
@@ -686,51 +649,11 @@ async fn a_cas_take_of_unknown_outcome_is_given_back_where_a_later_reload_carrie
 /// that topology meanwhile. The follow-up asks again after a round in which a reload came.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_take_of_unknown_outcome_is_followed_through_a_reload_during_its_give_back() {
-    let (long, top) = (
-        "routing:\n  move-window: 10m\ncleaner:\n  registry: static\n",
-        "routing:\n  move-window: 300ms\ncleaner:\n  registry: static\n",
-    );
-    let (cluster, _, _) = common::start(3, top).await;
-    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let s1 = |url: &str| {
-        format!("  - name: s1\n    url: {url}\n    statement-timeout: 1s\n{POOL_OF_ONE}")
-    };
-    // Statements held up behind the test's row lock wait for it.
-    let later = |n: usize| {
-        let entry = |i: usize| {
-            let url = cluster.shard(i).url();
-            format!(
-                "  - name: s{}\n    url: {url}\n    statement-timeout: 30s\n",
-                i + 1
-            )
-        };
-        (1..n).map(entry).collect::<String>()
-    };
-    let (via_proxy, direct) = (s1(&proxy.url()), s1(&cluster.shard(0).url()));
-    let config = |s1: &str, n: usize, top: &str| {
-        Config::from_yaml_str(&format!("shards:\n{s1}{}{top}", later(n))).unwrap()
-    };
-    let a = LockRouter::new(config(&via_proxy, 1, long)).await.unwrap();
-    let b = LockRouter::new(config(&direct, 1, top)).await.unwrap();
-    a.reload(config(&via_proxy, 2, long)).await.unwrap();
-    let last = LockRouter::new(config(&direct, 3, top)).await.unwrap();
-    let moved = (0..)
-        .map(|i| format!("c{i}"))
-        .find(|k| a.shard_for(k).unwrap() == "s2" && last.shard_for(k).unwrap() == "s3")
-        .unwrap();
-    last.shutdown().await.unwrap();
-    let stayed = (0..)
-        .map(|i| format!("w{i}"))
-        .find(|k| a.shard_for(k).unwrap() == "s1")
-        .unwrap();
-    let warm = a.cas_acquire(&stayed, "w").await.unwrap().unwrap();
-    assert!(a.cas_release(warm).await.unwrap());
-
-    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
-    let taken = a.cas_acquire(&moved, "lost-take-owner").await;
-    assert!(taken.is_err(), "answered without a reply: {taken:?}");
+    let (cluster, proxy, a, b, moved) = Chain::with_a_lost_take().await;
     // The other process's first move carries the take from s1 to s2.
-    b.reload(config(&direct, 2, top)).await.unwrap();
+    b.reload(Chain::config(&cluster, None, 2, TOP))
+        .await
+        .unwrap();
     common::moves_done(&b).await;
     let owner = Some("lost-take-owner".to_owned());
     assert_eq!(cas_owners(&cluster, &moved).await, [None, owner, None]);
@@ -738,7 +661,9 @@ async fn a_cas_take_of_unknown_outcome_is_followed_through_a_reload_during_its_g
     // Its second move's carry waits on the take's row on s2, which the test holds.
     let s2 = &cluster.shards()[1];
     let mut blocker = common::row_locked(s2, "shardlock_cas", &moved).await;
-    b.reload(config(&direct, 3, top)).await.unwrap();
+    b.reload(Chain::config(&cluster, None, 3, TOP))
+        .await
+        .unwrap();
     common::until_a_row_lock_is_waited_for(s2).await;
     // The give-back answers on s1, found empty; its follow-up, under the taker's second
     // topology, waits on s2 behind the carry.
@@ -748,7 +673,9 @@ async fn a_cas_take_of_unknown_outcome_is_followed_through_a_reload_during_its_g
     })
     .await;
     assert!(behind, "the give-back's follow-up never reached s2");
-    a.reload(config(&via_proxy, 3, long)).await.unwrap();
+    a.reload(Chain::config(&cluster, Some(&proxy), 3, LONG))
+        .await
+        .unwrap();
     blocker.query_drop("ROLLBACK").await.unwrap();
     common::moves_done(&b).await;
 
@@ -756,6 +683,102 @@ async fn a_cas_take_of_unknown_outcome_is_followed_through_a_reload_during_its_g
         taken_again(&b, &moved).await,
         "the take the carry brought on to s3 stayed owned with nobody holding it"
     );
+}
+
+/// The taker's moves stay in force throughout; the carrier's end soon after its reloads.
+const LONG: &str = "routing:\n  move-window: 10m\ncleaner:\n  registry: static\n";
+const TOP: &str = "routing:\n  move-window: 300ms\ncleaner:\n  registry: static\n";
+
+/// Three shards and two routers over them. The taker `a` reaches s1 through `proxy` and has
+/// reloaded from s1 alone onto s1 and s2 ([`LONG`] windows); the carrier `b` reaches s1
+/// directly and runs s1 alone ([`TOP`]). `moved` lives on s2 under two shards and on s3 under
+/// three.
+struct Chain {
+    cluster: shardlock_testkit::Cluster,
+    proxy: Proxy,
+    a: LockRouter,
+    b: LockRouter,
+    moved: String,
+}
+
+impl Chain {
+    async fn start() -> Self {
+        let (cluster, _, _) = common::start(3, TOP).await;
+        let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+        let config = |proxy, n, top| Self::config(&cluster, proxy, n, top);
+        let a = LockRouter::new(config(Some(&proxy), 1, LONG))
+            .await
+            .unwrap();
+        let b = LockRouter::new(config(None, 1, TOP)).await.unwrap();
+        a.reload(config(Some(&proxy), 2, LONG)).await.unwrap();
+        let last = LockRouter::new(config(None, 3, TOP)).await.unwrap();
+        let moved = (0..)
+            .map(|i| format!("c{i}"))
+            .find(|k| a.shard_for(k).unwrap() == "s2" && last.shard_for(k).unwrap() == "s3")
+            .unwrap();
+        last.shutdown().await.unwrap();
+        // The taker's one connection to s1, made before the link loses replies.
+        let stayed = (0..)
+            .map(|i| format!("w{i}"))
+            .find(|k| a.shard_for(k).unwrap() == "s1")
+            .unwrap();
+        let warm = a.cas_acquire(&stayed, "w").await.unwrap().unwrap();
+        assert!(a.cas_release(warm).await.unwrap());
+        Self {
+            cluster,
+            proxy,
+            a,
+            b,
+            moved,
+        }
+    }
+
+    /// [`Chain::start`], then a CAS take of `moved` by `a`, made on s1 (where the key lived
+    /// under one shard), whose reply is lost and whose retry fails: the link to s1 loses
+    /// replies from then on. The chain's parts.
+    async fn with_a_lost_take() -> (
+        shardlock_testkit::Cluster,
+        Proxy,
+        LockRouter,
+        LockRouter,
+        String,
+    ) {
+        let chain = Self::start().await;
+        (chain.proxy).set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
+        let taken = chain.a.cas_acquire(&chain.moved, "lost-take-owner").await;
+        assert!(taken.is_err(), "answered without a reply: {taken:?}");
+        let Self {
+            cluster,
+            proxy,
+            a,
+            b,
+            moved,
+        } = chain;
+        (cluster, proxy, a, b, moved)
+    }
+
+    /// The first `n` shards of `cluster` with `top`, s1 reached through `proxy` if given
+    /// (statement timeout 1 s, one connection). Statements on the others wait up to 30 s
+    /// (behind a test's row lock).
+    fn config(
+        cluster: &shardlock_testkit::Cluster,
+        proxy: Option<&Proxy>,
+        n: usize,
+        top: &str,
+    ) -> Config {
+        let url = proxy.map_or_else(|| cluster.shard(0).url(), Proxy::url);
+        let mut yaml = format!(
+            "shards:\n  - name: s1\n    url: {url}\n    statement-timeout: 1s\n{POOL_OF_ONE}"
+        );
+        for i in 1..n {
+            let url = cluster.shard(i).url();
+            let name = format!("s{}", i + 1);
+            yaml.push_str(&format!(
+                "  - name: {name}\n    url: {url}\n    statement-timeout: 30s\n"
+            ));
+        }
+        Config::from_yaml_str(&format!("{yaml}{top}")).unwrap()
+    }
 }
 
 /// Whether `router` takes `key` by CAS (and releases it) within 30 s: the give-back of a
