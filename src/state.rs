@@ -272,7 +272,8 @@ impl Drop for Inner {
     /// out, keeping routers that start with another topology waiting (see [`Gate`]).
     fn drop(&mut self) {
         // A guard can outlive its router, its lease still renewed: the instance is live
-        // until that ends (its heartbeat then times out).
+        // until that ends (its heartbeat then times out; the lease reads as held no longer
+        // than a lapse after the last heartbeat, see `Shared::beaten`).
         let holding = self
             .shared
             .shard_states()
@@ -333,6 +334,8 @@ impl Inner {
         let beats = registry::beat(&topology, &fingerprint, &self.shared, missed, &reached).await;
         if beats.unreached.is_empty() && beats.taken_by.is_none() {
             self.gate.beaten_everywhere(lapse);
+            // Every shard holds this lapse now: a longer one counts for the leases too.
+            self.shared.lapse_in_force(self.gate.lapse_in_force(lapse));
         }
         self.registered.store(true, Ordering::Release);
         beats

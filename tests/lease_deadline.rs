@@ -92,3 +92,42 @@ async fn a_suspend_of_the_host_ends_its_leases_by_the_time_it_wakes() {
     assert!(!guard.is_held());
     next.release().await.unwrap();
 }
+
+/// A reload that lengthens the heartbeat's interval and timeout: the next heartbeat comes later
+/// than the old lapse allowed, and a lease held meanwhile stays held, its process counted live
+/// for the new timeout once every shard holds it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_slows_the_heartbeat_keeps_leases_held_between_its_beats() {
+    let beats = |interval: &str, timeout: &str| {
+        format!("cleaner:\n  heartbeat-interval: {interval}\n  heartbeat-timeout: {timeout}\n")
+    };
+    let (_cluster, router, yaml) = common::start(1, &beats("100ms", "1s")).await;
+    let guard = router
+        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    let slower = yaml.replace(&beats("100ms", "1s"), &beats("2s", "20s"));
+    let slower = shardlock::Config::from_yaml_str(&slower).unwrap();
+    router.reload(slower).await.unwrap();
+
+    // The shard holds the new timeout, and the heartbeat it took is older than the old lapse
+    // (about half a second): the next one comes two seconds after it.
+    let past_the_old_lapse = common::eventually(Duration::from_secs(30), || async {
+        let shards = router.instances().await;
+        let rows = shards.into_iter().flat_map(|(_, rows)| rows.ok()).flatten();
+        rows.filter(|r| r.instance_id == router.instance_id())
+            .any(|r| {
+                r.heartbeat_timeout == Some(Duration::from_secs(20)) && r.heartbeat_ms_ago > 700
+            })
+    })
+    .await;
+    assert!(
+        past_the_old_lapse,
+        "the slower heartbeat never reached the shard"
+    );
+    assert!(
+        guard.is_held(),
+        "the lease was lost between the slower heartbeats"
+    );
+    guard.release().await.unwrap();
+}

@@ -95,6 +95,14 @@ impl Shared {
         *live = Some((newest, lapse));
     }
 
+    /// The lapse in force is `lapse` from now on (a heartbeat with a longer one reached every
+    /// shard).
+    pub(crate) fn lapse_in_force(&self, lapse: Duration) {
+        if let Some((_, held)) = self.registry_live.locked().as_mut() {
+            *held = lapse;
+        }
+    }
+
     /// Marks every lease of this process on a shard lost if the registry may have counted it
     /// dead by `at` (see [`Shared::beaten`]).
     pub(crate) fn lose_leases_if_lapsed(&self, at: Moment) {
