@@ -195,17 +195,18 @@ impl LockGuard {
     /// Until when the lease is surely this process's: its local deadline, moved on by every
     /// renewal, after which [`LockGuard::is_held`] is false unless it was renewed. Past once
     /// the lease ended; a lease lost early (taken over, force-released, its process's
-    /// heartbeat lapsed) may end before it, so check [`LockGuard::is_held`] too. A [`LockMode::LocalFallback`] guard has no end of its
-    /// own (a far-off instant). An instant of the runtime's clock, which stands still while
-    /// the host is suspended: the lease's end comes earlier by any suspend from now on (and
-    /// [`LockGuard::is_held`] counts it).
+    /// heartbeat lapsed) may end before it, so check [`LockGuard::is_held`] too. A
+    /// [`LockMode::LocalFallback`] guard has no end of its own (a far-off instant). An instant
+    /// of the runtime's clock, which stands still while the host is suspended: the lease's end
+    /// comes earlier by any suspend from now on (and [`LockGuard::is_held`] counts it).
     pub fn held_until(&self) -> tokio::time::Instant {
         self.hold.lease.valid_until().timer()
     }
 
     /// Completes when the lease is lost: renewal failed until the lease ended (then at its
     /// local deadline, when [`LockGuard::is_held`] turns false), the key was taken over or
-    /// force-released, or this process's heartbeat lapsed (see [`LockGuard::is_held`]). Never completes for a lease that stays held. Cancel-safe.
+    /// force-released, or this process's heartbeat lapsed (see [`LockGuard::is_held`]). Never
+    /// completes for a lease that stays held. Cancel-safe.
     pub async fn lost(&self) {
         let lease = &self.hold.lease;
         // A companion row's loss (a moved key) is reported through the lease it belongs to.

@@ -451,8 +451,7 @@ impl LockRouter {
     /// fleet runs another topology than this process, its heartbeat lapsed (paused, or cut
     /// off from every shard) until it has joined again, or for good once another process
     /// took its instance id over; grants meanwhile answer [`crate::Error::Unavailable`] saying
-    /// which. Always, under `registry: static`.
-    /// False once the router shut down.
+    /// which. Always under `registry: static`, until the router shuts down.
     pub fn is_joined(&self) -> bool {
         self.inner.notice_lapse();
         !self.inner.gate.is_closed() && !self.inner.shared.is_closed()

@@ -194,9 +194,8 @@ impl LockRouter {
     /// rows answers [`crate::Error::Unavailable`] rather than `false`: the fleet may have
     /// ended a move without it and carried the lock to where its topology puts the key.
     /// Release again once this process has joined (reloaded onto the fleet's topology:
-    /// [`LockRouter::wait_joined`]). A
-    /// release that finds nothing after a reload placed the key elsewhere during it releases
-    /// again under the new topology.
+    /// [`LockRouter::wait_joined`]). A release that finds nothing after a reload placed the
+    /// key elsewhere during it releases again under the new topology.
     ///
     /// Cancellation: rows freed before the drop stay free, a release in flight may have committed,
     /// and the others stay owned (CAS rows never expire): call again with a clone of the guard (a
@@ -253,10 +252,9 @@ impl LockRouter {
     /// Where a take of `key` given back in the background may have been carried: the key's
     /// shards under the topology in force each time it is asked (earlier placements still in
     /// force, then the current one) and that topology's epoch, so that a reload after the take
-    /// is followed too. Asked once this
-    /// process has joined its fleet: before that (its heartbeat lapsed, or it runs another
-    /// topology than the fleet) the fleet may have carried the take where this process does
-    /// not look. `shard`, the key's shard at the take, once the router is gone.
+    /// is followed too. Asked once this process has joined its fleet: before that (its
+    /// heartbeat lapsed, or it runs another topology than the fleet) the fleet may have
+    /// carried the take where this process does not look. `shard`, the key's shard at the take, once the router is gone.
     fn follow_key(&self, key: &LockKey, shard: &Arc<ShardState>) -> CasFollow {
         let (inner, key, shard) = (Arc::downgrade(&self.inner), key.clone(), shard.clone());
         let gate = self.inner.gate.watch();
