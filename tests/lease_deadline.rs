@@ -101,23 +101,24 @@ async fn a_reload_that_slows_the_heartbeat_keeps_leases_held_between_its_beats()
     let beats = |interval: &str, timeout: &str| {
         format!("cleaner:\n  heartbeat-interval: {interval}\n  heartbeat-timeout: {timeout}\n")
     };
-    let (_cluster, router, yaml) = common::start(1, &beats("100ms", "1s")).await;
+    let (_cluster, router, yaml) = common::start(1, &beats("100ms", "3s")).await;
     let guard = router
         .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
         .await
         .unwrap();
-    let slower = yaml.replace(&beats("100ms", "1s"), &beats("2s", "20s"));
+    let slower = yaml.replace(&beats("100ms", "3s"), &beats("5s", "50s"));
     let slower = shardlock::Config::from_yaml_str(&slower).unwrap();
     router.reload(slower).await.unwrap();
 
     // The shard holds the new timeout, and the heartbeat it took is older than the old lapse
-    // (about half a second): the next one comes two seconds after it.
+    // (about 1.5 s): the next one comes five seconds after it. (The old settings leave a
+    // heartbeat 1.4 s of delay on a busy machine before the lease would lapse.)
     let past_the_old_lapse = common::eventually(Duration::from_secs(30), || async {
         let shards = router.instances().await;
         let rows = shards.into_iter().flat_map(|(_, rows)| rows.ok()).flatten();
         rows.filter(|r| r.instance_id == router.instance_id())
             .any(|r| {
-                r.heartbeat_timeout == Some(Duration::from_secs(20)) && r.heartbeat_ms_ago > 700
+                r.heartbeat_timeout == Some(Duration::from_secs(50)) && r.heartbeat_ms_ago > 1700
             })
     })
     .await;
