@@ -324,9 +324,9 @@ impl LockRouter {
         let old = self.inner.topology.load_full();
         // The configuration in force again (a periodic SIGHUP, a config-sync job): nothing to
         // move. A new epoch would stop the carry of a move under way and send a release that
-        // found nothing round again, each for nothing. Unless a current shard's pool was
-        // closed (drained as it left, while a reload brought it back): rebuilt below.
-        if *old.config == config && old.current.shards.iter().all(|s| !s.is_closed()) {
+        // found nothing round again, each for nothing. (No current shard's pool is closed: a
+        // drain closes a shard that left only between reloads, see `drain`.)
+        if *old.config == config {
             tracing::info!(
                 epoch = old.epoch,
                 "shardlock reload: the configuration is the one in force; nothing changes"
@@ -742,6 +742,9 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
     tokio::time::sleep(window).await;
     loop {
         let Some(inner) = inner.upgrade() else { return };
+        // Not while a reload runs: it may have picked this shard up to bring it back, and
+        // would then store it closed in the topology in force.
+        let no_reload = inner.reloading.lock().await;
         let topology = inner.topology.load_full();
         if topology
             .current
@@ -765,6 +768,7 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
             );
             return;
         }
+        drop(no_reload);
         drop((inner, topology));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
