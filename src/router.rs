@@ -11,6 +11,7 @@ use shardlock_core::config::{RegistryKind, DEFAULT_NAMESPACE};
 use shardlock_core::{BackendError, BackendErrorKind, Config, Error, LockKey, Result};
 use tokio::time::Instant;
 
+use crate::clock::Moment;
 use crate::guard::{release_through_shard, LockGuard};
 use crate::moves;
 use crate::options::AcquireOptions;
@@ -381,6 +382,7 @@ impl LockRouter {
                  in it yet"
                     .to_owned(),
             );
+            shared.registry_from(Moment::now(), crate::state::lapse(&next.config));
         }
         if next.config.cleaner.registry != RegistryKind::Heartbeat {
             shared.registry_unlimited();

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use shardlock::{AcquireOptions, LockRouter};
+use shardlock::{AcquireOptions, Config, LockGuard, LockRouter};
 use shardlock_testkit::{Cluster, Proxy, ProxyMode};
 
 #[tokio::test(flavor = "multi_thread")]
@@ -131,4 +131,94 @@ async fn a_reload_that_slows_the_heartbeat_keeps_leases_held_between_its_beats()
         "the lease was lost between the slower heartbeats"
     );
     guard.release().await.unwrap();
+}
+
+/// A router under `registry: static` holding a lease on its one shard, then cut off from it
+/// and switched to the heartbeat registry by reload (interval 500 ms, timeout 2 s: a lapse of
+/// 1.25 s): no heartbeat of it can land, so no registry knows of it.
+async fn switched_to_the_heartbeat_registry_while_cut_off(
+) -> (Cluster, Proxy, LockRouter, LockGuard, String) {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let shards = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&format!("{shards}cleaner:\n  registry: static\n"))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let guard = router
+        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(300)))
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::Blackhole);
+    let heartbeat =
+        format!("{shards}cleaner:\n  heartbeat-interval: 500ms\n  heartbeat-timeout: 2s\n");
+    router
+        .reload(Config::from_yaml_str(&heartbeat).unwrap())
+        .await
+        .unwrap();
+    (cluster, proxy, router, guard, shards)
+}
+
+/// A process that switches to the heartbeat registry is in no registry until a heartbeat of
+/// it lands: a process started onto another topology meanwhile finds none of it and may take
+/// its keys where that topology puts them. Its leases last no longer than a lapse from the
+/// switch unless one lands, and a heartbeat landing later does not make them held again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_held_across_a_switch_to_the_heartbeat_registry_is_lost_when_no_heartbeat_lands() {
+    let (_cluster, proxy, router, guard, _) =
+        switched_to_the_heartbeat_registry_while_cut_off().await;
+    // The lease's own end is 300 s away: only the lapse ends it within this bound.
+    tokio::time::timeout(Duration::from_secs(120), guard.lost())
+        .await
+        .expect("the lease outlived a lapse with no heartbeat of its process in the registry");
+    assert!(!guard.is_held());
+
+    proxy.set(ProxyMode::Pass);
+    router.wait_joined().await;
+    assert!(
+        !guard.is_held(),
+        "a heartbeat that landed after the lapse made the lease held again"
+    );
+}
+
+/// A lease that lapsed with nobody looking (no `is_held`, no `lost`) is found lost by a reload
+/// onto `registry: static`, which lifts the limit for the leases still held.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_that_lapsed_unwatched_stays_lost_after_a_reload_onto_the_static_registry() {
+    let (_cluster, _proxy, router, guard, shards) =
+        switched_to_the_heartbeat_registry_while_cut_off().await;
+    // Past the lapse for sure: 1.25 s after the switch, which came before the reload returned.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let static_registry = format!("{shards}cleaner:\n  registry: static\n");
+    router
+        .reload(Config::from_yaml_str(&static_registry).unwrap())
+        .await
+        .unwrap();
+    assert!(
+        !guard.is_held(),
+        "the reload onto the static registry made a lapsed lease held again"
+    );
+}
+
+/// `wait_joined` of a router that has not joined its fleet (switched to the heartbeat registry
+/// while cut off) completes when the router shuts down, which leaves it not joined.
+#[tokio::test(flavor = "multi_thread")]
+async fn wait_joined_completes_at_shutdown() {
+    let (_cluster, _proxy, router, guard, _) =
+        switched_to_the_heartbeat_registry_while_cut_off().await;
+    assert!(!router.is_joined());
+    let waiting = tokio::spawn({
+        let router = router.clone();
+        async move { router.wait_joined().await }
+    });
+    drop(guard);
+    let _ = router.shutdown().await;
+    tokio::time::timeout(Duration::from_secs(120), waiting)
+        .await
+        .expect("wait_joined outlived the router's shutdown")
+        .unwrap();
+    assert!(!router.is_joined());
 }

@@ -118,6 +118,14 @@ impl Shared {
         }
     }
 
+    /// This process switched to the heartbeat registry at `at` (a reload): none of its
+    /// heartbeats is there yet, and a process started onto another topology meanwhile finds
+    /// none of it. Its leases on shards last no longer than `lapse` from then unless a
+    /// heartbeat lands (as after one sent at `at`, see [`Shared::beaten`]).
+    pub(crate) fn registry_from(&self, at: Moment, lapse: Duration) {
+        self.beaten(at, lapse);
+    }
+
     /// No registry judges this process any more (a reload onto `registry: static`); leases
     /// that lapsed before stay lost.
     pub(crate) fn registry_unlimited(&self) {
