@@ -171,7 +171,7 @@ async fn a_lease_held_across_a_switch_to_the_heartbeat_registry_is_lost_when_no_
     let (_cluster, proxy, router, guard, _) =
         switched_to_the_heartbeat_registry_while_cut_off().await;
     // The lease's own end is 300 s away: only the lapse ends it within this bound.
-    tokio::time::timeout(Duration::from_secs(120), guard.lost())
+    tokio::time::timeout(Duration::from_secs(60), guard.lost())
         .await
         .expect("the lease outlived a lapse with no heartbeat of its process in the registry");
     assert!(!guard.is_held());
@@ -216,7 +216,7 @@ async fn wait_joined_completes_at_shutdown() {
     });
     drop(guard);
     let _ = router.shutdown().await;
-    tokio::time::timeout(Duration::from_secs(120), waiting)
+    tokio::time::timeout(Duration::from_secs(60), waiting)
         .await
         .expect("wait_joined outlived the router's shutdown")
         .unwrap();
