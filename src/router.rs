@@ -11,7 +11,6 @@ use shardlock_core::config::{RegistryKind, DEFAULT_NAMESPACE};
 use shardlock_core::{BackendError, BackendErrorKind, Config, Error, LockKey, Result};
 use tokio::time::Instant;
 
-use crate::clock::Moment;
 use crate::guard::{release_through_shard, LockGuard};
 use crate::moves;
 use crate::options::AcquireOptions;
@@ -382,7 +381,11 @@ impl LockRouter {
                  in it yet"
                     .to_owned(),
             );
-            shared.registry_from(Moment::now(), crate::state::lapse(&next.config));
+            // Its leases end: no registry knew of it, so a process started onto another
+            // topology before its heartbeat lands finds none of it, and may take their keys
+            // where that topology puts them. (After the gate closed: a grant that registers
+            // its lease after this finds the gate closed and gives it back.)
+            shared.lose_shard_leases(crate::shard::REGISTRY_SWITCHED);
         }
         if next.config.cleaner.registry != RegistryKind::Heartbeat {
             shared.registry_unlimited();

@@ -322,13 +322,9 @@ impl Inner {
             // Judged again as its first shard took it: held up longer than the lapse (a slow
             // pool, a slow shard), its rows may have counted as dead already. (Its later
             // shards come after a row of its own: a slow one is no lapse.)
-            if first.swap(false, Ordering::AcqRel) {
+            if first.swap(false, Ordering::AcqRel) && self.gate.ever_beaten() {
                 let landed = Moment::now();
-                if self.gate.ever_beaten() {
-                    self.notice_lapse_at(landed);
-                }
-                // The first heartbeat after a switch to this registry too (see
-                // `Shared::registry_from`).
+                self.notice_lapse_at(landed);
                 self.shared.lose_leases_if_lapsed(landed);
             }
             self.gate.beaten(sent, lapse);
@@ -454,7 +450,7 @@ impl std::fmt::Debug for CleanerState {
 /// before the others count it dead; and, by a clock that runs slow by `instance.clock-drift`,
 /// still half an interval short of the timeout (halfway alone is, only up to a drift of a
 /// third, which the timeout of at least two intervals allows).
-pub(crate) fn lapse(config: &Config) -> Duration {
+fn lapse(config: &Config) -> Duration {
     let (interval, timeout) = (
         config.cleaner.heartbeat_interval,
         config.cleaner.heartbeat_timeout,

@@ -133,18 +133,78 @@ async fn a_reload_that_slows_the_heartbeat_keeps_leases_held_between_its_beats()
     guard.release().await.unwrap();
 }
 
-/// A router under `registry: static` holding a lease on its one shard, then cut off from it
-/// and switched to the heartbeat registry by reload (interval 500 ms, timeout 2 s: a lapse of
-/// 1.25 s): no heartbeat of it can land, so no registry knows of it.
-async fn switched_to_the_heartbeat_registry_while_cut_off(
-) -> (Cluster, Proxy, LockRouter, LockGuard, String) {
+/// A process switching to the heartbeat registry is in no registry until a heartbeat of it
+/// lands: a process started onto another topology meanwhile finds none of it and takes its
+/// keys where that topology puts them. So its leases end at the switch, and a heartbeat
+/// landing later does not make them held again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_held_across_a_switch_to_the_heartbeat_registry_ends_at_the_switch() {
+    let cluster = Cluster::start(2).await.unwrap();
+    // Another topology than the holder's: both shards, reached directly.
+    let other = LockRouter::from_yaml_str(&cluster.config_yaml(""))
+        .await
+        .unwrap();
+    other.migrate().await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k{i}"))
+        .find(|k| other.shard_for(k).unwrap() == "s2")
+        .unwrap();
+    // The holder: s1 alone, through a proxy that will cut it off.
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let shards = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\n",
+        proxy.url()
+    );
+    let holder = LockRouter::from_yaml_str(&format!("{shards}cleaner:\n  registry: static\n"))
+        .await
+        .unwrap();
+    let guard = holder
+        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(300)))
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::Blackhole);
+    let heartbeat =
+        format!("{shards}cleaner:\n  heartbeat-interval: 500ms\n  heartbeat-timeout: 2s\n");
+    holder
+        .reload(Config::from_yaml_str(&heartbeat).unwrap())
+        .await
+        .unwrap();
+    assert!(
+        !guard.is_held(),
+        "the lease outlived the switch to a registry that knows nothing of its process"
+    );
+    let taken = other
+        .try_acquire(&key, AcquireOptions::new().wait(Duration::ZERO))
+        .await
+        .unwrap()
+        .expect("the other topology's start found no live holder and took the key on s2");
+    assert_eq!(taken.shard(), "s2");
+    assert!(!guard.is_held());
+    taken.release().await.unwrap();
+
+    // Once the other topology is gone and the holder's heartbeat lands, it joins its fleet;
+    // the lease stays lost.
+    other.shutdown().await.unwrap();
+    proxy.set(ProxyMode::Pass);
+    holder.wait_joined().await;
+    assert!(holder.is_joined());
+    assert!(
+        !guard.is_held(),
+        "a heartbeat that landed after the switch made the lease held again"
+    );
+}
+
+/// A router with the heartbeat registry (interval 500 ms, timeout 2 s: a lapse of 1.25 s)
+/// holding a lease on its one shard, then cut off from it: no heartbeat of it lands any more.
+async fn held_then_cut_off() -> (Cluster, Proxy, LockRouter, LockGuard, String) {
     let cluster = Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     let shards = format!(
         "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\n",
         proxy.url()
     );
-    let router = LockRouter::from_yaml_str(&format!("{shards}cleaner:\n  registry: static\n"))
+    let beats = "cleaner:\n  heartbeat-interval: 500ms\n  heartbeat-timeout: 2s\n";
+    let router = LockRouter::from_yaml_str(&format!("{shards}{beats}"))
         .await
         .unwrap();
     router.migrate().await.unwrap();
@@ -153,44 +213,15 @@ async fn switched_to_the_heartbeat_registry_while_cut_off(
         .await
         .unwrap();
     proxy.set(ProxyMode::Blackhole);
-    let heartbeat =
-        format!("{shards}cleaner:\n  heartbeat-interval: 500ms\n  heartbeat-timeout: 2s\n");
-    router
-        .reload(Config::from_yaml_str(&heartbeat).unwrap())
-        .await
-        .unwrap();
     (cluster, proxy, router, guard, shards)
-}
-
-/// A process that switches to the heartbeat registry is in no registry until a heartbeat of
-/// it lands: a process started onto another topology meanwhile finds none of it and may take
-/// its keys where that topology puts them. Its leases last no longer than a lapse from the
-/// switch unless one lands, and a heartbeat landing later does not make them held again.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_lease_held_across_a_switch_to_the_heartbeat_registry_is_lost_when_no_heartbeat_lands() {
-    let (_cluster, proxy, router, guard, _) =
-        switched_to_the_heartbeat_registry_while_cut_off().await;
-    // The lease's own end is 300 s away: only the lapse ends it within this bound.
-    tokio::time::timeout(Duration::from_secs(60), guard.lost())
-        .await
-        .expect("the lease outlived a lapse with no heartbeat of its process in the registry");
-    assert!(!guard.is_held());
-
-    proxy.set(ProxyMode::Pass);
-    router.wait_joined().await;
-    assert!(
-        !guard.is_held(),
-        "a heartbeat that landed after the lapse made the lease held again"
-    );
 }
 
 /// A lease that lapsed with nobody looking (no `is_held`, no `lost`) is found lost by a reload
 /// onto `registry: static`, which lifts the limit for the leases still held.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lease_that_lapsed_unwatched_stays_lost_after_a_reload_onto_the_static_registry() {
-    let (_cluster, _proxy, router, guard, shards) =
-        switched_to_the_heartbeat_registry_while_cut_off().await;
-    // Past the lapse for sure: 1.25 s after the switch, which came before the reload returned.
+    let (_cluster, _proxy, router, guard, shards) = held_then_cut_off().await;
+    // Past the lapse for sure: 1.25 s after the last heartbeat sent before the cut.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let static_registry = format!("{shards}cleaner:\n  registry: static\n");
     router
@@ -203,13 +234,14 @@ async fn a_lease_that_lapsed_unwatched_stays_lost_after_a_reload_onto_the_static
     );
 }
 
-/// `wait_joined` of a router that has not joined its fleet (switched to the heartbeat registry
-/// while cut off) completes when the router shuts down, which leaves it not joined.
+/// `wait_joined` of a router that has not joined its fleet (its heartbeat lapsed while cut
+/// off) completes when the router shuts down, which leaves it not joined.
 #[tokio::test(flavor = "multi_thread")]
 async fn wait_joined_completes_at_shutdown() {
-    let (_cluster, _proxy, router, guard, _) =
-        switched_to_the_heartbeat_registry_while_cut_off().await;
-    assert!(!router.is_joined());
+    let (_cluster, _proxy, router, guard, _) = held_then_cut_off().await;
+    let lapsed =
+        common::eventually(Duration::from_secs(60), || async { !router.is_joined() }).await;
+    assert!(lapsed, "the cut-off router's heartbeat never lapsed");
     let waiting = tokio::spawn({
         let router = router.clone();
         async move { router.wait_joined().await }

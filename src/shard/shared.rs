@@ -14,6 +14,11 @@ use crate::clock::Moment;
 use crate::stats::Stats;
 use crate::sync::LockExt;
 
+/// Why a lease ends when its process switches to the heartbeat registry.
+pub(crate) const REGISTRY_SWITCHED: &str = "this process switched to the heartbeat registry \
+     while it held the lease: no registry knew of it, so a process started meanwhile onto \
+     another topology may hold the key where its topology puts it";
+
 /// Why a lease ends when its process's heartbeat lapsed.
 pub(crate) const REGISTRY_LAPSED: &str = "this process's heartbeat lapsed while it held the \
      lease (paused, or cut off from every shard): the registry may have counted it dead";
@@ -106,24 +111,20 @@ impl Shared {
     /// Marks every lease of this process on a shard lost if the registry may have counted it
     /// dead by `at` (see [`Shared::beaten`]).
     pub(crate) fn lose_leases_if_lapsed(&self, at: Moment) {
-        if self.registry_live_at(at) {
-            return;
-        }
-        for shard in self.shard_states() {
-            for lease in shard.held() {
-                if !lease.local {
-                    lease.mark_lost(REGISTRY_LAPSED, self);
-                }
-            }
+        if !self.registry_live_at(at) {
+            self.lose_shard_leases(REGISTRY_LAPSED);
         }
     }
 
-    /// This process switched to the heartbeat registry at `at` (a reload): none of its
-    /// heartbeats is there yet, and a process started onto another topology meanwhile finds
-    /// none of it. Its leases on shards last no longer than `lapse` from then unless a
-    /// heartbeat lands (as after one sent at `at`, see [`Shared::beaten`]).
-    pub(crate) fn registry_from(&self, at: Moment, lapse: Duration) {
-        self.beaten(at, lapse);
+    /// Marks every lease of this process on a shard lost, for `why`.
+    pub(crate) fn lose_shard_leases(&self, why: &'static str) {
+        for shard in self.shard_states() {
+            for lease in shard.held() {
+                if !lease.local {
+                    lease.mark_lost(why, self);
+                }
+            }
+        }
     }
 
     /// No registry judges this process any more (a reload onto `registry: static`); leases
