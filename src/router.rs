@@ -321,6 +321,10 @@ impl LockRouter {
     pub async fn reload(&self, config: Config) -> Result<()> {
         config.validate()?;
         let _one_at_a_time = self.inner.reloading.lock().await;
+        // Its shards would never be closed, nor would the router deregister from them.
+        if self.inner.shared.is_closed() {
+            return Err(Error::Shutdown);
+        }
         let old = self.inner.topology.load_full();
         // The configuration in force again (a periodic SIGHUP, a config-sync job): nothing to
         // move. A new epoch would stop the carry of a move under way and send a release that
@@ -333,6 +337,7 @@ impl LockRouter {
             );
             return Ok(());
         }
+        keep_instance(&old.config, &config)?;
         keep_lock_identities(&old.config, &config)?;
         let window = config.move_window().max(old.config.move_window());
         let shared = &self.inner.shared;
@@ -620,6 +625,9 @@ impl LockRouter {
     /// closing the pools are skipped (the instance counts as live): call `shutdown` again.
     pub async fn shutdown(&self) -> Result<()> {
         self.inner.shared.closed.send_replace(true);
+        // After a reload under way, whose shards are then released, deregistered and closed
+        // too (a later one is refused).
+        drop(self.inner.reloading.lock().await);
         // Draining shards (left in a reload, leases still held there) included.
         let shards = self.inner.shared.shard_states();
         let releases = shards.iter().flat_map(|s| {
@@ -687,6 +695,39 @@ pub(crate) fn unknown_namespace(name: &str) -> Error {
         name: "namespace",
         reason: format!("`{name}` is not configured; add it under `namespaces:` or use `default`"),
     }
+}
+
+/// Refuses a reload that changes who this process is: its instance id is its own for its life
+/// (owners, registry rows), and a process moved to another fleet would grant at once under
+/// that fleet's topology without having joined it.
+fn keep_instance(old: &Config, next: &Config) -> Result<()> {
+    let field = |name: &str, from: &str, to: &str, why: &str| {
+        Err(shardlock_core::ConfigError::field(
+            format!("instance.{name}"),
+            format!("cannot change from `{from}` to `{to}` in a reload: {why}. Restart the process to change it"),
+        )
+        .into())
+    };
+    let (from, to) = (&old.instance.id, &next.instance.id);
+    if from != to {
+        let shown = |id: &Option<String>| id.clone().unwrap_or_else(|| "auto".to_owned());
+        return field(
+            "id",
+            &shown(from),
+            &shown(to),
+            "this process's owners and registry rows bear the id it started with",
+        );
+    }
+    let (from, to) = (old.instance.fleet(), next.instance.fleet());
+    if from != to {
+        return field(
+            "fleet",
+            from,
+            to,
+            "the process would grant under the other fleet's topology without having joined it",
+        );
+    }
+    Ok(())
 }
 
 /// Refuses a reload that changes which locks a namespace's keys are: how many buckets it has

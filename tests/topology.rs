@@ -182,6 +182,39 @@ async fn a_reload_that_changes_only_a_ttl_moves_nothing() {
     assert_eq!(router.epoch(), 2);
 }
 
+/// A reload may not change who the process is: its instance id (its owners and registry rows
+/// bear the one it started with) nor its fleet (it would grant under the other fleet's
+/// topology without having joined it). After `shutdown`, no reload is taken.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_changes_the_instance_is_refused_and_none_is_taken_after_shutdown() {
+    let (cluster, router, yaml) = common::start(1, "instance:\n  id: one\n").await;
+    for (changed, field) in [
+        (yaml.replace("id: one", "id: two"), "instance.id"),
+        (
+            yaml.replace("id: one", "id: one\n  fleet: other"),
+            "instance.fleet",
+        ),
+    ] {
+        let err = router
+            .reload(Config::from_yaml_str(&changed).unwrap())
+            .await
+            .unwrap_err();
+        let shardlock::Error::Config(e) = &err else {
+            panic!("{err}")
+        };
+        assert_eq!(e.field.as_deref(), Some(field), "{e}");
+    }
+    assert_eq!(router.epoch(), 1, "the refused reloads changed nothing");
+
+    router.shutdown().await.unwrap();
+    let two = cluster.config_yaml("instance:\n  id: one\nrouting:\n  move-window: 1s\n");
+    let err = router
+        .reload(Config::from_yaml_str(&two).unwrap())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, shardlock::Error::Shutdown), "{err}");
+}
+
 crate::worker_entry! { "counter" => counter_worker() }
 
 #[tokio::test(flavor = "multi_thread")]
