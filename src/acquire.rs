@@ -429,11 +429,12 @@ impl LockRouter {
                     // A moved key, or a failure that is not the shard's: nothing to fall back on.
                     Err(e) if !previous.is_empty() || !e.is_unavailable() => return Err(e),
                     Err(e) => match ns.on_shard_failure {
-                        FailurePolicy::Local if shard.breaker_state() != BreakerState::Closed => {
+                        FailurePolicy::Local if shard.breaker_state() == BreakerState::Open => {
                             return Ok(Some(self.hold_local(&shard, key, want, turn, &topology)));
                         }
-                        // Not open yet: try again within the wait; the breaker opens soon if
-                        // the shard keeps failing.
+                        // Not open yet, or half-open (its probes under way, the shard likely
+                        // back, where another process may hold the key): try again within the
+                        // wait; the breaker opens soon if the shard keeps failing.
                         FailurePolicy::Local if Instant::now() < deadline => Tried::Busy(None),
                         _ => return Err(e),
                     },

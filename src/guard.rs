@@ -165,9 +165,10 @@ impl LockGuard {
         self.hold.shard.name()
     }
 
-    /// Where the lock was granted. A [`LockMode::LocalFallback`] guard stays so for its life,
-    /// even after the keeper re-acquired its key on the shard (which then keeps other
-    /// processes out).
+    /// Where the lock was granted. A [`LockMode::LocalFallback`] guard stays so for its life:
+    /// it excludes only holders in this process, even after the keeper re-acquired its key on
+    /// the shard (that row keeps out the processes that place the key on that shard, not one
+    /// started onto another topology while this process counted as dead).
     pub fn mode(&self) -> LockMode {
         if self.hold.lease.local {
             LockMode::LocalFallback

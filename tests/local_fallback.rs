@@ -630,3 +630,69 @@ async fn a_reacquire_whose_reply_was_lost_is_given_back_when_the_local_holder_re
     .await;
     assert!(freed, "the row the re-acquire wrote was left to its ttl");
 }
+
+/// The `local` policy grants in process only while the breaker is open. Half-open, its probe
+/// under way, the shard is likely back, and another process may hold the key there: a caller
+/// the breaker turns away then waits within its wait (or hears `Unavailable`), never a
+/// `LocalFallback` guard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_half_open_breaker_grants_nothing_in_process() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    // No heartbeat, no lease: the test's own acquires are the only calls, so its probe is the
+    // one the breaker lets through; a probe held up behind a row lock is not a slow call. Two
+    // acquire batches in flight: the next acquire is sent beside the probe (with one, it would
+    // queue behind it).
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 30s\n    \
+         pool: {{ max-size: 16, batches-in-flight: 2 }}\n\
+         breaker:\n  consecutive-failures: 3\n  cooldown: 300ms\n  max-cooldown: 1s\n  \
+         slow-call: 60s\n  probes: 1\ncleaner:\n  registry: static\n\
+         namespaces:\n  default:\n    ttl: 30s\n    wait: 500ms\n    on-shard-failure: local\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let other = LockRouter::from_yaml_str(&cluster.config_yaml("cleaner:\n  registry: static\n"))
+        .await
+        .unwrap();
+    let remote = other.acquire("k", AcquireOptions::new()).await.unwrap();
+
+    cut_off_from(&router, &proxy, "other").await;
+    proxy.set(ProxyMode::Pass);
+    let half_open = common::eventually(Duration::from_secs(30), || async {
+        router.breaker_state("s1") == Some(BreakerState::HalfOpen)
+    })
+    .await;
+    assert!(half_open, "the breaker never cooled down");
+    // The probe: an acquire held up behind a row lock of the lease table.
+    let blocker = common::row_locked(cluster.shard(0), "shardlock_lease", "probe").await;
+    let probe = tokio::spawn({
+        let router = router.clone();
+        async move {
+            let opts = AcquireOptions::new().wait(Duration::from_secs(60));
+            router.acquire("probe", opts).await
+        }
+    });
+    common::until_a_row_lock_is_waited_for(cluster.shard(0)).await;
+    assert_eq!(router.breaker_state("s1"), Some(BreakerState::HalfOpen));
+
+    let tried = router
+        .try_acquire("k", AcquireOptions::new().wait(Duration::ZERO))
+        .await;
+    match tried {
+        Err(Error::Unavailable { .. }) => {}
+        Ok(Some(guard)) => panic!(
+            "granted {:?} while the breaker was half-open and another process held the key",
+            guard.mode()
+        ),
+        other => panic!("{other:?}"),
+    }
+
+    drop(blocker);
+    let probe = probe.await.unwrap().unwrap();
+    assert_eq!(probe.mode(), LockMode::Remote);
+    assert_eq!(router.breaker_state("s1"), Some(BreakerState::Closed));
+    probe.release().await.unwrap();
+    remote.release().await.unwrap();
+}
