@@ -630,6 +630,11 @@ impl LockRouter {
         drop(self.inner.reloading.lock().await);
         // Draining shards (left in a reload, leases still held there) included.
         let shards = self.inner.shared.shard_states();
+        // A local lease a reconcile moved to a shard's leases just now is released below too,
+        // not left renewed by nobody until its ttl.
+        for s in &shards {
+            s.settle_reconcile();
+        }
         let releases = shards.iter().flat_map(|s| {
             s.held()
                 .into_iter()

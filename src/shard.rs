@@ -668,6 +668,13 @@ impl ShardState {
         self.local.locked().remove(&id).is_some()
     }
 
+    /// Waits out a reconcile moving a local lease to the shard's leases: it does so under the
+    /// local map's lock, having seen the router still open there. Once the router is closed,
+    /// every lease such a move makes is among [`ShardState::held`] after this.
+    pub(crate) fn settle_reconcile(&self) {
+        drop(self.local.locked());
+    }
+
     /// Takes every local lease (shutdown).
     pub(crate) fn take_local(&self) -> Vec<Arc<LeaseState>> {
         self.local.locked().drain().map(|(_, l)| l).collect()
