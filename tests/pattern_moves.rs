@@ -11,7 +11,7 @@ use nix::sys::signal::Signal;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::patterns::{StateMachine, TxLockGuard};
 use shardlock::{AcquireOptions, Config, Error, LockRouter};
-use shardlock_testkit::{report, Cluster, Shard, Worker};
+use shardlock_testkit::{report, Cluster, Proxy, ProxyMode, Shard, Worker};
 use tokio::signal::unix::SignalKind;
 
 /// Four shards, configs listing the first three and all four (500 ms move window), and a
@@ -1246,4 +1246,87 @@ async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
     tx.rollback().await.unwrap();
     assert!(matches!(held.commit().await, Err(Error::LockLost { .. })));
     blocker.query_drop("ROLLBACK").await.unwrap();
+}
+
+/// A transaction lock has no lease row, so a process started onto another topology after its
+/// holder's fleet counted as dead (the holder cut off from every shard past its heartbeat
+/// timeout) locks the key where its own topology puts it. The holder learns its lock is lost
+/// as its heartbeat lapses, and its `commit` rolls back, also once its heartbeat lands again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_held_through_a_lapse_commits_nothing_once_a_start_onto_another_topology_locked_its_key(
+) {
+    let cluster = Cluster::start(2).await.unwrap();
+    let beats = "cleaner:\n  heartbeat-interval: 500ms\n  heartbeat-timeout: 2s\n";
+    // The other topology: both shards, reached directly.
+    let both = cluster.config_yaml(beats);
+    let migrator =
+        LockRouter::from_yaml_str(&cluster.config_yaml("cleaner:\n  registry: static\n"))
+            .await
+            .unwrap();
+    migrator.migrate().await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k{i}"))
+        .find(|k| migrator.shard_for(k).unwrap() == "s2")
+        .unwrap();
+    migrator.shutdown().await.unwrap();
+    let mut app = cluster.shard(0).connect().await.unwrap();
+    app.query_drop("CREATE TABLE orders (k VARCHAR(64) PRIMARY KEY)")
+        .await
+        .unwrap();
+
+    // The holder: s1 alone, through a proxy that will cut it off.
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let holder = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\n{beats}",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    let mut held = holder
+        .lock_in_transaction(&key, Duration::from_secs(5))
+        .await
+        .unwrap();
+    held.conn()
+        .exec_drop("INSERT INTO orders (k) VALUES (?)", (&key,))
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::Blackhole);
+    tokio::time::timeout(Duration::from_secs(60), held.lost())
+        .await
+        .expect("the transaction lock outlived its process's heartbeat");
+    assert!(!held.is_held());
+
+    // Once the holder counts as dead, a start onto the other topology locks the key on s2.
+    let other = LockRouter::from_yaml_str(&both).await.unwrap();
+    other.wait_joined().await;
+    let theirs = other
+        .lock_in_transaction(&key, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(theirs.shard(), "s2");
+    theirs.commit().await.unwrap();
+
+    // The holder's heartbeat lands again: its lock stays lost, and commits nothing.
+    proxy.set(ProxyMode::Pass);
+    // Its row on s1 was older than its timeout (the other start counted it dead): one this
+    // fresh is a heartbeat that landed since.
+    let landed = common::eventually(Duration::from_secs(30), || async {
+        let shards = holder.instances().await;
+        let rows = shards.into_iter().flat_map(|(_, rows)| rows.ok()).flatten();
+        rows.filter(|r| r.instance_id == holder.instance_id())
+            .any(|r| r.heartbeat_ms_ago < 400)
+    })
+    .await;
+    assert!(landed, "the holder's heartbeat never reached s1 again");
+    assert!(!held.is_held());
+    let committed = held.commit().await;
+    assert!(
+        matches!(committed, Err(Error::LockLost { .. })),
+        "the lapsed holder committed under a lock another process held: {committed:?}"
+    );
+    let rows: Vec<String> = app.query("SELECT k FROM orders").await.unwrap();
+    assert!(
+        rows.is_empty(),
+        "the lapsed holder's write was kept: {rows:?}"
+    );
 }

@@ -11,8 +11,8 @@ use shardlock_mysql::SessionConn;
 use tokio::sync::watch;
 
 use super::Discard;
-use crate::clock::Moment;
-use crate::shard::ShardState;
+use crate::clock::{Moment, SUSPEND_NOTICED_WITHIN};
+use crate::shard::{ShardState, Shared, REGISTRY_LAPSED};
 use crate::state::{FollowsKey, Inner};
 use crate::sync::LockExt;
 use crate::LockRouter;
@@ -57,6 +57,11 @@ pub(crate) struct TxLockState {
     lost: watch::Sender<bool>,
     /// One follower at a time.
     following: tokio::sync::Mutex<()>,
+    /// The router's, for whether the registry still surely counts this process live.
+    shared: Arc<Shared>,
+    /// [`Shared::registry_losses`] before the lock was sought: a lock has no lease row, so
+    /// when the leases are lost to the registry (a lapse), it is too.
+    registry_losses: u64,
 }
 
 /// The shards where a transaction lock's row is locked (the guard's own first), and the
@@ -69,6 +74,25 @@ struct TxRows {
 }
 
 impl TxLockState {
+    /// Whether the lock is surely still held: not lost, and the registry surely counts this
+    /// process live, as it has since the lock was sought. A process started onto another
+    /// topology after the fleet counted this one dead (paused, or cut off from every shard)
+    /// locks the key where its topology puts it, which this lock does not exclude; found so,
+    /// the lock stays lost.
+    fn is_live(&self) -> bool {
+        if *self.lost.borrow() {
+            return false;
+        }
+        let shared = &self.shared;
+        if shared.registry_losses() == self.registry_losses
+            && shared.registry_live_at(Moment::now())
+        {
+            return true;
+        }
+        self.mark_lost(REGISTRY_LAPSED);
+        false
+    }
+
     fn mark_lost(&self, why: &'static str) {
         if !self.lost.send_replace(true) {
             tracing::warn!(key = self.label, why, "shardlock transaction lock lost");
@@ -116,16 +140,36 @@ impl TxLockGuard {
     }
 
     /// False once the lock is lost: its key moved in a reload and could not be locked on its
-    /// new shard in time (true while it is being locked there).
+    /// new shard in time (true while it is being locked there); with the `heartbeat` registry
+    /// also once this process's heartbeat lapsed (paused, or cut off from every shard, as for
+    /// a lease, see [`crate::LockGuard::is_held`]): a process started meanwhile onto another
+    /// topology may lock the key where that topology puts it. Such a lock stays lost, and
+    /// [`TxLockGuard::commit`] rolls it back.
     pub fn is_held(&self) -> bool {
-        !*self.state.lost.borrow()
+        self.state.is_live()
     }
 
     /// Completes when the lock is lost (see [`TxLockGuard::is_held`]); never for a lock that
     /// stays held. Cancel-safe.
     pub async fn lost(&self) {
-        let mut lost = self.state.lost.subscribe();
-        let _ = lost.wait_for(|lost| *lost).await;
+        let state = &self.state;
+        let mut lost = state.lost.subscribe();
+        loop {
+            // The lapse is watched too, looked at again as heartbeats move it on.
+            let until = state.shared.registry_live_until();
+            let look = until.map_or_else(
+                || tokio::time::Instant::now() + SUSPEND_NOTICED_WITHIN,
+                Moment::checked_timer,
+            );
+            tokio::select! {
+                _ = lost.wait_for(|lost| *lost) => return,
+                () = tokio::time::sleep_until(look) => {
+                    if !state.is_live() {
+                        return;
+                    }
+                }
+            }
+        }
     }
 
     /// Commits your statements and releases the lock. A lost lock is rolled back instead and
@@ -221,6 +265,7 @@ impl LockRouter {
     /// a move, on previous shards) have their connections closed, which rolls them back.
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
         let lock_key = LockKey::new(key)?;
+        let losses = self.inner.shared.registry_losses();
         let lapses = self.joined(&lock_key)?;
         let deadline = crate::state::instant_after(wait);
         loop {
@@ -233,7 +278,7 @@ impl LockRouter {
                 ),
             };
             if let Some(guard) = self
-                .lock_under_topology(key, &lock_key, left, until, lapses)
+                .lock_under_topology(key, &lock_key, left, until, (lapses, losses))
                 .await?
             {
                 return Ok(guard);
@@ -249,7 +294,7 @@ impl LockRouter {
         lock_key: &LockKey,
         wait: Duration,
         deadline: tokio::time::Instant,
-        lapses: u64,
+        (lapses, losses): (u64, u64),
     ) -> Result<Option<TxLockGuard>> {
         let lock_key = lock_key.clone();
         let topology = self.inner.topology.load_full();
@@ -313,6 +358,8 @@ impl LockRouter {
             }),
             lost: watch::channel(false).0,
             following: tokio::sync::Mutex::new(()),
+            shared: self.inner.shared.clone(),
+            registry_losses: losses,
         });
         // Registered, then the epoch checked: a reload swaps the topology, then looks at the
         // registered locks, so one of the two sees the other.

@@ -21,7 +21,7 @@ pub(crate) const REGISTRY_SWITCHED: &str = "this process switched to the heartbe
 
 /// Why a lease ends when its process's heartbeat lapsed.
 pub(crate) const REGISTRY_LAPSED: &str = "this process's heartbeat lapsed while it held the \
-     lease (paused, or cut off from every shard): the registry may have counted it dead";
+     lock (paused, or cut off from every shard): the registry may have counted it dead";
 
 /// What every shard of a router shares: who we are, grant numbers, counters, key queues.
 #[derive(Debug)]
@@ -49,6 +49,10 @@ pub(crate) struct Shared {
     /// registry surely counts this process live until their sum (see [`Shared::beaten`]).
     /// `None`: no limit (the `static` registry, or no heartbeat yet).
     registry_live: Mutex<Option<(Moment, Duration)>>,
+    /// Times every lease on a shard was marked lost because the registry may have counted this
+    /// process dead (see [`Shared::lose_shard_leases`]): a lock without a lease row (a
+    /// transaction lock) taken before any of them holds no longer either.
+    registry_losses: AtomicU64,
 }
 
 impl Shared {
@@ -69,6 +73,7 @@ impl Shared {
             follow: std::sync::OnceLock::new(),
             shard_states: Mutex::default(),
             registry_live: Mutex::default(),
+            registry_losses: AtomicU64::new(0),
         }
     }
 
@@ -76,6 +81,13 @@ impl Shared {
     /// this process's no longer than that (see [`Shared::beaten`]).
     pub(crate) fn registry_live_at(&self, at: Moment) -> bool {
         self.registry_live_until().is_none_or(|until| at < until)
+    }
+
+    /// How many times every lease on a shard was lost to the registry (a lapse, a switch to
+    /// the heartbeat registry): a lock taken when this answered `n` is held while it still
+    /// does, and [`Shared::registry_live_at`] says so.
+    pub(crate) fn registry_losses(&self) -> u64 {
+        self.registry_losses.load(Ordering::SeqCst)
     }
 
     /// See [`Shared::registry_live_at`].
@@ -116,8 +128,10 @@ impl Shared {
         }
     }
 
-    /// Marks every lease of this process on a shard lost, for `why`.
+    /// Marks every lease of this process on a shard lost, for `why`, and every lock without
+    /// a lease row taken before (see [`Shared::registry_losses`]).
     pub(crate) fn lose_shard_leases(&self, why: &'static str) {
+        self.registry_losses.fetch_add(1, Ordering::SeqCst);
         for shard in self.shard_states() {
             for lease in shard.held() {
                 if !lease.local {
