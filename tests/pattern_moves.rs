@@ -1255,6 +1255,19 @@ async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_held_through_a_lapse_commits_nothing_once_a_start_onto_another_topology_locked_its_key(
 ) {
+    transaction_lock_through_a_lapse(true).await;
+}
+
+/// The same, with nobody looking at the lock during the lapse: the heartbeat that lands after
+/// it finds the lapse, and the lock stays lost though the registry counts its process live
+/// again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_that_lapsed_unwatched_commits_nothing() {
+    transaction_lock_through_a_lapse(false).await;
+}
+
+/// See the two tests above; `watched`: the holder waits on `lost()` during the lapse.
+async fn transaction_lock_through_a_lapse(watched: bool) {
     let cluster = Cluster::start(2).await.unwrap();
     let beats = "cleaner:\n  heartbeat-interval: 500ms\n  heartbeat-timeout: 2s\n";
     // The other topology: both shards, reached directly.
@@ -1291,10 +1304,18 @@ async fn a_transaction_lock_held_through_a_lapse_commits_nothing_once_a_start_on
         .await
         .unwrap();
     proxy.set(ProxyMode::Blackhole);
-    tokio::time::timeout(Duration::from_secs(60), held.lost())
-        .await
-        .expect("the transaction lock outlived its process's heartbeat");
-    assert!(!held.is_held());
+    if watched {
+        tokio::time::timeout(Duration::from_secs(60), held.lost())
+            .await
+            .expect("the transaction lock outlived its process's heartbeat");
+        assert!(!held.is_held());
+    } else {
+        let lapsed = common::eventually(Duration::from_secs(60), || async {
+            holder.stats().heartbeat_lapses > 0
+        })
+        .await;
+        assert!(lapsed, "the cut-off holder's heartbeat never lapsed");
+    }
 
     // Once the holder counts as dead, a start onto the other topology locks the key on s2.
     let other = LockRouter::from_yaml_str(&both).await.unwrap();
