@@ -96,11 +96,14 @@ impl Hold {
     /// on a shard no longer than the registry surely counts this process live (see
     /// `Shared::beaten`).
     fn is_live(&self) -> bool {
+        let shared = &self.shard.shared;
+        // The registry's time first: a heartbeat that lands after a lapse marks the leases lost
+        // before it moves that time on, so a time read moved on comes with the mark.
+        let registry_live = self.lease.local || shared.registry_live_at(Moment::now());
         if !self.lease.is_live() {
             return false;
         }
-        let shared = &self.shard.shared;
-        if self.lease.local || shared.registry_live_at(Moment::now()) {
+        if registry_live {
             return true;
         }
         // For good: a heartbeat landing later makes the process live again, not its leases.

@@ -713,13 +713,20 @@ fn keep_instance(old: &Config, next: &Config) -> Result<()> {
         )
         .into())
     };
-    let (from, to) = (&old.instance.id, &next.instance.id);
+    // Absent or `auto`: one drawn at the start.
+    let id = |config: &Config| {
+        config
+            .instance
+            .id
+            .clone()
+            .unwrap_or_else(|| "auto".to_owned())
+    };
+    let (from, to) = (id(old), id(next));
     if from != to {
-        let shown = |id: &Option<String>| id.clone().unwrap_or_else(|| "auto".to_owned());
         return field(
             "id",
-            &shown(from),
-            &shown(to),
+            &from,
+            &to,
             "this process's owners and registry rows bear the id it started with",
         );
     }

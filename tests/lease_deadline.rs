@@ -186,7 +186,9 @@ async fn a_lease_held_across_a_switch_to_the_heartbeat_registry_ends_at_the_swit
     // the lease stays lost.
     other.shutdown().await.unwrap();
     proxy.set(ProxyMode::Pass);
-    holder.wait_joined().await;
+    tokio::time::timeout(Duration::from_secs(60), holder.wait_joined())
+        .await
+        .expect("the holder never joined once its heartbeat reached the shard");
     assert!(holder.is_joined());
     assert!(
         !guard.is_held(),

@@ -1319,7 +1319,9 @@ async fn transaction_lock_through_a_lapse(watched: bool) {
 
     // Once the holder counts as dead, a start onto the other topology locks the key on s2.
     let other = LockRouter::from_yaml_str(&both).await.unwrap();
-    other.wait_joined().await;
+    tokio::time::timeout(Duration::from_secs(60), other.wait_joined())
+        .await
+        .expect("the start onto the other topology never joined once the holder counted dead");
     let theirs = other
         .lock_in_transaction(&key, Duration::from_secs(30))
         .await

@@ -205,6 +205,14 @@ async fn a_reload_that_changes_the_instance_is_refused_and_none_is_taken_after_s
         assert_eq!(e.field.as_deref(), Some(field), "{e}");
     }
     assert_eq!(router.epoch(), 1, "the refused reloads changed nothing");
+    // No id and `auto` are the same: one drawn at the start.
+    let drawn = LockRouter::from_yaml_str(&cluster.config_yaml(""))
+        .await
+        .unwrap();
+    drawn
+        .reload(Config::from_yaml_str(&cluster.config_yaml("instance:\n  id: auto\n")).unwrap())
+        .await
+        .unwrap();
 
     router.shutdown().await.unwrap();
     let two = cluster.config_yaml("instance:\n  id: one\nrouting:\n  move-window: 1s\n");

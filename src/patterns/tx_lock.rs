@@ -84,8 +84,10 @@ impl TxLockState {
             return false;
         }
         let shared = &self.shared;
-        if shared.registry_losses() == self.registry_losses
-            && shared.registry_live_at(Moment::now())
+        // The registry's time first: a heartbeat that lands after a lapse counts the loss
+        // before it moves that time on, so a time read moved on comes with the count.
+        if shared.registry_live_at(Moment::now())
+            && shared.registry_losses() == self.registry_losses
         {
             return true;
         }
@@ -154,8 +156,10 @@ impl TxLockGuard {
     pub async fn lost(&self) {
         let state = &self.state;
         let mut lost = state.lost.subscribe();
+        let mut losses = state.shared.watch_registry_losses();
         loop {
-            // The lapse is watched too, looked at again as heartbeats move it on.
+            // The lapse is watched too, looked at again as heartbeats move it on, and the
+            // losses to the registry (a lapse found, a switch to the heartbeat registry).
             let until = state.shared.registry_live_until();
             let look = until.map_or_else(
                 || tokio::time::Instant::now() + SUSPEND_NOTICED_WITHIN,
@@ -163,17 +167,22 @@ impl TxLockGuard {
             );
             tokio::select! {
                 _ = lost.wait_for(|lost| *lost) => return,
-                () = tokio::time::sleep_until(look) => {
-                    if !state.is_live() {
-                        return;
-                    }
-                }
+                _ = losses.changed() => {}
+                () = tokio::time::sleep_until(look) => {}
+            }
+            if !state.is_live() {
+                return;
             }
         }
     }
 
     /// Commits your statements and releases the lock. A lost lock is rolled back instead and
-    /// answers [`Error::LockLost`]: nothing of the transaction is kept.
+    /// answers [`Error::LockLost`]: nothing of the transaction is kept. The lock is checked as
+    /// the commit begins: a pause of this process between that check and the `COMMIT`
+    /// reaching the server (or a `COMMIT` held up in a partition) past the heartbeat's lapse
+    /// still commits, and a process started onto another topology meanwhile may have locked
+    /// the key where that topology puts it (see [`TxLockGuard::is_held`]); there is no fence
+    /// to close that window, as there is for a lease.
     ///
     /// If your SQL ended the transaction that took the lock — a DDL statement (`CREATE
     /// TABLE`, `ALTER`, ...) commits implicitly, and so does a `COMMIT` of your own — the lock
@@ -336,6 +345,11 @@ impl LockRouter {
         }
         // Dropped on a lapse: their connections close, which rolls the rows back.
         self.still_joined(&lock_key, lapses)?;
+        if self.inner.shared.registry_losses() != losses {
+            // Lost to the registry meanwhile (a switch to the heartbeat registry, which is no
+            // lapse): it would be handed out lost.
+            return Err(self.not_granting(&lock_key, crate::router::LAPSED.to_owned()));
+        }
         // Locked under a placement a reload replaced (see `placed_elsewhere_since`): rolled
         // back as the connections close, and locked again under the new placement.
         if self.placed_elsewhere_since(&topology, &lock_key) {

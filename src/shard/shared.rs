@@ -52,7 +52,7 @@ pub(crate) struct Shared {
     /// Times every lease on a shard was marked lost because the registry may have counted this
     /// process dead (see [`Shared::lose_shard_leases`]): a lock without a lease row (a
     /// transaction lock) taken before any of them holds no longer either.
-    registry_losses: AtomicU64,
+    registry_losses: watch::Sender<u64>,
 }
 
 impl Shared {
@@ -73,7 +73,7 @@ impl Shared {
             follow: std::sync::OnceLock::new(),
             shard_states: Mutex::default(),
             registry_live: Mutex::default(),
-            registry_losses: AtomicU64::new(0),
+            registry_losses: watch::channel(0).0,
         }
     }
 
@@ -87,7 +87,12 @@ impl Shared {
     /// the heartbeat registry): a lock taken when this answered `n` is held while it still
     /// does, and [`Shared::registry_live_at`] says so.
     pub(crate) fn registry_losses(&self) -> u64 {
-        self.registry_losses.load(Ordering::SeqCst)
+        *self.registry_losses.borrow()
+    }
+
+    /// Changes with [`Shared::registry_losses`].
+    pub(crate) fn watch_registry_losses(&self) -> watch::Receiver<u64> {
+        self.registry_losses.subscribe()
     }
 
     /// See [`Shared::registry_live_at`].
@@ -131,7 +136,7 @@ impl Shared {
     /// Marks every lease of this process on a shard lost, for `why`, and every lock without
     /// a lease row taken before (see [`Shared::registry_losses`]).
     pub(crate) fn lose_shard_leases(&self, why: &'static str) {
-        self.registry_losses.fetch_add(1, Ordering::SeqCst);
+        self.registry_losses.send_modify(|n| *n += 1);
         for shard in self.shard_states() {
             for lease in shard.held() {
                 if !lease.local {
