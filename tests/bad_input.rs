@@ -107,12 +107,7 @@ async fn unreachable_shard_is_named_and_others_keep_working() {
     assert!(err.to_string().contains("ghost"), "{err}");
 
     // Find keys on each shard: the live one works, the dead one fails fast and by name.
-    let on = |name: &str| {
-        (0..)
-            .map(|i| format!("key:{i}"))
-            .find(|k| router.shard_for(k).unwrap() == name)
-            .unwrap()
-    };
+    let on = |name: &str| common::key_on(&router, "key", name);
     let (live_key, dead_key) = (on("s1"), on("ghost"));
     shardlock::LockRouter::from_yaml_str(&cluster.config_yaml(""))
         .await

@@ -145,16 +145,10 @@ async fn a_lease_held_across_a_switch_to_the_heartbeat_registry_ends_at_the_swit
         .await
         .unwrap();
     other.migrate().await.unwrap();
-    let key = (0..)
-        .map(|i| format!("k{i}"))
-        .find(|k| other.shard_for(k).unwrap() == "s2")
-        .unwrap();
+    let key = common::key_on(&other, "k", "s2");
     // The holder: s1 alone, through a proxy that will cut it off.
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let shards = format!(
-        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\n",
-        proxy.url()
-    );
+    let shards = common::s1_through(&proxy);
     let holder = LockRouter::from_yaml_str(&format!("{shards}cleaner:\n  registry: static\n"))
         .await
         .unwrap();
@@ -201,10 +195,7 @@ async fn a_lease_held_across_a_switch_to_the_heartbeat_registry_ends_at_the_swit
 async fn held_then_cut_off() -> (Cluster, Proxy, LockRouter, LockGuard, String) {
     let cluster = Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let shards = format!(
-        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\n",
-        proxy.url()
-    );
+    let shards = common::s1_through(&proxy);
     let beats = "cleaner:\n  heartbeat-interval: 500ms\n  heartbeat-timeout: 2s\n";
     let router = LockRouter::from_yaml_str(&format!("{shards}{beats}"))
         .await

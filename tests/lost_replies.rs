@@ -194,10 +194,7 @@ async fn a_move_given_up_after_a_lost_reply_gives_its_row_back_once_the_shard_an
         )
     };
     let router = LockRouter::from_yaml_str(&yaml("")).await.unwrap();
-    let key = (0..)
-        .map(|i| format!("moving:{i}"))
-        .find(|k| other.shard_for(k).unwrap() == "s2")
-        .unwrap();
+    let key = common::key_on(&other, "moving", "s2");
     let long = AcquireOptions::new().ttl(Duration::from_secs(60));
     let held = router.acquire(&key, long).await.unwrap();
 

@@ -83,10 +83,7 @@ async fn a_router_grants_only_once_its_heartbeat_reaches_a_migrated_registry_on_
     .await
     .unwrap();
     let early = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    let key = (0..)
-        .map(|i| format!("k:{i}"))
-        .find(|k| early.shard_for(k).unwrap() == "s1")
-        .unwrap();
+    let key = common::key_on(&early, "k", "s1");
     // Nor in process, as after a shard failure: it never joined its fleet.
     for namespace in ["default", "local"] {
         let opts = once().namespace(namespace);

@@ -1277,10 +1277,7 @@ async fn transaction_lock_through_a_lapse(watched: bool) {
             .await
             .unwrap();
     migrator.migrate().await.unwrap();
-    let key = (0..)
-        .map(|i| format!("k{i}"))
-        .find(|k| migrator.shard_for(k).unwrap() == "s2")
-        .unwrap();
+    let key = common::key_on(&migrator, "k", "s2");
     migrator.shutdown().await.unwrap();
     let mut app = cluster.shard(0).connect().await.unwrap();
     app.query_drop("CREATE TABLE orders (k VARCHAR(64) PRIMARY KEY)")
@@ -1289,12 +1286,9 @@ async fn transaction_lock_through_a_lapse(watched: bool) {
 
     // The holder: s1 alone, through a proxy that will cut it off.
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let holder = LockRouter::from_yaml_str(&format!(
-        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\n{beats}",
-        proxy.url()
-    ))
-    .await
-    .unwrap();
+    let holder = LockRouter::from_yaml_str(&format!("{}{beats}", common::s1_through(&proxy)))
+        .await
+        .unwrap();
     let mut held = holder
         .lock_in_transaction(&key, Duration::from_secs(5))
         .await

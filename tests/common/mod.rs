@@ -228,3 +228,20 @@ pub async fn moves_done(router: &shardlock::LockRouter) {
     .await;
     assert!(done, "the move never ended");
 }
+
+/// The first key `{prefix}:{n}` that `router` places on `shard`.
+pub fn key_on(router: &LockRouter, prefix: &str, shard: &str) -> String {
+    (0..)
+        .map(|i| format!("{prefix}:{i}"))
+        .find(|k| router.shard_for(k).unwrap() == shard)
+        .unwrap()
+}
+
+/// The `shards:` YAML of one shard `s1` reached through `proxy`, with a 1 s statement timeout
+/// (a call into a cut-off link gives up soon).
+pub fn s1_through(proxy: &shardlock_testkit::Proxy) -> String {
+    format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\n",
+        proxy.url()
+    )
+}
