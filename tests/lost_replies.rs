@@ -958,3 +958,58 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
         .unwrap();
     assert_eq!(state.as_deref(), Some("taken"), "the lost try did act");
 }
+
+/// A claim whose reply was lost, retried only after its lease ran out (the link down
+/// meanwhile): the retry never answers that claim as it stood, run out, while another worker
+/// may claim the job again; it answers a claim that holds for its whole lease from then.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_found_by_a_retry_after_its_lease_ran_out_is_answered_only_claimed_anew() {
+    let (cluster, _direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let shard =
+        "    statement-timeout: 1s\n    pool:\n      max-size: 1\n      create-timeout: 300ms\n";
+    let (router, proxy) = behind_proxy(&cluster, shard, "").await;
+    router
+        .enqueue_job("q", b"once", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    // (COM_QUERY, 0x03, then the text: not the isolation level's "READ COMMITTED".)
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"\x03COMMIT"));
+    let claiming = tokio::spawn({
+        let router = router.clone();
+        async move { router.claim_job("q", "w", Duration::from_millis(300)).await }
+    });
+    let ran_out = common::eventually(Duration::from_secs(30), || {
+        let url = cluster.shard(0).url();
+        async move {
+            let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
+                .await
+                .unwrap();
+            let n: Option<u64> = c
+                .query_first(
+                    "SELECT COUNT(*) FROM shardlock_job \
+                     WHERE status = 'claimed' AND lease_until <= NOW(3)",
+                )
+                .await
+                .unwrap();
+            n == Some(1)
+        }
+    })
+    .await;
+    assert!(ran_out, "the claim whose reply was lost never ran out");
+    admin.query_drop("SET @retried = NOW(3)").await.unwrap();
+    proxy.set(ProxyMode::Pass);
+    let job = claiming.await.unwrap().unwrap().expect("the job");
+    let held: Option<u64> = admin
+        .exec_first(
+            "SELECT lease_until > @retried FROM shardlock_job WHERE id = ?",
+            (job.id,),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        held,
+        Some(1),
+        "the retry answered a claim that had run out before it was sent"
+    );
+}

@@ -370,9 +370,17 @@ const MARK_CLAIMED: &str = "UPDATE shardlock_job SET status = 'claimed', locked_
      WHERE id = ?";
 
 /// After a try whose reply was lost: the claim token is unique per claim, so the job that try
-/// claimed, if it did, is found instead of a second one claimed.
+/// claimed, if it did, is found instead of a second one claimed; locked, and only while its
+/// claim holds (a claim that ran out meanwhile may be another worker's next, see
+/// [`CLAIM_ABANDONED`]).
 const CLAIMED_BY: &str = "SELECT id, payload, retry_count FROM shardlock_job \
-     WHERE queue = ? AND status = 'claimed' AND locked_by = ? LIMIT 1";
+     WHERE queue = ? AND status = 'claimed' AND locked_by = ? AND lease_until > NOW(3) \
+     LIMIT 1 FOR UPDATE";
+
+/// The claim [`CLAIMED_BY`] found, for its whole lease from now: its caller learns of it only
+/// now.
+const RENEW_CLAIM: &str = "UPDATE shardlock_job \
+     SET lease_until = NOW(3) + INTERVAL ? MICROSECOND WHERE id = ?";
 
 /// How a claimed job ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -454,10 +462,16 @@ pub(crate) async fn claim_job(
     lease: Duration,
     look_first: bool,
 ) -> mysql_async::Result<Option<ClaimedJob>> {
+    let lease_us = lease.as_micros() as u64;
     if look_first {
-        if let Some(mine) = conn.exec_first(CLAIMED_BY, (queue, claim)).await? {
+        let mut tx = conn.start_transaction(TxOpts::default()).await?;
+        let mine: Option<(u64, Vec<u8>, u32)> = tx.exec_first(CLAIMED_BY, (queue, claim)).await?;
+        if let Some(mine) = mine {
+            tx.exec_drop(RENEW_CLAIM, (lease_us, mine.0)).await?;
+            tx.commit().await?;
             return Ok(Some(claimed(mine)));
         }
+        tx.commit().await?;
     }
     // READ COMMITTED: under the default REPEATABLE READ, the scans below would keep next-key
     // locks on every row and gap of the queue they pass in the `(queue, status, due_at)`
@@ -475,7 +489,6 @@ pub(crate) async fn claim_job(
         tx.commit().await?; // keeps the jobs failed above
         return Ok(None);
     };
-    let lease_us = lease.as_micros() as u64;
     tx.exec_drop(MARK_CLAIMED, (claim, lease_us, retry_count, id))
         .await?;
     tx.commit().await?;
