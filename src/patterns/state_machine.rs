@@ -38,10 +38,14 @@ impl LockRouter {
     /// machine does not allow, and self-transitions, are refused before touching the shard.
     /// If the connection breaks after the statement may have reached the shard, the call is
     /// not retried (a retry could not tell its own transition from another's): the error
-    /// says the outcome is unknown; read the row to learn it.
+    /// says the outcome is unknown. The row's state cannot tell either: a row in `to` may be
+    /// another caller's transition. If a transition must be known as the caller's, make `to`
+    /// name the caller (a state per worker), or claim the work with
+    /// [`LockRouter::claim_job`], whose retry learns what its lost try did.
     ///
     /// Cancellation: the `UPDATE` may have reached the shard and committed: the row may be in `to`
-    /// without this call saying so, and a new call then answers `false`. Read the row to learn it.
+    /// without this call saying so, and a new call then answers `false` (as above, the row's
+    /// state does not tell whose transition it was).
     pub async fn transition(
         &self,
         machine: &StateMachine,
