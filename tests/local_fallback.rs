@@ -699,3 +699,36 @@ async fn a_half_open_breaker_grants_nothing_in_process() {
     probe.release().await.unwrap();
     remote.release().await.unwrap();
 }
+
+/// A row that a release keeps taken until its `lock_at_least` ends (a schedule's interval) is
+/// no stale row of a lost lease: reconciling a key held in process meanwhile leaves it taken
+/// and reports the conflict to the local holder.
+#[tokio::test(flavor = "multi_thread")]
+async fn reconciling_leaves_a_row_kept_for_its_minimum_hold_taken() {
+    let rig = Rig::start("local", None, POOL).await;
+    let key = rig.keys("k", 1, false).remove(0);
+    let at_least = AcquireOptions::new().lock_at_least(Duration::from_secs(120));
+    let finished = rig.router.acquire(&key, at_least).await.unwrap();
+    let owner = finished.owner().to_owned();
+    finished.release().await.unwrap();
+
+    cut_off(&rig, "other").await;
+    let local = rig
+        .router
+        .acquire(&key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), LockMode::LocalFallback);
+    rig.proxy.set(ProxyMode::Pass);
+    tokio::time::timeout(Duration::from_secs(30), local.lost())
+        .await
+        .expect("the local holder was not told its key is taken until the minimum hold ends");
+    assert_eq!(rig.router.stats().reconcile_conflicts, 1);
+    let direct = direct_router(&rig).await;
+    let (_, row) = direct.inspect(&key).await.unwrap();
+    assert_eq!(
+        row.and_then(|r| r.owner).as_deref(),
+        Some(owner.as_str()),
+        "the row kept for its minimum hold was given back"
+    );
+}

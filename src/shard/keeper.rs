@@ -124,9 +124,15 @@ impl ShardState {
         let Ok(row) = self.call(|b| b.inspect(key)).await else {
             return false;
         };
-        let Some(owner) = row.and_then(|r| r.owner.filter(|_| r.expires_in_ms > 0)) else {
+        let Some(row) = row.filter(|r| r.owner.is_some() && r.expires_in_ms > 0) else {
             return true;
         };
+        // A release that keeps the key taken until a minimum hold ends (`lock_at_least`, a
+        // schedule's interval) leaves its row with a zero ttl: taken on purpose, not stale.
+        if row.ttl_ms == 0 {
+            return false;
+        }
+        let owner = row.owner.expect("filtered above");
         if !self.shared.is_stale_own(&owner, local_id) {
             return false;
         }
