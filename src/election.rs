@@ -136,7 +136,7 @@ impl LockRouter {
         let (_, row) = self.inspect_key(&key).await?;
         Ok(row.filter(|row| row.is_held()).and_then(|row| {
             let owner = row.owner?;
-            // The instance id may itself hold ':'; the nonce and sequence never do.
+            // `<instance id>:<nonce>:<seq>` (instance ids have no ':').
             let instance_id = owner.rsplitn(3, ':').nth(2)?.to_owned();
             Some(Leader {
                 instance_id,
