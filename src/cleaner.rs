@@ -8,7 +8,7 @@
 //! larger fence), and — for a lease that was never released — when the instance registry says
 //! its holder is dead. Every condition is checked again by the `DELETE` itself.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -260,20 +260,50 @@ enum Registry {
 }
 
 impl Registry {
-    async fn dead(&self, shard: &ShardState, instances: Vec<String>) -> Result<Vec<String>> {
-        match self {
-            Registry::Custom(registry) => registry.dead(shard.name(), &instances).await,
+    /// Of `owners` (of leases on `shard` that ended), those whose holder is dead. An owner
+    /// without an instance id is never.
+    async fn dead_owners(
+        &self,
+        shard: &ShardState,
+        owners: Vec<String>,
+    ) -> Result<BTreeSet<String>> {
+        let instances: Vec<String> = owners
+            .iter()
+            .filter_map(|o| instance_of(o))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let dead: Box<dyn Fn(&str, Option<&str>) -> bool> = match self {
+            Registry::Custom(registry) => {
+                let dead: BTreeSet<String> = registry
+                    .dead(shard.name(), &instances)
+                    .await?
+                    .into_iter()
+                    .collect();
+                Box::new(move |instance, _| dead.contains(instance))
+            }
             Registry::Heartbeat(timeout) => {
-                let alive = shard
+                let alive: BTreeMap<String, Option<String>> = shard
                     .call(|b| b.alive_instances(&instances, *timeout))
                     .await
-                    .map_err(|e| e.into_error(shard.name()))?;
-                Ok(instances
+                    .map_err(|e| e.into_error(shard.name()))?
                     .into_iter()
-                    .filter(|i| !alive.contains(i))
-                    .collect())
+                    .collect();
+                // A live row of the id whose start nonce is another's: that start took the id
+                // over once the owner's start had counted as dead (silent past its timeout, or
+                // deregistered), which has lost its leases since (see `Shared::beaten`).
+                Box::new(move |instance, nonce| match alive.get(instance) {
+                    None => true,
+                    Some(live) => {
+                        matches!((nonce, live), (Some(owner), Some(live)) if owner != live)
+                    }
+                })
             }
-        }
+        };
+        Ok(owners
+            .into_iter()
+            .filter(|o| instance_of(o).is_some_and(|i| dead(&i, nonce_of(o))))
+            .collect())
     }
 }
 
@@ -358,19 +388,13 @@ async fn clean_batches(
             .await
             .map_err(backend)?;
         if !ended.is_empty() {
-            let instances: BTreeSet<String> = ended
-                .iter()
-                .filter_map(|r| instance_of(r.owner.as_deref()?))
-                .collect();
+            let owners: BTreeSet<String> = ended.iter().filter_map(|r| r.owner.clone()).collect();
             let dead = registry
-                .dead(shard, instances.into_iter().collect())
+                .dead_owners(shard, owners.into_iter().collect())
                 .await?;
-            let (doomed, spared): (Vec<_>, Vec<_>) = ended.into_iter().partition(|r| {
-                r.owner
-                    .as_deref()
-                    .and_then(instance_of)
-                    .is_some_and(|i| dead.contains(&i))
-            });
+            let (doomed, spared): (Vec<_>, Vec<_>) = ended
+                .into_iter()
+                .partition(|r| r.owner.as_ref().is_some_and(|o| dead.contains(o)));
             out.kept_live_holder += spared.len() as u64;
             let keys: Vec<Vec<u8>> = doomed.iter().map(|r| r.key.clone()).collect();
             let owners: Vec<String> = doomed.iter().filter_map(|r| r.owner.clone()).collect();
@@ -392,6 +416,15 @@ fn instance_of(owner: &str) -> Option<String> {
     owner
         .split_once(':')
         .map(|(instance, _)| instance.to_owned())
+}
+
+/// The start nonce of an owner, if it has one (see [`instance_of`]).
+fn nonce_of(owner: &str) -> Option<&str> {
+    let mut parts = owner.split(':');
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(_), Some(nonce), Some(_), None) => Some(nonce),
+        _ => None,
+    }
 }
 
 /// [`LockRouter::force_release`] on one shard, of `expected`'s lease only if given.

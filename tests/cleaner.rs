@@ -103,6 +103,53 @@ async fn an_ended_lease_of_a_live_instance_is_kept_and_taken_over_by_acquire() {
     guard.release().await.unwrap();
 }
 
+/// A process restarted under its fixed instance id (a StatefulSet's pod) runs under a new start
+/// nonce: the ended leases of the start before it are deleted, though the id is live again,
+/// while its own are kept. (The registry's row of an id passes to a new start only once the
+/// one before counted as dead, whose leases were lost then.)
+#[tokio::test(flavor = "multi_thread")]
+async fn ended_leases_of_an_earlier_start_under_a_live_id_are_deleted() {
+    let (cluster, _migrated, _) = common::start(1, "").await;
+    let live =
+        router(&cluster.config_yaml(&format!("instance:\n  id: w1\n{}", cleaner_yaml("2s")))).await;
+    let own = live.acquire("own", AcquireOptions::new()).await.unwrap();
+    let nonce = own.owner().split(':').nth(1).unwrap().to_owned();
+    own.release().await.unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(5), || async {
+            let instances = live.instances().await;
+            instances.iter().all(|(_, rows)| {
+                rows.as_ref()
+                    .is_ok_and(|r| r.iter().any(|i| i.instance_id == "w1"))
+            })
+        })
+        .await,
+        "the live start never registered"
+    );
+    let other_nonce = if nonce == "0000000000000000" {
+        "1111111111111111"
+    } else {
+        "0000000000000000"
+    };
+    plant_ended_lease(
+        &cluster,
+        &live,
+        "stuck:earlier",
+        &format!("w1:{other_nonce}:7"),
+    )
+    .await;
+    plant_ended_lease(&cluster, &live, "stuck:own", &format!("w1:{nonce}:999")).await;
+    plant_ended_lease(&cluster, &live, "stuck:old-format", "w1:77").await;
+
+    let report = live.clean_once().await.unwrap();
+    let kept: u64 = report.shards.iter().map(|s| s.kept_live_holder).sum();
+    let abandoned: u64 = report.shards.iter().map(|s| s.abandoned).sum();
+    assert_eq!((kept, abandoned), (2, 1), "{report:?}");
+    assert!(!row_exists(&cluster, &live, "stuck:earlier").await);
+    assert!(row_exists(&cluster, &live, "stuck:own").await);
+    assert!(row_exists(&cluster, &live, "stuck:old-format").await);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_instance_leases_go_once_its_heartbeat_is_stale() {
     let (cluster, _router, yaml) = common::start(2, &cleaner_yaml("3s")).await;

@@ -55,10 +55,10 @@ const BEAT_LAST: &str = "SELECT nonce, host, pid FROM shardlock_instance WHERE i
 const DEREGISTER: &str = "UPDATE shardlock_instance SET deregistered_at = NOW(3) \
      WHERE instance_id = ? AND nonce = ?";
 
-/// The living among some instances: registered, not deregistered, heard from within the
-/// longer of `?` µs and the timeout they beat with.
+/// The living among some instances, with the start nonce each beats with: registered, not
+/// deregistered, heard from within the longer of `?` µs and the timeout they beat with.
 const ALIVE_HEAD: &str = concat!(
-    "SELECT instance_id FROM shardlock_instance WHERE deregistered_at IS NULL AND heartbeat_at > ",
+    "SELECT instance_id, nonce FROM shardlock_instance WHERE deregistered_at IS NULL AND heartbeat_at > ",
     silent_past_timeout!(),
     " AND instance_id IN "
 );
@@ -294,18 +294,18 @@ pub(crate) async fn alive(
     conn: &mut Conn,
     instances: &[String],
     timeout_us: u64,
-) -> mysql_async::Result<Vec<String>> {
+) -> mysql_async::Result<Vec<(String, Option<String>)>> {
     if instances.is_empty() {
         return Ok(Vec::new());
     }
     let (list, mut values) = padded_in_list(instances.iter().map(|i| i.as_bytes()));
     values.insert(0, timeout_us.into());
-    let rows: Vec<Vec<u8>> = conn
+    let rows: Vec<(Vec<u8>, Option<String>)> = conn
         .exec(format!("{ALIVE_HEAD}{list}"), Params::Positional(values))
         .await?;
     Ok(rows
         .into_iter()
-        .map(|r| String::from_utf8_lossy(&r).into_owned())
+        .map(|(id, nonce)| (String::from_utf8_lossy(&id).into_owned(), nonce))
         .collect())
 }
 
@@ -466,7 +466,10 @@ mod tests {
         // Silent for longer than a reader's timeout, not its own: live, and its id is kept.
         tokio::time::sleep(Duration::from_millis(20)).await;
         let alive = shard.alive_instances(&["a".to_owned()], short).await;
-        assert_eq!(alive.unwrap(), vec!["a".to_owned()]);
+        assert_eq!(
+            alive.unwrap(),
+            vec![("a".to_owned(), Some("n1".to_owned()))]
+        );
         let rows = shard.instances().await.unwrap();
         assert_eq!(rows[0].verdict(short), InstanceVerdict::Running);
         let taken = shard.heartbeat(beat("a", "n2", short)).await.unwrap();

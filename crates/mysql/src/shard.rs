@@ -890,12 +890,13 @@ impl Shard {
         .await
     }
 
-    /// Those of `instances` that heartbeat here within `timeout` and did not deregister.
+    /// Those of `instances` that heartbeat here within `timeout` and did not deregister, with
+    /// the start nonce each beats with (`None` from versions before nonces).
     pub async fn alive_instances(
         &self,
         instances: &[String],
         timeout: Duration,
-    ) -> Result<Vec<String>, BackendError> {
+    ) -> Result<Vec<(String, Option<String>)>, BackendError> {
         let timeout_us = timeout.as_micros() as u64;
         self.run(
             "alive_instances",
