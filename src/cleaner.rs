@@ -273,14 +273,17 @@ impl Registry {
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        let dead: Box<dyn Fn(&str, Option<&str>) -> bool> = match self {
+        match self {
             Registry::Custom(registry) => {
                 let dead: BTreeSet<String> = registry
                     .dead(shard.name(), &instances)
                     .await?
                     .into_iter()
                     .collect();
-                Box::new(move |instance, _| dead.contains(instance))
+                Ok(owners
+                    .into_iter()
+                    .filter(|o| instance_of(o).is_some_and(|i| dead.contains(&i)))
+                    .collect())
             }
             Registry::Heartbeat(timeout) => {
                 let alive: BTreeMap<String, Option<String>> = shard
@@ -292,18 +295,19 @@ impl Registry {
                 // A live row of the id whose start nonce is another's: that start took the id
                 // over once the owner's start had counted as dead (silent past its timeout, or
                 // deregistered), which has lost its leases since (see `Shared::beaten`).
-                Box::new(move |instance, nonce| match alive.get(instance) {
-                    None => true,
-                    Some(live) => {
-                        matches!((nonce, live), (Some(owner), Some(live)) if owner != live)
+                let dead = |owner: &String| {
+                    let Some(instance) = instance_of(owner) else {
+                        return false;
+                    };
+                    match (alive.get(&instance), nonce_of(owner)) {
+                        (None, _) => true,
+                        (Some(Some(live)), Some(nonce)) => live != nonce,
+                        (Some(_), _) => false,
                     }
-                })
+                };
+                Ok(owners.into_iter().filter(dead).collect())
             }
-        };
-        Ok(owners
-            .into_iter()
-            .filter(|o| instance_of(o).is_some_and(|i| dead(&i, nonce_of(o))))
-            .collect())
+        }
     }
 }
 
