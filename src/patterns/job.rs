@@ -79,9 +79,9 @@ impl LockRouter {
     /// job due first. One READ COMMITTED transaction: `SELECT ... FOR UPDATE SKIP LOCKED`
     /// (MySQL 8, MariaDB 10.6+) locks just the chosen row, so claimers never wait on each
     /// other, then an `UPDATE` by primary key. `None` when nothing is due. Deadlocks are
-    /// retried inside. A retry after a lost reply answers the job its lost try claimed, with
-    /// the lease renewed for the whole `lease` from then, if that claim still held; one that
-    /// ran out meanwhile is claimed anew like any other (another worker may have claimed it).
+    /// retried inside. A retry after a lost reply answers the job its lost try claimed, its
+    /// lease renewed for the whole `lease` from then (it may have run out meanwhile), unless
+    /// another claim took the job since.
     ///
     /// Cancellation: a claim that committed is never returned; the job is claimed again when
     /// `lease` runs out (that counts as a retry). One not yet committed keeps the job's row locked,

@@ -370,17 +370,18 @@ const MARK_CLAIMED: &str = "UPDATE shardlock_job SET status = 'claimed', locked_
      WHERE id = ?";
 
 /// After a try whose reply was lost: the claim token is unique per claim, so the job that try
-/// claimed, if it did, is found instead of a second one claimed; locked, and only while its
-/// claim holds (a claim that ran out meanwhile may be another worker's next, see
-/// [`CLAIM_ABANDONED`]).
+/// claimed, if it did, is found instead of a second one claimed. Locked as the claims below
+/// lock (skipping a row another claim holds): while it is, a row still claimed under the
+/// token was claimed by nobody since, even if its lease ran out meanwhile (every other claim
+/// writes its own token, and a job moved or failed for good has none).
 const CLAIMED_BY: &str = "SELECT id, payload, retry_count FROM shardlock_job \
-     WHERE queue = ? AND status = 'claimed' AND locked_by = ? AND lease_until > NOW(3) \
-     LIMIT 1 FOR UPDATE";
+     WHERE queue = ? AND status = 'claimed' AND locked_by = ? LIMIT 1 FOR UPDATE SKIP LOCKED";
 
 /// The claim [`CLAIMED_BY`] found, for its whole lease from now: its caller learns of it only
-/// now.
+/// now, and its lease may have run out meanwhile.
 const RENEW_CLAIM: &str = "UPDATE shardlock_job \
-     SET lease_until = NOW(3) + INTERVAL ? MICROSECOND WHERE id = ?";
+     SET lease_until = NOW(3) + INTERVAL ? MICROSECOND \
+     WHERE id = ? AND status = 'claimed' AND locked_by = ?";
 
 /// How a claimed job ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -463,16 +464,6 @@ pub(crate) async fn claim_job(
     look_first: bool,
 ) -> mysql_async::Result<Option<ClaimedJob>> {
     let lease_us = lease.as_micros() as u64;
-    if look_first {
-        let mut tx = conn.start_transaction(TxOpts::default()).await?;
-        let mine: Option<(u64, Vec<u8>, u32)> = tx.exec_first(CLAIMED_BY, (queue, claim)).await?;
-        if let Some(mine) = mine {
-            tx.exec_drop(RENEW_CLAIM, (lease_us, mine.0)).await?;
-            tx.commit().await?;
-            return Ok(Some(claimed(mine)));
-        }
-        tx.commit().await?;
-    }
     // READ COMMITTED: under the default REPEATABLE READ, the scans below would keep next-key
     // locks on every row and gap of the queue they pass in the `(queue, status, due_at)`
     // index, holding up enqueues, finishes and other claims of the queue until this claim
@@ -480,6 +471,14 @@ pub(crate) async fn claim_job(
     let mut opts = TxOpts::default();
     opts.with_isolation_level(IsolationLevel::ReadCommitted);
     let mut tx = conn.start_transaction(opts).await?;
+    if look_first {
+        let mine: Option<(u64, Vec<u8>, u32)> = tx.exec_first(CLAIMED_BY, (queue, claim)).await?;
+        if let Some(mine) = mine {
+            tx.exec_drop(RENEW_CLAIM, (lease_us, mine.0, claim)).await?;
+            tx.commit().await?;
+            return Ok(Some(claimed(mine)));
+        }
+    }
     tx.exec_drop(FAIL_EXHAUSTED, (queue,)).await?;
     let mut row: Option<(u64, Vec<u8>, u32)> = tx.exec_first(CLAIM_ABANDONED, (queue,)).await?;
     if row.is_none() {
