@@ -307,7 +307,9 @@ impl LockRouter {
     /// refused. Shards that stay keep their pools; the pools of shards that left are closed
     /// once no move needs them and no lease of this process is held there. An invalid config
     /// is rejected and the old one stays in force; one equal to the configuration in force
-    /// changes nothing, the epoch included.
+    /// changes nothing, the epoch included. A change of `instance.id` or `instance.fleet` is
+    /// refused (restart the process for either), and so is any reload after
+    /// [`LockRouter::shutdown`] ([`Error::Shutdown`]).
     ///
     /// Reload every process of the fleet: with the `heartbeat` registry the move stays in
     /// force while any live instance of the fleet runs another topology (not yet reloaded, or
