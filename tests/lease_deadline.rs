@@ -214,8 +214,12 @@ async fn held_then_cut_off() -> (Cluster, Proxy, LockRouter, LockGuard, String) 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lease_that_lapsed_unwatched_stays_lost_after_a_reload_onto_the_static_registry() {
     let (_cluster, _proxy, router, guard, shards) = held_then_cut_off().await;
-    // Past the lapse for sure: 1.25 s after the last heartbeat sent before the cut.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The heartbeat noticed the lapse (its gate closed), which looks at nothing of the lease.
+    let lapsed = common::eventually(Duration::from_secs(60), || async {
+        router.stats().heartbeat_lapses > 0
+    })
+    .await;
+    assert!(lapsed, "the cut-off router's heartbeat never lapsed");
     let static_registry = format!("{shards}cleaner:\n  registry: static\n");
     router
         .reload(Config::from_yaml_str(&static_registry).unwrap())
