@@ -71,6 +71,14 @@ impl Want {
         let ours = on_shard.mul_f64(1.0 - f64::from(self.drift_ppm) / 1e6);
         sent + ours.saturating_sub(self.clock_skew)
     }
+
+    /// A local moment surely past the end of a row kept taken `at_least` after a grant that
+    /// came before `now`: the opposite bound of [`Want::lease_end`] (the shard's clock may run
+    /// slower than ours by up to `drift_ppm`, another node's clock may lag by `clock_skew`).
+    pub(crate) fn kept_past(&self, now: Moment, at_least: Duration) -> Moment {
+        let ours = at_least.mul_f64(1.0 + f64::from(self.drift_ppm) / 1e6);
+        now + ours + self.clock_skew + Duration::from_millis(1)
+    }
 }
 
 /// What a waiter receives.

@@ -690,6 +690,7 @@ impl ShardState {
     /// it: it checks the leases registered after it swapped the topology in, and this checks
     /// the epoch after registering, so one of the two sees the other).
     pub(crate) fn insert(self: &Arc<Self>, lease: Arc<LeaseState>) {
+        lease.keep_taken(&self.shared);
         // A lease without keep-alive is not renewed: it only wakes the keeper to be reported
         // lost at its end.
         let every = if lease.want.keep_alive {

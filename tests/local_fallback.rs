@@ -732,3 +732,39 @@ async fn reconciling_leaves_a_row_kept_for_its_minimum_hold_taken() {
         "the row kept for its minimum hold was given back"
     );
 }
+
+/// The same row when its release failed (the shard was cut off as the hold's work ended, as
+/// a scheduled run's may be): it keeps its ttl and looks like a lost lease's row, yet it is
+/// kept for its minimum hold, so a reconcile of the key held in process meanwhile leaves it.
+#[tokio::test(flavor = "multi_thread")]
+async fn reconciling_leaves_a_row_kept_for_its_minimum_hold_whose_release_failed() {
+    let rig = Rig::start("local", None, POOL).await;
+    let key = rig.keys("k", 1, false).remove(0);
+    let at_least = AcquireOptions::new().lock_at_least(Duration::from_secs(120));
+    let finished = rig.router.acquire(&key, at_least).await.unwrap();
+    let owner = finished.owner().to_owned();
+    cut_off(&rig, "other").await;
+    finished
+        .release()
+        .await
+        .expect_err("the release reached a shard behind an open breaker");
+
+    let local = rig
+        .router
+        .acquire(&key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), LockMode::LocalFallback);
+    rig.proxy.set(ProxyMode::Pass);
+    tokio::time::timeout(Duration::from_secs(30), local.lost())
+        .await
+        .expect("the reconcile gave back a row kept for its minimum hold as a lost lease's");
+    assert_eq!(rig.router.stats().reconcile_conflicts, 1);
+    let direct = direct_router(&rig).await;
+    let (_, row) = direct.inspect(&key).await.unwrap();
+    assert_eq!(
+        row.and_then(|r| r.owner).as_deref(),
+        Some(owner.as_str()),
+        "the row kept for its minimum hold was given back"
+    );
+}

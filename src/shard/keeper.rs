@@ -129,8 +129,8 @@ impl ShardState {
         };
         // A release that keeps the key taken until a minimum hold ends (`lock_at_least`, a
         // schedule's interval) leaves its row with a zero ttl: taken on purpose, not stale.
-        // (A run whose release failed leaves its ttl: its row, held to the interval's end, is
-        // not told from a lost lease's on a shard whose clock runs slow.)
+        // One whose release failed keeps its ttl, and this router remembers its owner as kept
+        // until the hold ends (`Shared::keep_taken`): a lost lease's row looks the same.
         if row.ttl_ms == 0 {
             return false;
         }

@@ -260,11 +260,22 @@ impl LeaseState {
         }
     }
 
+    /// Shortens the minimum hold (a scheduled run's, to its interval's end). Set at the grant
+    /// by [`Want::at_least`], which [`LeaseState::keep_taken`] recorded.
     pub(crate) fn set_at_least(&self, at_least: Duration) {
         let us = u64::try_from(at_least.as_micros())
             .unwrap_or(u64::MAX)
             .max(1);
         self.at_least_us.store(us, Ordering::Release);
+    }
+
+    /// Records the row's minimum hold, if it has one, as running from now at the latest, so
+    /// that this router's reconcile of its key leaves the row taken even once the lease ended
+    /// (see [`Shared::keep_taken`]). Called as the lease is registered after its grant.
+    pub(crate) fn keep_taken(&self, shared: &Shared) {
+        if let Some(at_least) = self.at_least() {
+            shared.keep_taken(&self.owner, self.want.kept_past(Moment::now(), at_least));
+        }
     }
 
     pub(crate) fn deadline(&self) -> Moment {

@@ -53,6 +53,18 @@ pub(crate) struct Shared {
     /// process dead (see [`Shared::lose_shard_leases`]): a lock without a lease row (a
     /// transaction lock) taken before any of them holds no longer either.
     registry_losses: watch::Sender<u64>,
+    /// Owners of rows this router keeps taken on purpose after their grant (`lock_at_least`,
+    /// a scheduled run's interval), each with a local moment past that end: such a row is no
+    /// stale row of a lost lease, also once its release failed (see [`Shared::is_stale_own`]).
+    kept: Mutex<Kept>,
+}
+
+/// See [`Shared::keep_taken`].
+#[derive(Debug, Default)]
+struct Kept {
+    until: std::collections::HashMap<String, Moment>,
+    /// Ended entries are dropped once the map has grown to this size.
+    prune_at: usize,
 }
 
 impl Shared {
@@ -74,6 +86,7 @@ impl Shared {
             shard_states: Mutex::default(),
             registry_live: Mutex::default(),
             registry_losses: watch::channel(0).0,
+            kept: Mutex::default(),
         }
     }
 
@@ -209,7 +222,27 @@ impl Shared {
             .and_then(|rest| rest.strip_prefix(':'))
             .and_then(|seq| seq.parse::<u64>().ok())
             .is_some_and(|seq| seq < before);
-        older && !self.shard_states().iter().any(|s| s.holds_owner(owner))
+        let kept = self
+            .kept
+            .locked()
+            .until
+            .get(owner)
+            .is_some_and(|until| Moment::now() < *until);
+        older && !kept && !self.shard_states().iter().any(|s| s.holds_owner(owner))
+    }
+
+    /// Records that the row of `owner` stays taken until `until` (a local moment past the end
+    /// of its minimum hold) whatever becomes of its lease: its release may fail, and a later
+    /// reconcile of the key must leave it taken.
+    pub(crate) fn keep_taken(&self, owner: &str, until: Moment) {
+        let mut kept = self.kept.locked();
+        if kept.until.len() >= kept.prune_at {
+            let now = Moment::now();
+            kept.until.retain(|_, until| now < *until);
+            kept.prune_at = (kept.until.len() * 2).max(64);
+        }
+        let entry = kept.until.entry(owner.to_owned()).or_insert(until);
+        *entry = (*entry).max(until);
     }
 
     /// A new grant number (unique in this router; also names a lease row in its shard's
