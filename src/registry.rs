@@ -112,6 +112,15 @@ impl Drop for IdClaim {
     }
 }
 
+/// A live registry row of another instance of the fleet, and where it was read.
+#[derive(Debug)]
+struct FleetRow {
+    row: InstanceRow,
+    /// The index, among the current shards of the topology read, of the shard it was read
+    /// on; `None` on a shard only a move still in force consults.
+    current: Option<usize>,
+}
+
 /// The other live instances of `router`'s fleet in the registry: `Ok(None)` under a registry
 /// other than `heartbeat` (nothing to read), `Err` naming the shards whose registry did not
 /// answer. Read on every shard of the topology, those of moves still in force included
@@ -119,7 +128,7 @@ impl Drop for IdClaim {
 async fn live_fleet(
     topology: &Topology,
     id: &str,
-) -> std::result::Result<Option<Vec<InstanceRow>>, String> {
+) -> std::result::Result<Option<Vec<FleetRow>>, String> {
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
         return Ok(None);
     }
@@ -135,9 +144,14 @@ async fn live_fleet(
     .await;
     let mut rows = Vec::new();
     let mut silent = Vec::new();
-    for answer in answers {
+    for (shard, answer) in shards.iter().zip(answers) {
+        let current = topology
+            .current
+            .shards
+            .iter()
+            .position(|c| Arc::ptr_eq(c, shard));
         match answer {
-            Ok(found) => rows.extend(found),
+            Ok(found) => rows.extend(found.into_iter().map(|row| FleetRow { row, current })),
             Err(e) => silent.push(e),
         }
     }
@@ -154,13 +168,54 @@ async fn live_fleet(
     // every topology a live row of it says. Its rows agree once it has beaten on each: it
     // beats on every shard of a placement still in force, so a shard it leaves in a reload
     // keeps a row of the new topology, not of the one it left.
-    rows.retain(|row| {
+    rows.retain(|FleetRow { row, .. }| {
         !row.deregistered
             && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < row.live_for(timeout).as_millis()
             && row.instance_id != id
             && row.fleet.as_deref() == Some(fleet)
     });
     Ok(Some(rows))
+}
+
+/// The live instances of the fleet that run `topology`'s fingerprint but do not beat on each
+/// of its current shards, each described with one such shard. The fingerprint leaves URLs
+/// out (one database has many), so such an instance reaches a shard of the same name at
+/// another server: a process that has not applied a reload pointing the shard elsewhere, or
+/// one started with an older config. It grants that shard's keys where this process never
+/// looks. Every process beats on every shard of its placements in force, so one that beats on
+/// the same servers is seen on each.
+///
+/// A row counts when it is about as fresh as the instance's freshest (within three heartbeat
+/// intervals): a row left on a shard the instance stopped beating on stays live until it
+/// times out. Each age is measured by its own shard's clock, so this assumes nothing of the
+/// clocks' offsets, and a shard that answers a heartbeat late only delays a decision.
+/// Instances of versions that do not say their topology are not counted.
+fn beating_elsewhere(topology: &Topology, rows: &[FleetRow]) -> BTreeSet<String> {
+    let own = topology.fingerprint.as_str();
+    let slack = i64::try_from(topology.config.cleaner.heartbeat_interval.as_millis() * 3)
+        .unwrap_or(i64::MAX);
+    let ours = |row: &InstanceRow| row.topology.as_deref() == Some(own);
+    let mut out = BTreeSet::new();
+    for FleetRow { row, .. } in rows.iter().filter(|r| ours(&r.row)) {
+        let theirs = || rows.iter().filter(|r| r.row.instance_id == row.instance_id);
+        let freshest = theirs().map(|r| r.row.heartbeat_ms_ago).min().unwrap_or(0);
+        for (at, shard) in topology.current.shards.iter().enumerate() {
+            let beats_here = theirs().any(|r| {
+                r.current == Some(at) && r.row.heartbeat_ms_ago <= freshest.saturating_add(slack)
+            });
+            if !beats_here {
+                out.insert(format!(
+                    "{} runs this topology but does not beat on the server this process \
+                     reaches as shard {} (it may reach that name at another server: reload \
+                     it with this config)",
+                    describe(row),
+                    shard.name()
+                ));
+                break;
+            }
+        }
+    }
+    out
 }
 
 /// The server's "table does not exist" and "unknown column" errors.
@@ -199,8 +254,8 @@ pub(crate) async fn fleet_disagreement(topology: &Topology, id: &str) -> Option<
         Ok(rows) => rows?,
         Err(why) => return Some(format!("this process grants nothing yet: {why}")),
     };
-    let mut others = BTreeSet::new();
-    for row in rows {
+    let mut others = beating_elsewhere(topology, &rows);
+    for FleetRow { row, .. } in rows {
         let what = match row.topology.as_deref() {
             Some(theirs) if theirs != own.as_str() => format!("runs topology {theirs}"),
             _ if row.moving => "is moving keys after a reload".to_owned(),
@@ -263,19 +318,21 @@ pub(crate) async fn laggards(topology: &Topology, id: &str, previous: &Previous)
     };
     let fingerprint = previous.fingerprint.as_str();
     let own = topology.fingerprint.as_str();
-    let lagging: BTreeSet<_> = rows
-        .iter()
-        .filter(|row| row.topology.as_deref().is_some_and(|theirs| theirs != own))
-        .map(|row| {
-            let theirs = row.topology.as_deref().unwrap_or_default();
-            let which = if theirs == fingerprint {
-                "the previous topology".to_owned()
-            } else {
-                format!("topology {theirs}")
-            };
-            format!("{} runs {which}", describe(row))
-        })
-        .collect();
+    let mut lagging = beating_elsewhere(topology, &rows);
+    lagging.extend(
+        rows.iter()
+            .map(|r| &r.row)
+            .filter(|row| row.topology.as_deref().is_some_and(|theirs| theirs != own))
+            .map(|row| {
+                let theirs = row.topology.as_deref().unwrap_or_default();
+                let which = if theirs == fingerprint {
+                    "the previous topology".to_owned()
+                } else {
+                    format!("topology {theirs}")
+                };
+                format!("{} runs {which}", describe(row))
+            }),
+    );
     (!lagging.is_empty()).then(|| {
         format!(
             "instances of this fleet run another topology than this process ({own}): {}; put \

@@ -835,6 +835,79 @@ async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_sa
     next.release().await.unwrap();
 }
 
+/// The fingerprint a process advertises leaves URLs out (one database has many), so a
+/// process that reaches a shard's name at another server advertises the same topology. The
+/// registry still tells: it does not beat on the server the others reach under that name. A
+/// process started with a config that points a shard elsewhere grants nothing while such a
+/// process lives, and a reload that does so keeps its move in force until the fleet follows.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shard_pointed_at_another_server_while_the_fleet_reaches_the_old_one_is_taken_on_both() {
+    use shardlock::Error;
+    let cluster = Cluster::start(4).await.unwrap();
+    let url = |i: usize| cluster.shard(i).url();
+    let beats = "cleaner:\n  heartbeat-interval: 100ms\n";
+    let first = listing(&[("s1", url(0)), ("s2", url(1)), ("s3", url(2))], beats);
+    let other = listing(&[("s1", url(0)), ("s2", url(1)), ("s3", url(3))], beats);
+    let all = [
+        ("s1", url(0)),
+        ("s2", url(1)),
+        ("s3", url(2)),
+        ("s4", url(3)),
+    ];
+    let setup = LockRouter::new(listing(&all, "")).await.unwrap();
+    setup.migrate().await.unwrap();
+    setup.shutdown().await.unwrap();
+    let a = LockRouter::new(first.clone()).await.unwrap();
+    let b = LockRouter::new(first).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| a.shard_for(k).unwrap() == "s3")
+        .unwrap();
+    let held = b.acquire(&key, AcquireOptions::new()).await.unwrap();
+    let opts = || AcquireOptions::new().wait(Duration::ZERO);
+
+    let started = LockRouter::new(other.clone()).await.unwrap();
+    match started.try_acquire(&key, opts()).await {
+        Err(Error::Unavailable { source, .. }) => {
+            let why = shardlock::Report(&source).to_string();
+            assert!(why.contains(b.instance_id()), "{why}");
+        }
+        other => panic!(
+            "a process started onto the other server was granted or refused otherwise: {:?}",
+            other.map(|g| g.is_some())
+        ),
+    }
+    started.shutdown().await.unwrap();
+
+    a.reload(other.clone()).await.unwrap();
+    let decided = common::eventually(Duration::from_secs(30), || async {
+        a.stats().moves_kept > 0 || a.moves_in_progress() == 0
+    })
+    .await;
+    assert!(decided, "the move's carry never looked at the fleet");
+    assert_eq!(
+        a.moves_in_progress(),
+        1,
+        "the move ended while another process reaches s3 at the old server"
+    );
+    assert!(
+        a.try_acquire(&key, opts()).await.unwrap().is_none(),
+        "granted on the new server while another process holds the key on the old one"
+    );
+
+    b.reload(other).await.unwrap();
+    let over = common::eventually(Duration::from_secs(30), || async {
+        a.moves_in_progress() == 0 && b.moves_in_progress() == 0
+    })
+    .await;
+    assert!(over, "the moves did not end once the fleet followed");
+    assert!(held.is_held());
+    assert!(a.try_acquire(&key, opts()).await.unwrap().is_none());
+    held.release().await.unwrap();
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_database_back_under_another_name_within_the_window_is_taken_once() {
     let cluster = Cluster::start(4).await.unwrap();
