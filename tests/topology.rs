@@ -878,6 +878,8 @@ async fn a_shard_pointed_at_another_server_while_the_fleet_reaches_the_old_one_i
         ),
     }
     started.shutdown().await.unwrap();
+    // Nothing held at the move's end: its carry then finds nothing left on the old server.
+    held.release().await.unwrap();
 
     a.reload(other.clone()).await.unwrap();
     let decided = common::eventually(Duration::from_secs(30), || async {
@@ -890,6 +892,7 @@ async fn a_shard_pointed_at_another_server_while_the_fleet_reaches_the_old_one_i
         1,
         "the move ended while another process reaches s3 at the old server"
     );
+    let held = b.acquire(&key, AcquireOptions::new()).await.unwrap();
     assert!(
         a.try_acquire(&key, opts()).await.unwrap().is_none(),
         "granted on the new server while another process holds the key on the old one"
