@@ -217,8 +217,9 @@ const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE loc
 /// freed may show another state by the time it is read, though (taken by a waiter at once, and
 /// perhaps released again), so the statement cannot always say which rows are its own: a key
 /// another owner holds now counts as [`Released::Taken`], a row with no owner (`NULL`: freed by
-/// a force-release) as [`Released::Free`] when every row the statement freed shows its own
-/// tombstone, and any other free row as freed.
+/// a force-release) or another owner's tombstone (the key was taken and released since) as
+/// [`Released::Free`] when every row the statement freed shows its own tombstone, and any
+/// other free row as freed.
 pub(crate) async fn release_batch(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
@@ -269,7 +270,9 @@ pub(crate) async fn release_batch(
         .map(|((_, of), row)| match row {
             Some(o) if own(o, of) => Released::Freed,
             Some(o) if names_holder(o) => Released::Taken,
-            Some(None) if changed == 0 => Released::Free,
+            // No holder's (`NULL` or another owner's tombstone): not this statement's doing
+            // when every row it freed shows its own tombstone.
+            Some(_) if changed == 0 => Released::Free,
             Some(_) => Released::Freed,
             None => Released::Free,
         })
@@ -458,6 +461,33 @@ mod tests {
             .unwrap()
             .is_some());
         let pair: [(&[u8], &str); 2] = [(b"forced:a", "me:forced:a"), (b"forced:b", "me:forced:b")];
+        let found = release_batch(conn, &pair).await.unwrap();
+        assert_eq!(found, vec![Released::Freed, Released::Free]);
+        // Force-released, then taken and released by another owner: its tombstone is not the
+        // lost lease's, and the lease is told so as well.
+        for key in ["forced:c", "forced:d"] {
+            let req = request(key, &format!("me:{key}"), 0);
+            assert!(matches!(
+                shard.acquire(&req).await.unwrap(),
+                Attempt::Granted(_)
+            ));
+        }
+        assert!(shard
+            .force_release(b"forced:d", "me:forced:d")
+            .await
+            .unwrap()
+            .is_some());
+        let since = request("forced:d", "you:forced:d", 0);
+        assert!(matches!(
+            shard.acquire(&since).await.unwrap(),
+            Attempt::Granted(_)
+        ));
+        assert!(shard
+            .release(b"forced:d", "you:forced:d")
+            .await
+            .unwrap()
+            .is_released());
+        let pair: [(&[u8], &str); 2] = [(b"forced:c", "me:forced:c"), (b"forced:d", "me:forced:d")];
         let found = release_batch(conn, &pair).await.unwrap();
         assert_eq!(found, vec![Released::Freed, Released::Free]);
         // Both kinds of acquire take such a row.
