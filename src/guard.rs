@@ -409,9 +409,10 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
     // where the key lives now.
     // A lease known lost is not handed over either: whoever holds the key now keeps it. Nor
     // one that must stay taken after its release (`lock_at_least`).
+    let placed = lease.placed_epoch.load(Ordering::Acquire);
     if lease.has_companions()
         || lease.at_least().is_some()
-        || lease.placed_epoch.load(Ordering::Acquire) < shard.shared.epoch()
+        || placed < shard.shared.epoch()
         || !lease.is_live()
     {
         let turn = lease.turn.locked().take();
@@ -457,9 +458,9 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
         return Some(Box::pin(handoff_through_shard(
             shard.clone(),
             lease.clone(),
-            turn,
-            next,
+            (turn, next),
             hold.span.clone(),
+            placed,
         )));
     }
     let turn = turn_slot.take();
@@ -477,19 +478,23 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
 async fn handoff_through_shard(
     shard: Arc<ShardState>,
     lease: Arc<LeaseState>,
-    turn: Turn,
-    next: NextWaiter,
+    (turn, next): (Turn, NextWaiter),
     after: tracing::Span,
+    placed: u64,
 ) -> Result<()> {
+    // No row of the lease is adopted on another shard from here on. If one was since the hold
+    // ended under the topology of epoch `placed`, or a reload came since (its follow may be
+    // under way), the key may have moved: handed over here, the waiter's lease would hold it
+    // only where it lived, while the fleet takes it where it lives now. The rows are released
+    // instead, and the waiter polls where the key lives.
+    if lease.refuse_companions() || shard.shared.epoch() > placed {
+        let released = release_through_shard(shard, lease, None).await;
+        next.turn(turn, false);
+        return released;
+    }
     shard.remove(lease.id);
     let shared = &shard.shared;
     shared.stats.releases.fetch_add(1, Ordering::Relaxed);
-    // A companion taken since the hold ended was refused; one taken just before is released.
-    for (other, row) in lease.end_companions() {
-        other.remove(row.id);
-        let released = other.release(row.key.stored(), &row.owner).await;
-        retry_if_failed(&other, &row, &released);
-    }
     let (id, owner) = shared.next_owner();
     // A waiter in memory never polled, so its terms carry no clock skew: on a Galera shard the
     // new lease ends locally as early as the released one did.
@@ -525,7 +530,8 @@ async fn handoff_through_shard(
                     want.handoff_max_time,
                     Some(turn),
                 )
-                .placed_at(lease.placed_epoch.load(Ordering::Acquire)),
+                // A reload since the check above makes it follow its key at once.
+                .placed_at(placed),
             );
             shard.insert(state.clone());
             next.grant(LockGuard::new(Hold::handed(

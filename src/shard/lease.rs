@@ -206,6 +206,13 @@ impl LeaseState {
         companions.rows.iter().map(|(s, _)| s.clone()).collect()
     }
 
+    /// Refuses companions from now on; `true` if the lease has some (adopted before this).
+    pub(crate) fn refuse_companions(&self) -> bool {
+        let mut companions = self.companions.locked();
+        companions.ended = true;
+        !companions.rows.is_empty()
+    }
+
     /// Ends the lease's companions: returns them to release; later ones are refused.
     pub(crate) fn end_companions(&self) -> Vec<(Arc<ShardState>, Arc<LeaseState>)> {
         let mut companions = self.companions.locked();
