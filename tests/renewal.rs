@@ -1,12 +1,14 @@
 //! Renewal is batched: 1,000 leases on three shards survive three ttls, and the shards' own
-//! counters show one renewal statement per shard per tick.
+//! counters show one renewal statement per shard per tick. Leases about to end without
+//! renewal do not cut the others' renewals short.
 
 mod common;
 
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use shardlock::AcquireOptions;
+use shardlock::{AcquireOptions, LockRouter};
+use shardlock_testkit::{Cluster, Proxy, ProxyMode};
 
 const LEASES: usize = 1000;
 const TTL: Duration = Duration::from_millis(1500);
@@ -58,4 +60,50 @@ async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
         g.release().await.unwrap();
     }
     assert_eq!(common::live_leases(&cluster).await, 0);
+}
+
+/// On a link slower than the time left to the next end of a lease without keep-alive (held
+/// beside, one ending every 50 ms), the renewal of the others still gets the time its own
+/// leases leave it: bounded by those ends, every renewal timed out until the renewed lease
+/// was lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_ending_without_renewal_do_not_cut_the_renewal_of_others_short() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\nbreaker:\n  slow-call: 10s\n\
+         cleaner:\n  registry: static\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let renewed = router
+        .acquire("renewed", AcquireOptions::new().ttl(Duration::from_secs(3)))
+        .await
+        .unwrap();
+    let ending: Vec<_> = join_all((0..200u64).map(|i| {
+        let opts = AcquireOptions::new().lock_at_most(Duration::from_millis(1000 + 50 * i));
+        let router = router.clone();
+        async move { router.acquire(&format!("ending:{i}"), opts).await.unwrap() }
+    }))
+    .await;
+    // Each way: a renewal takes 300 ms at least, and some lease ends within 50 ms of any tick.
+    proxy.set(ProxyMode::Delay(Duration::from_millis(150)));
+    let before = router.stats();
+    let three_ticks = common::eventually(Duration::from_secs(60), || async {
+        router.stats().renew_ticks >= before.renew_ticks + 3
+    });
+    tokio::select! {
+        () = renewed.lost() => panic!("the renewed lease was lost: {:?}", router.stats()),
+        done = three_ticks => assert!(done, "three renewal ticks did not come"),
+    }
+    let stats = router.stats();
+    assert_eq!(
+        stats.renew_failures, before.renew_failures,
+        "renewals failed on a slow but working link"
+    );
+    assert!(renewed.is_held());
+    drop(ending);
+    proxy.set(ProxyMode::Pass);
+    renewed.release().await.unwrap();
 }

@@ -219,13 +219,9 @@ impl ShardState {
                 true
             }
         });
-        // Leases without keep-alive end at their deadline (above) unless extended; the tick
-        // must not keep the keeper from reporting that end.
-        let unrenewed_end = leases
-            .iter()
-            .filter(|l| !l.want.keep_alive)
-            .map(|l| l.deadline())
-            .min();
+        // Leases without keep-alive end at their deadline (above) unless extended. A renewal
+        // is not cut short for them: their holders' `lost()` watches their deadlines, and a
+        // bound from a lease about to end would time out every renewal on a slow link.
         leases.retain(|l| l.want.keep_alive);
         let Some(period) = leases.iter().map(|l| l.renew_every).min() else {
             *next_tick = None;
@@ -257,11 +253,10 @@ impl ShardState {
             .collect();
         chunks.sort_by_key(|(end, _)| *end);
         for (end, chunk) in chunks {
-            // Bounded by the soonest local deadline of the chunk and of the leases not renewed
-            // (deadlines only move later meanwhile): a renewal that answers after a lease ended
-            // is worthless, and the keeper must be free to report that end when it comes. Past
-            // it, the next tick reports it at once.
-            let earliest = unrenewed_end.map_or(end, |other| other.min(end));
+            // Bounded by the soonest local deadline of the chunk (deadlines only move later
+            // meanwhile): a renewal that answers after a lease ended is worthless. Past it, the
+            // next tick reports that end at once.
+            let earliest = end;
             let sent = Moment::now();
             if earliest <= sent {
                 cut_short = true;
