@@ -318,7 +318,10 @@ impl ShardState {
                 if !matches!(&outcome, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
                     (self.shared.stats.acquire_statements).fetch_add(1, Ordering::Relaxed);
                 }
-                let unknown = matches!(&outcome, Err(e) if e.maybe_applied);
+                // Any failure leaves the grant unknown: the batch's first try may have written
+                // the row before its retry waited out the lock (a lost reply), whatever this
+                // statement's own error says. Given back, owner-checked (nothing if unwritten).
+                let unknown = outcome.is_err();
                 self.answer_acquire(request, orphan, answer, outcome, unknown);
             }
         };
