@@ -101,6 +101,9 @@ impl Hold {
         // before it moves that time on, so a time read moved on comes with the mark.
         let registry_live = self.lease.local || shared.registry_live_at(Moment::now());
         if !self.lease.is_live() {
+            // For good as well: a renewal whose answer comes after the lease's end (its task
+            // starved) would move the end on, but whoever looked meanwhile was told it is over.
+            self.lease.mark_lost(NOT_RENEWED, shared);
             return false;
         }
         if registry_live {
