@@ -177,42 +177,77 @@ async fn live_fleet(
     Ok(Some(rows))
 }
 
-/// The live instances of the fleet that run `topology`'s fingerprint but do not beat on each
-/// of its current shards, each described with one such shard. The fingerprint leaves URLs
-/// out (one database has many), so such an instance reaches a shard of the same name at
-/// another server: a process that has not applied a reload pointing the shard elsewhere, or
-/// one started with an older config. It grants that shard's keys where this process never
-/// looks. Every process beats on every shard of its placements in force, so one that beats on
-/// the same servers is seen on each.
+/// The live instances of the fleet that run `topology`'s fingerprint but reach some current
+/// shard of it at another server, each described with one such shard. The fingerprint
+/// leaves URLs out (one database has many), so the rows tell instead:
+/// - a row on a current shard names it otherwise (its writer reaches this server under
+///   another name: two shards' URLs swapped; versions before migration 12 name none);
+/// - or there is no row of the instance on a current shard that is about as fresh as its
+///   freshest row on the current shards: it does not beat on this server, so it reaches the
+///   name elsewhere (a process that has not applied a reload pointing the shard at another
+///   server, or one started with an older config). Every process beats on every shard of
+///   its placements in force, so one that reaches the same servers is seen on each.
 ///
-/// A row counts when it is about as fresh as the instance's freshest (within three heartbeat
-/// intervals): a row left on a shard the instance stopped beating on stays live until it
-/// times out. Each age is measured by its own shard's clock, so this assumes nothing of the
-/// clocks' offsets, and a shard that answers a heartbeat late only delays a decision.
-/// Instances of versions that do not say their topology are not counted.
+/// "About as fresh": within half the longer of the writer's heartbeat timeout and this
+/// process's, and at least three of this process's heartbeat intervals. A row left on a
+/// server the instance stopped beating on stays live until it times out; the margin allows
+/// for beats landing at different moments and for the ages being measured by each shard's
+/// own clock (the nodes of a Galera shard may differ). A false verdict only delays: the
+/// start, or the move, asks again. Instances of versions that do not say their topology are
+/// not counted.
 fn beating_elsewhere(topology: &Topology, rows: &[FleetRow]) -> BTreeSet<String> {
     let own = topology.fingerprint.as_str();
-    let slack = i64::try_from(topology.config.cleaner.heartbeat_interval.as_millis() * 3)
-        .unwrap_or(i64::MAX);
-    let ours = |row: &InstanceRow| row.topology.as_deref() == Some(own);
+    let cleaner = &topology.config.cleaner;
+    let mut instances: std::collections::BTreeMap<&str, Vec<&FleetRow>> = Default::default();
+    for r in rows
+        .iter()
+        .filter(|r| r.row.topology.as_deref() == Some(own))
+    {
+        instances.entry(&r.row.instance_id).or_default().push(r);
+    }
     let mut out = BTreeSet::new();
-    for FleetRow { row, .. } in rows.iter().filter(|r| ours(&r.row)) {
-        let theirs = || rows.iter().filter(|r| r.row.instance_id == row.instance_id);
-        let freshest = theirs().map(|r| r.row.heartbeat_ms_ago).min().unwrap_or(0);
+    for theirs in instances.values() {
+        let on_current = || theirs.iter().filter(|r| r.current.is_some());
+        let Some(freshest) = on_current().map(|r| r.row.heartbeat_ms_ago).min() else {
+            // Seen only on shards a move of this process still consults: it beats on none of
+            // this topology's current shards, which `live_fleet`'s reader checks as a start.
+            let row = &theirs[0].row;
+            out.insert(format!(
+                "{} runs this topology but beats on none of its current shards (it may reach \
+                 their names at other servers: reload it with this config)",
+                describe(row)
+            ));
+            continue;
+        };
+        let row = &theirs[0].row;
+        let slack =
+            (row.live_for(cleaner.heartbeat_timeout) / 2).max(cleaner.heartbeat_interval * 3);
+        let slack = i64::try_from(slack.as_millis()).unwrap_or(i64::MAX);
         for (at, shard) in topology.current.shards.iter().enumerate() {
-            let beats_here = theirs().any(|r| {
-                r.current == Some(at) && r.row.heartbeat_ms_ago <= freshest.saturating_add(slack)
-            });
-            if !beats_here {
-                out.insert(format!(
-                    "{} runs this topology but does not beat on the server this process \
-                     reaches as shard {} (it may reach that name at another server: reload \
-                     it with this config)",
-                    describe(row),
-                    shard.name()
-                ));
-                break;
-            }
+            let here: Vec<&InstanceRow> = on_current()
+                .filter(|r| r.current == Some(at))
+                .map(|r| &r.row)
+                .collect();
+            let named = here
+                .iter()
+                .find_map(|r| r.shard_name.as_deref().filter(|name| *name != shard.name()));
+            let why = match named {
+                Some(name) => format!("reaches it as shard {name}"),
+                None if here
+                    .iter()
+                    .any(|r| r.heartbeat_ms_ago <= freshest.saturating_add(slack)) =>
+                {
+                    continue
+                }
+                None => "does not beat on it".to_owned(),
+            };
+            out.insert(format!(
+                "{} runs this topology but {why}, the server this process reaches as shard {} \
+                 (it places that shard's keys elsewhere: reload it with this config)",
+                describe(row),
+                shard.name()
+            ));
+            break;
         }
     }
     out
@@ -247,14 +282,33 @@ fn describe(row: &InstanceRow) -> String {
 /// topology, or has a reload's move in force, or the registry cannot be read on every shard
 /// (it fails closed: unread is not "nobody there"). Instances of versions that do not say
 /// their topology are not counted.
+///
+/// An instance of the same topology found not beating on some shard (see
+/// [`beating_elsewhere`]) may only be starting at this moment, its first heartbeat landed on
+/// some shards and not yet on the others: when that is all, the registry is read again a
+/// few times, 100 ms apart, before the answer.
 pub(crate) async fn fleet_disagreement(topology: &Topology, id: &str) -> Option<String> {
+    let mut rereads = 3;
+    loop {
+        let rows = match live_fleet(topology, id).await {
+            Ok(rows) => rows?,
+            Err(why) => return Some(format!("this process grants nothing yet: {why}")),
+        };
+        let elsewhere = beating_elsewhere(topology, &rows);
+        let others = other_topologies(topology, rows);
+        if others.is_empty() && !elsewhere.is_empty() && rereads > 0 {
+            rereads -= 1;
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            continue;
+        }
+        return disagreement(topology, elsewhere.into_iter().chain(others).collect());
+    }
+}
+
+/// The instances among `rows` that run another topology than `topology`, or move keys.
+fn other_topologies(topology: &Topology, rows: Vec<FleetRow>) -> BTreeSet<String> {
     let own = &topology.fingerprint;
-    let fleet = topology.config.instance.fleet();
-    let rows = match live_fleet(topology, id).await {
-        Ok(rows) => rows?,
-        Err(why) => return Some(format!("this process grants nothing yet: {why}")),
-    };
-    let mut others = beating_elsewhere(topology, &rows);
+    let mut others = BTreeSet::new();
     for FleetRow { row, .. } in rows {
         let what = match row.topology.as_deref() {
             Some(theirs) if theirs != own.as_str() => format!("runs topology {theirs}"),
@@ -263,6 +317,13 @@ pub(crate) async fn fleet_disagreement(topology: &Topology, id: &str) -> Option<
         };
         others.insert(format!("{} {what}", describe(&row)));
     }
+    others
+}
+
+/// What [`fleet_disagreement`] answers for the instances `others` it found.
+fn disagreement(topology: &Topology, others: BTreeSet<String>) -> Option<String> {
+    let own = &topology.fingerprint;
+    let fleet = topology.config.instance.fleet();
     (!others.is_empty()).then(|| {
         format!(
             "this process started with topology {own} and grants nothing until every live \

@@ -60,6 +60,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "cas_carried",
         include_str!("../migrations/0011_cas_carried.sql"),
     ),
+    (
+        12,
+        "instance_shard_name",
+        include_str!("../migrations/0012_instance_shard_name.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\
