@@ -122,7 +122,7 @@ async fn take_on(
                 // A hold that must outlast its release (a scheduled run) is kept as long on
                 // the new shard, from the new row's later grant: also if its holder dies.
                 if let Some(at_least) = lease.at_least() {
-                    companion.set_at_least(at_least);
+                    companion.set_at_least(at_least, &target.shared);
                     let _ = target
                         .call(|b| b.hold_until(&req.key, &req.owner, at_least, 0))
                         .await;

@@ -123,7 +123,7 @@ async fn hold_to_interval_end(guard: &LockGuard, every: Duration) -> Result<u64>
             return Err(guard.lost_error());
         };
         let after_grant = Duration::from_millis(end_ms.saturating_sub(granted_ms).max(1));
-        row.set_at_least(after_grant);
+        row.set_at_least(after_grant, &shard.shared);
         let held = shard
             .call(|b| b.hold_until(key, owner, after_grant, end_ms * 1000))
             .await

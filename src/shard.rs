@@ -325,7 +325,14 @@ impl ShardState {
     ) -> Result<ReleaseAnswer, BackendError> {
         match at_least {
             None => self.release(key, owner).await,
-            Some(_) => self.call(|b| b.release_after(key, owner, at_least)).await,
+            Some(_) => {
+                let answer = self.call(|b| b.release_after(key, owner, at_least)).await;
+                // Answered: the row shows its hold (a zero ttl), or is not this owner's.
+                if answer.is_ok() {
+                    self.shared.released_kept(owner);
+                }
+                answer
+            }
         }
     }
 

@@ -267,13 +267,15 @@ impl LeaseState {
         }
     }
 
-    /// Shortens the minimum hold (a scheduled run's, to its interval's end). Set at the grant
-    /// by [`Want::at_least`], which [`LeaseState::keep_taken`] recorded.
-    pub(crate) fn set_at_least(&self, at_least: Duration) {
+    /// Sets the minimum hold after the grant (a scheduled run's, to its interval's end; a
+    /// moved key's companion row, the lease's), and records it as [`LeaseState::keep_taken`]
+    /// does: it may end later than the one the grant asked for.
+    pub(crate) fn set_at_least(&self, at_least: Duration, shared: &Shared) {
         let us = u64::try_from(at_least.as_micros())
             .unwrap_or(u64::MAX)
             .max(1);
         self.at_least_us.store(us, Ordering::Release);
+        self.keep_taken(shared);
     }
 
     /// Records the row's minimum hold, if it has one, as running from now at the latest, so

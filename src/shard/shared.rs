@@ -245,6 +245,12 @@ impl Shared {
         *entry = (*entry).max(until);
     }
 
+    /// Forgets `owner`'s minimum hold once its release reached the shard: the row then shows
+    /// it is kept (a zero ttl), and the map stays as small as the holds not released.
+    pub(crate) fn released_kept(&self, owner: &str) {
+        self.kept.locked().until.remove(owner);
+    }
+
     /// A new grant number (unique in this router; also names a lease row in its shard's
     /// keeper).
     pub(crate) fn next_id(&self) -> u64 {

@@ -504,8 +504,9 @@ impl Shard {
     }
 
     /// Releases every (key, owner) still held, in one statement; whether each was released
-    /// (see [`Shard::release`]; a batch that also finds keys freed before cannot tell which
-    /// free rows it freed itself, and counts each as released).
+    /// (see [`Shard::release`]; a batch that frees a row which shows something else by the time
+    /// it reads the rows back cannot tell which free rows it freed itself, and then counts
+    /// each as released).
     pub async fn release_batch(
         &self,
         leases: &[(Vec<u8>, String)],
