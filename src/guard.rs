@@ -478,6 +478,12 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
 /// The release statement that also grants the lease to `next`, with a fresh range of fences,
 /// unless another process marked the row as wanted: then the key is released for everyone and
 /// `next` gets the turn to poll after yielding.
+/// The next hand-off through a shard waits until this is answered or dropped (see
+/// [`crate::LockRouter::hold_next_handoff`]).
+#[cfg(feature = "fault-injection")]
+pub(crate) static HANDOFF_HELD: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>> =
+    std::sync::Mutex::new(None);
+
 async fn handoff_through_shard(
     shard: Arc<ShardState>,
     lease: Arc<LeaseState>,
@@ -485,6 +491,13 @@ async fn handoff_through_shard(
     after: tracing::Span,
     placed: u64,
 ) -> Result<()> {
+    #[cfg(feature = "fault-injection")]
+    {
+        let held = HANDOFF_HELD.locked().take();
+        if let Some(held) = held {
+            let _ = held.await;
+        }
+    }
     // No row of the lease is adopted on another shard from here on. If one was since the hold
     // ended under the topology of epoch `placed`, or a reload came since (its follow may be
     // under way), the key may have moved: handed over here, the waiter's lease would hold it

@@ -97,6 +97,18 @@ impl LockRouter {
             .is_some()
     }
 
+    /// Holds back the next hand-off through a shard in this process (a release statement that
+    /// grants the key to a waiting task) before it runs, until the answer is sent or dropped:
+    /// a test acts between a hold's end and its hand-off. For tests only (feature
+    /// `fault-injection`).
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn hold_next_handoff() -> tokio::sync::oneshot::Sender<()> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        *crate::guard::HANDOFF_HELD.lock().unwrap() = Some(rx);
+        tx
+    }
+
     /// Counts `d` as time the host spent suspended, just now, for every router of this process:
     /// by the lease clock, `d` passes at once, while the runtime's clock (and the shards')
     /// does not move. For tests of how leases and heartbeats meet a suspend only (feature

@@ -925,6 +925,68 @@ async fn pointed_elsewhere_is_seen(
     b.shutdown().await.unwrap();
 }
 
+/// A hand-off through the shard decided before a reload that moves its key, and run once the
+/// lease followed the key (a row on its new shard), does not hand the key over on the old
+/// shard alone, where the fleet stops looking once the move ends: the rows are released and
+/// the waiter takes the key where it lives now.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hand_off_decided_before_a_reload_that_moved_its_key_takes_the_key_where_it_lives() {
+    let cluster = Cluster::start(3).await.unwrap();
+    let (two, three) = (config_for(&cluster, 2), config_for(&cluster, 3));
+    let setup = LockRouter::from_yaml_str(&three).await.unwrap();
+    setup.migrate().await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| setup.shard_for(k).unwrap() == "s3")
+        .unwrap();
+    setup.shutdown().await.unwrap();
+    let router = LockRouter::from_yaml_str(&two).await.unwrap();
+    let grown = Config::from_yaml_str(&three).unwrap();
+    let held = router
+        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    // Other terms than the holder's: handed over by the release statement, not in memory.
+    let waiter = tokio::spawn({
+        let (router, key) = (router.clone(), key.clone());
+        async move {
+            let opts = AcquireOptions::new()
+                .ttl(Duration::from_secs(7))
+                .wait(Duration::from_secs(30));
+            router.acquire(&key, opts).await
+        }
+    });
+    let queued = common::eventually(Duration::from_secs(10), || async {
+        router.stats().queued == 1
+    })
+    .await;
+    assert!(queued, "the waiter did not queue");
+    let handoff = LockRouter::hold_next_handoff();
+    drop(held);
+    router.reload(grown).await.unwrap();
+    let followed = common::eventually(Duration::from_secs(10), || async {
+        router.stats().followed == 1
+    })
+    .await;
+    assert!(
+        followed,
+        "the ended lease did not follow its key: {:?}",
+        router.stats()
+    );
+    drop(handoff);
+
+    let guard = waiter.await.unwrap().unwrap();
+    let (shard, row) = router.inspect(&key).await.unwrap();
+    assert_eq!(shard, "s3");
+    assert_eq!(
+        row.and_then(|r| r.owner).as_deref(),
+        Some(guard.owner()),
+        "the waiter holds the key on its old shard only"
+    );
+    guard.release().await.unwrap();
+    router.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_database_back_under_another_name_within_the_window_is_taken_once() {
     let cluster = Cluster::start(4).await.unwrap();
