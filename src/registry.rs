@@ -112,15 +112,6 @@ impl Drop for IdClaim {
     }
 }
 
-/// A live registry row of another instance of the fleet, and where it was read.
-#[derive(Debug)]
-struct FleetRow {
-    row: InstanceRow,
-    /// The index, among the current shards of the topology read, of the shard it was read
-    /// on; `None` on a shard only a move still in force consults.
-    current: Option<usize>,
-}
-
 /// The other live instances of `router`'s fleet in the registry: `Ok(None)` under a registry
 /// other than `heartbeat` (nothing to read), `Err` naming the shards whose registry did not
 /// answer. Read on every shard of the topology, those of moves still in force included
@@ -128,7 +119,7 @@ struct FleetRow {
 async fn live_fleet(
     topology: &Topology,
     id: &str,
-) -> std::result::Result<Option<Vec<FleetRow>>, String> {
+) -> std::result::Result<Option<Vec<InstanceRow>>, String> {
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
         return Ok(None);
     }
@@ -144,14 +135,9 @@ async fn live_fleet(
     .await;
     let mut rows = Vec::new();
     let mut silent = Vec::new();
-    for (shard, answer) in shards.iter().zip(answers) {
-        let current = topology
-            .current
-            .shards
-            .iter()
-            .position(|c| Arc::ptr_eq(c, shard));
+    for answer in answers {
         match answer {
-            Ok(found) => rows.extend(found.into_iter().map(|row| FleetRow { row, current })),
+            Ok(found) => rows.extend(found),
             Err(e) => silent.push(e),
         }
     }
@@ -168,7 +154,7 @@ async fn live_fleet(
     // every topology a live row of it says. Its rows agree once it has beaten on each: it
     // beats on every shard of a placement still in force, so a shard it leaves in a reload
     // keeps a row of the new topology, not of the one it left.
-    rows.retain(|FleetRow { row, .. }| {
+    rows.retain(|row| {
         !row.deregistered
             && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < row.live_for(timeout).as_millis()
             && row.instance_id != id
@@ -177,80 +163,64 @@ async fn live_fleet(
     Ok(Some(rows))
 }
 
-/// The live instances of the fleet that run `topology`'s fingerprint but reach some current
-/// shard of it at another server, each described with one such shard. The fingerprint
-/// leaves URLs out (one database has many), so the rows tell instead:
-/// - a row on a current shard names it otherwise (its writer reaches this server under
-///   another name: two shards' URLs swapped; versions before migration 12 name none);
-/// - or there is no row of the instance on a current shard that is about as fresh as its
-///   freshest row on the current shards: it does not beat on this server, so it reaches the
-///   name elsewhere (a process that has not applied a reload pointing the shard at another
-///   server, or one started with an older config). Every process beats on every shard of
-///   its placements in force, so one that reaches the same servers is seen on each.
+/// Which database each current shard name of `topology` reaches, as a digest (FNV-1a, 64
+/// bits, hex) of each name with its server as the server says it (host name, port, server id
+/// and schema, however the URL reaches it): advertised with each heartbeat. For a Galera
+/// shard, whose nodes differ in all of those, the shard id its database stores (migration 5)
+/// stands for the server. `None` while some shard's identity is unknown (unreachable since
+/// this process started or reloaded).
 ///
-/// "About as fresh": within half the longer of the writer's heartbeat timeout and this
-/// process's, and at least three of this process's heartbeat intervals. A row left on a
-/// server the instance stopped beating on stays live until it times out; the margin allows
-/// for beats landing at different moments and for the ages being measured by each shard's
-/// own clock (the nodes of a Galera shard may differ). A false verdict only delays: the
-/// start, or the move, asks again. Instances of versions that do not say their topology are
-/// not counted.
-fn beating_elsewhere(topology: &Topology, rows: &[FleetRow]) -> BTreeSet<String> {
-    let own = topology.fingerprint.as_str();
-    let cleaner = &topology.config.cleaner;
-    let mut instances: std::collections::BTreeMap<&str, Vec<&FleetRow>> = Default::default();
-    for r in rows
-        .iter()
-        .filter(|r| r.row.topology.as_deref() == Some(own))
-    {
-        instances.entry(&r.row.instance_id).or_default().push(r);
-    }
-    let mut out = BTreeSet::new();
-    for theirs in instances.values() {
-        let on_current = || theirs.iter().filter(|r| r.current.is_some());
-        let Some(freshest) = on_current().map(|r| r.row.heartbeat_ms_ago).min() else {
-            // Seen only on shards a move of this process still consults: it beats on none of
-            // this topology's current shards, which `live_fleet`'s reader checks as a start.
-            let row = &theirs[0].row;
-            out.insert(format!(
-                "{} runs this topology but beats on none of its current shards (it may reach \
-                 their names at other servers: reload it with this config)",
-                describe(row)
-            ));
-            continue;
+/// The topology's fingerprint leaves URLs out (one database has many), so processes with the
+/// same fingerprint may still reach one name at two databases (a reload pointing a shard at
+/// another server applied by some of them, two URLs swapped, an old config started): their
+/// digests differ.
+pub(crate) fn servers(topology: &Topology) -> Option<String> {
+    let mut lines = Vec::new();
+    for shard in &topology.current.shards {
+        let identity = shard.identity.get()?;
+        let (id, server) = identity.split_once(' ').unwrap_or(("", identity));
+        let id = if shard.config.nodes.is_empty() || id.is_empty() {
+            server
+        } else {
+            id
         };
-        let row = &theirs[0].row;
-        let slack =
-            (row.live_for(cleaner.heartbeat_timeout) / 2).max(cleaner.heartbeat_interval * 3);
-        let slack = i64::try_from(slack.as_millis()).unwrap_or(i64::MAX);
-        for (at, shard) in topology.current.shards.iter().enumerate() {
-            let here: Vec<&InstanceRow> = on_current()
-                .filter(|r| r.current == Some(at))
-                .map(|r| &r.row)
-                .collect();
-            let named = here
-                .iter()
-                .find_map(|r| r.shard_name.as_deref().filter(|name| *name != shard.name()));
-            let why = match named {
-                Some(name) => format!("reaches it as shard {name}"),
-                None if here
-                    .iter()
-                    .any(|r| r.heartbeat_ms_ago <= freshest.saturating_add(slack)) =>
-                {
-                    continue
-                }
-                None => "does not beat on it".to_owned(),
-            };
-            out.insert(format!(
-                "{} runs this topology but {why}, the server this process reaches as shard {} \
-                 (it places that shard's keys elsewhere: reload it with this config)",
-                describe(row),
-                shard.name()
-            ));
-            break;
-        }
+        lines.push(format!("{}={id}", shard.name()));
     }
-    out
+    lines.sort();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in lines.join("\n").bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    Some(format!("{hash:016x}"))
+}
+
+/// What a heartbeat advertises while [`servers`] is unknown: matches no process's digest.
+const SERVERS_UNKNOWN: &str = "unknown";
+
+/// The live instances among `rows` that run `topology`'s fingerprint but reach some shard name
+/// at another database than this process (see [`servers`]), each described; every one of them
+/// when this process does not know yet which database each of its shards is. Instances of
+/// versions that do not say it (before migration 12) are not counted.
+fn placed_elsewhere(topology: &Topology, rows: &[InstanceRow]) -> BTreeSet<String> {
+    let own = servers(topology);
+    rows.iter()
+        .filter(|row| row.topology.as_deref() == Some(topology.fingerprint.as_str()))
+        .filter_map(|row| {
+            let theirs = row.servers.as_deref()?;
+            let why = match &own {
+                Some(own) if own == theirs => return None,
+                Some(own) => format!(
+                    "runs this topology but reaches some shard name at another database than \
+                     this process (servers {theirs} against {own}): reload it with this config"
+                ),
+                None => "runs this topology, and this process does not know yet which \
+                         database each of its shards is (one was unreachable)"
+                    .to_owned(),
+            };
+            Some(format!("{} {why}", describe(row)))
+        })
+        .collect()
 }
 
 /// The server's "table does not exist" and "unknown column" errors.
@@ -279,37 +249,25 @@ fn describe(row: &InstanceRow) -> String {
 }
 
 /// Why a router with `topology` and instance `id` may not grant yet, if so: another live instance of its fleet runs another
-/// topology, or has a reload's move in force, or the registry cannot be read on every shard
+/// topology, or reaches one of its shard names at another database ([`servers`]), or has a
+/// reload's move in force, or the registry cannot be read on every shard
 /// (it fails closed: unread is not "nobody there"). Instances of versions that do not say
 /// their topology are not counted.
-///
-/// An instance of the same topology found not beating on some shard (see
-/// [`beating_elsewhere`]) may only be starting at this moment, its first heartbeat landed on
-/// some shards and not yet on the others: when that is all, the registry is read again a
-/// few times, 100 ms apart, before the answer.
 pub(crate) async fn fleet_disagreement(topology: &Topology, id: &str) -> Option<String> {
-    let mut rereads = 3;
-    loop {
-        let rows = match live_fleet(topology, id).await {
-            Ok(rows) => rows?,
-            Err(why) => return Some(format!("this process grants nothing yet: {why}")),
-        };
-        let elsewhere = beating_elsewhere(topology, &rows);
-        let others = other_topologies(topology, rows);
-        if others.is_empty() && !elsewhere.is_empty() && rereads > 0 {
-            rereads -= 1;
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-            continue;
-        }
-        return disagreement(topology, elsewhere.into_iter().chain(others).collect());
-    }
+    let rows = match live_fleet(topology, id).await {
+        Ok(rows) => rows?,
+        Err(why) => return Some(format!("this process grants nothing yet: {why}")),
+    };
+    let mut others = placed_elsewhere(topology, &rows);
+    others.extend(other_topologies(topology, rows));
+    disagreement(topology, others)
 }
 
 /// The instances among `rows` that run another topology than `topology`, or move keys.
-fn other_topologies(topology: &Topology, rows: Vec<FleetRow>) -> BTreeSet<String> {
+fn other_topologies(topology: &Topology, rows: Vec<InstanceRow>) -> BTreeSet<String> {
     let own = &topology.fingerprint;
     let mut others = BTreeSet::new();
-    for FleetRow { row, .. } in rows {
+    for row in rows {
         let what = match row.topology.as_deref() {
             Some(theirs) if theirs != own.as_str() => format!("runs topology {theirs}"),
             _ if row.moving => "is moving keys after a reload".to_owned(),
@@ -379,10 +337,9 @@ pub(crate) async fn laggards(topology: &Topology, id: &str, previous: &Previous)
     };
     let fingerprint = previous.fingerprint.as_str();
     let own = topology.fingerprint.as_str();
-    let mut lagging = beating_elsewhere(topology, &rows);
+    let mut lagging = placed_elsewhere(topology, &rows);
     lagging.extend(
         rows.iter()
-            .map(|r| &r.row)
             .filter(|row| row.topology.as_deref().is_some_and(|theirs| theirs != own))
             .map(|row| {
                 let theirs = row.topology.as_deref().unwrap_or_default();
@@ -448,7 +405,16 @@ pub(crate) async fn beat(
         return beats;
     }
     let host = host_name();
-    let beat = this_beat(topology, fingerprint, shared, &host);
+    // A shard unreachable when this process started or reloaded is known once it answers.
+    let bound = topology.config.cleaner.heartbeat_interval / 2;
+    let unknown = topology
+        .current
+        .shards
+        .iter()
+        .filter(|s| s.identity.get().is_none());
+    let _ = tokio::time::timeout(bound, join_all(unknown.map(|s| s.resolve_identity()))).await;
+    let servers = servers(topology);
+    let beat = this_beat(topology, fingerprint, servers.as_deref(), shared, &host);
     // Also on the shards of earlier placements still in force, best effort: a shard left in
     // this reload then keeps a row of the topology moved to (see `live_fleet`). Their
     // failures are not this process's: only the current shards must know of it.
@@ -461,7 +427,6 @@ pub(crate) async fn beat(
         .collect();
     // Bounded by half an interval: a shard being left is often one being retired, and a dead
     // one must not hold back the heartbeat on the current shards.
-    let bound = topology.config.cleaner.heartbeat_interval / 2;
     let left = join_all(left.iter().map(|s| async move {
         match tokio::time::timeout(bound, s.call(|b| b.heartbeat(beat))).await {
             Ok(Ok(Heartbeat::TakenBy { host, pid })) => {
@@ -516,10 +481,12 @@ pub(crate) async fn beat(
     beats
 }
 
-/// This process's heartbeat under `topology`, advertising `fingerprint`.
+/// This process's heartbeat under `topology`, advertising `fingerprint` and `servers` (see
+/// [`servers`]; unknown until every current shard's identity is).
 fn this_beat<'a>(
     topology: &'a Topology,
     fingerprint: &'a str,
+    servers: Option<&'a str>,
     shared: &'a Shared,
     host: &'a str,
 ) -> Beat<'a> {
@@ -530,6 +497,7 @@ fn this_beat<'a>(
         topology: fingerprint,
         moving: topology.moves_in_progress() > 0,
         fleet: topology.config.instance.fleet(),
+        servers: servers.unwrap_or(SERVERS_UNKNOWN),
         nonce: shared.nonce(),
         timeout: topology.config.cleaner.heartbeat_timeout,
     }
@@ -549,7 +517,8 @@ pub(crate) async fn beat_before_leaving(
         return Ok(());
     }
     let host = host_name();
-    let beat = this_beat(topology, fingerprint, shared, &host);
+    let servers = servers(topology);
+    let beat = this_beat(topology, fingerprint, servers.as_deref(), shared, &host);
     shard.call(|b| b.heartbeat(beat)).await.map(drop)
 }
 

@@ -34,7 +34,7 @@ const HEARTBEAT: &str = concat!(
     "started_at = IF(nonce <=> ?, started_at, NOW(3)), ",
     "heartbeat_timeout_ms = IF(nonce <=> ?, GREATEST(COALESCE(heartbeat_timeout_ms, 0), ?), ?), ",
     "nonce = ?, heartbeat_at = NOW(3), ",
-    "deregistered_at = NULL, topology = ?, moving = ?, fleet = ?, shard_name = ? ",
+    "deregistered_at = NULL, topology = ?, moving = ?, fleet = ?, servers = ? ",
     "WHERE instance_id = ? AND (nonce <=> ? OR deregistered_at IS NOT NULL OR heartbeat_at <= ",
     silent_past_timeout!(),
     ")"
@@ -44,7 +44,7 @@ const HEARTBEAT: &str = concat!(
 /// is left as it is. Then [`BEAT_LAST`] says whose the row is.
 const REGISTER: &str = "INSERT INTO shardlock_instance \
      (instance_id, host, pid, nonce, started_at, heartbeat_at, deregistered_at, topology, \
-     moving, fleet, heartbeat_timeout_ms, shard_name) \
+     moving, fleet, heartbeat_timeout_ms, servers) \
      VALUES (?, ?, ?, ?, NOW(3), NOW(3), NULL, ?, ?, ?, ?, ?) \
      ON DUPLICATE KEY UPDATE instance_id = instance_id";
 
@@ -67,7 +67,7 @@ const ALIVE_HEAD: &str = concat!(
 const INSTANCES: &str = "SELECT instance_id, host, pid, \
      DATE_FORMAT(started_at, '%Y-%m-%dT%H:%i:%s.%fZ'), \
      CAST(TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) DIV 1000 AS SIGNED), \
-     deregistered_at IS NOT NULL, topology, moving <> 0, fleet, heartbeat_timeout_ms, shard_name \
+     deregistered_at IS NOT NULL, topology, moving <> 0, fleet, heartbeat_timeout_ms, servers \
      FROM shardlock_instance ORDER BY instance_id";
 
 /// Rows the cleaner may remove, after `?` in key order, at most `?` of them: their lease ended
@@ -138,9 +138,9 @@ pub struct InstanceRow {
     /// The `cleaner.heartbeat-timeout` it beat with (`None` from versions before migration
     /// 10): readers count it live for the longer of theirs and this.
     pub heartbeat_timeout: Option<std::time::Duration>,
-    /// The name under which the process that beat last reaches this shard (`None` from
-    /// versions before migration 12).
-    pub shard_name: Option<String>,
+    /// A digest of which database each shard name of its topology reaches (`None` from
+    /// versions before migration 12; see [`Beat::servers`]).
+    pub servers: Option<String>,
 }
 
 /// What the heartbeat registry says of an instance (see [`InstanceRow::verdict`]).
@@ -219,6 +219,9 @@ pub struct Beat<'a> {
     pub moving: bool,
     /// Its fleet.
     pub fleet: &'a str,
+    /// A digest of which database each shard name of its topology reaches: processes with
+    /// the same fingerprint but another digest reach some shard name at another database.
+    pub servers: &'a str,
     /// Its start nonce: the row is its own while it holds it.
     pub nonce: &'a str,
     /// `cleaner.heartbeat-timeout`: a row another start has not beaten for this long, nor for
@@ -242,11 +245,7 @@ pub enum Heartbeat {
     },
 }
 
-/// One heartbeat of `beat` on the shard its process names `shard`.
-pub(crate) async fn heartbeat(
-    conn: &mut Conn,
-    (beat, shard): (Beat<'_>, &str),
-) -> mysql_async::Result<Heartbeat> {
+pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::Result<Heartbeat> {
     let timeout_us = u64::try_from(beat.timeout.as_micros()).unwrap_or(u64::MAX);
     let timeout_ms = u64::try_from(beat.timeout.as_millis()).unwrap_or(u64::MAX);
     let params: Vec<Value> = vec![
@@ -260,7 +259,7 @@ pub(crate) async fn heartbeat(
         beat.topology.into(),
         beat.moving.into(),
         beat.fleet.into(),
-        shard.into(),
+        beat.servers.into(),
         beat.instance.into(),
         beat.nonce.into(),
         timeout_us.into(),
@@ -278,7 +277,7 @@ pub(crate) async fn heartbeat(
         beat.moving.into(),
         beat.fleet.into(),
         timeout_ms.into(),
-        shard.into(),
+        beat.servers.into(),
     ];
     // Affected rows count the rows matched (see `Shard::new`): an existing row counts too,
     // so whose the row is now is read back.
@@ -349,7 +348,7 @@ pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<Instan
                 moving,
                 fleet,
                 timeout_ms,
-                shard_name,
+                servers,
             )| {
                 InstanceRow {
                     instance_id: String::from_utf8_lossy(&id).into_owned(),
@@ -362,7 +361,7 @@ pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<Instan
                     moving,
                     fleet: fleet.map(|f| String::from_utf8_lossy(&f).into_owned()),
                     heartbeat_timeout: timeout_ms.map(std::time::Duration::from_millis),
-                    shard_name,
+                    servers,
                 }
             },
         )
@@ -451,6 +450,7 @@ mod tests {
             topology: "t",
             moving: false,
             fleet: "default",
+            servers: "s",
             nonce,
             timeout,
         }

@@ -62,8 +62,8 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
     ),
     (
         12,
-        "instance_shard_name",
-        include_str!("../migrations/0012_instance_shard_name.sql"),
+        "instance_servers",
+        include_str!("../migrations/0012_instance_servers.sql"),
     ),
 ];
 

@@ -867,8 +867,8 @@ impl Shard {
     /// Registers `instance` or renews its heartbeat, unless another live start beats under
     /// its id.
     pub async fn heartbeat(&self, beat: Beat<'_>) -> Result<Heartbeat, BackendError> {
-        self.run("heartbeat", (beat, self.name.as_str()), |c, &args| {
-            Box::pin(cleaner::heartbeat(c, args))
+        self.run("heartbeat", beat, |c, &beat| {
+            Box::pin(cleaner::heartbeat(c, beat))
         })
         .await
     }
