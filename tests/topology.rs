@@ -837,16 +837,16 @@ async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_sa
 
 /// The fingerprint a process advertises leaves URLs out (one database has many), so a
 /// process that reaches a shard's name at another server advertises the same topology. The
-/// registry still tells: it does not beat on the server the others reach under that name. A
-/// process started with a config that points a shard elsewhere grants nothing while such a
-/// process lives, and a reload that does so keeps its move in force until the fleet follows.
+/// registry still tells: each heartbeat carries a digest of the servers its shard names reach
+/// (migration 12). A process started with a config that points a shard elsewhere grants
+/// nothing while such a process lives, and a reload that does so keeps its move in force until
+/// the fleet follows.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shard_pointed_at_another_server_while_the_fleet_reaches_the_old_one_is_taken_on_both() {
     pointed_elsewhere_is_seen([0, 1, 3]).await;
 }
 
-/// The same when two shards' URLs are swapped: every process beats on every server, but the
-/// row on each names the shard its writer reaches there (migration 12).
+/// The same when two shards' URLs are swapped: every process beats on every server.
 #[tokio::test(flavor = "multi_thread")]
 async fn two_shards_swapped_while_the_fleet_reaches_them_the_old_way_are_taken_on_both() {
     pointed_elsewhere_is_seen([0, 2, 1]).await;
