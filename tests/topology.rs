@@ -852,6 +852,51 @@ async fn two_shards_swapped_while_the_fleet_reaches_them_the_old_way_are_taken_o
     pointed_elsewhere_is_seen([0, 2, 1]).await;
 }
 
+/// The digest names each server as the server names itself, whatever URL reaches it, and a
+/// process's digest does not change when it loses a shard: a member cut off from one shard
+/// (its registry row there timed out) keeps nobody from starting, and a member that reaches a
+/// shard through a proxy runs the same servers as one that reaches it directly.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_member_cut_off_from_one_shard_or_reaching_it_through_a_proxy_blocks_no_start() {
+    let cluster = Cluster::start(3).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(2).port()).await.unwrap();
+    let url = |i: usize| cluster.shard(i).url();
+    let beats = "cleaner:\n  heartbeat-interval: 100ms\n  heartbeat-timeout: 2s\n";
+    let direct = listing(&[("s1", url(0)), ("s2", url(1)), ("s3", url(2))], beats);
+    let proxied = listing(
+        &[("s1", url(0)), ("s2", url(1)), ("s3", proxy.url())],
+        beats,
+    );
+    let setup = LockRouter::new(direct.clone()).await.unwrap();
+    setup.migrate().await.unwrap();
+    setup.shutdown().await.unwrap();
+    let cut = LockRouter::new(proxied).await.unwrap();
+    assert!(cut.is_joined());
+    let id = cut.instance_id().to_owned();
+    proxy.set(ProxyMode::Blackhole);
+    let reader = LockRouter::new(listing(&[("s3", url(2))], beats))
+        .await
+        .unwrap();
+    let gone = common::eventually(Duration::from_secs(30), || async {
+        let rows = reader.instances().await.remove(0).1.unwrap();
+        rows.iter()
+            .filter(|r| r.instance_id == id)
+            .all(|r| r.heartbeat_ms_ago > 2_000)
+    })
+    .await;
+    assert!(gone, "the cut-off member's row on s3 did not time out");
+    reader.shutdown().await.unwrap();
+
+    let started = LockRouter::new(direct).await.unwrap();
+    assert!(
+        started.is_joined(),
+        "a member cut off from one shard blocked a start of the same topology"
+    );
+    started.shutdown().await.unwrap();
+    proxy.set(ProxyMode::Pass);
+    cut.shutdown().await.unwrap();
+}
+
 /// A fleet on `s1`..`s3` at the first three servers; `changed` names the servers (of four)
 /// a changed config gives them, placing `s3`'s keys elsewhere.
 async fn pointed_elsewhere_is_seen(changed: [usize; 3]) {
