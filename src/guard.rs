@@ -475,14 +475,15 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
     )))
 }
 
-/// The release statement that also grants the lease to `next`, with a fresh range of fences,
-/// unless another process marked the row as wanted: then the key is released for everyone and
-/// `next` gets the turn to poll after yielding.
 /// The next hand-off through a shard waits until this is answered or dropped (see
 /// [`crate::LockRouter::hold_next_handoff`]).
 #[cfg(feature = "fault-injection")]
 pub(crate) static HANDOFF_HELD: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>> =
     std::sync::Mutex::new(None);
+
+/// The release statement that also grants the lease to `next`, with a fresh range of fences,
+/// unless another process marked the row as wanted: then the key is released for everyone and
+/// `next` gets the turn to poll after yielding.
 
 async fn handoff_through_shard(
     shard: Arc<ShardState>,
