@@ -484,7 +484,6 @@ pub(crate) static HANDOFF_HELD: std::sync::Mutex<Option<tokio::sync::oneshot::Re
 /// The release statement that also grants the lease to `next`, with a fresh range of fences,
 /// unless another process marked the row as wanted: then the key is released for everyone and
 /// `next` gets the turn to poll after yielding.
-
 async fn handoff_through_shard(
     shard: Arc<ShardState>,
     lease: Arc<LeaseState>,
