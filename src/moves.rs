@@ -390,8 +390,8 @@ async fn carry_once(
             ));
         }
         // This process's last heartbeat there names the topology it moved to.
-        let fingerprint = router.advertised_fingerprint(&topology);
-        registry::beat_before_leaving(&topology, &fingerprint, &router.shared, source)
+        let advertised = router.advertised(&topology);
+        registry::beat_before_leaving(&topology, &advertised, &router.shared, source)
             .await
             .map_err(|e| {
                 not_yet(

@@ -164,11 +164,11 @@ async fn live_fleet(
 }
 
 /// Which database each current shard name of `topology` reaches, as a digest (FNV-1a, 64
-/// bits, hex) of each name with its server as the server says it (host name, port, server id
-/// and schema, however the URL reaches it): advertised with each heartbeat. For a Galera
-/// shard, whose nodes differ in all of those, the shard id its database stores (migration 5)
-/// stands for the server. `None` while some shard's identity is unknown (unreachable since
-/// this process started or reloaded).
+/// bits, hex) of each name with its identity: the shard id its database stores (migration 5)
+/// and the server as it names itself (host name, port, server id and schema, however the URL
+/// reaches it), as the latest heartbeat there read them. For a Galera shard, whose nodes
+/// differ in the server part, the shard id alone. `None` while some shard's identity is
+/// unknown (unreachable since this process started or reloaded).
 ///
 /// The topology's fingerprint leaves URLs out (one database has many), so processes with the
 /// same fingerprint may still reach one name at two databases (a reload pointing a shard at
@@ -177,12 +177,10 @@ async fn live_fleet(
 pub(crate) fn servers(topology: &Topology) -> Option<String> {
     let mut lines = Vec::new();
     for shard in &topology.current.shards {
-        let identity = shard.identity.get()?;
-        let (id, server) = identity.split_once(' ').unwrap_or(("", identity));
-        let id = if shard.config.nodes.is_empty() || id.is_empty() {
-            server
-        } else {
-            id
+        let identity = shard.server_identity()?;
+        let id = match identity.split_once(' ') {
+            Some((id, _)) if !shard.config.nodes.is_empty() && !id.is_empty() => id,
+            _ => identity.as_str(),
         };
         lines.push(format!("{}={id}", shard.name()));
     }
@@ -392,10 +390,10 @@ impl Beats {
 /// force is `heartbeat`; `missed` counts failures in a row per shard (a warning at the
 /// third). `reached` is called as each shard's heartbeat succeeds: a slow shard does not
 /// hold back the proof that the others were reached. `fingerprint` is the topology it
-/// advertises (see `Inner::advertised_fingerprint`).
+/// advertises, with its servers (see `Inner::advertised`).
 pub(crate) async fn beat(
     topology: &Topology,
-    fingerprint: &str,
+    (fingerprint, servers): &(String, Option<String>),
     shared: &Shared,
     missed: &mut std::collections::HashMap<String, u32>,
     reached: &(dyn Fn() + Sync),
@@ -405,15 +403,6 @@ pub(crate) async fn beat(
         return beats;
     }
     let host = host_name();
-    // A shard unreachable when this process started or reloaded is known once it answers.
-    let bound = topology.config.cleaner.heartbeat_interval / 2;
-    let unknown = topology
-        .current
-        .shards
-        .iter()
-        .filter(|s| s.identity.get().is_none());
-    let _ = tokio::time::timeout(bound, join_all(unknown.map(|s| s.resolve_identity()))).await;
-    let servers = servers(topology);
     let beat = this_beat(topology, fingerprint, servers.as_deref(), shared, &host);
     // Also on the shards of earlier placements still in force, best effort: a shard left in
     // this reload then keeps a row of the topology moved to (see `live_fleet`). Their
@@ -427,6 +416,7 @@ pub(crate) async fn beat(
         .collect();
     // Bounded by half an interval: a shard being left is often one being retired, and a dead
     // one must not hold back the heartbeat on the current shards.
+    let bound = topology.config.cleaner.heartbeat_interval / 2;
     let left = join_all(left.iter().map(|s| async move {
         match tokio::time::timeout(bound, s.call(|b| b.heartbeat(beat))).await {
             Ok(Ok(Heartbeat::TakenBy { host, pid })) => {
@@ -445,6 +435,11 @@ pub(crate) async fn beat(
         let outcome = s.call(|b| b.heartbeat(beat)).await;
         if matches!(outcome, Ok(Heartbeat::Beaten)) {
             reached();
+            // Which server it is, for the next heartbeat's digest: a failover behind the
+            // same URL, or a shard id stored since, is seen within a beat.
+            if let Ok(identity) = s.call(|b| b.identity()).await {
+                s.saw_identity(identity);
+            }
         }
         (s.name().to_owned(), outcome)
     });
@@ -509,7 +504,7 @@ fn this_beat<'a>(
 /// best-effort beat there failed. An error when the shard did not take it.
 pub(crate) async fn beat_before_leaving(
     topology: &Topology,
-    fingerprint: &str,
+    (fingerprint, servers): &(String, Option<String>),
     shared: &Shared,
     shard: &ShardState,
 ) -> Result<(), BackendError> {
@@ -517,7 +512,6 @@ pub(crate) async fn beat_before_leaving(
         return Ok(());
     }
     let host = host_name();
-    let servers = servers(topology);
     let beat = this_beat(topology, fingerprint, servers.as_deref(), shared, &host);
     shard.call(|b| b.heartbeat(beat)).await.map(drop)
 }

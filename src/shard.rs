@@ -67,6 +67,8 @@ pub(crate) struct ShardState {
     /// The server and schema behind the shard, once read (see [`Shard::identity`]): two shard
     /// states with the same identity are the same database.
     pub(crate) identity: std::sync::OnceLock<String>,
+    /// The identity as the latest heartbeat read it (see [`ShardState::server_identity`]).
+    seen_identity: Mutex<Option<String>>,
     /// Acquires waiting to be sent (see [`lanes`]).
     acquire_lane: lanes::Lane<(GrantRequest, bool), Attempt>,
     /// Releases waiting to be sent: (key, owner).
@@ -140,6 +142,7 @@ impl ShardState {
             label,
             backend: shard,
             identity: std::sync::OnceLock::new(),
+            seen_identity: Mutex::default(),
             acquire_lane: lanes::Lane::default(),
             release_lane: lanes::Lane::default(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
@@ -720,6 +723,18 @@ impl ShardState {
         {
             self.shared.follow(self.clone(), lease);
         }
+    }
+
+    /// The shard's identity now: as the latest heartbeat read it (a failover behind the same
+    /// URL, a shard id stored since the first read), else as first read.
+    pub(crate) fn server_identity(&self) -> Option<String> {
+        let seen = self.seen_identity.locked().clone();
+        seen.or_else(|| self.identity.get().cloned())
+    }
+
+    /// Records the identity a heartbeat read.
+    pub(crate) fn saw_identity(&self, identity: String) {
+        *self.seen_identity.locked() = Some(identity);
     }
 
     /// Reads the shard's identity if it is not known yet; unknown (unreachable) leaves it so,

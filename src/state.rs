@@ -330,8 +330,8 @@ impl Inner {
             self.gate.beaten(sent, lapse);
             (self.shared).beaten(sent, self.gate.lapse_in_force(lapse));
         };
-        let fingerprint = self.advertised_fingerprint(&topology);
-        let beats = registry::beat(&topology, &fingerprint, &self.shared, missed, &reached).await;
+        let advertised = self.advertised(&topology);
+        let beats = registry::beat(&topology, &advertised, &self.shared, missed, &reached).await;
         if beats.unreached.is_empty() && beats.taken_by.is_none() {
             self.gate.beaten_everywhere(lapse);
             // Every shard holds this lapse now: a longer one counts for the leases too.
@@ -531,15 +531,20 @@ impl Inner {
     /// not followed its key yet, the oldest one such a lock holds under. Such a lock leaves no
     /// row for the others' move to wait on: they must keep the move away from that topology
     /// in force (lock the key where it lived too) until the lock holds where the key lives
-    /// now, as for a process that has not reloaded.
-    pub(crate) fn advertised_fingerprint(&self, topology: &Topology) -> String {
+    /// now, as for a process that has not reloaded. With it, which server each shard name
+    /// reaches ([`registry::servers`]); unknown while such a lock is pending, since a reload
+    /// that only points a shard at another server keeps the fingerprint.
+    pub(crate) fn advertised(&self, topology: &Topology) -> (String, Option<String>) {
         self.tx_locks
             .locked()
             .iter()
             .filter_map(Weak::upgrade)
             .filter_map(|lock| lock.pending_since(topology.epoch))
             .min_by_key(|(epoch, _)| *epoch)
-            .map_or_else(|| topology.fingerprint.clone(), |(_, placed)| placed)
+            .map_or_else(
+                || (topology.fingerprint.clone(), registry::servers(topology)),
+                |(_, placed)| (placed, None),
+            )
     }
 
     /// Every transaction lock placed under an older epoch than `topology`'s follows its key.

@@ -68,6 +68,10 @@ impl LockRouter {
                 .migrate()
                 .await
                 .map_err(|e| e.into_error(s.name()))?;
+            // Read again for the heartbeat's servers digest: the shard id it names may be new.
+            if let Ok(identity) = s.unguarded().identity().await {
+                s.saw_identity(identity);
+            }
             Ok::<_, Error>((s.name().to_owned(), report))
         });
         let mut out = Vec::new();

@@ -863,34 +863,65 @@ async fn a_member_cut_off_from_one_shard_or_reaching_it_through_a_proxy_blocks_n
     let url = |i: usize| cluster.shard(i).url();
     let beats = "cleaner:\n  heartbeat-interval: 100ms\n  heartbeat-timeout: 2s\n";
     let direct = listing(&[("s1", url(0)), ("s2", url(1)), ("s3", url(2))], beats);
-    let proxied = listing(
-        &[("s1", url(0)), ("s2", url(1)), ("s3", proxy.url())],
-        beats,
-    );
+    // A short statement timeout: its heartbeats on s1 and s2 go on landing while s3's fail.
+    let mut proxied = String::from("shards:\n");
+    for (name, url) in [("s1", url(0)), ("s2", url(1)), ("s3", proxy.url())] {
+        proxied.push_str(&format!(
+            "  - name: {name}\n    url: {url}\n    statement-timeout: 300ms\n"
+        ));
+    }
+    let proxied =
+        Config::from_yaml_str(&format!("{proxied}routing:\n  move-window: 500ms\n{beats}"))
+            .unwrap();
     let setup = LockRouter::new(direct.clone()).await.unwrap();
     setup.migrate().await.unwrap();
     setup.shutdown().await.unwrap();
     let cut = LockRouter::new(proxied).await.unwrap();
     assert!(cut.is_joined());
     let id = cut.instance_id().to_owned();
+    let joins = |config: Config| async move {
+        let router = LockRouter::new(config).await.unwrap();
+        let joined =
+            common::eventually(Duration::from_secs(30), || async { router.is_joined() }).await;
+        (router, joined)
+    };
+    let (started, joined) = joins(direct.clone()).await;
+    assert!(
+        joined,
+        "a member reaching a shard through a proxy blocked a start"
+    );
+    started.shutdown().await.unwrap();
+
     proxy.set(ProxyMode::Blackhole);
+    let rows_of = |router: &LockRouter, shard: usize| {
+        let (router, id) = (router.clone(), id.clone());
+        async move {
+            let rows = router.instances().await.remove(shard).1.unwrap();
+            rows.into_iter()
+                .filter(|r| r.instance_id == id)
+                .map(|r| r.heartbeat_ms_ago)
+                .collect::<Vec<_>>()
+        }
+    };
     let reader = LockRouter::new(listing(&[("s3", url(2))], beats))
         .await
         .unwrap();
     let gone = common::eventually(Duration::from_secs(30), || async {
-        let rows = reader.instances().await.remove(0).1.unwrap();
-        rows.iter()
-            .filter(|r| r.instance_id == id)
-            .all(|r| r.heartbeat_ms_ago > 2_000)
+        rows_of(&reader, 0).await.iter().all(|ago| *ago > 2_000)
     })
     .await;
     assert!(gone, "the cut-off member's row on s3 did not time out");
     reader.shutdown().await.unwrap();
 
-    let started = LockRouter::new(direct).await.unwrap();
+    let (started, joined) = joins(direct).await;
     assert!(
-        started.is_joined(),
+        joined,
         "a member cut off from one shard blocked a start of the same topology"
+    );
+    let live_on_s1 = rows_of(&started, 0).await;
+    assert!(
+        live_on_s1.iter().any(|ago| *ago < 2_000),
+        "the cut-off member was not live elsewhere when the start was checked: {live_on_s1:?}"
     );
     started.shutdown().await.unwrap();
     proxy.set(ProxyMode::Pass);

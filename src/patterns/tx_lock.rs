@@ -51,7 +51,7 @@ pub(crate) struct TxLockState {
     /// The topology epoch up to which the lock is known to hold where the key lives.
     placed_epoch: AtomicU64,
     /// The fingerprint of the topology of `placed_epoch`: advertised while the lock has not
-    /// followed its key under a later one (see `Inner::advertised_fingerprint`).
+    /// followed its key under a later one (see `Inner::advertised`).
     placed_in: std::sync::Mutex<String>,
     rows: std::sync::Mutex<TxRows>,
     lost: watch::Sender<bool>,
