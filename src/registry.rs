@@ -164,11 +164,12 @@ async fn live_fleet(
 }
 
 /// Which database each current shard name of `topology` reaches, as a digest (FNV-1a, 64
-/// bits, hex) of each name with its identity: the shard id its database stores (migration 5)
-/// and the server as it names itself (host name, port, server id and schema, however the URL
-/// reaches it), as the latest heartbeat there read them. For a Galera shard, whose nodes
-/// differ in the server part, the shard id alone. `None` while some shard's identity is
-/// unknown (unreachable since this process started or reloaded).
+/// bits, hex) of each name with the random shard id its database stores (migration 5), as
+/// the latest heartbeat there read it: the same on every node of a Galera cluster and behind
+/// every URL, proxy or read/write split, however the server names itself. (A shard without
+/// one yet stands for its server as it names itself: host name, port, server id, schema.)
+/// `None` while some shard's identity is unknown (unreachable since this process started or
+/// reloaded). A copy restored from a backup carries the id, and counts as the same database.
 ///
 /// The topology's fingerprint leaves URLs out (one database has many), so processes with the
 /// same fingerprint may still reach one name at two databases (a reload pointing a shard at
@@ -179,7 +180,7 @@ pub(crate) fn servers(topology: &Topology) -> Option<String> {
     for shard in &topology.current.shards {
         let identity = shard.server_identity()?;
         let id = match identity.split_once(' ') {
-            Some((id, _)) if !shard.config.nodes.is_empty() && !id.is_empty() => id,
+            Some((id, _)) if !id.is_empty() => id,
             _ => identity.as_str(),
         };
         lines.push(format!("{}={id}", shard.name()));
@@ -196,6 +197,21 @@ pub(crate) fn servers(topology: &Topology) -> Option<String> {
 /// What a heartbeat advertises while [`servers`] is unknown: matches no process's digest.
 const SERVERS_UNKNOWN: &str = "unknown";
 
+/// Reads the identity of each current shard of `topology` that no heartbeat has read yet,
+/// within half a heartbeat interval (a shard that does not answer stays unknown).
+pub(crate) async fn learn_servers(topology: &Topology) {
+    if topology.config.cleaner.registry != RegistryKind::Heartbeat {
+        return;
+    }
+    let unknown = (topology.current.shards.iter()).filter(|s| s.server_identity().is_none());
+    let reads = join_all(unknown.map(|s| async move {
+        if let Ok(identity) = s.call(|b| b.identity()).await {
+            s.saw_identity(identity);
+        }
+    }));
+    let _ = tokio::time::timeout(topology.config.cleaner.heartbeat_interval / 2, reads).await;
+}
+
 /// The live instances among `rows` that run `topology`'s fingerprint but reach some shard name
 /// at another database than this process (see [`servers`]), each described; every one of them
 /// when this process does not know yet which database each of its shards is. Instances of
@@ -208,6 +224,11 @@ fn placed_elsewhere(topology: &Topology, rows: &[InstanceRow]) -> BTreeSet<Strin
             let theirs = row.servers.as_deref()?;
             let why = match &own {
                 Some(own) if own == theirs => return None,
+                Some(_) if theirs == SERVERS_UNKNOWN => "runs this topology but does not say \
+                     yet which server each shard name reaches (a shard it has not reached \
+                     since it started or reloaded, or a transaction lock still following its \
+                     key)"
+                    .to_owned(),
                 Some(own) => format!(
                     "runs this topology but reaches some shard name at another database than \
                      this process (servers {theirs} against {own}): reload it with this config"
@@ -435,9 +456,9 @@ pub(crate) async fn beat(
         let outcome = s.call(|b| b.heartbeat(beat)).await;
         if matches!(outcome, Ok(Heartbeat::Beaten)) {
             reached();
-            // Which server it is, for the next heartbeat's digest: a failover behind the
-            // same URL, or a shard id stored since, is seen within a beat.
-            if let Ok(identity) = s.call(|b| b.identity()).await {
+            // Which server it is, for the next heartbeat's digest: a shard id stored since
+            // (a migration) is seen within a beat. Bounded: it holds up the next heartbeat.
+            if let Ok(Ok(identity)) = tokio::time::timeout(bound, s.call(|b| b.identity())).await {
                 s.saw_identity(identity);
             }
         }

@@ -310,6 +310,9 @@ impl Inner {
     pub(crate) async fn beat(&self, missed: &mut HashMap<String, u32>) -> registry::Beats {
         let topology = self.topology.load_full();
         let lapse = lapse(&topology.config);
+        // Which server each shard is, for the servers this heartbeat advertises, where no
+        // heartbeat has read it yet (the first one, a shard added by a reload).
+        registry::learn_servers(&topology).await;
         let sent = Moment::now();
         // A pause since the last look at the lapse (the heartbeat loop's, a grant's) is one:
         // counted before this heartbeat, fresh once it reaches a shard, hides it. (Before the
