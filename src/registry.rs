@@ -1,13 +1,14 @@
 //! The instance registry: which processes are alive, and which topology each runs.
 //!
 //! Every router writes a heartbeat row on each shard of its topology (instance id, host, pid,
-//! the topology's fingerprint, whether a move is in force, its fleet). Three decisions read it:
+//! the topology's fingerprint, which database each shard name reaches, whether a move is in
+//! force, its fleet). Three decisions read it:
 //! the cleaner deletes a lease that ended without a release only when its holder is dead here
 //! (or in the registry set in code, [`InstanceRegistry`]); a router refuses to start under a
 //! configured instance id that is live elsewhere (two processes writing one owner would both
 //! pass owner checks); and a router, or a reload's move, waits while a live instance of the
-//! same fleet runs another topology (it would place a moved key where this one no longer
-//! looks). Those last two fail closed: a shard whose registry does not answer counts as "maybe
+//! same fleet runs another topology, or the same one on other databases (it would place a
+//! moved key where this one no longer looks). Those last two fail closed: a shard whose registry does not answer counts as "maybe
 //! somebody", never as "nobody".
 //!
 //! The functions take the topology in force and this process's instance id rather than the
