@@ -705,32 +705,7 @@ async fn a_half_open_breaker_grants_nothing_in_process() {
 /// and reports the conflict to the local holder.
 #[tokio::test(flavor = "multi_thread")]
 async fn reconciling_leaves_a_row_kept_for_its_minimum_hold_taken() {
-    let rig = Rig::start("local", None, POOL).await;
-    let key = rig.keys("k", 1, false).remove(0);
-    let at_least = AcquireOptions::new().lock_at_least(Duration::from_secs(120));
-    let finished = rig.router.acquire(&key, at_least).await.unwrap();
-    let owner = finished.owner().to_owned();
-    finished.release().await.unwrap();
-
-    cut_off(&rig, "other").await;
-    let local = rig
-        .router
-        .acquire(&key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(local.mode(), LockMode::LocalFallback);
-    rig.proxy.set(ProxyMode::Pass);
-    tokio::time::timeout(Duration::from_secs(30), local.lost())
-        .await
-        .expect("the local holder was not told its key is taken until the minimum hold ends");
-    assert_eq!(rig.router.stats().reconcile_conflicts, 1);
-    let direct = direct_router(&rig).await;
-    let (_, row) = direct.inspect(&key).await.unwrap();
-    assert_eq!(
-        row.and_then(|r| r.owner).as_deref(),
-        Some(owner.as_str()),
-        "the row kept for its minimum hold was given back"
-    );
+    a_reconcile_leaves_a_row_kept_for_its_minimum_hold(false).await;
 }
 
 /// The same row when its release failed (the shard was cut off as the hold's work ended, as
@@ -738,16 +713,27 @@ async fn reconciling_leaves_a_row_kept_for_its_minimum_hold_taken() {
 /// kept for its minimum hold, so a reconcile of the key held in process meanwhile leaves it.
 #[tokio::test(flavor = "multi_thread")]
 async fn reconciling_leaves_a_row_kept_for_its_minimum_hold_whose_release_failed() {
+    a_reconcile_leaves_a_row_kept_for_its_minimum_hold(true).await;
+}
+
+/// A hold kept for two minutes after its grant, released before the router is cut off from its
+/// shard (or after, `release_fails`); the key is then held in process, and the shard comes back.
+async fn a_reconcile_leaves_a_row_kept_for_its_minimum_hold(release_fails: bool) {
     let rig = Rig::start("local", None, POOL).await;
     let key = rig.keys("k", 1, false).remove(0);
     let at_least = AcquireOptions::new().lock_at_least(Duration::from_secs(120));
     let finished = rig.router.acquire(&key, at_least).await.unwrap();
     let owner = finished.owner().to_owned();
-    cut_off(&rig, "other").await;
-    finished
-        .release()
-        .await
-        .expect_err("the release reached a shard behind an open breaker");
+    if release_fails {
+        cut_off(&rig, "other").await;
+        finished
+            .release()
+            .await
+            .expect_err("the release reached a shard behind an open breaker");
+    } else {
+        finished.release().await.unwrap();
+        cut_off(&rig, "other").await;
+    }
 
     let local = rig
         .router

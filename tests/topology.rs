@@ -29,6 +29,21 @@ fn config_for(cluster: &Cluster, n: usize) -> String {
     yaml
 }
 
+/// Asserts that `started` grants `key` to nobody, naming `because` as the instance its fleet
+/// check waits for.
+async fn refused_for(started: &LockRouter, key: &str, because: &LockRouter) {
+    match started.try_acquire(key, AcquireOptions::new()).await {
+        Err(shardlock::Error::Unavailable { source, .. }) => {
+            let why = shardlock::Report(&source).to_string();
+            assert!(why.contains(because.instance_id()), "{why}");
+        }
+        other => panic!(
+            "granted or refused otherwise: {:?}",
+            other.map(|g| g.is_some())
+        ),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn two_processes_across_grow_and_shrink_never_hold_a_key_twice() {
     let cluster = Cluster::start(4).await.unwrap();
@@ -931,7 +946,6 @@ async fn a_member_cut_off_from_one_shard_or_reaching_it_through_a_proxy_blocks_n
 /// A fleet on `s1`..`s3` at the first three servers; `changed` names the servers (of four)
 /// a changed config gives them, placing `s3`'s keys elsewhere.
 async fn pointed_elsewhere_is_seen(changed: [usize; 3]) {
-    use shardlock::Error;
     let cluster = Cluster::start(4).await.unwrap();
     let url = |i: usize| cluster.shard(i).url();
     let beats = "cleaner:\n  heartbeat-interval: 100ms\n";
@@ -963,16 +977,7 @@ async fn pointed_elsewhere_is_seen(changed: [usize; 3]) {
     let opts = || AcquireOptions::new().wait(Duration::ZERO);
 
     let started = LockRouter::new(other.clone()).await.unwrap();
-    match started.try_acquire(&key, opts()).await {
-        Err(Error::Unavailable { source, .. }) => {
-            let why = shardlock::Report(&source).to_string();
-            assert!(why.contains(b.instance_id()), "{why}");
-        }
-        other => panic!(
-            "a process started onto the other server was granted or refused otherwise: {:?}",
-            other.map(|g| g.is_some())
-        ),
-    }
+    refused_for(&started, &key, &b).await;
     started.shutdown().await.unwrap();
     // Nothing held at the move's end: its carry then finds nothing left on the old server.
     held.release().await.unwrap();
@@ -1180,16 +1185,7 @@ async fn a_process_started_with_another_topology_grants_nothing_until_its_fleet_
         .unwrap();
     assert_ne!(old.shard_for(&key).unwrap(), "s3");
     let held = old.acquire(&key, AcquireOptions::new()).await.unwrap();
-    match new.try_acquire(&key, AcquireOptions::new()).await {
-        Err(Error::Unavailable { source, .. }) => {
-            let why = shardlock::Report(&source).to_string();
-            assert!(why.contains(old.instance_id()), "{why}");
-        }
-        other => panic!(
-            "granted or refused otherwise: {:?}",
-            other.map(|g| g.is_some())
-        ),
-    }
+    refused_for(&new, &key, &old).await;
     assert!(matches!(
         new.lock_in_transaction("any", Duration::ZERO).await,
         Err(Error::Unavailable { .. })
