@@ -809,10 +809,7 @@ async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_sa
     .unwrap();
     let a = LockRouter::new(first.clone()).await.unwrap();
     let b = LockRouter::new(first).await.unwrap();
-    let key = (0..)
-        .map(|i| format!("k:{i}"))
-        .find(|k| a.shard_for(k).unwrap() == "s3")
-        .unwrap();
+    let key = common::key_on(&a, "k", "s3");
     let opts = || {
         AcquireOptions::new()
             .ttl(Duration::from_secs(1))
@@ -969,10 +966,7 @@ async fn pointed_elsewhere_is_seen(changed: [usize; 3]) {
     setup.shutdown().await.unwrap();
     let a = LockRouter::new(first.clone()).await.unwrap();
     let b = LockRouter::new(first).await.unwrap();
-    let key = (0..)
-        .map(|i| format!("k:{i}"))
-        .find(|k| a.shard_for(k).unwrap() == "s3")
-        .unwrap();
+    let key = common::key_on(&a, "k", "s3");
     let held = b.acquire(&key, AcquireOptions::new()).await.unwrap();
     let opts = || AcquireOptions::new().wait(Duration::ZERO);
 
@@ -1022,10 +1016,7 @@ async fn a_hand_off_decided_before_a_reload_that_moved_its_key_takes_the_key_whe
     let (two, three) = (config_for(&cluster, 2), config_for(&cluster, 3));
     let setup = LockRouter::from_yaml_str(&three).await.unwrap();
     setup.migrate().await.unwrap();
-    let key = (0..)
-        .map(|i| format!("k:{i}"))
-        .find(|k| setup.shard_for(k).unwrap() == "s3")
-        .unwrap();
+    let key = common::key_on(&setup, "k", "s3");
     setup.shutdown().await.unwrap();
     let router = LockRouter::from_yaml_str(&two).await.unwrap();
     let grown = Config::from_yaml_str(&three).unwrap();
