@@ -8,8 +8,8 @@
 //! configured instance id that is live elsewhere (two processes writing one owner would both
 //! pass owner checks); and a router, or a reload's move, waits while a live instance of the
 //! same fleet runs another topology, or the same one on other databases (it would place a
-//! moved key where this one no longer looks). Those last two fail closed: a shard whose registry does not answer counts as "maybe
-//! somebody", never as "nobody".
+//! moved key where this one no longer looks). Those last two fail closed: a shard whose
+//! registry does not answer counts as "maybe somebody", never as "nobody".
 //!
 //! The functions take the topology in force and this process's instance id rather than the
 //! router: the registry sits below the router and the moves that consult it.
