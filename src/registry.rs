@@ -165,12 +165,12 @@ async fn live_fleet(
 }
 
 /// Which database each current shard name of `topology` reaches, as a digest (FNV-1a, 64
-/// bits, hex) of each name with the random shard id its database stores (migration 5), as
-/// the latest heartbeat there read it: the same on every node of a Galera cluster and behind
-/// every URL, proxy or read/write split, however the server names itself. (A shard without
-/// one yet stands for its server as it names itself: host name, port, server id, schema.)
-/// `None` while some shard's identity is unknown (unreachable since this process started or
-/// reloaded). A copy restored from a backup carries the id, and counts as the same database.
+/// bits, hex) of each name with its identity as the latest heartbeat there read it: the random
+/// shard id its database stores (migration 5) and the server as it names itself (host name,
+/// port, server id, schema), the same through any URL or proxy that reaches that server. A
+/// copy of the database (a promoted replica, a restored backup) carries the id but is another
+/// server. For a Galera shard, whose nodes each name themselves, the id alone. `None` while
+/// some shard's identity is unknown (unreachable since this process started or reloaded).
 ///
 /// The topology's fingerprint leaves URLs out (one database has many), so processes with the
 /// same fingerprint may still reach one name at two databases (a reload pointing a shard at
@@ -181,7 +181,7 @@ pub(crate) fn servers(topology: &Topology) -> Option<String> {
     for shard in &topology.current.shards {
         let identity = shard.server_identity()?;
         let id = match identity.split_once(' ') {
-            Some((id, _)) if !id.is_empty() => id,
+            Some((id, _)) if !shard.config.nodes.is_empty() && !id.is_empty() => id,
             _ => identity.as_str(),
         };
         lines.push(format!("{}={id}", shard.name()));
