@@ -1177,11 +1177,109 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
 #[tokio::test(flavor = "multi_thread")]
 async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
     let (cluster, three, four) = cluster().await;
+    let followed = followed_once(&cluster, [three, four], Duration::from_secs(6), false).await;
+    let Followed {
+        a,
+        held,
+        key,
+        p1,
+        p2,
+        two,
+        ..
+    } = followed;
+    let shard = |name: &str| cluster.shards().iter().find(|s| s.name() == name).unwrap();
+
+    // Reloaded again, with the key's row on p2 held by another transaction past the follow's
+    // time: lost.
+    let mut blocker = common::row_locked(shard(&p2), "shardlock_txlock", &key).await;
+    a.reload(two).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), held.lost())
+        .await
+        .expect("the follow to p2 was held up past its time");
+
+    // The row the first follow took on p1 is free while the guard lives.
+    let locked = txlock_row_locked(shard(&p1), &key, 10).await;
+    assert!(
+        locked.is_ok(),
+        "the row on {p1} is still locked by a lost lock: {locked:?}"
+    );
+    assert!(matches!(held.commit().await, Err(Error::LockLost { .. })));
+    blocker.query_drop("ROLLBACK").await.unwrap();
+}
+
+/// A transaction lock whose `COMMIT` is on its way (held up on the link to its shard) when a
+/// reload moves its key again, with the follow kept from the new shard past its time, keeps
+/// the row it holds on the shard its key lived on in between until the `COMMIT` is answered:
+/// rolled back at the follow's failure, it would let a process placed by the reload lock the
+/// key there, and then the held-up `COMMIT` would still commit the holder's statements.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_follow_waits_for_a_commit_on_its_way() {
+    let (cluster, three, four) = cluster().await;
+    let followed = followed_once(&cluster, [three, four], Duration::from_secs(2), true).await;
+    let Followed {
+        a,
+        held,
+        key,
+        p1,
+        p2,
+        two,
+        proxy,
+    } = followed;
+    let proxy = proxy.expect("proxied");
+    let shard = |name: &str| cluster.shards().iter().find(|s| s.name() == name).unwrap();
+
+    // The COMMIT is held on its way to the lock's own shard.
+    proxy.set(ProxyMode::HoldTo(b"RELEASE SAVEPOINT"));
+    let committing = tokio::spawn(held.commit());
+    let mut commit = proxy.held().await;
+    // Reloaded meanwhile, with the key's row on p2 held by another transaction past the
+    // follow's time (half the 2 s window).
+    let mut blocker = common::row_locked(shard(&p2), "shardlock_txlock", &key).await;
+    a.reload(two).await.unwrap();
+    let locked = txlock_row_locked(shard(&p1), &key, 3).await;
+    assert!(
+        locked.is_err(),
+        "the row on {p1} was let go while the lock's COMMIT was on its way"
+    );
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    assert!(commit.deliver().await, "the COMMIT was not run");
+    drop(commit);
+    // The client never heard the answer: the commit may have been applied.
+    let committed = committing.await.unwrap();
+    assert!(
+        matches!(committed, Err(Error::Unavailable { .. })),
+        "{committed:?}"
+    );
+    let locked = txlock_row_locked(shard(&p1), &key, 10).await;
+    assert!(locked.is_ok(), "the row on {p1} stayed locked: {locked:?}");
+}
+
+/// What [`followed_once`] leaves: router `a` (over four shards, then three) holding a
+/// transaction lock on `key` that followed it from its first shard to `p1`, the key's shard
+/// `p2` under `two` (the first two shards), and the proxy in front of the key's first shard.
+struct Followed {
+    a: LockRouter,
+    held: TxLockGuard,
+    key: String,
+    p1: String,
+    p2: String,
+    two: Config,
+    proxy: Option<Proxy>,
+}
+
+/// [`Followed`], with move window `window`; with `proxied`, the key's first shard is reached
+/// through a proxy (under every config).
+async fn followed_once(
+    cluster: &Cluster,
+    [three, four]: [Config; 2],
+    window: Duration,
+    proxied: bool,
+) -> Followed {
     let window = |mut c: Config| {
-        c.routing.move_window = Some(Duration::from_secs(6));
+        c.routing.move_window = Some(window);
         c
     };
-    let (three, four) = (window(three), window(four));
+    let (mut three, mut four) = (window(three), window(four));
     let mut two = three.clone();
     two.shards.truncate(2);
     // A key on a different shard under each of four, three and two shards.
@@ -1190,7 +1288,7 @@ async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
         LockRouter::new(three.clone()).await.unwrap(),
         LockRouter::new(two.clone()).await.unwrap(),
     ];
-    let (key, [_, p1, p2]) = (0..)
+    let (key, [p0, p1, p2]) = (0..)
         .map(|i| format!("follow:{i}"))
         .map(|k| {
             let placed = routers.each_ref().map(|r| r.shard_for(&k).unwrap());
@@ -1202,7 +1300,21 @@ async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
     for router in routers {
         router.shutdown().await.unwrap();
     }
-    let shard = |name: &str| cluster.shards().iter().find(|s| s.name() == name).unwrap();
+    let proxy = match proxied {
+        true => {
+            let first = cluster.shards().iter().find(|s| s.name() == p0).unwrap();
+            let proxy = Proxy::start(first.port()).await.unwrap();
+            for config in [&mut four, &mut three, &mut two] {
+                for s in config.shards.iter_mut().filter(|s| s.name == p0) {
+                    s.url = proxy.url();
+                    // Longer than the test holds a statement up.
+                    s.statement_timeout = Duration::from_secs(60);
+                }
+            }
+            Some(proxy)
+        }
+        false => None,
+    };
     let a = LockRouter::new(four).await.unwrap();
     let held = a
         .lock_in_transaction(&key, Duration::from_secs(5))
@@ -1218,34 +1330,37 @@ async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
     .await;
     assert!(followed, "the first follow never ended");
     assert!(held.is_held());
+    Followed {
+        a,
+        held,
+        key,
+        p1,
+        p2,
+        two,
+        proxy,
+    }
+}
 
-    // Reloaded again, with the key's row on p2 held by another transaction past the follow's
-    // time: lost.
-    let mut blocker = common::row_locked(shard(&p2), "shardlock_txlock", &key).await;
-    a.reload(two).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(30), held.lost())
-        .await
-        .expect("the follow to p2 was held up past its time");
-
-    // The row the first follow took on p1 is free while the guard lives.
-    let mut c = shard(&p1).connect().await.unwrap();
-    c.query_drop("SET SESSION innodb_lock_wait_timeout = 10")
+/// Locks `key`'s row of `shardlock_txlock` on `shard` in a transaction of its own, waiting up
+/// to `secs` (the server's lock wait), and rolls back.
+async fn txlock_row_locked(
+    shard: &Shard,
+    key: &str,
+    secs: u32,
+) -> Result<Option<u8>, shardlock::mysql_async::Error> {
+    let mut c = shard.connect().await.unwrap();
+    c.query_drop(format!("SET SESSION innodb_lock_wait_timeout = {secs}"))
         .await
         .unwrap();
     let mut tx = c.start_transaction(Default::default()).await.unwrap();
-    let locked: Result<Option<u8>, _> = tx
+    let locked = tx
         .exec_first(
             "SELECT 1 FROM shardlock_txlock WHERE lock_key = ? FOR UPDATE",
-            (key.as_str(),),
+            (key,),
         )
         .await;
-    assert!(
-        locked.is_ok(),
-        "the row on {p1} is still locked by a lost lock: {locked:?}"
-    );
     tx.rollback().await.unwrap();
-    assert!(matches!(held.commit().await, Err(Error::LockLost { .. })));
-    blocker.query_drop("ROLLBACK").await.unwrap();
+    locked
 }
 
 /// A transaction lock has no lease row, so a process started onto another topology after its

@@ -485,7 +485,12 @@ async fn a_statement_interrupted_on_a_transaction_locks_connection_never_reaches
 /// of reporting a locked section that was not. A transaction left intact ends as before.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_ended_by_the_callers_sql_is_reported_lost_at_commit() {
-    let (_cluster, router, _) = common::start(1, "").await;
+    let (cluster, router, _) = common::start(1, "").await;
+    on_every_shard(
+        &cluster,
+        "CREATE TABLE tx_after_end (what VARCHAR(200) PRIMARY KEY)",
+    )
+    .await;
     let wait = Duration::from_secs(2);
     // Errors name the key by its hash (no `record-keys` here).
     let ended_label = shardlock::LockKey::new("tx:ended").unwrap().label_hash();
@@ -503,11 +508,25 @@ async fn a_transaction_ended_by_the_callers_sql_is_reported_lost_at_commit() {
             .lock_in_transaction("tx:ended", Duration::ZERO)
             .await
             .unwrap_or_else(|e| panic!("after `{ending}` the key stayed locked: {e}"));
+        // What the holder runs after the end is not committed, while the other holds the key
+        // or after.
+        guard
+            .conn()
+            .exec_drop("INSERT INTO tx_after_end VALUES (?)", (ending,))
+            .await
+            .unwrap();
+        let after_end = "SELECT COUNT(*) FROM tx_after_end";
+        assert_eq!(
+            count_rows(&cluster, after_end).await,
+            0,
+            "after `{ending}`, a statement outside the lock was committed"
+        );
         other.rollback().await.unwrap();
         match guard.commit().await {
             Err(Error::LockLost { key_label }) => assert_eq!(key_label, ended_label),
             other => panic!("after `{ending}`, commit answered {other:?}"),
         }
+        assert_eq!(count_rows(&cluster, after_end).await, 0, "after `{ending}`");
         // A rollback learns it too: what ran before the end may be committed.
         let mut guard = router.lock_in_transaction("tx:ended", wait).await.unwrap();
         guard.conn().query_drop(ending).await.unwrap();
@@ -522,4 +541,96 @@ async fn a_transaction_ended_by_the_callers_sql_is_reported_lost_at_commit() {
     let mut guard = router.lock_in_transaction("tx:ended", wait).await.unwrap();
     guard.conn().query_drop("SELECT 1").await.unwrap();
     guard.rollback().await.unwrap();
+}
+
+/// A deadlock that one of the holder's own statements loses rolls back the whole transaction,
+/// the lock's row lock with it, and another process may take the key at once: what the holder
+/// runs after that is not committed (the lock's session runs with autocommit off), while the
+/// other holds the key or later, and `commit` answers `LockLost`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deadlock_lost_by_the_holders_sql_commits_nothing_after_it() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let shard = &cluster.shards()[0];
+    shard
+        .connect()
+        .await
+        .unwrap()
+        .query_drop(
+            "CREATE TABLE dl_rows (n INT PRIMARY KEY, v INT NOT NULL); \
+             INSERT INTO dl_rows VALUES (1, 0), (2, 0); \
+             CREATE TABLE dl_bulk (n INT PRIMARY KEY); \
+             CREATE TABLE dl_after (n INT PRIMARY KEY)",
+        )
+        .await
+        .unwrap();
+    let mut holder = router
+        .lock_in_transaction("tx:deadlock", Duration::from_secs(2))
+        .await
+        .unwrap();
+    holder
+        .conn()
+        .query_drop("UPDATE dl_rows SET v = 1 WHERE n = 1")
+        .await
+        .unwrap();
+    // Another transaction, the heavier one (InnoDB rolls back the lighter), locks row 2 and
+    // then waits for the holder's row 1.
+    let mut other = shard.connect().await.unwrap();
+    other
+        .query_drop(
+            "START TRANSACTION; \
+             INSERT INTO dl_bulk WITH RECURSIVE s (n) AS \
+             (SELECT 1 UNION ALL SELECT n + 1 FROM s WHERE n < 1000) SELECT n FROM s; \
+             UPDATE dl_rows SET v = 2 WHERE n = 2",
+        )
+        .await
+        .unwrap();
+    let waiting = tokio::spawn(async move {
+        other
+            .query_drop("UPDATE dl_rows SET v = 2 WHERE n = 1")
+            .await
+            .map(|()| other)
+    });
+    let mut watch = shard.connect().await.unwrap();
+    let waits = "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'";
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while watch.query_first::<u64, _>(waits).await.unwrap() != Some(1) {
+        assert!(
+            Instant::now() < deadline,
+            "the other transaction never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The holder's next statement closes the cycle and loses.
+    match holder
+        .conn()
+        .query_drop("UPDATE dl_rows SET v = 1 WHERE n = 2")
+        .await
+    {
+        Err(shardlock::mysql_async::Error::Server(e)) => assert_eq!(e.code, 1213, "{e}"),
+        other => panic!("the holder's statement was not the deadlock's victim: {other:?}"),
+    }
+    let mut other = waiting.await.unwrap().unwrap();
+    other.query_drop("COMMIT").await.unwrap();
+    let taken = router
+        .lock_in_transaction("tx:deadlock", Duration::ZERO)
+        .await
+        .expect("the deadlock ended the holder's lock");
+    holder
+        .conn()
+        .query_drop("INSERT INTO dl_after VALUES (1)")
+        .await
+        .unwrap();
+    let after = "SELECT COUNT(*) FROM dl_after";
+    assert_eq!(
+        count_rows(&cluster, after).await,
+        0,
+        "a statement run after the deadlock ended the lock was committed without it"
+    );
+    taken.rollback().await.unwrap();
+    let committed = holder.commit().await;
+    assert!(
+        matches!(committed, Err(Error::LockLost { .. })),
+        "{committed:?}"
+    );
+    assert_eq!(count_rows(&cluster, after).await, 0);
 }

@@ -184,21 +184,32 @@ impl TxLockGuard {
     /// the key where that topology puts it (see [`TxLockGuard::is_held`]); there is no fence
     /// to close that window, as there is for a lease.
     ///
-    /// If your SQL ended the transaction that took the lock — a DDL statement (`CREATE
+    /// If your SQL ended the transaction that took the lock — a deadlock one of your
+    /// statements lost (1213) rolls the whole transaction back, a DDL statement (`CREATE
     /// TABLE`, `ALTER`, ...) commits implicitly, and so does a `COMMIT` of your own — the lock
-    /// ended with it and what ran after that ran without it: `commit` then commits nothing
-    /// more, rolls back, and answers [`Error::LockLost`]; some of your statements may be
-    /// committed already (read your rows). Run DDL before taking the lock.
+    /// ended with it, and another process may have taken it since: `commit` then commits
+    /// nothing more, rolls back what ran after the end (the session runs with autocommit off,
+    /// so none of it was committed), and answers [`Error::LockLost`]. What a DDL statement or
+    /// your `COMMIT` committed stays committed (it ran under the lock), and so does the DDL
+    /// statement itself. After a deadlock, take the lock again and run the whole transaction
+    /// again, not the statement alone. Run DDL before taking the lock.
     ///
     /// Cancellation: the connection is closed, not pooled, and the lock is released either way; a
     /// `COMMIT` that reached the server may still have committed, else the server rolls back. Read
     /// your rows to learn which. So does an [`Error::Unavailable`] whose source says
     /// `maybe_applied`: the `COMMIT` was sent and its answer lost.
     pub async fn commit(mut self) -> Result<()> {
+        // No follow runs from here until the `COMMIT` is answered: a reload's follow that
+        // failed would roll back the rows this lock holds on other shards while the `COMMIT`
+        // is still on its way (a slow link), and a process placed by that reload would lock
+        // the key before this transaction commits. The lock stays pending meanwhile, so the
+        // reload's move stays in force and those processes wait on those rows.
+        let state = self.state.clone();
+        let _no_follow = state.following.lock().await;
         // A reload may have moved the key: nothing commits under the lock before it is held
         // where the key lives now. The processes that reloaded lock it only there once their
         // move is over, and transaction locks leave no row for that end to find.
-        follow_now(self.router.clone(), self.state.clone()).await;
+        follow_held(&self.router, &state).await;
         if !self.is_held() {
             self.end(false).await?;
             return Err(Error::LockLost {
@@ -209,8 +220,8 @@ impl TxLockGuard {
     }
 
     /// Rolls back your statements and releases the lock; [`Error::LockLost`] when your SQL had
-    /// ended the lock's transaction already (see [`TxLockGuard::commit`]): some of it may be
-    /// committed.
+    /// ended the lock's transaction already (see [`TxLockGuard::commit`]): what it committed
+    /// then stays committed.
     ///
     /// Cancellation: the connection is closed, not pooled, so the server rolls back anyway and the
     /// lock is released.
@@ -230,8 +241,8 @@ impl TxLockGuard {
         };
         let result = match ended {
             Ok(true) => Ok(()),
-            // Your SQL ended the transaction that held the lock (a DDL statement commits
-            // implicitly): what ran after that ran without the lock.
+            // Your SQL ended the transaction that held the lock (a deadlock, a DDL statement's
+            // implicit commit): what ran after that ran without the lock, and was rolled back.
             Ok(false) => {
                 self.state
                     .mark_lost("the caller's SQL ended the lock's transaction");
@@ -476,57 +487,61 @@ fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
 /// earlier placements still in force), within half the move window of the reload; or marks the
 /// lock lost. Nothing to do for a lock placed under the topology in force.
 async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
-    {
-        let _one_at_a_time = state.following.lock().await;
-        let Some(topology) = inner.upgrade().map(|i| i.topology.load_full()) else {
-            return;
+    let one_at_a_time = state.following.lock().await;
+    follow_held(&inner, &state).await;
+    drop(one_at_a_time);
+}
+
+/// [`follow_now`] for a caller that holds `state.following`.
+async fn follow_held(inner: &Weak<Inner>, state: &TxLockState) {
+    let Some(topology) = inner.upgrade().map(|i| i.topology.load_full()) else {
+        return;
+    };
+    if state.placed_epoch.load(Ordering::Acquire) >= topology.epoch {
+        return;
+    }
+    // Where the key lives now, and every earlier location still in force (after two
+    // reloads in a row, the middle placement's processes still lock it there), in the
+    // same order as `lock_under_topology`; those already locked are kept.
+    let mut targets: Vec<Arc<ShardState>> = topology.previous_locations(&state.key);
+    targets.push(topology.locate(&state.key).clone());
+    targets.sort_by(|a, b| a.name().cmp(b.name()));
+    let deadline = topology.reloaded_at + topology.config.move_window() / 2;
+    for target in targets {
+        let there = {
+            let rows = state.rows.locked();
+            rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
         };
-        if state.placed_epoch.load(Ordering::Acquire) >= topology.epoch {
-            return;
+        if there {
+            continue;
         }
-        // Where the key lives now, and every earlier location still in force (after two
-        // reloads in a row, the middle placement's processes still lock it there), in the
-        // same order as `lock_under_topology`; those already locked are kept.
-        let mut targets: Vec<Arc<ShardState>> = topology.previous_locations(&state.key);
-        targets.push(topology.locate(&state.key).clone());
-        targets.sort_by(|a, b| a.name().cmp(b.name()));
-        let deadline = topology.reloaded_at + topology.config.move_window() / 2;
-        for target in targets {
-            let there = {
-                let rows = state.rows.locked();
-                rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
-            };
-            if there {
-                continue;
-            }
-            let wait = deadline.saturating_duration_since(Moment::now());
-            match lock_row(&target, &state.key, wait, deadline.timer()).await {
-                Ok(conn) => {
-                    let mut rows = state.rows.locked();
-                    if !rows.ended {
-                        rows.shards.push(target);
-                        rows.others.push(Discard(Some(conn)));
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(key = state.label, shard = target.name(), error = %shardlock_core::Report(&e), "shardlock could not lock a moved key's row on its new shard");
-                    state.mark_lost(
-                        "its key moved in a reload and its row could not be locked on the new shard in time",
-                    );
-                    // Lost: the rows it took elsewhere are rolled back now, not when its guard
-                    // ends (they would keep the key's new location from the others).
-                    let others = std::mem::take(&mut state.rows.locked().others);
-                    drop(others);
-                    break;
+        let wait = deadline.saturating_duration_since(Moment::now());
+        match lock_row(&target, &state.key, wait, deadline.timer()).await {
+            Ok(conn) => {
+                let mut rows = state.rows.locked();
+                if !rows.ended {
+                    rows.shards.push(target);
+                    rows.others.push(Discard(Some(conn)));
                 }
             }
+            Err(e) => {
+                tracing::warn!(key = state.label, shard = target.name(), error = %shardlock_core::Report(&e), "shardlock could not lock a moved key's row on its new shard");
+                state.mark_lost(
+                    "its key moved in a reload and its row could not be locked on the new shard in time",
+                );
+                // Lost: the rows it took elsewhere are rolled back now, not when its guard
+                // ends (they would keep the key's new location from the others).
+                let others = std::mem::take(&mut state.rows.locked().others);
+                drop(others);
+                break;
+            }
         }
-        let before = state
-            .placed_epoch
-            .fetch_max(topology.epoch, Ordering::AcqRel);
-        if before < topology.epoch {
-            *state.placed_in.locked() = topology.fingerprint.clone();
-        }
+    }
+    let before = state
+        .placed_epoch
+        .fetch_max(topology.epoch, Ordering::AcqRel);
+    if before < topology.epoch {
+        *state.placed_in.locked() = topology.fingerprint.clone();
     }
     // Followed (or lost): the topology it followed to may be advertised now.
     if let Some(inner) = inner.upgrade() {

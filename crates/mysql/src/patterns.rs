@@ -28,8 +28,13 @@ const TX_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = {secs}";
 const TX_ROW: &str = "INSERT INTO shardlock_txlock (lock_key) VALUES ({key}) \
      ON DUPLICATE KEY UPDATE lock_key = lock_key";
 
-/// Opens the transaction that holds the lock (the session runs with autocommit on).
-const TX_BEGIN: &str = "START TRANSACTION";
+/// Opens the transaction that holds the lock, autocommit off for the rest of the session
+/// (the pool's reset turns it on again): if the caller's SQL ends that transaction — a
+/// deadlock its statement loses rolls the whole transaction back, lock included; a DDL
+/// statement or a `COMMIT` of its own commits it — what the caller runs after that opens a
+/// transaction of its own, which ending the lock rolls back ([`TX_COMMIT`] finds no
+/// savepoint), instead of committing statement by statement without the lock.
+const TX_BEGIN: &str = "SET autocommit = 0; START TRANSACTION";
 
 /// Takes the row's exclusive lock, held until the transaction ends or the connection dies, so
 /// the caller's own statements in the transaction run under it. `{nowait}` is ` NOWAIT` for a
