@@ -1,5 +1,6 @@
 //! The lock router: validates keys, places them on shards, waits, and grants guards.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -7,7 +8,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use futures_util::future::join_all;
-use shardlock_core::config::{RegistryKind, DEFAULT_NAMESPACE};
+use shardlock_core::config::{NamespaceConfig, RegistryKind, DEFAULT_NAMESPACE};
 use shardlock_core::{BackendError, BackendErrorKind, Config, Error, LockKey, Result};
 use tokio::time::Instant;
 
@@ -263,7 +264,7 @@ impl LockRouter {
                 shared,
                 queues: Arc::default(),
                 topology: ArcSwap::from_pointee(topology),
-                reloading: tokio::sync::Mutex::new(()),
+                reloading: tokio::sync::Mutex::new(Retired::new()),
                 cleaner: CleanerState::default(),
                 tx_locks: std::sync::Mutex::default(),
                 gate: Gate::default(),
@@ -322,7 +323,7 @@ impl LockRouter {
     /// changes nothing.
     pub async fn reload(&self, config: Config) -> Result<()> {
         config.validate()?;
-        let _one_at_a_time = self.inner.reloading.lock().await;
+        let mut retired = self.inner.reloading.lock().await;
         // Its shards would never be closed, nor would the router deregister from them.
         if self.inner.shared.is_closed() {
             return Err(Error::Shutdown);
@@ -340,7 +341,7 @@ impl LockRouter {
             return Ok(());
         }
         keep_instance(&old.config, &config)?;
-        keep_lock_identities(&old.config, &config)?;
+        keep_lock_identities(&old.config, &config, &retired)?;
         let window = config.move_window().max(old.config.move_window());
         let shared = &self.inner.shared;
         let mut next = Topology::build(
@@ -399,6 +400,12 @@ impl LockRouter {
         }
         self.inner.topology.store(next.clone());
         drop(joining);
+        for (name, ns) in &old.config.namespaces {
+            if !next.config.namespaces.contains_key(name) {
+                retired.insert(name.clone(), LockIdentity::of(ns));
+            }
+        }
+        retired.retain(|name, _| !next.config.namespaces.contains_key(name));
         // Published after the swap: a lease registered from now on sees the new epoch and
         // follows its key itself; those registered before are found here.
         shared.epoch.store(next.epoch, Ordering::SeqCst);
@@ -744,11 +751,32 @@ fn keep_instance(old: &Config, next: &Config) -> Result<()> {
     Ok(())
 }
 
+/// Which locks a namespace's keys are: its key prefix and its number of buckets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LockIdentity {
+    key_prefix: Option<String>,
+    buckets: u32,
+}
+
+impl LockIdentity {
+    fn of(namespace: &NamespaceConfig) -> Self {
+        Self {
+            key_prefix: namespace.key_prefix.clone(),
+            buckets: namespace.buckets,
+        }
+    }
+}
+
+/// The lock identities of namespaces that reloads removed, by name.
+pub(crate) type Retired = HashMap<String, LockIdentity>;
+
 /// Refuses a reload that changes which locks a namespace's keys are: how many buckets it has
 /// (a holder of a bucket that no longer exists would not be excluded by
 /// [`LockRouter::acquire_all_buckets`]) or its key prefix (a holder under the old prefix
-/// would not exclude a caller under the new one).
-fn keep_lock_identities(old: &Config, next: &Config) -> Result<()> {
+/// would not exclude a caller under the new one); also for a namespace an earlier reload
+/// removed (`retired`), brought back: leases taken in it before stay held (a leader's, a
+/// permit's), and keys under other ones would be other locks.
+fn keep_lock_identities(old: &Config, next: &Config, retired: &Retired) -> Result<()> {
     // Removed and added back in a later reload, a namespace would escape the checks below.
     for (name, before) in &old.namespaces {
         if !next.namespaces.contains_key(name)
@@ -765,7 +793,23 @@ fn keep_lock_identities(old: &Config, next: &Config) -> Result<()> {
     }
     for (name, ns) in &next.namespaces {
         let Some(before) = old.namespaces.get(name) else {
-            continue;
+            match retired.get(name) {
+                Some(was) if *was != LockIdentity::of(ns) => {
+                    return Err(shardlock_core::ConfigError::field(
+                        format!("namespaces.{name}"),
+                        format!(
+                            "cannot come back with other locks than it had when an earlier \
+                             reload removed it (key-prefix {:?}, {} buckets): leases taken in \
+                             it then may still be held, and would not exclude callers under \
+                             the new ones. Bring it back as it was, or add a namespace of \
+                             another name",
+                            was.key_prefix, was.buckets
+                        ),
+                    )
+                    .into());
+                }
+                _ => continue,
+            }
         };
         if before.key_prefix != ns.key_prefix {
             return Err(shardlock_core::ConfigError::field(

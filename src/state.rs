@@ -29,8 +29,8 @@ pub(crate) struct Inner {
     /// One queue per key busy in this process: waiters in memory, one poller per key.
     pub(crate) queues: Arc<KeyQueues>,
     pub(crate) topology: ArcSwap<Topology>,
-    /// One reload at a time.
-    pub(crate) reloading: tokio::sync::Mutex<()>,
+    /// One reload at a time, and what namespaces removed by earlier reloads locked, by name.
+    pub(crate) reloading: tokio::sync::Mutex<crate::router::Retired>,
     /// The cleaner's election lock and pass count, and a registry set in code.
     pub(crate) cleaner: CleanerState,
     /// Transaction locks held in this process, for reloads to make them follow moved keys.

@@ -528,3 +528,36 @@ async fn namespaces_with_key_prefixes_lock_their_own_keys() {
         other => panic!("{other}"),
     }
 }
+
+/// A namespace removed by one reload cannot come back with other locks in a later one: a
+/// lease taken in it before stays held (a leader's, a permit's), and under a new key prefix
+/// (or bucket count) the same key would be another lock, granted beside it. Brought back as it
+/// was, it is the same lock again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_namespace_removed_by_a_reload_comes_back_only_with_the_locks_it_had() {
+    let (cluster, router, _) = common::start(1, "namespaces:\n  jobs: {}\n").await;
+    let config = |namespaces: &str| {
+        let yaml = cluster.config_yaml(&format!("namespaces:\n  default: {{}}\n{namespaces}"));
+        shardlock::Config::from_yaml_str(&yaml).unwrap()
+    };
+    let jobs = AcquireOptions::new().namespace("jobs").wait(Duration::ZERO);
+    let held = router.acquire("leader", jobs.clone()).await.unwrap();
+    router.reload(config("")).await.unwrap();
+    assert!(held.is_held(), "removing its namespace ended the lease");
+    for (back, field) in [
+        ("  jobs:\n    key-prefix: jobs/\n", "key-prefix"),
+        ("  jobs:\n    buckets: 4\n", "buckets"),
+    ] {
+        match router.reload(config(back)).await {
+            Err(Error::Config(e)) => {
+                assert_eq!(e.field.as_deref(), Some("namespaces.jobs"), "{e}");
+                assert!(e.to_string().contains(field), "{e}");
+            }
+            other => panic!("`jobs` came back with other locks ({field}): {other:?}"),
+        }
+    }
+    router.reload(config("  jobs: {}\n")).await.unwrap();
+    let second = router.try_acquire("leader", jobs).await.unwrap();
+    assert!(second.is_none(), "a second holder of the key");
+    held.release().await.unwrap();
+}
