@@ -1147,6 +1147,14 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
         during, before,
         "advertised the new topology before its lock followed"
     );
+    // Nor the servers it reaches now (a reload that only points a shard at another server
+    // keeps the fingerprint): none, which matches no other process.
+    let servers = own_row(&a).await.and_then(|row| row.servers);
+    assert_eq!(
+        servers.as_deref(),
+        Some("unknown"),
+        "advertised the servers it reaches now before its lock followed"
+    );
 
     // Reloaded again meanwhile: still the topology the lock holds under, not the one between.
     let mut two = three.clone();
@@ -1167,6 +1175,12 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
     })
     .await;
     assert!(followed, "the new topology was never advertised");
+    let servers = own_row(&a).await.and_then(|row| row.servers);
+    assert_ne!(
+        servers.as_deref(),
+        Some("unknown"),
+        "its servers were never advertised"
+    );
     held.commit().await.unwrap();
 }
 
