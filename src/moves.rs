@@ -658,7 +658,7 @@ fn settle_copy(source: Arc<ShardState>, target: Arc<ShardState>, row: CasRow, to
 /// Moves the unfinished jobs of moved queues from `source` to where the queues live now: ready
 /// jobs and abandoned claims with retries left are marked as moving to that shard (claimers
 /// skip them; the first marker fixes where a job goes), enqueued there once each (by origin),
-/// then marked moved. Returns how many jobs of moved queues are still running on `source`
+/// then marked moved. Abandoned claims with no retries left fail on `source`. Returns how many jobs of moved queues are still running on `source`
 /// (claimed, lease not run out) or moving to a shard this process does not know: the move
 /// waits for them.
 async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core::Result<usize> {
@@ -682,6 +682,7 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
         let full = jobs.len() == FLOOR_BATCH;
         let topology = router.topology.load_full();
         let mut by_target: Vec<(Arc<ShardState>, Vec<u64>)> = Vec::new();
+        let mut exhausted = Vec::new();
         for job in jobs {
             let Some(target) = topology.current_location(&job.queue) else {
                 continue;
@@ -693,10 +694,20 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
                 waiting += 1;
                 continue;
             }
+            if job.exhausted {
+                exhausted.push(job.id);
+                continue;
+            }
             match by_target.iter_mut().find(|(t, _)| Arc::ptr_eq(t, target)) {
                 Some((_, ids)) => ids.push(job.id),
                 None => by_target.push((target.clone(), vec![job.id])),
             }
+        }
+        if !exhausted.is_empty() {
+            source
+                .call_waiting(|b| b.fail_exhausted(&exhausted))
+                .await
+                .map_err(on(source))?;
         }
         for (target, ids) in by_target {
             let to = target

@@ -390,6 +390,42 @@ async fn jobs_enqueued_before_a_reload_are_each_done_exactly_once_after_it() {
     }
 }
 
+/// A job of a moved queue claimed on the shard its queue leaves, whose claim runs out there
+/// with no retries left, fails there, as the next claim of its queue would fail it: once the
+/// move is over, no claim of its queue comes to that shard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_whose_last_claim_runs_out_on_the_shard_its_queue_left_fails_there() {
+    let (cluster, three, four) = cluster().await;
+    let queue = moving_key(&three, &four, "queue:").await;
+    let router = LockRouter::new(three).await.unwrap();
+    let old = shard_of(&cluster, &router, &queue);
+    let id = router
+        .enqueue_job(&queue, b"last try", Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let job = router
+        .claim_job(&queue, "w", Duration::from_secs(2))
+        .await
+        .unwrap()
+        .expect("due");
+    router.reload(four).await.unwrap();
+    // The move waits for the running claim, and ends once it ran out.
+    common::moves_done(&router).await;
+    let status: Option<String> = old
+        .connect()
+        .await
+        .unwrap()
+        .exec_first("SELECT status FROM shardlock_job WHERE id = ?", (id,))
+        .await
+        .unwrap();
+    assert_eq!(
+        status.as_deref(),
+        Some("failed"),
+        "a claim run out with no retries left on the shard its queue left"
+    );
+    assert!(!router.complete_job(&job).await.unwrap());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn state_machine_claims_reach_rows_on_the_shard_a_key_left() {
     let (cluster, three, four) = cluster().await;

@@ -171,13 +171,17 @@ pub struct PendingJob {
     pub queue: Vec<u8>,
     /// Claimed by a worker whose lease has not run out: it cannot move until it does.
     pub running: bool,
+    /// Claimed by a worker whose lease ran out with no retries left: it fails where it is,
+    /// as the next claim of its queue would fail it (none comes here once the move is over).
+    pub exhausted: bool,
 }
 
 /// Jobs not finished, in id order after an id: ready, being moved, or claimed (running, or
-/// abandoned with retries left).
-const PENDING_JOBS_AFTER: &str = "SELECT id, queue, status = 'claimed' AND lease_until > NOW(3) \
-     FROM shardlock_job WHERE id > ? AND (status IN ('ready', 'moving') \
-     OR (status = 'claimed' AND (lease_until > NOW(3) OR retry_count < max_retries))) \
+/// abandoned, with retries left or not; `NOW(3)` is one value through a statement, so a claim
+/// is one of the two).
+const PENDING_JOBS_AFTER: &str = "SELECT id, queue, status = 'claimed' AND lease_until > NOW(3), \
+     status = 'claimed' AND lease_until <= NOW(3) AND retry_count >= max_retries \
+     FROM shardlock_job WHERE id > ? AND status IN ('ready', 'moving', 'claimed') \
      ORDER BY id LIMIT ?";
 
 pub(crate) async fn pending_jobs_after(
@@ -185,12 +189,32 @@ pub(crate) async fn pending_jobs_after(
     after: u64,
     limit: usize,
 ) -> mysql_async::Result<Vec<PendingJob>> {
-    let rows: Vec<(u64, Vec<u8>, bool)> =
+    let rows: Vec<(u64, Vec<u8>, bool, bool)> =
         conn.exec(PENDING_JOBS_AFTER, (after, limit as u64)).await?;
     Ok(rows
         .into_iter()
-        .map(|(id, queue, running)| PendingJob { id, queue, running })
+        .map(|(id, queue, running, exhausted)| PendingJob {
+            id,
+            queue,
+            running,
+            exhausted,
+        })
         .collect())
+}
+
+/// Fails the jobs of `ids` still claimed with their lease run out and no retries left, as a
+/// claim of their queue does (`FAIL_EXHAUSTED` in the patterns module).
+pub(crate) async fn fail_exhausted(conn: &mut Conn, ids: &[u64]) -> mysql_async::Result<()> {
+    let (list, params) = id_list(ids);
+    conn.exec_drop(
+        format!(
+            "UPDATE shardlock_job SET status = 'failed', lease_until = NULL, locked_by = NULL \
+             WHERE id IN {list} AND status = 'claimed' AND lease_until <= NOW(3) \
+             AND retry_count >= max_retries"
+        ),
+        Params::Positional(params),
+    )
+    .await
 }
 
 /// A job being moved: everything needed to enqueue it again where it goes.

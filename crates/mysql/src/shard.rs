@@ -723,6 +723,15 @@ impl Shard {
         .await
     }
 
+    /// Fails the claimed jobs of `ids` whose lease ran out with no retries left (carrying
+    /// moved queues: no claim of their queue comes here once the move is over).
+    pub async fn fail_exhausted(&self, ids: &[u64]) -> Result<(), BackendError> {
+        self.run("fail_exhausted", ids, |c, &ids| {
+            Box::pin(carry::fail_exhausted(c, ids))
+        })
+        .await
+    }
+
     /// Marks jobs as being moved to the shard `to` and returns those that are being moved,
     /// with where each goes (see the carry module).
     pub async fn start_moving(
