@@ -1263,7 +1263,7 @@ async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
 /// rolled back at the follow's failure, it would let a process placed by the reload lock the
 /// key there, and then the held-up `COMMIT` would still commit the holder's statements.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_follow_waits_for_a_commit_on_its_way() {
+async fn a_follow_that_fails_during_a_commit_keeps_the_rows_until_it_is_answered() {
     let (cluster, three, four) = cluster().await;
     let followed = followed_once(&cluster, [three, four], Duration::from_secs(2), true).await;
     let Followed {

@@ -71,6 +71,8 @@ struct TxRows {
     shards: Vec<Arc<ShardState>>,
     others: Vec<Discard>,
     ended: bool,
+    /// The guard's `COMMIT` may be on its way: the other rows stay until it is answered.
+    committing: bool,
 }
 
 impl TxLockState {
@@ -199,17 +201,16 @@ impl TxLockGuard {
     /// your rows to learn which. So does an [`Error::Unavailable`] whose source says
     /// `maybe_applied`: the `COMMIT` was sent and its answer lost.
     pub async fn commit(mut self) -> Result<()> {
-        // No follow runs from here until the `COMMIT` is answered: a reload's follow that
-        // failed would roll back the rows this lock holds on other shards while the `COMMIT`
-        // is still on its way (a slow link), and a process placed by that reload would lock
-        // the key before this transaction commits. The lock stays pending meanwhile, so the
-        // reload's move stays in force and those processes wait on those rows.
-        let state = self.state.clone();
-        let _no_follow = state.following.lock().await;
         // A reload may have moved the key: nothing commits under the lock before it is held
         // where the key lives now. The processes that reloaded lock it only there once their
         // move is over, and transaction locks leave no row for that end to find.
-        follow_held(&self.router, &state).await;
+        follow_now(self.router.clone(), self.state.clone()).await;
+        // From here until the `COMMIT` is answered, a reload's follow that fails marks the
+        // lock lost but keeps its rows on other shards: rolled back while the `COMMIT` is on
+        // its way (a slow link), they would let a process placed by that reload lock the key
+        // before this transaction commits. (Set before the check: a follow that failed before
+        // it rolled them back, and the lock is lost.)
+        self.state.rows.locked().committing = true;
         if !self.is_held() {
             self.end(false).await?;
             return Err(Error::LockLost {
@@ -380,6 +381,7 @@ impl LockRouter {
                 shards,
                 others,
                 ended: false,
+                committing: false,
             }),
             lost: watch::channel(false).0,
             following: tokio::sync::Mutex::new(()),
@@ -487,61 +489,64 @@ fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
 /// earlier placements still in force), within half the move window of the reload; or marks the
 /// lock lost. Nothing to do for a lock placed under the topology in force.
 async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
-    let one_at_a_time = state.following.lock().await;
-    follow_held(&inner, &state).await;
-    drop(one_at_a_time);
-}
-
-/// [`follow_now`] for a caller that holds `state.following`.
-async fn follow_held(inner: &Weak<Inner>, state: &TxLockState) {
-    let Some(topology) = inner.upgrade().map(|i| i.topology.load_full()) else {
-        return;
-    };
-    if state.placed_epoch.load(Ordering::Acquire) >= topology.epoch {
-        return;
-    }
-    // Where the key lives now, and every earlier location still in force (after two
-    // reloads in a row, the middle placement's processes still lock it there), in the
-    // same order as `lock_under_topology`; those already locked are kept.
-    let mut targets: Vec<Arc<ShardState>> = topology.previous_locations(&state.key);
-    targets.push(topology.locate(&state.key).clone());
-    targets.sort_by(|a, b| a.name().cmp(b.name()));
-    let deadline = topology.reloaded_at + topology.config.move_window() / 2;
-    for target in targets {
-        let there = {
-            let rows = state.rows.locked();
-            rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
+    {
+        let _one_at_a_time = state.following.lock().await;
+        let Some(topology) = inner.upgrade().map(|i| i.topology.load_full()) else {
+            return;
         };
-        if there {
-            continue;
+        if state.placed_epoch.load(Ordering::Acquire) >= topology.epoch {
+            return;
         }
-        let wait = deadline.saturating_duration_since(Moment::now());
-        match lock_row(&target, &state.key, wait, deadline.timer()).await {
-            Ok(conn) => {
-                let mut rows = state.rows.locked();
-                if !rows.ended {
-                    rows.shards.push(target);
-                    rows.others.push(Discard(Some(conn)));
+        // Where the key lives now, and every earlier location still in force (after two
+        // reloads in a row, the middle placement's processes still lock it there), in the
+        // same order as `lock_under_topology`; those already locked are kept.
+        let mut targets: Vec<Arc<ShardState>> = topology.previous_locations(&state.key);
+        targets.push(topology.locate(&state.key).clone());
+        targets.sort_by(|a, b| a.name().cmp(b.name()));
+        let deadline = topology.reloaded_at + topology.config.move_window() / 2;
+        for target in targets {
+            let there = {
+                let rows = state.rows.locked();
+                rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
+            };
+            if there {
+                continue;
+            }
+            let wait = deadline.saturating_duration_since(Moment::now());
+            match lock_row(&target, &state.key, wait, deadline.timer()).await {
+                Ok(conn) => {
+                    let mut rows = state.rows.locked();
+                    if !rows.ended {
+                        rows.shards.push(target);
+                        rows.others.push(Discard(Some(conn)));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(key = state.label, shard = target.name(), error = %shardlock_core::Report(&e), "shardlock could not lock a moved key's row on its new shard");
+                    state.mark_lost(
+                        "its key moved in a reload and its row could not be locked on the new shard in time",
+                    );
+                    // Lost: the rows it took elsewhere are rolled back now, not when its guard
+                    // ends (they would keep the key's new location from the others); unless
+                    // its `COMMIT` may be on its way (see `TxLockGuard::commit`).
+                    let others = {
+                        let mut rows = state.rows.locked();
+                        match rows.committing {
+                            true => Vec::new(),
+                            false => std::mem::take(&mut rows.others),
+                        }
+                    };
+                    drop(others);
+                    break;
                 }
             }
-            Err(e) => {
-                tracing::warn!(key = state.label, shard = target.name(), error = %shardlock_core::Report(&e), "shardlock could not lock a moved key's row on its new shard");
-                state.mark_lost(
-                    "its key moved in a reload and its row could not be locked on the new shard in time",
-                );
-                // Lost: the rows it took elsewhere are rolled back now, not when its guard
-                // ends (they would keep the key's new location from the others).
-                let others = std::mem::take(&mut state.rows.locked().others);
-                drop(others);
-                break;
-            }
         }
-    }
-    let before = state
-        .placed_epoch
-        .fetch_max(topology.epoch, Ordering::AcqRel);
-    if before < topology.epoch {
-        *state.placed_in.locked() = topology.fingerprint.clone();
+        let before = state
+            .placed_epoch
+            .fetch_max(topology.epoch, Ordering::AcqRel);
+        if before < topology.epoch {
+            *state.placed_in.locked() = topology.fingerprint.clone();
+        }
     }
     // Followed (or lost): the topology it followed to may be advertised now.
     if let Some(inner) = inner.upgrade() {
