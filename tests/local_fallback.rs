@@ -392,6 +392,58 @@ async fn reconciling_takes_over_a_row_this_process_lost_instead_of_conflicting_w
     next.release().await.unwrap();
 }
 
+/// A key whose row another transaction keeps locked holds up the re-acquiring of that key
+/// alone: the shard's other locally held keys are re-acquired meanwhile, and one another
+/// process took is reported lost to its local holder, whichever order they are tried in.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_locked_row_holds_up_the_reconcile_of_its_key_alone() {
+    let rig = Rig::start("local", None, POOL).await;
+    // A server lock wait of 1 s, inside the statement timeout: a locked row is answered so.
+    let yaml = rig
+        .yaml
+        .replacen("statement-timeout: 1s", "statement-timeout: 2s", 1);
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let keys = rig.keys("k", 8, false);
+    // Every key's row exists on the shard (released), so a transaction can lock it.
+    let mut stored = Vec::new();
+    for key in &keys {
+        let once = router.acquire(key, AcquireOptions::new()).await.unwrap();
+        let mut reader = Competitor::begin(rig.cluster.shard(0), false)
+            .await
+            .unwrap();
+        stored.push(reader.key_of(once.owner()).await.unwrap().unwrap());
+        reader.end().await.unwrap();
+        once.release().await.unwrap();
+    }
+    let mut competitor = Competitor::begin(rig.cluster.shard(0), false)
+        .await
+        .unwrap();
+    cut_off_from(&router, &rig.proxy, "other").await;
+    let mut locals = Vec::new();
+    for key in &keys {
+        let local = router.acquire(key, AcquireOptions::new()).await.unwrap();
+        assert_eq!(local.mode(), LockMode::LocalFallback);
+        locals.push(local);
+    }
+    // All rows locked but the last key's, which another process takes.
+    for row in &stored[..keys.len() - 1] {
+        competitor.lock(row).await.unwrap();
+    }
+    let other = direct_router(&rig).await;
+    let remote = other
+        .acquire(&keys[keys.len() - 1], AcquireOptions::new())
+        .await
+        .unwrap();
+    rig.proxy.set(ProxyMode::Pass);
+    let last = locals.last().unwrap();
+    tokio::time::timeout(Duration::from_secs(60), last.lost())
+        .await
+        .expect("the local holder of a key another process took was not told");
+    assert!(remote.is_held());
+    competitor.end().await.unwrap();
+    remote.release().await.unwrap();
+}
+
 /// Re-acquiring a local lease on its returning shard can wait behind another transaction for
 /// seconds (here the server's lock wait of 4 s under a 5 s statement timeout, beyond the 2 s
 /// ttl of a remote lease on the same shard). Meanwhile the keeper keeps renewing that remote

@@ -88,8 +88,10 @@ impl ShardState {
                         );
                     }
                 }
-                // Still failing, or the row locked by another transaction: next time. A
-                // write whose reply was lost may have taken the row (also one answered
+                // Still failing, or the row locked by another transaction: this key next
+                // time; the others are tried meanwhile (one locked row must not keep a key
+                // another process took from being reported lost), until the breaker opens.
+                // A write whose reply was lost may have taken the row (also one answered
                 // `Locked`: its retry after the lost reply waited out the lock): a release
                 // while the lease is still local gives it back (see `guard::end_hold`).
                 outcome => {
@@ -106,7 +108,6 @@ impl ShardState {
                             self.give_back(req.key, req.owner, lease.ttl);
                         }
                     }
-                    return;
                 }
             }
         }
