@@ -627,10 +627,10 @@ pub(crate) async fn release_through_shard(
         // A row nobody holds counts as released (ours may have been freed by a first try
         // whose reply was lost); a lease the keeper already found lost stays lost.
         Ok(ReleaseAnswer::Released) if !lease.is_lost() => Ok(()),
-        // Another owner holds the row after a first try whose outcome is unknown (its reply
-        // was lost). If the lease cannot have ended on the shard by the time the retry read
-        // the row (its local end comes before the shard's), that try freed the row for its new
-        // owner: released. (Or an operator had revoked the lease and someone took the key
+        // Another owner holds the row after a release that may have freed it (a first try
+        // whose reply was lost, a batch that freed rows it cannot tell apart). If the lease
+        // cannot have ended on the shard by the time the row was read (its local end comes
+        // before the shard's), that release freed the row for its new owner: released. (Or an operator had revoked the lease and someone took the key
         // since, which a free row after a lost reply cannot tell apart either.)
         Ok(ReleaseAnswer::TakenAfterLostReply)
             if !lease.is_lost() && answered_at < lease.deadline() =>

@@ -215,11 +215,12 @@ const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE loc
 /// deleted by the cleaner): one more read tells what each row shows now. A row showing the
 /// owner's own tombstone was freed by that owner ([`Released::Freed`]). A row the statement
 /// freed may show another state by the time it is read, though (taken by a waiter at once, and
-/// perhaps released again), so the statement cannot always say which rows are its own: a key
-/// another owner holds now counts as [`Released::Taken`], a row with no owner (`NULL`: freed by
-/// a force-release) or another owner's tombstone (the key was taken and released since) as
-/// [`Released::Free`] when every row the statement freed shows its own tombstone, and any
-/// other free row as freed.
+/// perhaps released again), so the statement cannot always say which rows are its own: when
+/// every row it freed shows its own tombstone, a key another owner holds now counts as
+/// [`Released::Taken`], and a row with no owner (`NULL`: freed by a force-release) or another
+/// owner's tombstone (the key was taken and released since) as [`Released::Free`]; otherwise
+/// a key another owner holds counts as [`Released::TakenSince`] (the caller tells by whether
+/// its lease could have ended), and any free row as freed.
 pub(crate) async fn release_batch(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
@@ -243,6 +244,16 @@ pub(crate) async fn release_batch(
     let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> = conn
         .exec(format!("{OWNERS_HEAD}{list}"), Params::Positional(keys))
         .await?;
+    Ok(released_rows(leases, matched, &rows))
+}
+
+/// What each of `leases` found, from how many rows the release `matched` and what the rows
+/// show now (`rows`, by key), as [`release_batch`] tells it.
+fn released_rows(
+    leases: &[(&[u8], &str)],
+    matched: usize,
+    rows: &[(Vec<u8>, Option<Vec<u8>>)],
+) -> Vec<Released> {
     let now: Vec<Option<&Option<Vec<u8>>>> = leases
         .iter()
         .map(|(key, _)| {
@@ -264,19 +275,22 @@ pub(crate) async fn release_batch(
     // Rows this statement freed that show something else by now (none, or fewer, when some
     // own tombstone is an earlier release's).
     let changed = matched.saturating_sub(ours);
-    Ok(leases
+    leases
         .iter()
         .zip(now)
         .map(|((_, of), row)| match row {
             Some(o) if own(o, of) => Released::Freed,
-            Some(o) if names_holder(o) => Released::Taken,
+            // Another owner's: it held the row before, unless this statement freed it and the
+            // row was taken since.
+            Some(o) if names_holder(o) && changed == 0 => Released::Taken,
+            Some(o) if names_holder(o) => Released::TakenSince,
             // No holder's (`NULL` or another owner's tombstone): not this statement's doing
             // when every row it freed shows its own tombstone.
             Some(_) if changed == 0 => Released::Free,
             Some(_) => Released::Freed,
             None => Released::Free,
         })
-        .collect())
+        .collect()
 }
 
 /// `bytes` as uppercase hex, the form `UNHEX` reads.
@@ -311,6 +325,27 @@ mod tests {
             reserve: 2,
             trace: None,
         }
+    }
+
+    /// A batch release that freed more rows than show its tombstone cannot tell which: a row
+    /// another owner holds now may be one it freed, taken since, and is answered so; with
+    /// every freed row accounted for, it was held by that owner before.
+    #[test]
+    fn a_row_taken_after_a_batch_freed_rows_it_cannot_tell_apart_may_be_its_own() {
+        let leases: [(&[u8], &str); 2] = [(b"k1", "a1"), (b"k2", "a2")];
+        let row = |key: &[u8], owner: &str| (key.to_vec(), Some(owner.as_bytes().to_vec()));
+        // k1 freed by the statement and taken by b since; k2 had been taken by c before.
+        let taken_since = [row(b"k1", "b"), row(b"k2", "c")];
+        assert_eq!(
+            released_rows(&leases, 1, &taken_since),
+            [Released::TakenSince, Released::TakenSince]
+        );
+        // k1 shows its own tombstone: k2's holder held it before the statement.
+        let accounted = [row(b"k1", ":1"), row(b"k2", "c")];
+        assert_eq!(
+            released_rows(&leases, 1, &accounted),
+            [Released::Freed, Released::Taken]
+        );
     }
 
     /// Connections the server has accepted so far.

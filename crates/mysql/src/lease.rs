@@ -713,6 +713,9 @@ pub(crate) enum Released {
     Free,
     /// Another owner holds the key.
     Taken,
+    /// Another owner holds the key, perhaps since the statement freed it for them: a batch
+    /// release that freed rows it cannot tell apart (see `batch::release_batch`).
+    TakenSince,
 }
 
 /// What an owner-checked release answers its caller.
@@ -721,11 +724,12 @@ pub enum ReleaseAnswer {
     /// The owner's row is free: this call freed it, or its first try did (its reply was lost
     /// and the retry found the row free).
     Released,
-    /// A first try's reply was lost and the retry found another owner on the row: that try
+    /// Another owner holds the row after a release that may have freed it: a first try whose
+    /// reply was lost, or a batch release that freed rows it cannot tell apart. That release
     /// freed it and someone took it since, or the lease had ended before. The server cannot
     /// tell these apart; the caller can, by whether its lease could have ended by now (a
-    /// lease that cannot have expired yet was freed by that try, or revoked behind its back,
-    /// which a free row after a lost reply cannot tell either).
+    /// lease that cannot have expired yet was freed by that release, or revoked behind its
+    /// back, which a free row after a lost reply cannot tell either).
     TakenAfterLostReply,
     /// Not the owner's: another owner holds it, or it was freed before (force-released,
     /// deleted by the cleaner).

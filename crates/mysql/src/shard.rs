@@ -1052,7 +1052,7 @@ impl Shard {
 fn released(found: Released, after_unknown: bool) -> ReleaseAnswer {
     match (found, after_unknown) {
         (Released::Freed, _) | (Released::Free, true) => ReleaseAnswer::Released,
-        (Released::Taken, true) => ReleaseAnswer::TakenAfterLostReply,
+        (Released::Taken, true) | (Released::TakenSince, _) => ReleaseAnswer::TakenAfterLostReply,
         (Released::Free | Released::Taken, false) => ReleaseAnswer::NotHeld,
     }
 }
