@@ -40,6 +40,21 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
             return;
         }
         let target = topology.locate(&lease.key).clone();
+        // Held in process, with no row: the keeper would re-acquire it where the key no
+        // longer lives. It ends, visibly, for the processes that take the key where it lives
+        // now (its holder keeps the key's turn here until it lets go).
+        if !target.same_database(&shard) && shard.remove_local(lease.id) {
+            lease.mark_lost(
+                "its key moved in a reload while it was held in process",
+                &shard.shared,
+            );
+            // A re-acquire whose reply was lost may have taken the row (see `end_hold`).
+            if lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
+                let key = lease.key.stored().to_vec();
+                shard.give_back(key, lease.owner.clone(), lease.ttl);
+            }
+            return;
+        }
         let there_already = target.same_database(&shard)
             || lease
                 .companion_shards()
@@ -57,7 +72,7 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
 /// follows its key.
 pub(crate) fn follow_all(router: &Arc<Inner>, topology: &Topology) {
     for shard in router.shared.shard_states() {
-        for lease in shard.held() {
+        for lease in shard.held().into_iter().chain(shard.locals()) {
             if !lease.is_companion() && lease.placed_epoch.load(Ordering::Acquire) < topology.epoch
             {
                 follow(Arc::downgrade(router), shard.clone(), lease);

@@ -666,10 +666,19 @@ impl ShardState {
     }
 
     /// Registers a lease granted in process; the keeper re-acquires it on the shard once the
-    /// breaker lets calls through again.
-    pub(crate) fn insert_local(&self, lease: Arc<LeaseState>) {
-        self.local.locked().insert(lease.id, lease);
+    /// breaker lets calls through again. One placed under an older topology than the one in
+    /// force follows its key, as [`ShardState::insert`] has it.
+    pub(crate) fn insert_local(self: &Arc<Self>, lease: Arc<LeaseState>) {
+        self.local.locked().insert(lease.id, lease.clone());
         self.wake.notify_one();
+        if lease.placed_epoch.load(Ordering::Acquire) < self.shared.epoch() {
+            self.shared.follow(self.clone(), lease);
+        }
+    }
+
+    /// The leases held locally here, not yet re-acquired on the shard.
+    pub(crate) fn locals(&self) -> Vec<Arc<LeaseState>> {
+        self.local.locked().values().cloned().collect()
     }
 
     /// Forgets a local lease that was not re-acquired on the shard yet; `false` when it was

@@ -312,6 +312,24 @@ async fn a_conflict_found_on_recovery_is_reported_to_the_local_holder() {
     assert!(again.fence() > remote_fence);
 }
 
+/// A key held in process when a reload moves it to another shard ends, visibly, while its old
+/// shard is still out of reach: the keeper would re-acquire it only on the shard it left,
+/// where the processes placed by the reload no longer look for it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_held_in_process_that_a_reload_moves_is_lost_to_its_holder() {
+    let (rig, _key, local) = held_locally().await;
+    let without_s1 = format!(
+        "shards:\n{}",
+        &rig.yaml[rig.yaml.find("  - name: s2").unwrap()..]
+    );
+    let config = shardlock::Config::from_yaml_str(&without_s1).unwrap();
+    rig.router.reload(config).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), local.lost())
+        .await
+        .expect("the holder of a key moved away in process was not told");
+    assert!(!local.is_held());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn shutdown_ends_local_holds_too() {
     let (rig, _, guard) = held_locally().await;
