@@ -840,8 +840,9 @@ fn keep_lock_identities(old: &Config, next: &Config, retired: &Retired) -> Resul
 }
 
 /// Closes the pool of a shard that left the topology, once its move window has passed and no
-/// lease of this process is held there any more, nor any give-back retrying (or it comes back
-/// in a later reload).
+/// lease of this process is held there any more, nor any transaction lock, give-back retrying
+/// or transaction lock waiting for its session there to end (or it comes back in a later
+/// reload).
 async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Duration) {
     tokio::time::sleep(window).await;
     loop {
@@ -859,10 +860,11 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
             return; // back in the topology
         }
         // A give-back still retrying would stop with the pool, leaving its key held by nobody
-        // until the row expires.
+        // until the row expires; so would a transaction lock's wait for its session to end.
         if shard.held().is_empty()
             && shard.local_count() == 0
-            && !shard.giving_back()
+            && !shard.settling()
+            && !inner.tx_lock_on(&shard)
             && !topology.still_needed(&shard)
         {
             shard.close();

@@ -75,30 +75,32 @@ pub(crate) struct ShardState {
     release_lane: lanes::Lane<(Vec<u8>, String), ReleaseAnswer>,
     /// Set while a reconciliation pass runs (beside the keeper loop).
     reconciling: std::sync::atomic::AtomicBool,
-    /// Give-backs retrying in the background (see [`ShardState::give_back`]): a shard that
+    /// Give-backs retrying in the background (see [`ShardState::give_back`]), and transaction
+    /// locks whose `COMMIT` may still land here waiting for their session to end: a shard that
     /// left the topology keeps its pool until they end.
-    giving_back: std::sync::atomic::AtomicUsize,
+    settling: std::sync::atomic::AtomicUsize,
     /// The keeper panics at its next tick (tests of its supervision).
     #[cfg(feature = "fault-injection")]
     pub(crate) panic_next_tick: std::sync::atomic::AtomicBool,
 }
 
-/// A give-back's hold on its shard, counted in the shard's `giving_back` while it lives.
-struct GivingBack(Arc<ShardState>);
+/// A give-back's (or an ending transaction lock's) hold on its shard, counted in the shard's
+/// `settling` while it lives.
+pub(crate) struct Settling(pub(crate) Arc<ShardState>);
 
-impl GivingBack {
-    fn new(shard: &Arc<ShardState>) -> Self {
+impl Settling {
+    pub(crate) fn new(shard: &Arc<ShardState>) -> Self {
         shard
-            .giving_back
+            .settling
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Self(shard.clone())
     }
 }
 
-impl Drop for GivingBack {
+impl Drop for Settling {
     fn drop(&mut self) {
         self.0
-            .giving_back
+            .settling
             .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
@@ -146,7 +148,7 @@ impl ShardState {
             acquire_lane: lanes::Lane::default(),
             release_lane: lanes::Lane::default(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
-            giving_back: Default::default(),
+            settling: Default::default(),
             #[cfg(feature = "fault-injection")]
             panic_next_tick: std::sync::atomic::AtomicBool::new(false),
         });
@@ -364,7 +366,7 @@ impl ShardState {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let giving_back = GivingBack::new(self);
+        let giving_back = Settling::new(self);
         runtime.spawn(async move {
             let shard = &giving_back.0;
             // As long as the row can last: on a Galera shard a node whose clock lags may keep
@@ -495,9 +497,10 @@ impl ShardState {
         }
     }
 
-    /// Whether give-backs are still retrying in the background.
-    pub(crate) fn giving_back(&self) -> bool {
-        self.giving_back.load(std::sync::atomic::Ordering::Relaxed) > 0
+    /// Whether give-backs are still retrying in the background, or transaction locks wait
+    /// for their session here to end.
+    pub(crate) fn settling(&self) -> bool {
+        self.settling.load(std::sync::atomic::Ordering::Relaxed) > 0
     }
 
     /// How many batches of each kind may be in flight (`pool.batches-in-flight`, and more

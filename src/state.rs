@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use crate::clock::Moment;
 use crate::queue::KeyQueues;
 use crate::registry::{self, InstanceRegistry};
-use crate::shard::Shared;
+use crate::shard::{ShardState, Shared};
 use crate::sync::LockExt;
 use crate::topology::Topology;
 
@@ -527,9 +527,24 @@ pub(crate) trait FollowsKey: Send + Sync + std::fmt::Debug {
     /// If it still holds and has not yet followed its key to where the topology of `epoch`
     /// places it: the epoch and fingerprint of the topology it holds under.
     fn pending_since(&self, epoch: u64) -> Option<(u64, String)>;
+
+    /// Whether it holds a row on `shard`, in a transaction still open.
+    fn holds_on(&self, shard: &ShardState) -> bool;
 }
 
 impl Inner {
+    /// Whether a transaction lock of this router holds a row on `shard`: its pool stays open
+    /// while one does (its session may need ending there).
+    pub(crate) fn tx_lock_on(&self, shard: &ShardState) -> bool {
+        let locks: Vec<Arc<dyn FollowsKey>> = self
+            .tx_locks
+            .locked()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        locks.iter().any(|lock| lock.holds_on(shard))
+    }
+
     /// The topology this process advertises in the registry: while a transaction lock has
     /// not followed its key yet, the oldest one such a lock holds under. Such a lock leaves no
     /// row for the others' move to wait on: they must keep the move away from that topology

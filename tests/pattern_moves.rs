@@ -1304,6 +1304,51 @@ async fn a_follow_that_fails_during_a_commit_keeps_the_rows_until_it_is_answered
     assert!(locked.is_ok(), "the row on {p1} stayed locked: {locked:?}");
 }
 
+/// A transaction lock whose `commit` is given up while its `COMMIT` is on its way (held up on
+/// the link to its shard) keeps its row on the shard its key lived on in between until a
+/// statement of the process reached its own shard again, which first ends the lock's session
+/// there: let go at once, that row would let a process placed by a reload lock the key while
+/// the `COMMIT` could still land.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_given_up_on_its_way_keeps_the_rows_until_its_session_is_ended() {
+    let (cluster, three, four) = cluster().await;
+    let followed = followed_once(&cluster, [three, four], Duration::from_secs(2), true).await;
+    let Followed {
+        a: _a,
+        held,
+        key,
+        p1,
+        proxy,
+        ..
+    } = followed;
+    let proxy = proxy.expect("proxied");
+    let p1 = cluster.shards().iter().find(|s| s.name() == p1).unwrap();
+
+    proxy.set(ProxyMode::HoldTo(b"RELEASE SAVEPOINT"));
+    let committing = tokio::spawn(held.commit());
+    let mut commit = proxy.held().await;
+    // Nothing of this process reaches the lock's shard meanwhile.
+    proxy.set(ProxyMode::Blackhole);
+    committing.abort();
+    assert!(committing.await.unwrap_err().is_cancelled());
+    let locked = txlock_row_locked(p1, &key, 2).await;
+    assert!(
+        locked.is_err(),
+        "the row on {} was let go while the given-up COMMIT could still land",
+        p1.name()
+    );
+    proxy.set(ProxyMode::Pass);
+    let freed = common::eventually(Duration::from_secs(60), || async {
+        txlock_row_locked(p1, &key, 1).await.is_ok()
+    })
+    .await;
+    assert!(freed, "the row on {} stayed locked", p1.name());
+    assert!(
+        !commit.deliver().await,
+        "the given-up COMMIT ran after the row was let go"
+    );
+}
+
 /// What [`followed_once`] leaves: router `a` (over four shards, then three) holding a
 /// transaction lock on `key` that followed it from its first shard to `p1`, the key's shard
 /// `p2` under `two` (the first two shards), and the proxy in front of the key's first shard.

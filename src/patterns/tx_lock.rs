@@ -12,7 +12,7 @@ use tokio::sync::watch;
 
 use super::Discard;
 use crate::clock::{Moment, SUSPEND_NOTICED_WITHIN};
-use crate::shard::{ShardState, Shared, REGISTRY_LAPSED};
+use crate::shard::{Settling, ShardState, Shared, REGISTRY_LAPSED};
 use crate::state::{FollowsKey, Inner};
 use crate::sync::LockExt;
 use crate::LockRouter;
@@ -108,11 +108,54 @@ impl TxLockState {
         let others = {
             let mut rows = self.rows.locked();
             rows.ended = true;
+            rows.committing = false;
             std::mem::take(&mut rows.others)
         };
         drop(others);
     }
+
+    /// Ends the lock whose `COMMIT` may still be on its way (its answer lost, or its call
+    /// given up): the transactions on other shards end only once a statement of this process
+    /// reached the lock's own shard, which first ends the lock's session there (listed as
+    /// stranded when its connection was let go), or after [`COMMIT_GONE_WITHIN`]. Ended at
+    /// once, they would let a process placed by a reload lock the key before the `COMMIT`
+    /// landed.
+    fn end_once_gone(&self) {
+        let (others, own) = {
+            let mut rows = self.rows.locked();
+            // Its shard's pool stays open meanwhile, should the shard have left the topology
+            // (counted before the lock ends, which a drain also waits for).
+            let own = rows.shards.first().map(Settling::new);
+            rows.ended = true;
+            rows.committing = false;
+            (std::mem::take(&mut rows.others), own)
+        };
+        let (Some(own), Ok(runtime)) = (own, tokio::runtime::Handle::try_current()) else {
+            return;
+        };
+        if others.is_empty() {
+            return;
+        }
+        runtime.spawn(async move {
+            let Settling(own) = &own;
+            let until = tokio::time::Instant::now() + COMMIT_GONE_WITHIN;
+            let mut pause = Duration::from_millis(50);
+            while tokio::time::Instant::now() < until && !own.shared.is_closed() {
+                if own.call(|b| b.clock_us()).await.is_ok() {
+                    break;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            drop(others);
+        });
+    }
 }
+
+/// How long a `COMMIT` whose answer never came may still land: a segment sent into a silent
+/// network is retransmitted for about a quarter of an hour at most (Linux's `tcp_retries2`
+/// default), as the shard's list of stranded sessions counts too.
+const COMMIT_GONE_WITHIN: Duration = Duration::from_secs(20 * 60);
 
 impl std::fmt::Debug for TxLockGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -253,7 +296,13 @@ impl TxLockGuard {
             }
             Err(e) => Err(e.into_error(&self.shard)),
         };
-        self.state.end();
+        match &result {
+            // The `COMMIT` was sent and its answer lost: it may land yet.
+            Err(Error::Unavailable { source, .. }) if commit && source.maybe_applied => {
+                self.state.end_once_gone();
+            }
+            _ => self.state.end(),
+        }
         if result.is_ok() || matches!(result, Err(Error::LockLost { .. })) {
             drop(conn.0.take()); // a clean connection back to the pool
         }
@@ -263,9 +312,17 @@ impl TxLockGuard {
 
 impl Drop for TxLockGuard {
     /// Closes the connection, which rolls back on the server: a statement of yours that was
-    /// interrupted may still be running on it, so it never goes back to the pool.
+    /// interrupted may still be running on it, so it never goes back to the pool. A `commit`
+    /// given up before its answer may have sent its `COMMIT`, which may land yet.
     fn drop(&mut self) {
-        self.state.end();
+        let committing = {
+            let rows = self.state.rows.locked();
+            rows.committing && !rows.ended
+        };
+        match committing {
+            true => self.state.end_once_gone(),
+            false => self.state.end(),
+        }
         drop(Discard(self.conn.take()));
     }
 }
@@ -477,6 +534,11 @@ impl FollowsKey for TxLockState {
         let placed = self.placed_epoch.load(Ordering::Acquire);
         let pending = placed < epoch && !*self.lost.borrow() && !self.rows.locked().ended;
         pending.then_some((placed, placed_in))
+    }
+
+    fn holds_on(&self, shard: &ShardState) -> bool {
+        let rows = self.rows.locked();
+        !rows.ended && rows.shards.iter().any(|s| std::ptr::eq(&**s, shard))
     }
 }
 
