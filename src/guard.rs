@@ -564,11 +564,13 @@ async fn handoff_through_shard(
             Ok(())
         }
         Ok(HandoffOutcome::NotOurs) => {
+            // The row was not live under our owner as the statement ran: revoked, or ended
+            // under our owner (the statement came after its end: a slow link, a row lock on
+            // the way). Released like any other, which does nothing to another owner's row and
+            // answers as a release does, before the waiter may poll for the row.
+            let released = release_through_shard(shard, lease, None).await;
             next.turn(turn, false);
-            // The row may have ended under our owner (the statement came after its end):
-            // released like any other, which does nothing to another owner's row.
-            shard.release_later(lease.key.stored().to_vec(), lease.owner.clone(), lease.ttl);
-            Err(lost(&shard, &lease))
+            released
         }
         Err(e) => {
             next.turn(turn, false);

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, Error, LockRouter};
+use shardlock_testkit::{Proxy, ProxyMode};
 
 fn once() -> AcquireOptions {
     AcquireOptions::new().wait(Duration::ZERO)
@@ -527,6 +528,47 @@ async fn namespaces_with_key_prefixes_lock_their_own_keys() {
         Error::Config(e) => assert_eq!(e.field.as_deref(), Some("namespaces.billing"), "{e}"),
         other => panic!("{other}"),
     }
+}
+
+/// A release that hands the lease to a waiter through the shard, held up on its way past the
+/// lease's end (a slow link), finds the row ended under its owner: released as any release
+/// would be, and answered released, not lost (nobody else held the key meanwhile).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hand_off_held_up_past_the_leases_end_is_answered_released() {
+    let (cluster, _, _) = common::start(1, "").await;
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    // Every hand-off through the shard; no renewal to keep the row alive.
+    let router = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 10s\n\
+         cleaner:\n  registry: static\nnamespaces:\n  default:\n    handoff-max-count: 0\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    let short = AcquireOptions::new()
+        .ttl(Duration::from_secs(1))
+        .keep_alive(false);
+    let held = router.acquire("handed", short.clone()).await.unwrap();
+    let waiter = tokio::spawn({
+        let router = router.clone();
+        async move {
+            let wait = short.wait(Duration::from_secs(60));
+            router.acquire("handed", wait).await
+        }
+    });
+    let queued = common::eventually(Duration::from_secs(30), || async {
+        router.stats().queued == 1
+    })
+    .await;
+    assert!(queued, "the waiter never queued behind the holder");
+    proxy.set(ProxyMode::Delay(Duration::from_millis(1500)));
+    let released = held.release().await;
+    assert!(
+        released.is_ok(),
+        "a hand-off held up past the lease's end answered {released:?}"
+    );
+    proxy.set(ProxyMode::Pass);
+    waiter.await.unwrap().unwrap().release().await.unwrap();
 }
 
 /// A namespace removed by one reload cannot come back with other locks in a later one: a
