@@ -12,7 +12,7 @@ use shardlock_core::config::{NamespaceConfig, RegistryKind, DEFAULT_NAMESPACE};
 use shardlock_core::{BackendError, BackendErrorKind, Config, Error, LockKey, Result};
 use tokio::time::Instant;
 
-use crate::guard::{release_through_shard, LockGuard};
+use crate::guard::{release_through_shard, LockGuard, LockMode};
 use crate::moves;
 use crate::options::AcquireOptions;
 use crate::registry::{self, host_name, IdClaim};
@@ -540,7 +540,9 @@ impl LockRouter {
 
     /// Acquires one bucket of a hot key: bucket `hash(hint) % buckets` of the namespace's
     /// `buckets` sub-locks, each placed on the ring on its own. With `bucket-spill`, every other
-    /// bucket is tried once (in order after the hint's) before waiting for the hint's own.
+    /// bucket is tried once (in order after the hint's) before waiting for the hint's own; one
+    /// whose shard is down is passed over (neither its error nor an in-process lock of the
+    /// `local` policy is answered for it).
     /// [`LockGuard::bucket`] says which one was granted.
     ///
     /// Use it when the protected resource can be split the same way (stock counted per bucket
@@ -559,11 +561,21 @@ impl LockRouter {
             let started = Instant::now();
             for offset in 0..buckets {
                 let bucket = LockKey::bucket(key, (home + offset) % buckets)?;
-                if let Some(guard) = self
+                let spilled = offset > 0;
+                match self
                     .acquire_inner(bucket, &opts, Some(Duration::ZERO))
-                    .await?
+                    .await
                 {
-                    return Ok(guard);
+                    // Another bucket whose shard is down spills nowhere: neither its error
+                    // nor an in-process lock (the `local` policy) stands in for waiting on
+                    // the hint's own bucket.
+                    Ok(Some(guard)) if spilled && guard.mode() != LockMode::Remote => {
+                        drop(guard);
+                    }
+                    Ok(Some(guard)) => return Ok(guard),
+                    Ok(None) => {}
+                    Err(e) if spilled && e.is_unavailable() => {}
+                    Err(e) => return Err(e),
                 }
             }
             let wait = self.namespace_of(&opts)?.wait;

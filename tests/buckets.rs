@@ -223,4 +223,54 @@ async fn buckets_land_on_shards_independently_and_spill_when_busy() {
     assert_eq!(g.key(), "sku:2");
 }
 
+/// A spilling bucket acquire passes over the buckets whose shard is down (its breaker open)
+/// and waits for the hint's own bucket, on a shard that is up: one shard down does not fail
+/// every acquire of the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_spilling_acquire_passes_over_buckets_whose_shard_is_down() {
+    let rig = common::faults::Rig::start("fail-fast", None, common::faults::POOL).await;
+    // Gone from the fleet: its topology, without the namespace, would keep the others out.
+    rig.router.shutdown().await.unwrap();
+    let stock_ns = "  stock:\n    buckets: 16\n    bucket-spill: true\n";
+    let router = shardlock::LockRouter::from_yaml_str(&format!("{}{stock_ns}", rig.yaml))
+        .await
+        .unwrap();
+    let direct = common::faults::config_yaml(
+        &rig.cluster,
+        &rig.cluster.shard(0).url(),
+        common::faults::POOL,
+        "fail-fast",
+    );
+    let other = shardlock::LockRouter::from_yaml_str(&format!("{direct}{stock_ns}"))
+        .await
+        .unwrap();
+    // Another process holds every bucket on the shards that stay up, the hint's own among them.
+    let mut held = other.acquire_all_buckets("sku:9", stock()).await.unwrap();
+    let on_s1: Vec<u32> = held
+        .iter()
+        .filter(|g| g.shard() == "s1")
+        .filter_map(|g| g.bucket())
+        .collect();
+    assert!(!on_s1.is_empty(), "no bucket on s1");
+    held.retain(|g| g.shard() != "s1");
+    let home = held[0].bucket().unwrap();
+    let hint = (0..)
+        .map(|i| format!("user:{i}"))
+        .find(|h| shardlock_core::bucket_for(h.as_bytes(), BUCKETS) == home)
+        .unwrap();
+    let s1_key = rig.keys("k", 1, false).remove(0);
+    rig.proxy.set(shardlock_testkit::ProxyMode::Reset);
+    while router.breaker_state("s1") != Some(shardlock::BreakerState::Open) {
+        let _ = router.try_acquire(&s1_key, AcquireOptions::new()).await;
+    }
+    let err = router
+        .acquire_bucket("sku:9", &hint, stock().wait(Duration::from_millis(300)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, shardlock::Error::Timeout { .. }),
+        "a bucket on the shard that is down failed the acquire: {err}"
+    );
+}
+
 crate::worker_entry! { "buyer" => buyer() }
