@@ -875,8 +875,9 @@ async fn drain(inner: std::sync::Weak<Inner>, shard: Arc<ShardState>, window: Du
         // until the row expires; so would a transaction lock's wait for its session to end.
         if shard.held().is_empty()
             && shard.local_count() == 0
-            && !shard.settling()
+            // A transaction lock counts as ended only once it counts as settling there.
             && !inner.tx_lock_on(&shard)
+            && !shard.settling()
             && !topology.still_needed(&shard)
         {
             shard.close();

@@ -1278,6 +1278,7 @@ async fn a_follow_that_fails_during_a_commit_keeps_the_rows_until_it_is_answered
     let proxy = proxy.expect("proxied");
     let shard = |name: &str| cluster.shards().iter().find(|s| s.name() == name).unwrap();
 
+    let (placed, _) = advertised(&a).await.expect("registered on s1");
     // The COMMIT is held on its way to the lock's own shard.
     proxy.set(ProxyMode::HoldTo(b"RELEASE SAVEPOINT"));
     let committing = tokio::spawn(held.commit());
@@ -1290,6 +1291,14 @@ async fn a_follow_that_fails_during_a_commit_keeps_the_rows_until_it_is_answered
     assert!(
         locked.is_err(),
         "the row on {p1} was let go while the lock's COMMIT was on its way"
+    );
+    // Nor does the process advertise the new topology, the follow failed: the fleet keeps the
+    // move in force (locking the key where it lived too) while the COMMIT may land.
+    let since = std::time::Instant::now();
+    assert_eq!(
+        advertised_after(&a, since).await,
+        placed,
+        "advertised the topology its lock never followed to while its COMMIT was on its way"
     );
     blocker.query_drop("ROLLBACK").await.unwrap();
     assert!(commit.deliver().await, "the COMMIT was not run");

@@ -71,7 +71,8 @@ struct TxRows {
     shards: Vec<Arc<ShardState>>,
     others: Vec<Discard>,
     ended: bool,
-    /// The guard's `COMMIT` may be on its way: the other rows stay until it is answered.
+    /// The guard's `COMMIT` may be on its way (or land yet): the other rows stay, and the
+    /// lock counts as placed where it was, until it is answered (or its session is gone).
     committing: bool,
 }
 
@@ -120,22 +121,22 @@ impl TxLockState {
     /// stranded when its connection was let go), or after [`COMMIT_GONE_WITHIN`]. Ended at
     /// once, they would let a process placed by a reload lock the key before the `COMMIT`
     /// landed.
-    fn end_once_gone(&self) {
-        let (others, own) = {
+    ///
+    /// Until then the lock stays `committing`: it still counts as not having followed its key
+    /// (see [`FollowsKey::pending_since`]), so the fleet keeps a reload's move in force.
+    fn end_once_gone(self: &Arc<Self>) {
+        let own = {
             let mut rows = self.rows.locked();
-            // Its shard's pool stays open meanwhile, should the shard have left the topology
-            // (counted before the lock ends, which a drain also waits for).
-            let own = rows.shards.first().map(Settling::new);
             rows.ended = true;
-            rows.committing = false;
-            (std::mem::take(&mut rows.others), own)
+            // Its shard's pool stays open meanwhile, should the shard have left the topology
+            // (counted before the lock counts as ended, which a drain waits for too).
+            rows.shards.first().map(Settling::new)
         };
         let (Some(own), Ok(runtime)) = (own, tokio::runtime::Handle::try_current()) else {
+            self.end();
             return;
         };
-        if others.is_empty() {
-            return;
-        }
+        let state = self.clone();
         runtime.spawn(async move {
             let Settling(own) = &own;
             let until = tokio::time::Instant::now() + COMMIT_GONE_WITHIN;
@@ -147,7 +148,7 @@ impl TxLockState {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(1));
             }
-            drop(others);
+            state.end();
         });
     }
 }
@@ -286,6 +287,8 @@ impl TxLockGuard {
         } else {
             open.rollback_lock().await
         };
+        // The `COMMIT` was sent and its answer lost: it may land yet.
+        let unknown = commit && matches!(&ended, Err(e) if e.maybe_applied);
         let result = match ended {
             Ok(true) => Ok(()),
             // Your SQL ended the transaction that held the lock (a deadlock, a DDL statement's
@@ -299,15 +302,14 @@ impl TxLockGuard {
             }
             Err(e) => Err(e.into_error(&self.shard)),
         };
-        match &result {
-            // The `COMMIT` was sent and its answer lost: it may land yet.
-            Err(Error::Unavailable { source, .. }) if commit && source.maybe_applied => {
-                self.state.end_once_gone();
-            }
-            _ => self.state.end(),
-        }
         if result.is_ok() || matches!(result, Err(Error::LockLost { .. })) {
             drop(conn.0.take()); // a clean connection back to the pool
+        }
+        // Else closed, its session listed as stranded first (for `end_once_gone` to end).
+        drop(conn);
+        match unknown {
+            true => self.state.end_once_gone(),
+            false => self.state.end(),
         }
         result
     }
@@ -318,15 +320,17 @@ impl Drop for TxLockGuard {
     /// interrupted may still be running on it, so it never goes back to the pool. A `commit`
     /// given up before its answer may have sent its `COMMIT`, which may land yet.
     fn drop(&mut self) {
-        let committing = {
-            let rows = self.state.rows.locked();
-            rows.committing && !rows.ended
-        };
-        match committing {
-            true => self.state.end_once_gone(),
-            false => self.state.end(),
-        }
+        // Its session listed as stranded first (for `end_once_gone` to end).
         drop(Discard(self.conn.take()));
+        let (ended, committing) = {
+            let rows = self.state.rows.locked();
+            (rows.ended, rows.committing)
+        };
+        match (ended, committing) {
+            (true, _) => {}
+            (false, true) => self.state.end_once_gone(),
+            (false, false) => self.state.end(),
+        }
     }
 }
 
@@ -535,8 +539,10 @@ impl FollowsKey for TxLockState {
         // placement is safe), never the reverse.
         let placed_in = self.placed_in.locked().clone();
         let placed = self.placed_epoch.load(Ordering::Acquire);
-        let pending = placed < epoch && !*self.lost.borrow() && !self.rows.locked().ended;
-        pending.then_some((placed, placed_in))
+        let rows = self.rows.locked();
+        // A lock whose `COMMIT` may still land counts as held, lost or not.
+        let holds = rows.committing || (!*self.lost.borrow() && !rows.ended);
+        (placed < epoch && holds).then_some((placed, placed_in))
     }
 
     fn holds_on(&self, shard: &ShardState) -> bool {
@@ -569,6 +575,7 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
         targets.push(topology.locate(&state.key).clone());
         targets.sort_by(|a, b| a.name().cmp(b.name()));
         let deadline = topology.reloaded_at + topology.config.move_window() / 2;
+        let mut committing = false;
         for target in targets {
             let there = {
                 let rows = state.rows.locked();
@@ -596,7 +603,8 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
                     // its `COMMIT` may be on its way (see `TxLockGuard::commit`).
                     let others = {
                         let mut rows = state.rows.locked();
-                        match rows.committing {
+                        committing = rows.committing;
+                        match committing {
                             true => Vec::new(),
                             false => std::mem::take(&mut rows.others),
                         }
@@ -605,6 +613,11 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
                     break;
                 }
             }
+        }
+        // Not while a `COMMIT` that may land is pending on a failed follow: the lock still
+        // holds where it was placed, and the fleet must keep the move in force until then.
+        if committing {
+            return;
         }
         let before = state
             .placed_epoch

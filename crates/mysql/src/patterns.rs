@@ -105,6 +105,9 @@ impl SessionConn {
     /// have been committed.
     pub async fn commit(&mut self) -> Result<bool, BackendError> {
         let locked = !self.savepoint.is_empty();
+        // Let go before its answer, the session is ended only once gone: a `COMMIT` already
+        // running completes even after a `KILL`.
+        self.ending = crate::stranded::Ending::UntilGone;
         self.end_lock(TX_COMMIT).await.map_err(|mut e| {
             // Unanswered (a broken link, a lost reply): the lock's COMMIT may have run.
             e.maybe_applied |= locked && e.code.is_none();

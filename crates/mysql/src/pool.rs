@@ -215,6 +215,9 @@ pub struct SessionConn {
     /// The savepoint that marks a transaction lock's transaction: random per lock, so that no
     /// savepoint of the caller's SQL can stand in for it.
     pub(crate) savepoint: String,
+    /// How its session is ended if it is let go stranded: until gone once a transaction lock's
+    /// `COMMIT` was sent (one already running would complete after a `KILL`).
+    pub(crate) ending: Ending,
     stranded: Lister,
 }
 
@@ -223,6 +226,7 @@ impl SessionConn {
         Self {
             conn: Some(conn),
             savepoint: String::new(),
+            ending: Ending::Killed,
             stranded,
         }
     }
@@ -253,7 +257,7 @@ impl SessionConn {
             return Some(conn);
         }
         if let Some(session) = conn.session {
-            self.stranded.strand(session, Ending::Killed);
+            self.stranded.strand(session, self.ending);
         }
         drop(managed::Object::take(conn));
         None
