@@ -246,7 +246,8 @@ impl TxLockGuard {
     /// `maybe_applied`: the `COMMIT` was sent and its answer lost. Either way a `COMMIT` on its
     /// way may land later; the rows the lock holds on other shards (a key a reload moved) stay
     /// locked until a statement of this process reached the lock's shard again, which ends the
-    /// lock's session there first (at most 20 minutes, the longest a segment is retransmitted).
+    /// lock's session there first (at most 20 minutes, the longest a segment is retransmitted,
+    /// and not past the router's shutdown).
     pub async fn commit(mut self) -> Result<()> {
         // A reload may have moved the key: nothing commits under the lock before it is held
         // where the key lives now. The processes that reloaded lock it only there once their
