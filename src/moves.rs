@@ -719,10 +719,13 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
             }
         }
         if !exhausted.is_empty() {
-            source
+            let failed = source
                 .call_waiting(|b| b.fail_exhausted(&exhausted))
                 .await
                 .map_err(on(source))?;
+            // A claim renewed since it was read (a claim's retry after a lost reply) is
+            // running again: the move waits for it.
+            waiting += exhausted.len().saturating_sub(failed);
         }
         for (target, ids) in by_target {
             let to = target

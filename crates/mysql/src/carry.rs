@@ -203,8 +203,9 @@ pub(crate) async fn pending_jobs_after(
 }
 
 /// Fails the jobs of `ids` still claimed with their lease run out and no retries left, as a
-/// claim of their queue does (`FAIL_EXHAUSTED` in the patterns module).
-pub(crate) async fn fail_exhausted(conn: &mut Conn, ids: &[u64]) -> mysql_async::Result<()> {
+/// claim of their queue does (`FAIL_EXHAUSTED` in the patterns module). Returns how many it
+/// failed: a job whose claim was renewed since it was read is not.
+pub(crate) async fn fail_exhausted(conn: &mut Conn, ids: &[u64]) -> mysql_async::Result<usize> {
     let (list, params) = id_list(ids);
     conn.exec_drop(
         format!(
@@ -214,7 +215,8 @@ pub(crate) async fn fail_exhausted(conn: &mut Conn, ids: &[u64]) -> mysql_async:
         ),
         Params::Positional(params),
     )
-    .await
+    .await?;
+    Ok(conn.affected_rows() as usize)
 }
 
 /// A job being moved: everything needed to enqueue it again where it goes.

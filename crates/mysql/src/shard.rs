@@ -724,8 +724,8 @@ impl Shard {
     }
 
     /// Fails the claimed jobs of `ids` whose lease ran out with no retries left (carrying
-    /// moved queues: no claim of their queue comes here once the move is over).
-    pub async fn fail_exhausted(&self, ids: &[u64]) -> Result<(), BackendError> {
+    /// moved queues: no claim of their queue comes here once the move is over); how many.
+    pub async fn fail_exhausted(&self, ids: &[u64]) -> Result<usize, BackendError> {
         self.run("fail_exhausted", ids, |c, &ids| {
             Box::pin(carry::fail_exhausted(c, ids))
         })
