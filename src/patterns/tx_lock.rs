@@ -246,8 +246,11 @@ impl TxLockGuard {
     /// `maybe_applied`: the `COMMIT` was sent and its answer lost. Either way a `COMMIT` on its
     /// way may land later; the rows the lock holds on other shards (a key a reload moved) stay
     /// locked until a statement of this process reached the lock's shard again, which ends the
-    /// lock's session there first (at most 20 minutes, the longest a segment is retransmitted,
-    /// and not past the router's shutdown).
+    /// lock's session there first, and waits for it to be gone (the shard's statements wait
+    /// with it, for at most two statement timeouts); at most 20 minutes (the longest a segment
+    /// is retransmitted), and not past the router's shutdown, nor past a session the server
+    /// would not look up or end, or one that could not be told apart (behind a proxy such as
+    /// ProxySQL). A `COMMIT` unanswered for 20 minutes is given up so.
     pub async fn commit(mut self) -> Result<()> {
         // A reload may have moved the key: nothing commits under the lock before it is held
         // where the key lives now. The processes that reloaded lock it only there once their
@@ -284,7 +287,15 @@ impl TxLockGuard {
         let mut conn = Discard(self.conn.take());
         let open = conn.0.as_mut().expect("ended once");
         let ended = if commit {
-            open.commit().await
+            // Bounded: a `COMMIT` unanswered that long (a link gone half-open) counts as lost,
+            // so the lock ends (see `end_once_gone`) instead of holding its placement for ever.
+            tokio::time::timeout(COMMIT_GONE_WITHIN, open.commit())
+                .await
+                .unwrap_or_else(|_| {
+                    let mut e = BackendError::timeout("the COMMIT was not answered");
+                    e.maybe_applied = true;
+                    Err(e)
+                })
         } else {
             open.rollback_lock().await
         };
@@ -580,6 +591,12 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
         for target in targets {
             let there = {
                 let rows = state.rows.locked();
+                // Ended with its `COMMIT` perhaps still to land (`end_once_gone`): it stays
+                // placed where it was until that is settled.
+                if rows.ended && rows.committing {
+                    committing = true;
+                    break;
+                }
                 rows.ended || rows.shards.iter().any(|s| s.same_database(&target))
             };
             if there {
@@ -592,6 +609,9 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
                     if !rows.ended {
                         rows.shards.push(target);
                         rows.others.push(Discard(Some(conn)));
+                    } else if rows.committing {
+                        committing = true;
+                        break;
                     }
                 }
                 Err(e) => {
