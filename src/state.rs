@@ -536,13 +536,13 @@ impl Inner {
     /// Whether a transaction lock of this router holds a row on `shard`: its pool stays open
     /// while one does (its session may need ending there).
     pub(crate) fn tx_lock_on(&self, shard: &ShardState) -> bool {
-        let locks: Vec<Arc<dyn FollowsKey>> = self
-            .tx_locks
-            .locked()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
-        locks.iter().any(|lock| lock.holds_on(shard))
+        self.live_tx_locks().iter().any(|lock| lock.holds_on(shard))
+    }
+
+    /// The transaction locks of this router still alive (taken out of the list's lock).
+    fn live_tx_locks(&self) -> Vec<Arc<dyn FollowsKey>> {
+        let locks = self.tx_locks.locked();
+        locks.iter().filter_map(Weak::upgrade).collect()
     }
 
     /// The topology this process advertises in the registry: while a transaction lock has
@@ -567,13 +567,7 @@ impl Inner {
 
     /// Every transaction lock placed under an older epoch than `topology`'s follows its key.
     pub(crate) fn follow_tx_locks(self: &Arc<Self>, topology: &Topology) {
-        let locks: Vec<Arc<dyn FollowsKey>> = self
-            .tx_locks
-            .locked()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
-        for lock in locks {
+        for lock in self.live_tx_locks() {
             if lock.placed_epoch() < topology.epoch {
                 lock.follow(Arc::downgrade(self));
             }

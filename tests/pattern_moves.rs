@@ -485,7 +485,7 @@ async fn a_transaction_lock_that_fails_on_a_later_shard_leaves_no_row_locked() {
 
     // The row locked on the key's shard before s4 failed was rolled back with its connection,
     // not left locked on a connection back in the pool.
-    let at = cluster.shards().iter().find(|s| s.name() == home).unwrap();
+    let at = named(&cluster, &home);
     let mut c = at.connect().await.unwrap();
     c.query_drop("SET SESSION innodb_lock_wait_timeout = 2")
         .await
@@ -499,7 +499,11 @@ async fn a_transaction_lock_that_fails_on_a_later_shard_leaves_no_row_locked() {
 
 /// The shard of `cluster` that `router` places `key` on.
 fn shard_of<'c>(cluster: &'c Cluster, router: &LockRouter, key: &str) -> &'c Shard {
-    let name = router.shard_for(key).unwrap();
+    named(cluster, &router.shard_for(key).unwrap())
+}
+
+/// The shard of `cluster` named `name`.
+fn named<'c>(cluster: &'c Cluster, name: &str) -> &'c Shard {
     cluster.shards().iter().find(|s| s.name() == name).unwrap()
 }
 
@@ -1237,7 +1241,7 @@ async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
         two,
         ..
     } = followed;
-    let shard = |name: &str| cluster.shards().iter().find(|s| s.name() == name).unwrap();
+    let shard = |name: &str| named(&cluster, name);
 
     // Reloaded again, with the key's row on p2 held by another transaction past the follow's
     // time: lost.
@@ -1276,7 +1280,7 @@ async fn a_follow_that_fails_during_a_commit_keeps_the_rows_until_it_is_answered
         proxy,
     } = followed;
     let proxy = proxy.expect("proxied");
-    let shard = |name: &str| cluster.shards().iter().find(|s| s.name() == name).unwrap();
+    let shard = |name: &str| named(&cluster, name);
 
     let (placed, _) = advertised(&a).await.expect("registered on s1");
     // The COMMIT is held on its way to the lock's own shard.
@@ -1331,7 +1335,7 @@ async fn a_commit_given_up_on_its_way_keeps_the_rows_until_its_session_is_ended(
         ..
     } = followed;
     let proxy = proxy.expect("proxied");
-    let p1 = cluster.shards().iter().find(|s| s.name() == p1).unwrap();
+    let p1 = named(&cluster, &p1);
 
     proxy.set(ProxyMode::HoldTo(b"RELEASE SAVEPOINT"));
     let committing = tokio::spawn(held.commit());
@@ -1406,7 +1410,7 @@ async fn followed_once(
     }
     let proxy = match proxied {
         true => {
-            let first = cluster.shards().iter().find(|s| s.name() == p0).unwrap();
+            let first = named(cluster, &p0);
             let proxy = Proxy::start(first.port()).await.unwrap();
             for config in [&mut four, &mut three, &mut two] {
                 for s in config.shards.iter_mut().filter(|s| s.name == p0) {
