@@ -79,10 +79,12 @@ impl LockRouter {
             out.push(result?);
         }
         // A router made before its shards were migrated could not heartbeat there, and
-        // grants nothing until it has: it joins now rather than at its next retry.
-        if self.inner.gate.is_rejoining() {
-            self.inner.beat_and_join(&mut Default::default()).await;
-        }
+        // grants nothing until it has: it joins now rather than at its next retry. Every
+        // router beats now too, with the servers digest read above: a heartbeat that raced
+        // the migration (its digest taken before the shard ids were stored, its row written
+        // after the tables were) would keep processes started after this call out until the
+        // next heartbeat.
+        self.inner.beat_and_join(&mut Default::default()).await;
         Ok(out)
     }
 

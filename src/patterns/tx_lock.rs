@@ -250,7 +250,8 @@ impl TxLockGuard {
     /// with it, for at most two statement timeouts); at most 20 minutes (the longest a segment
     /// is retransmitted), and not past the router's shutdown, nor past a session the server
     /// would not look up or end, or one that could not be told apart (behind a proxy such as
-    /// ProxySQL). A `COMMIT` unanswered for 20 minutes is given up so.
+    /// ProxySQL). A `COMMIT` unanswered for 20 minutes is given up so, and waited for 20
+    /// minutes more at most.
     pub async fn commit(mut self) -> Result<()> {
         // A reload may have moved the key: nothing commits under the lock before it is held
         // where the key lives now. The processes that reloaded lock it only there once their
@@ -613,6 +614,12 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
                         committing = true;
                         break;
                     }
+                }
+                // An ended lock (committed, or rolled back) is not lost; one whose `COMMIT`
+                // may still land stays placed where it was.
+                Err(_) if state.rows.locked().ended => {
+                    committing = state.rows.locked().committing;
+                    break;
                 }
                 Err(e) => {
                     tracing::warn!(key = state.label, shard = target.name(), error = %shardlock_core::Report(&e), "shardlock could not lock a moved key's row on its new shard");
