@@ -53,6 +53,9 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
                 let key = lease.key.stored().to_vec();
                 shard.give_back(key, lease.owner.clone(), lease.ttl);
             }
+            // Released so: its guard's release sends nothing and answers that it was lost
+            // (not the old shard's outage, should it still be down).
+            lease.release_claimed.store(true, Ordering::Release);
             return;
         }
         let there_already = target.same_database(&shard)

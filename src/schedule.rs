@@ -86,7 +86,21 @@ impl LockRouter {
             drop(guard);
             return Err(crate::semaphore::local_refused(shard));
         }
-        let interval = hold_to_interval_end(&guard, every).await?;
+        let interval = match hold_to_interval_end(&guard, every).await {
+            Ok(interval) => interval,
+            Err(e) => {
+                // Nothing ran: the rows are let go in full rather than kept to the interval's
+                // end, so that the next tick (here or elsewhere) runs it. Its fence puts that
+                // run in this interval, or in a later one if a hold landed unanswered.
+                let hold = guard.hold();
+                hold.lease.clear_at_least();
+                for (_, row) in hold.lease.companion_rows() {
+                    row.clear_at_least();
+                }
+                let _ = guard.release().await;
+                return Err(e);
+            }
+        };
         let run = ScheduledRun {
             interval,
             guard: guard.reenter()?,

@@ -328,6 +328,12 @@ async fn a_key_held_in_process_that_a_reload_moves_is_lost_to_its_holder() {
         .await
         .expect("the holder of a key moved away in process was not told");
     assert!(!local.is_held());
+    // Its release says so, though the shard it was held for is still out of reach.
+    let released = local.release().await;
+    assert!(
+        matches!(released, Err(Error::LockLost { .. })),
+        "the release of a key moved away in process answered {released:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

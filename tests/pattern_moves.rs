@@ -1232,7 +1232,13 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
 #[tokio::test(flavor = "multi_thread")]
 async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
     let (cluster, three, four) = cluster().await;
-    let followed = followed_once(&cluster, [three, four], Duration::from_secs(6), false).await;
+    let followed = followed_once(
+        &cluster,
+        [three, four],
+        Duration::from_secs(6),
+        Link::Direct,
+    )
+    .await;
     let Followed {
         a,
         held,
@@ -1270,7 +1276,8 @@ async fn a_follow_that_fails_rolls_back_the_rows_it_took() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_follow_that_fails_during_a_commit_keeps_the_rows_until_it_is_answered() {
     let (cluster, three, four) = cluster().await;
-    let followed = followed_once(&cluster, [three, four], Duration::from_secs(2), true).await;
+    let followed =
+        followed_once(&cluster, [three, four], Duration::from_secs(2), Link::Proxy).await;
     let Followed {
         a,
         held,
@@ -1326,7 +1333,8 @@ async fn a_follow_that_fails_during_a_commit_keeps_the_rows_until_it_is_answered
 #[tokio::test(flavor = "multi_thread")]
 async fn a_commit_given_up_on_its_way_keeps_the_rows_until_its_session_is_ended() {
     let (cluster, three, four) = cluster().await;
-    let followed = followed_once(&cluster, [three, four], Duration::from_secs(2), true).await;
+    let followed =
+        followed_once(&cluster, [three, four], Duration::from_secs(2), Link::Proxy).await;
     let Followed {
         a: _a,
         held,
@@ -1363,6 +1371,67 @@ async fn a_commit_given_up_on_its_way_keeps_the_rows_until_its_session_is_ended(
     );
 }
 
+/// A `COMMIT` given up on its way on a session that cannot be told apart from others (behind
+/// a proxy that keeps sessions of its own): nothing can end that session or say it is gone, so
+/// the lock's row on the shard its key lived on in between stays locked until the `COMMIT`'s
+/// time is out or the router shuts down, also while the shard answers and after the `COMMIT`
+/// landed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_given_up_on_a_session_that_cannot_be_told_apart_keeps_the_rows_until_the_end() {
+    let (cluster, three, four) = cluster().await;
+    let followed = followed_once(
+        &cluster,
+        [three, four],
+        Duration::from_secs(2),
+        Link::ProxyHidingSessions,
+    )
+    .await;
+    let Followed {
+        a,
+        held,
+        key,
+        p1,
+        proxy,
+        ..
+    } = followed;
+    let proxy = proxy.expect("proxied");
+    let p1 = named(&cluster, &p1);
+
+    proxy.set(ProxyMode::HoldTo(b"RELEASE SAVEPOINT"));
+    let committing = tokio::spawn(held.commit());
+    let mut commit = proxy.held().await;
+    committing.abort();
+    assert!(committing.await.unwrap_err().is_cancelled());
+    // The shard answers meanwhile, and no one ends the session: the COMMIT may land any time.
+    assert_eq!(proxy.mode(), ProxyMode::Pass);
+    let locked = txlock_row_locked(p1, &key, 3).await;
+    assert!(
+        locked.is_err(),
+        "the row on {} was let go while a COMMIT on a session no one can end could still land",
+        p1.name()
+    );
+    assert!(commit.deliver().await, "the COMMIT did not land");
+    let locked = txlock_row_locked(p1, &key, 1).await;
+    assert!(locked.is_err(), "the row on {} was let go", p1.name());
+    a.shutdown().await.unwrap();
+    let freed = common::eventually(Duration::from_secs(60), || async {
+        txlock_row_locked(p1, &key, 1).await.is_ok()
+    })
+    .await;
+    assert!(freed, "the row on {} outlived the router", p1.name());
+}
+
+/// How router `a` of [`followed_once`] reaches the key's first shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Link {
+    Direct,
+    /// Through a proxy (under every config).
+    Proxy,
+    /// Through a proxy that hides which server session a connection has (see
+    /// `Proxy::renumber_sessions`).
+    ProxyHidingSessions,
+}
+
 /// What [`followed_once`] leaves: router `a` (over four shards, then three) holding a
 /// transaction lock on `key` that followed it from its first shard to `p1`, the key's shard
 /// `p2` under `two` (the first two shards), and the proxy in front of the key's first shard.
@@ -1376,13 +1445,12 @@ struct Followed {
     proxy: Option<Proxy>,
 }
 
-/// [`Followed`], with move window `window`; with `proxied`, the key's first shard is reached
-/// through a proxy (under every config).
+/// [`Followed`], with move window `window`, the key's first shard reached over `link`.
 async fn followed_once(
     cluster: &Cluster,
     [three, four]: [Config; 2],
     window: Duration,
-    proxied: bool,
+    link: Link,
 ) -> Followed {
     let window = |mut c: Config| {
         c.routing.move_window = Some(window);
@@ -1409,10 +1477,13 @@ async fn followed_once(
     for router in routers {
         router.shutdown().await.unwrap();
     }
-    let proxy = match proxied {
-        true => {
+    let proxy = match link {
+        Link::Proxy | Link::ProxyHidingSessions => {
             let first = named(cluster, &p0);
             let proxy = Proxy::start(first.port()).await.unwrap();
+            if link == Link::ProxyHidingSessions {
+                proxy.renumber_sessions();
+            }
             for config in [&mut four, &mut three, &mut two] {
                 for s in config.shards.iter_mut().filter(|s| s.name == p0) {
                     s.url = proxy.url();
@@ -1422,7 +1493,7 @@ async fn followed_once(
             }
             Some(proxy)
         }
-        false => None,
+        Link::Direct => None,
     };
     let a = LockRouter::new(four).await.unwrap();
     let held = a

@@ -171,6 +171,55 @@ async fn three_processes_on_one_schedule_run_each_interval_once() {
     );
 }
 
+/// A run whose setup fails after its grant (the statement that holds the row to its
+/// interval's end answered an error) runs nothing and gives the interval back: the next tick
+/// runs it. Kept to the interval's end, the row would let that interval run nowhere.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_whose_setup_failed_gives_its_interval_back() {
+    let (cluster, router, _yaml) = common::start(1, "").await;
+    let day = Duration::from_secs(24 * 3600);
+    // A lease of an hour, so that nothing but a release frees the row during the test.
+    let opts = || AcquireOptions::new().ttl(Duration::from_secs(3600));
+    // The server refuses any write that would keep the row past two hours: the interval's
+    // hold, and a release that keeps the row to that end (not a grant, a renewal or a plain
+    // release).
+    let mut conn = cluster.shard(0).connect().await.unwrap();
+    conn.query_drop(
+        "CREATE TRIGGER refuse_long_holds BEFORE UPDATE ON shardlock_lease FOR EACH ROW \
+         IF NEW.expires_at > NOW(3) + INTERVAL 2 HOUR THEN \
+         SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused by the test'; END IF",
+    )
+    .await
+    .unwrap();
+    let ran = std::sync::atomic::AtomicBool::new(false);
+    let failed = router
+        .run_exclusive("job:setup", day, opts(), |_| async {
+            ran.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+        .await;
+    assert!(
+        failed.is_err(),
+        "the interval's hold was refused: {failed:?}"
+    );
+    assert!(!ran.load(std::sync::atomic::Ordering::SeqCst));
+    conn.query_drop("DROP TRIGGER refuse_long_holds")
+        .await
+        .unwrap();
+    let next = router
+        .run_exclusive(
+            "job:setup",
+            day,
+            opts(),
+            |run| async move { run.interval() },
+        )
+        .await
+        .unwrap();
+    assert!(
+        next.is_some(),
+        "the interval whose run failed to set up ran nowhere after it"
+    );
+}
+
 /// The shard's clock now, ms since the epoch.
 async fn shard_now_ms(cluster: &Cluster) -> u64 {
     let mut conn = cluster.shard(0).connect().await.unwrap();

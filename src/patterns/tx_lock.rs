@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use mysql_async::Conn;
 use shardlock_core::{BackendError, BackendErrorKind, Error, LockKey, Result};
-use shardlock_mysql::SessionConn;
+use shardlock_mysql::{SessionConn, SessionId};
 use tokio::sync::watch;
 
 use super::Discard;
@@ -34,6 +34,9 @@ use crate::LockRouter;
 pub struct TxLockGuard {
     /// `None` once committed or rolled back.
     conn: Option<SessionConn>,
+    /// Who `conn`'s server session is, to wait for its end when a `COMMIT` may be on its way
+    /// (see [`TxLockState::end_once_gone`]).
+    session: Option<SessionId>,
     key: String,
     shard: String,
     state: Arc<TxLockState>,
@@ -116,15 +119,16 @@ impl TxLockState {
     }
 
     /// Ends the lock whose `COMMIT` may still be on its way (its answer lost, or its call
-    /// given up): the transactions on other shards end only once a statement of this process
-    /// reached the lock's own shard, which first ends the lock's session there (listed as
-    /// stranded when its connection was let go), or after [`COMMIT_GONE_WITHIN`]. Ended at
-    /// once, they would let a process placed by a reload lock the key before the `COMMIT`
-    /// landed.
+    /// given up) on `session`: the transactions on other shards end only once the lock's own
+    /// shard says that session is gone (told to end until it is: a `COMMIT` still in transit
+    /// then finds no session, one already running completes first), or after
+    /// [`COMMIT_GONE_WITHIN`] (waited out whole for a session that cannot be told apart: a
+    /// Galera shard's, one behind a proxy). Ended at once, they would let a process placed by
+    /// a reload lock the key before the `COMMIT` landed.
     ///
     /// Until then the lock stays `committing`: it still counts as not having followed its key
     /// (see [`FollowsKey::pending_since`]), so the fleet keeps a reload's move in force.
-    fn end_once_gone(self: &Arc<Self>) {
+    fn end_once_gone(self: &Arc<Self>, session: Option<SessionId>) {
         let own = {
             let mut rows = self.rows.locked();
             rows.ended = true;
@@ -142,8 +146,11 @@ impl TxLockState {
             let until = tokio::time::Instant::now() + COMMIT_GONE_WITHIN;
             let mut pause = Duration::from_millis(50);
             while tokio::time::Instant::now() < until && !own.shared.is_closed() {
-                if own.call(|b| b.clock_us()).await.is_ok() {
-                    break;
+                // A session that cannot be asked after is waited out.
+                if let Some(session) = session {
+                    if let Ok(true) = own.call(|b| b.end_session(session)).await {
+                        break;
+                    }
                 }
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(1));
@@ -245,13 +252,13 @@ impl TxLockGuard {
     /// your rows to learn which. So does an [`Error::Unavailable`] whose source says
     /// `maybe_applied`: the `COMMIT` was sent and its answer lost. Either way a `COMMIT` on its
     /// way may land later; the rows the lock holds on other shards (a key a reload moved) stay
-    /// locked until a statement of this process reached the lock's shard again, which ends the
-    /// lock's session there first, and waits for it to be gone (the shard's statements wait
-    /// with it, for at most two statement timeouts); at most 20 minutes (the longest a segment
-    /// is retransmitted), and not past the router's shutdown, nor past a session the server
-    /// would not look up or end, or one that could not be told apart (behind a proxy such as
-    /// ProxySQL). A `COMMIT` unanswered for 20 minutes is given up so, and waited for 20
-    /// minutes more at most.
+    /// locked, and the lock counts as placed where it was, until the lock's shard says its
+    /// session is gone: it is told to end until it is, so that a `COMMIT` still in transit
+    /// finds no session (one already running completes first); at most 20 minutes (the
+    /// longest a segment is retransmitted), and not past the router's shutdown. A session
+    /// that cannot be told apart from others (a Galera shard's, one behind a proxy such as
+    /// ProxySQL) cannot be asked after: its 20 minutes are waited out. A `COMMIT` unanswered
+    /// for 20 minutes is given up so, and waited for 20 minutes more at most.
     pub async fn commit(mut self) -> Result<()> {
         // A reload may have moved the key: nothing commits under the lock before it is held
         // where the key lives now. The processes that reloaded lock it only there once their
@@ -318,10 +325,11 @@ impl TxLockGuard {
         if result.is_ok() || matches!(result, Err(Error::LockLost { .. })) {
             drop(conn.0.take()); // a clean connection back to the pool
         }
-        // Else closed, its session listed as stranded first (for `end_once_gone` to end).
+        // Else closed: its session is ended by the shard's next statement (listed as
+        // stranded), and waited for by `end_once_gone`.
         drop(conn);
         match unknown {
-            true => self.state.end_once_gone(),
+            true => self.state.end_once_gone(self.session),
             false => self.state.end(),
         }
         result
@@ -333,7 +341,6 @@ impl Drop for TxLockGuard {
     /// interrupted may still be running on it, so it never goes back to the pool. A `commit`
     /// given up before its answer may have sent its `COMMIT`, which may land yet.
     fn drop(&mut self) {
-        // Its session listed as stranded first (for `end_once_gone` to end).
         drop(Discard(self.conn.take()));
         let (ended, committing) = {
             let rows = self.state.rows.locked();
@@ -341,7 +348,7 @@ impl Drop for TxLockGuard {
         };
         match (ended, committing) {
             (true, _) => {}
-            (false, true) => self.state.end_once_gone(),
+            (false, true) => self.state.end_once_gone(self.session),
             (false, false) => self.state.end(),
         }
     }
@@ -476,6 +483,7 @@ impl LockRouter {
             follow(Arc::downgrade(&self.inner), state.clone());
         }
         Ok(Some(TxLockGuard {
+            session: conn.session(),
             conn: Some(conn),
             key: key.to_owned(),
             shard: shard.name().to_owned(),

@@ -278,6 +278,11 @@ impl LeaseState {
         self.keep_taken(shared);
     }
 
+    /// Drops the minimum hold: the row is let go in full at its release.
+    pub(crate) fn clear_at_least(&self) {
+        self.at_least_us.store(0, Ordering::Release);
+    }
+
     /// Records the row's minimum hold, if it has one, as running from now at the latest, so
     /// that this router's reconcile of its key leaves the row taken even once the lease ended
     /// (see [`Shared::keep_taken`]). Called as the lease is registered after its grant.

@@ -29,7 +29,7 @@ pub use lease::{
 };
 pub use migrate::{MigrateReport, MIGRATIONS};
 pub use patterns::{CasGiveBack, ClaimedJob, JobEnd, StateTable};
-pub use pool::SessionConn;
+pub use pool::{SessionConn, SessionId};
 pub use shard::{connect_opts, PoolStatus, Shard};
 
 /// Re-exported so callers can run their own SQL on a shard connection.

@@ -9,7 +9,7 @@ use futures_util::future::BoxFuture;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, OptsBuilder};
 
-use crate::stranded::{Ending, Lister};
+use crate::stranded::{Ending, Lister, ER_NO_SUCH_THREAD};
 
 /// The server's `max_prepared_stmt_count` was reached. The limit is server-wide, so the
 /// statement that hits it is not at fault: closing the connection that got the error gives
@@ -45,7 +45,7 @@ pub(crate) struct ShardConn {
 /// restarts, so an id alone may name another process's session by then; the server answers
 /// `IS_USED_LOCK` with this thread's id only while this very session lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct SessionId {
+pub struct SessionId {
     pub(crate) thread: u32,
     token: u64,
     /// The server the session is on (a hash of its `@@hostname` and `@@port`): only that
@@ -109,17 +109,44 @@ impl SessionId {
                 conn.id()
             )));
         }
-        let server = {
-            use std::hash::{Hash, Hasher};
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            (host, port).hash(&mut hasher);
-            hasher.finish()
-        };
         Ok(Identity::Known(Self {
             thread: conn.id(),
             token,
-            server,
+            server: server_of(host, port),
         }))
+    }
+
+    /// Whether this session is gone, asked on `conn`: if its server still has it, it is told
+    /// to end (`KILL`) and the answer is `false` until a later look finds it gone; `false`
+    /// too when `conn` reached another server (only the session's own can tell). Unlike the
+    /// shard's list of stranded sessions (see [`crate::stranded`]), it never gives up on a
+    /// session the server keeps: its caller decides how long to ask.
+    pub(crate) async fn end_on(&self, conn: &mut Conn) -> mysql_async::Result<bool> {
+        let probe = format!(
+            "SELECT IS_USED_LOCK('{}'), @@hostname, @@port",
+            self.lock_name()
+        );
+        let Some((holder, host, port)) = conn
+            .query_first::<(Option<u64>, Option<String>, Option<u64>), _>(probe)
+            .await?
+        else {
+            return Ok(false);
+        };
+        if server_of(host, port) != self.server {
+            return Ok(false);
+        }
+        if holder != Some(u64::from(self.thread)) {
+            return Ok(true);
+        }
+        match conn
+            .query_drop(format!("KILL CONNECTION {}", self.thread))
+            .await
+        {
+            // Gone since the look: seen so by the next one.
+            Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => Ok(false),
+            Err(e) => Err(e),
+            Ok(()) => Ok(false),
+        }
     }
 
     /// A session of thread `thread` on server 0, for unit tests of the list.
@@ -145,6 +172,14 @@ impl SessionId {
     pub(crate) fn lock_name(&self) -> String {
         lock_name(self.token)
     }
+}
+
+/// The server a session is on, from its `@@hostname` and `@@port` (see [`SessionId`]).
+fn server_of(host: Option<String>, port: Option<u64>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (host, port).hash(&mut hasher);
+    hasher.finish()
 }
 
 /// The name of a session's lock (see [`SessionId`]).
@@ -229,6 +264,13 @@ impl SessionConn {
             ending: Ending::Killed,
             stranded,
         }
+    }
+
+    /// Who its server session is, to end it with [`crate::Shard::end_session`] once the
+    /// connection is let go; `None` when it cannot be told apart from others (see
+    /// [`SessionId`]).
+    pub fn session(&self) -> Option<SessionId> {
+        self.conn.as_ref().and_then(|c| c.session)
     }
 
     /// The raw connection for the caller's own SQL.

@@ -771,6 +771,16 @@ impl Shard {
             .await
     }
 
+    /// Whether `session` (of a connection of this shard's, let go) is gone: told to end if
+    /// its server still has it, `false` until a later call finds it gone, and while the
+    /// shard reaches another server (see [`SessionId::end_on`]).
+    pub async fn end_session(&self, session: SessionId) -> Result<bool, BackendError> {
+        self.run("end_session", session, |c, session| {
+            Box::pin(session.end_on(c))
+        })
+        .await
+    }
+
     /// Raises the shard's fence floor: every fence granted here from now on is above `floor`.
     pub async fn raise_shard_floor(&self, floor: u64) -> Result<(), BackendError> {
         self.run("raise_shard_floor", floor, |c, &floor| {

@@ -18,7 +18,7 @@ use mysql_async::prelude::Queryable;
 use crate::pool::{SessionId, ShardConn};
 
 /// The server's "unknown thread id": the session has ended already.
-const ER_NO_SUCH_THREAD: u16 = 1094;
+pub(crate) const ER_NO_SUCH_THREAD: u16 = 1094;
 
 /// Stranded sessions kept at least (twice the pool's size when that is more): beyond that the
 /// oldest are let go. Every pooled connection broken with a statement on the wire, twice over,

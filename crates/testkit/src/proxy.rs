@@ -3,6 +3,8 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -100,6 +102,8 @@ pub struct Proxy {
     mode: watch::Sender<ProxyMode>,
     accept: JoinHandle<()>,
     held: tokio::sync::Mutex<mpsc::UnboundedReceiver<HeldRequest>>,
+    /// Whether new connections' greetings name another thread than the server's session.
+    renumber: Arc<AtomicBool>,
 }
 
 impl Proxy {
@@ -117,9 +121,18 @@ impl Proxy {
         let (mode, _) = watch::channel(ProxyMode::Pass);
         let modes = mode.clone();
         let (hold, held) = mpsc::unbounded_channel();
+        let renumber = Arc::new(AtomicBool::new(false));
+        let renumbered = renumber.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(serve(client, upstream, modes.clone(), hold.clone()));
+                let renumber = renumbered.load(Ordering::SeqCst);
+                tokio::spawn(serve(
+                    client,
+                    upstream,
+                    modes.clone(),
+                    hold.clone(),
+                    renumber,
+                ));
             }
         });
         Ok(Self {
@@ -127,7 +140,15 @@ impl Proxy {
             mode,
             accept,
             held: tokio::sync::Mutex::new(held),
+            renumber,
         })
+    }
+
+    /// From now on, the greeting of each new connection names another thread id than its
+    /// server session's, as a proxy that keeps sessions of its own (ProxySQL) does: its
+    /// clients cannot tell their server sessions apart from others.
+    pub fn renumber_sessions(&self) {
+        self.renumber.store(true, Ordering::SeqCst);
     }
 
     /// The next request [`ProxyMode::StrandTo`] or [`ProxyMode::HoldTo`] holds back (or the
@@ -188,6 +209,7 @@ async fn serve(
     upstream: SocketAddr,
     modes: watch::Sender<ProxyMode>,
     hold: mpsc::UnboundedSender<HeldRequest>,
+    renumber: bool,
 ) {
     let mut mode = modes.subscribe();
     // Set when a request this connection forwarded matched `LoseReplyTo`.
@@ -218,7 +240,7 @@ async fn serve(
     };
     tokio::select! {
         _ = pump(&mut client_read, &mut server_write, mode.clone(), requests, &armed) => {}
-        _ = pump(&mut server_read, &mut client_write, mode, Direction::Replies { modes: &modes, thread: &thread }, &armed) => {}
+        _ = pump(&mut server_read, &mut client_write, mode, Direction::Replies { modes: &modes, thread: &thread, renumber }, &armed) => {}
     }
     let request = held.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Some((request, keep_client)) = request {
@@ -248,18 +270,21 @@ enum Direction<'a> {
     Replies {
         modes: &'a watch::Sender<ProxyMode>,
         thread: &'a std::sync::atomic::AtomicU32,
+        /// Whether the greeting is to name another thread (see [`Proxy::renumber_sessions`]).
+        renumber: bool,
     },
 }
 
 /// The connection id a server's greeting (protocol 10: a packet header, the version byte, the
-/// server's version ending in NUL, then the id) names; `None` for any other chunk.
-fn greeting_thread(chunk: &[u8]) -> Option<u32> {
+/// server's version ending in NUL, then the id) names, and where it is in `chunk`; `None` for
+/// any other chunk.
+fn greeting_thread(chunk: &[u8]) -> Option<(u32, usize)> {
     if chunk.get(4) != Some(&10) {
         return None;
     }
-    let version_end = 5 + chunk.get(5..)?.iter().position(|&b| b == 0)?;
-    let id = chunk.get(version_end + 1..version_end + 5)?;
-    Some(u32::from_le_bytes(id.try_into().ok()?))
+    let at = 5 + chunk.get(5..)?.iter().position(|&b| b == 0)? + 1;
+    let id = chunk.get(at..at + 4)?;
+    Some((u32::from_le_bytes(id.try_into().ok()?), at))
 }
 
 /// Forwards chunks from `from` to `to` as the mode allows; returns when either side closes or
@@ -331,10 +356,18 @@ async fn pump(
                     }
                 }
             }
-            Direction::Replies { modes, thread } => {
+            Direction::Replies {
+                modes,
+                thread,
+                renumber,
+            } => {
                 if thread.load(SeqCst) == 0 {
-                    if let Some(id) = greeting_thread(&buf[..n]) {
+                    if let Some((id, at)) = greeting_thread(&buf[..n]) {
                         thread.store(id, SeqCst);
+                        if renumber {
+                            let other = id.wrapping_add(1_000_000);
+                            buf[at..at + 4].copy_from_slice(&other.to_le_bytes());
+                        }
                     }
                 }
                 if lose == ProxyMode::LoseReplies {
