@@ -364,10 +364,12 @@ impl Drop for LockGuard {
             return;
         }
         if let Some(shard_work) = end_hold(&self.hold) {
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => drop(runtime.spawn(shard_work)),
+            // On the router's runtime: a task spawned on the caller's may never run (a
+            // `block_on` returning at once), and the lease would be renewed for ever.
+            match self.hold.shard.shared.runtime() {
+                Some(runtime) => drop(runtime.spawn(shard_work)),
                 // No runtime to release on: stop renewing; the lease ends by expiry.
-                Err(_) => drop(self.hold.shard.remove(self.hold.lease.id)),
+                None => drop(self.hold.shard.remove(self.hold.lease.id)),
             }
         }
     }

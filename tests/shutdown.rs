@@ -34,6 +34,38 @@ async fn a_guard_is_lost_before_its_key_is_free_for_others_at_shutdown() {
     );
 }
 
+/// A guard dropped on another runtime than its router's, one that never runs again (a
+/// `block_on` that returned at once, then dropped): its release still runs, on the router's
+/// runtime. Spawned on the runtime that dropped it, it would never run while the router's
+/// keeper renewed the lease, keeping the key from everyone for as long as the router lives.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_guard_dropped_on_a_runtime_that_ends_is_released() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let other = common::worker_router_from(&cluster).await;
+    let ttl = AcquireOptions::new().ttl(Duration::from_secs(2));
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let guard = router.acquire("k", ttl).await.unwrap();
+            drop(guard);
+        });
+    })
+    .join()
+    .unwrap();
+    let freed = common::eventually(Duration::from_secs(30), || async {
+        let once = AcquireOptions::new().wait(Duration::ZERO);
+        other.try_acquire("k", once).await.unwrap().is_some()
+    })
+    .await;
+    assert!(
+        freed,
+        "the key of a guard dropped on a runtime that ended stayed taken"
+    );
+}
+
 /// A router used from two runtimes: a release parked mid-statement on one of them, and a
 /// release of the same shard queued behind it on the other (one batch in flight per lane).
 /// The first runtime is dropped outside any runtime, so its release can start no runner for

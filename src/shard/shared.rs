@@ -57,6 +57,10 @@ pub(crate) struct Shared {
     /// a scheduled run's interval), each with a local moment past that end: such a row is no
     /// stale row of a lost lease, also once its release failed (see [`Shared::is_stale_own`]).
     kept: Mutex<Kept>,
+    /// The runtime the router was built on, where its keepers run: a guard dropped on another
+    /// one (a `block_on` that returns at once, a runtime shutting down) releases here, where
+    /// its release runs for as long as the keeper renewing the lease would.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 /// See [`Shared::keep_taken`].
@@ -87,7 +91,16 @@ impl Shared {
             registry_live: Mutex::default(),
             registry_losses: watch::channel(0).0,
             kept: Mutex::default(),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         }
+    }
+
+    /// The runtime to run `work` on that outlives no keeper of this router: the router's own,
+    /// else the caller's; `None` outside any runtime.
+    pub(crate) fn runtime(&self) -> Option<tokio::runtime::Handle> {
+        self.runtime
+            .clone()
+            .or_else(|| tokio::runtime::Handle::try_current().ok())
     }
 
     /// Whether the registry surely counts this process live at `at`: a lease on a shard is

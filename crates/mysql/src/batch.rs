@@ -74,7 +74,7 @@ const ACQUIRE_BATCH: &str = concat!(
     "owner = IF(", released!("shardlock_lease.owner"), " OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
     "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", joined_floor!(), ", src.f) + src.r, shardlock_lease.fence), ",
     "ttl_ms = IF(shardlock_lease.owner = src.o, src.t, shardlock_lease.ttl_ms), ",
-    "expires_at = IF(shardlock_lease.owner = src.o, NOW(3) + INTERVAL src.t * 1000 MICROSECOND, shardlock_lease.expires_at), ",
+    "expires_at = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.expires_at, NOW(3) + INTERVAL src.t * 1000 MICROSECOND), shardlock_lease.expires_at), ",
     "acquired_at = IF(shardlock_lease.owner = src.o, NOW(3), shardlock_lease.acquired_at), ",
     "holder_trace = IF(shardlock_lease.owner = src.o, src.tr, shardlock_lease.holder_trace), ",
     "wanted_at = IF(shardlock_lease.owner = src.o, NULL, ",

@@ -171,6 +171,11 @@ pub struct GrantRequest {
 /// statement is kept small because the server re-resolves every expression of a prepared
 /// statement on each execution.
 ///
+/// A row already this owner's (a try whose reply was lost, landing after the retry that
+/// answered) keeps its end if that is later: the lease may have been extended since, and its
+/// holder counts on that end (`GREATEST`; a row taken over has ended, so the new end is the
+/// later one).
+///
 /// The loser's branch is `fence + 0 * LAST_INSERT_ID(...)`: the fence stays, but the call is
 /// still evaluated for its side effect. Its `GREATEST(..., 0)` matters: if the shard's clock
 /// stepped back since the grant, the held time is negative, and 2^63 plus it would fall below
@@ -187,7 +192,7 @@ const ACQUIRE: &str = concat!(
     "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ", joined_floor!(), ", ?)) + ?, ",
     "fence + 0 * LAST_INSERT_ID(9223372036854775808 + LEAST(GREATEST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000, 0), 1000000000))), ",
     "ttl_ms = IF(owner = ?, ?, ttl_ms), ",
-    "expires_at = IF(owner = ?, NOW(3) + INTERVAL ? MICROSECOND, expires_at), ",
+    "expires_at = IF(owner = ?, GREATEST(expires_at, NOW(3) + INTERVAL ? MICROSECOND), expires_at), ",
     "acquired_at = IF(owner = ?, NOW(3), acquired_at), ",
     "holder_trace = IF(owner = ?, ?, holder_trace), ",
     "wanted_at = IF(owner = ?, NULL, NOW(3))"
@@ -954,6 +959,57 @@ mod tests {
         assert!(matches!(granted, Attempt::Granted(_)), "{granted:?}");
         let handed = shard.handoff("c", &grant("d", 60_000)).await.unwrap();
         assert!(matches!(handed, HandoffOutcome::Granted(_)), "{handed:?}");
+    }
+
+    /// A grant that lands again for the owner that holds the row (a try whose reply was lost,
+    /// after the retry that answered) never shortens the lease: it may have been extended,
+    /// and its holder counts on that end. Alone or in a batch.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_grant_landing_again_never_shortens_its_owners_lease() {
+        let (_cluster, shard) = crate::testing::migrated_shard().await;
+        let grant = |key: &str| GrantRequest {
+            key: key.as_bytes().to_vec(),
+            owner: format!("owner-of-{key}"),
+            ttl_ms: 60_000,
+            fence_floor: 0,
+            reserve: 0,
+            trace: None,
+        };
+        let hour = std::time::Duration::from_secs(3600);
+        for (key, batched) in [("alone", false), ("batched", true)] {
+            let req = grant(key);
+            let granted = shard.acquire(&req).await.unwrap();
+            assert!(matches!(granted, Attempt::Granted(_)), "{granted:?}");
+            assert!(shard
+                .extend(req.key.as_slice(), &req.owner, hour)
+                .await
+                .unwrap());
+            // The first try, landing late.
+            let again = match batched {
+                false => shard.acquire(&req).await.unwrap(),
+                true => {
+                    let other = grant("other-key");
+                    let mut answers = shard.acquire_batch(&[req.clone(), other]).await.unwrap();
+                    answers.attempts.remove(0)
+                }
+            };
+            assert!(matches!(again, Attempt::Granted(_)), "{again:?}");
+            let mut conn = shard.connection().await.unwrap();
+            let left_s: Option<i64> = conn
+                .raw()
+                .exec_first(
+                    "SELECT TIMESTAMPDIFF(SECOND, NOW(3), expires_at) FROM shardlock_lease \
+                     WHERE lock_key = ?",
+                    (req.key.as_slice(),),
+                )
+                .await
+                .unwrap();
+            let left_s = left_s.expect("the row");
+            assert!(
+                left_s > 3000,
+                "a grant landing again ({key}) cut an extended lease to {left_s} s"
+            );
+        }
     }
 
     #[test]
