@@ -43,7 +43,18 @@ async fn a_guard_dropped_on_a_runtime_that_ends_is_released() {
     let (cluster, router, _) = common::start(1, "").await;
     let other = common::worker_router_from(&cluster).await;
     let ttl = AcquireOptions::new().ttl(Duration::from_secs(2));
+    // The pool's connections are opened here, on the router's runtime, where its keeper
+    // renews: one opened on the other runtime would die with it, and the lease with it.
+    router
+        .acquire("warm", ttl.clone())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let dropping = router.clone();
     std::thread::spawn(move || {
+        let router = dropping;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
