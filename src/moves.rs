@@ -280,6 +280,11 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
                 return;
             }
             Err(e) => {
+                router
+                    .shared
+                    .stats
+                    .moves_kept
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %shardlock_core::Report(&e), "shardlock could not carry the fences of moved keys yet; moved keys keep taking their old shards meanwhile")
             }
         }
@@ -459,17 +464,14 @@ async fn carry_leases(
             let Some(owner) = row.live_owner else {
                 continue;
             };
-            // Where the key lives now; for a digest (placement unknown), any current shard.
+            // Where the key lives now. For a digest (placement unknown) nowhere can tell: the
+            // owner's rows on other current shards may be ones its key left earlier (a lease
+            // that followed two reloads, its follow to the third still under way), so the
+            // lease keeps the move in force until it ends.
             let now: Vec<Arc<ShardState>> = match topology.current_location(&row.key) {
                 Some(at) if at.same_database(source) => continue,
                 Some(at) => vec![at.clone()],
-                None => topology
-                    .current
-                    .shards
-                    .iter()
-                    .filter(|s| !s.same_database(source))
-                    .cloned()
-                    .collect(),
+                None => Vec::new(),
             };
             live.push((now, row.key, owner));
         }

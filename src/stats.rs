@@ -110,8 +110,10 @@ counters! {
     fences_carried,
     /// Looks, once a move window was over, that kept the move in force: a live instance of
     /// the fleet ran another topology than this process, the registry could not be read on
-    /// every shard, or a move before it was not over yet (moves end oldest first). Looked
-    /// again every `cleaner.heartbeat-interval`.
+    /// every shard, or a move before it was not over yet (moves end oldest first), looked at
+    /// again every `cleaner.heartbeat-interval`; or its carry could not finish (a shard did
+    /// not answer, a live lease of a moved key is not where the key lives now), tried again
+    /// with a backoff.
     moves_kept,
     /// Grants (leases, transaction locks, CAS takes) given back because a reload came while
     /// their statement was out: it may have run after the fleet ended the key's move, where

@@ -1501,3 +1501,42 @@ async fn a_grant_across_a_reload_that_left_its_key_in_place_is_kept() {
     assert_eq!(a.stats().stale_grants, 0, "a grant in place was given back");
     ours.release().await.unwrap();
 }
+
+/// A lease of a key over 255 bytes (its row holds a digest, not the key) keeps a move in force
+/// until it ends, also once it followed its key: where the key lives now cannot be told from
+/// its row, nor whether the owner's rows on other shards are where it followed or where it
+/// lived under an earlier topology (a follow to a third shard still under way).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_of_a_key_over_255_bytes_keeps_a_move_in_force_until_it_ends() {
+    let cluster = Cluster::start(3).await.unwrap();
+    let listing = |names: &[&str]| shards_named(&cluster, names, "", RUN_AHEAD);
+    let (before, after) = (listing(&["s1", "s2"]), listing(&["s1", "s2", "s3"]));
+    let setup = LockRouter::new(after.clone()).await.unwrap();
+    setup.migrate().await.unwrap();
+    let router = LockRouter::new(before).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("{i}:{}", "k".repeat(300)))
+        .find(|k| router.shard_for(k).unwrap() != setup.shard_for(k).unwrap())
+        .unwrap();
+    setup.shutdown().await.unwrap();
+    let held = router.acquire(&key, AcquireOptions::new()).await.unwrap();
+
+    router.reload(after).await.unwrap();
+    let decided = common::eventually(Duration::from_secs(30), || async {
+        router.stats().moves_kept > 0 || router.moves_in_progress() == 0
+    })
+    .await;
+    assert!(decided, "the move's carry never ran");
+    assert!(held.is_held());
+    assert_eq!(
+        router.moves_in_progress(),
+        1,
+        "the move ended while a lease of a key whose placement its row cannot tell was live"
+    );
+    held.release().await.unwrap();
+    let over = common::eventually(Duration::from_secs(30), || async {
+        router.moves_in_progress() == 0
+    })
+    .await;
+    assert!(over, "the move did not end once the lease did");
+}
