@@ -44,6 +44,10 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
         // longer lives. It ends, visibly, for the processes that take the key where it lives
         // now (its holder keeps the key's turn here until it lets go).
         if !target.same_database(&shard) && shard.remove_local(lease.id) {
+            // Released so, before its holder hears of the loss: its guard's release sends
+            // nothing and answers that it was lost (not the old shard's outage, should it
+            // still be down).
+            lease.release_claimed.store(true, Ordering::Release);
             lease.mark_lost(
                 "its key moved in a reload while it was held in process",
                 &shard.shared,
@@ -53,9 +57,6 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
                 let key = lease.key.stored().to_vec();
                 shard.give_back(key, lease.owner.clone(), lease.ttl);
             }
-            // Released so: its guard's release sends nothing and answers that it was lost
-            // (not the old shard's outage, should it still be down).
-            lease.release_claimed.store(true, Ordering::Release);
             return;
         }
         let there_already = target.same_database(&shard)
@@ -440,6 +441,8 @@ async fn carry_leases(
 ) -> shardlock_core::Result<u64> {
     let mut carried = 0;
     let mut uncovered: Vec<(Vec<u8>, String)> = Vec::new();
+    // Of them, leases of keys over 255 bytes, kept for as long as they live.
+    let mut digests = 0;
     let mut after = Vec::new();
     loop {
         let rows = source
@@ -471,7 +474,10 @@ async fn carry_leases(
             let now: Vec<Arc<ShardState>> = match topology.current_location(&row.key) {
                 Some(at) if at.same_database(source) => continue,
                 Some(at) => vec![at.clone()],
-                None => Vec::new(),
+                None => {
+                    digests += 1;
+                    Vec::new()
+                }
             };
             live.push((now, row.key, owner));
         }
@@ -507,8 +513,9 @@ async fn carry_leases(
             source,
             format!(
                 "{} lease(s) of moved keys are live there and not on their new shard (e.g. \
-                 key `{}` held by {owner}): a process that has not reloaded yet? The move \
-                 stays in force until they end",
+                 key `{}` held by {owner}), {digests} of them of keys over 255 bytes, whose \
+                 rows cannot tell where their keys live now: a process that has not reloaded \
+                 yet? The move stays in force until they end",
                 uncovered.len(),
                 source.shared.telemetry.stored_key_label(key),
             ),

@@ -90,12 +90,16 @@ impl LockRouter {
             Ok(interval) => interval,
             Err(e) => {
                 // Nothing ran: the rows are let go in full rather than kept to the interval's
-                // end, so that the next tick (here or elsewhere) runs it. Its fence puts that
-                // run in this interval, or in a later one if a hold landed unanswered.
+                // end, so that the next tick (here or elsewhere) may run it. Its fence puts
+                // that run in this interval, or in a later one if a hold landed (answered or
+                // not) and raised the key's fence to the interval's end.
                 let hold = guard.hold();
-                hold.lease.clear_at_least();
-                for (_, row) in hold.lease.companion_rows() {
+                let shared = &hold.shard.shared;
+                for row in std::iter::once(hold.lease.clone())
+                    .chain(hold.lease.companion_rows().into_iter().map(|(_, row)| row))
+                {
                     row.clear_at_least();
+                    shared.released_kept(&row.owner);
                 }
                 let _ = guard.release().await;
                 return Err(e);

@@ -631,6 +631,14 @@ async fn two_processes_migrate_a_galera_shard_through_different_nodes_at_once() 
     let latest = shardlock_mysql::MIGRATIONS.last().unwrap().0;
     assert_eq!(one.unwrap().version, latest);
     assert_eq!(two.unwrap().version, latest);
+    // One database, whichever node answers: a reload that lists the nodes otherwise, or two
+    // processes whose pools sit on different nodes, must not take it for two (a move of
+    // every key to itself; jobs carried twice).
+    assert_eq!(
+        g1.identity().await.unwrap(),
+        g2.identity().await.unwrap(),
+        "the Galera shard's identity depends on the node that answers"
+    );
     for node in 0..3 {
         let mut conn = galera.node(node).connect().await.unwrap();
         // After every write the cluster committed before this read.

@@ -62,6 +62,9 @@ pub(crate) struct TxLockState {
     following: tokio::sync::Mutex<()>,
     /// The router's, for whether the registry still surely counts this process live.
     shared: Arc<Shared>,
+    /// The router's heartbeat nudge: a lock that ends while it had not followed its key lets
+    /// the process advertise the topology in force, at once rather than at the next beat.
+    beat_now: Arc<tokio::sync::Notify>,
     /// [`Shared::registry_losses`] before the lock was sought: a lock has no lease row, so
     /// when the leases are lost to the registry (a lapse), it is too.
     registry_losses: u64,
@@ -116,6 +119,9 @@ impl TxLockState {
             std::mem::take(&mut rows.others)
         };
         drop(others);
+        if self.placed_epoch.load(Ordering::Acquire) < self.shared.epoch() {
+            self.beat_now.notify_one();
+        }
     }
 
     /// Ends the lock whose `COMMIT` may still be on its way (its answer lost, or its call
@@ -136,7 +142,8 @@ impl TxLockState {
             // (counted before the lock counts as ended, which a drain waits for too).
             rows.shards.first().map(Settling::new)
         };
-        let (Some(own), Ok(runtime)) = (own, tokio::runtime::Handle::try_current()) else {
+        // On the router's runtime, where it runs as long as the router's keepers do.
+        let (Some(own), Some(runtime)) = (own, self.shared.runtime()) else {
             self.end();
             return;
         };
@@ -258,7 +265,9 @@ impl TxLockGuard {
     /// longest a segment is retransmitted), and not past the router's shutdown. A session
     /// that cannot be told apart from others (a Galera shard's, one behind a proxy such as
     /// ProxySQL) cannot be asked after: its 20 minutes are waited out. A `COMMIT` unanswered
-    /// for 20 minutes is given up so, and waited for 20 minutes more at most.
+    /// for 20 minutes is given up so, and waited for 20 minutes more at most. The session is
+    /// told apart by a user lock it holds (`GET_LOCK`): do not run `RELEASE_ALL_LOCKS()` on the
+    /// lock's connection, or its session reads as gone while it lives.
     pub async fn commit(mut self) -> Result<()> {
         // A reload may have moved the key: nothing commits under the lock before it is held
         // where the key lives now. The processes that reloaded lock it only there once their
@@ -470,6 +479,7 @@ impl LockRouter {
             lost: watch::channel(false).0,
             following: tokio::sync::Mutex::new(()),
             shared: self.inner.shared.clone(),
+            beat_now: self.inner.beat_now.clone(),
             registry_losses: losses,
         });
         // Registered, then the epoch checked: a reload swaps the topology, then looks at the

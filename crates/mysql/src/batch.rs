@@ -71,6 +71,7 @@ const ACQUIRE_BATCH: &str = concat!(
     "tr VARCHAR(55) CHARACTER SET ascii PATH '$[5]'",
     ")) AS src JOIN ", floor_row!(), " ON ", floor_row_is!(), " ORDER BY src.k ", floor_lock!(), " ",
     "ON DUPLICATE KEY UPDATE ",
+    "expires_at = IF(", released!("shardlock_lease.owner"), ", LEAST(shardlock_lease.expires_at, NOW(3)), shardlock_lease.expires_at), ",
     "owner = IF(", released!("shardlock_lease.owner"), " OR shardlock_lease.expires_at <= NOW(3), src.o, shardlock_lease.owner), ",
     "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence + 1, ", now_us!(), ", ", joined_floor!(), ", src.f) + src.r, shardlock_lease.fence), ",
     "ttl_ms = IF(shardlock_lease.owner = src.o, src.t, shardlock_lease.ttl_ms), ",

@@ -173,8 +173,9 @@ pub struct GrantRequest {
 ///
 /// A row already this owner's (a try whose reply was lost, landing after the retry that
 /// answered) keeps its end if that is later: the lease may have been extended since, and its
-/// holder counts on that end (`GREATEST`; a row taken over has ended, so the new end is the
-/// later one).
+/// holder counts on that end (`GREATEST`). A row taken over has ended: its end is first
+/// brought back to now at the latest (a released row's end is its release's time, which a
+/// shard clock stepped back puts ahead), so that the new owner's end is its own ttl's.
 ///
 /// The loser's branch is `fence + 0 * LAST_INSERT_ID(...)`: the fence stays, but the call is
 /// still evaluated for its side effect. Its `GREATEST(..., 0)` matters: if the shard's clock
@@ -188,6 +189,7 @@ const ACQUIRE: &str = concat!(
     "SELECT ?, ?, LAST_INSERT_ID(GREATEST(", now_us!(), ", ", joined_floor!(), ", ?)) + ?, ?, NOW(3) + INTERVAL ? MICROSECOND, NOW(3), ?, NULL ",
     "FROM ", floor_row!(), " WHERE ", floor_row_is!(), " ", floor_lock!(), " ",
     "ON DUPLICATE KEY UPDATE ",
+    "expires_at = IF(", released!("owner"), ", LEAST(expires_at, NOW(3)), expires_at), ",
     "owner = IF(", released!("owner"), " OR expires_at <= NOW(3), ?, owner), ",
     "fence = IF(owner = ?, LAST_INSERT_ID(GREATEST(fence + 1, ", now_us!(), ", ", joined_floor!(), ", ?)) + ?, ",
     "fence + 0 * LAST_INSERT_ID(9223372036854775808 + LEAST(GREATEST(TIMESTAMPDIFF(MICROSECOND, acquired_at, NOW(3)) DIV 1000, 0), 1000000000))), ",
@@ -1008,6 +1010,62 @@ mod tests {
             assert!(
                 left_s > 3000,
                 "a grant landing again ({key}) cut an extended lease to {left_s} s"
+            );
+        }
+    }
+
+    /// A released row whose end lies ahead (released before the shard's clock stepped back)
+    /// is taken over with the new owner's own ttl, not that end: should the new holder die, its
+    /// key would otherwise stay taken for as long as the step. Alone or in a batch.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_row_taken_over_ends_at_its_new_owners_ttl_whatever_its_released_end() {
+        let (_cluster, shard) = crate::testing::migrated_shard().await;
+        let grant = |key: &str, owner: &str| GrantRequest {
+            key: key.as_bytes().to_vec(),
+            owner: owner.to_owned(),
+            ttl_ms: 60_000,
+            fence_floor: 0,
+            reserve: 0,
+            trace: None,
+        };
+        for (key, batched) in [("alone", false), ("batched", true)] {
+            let first = grant(key, "first");
+            let granted = shard.acquire(&first).await.unwrap();
+            assert!(matches!(granted, Attempt::Granted(_)), "{granted:?}");
+            shard.release(&first.key, &first.owner).await.unwrap();
+            let mut conn = shard.connection().await.unwrap();
+            // As a shard clock stepped back an hour after the release leaves it.
+            conn.raw()
+                .exec_drop(
+                    "UPDATE shardlock_lease SET expires_at = NOW(3) + INTERVAL 1 HOUR \
+                     WHERE lock_key = ?",
+                    (key.as_bytes(),),
+                )
+                .await
+                .unwrap();
+            let next = grant(key, &format!("next-{key}"));
+            let taken = match batched {
+                false => shard.acquire(&next).await.unwrap(),
+                true => {
+                    let other = grant(&format!("other-{key}"), "other");
+                    let mut answers = shard.acquire_batch(&[next.clone(), other]).await.unwrap();
+                    answers.attempts.remove(0)
+                }
+            };
+            assert!(matches!(taken, Attempt::Granted(_)), "{taken:?}");
+            let left_s: Option<i64> = conn
+                .raw()
+                .exec_first(
+                    "SELECT TIMESTAMPDIFF(SECOND, NOW(3), expires_at) FROM shardlock_lease \
+                     WHERE lock_key = ?",
+                    (key.as_bytes(),),
+                )
+                .await
+                .unwrap();
+            let left_s = left_s.expect("the row");
+            assert!(
+                left_s <= 60,
+                "a row taken over ({key}) ends in {left_s} s, past its new owner's 60 s ttl"
             );
         }
     }

@@ -37,6 +37,8 @@ pub struct Shard {
     /// Sessions whose statement may still be on its way to the server (see
     /// [`crate::stranded`]).
     stranded: Lister,
+    /// A Galera shard (it lists `nodes`), whose nodes each name themselves.
+    galera: bool,
 }
 
 /// A try's statement on the wire: its session is listed as stranded if the try is dropped
@@ -205,6 +207,7 @@ impl Shard {
             statement_timeout: config.statement_timeout,
             server,
             stranded: Lister::new(&config.name, MOST_STRANDED.max(2 * config.pool.max_size)),
+            galera: !config.nodes.is_empty(),
         })
     }
 
@@ -871,10 +874,17 @@ impl Shard {
 
     /// What identifies the database this shard reaches: the id its tables were created with
     /// (migration 5) and the server's host name, port, server id and schema. Two shards with
-    /// the same identity are the same database, whatever their URLs.
+    /// the same identity are the same database, whatever their URLs. On a Galera shard, the id
+    /// alone (with `galera`): its nodes each name themselves, and the cluster's database is
+    /// one whichever node answers.
     pub async fn identity(&self) -> Result<String, BackendError> {
-        self.run("identity", (), |c, _| Box::pin(lease::identity(c)))
-            .await
+        let identity = self
+            .run("identity", (), |c, _| Box::pin(lease::identity(c)))
+            .await?;
+        Ok(match identity.split_once(' ') {
+            Some((id, _)) if self.galera && !id.is_empty() => format!("{id} galera"),
+            _ => identity,
+        })
     }
 
     /// How many live leases the shard holds (all instances).
