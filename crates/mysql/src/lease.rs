@@ -907,6 +907,11 @@ pub(crate) async fn holder_trace(
 /// The server behind a connection: host name, port and server id as the server reports them
 /// (so a proxy or another URL to the same server gives the same answer), and its schema.
 const SERVER: &str = "SELECT CONCAT(@@hostname, ':', @@port, '#', @@server_id, '/', DATABASE())";
+/// Whether the server is a Galera node (no row on a server without Galera, MySQL's included).
+const WSREP_ON: &str = "SHOW VARIABLES LIKE 'wsrep_on'";
+/// A Galera cluster's state UUID: the same on every node, and another cluster's (one
+/// bootstrapped from a backup included) unless an operator gives it this one by hand.
+const CLUSTER_UUID: &str = "SHOW STATUS LIKE 'wsrep_cluster_state_uuid'";
 const SHARD_ID: &str = "SELECT value FROM shardlock_meta WHERE name = 'shard-id'";
 
 /// Error number of a missing table (`shardlock_meta` before migration 5).
@@ -914,8 +919,23 @@ const NO_SUCH_TABLE: u16 = 1146;
 
 /// A shard not yet migrated to version 5 has no `shardlock_meta`: it is then identified by its
 /// server alone rather than failing, so two URLs to one such database are still recognised.
+///
+/// On a Galera node the server is the cluster (its state UUID) and the schema: every node names
+/// itself, and the shard is one database whichever node answers.
 pub(crate) async fn identity(conn: &mut Conn) -> mysql_async::Result<String> {
-    let server: Option<String> = conn.query_first(SERVER).await?;
+    let wsrep: Option<(String, String)> = conn.query_first(WSREP_ON).await?;
+    let server: Option<String> = match wsrep {
+        Some((_, on)) if on.eq_ignore_ascii_case("ON") => {
+            let cluster: Option<(String, String)> = conn.query_first(CLUSTER_UUID).await?;
+            let schema: Option<Option<String>> = conn.query_first("SELECT DATABASE()").await?;
+            Some(format!(
+                "galera:{}/{}",
+                cluster.map(|(_, uuid)| uuid).unwrap_or_default(),
+                schema.flatten().unwrap_or_default()
+            ))
+        }
+        _ => conn.query_first(SERVER).await?,
+    };
     let id: Option<String> = match conn.query_first(SHARD_ID).await {
         Ok(id) => id,
         Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_TABLE => None,

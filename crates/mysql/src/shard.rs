@@ -37,8 +37,6 @@ pub struct Shard {
     /// Sessions whose statement may still be on its way to the server (see
     /// [`crate::stranded`]).
     stranded: Lister,
-    /// A Galera shard (it lists `nodes`), whose nodes each name themselves.
-    galera: bool,
 }
 
 /// A try's statement on the wire: its session is listed as stranded if the try is dropped
@@ -207,7 +205,6 @@ impl Shard {
             statement_timeout: config.statement_timeout,
             server,
             stranded: Lister::new(&config.name, MOST_STRANDED.max(2 * config.pool.max_size)),
-            galera: !config.nodes.is_empty(),
         })
     }
 
@@ -874,17 +871,12 @@ impl Shard {
 
     /// What identifies the database this shard reaches: the id its tables were created with
     /// (migration 5) and the server's host name, port, server id and schema. Two shards with
-    /// the same identity are the same database, whatever their URLs. On a Galera shard, the id
-    /// alone (with `galera`): its nodes each name themselves, and the cluster's database is
-    /// one whichever node answers.
+    /// the same identity are the same database, whatever their URLs. On a Galera node, the
+    /// cluster (its state UUID) instead of the server: its nodes each name themselves, and the
+    /// cluster's database is one whichever node answers, through `nodes:` or a `url:` alone.
     pub async fn identity(&self) -> Result<String, BackendError> {
-        let identity = self
-            .run("identity", (), |c, _| Box::pin(lease::identity(c)))
-            .await?;
-        Ok(match identity.split_once(' ') {
-            Some((id, _)) if self.galera && !id.is_empty() => format!("{id} galera"),
-            _ => identity,
-        })
+        self.run("identity", (), |c, _| Box::pin(lease::identity(c)))
+            .await
     }
 
     /// How many live leases the shard holds (all instances).
