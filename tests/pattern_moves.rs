@@ -11,7 +11,7 @@ use nix::sys::signal::Signal;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::patterns::{StateMachine, TxLockGuard};
 use shardlock::{AcquireOptions, Config, Error, LockRouter};
-use shardlock_testkit::{report, Cluster, Proxy, ProxyMode, Shard, Worker};
+use shardlock_testkit::{report, Cluster, HeldRequest, Proxy, ProxyMode, Shard, Worker};
 use tokio::signal::unix::SignalKind;
 
 /// Four shards, configs listing the first three and all four (500 ms move window), and a
@@ -1335,24 +1335,15 @@ async fn a_commit_given_up_on_its_way_keeps_the_rows_until_its_session_is_ended(
     let (cluster, three, four) = cluster().await;
     let followed =
         followed_once(&cluster, [three, four], Duration::from_secs(2), Link::Proxy).await;
-    let Followed {
+    // Nothing of this process reaches the lock's shard meanwhile.
+    let GivenUp {
         a: _a,
-        held,
         key,
         p1,
         proxy,
-        ..
-    } = followed;
-    let proxy = proxy.expect("proxied");
+        mut commit,
+    } = commit_given_up(followed, ProxyMode::Blackhole).await;
     let p1 = named(&cluster, &p1);
-
-    proxy.set(ProxyMode::HoldTo(b"RELEASE SAVEPOINT"));
-    let committing = tokio::spawn(held.commit());
-    let mut commit = proxy.held().await;
-    // Nothing of this process reaches the lock's shard meanwhile.
-    proxy.set(ProxyMode::Blackhole);
-    committing.abort();
-    assert!(committing.await.unwrap_err().is_cancelled());
     let locked = txlock_row_locked(p1, &key, 2).await;
     assert!(
         locked.is_err(),
@@ -1386,24 +1377,15 @@ async fn a_commit_given_up_on_a_session_that_cannot_be_told_apart_keeps_the_rows
         Link::ProxyHidingSessions,
     )
     .await;
-    let Followed {
+    // The shard answers meanwhile, and no one ends the session: the COMMIT may land any time.
+    let GivenUp {
         a,
-        held,
         key,
         p1,
-        proxy,
-        ..
-    } = followed;
-    let proxy = proxy.expect("proxied");
+        proxy: _proxy,
+        mut commit,
+    } = commit_given_up(followed, ProxyMode::Pass).await;
     let p1 = named(&cluster, &p1);
-
-    proxy.set(ProxyMode::HoldTo(b"RELEASE SAVEPOINT"));
-    let committing = tokio::spawn(held.commit());
-    let mut commit = proxy.held().await;
-    committing.abort();
-    assert!(committing.await.unwrap_err().is_cancelled());
-    // The shard answers meanwhile, and no one ends the session: the COMMIT may land any time.
-    assert_eq!(proxy.mode(), ProxyMode::Pass);
     let locked = txlock_row_locked(p1, &key, 3).await;
     assert!(
         locked.is_err(),
@@ -1419,6 +1401,43 @@ async fn a_commit_given_up_on_a_session_that_cannot_be_told_apart_keeps_the_rows
     })
     .await;
     assert!(freed, "the row on {} outlived the router", p1.name());
+}
+
+/// What [`commit_given_up`] leaves: [`Followed`]'s router, key, shard `p1` and proxy, and
+/// the lock's `COMMIT`, held on its way.
+struct GivenUp {
+    a: LockRouter,
+    key: String,
+    p1: String,
+    proxy: Proxy,
+    commit: HeldRequest,
+}
+
+/// Commits `followed`'s lock with its `COMMIT` held on its way to the lock's shard, the link
+/// then in mode `then`, and gives the commit up.
+async fn commit_given_up(followed: Followed, then: ProxyMode) -> GivenUp {
+    let Followed {
+        a,
+        held,
+        key,
+        p1,
+        proxy,
+        ..
+    } = followed;
+    let proxy = proxy.expect("proxied");
+    proxy.set(ProxyMode::HoldTo(b"RELEASE SAVEPOINT"));
+    let committing = tokio::spawn(held.commit());
+    let commit = proxy.held().await;
+    proxy.set(then);
+    committing.abort();
+    assert!(committing.await.unwrap_err().is_cancelled());
+    GivenUp {
+        a,
+        key,
+        p1,
+        proxy,
+        commit,
+    }
 }
 
 /// How router `a` of [`followed_once`] reaches the key's first shard.

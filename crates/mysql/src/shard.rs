@@ -773,7 +773,7 @@ impl Shard {
 
     /// Whether `session` (of a connection of this shard's, let go) is gone: told to end if
     /// its server still has it, `false` until a later call finds it gone, and while the
-    /// shard reaches another server (see [`SessionId::end_on`]).
+    /// shard reaches another server (only the session's own server can tell).
     pub async fn end_session(&self, session: SessionId) -> Result<bool, BackendError> {
         self.run("end_session", session, |c, session| {
             Box::pin(session.end_on(c))
