@@ -169,8 +169,10 @@ async fn live_fleet(
 /// shard id its database stores (migration 5) and the server as it names itself (host name,
 /// port, server id, schema), the same through any URL or proxy that reaches that server. A
 /// copy of the database (a promoted replica, a restored backup) carries the id but is another
-/// server. For a Galera shard, whose nodes each name themselves, the id alone. `None` while
-/// some shard's identity is unknown (unreachable since this process started or reloaded).
+/// server. For a Galera shard (listed with `nodes`, or a Galera node reached by `url` alone),
+/// the id alone, as versions before the cluster's state UUID was part of the identity wrote
+/// it, so that a fleet mid-upgrade agrees. `None` while some shard's identity is unknown
+/// (unreachable since this process started or reloaded).
 ///
 /// The topology's fingerprint leaves URLs out (one database has many), so processes with the
 /// same fingerprint may still reach one name at two databases (a reload pointing a shard at
@@ -181,7 +183,12 @@ pub(crate) fn servers(topology: &Topology) -> Option<String> {
     for shard in &topology.current.shards {
         let identity = shard.server_identity()?;
         let id = match identity.split_once(' ') {
-            Some((id, _)) if !shard.config.nodes.is_empty() && !id.is_empty() => id,
+            Some((id, server))
+                if (!shard.config.nodes.is_empty() || server.starts_with("galera:"))
+                    && !id.is_empty() =>
+            {
+                id
+            }
             _ => identity.as_str(),
         };
         lines.push(format!("{}={id}", shard.name()));

@@ -909,9 +909,10 @@ pub(crate) async fn holder_trace(
 const SERVER: &str = "SELECT CONCAT(@@hostname, ':', @@port, '#', @@server_id, '/', DATABASE())";
 /// Whether the server is a Galera node (no row on a server without Galera, MySQL's included).
 const WSREP_ON: &str = "SHOW VARIABLES LIKE 'wsrep_on'";
-/// A Galera cluster's state UUID: the same on every node, and another cluster's (one
-/// bootstrapped from a backup included) unless an operator gives it this one by hand.
-const CLUSTER_UUID: &str = "SHOW STATUS LIKE 'wsrep_cluster_state_uuid'";
+/// A Galera node's state: whether it is ready and in the primary component, and the cluster's
+/// state UUID (the same on every node, kept across restarts in `grastate.dat`).
+const GALERA_STATE: &str = "SHOW STATUS WHERE Variable_name IN \
+     ('wsrep_ready', 'wsrep_cluster_status', 'wsrep_cluster_state_uuid')";
 const SHARD_ID: &str = "SELECT value FROM shardlock_meta WHERE name = 'shard-id'";
 
 /// Error number of a missing table (`shardlock_meta` before migration 5).
@@ -926,11 +927,29 @@ pub(crate) async fn identity(conn: &mut Conn) -> mysql_async::Result<String> {
     let wsrep: Option<(String, String)> = conn.query_first(WSREP_ON).await?;
     let server: Option<String> = match wsrep {
         Some((_, on)) if on.eq_ignore_ascii_case("ON") => {
-            let cluster: Option<(String, String)> = conn.query_first(CLUSTER_UUID).await?;
+            let state: Vec<(String, String)> = conn.query(GALERA_STATE).await?;
+            let value = |name: &str| {
+                state
+                    .iter()
+                    .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                    .map(|(_, v)| v.as_str())
+            };
+            let uuid = value("wsrep_cluster_state_uuid").unwrap_or_default();
+            // Before its first primary view a node reports no UUID, or zeros: it cannot tell
+            // which cluster it is (and an identity is kept once read).
+            let joined = value("wsrep_ready") == Some("ON")
+                && value("wsrep_cluster_status") == Some("Primary")
+                && uuid.bytes().any(|b| b != b'0' && b != b'-');
+            if !joined {
+                return Err(mysql_async::Error::Other(
+                    "a Galera node outside the cluster's primary component cannot tell which \
+                     cluster it is"
+                        .into(),
+                ));
+            }
             let schema: Option<Option<String>> = conn.query_first("SELECT DATABASE()").await?;
             Some(format!(
-                "galera:{}/{}",
-                cluster.map(|(_, uuid)| uuid).unwrap_or_default(),
+                "galera:{uuid}/{}",
                 schema.flatten().unwrap_or_default()
             ))
         }
