@@ -12,6 +12,7 @@ mod listing;
 mod moves;
 mod options;
 pub mod patterns;
+mod placement_record;
 mod queue;
 mod registry;
 mod router;

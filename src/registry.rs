@@ -254,16 +254,17 @@ fn placed_elsewhere(topology: &Topology, rows: &[InstanceRow]) -> BTreeSet<Strin
 const ER_NO_SUCH_TABLE: u16 = 1146;
 const ER_BAD_FIELD: u16 = 1054;
 
-/// `e` as a log line or error says it, and what to do when it is the registry's schema that
-/// predates this version (a binary rolled out before `shardlock migrate` ran): such a shard's
-/// registry can neither record this process nor say which topology the others run, so the
-/// process grants nothing until it is migrated.
-fn unmigrated_or(e: &BackendError) -> String {
+/// `e` as a log line or error says it, and what to do when it is the registry's schema (or
+/// the placement record's, see [`crate::placement_record`]) that predates this version (a
+/// binary rolled out before `shardlock migrate` ran): such a shard's registry can neither
+/// record this process nor say which topology the others run, nor where its fleet last placed
+/// keys, so the process grants nothing until it is migrated.
+pub(crate) fn unmigrated_or(e: &BackendError) -> String {
     let report = shardlock_core::Report(e);
     if matches!(e.code, Some(ER_NO_SUCH_TABLE | ER_BAD_FIELD)) {
         format!(
-            "its registry table predates this version of shardlock ({report}): run `shardlock \
-             migrate` (or `LockRouter::migrate`) on it"
+            "its tables predate this version of shardlock ({report}): run `shardlock migrate` \
+             (or `LockRouter::migrate`) on it"
         )
     } else {
         report.to_string()

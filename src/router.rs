@@ -130,6 +130,18 @@ impl LockRouter {
     /// The checks a new router makes before it is handed out: a configured instance id that
     /// another live process uses is refused (see `instance.id` in the reference config).
     async fn started(self) -> Result<Self> {
+        // Its fleet last ran another placement and no process of it is left to reload: it
+        // moves from that one as a reload would (carries fences, kept rows, jobs and CAS locks
+        // from the shards its keys left). If others of the fleet are live, it waits for them
+        // to agree below as any start does. Until it has read the record everywhere and made
+        // that move, it grants nothing; the heartbeat tries again.
+        if let Err(why) = self.settle_placement().await {
+            tracing::info!(
+                why,
+                "shardlock grants nothing until it has moved from where its fleet last placed keys"
+            );
+            self.inner.gate.unjoined(why);
+        }
         let topology = self.inner.topology.load_full();
         // Registered before reading the others: of two routers starting at once, the later
         // reader sees the earlier one (else both could read an empty registry and both grant,
@@ -171,11 +183,73 @@ impl LockRouter {
         Ok(self)
     }
 
+    /// Reads where this router's fleet last placed keys and, if elsewhere than its topology
+    /// does, makes the move from there (see [`crate::placement_record`]); `Err` says why not
+    /// yet. Done once: at the start, else at a later heartbeat or `migrate`, before the router
+    /// first grants.
+    pub(crate) async fn settle_placement(&self) -> std::result::Result<(), String> {
+        let mut retired = self.inner.reloading.lock().await;
+        let state = &self.inner.placement;
+        if !state.may_try() {
+            return state.unsettled().map_or(Ok(()), Err);
+        }
+        let start = self.inner.topology.load_full();
+        let from = match crate::placement_record::to_move_from(&start, state).await {
+            Ok(from) => from,
+            Err(why) => {
+                state.tried(Some(why.clone()), false);
+                return Err(why);
+            }
+        };
+        let moved = self.move_from(from, &start, &mut retired).await;
+        state.tried(moved.clone().err(), moved.is_err());
+        moved
+    }
+
+    /// Puts the placements of `from` in force in turn (oldest first), then reloads back to
+    /// `start`'s config: the move reloads through them would make. A move that cannot be
+    /// made leaves the router granting nothing (it is not tried again: restart the process).
+    async fn move_from(
+        &self,
+        from: Vec<Config>,
+        start: &Arc<Topology>,
+        retired: &mut Retired,
+    ) -> std::result::Result<(), String> {
+        let mut from = from.into_iter();
+        let Some(first) = from.next() else {
+            return Ok(());
+        };
+        let failed = |e: Error| {
+            format!(
+                "this process could not move from where its fleet last placed keys ({}); it                  grants nothing: restart it",
+                shardlock_core::Report(&e)
+            )
+        };
+        let shared = &self.inner.shared;
+        let then = Topology::build(
+            first,
+            start.epoch + 1,
+            &start.all_shards(),
+            start.previous.clone(),
+            shared,
+            None,
+        )
+        .map_err(failed)?;
+        self.inner.topology.store(Arc::new(then));
+        for config in from.chain(std::iter::once((*start.config).clone())) {
+            self.reload_under(config, retired).await.map_err(failed)?;
+        }
+        Ok(())
+    }
+
     /// Refuses a grant of `key` while this router waits to join its fleet (see [`Gate`]).
     pub(crate) fn check_joined(&self, key: &LockKey) -> Result<()> {
         self.inner.notice_lapse();
         match self.inner.gate.why() {
-            None => Ok(()),
+            None => {
+                self.inner.placement.granting(&self.inner.beat_now);
+                Ok(())
+            }
             Some(why) => Err(self.not_granting(key, why)),
         }
     }
@@ -273,6 +347,7 @@ impl LockRouter {
                 beat_now: Arc::default(),
                 heartbeat: std::sync::Mutex::default(),
                 id_claim: std::sync::Mutex::new(Some(id_claim)),
+                placement: Default::default(),
             }),
         };
         // Leases registered on a shard under an older topology than the one in force follow
@@ -322,8 +397,13 @@ impl LockRouter {
     /// read and a join under way (see `migrate`) has finished; a call dropped before that
     /// changes nothing.
     pub async fn reload(&self, config: Config) -> Result<()> {
-        config.validate()?;
         let mut retired = self.inner.reloading.lock().await;
+        self.reload_under(config, &mut retired).await
+    }
+
+    /// [`LockRouter::reload`] under the reload lock, whose guarded list is `retired`.
+    async fn reload_under(&self, config: Config, retired: &mut Retired) -> Result<()> {
+        config.validate()?;
         // Its shards would never be closed, nor would the router deregister from them.
         if self.inner.shared.is_closed() {
             return Err(Error::Shutdown);
@@ -341,7 +421,7 @@ impl LockRouter {
             return Ok(());
         }
         keep_instance(&old.config, &config)?;
-        keep_lock_identities(&old.config, &config, &retired)?;
+        keep_lock_identities(&old.config, &config, retired)?;
         let window = config.move_window().max(old.config.move_window());
         let shared = &self.inner.shared;
         let mut next = Topology::build(

@@ -50,6 +50,8 @@ pub(crate) struct Inner {
     pub(crate) heartbeat: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// This router's instance id, claimed in this process until it is dropped or shut down.
     pub(crate) id_claim: std::sync::Mutex<Option<registry::IdClaim>>,
+    /// Its side of the placements its fleet records (see [`crate::placement_record`]).
+    pub(crate) placement: crate::placement_record::PlacementState,
 }
 
 /// Whether a router may grant yet. A router grants nothing until one heartbeat has reached
@@ -408,6 +410,10 @@ impl Inner {
     /// Once this router's heartbeat reached every shard, at its start or after a lapse: opens
     /// the gate if its fleet agrees.
     async fn rejoin(&self) {
+        if let Some(why) = self.placement.unsettled() {
+            self.gate.not_yet(why);
+            return;
+        }
         let topology = self.topology.load_full();
         match registry::fleet_disagreement(&topology, self.instance_id()).await {
             None => {
@@ -492,9 +498,16 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
             let interval = {
                 let Some(inner) = weak.upgrade() else { return };
                 inner.notice_lapse();
+                if inner.placement.may_try() {
+                    let router = crate::LockRouter {
+                        inner: inner.clone(),
+                    };
+                    let _ = router.settle_placement().await;
+                }
                 if !inner.beat_and_join(&mut missed).await {
                     return;
                 }
+                crate::placement_record::record_if_due(&inner).await;
                 if inner.gate.is_rejoining() {
                     REJOIN_RETRY
                 } else {

@@ -84,6 +84,9 @@ impl LockRouter {
         // the migration (its digest taken before the shard ids were stored, its row written
         // after the tables were) would keep processes started after this call out until the
         // next heartbeat.
+        // A router made before its shards were migrated could not read where its fleet last
+        // placed keys either: it does now, before it joins.
+        let _ = self.settle_placement().await;
         self.inner.beat_and_join(&mut Default::default()).await;
         Ok(out)
     }

@@ -17,6 +17,8 @@ use crate::shard::{spawn_keeper, ShardState};
 pub(crate) struct Placement {
     ring: Ring,
     pub(crate) shards: Vec<Arc<ShardState>>,
+    /// The ring's virtual nodes per unit of weight.
+    pub(crate) virtual_nodes: u32,
 }
 
 impl Placement {
@@ -54,7 +56,7 @@ pub(crate) struct Previous {
 
 impl Previous {
     /// Whether acquires of keys that moved away from it must still take them here too.
-    fn in_force(&self, now: Moment) -> bool {
+    pub(crate) fn in_force(&self, now: Moment) -> bool {
         self.until > now || !self.fences_carried.load(Ordering::Acquire)
     }
 }
@@ -152,9 +154,10 @@ impl Topology {
             spawn_keeper(&state, shared.closed.subscribe());
             shards.push(state);
         }
+        let virtual_nodes = config.routing.virtual_nodes;
         let ring = Ring::new(
             config.shards.iter().map(|s| (s.name.as_str(), s.weight)),
-            config.routing.virtual_nodes,
+            virtual_nodes,
         );
         let namespace_labels = config
             .namespaces
@@ -172,7 +175,11 @@ impl Topology {
             epoch,
             reloaded_at: Moment::now(),
             config: Arc::new(config),
-            current: Arc::new(Placement { ring, shards }),
+            current: Arc::new(Placement {
+                ring,
+                shards,
+                virtual_nodes,
+            }),
             previous,
         })
     }

@@ -88,7 +88,7 @@ async fn grant_contend_release_and_fences_rise() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn one_statement_per_acquire_and_per_release() {
-    let (cluster, router, _) = common::start(1, "").await;
+    let (cluster, router, _) = common::start(1, common::NO_HEARTBEAT).await;
     let shard = cluster.shard(0);
     // Warm the pool and the statement cache.
     router
@@ -98,6 +98,7 @@ async fn one_statement_per_acquire_and_per_release() {
         .release()
         .await
         .unwrap();
+    common::until_placement_recorded(&cluster).await;
     let before = common::dml_statements(shard).await;
     let cycles = 50;
     for i in 0..cycles {
@@ -237,9 +238,13 @@ async fn a_taken_over_lease_is_reported_lost_and_release_leaves_the_new_row() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_local_waiter_is_handed_the_lease_by_the_release_statement() {
     // No in-memory hand-offs: the shard serves every grant.
-    let (cluster, router, _) =
-        common::start(1, "namespaces:\n  default:\n    handoff-max-count: 0\n").await;
+    let extra = format!(
+        "{}namespaces:\n  default:\n    handoff-max-count: 0\n",
+        common::NO_HEARTBEAT
+    );
+    let (cluster, router, _) = common::start(1, &extra).await;
     let g = router.acquire("sku:7", once()).await.unwrap();
+    common::until_placement_recorded(&cluster).await;
     let waiter = tokio::spawn({
         let router = router.clone();
         async move {
@@ -318,12 +323,13 @@ async fn a_key_wanted_by_another_process_is_released_to_it_not_handed_off() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn in_memory_hand_offs_take_fences_the_shard_reserved() {
-    let (cluster, router, yaml) = common::start(
-        1,
-        "namespaces:\n  default:\n    handoff-max-count: 3\n    handoff-max-time: 5s\n",
-    )
-    .await;
+    let extra = format!(
+        "{}namespaces:\n  default:\n    handoff-max-count: 3\n    handoff-max-time: 5s\n",
+        common::NO_HEARTBEAT
+    );
+    let (cluster, router, yaml) = common::start(1, &extra).await;
     let g = router.acquire("sku:9", once()).await.unwrap();
+    common::until_placement_recorded(&cluster).await;
     let waiters: Vec<_> = (0..5)
         .map(|_| {
             let router = router.clone();

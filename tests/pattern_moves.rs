@@ -533,6 +533,7 @@ async fn a_release_that_found_nothing_is_not_sent_again_after_a_reload_that_left
     let key = "cas:released-twice";
     let guard = router.cas_acquire(key, "me").await.unwrap().unwrap();
     assert!(router.cas_release(guard.clone()).await.unwrap());
+    common::until_placement_recorded(&cluster).await;
     let shard = shard_of(&cluster, &router, key);
 
     // The release of the clone waits on the row while a reload changes only a policy.
@@ -1087,6 +1088,16 @@ async fn a_lease_held_through_a_lapse_is_lost_when_a_restart_onto_another_topolo
     .unwrap();
     holder.expect("held").await.unwrap();
     holder.pause().unwrap();
+    // Its fleet as one that ran a version before migration 13: no placement record, so the
+    // restart takes the key only where its own topology puts it (with the record it would move
+    // from the holder's shards and wait there for its row to end), and the holder's own lapse
+    // must make it give the lease up.
+    for shard in cluster.shards() {
+        let mut c = shard.connect().await.unwrap();
+        c.query_drop("DELETE FROM shardlock_placement")
+            .await
+            .unwrap();
+    }
     // Started onto four shards, it joins its fleet once the holder's heartbeat timed out.
     let restarted = LockRouter::from_yaml_str(&yaml(&[1; 4])).await.unwrap();
     let minute = Duration::from_secs(60);
@@ -1625,7 +1636,14 @@ async fn transaction_lock_through_a_lapse(watched: bool) {
         assert!(lapsed, "the cut-off holder's heartbeat never lapsed");
     }
 
-    // Once the holder counts as dead, a start onto the other topology locks the key on s2.
+    // Once the holder counts as dead, a start onto the other topology locks the key on s2. Its
+    // fleet as one that ran a version before migration 13: no placement record, so the start
+    // takes the key only where its own topology puts it (with the record it would move from s1
+    // and wait there for the holder's session), and the holder's own lapse must keep it from
+    // committing.
+    app.query_drop("DELETE FROM shardlock_placement")
+        .await
+        .unwrap();
     let other = LockRouter::from_yaml_str(&both).await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), other.wait_joined())
         .await

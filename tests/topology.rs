@@ -150,12 +150,15 @@ async fn counter_worker() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_that_changes_only_a_ttl_moves_nothing() {
-    // Nothing writes in the background (no heartbeats) while the acquire's writes are counted.
-    let extra = "cleaner:\n  registry: static\nnamespaces:\n  default:\n    ttl: 5s\n";
-    let (cluster, router, yaml) = common::start(3, extra).await;
+    let extra = format!(
+        "{}namespaces:\n  default:\n    ttl: 5s\n",
+        common::NO_HEARTBEAT
+    );
+    let (cluster, router, yaml) = common::start(3, &extra).await;
     let keys: Vec<String> = (0..1000).map(|i| format!("k:{i}")).collect();
     let before: Vec<String> = keys.iter().map(|k| router.shard_for(k).unwrap()).collect();
     let held = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
+    common::until_placement_recorded(&cluster).await;
 
     let changed = yaml.replace("ttl: 5s", "ttl: 7s");
     router
@@ -613,6 +616,141 @@ async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
         );
         g.release().await.unwrap();
     }
+}
+
+/// A fleet stopped and started again onto a changed config (a rolling deploy whose processes
+/// stop rather than reload, a restart after an outage) has no process left to reload: the
+/// start moves from the placement the fleet last ran, recorded on its shards, as a reload
+/// does. A moved key's fence keeps rising (s1's clock runs an hour ahead of s2's, where the
+/// key moves), during the move and after it, and a row kept past its release stays taken.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_last_ran() {
+    let cluster = Cluster::start_with_clocks(2, &[(0, "+3600s")])
+        .await
+        .unwrap();
+    let beats = "cleaner:\n  heartbeat-interval: 100ms\n";
+    let (one, two) = (
+        config_for(&cluster, 1) + beats,
+        config_for(&cluster, 2) + beats,
+    );
+    // Migrates both shards; it grants nothing, so it records no placement.
+    let setup = LockRouter::from_yaml_str(&two).await.unwrap();
+    setup.migrate().await.unwrap();
+    let moved = |prefix: &str| {
+        (0..)
+            .map(|i| format!("{prefix}:{i}"))
+            .find(|k| setup.shard_for(k).unwrap() == "s2")
+            .unwrap()
+    };
+    let (key, kept) = (moved("k"), moved("kept"));
+    setup.shutdown().await.unwrap();
+
+    let old = LockRouter::from_yaml_str(&one).await.unwrap();
+    let g = old.acquire(&key, AcquireOptions::new()).await.unwrap();
+    let fence = g.fence();
+    g.release().await.unwrap();
+    let hour = Duration::from_secs(3600);
+    let g = old
+        .acquire(&kept, AcquireOptions::new().lock_at_least(hour))
+        .await
+        .unwrap();
+    g.release().await.unwrap();
+    let recorded = common::eventually(Duration::from_secs(10), || async {
+        let mut c = cluster.shard(0).connect().await.unwrap();
+        let seq: Option<u64> = c
+            .query_first("SELECT seq FROM shardlock_placement WHERE fleet = 'default'")
+            .await
+            .unwrap();
+        seq.is_some()
+    })
+    .await;
+    assert!(recorded, "the fleet at rest recorded its placement");
+    old.shutdown().await.unwrap();
+
+    // The whole fleet is gone; a process starts with the grown config.
+    let new = LockRouter::from_yaml_str(&two).await.unwrap();
+    assert_eq!(new.shard_for(&key).unwrap(), "s2");
+    assert_eq!(
+        new.moves_in_progress(),
+        1,
+        "the start moves from s1's placement"
+    );
+    let g = new.acquire(&key, AcquireOptions::new()).await.unwrap();
+    assert!(
+        g.fence() > fence,
+        "during the move: {} after {fence}",
+        g.fence()
+    );
+    let fence = g.fence();
+    g.release().await.unwrap();
+    let taken = new.try_acquire(&kept, AcquireOptions::new()).await.unwrap();
+    assert!(
+        taken.is_none(),
+        "a row kept past its release was granted during the move"
+    );
+    // A live row of a moved key where it lived keeps the move in force until it ends, as
+    // after a reload: freed by hand here, and the move ends.
+    assert!(new.force_release(&kept).await.unwrap().is_some());
+    let over = common::eventually(Duration::from_secs(30), || async {
+        new.moves_in_progress() == 0
+    })
+    .await;
+    assert!(over, "the move from the recorded placement ended");
+
+    // A process that knows only the new shards: what the move carried is where keys live.
+    let newcomer = LockRouter::from_yaml_str(&two).await.unwrap();
+    let g = newcomer.acquire(&key, AcquireOptions::new()).await.unwrap();
+    assert!(
+        g.fence() > fence,
+        "after the move: {} after {fence}",
+        g.fence()
+    );
+    g.release().await.unwrap();
+}
+
+/// A start onto a config that no longer lists a shard its fleet last ran (dropped while the
+/// fleet was down) cannot carry what the keys that left it had there: it grants nothing, and
+/// says why, until the fleet's record is deleted by hand (or a process of the old config moves
+/// the keys by a reload).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_start_that_cannot_reach_a_shard_its_fleet_last_ran_grants_nothing_until_told() {
+    let cluster = Cluster::start(2).await.unwrap();
+    let beats = "cleaner:\n  heartbeat-interval: 100ms\n";
+    let (one, two) = (
+        config_for(&cluster, 1) + beats,
+        config_for(&cluster, 2) + beats,
+    );
+    let old = LockRouter::from_yaml_str(&two).await.unwrap();
+    old.migrate().await.unwrap();
+    let g = old.acquire("k:1", AcquireOptions::new()).await.unwrap();
+    g.release().await.unwrap();
+    common::until_placement_recorded(&cluster).await;
+    old.shutdown().await.unwrap();
+
+    let new = LockRouter::from_yaml_str(&one).await.unwrap();
+    match new.try_acquire("k:1", AcquireOptions::new()).await {
+        Err(shardlock::Error::Unavailable { source, .. }) => {
+            let why = shardlock::Report(&source).to_string();
+            assert!(
+                why.contains("`s2` at database") && why.contains("this config does not reach"),
+                "{why}"
+            );
+        }
+        other => panic!(
+            "granted or refused otherwise: {:?}",
+            other.map(|g| g.is_some())
+        ),
+    }
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    c.query_drop("DELETE FROM shardlock_placement WHERE fleet = 'default'")
+        .await
+        .unwrap();
+    let g = new
+        .acquire("k:1", AcquireOptions::new().wait(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(new.moves_in_progress(), 0, "nothing to move from");
+    g.release().await.unwrap();
 }
 
 /// The cleaner may delete a row of the shard a key left while the move's carry is still

@@ -15,6 +15,12 @@ use shardlock_testkit::{Cluster, Shard};
 /// Environment variable carrying the YAML config to worker processes.
 pub const CONFIG_ENV: &str = "SHARDLOCK_TEST_CONFIG";
 
+/// Config lines for a test that counts a shard's writes: the static registry, so that no
+/// heartbeat writes in the background (one every `heartbeat-interval`, and every 250 ms while
+/// a router joins, e.g. until `migrate` made the tables its first beat missed). The placement
+/// record is written in the background too, once: see [`until_placement_recorded`].
+pub const NO_HEARTBEAT: &str = "cleaner:\n  registry: static\n";
+
 /// The owner of `key`'s CAS row on `shard` (`None`: free, or no row).
 pub async fn cas_owner(shard: &Shard, key: &str) -> Option<String> {
     let mut c = shard.connect().await.unwrap();
@@ -52,6 +58,27 @@ pub async fn dml_statements(shard: &Shard) -> u64 {
 /// second) over all shards.
 pub async fn inserts(cluster: &Cluster) -> u64 {
     status_sum(cluster, "Com_insert").await + status_sum(cluster, "Com_insert_select").await
+}
+
+/// Waits until every shard of `cluster` holds the record of where the default fleet places
+/// keys: a router writes it on its current shards soon after its first grant (and again when
+/// its placements change). A test that counts a shard's writes waits for it first.
+pub async fn until_placement_recorded(cluster: &Cluster) {
+    let recorded = eventually(Duration::from_secs(30), || async {
+        for shard in cluster.shards() {
+            let mut c = shard.connect().await.unwrap();
+            let found: Option<u64> = c
+                .query_first("SELECT seq FROM shardlock_placement WHERE fleet = 'default'")
+                .await
+                .unwrap();
+            if found.is_none() {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    assert!(recorded, "the router recorded its placement on every shard");
 }
 
 /// `n` lock cycles on `router`: keys `{prefix}:0` to `{prefix}:{n-1}`, each acquired with

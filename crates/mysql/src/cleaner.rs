@@ -434,6 +434,42 @@ pub(crate) async fn force_release(
         .flatten())
 }
 
+/// The placements `fleet` last recorded on a shard (migration 13): its sequence number and
+/// the record (JSON, written and read by the router).
+const FLEET_PLACEMENT: &str = "SELECT seq, placements FROM shardlock_placement WHERE fleet = ?";
+
+/// Records `fleet`'s placements as number `seq` where the shard holds none yet.
+const FIRST_PLACEMENT: &str =
+    "INSERT IGNORE INTO shardlock_placement (fleet, seq, placements) VALUES (?, ?, ?)";
+
+/// Records `fleet`'s placements as number `seq` over the record numbered as read.
+const NEXT_PLACEMENT: &str =
+    "UPDATE shardlock_placement SET seq = ?, placements = ? WHERE fleet = ? AND seq = ?";
+
+pub(crate) async fn fleet_placement(
+    conn: &mut Conn,
+    fleet: &str,
+) -> mysql_async::Result<Option<(u64, String)>> {
+    conn.exec_first(FLEET_PLACEMENT, (fleet,)).await
+}
+
+pub(crate) async fn record_placement(
+    conn: &mut Conn,
+    (fleet, read, seq, placements): (&str, Option<u64>, u64, &str),
+) -> mysql_async::Result<bool> {
+    match read {
+        None => {
+            conn.exec_drop(FIRST_PLACEMENT, (fleet, seq, placements))
+                .await?
+        }
+        Some(read) => {
+            conn.exec_drop(NEXT_PLACEMENT, (seq, placements, fleet, read))
+                .await?
+        }
+    }
+    Ok(conn.affected_rows() == 1)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

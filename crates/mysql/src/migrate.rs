@@ -65,6 +65,11 @@ pub const MIGRATIONS: &[(u32, &str, &str)] = &[
         "instance_servers",
         include_str!("../migrations/0012_instance_servers.sql"),
     ),
+    (
+        13,
+        "fleet_placement",
+        include_str!("../migrations/0013_fleet_placement.sql"),
+    ),
 ];
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS shardlock_schema_version (\

@@ -879,6 +879,37 @@ impl Shard {
             .await
     }
 
+    /// The placements `fleet` last recorded here (see [`Shard::record_placement`]): their
+    /// sequence number and record; `None` if it recorded none.
+    pub async fn fleet_placement(
+        &self,
+        fleet: &str,
+    ) -> Result<Option<(u64, String)>, BackendError> {
+        self.run("fleet_placement", fleet, |c, fleet| {
+            Box::pin(cleaner::fleet_placement(c, fleet))
+        })
+        .await
+    }
+
+    /// Records `placements` (the router's record of the placements `fleet` runs) as number
+    /// `seq`, if the shard's record is still the one numbered `read` (`None`: none yet);
+    /// `false` if it is not (another process recorded meanwhile, or a try whose reply was
+    /// lost did).
+    pub async fn record_placement(
+        &self,
+        fleet: &str,
+        read: Option<u64>,
+        seq: u64,
+        placements: &str,
+    ) -> Result<bool, BackendError> {
+        self.run(
+            "record_placement",
+            (fleet, read, seq, placements),
+            |c, &args| Box::pin(cleaner::record_placement(c, args)),
+        )
+        .await
+    }
+
     /// How many live leases the shard holds (all instances).
     pub async fn count_held(&self) -> Result<u64, BackendError> {
         self.run("count_held", (), |c, _| Box::pin(lease::count_held(c)))
