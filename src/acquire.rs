@@ -253,7 +253,9 @@ impl LockRouter {
         }
         let deadline = instant_after(wait.or(opts.wait).unwrap_or(ns.wait));
         // A grant of a valid request may follow: its placement is recorded for the fleet.
-        self.inner.placement.granting(&self.inner.beat_now);
+        if !self.inner.placement.granting(&self.inner.beat_now) {
+            return Err(crate::router::operator_tool());
+        }
         let shard = topology.locate(key);
         progress.shard = Some(shard.clone());
         progress.namespace = Some(topology.namespace_label(name));

@@ -38,6 +38,7 @@ pub struct RouterBuilder {
     /// The YAML text the config was parsed from, and its file: topology errors name its lines.
     source: Option<(String, Option<PathBuf>)>,
     meter: Option<opentelemetry::metrics::Meter>,
+    tool: bool,
 }
 
 impl RouterBuilder {
@@ -56,6 +57,16 @@ impl RouterBuilder {
         self
     }
 
+    /// Makes the router an operator's tool (the `shardlock` commands `status`, `inspect`,
+    /// `list`, `release`, `migrate`): it grants nothing (a grant answers
+    /// [`crate::Error::InvalidArgument`]), so it neither moves keys from the placement its
+    /// fleet last ran (a tool started with another config than a live fleet's would carry
+    /// that fleet's CAS locks and jobs away) nor records its own.
+    pub fn operator_tool(mut self) -> Self {
+        self.tool = true;
+        self
+    }
+
     /// Validates the config and builds the router, as [`LockRouter::new`] does.
     ///
     /// Cancellation: as for [`LockRouter::new`].
@@ -64,9 +75,11 @@ impl RouterBuilder {
         let source = self.source.as_ref();
         let text = source.map(|(text, _)| text.as_str());
         let path = source.and_then(|(_, path)| path.as_deref());
-        LockRouter::build(self.config, text, path, self.meter)?
-            .started()
-            .await
+        let router = LockRouter::build(self.config, text, path, self.meter)?;
+        if self.tool {
+            router.inner.placement.tool();
+        }
+        router.started().await
     }
 }
 
@@ -103,6 +116,7 @@ impl LockRouter {
             config,
             source: None,
             meter: None,
+            tool: false,
         }
     }
 
@@ -194,7 +208,17 @@ impl LockRouter {
             return state.unsettled().map_or(Ok(()), Err);
         }
         let start = self.inner.topology.load_full();
-        let from = match crate::placement_record::to_move_from(&start, state).await {
+        // Bounded: it holds the reload lock (a reload, a shutdown wait for it).
+        let bound = start
+            .config
+            .cleaner
+            .heartbeat_interval
+            .max(Duration::from_secs(1));
+        let read = crate::placement_record::to_move_from(&start, state);
+        let read = tokio::time::timeout(bound, read).await.unwrap_or_else(|_| {
+            Err("its fleet's placement record did not answer in time".to_owned())
+        });
+        let from = match read {
             Ok(from) => from,
             Err(why) => {
                 state.tried(Some(why.clone()), false);
@@ -246,10 +270,8 @@ impl LockRouter {
     pub(crate) fn check_joined(&self, key: &LockKey) -> Result<()> {
         self.inner.notice_lapse();
         match self.inner.gate.why() {
-            None => {
-                self.inner.placement.granting(&self.inner.beat_now);
-                Ok(())
-            }
+            None if self.inner.placement.granting(&self.inner.beat_now) => Ok(()),
+            None => Err(operator_tool()),
             Some(why) => Err(self.not_granting(key, why)),
         }
     }
@@ -479,6 +501,9 @@ impl LockRouter {
             shared.registry_unlimited();
         }
         self.inner.topology.store(next.clone());
+        // For the fleet's placement record: what it ran and runs now.
+        self.inner.placement.runs(&old.current);
+        self.inner.placement.runs(&next.current);
         drop(joining);
         for (name, ns) in &old.config.namespaces {
             if !next.config.namespaces.contains_key(name) {
@@ -550,7 +575,9 @@ impl LockRouter {
     /// fleet runs another topology than this process, its heartbeat lapsed (paused, or cut
     /// off from every shard) until it has joined again, or for good once another process
     /// took its instance id over; grants meanwhile answer [`crate::Error::Unavailable`] saying
-    /// which. Always under `registry: static`, until the router shuts down.
+    /// which. Under `registry: static` too until it has read where its fleet last placed keys
+    /// and moved from there (see the README's "A process started with another topology"),
+    /// then always, until the router shuts down.
     pub fn is_joined(&self) -> bool {
         self.inner.notice_lapse();
         !self.inner.gate.is_closed() && !self.inner.shared.is_closed()
@@ -981,4 +1008,15 @@ fn auto_instance_id() -> String {
         std::process::id(),
         rand::random::<u16>()
     )
+}
+
+/// The error of a grant asked of an operator's tool router (see
+/// [`RouterBuilder::operator_tool`]).
+pub(crate) fn operator_tool() -> Error {
+    Error::InvalidArgument {
+        name: "router",
+        reason: "an operator's tool router (`RouterBuilder::operator_tool`) grants nothing: \
+                 build the router without it to take locks"
+            .to_owned(),
+    }
 }

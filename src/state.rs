@@ -415,6 +415,10 @@ impl Inner {
             return;
         }
         let topology = self.topology.load_full();
+        if let Err(why) = crate::placement_record::still_settled(&topology, &self.placement).await {
+            self.gate.not_yet(why);
+            return;
+        }
         match registry::fleet_disagreement(&topology, self.instance_id()).await {
             None => {
                 tracing::info!(
@@ -507,7 +511,10 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
                 if !inner.beat_and_join(&mut missed).await {
                     return;
                 }
-                crate::placement_record::record_if_due(&inner).await;
+                // Bounded: a slow shard must not hold back the next heartbeat.
+                let bound = inner.config().cleaner.heartbeat_interval / 2;
+                let record = crate::placement_record::record_if_due(&inner);
+                let _ = tokio::time::timeout(bound, record).await;
                 if inner.gate.is_rejoining() {
                     REJOIN_RETRY
                 } else {

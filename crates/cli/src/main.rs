@@ -188,7 +188,7 @@ impl ConfigSource {
     pub(crate) async fn tool_router(&self) -> shardlock::Result<LockRouter> {
         let mut config = self.config.clone();
         config.cleaner.registry = shardlock::config::RegistryKind::Static;
-        LockRouter::new(config).await
+        LockRouter::builder(config).operator_tool().build().await
     }
 
     /// Arguments that make a child `shardlock` process use the same config.

@@ -46,7 +46,7 @@ async fn migrate_status_and_inspect() {
     let first = json(&shardlock(&config, &["--json", "migrate"]));
     assert_eq!(
         first["shards"][0]["applied"],
-        serde_json::json!([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+        serde_json::json!([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
     );
     let again = json(&shardlock(&config, &["--json", "migrate"]));
     assert_eq!(

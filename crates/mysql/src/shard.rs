@@ -444,6 +444,12 @@ impl Shard {
             if err.kind == BackendErrorKind::ReadOnly && !manager.has_nodes() {
                 manager.retire_all();
                 self.pool.retain(|_, _| false);
+            } else if err.kind == BackendErrorKind::Connection && !manager.has_nodes() && on_node {
+                // A connection the server dropped (a restart, a kill of the process's sessions,
+                // a proxy that cut them) says the idle ones were likely dropped too: they are
+                // closed, so that the retry runs on a new connection rather than on the next
+                // dead one (each would cost the call its one retry).
+                self.pool.retain(|_, _| false);
             } else if manager.has_nodes() && on_node {
                 // A node that refuses (out of the primary component, read-only) is passed
                 // over for a while too; a broken connection alone does not say the node is
