@@ -171,8 +171,9 @@ pub(crate) struct PlacementState {
     /// The placements this router has run since it last recorded (moved from, or current),
     /// each once.
     ran: Mutex<Vec<Recorded>>,
-    /// The `seq` of the record the router moved from (0: none).
-    settled_seq: AtomicU64,
+    /// The highest `seq` of a record this router moved from or wrote (0: none): a newer one
+    /// was written by others since.
+    known_seq: AtomicU64,
     /// An operator's tool (see `RouterBuilder::operator_tool`): it grants nothing, so it
     /// neither moves from the record nor writes it.
     tool: std::sync::atomic::AtomicBool,
@@ -189,7 +190,7 @@ impl Default for PlacementState {
             seq: AtomicU64::new(0),
             granting: Default::default(),
             ran: Mutex::default(),
-            settled_seq: AtomicU64::new(0),
+            known_seq: AtomicU64::new(0),
             tool: Default::default(),
         }
     }
@@ -275,10 +276,17 @@ impl PlacementState {
         self.seq.fetch_max(seen, Ordering::AcqRel);
     }
 
-    /// A `seq` above every record seen, `seen` included.
+    /// A `seq` above every record seen, `seen` included (taken only once written, see
+    /// [`PlacementState::wrote`]).
     fn next_seq(&self, seen: u64) -> u64 {
         self.saw(seen);
-        self.seq.fetch_add(1, Ordering::AcqRel) + 1
+        self.seq.load(Ordering::Acquire) + 1
+    }
+
+    /// Notes a record this router moved from, or wrote, as `seq`.
+    fn knows(&self, seq: u64) {
+        self.saw(seq);
+        self.known_seq.fetch_max(seq, Ordering::AcqRel);
     }
 }
 
@@ -356,8 +364,7 @@ pub(crate) async fn to_move_from(
     let seen = (reads.iter().flatten().map(|(seq, _)| *seq))
         .max()
         .unwrap_or(0);
-    state.saw(seen);
-    state.settled_seq.store(seen, Ordering::Release);
+    state.knows(seen);
     // Of records written at once, every placement either names (each once, in order).
     let mut recorded: Vec<Recorded> = Vec::new();
     for record in newest(&reads) {
@@ -413,10 +420,10 @@ pub(crate) async fn still_settled(
         return Ok(());
     }
     let fleet = topology.config.instance.fleet();
-    let mut newest = 0;
+    let mut reads = Vec::new();
     for read in records(&topology.current.shards, fleet).await {
         match read {
-            Ok(read) => newest = newest.max(read.map_or(0, |(seq, _)| seq)),
+            Ok(read) => reads.push(read),
             Err(_) if topology.config.cleaner.registry == RegistryKind::Static => {}
             Err(e) => {
                 return Err(format!(
@@ -425,17 +432,30 @@ pub(crate) async fn still_settled(
             }
         }
     }
-    if newest > state.settled_seq.load(Ordering::Acquire)
-        && newest > state.seq.load(Ordering::Acquire)
-    {
-        let why = format!(
-            "fleet `{fleet}` recorded where it places keys since this process read it: it moves \
-             from there too before it grants"
-        );
-        state.tried(Some(why.clone()), false);
-        return Err(why);
+    let newest = (reads.iter().flatten().map(|(seq, _)| *seq))
+        .max()
+        .unwrap_or(0);
+    if newest <= state.known_seq.load(Ordering::Acquire) {
+        return Ok(());
     }
-    Ok(())
+    // Written by others since: nothing to move from if it names only placements this router
+    // runs or moved from (the same move recorded by another process, say).
+    let own = own(topology);
+    let ran = state.ran();
+    let known = |record: &&Vec<Recorded>| {
+        own.as_ref()
+            .is_some_and(|own| may_replace(own, &ran, record))
+    };
+    if self::newest(&reads).iter().all(known) {
+        state.knows(newest);
+        return Ok(());
+    }
+    let why = format!(
+        "fleet `{fleet}` recorded where it places keys since this process read it: it moves \
+         from there too before it grants"
+    );
+    state.tried(Some(why.clone()), false);
+    Err(why)
 }
 
 /// Whether a process placing keys by `own` (its moves in force, oldest first, then its
@@ -454,7 +474,9 @@ fn may_replace(own: &[Recorded], ran: &[Recorded], theirs: &[Recorded]) -> bool 
 pub(crate) async fn record_if_due(inner: &Inner) {
     let topology = inner.topology.load_full();
     let state = &inner.placement;
-    if !state.granting.load(Ordering::Acquire)
+    // A router that has granted, or that moves keys (it carries them whether or not it grants).
+    let moving = topology.moves_in_progress() > 0;
+    if !(state.granting.load(Ordering::Acquire) || moving)
         || state.is_tool()
         || inner.shared.is_closed()
         || inner.gate.is_closed()
@@ -481,13 +503,26 @@ pub(crate) async fn record_if_due(inner: &Inner) {
     // from reads there that it did.
     let shards = topology.registry_shards();
     let fleet = topology.config.instance.fleet();
-    let Ok(reads) = records(&shards, fleet)
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()
-    else {
-        return;
-    };
+    // Every current shard must answer (a start reads those); a shard a move leaves that does
+    // not (gone for good, say) is left out.
+    let mut answered = Vec::with_capacity(shards.len());
+    let mut reads = Vec::with_capacity(shards.len());
+    for (shard, read) in shards.iter().zip(records(&shards, fleet).await) {
+        match read {
+            Ok(read) => {
+                answered.push(shard.clone());
+                reads.push(read);
+            }
+            Err(_)
+                if !topology
+                    .current
+                    .shards
+                    .iter()
+                    .any(|c| Arc::ptr_eq(c, shard)) => {}
+            Err(_) => return,
+        }
+    }
+    let shards = answered;
     let ran = state.ran();
     for theirs in newest(&reads) {
         if !may_replace(&own, &ran, theirs) {
@@ -507,6 +542,7 @@ pub(crate) async fn record_if_due(inner: &Inner) {
     }))
     .await;
     if writes.iter().all(|w| matches!(w, Ok(true))) {
+        state.knows(seq);
         state.set_recorded(own);
     }
 }

@@ -192,6 +192,12 @@ impl LockRouter {
         {
             tracing::warn!(why, "shardlock grants nothing until its fleet agrees");
             self.inner.gate.unjoined(why);
+        } else if let Err(why) =
+            crate::placement_record::still_settled(&topology, &self.inner.placement).await
+        {
+            // Read after the registry: a process of the old fleet that recorded a move and
+            // stopped since the first read is not missed.
+            self.inner.gate.unjoined(why);
         }
         spawn_heartbeat(&self.inner);
         Ok(self)
@@ -245,7 +251,8 @@ impl LockRouter {
         };
         let failed = |e: Error| {
             format!(
-                "this process could not move from where its fleet last placed keys ({}); it                  grants nothing: restart it",
+                "this process could not move from where its fleet last placed keys ({}); it \
+                 grants nothing: restart it",
                 shardlock_core::Report(&e)
             )
         };

@@ -415,11 +415,15 @@ impl Inner {
             return;
         }
         let topology = self.topology.load_full();
-        if let Err(why) = crate::placement_record::still_settled(&topology, &self.placement).await {
-            self.gate.not_yet(why);
-            return;
-        }
-        match registry::fleet_disagreement(&topology, self.instance_id()).await {
+        let disagreement = match registry::fleet_disagreement(&topology, self.instance_id()).await {
+            // Records read after the registry: one written by a process that stopped since is
+            // not missed.
+            None => crate::placement_record::still_settled(&topology, &self.placement)
+                .await
+                .err(),
+            why => why,
+        };
+        match disagreement {
             None => {
                 tracing::info!(
                     "shardlock's heartbeat reaches every shard and its fleet agrees: granting"

@@ -710,6 +710,20 @@ async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_las
     .await;
     assert!(over, "the move from the recorded placement ended");
 
+    // Recorded once the move is over: the new placement alone.
+    let recorded = common::eventually(Duration::from_secs(30), || async {
+        let mut c = cluster.shard(0).connect().await.unwrap();
+        let alone: Option<bool> = c
+            .query_first(
+                "SELECT JSON_LENGTH(placements) = 1 AND placements LIKE '%\"name\":\"s2\"%' \
+                 FROM shardlock_placement WHERE fleet = 'default'",
+            )
+            .await
+            .unwrap();
+        alone == Some(true)
+    })
+    .await;
+    assert!(recorded, "the fleet recorded its new placement alone");
     // A process that knows only the new shards: what the move carried is where keys live.
     let newcomer = LockRouter::from_yaml_str(&two).await.unwrap();
     let g = newcomer.acquire(&key, AcquireOptions::new()).await.unwrap();

@@ -375,6 +375,8 @@ impl Shard {
         let node = std::sync::atomic::AtomicUsize::new(0);
         let began = Instant::now();
         let sent_at = std::sync::atomic::AtomicU64::new(0);
+        // Whether the try's connection broke (its server dropped it), not merely failed.
+        let broke = std::sync::atomic::AtomicBool::new(false);
         // Whether an earlier try may have applied: a later try's clean server error (a
         // deadlock, say) does not undo that.
         let mut applied_before = false;
@@ -397,6 +399,10 @@ impl Shard {
                     session: conn.session(),
                 };
                 let answer = conn.run(|c| f(c, args)).await.map_err(classify);
+                broke.store(
+                    answer.is_err() && conn.is_broken(),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
                 // A connection still usable was answered: nothing of it is left on the way.
                 on_wire.answered(answer.as_ref().is_err_and(is_lost) && conn.is_broken());
                 answer
@@ -444,7 +450,10 @@ impl Shard {
             if err.kind == BackendErrorKind::ReadOnly && !manager.has_nodes() {
                 manager.retire_all();
                 self.pool.retain(|_, _| false);
-            } else if err.kind == BackendErrorKind::Connection && !manager.has_nodes() && on_node {
+            } else if err.kind == BackendErrorKind::Connection
+                && broke.load(std::sync::atomic::Ordering::Relaxed)
+                && !manager.has_nodes()
+            {
                 // A connection the server dropped (a restart, a kill of the process's sessions,
                 // a proxy that cut them) says the idle ones were likely dropped too: they are
                 // closed, so that the retry runs on a new connection rather than on the next
