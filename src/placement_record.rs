@@ -544,6 +544,7 @@ pub(crate) async fn record_if_due(inner: &Inner) {
     if writes.iter().all(|w| matches!(w, Ok(true))) {
         state.knows(seq);
         state.set_recorded(own);
+        (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -115,6 +115,11 @@ counters! {
     /// not answer, a live lease of a moved key is not where the key lives now), tried again
     /// with a backoff.
     moves_kept,
+    /// Records of this router's placements written on its shards for its fleet (one per change
+    /// of its placements: a start, a reload, a move's end), read by a process started onto a
+    /// changed config after the fleet stopped (see the README's "A process started with
+    /// another topology").
+    placements_recorded,
     /// Grants (leases, transaction locks, CAS takes) given back because a reload came while
     /// their statement was out: it may have run after the fleet ended the key's move, where
     /// nobody looks for it any more. The key is taken again under the new placement.

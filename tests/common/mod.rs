@@ -64,8 +64,13 @@ pub async fn inserts(cluster: &Cluster) -> u64 {
 /// keys: a router writes it on its current shards soon after its first grant (and again when
 /// its placements change). A test that counts a shard's writes waits for it first.
 pub async fn until_placement_recorded(cluster: &Cluster) {
+    until_placement_recorded_on(cluster.shards()).await;
+}
+
+/// [`until_placement_recorded`] on `shards` alone.
+pub async fn until_placement_recorded_on(shards: &[Shard]) {
     let recorded = eventually(Duration::from_secs(30), || async {
-        for shard in cluster.shards() {
+        for shard in shards {
             let mut c = shard.connect().await.unwrap();
             let found: Option<u64> = c
                 .query_first("SELECT seq FROM shardlock_placement WHERE fleet = 'default'")
@@ -79,6 +84,28 @@ pub async fn until_placement_recorded(cluster: &Cluster) {
     })
     .await;
     assert!(recorded, "the router recorded its placement on every shard");
+}
+
+/// Asserts that `router` grants `key` to nobody for a reason that says each of `says`.
+pub async fn refused_saying(router: &LockRouter, key: &str, says: &[&str]) {
+    match router.try_acquire(key, AcquireOptions::new()).await {
+        Err(shardlock::Error::Unavailable { source, .. }) => {
+            let why = shardlock::Report(&source).to_string();
+            assert!(says.iter().all(|s| why.contains(s)), "{why}");
+        }
+        other => panic!(
+            "granted, or refused otherwise: {:?}",
+            other.map(|g| g.is_some())
+        ),
+    }
+}
+
+/// Migrates the shards of `yaml` with a router that grants nothing (so it records no
+/// placement), then shuts it down.
+pub async fn migrate_only(yaml: &str) {
+    let setup = LockRouter::from_yaml_str(yaml).await.unwrap();
+    setup.migrate().await.unwrap();
+    setup.shutdown().await.unwrap();
 }
 
 /// `n` lock cycles on `router`: keys `{prefix}:0` to `{prefix}:{n-1}`, each acquired with
