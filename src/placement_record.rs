@@ -334,6 +334,29 @@ fn newest(reads: &[Read]) -> Vec<&Vec<Recorded>> {
     out
 }
 
+/// The records of `topology`'s fleet on its current shards, as a start reads them: `Err` for
+/// the first shard that did not answer; under `registry: static` (nothing else is checked at
+/// a start either) such a shard is left out instead, its error returned beside the records.
+async fn current_records(topology: &Topology) -> Result<(Vec<Read>, Vec<String>), String> {
+    let fleet = topology.config.instance.fleet();
+    let (mut reads, mut skipped) = (Vec::new(), Vec::new());
+    for read in records(&topology.current.shards, fleet).await {
+        match read {
+            Ok(read) => reads.push(read),
+            Err(e) if topology.config.cleaner.registry == RegistryKind::Static => skipped.push(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((reads, skipped))
+}
+
+/// The highest `seq` among `reads` (0: none).
+fn top_seq(reads: &[Read]) -> u64 {
+    (reads.iter().flatten().map(|(seq, _)| *seq))
+        .max()
+        .unwrap_or(0)
+}
+
 /// The configs of the placements a process starting onto `topology` must move from, oldest
 /// first (empty: none). `Err` says why it cannot tell or cannot make that move yet: a shard's
 /// record unread, a recorded shard it cannot reach. It grants nothing until this answers `Ok`
@@ -349,22 +372,11 @@ pub(crate) async fn to_move_from(
              until it has: {why}"
         )
     };
-    // Under `registry: static` nothing else is checked at a start either: a shard that does
-    // not answer is left out (its record too), as its registry would be.
-    let mut reads = Vec::new();
-    for read in records(&topology.current.shards, fleet).await {
-        match read {
-            Ok(read) => reads.push(read),
-            Err(e) if topology.config.cleaner.registry == RegistryKind::Static => {
-                tracing::warn!(fleet, error = e, "shardlock starts without reading its fleet's placement record on a shard (registry: static)");
-            }
-            Err(e) => return Err(why(e)),
-        }
+    let (reads, skipped) = current_records(topology).await.map_err(why)?;
+    for error in skipped {
+        tracing::warn!(fleet, error, "shardlock starts without reading its fleet's placement record on a shard (registry: static)");
     }
-    let seen = (reads.iter().flatten().map(|(seq, _)| *seq))
-        .max()
-        .unwrap_or(0);
-    state.knows(seen);
+    state.knows(top_seq(&reads));
     // Of records written at once, every placement either names (each once, in order).
     let mut recorded: Vec<Recorded> = Vec::new();
     for record in newest(&reads) {
@@ -392,7 +404,7 @@ pub(crate) async fn to_move_from(
                  Start one process with the config that fleet ran, then reload it to this one; \
                  or, to give up what the keys that left had there (fences, rows kept past their \
                  release, jobs, CAS locks), delete fleet `{fleet}`'s row of shardlock_placement \
-                 on every shard"
+                 on every shard it has used"
             )
         })?);
     }
@@ -420,21 +432,10 @@ pub(crate) async fn still_settled(
         return Ok(());
     }
     let fleet = topology.config.instance.fleet();
-    let mut reads = Vec::new();
-    for read in records(&topology.current.shards, fleet).await {
-        match read {
-            Ok(read) => reads.push(read),
-            Err(_) if topology.config.cleaner.registry == RegistryKind::Static => {}
-            Err(e) => {
-                return Err(format!(
-                    "this process cannot read where fleet `{fleet}` last placed keys: {e}"
-                ))
-            }
-        }
-    }
-    let newest = (reads.iter().flatten().map(|(seq, _)| *seq))
-        .max()
-        .unwrap_or(0);
+    let (reads, _) = current_records(topology).await.map_err(|e| {
+        format!("this process cannot read where fleet `{fleet}` last placed keys: {e}")
+    })?;
+    let newest = top_seq(&reads);
     if newest <= state.known_seq.load(Ordering::Acquire) {
         return Ok(());
     }
@@ -533,8 +534,7 @@ pub(crate) async fn record_if_due(inner: &Inner) {
             return;
         }
     }
-    let seen = (reads.iter().flatten().map(|(seq, _)| *seq)).max();
-    let seq = state.next_seq(seen.unwrap_or(0));
+    let seq = state.next_seq(top_seq(&reads));
     let text = serde_json::to_string(&own).expect("placements serialize");
     let writes = join_all((shards.iter().zip(&reads)).map(|(s, read)| {
         let (read, text) = (read.as_ref().map(|(seq, _)| *seq), &text);
