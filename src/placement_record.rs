@@ -473,32 +473,59 @@ fn may_replace(own: &[Recorded], ran: &[Recorded], theirs: &[Recorded]) -> bool 
 /// Records the placements of `inner`'s router on its current shards if they changed since it
 /// last did and it may (see the module's doc); tried again at the next heartbeat otherwise.
 pub(crate) async fn record_if_due(inner: &Inner) {
-    let topology = inner.topology.load_full();
+    if !inner.gate.is_closed() {
+        record(inner, &inner.topology.load_full()).await;
+    }
+}
+
+/// Records `topology`'s placements before `inner`'s router places keys by them: a reload
+/// about to swap it in, a start about to open its gate. So a whole fleet that stops right
+/// after still has its record name the placement it granted under (a start onto the
+/// placement before would miss what the keys that moved got where they live now: a job
+/// enqueued there). Bounded as the heartbeat's write is; `false` (warned) if the record does
+/// not name it yet, for a shard did not answer in time, say: the heartbeat records it later.
+pub(crate) async fn record_ahead(inner: &Inner, topology: &Topology) -> bool {
+    let bound = topology.config.cleaner.heartbeat_interval / 2;
+    let recorded = tokio::time::timeout(bound, record(inner, topology)).await;
+    let recorded = recorded.unwrap_or(false);
+    if !recorded {
+        tracing::warn!(
+            epoch = topology.epoch,
+            "shardlock places keys before its fleet's placement record names where: a whole              fleet stopped before its heartbeat records it would start from the placement before"
+        );
+    }
+    recorded
+}
+
+/// [`record_if_due`] of `topology`: `true` if the record names its placements now, or need
+/// not (nothing to record, or not this router's to write).
+async fn record(inner: &Inner, topology: &Topology) -> bool {
     let state = &inner.placement;
     // A router that has granted, or that moves keys (it carries them whether or not it grants).
     let moving = topology.moves_in_progress() > 0;
     if !(state.granting.load(Ordering::Acquire) || moving)
         || state.is_tool()
         || inner.shared.is_closed()
-        || inner.gate.is_closed()
         || state.unsettled().is_some()
     {
-        return;
+        return true;
     }
-    if own(&topology).is_none() {
+    if own(topology).is_none() {
         join_all(topology.all_shards().iter().map(|s| s.resolve_identity())).await;
     }
-    let Some(own) = own(&topology) else { return };
+    let Some(own) = own(topology) else {
+        return false;
+    };
     state.ran_too(own.iter().cloned());
     if state.recorded().as_ref() == Some(&own) {
-        return;
+        return true;
     }
     if own.len() == 1
-        && registry::fleet_disagreement(&topology, inner.instance_id())
+        && registry::fleet_disagreement(topology, inner.instance_id())
             .await
             .is_some()
     {
-        return;
+        return true;
     }
     // On the shards of its moves in force too: a start onto a placement the fleet moved away
     // from reads there that it did.
@@ -520,19 +547,21 @@ pub(crate) async fn record_if_due(inner: &Inner) {
                     .shards
                     .iter()
                     .any(|c| Arc::ptr_eq(c, shard)) => {}
-            Err(_) => return,
+            Err(_) => return false,
         }
     }
     let shards = answered;
     let ran = state.ran();
-    for theirs in newest(&reads) {
-        if !may_replace(&own, &ran, theirs) {
-            tracing::debug!(
-                "shardlock leaves its fleet's placement record alone: it names a placement \
-                 this process does not run"
-            );
-            return;
-        }
+    let newest = newest(&reads);
+    if !newest.iter().all(|theirs| may_replace(&own, &ran, theirs)) {
+        tracing::debug!(
+            "shardlock leaves its fleet's placement record alone: it names a placement this \
+             process does not run"
+        );
+        // Another process recorded further: whether that names these placements too.
+        let names =
+            |theirs: &&Vec<Recorded>| (own.iter()).all(|o| theirs.iter().any(|t| t.places_like(o)));
+        return newest.iter().any(names);
     }
     let seq = state.next_seq(top_seq(&reads));
     let text = serde_json::to_string(&own).expect("placements serialize");
@@ -545,7 +574,9 @@ pub(crate) async fn record_if_due(inner: &Inner) {
         state.knows(seq);
         state.set_recorded(own);
         (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
+        return true;
     }
+    false
 }
 
 #[cfg(test)]

@@ -198,6 +198,9 @@ impl LockRouter {
             // Read after the registry: a process of the old fleet that recorded a move and
             // stopped since the first read is not missed.
             self.inner.gate.unjoined(why);
+        } else {
+            // Granting from now on: by a placement its fleet's record names.
+            crate::placement_record::record_ahead(&self.inner, &topology).await;
         }
         spawn_heartbeat(&self.inner);
         Ok(self)
@@ -423,8 +426,9 @@ impl LockRouter {
     /// every other.
     ///
     /// Cancellation: the swap happens without an await after the shards' identities were
-    /// read and a join under way (see `migrate`) has finished; a call dropped before that
-    /// changes nothing.
+    /// read, the fleet's placement record names the new placement and a join under way (see
+    /// `migrate`) has finished; a call dropped before that changes nothing but the record,
+    /// which the router's next heartbeat puts back.
     pub async fn reload(&self, config: Config) -> Result<()> {
         let mut retired = self.inner.reloading.lock().await;
         self.reload_under(config, &mut retired).await
@@ -485,6 +489,11 @@ impl LockRouter {
             "shardlock topology reloaded"
         );
         let next = Arc::new(next);
+        // Recorded before a grant can be placed by it (a whole fleet stopped right after
+        // starts from it). A router not joined grants nothing yet: it records when it joins.
+        if !self.inner.gate.is_closed() {
+            crate::placement_record::record_ahead(&self.inner, &next).await;
+        }
         // Not between a join's heartbeat and its reading of the fleet: the join vouches for
         // the topology it beat with.
         let joining = self.inner.joining.lock().await;

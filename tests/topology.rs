@@ -672,7 +672,20 @@ async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_las
     old.shutdown().await.unwrap();
 
     // The whole fleet is gone; a process starts with the grown config.
+    let mut s2 = cluster.shard(1).connect().await.unwrap();
     let new = LockRouter::from_yaml_str(&two).await.unwrap();
+    // Recorded before the start is handed out (a fleet stopped right after finds the move).
+    let names: Option<u64> = s2
+        .query_first(
+            "SELECT JSON_LENGTH(placements) FROM shardlock_placement WHERE fleet = 'default'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        names,
+        Some(2),
+        "the start recorded its move before it granted"
+    );
     assert_eq!(new.shard_for(&key).unwrap(), "s2");
     let g = new.acquire(&key, AcquireOptions::new()).await.unwrap();
     assert!(
@@ -769,6 +782,56 @@ async fn a_rollback_onto_a_placement_the_fleet_moved_away_from_grants_nothing() 
 
     let rolled_back = LockRouter::from_yaml_str(&before).await.unwrap();
     common::refused_saying(&rolled_back, "k:1", &["this config does not reach"]).await;
+}
+
+/// A reload records its fleet's new placement before it returns, so before anything is placed
+/// by it: a whole fleet stopped right after (a job enqueued where its queue moved) and
+/// rolled back finds that it moved, and refuses, instead of granting without the job.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_records_where_keys_go_before_it_places_any_there() {
+    let cluster = Cluster::start(2).await.unwrap();
+    let tail = format!("{POLICY}cleaner:\n  heartbeat-interval: 100ms\n");
+    let only = |i: usize| {
+        let s = cluster.shard(i);
+        format!(
+            "shards:\n  - name: {}\n    url: {}\n{tail}",
+            s.name(),
+            s.url()
+        )
+    };
+    let (before, after) = (only(0), only(1));
+    common::migrate_only(&config_for(&cluster, 2)).await;
+    let router = LockRouter::from_yaml_str(&before).await.unwrap();
+    let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
+    g.release().await.unwrap();
+    common::until_placement_recorded_on(&cluster.shards()[..1]).await;
+    let mut s1 = cluster.shard(0).connect().await.unwrap();
+
+    router
+        .reload(Config::from_yaml_str(&after).unwrap())
+        .await
+        .unwrap();
+    // Read before anything else: the heartbeat the reload wakes records too, later.
+    let names: Option<bool> = s1
+        .query_first(
+            "SELECT JSON_LENGTH(placements) = 2 AND placements LIKE '%\"name\":\"s2\"%' \
+             FROM shardlock_placement WHERE fleet = 'default'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        names,
+        Some(true),
+        "the record names the move to s2 once the reload returned"
+    );
+    router
+        .enqueue_job("queue:1", b"job", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    router.shutdown().await.unwrap();
+
+    let rolled_back = LockRouter::from_yaml_str(&before).await.unwrap();
+    common::refused_saying(&rolled_back, "queue:1", &["this config does not reach"]).await;
 }
 
 /// An operator's tool router (`shardlock status`, `inspect`, ...) started with another config
