@@ -1119,6 +1119,100 @@ async fn a_lease_held_through_a_lapse_is_lost_when_a_restart_onto_another_topolo
     );
 }
 
+/// A process paused while its fleet moved on (a start onto another placement that recorded
+/// its move, then stopped) finds the newer record when it rejoins, and moves from there
+/// before it grants: a row kept past its release where the fleet placed the key since is
+/// seen, not granted over where this process's own topology puts the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_paused_while_its_fleet_moved_on_moves_from_the_newer_record_before_it_grants() {
+    let (cluster, _, _) = cluster().await;
+    let yaml =
+        |weights: &[u32]| format!("{}{BEATS}", placement_yaml(&cluster, weights, "", "500ms"));
+    let (before, after) = (yaml(&[1; 4]), yaml(&[1, 1, 1, 8]));
+    let key = moving_key(
+        &Config::from_yaml_str(&before).unwrap(),
+        &Config::from_yaml_str(&after).unwrap(),
+        "kept:",
+    )
+    .await;
+    let mut paused = Worker::spawn(
+        "worker",
+        "paused-granter",
+        &[(common::CONFIG_ENV, before.clone()), (KEY_ENV, key.clone())],
+    )
+    .unwrap();
+    paused.expect("granted").await.unwrap();
+    common::until_placement_recorded(&cluster).await;
+    paused.pause().unwrap();
+
+    // Its fleet moves on without it: a start onto another placement joins once the paused
+    // process's heartbeat timed out, moves from the recorded one, keeps a row of `key` for an
+    // hour where the key lives now, and stops.
+    let minute = Duration::from_secs(60);
+    let moved_on = LockRouter::from_yaml_str(&after).await.unwrap();
+    let joined = tokio::time::timeout(minute, moved_on.wait_joined()).await;
+    joined.expect("the start never joined its fleet");
+    let over = common::eventually(minute, || async { moved_on.moves_in_progress() == 0 }).await;
+    assert!(over, "the start's move from the recorded placement ended");
+    let hour = Duration::from_secs(3600);
+    let g = moved_on
+        .acquire(&key, AcquireOptions::new().lock_at_least(hour))
+        .await
+        .unwrap();
+    g.release().await.unwrap();
+    let recorded = common::eventually(minute, || async {
+        let mut c = cluster.shard(0).connect().await.unwrap();
+        let alone: Option<bool> = c
+            .query_first(
+                "SELECT JSON_LENGTH(placements) = 1 AND placements LIKE '%\"weight\":8%' \
+                 FROM shardlock_placement WHERE fleet = 'default'",
+            )
+            .await
+            .unwrap();
+        alone == Some(true)
+    })
+    .await;
+    assert!(
+        recorded,
+        "the fleet recorded the placement it moved to alone"
+    );
+    moved_on.shutdown().await.unwrap();
+
+    paused.resume().unwrap();
+    paused.signal(Signal::SIGUSR1).unwrap();
+    let said = tokio::time::timeout(minute, paused.expect("taken")).await;
+    let said = said.expect("the resumed process said nothing").unwrap();
+    assert_eq!(
+        said, "false",
+        "the resumed process granted a key whose row its fleet kept where the key lived"
+    );
+}
+
+/// Grants a key once (its fleet records where it places keys); told to go on (SIGUSR1,
+/// after its pause), waits to join its fleet again and says whether it took the key of
+/// [`KEY_ENV`].
+async fn paused_granter_worker() {
+    let mut go = tokio::signal::unix::signal(SignalKind::user_defined1()).unwrap();
+    let router = common::worker_router().await;
+    let g = router
+        .acquire("first", AcquireOptions::new())
+        .await
+        .unwrap();
+    g.release().await.unwrap();
+    report!("granted");
+    go.recv().await;
+    let joined = tokio::time::timeout(Duration::from_secs(60), router.wait_joined()).await;
+    let key = std::env::var(KEY_ENV).unwrap();
+    match router.try_acquire(&key, AcquireOptions::new()).await {
+        Ok(taken) => report!("taken {}", taken.is_some()),
+        Err(e) => report!(
+            "taken: refused ({}, joined: {})",
+            shardlock::Report(&e),
+            joined.is_ok()
+        ),
+    }
+}
+
 /// Holds the key of [`KEY_ENV`] under a lease of a minute; told to go on (SIGUSR1, after its
 /// pause), says whether it still holds it.
 async fn lapsed_lease_holder_worker() {
@@ -1135,6 +1229,7 @@ async fn lapsed_lease_holder_worker() {
 crate::worker_entry! {
     "lapsed-cas-holder" => lapsed_cas_holder_worker(),
     "lapsed-lease-holder" => lapsed_lease_holder_worker(),
+    "paused-granter" => paused_granter_worker(),
 }
 
 /// `router`'s own registry row on s1.
