@@ -21,6 +21,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures_util::future::join_all;
 use serde::{Deserialize, Serialize};
@@ -177,6 +178,10 @@ pub(crate) struct PlacementState {
     /// An operator's tool (see `RouterBuilder::operator_tool`): it grants nothing, so it
     /// neither moves from the record nor writes it.
     tool: std::sync::atomic::AtomicBool,
+    /// Held by each write of the record, and by a reload from its write ahead until its swap:
+    /// a heartbeat's write never reads the topology in force and what the router ran at two
+    /// sides of a swap (it would take its old placement for one it may record alone).
+    writing: tokio::sync::Mutex<()>,
 }
 
 impl Default for PlacementState {
@@ -192,6 +197,7 @@ impl Default for PlacementState {
             ran: Mutex::default(),
             known_seq: AtomicU64::new(0),
             tool: Default::default(),
+            writing: Default::default(),
         }
     }
 }
@@ -235,6 +241,13 @@ impl PlacementState {
         self.tried(None, false);
     }
 
+    /// The right to write the record (see [`record_ahead`]).
+    pub(crate) async fn writing(&self) -> Writing<'_> {
+        Writing {
+            _held: self.writing.lock().await,
+        }
+    }
+
     /// Whether the router is an operator's tool.
     pub(crate) fn is_tool(&self) -> bool {
         self.tool.load(Ordering::Acquire)
@@ -265,9 +278,14 @@ impl PlacementState {
         self.recorded.locked().clone()
     }
 
-    /// After a write of `recorded`: what it ran before is in the record no more.
-    fn set_recorded(&self, recorded: Vec<Recorded>) {
-        *self.ran.locked() = recorded.clone();
+    /// After a write of `recorded`: what it ran before is in the record no more. Written
+    /// `ahead` of a reload, its last placement is not run yet (the reload may be dropped
+    /// before it swaps): it counts as run once the reload swaps it in.
+    fn set_recorded(&self, recorded: Vec<Recorded>, ahead: bool) {
+        let mut ran = self.ran.locked();
+        let before = std::mem::take(&mut *ran);
+        let run = |r: &&Recorded| !ahead || before.iter().any(|b| b.places_like(r));
+        *ran = recorded.iter().filter(run).cloned().collect();
         *self.recorded.locked() = Some(recorded);
     }
 
@@ -288,6 +306,11 @@ impl PlacementState {
         self.saw(seq);
         self.known_seq.fetch_max(seq, Ordering::AcqRel);
     }
+}
+
+/// The right to write a router's record, held (see [`PlacementState::writing`]).
+pub(crate) struct Writing<'a> {
+    _held: tokio::sync::MutexGuard<'a, ()>,
 }
 
 /// A shard's record as read: its `seq` and placements (`None`: the shard holds none).
@@ -473,25 +496,33 @@ fn may_replace(own: &[Recorded], ran: &[Recorded], theirs: &[Recorded]) -> bool 
 /// Records the placements of `inner`'s router on its current shards if they changed since it
 /// last did and it may (see the module's doc); tried again at the next heartbeat otherwise.
 pub(crate) async fn record_if_due(inner: &Inner) {
+    let _writing = inner.placement.writing().await;
     if !inner.gate.is_closed() {
         record(inner, &inner.topology.load_full()).await;
     }
 }
 
 /// Records `topology`'s placements before `inner`'s router places keys by them: a reload
-/// about to swap it in, a start about to open its gate. So a whole fleet that stops right
-/// after still has its record name the placement it granted under (a start onto the
-/// placement before would miss what the keys that moved got where they live now: a job
-/// enqueued there). Bounded as the heartbeat's write is; `false` (warned) if the record does
-/// not name it yet, for a shard did not answer in time, say: the heartbeat records it later.
-pub(crate) async fn record_ahead(inner: &Inner, topology: &Topology) -> bool {
-    let bound = topology.config.cleaner.heartbeat_interval / 2;
+/// about to swap it in, a start or a rejoin about to open its gate. So a whole fleet that
+/// stops right after still has its record name the placement it granted under (a start onto
+/// the placement before would miss what the keys that moved got where they live now: a job
+/// enqueued there). Best effort: `false` (warned) if the record does not name it yet, a
+/// current shard silent for a second say, and the caller goes on (a reload away from a
+/// failing shard must not wait for it); the heartbeat records it later. A reload holds
+/// `_writing` until its swap.
+pub(crate) async fn record_ahead(
+    inner: &Inner,
+    topology: &Topology,
+    _writing: &Writing<'_>,
+) -> bool {
+    let bound = (topology.config.cleaner.heartbeat_interval / 2).max(Duration::from_secs(1));
     let recorded = tokio::time::timeout(bound, record(inner, topology)).await;
     let recorded = recorded.unwrap_or(false);
     if !recorded {
         tracing::warn!(
             epoch = topology.epoch,
-            "shardlock places keys before its fleet's placement record names where: a whole              fleet stopped before its heartbeat records it would start from the placement before"
+            "shardlock places keys before its fleet's placement record names where: a whole \
+             fleet stopped before its heartbeat records it would start from the placement before"
         );
     }
     recorded
@@ -516,7 +547,11 @@ async fn record(inner: &Inner, topology: &Topology) -> bool {
     let Some(own) = own(topology) else {
         return false;
     };
-    state.ran_too(own.iter().cloned());
+    // Not swapped in yet (a reload records ahead): not run until it is.
+    let ahead = !std::ptr::eq(&**inner.topology.load(), topology);
+    if !ahead {
+        state.ran_too(own.iter().cloned());
+    }
     if state.recorded().as_ref() == Some(&own) {
         return true;
     }
@@ -572,7 +607,7 @@ async fn record(inner: &Inner, topology: &Topology) -> bool {
     .await;
     if writes.iter().all(|w| matches!(w, Ok(true))) {
         state.knows(seq);
-        state.set_recorded(own);
+        state.set_recorded(own, ahead);
         (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
         return true;
     }
@@ -614,6 +649,21 @@ mod tests {
         assert!(!r.places_like(&recorded(&[("a", 1, "x"), ("b", 2, "z")], 160)));
         assert!(!r.places_like(&recorded(&[("a", 1, "x"), ("b", 2, "y")], 100)));
         assert!(!r.places_like(&recorded(&[("a", 1, "x")], 160)));
+    }
+
+    #[test]
+    fn a_placement_recorded_ahead_of_a_reload_counts_as_run_only_once_swapped_in() {
+        let [p, q] = ["p", "q"].map(|id| recorded(&[("a", 1, id)], 160));
+        let state = PlacementState::default();
+        state.ran_too([p.clone()]);
+        state.set_recorded(vec![p.clone(), q.clone()], true);
+        assert!(
+            matches!(&state.ran()[..], [only] if *only == p),
+            "a reload dropped before its swap ran only p"
+        );
+        state.ran_too([q.clone()]);
+        state.set_recorded(vec![p.clone(), q.clone()], false);
+        assert_eq!(state.ran(), [p, q]);
     }
 
     #[test]

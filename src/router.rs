@@ -200,7 +200,8 @@ impl LockRouter {
             self.inner.gate.unjoined(why);
         } else {
             // Granting from now on: by a placement its fleet's record names.
-            crate::placement_record::record_ahead(&self.inner, &topology).await;
+            let writing = self.inner.placement.writing().await;
+            crate::placement_record::record_ahead(&self.inner, &topology, &writing).await;
         }
         spawn_heartbeat(&self.inner);
         Ok(self)
@@ -426,9 +427,10 @@ impl LockRouter {
     /// every other.
     ///
     /// Cancellation: the swap happens without an await after the shards' identities were
-    /// read, the fleet's placement record names the new placement and a join under way (see
-    /// `migrate`) has finished; a call dropped before that changes nothing but the record,
-    /// which the router's next heartbeat puts back.
+    /// read, a join under way (see `migrate`) has finished and the fleet's placement record
+    /// names the new placement; a call dropped before that changes nothing but the record,
+    /// which may name the new placement then (a later start onto the old one moves from it as
+    /// well, carrying nothing).
     pub async fn reload(&self, config: Config) -> Result<()> {
         let mut retired = self.inner.reloading.lock().await;
         self.reload_under(config, &mut retired).await
@@ -489,14 +491,16 @@ impl LockRouter {
             "shardlock topology reloaded"
         );
         let next = Arc::new(next);
-        // Recorded before a grant can be placed by it (a whole fleet stopped right after
-        // starts from it). A router not joined grants nothing yet: it records when it joins.
-        if !self.inner.gate.is_closed() {
-            crate::placement_record::record_ahead(&self.inner, &next).await;
-        }
         // Not between a join's heartbeat and its reading of the fleet: the join vouches for
         // the topology it beat with.
         let joining = self.inner.joining.lock().await;
+        // Recorded before a grant can be placed by it (a whole fleet stopped right after
+        // starts from it). A router not joined grants nothing yet: it records as it joins
+        // (under `joining`, so not between this look and the swap).
+        let writing = self.inner.placement.writing().await;
+        if !self.inner.gate.is_closed() {
+            crate::placement_record::record_ahead(&self.inner, &next, &writing).await;
+        }
         if old.config.cleaner.registry != RegistryKind::Heartbeat
             && next.config.cleaner.registry == RegistryKind::Heartbeat
         {
@@ -520,6 +524,7 @@ impl LockRouter {
         // For the fleet's placement record: what it ran and runs now.
         self.inner.placement.runs(&old.current);
         self.inner.placement.runs(&next.current);
+        drop(writing);
         drop(joining);
         for (name, ns) in &old.config.namespaces {
             if !next.config.namespaces.contains_key(name) {

@@ -426,7 +426,8 @@ impl Inner {
         match disagreement {
             None => {
                 // Granting from now on: by a placement its fleet's record names.
-                crate::placement_record::record_ahead(self, &topology).await;
+                let writing = self.placement.writing().await;
+                crate::placement_record::record_ahead(self, &topology, &writing).await;
                 tracing::info!(
                     "shardlock's heartbeat reaches every shard and its fleet agrees: granting"
                 );
