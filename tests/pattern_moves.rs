@@ -1160,18 +1160,7 @@ async fn a_process_paused_while_its_fleet_moved_on_moves_from_the_newer_record_b
         .await
         .unwrap();
     g.release().await.unwrap();
-    let recorded = common::eventually(minute, || async {
-        let mut c = cluster.shard(0).connect().await.unwrap();
-        let alone: Option<bool> = c
-            .query_first(
-                "SELECT JSON_LENGTH(placements) = 1 AND placements LIKE '%\"weight\":8%' \
-                 FROM shardlock_placement WHERE fleet = 'default'",
-            )
-            .await
-            .unwrap();
-        alone == Some(true)
-    })
-    .await;
+    let recorded = common::until_recorded_alone(cluster.shard(0), "\"weight\":8").await;
     assert!(
         recorded,
         "the fleet recorded the placement it moved to alone"

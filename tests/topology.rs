@@ -715,18 +715,7 @@ async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_las
     assert!(over, "the move from the recorded placement ended");
 
     // Recorded once the move is over: the new placement alone.
-    let recorded = common::eventually(Duration::from_secs(30), || async {
-        let mut c = cluster.shard(0).connect().await.unwrap();
-        let alone: Option<bool> = c
-            .query_first(
-                "SELECT JSON_LENGTH(placements) = 1 AND placements LIKE '%\"name\":\"s2\"%' \
-                 FROM shardlock_placement WHERE fleet = 'default'",
-            )
-            .await
-            .unwrap();
-        alone == Some(true)
-    })
-    .await;
+    let recorded = common::until_recorded_alone(cluster.shard(0), "\"name\":\"s2\"").await;
     assert!(recorded, "the fleet recorded its new placement alone");
     // A process that knows only the new shards: what the move carried is where keys live.
     let newcomer = LockRouter::from_yaml_str(&two).await.unwrap();
@@ -744,13 +733,9 @@ async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_las
     );
 }
 
-/// A fleet that moved every key from s1 to s2 by a reload, then stopped, restarted with the
-/// config it ran before the move (a rollback): the record on s1 says the fleet moved to s2, so
-/// the start, which does not reach s2, grants nothing rather than forget what the keys have
-/// there. (Records are written on the shards a move leaves too, not only on current ones.)
-#[tokio::test(flavor = "multi_thread")]
-async fn a_rollback_onto_a_placement_the_fleet_moved_away_from_grants_nothing() {
-    let cluster = Cluster::start(2).await.unwrap();
+/// Configs of s1 alone and of s2 alone (heartbeats every 100 ms), both shards migrated by a
+/// router that grants nothing.
+async fn s1_then_s2(cluster: &Cluster) -> (String, String) {
     let tail = format!("{POLICY}cleaner:\n  heartbeat-interval: 100ms\n");
     let only = |i: usize| {
         let s = cluster.shard(i);
@@ -760,8 +745,18 @@ async fn a_rollback_onto_a_placement_the_fleet_moved_away_from_grants_nothing() 
             s.url()
         )
     };
-    let (before, after) = (only(0), only(1));
-    common::migrate_only(&config_for(&cluster, 2)).await;
+    common::migrate_only(&config_for(cluster, 2)).await;
+    (only(0), only(1))
+}
+
+/// A fleet that moved every key from s1 to s2 by a reload, then stopped, restarted with the
+/// config it ran before the move (a rollback): the record on s1 says the fleet moved to s2, so
+/// the start, which does not reach s2, grants nothing rather than forget what the keys have
+/// there. (Records are written on the shards a move leaves too, not only on current ones.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rollback_onto_a_placement_the_fleet_moved_away_from_grants_nothing() {
+    let cluster = Cluster::start(2).await.unwrap();
+    let (before, after) = s1_then_s2(&cluster).await;
 
     let router = LockRouter::from_yaml_str(&before).await.unwrap();
     let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
@@ -792,17 +787,7 @@ async fn a_rollback_onto_a_placement_the_fleet_moved_away_from_grants_nothing() 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_records_where_keys_go_before_it_places_any_there() {
     let cluster = Cluster::start(2).await.unwrap();
-    let tail = format!("{POLICY}cleaner:\n  heartbeat-interval: 100ms\n");
-    let only = |i: usize| {
-        let s = cluster.shard(i);
-        format!(
-            "shards:\n  - name: {}\n    url: {}\n{tail}",
-            s.name(),
-            s.url()
-        )
-    };
-    let (before, after) = (only(0), only(1));
-    common::migrate_only(&config_for(&cluster, 2)).await;
+    let (before, after) = s1_then_s2(&cluster).await;
     let router = LockRouter::from_yaml_str(&before).await.unwrap();
     let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
     g.release().await.unwrap();

@@ -86,6 +86,24 @@ pub async fn until_placement_recorded_on(shards: &[Shard]) {
     assert!(recorded, "the router recorded its placement on every shard");
 }
 
+/// Waits until `shard` holds a record of the default fleet naming one placement alone, whose
+/// JSON contains `containing` (the end of a move, recorded).
+pub async fn until_recorded_alone(shard: &Shard, containing: &str) -> bool {
+    eventually(Duration::from_secs(60), || async {
+        let mut c = shard.connect().await.unwrap();
+        let alone: Option<bool> = c
+            .exec_first(
+                "SELECT JSON_LENGTH(placements) = 1 AND LOCATE(?, placements) > 0 \
+                 FROM shardlock_placement WHERE fleet = 'default'",
+                (containing,),
+            )
+            .await
+            .unwrap();
+        alone == Some(true)
+    })
+    .await
+}
+
 /// Asserts that `router` grants `key` to nobody for a reason that says each of `says`.
 pub async fn refused_saying(router: &LockRouter, key: &str, says: &[&str]) {
     match router.try_acquire(key, AcquireOptions::new()).await {
