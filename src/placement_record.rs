@@ -474,10 +474,7 @@ pub(crate) async fn still_settled(
         state.knows(newest);
         return Ok(());
     }
-    let why = format!(
-        "fleet `{fleet}` recorded where it places keys since this process read it: it moves \
-         from there too before it grants"
-    );
+    let why = moved_on(fleet);
     state.tried(Some(why.clone()), false);
     Err(why)
 }
@@ -502,23 +499,35 @@ pub(crate) async fn record_if_due(inner: &Inner) {
     }
 }
 
+/// What a write of the record came to.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Recording {
+    /// The record names the placements (written now or before), or need not: nothing to
+    /// record, not this router's to write at rest while its fleet disagrees.
+    Named,
+    /// Not written: a shard did not answer, or another write won it.
+    NotYet,
+    /// The fleet recorded placements since that this router does not run: it moves from
+    /// them before it grants (see [`still_settled`]).
+    MovedOn(String),
+}
+
 /// Records `topology`'s placements before `inner`'s router places keys by them: a reload
-/// about to swap it in, a start or a rejoin about to open its gate. So a whole fleet that
-/// stops right after still has its record name the placement it granted under (a start onto
-/// the placement before would miss what the keys that moved got where they live now: a job
-/// enqueued there). Best effort: `false` (warned) if the record does not name it yet, a
-/// current shard silent for a second say, and the caller goes on (a reload away from a
-/// failing shard must not wait for it); the heartbeat records it later. A reload holds
-/// `_writing` until its swap.
+/// about to swap it in (holding `_writing` until its swap), a start or a rejoin about to open
+/// its gate. So a whole fleet that stops right after still has its record name the placement
+/// it granted under (a start onto the placement before would miss what the keys that moved
+/// got where they live now: a job enqueued there). Best effort: when the record does not name
+/// it yet (a current shard silent for a second, say), it warns and the caller goes on (a
+/// reload away from a failing shard must not wait for it); the heartbeat records it later.
 pub(crate) async fn record_ahead(
     inner: &Inner,
     topology: &Topology,
     _writing: &Writing<'_>,
-) -> bool {
+) -> Recording {
     let bound = (topology.config.cleaner.heartbeat_interval / 2).max(Duration::from_secs(1));
     let recorded = tokio::time::timeout(bound, record(inner, topology)).await;
-    let recorded = recorded.unwrap_or(false);
-    if !recorded {
+    let recorded = recorded.unwrap_or(Recording::NotYet);
+    if recorded != Recording::Named {
         tracing::warn!(
             epoch = topology.epoch,
             "shardlock places keys before its fleet's placement record names where: a whole \
@@ -528,9 +537,14 @@ pub(crate) async fn record_ahead(
     recorded
 }
 
-/// [`record_if_due`] of `topology`: `true` if the record names its placements now, or need
-/// not (nothing to record, or not this router's to write).
-async fn record(inner: &Inner, topology: &Topology) -> bool {
+/// How long a write of the record waits for a shard its router's moves leave (a shard gone
+/// for good, or cut off, must not hold the write back; it is left out).
+fn leaving_wait(topology: &Topology) -> Duration {
+    (topology.config.cleaner.heartbeat_interval / 4).max(Duration::from_millis(250))
+}
+
+/// [`record_if_due`] of `topology`.
+async fn record(inner: &Inner, topology: &Topology) -> Recording {
     let state = &inner.placement;
     // A router that has granted, or that moves keys (it carries them whether or not it grants).
     let moving = topology.moves_in_progress() > 0;
@@ -539,13 +553,13 @@ async fn record(inner: &Inner, topology: &Topology) -> bool {
         || inner.shared.is_closed()
         || state.unsettled().is_some()
     {
-        return true;
+        return Recording::Named;
     }
     if own(topology).is_none() {
         join_all(topology.all_shards().iter().map(|s| s.resolve_identity())).await;
     }
     let Some(own) = own(topology) else {
-        return false;
+        return Recording::NotYet;
     };
     // Not swapped in yet (a reload records ahead): not run until it is.
     let ahead = !std::ptr::eq(&**inner.topology.load(), topology);
@@ -553,36 +567,44 @@ async fn record(inner: &Inner, topology: &Topology) -> bool {
         state.ran_too(own.iter().cloned());
     }
     if state.recorded().as_ref() == Some(&own) {
-        return true;
+        return Recording::Named;
     }
     if own.len() == 1
         && registry::fleet_disagreement(topology, inner.instance_id())
             .await
             .is_some()
     {
-        return true;
+        return Recording::Named;
     }
     // On the shards of its moves in force too: a start onto a placement the fleet moved away
     // from reads there that it did.
     let shards = topology.registry_shards();
     let fleet = topology.config.instance.fleet();
+    let current =
+        |shard: &Arc<ShardState>| (topology.current.shards.iter()).any(|c| Arc::ptr_eq(c, shard));
     // Every current shard must answer (a start reads those); a shard a move leaves that does
-    // not (gone for good, say) is left out.
+    // not (gone for good, cut off) is left out.
+    let wait = leaving_wait(topology);
+    let within = |shard: &Arc<ShardState>| (!current(shard)).then_some(wait);
     let mut answered = Vec::with_capacity(shards.len());
     let mut reads = Vec::with_capacity(shards.len());
-    for (shard, read) in shards.iter().zip(records(&shards, fleet).await) {
+    let read = join_all(shards.iter().map(|s| async move {
+        let read = records(std::slice::from_ref(s), fleet);
+        match within(s) {
+            None => read.await,
+            Some(wait) => (tokio::time::timeout(wait, read).await)
+                .unwrap_or_else(|_| vec![Err(format!("shard {}: no answer", s.name()))]),
+        }
+    }))
+    .await;
+    for (shard, read) in shards.iter().zip(read.into_iter().flatten()) {
         match read {
             Ok(read) => {
                 answered.push(shard.clone());
                 reads.push(read);
             }
-            Err(_)
-                if !topology
-                    .current
-                    .shards
-                    .iter()
-                    .any(|c| Arc::ptr_eq(c, shard)) => {}
-            Err(_) => return false,
+            Err(_) if !current(shard) => {}
+            Err(_) => return Recording::NotYet,
         }
     }
     let shards = answered;
@@ -596,22 +618,41 @@ async fn record(inner: &Inner, topology: &Topology) -> bool {
         // Another process recorded further: whether that names these placements too.
         let names =
             |theirs: &&Vec<Recorded>| (own.iter()).all(|o| theirs.iter().any(|t| t.places_like(o)));
-        return newest.iter().any(names);
+        return match newest.iter().any(names) {
+            true => Recording::Named,
+            false => Recording::MovedOn(moved_on(fleet)),
+        };
     }
     let seq = state.next_seq(top_seq(&reads));
     let text = serde_json::to_string(&own).expect("placements serialize");
     let writes = join_all((shards.iter().zip(&reads)).map(|(s, read)| {
         let (read, text) = (read.as_ref().map(|(seq, _)| *seq), &text);
-        async move { s.unguarded().record_placement(fleet, read, seq, text).await }
+        async move {
+            let write = s.unguarded().record_placement(fleet, read, seq, text);
+            match within(s) {
+                None => write.await.ok(),
+                Some(wait) => (tokio::time::timeout(wait, write).await)
+                    .ok()
+                    .and_then(Result::ok),
+            }
+        }
     }))
     .await;
-    if writes.iter().all(|w| matches!(w, Ok(true))) {
+    if writes.iter().all(|w| *w == Some(true)) {
         state.knows(seq);
         state.set_recorded(own, ahead);
         (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
-        return true;
+        return Recording::Named;
     }
-    false
+    Recording::NotYet
+}
+
+/// Why a process does not grant once its fleet recorded placements it does not run.
+fn moved_on(fleet: &str) -> String {
+    format!(
+        "fleet `{fleet}` recorded where it places keys since this process read it: it moves \
+         from there too before it grants"
+    )
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use tokio::time::Instant;
 use crate::guard::{release_through_shard, LockGuard, LockMode};
 use crate::moves;
 use crate::options::AcquireOptions;
+use crate::placement_record::Recording;
 use crate::registry::{self, host_name, IdClaim};
 use crate::shard::{ShardState, Shared};
 use crate::state::{instant_after, spawn_heartbeat, CleanerState, Gate, Inner};
@@ -201,7 +202,12 @@ impl LockRouter {
         } else {
             // Granting from now on: by a placement its fleet's record names.
             let writing = self.inner.placement.writing().await;
-            crate::placement_record::record_ahead(&self.inner, &topology, &writing).await;
+            let recorded =
+                crate::placement_record::record_ahead(&self.inner, &topology, &writing).await;
+            if let Recording::MovedOn(why) = recorded {
+                self.inner.placement.tried(Some(why.clone()), false);
+                self.inner.gate.unjoined(why);
+            }
         }
         spawn_heartbeat(&self.inner);
         Ok(self)
@@ -426,14 +432,22 @@ impl LockRouter {
     /// `registry: static`, every process must apply a change within half the move window of
     /// every other.
     ///
-    /// Cancellation: the swap happens without an await after the shards' identities were
-    /// read, a join under way (see `migrate`) has finished and the fleet's placement record
-    /// names the new placement; a call dropped before that changes nothing but the record,
-    /// which may name the new placement then (a later start onto the old one moves from it as
-    /// well, carrying nothing).
+    /// Cancellation: the reload runs on a task of its own, and a call dropped completes it
+    /// all the same. Half a reload cannot be undone: the fleet's placement record names the
+    /// new placement before the router swaps it in, and a record naming a placement no
+    /// process ran would stay (no process could replace it).
     pub async fn reload(&self, config: Config) -> Result<()> {
-        let mut retired = self.inner.reloading.lock().await;
-        self.reload_under(config, &mut retired).await
+        let router = self.clone();
+        let reload = tokio::spawn(async move {
+            let mut retired = router.inner.reloading.lock().await;
+            router.reload_under(config, &mut retired).await
+        });
+        match reload.await {
+            Ok(done) => done,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Its runtime shuts down.
+            Err(_) => Err(Error::Shutdown),
+        }
     }
 
     /// [`LockRouter::reload`] under the reload lock, whose guarded list is `retired`.
@@ -491,16 +505,17 @@ impl LockRouter {
             "shardlock topology reloaded"
         );
         let next = Arc::new(next);
-        // Not between a join's heartbeat and its reading of the fleet: the join vouches for
-        // the topology it beat with.
-        let joining = self.inner.joining.lock().await;
         // Recorded before a grant can be placed by it (a whole fleet stopped right after
-        // starts from it). A router not joined grants nothing yet: it records as it joins
-        // (under `joining`, so not between this look and the swap).
+        // starts from it). A router not joined grants nothing yet: it records as it joins,
+        // which takes `writing` too, so not between this look and the swap. (Not under
+        // `joining`: the heartbeat must not wait for the record's writes.)
         let writing = self.inner.placement.writing().await;
         if !self.inner.gate.is_closed() {
             crate::placement_record::record_ahead(&self.inner, &next, &writing).await;
         }
+        // Not between a join's heartbeat and its reading of the fleet: the join vouches for
+        // the topology it beat with.
+        let joining = self.inner.joining.lock().await;
         if old.config.cleaner.registry != RegistryKind::Heartbeat
             && next.config.cleaner.registry == RegistryKind::Heartbeat
         {

@@ -17,6 +17,7 @@ use shardlock_core::Config;
 use tokio::time::Instant;
 
 use crate::clock::Moment;
+use crate::placement_record::Recording;
 use crate::queue::KeyQueues;
 use crate::registry::{self, InstanceRegistry};
 use crate::shard::{ShardState, Shared};
@@ -351,6 +352,13 @@ impl Inner {
     /// `false` once another start has taken this router's instance id over: the router is
     /// replaced, and grants and heartbeats no more.
     pub(crate) async fn beat_and_join(&self, missed: &mut HashMap<String, u32>) -> bool {
+        // A join records its fleet's placements before it opens the gate: the right to write
+        // them is taken before `joining`, as a reload takes them. (A join begun meanwhile
+        // waits for the next beat.)
+        let writing = match self.gate.is_rejoining() {
+            true => Some(self.placement.writing().await),
+            false => None,
+        };
         let _one = self.joining.lock().await;
         if self.shared.is_closed() {
             // Shut down: a heartbeat now would register it again, live.
@@ -362,10 +370,10 @@ impl Inner {
             self.replaced_by(twin);
             return false;
         }
-        if joining {
+        if let Some(writing) = writing.as_ref().filter(|_| joining) {
             match beats.unreached() {
                 Some(why) => self.gate.not_yet(why),
-                None => self.rejoin().await,
+                None => self.rejoin(writing).await,
             }
         }
         true
@@ -409,7 +417,7 @@ impl Inner {
 
     /// Once this router's heartbeat reached every shard, at its start or after a lapse: opens
     /// the gate if its fleet agrees.
-    async fn rejoin(&self) {
+    async fn rejoin(&self, writing: &crate::placement_record::Writing<'_>) {
         if let Some(why) = self.placement.unsettled() {
             self.gate.not_yet(why);
             return;
@@ -423,11 +431,19 @@ impl Inner {
                 .err(),
             why => why,
         };
+        // Granting from now on: by a placement its fleet's record names.
+        let disagreement = match disagreement {
+            None => match crate::placement_record::record_ahead(self, &topology, writing).await {
+                Recording::MovedOn(why) => {
+                    self.placement.tried(Some(why.clone()), false);
+                    Some(why)
+                }
+                _ => None,
+            },
+            why => why,
+        };
         match disagreement {
             None => {
-                // Granting from now on: by a placement its fleet's record names.
-                let writing = self.placement.writing().await;
-                crate::placement_record::record_ahead(self, &topology, &writing).await;
                 tracing::info!(
                     "shardlock's heartbeat reaches every shard and its fleet agrees: granting"
                 );

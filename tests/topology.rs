@@ -814,6 +814,54 @@ async fn a_reload_records_where_keys_go_before_it_places_any_there() {
     router.shutdown().await.unwrap();
 }
 
+/// A reload whose write of its fleet's record waits (the record's row on a shard locked by
+/// another transaction, as a slow shard would hold it) holds back no heartbeat: the process
+/// does not lapse, and its leases stay held.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
+    let cluster = Cluster::start(2).await.unwrap();
+    // A lapse after 0.65 s without a heartbeat; the record's write waits up to a second.
+    let weighted = |weight: u32| {
+        let (s1, s2) = (cluster.shard(0), cluster.shard(1));
+        format!(
+            "shards:\n  - name: s1\n    url: {}\n  - name: s2\n    url: {}\n    weight: {weight}\n\
+             {POLICY}cleaner:\n  heartbeat-interval: 100ms\n  heartbeat-timeout: 1200ms\n",
+            s1.url(),
+            s2.url()
+        )
+    };
+    let router = LockRouter::from_yaml_str(&weighted(1)).await.unwrap();
+    router.migrate().await.unwrap();
+    let held = router
+        .acquire("held", AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    common::until_placement_recorded(&cluster).await;
+
+    let mut blocker = cluster.shard(0).connect().await.unwrap();
+    blocker.query_drop("BEGIN").await.unwrap();
+    blocker
+        .query_drop("SELECT * FROM shardlock_placement FOR UPDATE")
+        .await
+        .unwrap();
+    router
+        .reload(Config::from_yaml_str(&weighted(3)).unwrap())
+        .await
+        .unwrap();
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    assert_eq!(
+        router.stats().heartbeat_lapses,
+        0,
+        "the heartbeat waited for the reload's record write"
+    );
+    assert!(
+        held.is_held(),
+        "a lease was lost to the reload's record write"
+    );
+    held.release().await.unwrap();
+    router.shutdown().await.unwrap();
+}
+
 /// An operator's tool router (`shardlock status`, `inspect`, ...) started with another config
 /// than its fleet last ran moves nothing (it would carry a live fleet's CAS locks and jobs
 /// away) and grants nothing.
