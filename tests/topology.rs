@@ -816,7 +816,8 @@ async fn a_reload_records_where_keys_go_before_it_places_any_there() {
 
 /// A reload whose write of its fleet's record waits (the record's row on a shard locked by
 /// another transaction, as a slow shard would hold it) holds back no heartbeat: the process
-/// does not lapse, and its leases stay held.
+/// does not lapse, and its leases stay held. A caller that gives up on such a reload leaves
+/// it to complete.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
     let cluster = Cluster::start(2).await.unwrap();
@@ -848,7 +849,6 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
         .reload(Config::from_yaml_str(&weighted(3)).unwrap())
         .await
         .unwrap();
-    blocker.query_drop("ROLLBACK").await.unwrap();
     assert_eq!(
         router.stats().heartbeat_lapses,
         0,
@@ -857,6 +857,23 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
     assert!(
         held.is_held(),
         "a lease was lost to the reload's record write"
+    );
+
+    // A caller that gives up on a reload while its record write waits: the reload completes
+    // all the same (half of it, the record naming a placement no process ran, would stay).
+    let epoch = router.epoch();
+    let reload = router.reload(Config::from_yaml_str(&weighted(5)).unwrap());
+    let given_up = tokio::time::timeout(Duration::from_millis(100), reload).await;
+    assert!(
+        given_up.is_err(),
+        "the reload did not wait for its record write"
+    );
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let completed =
+        common::eventually(Duration::from_secs(30), || async { router.epoch() > epoch }).await;
+    assert!(
+        completed,
+        "a reload whose caller gave up was left half done"
     );
     held.release().await.unwrap();
     router.shutdown().await.unwrap();
