@@ -248,6 +248,12 @@ impl PlacementState {
         }
     }
 
+    /// [`PlacementState::writing`] if no one holds it (a reload writing ahead of its swap).
+    pub(crate) fn try_writing(&self) -> Option<Writing<'_>> {
+        let held = self.writing.try_lock().ok()?;
+        Some(Writing { _held: held })
+    }
+
     /// Whether the router is an operator's tool.
     pub(crate) fn is_tool(&self) -> bool {
         self.tool.load(Ordering::Acquire)
@@ -517,15 +523,15 @@ pub(crate) enum Recording {
 /// its gate. So a whole fleet that stops right after still has its record name the placement
 /// it granted under (a start onto the placement before would miss what the keys that moved
 /// got where they live now: a job enqueued there). Best effort: when the record does not name
-/// it yet (a current shard silent for a second, say), it warns and the caller goes on (a
+/// it `within` that time (a current shard silent, say), it warns and the caller goes on (a
 /// reload away from a failing shard must not wait for it); the heartbeat records it later.
 pub(crate) async fn record_ahead(
     inner: &Inner,
     topology: &Topology,
     _writing: &Writing<'_>,
+    within: Duration,
 ) -> Recording {
-    let bound = (topology.config.cleaner.heartbeat_interval / 2).max(Duration::from_secs(1));
-    let recorded = tokio::time::timeout(bound, record(inner, topology)).await;
+    let recorded = tokio::time::timeout(within, record(inner, topology)).await;
     let recorded = recorded.unwrap_or(Recording::NotYet);
     if recorded != Recording::Named {
         tracing::warn!(
@@ -535,6 +541,12 @@ pub(crate) async fn record_ahead(
         );
     }
     recorded
+}
+
+/// How long a reload waits for its record written ahead: a second, or half a heartbeat
+/// interval if longer. (A join waits half its lapse at most: it beat just before.)
+pub(crate) fn ahead_bound(config: &Config) -> Duration {
+    (config.cleaner.heartbeat_interval / 2).max(Duration::from_secs(1))
 }
 
 /// How long a write of the record waits for a shard its router's moves leave (a shard gone
@@ -588,6 +600,9 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
     let within = |shard: &Arc<ShardState>| (!current(shard)).then_some(wait);
     let mut answered = Vec::with_capacity(shards.len());
     let mut reads = Vec::with_capacity(shards.len());
+    // Reads of the current shards alone: what a start reads.
+    let mut on_current = Vec::with_capacity(shards.len());
+    let mut left_out = false;
     let read = join_all(shards.iter().map(|s| async move {
         let read = records(std::slice::from_ref(s), fleet);
         match within(s) {
@@ -600,10 +615,13 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
     for (shard, read) in shards.iter().zip(read.into_iter().flatten()) {
         match read {
             Ok(read) => {
+                if current(shard) {
+                    on_current.push(read.clone());
+                }
                 answered.push(shard.clone());
                 reads.push(read);
             }
-            Err(_) if !current(shard) => {}
+            Err(_) if !current(shard) => left_out = true,
             Err(_) => return Recording::NotYet,
         }
     }
@@ -615,15 +633,26 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
             "shardlock leaves its fleet's placement record alone: it names a placement this \
              process does not run"
         );
-        // Another process recorded further: whether that names these placements too.
+        // Another process recorded further. Judged where a start reads, on the current
+        // shards (a record on a shard the move leaves alone is not read there): whether that
+        // names these placements too, or others this process must move from first.
+        let on_current = self::newest(&on_current);
+        if on_current
+            .iter()
+            .all(|theirs| may_replace(&own, &ran, theirs))
+        {
+            return Recording::NotYet;
+        }
         let names =
             |theirs: &&Vec<Recorded>| (own.iter()).all(|o| theirs.iter().any(|t| t.places_like(o)));
-        return match newest.iter().any(names) {
+        return match on_current.iter().any(names) {
             true => Recording::Named,
             false => Recording::MovedOn(moved_on(fleet)),
         };
     }
     let seq = state.next_seq(top_seq(&reads));
+    // Taken: a retry after a write that lost somewhere writes above it.
+    state.saw(seq);
     let text = serde_json::to_string(&own).expect("placements serialize");
     let writes = join_all((shards.iter().zip(&reads)).map(|(s, read)| {
         let (read, text) = (read.as_ref().map(|(seq, _)| *seq), &text);
@@ -638,13 +667,18 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
         }
     }))
     .await;
-    if writes.iter().all(|w| *w == Some(true)) {
-        state.knows(seq);
-        state.set_recorded(own, ahead);
-        (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
-        return Recording::Named;
+    if !writes.iter().all(|w| *w == Some(true)) {
+        return Recording::NotYet;
     }
-    Recording::NotYet
+    state.knows(seq);
+    (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
+    // Done once every shard took it, those a move leaves included (a start onto the
+    // placement moved away from reads there where the fleet went): until then each heartbeat
+    // writes it again.
+    if !left_out {
+        state.set_recorded(own, ahead);
+    }
+    Recording::Named
 }
 
 /// Why a process does not grant once its fleet recorded placements it does not run.

@@ -202,8 +202,10 @@ impl LockRouter {
         } else {
             // Granting from now on: by a placement its fleet's record names.
             let writing = self.inner.placement.writing().await;
+            let within = crate::state::join_bound(&topology.config);
             let recorded =
-                crate::placement_record::record_ahead(&self.inner, &topology, &writing).await;
+                crate::placement_record::record_ahead(&self.inner, &topology, &writing, within)
+                    .await;
             if let Recording::MovedOn(why) = recorded {
                 self.inner.placement.tried(Some(why.clone()), false);
                 self.inner.gate.unjoined(why);
@@ -218,6 +220,19 @@ impl LockRouter {
     /// yet. Done once: at the start, else at a later heartbeat or `migrate`, before the router
     /// first grants.
     pub(crate) async fn settle_placement(&self) -> std::result::Result<(), String> {
+        // On a task of its own, as a reload: a caller that gives up (a `migrate` call) must
+        // not leave the move from the record half made, the router on a recorded placement.
+        let router = self.clone();
+        let settle = tokio::spawn(async move { router.settle_placement_now().await });
+        match settle.await {
+            Ok(settled) => settled,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err("its runtime shut down".to_owned()),
+        }
+    }
+
+    /// [`LockRouter::settle_placement`], on the caller's task.
+    async fn settle_placement_now(&self) -> std::result::Result<(), String> {
         let mut retired = self.inner.reloading.lock().await;
         let state = &self.inner.placement;
         if !state.may_try() {
@@ -511,7 +526,8 @@ impl LockRouter {
         // `joining`: the heartbeat must not wait for the record's writes.)
         let writing = self.inner.placement.writing().await;
         if !self.inner.gate.is_closed() {
-            crate::placement_record::record_ahead(&self.inner, &next, &writing).await;
+            let within = crate::placement_record::ahead_bound(&next.config);
+            crate::placement_record::record_ahead(&self.inner, &next, &writing, within).await;
         }
         // Not between a join's heartbeat and its reading of the fleet: the join vouches for
         // the topology it beat with.

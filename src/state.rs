@@ -208,13 +208,9 @@ impl Gate {
     /// Judged as of `at`: now, or the moment a heartbeat is sent, so that a pause just before
     /// it counts though the heartbeat then reaches a shard.
     pub(crate) fn lapse_if_stale(&self, at: Moment, lapse: Duration, lapses: &AtomicU64) -> bool {
-        let beaten = self.beaten_ms.load(Ordering::Acquire).saturating_sub(1);
-        let lapse = self.lapse_in_force(lapse);
-        let lived = millis(at.saturating_duration_since(self.born));
-        let age = Duration::from_millis(lived.saturating_sub(beaten));
-        if age < lapse {
+        let Some(age) = self.stale(at, lapse) else {
             return false;
-        }
+        };
         let why = format!(
             "this process's heartbeat last reached a shard {} ms ago (paused, or cut off from \
              every shard): the others may count it dead, so it grants nothing until it has \
@@ -226,6 +222,16 @@ impl Gate {
         }
         lapses.fetch_add(1, Ordering::AcqRel);
         true
+    }
+
+    /// How old the latest heartbeat that reached a shard is as of `at`, if that is a lapse
+    /// (see [`Gate::lapse_if_stale`]).
+    fn stale(&self, at: Moment, lapse: Duration) -> Option<Duration> {
+        let beaten = self.beaten_ms.load(Ordering::Acquire).saturating_sub(1);
+        let lapse = self.lapse_in_force(lapse);
+        let lived = millis(at.saturating_duration_since(self.born));
+        let age = Duration::from_millis(lived.saturating_sub(beaten));
+        (age >= lapse).then_some(age)
     }
 
     /// Closes the gate until the router has joined its fleet, for `why`, after a lapse if
@@ -352,13 +358,6 @@ impl Inner {
     /// `false` once another start has taken this router's instance id over: the router is
     /// replaced, and grants and heartbeats no more.
     pub(crate) async fn beat_and_join(&self, missed: &mut HashMap<String, u32>) -> bool {
-        // A join records its fleet's placements before it opens the gate: the right to write
-        // them is taken before `joining`, as a reload takes them. (A join begun meanwhile
-        // waits for the next beat.)
-        let writing = match self.gate.is_rejoining() {
-            true => Some(self.placement.writing().await),
-            false => None,
-        };
         let _one = self.joining.lock().await;
         if self.shared.is_closed() {
             // Shut down: a heartbeat now would register it again, live.
@@ -370,10 +369,18 @@ impl Inner {
             self.replaced_by(twin);
             return false;
         }
-        if let Some(writing) = writing.as_ref().filter(|_| joining) {
-            match beats.unreached() {
-                Some(why) => self.gate.not_yet(why),
-                None => self.rejoin(writing).await,
+        if joining {
+            // A join records its fleet's placements before it opens the gate. Not while a
+            // reload writes them ahead of its swap (it takes the right to write before
+            // `joining`, and the beat must not wait for it): it joins at its next beat.
+            match (beats.unreached(), self.placement.try_writing()) {
+                (Some(why), _) => self.gate.not_yet(why),
+                (None, None) => self.gate.not_yet(
+                    "this process reloads; it joins its fleet once its placement record is \
+                     written"
+                        .to_owned(),
+                ),
+                (None, Some(writing)) => self.rejoin(&writing).await,
             }
         }
         true
@@ -433,7 +440,14 @@ impl Inner {
         };
         // Granting from now on: by a placement its fleet's record names.
         let disagreement = match disagreement {
-            None => match crate::placement_record::record_ahead(self, &topology, writing).await {
+            None => match crate::placement_record::record_ahead(
+                self,
+                &topology,
+                writing,
+                join_bound(&topology.config),
+            )
+            .await
+            {
                 Recording::MovedOn(why) => {
                     self.placement.tried(Some(why.clone()), false);
                     Some(why)
@@ -442,6 +456,19 @@ impl Inner {
             },
             why => why,
         };
+        // Not on a heartbeat that is a lapse old by now: one sent before a pause that landed
+        // after it, or one the checks above outlasted. The next beat is fresh.
+        let disagreement = disagreement.or_else(|| {
+            let beats =
+                topology.config.cleaner.registry == shardlock_core::config::RegistryKind::Heartbeat;
+            let age =
+                (self.gate.stale(Moment::now(), lapse(&topology.config))).filter(|_| beats)?;
+            Some(format!(
+                "this process's heartbeat last reached a shard {} ms ago: it joins its fleet \
+                 at its next heartbeat",
+                age.as_millis()
+            ))
+        });
         match disagreement {
             None => {
                 tracing::info!(
@@ -494,6 +521,13 @@ fn lapse(config: &Config) -> Duration {
     let drift = f64::from(config.instance.clock_drift_ppm()) / 1e6;
     let halfway = (timeout + interval) / 2;
     halfway.min(timeout.div_f64(1.0 + drift).saturating_sub(interval / 2))
+}
+
+/// How long a join (a start, a rejoin) waits for its fleet's placement record before it opens
+/// the gate: half its lapse at most, for it beat just before (see
+/// [`crate::placement_record::ahead_bound`]).
+pub(crate) fn join_bound(config: &Config) -> Duration {
+    crate::placement_record::ahead_bound(config).min(lapse(config) / 2)
 }
 
 /// `d` in whole milliseconds, `u64::MAX` if longer.
