@@ -248,12 +248,6 @@ impl PlacementState {
         }
     }
 
-    /// [`PlacementState::writing`] if no one holds it (a reload writing ahead of its swap).
-    pub(crate) fn try_writing(&self) -> Option<Writing<'_>> {
-        let held = self.writing.try_lock().ok()?;
-        Some(Writing { _held: held })
-    }
-
     /// Whether the router is an operator's tool.
     pub(crate) fn is_tool(&self) -> bool {
         self.tool.load(Ordering::Acquire)
@@ -300,8 +294,8 @@ impl PlacementState {
         self.seq.fetch_max(seen, Ordering::AcqRel);
     }
 
-    /// A `seq` above every record seen, `seen` included (taken only once written, see
-    /// [`PlacementState::wrote`]).
+    /// A `seq` above every record seen, `seen` included (the writer takes it with
+    /// [`PlacementState::saw`] before it writes).
     fn next_seq(&self, seen: u64) -> u64 {
         self.saw(seen);
         self.seq.load(Ordering::Acquire) + 1
@@ -671,12 +665,12 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
         return Recording::NotYet;
     }
     state.knows(seq);
-    (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
     // Done once every shard took it, those a move leaves included (a start onto the
     // placement moved away from reads there where the fleet went): until then each heartbeat
     // writes it again.
     if !left_out {
         state.set_recorded(own, ahead);
+        (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
     }
     Recording::Named
 }

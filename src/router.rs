@@ -95,7 +95,9 @@ impl LockRouter {
     /// instance id (heartbeat registry). Call [`LockRouter::migrate`] once per deployment.
     ///
     /// Cancellation: nothing is granted before this returns; the half-built router is dropped with
-    /// its pools and keepers, and deregisters in the background if its first heartbeat completed.
+    /// its pools and keepers (once a move from its fleet's placement record under way, which
+    /// runs on a task of its own, is made), and deregisters in the background if its first
+    /// heartbeat completed.
     /// Dropped during that heartbeat, a row it wrote stays live until `cleaner.heartbeat-timeout`.
     pub async fn new(config: Config) -> Result<Self> {
         Self::builder(config).build().await

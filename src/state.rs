@@ -370,17 +370,24 @@ impl Inner {
             return false;
         }
         if joining {
-            // A join records its fleet's placements before it opens the gate. Not while a
-            // reload writes them ahead of its swap (it takes the right to write before
-            // `joining`, and the beat must not wait for it): it joins at its next beat.
-            match (beats.unreached(), self.placement.try_writing()) {
-                (Some(why), _) => self.gate.not_yet(why),
-                (None, None) => self.gate.not_yet(
-                    "this process reloads; it joins its fleet once its placement record is \
-                     written"
-                        .to_owned(),
-                ),
-                (None, Some(writing)) => self.rejoin(&writing).await,
+            // A join records its fleet's placements before it opens the gate. A reload holds
+            // the right to write them while it waits for `joining` (taken after it): waited
+            // for half an interval at most, as the heartbeat's own write is, then the join is
+            // left to the next beat.
+            let bound = self.config().cleaner.heartbeat_interval / 2;
+            let writing = match beats.unreached() {
+                Some(why) => Err(why),
+                None => {
+                    (tokio::time::timeout(bound, self.placement.writing()).await).map_err(|_| {
+                        "this process is applying a reload; it joins its fleet at its next \
+                         heartbeat"
+                            .to_owned()
+                    })
+                }
+            };
+            match writing {
+                Err(why) => self.gate.not_yet(why),
+                Ok(writing) => self.rejoin(&writing).await,
             }
         }
         true

@@ -859,7 +859,6 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
         "no heartbeat landed while the reload's record write waited"
     );
     reloading.await.unwrap().unwrap();
-    assert_eq!(router.stats().heartbeat_lapses, 0);
     assert!(
         held.is_held(),
         "a lease was lost to the reload's record write"
