@@ -316,25 +316,27 @@ pub(crate) struct Writing<'a> {
 /// A shard's record as read: its `seq` and placements (`None`: the shard holds none).
 type Read = Option<(u64, Vec<Recorded>)>;
 
-/// The records of `fleet` on each of `shards`, in their order; `Err` says which shard did not
-/// answer, or holds a record this version cannot read.
+/// The records of `fleet` on each of `shards`, in their order (see [`record_on`]).
 async fn records(shards: &[Arc<ShardState>], fleet: &str) -> Vec<Result<Read, String>> {
-    join_all(shards.iter().map(|s| async move {
-        let found = (s.unguarded().fleet_placement(fleet).await)
-            .map_err(|e| format!("shard {}: {}", s.name(), registry::unmigrated_or(&e)))?;
-        match found {
-            None => Ok(None),
-            Some((seq, text)) => serde_json::from_str(&text)
-                .map(|placements| Some((seq, placements)))
-                .map_err(|e| {
-                    format!(
-                        "shard {}: its record of fleet `{fleet}`'s placements is unreadable ({e})",
-                        s.name()
-                    )
-                }),
-        }
-    }))
-    .await
+    join_all(shards.iter().map(|s| record_on(s, fleet))).await
+}
+
+/// The record of `fleet` on shard `s`; `Err` says that the shard did not answer, or holds a
+/// record this version cannot read.
+async fn record_on(s: &ShardState, fleet: &str) -> Result<Read, String> {
+    let found = (s.unguarded().fleet_placement(fleet).await)
+        .map_err(|e| format!("shard {}: {}", s.name(), registry::unmigrated_or(&e)))?;
+    match found {
+        None => Ok(None),
+        Some((seq, text)) => serde_json::from_str(&text)
+            .map(|placements| Some((seq, placements)))
+            .map_err(|e| {
+                format!(
+                    "shard {}: its record of fleet `{fleet}`'s placements is unreadable ({e})",
+                    s.name()
+                )
+            }),
+    }
 }
 
 /// Whether two records name the same placements in the same order.
@@ -598,15 +600,15 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
     let mut on_current = Vec::with_capacity(shards.len());
     let mut left_out = false;
     let read = join_all(shards.iter().map(|s| async move {
-        let read = records(std::slice::from_ref(s), fleet);
+        let read = record_on(s, fleet);
         match within(s) {
             None => read.await,
             Some(wait) => (tokio::time::timeout(wait, read).await)
-                .unwrap_or_else(|_| vec![Err(format!("shard {}: no answer", s.name()))]),
+                .unwrap_or_else(|_| Err(format!("shard {}: no answer", s.name()))),
         }
     }))
     .await;
-    for (shard, read) in shards.iter().zip(read.into_iter().flatten()) {
+    for (shard, read) in shards.iter().zip(read) {
         match read {
             Ok(read) => {
                 if current(shard) {
