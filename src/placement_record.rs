@@ -241,6 +241,16 @@ impl PlacementState {
         self.tried(None, false);
     }
 
+    /// Why the router may not grant after `recorded`, a write before its gate opens: its
+    /// fleet moved on (it is unsettled again, and moves from there first); `None` otherwise.
+    pub(crate) fn moved_on(&self, recorded: Recording) -> Option<String> {
+        let Recording::MovedOn(why) = recorded else {
+            return None;
+        };
+        self.tried(Some(why.clone()), false);
+        Some(why)
+    }
+
     /// The right to write the record (see [`record_ahead`]).
     pub(crate) async fn writing(&self) -> Writing<'_> {
         Writing {

@@ -15,7 +15,6 @@ use tokio::time::Instant;
 use crate::guard::{release_through_shard, LockGuard, LockMode};
 use crate::moves;
 use crate::options::AcquireOptions;
-use crate::placement_record::Recording;
 use crate::registry::{self, host_name, IdClaim};
 use crate::shard::{ShardState, Shared};
 use crate::state::{instant_after, spawn_heartbeat, CleanerState, Gate, Inner};
@@ -208,8 +207,7 @@ impl LockRouter {
             let recorded =
                 crate::placement_record::record_ahead(&self.inner, &topology, &writing, within)
                     .await;
-            if let Recording::MovedOn(why) = recorded {
-                self.inner.placement.tried(Some(why.clone()), false);
+            if let Some(why) = self.inner.placement.moved_on(recorded) {
                 self.inner.gate.unjoined(why);
             }
         }
@@ -226,11 +224,9 @@ impl LockRouter {
         // not leave the move from the record half made, the router on a recorded placement.
         let router = self.clone();
         let settle = tokio::spawn(async move { router.settle_placement_now().await });
-        match settle.await {
-            Ok(settled) => settled,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(_) => Err("its runtime shut down".to_owned()),
-        }
+        completed(settle)
+            .await
+            .unwrap_or_else(|| Err("its runtime shut down".to_owned()))
     }
 
     /// [`LockRouter::settle_placement`], on the caller's task.
@@ -459,12 +455,7 @@ impl LockRouter {
             let mut retired = router.inner.reloading.lock().await;
             router.reload_under(config, &mut retired).await
         });
-        match reload.await {
-            Ok(done) => done,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            // Its runtime shuts down.
-            Err(_) => Err(Error::Shutdown),
-        }
+        completed(reload).await.unwrap_or(Err(Error::Shutdown))
     }
 
     /// [`LockRouter::reload`] under the reload lock, whose guarded list is `retired`.
@@ -1072,5 +1063,16 @@ pub(crate) fn operator_tool() -> Error {
         reason: "an operator's tool router (`RouterBuilder::operator_tool`) grants nothing: \
                  build the router without it to take locks"
             .to_owned(),
+    }
+}
+
+/// The outcome of `task`, which its caller's cancellation does not stop (a reload, a move from
+/// the placement record: half of either cannot be undone); its panic resumed here; `None` once
+/// its runtime shut down.
+async fn completed<T>(task: tokio::task::JoinHandle<T>) -> Option<T> {
+    match task.await {
+        Ok(done) => Some(done),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => None,
     }
 }

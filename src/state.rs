@@ -17,7 +17,6 @@ use shardlock_core::Config;
 use tokio::time::Instant;
 
 use crate::clock::Moment;
-use crate::placement_record::Recording;
 use crate::queue::KeyQueues;
 use crate::registry::{self, InstanceRegistry};
 use crate::shard::{ShardState, Shared};
@@ -447,20 +446,12 @@ impl Inner {
         };
         // Granting from now on: by a placement its fleet's record names.
         let disagreement = match disagreement {
-            None => match crate::placement_record::record_ahead(
-                self,
-                &topology,
-                writing,
-                join_bound(&topology.config),
-            )
-            .await
-            {
-                Recording::MovedOn(why) => {
-                    self.placement.tried(Some(why.clone()), false);
-                    Some(why)
-                }
-                _ => None,
-            },
+            None => {
+                let within = join_bound(&topology.config);
+                let recorded =
+                    crate::placement_record::record_ahead(self, &topology, writing, within).await;
+                self.placement.moved_on(recorded)
+            }
             why => why,
         };
         // Not on a heartbeat that is a lapse old by now: one sent before a pause that landed
