@@ -403,13 +403,24 @@ async fn carry_once(
             }
         }
         carry_cas(router, source, epoch).await?;
-        let running = carry_jobs(router, source).await?;
-        if running > 0 {
+        let jobs = carry_jobs(router, source).await?;
+        if jobs.running > 0 {
             return Err(not_yet(
                 source,
                 format!(
-                    "{running} job(s) of moved queues are still running there; they are \
-                     finished there, or carried over once their lease runs out"
+                    "{} job(s) of moved queues are still running there; they are finished \
+                     there, or carried over once their lease runs out",
+                    jobs.running
+                ),
+            ));
+        }
+        if jobs.resumed > 0 {
+            return Err(not_yet(
+                source,
+                format!(
+                    "{} job(s) whose move a reload undid half way went on to where that move \
+                     began for; the next pass brings them back",
+                    jobs.resumed
                 ),
             ));
         }
@@ -685,17 +696,17 @@ fn settle_copy(source: Arc<ShardState>, target: Arc<ShardState>, row: CasRow, to
 /// Moves the unfinished jobs of moved queues from `source` to where the queues live now: ready
 /// jobs and abandoned claims with retries left are marked as moving to that shard (claimers
 /// skip them; the first marker fixes where a job goes), enqueued there once each (by origin),
-/// then marked moved. Abandoned claims with no retries left fail on `source`. Returns how many jobs of moved queues are still running on `source`
-/// (claimed, lease not run out) or moving to a shard this process does not know: the move
-/// waits for them.
-async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core::Result<usize> {
+/// then marked moved. Abandoned claims with no retries left fail on `source`. A job marked
+/// moving whose queue lives on `source` again (a reload undone during its move) goes on to
+/// where its move began for. Returns what the move still waits for (see [`JobsLeft`]).
+async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core::Result<JobsLeft> {
     let origin = source
         .identity
         .get()
         .cloned()
         .ok_or_else(|| not_yet(source, "its identity is unknown".into()))?;
     let known = router.shared.shard_states();
-    let mut waiting = 0;
+    let (mut waiting, mut resumed) = (0, 0);
     let mut after = 0;
     loop {
         let jobs = source
@@ -703,18 +714,28 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
             .await
             .map_err(on(source))?;
         let Some(last) = jobs.last() else {
-            return Ok(waiting);
+            return Ok(JobsLeft {
+                running: waiting,
+                resumed,
+            });
         };
         after = last.id;
         let full = jobs.len() == FLOOR_BATCH;
         let topology = router.topology.load_full();
         let mut by_target: Vec<(Arc<ShardState>, Vec<u64>)> = Vec::new();
         let mut exhausted = Vec::new();
+        // Marked moving, but their queue lives here again: a reload undone during their
+        // move. Claimed by nobody here, they go on to where that move began for (what was
+        // marked may have arrived there), and the move away from there brings them back.
+        let mut undone = Vec::new();
         for job in jobs {
             let Some(target) = topology.current_location(&job.queue) else {
                 continue;
             };
             if target.same_database(source) {
+                if job.moving {
+                    undone.push(job.id);
+                }
                 continue;
             }
             if job.running {
@@ -739,49 +760,73 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
             // running again: the move waits for it.
             waiting += exhausted.len().saturating_sub(failed);
         }
+        let mut moving = Vec::new();
+        if !undone.is_empty() {
+            let begun = source
+                .call_waiting(|b| b.moves_begun(&undone))
+                .await
+                .map_err(on(source))?;
+            resumed += begun.len();
+            moving.extend(begun);
+        }
         for (target, ids) in by_target {
             let to = target
                 .identity
                 .get()
                 .cloned()
                 .ok_or_else(|| not_yet(&target, "its identity is unknown".into()))?;
-            let moving = source
+            let started = source
                 .call_waiting(|b| b.start_moving(&ids, &to))
                 .await
                 .map_err(on(source))?;
-            // Each to the shard its move started for (another process's carry may have
-            // started it towards another shard: that is where it goes).
-            let mut by_destination: Vec<(Arc<ShardState>, Vec<shardlock_mysql::MovingJob>)> =
-                Vec::new();
-            for job in moving {
-                let Some(dest) = known
-                    .iter()
-                    .find(|s| s.identity.get() == Some(&job.moved_to))
-                else {
-                    waiting += 1;
-                    continue;
-                };
-                match by_destination
-                    .iter_mut()
-                    .find(|(d, _)| Arc::ptr_eq(d, dest))
-                {
-                    Some((_, jobs)) => jobs.push(job),
-                    None => by_destination.push((dest.clone(), vec![job])),
-                }
+            moving.extend(started);
+        }
+        // Each to the shard its move started for (another process's carry may have started
+        // it towards another shard: that is where it goes).
+        let mut by_destination: Vec<(Arc<ShardState>, Vec<shardlock_mysql::MovingJob>)> =
+            Vec::new();
+        for job in moving {
+            let Some(dest) = known
+                .iter()
+                .find(|s| s.identity.get() == Some(&job.moved_to))
+            else {
+                waiting += 1;
+                continue;
+            };
+            match by_destination
+                .iter_mut()
+                .find(|(d, _)| Arc::ptr_eq(d, dest))
+            {
+                Some((_, jobs)) => jobs.push(job),
+                None => by_destination.push((dest.clone(), vec![job])),
             }
-            for (dest, jobs) in by_destination {
-                dest.call_waiting(|b| b.enqueue_moved(&origin, &jobs))
-                    .await
-                    .map_err(on(&dest))?;
-                let moved: Vec<u64> = jobs.iter().map(|j| j.id).collect();
-                source
-                    .call_waiting(|b| b.finish_moving(&moved))
-                    .await
-                    .map_err(on(source))?;
-            }
+        }
+        for (dest, jobs) in by_destination {
+            dest.call_waiting(|b| b.enqueue_moved(&origin, &jobs))
+                .await
+                .map_err(on(&dest))?;
+            let moved: Vec<u64> = jobs.iter().map(|j| j.id).collect();
+            source
+                .call_waiting(|b| b.finish_moving(&moved))
+                .await
+                .map_err(on(source))?;
         }
         if !full {
-            return Ok(waiting);
+            return Ok(JobsLeft {
+                running: waiting,
+                resumed,
+            });
         }
     }
+}
+
+/// What a pass of [`carry_jobs`] over one shard left for a later pass.
+struct JobsLeft {
+    /// Jobs of moved queues still running there (or on their way to a shard this process
+    /// does not know).
+    running: usize,
+    /// Jobs whose move began towards a shard their queue has since left again, moved on
+    /// there: the move away from that shard brings them back, and that shard may have been
+    /// passed already.
+    resumed: usize,
 }

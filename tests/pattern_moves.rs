@@ -411,19 +411,86 @@ async fn a_job_whose_last_claim_runs_out_on_the_shard_its_queue_left_fails_there
     router.reload(four).await.unwrap();
     // The move waits for the running claim, and ends once it ran out.
     common::moves_done(&router).await;
-    let status: Option<String> = old
+    assert_eq!(
+        job_status(old, id).await.as_deref(),
+        Some("failed"),
+        "a claim run out with no retries left on the shard its queue left"
+    );
+    assert!(!router.complete_job(&job).await.unwrap());
+}
+
+/// The status of job `id` on `shard`.
+async fn job_status(shard: &Shard, id: u64) -> Option<String> {
+    shard
         .connect()
         .await
         .unwrap()
         .exec_first("SELECT status FROM shardlock_job WHERE id = ?", (id,))
         .await
+        .unwrap()
+}
+
+/// A job marked moving whose copy had not reached its queue's new shard when a reload undid
+/// the move (the new shard kept the copy waiting until it gave up) is not left moving, which
+/// no claim takes: it goes on to where its move began for, comes back with its queue, and
+/// runs once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_whose_move_a_reload_undid_half_way_still_runs_once() {
+    // The copy gives up after a statement timeout.
+    let (cluster, three, four) = cluster_with("    statement-timeout: 2s\n").await;
+    let queue = moving_key(&three, &four, "queue:").await;
+    let router = LockRouter::new(three.clone()).await.unwrap();
+    let home = shard_of(&cluster, &router, &queue);
+    let id = router
+        .enqueue_job(&queue, b"once", Duration::ZERO, 3)
+        .await
         .unwrap();
-    assert_eq!(
-        status.as_deref(),
-        Some("failed"),
-        "a claim run out with no retries left on the shard its queue left"
-    );
-    assert!(!router.complete_job(&job).await.unwrap());
+    // Keys that move go to the shard `four` adds. Every copy of a job into its queue table
+    // waits there: the range of the origin index is locked (gap locks: repeatable read).
+    let new = &cluster.shards()[3];
+    let mut copies_held = new.connect().await.unwrap();
+    for statement in [
+        "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+        "START TRANSACTION",
+        "SELECT 1 FROM shardlock_job WHERE origin >= '' FOR UPDATE",
+    ] {
+        copies_held.query_drop(statement).await.unwrap();
+    }
+
+    router.reload(four).await.unwrap();
+    let copying = common::eventually(Duration::from_secs(30), || async {
+        new.lock_waits_now().await.unwrap() >= 1
+    })
+    .await;
+    assert!(copying, "the carry never tried to copy the job");
+    assert_eq!(job_status(home, id).await.as_deref(), Some("moving"));
+    router.reload(three).await.unwrap();
+    // The copy under way gives up before the new shard takes copies again.
+    let gave_up = common::eventually(Duration::from_secs(30), || async {
+        new.lock_waits_now().await.unwrap() == 0
+    })
+    .await;
+    assert!(gave_up, "the copy under way never gave up");
+    copies_held.query_drop("ROLLBACK").await.unwrap();
+    common::moves_done(&router).await;
+
+    let job = (router.claim_job(&queue, "w", Duration::from_secs(30)).await)
+        .unwrap()
+        .unwrap_or_else(|| panic!("the job whose move was undone is claimed by nobody"));
+    assert_eq!(job.payload, b"once");
+    assert!(router.complete_job(&job).await.unwrap());
+    let again = router
+        .claim_job(&queue, "w", Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(again.is_none(), "the job ran twice: {again:?}");
+    for s in cluster.shards() {
+        let left: Option<u64> = (s.connect().await.unwrap())
+            .query_first("SELECT COUNT(*) FROM shardlock_job WHERE status NOT IN ('done', 'moved')")
+            .await
+            .unwrap();
+        assert_eq!(left, Some(0), "unfinished jobs on {}", s.name());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

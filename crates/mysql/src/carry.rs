@@ -174,14 +174,16 @@ pub struct PendingJob {
     /// Claimed by a worker whose lease ran out with no retries left: it fails where it is,
     /// as the next claim of its queue would fail it (none comes here once the move is over).
     pub exhausted: bool,
+    /// Being moved (see [`start_moving`]): no claim takes it until its move is finished.
+    pub moving: bool,
 }
 
 /// Jobs not finished, in id order after an id: ready, being moved, or claimed (running, or
 /// abandoned, with retries left or not; `NOW(3)` is one value through a statement, so a claim
 /// is one of the two).
 const PENDING_JOBS_AFTER: &str = "SELECT id, queue, status = 'claimed' AND lease_until > NOW(3), \
-     status = 'claimed' AND lease_until <= NOW(3) AND retry_count >= max_retries \
-     FROM shardlock_job WHERE id > ? AND status IN ('ready', 'moving', 'claimed') \
+     status = 'claimed' AND lease_until <= NOW(3) AND retry_count >= max_retries, \
+     status = 'moving' FROM shardlock_job WHERE id > ? AND status IN ('ready', 'moving', 'claimed') \
      ORDER BY id LIMIT ?";
 
 pub(crate) async fn pending_jobs_after(
@@ -189,15 +191,16 @@ pub(crate) async fn pending_jobs_after(
     after: u64,
     limit: usize,
 ) -> mysql_async::Result<Vec<PendingJob>> {
-    let rows: Vec<(u64, Vec<u8>, bool, bool)> =
+    let rows: Vec<(u64, Vec<u8>, bool, bool, bool)> =
         conn.exec(PENDING_JOBS_AFTER, (after, limit as u64)).await?;
     Ok(rows
         .into_iter()
-        .map(|(id, queue, running, exhausted)| PendingJob {
+        .map(|(id, queue, running, exhausted, moving)| PendingJob {
             id,
             queue,
             running,
             exhausted,
+            moving,
         })
         .collect())
 }
@@ -265,6 +268,17 @@ pub(crate) async fn start_moving(
         Params::Positional(marking),
     )
     .await?;
+    moves_begun(conn, ids).await
+}
+
+/// The jobs of `ids` being moved, each with the shard it goes to: a move begun is finished
+/// there, whatever placement is in force by then (a job marked moving and then left, its
+/// carrier stopped or a reload undone meanwhile, is claimed by nobody until it is).
+pub(crate) async fn moves_begun(
+    conn: &mut Conn,
+    ids: &[u64],
+) -> mysql_async::Result<Vec<MovingJob>> {
+    let (list, params) = id_list(ids);
     type Row = (u64, Vec<u8>, Vec<u8>, mysql_async::Value, u32, u32, Vec<u8>);
     let rows: Vec<Row> = conn
         .exec(

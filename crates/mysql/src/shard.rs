@@ -760,6 +760,14 @@ impl Shard {
         .await
     }
 
+    /// The jobs of `ids` being moved, with where each goes (see the carry module).
+    pub async fn moves_begun(&self, ids: &[u64]) -> Result<Vec<MovingJob>, BackendError> {
+        self.run("moves_begun", ids, |c, &ids| {
+            Box::pin(carry::moves_begun(c, ids))
+        })
+        .await
+    }
+
     /// Enqueues moved jobs here, each once (`origin` names the shard they come from).
     pub async fn enqueue_moved(
         &self,
