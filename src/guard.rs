@@ -280,11 +280,7 @@ impl LockGuard {
             }
         }
         for (_, row) in &rows {
-            let want = Want {
-                ttl: by,
-                ..row.want
-            };
-            row.extend(want.lease_end(sent));
+            row.extend_from(sent, by);
         }
         // Reported lost meanwhile (its local end passed before the answer came): the row may
         // still be ours, but the guard no longer says so.

@@ -66,9 +66,16 @@ impl Want {
     /// to `drift_ppm`, and another node of the shard may answer with a clock up to
     /// `clock_skew` ahead of the one that granted it.
     pub(crate) fn lease_end(&self, sent: Moment) -> Moment {
-        let on_shard = Duration::from_millis(u64::from(self.ttl_ms()))
-            .saturating_sub(Duration::from_millis(1));
-        let ours = on_shard.mul_f64(1.0 - f64::from(self.drift_ppm) / 1e6);
+        self.end_of(sent, self.ttl, self.drift_ppm)
+    }
+
+    /// [`Want::lease_end`] of a statement for `ttl`, by a shard clock that may run up to
+    /// `drift_ppm` faster than ours.
+    pub(crate) fn end_of(&self, sent: Moment, ttl: Duration, drift_ppm: u32) -> Moment {
+        let ms = u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX);
+        let on_shard =
+            Duration::from_millis(u64::from(ms)).saturating_sub(Duration::from_millis(1));
+        let ours = on_shard.mul_f64(1.0 - f64::from(drift_ppm) / 1e6);
         sent + ours.saturating_sub(self.clock_skew)
     }
 

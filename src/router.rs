@@ -383,6 +383,7 @@ impl LockRouter {
         };
         let telemetry = crate::telemetry::Telemetry::new(&config.telemetry, meter);
         let shared = Arc::new(Shared::new(instance_id, telemetry));
+        shared.allow_drift(config.instance.clock_drift_ppm());
         let topology =
             Topology::build(config, 1, &[], Vec::new(), &shared, text.map(|t| (t, path)))?;
         let router = Self {
@@ -544,6 +545,9 @@ impl LockRouter {
         if next.config.cleaner.registry != RegistryKind::Heartbeat {
             shared.registry_unlimited();
         }
+        // A raised `instance.clock-drift` applies to the leases held too (a lowered one to
+        // later grants only).
+        shared.allow_drift(next.config.instance.clock_drift_ppm());
         self.inner.topology.store(next.clone());
         // For the fleet's placement record: what it ran and runs now.
         self.inner.placement.runs(&old.current);

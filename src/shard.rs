@@ -673,6 +673,7 @@ impl ShardState {
     /// force follows its key, as [`ShardState::insert`] has it.
     pub(crate) fn insert_local(self: &Arc<Self>, lease: Arc<LeaseState>) {
         self.local.locked().insert(lease.id, lease.clone());
+        lease.allow_drift(self.shared.drift_ppm());
         self.wake.notify_one();
         if lease.placed_epoch.load(Ordering::Acquire) < self.shared.epoch() {
             self.shared.follow(self.clone(), lease);
@@ -725,6 +726,9 @@ impl ShardState {
             leases.insert(lease.id, lease.clone());
             leases.len() == 1
         };
+        // Granted under a config allowing less drift than a reload since (see
+        // `Shared::allow_drift`).
+        lease.allow_drift(self.shared.drift_ppm());
         if !lease.want.keep_alive
             || self.shortest_ms.fetch_min(every, Ordering::AcqRel) > every
             || was_empty

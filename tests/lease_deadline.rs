@@ -45,6 +45,49 @@ async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
     proxy.set(ProxyMode::Pass);
 }
 
+/// A reload that raises `instance.clock-drift` (the shard's clock found running faster than
+/// allowed) applies to the leases held then: their local end comes earlier at once, even for
+/// a lease that is never renewed, so the holder still knows it lost the key before the shard
+/// gives it to anyone else.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_raises_the_clock_drift_ends_the_leases_held_earlier() {
+    // The shard's clock runs 5% fast; the holder allows for 1%, then, reloaded, for 8%.
+    let cluster = Cluster::start_with_clocks(1, &[(0, "+0 x1.05")])
+        .await
+        .unwrap();
+    let other = LockRouter::from_yaml_str(&cluster.config_yaml(""))
+        .await
+        .unwrap();
+    other.migrate().await.unwrap();
+    let drift = |d: &str| format!("instance:\n  clock-drift: {d}\n{}", cluster.config_yaml(""));
+    let holder = LockRouter::from_yaml_str(&drift("0.01")).await.unwrap();
+    // Never renewed: it ends by the shard's clock at its ttl.
+    let once = AcquireOptions::new()
+        .ttl(Duration::from_secs(4))
+        .keep_alive(false);
+    let guard = holder.acquire("k", once).await.unwrap();
+    let before = guard.held_until();
+    holder
+        .reload(Config::from_yaml_str(&drift("0.08")).unwrap())
+        .await
+        .unwrap();
+    assert!(
+        guard.held_until() < before,
+        "the raised drift left the held lease's end where it was"
+    );
+    let watcher = tokio::spawn(async move {
+        guard.lost().await;
+        tokio::time::Instant::now()
+    });
+    let granted_at = common::first_grant(&other, "k").await;
+    let lost_at = watcher.await.unwrap();
+    assert!(
+        lost_at <= granted_at,
+        "another process was granted the key {:?} before the holder knew it lost it",
+        lost_at - granted_at
+    );
+}
+
 /// The runtime's clock stands still while the host is suspended; the shard's does not, so a
 /// lease may have ended on its shard, and the key gone to someone else, before its holder's
 /// process runs again. The holder counts the suspend (the lease clock) the moment it runs: its

@@ -63,7 +63,7 @@ impl ShardState {
                         if moved {
                             // Counted before the holder's `lost()` can see the new deadline.
                             stats.reconciled.fetch_add(1, Ordering::Relaxed);
-                            lease.set_deadline(lease.want.lease_end(sent));
+                            lease.set_deadline_from(sent);
                             self.insert(lease.clone());
                         }
                         moved
@@ -274,7 +274,7 @@ impl ShardState {
                     for (lease, held) in chunk.iter().zip(outcome.held) {
                         if held {
                             // A lease reported lost meanwhile stays so: it is dropped above.
-                            lease.extend(lease.want.lease_end(sent));
+                            lease.extend_from(sent, lease.ttl);
                         } else if self.remove(lease.id).is_some() {
                             // Still registered, so not released meanwhile: someone else has it.
                             lease.mark_lost(

@@ -33,7 +33,7 @@ pub(crate) struct LeaseState {
     /// Local, conservative end of the lease: measured from *before* the statement that granted
     /// or last renewed it was sent, allowing for the shard's time truncation and clock drift
     /// ([`Want::lease_end`]), so it is always before the shard's own expiry.
-    deadline: Mutex<Moment>,
+    deadline: Mutex<Deadline>,
     /// Told when [`LeaseState::valid_until`] may have moved earlier (a local lease placed on
     /// its shard, a companion row adopted), so that a `lost()` sleeping toward the old end
     /// looks again.
@@ -82,6 +82,17 @@ struct Companions {
     ended: bool,
 }
 
+/// A lease's local end, and what placed it there: the statement (when it was sent, for which
+/// ttl) and the clock drift it allows for. A reload that raises `instance.clock-drift` places
+/// it again, earlier, by the drift allowed then (see [`LeaseState::allow_drift`]).
+#[derive(Debug)]
+struct Deadline {
+    at: Moment,
+    /// `None` for an in-process lease (no end of its own).
+    placed_by: Option<(Moment, Duration)>,
+    drift_ppm: u32,
+}
+
 /// What the shard granted: to which owner (grant `id`), its first fence and how many more
 /// were reserved after it, and when the granting statement was sent.
 #[derive(Debug)]
@@ -109,7 +120,11 @@ impl LeaseState {
             ttl: want.ttl,
             renew_every: want.renew_every,
             want,
-            deadline: Mutex::new(want.lease_end(grant.sent)),
+            deadline: Mutex::new(Deadline {
+                at: want.lease_end(grant.sent),
+                placed_by: Some((grant.sent, want.ttl)),
+                drift_ppm: want.drift_ppm,
+            }),
             end_moved: tokio::sync::Notify::new(),
             lost: watch::channel(false).0,
             release_claimed: Default::default(),
@@ -224,7 +239,11 @@ impl LeaseState {
     /// no hand-offs, until the keeper re-acquires it on the shard.
     pub(crate) fn local(key: LockKey, grant: Grant, want: Want, turn: Turn) -> Self {
         Self {
-            deadline: Mutex::new(grant.sent + LOCAL_HORIZON),
+            deadline: Mutex::new(Deadline {
+                at: grant.sent + LOCAL_HORIZON,
+                placed_by: None,
+                drift_ppm: want.drift_ppm,
+            }),
             fence_top: 0,
             local: true,
             ..Self::new(key, grant, want, Duration::ZERO, Some(turn))
@@ -293,7 +312,7 @@ impl LeaseState {
     }
 
     pub(crate) fn deadline(&self) -> Moment {
-        *self.deadline.locked()
+        self.deadline.locked().at
     }
 
     /// The earliest local deadline of this lease and its companion rows.
@@ -307,8 +326,32 @@ impl LeaseState {
             .fold(own, Moment::min)
     }
 
-    pub(crate) fn set_deadline(&self, to: Moment) {
-        *self.deadline.locked() = to;
+    /// Places the local end by a statement for the lease's ttl sent at `sent` (its re-acquire
+    /// on the shard, for an in-process lease).
+    pub(crate) fn set_deadline_from(&self, sent: Moment) {
+        {
+            let mut d = self.deadline.locked();
+            d.at = self.want.end_of(sent, self.ttl, d.drift_ppm);
+            d.placed_by = Some((sent, self.ttl));
+        }
+        self.end_moved.notify_waiters();
+    }
+
+    /// Allows for a shard clock that runs up to `drift_ppm` faster than ours, if that is more
+    /// than the lease allowed for (never less): a reload raised `instance.clock-drift`. Its
+    /// local end comes earlier at once, as each later one does; else the shard could free the
+    /// row before its holder's end, a lease without keep-alive never renewed at all.
+    pub(crate) fn allow_drift(&self, drift_ppm: u32) {
+        {
+            let mut d = self.deadline.locked();
+            if drift_ppm <= d.drift_ppm {
+                return;
+            }
+            d.drift_ppm = drift_ppm;
+            if let Some((sent, ttl)) = d.placed_by {
+                d.at = d.at.min(self.want.end_of(sent, ttl, drift_ppm));
+            }
+        }
         self.end_moved.notify_waiters();
     }
 
@@ -318,10 +361,15 @@ impl LeaseState {
         self.end_moved.notified()
     }
 
-    pub(crate) fn extend(&self, to: Moment) {
+    /// Moves the local end later, by a statement sent at `sent` that renewed (or extended) the
+    /// row for `ttl`, if that ends later than the end in force.
+    pub(crate) fn extend_from(&self, sent: Moment, ttl: Duration) {
         let mut d = self.deadline.locked();
-        if to > *d {
-            *d = to;
+        // Under the lock: by the drift in force once it is placed (see `allow_drift`).
+        let to = self.want.end_of(sent, ttl, d.drift_ppm);
+        if to > d.at {
+            d.at = to;
+            d.placed_by = Some((sent, ttl));
         }
     }
 

@@ -3,7 +3,7 @@
 //! the hook through which a lease placed under an older topology is made to follow its key.
 //! Below the router, so that shard handles and keepers need nothing above them.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -39,6 +39,9 @@ pub(crate) struct Shared {
     /// The epoch of the topology in force, set by a reload right after it swapped the topology
     /// in: a lease placed under an older one may have to follow its key (see [`crate::moves`]).
     pub(crate) epoch: AtomicU64,
+    /// The clock drift (`instance.clock-drift`, in ppm) the leases of this router allow for:
+    /// the most any config it ran set (see [`Shared::allow_drift`]).
+    drift_ppm: AtomicU32,
     /// Makes a lease follow its key to where the topology in force places it (set by the
     /// router: the moves it runs sit above the shard handles).
     follow: std::sync::OnceLock<Follow>,
@@ -86,6 +89,7 @@ impl Shared {
             stats: Stats::default(),
             closed: watch::channel(false).0,
             epoch: AtomicU64::new(1),
+            drift_ppm: AtomicU32::new(0),
             follow: std::sync::OnceLock::new(),
             shard_states: Mutex::default(),
             registry_live: Mutex::default(),
@@ -206,6 +210,27 @@ impl Shared {
         let mut states = self.shard_states.locked();
         states.retain(|s| s.strong_count() > 0);
         states.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Makes every lease of this router allow for a shard clock that runs up to `drift_ppm`
+    /// faster than ours, those held now included (see [`LeaseState::allow_drift`]). A lease
+    /// registered meanwhile allows for it as it registers (after it is listed, so one of the
+    /// two sees the other).
+    pub(crate) fn allow_drift(&self, drift_ppm: u32) {
+        let before = self.drift_ppm.fetch_max(drift_ppm, Ordering::SeqCst);
+        if drift_ppm <= before {
+            return;
+        }
+        for shard in self.shard_states() {
+            for lease in shard.held().into_iter().chain(shard.locals()) {
+                lease.allow_drift(drift_ppm);
+            }
+        }
+    }
+
+    /// The clock drift every lease of this router allows for (see [`Shared::allow_drift`]).
+    pub(crate) fn drift_ppm(&self) -> u32 {
+        self.drift_ppm.load(Ordering::SeqCst)
     }
 
     /// The epoch of the topology in force.
