@@ -972,6 +972,43 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
     assert_eq!(state.as_deref(), Some("taken"), "the lost try did act");
 }
 
+/// A claim whose reply was lost, the link then down for several tries to reconnect: the call
+/// keeps trying (its lost try claimed the job: given up, that claim would be nobody's until
+/// its lease ran out, and with no retries allowed the job would then fail without having run),
+/// and answers the job once the link is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_whose_reply_was_lost_keeps_trying_while_the_link_is_down() {
+    let (cluster, _direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let shard =
+        "    statement-timeout: 1s\n    pool:\n      max-size: 1\n      create-timeout: 300ms\n";
+    let (router, proxy) = behind_proxy(&cluster, shard, "").await;
+    router
+        .enqueue_job("q", b"once", Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let opened = proxy.connections();
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"\x03COMMIT"));
+    let claiming = tokio::spawn({
+        let router = router.clone();
+        async move { router.claim_job("q", "w", Duration::from_secs(30)).await }
+    });
+    // Four tries to reconnect into the blackhole (each gives up at the pool's create timeout),
+    // or the call's end.
+    let tried = common::eventually(Duration::from_secs(60), || async {
+        proxy.connections() >= opened + 4 || claiming.is_finished()
+    })
+    .await;
+    assert!(tried, "the call neither tried again nor returned");
+    proxy.set(ProxyMode::Pass);
+    let job = claiming
+        .await
+        .unwrap()
+        .expect("a claim whose try claimed the job gave up while the link was down")
+        .expect("the job its lost try claimed");
+    assert_eq!(job.retry_count, 0, "the same claim, not a retry of the job");
+    assert!(router.complete_job(&job).await.unwrap());
+}
+
 /// A claim whose reply was lost, retried only after its lease ran out (the link down
 /// meanwhile): the retry never answers that claim as it stood, run out, while another worker
 /// may claim the job again; it answers it renewed for its whole lease from then, as the same

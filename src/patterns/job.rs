@@ -4,7 +4,7 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use shardlock_core::{LockKey, Result};
+use shardlock_core::{Backoff, LockKey, Result};
 use shardlock_mysql::{ClaimedJob, JobEnd};
 
 use crate::shard::ShardState;
@@ -53,9 +53,11 @@ impl LockRouter {
     /// a claim that is not completed within its lease is followed by up to `max_retries`
     /// more. Returns the job's id.
     ///
-    /// Cancellation: the `INSERT` may have reached the shard and committed, the job queued with its
-    /// id never returned. The request id is per call, so calling again enqueues a second copy: make
-    /// the job idempotent, or look for it before enqueuing it again.
+    /// A retry after a lost reply finds the job its lost try enqueued. An error with
+    /// `maybe_applied` set (that retry failed too) may still have enqueued it, as may a
+    /// cancellation: the `INSERT` may have reached the shard and committed, the job queued with
+    /// its id never returned. The request id is per call, so calling again enqueues a second
+    /// copy: make the job idempotent, or look for it before enqueuing it again.
     pub async fn enqueue_job(
         &self,
         queue: &str,
@@ -82,6 +84,10 @@ impl LockRouter {
     /// retried inside. A retry after a lost reply answers the job its lost try claimed, its
     /// lease renewed for the whole `lease` from then (it may have run out meanwhile), unless
     /// another claim took the job since.
+    ///
+    /// An error with `maybe_applied` set: a try of this call may have claimed a job, and its
+    /// retries (through failures to reach the shard, for some seconds) did not find out; such
+    /// a job is claimed again once `lease` runs out, as after a cancellation.
     ///
     /// Cancellation: a claim that committed is never returned; the job is claimed again when
     /// `lease` runs out (that counts as a retry). One not yet committed keeps the job's row locked,
@@ -161,18 +167,37 @@ async fn claim_on(
     // After a try that may have claimed a job (its reply lost), the next one first looks for
     // the job claimed under this claim token: a claim is never made twice.
     let mut look_first = false;
+    // From then on, failures to reach the shard are tried through too, backing off: given up,
+    // that claim would be nobody's until its lease ran out (then claimed again, counted as a
+    // retry of the job; with none left, failed without having run).
+    let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
     loop {
         let attempt = shard
             .call_waiting(|b| b.claim_job(queue, claim, lease, look_first))
             .await;
         match attempt {
-            Err(e) if (e.kind.is_retryable() || e.maybe_applied) && tries < 20 => {
+            Err(e)
+                if (e.kind.is_retryable()
+                    || e.maybe_applied
+                    || (look_first && e.kind.is_infrastructure()))
+                    && tries < 20 =>
+            {
                 tries += 1;
                 look_first |= e.maybe_applied;
-                let jitter = rand::random::<u64>() % (2 * tries);
-                tokio::time::sleep(Duration::from_millis(1 + jitter)).await;
+                let pause = if look_first && e.kind.is_infrastructure() {
+                    backoff.next_delay()
+                } else {
+                    let jitter = rand::random::<u64>() % (2 * tries);
+                    Duration::from_millis(1 + jitter)
+                };
+                tokio::time::sleep(pause).await;
             }
-            other => return other.map_err(|e| e.into_error(shard.name())),
+            Err(mut e) => {
+                // Whether or not this try was sent: an earlier one may have claimed a job.
+                e.maybe_applied |= look_first;
+                return Err(e.into_error(shard.name()));
+            }
+            Ok(claimed) => return Ok(claimed),
         }
     }
 }

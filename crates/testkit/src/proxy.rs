@@ -3,7 +3,7 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -104,6 +104,8 @@ pub struct Proxy {
     held: tokio::sync::Mutex<mpsc::UnboundedReceiver<HeldRequest>>,
     /// Whether new connections' greetings name another thread than the server's session.
     renumber: Arc<AtomicBool>,
+    /// Connections accepted so far.
+    accepted: Arc<AtomicU64>,
 }
 
 impl Proxy {
@@ -123,8 +125,11 @@ impl Proxy {
         let (hold, held) = mpsc::unbounded_channel();
         let renumber = Arc::new(AtomicBool::new(false));
         let renumbered = renumber.clone();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let counted = accepted.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
                 let renumber = renumbered.load(Ordering::SeqCst);
                 tokio::spawn(serve(
                     client,
@@ -141,7 +146,13 @@ impl Proxy {
             accept,
             held: tokio::sync::Mutex::new(held),
             renumber,
+            accepted,
         })
+    }
+
+    /// How many connections the proxy accepted so far (in every mode: a blackholed one too).
+    pub fn connections(&self) -> u64 {
+        self.accepted.load(Ordering::SeqCst)
     }
 
     /// From now on, the greeting of each new connection names another thread id than its
