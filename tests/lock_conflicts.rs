@@ -110,3 +110,41 @@ async fn a_renewal_chosen_as_a_deadlock_victim_is_retried_and_the_leases_stay_he
     a.release().await.unwrap();
     b.release().await.unwrap();
 }
+
+/// Another transaction holds one lease's row locked for longer than the lease lasts (an
+/// operator's console): that lease is lost at its end, its renewal blocked, but the leases
+/// renewed with it in one statement are renewed all along, and the waits count against no
+/// shard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_locked_by_another_transaction_costs_only_its_own_lease() {
+    // A breaker that opens on one call slower than the server's lock wait (1 s) comes near:
+    // a renewal's lock wait must not count.
+    let (cluster, router, _) = common::start(
+        1,
+        "namespaces:\n  default:\n    ttl: 3s\n\
+         breaker:\n  consecutive-failures: 1\n  slow-call: 800ms\n",
+    )
+    .await;
+    let shard = cluster.shard(0);
+    // Taken before the locked one: unrenewed, they would end before it.
+    let a = router.acquire("a", AcquireOptions::new()).await.unwrap();
+    let c = router.acquire("c", AcquireOptions::new()).await.unwrap();
+    let b = router.acquire("b", AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(shard, false).await.unwrap();
+    let key = competitor.key_of(b.owner()).await.unwrap().unwrap();
+    competitor.lock(&key).await.unwrap();
+
+    b.lost().await;
+    assert!(
+        a.is_held() && c.is_held(),
+        "a lease renewed with the locked one was lost with it"
+    );
+    assert!(
+        router.breaker_transitions("s1").is_empty(),
+        "renewals blocked by a row lock counted against the shard: {:?}",
+        router.breaker_transitions("s1")
+    );
+    competitor.end().await.unwrap();
+    a.release().await.unwrap();
+    c.release().await.unwrap();
+}

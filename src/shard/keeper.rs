@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::clock::Moment;
 use shardlock_core::{BackendErrorKind, BreakerState};
-use shardlock_mysql::{Attempt, GrantRequest, MAX_RENEW_BATCH};
+use shardlock_mysql::{Attempt, GrantRequest, RenewOutcome, Renewal, MAX_RENEW_BATCH};
 use tokio::sync::watch;
 
 use super::ShardState;
@@ -238,6 +238,8 @@ impl ShardState {
         let mut statements = 0;
         let mut failed = None;
         let mut cut_short = false;
+        // Leases whose rows another transaction holds locked: tried again soon.
+        let mut blocked = 0;
         // One statement per chunk, each with its own statement timeout: on a slow shard a
         // tick of many chunks may take longer than one statement may, and each chunk that
         // answered extends its leases whatever the later ones do. The chunk whose lease ends
@@ -245,15 +247,29 @@ impl ShardState {
         // first, and no later chunk's lease ends before the one being sent. (Chunks are not
         // cut in deadline order: leases granted together would then meet, chunk after chunk,
         // the releases of the same keys sent together, row lock against row lock.)
-        let mut chunks: Vec<(Moment, &[Arc<LeaseState>])> = leases
-            .chunks(MAX_RENEW_BATCH)
-            .map(|chunk| {
-                let end = chunk.iter().map(|l| l.deadline()).min();
-                (end.expect("chunks are not empty"), chunk)
-            })
-            .collect();
-        chunks.sort_by_key(|(end, _)| *end);
-        for (end, chunk) in chunks {
+        // Leases whose rows another transaction held locked at their last renewal go last, in
+        // statements of their own: the soonest end among them, coming on while the lock
+        // stays, would cut short the timeout of every lease renewed with them.
+        let (was_blocked, leases): (Vec<_>, Vec<_>) = leases
+            .into_iter()
+            .partition(|l| l.renewal_blocked.load(Ordering::Acquire));
+        fn chunks_of(
+            leases: &[Arc<LeaseState>],
+            blocked: bool,
+        ) -> Vec<(Moment, &[Arc<LeaseState>], bool)> {
+            let mut chunks: Vec<_> = leases
+                .chunks(MAX_RENEW_BATCH)
+                .map(|chunk| {
+                    let end = chunk.iter().map(|l| l.deadline()).min();
+                    (end.expect("chunks are not empty"), chunk, blocked)
+                })
+                .collect();
+            chunks.sort_by_key(|(end, _, _)| *end);
+            chunks
+        }
+        let mut chunks = chunks_of(&leases, false);
+        chunks.extend(chunks_of(&was_blocked, true));
+        for (end, chunk, blocked_before) in chunks {
             // Bounded by the soonest local deadline of the chunk (deadlines only move later
             // meanwhile): a renewal that answers after a lease ended is worthless. Past it, the
             // next tick reports that end at once.
@@ -268,19 +284,38 @@ impl ShardState {
                 .iter()
                 .map(|l| (l.key.stored(), l.owner.as_str()))
                 .collect();
-            match self.call(|b| b.renew(&pairs, timeout)).await {
+            // A wait behind another transaction's row lock says nothing of the shard's health:
+            // neither an answer that found rows locked, nor a timeout of leases whose rows were
+            // locked at their last renewal.
+            let renew = self.backend.renew(&pairs, timeout);
+            let renewed = match blocked_before {
+                true => self.call_tentative(renew).await,
+                false => {
+                    let slow_counts =
+                        |r: &Result<RenewOutcome, _>| !r.as_ref().is_ok_and(RenewOutcome::blocked);
+                    self.call_timed(renew, slow_counts).await
+                }
+            };
+            match renewed {
                 Ok(outcome) => {
                     statements += u64::from(outcome.statements);
-                    for (lease, held) in chunk.iter().zip(outcome.held) {
-                        if held {
+                    for (lease, renewal) in chunk.iter().zip(outcome.held) {
+                        match renewal {
                             // A lease reported lost meanwhile stays so: it is dropped above.
-                            lease.extend_from(sent, lease.ttl);
-                        } else if self.remove(lease.id).is_some() {
+                            Renewal::Extended => {
+                                lease.renewal_blocked.store(false, Ordering::Release);
+                                lease.extend_from(sent, lease.ttl);
+                            }
+                            Renewal::Blocked => {
+                                lease.renewal_blocked.store(true, Ordering::Release);
+                                blocked += 1;
+                            }
                             // Still registered, so not released meanwhile: someone else has it.
-                            lease.mark_lost(
+                            Renewal::Gone if self.remove(lease.id).is_some() => lease.mark_lost(
                                 "taken over, force-released or expired on the shard",
                                 &self.shared,
-                            );
+                            ),
+                            Renewal::Gone => {}
                         }
                     }
                 }
@@ -304,8 +339,20 @@ impl ShardState {
         stats
             .renew_statements
             .fetch_add(statements, Ordering::Relaxed);
+        if blocked > 0 {
+            tracing::warn!(
+                shard = self.name(),
+                leases = blocked,
+                "shardlock could not renew leases whose rows another transaction holds locked \
+                 (a console session, a batch job); retrying, and they are lost at their end if \
+                 the lock outlasts it"
+            );
+        }
         match failed {
             None if cut_short => *next_tick = Some(Moment::now()),
+            None if blocked > 0 => {
+                *next_tick = Some(Moment::now() + (period / 4).max(Duration::from_millis(20)));
+            }
             None => {
                 *next_tick = Some(started + period);
                 tracing::trace!(

@@ -39,6 +39,9 @@ pub(crate) struct LeaseState {
     /// looks again.
     end_moved: tokio::sync::Notify,
     lost: watch::Sender<bool>,
+    /// Its row was locked by another transaction at its last renewal (not extended): the
+    /// next one sends it apart from the others (see the keeper's tick).
+    pub(crate) renewal_blocked: std::sync::atomic::AtomicBool,
     /// Set by the first release of this lease sent to its shard (see
     /// `guard::release_through_shard`): a second one, a shutdown's beside the guard's drop,
     /// is not sent.
@@ -128,6 +131,7 @@ impl LeaseState {
             end_moved: tokio::sync::Notify::new(),
             lost: watch::channel(false).0,
             release_claimed: Default::default(),
+            renewal_blocked: Default::default(),
             maybe_on_shard: Default::default(),
             at_least_us: AtomicU64::new(
                 want.at_least

@@ -453,7 +453,11 @@ mod tests {
                 .renew(&[(key.as_bytes(), mine.as_str())], Duration::from_secs(5))
                 .await
                 .unwrap();
-            assert_eq!(renewed.held, vec![false], "{key}: renewed by its old owner");
+            assert_eq!(
+                renewed.held,
+                vec![crate::Renewal::Gone],
+                "{key}: renewed by its old owner"
+            );
         }
         assert_eq!(shard.count_held().await.unwrap(), 0);
         let live = shard

@@ -779,10 +779,30 @@ pub(crate) async fn release(
 /// What a renewal found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RenewOutcome {
-    /// For each lease passed in, whether it is still ours and was extended.
-    pub held: Vec<bool>,
-    /// Statements it took (1, or 2 when some lease was not found and had to be told apart).
+    /// For each lease passed in, what became of it.
+    pub held: Vec<Renewal>,
+    /// Statements it took: 1, 2 when some lease was not found and had to be told apart, 4
+    /// when another transaction held some of the rows locked.
     pub statements: u32,
+}
+
+/// What a renewal did to one lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// Still ours, extended.
+    Extended,
+    /// Not ours any more, or ended: taken over, force-released or expired.
+    Gone,
+    /// Still ours, not extended: another transaction holds its row locked (a console session,
+    /// a batch job). Tried again at a later renewal; lost at its end if the lock outlasts it.
+    Blocked,
+}
+
+impl RenewOutcome {
+    /// Whether some lease was [`Renewal::Blocked`].
+    pub fn blocked(&self) -> bool {
+        self.held.contains(&Renewal::Blocked)
+    }
 }
 
 /// Builds `(?, ?, ...)` with `n` rounded up to a power of two, so that the statement cache
@@ -813,28 +833,97 @@ pub(crate) async fn renew(
     let (owners_sql, owners) = padded_in_list(leases.iter().map(|(_, o)| o.as_bytes()));
     params.extend(owners);
     let tail = format!("{keys_sql} AND owner IN {owners_sql}");
-    conn.exec_drop(
-        format!("{RENEW_HEAD}{tail}"),
-        Params::Positional(params.clone()),
-    )
-    .await?;
+    // 1205: another transaction holds one of these rows locked (the statement did nothing,
+    // and would wait behind that lock again): the rows free of other locks are renewed alone.
+    match conn
+        .exec_drop(
+            format!("{RENEW_HEAD}{tail}"),
+            Params::Positional(params.clone()),
+        )
+        .await
+    {
+        Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
+            return renew_unlocked(conn, leases, &tail, params).await;
+        }
+        result => result?,
+    }
     if conn.affected_rows() as usize == leases.len() {
         return Ok(RenewOutcome {
-            held: vec![true; leases.len()],
+            held: vec![Renewal::Extended; leases.len()],
             statements: 1,
         });
     }
     // Some lease was not extended: find out which ones are still ours.
-    let still: Vec<Vec<u8>> = conn
-        .exec(format!("{HELD_HEAD}{tail}"), Params::Positional(params))
-        .await?;
+    let still = still_ours(conn, &tail, params).await?;
     let held = leases
         .iter()
-        .map(|(k, _)| still.iter().any(|s| s.as_slice() == *k))
+        .map(|(k, _)| match still.iter().any(|s| s.as_slice() == *k) {
+            true => Renewal::Extended,
+            false => Renewal::Gone,
+        })
         .collect();
     Ok(RenewOutcome {
         held,
         statements: 2,
+    })
+}
+
+/// The keys of the rows still ours and live among those `tail` names (a plain read: it waits
+/// for no row lock).
+async fn still_ours(
+    conn: &mut Conn,
+    tail: &str,
+    params: Vec<Value>,
+) -> mysql_async::Result<Vec<Vec<u8>>> {
+    conn.exec(format!("{HELD_HEAD}{tail}"), Params::Positional(params))
+        .await
+}
+
+/// [`renew`] of the leases whose rows no other transaction holds locked now (found with
+/// `SKIP LOCKED`, their locks let go as the read ends: autocommit); the others are
+/// [`Renewal::Blocked`] while still ours. A lock taken between the two statements makes the
+/// renewal wait again, and fail as any would.
+async fn renew_unlocked(
+    conn: &mut Conn,
+    leases: &[(&[u8], &str)],
+    tail: &str,
+    params: Vec<Value>,
+) -> mysql_async::Result<RenewOutcome> {
+    let free: Vec<Vec<u8>> = conn
+        .exec(
+            format!("SELECT lock_key FROM shardlock_lease WHERE lock_key IN {tail} FOR UPDATE SKIP LOCKED"),
+            Params::Positional(params.clone()),
+        )
+        .await?;
+    let is_free = |k: &[u8]| free.iter().any(|f| f.as_slice() == k);
+    let unlocked: Vec<(&[u8], &str)> = (leases.iter())
+        .filter(|(k, _)| is_free(k))
+        .copied()
+        .collect();
+    if !unlocked.is_empty() {
+        let (keys_sql, mut unlocked_params) = padded_in_list(unlocked.iter().map(|(k, _)| *k));
+        let (owners_sql, owners) = padded_in_list(unlocked.iter().map(|(_, o)| o.as_bytes()));
+        unlocked_params.extend(owners);
+        conn.exec_drop(
+            format!("{RENEW_HEAD}{keys_sql} AND owner IN {owners_sql}"),
+            Params::Positional(unlocked_params),
+        )
+        .await?;
+    }
+    let still = still_ours(conn, tail, params).await?;
+    let held = leases
+        .iter()
+        .map(
+            |(k, _)| match (still.iter().any(|s| s.as_slice() == *k), is_free(k)) {
+                (false, _) => Renewal::Gone,
+                (true, true) => Renewal::Extended,
+                (true, false) => Renewal::Blocked,
+            },
+        )
+        .collect();
+    Ok(RenewOutcome {
+        held,
+        statements: 4,
     })
 }
 

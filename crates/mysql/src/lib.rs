@@ -25,7 +25,7 @@ pub use cleaner::{Beat, Candidate, Heartbeat, InstanceRow, InstanceVerdict};
 pub use error::classify;
 pub use lease::{
     Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ListFilter, ReleaseAnswer,
-    RenewOutcome, FLOOR_BATCH, HELD_MARK, MAX_DATA_BYTES, MAX_RENEW_BATCH,
+    RenewOutcome, Renewal, FLOOR_BATCH, HELD_MARK, MAX_DATA_BYTES, MAX_RENEW_BATCH,
 };
 pub use migrate::{MigrateReport, MIGRATIONS};
 pub use patterns::{CasGiveBack, ClaimedJob, JobEnd, StateTable};
