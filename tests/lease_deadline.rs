@@ -48,7 +48,7 @@ async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
 /// A reload that raises `instance.clock-drift` (the shard's clock found running faster than
 /// allowed) applies to the leases held then: their local end comes earlier at once, even for
 /// a lease that is never renewed, so the holder still knows it lost the key before the shard
-/// gives it to anyone else.
+/// gives it to anyone else. Lowered again, it applies to later grants.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_that_raises_the_clock_drift_ends_the_leases_held_earlier() {
     // The shard's clock runs 5% fast; the holder allows for 1%, then, reloaded, for 8%.
@@ -65,7 +65,7 @@ async fn a_reload_that_raises_the_clock_drift_ends_the_leases_held_earlier() {
     let once = AcquireOptions::new()
         .ttl(Duration::from_secs(4))
         .keep_alive(false);
-    let guard = holder.acquire("k", once).await.unwrap();
+    let guard = holder.acquire("k", once.clone()).await.unwrap();
     let before = guard.held_until();
     holder
         .reload(Config::from_yaml_str(&drift("0.08")).unwrap())
@@ -86,6 +86,20 @@ async fn a_reload_that_raises_the_clock_drift_ends_the_leases_held_earlier() {
         "another process was granted the key {:?} before the holder knew it lost it",
         lost_at - granted_at
     );
+
+    // Lowered again, it applies to later grants: 1%, and 1 ms, off the ttl.
+    holder
+        .reload(Config::from_yaml_str(&drift("0.01")).unwrap())
+        .await
+        .unwrap();
+    let before = tokio::time::Instant::now();
+    let later = holder.acquire("later", once).await.unwrap();
+    assert!(
+        later.held_until() >= before + Duration::from_millis(3_950),
+        "a grant after the drift was lowered ends {:?} after it was asked for",
+        later.held_until() - before
+    );
+    later.release().await.unwrap();
 }
 
 /// The runtime's clock stands still while the host is suspended; the shard's does not, so a

@@ -39,8 +39,8 @@ pub(crate) struct Shared {
     /// The epoch of the topology in force, set by a reload right after it swapped the topology
     /// in: a lease placed under an older one may have to follow its key (see [`crate::moves`]).
     pub(crate) epoch: AtomicU64,
-    /// The clock drift (`instance.clock-drift`, in ppm) the leases of this router allow for:
-    /// the most any config it ran set (see [`Shared::allow_drift`]).
+    /// The clock drift (`instance.clock-drift`, in ppm) of the config in force: every lease
+    /// registered allows for it at least (see [`Shared::allow_drift`]).
     drift_ppm: AtomicU32,
     /// Makes a lease follow its key to where the topology in force places it (set by the
     /// router: the moves it runs sit above the shard handles).
@@ -213,11 +213,12 @@ impl Shared {
     }
 
     /// Makes every lease of this router allow for a shard clock that runs up to `drift_ppm`
-    /// faster than ours, those held now included (see [`LeaseState::allow_drift`]). A lease
-    /// registered meanwhile allows for it as it registers (after it is listed, so one of the
-    /// two sees the other).
+    /// faster than ours (a config's `instance.clock-drift`): if that is more than before, those
+    /// held now too (see [`LeaseState::allow_drift`]; a lease registered meanwhile allows for
+    /// it as it registers, after it is listed, so one of the two sees the other). Less applies
+    /// to later grants only.
     pub(crate) fn allow_drift(&self, drift_ppm: u32) {
-        let before = self.drift_ppm.fetch_max(drift_ppm, Ordering::SeqCst);
+        let before = self.drift_ppm.swap(drift_ppm, Ordering::SeqCst);
         if drift_ppm <= before {
             return;
         }
