@@ -383,7 +383,7 @@ async fn carry_once(
         }
     }
     let mut carried = 0;
-    for source in sources {
+    for &source in &sources {
         carried += carry_leases(router, previous, source).await?;
         // Rows the cleaner deleted there had fences below its clock and its floor (raised to
         // a row's fence before it is deleted): that is the floor of every shard its keys may
@@ -403,27 +403,9 @@ async fn carry_once(
             }
         }
         carry_cas(router, source, epoch).await?;
-        let jobs = carry_jobs(router, source).await?;
-        if jobs.running > 0 {
-            return Err(not_yet(
-                source,
-                format!(
-                    "{} job(s) of moved queues are still running there; they are finished \
-                     there, or carried over once their lease runs out",
-                    jobs.running
-                ),
-            ));
-        }
-        if jobs.resumed > 0 {
-            return Err(not_yet(
-                source,
-                format!(
-                    "{} job(s) whose move a reload undid half way went on to where that move \
-                     began for; the next pass brings them back",
-                    jobs.resumed
-                ),
-            ));
-        }
+        carry_jobs(router, source, JobScope::All)
+            .await?
+            .done(source)?;
         // This process's last heartbeat there names the topology it moved to.
         let advertised = router.advertised(&topology);
         registry::beat_before_leaving(&topology, &advertised, &router.shared, source)
@@ -438,6 +420,21 @@ async fn carry_once(
                     ),
                 )
             })?;
+    }
+    // A job whose move a reload undid half way may sit on a shard this move does not leave: a
+    // restart of the whole fleet (onto the config before that reload) replays one placement
+    // of the two from the fleet's record, and the shard that marked the job moving is then
+    // no source of any move.
+    let mut staying: Vec<&Arc<ShardState>> = Vec::new();
+    for shard in &topology.current.shards {
+        if !(sources.iter().chain(&staying)).any(|o| o.same_database(shard)) {
+            staying.push(shard);
+        }
+    }
+    for shard in staying {
+        carry_jobs(router, shard, JobScope::UndoneMoves)
+            .await?
+            .done(shard)?;
     }
     Ok(carried)
 }
@@ -699,7 +696,11 @@ fn settle_copy(source: Arc<ShardState>, target: Arc<ShardState>, row: CasRow, to
 /// then marked moved. Abandoned claims with no retries left fail on `source`. A job marked
 /// moving whose queue lives on `source` again (a reload undone during its move) goes on to
 /// where its move began for. Returns what the move still waits for (see [`JobsLeft`]).
-async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core::Result<JobsLeft> {
+async fn carry_jobs(
+    router: &Inner,
+    source: &Arc<ShardState>,
+    scope: JobScope,
+) -> shardlock_core::Result<JobsLeft> {
     let origin = source
         .identity
         .get()
@@ -738,6 +739,9 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
                 }
                 continue;
             }
+            if scope == JobScope::UndoneMoves {
+                continue;
+            }
             if job.running {
                 waiting += 1;
                 continue;
@@ -766,8 +770,25 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
                 .call_waiting(|b| b.moves_begun(&undone))
                 .await
                 .map_err(on(source))?;
-            resumed += begun.len();
-            moving.extend(begun);
+            // Towards a shard this process does not know (gone from every config it runs):
+            // left moving, said so; the move does not wait for it.
+            let (known_to, unknown_to): (Vec<_>, Vec<_>) = begun.into_iter().partition(|job| {
+                known
+                    .iter()
+                    .any(|s| s.identity.get() == Some(&job.moved_to))
+            });
+            for job in unknown_to {
+                tracing::warn!(
+                    shard = source.name(),
+                    job = job.id,
+                    moved_to = job.moved_to,
+                    "shardlock leaves a job whose move a reload undid half way: it was on its way \
+                     to a shard this process does not know, and may be there; no claim takes it \
+                     until a config with that shard finishes its move"
+                );
+            }
+            resumed += known_to.len();
+            moving.extend(known_to);
         }
         for (target, ids) in by_target {
             let to = target
@@ -820,7 +841,18 @@ async fn carry_jobs(router: &Inner, source: &Arc<ShardState>) -> shardlock_core:
     }
 }
 
+/// Which jobs of a shard [`carry_jobs`] moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobScope {
+    /// Every job of a queue that lives elsewhere now, and those whose move a reload undid: a
+    /// shard the move leaves.
+    All,
+    /// Only jobs whose move a reload undid: a shard the move does not leave.
+    UndoneMoves,
+}
+
 /// What a pass of [`carry_jobs`] over one shard left for a later pass.
+#[must_use]
 struct JobsLeft {
     /// Jobs of moved queues still running there (or on their way to a shard this process
     /// does not know).
@@ -829,4 +861,31 @@ struct JobsLeft {
     /// there: the move away from that shard brings them back, and that shard may have been
     /// passed already.
     resumed: usize,
+}
+
+impl JobsLeft {
+    /// `Err` while a later pass is needed.
+    fn done(self, shard: &ShardState) -> shardlock_core::Result<()> {
+        if self.running > 0 {
+            return Err(not_yet(
+                shard,
+                format!(
+                    "{} job(s) of moved queues are still running there; they are finished \
+                     there, or carried over once their lease runs out",
+                    self.running
+                ),
+            ));
+        }
+        if self.resumed > 0 {
+            return Err(not_yet(
+                shard,
+                format!(
+                    "{} job(s) whose move a reload undid half way went on to where that move \
+                     began for; the next pass brings them back",
+                    self.resumed
+                ),
+            ));
+        }
+        Ok(())
+    }
 }

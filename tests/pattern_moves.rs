@@ -64,13 +64,19 @@ fn placement_yaml(cluster: &Cluster, weights: &[u32], per_shard: &str, window: &
 
 /// A key that lives on another shard under `four` than under `three`.
 async fn moving_key(three: &Config, four: &Config, prefix: &str) -> String {
+    key_that(three, four, prefix, true).await
+}
+
+/// A key that lives on another shard under `four` than under `three` if `moves`, else on the
+/// same one.
+async fn key_that(three: &Config, four: &Config, prefix: &str, moves: bool) -> String {
     let (a, b) = (
         LockRouter::new(three.clone()).await.unwrap(),
         LockRouter::new(four.clone()).await.unwrap(),
     );
     (0..)
         .map(|i| format!("{prefix}{i}"))
-        .find(|k| a.shard_for(k).unwrap() != b.shard_for(k).unwrap())
+        .find(|k| (a.shard_for(k).unwrap() != b.shard_for(k).unwrap()) == moves)
         .unwrap()
 }
 
@@ -445,17 +451,9 @@ async fn a_job_whose_move_a_reload_undid_half_way_still_runs_once() {
         .enqueue_job(&queue, b"once", Duration::ZERO, 3)
         .await
         .unwrap();
-    // Keys that move go to the shard `four` adds. Every copy of a job into its queue table
-    // waits there: the range of the origin index is locked (gap locks: repeatable read).
+    // Keys that move go to the shard `four` adds.
     let new = &cluster.shards()[3];
-    let mut copies_held = new.connect().await.unwrap();
-    for statement in [
-        "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ",
-        "START TRANSACTION",
-        "SELECT 1 FROM shardlock_job WHERE origin >= '' FOR UPDATE",
-    ] {
-        copies_held.query_drop(statement).await.unwrap();
-    }
+    let mut copies_held = copies_held(new).await;
 
     router.reload(four).await.unwrap();
     let copying = common::eventually(Duration::from_secs(30), || async {
@@ -484,6 +482,108 @@ async fn a_job_whose_move_a_reload_undid_half_way_still_runs_once() {
         .await
         .unwrap();
     assert!(again.is_none(), "the job ran twice: {again:?}");
+    nothing_left(&cluster).await;
+}
+
+/// The same, undone by restarting the whole fleet onto the config before the reload: the
+/// start replays one placement of the two from the fleet's record, and the shard that marked
+/// the job moving, its queue's home again, is no shard its move leaves. The job still runs,
+/// once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_whose_move_a_restart_undid_half_way_still_runs_once() {
+    let (cluster, three, four) = cluster_with("    statement-timeout: 2s\n").await;
+    let queue = moving_key(&three, &four, "queue:").await;
+    let router = LockRouter::new(four.clone()).await.unwrap();
+    let home = shard_of(&cluster, &router, &queue);
+    let id = router
+        .enqueue_job(&queue, b"once", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    // The queue goes to one of the shards `three` lists: copies wait on all of them.
+    let old = &cluster.shards()[..3];
+    let mut held = Vec::new();
+    for shard in old {
+        held.push(copies_held(shard).await);
+    }
+    let waits = || async {
+        let mut n = 0;
+        for shard in old {
+            n += shard.lock_waits_now().await.unwrap();
+        }
+        n
+    };
+
+    router.reload(three).await.unwrap();
+    let copying =
+        common::eventually(Duration::from_secs(30), || async { waits().await >= 1 }).await;
+    assert!(copying, "the carry never tried to copy the job");
+    assert_eq!(job_status(home, id).await.as_deref(), Some("moving"));
+    router.shutdown().await.unwrap();
+    let gave_up =
+        common::eventually(Duration::from_secs(30), || async { waits().await == 0 }).await;
+    assert!(gave_up, "the copy under way never gave up");
+    for mut conn in held {
+        conn.query_drop("ROLLBACK").await.unwrap();
+    }
+
+    let restarted = LockRouter::new(four).await.unwrap();
+    common::moves_done(&restarted).await;
+    let job = (restarted
+        .claim_job(&queue, "w", Duration::from_secs(30))
+        .await)
+        .unwrap()
+        .unwrap_or_else(|| panic!("the job whose move was undone is claimed by nobody"));
+    assert_eq!(job.payload, b"once");
+    assert!(restarted.complete_job(&job).await.unwrap());
+    let again = restarted
+        .claim_job(&queue, "w", Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(again.is_none(), "the job ran twice: {again:?}");
+    nothing_left(&cluster).await;
+}
+
+/// A job left moving towards a shard no config of this process lists (its move undone half
+/// way, that shard since dropped) does not hold up the moves of the shard it sits on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_left_moving_towards_a_shard_nobody_knows_holds_up_no_move() {
+    let (cluster, three, four) = cluster().await;
+    let queue = key_that(&three, &four, "queue:", false).await;
+    let router = LockRouter::new(three).await.unwrap();
+    let home = shard_of(&cluster, &router, &queue);
+    let id = router
+        .enqueue_job(&queue, b"stuck", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    (home.connect().await.unwrap())
+        .exec_drop(
+            "UPDATE shardlock_job SET status = 'moving', moved_to = 'gone' WHERE id = ?",
+            (id,),
+        )
+        .await
+        .unwrap();
+    router.reload(four).await.unwrap();
+    common::moves_done(&router).await;
+    assert_eq!(job_status(home, id).await.as_deref(), Some("moving"));
+}
+
+/// A transaction on `shard` in which every copy of a job into its queue table waits: the
+/// range of the origin index is locked (gap locks: repeatable read).
+async fn copies_held(shard: &Shard) -> shardlock::mysql_async::Conn {
+    let mut conn = shard.connect().await.unwrap();
+    for statement in [
+        "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+        "START TRANSACTION",
+        "SELECT 1 FROM shardlock_job WHERE origin >= '' FOR UPDATE",
+    ] {
+        conn.query_drop(statement).await.unwrap();
+    }
+    conn
+}
+
+/// Asserts that no job is left unfinished on any shard of `cluster` (a job left moving is
+/// claimed by nobody).
+async fn nothing_left(cluster: &Cluster) {
     for s in cluster.shards() {
         let left: Option<u64> = (s.connect().await.unwrap())
             .query_first("SELECT COUNT(*) FROM shardlock_job WHERE status NOT IN ('done', 'moved')")
