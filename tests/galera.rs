@@ -464,7 +464,7 @@ async fn a_renewal_through_a_node_behind_extends_what_it_reports_held() {
         );
         assert_eq!(
             renewed.held,
-            vec![true],
+            vec![shardlock_mysql::Renewal::Extended],
             "the lease is live: the renewal must find it"
         );
         assert!(

@@ -174,7 +174,7 @@ pub struct PendingJob {
     /// Claimed by a worker whose lease ran out with no retries left: it fails where it is,
     /// as the next claim of its queue would fail it (none comes here once the move is over).
     pub exhausted: bool,
-    /// Being moved (see [`start_moving`]): no claim takes it until its move is finished.
+    /// Being moved (marked by a carry, to the shard it goes to): no claim takes it until its move is finished.
     pub moving: bool,
 }
 
