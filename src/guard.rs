@@ -246,7 +246,8 @@ impl LockGuard {
     /// ([`crate::AcquireOptions::keep_alive`]) this is the only way it lasts longer than its
     /// ttl; a renewed lease keeps being renewed by its own ttl after that end.
     /// [`LockGuard::held_until`] moves with it. A [`LockMode::LocalFallback`] guard has no end
-    /// to move: `Ok` at once.
+    /// to move while its key is held in process: `Ok` at once (once re-acquired on its shard,
+    /// its row's end moves as any other's).
     ///
     /// Returns [`Error::LockLost`] if the lease already ended or was taken over (the guard then
     /// reports it lost), and a backend error if a shard could not be reached (the lease's end
@@ -257,7 +258,9 @@ impl LockGuard {
             reason,
         })?;
         let lease = &self.hold.lease;
-        if lease.local {
+        // Held in process, not re-acquired on its shard yet: no end to move. (Re-acquired, it
+        // is a lease with a row like any other, whose end a lease without keep-alive reaches.)
+        if lease.local && self.hold.shard.holds_locally(lease.id) {
             return Ok(());
         }
         if !self.is_held() {

@@ -698,6 +698,11 @@ impl ShardState {
         }
     }
 
+    /// Whether lease `id` is held locally here, not yet re-acquired on the shard.
+    pub(crate) fn holds_locally(&self, id: u64) -> bool {
+        self.local.locked().contains_key(&id)
+    }
+
     /// The leases held locally here, not yet re-acquired on the shard.
     pub(crate) fn locals(&self) -> Vec<Arc<LeaseState>> {
         self.local.locked().values().cloned().collect()
@@ -747,6 +752,18 @@ impl ShardState {
         // Granted under a config allowing less drift than a reload since (see
         // `Shared::allow_drift`).
         lease.allow_drift(self.shared.drift_ppm());
+        // Granted after a shutdown took its list of the leases to end (an answer that came
+        // late): lost and given back as those are, not left held by a guard that shutdown
+        // never saw. (Listed before the check: one of the two sees the other.)
+        if self.shared.is_closed() && !lease.is_companion() {
+            lease.mark_lost(SHUT_DOWN, &self.shared);
+            let turn = lease.turn.locked().take();
+            let (shard, lease) = (self.clone(), lease.clone());
+            if let Some(runtime) = self.shared.runtime() {
+                runtime.spawn(crate::guard::release_through_shard(shard, lease, turn));
+            }
+            return;
+        }
         if !lease.want.keep_alive
             || self.shortest_ms.fetch_min(every, Ordering::AcqRel) > every
             || was_empty

@@ -154,16 +154,50 @@ async fn direct_router(rig: &Rig) -> LockRouter {
 
 /// A rig whose router is cut off from `s1`, and a key of `s1` it holds in process.
 async fn held_locally() -> (Rig, String, shardlock::LockGuard) {
+    held_locally_for(AcquireOptions::new()).await
+}
+
+/// [`held_locally`], acquired with `options`.
+async fn held_locally_for(options: AcquireOptions) -> (Rig, String, shardlock::LockGuard) {
     let rig = Rig::start("local", None, POOL).await;
     let key = rig.keys("k", 1, false).remove(0);
     cut_off(&rig, "other").await;
-    let guard = rig
-        .router
-        .acquire(&key, AcquireOptions::new())
-        .await
-        .unwrap();
+    let guard = rig.router.acquire(&key, options).await.unwrap();
     assert_eq!(guard.mode(), LockMode::LocalFallback);
     (rig, key, guard)
+}
+
+/// Reconnects the rig's router to `s1` and waits until its local hold is re-acquired there.
+async fn reconciled(rig: &Rig) {
+    rig.proxy.set(ProxyMode::Pass);
+    let router = rig.router.clone();
+    assert!(
+        common::eventually(Duration::from_secs(10), || {
+            let done = router.stats().reconciled == 1;
+            async move { done }
+        })
+        .await,
+        "the local hold was never re-acquired on the shard"
+    );
+}
+
+/// A key held in process and re-acquired on its shard since is a lease with a row like any
+/// other: `extend` moves that row's end (it answered `Ok` and moved nothing, and a lease
+/// without keep-alive then ended at its ttl all the same).
+#[tokio::test(flavor = "multi_thread")]
+async fn extend_moves_the_end_of_a_local_hold_once_it_was_reconciled() {
+    let once = AcquireOptions::new()
+        .ttl(Duration::from_secs(2))
+        .keep_alive(false);
+    let (rig, _, guard) = held_locally_for(once).await;
+    reconciled(&rig).await;
+    guard.extend(Duration::from_secs(60)).await.unwrap();
+    assert!(
+        guard.held_until() > tokio::time::Instant::now() + Duration::from_secs(30),
+        "extended by a minute, the reconciled lease still ends {:?} from now",
+        guard.held_until() - tokio::time::Instant::now()
+    );
+    guard.release().await.unwrap();
 }
 
 /// Cuts the rig's router off from `s1` until its breaker opens.
@@ -247,16 +281,7 @@ async fn a_locally_held_key_is_taken_on_the_shard_when_it_returns() {
     // While the proxy cuts this instance off, the shard knows nothing of the local hold.
     assert!(rig.router.status().await[0].local_fallback_leases == 1);
 
-    rig.proxy.set(ProxyMode::Pass);
-    let router = rig.router.clone();
-    assert!(
-        common::eventually(Duration::from_secs(10), || {
-            let done = router.stats().reconciled == 1;
-            async move { done }
-        })
-        .await,
-        "the local hold was never re-acquired on the shard"
-    );
+    reconciled(&rig).await;
     // Now the shard keeps other processes out, and this process's waiters behind the holder.
     assert!(other
         .try_acquire(key, AcquireOptions::new())

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use shardlock::{AcquireOptions, LockRouter};
-use shardlock_testkit::{Proxy, ProxyMode};
+use shardlock_testkit::{Competitor, Proxy, ProxyMode};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_guard_is_lost_before_its_key_is_free_for_others_at_shutdown() {
@@ -207,4 +207,42 @@ async fn shutdown_deregisters_only_after_the_last_heartbeat() {
         .await
         .unwrap();
     assert_eq!(deregistered, Some(true));
+}
+
+/// A grant answered after shutdown took its list of the leases to end (its statement waited
+/// behind another transaction's row lock meanwhile) hands out no guard that says it holds the
+/// key: shutdown never saw that lease, and ends nothing later.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_answered_after_shutdown_began_says_it_is_lost() {
+    let (cluster, _other, _) = common::start(1, "").await;
+    let shard = cluster.shard(0);
+    // The server's lock wait (9 s) outlasts the shutdown below.
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 10s\n",
+        shard.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let once = router.acquire("k", AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(shard, false).await.unwrap();
+    let key = competitor.key_of(once.owner()).await.unwrap().unwrap();
+    once.release().await.unwrap();
+    competitor.lock(&key).await.unwrap();
+    let acquiring = tokio::spawn({
+        let router = router.clone();
+        async move { router.acquire("k", AcquireOptions::new()).await }
+    });
+    let waiting = common::eventually(Duration::from_secs(30), || async {
+        shard.lock_waits_now().await.unwrap() >= 1
+    })
+    .await;
+    assert!(waiting, "the acquire never waited behind the locked row");
+
+    router.shutdown().await.unwrap();
+    competitor.end().await.unwrap();
+    if let Ok(guard) = acquiring.await.unwrap() {
+        assert!(
+            !guard.is_held(),
+            "a grant answered after shutdown began says it holds the key"
+        );
+    }
 }
