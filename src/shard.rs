@@ -533,30 +533,12 @@ impl ShardState {
         call: impl std::future::Future<Output = Result<T, BackendError>>,
         slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
     ) -> Result<T, BackendError> {
-        self.call_judged(call, slow_counts, false).await
-    }
-
-    /// A call whose timeout or slowness decides nothing (see [`ShardState::run_admitted`]):
-    /// one likely to wait behind another transaction's row lock.
-    async fn call_tentative<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, BackendError>>,
-    ) -> Result<T, BackendError> {
-        self.call_judged(call, |_| true, true).await
-    }
-
-    async fn call_judged<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, BackendError>>,
-        slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
-        tentative: bool,
-    ) -> Result<T, BackendError> {
         let probe = match self.admit() {
             Admission::Rejected => return Err(self.rejected()),
             Admission::Probe(ticket) => Some(ticket),
             Admission::Call => None,
         };
-        self.run_admitted(probe, call, slow_counts, tentative).await
+        self.run_admitted(probe, call, slow_counts, false).await
     }
 
     /// Runs a call [`ShardState::admit`] let through (as a half-open probe with `probe`) and

@@ -80,6 +80,10 @@ counters! {
     renew_micros,
     /// Renewal attempts that failed (summed over shards).
     renew_failures,
+    /// Renewals of one lease not made because another transaction held its row locked (a
+    /// console session, a batch job): renewed apart at the next ticks, lost at its end if the
+    /// lock outlasts it.
+    renewals_blocked,
     /// Heartbeats to the instance registry that failed (a warning is logged once one shard
     /// misses three in a row).
     heartbeat_failures,

@@ -453,7 +453,11 @@ async fn a_renewal_through_a_node_behind_extends_what_it_reports_held() {
             .unwrap();
         let was_behind = seen_on_g2 == Some(0);
         let renewed = g2
-            .renew(&[(key.as_bytes(), owner.as_str())], Duration::from_secs(20))
+            .renew(
+                &[(key.as_bytes(), owner.as_str())],
+                Duration::from_secs(20),
+                false,
+            )
             .await
             .unwrap();
         let renewed_until = expires_at(&mut raw1, &key).await;

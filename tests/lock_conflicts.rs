@@ -148,3 +148,41 @@ async fn a_row_locked_by_another_transaction_costs_only_its_own_lease() {
     a.release().await.unwrap();
     c.release().await.unwrap();
 }
+
+/// Once a lease's row is found locked, its renewals wait for no lock: a shorter lease of the
+/// same process is renewed beside it all along. (A renewal that waited out the server's lock
+/// wait, 1 s, at every tick held up the renewal of every other lease, and one shorter than
+/// that was lost.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_locked_row_holds_up_no_renewal_of_a_shorter_lease() {
+    let (cluster, router, _) = common::start(
+        1,
+        "namespaces:\n  default:\n    ttl: 10s\n  fast:\n    ttl: 1s\n",
+    )
+    .await;
+    let shard = cluster.shard(0);
+    let slow = router.acquire("slow", AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(shard, false).await.unwrap();
+    let key = competitor.key_of(slow.owner()).await.unwrap().unwrap();
+    competitor.lock(&key).await.unwrap();
+    let found = common::eventually(Duration::from_secs(30), || async {
+        router.stats().renewals_blocked >= 1
+    })
+    .await;
+    assert!(found, "the locked row's renewal was never found blocked");
+
+    let fast = router
+        .acquire("fast", AcquireOptions::new().namespace("fast"))
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        common::renewed(&fast, "a lease renewed beside a locked row was lost").await;
+    }
+    assert!(
+        slow.is_held(),
+        "the locked row's lease ended before its end"
+    );
+    competitor.end().await.unwrap();
+    fast.release().await.unwrap();
+    slow.release().await.unwrap();
+}

@@ -239,7 +239,7 @@ impl ShardState {
         let mut failed = None;
         let mut cut_short = false;
         // Leases whose rows another transaction holds locked: tried again soon.
-        let mut blocked = 0;
+        let mut blocked: u64 = 0;
         // One statement per chunk, each with its own statement timeout: on a slow shard a
         // tick of many chunks may take longer than one statement may, and each chunk that
         // answered extends its leases whatever the later ones do. The chunk whose lease ends
@@ -247,12 +247,12 @@ impl ShardState {
         // first, and no later chunk's lease ends before the one being sent. (Chunks are not
         // cut in deadline order: leases granted together would then meet, chunk after chunk,
         // the releases of the same keys sent together, row lock against row lock.)
-        // Leases whose rows another transaction held locked at their last renewal go last, in
-        // statements of their own: the soonest end among them, coming on while the lock
-        // stays, would cut short the timeout of every lease renewed with them.
-        let (was_blocked, leases): (Vec<_>, Vec<_>) = leases
+        // Leases renewed apart (see `LeaseState::renew_apart`) go last, in statements of their
+        // own: the soonest end among them, coming on while a lock stays, would cut short the
+        // timeout of every lease renewed with them.
+        let (apart, leases): (Vec<_>, Vec<_>) = leases
             .into_iter()
-            .partition(|l| l.renewal_blocked.load(Ordering::Acquire));
+            .partition(|l| l.renew_apart.load(Ordering::Acquire));
         fn chunks_of(
             leases: &[Arc<LeaseState>],
             blocked: bool,
@@ -268,8 +268,8 @@ impl ShardState {
             chunks
         }
         let mut chunks = chunks_of(&leases, false);
-        chunks.extend(chunks_of(&was_blocked, true));
-        for (end, chunk, blocked_before) in chunks {
+        chunks.extend(chunks_of(&apart, true));
+        for (end, chunk, apart) in chunks {
             // Bounded by the soonest local deadline of the chunk (deadlines only move later
             // meanwhile): a renewal that answers after a lease ended is worthless. Past it, the
             // next tick reports that end at once.
@@ -284,30 +284,23 @@ impl ShardState {
                 .iter()
                 .map(|l| (l.key.stored(), l.owner.as_str()))
                 .collect();
-            // A wait behind another transaction's row lock says nothing of the shard's health:
-            // neither an answer that found rows locked, nor a timeout of leases whose rows were
-            // locked at their last renewal.
-            let renew = self.backend.renew(&pairs, timeout);
-            let renewed = match blocked_before {
-                true => self.call_tentative(renew).await,
-                false => {
-                    let slow_counts =
-                        |r: &Result<RenewOutcome, _>| !r.as_ref().is_ok_and(RenewOutcome::blocked);
-                    self.call_timed(renew, slow_counts).await
-                }
-            };
-            match renewed {
+            // A wait behind another transaction's row lock (a statement that found rows
+            // locked) says nothing of the shard's health.
+            let renewed = self.call_timed(self.backend.renew(&pairs, timeout, apart), |r| {
+                !r.as_ref().is_ok_and(RenewOutcome::blocked)
+            });
+            match renewed.await {
                 Ok(outcome) => {
                     statements += u64::from(outcome.statements);
                     for (lease, renewal) in chunk.iter().zip(outcome.held) {
                         match renewal {
                             // A lease reported lost meanwhile stays so: it is dropped above.
                             Renewal::Extended => {
-                                lease.renewal_blocked.store(false, Ordering::Release);
+                                lease.renew_apart.store(false, Ordering::Release);
                                 lease.extend_from(sent, lease.ttl);
                             }
                             Renewal::Blocked => {
-                                lease.renewal_blocked.store(true, Ordering::Release);
+                                lease.renew_apart.store(true, Ordering::Release);
                                 blocked += 1;
                             }
                             // Still registered, so not released meanwhile: someone else has it.
@@ -320,6 +313,15 @@ impl ShardState {
                     }
                 }
                 Err(e) => {
+                    // Timed out before the server's lock wait could end (the time left before
+                    // the chunk's soonest end was shorter): a row locked by another
+                    // transaction is not told apart from a slow shard. The retry takes the
+                    // rows free of locks at once.
+                    if e.kind == BackendErrorKind::Timeout {
+                        for lease in chunk {
+                            lease.renew_apart.store(true, Ordering::Release);
+                        }
+                    }
                     failed = Some(e);
                     break;
                 }
@@ -339,6 +341,7 @@ impl ShardState {
         stats
             .renew_statements
             .fetch_add(statements, Ordering::Relaxed);
+        stats.renewals_blocked.fetch_add(blocked, Ordering::Relaxed);
         if blocked > 0 {
             tracing::warn!(
                 shard = self.name(),

@@ -58,7 +58,7 @@ where
     F: Fn() -> Option<RouterSnapshot> + Clone + Send + Sync + 'static,
 {
     type Read = fn(&LockStats) -> u64;
-    let counters: [(&'static str, &'static str, Read); 11] = [
+    let counters: [(&'static str, &'static str, Read); 12] = [
         (
             "shardlock.acquire.statements",
             "Acquire statements sent (one alone; per batch its write, and a read-back unless every key was new)",
@@ -93,6 +93,11 @@ where
             "shardlock.renewal.failures",
             "Renewal attempts that failed",
             |s| s.renew_failures,
+        ),
+        (
+            "shardlock.renewal.blocked",
+            "Lease renewals not made because another transaction held the row locked",
+            |s| s.renewals_blocked,
         ),
         ("shardlock.leases.lost", "Leases reported lost", |s| s.lost),
         (

@@ -450,7 +450,11 @@ mod tests {
                 .unwrap());
             assert!(!shard.set_data(key.as_bytes(), &mine, b"x").await.unwrap());
             let renewed = shard
-                .renew(&[(key.as_bytes(), mine.as_str())], Duration::from_secs(5))
+                .renew(
+                    &[(key.as_bytes(), mine.as_str())],
+                    Duration::from_secs(5),
+                    false,
+                )
                 .await
                 .unwrap();
             assert_eq!(

@@ -1,7 +1,7 @@
 //! The lease statements. Each is one round trip; time is the shard's clock.
 
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, Params, Value};
+use mysql_async::{Conn, IsolationLevel, Params, TxOpts, Value};
 
 /// Shard clock in microseconds since the epoch: where a new row's fence starts.
 ///
@@ -781,8 +781,9 @@ pub(crate) async fn release(
 pub struct RenewOutcome {
     /// For each lease passed in, what became of it.
     pub held: Vec<Renewal>,
-    /// Statements it took: 1, 2 when some lease was not found and had to be told apart, 4
-    /// when another transaction held some of the rows locked.
+    /// Statements it took: 1, 2 when some lease was not found and had to be told apart, 5
+    /// (a transaction) when some row was locked by another transaction, and 6 when that was
+    /// found by a first statement's lock wait.
     pub statements: u32,
 }
 
@@ -824,15 +825,23 @@ pub(crate) fn padded_in_list<'a>(
     (list, values)
 }
 
+/// Extends the leases, by key and owner, that are still ours and live. `apart`: some row of
+/// theirs was locked by another transaction at their last renewal (or that renewal timed
+/// out): the rows free of other locks are renewed at once ([`renew_unlocked`]) instead of
+/// waiting behind a lock that may still be there.
 pub(crate) async fn renew(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
+    apart: bool,
 ) -> mysql_async::Result<RenewOutcome> {
     debug_assert!(!leases.is_empty() && leases.len() <= MAX_RENEW_BATCH);
     let (keys_sql, mut params) = padded_in_list(leases.iter().map(|(k, _)| *k));
     let (owners_sql, owners) = padded_in_list(leases.iter().map(|(_, o)| o.as_bytes()));
     params.extend(owners);
     let tail = format!("{keys_sql} AND owner IN {owners_sql}");
+    if apart {
+        return renew_unlocked(conn, leases, &tail, params).await;
+    }
     // 1205: another transaction holds one of these rows locked (the statement did nothing,
     // and would wait behind that lock again): the rows free of other locks are renewed alone.
     match conn
@@ -843,7 +852,9 @@ pub(crate) async fn renew(
         .await
     {
         Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
-            return renew_unlocked(conn, leases, &tail, params).await;
+            let mut outcome = renew_unlocked(conn, leases, &tail, params).await?;
+            outcome.statements += 1;
+            return Ok(outcome);
         }
         result => result?,
     }
@@ -854,7 +865,9 @@ pub(crate) async fn renew(
         });
     }
     // Some lease was not extended: find out which ones are still ours.
-    let still = still_ours(conn, &tail, params).await?;
+    let still: Vec<Vec<u8>> = conn
+        .exec(format!("{HELD_HEAD}{tail}"), Params::Positional(params))
+        .await?;
     let held = leases
         .iter()
         .map(|(k, _)| match still.iter().any(|s| s.as_slice() == *k) {
@@ -868,30 +881,25 @@ pub(crate) async fn renew(
     })
 }
 
-/// The keys of the rows still ours and live among those `tail` names (a plain read: it waits
-/// for no row lock).
-async fn still_ours(
-    conn: &mut Conn,
-    tail: &str,
-    params: Vec<Value>,
-) -> mysql_async::Result<Vec<Vec<u8>>> {
-    conn.exec(format!("{HELD_HEAD}{tail}"), Params::Positional(params))
-        .await
-}
-
-/// [`renew`] of the leases whose rows no other transaction holds locked now (found with
-/// `SKIP LOCKED`, their locks let go as the read ends: autocommit); the others are
-/// [`Renewal::Blocked`] while still ours. A lock taken between the two statements makes the
-/// renewal wait again, and fail as any would.
+/// [`renew`] of the leases whose rows no other transaction holds locked, in one READ
+/// COMMITTED transaction (no gap locks): those rows are locked with `SKIP LOCKED`, so the
+/// renewal waits for no lock, then extended; the others are [`Renewal::Blocked`] while still
+/// ours.
 async fn renew_unlocked(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
     tail: &str,
     params: Vec<Value>,
 ) -> mysql_async::Result<RenewOutcome> {
-    let free: Vec<Vec<u8>> = conn
+    let mut opts = TxOpts::default();
+    opts.with_isolation_level(IsolationLevel::ReadCommitted);
+    let mut tx = conn.start_transaction(opts).await?;
+    let free: Vec<Vec<u8>> = tx
         .exec(
-            format!("SELECT lock_key FROM shardlock_lease WHERE lock_key IN {tail} FOR UPDATE SKIP LOCKED"),
+            format!(
+                "SELECT lock_key FROM shardlock_lease WHERE lock_key IN {tail} \
+                 FOR UPDATE SKIP LOCKED"
+            ),
             Params::Positional(params.clone()),
         )
         .await?;
@@ -904,13 +912,17 @@ async fn renew_unlocked(
         let (keys_sql, mut unlocked_params) = padded_in_list(unlocked.iter().map(|(k, _)| *k));
         let (owners_sql, owners) = padded_in_list(unlocked.iter().map(|(_, o)| o.as_bytes()));
         unlocked_params.extend(owners);
-        conn.exec_drop(
+        tx.exec_drop(
             format!("{RENEW_HEAD}{keys_sql} AND owner IN {owners_sql}"),
             Params::Positional(unlocked_params),
         )
         .await?;
     }
-    let still = still_ours(conn, tail, params).await?;
+    // A plain read: it waits for no row lock.
+    let still: Vec<Vec<u8>> = tx
+        .exec(format!("{HELD_HEAD}{tail}"), Params::Positional(params))
+        .await?;
+    tx.commit().await?;
     let held = leases
         .iter()
         .map(
@@ -921,9 +933,10 @@ async fn renew_unlocked(
             },
         )
         .collect();
+    // The transaction's start and commit included.
     Ok(RenewOutcome {
         held,
-        statements: 4,
+        statements: 5,
     })
 }
 

@@ -847,11 +847,14 @@ impl Shard {
     }
 
     /// Extends every live lease in `leases` (key, owner) by its own ttl, in one statement per
-    /// [`MAX_RENEW_BATCH`] leases, within `timeout` overall.
+    /// [`MAX_RENEW_BATCH`] leases, within `timeout` overall. `apart`: leases a row of which
+    /// another transaction held locked at their last renewal, renewed without waiting for
+    /// any lock (see [`crate::Renewal::Blocked`]).
     pub async fn renew(
         &self,
         leases: &[(&[u8], &str)],
         timeout: Duration,
+        apart: bool,
     ) -> Result<RenewOutcome, BackendError> {
         let mut outcome = RenewOutcome {
             held: Vec::with_capacity(leases.len()),
@@ -867,8 +870,8 @@ impl Shard {
                 .with_conn(
                     "renew",
                     left,
-                    &chunk,
-                    |c, &chunk| Box::pin(lease::renew(c, chunk)),
+                    &(chunk, apart),
+                    |c, &(chunk, apart)| Box::pin(lease::renew(c, chunk, apart)),
                     true,
                 )
                 .await?;
