@@ -1009,6 +1009,75 @@ async fn a_claim_whose_reply_was_lost_keeps_trying_while_the_link_is_down() {
     assert!(router.complete_job(&job).await.unwrap());
 }
 
+/// A claim whose reply was lost, retried while another transaction holds the row of the job
+/// it claimed locked for a moment (a claimer's scan passing over it): the retry waits for
+/// that row and answers that job. (It skipped the row and claimed another: the first was then
+/// claimed by nobody until its lease ran out, and with no retries allowed failed unrun.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claims_retry_waits_for_its_jobs_row_rather_than_claim_another() {
+    let (cluster, _direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let shard =
+        "    statement-timeout: 5s\n    pool:\n      max-size: 1\n      create-timeout: 300ms\n";
+    let (router, proxy) = behind_proxy(&cluster, shard, "").await;
+    for payload in [b"one", b"two"] {
+        router
+            .enqueue_job("q", payload, Duration::ZERO, 0)
+            .await
+            .unwrap();
+    }
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"\x03COMMIT"));
+    let claiming = tokio::spawn({
+        let router = router.clone();
+        async move { router.claim_job("q", "w", Duration::from_secs(30)).await }
+    });
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(30);
+    let claimed: u64 = loop {
+        let found = admin
+            .query_first("SELECT id FROM shardlock_job WHERE status = 'claimed'")
+            .await
+            .unwrap();
+        if let Some(id) = found {
+            break id;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the lost try never claimed a job"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    for statement in [
+        "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+        "START TRANSACTION",
+    ] {
+        admin.query_drop(statement).await.unwrap();
+    }
+    admin
+        .exec_drop(
+            "SELECT id FROM shardlock_job WHERE id = ? FOR UPDATE",
+            (claimed,),
+        )
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::Pass);
+    let shard = cluster.shard(0);
+    let waits = common::eventually(Duration::from_secs(30), || async {
+        claiming.is_finished() || shard.lock_waits_now().await.unwrap() >= 1
+    })
+    .await;
+    assert!(waits, "the retry neither waited nor returned");
+    admin.query_drop("ROLLBACK").await.unwrap();
+    let job = claiming
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the job its lost try claimed");
+    assert_eq!(
+        job.id, claimed,
+        "the retry claimed another job than its lost try's"
+    );
+}
+
 /// A claim whose reply was lost, retried only after its lease ran out (the link down
 /// meanwhile): the retry never answers that claim as it stood, run out, while another worker
 /// may claim the job again; it answers it renewed for its whole lease from then, as the same

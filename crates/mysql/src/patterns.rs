@@ -378,12 +378,15 @@ const MARK_CLAIMED: &str = "UPDATE shardlock_job SET status = 'claimed', locked_
      WHERE id = ?";
 
 /// After a try whose reply was lost: the claim token is unique per claim, so the job that try
-/// claimed, if it did, is found instead of a second one claimed. Locked as the claims below
-/// lock (skipping a row another claim holds): while it is, a row still claimed under the
-/// token was claimed by nobody since, even if its lease ran out meanwhile (every other claim
-/// writes its own token, and a job moved or failed for good has none).
+/// claimed, if it did, is found instead of a second one claimed. Locked: while it is, a row
+/// still claimed under the token was claimed by nobody since, even if its lease ran out
+/// meanwhile (every other claim writes its own token, and a job moved or failed for good has
+/// none). Waiting for a lock on it, not skipping it: other claims' scans lock the rows they
+/// pass for a moment (READ COMMITTED checks the lease after locking), and a row skipped then
+/// would be claimed by nobody, while this claims another job. (After the wait the row is read
+/// again: one another claim took since is not found.)
 const CLAIMED_BY: &str = "SELECT id, payload, retry_count FROM shardlock_job \
-     WHERE queue = ? AND status = 'claimed' AND locked_by = ? LIMIT 1 FOR UPDATE SKIP LOCKED";
+     WHERE queue = ? AND status = 'claimed' AND locked_by = ? LIMIT 1 FOR UPDATE";
 
 /// The claim [`CLAIMED_BY`] found, for its whole lease from now: its caller learns of it only
 /// now, and its lease may have run out meanwhile.
