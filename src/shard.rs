@@ -11,7 +11,7 @@ use std::time::Duration;
 use shardlock_core::config::ShardConfig;
 use shardlock_core::{
     Admission, BackendError, BackendErrorKind, Breaker, BreakerConfig, BreakerState, CallOutcome,
-    ProbeTicket, Transition,
+    ProbeTicket, Ticket, Transition,
 };
 use shardlock_mysql::{Attempt, CasGiveBack, GrantRequest, ReleaseAnswer, Shard};
 use tokio::sync::Notify;
@@ -387,19 +387,15 @@ impl ShardState {
                 // decides nothing (`tentative`): it may wait behind the very statement it
                 // undoes, or behind another transaction's lock on the row, neither of which
                 // says the shard is sick; a refused connection or a lost server does.
-                let probe = match shard.admit() {
-                    Admission::Rejected => {
-                        tokio::time::sleep(backoff.next_delay()).await;
-                        continue;
-                    }
-                    Admission::Probe(ticket) => Some(ticket),
-                    Admission::Call => None,
+                let Some(ticket) = shard.admit().ticket() else {
+                    tokio::time::sleep(backoff.next_delay()).await;
+                    continue;
                 };
                 // Alone, not in a batch: a batch release counts a free row as freed, and the
                 // row may be free only because the statement being undone has not written it
                 // yet; a single release waits behind that statement's lock.
                 let release = shard.backend.release(&key, &owner);
-                let released = shard.run_admitted(probe, release, |_| true, true).await;
+                let released = shard.run_admitted(ticket, release, |_| true, true).await;
                 // Undoing a grant: a "not ours" may come before the statement being undone has
                 // finished on the server (its client gave up; the server did not), so only a
                 // release that freed the row ends it early.
@@ -533,26 +529,28 @@ impl ShardState {
         call: impl std::future::Future<Output = Result<T, BackendError>>,
         slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
     ) -> Result<T, BackendError> {
-        let probe = match self.admit() {
-            Admission::Rejected => return Err(self.rejected()),
-            Admission::Probe(ticket) => Some(ticket),
-            Admission::Call => None,
+        let Some(ticket) = self.admit().ticket() else {
+            return Err(self.rejected());
         };
-        self.run_admitted(probe, call, slow_counts, false).await
+        self.run_admitted(ticket, call, slow_counts, false).await
     }
 
-    /// Runs a call [`ShardState::admit`] let through (as a half-open probe with `probe`) and
+    /// Runs a call [`ShardState::admit`] let through (with its `ticket`: a call, or a probe) and
     /// reports how it went to the breaker: a failure, or a success slower than the slow-call
     /// threshold where `slow_counts` says its duration tells of the shard. A `tentative` call
     /// that timed out or was slow decides nothing (a probe's slot is given back unjudged):
     /// only a prompt answer or a failure that is not a timeout is recorded.
     async fn run_admitted<T>(
         &self,
-        probe: Option<ProbeTicket>,
+        ticket: Ticket,
         call: impl std::future::Future<Output = Result<T, BackendError>>,
         slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
         tentative: bool,
     ) -> Result<T, BackendError> {
+        let probe = match ticket {
+            Ticket::Probe(probe) => Some(probe),
+            Ticket::Call(_) => None,
+        };
         let mut permit = ProbePermit {
             state: self,
             ticket: probe,
@@ -582,12 +580,12 @@ impl ShardState {
         let timed_out = matches!(&result, Err(e) if e.kind == BackendErrorKind::Timeout);
         let undecided = tentative && (timed_out || took >= breaker.config().slow_call);
         let transition = match probe {
-            Some(ticket) if undecided => {
-                breaker.abandon_probe(ticket);
+            Some(probe) if undecided => {
+                breaker.abandon_probe(probe);
                 None
             }
             None if undecided => None,
-            probe => breaker.record(breaker_now(), outcome, took, probe),
+            _ => breaker.record(breaker_now(), outcome, took, ticket),
         };
         drop(breaker);
         self.note(transition);

@@ -123,14 +123,40 @@ pub enum CallOutcome {
 /// What [`Breaker::admit`] decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Admission {
-    /// Go ahead; report with `probe: None`.
-    Call,
-    /// Go ahead as one of the half-open probes; report with `probe: Some(ticket)`, or hand the
-    /// ticket to [`Breaker::abandon_probe`] if the call never completes.
+    /// Go ahead; report with this ticket.
+    Call(CallTicket),
+    /// Go ahead as one of the half-open probes; report with this ticket, or hand it to
+    /// [`Breaker::abandon_probe`] if the call never completes.
     Probe(ProbeTicket),
     /// Refused: the breaker is open (or all probe slots are taken).
     Rejected,
 }
+
+impl Admission {
+    /// The ticket to report the admitted call with; `None` when it was refused.
+    pub fn ticket(self) -> Option<Ticket> {
+        match self {
+            Admission::Call(ticket) => Some(Ticket::Call(ticket)),
+            Admission::Probe(ticket) => Some(Ticket::Probe(ticket)),
+            Admission::Rejected => None,
+        }
+    }
+}
+
+/// How a call was admitted, for [`Breaker::record`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ticket {
+    /// While closed.
+    Call(CallTicket),
+    /// As a half-open probe.
+    Probe(ProbeTicket),
+}
+
+/// Which closed spell a call was admitted in. A call that completes in a later one (the
+/// breaker opened, and closed again, while it was on its way: a statement that waits out its
+/// timeout) says how the shard was before, and is not counted in the new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallTicket(u64);
 
 /// Which half-open spell a probe was admitted in. A probe that completes after its spell
 /// ended (a failed probe beside it reopened the breaker, and the next spell began) is not
@@ -178,6 +204,9 @@ pub struct Breaker {
     probe_successes: u32,
     /// Half-open spells begun so far: the current one's number, on its probes' tickets.
     spell: u64,
+    /// Closed spells begun so far (the first when built): the current one's number, on its
+    /// calls' tickets.
+    closings: u64,
 }
 
 impl Breaker {
@@ -195,6 +224,7 @@ impl Breaker {
             probes_in_flight: 0,
             probe_successes: 0,
             spell: 0,
+            closings: 0,
         }
     }
 
@@ -222,7 +252,7 @@ impl Breaker {
     pub fn admit(&mut self, now: Instant) -> (Admission, Option<Transition>) {
         let transition = self.settle(now);
         let admission = match self.state {
-            BreakerState::Closed => Admission::Call,
+            BreakerState::Closed => Admission::Call(CallTicket(self.closings)),
             BreakerState::Open => Admission::Rejected,
             BreakerState::HalfOpen if self.probes_in_flight < self.config.probes => {
                 self.probes_in_flight += 1;
@@ -243,27 +273,17 @@ impl Breaker {
         now: Instant,
         outcome: CallOutcome,
         took: Duration,
-        probe: Option<ProbeTicket>,
+        ticket: Ticket,
     ) -> Option<Transition> {
         let failed = outcome == CallOutcome::Failure || took >= self.config.slow_call;
-        if let Some(ticket) = probe {
-            if ticket.0 != self.spell {
-                return None; // a late probe of an earlier half-open spell
-            }
-            self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
-            if self.state != BreakerState::HalfOpen {
-                return None; // its spell ended: the breaker reopened or closed meanwhile
-            }
-            return if failed {
-                self.cooldown = (self.cooldown * 2).min(self.config.max_cooldown);
-                self.open(now)
-            } else {
-                self.probe_successes += 1;
-                (self.probe_successes >= self.config.probes).then(|| self.close())
-            };
-        }
-        if self.state != BreakerState::Closed {
-            return None; // a call admitted before the breaker opened
+        let call = match ticket {
+            Ticket::Call(call) => call,
+            Ticket::Probe(probe) => return self.record_probe(now, probe, failed),
+        };
+        if self.state != BreakerState::Closed || call.0 != self.closings {
+            // Admitted before the breaker opened: in this spell's open or half-open state, or
+            // in a closed spell that ended since.
+            return None;
         }
         let slot = self.slot(now);
         match self.calls.back_mut() {
@@ -296,6 +316,29 @@ impl Breaker {
             return self.open(now);
         }
         None
+    }
+
+    /// [`Breaker::record`] of a half-open probe.
+    fn record_probe(
+        &mut self,
+        now: Instant,
+        ticket: ProbeTicket,
+        failed: bool,
+    ) -> Option<Transition> {
+        if ticket.0 != self.spell {
+            return None; // a late probe of an earlier half-open spell
+        }
+        self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+        if self.state != BreakerState::HalfOpen {
+            return None; // its spell ended: the breaker reopened or closed meanwhile
+        }
+        if failed {
+            self.cooldown = (self.cooldown * 2).min(self.config.max_cooldown);
+            self.open(now)
+        } else {
+            self.probe_successes += 1;
+            (self.probe_successes >= self.config.probes).then(|| self.close())
+        }
     }
 
     /// Gives back a probe slot whose call was dropped before it completed (if its spell is
@@ -337,6 +380,7 @@ impl Breaker {
 
     fn close(&mut self) -> Transition {
         self.state = BreakerState::Closed;
+        self.closings += 1;
         self.open_until = None;
         self.cooldown = self.config.cooldown;
         self.calls.clear();
@@ -373,9 +417,16 @@ mod tests {
         }
     }
 
+    fn call_ticket(admission: Admission) -> Ticket {
+        match admission {
+            Admission::Call(ticket) => Ticket::Call(ticket),
+            other => panic!("admitted as {other:?}, not as a call"),
+        }
+    }
+
     fn call(b: &mut Breaker, now: Instant, outcome: CallOutcome) -> Option<Transition> {
-        assert_eq!(b.admit(now).0, Admission::Call);
-        b.record(now, outcome, FAST, None)
+        let ticket = call_ticket(b.admit(now).0);
+        b.record(now, outcome, FAST, ticket)
     }
 
     #[test]
@@ -467,8 +518,8 @@ mod tests {
     fn slow_calls_count_as_failures() {
         let (mut b, t) = breaker();
         for _ in 0..5 {
-            assert_eq!(b.admit(t).0, Admission::Call);
-            b.record(t, CallOutcome::Success, Duration::from_secs(2), None);
+            let ticket = call_ticket(b.admit(t).0);
+            b.record(t, CallOutcome::Success, Duration::from_secs(2), ticket);
         }
         assert_eq!(b.state(t), BreakerState::Open);
     }
@@ -499,9 +550,15 @@ mod tests {
         assert_eq!(b.admit(t1).0, Admission::Rejected, "only 3 probes at once");
         b.abandon_probe(ticket); // a probe whose future was dropped gives its slot back
         let ticket = probe_ticket(b.admit(t1).0);
-        assert_eq!(b.record(t1, CallOutcome::Success, FAST, Some(ticket)), None);
-        assert_eq!(b.record(t1, CallOutcome::Success, FAST, Some(ticket)), None);
-        let closed = b.record(t1, CallOutcome::Success, FAST, Some(ticket));
+        assert_eq!(
+            b.record(t1, CallOutcome::Success, FAST, Ticket::Probe(ticket)),
+            None
+        );
+        assert_eq!(
+            b.record(t1, CallOutcome::Success, FAST, Ticket::Probe(ticket)),
+            None
+        );
+        let closed = b.record(t1, CallOutcome::Success, FAST, Ticket::Probe(ticket));
         assert_eq!(
             closed,
             Some(Transition {
@@ -509,7 +566,7 @@ mod tests {
                 to: BreakerState::Closed
             })
         );
-        assert_eq!(b.admit(t1).0, Admission::Call);
+        call_ticket(b.admit(t1).0);
     }
 
     /// A probe still out when its spell ended (another probe failed and the breaker reopened)
@@ -524,12 +581,15 @@ mod tests {
         let t1 = t + Duration::from_secs(1);
         let (slow, dropped) = (probe_ticket(b.admit(t1).0), probe_ticket(b.admit(t1).0));
         let failing = probe_ticket(b.admit(t1).0);
-        b.record(t1, CallOutcome::Failure, FAST, Some(failing));
+        b.record(t1, CallOutcome::Failure, FAST, Ticket::Probe(failing));
         let t2 = t1 + Duration::from_secs(2);
         let tickets: Vec<ProbeTicket> = (0..3).map(|_| probe_ticket(b.admit(t2).0)).collect();
         assert_eq!(b.admit(t2).0, Admission::Rejected);
         // The first spell's other probes end now: one completes, one is dropped.
-        assert_eq!(b.record(t2, CallOutcome::Success, FAST, Some(slow)), None);
+        assert_eq!(
+            b.record(t2, CallOutcome::Success, FAST, Ticket::Probe(slow)),
+            None
+        );
         b.abandon_probe(dropped);
         assert_eq!(b.admit(t2).0, Admission::Rejected, "only 3 probes at once");
         // A probe of this spell dropped gives its slot back.
@@ -537,10 +597,13 @@ mod tests {
         let last = probe_ticket(b.admit(t2).0);
         // Three successes of this spell close it; the first spell's did not count.
         for ticket in [tickets[1], tickets[2]] {
-            assert_eq!(b.record(t2, CallOutcome::Success, FAST, Some(ticket)), None);
+            assert_eq!(
+                b.record(t2, CallOutcome::Success, FAST, Ticket::Probe(ticket)),
+                None
+            );
         }
         assert_eq!(b.state(t2), BreakerState::HalfOpen);
-        let closed = b.record(t2, CallOutcome::Success, FAST, Some(last));
+        let closed = b.record(t2, CallOutcome::Success, FAST, Ticket::Probe(last));
         assert_eq!(closed.map(|t| t.to), Some(BreakerState::Closed));
     }
 
@@ -555,7 +618,7 @@ mod tests {
         for _ in 0..8 {
             now += expected;
             let ticket = probe_ticket(b.admit(now).0);
-            let reopened = b.record(now, CallOutcome::Failure, FAST, Some(ticket));
+            let reopened = b.record(now, CallOutcome::Failure, FAST, Ticket::Probe(ticket));
             assert_eq!(
                 reopened,
                 Some(Transition {
@@ -575,12 +638,37 @@ mod tests {
     #[test]
     fn outcomes_of_calls_admitted_before_a_transition_do_not_count() {
         let (mut b, t) = breaker();
-        assert_eq!(b.admit(t).0, Admission::Call); // in flight while the breaker opens
+        let in_flight = call_ticket(b.admit(t).0); // while the breaker opens
         for _ in 0..5 {
             call(&mut b, t, CallOutcome::Failure);
         }
-        assert_eq!(b.record(t, CallOutcome::Success, FAST, None), None);
+        assert_eq!(b.record(t, CallOutcome::Success, FAST, in_flight), None);
         assert_eq!(b.state(t), BreakerState::Open);
+    }
+
+    /// Nor once the breaker closed again: a call admitted before it opened that fails after
+    /// it closed (a statement that waited out its timeout through the whole outage) says how
+    /// the shard was before, and opens nothing.
+    #[test]
+    fn a_call_admitted_before_an_outage_that_fails_after_it_does_not_count() {
+        let config = BreakerConfig {
+            consecutive_failures: 1,
+            ..BreakerConfig::default()
+        };
+        let (mut b, t) = (Breaker::new(config), Instant::now());
+        let in_flight = call_ticket(b.admit(t).0);
+        call(&mut b, t, CallOutcome::Failure);
+        assert_eq!(b.state(t), BreakerState::Open);
+        let t1 = t + Duration::from_secs(1);
+        for _ in 0..3 {
+            let probe = probe_ticket(b.admit(t1).0);
+            b.record(t1, CallOutcome::Success, FAST, Ticket::Probe(probe));
+        }
+        assert_eq!(b.state(t1), BreakerState::Closed);
+        assert_eq!(b.record(t1, CallOutcome::Failure, FAST, in_flight), None);
+        assert_eq!(b.state(t1), BreakerState::Closed);
+        // A call of the new spell does count.
+        assert!(call(&mut b, t1, CallOutcome::Failure).is_some());
     }
 
     #[test]

@@ -15,7 +15,8 @@ mod ring;
 
 pub use backoff::Backoff;
 pub use breaker::{
-    Admission, Breaker, BreakerConfig, BreakerState, CallOutcome, ProbeTicket, Transition,
+    Admission, Breaker, BreakerConfig, BreakerState, CallOutcome, CallTicket, ProbeTicket, Ticket,
+    Transition,
 };
 pub use config::{Config, ConfigError};
 pub use error::{BackendError, BackendErrorKind, Error, Report, Result};
