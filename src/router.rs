@@ -796,7 +796,8 @@ impl LockRouter {
 
     /// Stops granting, releases every lease this router holds, stops the keepers and closes
     /// the pools. Guards still alive afterwards report their lease as lost, and so does the
-    /// guard of a grant whose answer came after shutdown began (its row is given back).
+    /// guard of a grant whose answer came after shutdown began (its row is given back if the
+    /// pool is still open, else it ends at its ttl).
     ///
     /// Cancellation: the router is closed at its first poll (no grants; keepers stop renewing). A
     /// release that reached its shard may have committed; other rows end by ttl. Deregistering and

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use shardlock::{AcquireOptions, LockMode};
+use shardlock::{AcquireOptions, LockMode, LockRouter};
 use shardlock_testkit::Competitor;
 
 #[tokio::test(flavor = "multi_thread")]
@@ -185,4 +185,32 @@ async fn a_locked_row_holds_up_no_renewal_of_a_shorter_lease() {
     competitor.end().await.unwrap();
     fast.release().await.unwrap();
     slow.release().await.unwrap();
+}
+
+/// A row locked for a while, the server's lock wait (1 s) longer than the renewal's own
+/// timeout: the renewals time out while the lock lasts, not told apart from a slow shard, and
+/// renew the lease once it is gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_whose_row_was_locked_for_a_while_is_renewed_once_the_lock_ends() {
+    let (cluster, _direct, _) = common::start(1, "").await;
+    let shard = cluster.shard(0);
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 500ms\n\
+         namespaces:\n  default:\n    ttl: 6s\n",
+        shard.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let guard = router.acquire("k", AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(shard, false).await.unwrap();
+    let key = competitor.key_of(guard.owner()).await.unwrap().unwrap();
+    competitor.lock(&key).await.unwrap();
+    let failed = common::eventually(Duration::from_secs(30), || async {
+        router.stats().renew_failures >= 2
+    })
+    .await;
+    assert!(failed, "no renewal timed out behind the locked row");
+
+    competitor.end().await.unwrap();
+    common::renewed(&guard, "the lease was lost after its row's lock ended").await;
+    guard.release().await.unwrap();
 }

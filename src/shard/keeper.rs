@@ -238,7 +238,8 @@ impl ShardState {
         let mut statements = 0;
         let mut failed = None;
         let mut cut_short = false;
-        // Leases whose rows another transaction holds locked: tried again soon.
+        // Leases whose rows another transaction holds locked: tried again, apart, at the next
+        // tick.
         let mut blocked: u64 = 0;
         // One statement per chunk, each with its own statement timeout: on a slow shard a
         // tick of many chunks may take longer than one statement may, and each chunk that
@@ -313,13 +314,12 @@ impl ShardState {
                     }
                 }
                 Err(e) => {
-                    // Timed out before the server's lock wait could end (the time left before
-                    // the chunk's soonest end was shorter): a row locked by another
-                    // transaction is not told apart from a slow shard. The retry takes the
-                    // rows free of locks at once.
-                    if e.kind == BackendErrorKind::Timeout {
+                    // Renewed apart, and failed: the next try is the plain statement again,
+                    // which the row's lock, if it is gone, no longer holds up (two or three
+                    // statements may not fit in the time a slow link leaves).
+                    if apart {
                         for lease in chunk {
-                            lease.renew_apart.store(true, Ordering::Release);
+                            lease.renew_apart.store(false, Ordering::Release);
                         }
                     }
                     failed = Some(e);
@@ -353,9 +353,6 @@ impl ShardState {
         }
         match failed {
             None if cut_short => *next_tick = Some(Moment::now()),
-            None if blocked > 0 => {
-                *next_tick = Some(Moment::now() + (period / 4).max(Duration::from_millis(20)));
-            }
             None => {
                 *next_tick = Some(started + period);
                 tracing::trace!(

@@ -1,7 +1,7 @@
 //! The lease statements. Each is one round trip; time is the shard's clock.
 
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, IsolationLevel, Params, TxOpts, Value};
+use mysql_async::{Conn, Params, Value};
 
 /// Shard clock in microseconds since the epoch: where a new row's fence starts.
 ///
@@ -781,9 +781,9 @@ pub(crate) async fn release(
 pub struct RenewOutcome {
     /// For each lease passed in, what became of it.
     pub held: Vec<Renewal>,
-    /// Statements it took: 1, 2 when some lease was not found and had to be told apart, 5
-    /// (a transaction) when some row was locked by another transaction, and 6 when that was
-    /// found by a first statement's lock wait.
+    /// Statements it took: 1, 2 when some lease was not found and had to be told apart, 2 or
+    /// 3 when renewed apart from rows another transaction held locked, and one more when
+    /// that was found by a first statement's lock wait.
     pub statements: u32,
 }
 
@@ -826,9 +826,9 @@ pub(crate) fn padded_in_list<'a>(
 }
 
 /// Extends the leases, by key and owner, that are still ours and live. `apart`: some row of
-/// theirs was locked by another transaction at their last renewal (or that renewal timed
-/// out): the rows free of other locks are renewed at once ([`renew_unlocked`]) instead of
-/// waiting behind a lock that may still be there.
+/// theirs was locked by another transaction at their last renewal: the rows free of other
+/// locks are renewed at once ([`renew_unlocked`]) instead of waiting behind a lock that may
+/// still be there.
 pub(crate) async fn renew(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
@@ -881,20 +881,17 @@ pub(crate) async fn renew(
     })
 }
 
-/// [`renew`] of the leases whose rows no other transaction holds locked, in one READ
-/// COMMITTED transaction (no gap locks): those rows are locked with `SKIP LOCKED`, so the
-/// renewal waits for no lock, then extended; the others are [`Renewal::Blocked`] while still
-/// ours.
+/// [`renew`] of the leases whose rows no other transaction holds locked: those rows are read
+/// with `SKIP LOCKED` (their locks let go as the read ends: autocommit, no transaction left
+/// open on the connection whatever fails), then extended, so the renewal waits for no lock
+/// but one taken in between; the others are [`Renewal::Blocked`] while still ours.
 async fn renew_unlocked(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
     tail: &str,
     params: Vec<Value>,
 ) -> mysql_async::Result<RenewOutcome> {
-    let mut opts = TxOpts::default();
-    opts.with_isolation_level(IsolationLevel::ReadCommitted);
-    let mut tx = conn.start_transaction(opts).await?;
-    let free: Vec<Vec<u8>> = tx
+    let free: Vec<Vec<u8>> = conn
         .exec(
             format!(
                 "SELECT lock_key FROM shardlock_lease WHERE lock_key IN {tail} \
@@ -903,6 +900,7 @@ async fn renew_unlocked(
             Params::Positional(params.clone()),
         )
         .await?;
+    let mut statements = 2;
     let is_free = |k: &[u8]| free.iter().any(|f| f.as_slice() == k);
     let unlocked: Vec<(&[u8], &str)> = (leases.iter())
         .filter(|(k, _)| is_free(k))
@@ -912,17 +910,17 @@ async fn renew_unlocked(
         let (keys_sql, mut unlocked_params) = padded_in_list(unlocked.iter().map(|(k, _)| *k));
         let (owners_sql, owners) = padded_in_list(unlocked.iter().map(|(_, o)| o.as_bytes()));
         unlocked_params.extend(owners);
-        tx.exec_drop(
+        conn.exec_drop(
             format!("{RENEW_HEAD}{keys_sql} AND owner IN {owners_sql}"),
             Params::Positional(unlocked_params),
         )
         .await?;
+        statements += 1;
     }
     // A plain read: it waits for no row lock.
-    let still: Vec<Vec<u8>> = tx
+    let still: Vec<Vec<u8>> = conn
         .exec(format!("{HELD_HEAD}{tail}"), Params::Positional(params))
         .await?;
-    tx.commit().await?;
     let held = leases
         .iter()
         .map(
@@ -933,11 +931,7 @@ async fn renew_unlocked(
             },
         )
         .collect();
-    // The transaction's start and commit included.
-    Ok(RenewOutcome {
-        held,
-        statements: 5,
-    })
+    Ok(RenewOutcome { held, statements })
 }
 
 /// A lease row as stored, with times relative to the shard's clock when it was read.
