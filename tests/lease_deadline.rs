@@ -10,9 +10,8 @@ use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, Config, LockGuard, LockRouter};
 use shardlock_testkit::{Cluster, Proxy, ProxyMode};
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
-    // The shard's clock runs 5% fast; the holder allows for 6%.
+/// One shard whose clock runs 5% fast, and a router over it, migrated.
+async fn fast_clock_shard() -> (Cluster, LockRouter) {
     let cluster = Cluster::start_with_clocks(1, &[(0, "+0 x1.05")])
         .await
         .unwrap();
@@ -20,6 +19,13 @@ async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
         .await
         .unwrap();
     other.migrate().await.unwrap();
+    (cluster, other)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
+    // The shard's clock runs 5% fast; the holder allows for 6%.
+    let (cluster, other) = fast_clock_shard().await;
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     let holder = LockRouter::from_yaml_str(&format!(
         "instance:\n  clock-drift: 0.06\nshards:\n  - name: s1\n    url: {}\n",
@@ -54,13 +60,7 @@ async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_that_raises_the_clock_drift_ends_the_leases_held_earlier() {
     // The shard's clock runs 5% fast; the holder allows for 1%, then, reloaded, for 8%.
-    let cluster = Cluster::start_with_clocks(1, &[(0, "+0 x1.05")])
-        .await
-        .unwrap();
-    let other = LockRouter::from_yaml_str(&cluster.config_yaml(""))
-        .await
-        .unwrap();
-    other.migrate().await.unwrap();
+    let (cluster, other) = fast_clock_shard().await;
     let drift = |d: &str| format!("instance:\n  clock-drift: {d}\n{}", cluster.config_yaml(""));
     let holder = LockRouter::from_yaml_str(&drift("0.01")).await.unwrap();
     // Never renewed: it ends by the shard's clock at its ttl.

@@ -43,7 +43,15 @@ async fn a_waiter_behind_another_transactions_row_lock_keeps_waiting() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(shard.lock_waits_now().await.unwrap() > 0);
+    // Counted as it is sent: its wait on the server may begin a moment later.
+    let waits = common::eventually(Duration::from_secs(30), || async {
+        shard.lock_waits_now().await.unwrap() > 0
+    })
+    .await;
+    assert!(
+        waits,
+        "the third statement never waited behind the locked row"
+    );
     competitor.end().await.unwrap();
     let guard = waiter
         .await
@@ -188,8 +196,9 @@ async fn a_locked_row_holds_up_no_renewal_of_a_shorter_lease() {
 }
 
 /// A row locked for a while, the server's lock wait (1 s) longer than the renewal's own
-/// timeout: the renewals time out while the lock lasts, not told apart from a slow shard, and
-/// renew the lease once it is gone.
+/// timeout: the renewal times out, not told apart from a slow shard, and the next renews
+/// apart, finding the row locked without waiting; the lease is renewed once the lock is gone,
+/// and the breaker stays closed (every renewal timing out behind the lock opened it).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lease_whose_row_was_locked_for_a_while_is_renewed_once_the_lock_ends() {
     let (cluster, _direct, _) = common::start(1, "").await;
@@ -204,11 +213,16 @@ async fn a_lease_whose_row_was_locked_for_a_while_is_renewed_once_the_lock_ends(
     let mut competitor = Competitor::begin(shard, false).await.unwrap();
     let key = competitor.key_of(guard.owner()).await.unwrap().unwrap();
     competitor.lock(&key).await.unwrap();
-    let failed = common::eventually(Duration::from_secs(30), || async {
-        router.stats().renew_failures >= 2
+    let found = common::eventually(Duration::from_secs(30), || async {
+        router.stats().renewals_blocked >= 2
     })
     .await;
-    assert!(failed, "no renewal timed out behind the locked row");
+    assert!(found, "the renewals never found the row locked");
+    assert!(
+        router.breaker_transitions("s1").is_empty(),
+        "renewals behind a locked row opened the breaker: {:?}",
+        router.breaker_transitions("s1")
+    );
 
     competitor.end().await.unwrap();
     common::renewed(&guard, "the lease was lost after its row's lock ended").await;

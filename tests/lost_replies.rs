@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, Config, LockRouter};
-use shardlock_testkit::{HeldRequest, Proxy, ProxyMode};
+use shardlock_testkit::{Cluster, HeldRequest, Proxy, ProxyMode};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grant_whose_reply_was_lost_is_given_back() {
@@ -972,12 +972,9 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
     assert_eq!(state.as_deref(), Some("taken"), "the lost try did act");
 }
 
-/// A claim whose reply was lost, the link then down for several tries to reconnect: the call
-/// keeps trying (its lost try claimed the job: given up, that claim would be nobody's until
-/// its lease ran out, and with no retries allowed the job would then fail without having run),
-/// and answers the job once the link is back.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_claim_whose_reply_was_lost_keeps_trying_while_the_link_is_down() {
+/// One shard, a router reaching it through a proxy (one connection, a 300 ms connect
+/// timeout, a 1 s statement timeout), and one job queued on `q` with no retries allowed.
+async fn one_job_behind_a_proxy() -> (Cluster, LockRouter, Proxy) {
     let (cluster, _direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let shard =
         "    statement-timeout: 1s\n    pool:\n      max-size: 1\n      create-timeout: 300ms\n";
@@ -986,6 +983,16 @@ async fn a_claim_whose_reply_was_lost_keeps_trying_while_the_link_is_down() {
         .enqueue_job("q", b"once", Duration::ZERO, 0)
         .await
         .unwrap();
+    (cluster, router, proxy)
+}
+
+/// A claim whose reply was lost, the link then down for several tries to reconnect: the call
+/// keeps trying (its lost try claimed the job: given up, that claim would be nobody's until
+/// its lease ran out, and with no retries allowed the job would then fail without having run),
+/// and answers the job once the link is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_whose_reply_was_lost_keeps_trying_while_the_link_is_down() {
+    let (cluster, router, proxy) = one_job_behind_a_proxy().await;
     let opened = proxy.connections();
     proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"\x03COMMIT"));
     let claiming = tokio::spawn({
@@ -1084,14 +1091,7 @@ async fn a_claims_retry_waits_for_its_jobs_row_rather_than_claim_another() {
 /// claim (no retry of the job counted: with none allowed, it is not failed for good).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_claim_found_by_a_retry_after_its_lease_ran_out_is_answered_renewed() {
-    let (cluster, _direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let shard =
-        "    statement-timeout: 1s\n    pool:\n      max-size: 1\n      create-timeout: 300ms\n";
-    let (router, proxy) = behind_proxy(&cluster, shard, "").await;
-    router
-        .enqueue_job("q", b"once", Duration::ZERO, 0)
-        .await
-        .unwrap();
+    let (cluster, router, proxy) = one_job_behind_a_proxy().await;
     let mut admin = cluster.shard(0).connect().await.unwrap();
     // (COM_QUERY, 0x03, then the text: not the isolation level's "READ COMMITTED".)
     proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"\x03COMMIT"));

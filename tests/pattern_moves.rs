@@ -472,17 +472,7 @@ async fn a_job_whose_move_a_reload_undid_half_way_still_runs_once() {
     copies_held.query_drop("ROLLBACK").await.unwrap();
     common::moves_done(&router).await;
 
-    let job = (router.claim_job(&queue, "w", Duration::from_secs(30)).await)
-        .unwrap()
-        .unwrap_or_else(|| panic!("the job whose move was undone is claimed by nobody"));
-    assert_eq!(job.payload, b"once");
-    assert!(router.complete_job(&job).await.unwrap());
-    let again = router
-        .claim_job(&queue, "w", Duration::from_secs(30))
-        .await
-        .unwrap();
-    assert!(again.is_none(), "the job ran twice: {again:?}");
-    nothing_left(&cluster).await;
+    runs_once(&router, &queue, &cluster).await;
 }
 
 /// The same, undone by restarting the whole fleet onto the config before the reload: the
@@ -528,19 +518,23 @@ async fn a_job_whose_move_a_restart_undid_half_way_still_runs_once() {
 
     let restarted = LockRouter::new(four).await.unwrap();
     common::moves_done(&restarted).await;
-    let job = (restarted
-        .claim_job(&queue, "w", Duration::from_secs(30))
-        .await)
+    runs_once(&restarted, &queue, &cluster).await;
+}
+
+/// Asserts that the one job of `queue`, its payload `once`, whose move was undone half way,
+/// is claimed through `router` once, and that nothing is left unfinished.
+async fn runs_once(router: &LockRouter, queue: &str, cluster: &Cluster) {
+    let job = (router.claim_job(queue, "w", Duration::from_secs(30)).await)
         .unwrap()
         .unwrap_or_else(|| panic!("the job whose move was undone is claimed by nobody"));
     assert_eq!(job.payload, b"once");
-    assert!(restarted.complete_job(&job).await.unwrap());
-    let again = restarted
-        .claim_job(&queue, "w", Duration::from_secs(30))
+    assert!(router.complete_job(&job).await.unwrap());
+    let again = router
+        .claim_job(queue, "w", Duration::from_secs(30))
         .await
         .unwrap();
     assert!(again.is_none(), "the job ran twice: {again:?}");
-    nothing_left(&cluster).await;
+    nothing_left(cluster).await;
 }
 
 /// A job left moving towards a shard no config of this process lists (its move undone half

@@ -238,8 +238,7 @@ impl ShardState {
         let mut statements = 0;
         let mut failed = None;
         let mut cut_short = false;
-        // Leases whose rows another transaction holds locked: tried again, apart, at the next
-        // tick.
+        // Leases whose rows another transaction holds locked: tried again, apart, soon.
         let mut blocked: u64 = 0;
         // One statement per chunk, each with its own statement timeout: on a slow shard a
         // tick of many chunks may take longer than one statement may, and each chunk that
@@ -256,13 +255,13 @@ impl ShardState {
             .partition(|l| l.renew_apart.load(Ordering::Acquire));
         fn chunks_of(
             leases: &[Arc<LeaseState>],
-            blocked: bool,
+            apart: bool,
         ) -> Vec<(Moment, &[Arc<LeaseState>], bool)> {
             let mut chunks: Vec<_> = leases
                 .chunks(MAX_RENEW_BATCH)
                 .map(|chunk| {
                     let end = chunk.iter().map(|l| l.deadline()).min();
-                    (end.expect("chunks are not empty"), chunk, blocked)
+                    (end.expect("chunks are not empty"), chunk, apart)
                 })
                 .collect();
             chunks.sort_by_key(|(end, _, _)| *end);
@@ -314,12 +313,15 @@ impl ShardState {
                     }
                 }
                 Err(e) => {
-                    // Renewed apart, and failed: the next try is the plain statement again,
-                    // which the row's lock, if it is gone, no longer holds up (two or three
-                    // statements may not fit in the time a slow link leaves).
-                    if apart {
+                    // A timeout takes the other path at the next try. Plain: the time left
+                    // before the chunk's soonest end may have been shorter than the server's
+                    // lock wait, so a row another transaction locks was not told apart from a
+                    // slow shard; apart, the rows free of locks are renewed without waiting.
+                    // Apart: two or three statements may not fit in the time a slow link
+                    // leaves; plain, one does (and meets the lock again if it is still there).
+                    if e.kind == BackendErrorKind::Timeout {
                         for lease in chunk {
-                            lease.renew_apart.store(false, Ordering::Release);
+                            lease.renew_apart.store(!apart, Ordering::Release);
                         }
                     }
                     failed = Some(e);
@@ -353,6 +355,11 @@ impl ShardState {
         }
         match failed {
             None if cut_short => *next_tick = Some(Moment::now()),
+            // Tried again soon, as after a failure: a lock that ends before the lease does
+            // must find it renewed.
+            None if blocked > 0 => {
+                *next_tick = Some(Moment::now() + (period / 4).max(Duration::from_millis(20)));
+            }
             None => {
                 *next_tick = Some(started + period);
                 tracing::trace!(

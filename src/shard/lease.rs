@@ -39,9 +39,10 @@ pub(crate) struct LeaseState {
     /// looks again.
     end_moved: tokio::sync::Notify,
     lost: watch::Sender<bool>,
-    /// Its row was locked by another transaction at its last renewal (not extended): the next
-    /// one takes the rows free of other locks at once, without waiting for any, apart from
-    /// the other leases (see the keeper's tick).
+    /// Its row was locked by another transaction at its last renewal (not extended), or that
+    /// renewal timed out: the next one takes the rows free of other locks at once, without
+    /// waiting for any, apart from the other leases (see the keeper's tick; a renewal apart
+    /// that times out makes the next one plain again).
     pub(crate) renew_apart: std::sync::atomic::AtomicBool,
     /// Set by the first release of this lease sent to its shard (see
     /// `guard::release_through_shard`): a second one, a shutdown's beside the guard's drop,
