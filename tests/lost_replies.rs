@@ -992,7 +992,7 @@ async fn one_job_behind_a_proxy() -> (Cluster, LockRouter, Proxy) {
 /// and answers the job once the link is back.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_claim_whose_reply_was_lost_keeps_trying_while_the_link_is_down() {
-    let (cluster, router, proxy) = one_job_behind_a_proxy().await;
+    let (_cluster, router, proxy) = one_job_behind_a_proxy().await;
     let opened = proxy.connections();
     proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"\x03COMMIT"));
     let claiming = tokio::spawn({
