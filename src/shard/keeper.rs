@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::clock::Moment;
 use shardlock_core::{BackendErrorKind, BreakerState};
-use shardlock_mysql::{Attempt, GrantRequest, RenewOutcome, Renewal, MAX_RENEW_BATCH};
+use shardlock_mysql::{Attempt, GrantRequest, Renewal, MAX_RENEW_BATCH};
 use tokio::sync::watch;
 
 use super::ShardState;
@@ -238,7 +238,8 @@ impl ShardState {
         let mut statements = 0;
         let mut failed = None;
         let mut cut_short = false;
-        // Leases whose rows another transaction holds locked: tried again, apart, soon.
+        // Leases whose rows another transaction holds locked: tried again, apart, soon (the
+        // other leases with them: renewed four times as often while a lock lasts).
         let mut blocked: u64 = 0;
         // One statement per chunk, each with its own statement timeout: on a slow shard a
         // tick of many chunks may take longer than one statement may, and each chunk that
@@ -284,12 +285,10 @@ impl ShardState {
                 .iter()
                 .map(|l| (l.key.stored(), l.owner.as_str()))
                 .collect();
-            // A wait behind another transaction's row lock (a statement that found rows
-            // locked) says nothing of the shard's health.
-            let renewed = self.call_timed(self.backend.renew(&pairs, timeout, apart), |r| {
-                !r.as_ref().is_ok_and(RenewOutcome::blocked)
-            });
-            match renewed.await {
+            // A renewal may wait behind another transaction's row lock, which then ends, or
+            // find rows locked: its duration says nothing of the shard's health (a timeout or
+            // an error still counts). Acquires and heartbeats tell a slow shard.
+            match self.call_waiting(|b| b.renew(&pairs, timeout, apart)).await {
                 Ok(outcome) => {
                     statements += u64::from(outcome.statements);
                     for (lease, renewal) in chunk.iter().zip(outcome.held) {
@@ -355,8 +354,8 @@ impl ShardState {
         }
         match failed {
             None if cut_short => *next_tick = Some(Moment::now()),
-            // Tried again soon, as after a failure: a lock that ends before the lease does
-            // must find it renewed.
+            // As after a failure: one retry before a blocked lease's end is too few for a lock
+            // that ends in its last third.
             None if blocked > 0 => {
                 *next_tick = Some(Moment::now() + (period / 4).max(Duration::from_millis(20)));
             }

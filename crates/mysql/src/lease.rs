@@ -799,13 +799,6 @@ pub enum Renewal {
     Blocked,
 }
 
-impl RenewOutcome {
-    /// Whether some lease was [`Renewal::Blocked`].
-    pub fn blocked(&self) -> bool {
-        self.held.contains(&Renewal::Blocked)
-    }
-}
-
 /// Builds `(?, ?, ...)` with `n` rounded up to a power of two, so that the statement cache
 /// sees a handful of shapes rather than one per batch size. Padding repeats the last element,
 /// which changes nothing in an `IN` list.
