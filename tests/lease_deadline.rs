@@ -10,6 +10,22 @@ use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, Config, LockGuard, LockRouter};
 use shardlock_testkit::{Cluster, Proxy, ProxyMode};
 
+/// Asserts that `guard` (of `key`) says it lost its lease no later than `other` is granted
+/// the key.
+async fn lost_before_granted(guard: LockGuard, other: &LockRouter, key: &str) {
+    let watcher = tokio::spawn(async move {
+        guard.lost().await;
+        tokio::time::Instant::now()
+    });
+    let granted_at = common::first_grant(other, key).await;
+    let lost_at = watcher.await.unwrap();
+    assert!(
+        lost_at <= granted_at,
+        "another process was granted the key {:?} before the holder knew it lost it",
+        lost_at - granted_at
+    );
+}
+
 /// One shard whose clock runs 5% fast, and a router over it, migrated.
 async fn fast_clock_shard() -> (Cluster, LockRouter) {
     let cluster = Cluster::start_with_clocks(1, &[(0, "+0 x1.05")])
@@ -39,17 +55,7 @@ async fn a_lease_is_lost_locally_before_a_fast_shard_clock_frees_it() {
         .unwrap();
     // Cut off: no renewal reaches the shard, so the lease ends by the shard's clock.
     proxy.set(ProxyMode::Blackhole);
-    let watcher = tokio::spawn(async move {
-        guard.lost().await;
-        tokio::time::Instant::now()
-    });
-    let granted_at = common::first_grant(&other, "k").await;
-    let lost_at = watcher.await.unwrap();
-    assert!(
-        lost_at <= granted_at,
-        "another process was granted the key {:?} before the holder knew it lost it",
-        lost_at - granted_at
-    );
+    lost_before_granted(guard, &other, "k").await;
     proxy.set(ProxyMode::Pass);
 }
 
@@ -77,17 +83,7 @@ async fn a_reload_that_raises_the_clock_drift_ends_the_leases_held_earlier() {
         guard.held_until() < before,
         "the raised drift left the held lease's end where it was"
     );
-    let watcher = tokio::spawn(async move {
-        guard.lost().await;
-        tokio::time::Instant::now()
-    });
-    let granted_at = common::first_grant(&other, "k").await;
-    let lost_at = watcher.await.unwrap();
-    assert!(
-        lost_at <= granted_at,
-        "another process was granted the key {:?} before the holder knew it lost it",
-        lost_at - granted_at
-    );
+    lost_before_granted(guard, &other, "k").await;
 
     // Lowered again, it applies to later grants: 1%, and 1 ms, off the ttl.
     holder
