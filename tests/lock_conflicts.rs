@@ -228,3 +228,41 @@ async fn a_lease_whose_row_was_locked_for_a_while_is_renewed_once_the_lock_ends(
     common::renewed(&guard, "the lease was lost after its row's lock ended").await;
     guard.release().await.unwrap();
 }
+
+/// A renewal that waited behind another transaction's row lock, which then ended, was slow
+/// only because of that lock: it counts against no shard (it counted as a slow call, and a
+/// batch job taking lease rows for a second at each tick opened the breaker).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_renewal_slowed_by_a_lock_that_then_ended_counts_against_no_shard() {
+    let (cluster, _direct, _) = common::start(1, "").await;
+    let shard = cluster.shard(0);
+    // A lock wait of 4 s, so the renewal outwaits the lock; a breaker that opens on one call
+    // slower than 800 ms.
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 5s\n\
+         namespaces:\n  default:\n    ttl: 3s\n\
+         breaker:\n  consecutive-failures: 1\n  slow-call: 800ms\n",
+        shard.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let guard = router.acquire("k", AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(shard, false).await.unwrap();
+    let key = competitor.key_of(guard.owner()).await.unwrap().unwrap();
+    competitor.lock(&key).await.unwrap();
+    let waiting = common::eventually(Duration::from_secs(30), || async {
+        shard.lock_waits_now().await.unwrap() >= 1
+    })
+    .await;
+    assert!(waiting, "no renewal waited behind the locked row");
+    // The lock lasts beyond the slow-call threshold while the renewal waits.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    competitor.end().await.unwrap();
+
+    common::renewed(&guard, "the lease was lost behind a lock that ended").await;
+    assert!(
+        router.breaker_transitions("s1").is_empty(),
+        "a renewal slowed by a row lock counted against the shard: {:?}",
+        router.breaker_transitions("s1")
+    );
+    guard.release().await.unwrap();
+}
