@@ -7,8 +7,8 @@ mod common;
 
 use std::time::Duration;
 
-use shardlock::{AcquireOptions, LockMode, LockRouter};
-use shardlock_testkit::Competitor;
+use shardlock::{AcquireOptions, LockGuard, LockMode, LockRouter};
+use shardlock_testkit::{Cluster, Competitor};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiter_behind_another_transactions_row_lock_keeps_waiting() {
@@ -201,18 +201,8 @@ async fn a_locked_row_holds_up_no_renewal_of_a_shorter_lease() {
 /// and the breaker stays closed (every renewal timing out behind the lock opened it).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lease_whose_row_was_locked_for_a_while_is_renewed_once_the_lock_ends() {
-    let (cluster, _direct, _) = common::start(1, "").await;
-    let shard = cluster.shard(0);
-    let yaml = format!(
-        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 500ms\n\
-         namespaces:\n  default:\n    ttl: 6s\n",
-        shard.url()
-    );
-    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    let guard = router.acquire("k", AcquireOptions::new()).await.unwrap();
-    let mut competitor = Competitor::begin(shard, false).await.unwrap();
-    let key = competitor.key_of(guard.owner()).await.unwrap().unwrap();
-    competitor.lock(&key).await.unwrap();
+    let (_cluster, router, guard, competitor) =
+        locked_lease("500ms", "namespaces:\n  default:\n    ttl: 6s\n").await;
     let found = common::eventually(Duration::from_secs(30), || async {
         router.stats().renewals_blocked >= 2
     })
@@ -234,21 +224,15 @@ async fn a_lease_whose_row_was_locked_for_a_while_is_renewed_once_the_lock_ends(
 /// batch job taking lease rows for a second at each tick opened the breaker).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_renewal_slowed_by_a_lock_that_then_ended_counts_against_no_shard() {
-    let (cluster, _direct, _) = common::start(1, "").await;
-    let shard = cluster.shard(0);
     // A lock wait of 4 s, so the renewal outwaits the lock; a breaker that opens on one call
     // slower than 800 ms.
-    let yaml = format!(
-        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 5s\n\
-         namespaces:\n  default:\n    ttl: 3s\n\
+    let (cluster, router, guard, competitor) = locked_lease(
+        "5s",
+        "namespaces:\n  default:\n    ttl: 3s\n\
          breaker:\n  consecutive-failures: 1\n  slow-call: 800ms\n",
-        shard.url()
-    );
-    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    let guard = router.acquire("k", AcquireOptions::new()).await.unwrap();
-    let mut competitor = Competitor::begin(shard, false).await.unwrap();
-    let key = competitor.key_of(guard.owner()).await.unwrap().unwrap();
-    competitor.lock(&key).await.unwrap();
+    )
+    .await;
+    let shard = cluster.shard(0);
     let waiting = common::eventually(Duration::from_secs(30), || async {
         shard.lock_waits_now().await.unwrap() >= 1
     })
@@ -265,4 +249,24 @@ async fn a_renewal_slowed_by_a_lock_that_then_ended_counts_against_no_shard() {
         router.breaker_transitions("s1")
     );
     guard.release().await.unwrap();
+}
+
+/// One shard, a router over it with `statement_timeout` and `rest` (YAML after its shards),
+/// the lease of key `k` it holds, and another transaction holding that lease's row locked.
+async fn locked_lease(
+    statement_timeout: &str,
+    rest: &str,
+) -> (Cluster, LockRouter, LockGuard, Competitor) {
+    let (cluster, _direct, _) = common::start(1, "").await;
+    let shard = cluster.shard(0);
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: {statement_timeout}\n{rest}",
+        shard.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let guard = router.acquire("k", AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(shard, false).await.unwrap();
+    let key = competitor.key_of(guard.owner()).await.unwrap().unwrap();
+    competitor.lock(&key).await.unwrap();
+    (cluster, router, guard, competitor)
 }

@@ -799,13 +799,7 @@ async fn a_reload_records_where_keys_go_before_it_places_any_there() {
         .await
         .unwrap();
     // Read before anything else: the heartbeat the reload wakes records too, later.
-    let names: Option<bool> = s1
-        .query_first(
-            "SELECT JSON_LENGTH(placements) = 2 AND placements LIKE '%\"name\":\"s2\"%' \
-             FROM shardlock_placement WHERE fleet = 'default'",
-        )
-        .await
-        .unwrap();
+    let names = names_the_move_to_s2(&mut s1).await;
     assert_eq!(
         names,
         Some(true),
@@ -910,14 +904,7 @@ async fn a_shard_the_move_leaves_cut_off_at_the_reload_gets_the_record_once_back
     proxy.set(ProxyMode::Pass);
     let recorded = common::eventually(Duration::from_secs(30), || async {
         let mut c = cluster.shard(0).connect().await.unwrap();
-        let names: Option<bool> = c
-            .query_first(
-                "SELECT JSON_LENGTH(placements) = 2 AND placements LIKE '%\"name\":\"s2\"%' \
-                 FROM shardlock_placement WHERE fleet = 'default'",
-            )
-            .await
-            .unwrap();
-        names == Some(true)
+        names_the_move_to_s2(&mut c).await == Some(true)
     })
     .await;
     assert!(
@@ -1942,4 +1929,15 @@ async fn a_lease_of_a_key_over_255_bytes_keeps_a_move_in_force_until_it_ends() {
     })
     .await;
     assert!(over, "the move did not end once the lease did");
+}
+
+/// Whether the fleet's placement record read through `conn` names two placements, one of them
+/// with shard `s2` (a move to s2 in force); `None` without a record.
+async fn names_the_move_to_s2(conn: &mut shardlock::mysql_async::Conn) -> Option<bool> {
+    conn.query_first(
+        "SELECT JSON_LENGTH(placements) = 2 AND placements LIKE '%\"name\":\"s2\"%' \
+         FROM shardlock_placement WHERE fleet = 'default'",
+    )
+    .await
+    .unwrap()
 }
