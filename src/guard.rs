@@ -203,7 +203,9 @@ impl LockGuard {
     /// renewal, after which [`LockGuard::is_held`] is false unless it was renewed. Past once
     /// the lease ended; a lease lost early (taken over, force-released, its process's
     /// heartbeat lapsed) may end before it, so check [`LockGuard::is_held`] too. A
-    /// [`LockMode::LocalFallback`] guard has no end of its own (a far-off instant). An instant
+    /// [`LockMode::LocalFallback`] guard with keep-alive has no end of its own while its key is
+    /// held in process (a far-off instant); one without ends at its ttl from the grant (by
+    /// this process's clock), as [`crate::AcquireOptions::lock_at_most`] says. An instant
     /// of the runtime's clock, which stands still while the host is suspended: the lease's end
     /// comes earlier by any suspend from now on (and [`LockGuard::is_held`] counts it).
     pub fn held_until(&self) -> tokio::time::Instant {
@@ -245,9 +247,10 @@ impl LockGuard {
     /// row of it; never earlier. For a lease without keep-alive
     /// ([`crate::AcquireOptions::keep_alive`]) this is the only way it lasts longer than its
     /// ttl; a renewed lease keeps being renewed by its own ttl after that end.
-    /// [`LockGuard::held_until`] moves with it. A [`LockMode::LocalFallback`] guard has no end
-    /// to move while its key is held in process: `Ok` at once (once re-acquired on its shard,
-    /// its row's end moves as any other's).
+    /// [`LockGuard::held_until`] moves with it. A [`LockMode::LocalFallback`] guard's key held
+    /// in process has no row: only its end in process moves (`Ok` at once), and the row its
+    /// shard gives it once back lasts that long; once re-acquired on its shard, its row's end
+    /// moves as any other's.
     ///
     /// Returns [`Error::LockLost`] if the lease already ended or was taken over (the guard then
     /// reports it lost), and a backend error if a shard could not be reached (the lease's end
@@ -258,13 +261,14 @@ impl LockGuard {
             reason,
         })?;
         let lease = &self.hold.lease;
-        // Held in process, not re-acquired on its shard yet: no end to move. (Re-acquired, it
-        // is a lease with a row like any other, whose end a lease without keep-alive reaches.)
-        if lease.local && self.hold.shard.holds_locally(lease.id) {
-            return Ok(());
-        }
         if !self.is_held() {
             return Err(self.lost_error());
+        }
+        // Held in process, not re-acquired on its shard yet: only its end in process moves
+        // (the re-acquire takes the row up to it). Re-acquired, it is a lease with a row like
+        // any other.
+        if lease.local && self.hold.shard.extend_local(lease.id, by) {
+            return Ok(());
         }
         let sent = Moment::now();
         let mut rows = vec![(self.hold.shard.clone(), lease.clone())];

@@ -678,9 +678,16 @@ impl ShardState {
         }
     }
 
-    /// Whether lease `id` is held locally here, not yet re-acquired on the shard.
-    pub(crate) fn holds_locally(&self, id: u64) -> bool {
-        self.local.locked().contains_key(&id)
+    /// Moves the end of lease `id`, held locally here, to at least `by` from now; `false` when
+    /// it is not held locally (re-acquired on the shard, or released). Under the local map's
+    /// lock: a re-acquire moving it to the shard meanwhile sees the new end.
+    pub(crate) fn extend_local(&self, id: u64, by: Duration) -> bool {
+        let local = self.local.locked();
+        let lease = local.get(&id);
+        if let Some(lease) = lease {
+            lease.extend_locally(by);
+        }
+        lease.is_some()
     }
 
     /// The leases held locally here, not yet re-acquired on the shard.

@@ -200,6 +200,133 @@ async fn extend_moves_the_end_of_a_local_hold_once_it_was_reconciled() {
     guard.release().await.unwrap();
 }
 
+/// `lock_at_most(d)` bounds a hold whatever its holder does, in process too: a key held in
+/// process without keep-alive ends at its ttl from the grant (it had no end at all while its
+/// shard was away), and its shard, once back, does not take it again for this process.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_hold_without_keep_alive_ends_at_its_ttl() {
+    let at_most = Duration::from_millis(1500);
+    let (rig, key, guard) = held_locally_for(AcquireOptions::new().lock_at_most(at_most)).await;
+    let granted = tokio::time::Instant::now();
+    assert!(
+        guard.held_until() <= granted + at_most,
+        "a local hold of at most {at_most:?} ends {:?} after it was granted",
+        guard.held_until() - granted
+    );
+    tokio::time::timeout(Duration::from_secs(30), guard.lost())
+        .await
+        .expect("a local hold without keep-alive was never reported lost");
+    assert!(!guard.is_held());
+    assert!(matches!(
+        guard.extend(Duration::from_secs(60)).await,
+        Err(Error::LockLost { .. })
+    ));
+
+    // Back on the shard, the ended hold is no longer counted as held in process, and takes no
+    // row there.
+    let other = direct_router(&rig).await;
+    rig.proxy.set(ProxyMode::Pass);
+    let router = rig.router.clone();
+    let ended = common::eventually(Duration::from_secs(20), || {
+        let router = router.clone();
+        async move { router.status().await[0].local_fallback_leases == 0 }
+    })
+    .await;
+    assert!(ended, "the ended local hold is still counted once its shard is back");
+    let next = other
+        .try_acquire(&key, AcquireOptions::new())
+        .await
+        .unwrap()
+        .expect("a local hold that ended took its row when its shard came back");
+    assert_eq!(rig.router.stats().reconciled, 0);
+    next.release().await.unwrap();
+    drop(guard);
+}
+
+/// A key held in process without keep-alive is re-acquired on its returning shard for what is
+/// left of its ttl, not a whole ttl from then: its row ends when the hold does.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_hold_without_keep_alive_takes_its_row_for_what_is_left() {
+    let at_most = Duration::from_secs(8);
+    let (rig, key, guard) = held_locally_for(AcquireOptions::new().lock_at_most(at_most)).await;
+    let granted = tokio::time::Instant::now();
+    // The hold ages while its shard is away.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    reconciled(&rig).await;
+    let (_, row) = rig.router.inspect(&key).await.unwrap();
+    let row = row.expect("the reconcile took the row");
+    let left = (granted + at_most).saturating_duration_since(tokio::time::Instant::now());
+    // The shard's clock may read a little ahead of the end measured here.
+    let slack = 500;
+    assert!(
+        row.expires_in_ms <= left.as_millis() as i64 + slack,
+        "the row of a hold with {left:?} left ends in {} ms",
+        row.expires_in_ms
+    );
+    assert!(guard.is_held());
+    guard.release().await.unwrap();
+}
+
+/// `extend` moves the end of a key held in process (it answered `Ok` and moved nothing), and
+/// one answered while its re-acquire on the returning shard is out moves the row's end too:
+/// here that re-acquire waits behind another transaction's lock on the row.
+#[tokio::test(flavor = "multi_thread")]
+async fn extend_while_held_in_process_moves_the_end_the_shard_keeps() {
+    let rig = Rig::start("local", None, POOL).await;
+    // A server lock wait of 2 s, inside the statement timeout.
+    let yaml = rig
+        .yaml
+        .replacen("statement-timeout: 1s", "statement-timeout: 4s", 1);
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let key = rig.keys("k", 1, false).remove(0);
+    // The key's row exists on the shard (released), so a transaction can lock it.
+    let once = router.acquire(&key, AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(rig.cluster.shard(0), false)
+        .await
+        .unwrap();
+    let stored = competitor.key_of(once.owner()).await.unwrap().unwrap();
+    once.release().await.unwrap();
+
+    cut_off_from(&router, &rig.proxy, "other").await;
+    let at_most = Duration::from_secs(3);
+    let guard = router
+        .acquire(&key, AcquireOptions::new().lock_at_most(at_most))
+        .await
+        .unwrap();
+    assert_eq!(guard.mode(), LockMode::LocalFallback);
+    competitor.lock(&stored).await.unwrap();
+    rig.proxy.set(ProxyMode::Pass);
+    common::until_a_row_lock_is_waited_for(rig.cluster.shard(0)).await;
+
+    let extended = tokio::time::Instant::now();
+    let by = Duration::from_secs(60);
+    guard.extend(by).await.unwrap();
+    assert!(
+        guard.held_until() >= extended + by,
+        "extended by a minute in process, the hold still ends {:?} from now",
+        guard.held_until() - tokio::time::Instant::now()
+    );
+    competitor.end().await.unwrap();
+    let held_long = common::eventually(Duration::from_secs(20), || {
+        let (done, until) = (router.stats().reconciled == 1, guard.held_until());
+        async move { done && until > tokio::time::Instant::now() + Duration::from_secs(30) }
+    })
+    .await;
+    assert!(
+        held_long,
+        "re-acquired on its shard, the hold extended by a minute ends {:?} from now",
+        guard.held_until() - tokio::time::Instant::now()
+    );
+    let (_, row) = router.inspect(&key).await.unwrap();
+    let row = row.expect("the reconcile took the row");
+    assert!(
+        row.expires_in_ms > 30_000,
+        "the row of a hold extended by a minute ends in {} ms",
+        row.expires_in_ms
+    );
+    guard.release().await.unwrap();
+}
+
 /// Cuts the rig's router off from `s1` until its breaker opens.
 async fn cut_off(rig: &Rig, key: &str) {
     cut_off_from(&rig.router, &rig.proxy, key).await;

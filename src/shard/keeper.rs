@@ -34,20 +34,32 @@ impl ShardState {
             if !self.local.locked().contains_key(&lease.id) {
                 continue;
             }
-            let req = GrantRequest {
+            // A lease without keep-alive takes its row for what is left of its end; one that
+            // ended in process takes none.
+            let Some(mut ttl) = lease.ttl_left() else {
+                self.end_in_process(&lease);
+                continue;
+            };
+            let request = |ttl: Duration| GrantRequest {
                 key: lease.key.stored().to_vec(),
                 owner: lease.owner.clone(),
-                ttl_ms: u32::try_from(lease.ttl.as_millis()).unwrap_or(u32::MAX),
+                ttl_ms: u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX),
                 fence_floor: 0,
                 reserve: 0,
                 trace: None,
             };
+            let mut req = request(ttl);
             let stats = &self.shared.stats;
             let mut sent = Moment::now();
             let mut attempt = self.acquire_alone(&req).await;
             if matches!(attempt, Ok(Attempt::Held { .. }))
                 && self.give_back_stale_row(&req.key, lease.id).await
             {
+                let Some(left) = lease.ttl_left() else {
+                    self.end_in_process(&lease);
+                    continue;
+                };
+                (ttl, req) = (left, request(left));
                 sent = Moment::now();
                 attempt = self.acquire_alone(&req).await;
             }
@@ -60,20 +72,26 @@ impl ShardState {
                         // Shutdown takes the local leases under this lock: once it has, the
                         // row just taken is given back below instead.
                         let moved = !self.shared.is_closed() && local.remove(&lease.id).is_some();
+                        // How much later the holder's `extend` moved its end while the
+                        // statement was out (its row still ends at `ttl`).
+                        let mut short = None;
                         if moved {
                             // Counted before the holder's `lost()` can see the new deadline.
                             stats.reconciled.fetch_add(1, Ordering::Relaxed);
-                            lease.set_deadline_from(sent);
+                            short = lease.set_deadline_from(sent, ttl);
                             self.insert(lease.clone());
                         }
-                        moved
+                        moved.then_some(short)
                     };
-                    if moved {
+                    if let Some(short) = moved {
                         tracing::info!(
                             shard = self.name(),
                             key = self.shared.telemetry.key_label(&lease.key),
                             "shardlock re-acquired a locally held key on its shard"
                         );
+                        if let Some(short) = short {
+                            self.extend_reconciled(&lease, sent + ttl + short).await;
+                        }
                     } else {
                         // Released meanwhile: give the row back (until the shard answers).
                         self.give_back(req.key, req.owner, lease.ttl);
@@ -110,6 +128,44 @@ impl ShardState {
                     }
                 }
             }
+        }
+    }
+
+    /// Ends a local lease without keep-alive whose end passed before its shard came back: it
+    /// is reported lost and no longer counted as held here (its release then finds no row, as
+    /// after a conflict). A re-acquire whose reply was lost may have taken its row: given back.
+    fn end_in_process(self: &Arc<Self>, lease: &LeaseState) {
+        if !self.remove_local(lease.id) {
+            return;
+        }
+        lease.mark_lost(NOT_RENEWED, &self.shared);
+        if lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
+            let key = lease.key.stored().to_vec();
+            self.give_back(key, lease.owner.clone(), lease.ttl);
+        }
+    }
+
+    /// Extends the row of `lease`, just re-acquired on the shard, to `to`: the end its holder's
+    /// `extend` promised while the re-acquire was out. If the shard does not answer, the lease
+    /// ends where its row does (earlier than promised, never later than its row).
+    async fn extend_reconciled(&self, lease: &LeaseState, to: Moment) {
+        let sent = Moment::now();
+        let by = to - sent;
+        let key = lease.key.stored();
+        match self.call(|b| b.extend(key, &lease.owner, by)).await {
+            Ok(true) => lease.extend_from(sent, by),
+            // Released meanwhile, or not ours any more.
+            Ok(false) if lease.has_ended() => {}
+            Ok(false) => lease.mark_lost(
+                "ended or taken over before it was extended",
+                &self.shared,
+            ),
+            Err(e) => tracing::warn!(
+                shard = self.name(),
+                key = self.shared.telemetry.key_label(&lease.key),
+                error = %e,
+                "shardlock could not extend a lease re-acquired on its shard: it ends at its row's end, before the end its holder asked for"
+            ),
         }
     }
 

@@ -19,6 +19,10 @@ use crate::sync::LockExt;
 /// A local lease has no end of its own: it lasts until released, or lost on reconciliation.
 const LOCAL_HORIZON: Duration = Duration::from_secs(100 * 365 * 86_400);
 
+/// An in-process lease without keep-alive with less than this left when its shard returns
+/// is let end in process rather than re-acquired there.
+const MIN_TTL_LEFT: Duration = Duration::from_millis(1);
+
 /// A lease row granted to this process, shared by the keeper and by the holds (guards) made
 /// under it: the first, and those handed over in memory after it.
 #[derive(Debug)]
@@ -242,11 +246,18 @@ impl LeaseState {
     }
 
     /// An in-process lease, granted while the shard's breaker is open: no row, no renewal,
-    /// no hand-offs, until the keeper re-acquires it on the shard.
+    /// no hand-offs, until the keeper re-acquires it on the shard. One with keep-alive has no
+    /// end meanwhile; one without ends at its ttl from the grant, by this process's clock (the
+    /// only one it answers to), unless extended.
     pub(crate) fn local(key: LockKey, grant: Grant, want: Want, turn: Turn) -> Self {
+        let lasts = if want.keep_alive {
+            LOCAL_HORIZON
+        } else {
+            want.ttl
+        };
         Self {
             deadline: Mutex::new(Deadline {
-                at: grant.sent + LOCAL_HORIZON,
+                at: grant.sent + lasts,
                 placed_by: None,
                 drift_ppm: want.drift_ppm,
             }),
@@ -332,15 +343,39 @@ impl LeaseState {
             .fold(own, Moment::min)
     }
 
-    /// Places the local end by a statement for the lease's ttl sent at `sent` (its re-acquire
-    /// on the shard, for an in-process lease).
-    pub(crate) fn set_deadline_from(&self, sent: Moment) {
-        {
-            let mut d = self.deadline.locked();
-            d.at = self.want.end_of(sent, self.ttl, d.drift_ppm);
-            d.placed_by = Some((sent, self.ttl));
+    /// The row's ttl to re-acquire this in-process lease with, sent now: its own ttl, or for
+    /// one without keep-alive what is left of its end (`None` once that has passed: the
+    /// lease ended in process, and takes no row).
+    pub(crate) fn ttl_left(&self) -> Option<Duration> {
+        if self.want.keep_alive {
+            return Some(self.ttl);
         }
+        let left = self.deadline() - Moment::now();
+        (left >= MIN_TTL_LEFT).then_some(left)
+    }
+
+    /// Moves an in-process lease's end to at least `by` from now (`extend` while it holds no
+    /// row). The keeper's re-acquire places it again, and extends the row if it ends earlier.
+    pub(crate) fn extend_locally(&self, by: Duration) {
+        let mut d = self.deadline.locked();
+        d.at = d.at.max(Moment::now() + by);
+    }
+
+    /// Places the local end of an in-process lease re-acquired on its shard by a statement
+    /// sent at `sent` for `ttl`. Returns how much later the end it had in process lies (an
+    /// `extend` answered while the statement was out), which the row must still be extended
+    /// by.
+    pub(crate) fn set_deadline_from(&self, sent: Moment, ttl: Duration) -> Option<Duration> {
+        let short = {
+            let mut d = self.deadline.locked();
+            let row_end = sent + ttl;
+            let short = (!self.want.keep_alive && d.at > row_end).then(|| d.at - row_end);
+            d.at = self.want.end_of(sent, ttl, d.drift_ppm);
+            d.placed_by = Some((sent, ttl));
+            short
+        };
         self.end_moved.notify_waiters();
+        short
     }
 
     /// Allows for a shard clock that runs up to `drift_ppm` faster than ours, if that is more
