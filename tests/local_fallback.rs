@@ -232,7 +232,10 @@ async fn a_local_hold_without_keep_alive_ends_at_its_ttl() {
         async move { router.status().await[0].local_fallback_leases == 0 }
     })
     .await;
-    assert!(ended, "the ended local hold is still counted once its shard is back");
+    assert!(
+        ended,
+        "the ended local hold is still counted once its shard is back"
+    );
     let next = other
         .try_acquire(&key, AcquireOptions::new())
         .await

@@ -114,6 +114,48 @@ async fn a_transaction_lock_excludes_across_a_reload_and_follows_its_key() {
     next.rollback().await.unwrap();
 }
 
+/// During a move a transaction lock also holds its key's row where the key lived, in a
+/// transaction nothing runs on. If that transaction ends under it (its session killed, as an
+/// idle-transaction timeout or an operator does, or its link cut), a process not reloaded yet
+/// locks the key there: the lock is lost, and its `commit` commits nothing (it committed).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_whose_row_on_the_old_shard_was_let_go_commits_nothing() {
+    let (cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "tx:").await;
+    // Not reloaded: it keeps the move in force, and locks the key where it lived.
+    let behind = LockRouter::new(three.clone()).await.unwrap();
+    let moved = LockRouter::new(three).await.unwrap();
+    let old = shard_of(&cluster, &behind, &key);
+    moved.reload(four).await.unwrap();
+    let held = moved
+        .lock_in_transaction(&key, Duration::from_secs(5))
+        .await
+        .unwrap();
+
+    // The one open transaction on the old shard is the lock's row there.
+    let mut admin = old.connect().await.unwrap();
+    let sessions: Vec<u64> = admin
+        .query("SELECT trx_mysql_thread_id FROM information_schema.INNODB_TRX")
+        .await
+        .unwrap();
+    assert_eq!(sessions.len(), 1, "open transactions on {}", old.name());
+    admin
+        .query_drop(format!("KILL {}", sessions[0]))
+        .await
+        .unwrap();
+    let theirs = behind
+        .lock_in_transaction(&key, Duration::from_secs(10))
+        .await
+        .expect("the row let go on the old shard is free");
+
+    let committed = held.commit().await;
+    assert!(
+        matches!(committed, Err(Error::LockLost { .. })),
+        "a lock whose row on the old shard was let go, taken by another process, committed: {committed:?}"
+    );
+    theirs.commit().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_lock_taken_before_a_reload_stays_taken_and_releasable_after_it() {
     let (_cluster, three, four) = cluster().await;

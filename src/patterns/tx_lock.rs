@@ -75,7 +75,7 @@ pub(crate) struct TxLockState {
 #[derive(Debug, Default)]
 struct TxRows {
     shards: Vec<Arc<ShardState>>,
-    others: Vec<Discard>,
+    others: Vec<(Arc<ShardState>, Discard)>,
     ended: bool,
     /// The guard's `COMMIT` may be on its way (or land yet): the other rows stay, and the
     /// lock counts as placed where it was, until it is answered (or its session is gone).
@@ -108,6 +108,33 @@ impl TxLockState {
         if !self.lost.send_replace(true) {
             tracing::warn!(key = self.label, why, "shardlock transaction lock lost");
         }
+    }
+
+    /// Whether the lock's transactions on other shards (a key a reload moved) still hold their
+    /// rows: nothing runs on their connections, so nothing tells when one ends (its session
+    /// killed, an idle-transaction timeout, the link cut, the server restarted), and a process
+    /// placed where that row is may lock the key meanwhile. Each is asked, within its shard's
+    /// statement timeout, whether its transaction is still the one that took the row (its
+    /// savepoint is there); one that is not, or does not answer, loses the lock.
+    async fn others_still_locked(&self) -> bool {
+        let others = std::mem::take(&mut self.rows.locked().others);
+        let mut kept = Vec::with_capacity(others.len());
+        let mut held = true;
+        for (shard, mut conn) in others {
+            let open = conn.0.as_mut().expect("open until the lock ends");
+            let still = tokio::time::timeout(shard.statement_timeout(), open.still_locked()).await;
+            if !matches!(still, Ok(Ok(true))) {
+                tracing::warn!(key = self.label, shard = shard.name(), answer = ?still, "shardlock transaction lock lost its row on another shard");
+                held = false;
+            }
+            kept.push((shard, conn));
+        }
+        // Back with any a follow added meanwhile (closed with them when the lock ends).
+        self.rows.locked().others.extend(kept);
+        if !held {
+            self.mark_lost("its row on another shard was let go (its session ended)");
+        }
+        held
     }
 
     /// Ends the lock's transactions on other shards (closing their connections).
@@ -206,7 +233,9 @@ impl TxLockGuard {
     /// also once this process's heartbeat lapsed (paused, or cut off from every shard, as for
     /// a lease, see [`crate::LockGuard::is_held`]): a process started meanwhile onto another
     /// topology may lock the key where that topology puts it. Such a lock stays lost, and
-    /// [`TxLockGuard::commit`] rolls it back.
+    /// [`TxLockGuard::commit`] rolls it back. Its rows on other shards (a key a reload moved)
+    /// are held by transactions nothing runs on: one that ends under it (its session killed,
+    /// an idle-transaction timeout) is found by [`TxLockGuard::commit`], not here.
     pub fn is_held(&self) -> bool {
         self.state.is_live()
     }
@@ -238,7 +267,8 @@ impl TxLockGuard {
 
     /// Commits your statements and releases the lock. A lost lock is rolled back instead and
     /// answers [`Error::LockLost`]: nothing of the transaction is kept. The lock is checked as
-    /// the commit begins: a pause of this process between that check and the `COMMIT`
+    /// the commit begins, its rows on other shards too (each asked, within its shard's
+    /// statement timeout, whether its transaction still holds the row): a pause of this process between that check and the `COMMIT`
     /// reaching the server (or a `COMMIT` held up in a partition) past the heartbeat's lapse
     /// still commits, and a process started onto another topology meanwhile may have locked
     /// the key where that topology puts it (see [`TxLockGuard::is_held`]); there is no fence
@@ -279,7 +309,7 @@ impl TxLockGuard {
         // before this transaction commits. (Set before the check: a follow that failed before
         // it rolled them back, and the lock is lost.)
         self.state.rows.locked().committing = true;
-        if !self.is_held() {
+        if !self.is_held() || !self.state.others_still_locked().await {
             self.end(false).await?;
             return Err(Error::LockLost {
                 key_label: self.state.label.clone(),
@@ -445,7 +475,7 @@ impl LockRouter {
             if Arc::ptr_eq(at, &shard) {
                 conn = Some(Discard(Some(locked)));
             } else {
-                others.push(Discard(Some(locked)));
+                others.push((at.clone(), Discard(Some(locked))));
             }
         }
         // Dropped on a lapse: their connections close, which rolls the rows back.
@@ -626,8 +656,8 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
                 Ok(conn) => {
                     let mut rows = state.rows.locked();
                     if !rows.ended {
-                        rows.shards.push(target);
-                        rows.others.push(Discard(Some(conn)));
+                        rows.shards.push(target.clone());
+                        rows.others.push((target, Discard(Some(conn))));
                     } else if rows.committing {
                         committing = true;
                         break;

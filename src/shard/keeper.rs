@@ -156,10 +156,9 @@ impl ShardState {
             Ok(true) => lease.extend_from(sent, by),
             // Released meanwhile, or not ours any more.
             Ok(false) if lease.has_ended() => {}
-            Ok(false) => lease.mark_lost(
-                "ended or taken over before it was extended",
-                &self.shared,
-            ),
+            Ok(false) => {
+                lease.mark_lost("ended or taken over before it was extended", &self.shared)
+            }
             Err(e) => tracing::warn!(
                 shard = self.name(),
                 key = self.shared.telemetry.key_label(&lease.key),

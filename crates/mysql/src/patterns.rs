@@ -60,6 +60,10 @@ const TX_COMMIT: &str = "RELEASE SAVEPOINT {savepoint}; COMMIT";
 /// nothing) when the transaction that took the lock had already ended.
 const TX_ROLLBACK_LOCK: &str = "ROLLBACK TO SAVEPOINT {savepoint}; ROLLBACK";
 
+/// Goes back to a transaction lock's savepoint, keeping the transaction and its row lock:
+/// answers 1305 when the transaction that took the lock ended.
+const TX_BACK_TO_LOCK: &str = "ROLLBACK TO SAVEPOINT {savepoint}";
+
 /// The server's answer to a savepoint that does not exist (MySQL and MariaDB).
 const NO_SUCH_SAVEPOINT: u16 = 1305;
 
@@ -143,6 +147,22 @@ impl SessionConn {
         };
         self.savepoint.clear();
         Ok(ended)
+    }
+
+    /// Whether the transaction of [`SessionConn::lock_tx_row`] still holds its row, on a
+    /// connection that ran nothing since: its savepoint is there (going back to it undoes
+    /// nothing and keeps the row's lock). `false` when that transaction ended; an error when
+    /// the session is gone or did not answer.
+    pub async fn still_locked(&mut self) -> Result<bool, BackendError> {
+        if self.savepoint.is_empty() {
+            return Ok(false);
+        }
+        let sql = TX_BACK_TO_LOCK.replace("{savepoint}", &self.savepoint);
+        match self.raw().query_drop(sql).await {
+            Ok(()) => Ok(true),
+            Err(mysql_async::Error::Server(e)) if e.code == NO_SUCH_SAVEPOINT => Ok(false),
+            Err(e) => Err(classify(e)),
+        }
     }
 
     /// Rolls back the transaction of [`SessionConn::lock_tx_row`], releasing the lock.
