@@ -628,7 +628,7 @@ async fn carry_cas_row(
                      carried again",
                 ));
             }
-            target
+            let landed = target
                 .call_waiting(|b| b.adopt_cas(std::slice::from_ref(&row), &token))
                 .await
                 .map_err(|e| {
@@ -638,6 +638,21 @@ async fn carry_cas_row(
                         format!("writing its copy on shard `{}`: {e}", target.name()),
                     )
                 })?;
+            // The key's row there is another take's (one whose release has not reached it
+            // yet): freed here, this lock would be nowhere. It stays, and so does the move,
+            // until that row is freed.
+            if !landed {
+                return Err(BackendError::new(
+                    BackendErrorKind::Other,
+                    None,
+                    format!(
+                        "the key's CAS row on shard `{}` is owned by another take (a release \
+                         that has not reached it yet): the lock is carried once that row is \
+                         freed",
+                        target.name()
+                    ),
+                ));
+            }
             Ok(true)
         });
         copying

@@ -192,6 +192,88 @@ async fn a_cas_lock_taken_before_a_reload_stays_taken_and_releasable_after_it() 
     assert!(b.cas_release(next).await.unwrap());
 }
 
+/// A carry copies an owned CAS row onto the key's new shard only where the row there is free.
+/// One still owned by another take (a release that freed the old shard and failed on the new
+/// one) takes no copy: the row it was to copy must stay owned, and the move in force, until
+/// that row is freed. (It was freed all the same: that lock was nowhere, and once the other
+/// take's release was retried, a third process took the key while the lock's holder still
+/// held it.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_lock_is_not_carried_away_onto_a_row_another_take_still_owns() {
+    let (cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "cas:").await;
+    // `early` reaches the key's new shard through a proxy.
+    let new_shard = LockRouter::new(four.clone())
+        .await
+        .unwrap()
+        .shard_for(&key)
+        .unwrap();
+    let proxy = Proxy::start(named(&cluster, &new_shard).port())
+        .await
+        .unwrap();
+    let through_proxy = |mut c: Config| {
+        for s in c.shards.iter_mut().filter(|s| s.name == new_shard) {
+            s.url = proxy.url();
+        }
+        c
+    };
+    let early = LockRouter::new(through_proxy(three.clone())).await.unwrap();
+    // Not reloaded yet: it keeps the move in force, and takes the key where it lived.
+    let late = LockRouter::new(three).await.unwrap();
+    let old_shard = late.shard_for(&key).unwrap();
+    early.reload(through_proxy(four.clone())).await.unwrap();
+    let early_take = early.cas_acquire(&key, "early").await.unwrap().unwrap();
+
+    // Its release frees the old shard's row, and not the new one's.
+    proxy.set(ProxyMode::Reset);
+    assert!(early.cas_release(early_take.clone()).await.is_err());
+    let late_take = late
+        .cas_acquire(&key, "late")
+        .await
+        .unwrap()
+        .expect("free on the old shard");
+
+    // The fleet runs `four`: the carry finds the new shard's row owned by the early take.
+    let kept = late.stats().moves_kept;
+    late.reload(four.clone()).await.unwrap();
+    let old = named(&cluster, &old_shard);
+    let stored = shardlock::LockKey::new(&key).unwrap().stored().to_vec();
+    let passed = common::eventually(Duration::from_secs(30), || {
+        let stored = &stored;
+        let failed = late.stats().moves_kept > kept;
+        async move {
+            let mut old = old.connect().await.unwrap();
+            let carried: Option<Option<u64>> = old
+                .exec_first(
+                    "SELECT carried_version FROM shardlock_cas WHERE lock_key = ?",
+                    (stored,),
+                )
+                .await
+                .unwrap();
+            failed || carried.flatten().is_some()
+        }
+    })
+    .await;
+    assert!(passed, "the carry never passed the key: {:?}", late.stats());
+
+    // The early take's release, tried again, frees its row; the late take still holds the key.
+    proxy.set(ProxyMode::Pass);
+    let released = common::eventually(Duration::from_secs(30), || {
+        let (early, take) = (&early, early_take.clone());
+        async move { early.cas_release(take).await.is_ok() }
+    })
+    .await;
+    assert!(released, "the early take's release never went through");
+    let third = LockRouter::new(four).await.unwrap();
+    third.wait_joined().await;
+    let stolen = third.cas_acquire(&key, "third").await.unwrap();
+    assert!(
+        stolen.is_none(),
+        "a third process took a CAS lock the late take still holds: {stolen:?}"
+    );
+    assert!(late.cas_release(late_take).await.unwrap());
+}
+
 /// Two keys that live on one shard under `three` and move under `four`, in key order (the
 /// order a carry takes them in).
 async fn two_moving_keys(three: &Config, four: &Config, prefix: &str) -> (String, String) {

@@ -31,7 +31,9 @@ pub(crate) async fn owned_cas_after(
 
 /// Writes owned CAS rows where their keys now live: a free (or missing) row takes the carried
 /// owner and version, and `token`, which names the copies (see [`carry_cas_row`]); an owned
-/// one is left alone. A filled row's carried mark (see [`CAS_FREE_CARRIED`]) is cleared: the
+/// one is left alone. Whether every row is now owned by its carried owner under `token`: a
+/// row left alone that another take owns (its holder's release has not reached it yet) holds
+/// no copy, and the row it was to copy must not be freed. A filled row's carried mark (see [`CAS_FREE_CARRIED`]) is cleared: the
 /// version it names may come again, the version being the carried one now. The version is
 /// assigned first, while `owner` still has its old value. (Placeholders are
 /// cast: a derived table's column types are otherwise the server's guess.)
@@ -39,9 +41,9 @@ pub(crate) async fn adopt_cas(
     conn: &mut Conn,
     rows: &[CasRow],
     token: &str,
-) -> mysql_async::Result<()> {
+) -> mysql_async::Result<bool> {
     if rows.is_empty() {
-        return Ok(());
+        return Ok(true);
     }
     // In key order, as `raise_floors` writes: carries of the same keys from several
     // processes then lock rows in one order and cannot deadlock each other.
@@ -66,7 +68,22 @@ pub(crate) async fn adopt_cas(
          owner = IF(shardlock_cas.owner IS NULL, src.o, shardlock_cas.owner)",
         rows_source(&["k", "o", "v", "t"], rows.len())
     );
-    conn.exec_drop(sql, Params::Positional(params)).await
+    conn.exec_drop(sql, Params::Positional(params)).await?;
+    // Read back: a copy's owner and token stay until its take releases them, and that
+    // release waits for the carry's lock on the row copied from.
+    let mut keys: Vec<&[u8]> = rows.iter().map(|(key, _, _)| key.as_slice()).collect();
+    keys.sort();
+    keys.dedup();
+    let mut params: Vec<Value> = Vec::with_capacity(rows.len() * 3);
+    for (key, owner, _) in rows {
+        params.extend([key.as_slice().into(), owner.as_str().into(), token.into()]);
+    }
+    let sql = format!(
+        "SELECT COUNT(*) FROM shardlock_cas WHERE (lock_key, owner, token) IN ({})",
+        vec!["(?, ?, ?)"; rows.len()].join(", ")
+    );
+    let owned: Option<u64> = conn.exec_first(sql, Params::Positional(params)).await?;
+    Ok(owned == Some(keys.len() as u64))
 }
 
 /// The row as a carry of it reads it, locking it until the carry commits or rolls back: its
@@ -380,7 +397,6 @@ mod tests {
                 new_ref
                     .adopt_cas(&[row], token.as_deref().unwrap_or("carry"))
                     .await
-                    .map(|()| true)
             });
             copying
         };

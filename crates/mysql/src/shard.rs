@@ -691,7 +691,7 @@ impl Shard {
 
     /// Writes carried CAS rows here where the key's row is free, as copies named by `token`
     /// (see the carry module).
-    pub async fn adopt_cas(&self, rows: &[CasRow], token: &str) -> Result<(), BackendError> {
+    pub async fn adopt_cas(&self, rows: &[CasRow], token: &str) -> Result<bool, BackendError> {
         self.run("adopt_cas", (rows, token), |c, &(rows, token)| {
             Box::pin(carry::adopt_cas(c, rows, token))
         })
