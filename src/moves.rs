@@ -245,7 +245,7 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         }
         // Read again before every try: a process may have reloaded since the last one.
         let topology = router.topology.load_full();
-        let kept = match older_move(&topology, &previous) {
+        let kept = match older_move(&topology, &previous).or_else(|| own_lag(&router, &topology)) {
             Some(why) => Some(why.to_owned()),
             None => registry::laggards(&topology, router.instance_id(), &previous).await,
         };
@@ -292,6 +292,19 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         drop((router, topology));
         tokio::time::sleep(backoff.next_delay()).await;
     }
+}
+
+/// Why this process keeps its own moves in force: one of its transaction locks has not
+/// followed its key to the topology in force (its follow still running, or failed while its
+/// `COMMIT` may land where it was placed), which it advertises as the others' laggard (see
+/// `Inner::advertised`). The registry's list of laggards leaves this process out; ended now,
+/// its own next lock of the key would be taken where the key lives alone while that `COMMIT`
+/// could still land on the old shard.
+fn own_lag(router: &Inner, topology: &Topology) -> Option<&'static str> {
+    (router.advertised(topology).0 != topology.fingerprint).then_some(
+        "a transaction lock of this process has not followed its key yet (or its COMMIT may \
+         still land where it was placed)",
+    )
 }
 
 /// Why `previous`'s carry waits for a move before it: moves end oldest first. A carry of an

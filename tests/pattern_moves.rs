@@ -1693,6 +1693,20 @@ async fn a_follow_that_fails_during_a_commit_keeps_the_rows_until_it_is_answered
         "advertised the topology its lock never followed to while its COMMIT was on its way"
     );
     blocker.query_drop("ROLLBACK").await.unwrap();
+    // Nor does the process itself end the move, past its window: its own next lock of the key
+    // would be taken on p2 alone while the COMMIT can still land.
+    let kept = a.stats().moves_kept;
+    let passed = common::eventually(Duration::from_secs(30), || {
+        let (moves, passes) = (a.moves_in_progress(), a.stats().moves_kept - kept);
+        async move { moves == 0 || passes >= 5 }
+    })
+    .await;
+    assert!(passed, "the move neither ended nor was kept");
+    let again = a.lock_in_transaction(&key, Duration::ZERO).await;
+    assert!(
+        matches!(again, Err(Error::Timeout { .. })),
+        "the key was locked again by its holder's own process while its COMMIT was on its way: {again:?}"
+    );
     assert!(commit.deliver().await, "the COMMIT was not run");
     drop(commit);
     // The client never heard the answer: the commit may have been applied.
