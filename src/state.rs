@@ -510,7 +510,9 @@ impl std::fmt::Debug for CleanerState {
 /// granting: halfway from `cleaner.heartbeat-interval` to `cleaner.heartbeat-timeout`, well
 /// before the others count it dead; and, by a clock that runs slow by `instance.clock-drift`,
 /// still half an interval short of the timeout (halfway alone is, only up to a drift of a
-/// third, which the timeout of at least two intervals allows).
+/// third, which the timeout of at least two intervals allows), less how much older a Galera
+/// shard's other node may read the heartbeat (its clock that far ahead of the node that
+/// wrote it: [`Config::node_clock_spread`]).
 fn lapse(config: &Config) -> Duration {
     let (interval, timeout) = (
         config.cleaner.heartbeat_interval,
@@ -518,7 +520,12 @@ fn lapse(config: &Config) -> Duration {
     );
     let drift = f64::from(config.instance.clock_drift_ppm()) / 1e6;
     let halfway = (timeout + interval) / 2;
-    halfway.min(timeout.div_f64(1.0 + drift).saturating_sub(interval / 2))
+    let spread = config.node_clock_spread();
+    halfway.min(
+        timeout
+            .div_f64(1.0 + drift)
+            .saturating_sub(interval / 2 + spread),
+    )
 }
 
 /// How long a join (a start, a rejoin) waits for its fleet's placement record before it opens
@@ -684,6 +691,34 @@ mod tests {
             assert!(
                 lapse(&config) > Duration::from_secs(interval),
                 "drift {drift}"
+            );
+        }
+    }
+
+    /// With a Galera shard, the others may read a heartbeat through a node whose clock is
+    /// ahead of the writer's by twice `node-clock-skew`: the lapse, stretched by the drift,
+    /// plus that, still comes before the timeout (and after the next heartbeat is due).
+    #[test]
+    fn a_lapse_comes_before_the_timeout_read_through_another_galera_node() {
+        for (skew_ms, interval, timeout) in [(250, 1, 3), (800, 1, 4), (2000, 5, 15)] {
+            let config = Config::from_yaml_str(&format!(
+                "shards:\n  - name: g\n    url: mysql://root@127.0.0.1:3307/db\n    \
+                 nodes: [127.0.0.1:3307, 127.0.0.1:3308]\n    node-clock-skew: {skew_ms}ms\n\
+                 cleaner:\n  heartbeat-interval: {interval}s\n  heartbeat-timeout: {timeout}s\n\
+                 namespaces:\n  default:\n    ttl: 20s\n"
+            ))
+            .unwrap();
+            let drift = f64::from(config.instance.clock_drift_ppm()) / 1e6;
+            let spread = Duration::from_millis(2 * skew_ms);
+            let read = lapse(&config).mul_f64(1.0 + drift) + spread;
+            assert!(
+                read < Duration::from_secs(timeout),
+                "skew {skew_ms} ms: a lapse of {:?} reads as {read:?} through another node",
+                lapse(&config)
+            );
+            assert!(
+                lapse(&config) > Duration::from_secs(interval),
+                "skew {skew_ms} ms"
             );
         }
     }

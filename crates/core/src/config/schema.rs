@@ -483,6 +483,18 @@ impl Config {
         })
     }
 
+    /// How far apart the clocks of two nodes of one Galera shard (listed with `nodes`) may
+    /// be: twice the largest `node-clock-skew` (each node is used only within it of this
+    /// process's clock); zero without such a shard. A heartbeat written through one node and
+    /// read through another looks this much older than it is.
+    pub fn node_clock_spread(&self) -> Duration {
+        (self.shards.iter())
+            .filter(|s| !s.nodes.is_empty())
+            .map(|s| s.node_clock_skew * 2)
+            .max()
+            .unwrap_or_default()
+    }
+
     /// The policy of `namespace`, if configured.
     pub fn namespace(&self, namespace: &str) -> Option<&NamespaceConfig> {
         self.namespaces.get(namespace)

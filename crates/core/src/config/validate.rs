@@ -23,7 +23,7 @@ impl Config {
         check_clock_margins(&self.shards, &self.namespaces)?;
         check_breaker(&self.breaker)?;
         check_cleaner(&self.cleaner)?;
-        check_lapse(&self.instance, &self.cleaner)?;
+        check_lapse(&self.instance, &self.cleaner, self.node_clock_spread())?;
         check_telemetry(&self.telemetry)
     }
 }
@@ -413,20 +413,26 @@ fn check_cleaner(c: &CleanerConfig) -> Result<(), ConfigError> {
 }
 
 /// A router stops granting once its latest heartbeat is `timeout / (1 + clock-drift) −
-/// interval / 2` old by its own clock (at the latest; see `state.rs`), so that it has stopped
-/// before the others count it dead even by a clock that slow. That must leave it more than
-/// its next heartbeat, or it lapses on every one.
-fn check_lapse(instance: &InstanceConfig, c: &CleanerConfig) -> Result<(), ConfigError> {
+/// interval / 2 − spread` old by its own clock (at the latest; see `state.rs`; `spread` is
+/// how far apart two nodes of a Galera shard may read the heartbeat's age), so that it has
+/// stopped before the others count it dead even by a clock that slow, read through another
+/// node. That must leave it more than its next heartbeat, or it lapses on every one.
+fn check_lapse(
+    instance: &InstanceConfig,
+    c: &CleanerConfig,
+    spread: Duration,
+) -> Result<(), ConfigError> {
     let drift = instance.clock_drift.unwrap_or(DEFAULT_CLOCK_DRIFT);
-    let least = c.heartbeat_interval.mul_f64(1.75 * (1.0 + drift));
+    let least = (c.heartbeat_interval.mul_f64(1.75) + spread).mul_f64(1.0 + drift);
     if c.heartbeat_timeout < least {
         return Err(ConfigError::field(
             "cleaner.heartbeat-timeout",
             format!(
-                "must be at least 1.75 × heartbeat-interval × (1 + instance.clock-drift) \
-                 = {least:?}: a router stops granting at heartbeat-timeout / (1 + clock-drift) \
-                 − heartbeat-interval / 2 after its latest heartbeat, which must leave it its \
-                 next one"
+                "must be at least (1.75 × heartbeat-interval + 2 × the largest node-clock-skew \
+                 of a Galera shard) × (1 + instance.clock-drift) = {least:?}: a router stops \
+                 granting at heartbeat-timeout / (1 + clock-drift) − heartbeat-interval / 2 − \
+                 2 × node-clock-skew after its latest heartbeat (the others may read its age \
+                 through a node whose clock is that far ahead), which must leave it its next one"
             ),
         ));
     }
@@ -521,6 +527,24 @@ mod tests {
         assert!(Config::from_yaml_str(&yaml("0.01")).is_ok());
         let e = Config::from_yaml_str(&yaml("0.5")).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("cleaner.heartbeat-timeout"), "{e}");
+    }
+
+    /// A heartbeat written through one Galera node and read through another looks older by up
+    /// to twice `node-clock-skew`: the timeout must leave room for that before the writer's
+    /// next heartbeat.
+    #[test]
+    fn a_heartbeat_timeout_too_short_for_a_galera_shards_node_clock_skew_is_refused() {
+        let yaml = |timeout: &str| {
+            format!(
+                "shards:\n  - name: g\n    url: mysql://root@127.0.0.1:3307/db\n    \
+                 nodes: [127.0.0.1:3307, 127.0.0.1:3308]\n    node-clock-skew: 800ms\n\
+                 cleaner:\n  heartbeat-interval: 1s\n  heartbeat-timeout: {timeout}\n\
+                 namespaces:\n  default:\n    ttl: 10s\n"
+            )
+        };
+        let e = Config::from_yaml_str(&yaml("3s")).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("cleaner.heartbeat-timeout"), "{e}");
+        assert!(Config::from_yaml_str(&yaml("4s")).is_ok());
     }
 
     #[test]
