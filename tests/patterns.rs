@@ -32,6 +32,29 @@ async fn count_rows(cluster: &Cluster, sql: &str) -> u64 {
     n
 }
 
+/// The lock's wait is the lock's alone: the caller's statements under it wait for row locks as
+/// the shard's sessions do (a try without waiting left them one second, a long wait as long).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_locks_wait_is_not_left_to_the_callers_statements() {
+    let (_cluster, _router, yaml) = common::start(1, "").await;
+    let yaml = yaml.replacen("    url:", "    statement-timeout: 10s\n    url:", 1);
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    for wait in [Duration::ZERO, Duration::from_secs(30)] {
+        let mut held = router.lock_in_transaction("acct:wait", wait).await.unwrap();
+        let secs: Option<u64> = held
+            .conn()
+            .query_first("SELECT @@SESSION.innodb_lock_wait_timeout")
+            .await
+            .unwrap();
+        assert_eq!(
+            secs,
+            Some(9),
+            "a lock taken with a wait of {wait:?} left the caller's statements this lock wait"
+        );
+        held.rollback().await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn transaction_lock_survives_nothing_of_a_killed_holder_and_carries_the_callers_sql() {
     let (cluster, router, yaml) = common::start(2, "").await;

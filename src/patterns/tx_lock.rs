@@ -405,6 +405,10 @@ impl LockRouter {
     /// process that has not reloaded yet is kept out; a lock held when its key moves follows
     /// it (see [`TxLockGuard`]).
     ///
+    /// Your statements on [`TxLockGuard::conn`] wait for other transactions' row locks as the
+    /// shard's pooled sessions do (the server's lock wait set from its `statement-timeout`),
+    /// not as long as `wait`.
+    ///
     /// Cancellation: an attempt in flight and rows already locked (on the key's shard or, during
     /// a move, on previous shards) have their connections closed, which rolls them back.
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
@@ -553,7 +557,8 @@ async fn lock_row(
                 // end up holding the row on an idle pooled connection.
                 let mut conn = Discard(Some(backend.connection().await?));
                 let open = conn.0.as_mut().expect("set above");
-                open.lock_tx_row(lock_key.stored(), wait).await?;
+                let after = backend.statement_timeout();
+                open.lock_tx_row(lock_key.stored(), wait, after).await?;
                 Ok::<_, BackendError>(conn.0.take().expect("set above"))
             };
             match tokio::time::timeout_at(deadline + Duration::from_millis(50), locked).await {

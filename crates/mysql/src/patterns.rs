@@ -18,7 +18,8 @@ use crate::shard::Shard;
 
 /// The caller's wait (`{secs}`), for both statements below: the upsert of a row whose lock is
 /// held waits for its holder too. Whole seconds, the server's unit; for this session only,
-/// which the reset after the transaction undoes.
+/// and only until the lock is taken ([`TX_LOCK`] sets the pool's again, for the caller's
+/// own statements).
 const TX_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = {secs}";
 
 /// Makes sure the key has a row to lock, committed on its own before the transaction starts:
@@ -45,11 +46,14 @@ const TX_BEGIN: &str = "SET autocommit = 0; START TRANSACTION";
 /// caller's can stand in for it), the one trace of it the server drops when the transaction
 /// ends for any reason: [`TX_COMMIT`] finds it, or learns that the caller's SQL
 /// ended the transaction early (a DDL statement commits implicitly, so does the caller's own
-/// `COMMIT`) and that the statements after that ran without the lock. Sent with the lock in
-/// one round trip; a failed lock stops it before the savepoint.
+/// `COMMIT`) and that the statements after that ran without the lock. Then sets the
+/// session's lock wait back to the pool's (`{after}`): the caller's own statements under the
+/// lock wait as on any connection of the shard, not as long as the lock's wait said (a try
+/// without waiting would leave them a second). Sent with the lock in one round trip; a failed
+/// lock stops it before the savepoint.
 const TX_LOCK: &str =
     "SELECT lock_key FROM shardlock_txlock WHERE lock_key = {key} FOR UPDATE{nowait}; \
-     SAVEPOINT {savepoint}";
+     SAVEPOINT {savepoint}; SET SESSION innodb_lock_wait_timeout = {after}";
 
 /// Ends a transaction lock keeping the caller's statements, if it is still the transaction
 /// that took the lock (its savepoint is there); else the server answers 1305 (no such
@@ -74,8 +78,14 @@ impl SessionConn {
     /// Locks `key`'s row of `shardlock_txlock` (created on first use) in a new transaction on
     /// this connection. The server waits up to `wait` rounded up to whole seconds (zero: not
     /// at all); the caller enforces the exact wait. A row still locked is answered with a lock
-    /// wait timeout (1205) or, for a zero wait on MySQL, 3572.
-    pub async fn lock_tx_row(&mut self, key: &[u8], wait: Duration) -> Result<(), BackendError> {
+    /// wait timeout (1205) or, for a zero wait on MySQL, 3572. Once it is taken, the session
+    /// waits for row locks as the pool's sessions do under `statement_timeout`.
+    pub async fn lock_tx_row(
+        &mut self,
+        key: &[u8],
+        wait: Duration,
+        statement_timeout: Duration,
+    ) -> Result<(), BackendError> {
         let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
         let key = format!("X'{hex}'");
         // At most the server's limit: a "wait for ever" waits that long.
@@ -85,7 +95,11 @@ impl SessionConn {
         let lock = TX_LOCK
             .replace("{key}", &key)
             .replace("{nowait}", nowait)
-            .replace("{savepoint}", &self.savepoint);
+            .replace("{savepoint}", &self.savepoint)
+            .replace(
+                "{after}",
+                &crate::pool::lock_wait_timeout_secs(statement_timeout).to_string(),
+            );
         let raw = self.raw();
         let run = async {
             raw.query_drop(TX_LOCK_WAIT.replace("{secs}", &secs.to_string()))
