@@ -179,7 +179,9 @@ impl LockRouter {
     /// Releases a CAS lock: only the rows its take made (or a move carried), named by the
     /// guard's token. `false` when there were none (someone force-changed the row, or the guard
     /// was released already), and also when a release whose reply was lost freed a row carried
-    /// in with another shard's version (the retry cannot tell its own release then). While a
+    /// in with another shard's version, or when the key was taken again before its retry (the
+    /// retry cannot tell its own release then: the row is no longer free at the version it
+    /// left). While a
     /// reload's move is in progress, the take's rows on the key's previous shards are released
     /// too, and every shard twice (a carry running meanwhile may copy a row of the take onto a
     /// shard already released).

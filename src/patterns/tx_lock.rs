@@ -210,7 +210,10 @@ impl std::fmt::Debug for TxLockGuard {
 
 impl TxLockGuard {
     /// The connection whose open transaction holds the lock: your statements here commit or
-    /// roll back with it.
+    /// roll back with it. They run as you send them, with no statement timeout of this
+    /// library's: a shard that stops answering (paused, a silent partition) holds them up
+    /// until the connection breaks; bound them yourself (`tokio::time::timeout`) and drop the
+    /// guard, which rolls back.
     pub fn conn(&mut self) -> &mut Conn {
         self.conn
             .as_mut()
@@ -235,7 +238,9 @@ impl TxLockGuard {
     /// topology may lock the key where that topology puts it. Such a lock stays lost, and
     /// [`TxLockGuard::commit`] rolls it back. Its rows on other shards (a key a reload moved)
     /// are held by transactions nothing runs on: one that ends under it (its session killed,
-    /// an idle-transaction timeout) is found by [`TxLockGuard::commit`], not here.
+    /// an idle-transaction timeout) is found by [`TxLockGuard::commit`], not here; so is a
+    /// transaction your own SQL ended (a deadlock it lost, a DDL statement), which ends the
+    /// lock with it.
     pub fn is_held(&self) -> bool {
         self.state.is_live()
     }
