@@ -251,6 +251,38 @@ async fn a_renewal_slowed_by_a_lock_that_then_ended_counts_against_no_shard() {
     guard.release().await.unwrap();
 }
 
+/// While a lease's row stays locked, its renewal is tried again at a quarter period, alone:
+/// the leases renewed beside it at the last full tick are not renewed again until the next
+/// one (every lease of the shard was renewed four times as often while a lock lasted).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_retry_of_a_locked_leases_renewal_renews_no_other_lease() {
+    // A period of 6.7 s: the retry comes 1.7 s after the tick that found the row locked.
+    let (_cluster, router, guard, competitor) =
+        locked_lease("2s", "namespaces:\n  default:\n    ttl: 20s\n").await;
+    let free = router.acquire("free", AcquireOptions::new()).await.unwrap();
+    let found = common::eventually(Duration::from_secs(60), || async {
+        router.stats().renewals_blocked >= 1
+    })
+    .await;
+    assert!(found, "the renewals never found the row locked");
+    let until = free.held_until();
+    let retried = common::eventually(Duration::from_secs(30), || async {
+        router.stats().renewals_blocked >= 2
+    })
+    .await;
+    assert!(retried, "the locked lease's renewal was never tried again");
+    assert_eq!(
+        free.held_until(),
+        until,
+        "the retry of a locked lease's renewal renewed a lease free of any lock"
+    );
+    competitor.end().await.unwrap();
+    common::renewed(&guard, "the lease was lost after its row's lock ended").await;
+    common::renewed(&free, "the lease free of any lock was lost").await;
+    free.release().await.unwrap();
+    guard.release().await.unwrap();
+}
+
 /// One shard, a router over it with `statement_timeout` and `rest` (YAML after its shards),
 /// the lease of key `k` it holds, and another transaction holding that lease's row locked.
 async fn locked_lease(

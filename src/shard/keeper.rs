@@ -235,8 +235,15 @@ impl ShardState {
     }
 
     /// Re-acquires local leases if there are any, reports expired leases, and renews the rest
-    /// if the tick is due.
-    async fn tick(self: &Arc<Self>, next_tick: &mut Option<Moment>) {
+    /// if the tick is due. A tick less than a period (the shortest renewal interval in force)
+    /// after the last full one, `last_full` (a retry of leases whose rows another transaction
+    /// held locked, see `LeaseState::renew_apart`), renews those alone: the others were
+    /// renewed then, and are due again a period after it.
+    async fn tick(
+        self: &Arc<Self>,
+        next_tick: &mut Option<Moment>,
+        last_full: &mut Option<Moment>,
+    ) {
         #[cfg(feature = "fault-injection")]
         if self.panic_next_tick.swap(false, Ordering::AcqRel) {
             panic!(
@@ -290,11 +297,17 @@ impl ShardState {
             return;
         }
         let started = Moment::now();
+        // Less than a period after the last full tick (one that went through: a full tick that
+        // failed or was cut short is not one): only the leases renewed apart are due. (Against
+        // the shortest period in force now: a lease registered since with a shorter one makes
+        // the next tick full sooner.)
+        let full_due = last_full.map(|t| t + period);
+        let early = full_due.is_some_and(|due| started < due);
         let mut statements = 0;
         let mut failed = None;
         let mut cut_short = false;
-        // Leases whose rows another transaction holds locked: tried again, apart, soon (the
-        // other leases with them: renewed four times as often while a lock lasts).
+        // Leases whose rows another transaction holds locked: tried again, apart, soon (alone,
+        // until the next full tick).
         let mut blocked: u64 = 0;
         // One statement per chunk, each with its own statement timeout: on a slow shard a
         // tick of many chunks may take longer than one statement may, and each chunk that
@@ -306,9 +319,12 @@ impl ShardState {
         // Leases renewed apart (see `LeaseState::renew_apart`) go last, in statements of their
         // own: the soonest end among them, coming on while a lock stays, would cut short the
         // timeout of every lease renewed with them.
-        let (apart, leases): (Vec<_>, Vec<_>) = leases
+        let (apart, mut leases): (Vec<_>, Vec<_>) = leases
             .into_iter()
             .partition(|l| l.renew_apart.load(Ordering::Acquire));
+        if early {
+            leases.clear();
+        }
         fn chunks_of(
             leases: &[Arc<LeaseState>],
             apart: bool,
@@ -407,13 +423,28 @@ impl ShardState {
                  the lock outlasts it"
             );
         }
+        let full_due = match !early && failed.is_none() && !cut_short {
+            true => {
+                *last_full = Some(started);
+                Some(started + period)
+            }
+            false => full_due,
+        };
+        // Soon, and no later than the next full tick if that is still to come.
+        let retry = || {
+            let now = Moment::now();
+            let soon = now + (period / 4).max(Duration::from_millis(20));
+            Some(match full_due {
+                Some(due) if due > now => soon.min(due),
+                _ => soon,
+            })
+        };
         match failed {
             None if cut_short => *next_tick = Some(Moment::now()),
             // As after a failure: one retry before a blocked lease's end is too few for a lock
             // that ends in its last third.
-            None if blocked > 0 => {
-                *next_tick = Some(Moment::now() + (period / 4).max(Duration::from_millis(20)));
-            }
+            None if blocked > 0 => *next_tick = retry(),
+            None if early => *next_tick = full_due,
             None => {
                 *next_tick = Some(started + period);
                 tracing::trace!(
@@ -434,7 +465,7 @@ impl ShardState {
                     tracing::warn!(shard = self.name(), error = %shardlock_core::Report(&e), leases = leases.len(), "shardlock renewal failed; retrying");
                 }
                 // Retry soon; leases are reported lost only when their deadline passes.
-                *next_tick = Some(Moment::now() + (period / 4).max(Duration::from_millis(20)));
+                *next_tick = retry();
             }
         }
     }
@@ -471,7 +502,7 @@ async fn keep(weak: Weak<ShardState>, mut closed: watch::Receiver<bool>) {
         return;
     };
     {
-        let mut next_tick = None;
+        let (mut next_tick, mut last_full) = (None, None);
         loop {
             let wake_at = match weak.upgrade() {
                 Some(state) => state.plan(&mut next_tick),
@@ -491,7 +522,7 @@ async fn keep(weak: Weak<ShardState>, mut closed: watch::Receiver<bool>) {
                 _ = sleep => {}
             }
             match weak.upgrade() {
-                Some(state) => state.tick(&mut next_tick).await,
+                Some(state) => state.tick(&mut next_tick, &mut last_full).await,
                 None => return,
             }
         }
