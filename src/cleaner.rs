@@ -16,7 +16,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use shardlock_core::config::{CleanerConfig, RegistryKind};
 use shardlock_core::{BackendErrorKind, Error, LockKey, Result};
-use shardlock_mysql::InstanceRow;
+use shardlock_mysql::{InstanceRow, LeaseRow};
 
 use crate::registry::{InstanceRegistry, StaticRegistry};
 use crate::shard::ShardState;
@@ -179,15 +179,58 @@ impl LockRouter {
     /// `keep_alive(false)` or `lock_at_most`, only at its end: until then only `fenced_exec`
     /// stops its writes). `None` when nobody holds the key.
     ///
-    /// While a reload's move is in progress, the key is freed on the shards it lived on
-    /// before as well (where a process that has not reloaded may hold it); the answer is the
-    /// release on its current shard if it was held there, else the first other one.
+    /// The key is freed on every shard of this router's config where it is held: on the shards
+    /// it lived on before while a reload's move is in progress (where a process that has not
+    /// reloaded may hold it), and on the others too (a process of another topology, or a
+    /// fleet's move this router does not know of: an operator's tool run with the new config
+    /// or the old one). The answer is the release on its current shard if it was held there,
+    /// else the first other one ([`LockRouter::force_release_everywhere`] answers them all).
     ///
     /// Cancellation: a release that reached a shard may have committed (holder evicted, fence
     /// raised) unreported; calling again answers `None` there, or evicts whoever took the key
     /// since.
     pub async fn force_release(&self, key: &str) -> Result<Option<ForceReleased>> {
+        Ok(self.force_release_of(key, None).await?.into_iter().next())
+    }
+
+    /// [`LockRouter::force_release`], answering every shard where the key was released (its
+    /// current shard first).
+    ///
+    /// Cancellation: as for [`LockRouter::force_release`].
+    pub async fn force_release_everywhere(&self, key: &str) -> Result<Vec<ForceReleased>> {
         self.force_release_of(key, None).await
+    }
+
+    /// Every shard of this router's config where `key`'s row has an owner (its current shard
+    /// first, then those it lived on before, then the others), and that row: what
+    /// [`LockRouter::force_release`] would free.
+    ///
+    /// Cancellation: reads only; nothing changes.
+    pub async fn holders(&self, key: &str) -> Result<Vec<(String, LeaseRow)>> {
+        let key = LockKey::new(key)?;
+        let mut held = Vec::new();
+        for shard in self.shards_holding(&key) {
+            let row = (shard.unguarded().inspect(key.stored()).await)
+                .map_err(|e| e.into_error(shard.name()))?;
+            if let Some(row) = row.filter(|r| r.owner.is_some()) {
+                held.push((shard.name().to_owned(), row));
+            }
+        }
+        Ok(held)
+    }
+
+    /// Where a row of `key` may be held: its current shard, those it lived on before (a move
+    /// in force), then every other shard of the config, each database once.
+    fn shards_holding(&self, key: &LockKey) -> Vec<Arc<ShardState>> {
+        let topology = self.inner.topology.load_full();
+        let mut shards = vec![topology.locate(key).clone()];
+        shards.extend(topology.previous_locations(key));
+        for shard in topology.all_shards() {
+            if !shards.iter().any(|s| s.same_database(&shard)) {
+                shards.push(shard);
+            }
+        }
+        shards
     }
 
     /// [`LockRouter::force_release`], only if `owner` holds `key`: what an operator who looked
@@ -200,26 +243,20 @@ impl LockRouter {
         key: &str,
         owner: &str,
     ) -> Result<Option<ForceReleased>> {
-        self.force_release_of(key, Some(owner)).await
+        Ok(self
+            .force_release_of(key, Some(owner))
+            .await?
+            .into_iter()
+            .next())
     }
 
-    async fn force_release_of(
-        &self,
-        key: &str,
-        owner: Option<&str>,
-    ) -> Result<Option<ForceReleased>> {
+    async fn force_release_of(&self, key: &str, owner: Option<&str>) -> Result<Vec<ForceReleased>> {
         let key = LockKey::new(key)?;
-        let topology = self.inner.topology.load_full();
-        let mut shards = vec![topology.locate(&key).clone()];
-        shards.extend(topology.previous_locations(&key));
-        drop(topology);
-        let mut first = None;
-        for shard in shards {
-            if let Some(released) = force_release_on(&shard, &key, owner).await? {
-                first.get_or_insert(released);
-            }
+        let mut released = Vec::new();
+        for shard in self.shards_holding(&key) {
+            released.extend(force_release_on(&shard, &key, owner).await?);
         }
-        Ok(first)
+        Ok(released)
     }
 
     /// The instances registered on each shard (`heartbeat` registry), current shards first.

@@ -354,35 +354,52 @@ async fn run_command(
                 ));
             }
             let router = source.tool_router().await?;
-            let (shard, row) = router.inspect(&key).await?;
-            let Some(owner) = row.as_ref().and_then(|r| r.owner.clone()) else {
-                output::force_released(&key, &shard, None, cli.json);
+            // Wherever the config reaches: during a fleet's move, or with a config older or
+            // newer than the fleet's, the holder may be on another shard than this config
+            // places the key on.
+            let held = router.holders(&key).await?;
+            if held.is_empty() {
+                let shard = router.shard_for(&key)?;
+                output::force_released(&key, &shard, &[], cli.json);
                 return Ok(());
-            };
+            }
+            let holders: Vec<String> = held
+                .iter()
+                .map(|(shard, row)| {
+                    format!("by {} on {shard}", row.owner.as_deref().unwrap_or_default())
+                })
+                .collect();
             if !yes
                 && !confirm(&format!(
-                    "Force-release `{key}` on {shard}, held by {owner}?"
+                    "Force-release `{key}`, held {}?",
+                    holders.join(", ")
                 ))?
             {
                 return Err(failure::fail(failure::Exit::Refused, "not released"));
             }
             let released = if yes {
-                router.force_release(&key).await?
+                router.force_release_everywhere(&key).await?
             } else {
-                // The holder confirmed, not whoever took the key since.
-                let released = router.force_release_owner(&key, &owner).await?;
-                if released.is_none() {
+                // The holders confirmed, not whoever took the key since.
+                let mut released = Vec::new();
+                for (_, row) in &held {
+                    let owner = row.owner.as_deref().unwrap_or_default();
+                    released.extend(router.force_release_owner(&key, owner).await?);
+                }
+                if released.is_empty() {
                     return Err(failure::fail(
                         failure::Exit::Refused,
                         format!(
-                            "`{key}` is no longer held by {owner}: not released (run again to \
-                             see its holder now)"
+                            "`{key}` is no longer held {}: not released (run again to see \
+                             its holder now)",
+                            holders.join(", ")
                         ),
                     ));
                 }
                 released
             };
-            output::force_released(&key, &shard, released.as_ref(), cli.json);
+            let shard = router.shard_for(&key)?;
+            output::force_released(&key, &shard, &released, cli.json);
         }
         Command::Cleaner { once } => {
             let router = source.router_with(telemetry).await?;

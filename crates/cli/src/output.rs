@@ -145,25 +145,31 @@ fn merge_instances(
     merged.into_values().collect()
 }
 
-pub(crate) fn force_released(
-    key: &str,
-    shard: &str,
-    released: Option<&ForceReleased>,
-    as_json: bool,
-) {
+/// What `release --force` did: `released` on each shard that held the key (the key's own
+/// shard under this config, `shard`, first if it did). JSON: `released` is the first of
+/// them (or null), `everywhere` all of them.
+pub(crate) fn force_released(key: &str, shard: &str, released: &[ForceReleased], as_json: bool) {
     if as_json {
-        let released =
-            released.map(|r| json!({"owner": r.owner, "was_live": r.was_live, "fence": r.fence}));
+        let each = |r: &ForceReleased| json!({"shard": r.shard, "owner": r.owner, "was_live": r.was_live, "fence": r.fence});
+        let everywhere: Vec<_> = released.iter().map(each).collect();
         println!(
             "{}",
-            json!({ "key": key, "shard": shard, "released": released })
+            json!({
+                "key": key,
+                "shard": shard,
+                "released": released.first().map(each),
+                "everywhere": everywhere,
+            })
         );
         return;
     }
-    match released {
-        None => println!("{key} on {shard}: nobody holds it; nothing to release"),
-        Some(r) => println!(
-            "{key} on {shard}: released from {} ({}); fence raised to {}",
+    if released.is_empty() {
+        println!("{key} on {shard}: nobody holds it; nothing to release");
+    }
+    for r in released {
+        println!(
+            "{key} on {}: released from {} ({}); fence raised to {}",
+            r.shard,
             r.owner,
             if r.was_live {
                 "its lease was live"
@@ -171,7 +177,7 @@ pub(crate) fn force_released(
                 "its lease had expired"
             },
             r.fence
-        ),
+        );
     }
 }
 

@@ -405,6 +405,41 @@ async fn release_force_cleaner_and_registered_instances() {
     assert_eq!(me.unwrap()["deregistered"], true, "shutdown deregisters");
 }
 
+/// `release --force` frees the key wherever the config reaches it held, not only on the shard
+/// this config places it on: during a fleet's move, or run with a config older or newer than
+/// the fleet's, the holder is elsewhere (it answered "nobody holds it" and left it held).
+#[tokio::test(flavor = "multi_thread")]
+async fn release_force_finds_the_holder_on_another_shard_than_its_config_places_the_key() {
+    let (cluster, _dir, config) = cluster_with_config(2).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let yaml = std::fs::read_to_string(&config).unwrap();
+    let tool = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("moved:{i}"))
+        .find(|k| tool.shard_for(k).unwrap() == "s1")
+        .unwrap();
+    tool.shutdown().await.unwrap();
+    // The application runs a topology of s2 alone.
+    let only_s2 = format!(
+        "shards:\n  - name: s2\n    url: {}\n",
+        cluster.shard(1).url()
+    );
+    let app = LockRouter::from_yaml_str(&only_s2).await.unwrap();
+    let guard = app.acquire(&key, AcquireOptions::new()).await.unwrap();
+
+    let released = json(&shardlock(
+        &config,
+        &["--json", "release", "--force", "--yes", &key],
+    ));
+    assert_eq!(released["shard"], "s1", "{released}");
+    assert_eq!(released["released"]["shard"], "s2", "{released}");
+    assert_eq!(released["released"]["owner"], guard.owner(), "{released}");
+    tokio::time::timeout(std::time::Duration::from_secs(10), guard.lost())
+        .await
+        .expect("the evicted holder saw lost()");
+    app.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn cleaner_daemon_stops_cleanly_on_sigterm() {
     use std::io::{BufRead, BufReader};
