@@ -248,9 +248,10 @@ impl LockGuard {
     /// ([`crate::AcquireOptions::keep_alive`]) this is the only way it lasts longer than its
     /// ttl; a renewed lease keeps being renewed by its own ttl after that end.
     /// [`LockGuard::held_until`] moves with it. A [`LockMode::LocalFallback`] guard's key held
-    /// in process has no row: only its end in process moves (`Ok` at once), and the row its
-    /// shard gives it once back lasts that long; once re-acquired on its shard, its row's end
-    /// moves as any other's.
+    /// in process has no row: without keep-alive, only its end in process moves (`Ok` at
+    /// once), and the row its shard gives it once back lasts that long; with keep-alive it has
+    /// no end in process to move, and that row gets its ttl, renewed as usual. Once
+    /// re-acquired on its shard, its row's end moves as any other's.
     ///
     /// Returns [`Error::LockLost`] if the lease already ended or was taken over (the guard then
     /// reports it lost), and a backend error if a shard could not be reached (the lease's end
@@ -265,10 +266,14 @@ impl LockGuard {
             return Err(self.lost_error());
         }
         // Held in process, not re-acquired on its shard yet: only its end in process moves
-        // (the re-acquire takes the row up to it). Re-acquired, it is a lease with a row like
-        // any other.
-        if lease.local && self.hold.shard.extend_local(lease.id, by) {
-            return Ok(());
+        // (the re-acquire takes the row up to it), unless it ended. Re-acquired, it is a lease
+        // with a row like any other.
+        if lease.local {
+            match self.hold.shard.extend_local(lease.id, by) {
+                Some(true) => return Ok(()),
+                Some(false) => return Err(self.lost_error()),
+                None => {}
+            }
         }
         let sent = Moment::now();
         let mut rows = vec![(self.hold.shard.clone(), lease.clone())];
@@ -401,7 +406,7 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
             // (whoever clears the mark gives it back: this release, or the keeper).
             if lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
                 let key = lease.key.stored().to_vec();
-                shard.give_back(key, lease.owner.clone(), lease.ttl);
+                shard.give_back(key, lease.owner.clone(), lease.row_ttl());
             }
             return None;
         }

@@ -55,7 +55,7 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
             // A re-acquire whose reply was lost may have taken the row (see `end_hold`).
             if lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
                 let key = lease.key.stored().to_vec();
-                shard.give_back(key, lease.owner.clone(), lease.ttl);
+                shard.give_back(key, lease.owner.clone(), lease.row_ttl());
             }
             return;
         }

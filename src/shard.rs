@@ -678,16 +678,13 @@ impl ShardState {
         }
     }
 
-    /// Moves the end of lease `id`, held locally here, to at least `by` from now; `false` when
-    /// it is not held locally (re-acquired on the shard, or released). Under the local map's
-    /// lock: a re-acquire moving it to the shard meanwhile sees the new end.
-    pub(crate) fn extend_local(&self, id: u64, by: Duration) -> bool {
+    /// Moves the end of lease `id`, held locally here, to at least `by` from now: `None` when
+    /// it is not held locally (re-acquired on the shard, or released), `Some(false)` when it
+    /// ended in process. Under the local map's lock: a re-acquire moving it to the shard
+    /// meanwhile sees the new end.
+    pub(crate) fn extend_local(&self, id: u64, by: Duration) -> Option<bool> {
         let local = self.local.locked();
-        let lease = local.get(&id);
-        if let Some(lease) = lease {
-            lease.extend_locally(by);
-        }
-        lease.is_some()
+        local.get(&id).map(|lease| lease.extend_locally(by))
     }
 
     /// The leases held locally here, not yet re-acquired on the shard.

@@ -520,7 +520,10 @@ fn lapse(config: &Config) -> Duration {
     );
     let drift = f64::from(config.instance.clock_drift_ppm()) / 1e6;
     let halfway = (timeout + interval) / 2;
-    let spread = config.node_clock_spread();
+    let spread = match config.cleaner.registry {
+        shardlock_core::config::RegistryKind::Heartbeat => config.node_clock_spread(),
+        _ => Duration::ZERO,
+    };
     halfway.min(
         timeout
             .div_f64(1.0 + drift)

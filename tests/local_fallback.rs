@@ -217,10 +217,12 @@ async fn a_local_hold_without_keep_alive_ends_at_its_ttl() {
         .await
         .expect("a local hold without keep-alive was never reported lost");
     assert!(!guard.is_held());
+    // Ended, it stays so: `extend` does not bring it back.
     assert!(matches!(
         guard.extend(Duration::from_secs(60)).await,
         Err(Error::LockLost { .. })
     ));
+    assert!(!guard.is_held());
 
     // Back on the shard, the ended hold is no longer counted as held in process, and takes no
     // row there.
@@ -256,9 +258,10 @@ async fn a_local_hold_without_keep_alive_takes_its_row_for_what_is_left() {
     // The hold ages while its shard is away.
     tokio::time::sleep(Duration::from_secs(4)).await;
     reconciled(&rig).await;
+    // Measured before the read: the row's time left shrinks while it is read.
+    let left = (granted + at_most).saturating_duration_since(tokio::time::Instant::now());
     let (_, row) = rig.router.inspect(&key).await.unwrap();
     let row = row.expect("the reconcile took the row");
-    let left = (granted + at_most).saturating_duration_since(tokio::time::Instant::now());
     // The shard's clock may read a little ahead of the end measured here.
     let slack = 500;
     assert!(
@@ -276,7 +279,8 @@ async fn a_local_hold_without_keep_alive_takes_its_row_for_what_is_left() {
 #[tokio::test(flavor = "multi_thread")]
 async fn extend_while_held_in_process_moves_the_end_the_shard_keeps() {
     let rig = Rig::start("local", None, POOL).await;
-    // A server lock wait of 2 s, inside the statement timeout.
+    // A server lock wait of 3 s, inside the statement timeout: the re-acquire waits that long
+    // behind the lock (while `extend` is called, and the lock then ended).
     let yaml = rig
         .yaml
         .replacen("statement-timeout: 1s", "statement-timeout: 4s", 1);

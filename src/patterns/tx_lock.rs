@@ -314,7 +314,9 @@ impl TxLockGuard {
         // before this transaction commits. (Set before the check: a follow that failed before
         // it rolled them back, and the lock is lost.)
         self.state.rows.locked().committing = true;
-        if !self.is_held() || !self.state.others_still_locked().await {
+        // The other shards first (each a round trip), then this process's own standing, as
+        // near the `COMMIT` as can be.
+        if !self.state.others_still_locked().await || !self.is_held() {
             self.end(false).await?;
             return Err(Error::LockLost {
                 key_label: self.state.label.clone(),

@@ -49,6 +49,7 @@ impl ShardState {
                 trace: None,
             };
             let mut req = request(ttl);
+            lease.asking_row_for(ttl);
             let stats = &self.shared.stats;
             let mut sent = Moment::now();
             let mut attempt = self.acquire_alone(&req).await;
@@ -60,6 +61,7 @@ impl ShardState {
                     continue;
                 };
                 (ttl, req) = (left, request(left));
+                lease.asking_row_for(ttl);
                 sent = Moment::now();
                 attempt = self.acquire_alone(&req).await;
             }
@@ -94,7 +96,7 @@ impl ShardState {
                         }
                     } else {
                         // Released meanwhile: give the row back (until the shard answers).
-                        self.give_back(req.key, req.owner, lease.ttl);
+                        self.give_back(req.key, req.owner, lease.row_ttl());
                     }
                 }
                 Ok(Attempt::Held { .. }) => {
@@ -123,7 +125,7 @@ impl ShardState {
                         // Whoever clears the mark gives the row back, once.
                         let released = !self.local.locked().contains_key(&lease.id);
                         if released && lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
-                            self.give_back(req.key, req.owner, lease.ttl);
+                            self.give_back(req.key, req.owner, lease.row_ttl());
                         }
                     }
                 }
@@ -141,7 +143,7 @@ impl ShardState {
         lease.mark_lost(NOT_RENEWED, &self.shared);
         if lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
             let key = lease.key.stored().to_vec();
-            self.give_back(key, lease.owner.clone(), lease.ttl);
+            self.give_back(key, lease.owner.clone(), lease.row_ttl());
         }
     }
 
@@ -149,6 +151,10 @@ impl ShardState {
     /// `extend` promised while the re-acquire was out. If the shard does not answer, the lease
     /// ends where its row does (earlier than promised, never later than its row).
     async fn extend_reconciled(&self, lease: &LeaseState, to: Moment) {
+        // Lost meanwhile: its row is not to be kept longer.
+        if lease.is_lost() {
+            return;
+        }
         let sent = Moment::now();
         let by = to - sent;
         let key = lease.key.stored();

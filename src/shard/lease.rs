@@ -68,6 +68,10 @@ pub(crate) struct LeaseState {
     /// Set when re-acquiring this local lease on its shard may have written its row unheard
     /// (the reply was lost): released while still local, it gives that row back.
     pub(crate) maybe_on_shard: std::sync::atomic::AtomicBool,
+    /// The longest row a re-acquire of this local lease asked for, in ms (an `extend` in
+    /// process may have made it longer than its ttl): a give-back of a row that re-acquire may
+    /// have written unheard is retried that long.
+    asked_row_ms: AtomicU64,
     /// The topology epoch up to which this lease is known to be visible where the key lives:
     /// granted under it, or followed there by a row on the key's new shard (see
     /// [`crate::moves`]). Only ever rises.
@@ -139,6 +143,7 @@ impl LeaseState {
             release_claimed: Default::default(),
             renew_apart: Default::default(),
             maybe_on_shard: Default::default(),
+            asked_row_ms: AtomicU64::new(0),
             at_least_us: AtomicU64::new(
                 want.at_least
                     .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
@@ -355,10 +360,29 @@ impl LeaseState {
     }
 
     /// Moves an in-process lease's end to at least `by` from now (`extend` while it holds no
-    /// row). The keeper's re-acquire places it again, and extends the row if it ends earlier.
-    pub(crate) fn extend_locally(&self, by: Duration) {
+    /// row); `false` when it already ended or was lost (never revived). The keeper's re-acquire
+    /// places it again, and extends the row if it ends earlier.
+    pub(crate) fn extend_locally(&self, by: Duration) -> bool {
         let mut d = self.deadline.locked();
-        d.at = d.at.max(Moment::now() + by);
+        let now = Moment::now();
+        if d.at <= now || self.is_lost() {
+            return false;
+        }
+        d.at = d.at.max(now + by);
+        true
+    }
+
+    /// Notes that a re-acquire of this in-process lease asks for a row of `ttl`.
+    pub(crate) fn asking_row_for(&self, ttl: Duration) {
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        self.asked_row_ms.fetch_max(ms, Ordering::AcqRel);
+    }
+
+    /// How long a row of this lease may last from when it was last written: its ttl, or the
+    /// longest a re-acquire asked for (a give-back of it is retried that long).
+    pub(crate) fn row_ttl(&self) -> Duration {
+        let asked = Duration::from_millis(self.asked_row_ms.load(Ordering::Acquire));
+        self.ttl.max(asked)
     }
 
     /// Places the local end of an in-process lease re-acquired on its shard by a statement

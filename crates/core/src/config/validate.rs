@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::{
-    redact_url, CleanerConfig, Config, ConfigError, InstanceConfig, NamespaceConfig, RoutingConfig,
-    ShardConfig, TelemetryConfig, TlsMode, DEFAULT_CLOCK_DRIFT,
+    redact_url, CleanerConfig, Config, ConfigError, InstanceConfig, NamespaceConfig, RegistryKind,
+    RoutingConfig, ShardConfig, TelemetryConfig, TlsMode, DEFAULT_CLOCK_DRIFT,
 };
 use crate::BreakerConfig;
 
@@ -23,7 +23,12 @@ impl Config {
         check_clock_margins(&self.shards, &self.namespaces)?;
         check_breaker(&self.breaker)?;
         check_cleaner(&self.cleaner)?;
-        check_lapse(&self.instance, &self.cleaner, self.node_clock_spread())?;
+        // The spread counts only where heartbeats are read (the lapse is theirs).
+        let spread = match self.cleaner.registry {
+            RegistryKind::Heartbeat => self.node_clock_spread(),
+            _ => Duration::ZERO,
+        };
+        check_lapse(&self.instance, &self.cleaner, spread)?;
         check_telemetry(&self.telemetry)
     }
 }
@@ -545,6 +550,9 @@ mod tests {
         let e = Config::from_yaml_str(&yaml("3s")).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("cleaner.heartbeat-timeout"), "{e}");
         assert!(Config::from_yaml_str(&yaml("4s")).is_ok());
+        // Nobody reads heartbeats under the static registry.
+        let unread = yaml("3s").replace("cleaner:\n", "cleaner:\n  registry: static\n");
+        assert!(Config::from_yaml_str(&unread).is_ok());
     }
 
     #[test]
