@@ -147,6 +147,81 @@ fn a_release_queued_behind_a_runtime_that_ended_is_sent_by_its_own() {
     assert!(!row.expect("b's row").is_held());
 }
 
+/// A router used from two runtimes: an acquire sent by the lane's runner on one of them, its
+/// row written and its reply held up on the way back, when that runtime ends. Its caller, on
+/// the other runtime, was told the router had shut down, and the row stayed taken until its
+/// ttl; the row is now given back and the caller's next poll takes the key.
+#[test]
+fn an_acquire_whose_runner_ended_unanswered_is_given_back_and_tried_again() {
+    let main = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (cluster, direct, _) = main.block_on(common::start(1, ""));
+    let proxy = main
+        .block_on(Proxy::start(cluster.shard(0).port()))
+        .unwrap();
+    let router = main.block_on(async {
+        LockRouter::from_yaml_str(&format!(
+            "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 30s\n    \
+             pool:\n      batches-in-flight: 1\n      create-timeout: 30s\n",
+            proxy.url()
+        ))
+        .await
+        .unwrap()
+    });
+    let other = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let ttl = AcquireOptions::new().ttl(Duration::from_secs(60));
+    // A pooled connection, made here without delay.
+    main.block_on(async {
+        let warm = router.acquire("warm", ttl.clone()).await.unwrap();
+        warm.release().await.unwrap();
+    });
+    // Every chunk takes 2 s each way: the lane's runner starts on `other` with `x`, and sends
+    // `k`, queued meanwhile from `main`, after it.
+    proxy.set(ProxyMode::Delay(Duration::from_secs(2)));
+    let _x = other.spawn({
+        let (router, ttl) = (router.clone(), ttl.clone());
+        async move { router.acquire("x", ttl).await }
+    });
+    let written = |key: &'static str| {
+        let direct = &direct;
+        async move {
+            loop {
+                let (_, row) = direct.inspect(key).await.unwrap();
+                if row.is_some_and(|r| r.is_held()) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    // Handed out of the runtime unawaited: it is awaited once `other` is gone.
+    #[allow(clippy::async_yields_async)]
+    let k = main.block_on(async {
+        written("x").await;
+        let k = tokio::spawn({
+            let router = router.clone();
+            async move { router.acquire("k", ttl.wait(Duration::from_secs(60))).await }
+        });
+        // Written: its reply is on its way back.
+        written("k").await;
+        k
+    });
+    other.shutdown_background();
+    proxy.set(ProxyMode::Pass);
+    let answer = main.block_on(async { tokio::time::timeout(Duration::from_secs(60), k).await });
+    let guard = answer
+        .expect("the acquire was never answered")
+        .unwrap()
+        .expect("an acquire whose runner ended unanswered failed");
+    main.block_on(guard.release()).unwrap();
+}
+
 /// A heartbeat writes the instance's row as live again. One still on its way when the router
 /// deregisters would make a process that is gone count as live for `heartbeat-timeout`, to
 /// cleaners and to routers starting with another topology (which then grant nothing):

@@ -119,7 +119,18 @@ async fn attempt(
         .into_error(shard.name()));
     };
     pending.taken = true;
-    match result.map_err(|_| Error::Shutdown)? {
+    let Ok(result) = result else {
+        // The lane's runner ended with this statement on its way, unanswered (its runtime shut
+        // down, or it panicked): it may have taken the row. Given back, owner-checked, until
+        // the shard answers; the next poll, with another owner, starts a runner here.
+        let ttl = Duration::from_millis(req.ttl_ms.into());
+        shard.give_back(req.key.clone(), req.owner.clone(), ttl);
+        return match shard.shared.is_closed() {
+            true => Err(Error::Shutdown),
+            false => Ok(None),
+        };
+    };
+    match result {
         // The lane's last runner ended (its runtime shut down) before sending it: no answer
         // this poll; the next one queues it again, and starts a runner on this runtime.
         Err(e) if crate::shard::is_not_sent(&e) => Ok(None),
