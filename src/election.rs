@@ -83,7 +83,9 @@ pub struct Leader {
 impl LockRouter {
     /// Campaigns for the leadership of `name` until elected: the first campaigner leads, the
     /// others wait (polling as any acquire does) and the next one is elected when the leader
-    /// resigns, or when its lease ends after it died or lost its shard. `opts` gives the
+    /// resigns, or when its lease ends after it died or lost its shard. A lost [`Leadership`]
+    /// kept alive in this process still holds the name's turn here (no second holder of a key
+    /// in one process while a guard of it lives): drop it before campaigning again. `opts` gives the
     /// namespace and ttl (its `wait` is ignored: wrap the call in a timeout to bound it).
     /// While the name's shard cannot elect anyone the campaign waits for it.
     ///
@@ -128,22 +130,46 @@ impl LockRouter {
         Ok(Some(Leadership { guard }))
     }
 
-    /// Who leads `name` now, if anyone, as the row on its shard says (`opts` names the
-    /// namespace campaigned in, for its key scope). A read only: a leader whose process died is
-    /// reported until its lease ends.
+    /// Who leads `name` now, if anyone, as the rows on its shards say (`opts` names the
+    /// namespace campaigned in, for its key scope): where the name lives, and while a reload's
+    /// move is in force where it lived before (a leader that has not reloaded holds it there).
+    /// A read only: a leader whose process died is reported until its lease ends. The term is
+    /// its grant's fence: of the leader's rows, the lowest (a leadership that followed its
+    /// name to a new shard has a higher fence there).
     pub async fn leader(&self, name: &str, opts: AcquireOptions) -> Result<Option<Leader>> {
         let key = self.scope(shardlock_core::LockKey::new(name)?, &opts)?;
-        let (_, row) = self.inspect_key(&key).await?;
-        Ok(row.filter(|row| row.is_held()).and_then(|row| {
-            let owner = row.owner?;
-            // `<instance id>:<nonce>:<seq>` (instance ids have no ':').
-            let instance_id = owner.rsplitn(3, ':').nth(2)?.to_owned();
-            Some(Leader {
-                instance_id,
-                term: row.fence,
-                expires_in: Duration::from_millis(row.expires_in_ms.max(0) as u64),
-                owner,
-            })
-        }))
+        let shards = {
+            let topology = self.inner.topology.load();
+            let mut shards = vec![topology.locate(&key).clone()];
+            shards.extend(topology.previous_locations(&key));
+            shards
+        };
+        let mut leader: Option<Leader> = None;
+        for shard in shards {
+            let row = (shard.unguarded().inspect(key.stored()).await)
+                .map_err(|e| e.into_error(shard.name()))?;
+            let Some(row) = row.filter(|row| row.is_held()) else {
+                continue;
+            };
+            let Some(owner) = row.owner else { continue };
+            match &mut leader {
+                // Another row of the same leadership: the lower fence is its grant's.
+                Some(l) if l.owner == owner => l.term = l.term.min(row.fence),
+                Some(_) => {}
+                None => {
+                    // `<instance id>:<nonce>:<seq>` (instance ids have no ':').
+                    let Some(instance_id) = owner.rsplitn(3, ':').nth(2).map(str::to_owned) else {
+                        continue;
+                    };
+                    leader = Some(Leader {
+                        instance_id,
+                        term: row.fence,
+                        expires_in: Duration::from_millis(row.expires_in_ms.max(0) as u64),
+                        owner,
+                    });
+                }
+            }
+        }
+        Ok(leader)
     }
 }

@@ -215,7 +215,10 @@ impl LockGuard {
     /// Completes when the lease is lost: renewal failed until the lease ended (then at its
     /// local deadline, when [`LockGuard::is_held`] turns false), the key was taken over or
     /// force-released, or this process's heartbeat lapsed (see [`LockGuard::is_held`]). Never
-    /// completes for a lease that stays held. Cancel-safe.
+    /// completes for a lease that stays held. Cancel-safe. A lost guard still holds its key's
+    /// turn in this process until it is dropped or released (no two guards of one key live at
+    /// once in a process, whatever their state): other tasks of this process wait for that,
+    /// other processes do not.
     pub async fn lost(&self) {
         let lease = &self.hold.lease;
         // A companion row's loss (a moved key) is reported through the lease it belongs to.

@@ -63,6 +63,56 @@ async fn a_campaigner_is_elected_through_the_shard_not_handed_a_lock_in_memory()
 }
 
 /// Waits until `name` is led by an instance for which `pick` holds.
+/// `leader` reads every shard the name may live on: during a reload's move, a leader that has
+/// not reloaded leads on the shard the name left (a reloaded process answered that nobody
+/// led), and a leadership that followed its name to the new shard reports its grant's term
+/// (the new shard's row has a higher fence).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_leader_is_found_where_it_leads_during_a_move() {
+    let cluster = shardlock_testkit::Cluster::start(2).await.unwrap();
+    let config = |shards: usize| {
+        let mut yaml = String::from("shards:\n");
+        for s in &cluster.shards()[..shards] {
+            yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
+        }
+        shardlock::Config::from_yaml_str(&format!(
+            "{yaml}routing:\n  move-window: 60s\ncleaner:\n  heartbeat-interval: 100ms\n"
+        ))
+        .unwrap()
+    };
+    let (one, two) = (config(1), config(2));
+    LockRouter::new(two.clone())
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let placed = LockRouter::new(two.clone()).await.unwrap();
+    let name = (0..)
+        .map(|i| format!("leader:{i}"))
+        .find(|n| placed.shard_for(n).unwrap() == "s2")
+        .unwrap();
+    placed.shutdown().await.unwrap();
+
+    let leading = LockRouter::new(one.clone()).await.unwrap();
+    let reloaded = LockRouter::new(one).await.unwrap();
+    let leadership = leading.campaign(&name, opts()).await.unwrap();
+    reloaded.reload(two.clone()).await.unwrap();
+    let seen = reloaded.leader(&name, opts()).await.unwrap();
+    assert_eq!(
+        seen.as_ref().map(|l| l.owner.as_str()),
+        Some(leadership.guard().owner()),
+        "a reloaded process did not find the leader on the shard its name left"
+    );
+
+    leading.reload(two).await.unwrap();
+    let followed = common::eventually(EVENT, || async { leading.stats().followed >= 1 }).await;
+    assert!(followed, "the leadership never followed its name");
+    let seen = reloaded.leader(&name, opts()).await.unwrap().unwrap();
+    assert_eq!(seen.term, leadership.term(), "{seen:?}");
+    leadership.resign().await.unwrap();
+}
+
 async fn leader_where(router: &LockRouter, pick: impl Fn(&Leader) -> bool) -> Leader {
     let deadline = tokio::time::Instant::now() + EVENT;
     loop {
