@@ -109,9 +109,11 @@ impl<Req, Resp> LockLayer<Req, Resp> {
     }
 
     /// The options of each acquire: namespace, ttl, and how long a request waits for a held
-    /// key (zero, the default, answers busy at once).
+    /// key (zero, the default, answers busy at once: options that set no wait keep it, not
+    /// the namespace's).
     pub fn options(mut self, opts: AcquireOptions) -> Self {
-        self.opts = opts;
+        let wait = opts.wait.unwrap_or(std::time::Duration::ZERO);
+        self.opts = opts.wait(wait);
         self
     }
 }

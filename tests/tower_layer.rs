@@ -96,6 +96,26 @@ async fn serve(router: LockRouter, opts: AcquireOptions) -> Server {
     }
 }
 
+/// Options that set no wait keep the layer's default (answer busy at once), not the
+/// namespace's wait (a minute here: a request for a held key hung that long).
+#[tokio::test(flavor = "multi_thread")]
+async fn options_without_a_wait_still_answer_busy_at_once() {
+    let (_cluster, router, _yaml) =
+        common::start(1, "namespaces:\n  default:\n    wait: 60s\n").await;
+    let server = serve(router, AcquireOptions::new().ttl(Duration::from_secs(10))).await;
+    let slow = tokio::spawn(get_status(server.addr, "/pay/slow-held"));
+    server.entered.notified().await;
+    let busy = tokio::time::timeout(
+        Duration::from_secs(20),
+        get_status(server.addr, "/pay/slow-held"),
+    )
+    .await
+    .expect("a request for a held key waited the namespace's wait");
+    assert_eq!(busy, 409);
+    server.release.notify_one();
+    assert_eq!(slow.await.unwrap(), 200);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn requests_for_one_key_run_one_at_a_time() {
     let (cluster, router, _yaml) = common::start(2, "").await;
