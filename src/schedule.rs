@@ -51,7 +51,10 @@ impl LockRouter {
     /// ([`ScheduledRun::interval`]). The lease is renewed while `f` runs: nobody else runs
     /// meanwhile, and a run that outlasts its interval leaves the next interval to whoever
     /// ticks after it ends. If the process dies mid-run, the key stays taken until the
-    /// interval ends or the lease's ttl runs out, whichever is later.
+    /// interval ends or the lease's ttl runs out, whichever is later. Options without
+    /// keep-alive (`lock_at_most`) bound the lease instead: a run that outlasts both its
+    /// interval and that bound may overlap the next interval's run (race it against
+    /// [`LockGuard::lost`]).
     ///
     /// Refused: `every` outside 100 ms..1 day; an in-process lock (the `local` failure
     /// policy while the shard is down) does not count as a run anywhere but here, so it
