@@ -203,15 +203,22 @@ impl LockRouter {
 
     /// Every shard of this router's config where `key`'s row has an owner (its current shard
     /// first, then those it lived on before, then the others), and that row: what
-    /// [`LockRouter::force_release`] would free.
+    /// [`LockRouter::force_release`] would free. A shard where the key does not live that does
+    /// not answer is passed over (warned of); the key's own shards must answer.
     ///
     /// Cancellation: reads only; nothing changes.
     pub async fn holders(&self, key: &str) -> Result<Vec<(String, LeaseRow)>> {
         let key = LockKey::new(key)?;
         let mut held = Vec::new();
-        for shard in self.shards_holding(&key) {
-            let row = (shard.unguarded().inspect(key.stored()).await)
-                .map_err(|e| e.into_error(shard.name()))?;
+        for (shard, placed) in self.shards_holding(&key) {
+            let row = match shard.unguarded().inspect(key.stored()).await {
+                Ok(row) => row,
+                Err(e) if !placed => {
+                    passed_over(&shard, &e);
+                    continue;
+                }
+                Err(e) => return Err(e.into_error(shard.name())),
+            };
             if let Some(row) = row.filter(|r| r.owner.is_some()) {
                 held.push((shard.name().to_owned(), row));
             }
@@ -219,15 +226,20 @@ impl LockRouter {
         Ok(held)
     }
 
-    /// Where a row of `key` may be held: its current shard, those it lived on before (a move
-    /// in force), then every other shard of the config, each database once.
-    fn shards_holding(&self, key: &LockKey) -> Vec<Arc<ShardState>> {
+    /// Where a row of `key` may be held, each database once: its current shard and those it
+    /// lived on before (a move in force), marked `true`; then every other shard of the config.
+    fn shards_holding(&self, key: &LockKey) -> Vec<(Arc<ShardState>, bool)> {
         let topology = self.inner.topology.load_full();
-        let mut shards = vec![topology.locate(key).clone()];
-        shards.extend(topology.previous_locations(key));
+        let mut shards = vec![(topology.locate(key).clone(), true)];
+        shards.extend(
+            topology
+                .previous_locations(key)
+                .into_iter()
+                .map(|s| (s, true)),
+        );
         for shard in topology.all_shards() {
-            if !shards.iter().any(|s| s.same_database(&shard)) {
-                shards.push(shard);
+            if !shards.iter().any(|(s, _)| s.same_database(&shard)) {
+                shards.push((shard, false));
             }
         }
         shards
@@ -250,11 +262,29 @@ impl LockRouter {
             .next())
     }
 
+    /// [`LockRouter::force_release_owner`], answering every shard where `owner`'s row of the
+    /// key was released (a lease of a moved key has rows on several).
+    ///
+    /// Cancellation: as for [`LockRouter::force_release`].
+    pub async fn force_release_owner_everywhere(
+        &self,
+        key: &str,
+        owner: &str,
+    ) -> Result<Vec<ForceReleased>> {
+        self.force_release_of(key, Some(owner)).await
+    }
+
+    /// Releases on the key's own shards (which must answer: the error is returned), then on
+    /// the others that answer.
     async fn force_release_of(&self, key: &str, owner: Option<&str>) -> Result<Vec<ForceReleased>> {
         let key = LockKey::new(key)?;
         let mut released = Vec::new();
-        for shard in self.shards_holding(&key) {
-            released.extend(force_release_on(&shard, &key, owner).await?);
+        for (shard, placed) in self.shards_holding(&key) {
+            match force_release_on(&shard, &key, owner).await {
+                Ok(one) => released.extend(one),
+                Err(e) if !placed => passed_over(&shard, &e),
+                Err(e) => return Err(e),
+            }
         }
         Ok(released)
     }
@@ -469,6 +499,11 @@ fn nonce_of(owner: &str) -> Option<&str> {
 }
 
 /// [`LockRouter::force_release`] on one shard, of `expected`'s lease only if given.
+/// Warns of a shard where a key does not live that did not answer a look for its rows.
+fn passed_over(shard: &ShardState, e: &(dyn std::error::Error + 'static)) {
+    tracing::warn!(shard = shard.name(), error = %shardlock_core::Report(e), "shardlock could not look for the key on a shard where it does not live; passed over");
+}
+
 async fn force_release_on(
     shard: &ShardState,
     key: &LockKey,

@@ -134,8 +134,10 @@ impl LockRouter {
     /// namespace campaigned in, for its key scope): where the name lives, and while a reload's
     /// move is in force where it lived before (a leader that has not reloaded holds it there).
     /// A read only: a leader whose process died is reported until its lease ends. The term is
-    /// its grant's fence: of the leader's rows, the lowest (a leadership that followed its
-    /// name to a new shard has a higher fence there).
+    /// the lowest fence of the leader's rows read: its grant's while the move is in force (a
+    /// leadership that followed its name to a new shard has a higher fence there), the new
+    /// shard's row's once only that is read. A shard the name lived on before that does not
+    /// answer is passed over.
     pub async fn leader(&self, name: &str, opts: AcquireOptions) -> Result<Option<Leader>> {
         let key = self.scope(shardlock_core::LockKey::new(name)?, &opts)?;
         let shards = {
@@ -145,16 +147,24 @@ impl LockRouter {
             shards
         };
         let mut leader: Option<Leader> = None;
-        for shard in shards {
-            let row = (shard.unguarded().inspect(key.stored()).await)
-                .map_err(|e| e.into_error(shard.name()))?;
+        for (i, shard) in shards.iter().enumerate() {
+            let row = match shard.unguarded().inspect(key.stored()).await {
+                Ok(row) => row,
+                Err(_) if i > 0 => continue,
+                Err(e) => return Err(e.into_error(shard.name())),
+            };
             let Some(row) = row.filter(|row| row.is_held()) else {
                 continue;
             };
             let Some(owner) = row.owner else { continue };
+            let expires_in = Duration::from_millis(row.expires_in_ms.max(0) as u64);
             match &mut leader {
-                // Another row of the same leadership: the lower fence is its grant's.
-                Some(l) if l.owner == owner => l.term = l.term.min(row.fence),
+                // Another row of the same leadership: the lower fence is its grant's, and it
+                // lasts as long as its row that ends first.
+                Some(l) if l.owner == owner => {
+                    l.term = l.term.min(row.fence);
+                    l.expires_in = l.expires_in.min(expires_in);
+                }
                 Some(_) => {}
                 None => {
                     // `<instance id>:<nonce>:<seq>` (instance ids have no ':').
@@ -164,7 +174,7 @@ impl LockRouter {
                     leader = Some(Leader {
                         instance_id,
                         term: row.fence,
-                        expires_in: Duration::from_millis(row.expires_in_ms.max(0) as u64),
+                        expires_in,
                         owner,
                     });
                 }

@@ -332,6 +332,29 @@ async fn a_million_released_rows_are_cleaned_in_batches_under_load() {
     );
 }
 
+/// Force-release looks for the key on every shard of its config, but a shard where the key
+/// does not live that is down holds nothing up: the key is still freed where it is held (an
+/// incident, when force-release is used, is when a shard is down).
+#[tokio::test(flavor = "multi_thread")]
+async fn force_release_passes_over_a_dead_shard_where_the_key_does_not_live() {
+    let (cluster, holder, yaml) = common::start(2, "").await;
+    let key = (0..)
+        .map(|i| format!("stuck:{i}"))
+        .find(|k| holder.shard_for(k).unwrap() == "s1")
+        .unwrap();
+    let stuck = holder.acquire(&key, AcquireOptions::new()).await.unwrap();
+    cluster.shard(1).kill().unwrap();
+    let operator = router(&yaml).await;
+    let held = operator.holders(&key).await.unwrap();
+    assert_eq!(held.len(), 1, "{held:?}");
+    let released = operator.force_release_everywhere(&key).await.unwrap();
+    assert_eq!(released.len(), 1, "{released:?}");
+    assert_eq!(released[0].owner, stuck.owner());
+    tokio::time::timeout(Duration::from_secs(10), stuck.lost())
+        .await
+        .expect("the evicted holder never saw lost()");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn force_release_evicts_a_live_holder_with_a_fence_that_rejects_its_writes() {
     let (cluster, holder, yaml) = common::start(2, "namespaces:\n  default:\n    ttl: 1s\n").await;

@@ -135,9 +135,9 @@ async fn attempt(
         // this poll; the next one queues it again, and starts a runner on this runtime.
         Err(e) if crate::shard::is_not_sent(&e) => Ok(None),
         // Deadlocks (and lock waits) are retried within the statement's time; one still there
-        // after it undid its statement (nothing applied): the key counts as busy, polled again
-        // within the caller's wait, never surfaced.
-        Err(e) if e.kind.is_retryable() && !e.maybe_applied => Ok(None),
+        // after it: the key counts as busy, polled again within the caller's wait, never
+        // surfaced. (A batch's try that may have written the row is given back by its lane.)
+        Err(e) if e.kind.is_retryable() => Ok(None),
         result => result.map(Some).map_err(|e| e.into_error(shard.name())),
     }
 }

@@ -380,11 +380,17 @@ async fn run_command(
             let released = if yes {
                 router.force_release_everywhere(&key).await?
             } else {
-                // The holders confirmed, not whoever took the key since.
+                // The holders confirmed, not whoever took the key since (each owner once: a
+                // lease of a moved key has rows on several shards).
+                let mut owners: Vec<&str> = held
+                    .iter()
+                    .filter_map(|(_, row)| row.owner.as_deref())
+                    .collect();
+                owners.sort_unstable();
+                owners.dedup();
                 let mut released = Vec::new();
-                for (_, row) in &held {
-                    let owner = row.owner.as_deref().unwrap_or_default();
-                    released.extend(router.force_release_owner(&key, owner).await?);
+                for owner in owners {
+                    released.extend(router.force_release_owner_everywhere(&key, owner).await?);
                 }
                 if released.is_empty() {
                     return Err(failure::fail(
