@@ -83,13 +83,17 @@ async fn a_guard_dropped_on_a_runtime_that_ends_is_released() {
     );
 }
 
-/// A router used from two runtimes: a release parked mid-statement on one of them, and a
-/// release of the same shard queued behind it on the other (one batch in flight per lane).
-/// The first runtime is dropped outside any runtime, so its release can start no runner for
-/// what queued: the queued release is not left waiting forever, but queued again on its own
-/// runtime, sent, and the key released.
-#[test]
-fn a_release_queued_behind_a_runtime_that_ended_is_sent_by_its_own() {
+/// A current-thread runtime, one shard, a router reaching it directly and one through a
+/// proxy (one batch in flight per lane; `extra`, YAML lines, in its shard's entry).
+fn behind_a_proxy(
+    extra: &str,
+) -> (
+    tokio::runtime::Runtime,
+    shardlock_testkit::Cluster,
+    LockRouter,
+    Proxy,
+    LockRouter,
+) {
     let main = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -100,12 +104,24 @@ fn a_release_queued_behind_a_runtime_that_ended_is_sent_by_its_own() {
         .unwrap();
     let router = main.block_on(async {
         LockRouter::from_yaml_str(&format!(
-            "shards:\n  - name: s1\n    url: {}\n    pool:\n      batches-in-flight: 1\n",
+            "shards:\n  - name: s1\n    url: {}\n{extra}    pool:\n      \
+             batches-in-flight: 1\n      create-timeout: 30s\n",
             proxy.url()
         ))
         .await
         .unwrap()
     });
+    (main, cluster, direct, proxy, router)
+}
+
+/// A router used from two runtimes: a release parked mid-statement on one of them, and a
+/// release of the same shard queued behind it on the other (one batch in flight per lane).
+/// The first runtime is dropped outside any runtime, so its release can start no runner for
+/// what queued: the queued release is not left waiting forever, but queued again on its own
+/// runtime, sent, and the key released.
+#[test]
+fn a_release_queued_behind_a_runtime_that_ended_is_sent_by_its_own() {
+    let (main, _cluster, direct, proxy, router) = behind_a_proxy("");
     let (a, b) = main.block_on(async {
         let a = router.acquire("a", AcquireOptions::new()).await.unwrap();
         let b = router.acquire("b", AcquireOptions::new()).await.unwrap();
@@ -153,23 +169,7 @@ fn a_release_queued_behind_a_runtime_that_ended_is_sent_by_its_own() {
 /// ttl; the row is now given back and the caller's next poll takes the key.
 #[test]
 fn an_acquire_whose_runner_ended_unanswered_is_given_back_and_tried_again() {
-    let main = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (cluster, direct, _) = main.block_on(common::start(1, ""));
-    let proxy = main
-        .block_on(Proxy::start(cluster.shard(0).port()))
-        .unwrap();
-    let router = main.block_on(async {
-        LockRouter::from_yaml_str(&format!(
-            "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 30s\n    \
-             pool:\n      batches-in-flight: 1\n      create-timeout: 30s\n",
-            proxy.url()
-        ))
-        .await
-        .unwrap()
-    });
+    let (main, _cluster, direct, proxy, router) = behind_a_proxy("    statement-timeout: 30s\n");
     let other = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
