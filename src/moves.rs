@@ -800,11 +800,9 @@ async fn carry_jobs(
                 .map_err(on(source))?;
             // Towards a shard this process does not know (gone from every config it runs):
             // left moving, said so; the move does not wait for it.
-            let (known_to, unknown_to): (Vec<_>, Vec<_>) = begun.into_iter().partition(|job| {
-                known
-                    .iter()
-                    .any(|s| s.identity.get() == Some(&job.moved_to))
-            });
+            let (known_to, unknown_to): (Vec<_>, Vec<_>) = begun
+                .into_iter()
+                .partition(|job| destination(&known, &job.moved_to).is_some());
             for job in unknown_to {
                 tracing::warn!(
                     shard = source.name(),
@@ -835,10 +833,7 @@ async fn carry_jobs(
         let mut by_destination: Vec<(Arc<ShardState>, Vec<shardlock_mysql::MovingJob>)> =
             Vec::new();
         for job in moving {
-            let Some(dest) = known
-                .iter()
-                .find(|s| s.identity.get() == Some(&job.moved_to))
-            else {
+            let Some(dest) = destination(&known, &job.moved_to) else {
                 waiting += 1;
                 continue;
             };
@@ -867,6 +862,31 @@ async fn carry_jobs(
             });
         }
     }
+}
+
+/// The shard of `known` that a job marked moving to `moved_to` (a shard's identity when its
+/// move began) goes to: the one with that identity; else the one database with its shard id
+/// (that shard failed over to a promoted replica behind its URL since: the server part of its
+/// identity changed, and its database, a copy, kept the shard id). Two databases with one
+/// shard id (copies) cannot be told apart: none.
+fn destination<'a>(known: &'a [Arc<ShardState>], moved_to: &str) -> Option<&'a Arc<ShardState>> {
+    let exact = known.iter().find(|s| {
+        s.identity.get().map(String::as_str) == Some(moved_to)
+            || s.server_identity().as_deref() == Some(moved_to)
+    });
+    if exact.is_some() {
+        return exact;
+    }
+    let id = crate::placement_record::shard_id(moved_to);
+    if id.is_empty() {
+        return None;
+    }
+    let mut copies = known.iter().filter(|s| {
+        s.server_identity()
+            .is_some_and(|i| crate::placement_record::shard_id(&i) == id)
+    });
+    let first = copies.next()?;
+    copies.all(|c| c.same_database(first)).then_some(first)
 }
 
 /// Which jobs of a shard [`carry_jobs`] moves.

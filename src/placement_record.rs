@@ -54,7 +54,7 @@ struct RecordedShard {
 
 /// The first word of a shard identity: the id its database stores (a promoted replica or a
 /// restored copy keeps it, and holds the rows).
-fn shard_id(identity: &str) -> &str {
+pub(crate) fn shard_id(identity: &str) -> &str {
     identity.split(' ').next().unwrap_or("")
 }
 

@@ -665,6 +665,39 @@ async fn runs_once(router: &LockRouter, queue: &str, cluster: &Cluster) {
     nothing_left(cluster).await;
 }
 
+/// A job marked moving towards a shard whose server changed since (a failover to a promoted
+/// replica behind its URL: same database, same shard id, another server) still goes there and
+/// runs once: it was matched by the whole identity, found nowhere, and the move waited for it
+/// for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_moving_towards_a_shard_that_failed_over_since_still_runs_once() {
+    let (cluster, three, four) = cluster().await;
+    let queue = moving_key(&three, &four, "queue:").await;
+    let placed = LockRouter::new(four.clone()).await.unwrap();
+    let dest = shard_of(&cluster, &placed, &queue);
+    placed.shutdown().await.unwrap();
+    let router = LockRouter::new(three).await.unwrap();
+    let home = shard_of(&cluster, &router, &queue);
+    let id = router
+        .enqueue_job(&queue, b"once", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    let shard_id: Option<String> = (dest.connect().await.unwrap())
+        .query_first("SELECT value FROM shardlock_meta WHERE name = 'shard-id'")
+        .await
+        .unwrap();
+    (home.connect().await.unwrap())
+        .exec_drop(
+            "UPDATE shardlock_job SET status = 'moving', moved_to = ? WHERE id = ?",
+            (format!("{} replaced-host:3306#9/shardlock", shard_id.unwrap()), id),
+        )
+        .await
+        .unwrap();
+    router.reload(four).await.unwrap();
+    common::moves_done(&router).await;
+    runs_once(&router, &queue, &cluster).await;
+}
+
 /// A job left moving towards a shard no config of this process lists (its move undone half
 /// way, that shard since dropped) does not hold up the moves of the shard it sits on.
 #[tokio::test(flavor = "multi_thread")]
