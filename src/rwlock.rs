@@ -96,7 +96,9 @@ impl WriteGuard {
 
 impl LockRouter {
     /// The read/write lock `name`, letting up to `readers` readers (1 to 1024) in at once;
-    /// a writer takes `readers + 1` leases, so keep it near the readers you expect.
+    /// a writer takes `readers + 1` leases, so keep it near the readers you expect. Its slots
+    /// are the buckets of the key `name` (as a semaphore's permits are): a semaphore, an
+    /// rw-lock and bucketed acquires of one name share rows; give each its own name.
     pub fn rw_lock(&self, name: &str, readers: u32) -> Result<RwLock> {
         check_slots(name, readers, "readers")?;
         Ok(RwLock {
@@ -143,7 +145,8 @@ impl RwLock {
 
     /// Takes the write hold: the writer intent, then every reader slot in order, all within
     /// the wait of `opts`. On failure what was taken is released. Errors and cancellation as
-    /// for [`LockRouter::acquire_all_buckets`].
+    /// for [`LockRouter::acquire_all_buckets`]. There is no upgrade: a task that holds a read
+    /// hold of this lock waits here for its own slot until the wait runs out; release it first.
     pub async fn write(&self, opts: AcquireOptions) -> Result<WriteGuard> {
         let ns = self.router.namespace_of(&opts)?;
         let deadline = instant_after(opts.wait.unwrap_or(ns.wait));

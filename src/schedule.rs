@@ -61,7 +61,8 @@ impl LockRouter {
     /// returns [`Error::Unavailable`] instead of running `f`.
     ///
     /// Cancellation: dropping the future ends the run (the row stays taken until the
-    /// interval ends); before `f` started, nothing ran.
+    /// interval ends); before `f` started, nothing ran, and the interval counts as run all the
+    /// same once its lease was granted.
     pub async fn run_exclusive<F, Fut, T>(
         &self,
         key: &str,
