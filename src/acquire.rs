@@ -142,7 +142,7 @@ impl LockRouter {
         if let (true, Err(lapsed)) = (from_shard, joined) {
             // Never handed out: the caller sees the lapse instead.
             if let Some(guard) = granted {
-                let _ = guard.release().await;
+                guard.give_back_unseen().await;
             }
             return Err(lapsed);
         }

@@ -367,6 +367,19 @@ impl LockGuard {
                 .map_err(|_| Error::Shutdown)?,
         }
     }
+
+    /// Gives back a grant its caller never saw (sought across a heartbeat lapse): released
+    /// through its shard, handed to no waiter in memory (it may have been placed where the
+    /// fleet no longer places its key); the waiters poll the shard.
+    pub(crate) async fn give_back_unseen(mut self) {
+        self.done = true;
+        if self.hold.guards.fetch_sub(1, Ordering::AcqRel) > 1 {
+            return;
+        }
+        let (shard, lease) = (self.hold.shard.clone(), self.hold.lease.clone());
+        let turn = lease.turn.locked().take();
+        let _ = tokio::spawn(release_through_shard(shard, lease, turn)).await;
+    }
 }
 
 impl Drop for LockGuard {
