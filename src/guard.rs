@@ -370,13 +370,21 @@ impl LockGuard {
 
     /// Gives back a grant its caller never saw (sought across a heartbeat lapse): released
     /// through its shard, handed to no waiter in memory (it may have been placed where the
-    /// fleet no longer places its key); the waiters poll the shard.
+    /// fleet no longer places its key); the waiters poll the shard. In full: a minimum hold
+    /// (`lock_at_least`, a scheduled run's interval) is for a holder that ran.
     pub(crate) async fn give_back_unseen(mut self) {
         self.done = true;
         if self.hold.guards.fetch_sub(1, Ordering::AcqRel) > 1 {
             return;
         }
         let (shard, lease) = (self.hold.shard.clone(), self.hold.lease.clone());
+        let shared = &shard.shared;
+        for row in
+            std::iter::once(lease.clone()).chain(lease.companion_rows().into_iter().map(|(_, r)| r))
+        {
+            row.clear_at_least();
+            shared.released_kept(&row.owner);
+        }
         let turn = lease.turn.locked().take();
         let _ = tokio::spawn(release_through_shard(shard, lease, turn)).await;
     }

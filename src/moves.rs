@@ -800,9 +800,14 @@ async fn carry_jobs(
                 .map_err(on(source))?;
             // Towards a shard this process does not know (gone from every config it runs):
             // left moving, said so; the move does not wait for it.
-            let (known_to, unknown_to): (Vec<_>, Vec<_>) = begun
-                .into_iter()
-                .partition(|job| destination(&known, &job.moved_to).is_some());
+            // By identity alone: the shard-id match is for moves begun in force (see
+            // `destination`); a copy of a shard gone from the config may not hold what was
+            // marked.
+            let (known_to, unknown_to): (Vec<_>, Vec<_>) = begun.into_iter().partition(|job| {
+                known
+                    .iter()
+                    .any(|s| s.identity.get() == Some(&job.moved_to))
+            });
             for job in unknown_to {
                 tracing::warn!(
                     shard = source.name(),
@@ -867,8 +872,10 @@ async fn carry_jobs(
 /// The shard of `known` that a job marked moving to `moved_to` (a shard's identity when its
 /// move began) goes to: the one with that identity; else the one database with its shard id
 /// (that shard failed over to a promoted replica behind its URL since: the server part of its
-/// identity changed, and its database, a copy, kept the shard id). Two databases with one
-/// shard id (copies) cannot be told apart: none.
+/// identity changed, and its database, a copy, kept the shard id), as the placement record
+/// takes the one copy of a database for it. Two databases with one shard id (copies) cannot
+/// be told apart: none. (A restored copy that diverged, its original gone from the config,
+/// would be taken for it: a job the original received may then run twice.)
 fn destination<'a>(known: &'a [Arc<ShardState>], moved_to: &str) -> Option<&'a Arc<ShardState>> {
     let exact = known.iter().find(|s| {
         s.identity.get().map(String::as_str) == Some(moved_to)

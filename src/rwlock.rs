@@ -146,7 +146,8 @@ impl RwLock {
     /// Takes the write hold: the writer intent, then every reader slot in order, all within
     /// the wait of `opts`. On failure what was taken is released. Errors and cancellation as
     /// for [`LockRouter::acquire_all_buckets`]. There is no upgrade: a task that holds a read
-    /// hold of this lock waits here for its own slot until the wait runs out; release it first.
+    /// hold of this lock waits here for its own slot until the wait runs out (new readers are
+    /// turned away meanwhile, the writer's intent held); release it first.
     pub async fn write(&self, opts: AcquireOptions) -> Result<WriteGuard> {
         let ns = self.router.namespace_of(&opts)?;
         let deadline = instant_after(opts.wait.unwrap_or(ns.wait));

@@ -62,7 +62,7 @@ impl LockRouter {
     ///
     /// Cancellation: dropping the future ends the run (the row stays taken until the
     /// interval ends); before `f` started, nothing ran, and the interval counts as run all the
-    /// same once its lease was granted.
+    /// same once its lease was granted (its row kept taken as a finished run's is).
     pub async fn run_exclusive<F, Fut, T>(
         &self,
         key: &str,

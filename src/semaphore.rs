@@ -58,8 +58,9 @@ impl LockRouter {
     /// The semaphore `name` with `permits` permits (1 to 1024). Its permits are the buckets of
     /// the key `name`: a semaphore, an rw-lock and bucketed acquires of one name share rows;
     /// give each its own name. A waiter tries every permit held by another process once per
-    /// backoff step (a statement each): many waiters on many permits cost their shards that
-    /// many statements.
+    /// backoff step (a statement each at least, as any acquire: more for a key a reload moved,
+    /// or with its holder's trace recorded): many waiters on many permits cost their shards
+    /// that many statements.
     pub fn semaphore(&self, name: &str, permits: u32) -> Result<Semaphore> {
         check_slots(name, permits, "permits")?;
         Ok(Semaphore {

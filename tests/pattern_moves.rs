@@ -689,7 +689,10 @@ async fn a_job_moving_towards_a_shard_that_failed_over_since_still_runs_once() {
     (home.connect().await.unwrap())
         .exec_drop(
             "UPDATE shardlock_job SET status = 'moving', moved_to = ? WHERE id = ?",
-            (format!("{} replaced-host:3306#9/shardlock", shard_id.unwrap()), id),
+            (
+                format!("{} replaced-host:3306#9/shardlock", shard_id.unwrap()),
+                id,
+            ),
         )
         .await
         .unwrap();
