@@ -720,8 +720,8 @@ fn settle_copy(source: Arc<ShardState>, target: Arc<ShardState>, row: CasRow, to
 
 /// Moves the unfinished jobs of moved queues from `source` to where the queues live now: ready
 /// jobs and abandoned claims with retries left are marked as moving to that shard (claimers
-/// skip them; the first marker fixes where a job goes), enqueued there once each (by origin),
-/// then marked moved. Abandoned claims with no retries left fail on `source`. A job marked
+/// skip them; the first marker fixes where a job goes), enqueued there once each (by the
+/// move's carry key, read off the row), then marked moved. Abandoned claims with no retries left fail on `source`. A job marked
 /// moving whose queue lives on `source` again (a reload undone during its move) goes on to
 /// where its move began for. Returns what the move still waits for (see [`JobsLeft`]).
 async fn carry_jobs(
@@ -729,11 +729,6 @@ async fn carry_jobs(
     source: &Arc<ShardState>,
     scope: JobScope,
 ) -> shardlock_core::Result<JobsLeft> {
-    let origin = source
-        .identity
-        .get()
-        .cloned()
-        .ok_or_else(|| not_yet(source, "its identity is unknown".into()))?;
     let known = router.shared.shard_states();
     let (mut waiting, mut resumed) = (0, 0);
     let mut after = 0;
@@ -803,11 +798,9 @@ async fn carry_jobs(
             // By identity alone: the shard-id match is for moves begun in force (see
             // `destination`); a copy of a shard gone from the config may not hold what was
             // marked.
-            let (known_to, unknown_to): (Vec<_>, Vec<_>) = begun.into_iter().partition(|job| {
-                known
-                    .iter()
-                    .any(|s| s.identity.get() == Some(&job.moved_to))
-            });
+            let (known_to, unknown_to): (Vec<_>, Vec<_>) = begun
+                .into_iter()
+                .partition(|job| known_as(&known, &job.moved_to).is_some());
             for job in unknown_to {
                 tracing::warn!(
                     shard = source.name(),
@@ -831,6 +824,10 @@ async fn carry_jobs(
                 .call_waiting(|b| b.start_moving(&ids, &to))
                 .await
                 .map_err(on(source))?;
+            // A job it did not mark and nobody had was claimed (or finished) since it was
+            // read: the move waits for it, as for a running one, or its claim would run out
+            // on a shard no claim of its queue comes to once the move is over.
+            waiting += ids.len().saturating_sub(started.len());
             moving.extend(started);
         }
         // Each to the shard its move started for (another process's carry may have started
@@ -851,7 +848,7 @@ async fn carry_jobs(
             }
         }
         for (dest, jobs) in by_destination {
-            dest.call_waiting(|b| b.enqueue_moved(&origin, &jobs))
+            dest.call_waiting(|b| b.enqueue_moved(&jobs))
                 .await
                 .map_err(on(&dest))?;
             let moved: Vec<u64> = jobs.iter().map(|j| j.id).collect();
@@ -877,10 +874,7 @@ async fn carry_jobs(
 /// be told apart: none. (A restored copy that diverged, its original gone from the config,
 /// would be taken for it: a job the original received may then run twice.)
 fn destination<'a>(known: &'a [Arc<ShardState>], moved_to: &str) -> Option<&'a Arc<ShardState>> {
-    let exact = known.iter().find(|s| {
-        s.identity.get().map(String::as_str) == Some(moved_to)
-            || s.server_identity().as_deref() == Some(moved_to)
-    });
+    let exact = known_as(known, moved_to);
     if exact.is_some() {
         return exact;
     }
@@ -894,6 +888,16 @@ fn destination<'a>(known: &'a [Arc<ShardState>], moved_to: &str) -> Option<&'a A
     });
     let first = copies.next()?;
     copies.all(|c| c.same_database(first)).then_some(first)
+}
+
+/// The shard of `known` whose identity is `moved_to`, as this process first read it or as its
+/// latest heartbeat read it (another process may have marked the job after a failover of that
+/// shard that this one read before, or the other way round).
+fn known_as<'a>(known: &'a [Arc<ShardState>], moved_to: &str) -> Option<&'a Arc<ShardState>> {
+    known.iter().find(|s| {
+        s.identity.get().map(String::as_str) == Some(moved_to)
+            || s.server_identity().as_deref() == Some(moved_to)
+    })
 }
 
 /// Which jobs of a shard [`carry_jobs`] moves.

@@ -649,12 +649,12 @@ async fn a_job_whose_move_a_restart_undid_half_way_still_runs_once() {
     runs_once(&restarted, &queue, &cluster).await;
 }
 
-/// Asserts that the one job of `queue`, its payload `once`, whose move was undone half way,
-/// is claimed through `router` once, and that nothing is left unfinished.
+/// Asserts that the one job of `queue`, its payload `once`, is claimed through `router` once,
+/// and that nothing is left unfinished.
 async fn runs_once(router: &LockRouter, queue: &str, cluster: &Cluster) {
     let job = (router.claim_job(queue, "w", Duration::from_secs(30)).await)
         .unwrap()
-        .unwrap_or_else(|| panic!("the job whose move was undone is claimed by nobody"));
+        .unwrap_or_else(|| panic!("the job is claimed by nobody"));
     assert_eq!(job.payload, b"once");
     assert!(router.complete_job(&job).await.unwrap());
     let again = router
@@ -697,6 +697,112 @@ async fn a_job_moving_towards_a_shard_that_failed_over_since_still_runs_once() {
         .await
         .unwrap();
     router.reload(four).await.unwrap();
+    common::moves_done(&router).await;
+    runs_once(&router, &queue, &cluster).await;
+}
+
+/// A job carried by two processes at once, one that read its shard's server before a failover
+/// behind its URL and one after (`server_id` changed: the same database, another server),
+/// is enqueued where it goes once: each keyed it by the server it had read, and it ran twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_carried_by_processes_on_either_side_of_a_failover_runs_once() {
+    let (cluster, three, four) = cluster_with("    statement-timeout: 10s\n").await;
+    let queue = moving_key(&three, &four, "queue:").await;
+    // A fleet that has granted records its placement, and a process that starts reads which
+    // server each shard is.
+    let first = LockRouter::new(three.clone()).await.unwrap();
+    let warm = first.acquire("warm", AcquireOptions::new()).await.unwrap();
+    warm.release().await.unwrap();
+    common::until_placement_recorded_on(&cluster.shards()[..3]).await;
+    first.shutdown().await.unwrap();
+    let a = LockRouter::new(three.clone()).await.unwrap();
+    let home = shard_of(&cluster, &a, &queue);
+    a.enqueue_job(&queue, b"once", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    // The failover: another server id, and every session ended (a session keeps the server
+    // id it started with).
+    let mut conn = home.connect().await.unwrap();
+    conn.query_drop("SET GLOBAL server_id = 4242")
+        .await
+        .unwrap();
+    let sessions: Vec<u64> = conn
+        .query(
+            "SELECT id FROM information_schema.processlist \
+             WHERE id <> CONNECTION_ID() AND command <> 'Daemon'",
+        )
+        .await
+        .unwrap();
+    for id in sessions {
+        let _ = conn.query_drop(format!("KILL CONNECTION {id}")).await;
+    }
+    let b = LockRouter::new(three).await.unwrap();
+    // Keys that move go to the shard `four` adds: both copies wait there.
+    let dest = &cluster.shards()[3];
+    let mut held = copies_held(dest).await;
+
+    a.reload(four.clone()).await.unwrap();
+    b.reload(four).await.unwrap();
+    // One waits for the copies' row lock, the other behind it for the table's auto-increment
+    // lock, which no row-lock count shows.
+    let both = common::eventually(Duration::from_secs(30), || async {
+        let copies: Option<u64> = (dest.connect().await.unwrap())
+            .query_first(
+                "SELECT COUNT(*) FROM information_schema.processlist \
+                 WHERE info LIKE 'INSERT INTO shardlock_job%'",
+            )
+            .await
+            .unwrap();
+        copies >= Some(2)
+    })
+    .await;
+    assert!(both, "the two processes never both tried to copy the job");
+    held.query_drop("ROLLBACK").await.unwrap();
+    common::moves_done(&a).await;
+    common::moves_done(&b).await;
+    runs_once(&a, &queue, &cluster).await;
+}
+
+/// A job claimed between a carry's read of it and its marking (the claim reached the shard
+/// its queue leaves while that shard was still in force) holds the move up until its claim
+/// ends: the move ended without it, and once the claim ran out (its worker gone) no claim of
+/// its queue came to that shard again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_claimed_while_its_carry_marks_it_holds_the_move_up() {
+    let (cluster, three, four) = cluster().await;
+    let queue = moving_key(&three, &four, "queue:").await;
+    let router = LockRouter::new(three).await.unwrap();
+    let home = shard_of(&cluster, &router, &queue);
+    let id = router
+        .enqueue_job(&queue, b"once", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    // The worker's claim waits for the carry's read and goes in before its marking.
+    let mut worker = home.connect().await.unwrap();
+    worker.query_drop("START TRANSACTION").await.unwrap();
+    worker
+        .exec_drop(
+            "SELECT id FROM shardlock_job WHERE id = ? FOR UPDATE",
+            (id,),
+        )
+        .await
+        .unwrap();
+
+    router.reload(four).await.unwrap();
+    let marking = common::eventually(Duration::from_secs(30), || async {
+        home.lock_waits_now().await.unwrap() >= 1
+    })
+    .await;
+    assert!(marking, "the carry never tried to mark the job");
+    worker
+        .exec_drop(
+            "UPDATE shardlock_job SET status = 'claimed', locked_by = 'gone', \
+             locked_at = NOW(3), lease_until = NOW(3) + INTERVAL 2 SECOND WHERE id = ?",
+            (id,),
+        )
+        .await
+        .unwrap();
+    worker.query_drop("COMMIT").await.unwrap();
     common::moves_done(&router).await;
     runs_once(&router, &queue, &cluster).await;
 }

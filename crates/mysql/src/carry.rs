@@ -256,7 +256,22 @@ pub struct MovingJob {
     pub max_retries: u32,
     /// The identity of the shard it goes to (fixed when its move started).
     pub moved_to: String,
+    /// What names this move of it wherever it lands (its origin there, unique): see
+    /// [`CARRY_KEY`].
+    pub carry_key: String,
 }
+
+/// The key a job's move is enqueued under where it goes, read from the row it leaves: the
+/// shard id, the job's id and its own origin (the request id of its enqueue, or the key of
+/// the move that brought it; a job from before migration 6 has none, and its contents stand
+/// in). Every process reads the same key off the same row, before or after a failover of its
+/// shard behind its URL, so a move carried by two processes enqueues the job once; the
+/// job's own origin keeps two jobs that share an id apart (a promoted replica that had not
+/// received the last jobs reuses their ids), and a move back onto a shard the job once left
+/// is a new key.
+const CARRY_KEY: &str = "CONCAT('carry:', SHA2(CONCAT_WS('#', \
+     (SELECT value FROM shardlock_meta WHERE name = 'shard-id'), id, \
+     IFNULL(origin, CONCAT(queue, '#', due_at, '#', SHA2(payload, 256)))), 256))";
 
 /// Marks `ids` as being moved to the shard `to` (those still ready, or claimed and abandoned
 /// with retries left: their retry count goes up, as a new claim would do) and returns every
@@ -296,12 +311,21 @@ pub(crate) async fn moves_begun(
     ids: &[u64],
 ) -> mysql_async::Result<Vec<MovingJob>> {
     let (list, params) = id_list(ids);
-    type Row = (u64, Vec<u8>, Vec<u8>, mysql_async::Value, u32, u32, Vec<u8>);
+    type Row = (
+        u64,
+        Vec<u8>,
+        Vec<u8>,
+        mysql_async::Value,
+        u32,
+        u32,
+        Vec<u8>,
+        String,
+    );
     let rows: Vec<Row> = conn
         .exec(
             format!(
-                "SELECT id, queue, payload, due_at, retry_count, max_retries, moved_to \
-                 FROM shardlock_job WHERE id IN {list} AND status = 'moving'"
+                "SELECT id, queue, payload, due_at, retry_count, max_retries, moved_to, \
+                 {CARRY_KEY} FROM shardlock_job WHERE id IN {list} AND status = 'moving'"
             ),
             Params::Positional(params),
         )
@@ -309,25 +333,24 @@ pub(crate) async fn moves_begun(
     Ok(rows
         .into_iter()
         .map(
-            |(id, queue, payload, due_at, retry_count, max_retries, moved_to)| MovingJob {
-                id,
-                queue,
-                payload,
-                due_at,
-                retry_count,
-                max_retries,
-                moved_to: String::from_utf8_lossy(&moved_to).into_owned(),
+            |(id, queue, payload, due_at, retry_count, max_retries, moved_to, carry_key)| {
+                MovingJob {
+                    id,
+                    queue,
+                    payload,
+                    due_at,
+                    retry_count,
+                    max_retries,
+                    moved_to: String::from_utf8_lossy(&moved_to).into_owned(),
+                    carry_key,
+                }
             },
         )
         .collect())
 }
 
-/// Enqueues moved jobs, each at most once: `origin` (where it came from) is unique.
-pub(crate) async fn enqueue_moved(
-    conn: &mut Conn,
-    origin: &str,
-    jobs: &[MovingJob],
-) -> mysql_async::Result<()> {
+/// Enqueues moved jobs, each at most once: its origin here, its move's carry key, is unique.
+pub(crate) async fn enqueue_moved(conn: &mut Conn, jobs: &[MovingJob]) -> mysql_async::Result<()> {
     if jobs.is_empty() {
         return Ok(());
     }
@@ -339,7 +362,7 @@ pub(crate) async fn enqueue_moved(
             job.due_at.clone(),
             job.retry_count.into(),
             job.max_retries.into(),
-            format!("{origin}#{}", job.id).into(),
+            job.carry_key.as_str().into(),
         ]);
     }
     let sql = format!(

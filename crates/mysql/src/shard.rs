@@ -768,14 +768,10 @@ impl Shard {
         .await
     }
 
-    /// Enqueues moved jobs here, each once (`origin` names the shard they come from).
-    pub async fn enqueue_moved(
-        &self,
-        origin: &str,
-        jobs: &[MovingJob],
-    ) -> Result<(), BackendError> {
-        self.run("enqueue_moved", (origin, jobs), |c, &(origin, jobs)| {
-            Box::pin(carry::enqueue_moved(c, origin, jobs))
+    /// Enqueues moved jobs here, each once (by its move's carry key).
+    pub async fn enqueue_moved(&self, jobs: &[MovingJob]) -> Result<(), BackendError> {
+        self.run("enqueue_moved", jobs, |c, &jobs| {
+            Box::pin(carry::enqueue_moved(c, jobs))
         })
         .await
     }
