@@ -198,6 +198,25 @@ impl ShardState {
         self.call_timed(statement(&self.backend), |_| false).await
     }
 
+    /// [`ShardState::call_waiting`] for a statement given less time than the shard's
+    /// statement timeout when `cut`: its timeout then tells of the time it was given, not of
+    /// the shard, and decides nothing (a renewal bounded by a lease about to end, after an
+    /// outage, would otherwise reopen a breaker that had just let it through as a probe).
+    pub(crate) async fn call_waiting_cut<'s, T, F>(
+        &'s self,
+        cut: bool,
+        statement: impl FnOnce(&'s Shard) -> F,
+    ) -> Result<T, BackendError>
+    where
+        F: std::future::Future<Output = Result<T, BackendError>> + 's,
+    {
+        let Some(ticket) = self.admit().ticket() else {
+            return Err(self.rejected());
+        };
+        self.run_admitted(ticket, statement(&self.backend), |_| false, cut)
+            .await
+    }
+
     /// The backend without the breaker: the one way around it, for what an operator or the
     /// application asks directly — migrate, inspect, status counts, force-release, registry
     /// listings, a dropped router's deregistration, and the connection `shard_connection`

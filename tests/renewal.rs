@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use shardlock::{AcquireOptions, LockRouter};
+use shardlock::{AcquireOptions, BreakerState, LockRouter};
 use shardlock_testkit::{Cluster, Proxy, ProxyMode};
 
 const LEASES: usize = 1000;
@@ -60,6 +60,42 @@ async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
         g.release().await.unwrap();
     }
     assert_eq!(common::live_leases(&cluster).await, 0);
+}
+
+/// A renewal given less than the statement timeout (what was left before its lease's end)
+/// that runs out tells of the time it had, not of the shard: it counted as a failure, and
+/// after an outage the breaker that let such a renewal through as a probe opened again, and
+/// again, until every lease of the shard was lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_renewal_cut_short_by_its_leases_end_does_not_open_the_breaker() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\nbreaker:\n  slow-call: 10s\n  \
+         consecutive-failures: 1\ncleaner:\n  registry: static\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let held = router
+        .acquire("cut", AcquireOptions::new().ttl(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    // Each way: a renewal takes 800 ms at least, more than a 1 s lease has left at its tick.
+    proxy.set(ProxyMode::Delay(Duration::from_millis(400)));
+    held.lost().await;
+    // Its renewal ran out at the lease's end, as the lease was reported lost.
+    let ran_out = common::eventually(Duration::from_secs(30), || async {
+        router.stats().renew_failures >= 1
+    })
+    .await;
+    assert!(ran_out, "no renewal ran out");
+    assert_eq!(
+        router.breaker_state("s1"),
+        Some(BreakerState::Closed),
+        "a renewal cut short by its lease's end opened the breaker"
+    );
+    proxy.set(ProxyMode::Pass);
 }
 
 /// On a link slower than the time left to the next end of a lease without keep-alive (held

@@ -357,15 +357,19 @@ impl ShardState {
                 cut_short = true;
                 break;
             }
-            let timeout = self.statement_timeout().min(earliest - sent);
+            let full = self.statement_timeout();
+            let timeout = full.min(earliest - sent);
             let pairs: Vec<(&[u8], &str)> = chunk
                 .iter()
                 .map(|l| (l.key.stored(), l.owner.as_str()))
                 .collect();
             // A renewal may wait behind another transaction's row lock, which then ends, or
-            // find rows locked: its duration says nothing of the shard's health (a timeout or
-            // an error still counts). Acquires and heartbeats tell a slow shard.
-            match self.call_waiting(|b| b.renew(&pairs, timeout, apart)).await {
+            // find rows locked: its duration says nothing of the shard's health (an error
+            // still counts, and a timeout when it had the whole statement timeout). Acquires
+            // and heartbeats tell a slow shard.
+            let renewal =
+                self.call_waiting_cut(timeout < full, |b| b.renew(&pairs, timeout, apart));
+            match renewal.await {
                 Ok(outcome) => {
                     statements += u64::from(outcome.statements);
                     for (lease, renewal) in chunk.iter().zip(outcome.held) {

@@ -432,10 +432,13 @@ impl Shard {
                 // off) is left: new connections go to the next one, and no caller is handed
                 // another connection to it to wait out its timeout on. A wait for a pooled
                 // connection that timed out says nothing of any node, nor does a statement
-                // sent with less than half the time left (the wait took the rest).
+                // sent with less than half the time left (the wait took the rest), nor one
+                // given less than the statement timeout (a renewal bounded by a lease about
+                // to end).
                 let waited =
                     Duration::from_micros(sent_at.load(std::sync::atomic::Ordering::Relaxed));
-                if manager.has_nodes() && on_node && waited <= timeout / 2 {
+                let full = timeout >= self.statement_timeout;
+                if manager.has_nodes() && on_node && full && waited <= timeout / 2 {
                     manager.leave_node(node);
                     self.pool.retain(|c, _| c.node() != node);
                 }
@@ -860,8 +863,12 @@ impl Shard {
         // local end is worthless. (The lease keeper passes one chunk at a time, each with the
         // statement timeout or, if sooner, the time left before the soonest lease end.)
         let deadline = Instant::now() + timeout;
-        for chunk in leases.chunks(MAX_RENEW_BATCH) {
-            let left = deadline.saturating_duration_since(Instant::now());
+        for (i, chunk) in leases.chunks(MAX_RENEW_BATCH).enumerate() {
+            // The first has the whole of it (a timeout given in full tells of the node).
+            let left = match i {
+                0 => timeout,
+                _ => deadline.saturating_duration_since(Instant::now()),
+            };
             let (part, _) = self
                 .with_conn(
                     "renew",
