@@ -425,7 +425,17 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
         let turn = lease.turn.locked().take();
         if shard.remove_local(lease.id) {
             shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
-            drop(turn);
+            // A minimum hold (`lock_at_least`) keeps the key's turn, the one place an
+            // in-process hold excludes anyone, until it has passed.
+            let left = (lease.at_least())
+                .and_then(|at_least| at_least.checked_sub(hold.granted.elapsed()));
+            match (left, shard.shared.runtime()) {
+                (Some(left), Some(runtime)) if !left.is_zero() => drop(runtime.spawn(async move {
+                    tokio::time::sleep(left).await;
+                    drop(turn);
+                })),
+                _ => drop(turn),
+            }
             // A re-acquire whose reply was lost may have taken the row under this owner
             // (whoever clears the mark gives it back: this release, or the keeper).
             if lease.maybe_on_shard.swap(false, Ordering::SeqCst) {

@@ -73,7 +73,8 @@ impl AcquireOptions {
     /// when the guard is released earlier: a job that runs on a schedule and finishes fast
     /// cannot be run again by an instance whose clock or schedule lags. Until then the row
     /// shows the finished holder as its owner. Leases are not handed over in memory to or
-    /// from such a hold. If the holder dies first, the lease ends as any other does (at its
+    /// from such a hold; a hold in process (`LockMode::LocalFallback`) keeps the key from the
+    /// process's other callers that long. If the holder dies first, the lease ends as any other does (at its
     /// ttl, see [`AcquireOptions::lock_at_most`]).
     pub fn lock_at_least(mut self, at_least: Duration) -> Self {
         self.at_least = Some(at_least);

@@ -200,6 +200,29 @@ async fn extend_moves_the_end_of_a_local_hold_once_it_was_reconciled() {
     guard.release().await.unwrap();
 }
 
+/// `lock_at_least(d)` keeps a key taken for `d` after its grant whatever its holder does, in
+/// process too: a hold in process released at once let the next caller of this process take
+/// the key straight away, and a once-per-interval job ran twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_hold_released_early_keeps_its_key_for_its_minimum() {
+    let at_least = Duration::from_secs(5);
+    let (rig, key, guard) = held_locally_for(AcquireOptions::new().lock_at_least(at_least)).await;
+    guard.release().await.unwrap();
+    let next = rig.router.try_acquire(&key, AcquireOptions::new()).await;
+    let next = next.map(|g| g.map(|g| g.mode()));
+    assert!(
+        matches!(next, Ok(None)),
+        "a key held in process for at least {at_least:?} was taken again once released: {next:?}"
+    );
+    // Then it is taken again.
+    let after = (rig.router)
+        .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(after.mode(), LockMode::LocalFallback);
+    after.release().await.unwrap();
+}
+
 /// `lock_at_most(d)` bounds a hold whatever its holder does, in process too: a key held in
 /// process without keep-alive ends at its ttl from the grant (it had no end at all while its
 /// shard was away), and its shard, once back, does not take it again for this process.
