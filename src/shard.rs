@@ -691,6 +691,14 @@ impl ShardState {
     pub(crate) fn insert_local(self: &Arc<Self>, lease: Arc<LeaseState>) {
         self.local.locked().insert(lease.id, lease.clone());
         lease.allow_drift(self.shared.drift_ppm());
+        // Granted after a shutdown took its list of the holds to end (the acquire's statement
+        // failed after it began): lost as those are, as in [`ShardState::insert`]. (Listed
+        // before the check: one of the two sees the other.)
+        if self.shared.is_closed() {
+            self.remove_local(lease.id);
+            lease.mark_lost(SHUT_DOWN, &self.shared);
+            return;
+        }
         self.wake.notify_one();
         if lease.placed_epoch.load(Ordering::Acquire) < self.shared.epoch() {
             self.shared.follow(self.clone(), lease);

@@ -321,3 +321,39 @@ async fn a_grant_answered_after_shutdown_began_says_it_is_lost() {
         );
     }
 }
+
+/// A key granted in process by an acquire that was waiting on its shard while the router shut
+/// down (its statement timed out after shutdown had ended every hold it knew of, and the
+/// breaker opened) is lost at once, as shutdown ends every hold: its guard stayed held, and
+/// its `lost()` never completed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hold_in_process_granted_across_a_shutdown_is_lost() {
+    let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\nbreaker:\n  \
+         consecutive-failures: 1\n  slow-call: 10s\ncleaner:\n  registry: static\n\
+         namespaces:\n  default:\n    on-shard-failure: local\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    proxy.set(ProxyMode::HoldTo(b"held-key"));
+    let acquiring = tokio::spawn({
+        let router = router.clone();
+        let opts = AcquireOptions::new().wait(Duration::from_secs(30));
+        async move { router.acquire("held-key", opts).await }
+    });
+    let _held = proxy.held().await;
+    router.shutdown().await.unwrap();
+    match acquiring.await.unwrap() {
+        Ok(guard) => {
+            assert_eq!(guard.mode(), shardlock::LockMode::LocalFallback);
+            tokio::time::timeout(Duration::from_secs(10), guard.lost())
+                .await
+                .expect("a hold in process granted across a shutdown was never reported lost");
+            assert!(!guard.is_held());
+        }
+        Err(e) => assert!(matches!(e, shardlock::Error::Shutdown), "{e}"),
+    }
+}
