@@ -168,7 +168,8 @@ impl ShardState {
     where
         F: std::future::Future<Output = Result<T, BackendError>> + 's,
     {
-        self.call_timed(statement(&self.backend), |_| true).await
+        self.call_timed(statement(&self.backend), |_| Timing::Counts)
+            .await
     }
 
     /// [`ShardState::call`] for callers outside the lease machinery (the other lock
@@ -195,7 +196,8 @@ impl ShardState {
     where
         F: std::future::Future<Output = Result<T, BackendError>> + 's,
     {
-        self.call_timed(statement(&self.backend), |_| false).await
+        self.call_timed(statement(&self.backend), |_| Timing::Ignored)
+            .await
     }
 
     /// [`ShardState::call_waiting`] for a statement given less time than the shard's
@@ -213,7 +215,7 @@ impl ShardState {
         let Some(ticket) = self.admit().ticket() else {
             return Err(self.rejected());
         };
-        self.run_admitted(ticket, statement(&self.backend), |_| false, cut)
+        self.run_admitted(ticket, statement(&self.backend), |_| Timing::Ignored, cut)
             .await
     }
 
@@ -253,9 +255,7 @@ impl ShardState {
     }
 
     /// One grant attempt, sent alone or in a batch with others of this shard (see
-    /// [`lanes`]), through the breaker. An answer that the key's row stayed locked by another
-    /// transaction ([`Attempt::Locked`]) took the server's lock wait on purpose: it never
-    /// counts as a slow call.
+    /// [`lanes`]), through the breaker; its duration is judged by [`acquire_timing`].
     pub(crate) async fn acquire(
         self: &Arc<Self>,
         req: &GrantRequest,
@@ -270,10 +270,9 @@ impl ShardState {
     /// long, and every caller's acquire of the shard would queue behind it (a lane has one
     /// steady runner for a pool under 16). Judged by the breaker as the lane judges it.
     pub(crate) async fn acquire_alone(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
-        // Only a wait that ended `Locked` says nothing of the shard's health.
         let attempt = self
             .call_timed(self.backend.acquire(req), |r| {
-                !matches!(r, Ok(Attempt::Locked))
+                acquire_timing(r, |a| *a == Attempt::Locked)
             })
             .await;
         if !matches!(&attempt, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
@@ -414,7 +413,9 @@ impl ShardState {
                 // row may be free only because the statement being undone has not written it
                 // yet; a single release waits behind that statement's lock.
                 let release = shard.backend.release(&key, &owner);
-                let released = shard.run_admitted(ticket, release, |_| true, true).await;
+                let released = shard
+                    .run_admitted(ticket, release, |_| Timing::Counts, true)
+                    .await;
                 // Undoing a grant: a "not ours" may come before the statement being undone has
                 // finished on the server (its client gave up; the server did not), so only a
                 // release that freed the row ends it early.
@@ -546,24 +547,24 @@ impl ShardState {
     async fn call_timed<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, BackendError>>,
-        slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
+        timing: impl FnOnce(&Result<T, BackendError>) -> Timing,
     ) -> Result<T, BackendError> {
         let Some(ticket) = self.admit().ticket() else {
             return Err(self.rejected());
         };
-        self.run_admitted(ticket, call, slow_counts, false).await
+        self.run_admitted(ticket, call, timing, false).await
     }
 
     /// Runs a call [`ShardState::admit`] let through (with its `ticket`: a call, or a probe) and
     /// reports how it went to the breaker: a failure, or a success slower than the slow-call
-    /// threshold where `slow_counts` says its duration tells of the shard. A `tentative` call
-    /// that timed out or was slow decides nothing (a probe's slot is given back unjudged):
-    /// only a prompt answer or a failure that is not a timeout is recorded.
+    /// threshold as `timing` says its duration tells of the shard. A `tentative` call that
+    /// timed out or was slow decides nothing (a probe's slot is given back unjudged): only a
+    /// prompt answer or a failure that is not a timeout is recorded.
     async fn run_admitted<T>(
         &self,
         ticket: Ticket,
         call: impl std::future::Future<Output = Result<T, BackendError>>,
-        slow_counts: impl FnOnce(&Result<T, BackendError>) -> bool,
+        timing: impl FnOnce(&Result<T, BackendError>) -> Timing,
         tentative: bool,
     ) -> Result<T, BackendError> {
         let probe = match ticket {
@@ -590,14 +591,16 @@ impl ShardState {
         // node this process uses: a call is slow only beyond the longest that may take
         // (errors, a statement timeout among them, still count).
         let elapsed = started.elapsed();
-        let took = if slow_counts(&result) && elapsed > self.backend.stall_allowance() {
+        let timing = timing(&result);
+        let took = if timing != Timing::Ignored && elapsed > self.backend.stall_allowance() {
             elapsed
         } else {
             Duration::ZERO
         };
         let mut breaker = self.breaker.locked();
         let timed_out = matches!(&result, Err(e) if e.kind == BackendErrorKind::Timeout);
-        let undecided = tentative && (timed_out || took >= breaker.config().slow_call);
+        let slow = took >= breaker.config().slow_call && !took.is_zero();
+        let undecided = (tentative && (timed_out || slow)) || (timing == Timing::Undecided && slow);
         let transition = match probe {
             Some(probe) if undecided => {
                 breaker.abandon_probe(probe);
@@ -867,5 +870,34 @@ impl Drop for ProbePermit<'_> {
             let mut breaker = self.state.breaker.locked();
             breaker.abandon_probe(ticket);
         }
+    }
+}
+
+/// What a call's duration says of its shard, for the breaker's slow-call rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Timing {
+    /// Slower than `slow-call`, it counts as a failure.
+    Counts,
+    /// Nothing: it may wait on purpose (a row lock, a lease's time left).
+    Ignored,
+    /// Slow, it decides nothing (a half-open probe gives its slot back unjudged); prompt, it
+    /// counts as a success.
+    Undecided,
+}
+
+/// How a grant attempt's duration is judged: an answer that the key's row stayed locked by
+/// another transaction ([`Attempt::Locked`]) took the server's lock wait on purpose, and
+/// counts for the shard; any other answer may have waited behind such a lock that then ended
+/// (a transaction lock on the key, a console session) and, if slow, decides nothing: a busy
+/// key is an answer, never a failure. A slow link still opens the breaker through the
+/// shard's releases and heartbeats, and its timeouts.
+pub(crate) fn acquire_timing<T>(
+    result: &Result<T, BackendError>,
+    locked: impl Fn(&T) -> bool,
+) -> Timing {
+    match result {
+        Ok(answer) if locked(answer) => Timing::Ignored,
+        Ok(_) => Timing::Undecided,
+        Err(_) => Timing::Counts,
     }
 }

@@ -302,3 +302,41 @@ async fn locked_lease(
     competitor.lock(&key).await.unwrap();
     (cluster, router, guard, competitor)
 }
+
+/// An acquire that waited behind another transaction's lock on its key's row (an operator's
+/// console, a transaction lock), then was granted, was slow because the key was busy, not
+/// because the shard was: it counted as a slow call, and a breaker that opens on one such
+/// call opened on a healthy shard.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acquire_slowed_by_a_row_lock_counts_against_no_shard() {
+    let (cluster, router, _) = common::start(
+        1,
+        "breaker:\n  consecutive-failures: 1\n  slow-call: 300ms\n",
+    )
+    .await;
+    let held = router.acquire("busy", AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(cluster.shard(0), false).await.unwrap();
+    let key = competitor.key_of(held.owner()).await.unwrap().unwrap();
+    held.release().await.unwrap();
+    competitor.lock(&key).await.unwrap();
+    let acquiring = tokio::spawn({
+        let router = router.clone();
+        let opts = AcquireOptions::new().wait(Duration::from_secs(30));
+        async move { router.acquire("busy", opts).await }
+    });
+    let waiting = common::eventually(Duration::from_secs(30), || async {
+        cluster.shard(0).lock_waits_now().await.unwrap() >= 1
+    })
+    .await;
+    assert!(waiting, "the acquire never waited for the row");
+    // Past the slow-call threshold, within the server's lock wait (1 s).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    competitor.end().await.unwrap();
+    let granted = acquiring.await.unwrap().unwrap();
+    assert!(
+        router.breaker_transitions("s1").is_empty(),
+        "an acquire slowed by a row lock counted against its shard: {:?}",
+        router.breaker_transitions("s1")
+    );
+    granted.release().await.unwrap();
+}

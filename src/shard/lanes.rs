@@ -27,7 +27,7 @@ use shardlock_core::{BackendError, BackendErrorKind};
 use shardlock_mysql::{Attempt, BatchGrants, GrantRequest, ReleaseAnswer, MAX_BATCH};
 use tokio::sync::oneshot;
 
-use super::ShardState;
+use super::{acquire_timing, ShardState};
 use crate::sync::LockExt;
 
 /// Where a caller waits for its request's answer.
@@ -216,17 +216,16 @@ impl Running<AcquireRequest, Attempt> {
             let stats = &shard.shared.stats;
             let result = if let [request] = requests.as_slice() {
                 let result = shard.call_timed(shard.backend.acquire(request), |r| {
-                    !matches!(r, Ok(Attempt::Locked))
+                    acquire_timing(r, |a| *a == Attempt::Locked)
                 });
                 result.await.map(|attempt| BatchGrants {
                     attempts: vec![attempt],
                     statements: 1,
                 })
             } else {
-                let result = shard.call_timed(
-                    shard.backend.acquire_batch(&requests),
-                    |r| !matches!(r, Ok(b) if b.attempts.contains(&Attempt::Locked)),
-                );
+                let result = shard.call_timed(shard.backend.acquire_batch(&requests), |r| {
+                    acquire_timing(r, |b| b.attempts.contains(&Attempt::Locked))
+                });
                 stats.acquire_batches.fetch_add(1, Ordering::Relaxed);
                 let keys = requests.len() as u64;
                 stats.batched_acquires.fetch_add(keys, Ordering::Relaxed);
@@ -312,7 +311,7 @@ impl ShardState {
                 }
                 let outcome = self
                     .call_timed(self.backend.acquire(&request), |r| {
-                        !matches!(r, Ok(Attempt::Locked))
+                        acquire_timing(r, |a| *a == Attempt::Locked)
                     })
                     .await;
                 if !matches!(&outcome, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
