@@ -546,8 +546,12 @@ impl LockRouter {
             shared.registry_unlimited();
         }
         // A raised `instance.clock-drift` applies to the leases held too (a lowered one to
-        // later grants only).
+        // later grants only), and so does the shorter lapse it (or a raised node clock skew)
+        // makes: to the heartbeats already sent.
         shared.allow_drift(next.config.instance.clock_drift_ppm());
+        if next.config.cleaner.registry == RegistryKind::Heartbeat {
+            shared.shorten_lapse(crate::state::lapse(&next.config));
+        }
         self.inner.topology.store(next.clone());
         // For the fleet's placement record: what it ran and runs now.
         self.inner.placement.runs(&old.current);

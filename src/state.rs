@@ -513,7 +513,7 @@ impl std::fmt::Debug for CleanerState {
 /// third, which the timeout of at least two intervals allows), less how much older a Galera
 /// shard's other node may read the heartbeat (its clock that far ahead of the node that
 /// wrote it: [`Config::node_clock_spread`]).
-fn lapse(config: &Config) -> Duration {
+pub(crate) fn lapse(config: &Config) -> Duration {
     let (interval, timeout) = (
         config.cleaner.heartbeat_interval,
         config.cleaner.heartbeat_timeout,

@@ -100,6 +100,49 @@ async fn a_reload_that_raises_the_clock_drift_ends_the_leases_held_earlier() {
     later.release().await.unwrap();
 }
 
+/// A reload that raises `instance.clock-drift` shortens the lapse (how long after its latest
+/// heartbeat that landed a process stops counting itself live) for the heartbeats already
+/// sent too: cut off from its shard since its last heartbeat, the process counts its leases
+/// lost by the shorter lapse. By the old one they were held up to half a second after the
+/// registry may have counted the process dead.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_raises_the_clock_drift_shortens_the_lapse_of_heartbeats_sent() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    // Lapses: 2 s with a drift of 1%, 1.5 s with 50%.
+    let yaml = |drift: &str| {
+        format!(
+            "instance:\n  clock-drift: {drift}\nshards:\n  - name: s1\n    url: {}\n    \
+             statement-timeout: 500ms\ncleaner:\n  heartbeat-interval: 1s\n  \
+             heartbeat-timeout: 3s\n",
+            proxy.url()
+        )
+    };
+    let holder = LockRouter::from_yaml_str(&yaml("0.01")).await.unwrap();
+    holder.migrate().await.unwrap();
+    let guard = holder
+        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    // A heartbeat lands (as migrate's does), then none.
+    holder.migrate().await.unwrap();
+    // Refused at once, the heartbeats after it hold up no reload.
+    proxy.set(ProxyMode::Reset);
+    let cut = tokio::time::Instant::now();
+    tokio::time::sleep_until(cut + Duration::from_millis(1600)).await;
+    holder
+        .reload(Config::from_yaml_str(&yaml("0.5")).unwrap())
+        .await
+        .unwrap();
+    assert!(
+        !guard.is_held(),
+        "a lease was held {:?} after its process's last heartbeat, past the lapse of the \
+         drift in force",
+        cut.elapsed()
+    );
+    proxy.set(ProxyMode::Pass);
+}
+
 /// The runtime's clock stands still while the host is suspended; the shard's does not, so a
 /// lease may have ended on its shard, and the key gone to someone else, before its holder's
 /// process runs again. The holder counts the suspend (the lease clock) the moment it runs: its

@@ -155,6 +155,16 @@ impl Shared {
         }
     }
 
+    /// A reload shortened the lapse to `lapse` (a raised clock drift or node clock skew): the
+    /// heartbeats already sent count by it from now on, for the registry may count this
+    /// process dead that much sooner after them; leases it may already have are lost.
+    pub(crate) fn shorten_lapse(&self, lapse: Duration) {
+        if let Some((_, held)) = self.registry_live.locked().as_mut() {
+            *held = (*held).min(lapse);
+        }
+        self.lose_leases_if_lapsed(Moment::now());
+    }
+
     /// Marks every lease of this process on a shard lost if the registry may have counted it
     /// dead by `at` (see [`Shared::beaten`]).
     pub(crate) fn lose_leases_if_lapsed(&self, at: Moment) {
