@@ -143,6 +143,51 @@ async fn a_reload_that_raises_the_clock_drift_shortens_the_lapse_of_heartbeats_s
     proxy.set(ProxyMode::Pass);
 }
 
+/// A grant whose answer came after a reload raised `instance.clock-drift` is judged late by
+/// the drift in force, by which its lease is placed: it was judged by the drift of its asking,
+/// and its caller handed a guard already lost, instead of the key counted busy and polled again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_answered_after_a_reload_raised_the_drift_is_judged_by_it() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = |drift: &str| {
+        format!(
+            "instance:\n  clock-drift: {drift}\nshards:\n  - name: s1\n    url: {}\n    \
+             statement-timeout: 20s\ncleaner:\n  registry: static\n",
+            proxy.url()
+        )
+    };
+    let holder = LockRouter::from_yaml_str(&yaml("0.01")).await.unwrap();
+    holder.migrate().await.unwrap();
+    // A 10 s lease ends 9.9 s after its asking by a drift of 1%, 5 s by 50%; its answer comes
+    // after 6 s.
+    proxy.set(ProxyMode::Delay(Duration::from_secs(3)));
+    let asked = tokio::time::Instant::now();
+    let acquiring = tokio::spawn({
+        let holder = holder.clone();
+        let opts = AcquireOptions::new()
+            .ttl(Duration::from_secs(10))
+            .wait(Duration::from_secs(60));
+        async move { holder.acquire("k", opts).await }
+    });
+    // Once the acquire has asked (a reload before it would leave nothing to judge late).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    holder
+        .reload(Config::from_yaml_str(&yaml("0.5")).unwrap())
+        .await
+        .unwrap();
+    // The answer is on its way back; a poll after it is answered at once.
+    tokio::time::sleep_until(asked + Duration::from_secs(4)).await;
+    proxy.set(ProxyMode::Pass);
+    let guard = acquiring.await.unwrap().unwrap();
+    assert!(
+        guard.is_held(),
+        "a grant answered {:?} after its asking was handed over already lost",
+        asked.elapsed()
+    );
+    guard.release().await.unwrap();
+}
+
 /// The runtime's clock stands still while the host is suspended; the shard's does not, so a
 /// lease may have ended on its shard, and the key gone to someone else, before its holder's
 /// process runs again. The holder counts the suspend (the lease clock) the moment it runs: its

@@ -55,8 +55,16 @@ impl LockRouter {
         Ok(match attempt(shard, &req, deadline).await? {
             None => Tried::Busy(None),
             // Granted, but the answer came so late that the lease may already have ended on
-            // the shard: no use to anyone. Given back; the key counts as busy.
-            Some(Attempt::Granted(_)) if Moment::now() >= want.lease_end(sent) => {
+            // the shard: no use to anyone. Given back; the key counts as busy. By the drift in
+            // force now, if a reload raised it meanwhile (the lease is placed by it).
+            Some(Attempt::Granted(_))
+                if Moment::now()
+                    >= want.end_of(
+                        sent,
+                        want.ttl,
+                        want.drift_ppm.max(self.inner.shared.drift_ppm()),
+                    ) =>
+            {
                 shard.give_back(req.key, req.owner, want.ttl);
                 Tried::Busy(None)
             }
