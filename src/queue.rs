@@ -72,11 +72,22 @@ impl Want {
     /// [`Want::lease_end`] of a statement for `ttl`, by a shard clock that may run up to
     /// `drift_ppm` faster than ours.
     pub(crate) fn end_of(&self, sent: Moment, ttl: Duration, drift_ppm: u32) -> Moment {
+        Self::end_by(sent, ttl, drift_ppm, self.clock_skew)
+    }
+
+    /// [`Want::end_of`] with a node clock skew of `clock_skew` (a reload may raise it for a
+    /// lease held: [`crate::shard::LeaseState::allow_skew`]).
+    pub(crate) fn end_by(
+        sent: Moment,
+        ttl: Duration,
+        drift_ppm: u32,
+        clock_skew: Duration,
+    ) -> Moment {
         let ms = u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX);
         let on_shard =
             Duration::from_millis(u64::from(ms)).saturating_sub(Duration::from_millis(1));
         let ours = on_shard.mul_f64(1.0 - f64::from(drift_ppm) / 1e6);
-        sent + ours.saturating_sub(self.clock_skew)
+        sent + ours.saturating_sub(clock_skew)
     }
 
     /// A local moment surely past the end of a row kept taken `at_least` after a grant that

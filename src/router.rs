@@ -552,6 +552,7 @@ impl LockRouter {
         if next.config.cleaner.registry == RegistryKind::Heartbeat {
             shared.shorten_lapse(crate::state::lapse(&next.config));
         }
+        allow_raised_skews(&old, &next);
         self.inner.topology.store(next.clone());
         // For the fleet's placement record: what it ran and runs now.
         self.inner.placement.runs(&old.current);
@@ -888,6 +889,23 @@ pub(crate) fn unknown_namespace(name: &str) -> Error {
 /// Refuses a reload that changes who this process is: its instance id is its own for its life
 /// (owners, registry rows), and a process moved to another fleet would grant at once under
 /// that fleet's topology without having joined it.
+/// A raised `node-clock-skew` of a Galera shard applies to the leases held on it too: the
+/// shard's new pool takes nodes whose clocks run that far ahead, which may free their rows
+/// that much sooner (the shard state is made anew; its leases stay on the old one).
+fn allow_raised_skews(old: &Topology, next: &Topology) {
+    let now = next.all_shards();
+    for shard in old.all_shards() {
+        let raised = (now.iter().find(|n| n.name() == shard.name()))
+            .map(|n| n.clock_skew())
+            .filter(|&skew| skew > shard.clock_skew());
+        if let Some(skew) = raised {
+            for lease in shard.held().into_iter().chain(shard.locals()) {
+                lease.allow_skew(skew);
+            }
+        }
+    }
+}
+
 fn keep_instance(old: &Config, next: &Config) -> Result<()> {
     let field = |name: &str, from: &str, to: &str, why: &str| {
         Err(shardlock_core::ConfigError::field(

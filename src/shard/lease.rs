@@ -104,6 +104,16 @@ struct Deadline {
     /// `None` for an in-process lease (no end of its own).
     placed_by: Option<(Moment, Duration)>,
     drift_ppm: u32,
+    /// How far ahead of the granting node another node's clock may run (see
+    /// [`LeaseState::allow_skew`]).
+    clock_skew: Duration,
+}
+
+impl Deadline {
+    /// The local end of a statement sent at `sent` that set the row's end `ttl` later.
+    fn end_of(&self, sent: Moment, ttl: Duration) -> Moment {
+        Want::end_by(sent, ttl, self.drift_ppm, self.clock_skew)
+    }
 }
 
 /// What the shard granted: to which owner (grant `id`), its first fence and how many more
@@ -137,6 +147,7 @@ impl LeaseState {
                 at: want.lease_end(grant.sent),
                 placed_by: Some((grant.sent, want.ttl)),
                 drift_ppm: want.drift_ppm,
+                clock_skew: want.clock_skew,
             }),
             end_moved: tokio::sync::Notify::new(),
             lost: watch::channel(false).0,
@@ -265,6 +276,7 @@ impl LeaseState {
                 at: grant.sent + lasts,
                 placed_by: None,
                 drift_ppm: want.drift_ppm,
+                clock_skew: want.clock_skew,
             }),
             fence_top: 0,
             local: true,
@@ -394,7 +406,7 @@ impl LeaseState {
             let mut d = self.deadline.locked();
             let row_end = sent + ttl;
             let short = (!self.want.keep_alive && d.at > row_end).then(|| d.at - row_end);
-            d.at = self.want.end_of(sent, ttl, d.drift_ppm);
+            d.at = d.end_of(sent, ttl);
             d.placed_by = Some((sent, ttl));
             short
         };
@@ -414,7 +426,25 @@ impl LeaseState {
             }
             d.drift_ppm = drift_ppm;
             if let Some((sent, ttl)) = d.placed_by {
-                d.at = d.at.min(self.want.end_of(sent, ttl, drift_ppm));
+                d.at = d.at.min(d.end_of(sent, ttl));
+            }
+        }
+        self.end_moved.notify_waiters();
+    }
+
+    /// Allows for a Galera shard's other nodes' clocks running up to `clock_skew` ahead of the
+    /// one that granted, if that is more than the lease allowed for (never less): a reload
+    /// raised the shard's `node-clock-skew`, and its pool now takes nodes whose clocks run that
+    /// far ahead, which may free the row that much sooner. As [`LeaseState::allow_drift`].
+    pub(crate) fn allow_skew(&self, clock_skew: Duration) {
+        {
+            let mut d = self.deadline.locked();
+            if clock_skew <= d.clock_skew {
+                return;
+            }
+            d.clock_skew = clock_skew;
+            if let Some((sent, ttl)) = d.placed_by {
+                d.at = d.at.min(d.end_of(sent, ttl));
             }
         }
         self.end_moved.notify_waiters();
@@ -430,8 +460,9 @@ impl LeaseState {
     /// row for `ttl`, if that ends later than the end in force.
     pub(crate) fn extend_from(&self, sent: Moment, ttl: Duration) {
         let mut d = self.deadline.locked();
-        // Under the lock: by the drift in force once it is placed (see `allow_drift`).
-        let to = self.want.end_of(sent, ttl, d.drift_ppm);
+        // Under the lock: by the drift and skew in force once it is placed (see
+        // `allow_drift`).
+        let to = d.end_of(sent, ttl);
         if to > d.at {
             d.at = to;
             d.placed_by = Some((sent, ttl));
@@ -484,3 +515,65 @@ pub(crate) const SHUT_DOWN: &str = "router shut down";
 
 /// Why a lease ends at its local deadline.
 pub(crate) const NOT_RENEWED: &str = "not renewed before its lease ended";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reload that raises a Galera shard's `node-clock-skew` moves the local end of a lease
+    /// held there earlier by as much at once, and its renewals after end that much earlier too
+    /// (they kept the skew of the grant, and the lease outlived its row on a node whose clock
+    /// runs that far ahead).
+    #[tokio::test]
+    async fn a_raised_node_clock_skew_moves_a_held_leases_end_earlier() {
+        let ttl = Duration::from_secs(10);
+        let want = Want {
+            ttl,
+            renew_every: ttl / 3,
+            handoff_max_count: 0,
+            handoff_max_time: Duration::ZERO,
+            drift_ppm: 0,
+            clock_skew: Duration::from_millis(500),
+            keep_alive: true,
+            at_least: None,
+            handoffs: false,
+        };
+        let sent = Moment::now();
+        let grant = Grant {
+            id: 1,
+            owner: "o".to_owned(),
+            fence: 1,
+            reserve: 0,
+            sent,
+        };
+        let lease = LeaseState::new(
+            LockKey::new("k").unwrap(),
+            grant,
+            want,
+            Duration::ZERO,
+            None,
+        );
+        // 10 s less 1 ms, less the skew.
+        let by = |skew_ms: u64| ttl - Duration::from_millis(1 + skew_ms);
+        assert_eq!(lease.deadline(), sent + by(500));
+        lease.allow_skew(Duration::from_secs(2));
+        assert_eq!(
+            lease.deadline(),
+            sent + by(2000),
+            "the raised skew left the end"
+        );
+        lease.allow_skew(Duration::from_secs(1));
+        assert_eq!(
+            lease.deadline(),
+            sent + by(2000),
+            "a lowered skew moved the end"
+        );
+        let renewed = sent + Duration::from_secs(3);
+        lease.extend_from(renewed, ttl);
+        assert_eq!(
+            lease.deadline(),
+            renewed + by(2000),
+            "a renewal took the old skew"
+        );
+    }
+}
