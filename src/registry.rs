@@ -401,6 +401,9 @@ pub(crate) struct Beats {
     /// The shards the heartbeat did not reach, each with why: a process reading the registry
     /// there may not know of this one.
     pub(crate) unreached: Vec<String>,
+    /// A shard where this process's row had gone unbeaten for longer than its lapse, by that
+    /// shard's clock (see [`Heartbeat::BeatenAfterSilence`]).
+    pub(crate) silent_on: Option<String>,
 }
 
 impl Beats {
@@ -463,7 +466,10 @@ pub(crate) async fn beat(
     }));
     let sent = topology.current.shards.iter().map(|s| async move {
         let outcome = s.call(|b| b.heartbeat(beat)).await;
-        if matches!(outcome, Ok(Heartbeat::Beaten)) {
+        if matches!(
+            outcome,
+            Ok(Heartbeat::Beaten | Heartbeat::BeatenAfterSilence)
+        ) {
             reached();
             // Which server it is, for the next heartbeat's digest: a shard id stored since
             // (a migration) is seen within a beat. Bounded: it holds up the next heartbeat.
@@ -479,10 +485,16 @@ pub(crate) async fn beat(
         match beat {
             Ok(outcome) => {
                 *missed = 0;
-                if let Heartbeat::TakenBy { host, pid } = outcome {
-                    beats
-                        .taken_by
-                        .get_or_insert_with(|| format!("host {host}, pid {pid} (shard {shard})"));
+                match outcome {
+                    Heartbeat::TakenBy { host, pid } => {
+                        beats.taken_by.get_or_insert_with(|| {
+                            format!("host {host}, pid {pid} (shard {shard})")
+                        });
+                    }
+                    Heartbeat::BeatenAfterSilence => {
+                        beats.silent_on.get_or_insert(shard);
+                    }
+                    _ => {}
                 }
             }
             Err(e) => {
@@ -525,6 +537,7 @@ fn this_beat<'a>(
         servers: servers.unwrap_or(SERVERS_UNKNOWN),
         nonce: shared.nonce(),
         timeout: topology.config.cleaner.heartbeat_timeout,
+        lapse: crate::state::lapse(&topology.config),
     }
 }
 

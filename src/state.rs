@@ -216,6 +216,13 @@ impl Gate {
              joined its fleet again",
             age.as_millis()
         );
+        self.lapse_for(why, lapses)
+    }
+
+    /// Counts a lapse for `why` (the registry may have counted this process dead, whatever its
+    /// own clock says) in `lapses`, and closes the gate as [`Gate::lapse_if_stale`] does;
+    /// `false` if it was joining already.
+    pub(crate) fn lapse_for(&self, why: String, lapses: &AtomicU64) -> bool {
         if !self.join_again(why, true) {
             return false;
         }
@@ -343,6 +350,9 @@ impl Inner {
         };
         let advertised = self.advertised(&topology);
         let beats = registry::beat(&topology, &advertised, &self.shared, missed, &reached).await;
+        if let Some(shard) = &beats.silent_on {
+            self.silence_seen(shard);
+        }
         if beats.unreached.is_empty() && beats.taken_by.is_none() {
             self.gate.beaten_everywhere(lapse);
             // Every shard holds this lapse now: a longer one counts for the leases too.
@@ -407,6 +417,28 @@ impl Inner {
         let lapse = lapse(&config);
         let lapses = &self.shared.stats.heartbeat_lapses;
         if self.gate.lapse_if_stale(at, lapse, lapses) {
+            self.beat_now.notify_one();
+        }
+    }
+
+    /// This process's row on `shard` had gone unbeaten for longer than its lapse by that
+    /// shard's clock, though its own clock saw no lapse: it stood still while the shard's ran
+    /// on (a frozen virtual machine, a process restored from a checkpoint), and the others may
+    /// have counted this process dead meanwhile, ended moves it had not made, and granted its
+    /// keys where their topology places them. As after a lapse: its leases on shards are lost
+    /// and it grants nothing until it has joined its fleet again.
+    fn silence_seen(&self, shard: &str) {
+        self.shared.lose_shard_leases(crate::shard::REGISTRY_LAPSED);
+        let why = format!(
+            "this process's row in the registry of shard {shard} had gone unbeaten for longer \
+             than its lapse by that shard's clock, though this process's clock saw no heartbeat \
+             missed (it stood still: a frozen virtual machine, a restored checkpoint): the \
+             others may count it dead, so it grants nothing until it has joined its fleet again"
+        );
+        if self
+            .gate
+            .lapse_for(why, &self.shared.stats.heartbeat_lapses)
+        {
             self.beat_now.notify_one();
         }
     }

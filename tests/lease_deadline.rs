@@ -188,6 +188,41 @@ async fn a_grant_answered_after_a_reload_raised_the_drift_is_judged_by_it() {
     guard.release().await.unwrap();
 }
 
+/// A process whose clocks stood still while its shards' ran on (a frozen virtual machine, a
+/// process restored from a checkpoint: its heartbeats stopped, and its own clocks saw no time
+/// pass) finds at its next heartbeat that its registry row went unbeaten for longer than its
+/// lapse by the shard's clock: the others may have counted it dead, ended moves it never made
+/// and granted its keys elsewhere. Its leases are lost and it grants nothing until it has
+/// joined again. (The freeze is pretended: the row is aged as the fleet sees a frozen
+/// process's.) Its clocks saw nothing, and it held its keys on and granted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_whose_clocks_stood_still_finds_its_silence_by_the_shards_clock() {
+    let (cluster, holder, _) = common::start(1, "").await;
+    let guard = holder
+        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    (cluster.shard(0).connect().await.unwrap())
+        .exec_drop(
+            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
+             WHERE instance_id = ?",
+            (holder.instance_id(),),
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), guard.lost())
+        .await
+        .expect("a lease of a process the fleet saw silent for a minute was never lost");
+    assert!(!guard.is_held());
+    assert!(holder.stats().heartbeat_lapses >= 1);
+    // Joined again, it grants again.
+    let again = holder
+        .acquire("other", AcquireOptions::new().wait(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    again.release().await.unwrap();
+}
+
 /// The runtime's clock stands still while the host is suspended; the shard's does not, so a
 /// lease may have ended on its shard, and the key gone to someone else, before its holder's
 /// process runs again. The holder counts the suspend (the lease clock) the moment it runs: its

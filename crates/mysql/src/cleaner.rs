@@ -28,9 +28,13 @@ macro_rules! silent_past_timeout {
 /// grows: a heartbeat of the configuration before a reload that lengthened the timeout, late
 /// on the wire (or retried), never leaves the shorter one in the row after the router saw
 /// the longer one reach every shard (see `Gate` in the router). Times are the shard's `NOW(3)`, and [`ALIVE_HEAD`] compares them with the
-/// same clock, so liveness never depends on two machines' clocks agreeing.
+/// same clock, so liveness never depends on two machines' clocks agreeing. The first
+/// assignment reports, through `LAST_INSERT_ID` (2), a row of this start (nonce `?`) silent
+/// for longer than `?` µs by the shard's clock before this heartbeat (see
+/// [`Heartbeat::BeatenAfterSilence`]); it sets `host` to `?` either way.
 const HEARTBEAT: &str = concat!(
-    "UPDATE shardlock_instance SET host = ?, pid = ?, ",
+    "UPDATE shardlock_instance SET host = IF(LAST_INSERT_ID(IF(nonce <=> ? AND heartbeat_at <= ",
+    "NOW(3) - INTERVAL ? MICROSECOND, 2, 1)) = 0, host, ?), pid = ?, ",
     "started_at = IF(nonce <=> ?, started_at, NOW(3)), ",
     "heartbeat_timeout_ms = IF(nonce <=> ?, GREATEST(COALESCE(heartbeat_timeout_ms, 0), ?), ?), ",
     "nonce = ?, heartbeat_at = NOW(3), ",
@@ -227,6 +231,10 @@ pub struct Beat<'a> {
     /// `cleaner.heartbeat-timeout`: a row another start has not beaten for this long, nor for
     /// the timeout the row says, may be taken over. Written into the row.
     pub timeout: std::time::Duration,
+    /// How long after its latest heartbeat the process stops counting itself live: its own
+    /// row found silent for longer, by the shard's clock, answers
+    /// [`Heartbeat::BeatenAfterSilence`].
+    pub lapse: std::time::Duration,
 }
 
 /// What a heartbeat found: a row is written only while it is its own start's, or nobody's
@@ -236,6 +244,11 @@ pub struct Beat<'a> {
 pub enum Heartbeat {
     /// The row is this process's: it beat.
     Beaten,
+    /// The row is this process's and it beat, but the row had been silent for longer than
+    /// the process's lapse by the shard's clock: the registry may have counted the process
+    /// dead meanwhile, though its own clock says no heartbeat was missed (it stood still: a
+    /// frozen virtual machine, a process restored from a checkpoint).
+    BeatenAfterSilence,
     /// Another start beats under this instance id, live: the row was left alone.
     TakenBy {
         /// Its host.
@@ -248,7 +261,10 @@ pub enum Heartbeat {
 pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::Result<Heartbeat> {
     let timeout_us = u64::try_from(beat.timeout.as_micros()).unwrap_or(u64::MAX);
     let timeout_ms = u64::try_from(beat.timeout.as_millis()).unwrap_or(u64::MAX);
+    let lapse_us = u64::try_from(beat.lapse.as_micros()).unwrap_or(u64::MAX);
     let params: Vec<Value> = vec![
+        beat.nonce.into(),
+        lapse_us.into(),
         beat.host.into(),
         beat.pid.into(),
         beat.nonce.into(),
@@ -266,7 +282,10 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
     ];
     conn.exec_drop(HEARTBEAT, params).await?;
     if conn.affected_rows() > 0 {
-        return Ok(Heartbeat::Beaten);
+        return Ok(match conn.last_insert_id() {
+            Some(2) => Heartbeat::BeatenAfterSilence,
+            _ => Heartbeat::Beaten,
+        });
     }
     let params: Vec<Value> = vec![
         beat.instance.into(),
@@ -489,7 +508,43 @@ mod tests {
             servers: "s",
             nonce,
             timeout,
+            lapse: timeout / 2,
         }
+    }
+
+    /// A start's own row found silent for longer than its lapse by the shard's clock (the
+    /// process's clock stood still while the shard's ran on) is told apart, and beaten; a row
+    /// of another start taken over is not this start's silence.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_heartbeat_tells_that_its_own_row_was_silent_past_its_lapse() {
+        let (cluster, shard) = crate::testing::migrated_shard().await;
+        let timeout = Duration::from_secs(60);
+        let age = |secs: u32| {
+            let cluster = &cluster;
+            async move {
+                (cluster.shard(0).connect().await.unwrap())
+                    .query_drop(format!(
+                        "UPDATE shardlock_instance SET heartbeat_at = \
+                         heartbeat_at - INTERVAL {secs} SECOND"
+                    ))
+                    .await
+                    .unwrap();
+            }
+        };
+        for _ in 0..2 {
+            let beaten = shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
+            assert_eq!(beaten, Heartbeat::Beaten);
+        }
+        // Older than the lapse (30 s), younger than the timeout.
+        age(31).await;
+        let after = shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
+        assert_eq!(after, Heartbeat::BeatenAfterSilence);
+        let next = shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
+        assert_eq!(next, Heartbeat::Beaten);
+        // Silent past the timeout, taken over by another start: its first heartbeat.
+        age(61).await;
+        let taken = shard.heartbeat(beat("a", "n2", timeout)).await.unwrap();
+        assert_eq!(taken, Heartbeat::Beaten);
     }
 
     /// The timeout the registry row of `id` says.
