@@ -464,12 +464,19 @@ pub(crate) async fn beat(
             }
         }
     }));
+    let lapse = crate::state::lapse(&topology.config);
     let sent = topology.current.shards.iter().map(|s| async move {
+        let at = Moment::now();
+        let beat = Beat {
+            silent_for: s.silent_for(at, lapse, &topology.config),
+            ..beat
+        };
         let outcome = s.call(|b| b.heartbeat(beat)).await;
         if matches!(
             outcome,
             Ok(Heartbeat::Beaten | Heartbeat::BeatenAfterSilence)
         ) {
+            s.beat_landed(at);
             reached();
             // Which server it is, for the next heartbeat's digest: a shard id stored since
             // (a migration) is seen within a beat. Bounded: it holds up the next heartbeat.
@@ -537,7 +544,8 @@ fn this_beat<'a>(
         servers: servers.unwrap_or(SERVERS_UNKNOWN),
         nonce: shared.nonce(),
         timeout: topology.config.cleaner.heartbeat_timeout,
-        lapse: crate::state::lapse(&topology.config),
+        // Set per current shard (see `ShardState::silent_for`).
+        silent_for: crate::shard::NO_BOUND,
     }
 }
 

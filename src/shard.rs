@@ -17,6 +17,7 @@ use shardlock_mysql::{Attempt, CasGiveBack, GrantRequest, ReleaseAnswer, Shard};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::clock::Moment;
 use crate::sync::LockExt;
 pub(crate) use lanes::is_not_sent;
 use lanes::{no_answer, LeaveLane};
@@ -32,6 +33,10 @@ pub(crate) use shared::{Shared, REGISTRY_LAPSED, REGISTRY_SWITCHED};
 
 /// Breaker transitions kept per shard for `breaker_transitions`.
 const TRANSITIONS_KEPT: usize = 64;
+
+/// A bound on a registry row's silence that no heartbeat exceeds (see
+/// [`ShardState::silent_for`]): a hundred days, which a server's date arithmetic still takes.
+pub(crate) const NO_BOUND: Duration = Duration::from_secs(100 * 86_400);
 
 /// Where a CAS take given back may have been carried, asked once its first shard answered
 /// and again after each round (see [`ShardState::give_back_cas`]): the topology epoch it was
@@ -69,6 +74,8 @@ pub(crate) struct ShardState {
     pub(crate) identity: std::sync::OnceLock<String>,
     /// The identity as the latest heartbeat read it (see [`ShardState::server_identity`]).
     seen_identity: Mutex<Option<String>>,
+    /// When this process's latest heartbeat that this shard took was sent.
+    beat_landed: Mutex<Option<Moment>>,
     /// Acquires waiting to be sent (see [`lanes`]).
     acquire_lane: lanes::Lane<(GrantRequest, bool), Attempt>,
     /// Releases waiting to be sent: (key, owner).
@@ -145,6 +152,7 @@ impl ShardState {
             backend: shard,
             identity: std::sync::OnceLock::new(),
             seen_identity: Mutex::default(),
+            beat_landed: Mutex::default(),
             acquire_lane: lanes::Lane::default(),
             release_lane: lanes::Lane::default(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
@@ -795,6 +803,31 @@ impl ShardState {
     pub(crate) fn server_identity(&self) -> Option<String> {
         let seen = self.seen_identity.locked().clone();
         seen.or_else(|| self.identity.get().cloned())
+    }
+
+    /// A heartbeat sent at `at` reached this shard.
+    pub(crate) fn beat_landed(&self, at: Moment) {
+        *self.beat_landed.locked() = Some(at);
+    }
+
+    /// The longest this process's registry row here can have gone unbeaten by the shard's
+    /// clock when a heartbeat is sent at `at`, as far as this process knows: since its latest
+    /// heartbeat this shard took, by its own clock, allowing for its drift and for the nodes'
+    /// skew of a Galera shard, and never less than `lapse`. A row found silent for longer
+    /// means this process's clocks stood still while the shard's ran on. Unknown (no
+    /// heartbeat of this process landed here yet): no bound.
+    pub(crate) fn silent_for(
+        &self,
+        at: Moment,
+        lapse: Duration,
+        config: &shardlock_core::Config,
+    ) -> Duration {
+        let Some(landed) = *self.beat_landed.locked() else {
+            return NO_BOUND;
+        };
+        let drift = f64::from(config.instance.clock_drift_ppm()) / 1e6;
+        let since = at.saturating_duration_since(landed).mul_f64(1.0 + drift);
+        lapse.max(since + config.node_clock_spread())
     }
 
     /// Records the identity a heartbeat read.

@@ -422,23 +422,24 @@ impl Inner {
     }
 
     /// This process's row on `shard` had gone unbeaten for longer than its lapse by that
-    /// shard's clock, though its own clock saw no lapse: it stood still while the shard's ran
+    /// shard's clock, and than its own clock saw since its heartbeat there took (see
+    /// `ShardState::silent_for`): it stood still while the shard's ran
     /// on (a frozen virtual machine, a process restored from a checkpoint), and the others may
     /// have counted this process dead meanwhile, ended moves it had not made, and granted its
     /// keys where their topology places them. As after a lapse: its leases on shards are lost
     /// and it grants nothing until it has joined its fleet again.
     fn silence_seen(&self, shard: &str) {
-        self.shared.lose_shard_leases(crate::shard::REGISTRY_LAPSED);
         let why = format!(
             "this process's row in the registry of shard {shard} had gone unbeaten for longer \
-             than its lapse by that shard's clock, though this process's clock saw no heartbeat \
-             missed (it stood still: a frozen virtual machine, a restored checkpoint): the \
-             others may count it dead, so it grants nothing until it has joined its fleet again"
+             by that shard's clock than this process's clock saw since its heartbeat there, \
+             and than its lapse (its clocks stood still: a frozen virtual machine, a restored \
+             checkpoint): the others may count it dead, so it grants nothing until it has \
+             joined its fleet again"
         );
-        if self
-            .gate
-            .lapse_for(why, &self.shared.stats.heartbeat_lapses)
-        {
+        // The gate first: no grant comes after the leases are lost.
+        let lapsed = (self.gate).lapse_for(why, &self.shared.stats.heartbeat_lapses);
+        self.shared.lose_shard_leases(crate::shard::REGISTRY_LAPSED);
+        if lapsed {
             self.beat_now.notify_one();
         }
     }

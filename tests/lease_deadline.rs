@@ -223,6 +223,64 @@ async fn a_process_whose_clocks_stood_still_finds_its_silence_by_the_shards_cloc
     again.release().await.unwrap();
 }
 
+/// A shard out of reach for longer than the lapse, while the others took every heartbeat,
+/// finds this process's row there silent that long once it is back: that is no lapse (the
+/// process knew its heartbeats missed that shard), and the leases on the other shards stay
+/// held.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_left_silent_by_a_shard_out_of_reach_is_no_lapse() {
+    let cluster = Cluster::start(2).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    // A lapse of 600 ms.
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 500ms\n  - name: s2\n    \
+         url: {}\ncleaner:\n  heartbeat-interval: 200ms\n  heartbeat-timeout: 1s\n",
+        proxy.url(),
+        cluster.shard(1).url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let key = common::key_on(&router, "held", "s2");
+    let guard = router
+        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::Reset);
+    let failures = router.stats().heartbeat_failures;
+    // Out of reach for well over the lapse: a few heartbeats miss it.
+    let missed = common::eventually(Duration::from_secs(30), || async {
+        router.stats().heartbeat_failures >= failures + 5
+    })
+    .await;
+    assert!(missed, "the heartbeats never missed the shard");
+    proxy.set(ProxyMode::Pass);
+    // The row's age by the shard's clock, in ms.
+    let age = || async {
+        let age: Option<i64> = (cluster.shard(0).connect().await.unwrap())
+            .exec_first(
+                "SELECT TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) DIV 1000 \
+                 FROM shardlock_instance WHERE instance_id = ?",
+                (router.instance_id(),),
+            )
+            .await
+            .unwrap();
+        age.unwrap_or(i64::MAX)
+    };
+    // A heartbeat lands, then the next one: the first one's answer was dealt with by then.
+    let limit = Duration::from_secs(30);
+    let fresh = common::eventually(limit, || async { age().await < 100 }).await
+        && common::eventually(limit, || async { age().await >= 100 }).await
+        && common::eventually(limit, || async { age().await < 100 }).await;
+    assert!(fresh, "no heartbeats reached the shard once it was back");
+    assert_eq!(
+        router.stats().heartbeat_lapses,
+        0,
+        "a row left silent by a shard out of reach was taken for a lapse"
+    );
+    assert!(guard.is_held());
+    guard.release().await.unwrap();
+}
+
 /// The runtime's clock stands still while the host is suspended; the shard's does not, so a
 /// lease may have ended on its shard, and the key gone to someone else, before its holder's
 /// process runs again. The holder counts the suspend (the lease clock) the moment it runs: its

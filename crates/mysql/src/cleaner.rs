@@ -231,10 +231,11 @@ pub struct Beat<'a> {
     /// `cleaner.heartbeat-timeout`: a row another start has not beaten for this long, nor for
     /// the timeout the row says, may be taken over. Written into the row.
     pub timeout: std::time::Duration,
-    /// How long after its latest heartbeat the process stops counting itself live: its own
-    /// row found silent for longer, by the shard's clock, answers
+    /// The longest the process's own row can have gone unbeaten, by the shard's clock, as far
+    /// as the process knows (its latest heartbeat there, by its own clock, allowing for its
+    /// drift, and never less than its lapse): a row found silent for longer answers
     /// [`Heartbeat::BeatenAfterSilence`].
-    pub lapse: std::time::Duration,
+    pub silent_for: std::time::Duration,
 }
 
 /// What a heartbeat found: a row is written only while it is its own start's, or nobody's
@@ -245,7 +246,7 @@ pub enum Heartbeat {
     /// The row is this process's: it beat.
     Beaten,
     /// The row is this process's and it beat, but the row had been silent for longer than
-    /// the process's lapse by the shard's clock: the registry may have counted the process
+    /// [`Beat::silent_for`] by the shard's clock: the registry may have counted the process
     /// dead meanwhile, though its own clock says no heartbeat was missed (it stood still: a
     /// frozen virtual machine, a process restored from a checkpoint).
     BeatenAfterSilence,
@@ -261,10 +262,10 @@ pub enum Heartbeat {
 pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::Result<Heartbeat> {
     let timeout_us = u64::try_from(beat.timeout.as_micros()).unwrap_or(u64::MAX);
     let timeout_ms = u64::try_from(beat.timeout.as_millis()).unwrap_or(u64::MAX);
-    let lapse_us = u64::try_from(beat.lapse.as_micros()).unwrap_or(u64::MAX);
+    let silent_us = u64::try_from(beat.silent_for.as_micros()).unwrap_or(u64::MAX);
     let params: Vec<Value> = vec![
         beat.nonce.into(),
-        lapse_us.into(),
+        silent_us.into(),
         beat.host.into(),
         beat.pid.into(),
         beat.nonce.into(),
@@ -508,7 +509,7 @@ mod tests {
             servers: "s",
             nonce,
             timeout,
-            lapse: timeout / 2,
+            silent_for: timeout / 2,
         }
     }
 
