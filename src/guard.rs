@@ -430,10 +430,17 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
             let left = (lease.at_least())
                 .and_then(|at_least| at_least.checked_sub(hold.granted.elapsed()));
             match (left, shard.shared.runtime()) {
-                (Some(left), Some(runtime)) if !left.is_zero() => drop(runtime.spawn(async move {
-                    tokio::time::sleep(left).await;
-                    drop(turn);
-                })),
+                (Some(left), Some(runtime)) if !left.is_zero() => {
+                    // Until shutdown at the latest: callers waiting for the key are then told.
+                    let mut closed = shard.shared.closed.subscribe();
+                    drop(runtime.spawn(async move {
+                        tokio::select! {
+                            () = tokio::time::sleep(left) => {}
+                            _ = closed.wait_for(|closed| *closed) => {}
+                        }
+                        drop(turn);
+                    }));
+                }
                 _ => drop(turn),
             }
             // A re-acquire whose reply was lost may have taken the row under this owner

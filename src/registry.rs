@@ -401,9 +401,6 @@ pub(crate) struct Beats {
     /// The shards the heartbeat did not reach, each with why: a process reading the registry
     /// there may not know of this one.
     pub(crate) unreached: Vec<String>,
-    /// A shard where this process's row had gone unbeaten for longer than its lapse, by that
-    /// shard's clock (see [`Heartbeat::BeatenAfterSilence`]).
-    pub(crate) silent_on: Option<String>,
 }
 
 impl Beats {
@@ -422,14 +419,17 @@ impl Beats {
 /// One heartbeat of this process on every current shard of `topology`, if the registry in
 /// force is `heartbeat`; `missed` counts failures in a row per shard (a warning at the
 /// third). `reached` is called as each shard's heartbeat succeeds: a slow shard does not
-/// hold back the proof that the others were reached. `fingerprint` is the topology it
-/// advertises, with its servers (see `Inner::advertised`).
+/// hold back the proof that the others were reached; `silent`, before it, with the shard's
+/// name, if this process's row there had gone unbeaten for longer than it can have known (see
+/// `ShardState::went_silent`). `fingerprint` is the topology it advertises, with its servers
+/// (see `Inner::advertised`).
 pub(crate) async fn beat(
     topology: &Topology,
     (fingerprint, servers): &(String, Option<String>),
     shared: &Shared,
     missed: &mut std::collections::HashMap<String, u32>,
     reached: &(dyn Fn() + Sync),
+    silent: &(dyn Fn(&str) + Sync),
 ) -> Beats {
     let mut beats = Beats::default();
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
@@ -467,15 +467,12 @@ pub(crate) async fn beat(
     let lapse = crate::state::lapse(&topology.config);
     let sent = topology.current.shards.iter().map(|s| async move {
         let at = Moment::now();
-        let beat = Beat {
-            silent_for: s.silent_for(at, lapse, &topology.config),
-            ..beat
-        };
         let outcome = s.call(|b| b.heartbeat(beat)).await;
-        if matches!(
-            outcome,
-            Ok(Heartbeat::Beaten | Heartbeat::BeatenAfterSilence)
-        ) {
+        if let Ok(Heartbeat::Beaten { silent_for }) = &outcome {
+            // Before the proof that it was reached: no grant passes in between.
+            if s.went_silent(*silent_for, Moment::now(), lapse, &topology.config) {
+                silent(s.name());
+            }
             s.beat_landed(at);
             reached();
             // Which server it is, for the next heartbeat's digest: a shard id stored since
@@ -492,16 +489,10 @@ pub(crate) async fn beat(
         match beat {
             Ok(outcome) => {
                 *missed = 0;
-                match outcome {
-                    Heartbeat::TakenBy { host, pid } => {
-                        beats.taken_by.get_or_insert_with(|| {
-                            format!("host {host}, pid {pid} (shard {shard})")
-                        });
-                    }
-                    Heartbeat::BeatenAfterSilence => {
-                        beats.silent_on.get_or_insert(shard);
-                    }
-                    _ => {}
+                if let Heartbeat::TakenBy { host, pid } = outcome {
+                    beats
+                        .taken_by
+                        .get_or_insert_with(|| format!("host {host}, pid {pid} (shard {shard})"));
                 }
             }
             Err(e) => {
@@ -544,8 +535,6 @@ fn this_beat<'a>(
         servers: servers.unwrap_or(SERVERS_UNKNOWN),
         nonce: shared.nonce(),
         timeout: topology.config.cleaner.heartbeat_timeout,
-        // Set per current shard (see `ShardState::silent_for`).
-        silent_for: crate::shard::NO_BOUND,
     }
 }
 

@@ -554,6 +554,8 @@ impl LockRouter {
         }
         allow_raised_skews(&old, &next);
         self.inner.topology.store(next.clone());
+        // A lapse the shorter one makes closes the gate now, not at the next look.
+        self.inner.notice_lapse();
         // For the fleet's placement record: what it ran and runs now.
         self.inner.placement.runs(&old.current);
         self.inner.placement.runs(&next.current);
@@ -886,9 +888,6 @@ pub(crate) fn unknown_namespace(name: &str) -> Error {
     }
 }
 
-/// Refuses a reload that changes who this process is: its instance id is its own for its life
-/// (owners, registry rows), and a process moved to another fleet would grant at once under
-/// that fleet's topology without having joined it.
 /// A raised `node-clock-skew` of a Galera shard applies to the leases held on it too: the
 /// shard's new pool takes nodes whose clocks run that far ahead, which may free their rows
 /// that much sooner (the shard state is made anew; its leases stay on the old one).
@@ -906,6 +905,9 @@ fn allow_raised_skews(old: &Topology, next: &Topology) {
     }
 }
 
+/// Refuses a reload that changes who this process is: its instance id is its own for its life
+/// (owners, registry rows), and a process moved to another fleet would grant at once under
+/// that fleet's topology without having joined it.
 fn keep_instance(old: &Config, next: &Config) -> Result<()> {
     let field = |name: &str, from: &str, to: &str, why: &str| {
         Err(shardlock_core::ConfigError::field(

@@ -34,10 +34,6 @@ pub(crate) use shared::{Shared, REGISTRY_LAPSED, REGISTRY_SWITCHED};
 /// Breaker transitions kept per shard for `breaker_transitions`.
 const TRANSITIONS_KEPT: usize = 64;
 
-/// A bound on a registry row's silence that no heartbeat exceeds (see
-/// [`ShardState::silent_for`]): a hundred days, which a server's date arithmetic still takes.
-pub(crate) const NO_BOUND: Duration = Duration::from_secs(100 * 86_400);
-
 /// Where a CAS take given back may have been carried, asked once its first shard answered
 /// and again after each round (see [`ShardState::give_back_cas`]): the topology epoch it was
 /// read under, and the shards.
@@ -605,10 +601,36 @@ impl ShardState {
         } else {
             Duration::ZERO
         };
+        let slow_call = self.breaker.locked().config().slow_call;
+        let slow = took >= slow_call && !took.is_zero();
+        if timing == Timing::Undecided && slow && !tentative {
+            // Judged by a statement that waits for no lock instead: slow too, the link or
+            // the server is (at the cost of one statement per slow answer). A probe dropped
+            // meanwhile gives its slot back.
+            permit.ticket = probe;
+            let started = Instant::now();
+            let ping = self.backend.clock_us().await;
+            permit.ticket = None;
+            let elapsed = started.elapsed();
+            let outcome = match &ping {
+                Err(e) if e.kind.is_infrastructure() => CallOutcome::Failure,
+                _ => CallOutcome::Success,
+            };
+            let took = if elapsed > self.backend.stall_allowance() {
+                elapsed
+            } else {
+                Duration::ZERO
+            };
+            let transition = self
+                .breaker
+                .locked()
+                .record(breaker_now(), outcome, took, ticket);
+            self.note(transition);
+            return result;
+        }
         let mut breaker = self.breaker.locked();
         let timed_out = matches!(&result, Err(e) if e.kind == BackendErrorKind::Timeout);
-        let slow = took >= breaker.config().slow_call && !took.is_zero();
-        let undecided = (tentative && (timed_out || slow)) || (timing == Timing::Undecided && slow);
+        let undecided = tentative && (timed_out || slow);
         let transition = match probe {
             Some(probe) if undecided => {
                 breaker.abandon_probe(probe);
@@ -810,24 +832,36 @@ impl ShardState {
         *self.beat_landed.locked() = Some(at);
     }
 
-    /// The longest this process's registry row here can have gone unbeaten by the shard's
-    /// clock when a heartbeat is sent at `at`, as far as this process knows: since its latest
-    /// heartbeat this shard took, by its own clock, allowing for its drift and for the nodes'
-    /// skew of a Galera shard, and never less than `lapse`. A row found silent for longer
-    /// means this process's clocks stood still while the shard's ran on. Unknown (no
-    /// heartbeat of this process landed here yet): no bound.
-    pub(crate) fn silent_for(
+    /// Whether this process's registry row here, found unbeaten for `silent_for` by the
+    /// shard's clock (`None`: it was not this start's row any more) by a heartbeat answered at
+    /// `answered`, had gone unbeaten for longer than this process can have known: longer than
+    /// `lapse`, and than its own clock saw since its latest heartbeat here was sent (allowing
+    /// for its drift, a Galera shard's node skew and the shard's millisecond clock). Then its
+    /// clocks stood still while the shard's ran on (a frozen virtual machine, a restored
+    /// checkpoint), and the others may have counted it dead. A row no longer its own (taken
+    /// over and given up by another start, or forgotten) is that too, if its latest heartbeat
+    /// here was within its lapse by its own clock. Nothing is known before a heartbeat of this
+    /// process landed here.
+    pub(crate) fn went_silent(
         &self,
-        at: Moment,
+        silent_for: Option<Duration>,
+        answered: Moment,
         lapse: Duration,
         config: &shardlock_core::Config,
-    ) -> Duration {
+    ) -> bool {
         let Some(landed) = *self.beat_landed.locked() else {
-            return NO_BOUND;
+            return false;
         };
         let drift = f64::from(config.instance.clock_drift_ppm()) / 1e6;
-        let since = at.saturating_duration_since(landed).mul_f64(1.0 + drift);
-        lapse.max(since + config.node_clock_spread())
+        let since = answered
+            .saturating_duration_since(landed)
+            .mul_f64(1.0 + drift);
+        match silent_for {
+            Some(silent) => {
+                silent > lapse.max(since) + config.node_clock_spread() + Duration::from_millis(1)
+            }
+            None => since < lapse,
+        }
     }
 
     /// Records the identity a heartbeat read.
@@ -913,7 +947,7 @@ pub(crate) enum Timing {
     Counts,
     /// Nothing: it may wait on purpose (a row lock, a lease's time left).
     Ignored,
-    /// Slow, it decides nothing (a half-open probe gives its slot back unjudged); prompt, it
+    /// Slow, a statement that waits for no lock is sent and judged in its place; prompt, it
     /// counts as a success.
     Undecided,
 }
@@ -921,9 +955,8 @@ pub(crate) enum Timing {
 /// How a grant attempt's duration is judged: an answer that the key's row stayed locked by
 /// another transaction ([`Attempt::Locked`]) took the server's lock wait on purpose, and
 /// counts for the shard; any other answer may have waited behind such a lock that then ended
-/// (a transaction lock on the key, a console session) and, if slow, decides nothing: a busy
-/// key is an answer, never a failure. A slow link still opens the breaker through the
-/// shard's releases and heartbeats, and its timeouts.
+/// (a transaction lock on the key, a console session): if slow, a statement that waits for no
+/// lock is judged in its place, for a busy key is an answer, never a failure.
 pub(crate) fn acquire_timing<T>(
     result: &Result<T, BackendError>,
     locked: impl Fn(&T) -> bool,

@@ -349,10 +349,16 @@ impl Inner {
             (self.shared).beaten(sent, self.gate.lapse_in_force(lapse));
         };
         let advertised = self.advertised(&topology);
-        let beats = registry::beat(&topology, &advertised, &self.shared, missed, &reached).await;
-        if let Some(shard) = &beats.silent_on {
-            self.silence_seen(shard);
-        }
+        let silent = |shard: &str| self.silence_seen(shard);
+        let beats = registry::beat(
+            &topology,
+            &advertised,
+            &self.shared,
+            missed,
+            &reached,
+            &silent,
+        )
+        .await;
         if beats.unreached.is_empty() && beats.taken_by.is_none() {
             self.gate.beaten_everywhere(lapse);
             // Every shard holds this lapse now: a longer one counts for the leases too.
@@ -422,8 +428,8 @@ impl Inner {
     }
 
     /// This process's row on `shard` had gone unbeaten for longer than its lapse by that
-    /// shard's clock, and than its own clock saw since its heartbeat there took (see
-    /// `ShardState::silent_for`): it stood still while the shard's ran
+    /// shard's clock, and than its own clock saw since its heartbeat there was sent (see
+    /// `ShardState::went_silent`): it stood still while the shard's ran
     /// on (a frozen virtual machine, a process restored from a checkpoint), and the others may
     /// have counted this process dead meanwhile, ended moves it had not made, and granted its
     /// keys where their topology places them. As after a lapse: its leases on shards are lost

@@ -340,3 +340,35 @@ async fn an_acquire_slowed_by_a_row_lock_counts_against_no_shard() {
     );
     granted.release().await.unwrap();
 }
+
+/// A slow acquire is judged by a statement that waits for no lock: on a slow link that one is
+/// slow too, and the breaker opens, whatever else the process sends (an acquire answered
+/// slowly decided nothing, and with no release or heartbeat to judge, a slow shard never
+/// opened its breaker).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_acquire_on_a_slow_link_opens_the_breaker() {
+    let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+    let proxy = shardlock_testkit::Proxy::start(cluster.shard(0).port())
+        .await
+        .unwrap();
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 20s\nbreaker:\n  \
+         consecutive-failures: 1\n  slow-call: 300ms\ncleaner:\n  registry: static\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    // Each way: a round trip of 400 ms at least.
+    proxy.set(shardlock_testkit::ProxyMode::Delay(Duration::from_millis(
+        200,
+    )));
+    let granted = router.try_acquire("slow", AcquireOptions::new()).await;
+    let granted = granted.map(|g| g.map(|g| g.mode()));
+    assert!(matches!(granted, Ok(Some(LockMode::Remote))), "{granted:?}");
+    assert_eq!(
+        router.breaker_state("s1"),
+        Some(shardlock::BreakerState::Open),
+        "a slow acquire on a slow link left the breaker closed"
+    );
+    proxy.set(shardlock_testkit::ProxyMode::Pass);
+}

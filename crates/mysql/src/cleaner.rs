@@ -29,12 +29,13 @@ macro_rules! silent_past_timeout {
 /// on the wire (or retried), never leaves the shorter one in the row after the router saw
 /// the longer one reach every shard (see `Gate` in the router). Times are the shard's `NOW(3)`, and [`ALIVE_HEAD`] compares them with the
 /// same clock, so liveness never depends on two machines' clocks agreeing. The first
-/// assignment reports, through `LAST_INSERT_ID` (2), a row of this start (nonce `?`) silent
-/// for longer than `?` µs by the shard's clock before this heartbeat (see
-/// [`Heartbeat::BeatenAfterSilence`]); it sets `host` to `?` either way.
+/// assignment reports, through `LAST_INSERT_ID`, how long a row of this start (nonce `?`) had
+/// gone unbeaten by the shard's clock, in µs plus 2 (1: the row was not this start's); it sets
+/// `host` to `?` either way.
 const HEARTBEAT: &str = concat!(
-    "UPDATE shardlock_instance SET host = IF(LAST_INSERT_ID(IF(nonce <=> ? AND heartbeat_at <= ",
-    "NOW(3) - INTERVAL ? MICROSECOND, 2, 1)) = 0, host, ?), pid = ?, ",
+    "UPDATE shardlock_instance SET host = IF(LAST_INSERT_ID(IF(nonce <=> ?, ",
+    "GREATEST(0, TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3))) + 2, 1)) = 0, host, ?), ",
+    "pid = ?, ",
     "started_at = IF(nonce <=> ?, started_at, NOW(3)), ",
     "heartbeat_timeout_ms = IF(nonce <=> ?, GREATEST(COALESCE(heartbeat_timeout_ms, 0), ?), ?), ",
     "nonce = ?, heartbeat_at = NOW(3), ",
@@ -231,11 +232,6 @@ pub struct Beat<'a> {
     /// `cleaner.heartbeat-timeout`: a row another start has not beaten for this long, nor for
     /// the timeout the row says, may be taken over. Written into the row.
     pub timeout: std::time::Duration,
-    /// The longest the process's own row can have gone unbeaten, by the shard's clock, as far
-    /// as the process knows (its latest heartbeat there, by its own clock, allowing for its
-    /// drift, and never less than its lapse): a row found silent for longer answers
-    /// [`Heartbeat::BeatenAfterSilence`].
-    pub silent_for: std::time::Duration,
 }
 
 /// What a heartbeat found: a row is written only while it is its own start's, or nobody's
@@ -243,13 +239,13 @@ pub struct Beat<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Heartbeat {
-    /// The row is this process's: it beat.
-    Beaten,
-    /// The row is this process's and it beat, but the row had been silent for longer than
-    /// [`Beat::silent_for`] by the shard's clock: the registry may have counted the process
-    /// dead meanwhile, though its own clock says no heartbeat was missed (it stood still: a
-    /// frozen virtual machine, a process restored from a checkpoint).
-    BeatenAfterSilence,
+    /// The row is this process's now: it beat.
+    Beaten {
+        /// How long the row had gone unbeaten by the shard's clock, if it was this start's
+        /// already (`None`: the row was new, deregistered, or another start's, silent past
+        /// its timeout).
+        silent_for: Option<std::time::Duration>,
+    },
     /// Another start beats under this instance id, live: the row was left alone.
     TakenBy {
         /// Its host.
@@ -262,10 +258,8 @@ pub enum Heartbeat {
 pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::Result<Heartbeat> {
     let timeout_us = u64::try_from(beat.timeout.as_micros()).unwrap_or(u64::MAX);
     let timeout_ms = u64::try_from(beat.timeout.as_millis()).unwrap_or(u64::MAX);
-    let silent_us = u64::try_from(beat.silent_for.as_micros()).unwrap_or(u64::MAX);
     let params: Vec<Value> = vec![
         beat.nonce.into(),
-        silent_us.into(),
         beat.host.into(),
         beat.pid.into(),
         beat.nonce.into(),
@@ -283,10 +277,10 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
     ];
     conn.exec_drop(HEARTBEAT, params).await?;
     if conn.affected_rows() > 0 {
-        return Ok(match conn.last_insert_id() {
-            Some(2) => Heartbeat::BeatenAfterSilence,
-            _ => Heartbeat::Beaten,
-        });
+        let silent_for = (conn.last_insert_id())
+            .filter(|&v| v >= 2)
+            .map(|v| std::time::Duration::from_micros(v - 2));
+        return Ok(Heartbeat::Beaten { silent_for });
     }
     let params: Vec<Value> = vec![
         beat.instance.into(),
@@ -308,7 +302,7 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
         Some((nonce, host, pid)) if nonce.as_deref() != Some(beat.nonce.as_bytes()) => {
             Heartbeat::TakenBy { host, pid }
         }
-        _ => Heartbeat::Beaten,
+        _ => Heartbeat::Beaten { silent_for: None },
     })
 }
 
@@ -509,15 +503,13 @@ mod tests {
             servers: "s",
             nonce,
             timeout,
-            silent_for: timeout / 2,
         }
     }
 
-    /// A start's own row found silent for longer than its lapse by the shard's clock (the
-    /// process's clock stood still while the shard's ran on) is told apart, and beaten; a row
-    /// of another start taken over is not this start's silence.
+    /// A heartbeat tells how long its start's own row had gone unbeaten by the shard's
+    /// clock, and nothing of a row that was not its start's.
     #[tokio::test(flavor = "multi_thread")]
-    async fn a_heartbeat_tells_that_its_own_row_was_silent_past_its_lapse() {
+    async fn a_heartbeat_tells_how_long_its_own_row_went_unbeaten() {
         let (cluster, shard) = crate::testing::migrated_shard().await;
         let timeout = Duration::from_secs(60);
         let age = |secs: u32| {
@@ -532,20 +524,24 @@ mod tests {
                     .unwrap();
             }
         };
-        for _ in 0..2 {
-            let beaten = shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
-            assert_eq!(beaten, Heartbeat::Beaten);
-        }
-        // Older than the lapse (30 s), younger than the timeout.
+        let silence = |beaten: Heartbeat| match beaten {
+            Heartbeat::Beaten { silent_for } => silent_for,
+            other => panic!("{other:?}"),
+        };
+        let first = shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
+        assert_eq!(silence(first), None, "a new row");
         age(31).await;
-        let after = shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
-        assert_eq!(after, Heartbeat::BeatenAfterSilence);
-        let next = shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
-        assert_eq!(next, Heartbeat::Beaten);
-        // Silent past the timeout, taken over by another start: its first heartbeat.
+        let after = silence(shard.heartbeat(beat("a", "n1", timeout)).await.unwrap());
+        assert!(
+            after.is_some_and(|s| s >= Duration::from_secs(31) && s < Duration::from_secs(40)),
+            "{after:?}"
+        );
+        let next = silence(shard.heartbeat(beat("a", "n1", timeout)).await.unwrap());
+        assert!(next.is_some_and(|s| s < Duration::from_secs(5)), "{next:?}");
+        // Silent past the timeout, taken over by another start: not its own row.
         age(61).await;
-        let taken = shard.heartbeat(beat("a", "n2", timeout)).await.unwrap();
-        assert_eq!(taken, Heartbeat::Beaten);
+        let taken = silence(shard.heartbeat(beat("a", "n2", timeout)).await.unwrap());
+        assert_eq!(taken, None);
     }
 
     /// The timeout the registry row of `id` says.
@@ -562,10 +558,10 @@ mod tests {
         let (long, short) = (Duration::from_secs(60), Duration::from_millis(1));
 
         let beaten = shard.heartbeat(beat("a", "n1", long)).await.unwrap();
-        assert_eq!(beaten, Heartbeat::Beaten);
+        assert!(matches!(beaten, Heartbeat::Beaten { .. }));
         // A heartbeat from before a reload that lengthened the timeout, late on the wire.
         let late = shard.heartbeat(beat("a", "n1", short)).await.unwrap();
-        assert_eq!(late, Heartbeat::Beaten);
+        assert!(matches!(late, Heartbeat::Beaten { .. }));
         assert_eq!(row_timeout(&shard, "a").await, Some(long), "only grows");
 
         // Silent for longer than a reader's timeout, not its own: live, and its id is kept.
@@ -583,7 +579,7 @@ mod tests {
         // Once it deregistered, the next start's row says that start's own timeout.
         shard.deregister("a", "n1").await.unwrap();
         let next = shard.heartbeat(beat("a", "n2", short)).await.unwrap();
-        assert_eq!(next, Heartbeat::Beaten);
+        assert!(matches!(next, Heartbeat::Beaten { silent_for: None }));
         assert_eq!(row_timeout(&shard, "a").await, Some(short));
     }
 }
