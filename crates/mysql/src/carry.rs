@@ -256,8 +256,8 @@ pub struct MovingJob {
     pub max_retries: u32,
     /// The identity of the shard it goes to (fixed when its move started).
     pub moved_to: String,
-    /// What names this move of it wherever it lands (its origin there, unique): see
-    /// [`CARRY_KEY`].
+    /// What names this move of it wherever it lands (its origin there, unique): read off
+    /// its row, the same for every process that carries it.
     pub carry_key: String,
 }
 
