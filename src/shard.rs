@@ -72,6 +72,9 @@ pub(crate) struct ShardState {
     seen_identity: Mutex<Option<String>>,
     /// When this process's latest heartbeat that this shard took was sent.
     beat_landed: Mutex<Option<Moment>>,
+    /// A node clock skew a reload raised for this shard's database, in µs, above its config's
+    /// (which this state keeps): its leases allow for it (see [`ShardState::raise_skew`]).
+    skew_floor_us: AtomicU64,
     /// Acquires waiting to be sent (see [`lanes`]).
     acquire_lane: lanes::Lane<(GrantRequest, bool), Attempt>,
     /// Releases waiting to be sent: (key, owner).
@@ -125,6 +128,26 @@ impl ShardState {
         }
     }
 
+    /// [`ShardState::clock_skew`], or the larger one a reload raised since for this shard's
+    /// database (see [`ShardState::raise_skew`]): what its leases allow for.
+    pub(crate) fn leases_skew(&self) -> Duration {
+        let floor = Duration::from_micros(self.skew_floor_us.load(Ordering::SeqCst));
+        self.clock_skew().max(floor)
+    }
+
+    /// A reload raised the node clock skew of this shard's database to `skew` (this state keeps
+    /// its old config, and its leases): they allow for it from now on, and so does every lease
+    /// registered here later (a grant in flight across the reload). Set before the leases are
+    /// listed, as the registrations list theirs before they read it: one of the two sees the
+    /// other.
+    pub(crate) fn raise_skew(&self, skew: Duration) {
+        let us = u64::try_from(skew.as_micros()).unwrap_or(u64::MAX);
+        self.skew_floor_us.fetch_max(us, Ordering::SeqCst);
+        for lease in self.held().into_iter().chain(self.locals()) {
+            lease.allow_skew(skew);
+        }
+    }
+
     pub(crate) fn new(
         shard: Shard,
         config: ShardConfig,
@@ -149,6 +172,7 @@ impl ShardState {
             identity: std::sync::OnceLock::new(),
             seen_identity: Mutex::default(),
             beat_landed: Mutex::default(),
+            skew_floor_us: AtomicU64::new(0),
             acquire_lane: lanes::Lane::default(),
             release_lane: lanes::Lane::default(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
@@ -605,15 +629,24 @@ impl ShardState {
         let slow = took >= slow_call && !took.is_zero();
         if timing == Timing::Undecided && slow && !tentative {
             // Judged by a statement that waits for no lock instead: slow too, the link or
-            // the server is (at the cost of one statement per slow answer). A probe dropped
-            // meanwhile gives its slot back.
+            // the server is (at the cost of one statement per slow answer). Only through an
+            // idle connection (a wait for the pool may be one behind row locks too), else
+            // nothing is decided; and for the slow-call threshold at most, past which the
+            // verdict is known. A probe dropped meanwhile gives its slot back.
+            if self.pool_status().available == 0 {
+                if let Some(probe) = probe {
+                    self.breaker.locked().abandon_probe(probe);
+                }
+                return result;
+            }
             permit.ticket = probe;
             let started = Instant::now();
-            let ping = self.backend.clock_us().await;
+            let bound = slow_call + self.backend.stall_allowance();
+            let ping = tokio::time::timeout(bound, self.backend.clock_us()).await;
             permit.ticket = None;
             let elapsed = started.elapsed();
             let outcome = match &ping {
-                Err(e) if e.kind.is_infrastructure() => CallOutcome::Failure,
+                Ok(Err(e)) if e.kind.is_infrastructure() => CallOutcome::Failure,
                 _ => CallOutcome::Success,
             };
             let took = if elapsed > self.backend.stall_allowance() {
@@ -621,10 +654,7 @@ impl ShardState {
             } else {
                 Duration::ZERO
             };
-            let transition = self
-                .breaker
-                .locked()
-                .record(breaker_now(), outcome, took, ticket);
+            let transition = (self.breaker.locked()).record(breaker_now(), outcome, took, ticket);
             self.note(transition);
             return result;
         }
@@ -724,6 +754,7 @@ impl ShardState {
     pub(crate) fn insert_local(self: &Arc<Self>, lease: Arc<LeaseState>) {
         self.local.locked().insert(lease.id, lease.clone());
         lease.allow_drift(self.shared.drift_ppm());
+        lease.allow_skew(self.leases_skew());
         // Granted after a shutdown took its list of the holds to end (the acquire's statement
         // failed after it began): lost as those are, as in [`ShardState::insert`]. (Listed
         // before the check: one of the two sees the other.)
@@ -796,6 +827,7 @@ impl ShardState {
         // Granted under a config allowing less drift than a reload since (see
         // `Shared::allow_drift`).
         lease.allow_drift(self.shared.drift_ppm());
+        lease.allow_skew(self.leases_skew());
         // Granted after a shutdown took its list of the leases to end (an answer that came
         // late): lost and given back as those are, not left held by a guard that shutdown
         // never saw. (Listed before the check: one of the two sees the other.)
