@@ -566,7 +566,7 @@ async fn handoff_through_shard(
     // A waiter in memory never polled, so its terms carry no clock skew: on a Galera shard the
     // new lease ends locally as early as the released one did.
     let want = Want {
-        clock_skew: lease.want.clock_skew.max(shard.clock_skew()),
+        clock_skew: lease.clock_skew().max(shard.leases_skew()),
         ..next.want
     };
     let req = GrantRequest {

@@ -552,7 +552,7 @@ impl LockRouter {
         if next.config.cleaner.registry == RegistryKind::Heartbeat {
             shared.shorten_lapse(crate::state::lapse(&next.config));
         }
-        allow_raised_skews(&old, &next);
+        allow_raised_skews(shared, &next);
         self.inner.topology.store(next.clone());
         // A lapse the shorter one makes closes the gate now, not at the next look.
         self.inner.notice_lapse();
@@ -890,17 +890,19 @@ pub(crate) fn unknown_namespace(name: &str) -> Error {
 
 /// A raised `node-clock-skew` of a Galera shard applies to the leases held on it too: the
 /// shard's new pool takes nodes whose clocks run that far ahead, which may free their rows
-/// that much sooner (the shard state is made anew; its leases stay on the old one).
-fn allow_raised_skews(old: &Topology, next: &Topology) {
+/// that much sooner. The shard state is made anew; its leases stay on the old one, or on one
+/// an earlier reload made, and so may a grant in flight: every live state of the shard (its
+/// name, or its database) is raised.
+fn allow_raised_skews(shared: &crate::shard::Shared, next: &Topology) {
     let now = next.all_shards();
-    for shard in old.all_shards() {
-        let raised = (now.iter().find(|n| n.name() == shard.name()))
+    for shard in shared.shard_states() {
+        let raised = (now.iter())
+            .filter(|n| n.name() == shard.name() || n.same_database(&shard))
             .map(|n| n.clock_skew())
-            .filter(|&skew| skew > shard.clock_skew());
+            .max()
+            .filter(|&skew| skew > shard.leases_skew());
         if let Some(skew) = raised {
-            for lease in shard.held().into_iter().chain(shard.locals()) {
-                lease.allow_skew(skew);
-            }
+            shard.raise_skew(skew);
         }
     }
 }

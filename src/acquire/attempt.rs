@@ -55,14 +55,16 @@ impl LockRouter {
         Ok(match attempt(shard, &req, deadline).await? {
             None => Tried::Busy(None),
             // Granted, but the answer came so late that the lease may already have ended on
-            // the shard: no use to anyone. Given back; the key counts as busy. By the drift in
-            // force now, if a reload raised it meanwhile (the lease is placed by it).
+            // the shard: no use to anyone. Given back; the key counts as busy. By the drift and
+            // node skew in force now, if a reload raised them meanwhile (the lease is placed
+            // by them).
             Some(Attempt::Granted(_))
                 if Moment::now()
-                    >= want.end_of(
+                    >= Want::end_by(
                         sent,
                         want.ttl,
                         want.drift_ppm.max(self.inner.shared.drift_ppm()),
+                        want.clock_skew.max(shard.leases_skew()),
                     ) =>
             {
                 shard.give_back(req.key, req.owner, want.ttl);

@@ -432,6 +432,11 @@ impl LeaseState {
         self.end_moved.notify_waiters();
     }
 
+    /// The node clock skew the lease's end allows for (see [`LeaseState::allow_skew`]).
+    pub(crate) fn clock_skew(&self) -> Duration {
+        self.deadline.locked().clock_skew
+    }
+
     /// Allows for a Galera shard's other nodes' clocks running up to `clock_skew` ahead of the
     /// one that granted, if that is more than the lease allowed for (never less): a reload
     /// raised the shard's `node-clock-skew`, and its pool now takes nodes whose clocks run that
