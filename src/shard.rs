@@ -631,8 +631,9 @@ impl ShardState {
             // Judged by a statement that waits for no lock instead: slow too, the link or
             // the server is (at the cost of one statement per slow answer). Only through an
             // idle connection (a wait for the pool may be one behind row locks too), else
-            // nothing is decided; and for the slow-call threshold at most, past which the
-            // verdict is known. A probe dropped meanwhile gives its slot back.
+            // nothing is decided. Awaited to its end: one given up on the wire would leave a
+            // session for the shard's next statement to end first. A probe dropped meanwhile
+            // gives its slot back.
             if self.pool_status().available == 0 {
                 if let Some(probe) = probe {
                     self.breaker.locked().abandon_probe(probe);
@@ -641,12 +642,11 @@ impl ShardState {
             }
             permit.ticket = probe;
             let started = Instant::now();
-            let bound = slow_call + self.backend.stall_allowance();
-            let ping = tokio::time::timeout(bound, self.backend.clock_us()).await;
+            let ping = self.backend.clock_us().await;
             permit.ticket = None;
             let elapsed = started.elapsed();
             let outcome = match &ping {
-                Ok(Err(e)) if e.kind.is_infrastructure() => CallOutcome::Failure,
+                Err(e) if e.kind.is_infrastructure() => CallOutcome::Failure,
                 _ => CallOutcome::Success,
             };
             let took = if elapsed > self.backend.stall_allowance() {
