@@ -153,7 +153,8 @@ async fn a_grant_answered_after_a_reload_raised_the_drift_is_judged_by_it() {
     let yaml = |drift: &str| {
         format!(
             "instance:\n  clock-drift: {drift}\nshards:\n  - name: s1\n    url: {}\n    \
-             statement-timeout: 20s\ncleaner:\n  registry: static\n",
+             statement-timeout: 20s\n    pool: {{ wait-timeout: 30s, create-timeout: 30s }}\n\
+             cleaner:\n  registry: static\n",
             proxy.url()
         )
     };

@@ -71,8 +71,9 @@ async fn a_renewal_cut_short_by_its_leases_end_does_not_open_the_breaker() {
     let cluster = Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     let yaml = format!(
-        "shards:\n  - name: s1\n    url: {}\nbreaker:\n  slow-call: 10s\n  \
-         consecutive-failures: 1\ncleaner:\n  registry: static\n",
+        "shards:\n  - name: s1\n    url: {}\n    pool: {{ wait-timeout: 30s, create-timeout: \
+         30s }}\nbreaker:\n  slow-call: 10s\n  consecutive-failures: 1\ncleaner:\n  \
+         registry: static\n",
         proxy.url()
     );
     let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
