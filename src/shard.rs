@@ -224,8 +224,7 @@ impl ShardState {
     where
         F: std::future::Future<Output = Result<T, BackendError>> + 's,
     {
-        self.call_timed(statement(&self.backend), |_| Timing::Ignored)
-            .await
+        self.call_waiting_cut(false, statement).await
     }
 
     /// [`ShardState::call_waiting`] for a statement given less time than the shard's

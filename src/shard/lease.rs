@@ -419,12 +419,22 @@ impl LeaseState {
     /// local end comes earlier at once, as each later one does; else the shard could free the
     /// row before its holder's end, a lease without keep-alive never renewed at all.
     pub(crate) fn allow_drift(&self, drift_ppm: u32) {
+        self.allow_more(|d| {
+            let more = drift_ppm > d.drift_ppm;
+            d.drift_ppm = d.drift_ppm.max(drift_ppm);
+            more
+        });
+    }
+
+    /// Raises what the lease's end allows for, as `raise` does (answering whether it raised
+    /// anything): the end is placed again from the statement that placed it, and comes no
+    /// later than it was.
+    fn allow_more(&self, raise: impl FnOnce(&mut Deadline) -> bool) {
         {
             let mut d = self.deadline.locked();
-            if drift_ppm <= d.drift_ppm {
+            if !raise(&mut d) {
                 return;
             }
-            d.drift_ppm = drift_ppm;
             if let Some((sent, ttl)) = d.placed_by {
                 d.at = d.at.min(d.end_of(sent, ttl));
             }
@@ -442,17 +452,11 @@ impl LeaseState {
     /// raised the shard's `node-clock-skew`, and its pool now takes nodes whose clocks run that
     /// far ahead, which may free the row that much sooner. As [`LeaseState::allow_drift`].
     pub(crate) fn allow_skew(&self, clock_skew: Duration) {
-        {
-            let mut d = self.deadline.locked();
-            if clock_skew <= d.clock_skew {
-                return;
-            }
-            d.clock_skew = clock_skew;
-            if let Some((sent, ttl)) = d.placed_by {
-                d.at = d.at.min(d.end_of(sent, ttl));
-            }
-        }
-        self.end_moved.notify_waiters();
+        self.allow_more(|d| {
+            let more = clock_skew > d.clock_skew;
+            d.clock_skew = d.clock_skew.max(clock_skew);
+            more
+        });
     }
 
     /// Completes once [`LeaseState::valid_until`] may have moved earlier than it was when this
