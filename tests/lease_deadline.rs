@@ -153,41 +153,37 @@ async fn a_grant_answered_after_a_reload_raised_the_drift_is_judged_by_it() {
     let yaml = |drift: &str| {
         format!(
             "instance:\n  clock-drift: {drift}\nshards:\n  - name: s1\n    url: {}\n    \
-             statement-timeout: 60s\n    pool: {{ wait-timeout: 60s, create-timeout: 60s }}\n\
-             cleaner:\n  registry: static\n",
+             statement-timeout: 60s\ncleaner:\n  registry: static\n",
             proxy.url()
         )
     };
     let holder = LockRouter::from_yaml_str(&yaml("0.01")).await.unwrap();
     holder.migrate().await.unwrap();
-    // A pooled connection, made here without delay.
-    let warm = holder.acquire("warm", AcquireOptions::new()).await.unwrap();
-    warm.release().await.unwrap();
-    // A 10 s lease ends 9.9 s after its asking by a drift of 1%, 5 s by 50%; its answer comes
-    // after 6 s.
-    proxy.set(ProxyMode::Delay(Duration::from_secs(3)));
-    let asked = tokio::time::Instant::now();
+    // A 20 s lease ends 19.8 s after its asking by a drift of 1%, 10 s by 50%. Its statement
+    // waits on the link until the reload is in force and 12 s have passed since it was sent.
+    proxy.set(ProxyMode::PauseTo(b"drifting-key"));
     let acquiring = tokio::spawn({
         let holder = holder.clone();
         let opts = AcquireOptions::new()
-            .ttl(Duration::from_secs(10))
+            .ttl(Duration::from_secs(20))
             .wait(Duration::from_secs(60));
-        async move { holder.acquire("k", opts).await }
+        async move { holder.acquire("drifting-key", opts).await }
     });
-    // Once the acquire has asked (a reload before it would leave nothing to judge late).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::timeout(Duration::from_secs(60), proxy.wait_for(ProxyMode::Paused))
+        .await
+        .expect("the acquire's statement never reached the link");
+    let asked = tokio::time::Instant::now();
     holder
         .reload(Config::from_yaml_str(&yaml("0.5")).unwrap())
         .await
         .unwrap();
-    // The answer is on its way back; a poll after it is answered at once.
-    tokio::time::sleep_until(asked + Duration::from_secs(4)).await;
+    tokio::time::sleep_until(asked + Duration::from_secs(12)).await;
     proxy.set(ProxyMode::Pass);
     let guard = acquiring.await.unwrap().unwrap();
-    let answered = asked.elapsed();
     assert!(
         guard.is_held(),
-        "a grant answered {answered:?} after its asking was handed over already lost"
+        "a grant answered 12s after its asking, past its lease's end by the drift in force, \
+         was handed over already lost"
     );
     guard.release().await.unwrap();
 }

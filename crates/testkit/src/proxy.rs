@@ -57,6 +57,13 @@ pub enum ProxyMode {
     /// gives up (its own timeout), with the statement still on its way. [`Proxy::held`] hands
     /// it to the test. Then the proxy passes everything.
     HoldTo(&'static [u8]),
+    /// The first request (chunk) that contains these bytes waits on its connection, and the
+    /// mode turns [`ProxyMode::Paused`]: the test knows the request was made, and lets it
+    /// on (its reply comes back as usual) by setting any other mode. Every other connection
+    /// passes meanwhile.
+    PauseTo(&'static [u8]),
+    /// A request [`ProxyMode::PauseTo`] caught waits; everything else passes.
+    Paused,
     /// The next connection its client closes (a `COM_QUIT`, or the end of its stream) stays
     /// open on the server's side, as when the close is lost in a cut and the server keeps the
     /// session: [`Proxy::held`] hands that side to the test (with nothing to deliver). Then
@@ -366,6 +373,19 @@ async fn pump(
                         return None;
                     }
                 }
+                if let ProxyMode::PauseTo(pattern) = lose {
+                    if contains(pattern)
+                        && modes.send_if_modified(|m| {
+                            let first = *m == lose;
+                            if first {
+                                *m = ProxyMode::Paused;
+                            }
+                            first
+                        })
+                    {
+                        mode.wait_for(|m| *m != ProxyMode::Paused).await.ok()?;
+                    }
+                }
             }
             Direction::Replies {
                 modes,
@@ -450,6 +470,8 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
         | ProxyMode::StrandTo(_)
         | ProxyMode::StrandToThenBlackhole(_)
         | ProxyMode::HoldTo(_)
+        | ProxyMode::PauseTo(_)
+        | ProxyMode::Paused
         | ProxyMode::HoldClose => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
     }
