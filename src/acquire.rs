@@ -350,7 +350,7 @@ impl LockRouter {
         &self,
         key: &LockKey,
         want: Want,
-        turn: Turn,
+        mut turn: Turn,
         deadline: Instant,
         ns: &NamespaceConfig,
         progress: &mut Progress,
@@ -484,10 +484,22 @@ impl LockRouter {
                         grant,
                         companions,
                     };
-                    return self
-                        .hold_grant(key, taken, want, turn, &topology)
-                        .await
-                        .map(Some);
+                    match self.hold_grant(key, taken, want, turn, &topology).await? {
+                        Held::Guard(guard) => return Ok(Some(guard)),
+                        // A previous shard's row was taken or freed since its grant (it ran
+                        // out while the others were asked, or was force-released): the key
+                        // is busy there, and this poll's rows are given back. Polled again
+                        // within the wait.
+                        Held::TakenOver(back) => {
+                            turn = back;
+                            let now = Instant::now();
+                            if now >= deadline {
+                                return Ok(None);
+                            }
+                            tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
+                            continue;
+                        }
+                    }
                 }
             }
             // Whatever was taken on earlier shards is released as `companions` drops.
@@ -508,7 +520,8 @@ impl LockRouter {
     /// Phase 3: holds the key `shard` granted. A moved key's rows on its previous shards
     /// (`companions`) get this grant's fence too (a process still placing the key there must
     /// be granted a larger one) and become part of the lease, renewed and released with it;
-    /// if any of that fails, every row of the grant is given back as `companions` drops.
+    /// if any of that fails, every row of the grant is given back as `companions` drops: a
+    /// row found taken since hands the key's turn back ([`Held::TakenOver`]).
     async fn hold_grant(
         &self,
         key: &LockKey,
@@ -516,7 +529,7 @@ impl LockRouter {
         want: Want,
         turn: Turn,
         topology: &Topology,
-    ) -> Result<LockGuard> {
+    ) -> Result<Held> {
         let Taken {
             shard,
             grant,
@@ -551,12 +564,10 @@ impl LockRouter {
         }
         if let Some((name, raised)) = failed {
             // Every row of this grant is given back as `companions` and `own` drop.
-            return Err(match raised {
-                Err(e) => e.into_error(&name),
-                Ok(_) => Error::LockLost {
-                    key_label: shard.shared.telemetry.key_label(key),
-                },
-            });
+            return match raised {
+                Err(e) => Err(e.into_error(&name)),
+                Ok(_) => Ok(Held::TakenOver(turn)),
+            };
         }
         if moved {
             self.inner
@@ -593,7 +604,7 @@ impl LockRouter {
                 break;
             }
         }
-        Ok(guard)
+        Ok(Held::Guard(guard))
     }
 
     /// An in-process grant while `shard`'s breaker is open (`local` policy). The caller holds
@@ -678,6 +689,15 @@ enum Entered {
     Turn(Turn),
     /// With its answer already: handed the lease in memory, or the wait ended.
     Answered(Option<LockGuard>),
+}
+
+/// What came of holding a poll's grant (`hold_grant`).
+enum Held {
+    /// The key is the caller's.
+    Guard(LockGuard),
+    /// A row on a previous shard was no longer this grant's when its fence was to be raised:
+    /// the key is busy. The key's turn comes back for the next poll.
+    TakenOver(Turn),
 }
 
 /// What a poll took: the grant on the key's shard, and those on its previous shards (a moved

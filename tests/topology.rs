@@ -1675,6 +1675,65 @@ async fn an_acquire_of_a_moved_key_given_up_half_way_leaves_no_lease() {
     next.release().await.unwrap();
 }
 
+/// An acquire of a moved key whose row on the key's previous shard is taken or freed after
+/// its grant there, while the key's new shard is asked (it ran out on a slow shard, or was
+/// force-released), finds the key busy and polls again: it ended in `LockLost` for a lock it
+/// never held, which ended an election campaign and a semaphore's acquire with wait left.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acquire_whose_moved_keys_earlier_row_was_freed_meanwhile_polls_again() {
+    let cluster = Cluster::start(2).await.unwrap();
+    // The key's new shard, s1, is asked through a proxy that can hold its grant back.
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let policy = "routing:\n  move-window: 60s\nbreaker:\n  slow-call: 60s\n";
+    let s1 = format!(
+        "  - name: s1\n    url: {}\n    statement-timeout: 60s\n",
+        proxy.url()
+    );
+    let s2 = format!("  - name: s2\n    url: {}\n", cluster.shard(1).url());
+    let router = LockRouter::from_yaml_str(&format!("shards:\n{s1}{s2}{policy}"))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let key = (0..)
+        .map(|i| format!("freed-meanwhile:{i}"))
+        .find(|k| router.shard_for(k).unwrap() == "s2")
+        .unwrap();
+    let one = Config::from_yaml_str(&format!("shards:\n{s1}{policy}")).unwrap();
+    router.reload(one).await.unwrap();
+    assert_eq!(router.moves_in_progress(), 1);
+
+    // Taken on s2 (the previous shard); its grant on s1 waits while s2's row is freed.
+    proxy.set(ProxyMode::PauseTo(Box::leak(
+        key.clone().into_bytes().into_boxed_slice(),
+    )));
+    let acquiring = tokio::spawn({
+        let (router, key) = (router.clone(), key.clone());
+        async move {
+            router
+                .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(30)))
+                .await
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(60), proxy.wait_for(ProxyMode::Paused))
+        .await
+        .expect("the grant on s1 never reached the link");
+    let mut s2_conn = cluster.shard(1).connect().await.unwrap();
+    s2_conn
+        .exec_drop(
+            "DELETE FROM shardlock_lease WHERE lock_key = ?",
+            (key.as_str(),),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s2_conn.affected_rows(), 1, "the grant on s2 left no row");
+    proxy.set(ProxyMode::Pass);
+
+    let guard = acquiring.await.unwrap().unwrap();
+    assert!(guard.is_held());
+    assert_eq!(guard.shard(), "s1");
+    guard.release().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shard_whose_move_is_over_is_left_alone_once_its_pool_closed() {
     let cluster = Cluster::start(2).await.unwrap();
