@@ -70,7 +70,9 @@ impl Leadership {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Leader {
-    /// The leader's instance id (`instance.id`).
+    /// The leader's instance id (`instance.id`). Not who leads: a process restarted under
+    /// the same id shares it with its earlier start, whose leadership may still be live.
+    /// Tell leaderships apart by `owner`, or ask [`Leadership::is_leader`].
     pub instance_id: String,
     /// The owner written by the leader's grant: `<instance id>:<start nonce>:<grant seq>`.
     pub owner: String,

@@ -6,6 +6,13 @@
 //! leave. So a writer excludes every reader and every other writer, readers share, and a
 //! waiting writer is not starved by a stream of readers. Every part is a lease: renewed, ended
 //! by its ttl if its holder dies, reported lost.
+//!
+//! Writers go first: while writers follow each other without a gap (several tasks of one
+//! process writing in turn, handed the intent in memory), readers wait, and may time out.
+//! Readers have no fence. A writer paused past its lease (stopped, swapped out) whose write
+//! lands later can land while readers hold the lock: [`WriteGuard::fence`] orders writers
+//! against writers only. Guard data that readers must see unchanged with a version the
+//! writer's fenced write moves on, and check it after reading.
 
 use futures_util::future::select_all;
 use shardlock_core::{Backoff, LockKey, Result};
