@@ -186,8 +186,9 @@ async fn reconciled(rig: &Rig) {
 /// without keep-alive then ended at its ttl all the same).
 #[tokio::test(flavor = "multi_thread")]
 async fn extend_moves_the_end_of_a_local_hold_once_it_was_reconciled() {
+    // Long enough to be reconciled before it ends, whatever probes the breaker needs first.
     let once = AcquireOptions::new()
-        .ttl(Duration::from_secs(2))
+        .ttl(Duration::from_secs(20))
         .keep_alive(false);
     let (rig, _, guard) = held_locally_for(once).await;
     reconciled(&rig).await;
@@ -275,7 +276,7 @@ async fn a_local_hold_without_keep_alive_ends_at_its_ttl() {
 /// left of its ttl, not a whole ttl from then: its row ends when the hold does.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_local_hold_without_keep_alive_takes_its_row_for_what_is_left() {
-    let at_most = Duration::from_secs(8);
+    let at_most = Duration::from_secs(20);
     let (rig, key, guard) = held_locally_for(AcquireOptions::new().lock_at_most(at_most)).await;
     let granted = tokio::time::Instant::now();
     // The hold ages while its shard is away.

@@ -224,11 +224,12 @@ async fn a_lease_whose_row_was_locked_for_a_while_is_renewed_once_the_lock_ends(
 /// batch job taking lease rows for a second at each tick opened the breaker).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_renewal_slowed_by_a_lock_that_then_ended_counts_against_no_shard() {
-    // A lock wait of 4 s, so the renewal outwaits the lock; a breaker that opens on one call
-    // slower than 800 ms.
+    // A lock wait of 9 s, and 8 s left of the lease at its first renewal, so the renewal
+    // outwaits the lock with room to spare on a busy machine; a breaker that opens on one
+    // call slower than 800 ms.
     let (cluster, router, guard, competitor) = locked_lease(
-        "5s",
-        "namespaces:\n  default:\n    ttl: 3s\n\
+        "10s",
+        "namespaces:\n  default:\n    ttl: 12s\n\
          breaker:\n  consecutive-failures: 1\n  slow-call: 800ms\n",
     )
     .await;
@@ -309,11 +310,15 @@ async fn locked_lease(
 /// call opened on a healthy shard.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_acquire_slowed_by_a_row_lock_counts_against_no_shard() {
-    let (cluster, router, _) = common::start(
-        1,
-        "breaker:\n  consecutive-failures: 1\n  slow-call: 300ms\n",
-    )
-    .await;
+    // A lock wait of 9 s; a breaker that opens on one call slower than 2 s, with no
+    // registry's heartbeats beside the acquire (a slow one on a busy machine would open it).
+    let (cluster, _direct, _) = common::start(1, "").await;
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 10s\n\
+         breaker:\n  consecutive-failures: 1\n  slow-call: 2s\ncleaner:\n  registry: static\n",
+        cluster.shard(0).url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
     let held = router.acquire("busy", AcquireOptions::new()).await.unwrap();
     let mut competitor = Competitor::begin(cluster.shard(0), false).await.unwrap();
     let key = competitor.key_of(held.owner()).await.unwrap().unwrap();
@@ -329,8 +334,8 @@ async fn an_acquire_slowed_by_a_row_lock_counts_against_no_shard() {
     })
     .await;
     assert!(waiting, "the acquire never waited for the row");
-    // Past the slow-call threshold, within the server's lock wait (1 s).
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Past the slow-call threshold, within the server's lock wait (9 s).
+    tokio::time::sleep(Duration::from_secs(3)).await;
     competitor.end().await.unwrap();
     let granted = acquiring.await.unwrap().unwrap();
     assert!(

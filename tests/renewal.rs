@@ -32,8 +32,10 @@ async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
 
     let updates_before = common::status_sum(&cluster, "Com_update").await;
     let stats_before = router.stats();
+    let window = tokio::time::Instant::now();
     tokio::time::sleep(TTL * 3).await;
     let stats = router.stats();
+    let window = window.elapsed();
     let updates = common::status_sum(&cluster, "Com_update").await - updates_before;
 
     assert!(guards.iter().all(|g| g.is_held()), "no lease lost");
@@ -41,8 +43,15 @@ async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
     let ticks = stats.renew_ticks - stats_before.renew_ticks;
     let statements = stats.renew_statements - stats_before.renew_statements;
     eprintln!("{ticks} renewal ticks, {statements} renewal statements, {updates} UPDATEs counted by the shards");
-    // ttl/3 ticks over 3 ttls: about 9 per shard.
-    assert!((3 * 8..=3 * 10).contains(&ticks), "{ticks} ticks");
+    // A tick every ttl/3 over the window (3 ttls, more if the machine is busy): about 9 per
+    // shard, give or take one at either end and one late tick.
+    let period = (TTL / 3).as_secs_f64();
+    let expected = window.as_secs_f64() / period;
+    let per_shard = (expected.floor() as u64).saturating_sub(2)..=expected.ceil() as u64 + 1;
+    assert!(
+        (3 * per_shard.start()..=3 * per_shard.end()).contains(&ticks),
+        "{ticks} ticks in {window:?}"
+    );
     let failures = stats.renew_failures - stats_before.renew_failures;
     assert_eq!(
         statements + failures,
@@ -52,7 +61,7 @@ async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
     // The shards' counters agree, up to one statement per shard that was on its way at either
     // end of the window (the server counts it before the client does).
     assert!(
-        updates.abs_diff(statements) <= 3,
+        updates.abs_diff(statements) <= 6,
         "the shards saw {updates} UPDATEs for {statements} renewal statements"
     );
 
