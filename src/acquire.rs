@@ -486,11 +486,11 @@ impl LockRouter {
                     };
                     match self.hold_grant(key, taken, want, turn, &topology).await? {
                         Held::Guard(guard) => return Ok(Some(guard)),
-                        // A previous shard's row was taken or freed since its grant (it ran
-                        // out while the others were asked, or was force-released): the key
-                        // is busy there, and this poll's rows are given back. Polled again
+                        // A previous shard's row ran out, or was taken or freed, since its
+                        // grant (a slow shard asked after it, a force-release): the key is
+                        // busy there, and this poll's rows are given back. Polled again
                         // within the wait.
-                        Held::TakenOver(back) => {
+                        Held::Busy(back) => {
                             turn = back;
                             let now = Instant::now();
                             if now >= deadline {
@@ -521,7 +521,7 @@ impl LockRouter {
     /// (`companions`) get this grant's fence too (a process still placing the key there must
     /// be granted a larger one) and become part of the lease, renewed and released with it;
     /// if any of that fails, every row of the grant is given back as `companions` drops: a
-    /// row found taken since hands the key's turn back ([`Held::TakenOver`]).
+    /// row that ran out or was taken since hands the key's turn back ([`Held::Busy`]).
     async fn hold_grant(
         &self,
         key: &LockKey,
@@ -566,8 +566,17 @@ impl LockRouter {
             // Every row of this grant is given back as `companions` and `own` drop.
             return match raised {
                 Err(e) => Err(e.into_error(&name)),
-                Ok(_) => Ok(Held::TakenOver(turn)),
+                Ok(_) => Ok(Held::Busy(turn)),
             };
+        }
+        // Each grant was answered in time, but one may have run out since, while the shards
+        // after it were asked: its row may be free there, or another's.
+        let mut granted = companions
+            .grants
+            .iter()
+            .chain(own.iter().flat_map(|o| &o.grants));
+        if granted.any(|(at, grant)| self.ran_out(at, &want, grant.sent)) {
+            return Ok(Held::Busy(turn));
         }
         if moved {
             self.inner
@@ -695,9 +704,10 @@ enum Entered {
 enum Held {
     /// The key is the caller's.
     Guard(LockGuard),
-    /// A row on a previous shard was no longer this grant's when its fence was to be raised:
-    /// the key is busy. The key's turn comes back for the next poll.
-    TakenOver(Turn),
+    /// A row on a previous shard was no longer surely this grant's once the others were
+    /// taken (it ran out meanwhile, or was taken or freed): the key is busy. The key's turn
+    /// comes back for the next poll.
+    Busy(Turn),
 }
 
 /// What a poll took: the grant on the key's shard, and those on its previous shards (a moved

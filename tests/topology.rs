@@ -9,7 +9,7 @@ use std::time::Duration;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Pool;
 use shardlock::{AcquireOptions, Config, ListOptions, LockRouter};
-use shardlock_testkit::{report, Cluster, Proxy, ProxyMode, Worker};
+use shardlock_testkit::{report, Cluster, Competitor, Proxy, ProxyMode, Worker};
 
 const KEYS: usize = 500;
 const TASKS: usize = 32;
@@ -1731,6 +1731,77 @@ async fn an_acquire_whose_moved_keys_earlier_row_was_freed_meanwhile_polls_again
     let guard = acquiring.await.unwrap().unwrap();
     assert!(guard.is_held());
     assert_eq!(guard.shard(), "s1");
+    guard.release().await.unwrap();
+}
+
+/// An acquire of a moved key whose grant on the key's previous shard runs out while its new
+/// shard is asked (a slow shard) finds the key busy and polls again: its grant answered in
+/// time there, it was handed a guard already lost, its row on the previous shard ended (free
+/// for anyone placing the key there).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acquire_whose_moved_keys_earlier_grant_ran_out_meanwhile_polls_again() {
+    let cluster = Cluster::start(2).await.unwrap();
+    // The key's new shard, s1, is asked through a proxy that can hold its grant back. Lock
+    // waits of a minute; nothing here is slow for the breaker.
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let policy = "routing:\n  move-window: 60s\nbreaker:\n  slow-call: 60s\n";
+    let s1 = format!(
+        "  - name: s1\n    url: {}\n    statement-timeout: 60s\n",
+        proxy.url()
+    );
+    let s2 = format!(
+        "  - name: s2\n    url: {}\n    statement-timeout: 60s\n",
+        cluster.shard(1).url()
+    );
+    let router = LockRouter::from_yaml_str(&format!("shards:\n{s1}{s2}{policy}"))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let key = (0..)
+        .map(|i| format!("ran-out-meanwhile:{i}"))
+        .find(|k| router.shard_for(k).unwrap() == "s2")
+        .unwrap();
+    // The key's row on s2, locked by another transaction.
+    let first = router.acquire(&key, AcquireOptions::new()).await.unwrap();
+    let mut competitor = Competitor::begin(cluster.shard(1), false).await.unwrap();
+    let stored = competitor.key_of(first.owner()).await.unwrap().unwrap();
+    first.release().await.unwrap();
+    competitor.lock(&stored).await.unwrap();
+    let one = Config::from_yaml_str(&format!("shards:\n{s1}{policy}")).unwrap();
+    router.reload(one).await.unwrap();
+    assert_eq!(router.moves_in_progress(), 1);
+
+    // A 10 s lease, asked on s2 at t0: granted there once the lock ends 4 s later, its row
+    // ends on s2 by t0 + 10 s. Its grant on s1, asked after that, is held back 7 s: answered
+    // after t0 + 11 s, within its own 10 s.
+    proxy.set(ProxyMode::PauseTo(Box::leak(
+        key.clone().into_bytes().into_boxed_slice(),
+    )));
+    let acquiring = tokio::spawn({
+        let (router, key) = (router.clone(), key.clone());
+        let opts = AcquireOptions::new()
+            .ttl(Duration::from_secs(10))
+            .wait(Duration::from_secs(60));
+        async move { router.acquire(&key, opts).await }
+    });
+    let waiting = common::eventually(Duration::from_secs(30), || async {
+        cluster.shard(1).lock_waits_now().await.unwrap() >= 1
+    })
+    .await;
+    assert!(waiting, "the grant on s2 never waited for its row");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    competitor.end().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), proxy.wait_for(ProxyMode::Paused))
+        .await
+        .expect("the grant on s1 never reached the link");
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    proxy.set(ProxyMode::Pass);
+
+    let guard = acquiring.await.unwrap().unwrap();
+    assert!(
+        guard.is_held(),
+        "an acquire whose grant on the previous shard ran out was handed a guard already lost"
+    );
     guard.release().await.unwrap();
 }
 
