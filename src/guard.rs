@@ -12,8 +12,8 @@ use tokio::time::Instant;
 
 use crate::clock::Moment;
 use crate::queue::{NextWaiter, Turn, Want};
-use crate::shard::ShardState;
 use crate::shard::{Grant, LeaseState, NOT_RENEWED, REGISTRY_LAPSED};
+use crate::shard::{Settling, ShardState};
 use crate::sync::LockExt;
 
 /// Where a lock is held.
@@ -362,7 +362,7 @@ impl LockGuard {
         }
         match end_hold(&self.hold) {
             None => Ok(()),
-            Some(shard_work) => tokio::spawn(shard_work)
+            Some(shard_work) => spawn_on_router(&self.hold.shard, shard_work)
                 .await
                 .map_err(|_| Error::Shutdown)?,
         }
@@ -386,7 +386,21 @@ impl LockGuard {
             shared.released_kept(&row.owner);
         }
         let turn = lease.turn.locked().take();
-        let _ = tokio::spawn(release_through_shard(shard, lease, turn)).await;
+        let work = release_through_shard(shard.clone(), lease, turn);
+        let _ = spawn_on_router(&shard, work).await;
+    }
+}
+
+/// Runs `work` on the router's runtime (the caller's if it has none), as a guard's drop does:
+/// a release or hand-off under way completes even if the caller's runtime ends meanwhile
+/// (its waiter would be told of a shutdown, and a hand-off's row held by nobody).
+fn spawn_on_router<T: Send + 'static>(
+    shard: &ShardState,
+    work: impl Future<Output = T> + Send + 'static,
+) -> tokio::task::JoinHandle<T> {
+    match shard.shared.runtime() {
+        Some(runtime) => runtime.spawn(work),
+        None => tokio::spawn(work),
     }
 }
 
@@ -559,6 +573,9 @@ async fn handoff_through_shard(
         next.turn(turn, false);
         return released;
     }
+    // The shard's pool stays open until the statement has answered and the waiter's lease is
+    // the keeper's (a shard a reload left is closed once nothing is held there).
+    let _settling = Settling::new(&shard);
     shard.remove(lease.id);
     let shared = &shard.shared;
     shared.stats.releases.fetch_add(1, Ordering::Relaxed);
@@ -646,6 +663,9 @@ pub(crate) async fn release_through_shard(
     lease: Arc<LeaseState>,
     turn: Option<Turn>,
 ) -> Result<()> {
+    // The pools stay open until the rows are released (a shard a reload left is closed once
+    // nothing is held there): taken before the lease leaves its keeper.
+    let _settling = Settling::new(&shard);
     shard.remove(lease.id);
     // Released once: a second release of the same lease (a shutdown's beside its guard's
     // drop) sends nothing. A lease the keeper found lost is still released here: its row may
@@ -655,6 +675,10 @@ pub(crate) async fn release_through_shard(
         shard.shared.stats.releases.fetch_add(1, Ordering::Relaxed);
     }
     let companions = lease.end_companions();
+    let _settling_there: Vec<_> = companions
+        .iter()
+        .map(|(other, _)| Settling::new(other))
+        .collect();
     // Rows that must stay taken for a while after their grant (`lock_at_least`, a scheduled
     // run) stay so on every shard.
     let result = if again {
