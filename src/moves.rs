@@ -247,7 +247,7 @@ pub(crate) async fn carry_fences(inner: Weak<Inner>, previous: Previous) {
         let topology = router.topology.load_full();
         let kept = match older_move(&topology, &previous).or_else(|| own_lag(&router, &topology)) {
             Some(why) => Some(why.to_owned()),
-            None => registry::laggards(&topology, router.instance_id(), &previous).await,
+            None => registry::laggards(&topology, &router.shared, &previous).await,
         };
         if let Some(why) = kept {
             router

@@ -588,7 +588,7 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
         return Recording::Named;
     }
     if own.len() == 1
-        && registry::fleet_disagreement(topology, inner.instance_id())
+        && registry::fleet_disagreement(topology, &inner.shared)
             .await
             .is_some()
     {

@@ -116,10 +116,13 @@ impl Drop for IdClaim {
 /// The other live instances of `router`'s fleet in the registry: `Ok(None)` under a registry
 /// other than `heartbeat` (nothing to read), `Err` naming the shards whose registry did not
 /// answer. Read on every shard of the topology, those of moves still in force included
-/// (processes that have not reloaded heartbeat there); every live row of each instance.
+/// (processes that have not reloaded heartbeat there); every live row of each instance. A
+/// live row under `me`'s instance id but of another start (its nonce) is another instance: a
+/// twin still beating where `me` did not take the row over (a shard out of its reach at its
+/// start, one it leaves).
 async fn live_fleet(
     topology: &Topology,
-    id: &str,
+    me: &Shared,
 ) -> std::result::Result<Option<Vec<InstanceRow>>, String> {
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
         return Ok(None);
@@ -158,7 +161,7 @@ async fn live_fleet(
     rows.retain(|row| {
         !row.deregistered
             && u128::try_from(row.heartbeat_ms_ago).unwrap_or(0) < row.live_for(timeout).as_millis()
-            && row.instance_id != id
+            && !(row.instance_id == me.instance_id && row.nonce.as_deref() == Some(me.nonce()))
             && row.fleet.as_deref() == Some(fleet)
     });
     Ok(Some(rows))
@@ -276,13 +279,13 @@ fn describe(row: &InstanceRow) -> String {
     format!("{} (host {}, pid {})", row.instance_id, row.host, row.pid)
 }
 
-/// Why a router with `topology` and instance `id` may not grant yet, if so: another live instance of its fleet runs another
+/// Why a router with `topology`, the start `me`, may not grant yet, if so: another live instance of its fleet runs another
 /// topology, or reaches one of its shard names at another database ([`servers`]), or has a
 /// reload's move in force, or the registry cannot be read on every shard
 /// (it fails closed: unread is not "nobody there"). Instances of versions that do not say
 /// their topology are not counted.
-pub(crate) async fn fleet_disagreement(topology: &Topology, id: &str) -> Option<String> {
-    let rows = match live_fleet(topology, id).await {
+pub(crate) async fn fleet_disagreement(topology: &Topology, me: &Shared) -> Option<String> {
+    let rows = match live_fleet(topology, me).await {
         Ok(rows) => rows?,
         Err(why) => return Some(format!("this process grants nothing yet: {why}")),
     };
@@ -323,7 +326,7 @@ fn disagreement(topology: &Topology, others: BTreeSet<String>) -> Option<String>
 }
 
 /// Why the move away from `previous` must stay in force, if it must: live instances of the
-/// fleet of a router with `topology` and instance `id` run another topology than this
+/// fleet of a router with `topology`, the start `me`, run another topology than this
 /// router's, or the registry cannot be read on every shard (unread is not "nobody there").
 ///
 /// Not only those still running `previous`'s topology: one that has not reloaded grants a
@@ -336,7 +339,11 @@ fn disagreement(topology: &Topology, others: BTreeSet<String>) -> Option<String>
 /// Under another registry than `heartbeat` nothing says which topology the others run: the
 /// move stays in force until every move's window is over, by which time every process applied
 /// this process's reload (the contract of a static registry).
-pub(crate) async fn laggards(topology: &Topology, id: &str, previous: &Previous) -> Option<String> {
+pub(crate) async fn laggards(
+    topology: &Topology,
+    me: &Shared,
+    previous: &Previous,
+) -> Option<String> {
     // Back to that topology (a reload undone), on the same databases: whoever runs it runs
     // ours. (A shard pointed at another server keeps the fingerprint, which leaves URLs out.)
     let same_databases = || {
@@ -351,7 +358,7 @@ pub(crate) async fn laggards(topology: &Topology, id: &str, previous: &Previous)
     if topology.fingerprint == previous.fingerprint && same_databases() {
         return None;
     }
-    let rows = match live_fleet(topology, id).await {
+    let rows = match live_fleet(topology, me).await {
         Ok(Some(rows)) => rows,
         Ok(None) => {
             let now = Moment::now();

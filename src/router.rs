@@ -190,7 +190,7 @@ impl LockRouter {
                 "shardlock grants nothing until its heartbeat reaches every shard"
             );
             self.inner.gate.unjoined(why);
-        } else if let Some(why) = registry::fleet_disagreement(&topology, self.instance_id()).await
+        } else if let Some(why) = registry::fleet_disagreement(&topology, &self.inner.shared).await
         {
             tracing::warn!(why, "shardlock grants nothing until its fleet agrees");
             self.inner.gate.unjoined(why);
@@ -853,13 +853,26 @@ impl LockRouter {
         }
         // Nor may one of `migrate` (which beats no more once it holds this, the router closed).
         let _no_more_beats = self.inner.joining.lock().await;
-        registry::deregister(
-            &self.config(),
-            self.instance_id(),
-            self.inner.shared.nonce(),
-            &shards,
-        )
-        .await;
+        // Transaction locks are lost too: a `commit` from now on rolls back.
+        self.inner.shared.lose_shard_leases(crate::shard::SHUT_DOWN);
+        // One still alive (its guard kept, its `COMMIT` on its way) holds its row, and may keep
+        // a move of its key in force through this instance's row in the registry: gone from
+        // there, the fleet would end the move and lock the key where it lives now. The row is
+        // left to time out instead.
+        if self.inner.holds_tx_locks() {
+            tracing::warn!(
+                "shardlock shutdown with transaction locks alive: this instance stays in the \
+                 registry until its heartbeat times out (cleaner.heartbeat-timeout)"
+            );
+        } else {
+            registry::deregister(
+                &self.config(),
+                self.instance_id(),
+                self.inner.shared.nonce(),
+                &shards,
+            )
+            .await;
+        }
         for s in &shards {
             for lease in s.take_local() {
                 lease.mark_lost(crate::shard::SHUT_DOWN, &s.shared);

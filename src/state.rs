@@ -286,14 +286,15 @@ impl Drop for Inner {
     /// still there): else it would count as live in the registry until its heartbeat times
     /// out, keeping routers that start with another topology waiting (see [`Gate`]).
     fn drop(&mut self) {
-        // A guard can outlive its router, its lease still renewed: the instance is live
-        // until that ends (its heartbeat then times out; the lease reads as held no longer
+        // A guard can outlive its router, its lease still renewed (or a transaction lock its
+        // row): the instance is live until that ends (its heartbeat then times out; the lease reads as held no longer
         // than a lapse after the last heartbeat, see `Shared::beaten`).
         let holding = self
             .shared
             .shard_states()
             .iter()
-            .any(|s| !s.held().is_empty());
+            .any(|s| !s.held().is_empty())
+            || self.holds_tx_locks();
         if !self.registered.load(Ordering::Acquire) || self.shared.is_closed() || holding {
             return;
         }
@@ -451,7 +452,10 @@ impl Inner {
     }
 
     /// Another start took this router's instance id over while this one counted as dead: it
-    /// grants nothing from now on, and its heartbeat stops.
+    /// grants nothing from now on, and its heartbeat stops. Its leases on shards are lost at
+    /// once, transaction locks too: the fleet counted it dead, so their keys may be another's
+    /// already, whatever its own clocks say (they may have stood still, and its lapse not
+    /// come by them).
     fn replaced_by(&self, twin: &str) {
         let why = format!(
             "instance id `{}` was taken over by {twin} while this process counted as dead (its \
@@ -464,7 +468,10 @@ impl Inner {
             why,
             "shardlock router replaced by another start under its id"
         );
+        // The gate first: no grant comes after the leases are lost.
         self.gate.replace(why);
+        self.shared
+            .lose_shard_leases(crate::shard::REGISTRY_TAKEN_OVER);
     }
 
     /// Once this router's heartbeat reached every shard, at its start or after a lapse: opens
@@ -475,7 +482,7 @@ impl Inner {
             return;
         }
         let topology = self.topology.load_full();
-        let disagreement = match registry::fleet_disagreement(&topology, self.instance_id()).await {
+        let disagreement = match registry::fleet_disagreement(&topology, &self.shared).await {
             // Records read after the registry: one written by a process that stopped since is
             // not missed.
             None => crate::placement_record::still_settled(&topology, &self.placement)
@@ -661,6 +668,12 @@ impl Inner {
     /// while one does (its session may need ending there).
     pub(crate) fn tx_lock_on(&self, shard: &ShardState) -> bool {
         self.live_tx_locks().iter().any(|lock| lock.holds_on(shard))
+    }
+
+    /// Whether a transaction lock of this router is still alive (its guard, or its `COMMIT`'s
+    /// follow-up, not ended).
+    pub(crate) fn holds_tx_locks(&self) -> bool {
+        !self.live_tx_locks().is_empty()
     }
 
     /// The transaction locks of this router still alive (taken out of the list's lock).

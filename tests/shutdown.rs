@@ -357,3 +357,40 @@ async fn a_hold_in_process_granted_across_a_shutdown_is_lost() {
         Err(e) => assert!(matches!(e, shardlock::Error::Shutdown), "{e}"),
     }
 }
+
+/// A transaction lock alive at shutdown (its guard kept by a request still running) is lost:
+/// its `commit` rolls back. And its instance stays in the registry until its heartbeat times
+/// out: deregistered, it no longer kept a move of its key in force, so the fleet ended the
+/// move and locked the key where it lives now while this lock could still commit.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_alive_at_shutdown_is_lost_and_keeps_its_instance_registered() {
+    use mysql_async::prelude::Queryable;
+    let (cluster, router, _) = common::start(1, "").await;
+    let id = router.instance_id().to_owned();
+    let tx = router
+        .lock_in_transaction("tx", Duration::from_secs(10))
+        .await
+        .unwrap();
+    router.shutdown().await.unwrap();
+    assert!(
+        !tx.is_held(),
+        "a transaction lock held across its router's shutdown"
+    );
+    let committed = tx.commit().await;
+    assert!(
+        matches!(committed, Err(shardlock::Error::LockLost { .. })),
+        "a transaction lock committed after its router's shutdown: {committed:?}"
+    );
+    let deregistered: Option<bool> = (cluster.shard(0).connect().await.unwrap())
+        .exec_first(
+            "SELECT deregistered_at IS NOT NULL FROM shardlock_instance WHERE instance_id = ?",
+            (&id,),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        deregistered,
+        Some(false),
+        "an instance with a transaction lock alive was deregistered at shutdown"
+    );
+}

@@ -23,6 +23,10 @@ pub(crate) const REGISTRY_SWITCHED: &str = "this process switched to the heartbe
 pub(crate) const REGISTRY_LAPSED: &str = "this process's heartbeat lapsed while it held the \
      lock (paused, or cut off from every shard): the registry may have counted it dead";
 
+/// Why a lease ends when another start took its process's instance id over.
+pub(crate) const REGISTRY_TAKEN_OVER: &str = "another start took this process's instance id \
+     over while the registry counted this one dead: the key may be another's already";
+
 /// What every shard of a router shares: who we are, grant numbers, counters, key queues.
 #[derive(Debug)]
 pub(crate) struct Shared {

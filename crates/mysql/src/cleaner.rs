@@ -72,8 +72,8 @@ const ALIVE_HEAD: &str = concat!(
 const INSTANCES: &str = "SELECT instance_id, host, pid, \
      DATE_FORMAT(started_at, '%Y-%m-%dT%H:%i:%s.%fZ'), \
      CAST(TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) DIV 1000 AS SIGNED), \
-     deregistered_at IS NOT NULL, topology, moving <> 0, fleet, heartbeat_timeout_ms, servers \
-     FROM shardlock_instance ORDER BY instance_id";
+     deregistered_at IS NOT NULL, topology, moving <> 0, fleet, heartbeat_timeout_ms, servers, \
+     nonce FROM shardlock_instance ORDER BY instance_id";
 
 /// Rows the cleaner may remove, after `?` in key order, at most `?` of them: their lease ended
 /// longer than the grace (`?` µs) ago — released rows, or leases that were never released —
@@ -146,6 +146,9 @@ pub struct InstanceRow {
     /// A digest of which database each shard name of its topology reaches (`None` from
     /// versions before migration 12; see [`Beat::servers`]).
     pub servers: Option<String>,
+    /// The start nonce it beats with, random per process start: two starts under one id
+    /// (a process restarted, a copied config) differ in it.
+    pub nonce: Option<String>,
 }
 
 /// What the heartbeat registry says of an instance (see [`InstanceRow::verdict`]).
@@ -344,6 +347,7 @@ type InstanceTuple = (
     Option<Vec<u8>>,
     Option<u64>,
     Option<String>,
+    Option<Vec<u8>>,
 );
 
 pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<InstanceRow>> {
@@ -363,6 +367,7 @@ pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<Instan
                 fleet,
                 timeout_ms,
                 servers,
+                nonce,
             )| {
                 InstanceRow {
                     instance_id: String::from_utf8_lossy(&id).into_owned(),
@@ -376,6 +381,7 @@ pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<Instan
                     fleet: fleet.map(|f| String::from_utf8_lossy(&f).into_owned()),
                     heartbeat_timeout: timeout_ms.map(std::time::Duration::from_millis),
                     servers,
+                    nonce: nonce.map(|n| String::from_utf8_lossy(&n).into_owned()),
                 }
             },
         )
