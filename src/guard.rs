@@ -362,7 +362,7 @@ impl LockGuard {
         }
         match end_hold(&self.hold) {
             None => Ok(()),
-            Some(shard_work) => spawn_on_router(&self.hold.shard, shard_work)
+            Some(shard_work) => tokio::spawn(shard_work)
                 .await
                 .map_err(|_| Error::Shutdown)?,
         }
@@ -386,21 +386,7 @@ impl LockGuard {
             shared.released_kept(&row.owner);
         }
         let turn = lease.turn.locked().take();
-        let work = release_through_shard(shard.clone(), lease, turn);
-        let _ = spawn_on_router(&shard, work).await;
-    }
-}
-
-/// Runs `work` on the router's runtime (the caller's if it has none), as a guard's drop does:
-/// a release or hand-off under way completes even if the caller's runtime ends meanwhile
-/// (its waiter would be told of a shutdown, and a hand-off's row held by nobody).
-fn spawn_on_router<T: Send + 'static>(
-    shard: &ShardState,
-    work: impl Future<Output = T> + Send + 'static,
-) -> tokio::task::JoinHandle<T> {
-    match shard.shared.runtime() {
-        Some(runtime) => runtime.spawn(work),
-        None => tokio::spawn(work),
+        let _ = tokio::spawn(release_through_shard(shard, lease, turn)).await;
     }
 }
 

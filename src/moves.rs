@@ -182,6 +182,8 @@ async fn take_on(
     // Lost: nobody may take the key on the old shard in this lease's name any more (no
     // renewal, no hand-off); its rows are given back.
     lease.mark_lost(why, shared);
+    // The pools stay open until the rows are released (taken before a row leaves its keeper).
+    let _settling = crate::shard::Settling::new(shard);
     if shard.remove(lease.id).is_some() {
         let released = shard
             .release_after(&req.key, &lease.owner, lease.at_least())
@@ -189,6 +191,7 @@ async fn take_on(
         crate::guard::retry_if_failed(shard, lease, &released);
     }
     for (other, row) in lease.end_companions() {
+        let _settling = crate::shard::Settling::new(&other);
         other.remove(row.id);
         let released = other
             .release_after(row.key.stored(), &row.owner, row.at_least())
