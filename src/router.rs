@@ -810,6 +810,11 @@ impl LockRouter {
     /// release that reached its shard may have committed; other rows end by ttl. Deregistering and
     /// closing the pools are skipped (the instance counts as live): call `shutdown` again.
     pub async fn shutdown(&self) -> Result<()> {
+        // Transaction locks are lost first: a `commit` from now on rolls back. Then, before
+        // the router counts as closed (which ends the wait of a lock whose `COMMIT` answer was
+        // lost), whether a `COMMIT` may still land: one that passed its check before this.
+        self.inner.shared.lose_tx_locks();
+        let commit_may_land = self.inner.commit_may_land();
         self.inner.shared.closed.send_replace(true);
         // After a reload under way, whose shards are then released, deregistered and closed
         // too (a later one is refused).
@@ -853,16 +858,14 @@ impl LockRouter {
         }
         // Nor may one of `migrate` (which beats no more once it holds this, the router closed).
         let _no_more_beats = self.inner.joining.lock().await;
-        // Transaction locks are lost too: a `commit` from now on rolls back.
-        self.inner.shared.lose_shard_leases(crate::shard::SHUT_DOWN);
-        // One still alive (its guard kept, its `COMMIT` on its way) holds its row, and may keep
-        // a move of its key in force through this instance's row in the registry: gone from
-        // there, the fleet would end the move and lock the key where it lives now. The row is
-        // left to time out instead.
-        if self.inner.holds_tx_locks() {
+        // A `COMMIT` that may still land keeps a move of its key in force through this
+        // instance's row in the registry: gone from there, the fleet would end the move and
+        // lock the key where it lives now. The row is left to time out instead.
+        if commit_may_land {
             tracing::warn!(
-                "shardlock shutdown with transaction locks alive: this instance stays in the \
-                 registry until its heartbeat times out (cleaner.heartbeat-timeout)"
+                "shardlock shutdown while a transaction lock's COMMIT may still land: this \
+                 instance stays in the registry until its heartbeat times out \
+                 (cleaner.heartbeat-timeout)"
             );
         } else {
             registry::deregister(

@@ -29,7 +29,7 @@ mod shared;
 
 pub(crate) use keeper::spawn_keeper;
 pub(crate) use lease::{Grant, LeaseState, NOT_RENEWED, SHUT_DOWN};
-pub(crate) use shared::{Shared, REGISTRY_LAPSED, REGISTRY_SWITCHED, REGISTRY_TAKEN_OVER};
+pub(crate) use shared::{Shared, REGISTRY_LAPSED, REGISTRY_SWITCHED};
 
 /// Breaker transitions kept per shard for `breaker_transitions`.
 const TRANSITIONS_KEPT: usize = 64;

@@ -470,8 +470,7 @@ impl Inner {
         );
         // The gate first: no grant comes after the leases are lost.
         self.gate.replace(why);
-        self.shared
-            .lose_shard_leases(crate::shard::REGISTRY_TAKEN_OVER);
+        self.shared.replaced();
     }
 
     /// Once this router's heartbeat reached every shard, at its start or after a lapse: opens
@@ -661,6 +660,9 @@ pub(crate) trait FollowsKey: Send + Sync + std::fmt::Debug {
 
     /// Whether it holds a row on `shard`, in a transaction still open.
     fn holds_on(&self, shard: &ShardState) -> bool;
+
+    /// Whether its `COMMIT` may be on its way, or land yet (its answer lost).
+    fn commit_may_land(&self) -> bool;
 }
 
 impl Inner {
@@ -674,6 +676,13 @@ impl Inner {
     /// follow-up, not ended).
     pub(crate) fn holds_tx_locks(&self) -> bool {
         !self.live_tx_locks().is_empty()
+    }
+
+    /// Whether the `COMMIT` of a transaction lock of this router may be on its way or land yet.
+    pub(crate) fn commit_may_land(&self) -> bool {
+        self.live_tx_locks()
+            .iter()
+            .any(|lock| lock.commit_may_land())
     }
 
     /// The transaction locks of this router still alive (taken out of the list's lock).

@@ -359,14 +359,34 @@ async fn a_hold_in_process_granted_across_a_shutdown_is_lost() {
 }
 
 /// A transaction lock alive at shutdown (its guard kept by a request still running) is lost:
-/// its `commit` rolls back. And its instance stays in the registry until its heartbeat times
-/// out: deregistered, it no longer kept a move of its key in force, so the fleet ended the
-/// move and locked the key where it lives now while this lock could still commit.
+/// its `commit` rolls back, and the instance deregisters as usual. One whose `COMMIT` is on
+/// its way keeps its instance in the registry until its heartbeat times out: deregistered, it
+/// no longer kept a move of its key in force, and the fleet ended the move and locked the key
+/// where it lives now while that `COMMIT` could still land.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_transaction_lock_alive_at_shutdown_is_lost_and_keeps_its_instance_registered() {
+async fn a_transaction_lock_alive_at_shutdown_is_lost_and_one_committing_keeps_its_instance() {
     use mysql_async::prelude::Queryable;
-    let (cluster, router, _) = common::start(1, "").await;
-    let id = router.instance_id().to_owned();
+    let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = format!("shards:\n  - name: s1\n    url: {}\n", proxy.url());
+    let deregistered = |id: String| {
+        let shard = cluster.shard(0);
+        async move {
+            let row: Option<bool> = (shard.connect().await.unwrap())
+                .exec_first(
+                    "SELECT deregistered_at IS NOT NULL FROM shardlock_instance \
+                     WHERE instance_id = ?",
+                    (id,),
+                )
+                .await
+                .unwrap();
+            row
+        }
+    };
+
+    // Kept, not committing.
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
     let tx = router
         .lock_in_transaction("tx", Duration::from_secs(10))
         .await
@@ -381,16 +401,26 @@ async fn a_transaction_lock_alive_at_shutdown_is_lost_and_keeps_its_instance_reg
         matches!(committed, Err(shardlock::Error::LockLost { .. })),
         "a transaction lock committed after its router's shutdown: {committed:?}"
     );
-    let deregistered: Option<bool> = (cluster.shard(0).connect().await.unwrap())
-        .exec_first(
-            "SELECT deregistered_at IS NOT NULL FROM shardlock_instance WHERE instance_id = ?",
-            (&id,),
-        )
+    assert_eq!(
+        deregistered(router.instance_id().to_owned()).await,
+        Some(true),
+        "an instance whose transaction lock could not commit any more stayed registered"
+    );
+
+    // Its `COMMIT` on its way, held on the link.
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let tx = router
+        .lock_in_transaction("tx", Duration::from_secs(10))
         .await
         .unwrap();
+    proxy.set(ProxyMode::HoldTo(b"RELEASE SAVEPOINT"));
+    let committing = tokio::spawn(tx.commit());
+    let _held = proxy.held().await;
+    router.shutdown().await.unwrap();
     assert_eq!(
-        deregistered,
+        deregistered(router.instance_id().to_owned()).await,
         Some(false),
-        "an instance with a transaction lock alive was deregistered at shutdown"
+        "an instance was deregistered at shutdown while a COMMIT of it was on its way"
     );
+    committing.abort();
 }

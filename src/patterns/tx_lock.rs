@@ -622,6 +622,10 @@ impl FollowsKey for TxLockState {
         let rows = self.rows.locked();
         !rows.ended && rows.shards.iter().any(|s| std::ptr::eq(&**s, shard))
     }
+
+    fn commit_may_land(&self) -> bool {
+        self.rows.locked().committing
+    }
 }
 
 /// [`follow_now`] in the background.

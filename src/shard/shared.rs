@@ -56,6 +56,9 @@ pub(crate) struct Shared {
     /// registry surely counts this process live until their sum (see [`Shared::beaten`]).
     /// `None`: no limit (the `static` registry, or no heartbeat yet).
     registry_live: Mutex<Option<(Moment, Duration)>>,
+    /// When this process found its instance id taken over by another start: no lease or
+    /// lock of it is live from then on, whatever heartbeat lands later.
+    replaced_at: Mutex<Option<Moment>>,
     /// Times every lease on a shard was marked lost because the registry may have counted this
     /// process dead (see [`Shared::lose_shard_leases`]): a lock without a lease row (a
     /// transaction lock) taken before any of them holds no longer either.
@@ -97,6 +100,7 @@ impl Shared {
             follow: std::sync::OnceLock::new(),
             shard_states: Mutex::default(),
             registry_live: Mutex::default(),
+            replaced_at: Mutex::default(),
             registry_losses: watch::channel(0).0,
             kept: Mutex::default(),
             runtime: tokio::runtime::Handle::try_current().ok(),
@@ -131,6 +135,9 @@ impl Shared {
 
     /// See [`Shared::registry_live_at`].
     pub(crate) fn registry_live_until(&self) -> Option<Moment> {
+        if let Some(replaced) = *self.replaced_at.locked() {
+            return Some(replaced);
+        }
         self.registry_live
             .locked()
             .map(|(sent, lapse)| sent + lapse)
@@ -177,10 +184,25 @@ impl Shared {
         }
     }
 
+    /// Another start took this process's instance id over while the registry counted it dead:
+    /// its leases and locks are lost, and so is every one it is granted or handed from now on
+    /// (a hand-off or reconcile on its way), whatever its own clocks say (they may have stood
+    /// still through what made it count as dead).
+    pub(crate) fn replaced(&self) {
+        self.replaced_at.locked().get_or_insert_with(Moment::now);
+        self.lose_shard_leases(REGISTRY_TAKEN_OVER);
+    }
+
+    /// Transaction locks taken before now are held no longer (see [`Shared::registry_losses`]):
+    /// shutdown.
+    pub(crate) fn lose_tx_locks(&self) {
+        self.registry_losses.send_modify(|n| *n += 1);
+    }
+
     /// Marks every lease of this process on a shard lost, for `why`, and every lock without
     /// a lease row taken before (see [`Shared::registry_losses`]).
     pub(crate) fn lose_shard_leases(&self, why: &'static str) {
-        self.registry_losses.send_modify(|n| *n += 1);
+        self.lose_tx_locks();
         for shard in self.shard_states() {
             for lease in shard.held() {
                 if !lease.local {
