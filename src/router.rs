@@ -396,6 +396,7 @@ impl LockRouter {
                 tx_locks: std::sync::Mutex::default(),
                 gate: Gate::default(),
                 registered: std::sync::atomic::AtomicBool::new(false),
+                commit_kept: std::sync::atomic::AtomicBool::new(false),
                 joining: tokio::sync::Mutex::new(()),
                 beat_now: Arc::default(),
                 heartbeat: std::sync::Mutex::default(),
@@ -804,17 +805,16 @@ impl LockRouter {
     /// Stops granting, releases every lease this router holds, stops the keepers and closes
     /// the pools. Guards still alive afterwards report their lease as lost, and so does the
     /// guard of a grant whose answer came after shutdown began (its row is given back if the
-    /// pool is still open, else it ends at its ttl).
+    /// pool is still open, else it ends at its ttl). Transaction locks are lost too: their
+    /// `commit` rolls back. A `COMMIT` sent before is waited for (its session ended) for up to
+    /// half of `cleaner.heartbeat-timeout`; one that may still land after that leaves the
+    /// instance in the registry until its heartbeat times out, not deregistered.
     ///
     /// Cancellation: the router is closed at its first poll (no grants; keepers stop renewing). A
     /// release that reached its shard may have committed; other rows end by ttl. Deregistering and
     /// closing the pools are skipped (the instance counts as live): call `shutdown` again.
     pub async fn shutdown(&self) -> Result<()> {
-        // Transaction locks are lost first: a `commit` from now on rolls back. Then, before
-        // the router counts as closed (which ends the wait of a lock whose `COMMIT` answer was
-        // lost), whether a `COMMIT` may still land: one that passed its check before this.
-        self.inner.shared.lose_tx_locks();
-        let commit_may_land = self.inner.commit_may_land();
+        // Transaction locks are lost too: a `commit` from now on rolls back.
         self.inner.shared.closed.send_replace(true);
         // After a reload under way, whose shards are then released, deregistered and closed
         // too (a later one is refused).
@@ -858,10 +858,22 @@ impl LockRouter {
         }
         // Nor may one of `migrate` (which beats no more once it holds this, the router closed).
         let _no_more_beats = self.inner.joining.lock().await;
-        // A `COMMIT` that may still land keeps a move of its key in force through this
-        // instance's row in the registry: gone from there, the fleet would end the move and
-        // lock the key where it lives now. The row is left to time out instead.
-        if commit_may_land {
+        // A `COMMIT` that may still land (sent before, its answer not come or lost) keeps a
+        // move of its key in force through this instance's row in the registry: gone from
+        // there, the fleet would end the move and lock the key where it lives now. Its session
+        // is ended while the pools are open; waited for, within half the heartbeat timeout
+        // (the row counts as live that long at least), else the row is left to time out.
+        let bound = self.config().cleaner.heartbeat_timeout / 2;
+        let settled = tokio::time::timeout(bound, async {
+            while self.inner.commit_may_land() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        if settled.is_err() {
+            self.inner.commit_kept.store(true, Ordering::Release);
+        }
+        if self.inner.commit_kept.load(Ordering::Acquire) {
             tracing::warn!(
                 "shardlock shutdown while a transaction lock's COMMIT may still land: this \
                  instance stays in the registry until its heartbeat times out \

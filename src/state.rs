@@ -39,6 +39,9 @@ pub(crate) struct Inner {
     pub(crate) gate: Gate,
     /// Set once the heartbeat registered this router on its shards.
     pub(crate) registered: std::sync::atomic::AtomicBool,
+    /// Set by a shutdown that found a transaction lock's `COMMIT` that may still land: this
+    /// instance stays in the registry (a later call of `shutdown` too) until it times out.
+    pub(crate) commit_kept: std::sync::atomic::AtomicBool,
     /// One heartbeat-and-join at a time (the heartbeat task's, `migrate`'s): two beats of one
     /// router never cross on a shard, and joins see each other's outcome.
     pub(crate) joining: tokio::sync::Mutex<()>,

@@ -359,16 +359,22 @@ async fn a_hold_in_process_granted_across_a_shutdown_is_lost() {
 }
 
 /// A transaction lock alive at shutdown (its guard kept by a request still running) is lost:
-/// its `commit` rolls back, and the instance deregisters as usual. One whose `COMMIT` is on
-/// its way keeps its instance in the registry until its heartbeat times out: deregistered, it
-/// no longer kept a move of its key in force, and the fleet ended the move and locked the key
-/// where it lives now while that `COMMIT` could still land.
+/// its `commit` rolls back, and the instance deregisters as usual; none is taken after. One
+/// whose `COMMIT` is on its way and stays unanswered keeps its instance in the registry until
+/// its heartbeat times out: deregistered, it no longer kept a move of its key in force, and the
+/// fleet ended the move and locked the key where it lives now while that `COMMIT` could still
+/// land.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_alive_at_shutdown_is_lost_and_one_committing_keeps_its_instance() {
     use mysql_async::prelude::Queryable;
     let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let yaml = format!("shards:\n  - name: s1\n    url: {}\n", proxy.url());
+    // A shutdown waits up to half the heartbeat timeout for a `COMMIT` to settle.
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\ncleaner:\n  heartbeat-interval: 1s\n  \
+         heartbeat-timeout: 4s\n",
+        proxy.url()
+    );
     let deregistered = |id: String| {
         let shard = cluster.shard(0);
         async move {
@@ -405,6 +411,11 @@ async fn a_transaction_lock_alive_at_shutdown_is_lost_and_one_committing_keeps_i
         deregistered(router.instance_id().to_owned()).await,
         Some(true),
         "an instance whose transaction lock could not commit any more stayed registered"
+    );
+    let after = router.lock_in_transaction("tx", Duration::ZERO).await;
+    assert!(
+        matches!(after, Err(shardlock::Error::Shutdown)),
+        "a transaction lock taken after shutdown: {after:?}"
     );
 
     // Its `COMMIT` on its way, held on the link.

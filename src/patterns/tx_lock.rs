@@ -93,6 +93,10 @@ impl TxLockState {
             return false;
         }
         let shared = &self.shared;
+        if shared.is_closed() {
+            self.mark_lost("its router shut down");
+            return false;
+        }
         // The registry's time first: a heartbeat that lands after a lapse counts the loss
         // before it moves that time on, so a time read moved on comes with the count.
         if shared.registry_live_at(Moment::now())
@@ -179,7 +183,8 @@ impl TxLockState {
             let Settling(own) = &own;
             let until = tokio::time::Instant::now() + COMMIT_GONE_WITHIN;
             let mut pause = Duration::from_millis(50);
-            while tokio::time::Instant::now() < until && !own.shared.is_closed() {
+            // Until the shard's pool closes: a shutdown waits for this before it deregisters.
+            while tokio::time::Instant::now() < until && !own.is_closed() {
                 // A session that cannot be asked after is waited out.
                 if let Some(session) = session {
                     if let Ok(true) = own.call(|b| b.end_session(session)).await {
@@ -420,6 +425,9 @@ impl LockRouter {
     /// a move, on previous shards) have their connections closed, which rolls them back.
     pub async fn lock_in_transaction(&self, key: &str, wait: Duration) -> Result<TxLockGuard> {
         let lock_key = LockKey::new(key)?;
+        if self.inner.shared.is_closed() {
+            return Err(Error::Shutdown);
+        }
         let losses = self.inner.shared.registry_losses();
         let lapses = self.joined(&lock_key)?;
         let deadline = crate::state::instant_after(wait);

@@ -135,12 +135,14 @@ impl Shared {
 
     /// See [`Shared::registry_live_at`].
     pub(crate) fn registry_live_until(&self) -> Option<Moment> {
-        if let Some(replaced) = *self.replaced_at.locked() {
-            return Some(replaced);
-        }
-        self.registry_live
+        let beaten = self
+            .registry_live
             .locked()
-            .map(|(sent, lapse)| sent + lapse)
+            .map(|(sent, lapse)| sent + lapse);
+        match *self.replaced_at.locked() {
+            Some(replaced) => Some(beaten.map_or(replaced, |until| until.min(replaced))),
+            None => beaten,
+        }
     }
 
     /// A heartbeat sent at `sent` reached a shard: the registry counts this process live until
@@ -193,16 +195,10 @@ impl Shared {
         self.lose_shard_leases(REGISTRY_TAKEN_OVER);
     }
 
-    /// Transaction locks taken before now are held no longer (see [`Shared::registry_losses`]):
-    /// shutdown.
-    pub(crate) fn lose_tx_locks(&self) {
-        self.registry_losses.send_modify(|n| *n += 1);
-    }
-
     /// Marks every lease of this process on a shard lost, for `why`, and every lock without
     /// a lease row taken before (see [`Shared::registry_losses`]).
     pub(crate) fn lose_shard_leases(&self, why: &'static str) {
-        self.lose_tx_locks();
+        self.registry_losses.send_modify(|n| *n += 1);
         for shard in self.shard_states() {
             for lease in shard.held() {
                 if !lease.local {
