@@ -99,7 +99,7 @@ impl Hold {
         let shared = &self.shard.shared;
         // The registry's time first: a heartbeat that lands after a lapse marks the leases lost
         // before it moves that time on, so a time read moved on comes with the mark.
-        let registry_live = self.lease.local || shared.registry_live_at(Moment::now());
+        let registry_live = self.lease.in_process_only() || shared.registry_live_at(Moment::now());
         if !self.lease.is_live() {
             // For good as well: a renewal whose answer comes after the lease's end (its task
             // starved) would move the end on, but whoever looked meanwhile was told it is over.
@@ -119,7 +119,7 @@ impl Hold {
     fn valid_until(&self) -> Moment {
         let own = self.lease.valid_until();
         match self.shard.shared.registry_live_until() {
-            Some(live) if !self.lease.local => own.min(live),
+            Some(live) if !self.lease.in_process_only() => own.min(live),
             _ => own,
         }
     }

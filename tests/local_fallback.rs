@@ -201,6 +201,31 @@ async fn extend_moves_the_end_of_a_local_hold_once_it_was_reconciled() {
     guard.release().await.unwrap();
 }
 
+/// A key held in process and re-acquired on its shard since is lost, as any lease on a shard
+/// is, when its process's heartbeat lapses (here: the fleet saw its registry row silent for a
+/// minute, as after a freeze): the fleet may count the process dead and take the key where
+/// its topology puts it. Still counted as held in process, it stayed held.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_hold_reconciled_on_its_shard_is_lost_when_its_process_lapses() {
+    use shardlock::mysql_async::prelude::Queryable;
+    let (rig, _, guard) =
+        held_locally_for(AcquireOptions::new().ttl(Duration::from_secs(60))).await;
+    reconciled(&rig).await;
+    (rig.cluster.shard(0).connect().await.unwrap())
+        .exec_drop(
+            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
+             WHERE instance_id = ?",
+            (rig.router.instance_id(),),
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), guard.lost())
+        .await
+        .expect("a local hold re-acquired on its shard outlived its process's lapse");
+    assert!(rig.router.stats().heartbeat_lapses >= 1);
+    assert!(!guard.is_held());
+}
+
 /// `lock_at_least(d)` keeps a key taken for `d` after its grant whatever its holder does, in
 /// process too: a hold in process released at once let the next caller of this process take
 /// the key straight away, and a once-per-interval job ran twice.

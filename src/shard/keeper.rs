@@ -26,8 +26,14 @@ impl ShardState {
     async fn reconcile(self: &Arc<Self>) {
         let locals: Vec<Arc<LeaseState>> = self.local.locked().values().cloned().collect();
         for lease in locals {
-            // After shutdown, local leases are ended by it, not re-acquired.
-            if self.breaker_state() == BreakerState::Open || self.shared.is_closed() {
+            // After shutdown, local leases are ended by it, not re-acquired. Nor while the
+            // registry may count this process dead (its heartbeat lapsed, or another start
+            // took its id over): the fleet may place the key elsewhere meanwhile, and the row
+            // taken would be lost at once. Held in process until its heartbeat lands again.
+            if self.breaker_state() == BreakerState::Open
+                || self.shared.is_closed()
+                || !self.shared.registry_live_at(Moment::now())
+            {
                 return;
             }
             // Released since the pass began: its key's turn may be another grant's by now.
@@ -80,6 +86,7 @@ impl ShardState {
                         if moved {
                             // Counted before the holder's `lost()` can see the new deadline.
                             stats.reconciled.fetch_add(1, Ordering::Relaxed);
+                            lease.reconciled.store(true, Ordering::Release);
                             short = lease.set_deadline_from(sent, ttl);
                             self.insert(lease.clone());
                         }

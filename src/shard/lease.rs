@@ -65,6 +65,9 @@ pub(crate) struct LeaseState {
     pub(crate) turn: Mutex<Option<Turn>>,
     /// Granted in process while the shard's breaker was open (`LockMode::LocalFallback`).
     pub(crate) local: bool,
+    /// Set once a local lease was re-acquired on its shard: a row like any other's from then
+    /// on, lost with the others when the registry may count this process dead.
+    pub(crate) reconciled: std::sync::atomic::AtomicBool,
     /// Set when re-acquiring this local lease on its shard may have written its row unheard
     /// (the reply was lost): released while still local, it gives that row back.
     pub(crate) maybe_on_shard: std::sync::atomic::AtomicBool,
@@ -164,6 +167,7 @@ impl LeaseState {
             local_until: grant.sent + local_for,
             turn: Mutex::new(turn),
             local: false,
+            reconciled: std::sync::atomic::AtomicBool::new(false),
             placed_epoch: AtomicU64::new(0),
             companions: Mutex::default(),
             parent: std::sync::OnceLock::new(),
@@ -282,6 +286,12 @@ impl LeaseState {
             local: true,
             ..Self::new(key, grant, want, Duration::ZERO, Some(turn))
         }
+    }
+
+    /// Whether the lease is held in process only: granted so, and not re-acquired on its
+    /// shard since. Such a lease does not depend on the registry.
+    pub(crate) fn in_process_only(&self) -> bool {
+        self.local && !self.reconciled.load(Ordering::Acquire)
     }
 
     /// Whether the lease is surely still ours on its shard, and on its companions' shards.

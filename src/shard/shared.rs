@@ -201,7 +201,7 @@ impl Shared {
         self.registry_losses.send_modify(|n| *n += 1);
         for shard in self.shard_states() {
             for lease in shard.held() {
-                if !lease.local {
+                if !lease.in_process_only() {
                     lease.mark_lost(why, self);
                 }
             }
