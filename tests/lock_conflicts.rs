@@ -363,6 +363,17 @@ async fn a_slow_acquire_on_a_slow_link_opens_the_breaker() {
     );
     let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
     router.migrate().await.unwrap();
+    // Two pooled connections made before the link slows, and the placement record written:
+    // one for the acquire, one idle for the statement that judges it (with none idle, or one
+    // busy with the record's write, nothing is judged).
+    let tx = router
+        .lock_in_transaction("warm-tx", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
+    warm.release().await.unwrap();
+    tx.rollback().await.unwrap();
+    common::until_placement_recorded(&cluster).await;
     // Each way: a round trip of 400 ms at least.
     proxy.set(shardlock_testkit::ProxyMode::Delay(Duration::from_millis(
         200,

@@ -84,7 +84,8 @@ async fn a_guard_dropped_on_a_runtime_that_ends_is_released() {
 }
 
 /// A current-thread runtime, one shard, a router reaching it directly and one through a
-/// proxy (one batch in flight per lane; `extra`, YAML lines, in its shard's entry).
+/// proxy (one batch in flight per lane; `extra`, YAML lines, in its shard's entry; no
+/// registry, whose heartbeats through a link the test slows would lapse on a busy machine).
 fn behind_a_proxy(
     extra: &str,
 ) -> (
@@ -105,7 +106,7 @@ fn behind_a_proxy(
     let router = main.block_on(async {
         LockRouter::from_yaml_str(&format!(
             "shards:\n  - name: s1\n    url: {}\n{extra}    pool:\n      \
-             batches-in-flight: 1\n      create-timeout: 30s\n",
+             batches-in-flight: 1\n      create-timeout: 30s\ncleaner:\n  registry: static\n",
             proxy.url()
         ))
         .await
