@@ -1677,48 +1677,68 @@ async fn an_acquire_of_a_moved_key_given_up_half_way_leaves_no_lease() {
     next.release().await.unwrap();
 }
 
+/// Two shards, s1 reached through a proxy that can hold a statement back, and a router over
+/// both (statements and lock waits given a minute, none slow for the breaker), reloaded onto
+/// s1 alone (a 60 s move window): a key named from `prefix` moves from s2 to s1, and is taken
+/// on both while the move is in force.
+async fn a_key_moving_behind_a_proxy(prefix: &str) -> (Cluster, Proxy, LockRouter, String) {
+    let cluster = Cluster::start(2).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let policy = "routing:\n  move-window: 60s\nbreaker:\n  slow-call: 60s\n";
+    let shard = |name: &str, url: String| {
+        format!("  - name: {name}\n    url: {url}\n    statement-timeout: 60s\n")
+    };
+    let (s1, s2) = (
+        shard("s1", proxy.url()),
+        shard("s2", cluster.shard(1).url()),
+    );
+    let router = LockRouter::from_yaml_str(&format!("shards:\n{s1}{s2}{policy}"))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let key = (0..)
+        .map(|i| format!("{prefix}:{i}"))
+        .find(|k| router.shard_for(k).unwrap() == "s2")
+        .unwrap();
+    let one = Config::from_yaml_str(&format!("shards:\n{s1}{policy}")).unwrap();
+    router.reload(one).await.unwrap();
+    assert_eq!(router.moves_in_progress(), 1);
+    (cluster, proxy, router, key)
+}
+
+/// Sets `proxy` to hold back the first statement naming `key` (a grant of it on s1), and
+/// acquires `key` with `opts` in a task of its own.
+fn acquire_held_back_on_s1(
+    proxy: &Proxy,
+    router: &LockRouter,
+    key: &str,
+    opts: AcquireOptions,
+) -> tokio::task::JoinHandle<shardlock::Result<shardlock::LockGuard>> {
+    proxy.set(ProxyMode::PauseTo(Box::leak(
+        key.to_owned().into_bytes().into_boxed_slice(),
+    )));
+    let (router, key) = (router.clone(), key.to_owned());
+    tokio::spawn(async move { router.acquire(&key, opts).await })
+}
+
+/// Waits until `proxy` holds back the statement [`acquire_held_back_on_s1`] sent.
+async fn held_back(proxy: &Proxy) {
+    tokio::time::timeout(Duration::from_secs(60), proxy.wait_for(ProxyMode::Paused))
+        .await
+        .expect("the grant on s1 never reached the link");
+}
+
 /// An acquire of a moved key whose row on the key's previous shard is taken or freed after
 /// its grant there, while the key's new shard is asked (it ran out on a slow shard, or was
 /// force-released), finds the key busy and polls again: it ended in `LockLost` for a lock it
 /// never held, which ended an election campaign and a semaphore's acquire with wait left.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_acquire_whose_moved_keys_earlier_row_was_freed_meanwhile_polls_again() {
-    let cluster = Cluster::start(2).await.unwrap();
-    // The key's new shard, s1, is asked through a proxy that can hold its grant back.
-    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let policy = "routing:\n  move-window: 60s\nbreaker:\n  slow-call: 60s\n";
-    let s1 = format!(
-        "  - name: s1\n    url: {}\n    statement-timeout: 60s\n",
-        proxy.url()
-    );
-    let s2 = format!("  - name: s2\n    url: {}\n", cluster.shard(1).url());
-    let router = LockRouter::from_yaml_str(&format!("shards:\n{s1}{s2}{policy}"))
-        .await
-        .unwrap();
-    router.migrate().await.unwrap();
-    let key = (0..)
-        .map(|i| format!("freed-meanwhile:{i}"))
-        .find(|k| router.shard_for(k).unwrap() == "s2")
-        .unwrap();
-    let one = Config::from_yaml_str(&format!("shards:\n{s1}{policy}")).unwrap();
-    router.reload(one).await.unwrap();
-    assert_eq!(router.moves_in_progress(), 1);
-
+    let (cluster, proxy, router, key) = a_key_moving_behind_a_proxy("freed-meanwhile").await;
     // Taken on s2 (the previous shard); its grant on s1 waits while s2's row is freed.
-    proxy.set(ProxyMode::PauseTo(Box::leak(
-        key.clone().into_bytes().into_boxed_slice(),
-    )));
-    let acquiring = tokio::spawn({
-        let (router, key) = (router.clone(), key.clone());
-        async move {
-            router
-                .acquire(&key, AcquireOptions::new().wait(Duration::from_secs(30)))
-                .await
-        }
-    });
-    tokio::time::timeout(Duration::from_secs(60), proxy.wait_for(ProxyMode::Paused))
-        .await
-        .expect("the grant on s1 never reached the link");
+    let opts = AcquireOptions::new().wait(Duration::from_secs(30));
+    let acquiring = acquire_held_back_on_s1(&proxy, &router, &key, opts);
+    held_back(&proxy).await;
     let mut s2_conn = cluster.shard(1).connect().await.unwrap();
     s2_conn
         .exec_drop(
@@ -1742,50 +1762,21 @@ async fn an_acquire_whose_moved_keys_earlier_row_was_freed_meanwhile_polls_again
 /// for anyone placing the key there).
 #[tokio::test(flavor = "multi_thread")]
 async fn an_acquire_whose_moved_keys_earlier_grant_ran_out_meanwhile_polls_again() {
-    let cluster = Cluster::start(2).await.unwrap();
-    // The key's new shard, s1, is asked through a proxy that can hold its grant back. Lock
-    // waits of a minute; nothing here is slow for the breaker.
-    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let policy = "routing:\n  move-window: 60s\nbreaker:\n  slow-call: 60s\n";
-    let s1 = format!(
-        "  - name: s1\n    url: {}\n    statement-timeout: 60s\n",
-        proxy.url()
-    );
-    let s2 = format!(
-        "  - name: s2\n    url: {}\n    statement-timeout: 60s\n",
-        cluster.shard(1).url()
-    );
-    let router = LockRouter::from_yaml_str(&format!("shards:\n{s1}{s2}{policy}"))
-        .await
-        .unwrap();
-    router.migrate().await.unwrap();
-    let key = (0..)
-        .map(|i| format!("ran-out-meanwhile:{i}"))
-        .find(|k| router.shard_for(k).unwrap() == "s2")
-        .unwrap();
+    let (cluster, proxy, router, key) = a_key_moving_behind_a_proxy("ran-out-meanwhile").await;
     // The key's row on s2, locked by another transaction.
     let first = router.acquire(&key, AcquireOptions::new()).await.unwrap();
     let mut competitor = Competitor::begin(cluster.shard(1), false).await.unwrap();
     let stored = competitor.key_of(first.owner()).await.unwrap().unwrap();
     first.release().await.unwrap();
     competitor.lock(&stored).await.unwrap();
-    let one = Config::from_yaml_str(&format!("shards:\n{s1}{policy}")).unwrap();
-    router.reload(one).await.unwrap();
-    assert_eq!(router.moves_in_progress(), 1);
 
     // A 10 s lease, asked on s2 at t0: granted there once the lock ends 4 s later, its row
     // ends on s2 by t0 + 10 s. Its grant on s1, asked after that, is held back 7 s: answered
     // after t0 + 11 s, within its own 10 s.
-    proxy.set(ProxyMode::PauseTo(Box::leak(
-        key.clone().into_bytes().into_boxed_slice(),
-    )));
-    let acquiring = tokio::spawn({
-        let (router, key) = (router.clone(), key.clone());
-        let opts = AcquireOptions::new()
-            .ttl(Duration::from_secs(10))
-            .wait(Duration::from_secs(60));
-        async move { router.acquire(&key, opts).await }
-    });
+    let opts = AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Duration::from_secs(60));
+    let acquiring = acquire_held_back_on_s1(&proxy, &router, &key, opts);
     let waiting = common::eventually(Duration::from_secs(30), || async {
         cluster.shard(1).lock_waits_now().await.unwrap() >= 1
     })
@@ -1793,9 +1784,7 @@ async fn an_acquire_whose_moved_keys_earlier_grant_ran_out_meanwhile_polls_again
     assert!(waiting, "the grant on s2 never waited for its row");
     tokio::time::sleep(Duration::from_secs(4)).await;
     competitor.end().await.unwrap();
-    tokio::time::timeout(Duration::from_secs(60), proxy.wait_for(ProxyMode::Paused))
-        .await
-        .expect("the grant on s1 never reached the link");
+    held_back(&proxy).await;
     tokio::time::sleep(Duration::from_secs(7)).await;
     proxy.set(ProxyMode::Pass);
 

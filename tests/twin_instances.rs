@@ -149,6 +149,16 @@ async fn a_process_resumed_after_its_twin_started_grants_nothing() {
     twin.shutdown().await.unwrap();
 }
 
+/// Whether `router` comes to refuse a grant, within a minute, with an error that says `why`.
+async fn refused_saying(router: &LockRouter, why: &str) -> bool {
+    let once = AcquireOptions::new().wait(Duration::ZERO);
+    common::eventually(Duration::from_secs(60), || async {
+        matches!(router.try_acquire("other", once.clone()).await,
+            Err(e) if shardlock::Report(&e).to_string().contains(why))
+    })
+    .await
+}
+
 /// A process whose id another start took over while the fleet counted it dead loses its
 /// leases, and its transaction locks, at the heartbeat that finds its row taken: it only
 /// stopped granting, and its guards said they held until its lapse came by its own clocks
@@ -194,12 +204,7 @@ async fn a_process_that_finds_its_id_taken_over_loses_its_leases_at_once() {
     proxy.set(ProxyMode::Pass);
 
     // Its next heartbeat finds the row taken: it grants nothing more, and holds nothing.
-    let once = AcquireOptions::new().wait(Duration::ZERO);
-    let replaced = common::eventually(Duration::from_secs(60), || async {
-        matches!(holder.try_acquire("other", once.clone()).await,
-            Err(e) if shardlock::Report(&e).to_string().contains("taken over"))
-    })
-    .await;
+    let replaced = refused_saying(&holder, "taken over").await;
     assert!(replaced, "the process never found its id taken over");
     assert!(
         !guard.is_held(),
@@ -286,17 +291,14 @@ async fn a_twin_beating_only_on_a_shard_left_counts_as_another_instance() {
     b_to_s2.set(ProxyMode::Pass);
 
     // Reading s2 again, `b` finds `a` running the topology it left: it grants nothing.
-    let once = AcquireOptions::new().wait(Duration::ZERO);
-    let refused = common::eventually(Duration::from_secs(60), || async {
-        matches!(b.try_acquire("other", once.clone()).await,
-            Err(e) if shardlock::Report(&e).to_string().contains("twin (host"))
-    })
-    .await;
+    let refused = refused_saying(&b, "twin (host").await;
     assert!(
         refused,
         "b never counted a, beating on s2, as another instance"
     );
-    let granted = b.try_acquire(&key, once.clone()).await;
+    let granted = b
+        .try_acquire(&key, AcquireOptions::new().wait(Duration::ZERO))
+        .await;
     assert!(
         !matches!(granted, Ok(Some(_))),
         "b was granted a key a holds where it lived"
