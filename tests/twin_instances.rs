@@ -234,88 +234,6 @@ async fn a_process_that_finds_its_id_taken_over_loses_its_leases_at_once() {
     drop((guard, tx, twin));
 }
 
-/// A start whose instance id another process still beats under on a shard it could not reach
-/// at its start (and then reloaded away from) counts that process as another instance of its
-/// fleet: it skipped every row of its own id, so it found nobody running the topology it left,
-/// joined, and would have ended the move and granted a key where it lives now while the other
-/// held it where it lived.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_twin_beating_only_on_a_shard_left_counts_as_another_instance() {
-    let cluster = Cluster::start(2).await.unwrap();
-    // `a` reaches s1 through a proxy, `b` reaches s2 through another.
-    let (a_to_s1, b_to_s2) = (
-        Proxy::start(cluster.shard(0).port()).await.unwrap(),
-        Proxy::start(cluster.shard(1).port()).await.unwrap(),
-    );
-    let beats = "cleaner:\n  registry: heartbeat\n  heartbeat-interval: 200ms\n  \
-                 heartbeat-timeout: 6s\nrouting:\n  move-window: 500ms\n";
-    let shard = |name: &str, url: String| format!("  - name: {name}\n    url: {url}\n");
-    let (s1, s2) = (cluster.shard(0).url(), cluster.shard(1).url());
-    let a_yaml = format!(
-        "{TWIN}shards:\n{}{}{beats}",
-        shard("s1", a_to_s1.url()),
-        shard("s2", s2)
-    );
-    let a = LockRouter::from_yaml_str(&a_yaml.replace(TWIN, ""))
-        .await
-        .unwrap();
-    a.migrate().await.unwrap();
-    let key = common::key_on(&a, "k", "s2");
-    drop(a);
-    // In a process of its own (one process gives an id to one router at a time).
-    let mut a = Worker::spawn(
-        "worker",
-        "holding-twin",
-        &[(common::CONFIG_ENV, a_yaml), (KEY_ENV, key.clone())],
-    )
-    .unwrap();
-    a.expect("holding").await.unwrap();
-
-    // `a` is cut off from s1 (still live by s2), until its row there counts as dead.
-    // (Refused at once: a wait on either link would hold up that process's heartbeats on the
-    // other shard.)
-    a_to_s1.set(ProxyMode::Reset);
-    b_to_s2.set(ProxyMode::Reset);
-    let dead_on_s1 = common::eventually(Duration::from_secs(60), || async {
-        let age: Option<i64> = (cluster.shard(0).connect().await.unwrap())
-            .query_first(
-                "SELECT TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) DIV 1000 \
-                 FROM shardlock_instance WHERE instance_id = 'twin'",
-            )
-            .await
-            .unwrap();
-        age.is_some_and(|ms| ms > 6_500)
-    })
-    .await;
-    assert!(dead_on_s1, "a's row on s1 never went silent");
-    // `b` starts under the same id, takes the row on s1 over, cannot reach s2, and reloads
-    // onto s1 alone: s2 is left, and the key moves to s1.
-    let b = LockRouter::from_yaml_str(&format!(
-        "{TWIN}shards:\n{}{}{beats}",
-        shard("s1", s1.clone()),
-        shard("s2", b_to_s2.url())
-    ))
-    .await
-    .expect("a's row on s1 counts as dead: the id is free there");
-    b.reload(Config::from_yaml_str(&format!("{TWIN}shards:\n{}{beats}", shard("s1", s1))).unwrap())
-        .await
-        .unwrap();
-    b_to_s2.set(ProxyMode::Pass);
-
-    // Reading s2 again, `b` finds `a` running the topology it left: it grants nothing.
-    if let Err(last) = refused_saying(&b, "twin (host").await {
-        panic!("b never counted a, beating on s2, as another instance (last: {last})");
-    }
-    let granted = b
-        .try_acquire(&key, AcquireOptions::new().wait(Duration::ZERO))
-        .await;
-    assert!(
-        !matches!(granted, Ok(Some(_))),
-        "b was granted a key a holds where it lived"
-    );
-    drop(a);
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_process_resumed_after_counting_as_dead_grants_again_once_it_has_rejoined() {
     let (cluster, router, _) = common::start(1, BEATS).await;
@@ -527,19 +445,6 @@ async fn looping_twin_worker() {
     }
 }
 
-/// Where [`holding_twin_worker`] reads the key it holds.
-const KEY_ENV: &str = "SHARDLOCK_TEST_KEY";
-
-/// Holds the key [`KEY_ENV`] names (reporting `holding`) until killed.
-async fn holding_twin_worker() {
-    let router = common::worker_router().await;
-    let key = std::env::var(KEY_ENV).unwrap();
-    let opts = AcquireOptions::new().ttl(Duration::from_secs(120));
-    let guard = router.acquire(&key, opts).await.unwrap();
-    report!("holding {}", guard.fence());
-    std::future::pending::<()>().await;
-}
-
 /// Starts a router and keeps it until killed (reporting `started`, or `refused` and why).
 async fn staying_twin_worker() {
     let yaml = std::env::var(common::CONFIG_ENV).unwrap();
@@ -565,6 +470,5 @@ crate::worker_entry! {
     "looping-twin" => looping_twin_worker(),
     "waiting-twin" => waiting_twin_worker(),
     "tx-waiting-twin" => tx_waiting_twin_worker(),
-    "holding-twin" => holding_twin_worker(),
     "staying-twin" => staying_twin_worker(),
 }
