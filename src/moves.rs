@@ -5,8 +5,8 @@
 //! (they still place the key on its old shard, where this lease stays held). It never bounds
 //! the life of a lease: a lease granted before a reload is taken on the key's new shard, with
 //! a fence above every fence it reserved, within half the window; if that cannot be done (the
-//! new shard does not answer, or someone else holds the key there), the lease is reported lost
-//! instead. Either way nobody is left believing it holds a key that another process can take.
+//! new shard does not answer, or someone else holds the key there all that time), the lease is
+//! reported lost instead. Either way nobody is left believing it holds a key that another process can take.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
@@ -162,15 +162,21 @@ async fn take_on(
                 );
                 return true;
             }
-            Ok(Attempt::Held { .. }) => {
-                break "its key moved in a reload and someone else holds it on the new shard";
-            }
-            // Unreachable, or its row locked by another transaction: again, within the window.
+            // Someone else's row there (a process whose move started earlier or later takes
+            // the key's shards in another order, and gives back what it took once it finds
+            // this lease's row), the shard unreachable, or the row locked by another
+            // transaction: again, within the window. Nobody else can hold the key there for
+            // good while this lease holds it where it lived: everyone placing the key there
+            // takes it here too until the move is over.
             failed => {
                 let delay = backoff.next_delay();
                 if Moment::now() + delay < deadline {
                     tokio::time::sleep(delay).await;
                     continue;
+                }
+                if let Ok(Attempt::Held { .. }) = failed {
+                    break "its key moved in a reload and someone else held it on the new shard \
+                           for half the move window";
                 }
                 tracing::warn!(key = shared.telemetry.key_label(&lease.key), to = target.name(), error = ?failed.err(), "shardlock could not take a moved key on its new shard within half the move window");
                 // The grant may have been made with its reply lost: give it back.

@@ -1682,6 +1682,16 @@ async fn an_acquire_of_a_moved_key_given_up_half_way_leaves_no_lease() {
 /// s1 alone (a 60 s move window): a key named from `prefix` moves from s2 to s1, and is taken
 /// on both while the move is in force.
 async fn a_key_moving_behind_a_proxy(prefix: &str) -> (Cluster, Proxy, LockRouter, String) {
+    let (cluster, proxy, router, key, one) = a_key_to_move_behind_a_proxy(prefix).await;
+    router.reload(one).await.unwrap();
+    assert_eq!(router.moves_in_progress(), 1);
+    (cluster, proxy, router, key)
+}
+
+/// [`a_key_moving_behind_a_proxy`] before its reload, with the config it reloads onto.
+async fn a_key_to_move_behind_a_proxy(
+    prefix: &str,
+) -> (Cluster, Proxy, LockRouter, String, Config) {
     let cluster = Cluster::start(2).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     let policy = "routing:\n  move-window: 60s\nbreaker:\n  slow-call: 60s\n";
@@ -1701,9 +1711,7 @@ async fn a_key_moving_behind_a_proxy(prefix: &str) -> (Cluster, Proxy, LockRoute
         .find(|k| router.shard_for(k).unwrap() == "s2")
         .unwrap();
     let one = Config::from_yaml_str(&format!("shards:\n{s1}{policy}")).unwrap();
-    router.reload(one).await.unwrap();
-    assert_eq!(router.moves_in_progress(), 1);
-    (cluster, proxy, router, key)
+    (cluster, proxy, router, key, one)
 }
 
 /// Sets `proxy` to hold back the first statement naming `key` (a grant of it on s1), and
@@ -1726,6 +1734,59 @@ async fn held_back(proxy: &Proxy) {
     tokio::time::timeout(Duration::from_secs(60), proxy.wait_for(ProxyMode::Paused))
         .await
         .expect("the grant on s1 never reached the link");
+}
+
+/// A lease whose key moved may find the key's row on its new shard held a moment by another
+/// process: one whose move started earlier or later takes the key's shards in another order,
+/// and gives back what it took once it finds the lease's row. The lease takes the row once it
+/// is free (within half the move window) and stays held: it was reported lost at the first
+/// sight of that row (two processes across grow and shrink saw a release fail so).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_moved_lease_whose_new_row_is_held_a_moment_takes_it_once_free() {
+    let (cluster, proxy, router, key, one) = a_key_to_move_behind_a_proxy("held-a-moment").await;
+    let held = router
+        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    let mut s1 = cluster.shard(0).connect().await.unwrap();
+    s1.exec_drop(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         VALUES (?, 'another', 1, 60000, NOW(3) + INTERVAL 1 MINUTE, NOW(3))",
+        (key.as_str(),),
+    )
+    .await
+    .unwrap();
+    // The lease's first try on s1 is held back until the link is set to hold back the next;
+    // it then finds the row held.
+    let naming: &'static [u8] = Box::leak(key.clone().into_bytes().into_boxed_slice());
+    proxy.set(ProxyMode::PauseTo(naming));
+    router.reload(one).await.unwrap();
+    held_back(&proxy).await;
+    proxy.set(ProxyMode::PauseTo(naming));
+    let tried_again = common::eventually(Duration::from_secs(30), || async {
+        proxy.mode() == ProxyMode::Paused || !held.is_held()
+    })
+    .await;
+    assert!(
+        held.is_held(),
+        "a lease whose moved key's row on the new shard was held a moment was lost"
+    );
+    assert!(tried_again, "the lease never tried its new shard again");
+
+    s1.exec_drop(
+        "DELETE FROM shardlock_lease WHERE lock_key = ? AND owner = 'another'",
+        (key.as_str(),),
+    )
+    .await
+    .unwrap();
+    assert_eq!(s1.affected_rows(), 1);
+    proxy.set(ProxyMode::Pass);
+    let followed =
+        common::eventually(Duration::from_secs(30), || async { router.stats().followed == 1 })
+            .await;
+    assert!(followed, "the lease never took its key's new row: {:?}", router.stats());
+    assert!(held.is_held());
+    held.release().await.unwrap();
 }
 
 /// An acquire of a moved key whose row on the key's previous shard is taken or freed after
