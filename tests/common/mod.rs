@@ -258,6 +258,12 @@ macro_rules! worker_entry {
         #[ignore = "entry point of the worker processes spawned by the tests in this file"]
         fn worker() {
             let Some(role) = shardlock_testkit::worker_main() else { return };
+            // Warnings (a lease lost, and why) on the worker's stderr, which the test shows
+            // when it fails.
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter("shardlock=warn")
+                .with_writer(std::io::stderr)
+                .try_init();
             let rt = tokio::runtime::Runtime::new().unwrap();
             match role.as_str() {
                 $($role => rt.block_on($run),)*
