@@ -6,7 +6,8 @@
 //! the life of a lease: a lease granted before a reload is taken on the key's new shard, with
 //! a fence above every fence it reserved, within half the window; if that cannot be done (the
 //! new shard does not answer, or someone else holds the key there all that time), the lease is
-//! reported lost instead. Either way nobody is left believing it holds a key that another process can take.
+//! reported lost instead; so is one whose try of unknown outcome may have taken the key there
+//! in a row that ran out unrenewed. Either way nobody is left believing it holds a key that another process can take.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
@@ -108,6 +109,22 @@ async fn take_on(
     };
     let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(200));
     let mut tried = false;
+    // When the first try whose outcome is unknown was sent (its reply lost or still to come,
+    // or a row lock waited out after a lost reply): the row it may have taken counts as this
+    // lease's on the new shard (the fleet's move may end on it), unrenewed, until its ttl
+    // runs out. Up to then, an answer that someone else holds the key proves no try took it;
+    // past then, another process may have taken the key there alone, and the lease is lost,
+    // whatever a try answers later (or does not).
+    let mut unknown_since: Option<Moment> = None;
+    let mut ran_out = false;
+    let runs_out = |since: Moment| {
+        Want::end_by(
+            since,
+            lease.ttl,
+            lease.want.drift_ppm.max(shared.drift_ppm()),
+            lease.want.clock_skew.max(target.leases_skew()),
+        )
+    };
     let why = loop {
         if lease.is_lost() || lease.has_ended() {
             if tried {
@@ -119,7 +136,18 @@ async fn take_on(
         let sent = Moment::now();
         tried = true;
         // The same request on every try: a retry after a lost reply finds its own row.
-        match target.acquire(&req).await {
+        let answered = before(
+            runs_out(unknown_since.unwrap_or(sent)),
+            target.acquire(&req),
+        )
+        .await;
+        let Some(answer) = answered else {
+            // The try (this one, or one before) may have taken the key there, and run out.
+            ran_out = true;
+            break "its key moved in a reload and a try on the new shard whose outcome is \
+                   unknown may have taken the key there and run out";
+        };
+        match answer {
             Ok(Attempt::Granted(fence)) => {
                 let want = Want {
                     handoff_max_count: 0,
@@ -169,6 +197,14 @@ async fn take_on(
             // good while this lease holds it where it lived: everyone placing the key there
             // takes it here too until the move is over.
             failed => {
+                let unknown = match &failed {
+                    Err(e) => e.maybe_applied,
+                    Ok(Attempt::Locked) => true,
+                    Ok(_) => false,
+                };
+                if unknown {
+                    unknown_since.get_or_insert(sent);
+                }
                 let delay = backoff.next_delay();
                 if Moment::now() + delay < deadline {
                     tokio::time::sleep(delay).await;
@@ -188,6 +224,9 @@ async fn take_on(
     // Lost: nobody may take the key on the old shard in this lease's name any more (no
     // renewal, no hand-off); its rows are given back.
     lease.mark_lost(why, shared);
+    if ran_out {
+        give_back_try(target, &req, lease.ttl, lease.at_least()).await;
+    }
     // The pools stay open until the rows are released (taken before a row leaves its keeper).
     let _settling = crate::shard::Settling::new(shard);
     if shard.remove(lease.id).is_some() {
@@ -205,6 +244,18 @@ async fn take_on(
         crate::guard::retry_if_failed(&other, &row, &released);
     }
     false
+}
+
+/// `answer`, or `None` if `end` comes first (looked at again at least every
+/// [`crate::clock::SUSPEND_NOTICED_WITHIN`], so that a suspend of the host counts).
+async fn before<T>(end: Moment, answer: impl std::future::Future<Output = T>) -> Option<T> {
+    tokio::pin!(answer);
+    while Moment::now() < end {
+        if let Ok(answered) = tokio::time::timeout_at(end.checked_timer(), &mut answer).await {
+            return Some(answered);
+        }
+    }
+    None
 }
 
 /// Gives back the row on `target` that a try of a move (`req`) may have taken, for a lease

@@ -1685,19 +1685,21 @@ async fn an_acquire_of_a_moved_key_given_up_half_way_leaves_no_lease() {
 /// s1 alone (a 60 s move window): a key named from `prefix` moves from s2 to s1, and is taken
 /// on both while the move is in force.
 async fn a_key_moving_behind_a_proxy(prefix: &str) -> (Cluster, Proxy, LockRouter, String) {
-    let (cluster, proxy, router, key, one) = a_key_to_move_behind_a_proxy(prefix).await;
+    let (cluster, proxy, router, key, one) = a_key_to_move_behind_a_proxy(prefix, "").await;
     router.reload(one).await.unwrap();
     assert_eq!(router.moves_in_progress(), 1);
     (cluster, proxy, router, key)
 }
 
-/// [`a_key_moving_behind_a_proxy`] before its reload, with the config it reloads onto.
+/// [`a_key_moving_behind_a_proxy`] before its reload, with the config it reloads onto;
+/// `extra` (YAML) in both configs.
 async fn a_key_to_move_behind_a_proxy(
     prefix: &str,
+    extra: &str,
 ) -> (Cluster, Proxy, LockRouter, String, Config) {
     let cluster = Cluster::start(2).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let policy = "routing:\n  move-window: 60s\nbreaker:\n  slow-call: 60s\n";
+    let policy = format!("routing:\n  move-window: 60s\nbreaker:\n  slow-call: 60s\n{extra}");
     let shard = |name: &str, url: String| {
         format!("  - name: {name}\n    url: {url}\n    statement-timeout: 60s\n")
     };
@@ -1746,7 +1748,8 @@ async fn held_back(proxy: &Proxy) {
 /// sight of that row (two processes across grow and shrink saw a release fail so).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_moved_lease_whose_new_row_is_held_a_moment_takes_it_once_free() {
-    let (cluster, proxy, router, key, one) = a_key_to_move_behind_a_proxy("held-a-moment").await;
+    let (cluster, proxy, router, key, one) =
+        a_key_to_move_behind_a_proxy("held-a-moment", "").await;
     let held = router
         .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(10)))
         .await
@@ -1784,12 +1787,66 @@ async fn a_moved_lease_whose_new_row_is_held_a_moment_takes_it_once_free() {
     .unwrap();
     assert_eq!(s1.affected_rows(), 1);
     proxy.set(ProxyMode::Pass);
-    let followed =
-        common::eventually(Duration::from_secs(30), || async { router.stats().followed == 1 })
-            .await;
-    assert!(followed, "the lease never took its key's new row: {:?}", router.stats());
+    let followed = common::eventually(Duration::from_secs(30), || async {
+        router.stats().followed == 1
+    })
+    .await;
+    assert!(
+        followed,
+        "the lease never took its key's new row: {:?}",
+        router.stats()
+    );
     assert!(held.is_held());
     held.release().await.unwrap();
+}
+
+/// A lease whose key moved takes the key on its new shard with its reply lost, and cannot
+/// reach that shard since. The row it took there counts as the lease's (the fleet's move may
+/// end on it), but nothing renews it: once it runs out, another process may take the key
+/// there alone. The lease is lost by then; it stayed held while its tries failed, until half
+/// the move window, and on after that if the next try found the key taken.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_moved_lease_whose_row_taken_on_the_new_shard_with_its_reply_lost_runs_out_is_lost() {
+    // No heartbeats: through the cut-off link they would lapse, and lose the lease anyway.
+    let (cluster, proxy, router, key, one) =
+        a_key_to_move_behind_a_proxy("reply-lost", common::NO_HEARTBEAT).await;
+    let held = router
+        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(4)))
+        .await
+        .unwrap();
+    let naming: &'static [u8] = Box::leak(key.clone().into_bytes().into_boxed_slice());
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(naming));
+    router.reload(one).await.unwrap();
+    let taken = common::eventually(Duration::from_secs(30), || {
+        let (s1, key, owner) = (cluster.shard(0), key.as_str(), held.owner());
+        async move {
+            let n: Option<u64> = s1
+                .connect()
+                .await
+                .unwrap()
+                .exec_first(
+                    "SELECT COUNT(*) FROM shardlock_lease WHERE lock_key = ? AND owner = ?",
+                    (key, owner),
+                )
+                .await
+                .unwrap();
+            n == Some(1)
+        }
+    })
+    .await;
+    assert!(taken, "the lease's try never took the key on s1");
+
+    // Its row on s1 ends 4 s after the try was sent; half the move window is 30 s.
+    let lost = tokio::time::timeout(Duration::from_secs(20), held.lost()).await;
+    assert!(
+        lost.is_ok(),
+        "a lease whose row taken on the new shard with its reply lost ran out was still held"
+    );
+    proxy.set(ProxyMode::Pass);
+    assert!(matches!(
+        held.release().await,
+        Err(shardlock::Error::LockLost { .. })
+    ));
 }
 
 /// An acquire of a moved key whose row on the key's previous shard is taken or freed after
