@@ -135,12 +135,11 @@ async fn take_on(
         }
         let sent = Moment::now();
         tried = true;
+        // The lease ends by then on the spot (`is_held`), should this task be late.
+        let end = runs_out(unknown_since.unwrap_or(sent));
+        lease.end_by_unheard_row(Some(end));
         // The same request on every try: a retry after a lost reply finds its own row.
-        let answered = before(
-            runs_out(unknown_since.unwrap_or(sent)),
-            target.acquire(&req),
-        )
-        .await;
+        let answered = before(end, target.acquire(&req)).await;
         let Some(answer) = answered else {
             // The try (this one, or one before) may have taken the key there, and run out.
             ran_out = true;
@@ -166,20 +165,24 @@ async fn take_on(
                     LeaseState::new(lease.key.clone(), grant, want, Duration::ZERO, None)
                         .belonging_to(lease),
                 );
-                // A hold that must outlast its release (a scheduled run) is kept as long on
-                // the new shard, from the new row's later grant: also if its holder dies.
                 if let Some(at_least) = lease.at_least() {
                     companion.set_at_least(at_least, &target.shared);
-                    let _ = target
-                        .call(|b| b.hold_until(&req.key, &req.owner, at_least, 0))
-                        .await;
                 }
+                // Renewed, and its end counted, before anything else is awaited.
                 target.insert(companion.clone());
                 if !lease.adopt(target.clone(), companion.clone()) {
                     // Released (or lost) meanwhile: give the row back.
                     target.remove(companion.id);
                     give_back_try(target, &req, lease.ttl, companion.at_least()).await;
                     return false;
+                }
+                lease.end_by_unheard_row(None);
+                // A hold that must outlast its release (a scheduled run) is kept as long on
+                // the new shard, from the new row's later grant: also if its holder dies.
+                if let Some(at_least) = lease.at_least() {
+                    let _ = target
+                        .call(|b| b.hold_until(&req.key, &req.owner, at_least, 0))
+                        .await;
                 }
                 shared.stats.followed.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(
@@ -204,6 +207,9 @@ async fn take_on(
                 };
                 if unknown {
                     unknown_since.get_or_insert(sent);
+                } else if unknown_since.is_none() {
+                    // Answered, with no row taken: nothing unheard to end the lease by.
+                    lease.end_by_unheard_row(None);
                 }
                 let delay = backoff.next_delay();
                 if Moment::now() + delay < deadline {
@@ -211,6 +217,10 @@ async fn take_on(
                     continue;
                 }
                 if let Ok(Attempt::Held { .. }) = failed {
+                    if unknown_since.is_some() {
+                        // A try before may still land.
+                        target.give_back(req.key.clone(), req.owner.clone(), lease.ttl);
+                    }
                     break "its key moved in a reload and someone else held it on the new shard \
                            for half the move window";
                 }
@@ -252,7 +262,8 @@ async fn before<T>(end: Moment, answer: impl std::future::Future<Output = T>) ->
     tokio::pin!(answer);
     while Moment::now() < end {
         if let Ok(answered) = tokio::time::timeout_at(end.checked_timer(), &mut answer).await {
-            return Some(answered);
+            // Not if it was taken late (this task starved, the host suspended).
+            return (Moment::now() < end).then_some(answered);
         }
     }
     None

@@ -1835,9 +1835,24 @@ async fn a_moved_lease_whose_row_taken_on_the_new_shard_with_its_reply_lost_runs
     })
     .await;
     assert!(taken, "the lease's try never took the key on s1");
+    let seen = tokio::time::Instant::now();
 
-    // Its row on s1 ends 4 s after the try was sent; half the move window is 30 s.
-    let lost = tokio::time::timeout(Duration::from_secs(20), held.lost()).await;
+    // Its row on s1 ends 4 s after the try was sent, before `seen`; half the move window is
+    // 30 s. Renewed on s2 meanwhile, the lease never says it is held past that row's end.
+    let lost = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            assert!(
+                held.held_until() <= seen + Duration::from_secs(4),
+                "a lease whose try on the new shard went unheard said it was held past the end \
+                 of the row that try took"
+            );
+            tokio::select! {
+                _ = held.lost() => return,
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+        }
+    })
+    .await;
     assert!(
         lost.is_ok(),
         "a lease whose row taken on the new shard with its reply lost ran out was still held"

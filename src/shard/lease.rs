@@ -88,6 +88,10 @@ pub(crate) struct LeaseState {
     parent: std::sync::OnceLock<Weak<LeaseState>>,
     /// Held while the lease follows its key after a reload (one follower at a time).
     pub(crate) following: tokio::sync::Mutex<()>,
+    /// While a try of the follow may have taken the key on its new shard unheard: when that
+    /// row may run out, unrenewed. The lease ends then unless the try is answered (see
+    /// `moves::take_on`): the fleet's move may end on that row.
+    unheard_row_until: Mutex<Option<Moment>>,
 }
 
 /// The companion rows of a lease, and whether the lease already ended (a companion that
@@ -172,6 +176,7 @@ impl LeaseState {
             companions: Mutex::default(),
             parent: std::sync::OnceLock::new(),
             following: tokio::sync::Mutex::new(()),
+            unheard_row_until: Mutex::new(None),
         }
     }
 
@@ -300,6 +305,10 @@ impl LeaseState {
         !self.is_lost()
             && now < self.deadline()
             && self
+                .unheard_row_until
+                .locked()
+                .is_none_or(|until| now < until)
+            && self
                 .companions
                 .lock()
                 .unwrap()
@@ -359,9 +368,22 @@ impl LeaseState {
         self.deadline.locked().at
     }
 
+    /// Ends the lease by `until` at the latest (`None`: no more), while a row a follow's try
+    /// may have taken unheard may run out then (see [`LeaseState::unheard_row_until`]).
+    pub(crate) fn end_by_unheard_row(&self, until: Option<Moment>) {
+        *self.unheard_row_until.locked() = until;
+        if until.is_some() {
+            self.end_moved.notify_waiters();
+        }
+    }
+
     /// The earliest local deadline of this lease and its companion rows.
     pub(crate) fn valid_until(&self) -> Moment {
         let own = self.deadline();
+        let own = self
+            .unheard_row_until
+            .locked()
+            .map_or(own, |until| own.min(until));
         let companions = self.companions.locked();
         companions
             .rows
