@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use crate::clock::Moment;
 use crate::queue::{NextWaiter, Turn, Want};
-use crate::shard::{Grant, LeaseState, NOT_RENEWED, REGISTRY_LAPSED};
+use crate::shard::{Grant, LeaseState, REGISTRY_LAPSED};
 use crate::shard::{Settling, ShardState};
 use crate::sync::LockExt;
 
@@ -103,7 +103,7 @@ impl Hold {
         if !self.lease.is_live() {
             // For good as well: a renewal whose answer comes after the lease's end (its task
             // starved) would move the end on, but whoever looked meanwhile was told it is over.
-            self.lease.mark_lost(NOT_RENEWED, shared);
+            self.lease.mark_lost(self.lease.not_live_because(), shared);
             return false;
         }
         if registry_live {
@@ -237,7 +237,10 @@ impl LockGuard {
                 _ = moved => {}
                 _ = tokio::time::sleep_until(until) => {
                     if !self.is_held() {
-                        let why = if lease.is_live() { REGISTRY_LAPSED } else { NOT_RENEWED };
+                        let why = match lease.is_live() {
+                            true => REGISTRY_LAPSED,
+                            false => lease.not_live_because(),
+                        };
                         lease.mark_lost(why, &self.hold.shard.shared);
                         return;
                     }
@@ -250,7 +253,9 @@ impl LockGuard {
     /// row of it; never earlier. For a lease without keep-alive
     /// ([`crate::AcquireOptions::keep_alive`]) this is the only way it lasts longer than its
     /// ttl; a renewed lease keeps being renewed by its own ttl after that end.
-    /// [`LockGuard::held_until`] moves with it. A [`LockMode::LocalFallback`] guard's key held
+    /// [`LockGuard::held_until`] moves with it (not past the end of a row that its key's move
+    /// to a new shard may have taken unheard, by which the lease ends unless that is
+    /// answered). A [`LockMode::LocalFallback`] guard's key held
     /// in process has no row: without keep-alive, only its end in process moves (`Ok` at
     /// once), and the row its shard gives it once back lasts that long; with keep-alive it has
     /// no end in process to move, and that row gets its ttl, renewed as usual. Once

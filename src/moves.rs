@@ -143,8 +143,7 @@ async fn take_on(
         let Some(answer) = answered else {
             // The try (this one, or one before) may have taken the key there, and run out.
             ran_out = true;
-            break "its key moved in a reload and a try on the new shard whose outcome is \
-                   unknown may have taken the key there and run out";
+            break crate::shard::UNHEARD_ROW;
         };
         match answer {
             Ok(Attempt::Granted(fence)) => {
@@ -165,7 +164,8 @@ async fn take_on(
                     LeaseState::new(lease.key.clone(), grant, want, Duration::ZERO, None)
                         .belonging_to(lease),
                 );
-                if let Some(at_least) = lease.at_least() {
+                let at_least = lease.at_least();
+                if let Some(at_least) = at_least {
                     companion.set_at_least(at_least, &target.shared);
                 }
                 // Renewed, and its end counted, before anything else is awaited.
@@ -179,7 +179,7 @@ async fn take_on(
                 lease.end_by_unheard_row(None);
                 // A hold that must outlast its release (a scheduled run) is kept as long on
                 // the new shard, from the new row's later grant: also if its holder dies.
-                if let Some(at_least) = lease.at_least() {
+                if let Some(at_least) = at_least {
                     let _ = target
                         .call(|b| b.hold_until(&req.key, &req.owner, at_least, 0))
                         .await;

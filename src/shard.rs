@@ -28,7 +28,7 @@ mod lease;
 mod shared;
 
 pub(crate) use keeper::spawn_keeper;
-pub(crate) use lease::{Grant, LeaseState, NOT_RENEWED, SHUT_DOWN};
+pub(crate) use lease::{Grant, LeaseState, NOT_RENEWED, SHUT_DOWN, UNHEARD_ROW};
 pub(crate) use shared::{Shared, REGISTRY_LAPSED, REGISTRY_SWITCHED};
 
 /// Breaker transitions kept per shard for `breaker_transitions`.

@@ -1811,7 +1811,7 @@ async fn a_moved_lease_whose_row_taken_on_the_new_shard_with_its_reply_lost_runs
     let (cluster, proxy, router, key, one) =
         a_key_to_move_behind_a_proxy("reply-lost", common::NO_HEARTBEAT).await;
     let held = router
-        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(4)))
+        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(8)))
         .await
         .unwrap();
     let naming: &'static [u8] = Box::leak(key.clone().into_bytes().into_boxed_slice());
@@ -1836,13 +1836,14 @@ async fn a_moved_lease_whose_row_taken_on_the_new_shard_with_its_reply_lost_runs
     .await;
     assert!(taken, "the lease's try never took the key on s1");
     let seen = tokio::time::Instant::now();
+    assert!(held.is_held(), "lost before the test could look");
 
-    // Its row on s1 ends 4 s after the try was sent, before `seen`; half the move window is
+    // Its row on s1 ends 8 s after the try was sent, before `seen`; half the move window is
     // 30 s. Renewed on s2 meanwhile, the lease never says it is held past that row's end.
     let lost = tokio::time::timeout(Duration::from_secs(20), async {
         loop {
             assert!(
-                held.held_until() <= seen + Duration::from_secs(4),
+                held.held_until() <= seen + Duration::from_secs(8),
                 "a lease whose try on the new shard went unheard said it was held past the end \
                  of the row that try took"
             );

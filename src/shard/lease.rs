@@ -368,6 +368,16 @@ impl LeaseState {
         self.deadline.locked().at
     }
 
+    /// Why the lease is not live (see [`LeaseState::is_live`]): not renewed in time, or a row a
+    /// follow's try may have taken unheard may have run out.
+    pub(crate) fn not_live_because(&self) -> &'static str {
+        let unheard = *self.unheard_row_until.locked();
+        match unheard {
+            Some(until) if Moment::now() >= until && until < self.deadline() => UNHEARD_ROW,
+            _ => NOT_RENEWED,
+        }
+    }
+
     /// Ends the lease by `until` at the latest (`None`: no more), while a row a follow's try
     /// may have taken unheard may run out then (see [`LeaseState::unheard_row_until`]).
     pub(crate) fn end_by_unheard_row(&self, until: Option<Moment>) {
@@ -556,6 +566,10 @@ pub(crate) const SHUT_DOWN: &str = "router shut down";
 
 /// Why a lease ends at its local deadline.
 pub(crate) const NOT_RENEWED: &str = "not renewed before its lease ended";
+
+/// Why a lease whose key moved ends when a row its follow may have taken unheard may run out.
+pub(crate) const UNHEARD_ROW: &str = "its key moved in a reload and a try on the new shard whose \
+                                      outcome is unknown may have taken the key there and run out";
 
 #[cfg(test)]
 mod tests {
