@@ -7,7 +7,8 @@
 //! a fence above every fence it reserved, within half the window; if that cannot be done (the
 //! new shard does not answer, or someone else holds the key there all that time), the lease is
 //! reported lost instead; so is one whose try of unknown outcome may have taken the key there
-//! in a row that ran out unrenewed. Either way nobody is left believing it holds a key that another process can take.
+//! in a row that ran out unrenewed. Either way nobody is left believing it holds a key that
+//! another process can take.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
