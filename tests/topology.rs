@@ -19,6 +19,13 @@ const PATH_ENV: &str = "SHARDLOCK_TEST_CONFIG_PATH";
 const POLICY: &str =
     "routing:\n  move-window: 3s\nnamespaces:\n  default:\n    ttl: 1s\n    wait: 30s\n";
 
+/// Waits up to `limit` until one lease of `router` followed its moved key; panics with `what`
+/// and the router's stats if none did.
+async fn until_followed(router: &LockRouter, limit: Duration, what: &str) {
+    let followed = common::eventually(limit, || async { router.stats().followed == 1 }).await;
+    assert!(followed, "{what}: {:?}", router.stats());
+}
+
 /// The config listing the first `n` shards of the cluster.
 fn config_for(cluster: &Cluster, n: usize) -> String {
     let mut yaml = String::from("shards:\n");
@@ -334,11 +341,12 @@ async fn shards_that_stay_keep_their_pools_and_a_leaving_shard_is_drained() {
         .await
         .unwrap();
     // The held lease follows its key (to one of the shards that stay) before the counts.
-    let followed = common::eventually(Duration::from_secs(5), || async {
-        router.stats().followed == 1
-    })
+    until_followed(
+        &router,
+        Duration::from_secs(5),
+        "the held lease never followed its key",
+    )
     .await;
-    assert!(followed, "{:?}", router.stats());
     let status = router.status().await;
     let now = sessions().await;
     // The pool's connections stay open, but for one its pool discarded meanwhile (a statement
@@ -1437,15 +1445,12 @@ async fn a_hand_off_decided_before_a_reload_that_moved_its_key_takes_the_key_whe
     let handoff = LockRouter::hold_next_handoff();
     drop(held);
     router.reload(grown).await.unwrap();
-    let followed = common::eventually(Duration::from_secs(10), || async {
-        router.stats().followed == 1
-    })
+    until_followed(
+        &router,
+        Duration::from_secs(10),
+        "the ended lease did not follow its key",
+    )
     .await;
-    assert!(
-        followed,
-        "the ended lease did not follow its key: {:?}",
-        router.stats()
-    );
     drop(handoff);
 
     let guard = waiter.await.unwrap().unwrap();
@@ -1787,15 +1792,12 @@ async fn a_moved_lease_whose_new_row_is_held_a_moment_takes_it_once_free() {
     .unwrap();
     assert_eq!(s1.affected_rows(), 1);
     proxy.set(ProxyMode::Pass);
-    let followed = common::eventually(Duration::from_secs(30), || async {
-        router.stats().followed == 1
-    })
+    until_followed(
+        &router,
+        Duration::from_secs(30),
+        "the lease never took its key's new row",
+    )
     .await;
-    assert!(
-        followed,
-        "the lease never took its key's new row: {:?}",
-        router.stats()
-    );
     assert!(held.is_held());
     held.release().await.unwrap();
 }
