@@ -234,11 +234,8 @@ async fn a_renewal_slowed_by_a_lock_that_then_ended_counts_against_no_shard() {
     )
     .await;
     let shard = cluster.shard(0);
-    let waiting = common::eventually(Duration::from_secs(30), || async {
-        shard.lock_waits_now().await.unwrap() >= 1
-    })
-    .await;
-    assert!(waiting, "no renewal waited behind the locked row");
+    // A renewal waits behind the locked row.
+    common::until_a_row_lock_is_waited_for(shard).await;
     // The lock lasts beyond the slow-call threshold while the renewal waits.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     competitor.end().await.unwrap();
@@ -329,11 +326,8 @@ async fn an_acquire_slowed_by_a_row_lock_counts_against_no_shard() {
         let opts = AcquireOptions::new().wait(Duration::from_secs(30));
         async move { router.acquire("busy", opts).await }
     });
-    let waiting = common::eventually(Duration::from_secs(30), || async {
-        cluster.shard(0).lock_waits_now().await.unwrap() >= 1
-    })
-    .await;
-    assert!(waiting, "the acquire never waited for the row");
+    // The acquire waits for the row.
+    common::until_a_row_lock_is_waited_for(cluster.shard(0)).await;
     // Past the slow-call threshold, within the server's lock wait (9 s).
     tokio::time::sleep(Duration::from_secs(3)).await;
     competitor.end().await.unwrap();

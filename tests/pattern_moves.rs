@@ -584,11 +584,8 @@ async fn a_job_whose_move_a_reload_undid_half_way_still_runs_once() {
     let mut copies_held = copies_held(new).await;
 
     router.reload(four).await.unwrap();
-    let copying = common::eventually(Duration::from_secs(30), || async {
-        new.lock_waits_now().await.unwrap() >= 1
-    })
-    .await;
-    assert!(copying, "the carry never tried to copy the job");
+    // The carry tries to copy the job, and waits for its row.
+    common::until_a_row_lock_is_waited_for(new).await;
     assert_eq!(job_status(home, id).await.as_deref(), Some("moving"));
     router.reload(three).await.unwrap();
     // The copy under way gives up before the new shard takes copies again.
@@ -791,11 +788,8 @@ async fn a_job_claimed_while_its_carry_marks_it_holds_the_move_up() {
         .unwrap();
 
     router.reload(four).await.unwrap();
-    let marking = common::eventually(Duration::from_secs(30), || async {
-        home.lock_waits_now().await.unwrap() >= 1
-    })
-    .await;
-    assert!(marking, "the carry never tried to mark the job");
+    // The carry tries to mark the job, and waits for its row.
+    common::until_a_row_lock_is_waited_for(home).await;
     worker
         .exec_drop(
             "UPDATE shardlock_job SET status = 'claimed', locked_by = 'gone', \

@@ -307,11 +307,8 @@ async fn a_grant_answered_after_shutdown_began_says_it_is_lost() {
         let router = router.clone();
         async move { router.acquire("k", AcquireOptions::new()).await }
     });
-    let waiting = common::eventually(Duration::from_secs(30), || async {
-        shard.lock_waits_now().await.unwrap() >= 1
-    })
-    .await;
-    assert!(waiting, "the acquire never waited behind the locked row");
+    // The acquire waits behind the locked row.
+    common::until_a_row_lock_is_waited_for(shard).await;
 
     router.shutdown().await.unwrap();
     competitor.end().await.unwrap();

@@ -1916,11 +1916,8 @@ async fn an_acquire_whose_moved_keys_earlier_grant_ran_out_meanwhile_polls_again
         .ttl(Duration::from_secs(10))
         .wait(Duration::from_secs(60));
     let acquiring = acquire_held_back_on_s1(&proxy, &router, &key, opts);
-    let waiting = common::eventually(Duration::from_secs(30), || async {
-        cluster.shard(1).lock_waits_now().await.unwrap() >= 1
-    })
-    .await;
-    assert!(waiting, "the grant on s2 never waited for its row");
+    // The grant on s2 waits for its row.
+    common::until_a_row_lock_is_waited_for(cluster.shard(1)).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     competitor.end().await.unwrap();
     held_back(&proxy).await;
