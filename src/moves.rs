@@ -110,10 +110,11 @@ async fn take_on(
     };
     let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(200));
     let mut tried = false;
-    // When the first try whose outcome is unknown was sent (its reply lost or still to come,
-    // or a row lock waited out after a lost reply): the row it may have taken counts as this
-    // lease's on the new shard (the fleet's move may end on it), unrenewed, until its ttl
-    // runs out. Up to then, an answer that someone else holds the key proves no try took it;
+    // When the first try whose outcome is unknown was sent (its reply lost or still to come;
+    // a row lock waited out, or someone else's row found, after a lost reply): the row it may
+    // have taken counts as this lease's on the new shard (the fleet's move may end on it),
+    // unrenewed, until its ttl runs out. Up to then, an answer that someone else holds the
+    // key, with no lost try before it, proves no try took it;
     // past then, another process may have taken the key there alone, and the lease is lost,
     // whatever a try answers later (or does not).
     let mut unknown_since: Option<Moment> = None;
@@ -204,7 +205,8 @@ async fn take_on(
                 let unknown = match &failed {
                     Err(e) => e.maybe_applied,
                     Ok(Attempt::Locked) => true,
-                    Ok(_) => false,
+                    Ok(Attempt::Held { after_lost_try, .. }) => *after_lost_try,
+                    Ok(Attempt::Granted(_)) => false,
                 };
                 if unknown {
                     unknown_since.get_or_insert(sent);

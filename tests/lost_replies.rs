@@ -464,6 +464,90 @@ async fn arrives_too_late(proxy: &Proxy, other: &LockRouter, key: &str) {
     );
 }
 
+/// Where a session cannot be ended before the retry (behind a proxy that keeps sessions of its
+/// own, as here; on a Galera node), an acquire whose first try was cut off on the wire and
+/// whose retry found someone else's row says so (`Held` after a lost try): the first try may
+/// still reach the server and take the key once the row is free (shown below, for an owner
+/// its caller would count as holding nothing), so the answer proves no row of the owner's to
+/// come. Alone and in a batch.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acquire_whose_cut_off_try_may_still_land_says_so_when_it_finds_the_key_held() {
+    let (cluster, _router, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    proxy.renumber_sessions();
+    let backend = |url: String| {
+        let yaml = format!("shards:\n  - name: s1\n    url: {url}\n    statement-timeout: 20s\n");
+        let config = Config::from_yaml_str(&yaml).unwrap();
+        shardlock_mysql::Shard::new(&config.shards[0], 0).unwrap()
+    };
+    let (direct, behind) = (backend(cluster.shard(0).url()), backend(proxy.url()));
+    let request = |key: &str, owner: &str| shardlock_mysql::GrantRequest {
+        key: key.as_bytes().to_vec(),
+        owner: owner.to_owned(),
+        ttl_ms: 60_000,
+        fence_floor: 0,
+        reserve: 0,
+        trace: None,
+    };
+    // The owner's name is in the statement's parameters, alone or in a batch's document.
+    let cases: [(&str, &'static str, bool); 2] = [
+        ("cut-off:alone", "cut-off-owner-1", false),
+        ("cut-off:batched", "cut-off-owner-2", true),
+    ];
+    for (key, owner, batched) in cases {
+        let held = direct.acquire(&request(key, "someone")).await.unwrap();
+        assert!(
+            matches!(held, shardlock_mysql::Attempt::Granted(_)),
+            "{held:?}"
+        );
+        proxy.set(ProxyMode::StrandTo(owner.as_bytes()));
+        let answer = if batched {
+            let free = format!("{key}:free");
+            let reqs = [request(key, owner), request(&free, owner)];
+            let grants = behind.acquire_batch(&reqs).await.unwrap();
+            assert!(
+                grants.after_lost_try,
+                "the batch did not say a try was lost"
+            );
+            grants.attempts[0]
+        } else {
+            behind.acquire(&request(key, owner)).await.unwrap()
+        };
+        assert_eq!(
+            proxy.mode(),
+            ProxyMode::Pass,
+            "the acquire was not held back"
+        );
+        assert!(
+            matches!(
+                answer,
+                shardlock_mysql::Attempt::Held {
+                    after_lost_try: true,
+                    ..
+                }
+            ),
+            "an acquire whose cut-off try may still land answered as if none could (batched: \
+             {batched}): {answer:?}"
+        );
+
+        // Why: the cut-off try, arriving once the row is free, takes the key.
+        direct.release(key.as_bytes(), "someone").await.unwrap();
+        assert!(
+            proxy.held().await.deliver().await,
+            "the cut-off try did not run"
+        );
+        let row = direct
+            .inspect(key.as_bytes())
+            .await
+            .unwrap()
+            .expect("the key's row");
+        assert!(
+            row.is_held() && row.owner.as_deref() == Some(owner),
+            "the cut-off try did not take the key once it was free: {row:?}"
+        );
+    }
+}
+
 /// After a restart the shard's thread ids start over: the id of a session stranded before it
 /// may be another client's by the time the next statement would end it. That session is left
 /// alone (only a session still holding its own lock is ended), whatever it is running.

@@ -67,7 +67,8 @@ impl LockRouter {
                 reserve: req.reserve,
                 sent,
             }),
-            Some(Attempt::Held { held_for_ms }) => Tried::Busy(Some(held_for_ms)),
+            // (A try of it before, whose reply was lost, may still land: its lane gives it back.)
+            Some(Attempt::Held { held_for_ms, .. }) => Tried::Busy(Some(held_for_ms)),
             // The row was locked by another transaction: busy, poll again soon.
             Some(Attempt::Locked) => Tried::Busy(Some(0)),
         })

@@ -59,6 +59,9 @@ impl ShardState {
             let stats = &self.shared.stats;
             let mut sent = Moment::now();
             let mut attempt = self.acquire_alone(&req).await;
+            // Whether a try whose reply was lost may still take the row, answered as held.
+            let lost_try = |a: &Result<Attempt, _>| matches!(a, Ok(Attempt::Held { after_lost_try, .. }) if *after_lost_try);
+            let mut may_land = lost_try(&attempt);
             if matches!(attempt, Ok(Attempt::Held { .. }))
                 && self.give_back_stale_row(&req.key, lease.id).await
             {
@@ -70,6 +73,7 @@ impl ShardState {
                 lease.asking_row_for(ttl);
                 sent = Moment::now();
                 attempt = self.acquire_alone(&req).await;
+                may_land |= lost_try(&attempt);
             }
             match attempt {
                 Ok(Attempt::Granted(_)) => {
@@ -113,6 +117,10 @@ impl ShardState {
                             "another process held the key on its shard when the shard came back",
                             &self.shared,
                         );
+                    }
+                    // The try may still take the row once it is free: given back.
+                    if may_land {
+                        self.give_back(req.key, req.owner, lease.row_ttl());
                     }
                 }
                 // Still failing, or the row locked by another transaction: this key next

@@ -221,6 +221,8 @@ impl Running<AcquireRequest, Attempt> {
                 result.await.map(|attempt| BatchGrants {
                     attempts: vec![attempt],
                     statements: 1,
+                    // Never sent again below: its `Held` marks a lost try itself.
+                    after_lost_try: false,
                 })
             } else {
                 let result = shard.call_timed(shard.backend.acquire_batch(&requests), |r| {
@@ -239,6 +241,7 @@ impl Running<AcquireRequest, Attempt> {
                 Err(_) => 1,
             };
             stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
+            let after_lost_try = matches!(&result, Ok(grants) if grants.after_lost_try);
             let result = result.map(|grants| grants.attempts);
             // A batch may be two statements: a failure of the read-back comes after the write
             // committed, whatever its error says.
@@ -250,8 +253,10 @@ impl Running<AcquireRequest, Attempt> {
             // A row locked by another transaction past the server's lock wait undoes the whole
             // batch, and the server does not say which key waited: every key is sent again on
             // its own, so that the free ones are granted (not answered busy) and only the
-            // locked key's caller waits on.
-            if wrote && outcomes.iter().all(|o| matches!(o, Ok(Attempt::Locked))) {
+            // locked key's caller waits on. Not after a try whose reply was lost: that try may
+            // have written, or still write, and a key's own answer would not say so.
+            let undone = wrote && !after_lost_try;
+            if undone && outcomes.iter().all(|o| matches!(o, Ok(Attempt::Locked))) {
                 let each = each.map(|(request, answer)| Waiting { request, answer });
                 shard.acquire_each(each.collect()).await;
                 continue;
@@ -266,8 +271,8 @@ impl Running<AcquireRequest, Attempt> {
 
 impl ShardState {
     /// Answers an acquire's caller with `outcome`. A grant nobody took (its caller gave up), or
-    /// an outcome that is unknown or undone by a lock wait, is given back, owner-checked, for a
-    /// caller that may go away.
+    /// an outcome that is unknown, undone by a lock wait or answered after a lost try, is given
+    /// back, owner-checked, for a caller that may go away.
     fn answer_acquire(
         self: &Arc<Self>,
         request: GrantRequest,
@@ -276,7 +281,14 @@ impl ShardState {
         outcome: Result<Attempt, BackendError>,
         unknown: bool,
     ) {
-        let locked = matches!(outcome, Ok(Attempt::Locked));
+        let locked = matches!(
+            outcome,
+            Ok(Attempt::Locked
+                | Attempt::Held {
+                    after_lost_try: true,
+                    ..
+                })
+        );
         let untaken = matches!(answer.send(outcome), Err(Ok(Attempt::Granted(_))));
         if orphan && (untaken || unknown || locked) {
             let ttl = Duration::from_millis(u64::from(request.ttl_ms));
@@ -284,10 +296,11 @@ impl ShardState {
         }
     }
 
-    /// Sends each request as a single acquire, two at a time (a key still locked by another
-    /// transaction holds one connection for the server's lock wait while the other serves the
-    /// rest), and answers each caller as soon as its own statement has: skipped if it went
-    /// away meanwhile.
+    /// Sends each request of a batch that a lock wait undid (nothing of it written, and no try
+    /// before it may have reached the server) as a single acquire, two at a time (a key still
+    /// locked by another transaction holds one connection for the server's lock wait while
+    /// the other serves the rest), and answers each caller as soon as its own statement has:
+    /// skipped if it went away meanwhile.
     async fn acquire_each(self: &Arc<Self>, requests: Vec<Waiting<AcquireRequest, Attempt>>) {
         let queue = Mutex::new(requests.into_iter());
         let sender = || async {
@@ -300,13 +313,7 @@ impl ShardState {
                     return;
                 };
                 if orphan && answer.is_closed() {
-                    // Its caller went away, so it is not asked again; but the batch's first
-                    // try may have written its row before the retry waited out the lock (a
-                    // lost reply): released, owner-checked (nothing if it was not written).
-                    // That try is over (the retry ended its session first), so the shard's
-                    // first answer ends it.
-                    let ttl = Duration::from_millis(u64::from(request.ttl_ms));
-                    self.release_later(request.key, request.owner, ttl);
+                    // Its caller went away: not asked again (nothing was written for it).
                     continue;
                 }
                 let outcome = self
@@ -317,10 +324,7 @@ impl ShardState {
                 if !matches!(&outcome, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
                     (self.shared.stats.acquire_statements).fetch_add(1, Ordering::Relaxed);
                 }
-                // Any failure leaves the grant unknown: the batch's first try may have written
-                // the row before its retry waited out the lock (a lost reply), whatever this
-                // statement's own error says. Given back, owner-checked (nothing if unwritten).
-                let unknown = outcome.is_err();
+                let unknown = matches!(&outcome, Err(e) if e.maybe_applied);
                 self.answer_acquire(request, orphan, answer, outcome, unknown);
             }
         };

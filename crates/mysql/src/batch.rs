@@ -98,13 +98,18 @@ pub struct BatchGrants {
     pub attempts: Vec<Attempt>,
     /// Statements sent: 1 when the write's reply said every key was granted, else 2.
     pub statements: u64,
+    /// Whether a try before the one that answered may have reached the server (its reply
+    /// lost): see [`Attempt::Held`]'s `after_lost_try`. The answers may then follow a write
+    /// that landed, or that is still on its way.
+    pub after_lost_try: bool,
 }
 
 /// Tries to grant every request, in one statement when every key is fresh, else two: what
 /// each found, in the requests' order
 /// ([`Attempt::Granted`] with its first fence, [`Attempt::Held`], or for every request
 /// [`Attempt::Locked`] when a row stayed locked by another transaction for the server's whole
-/// lock wait: the write was undone, nothing was decided).
+/// lock wait: the write was undone, nothing was decided). Of this try alone: the caller
+/// marks what a try before it may have done (`after_lost_try`).
 ///
 /// Keys must be distinct (one process polls a key at a time) and at most [`MAX_BATCH`].
 pub(crate) async fn acquire_batch(
@@ -134,6 +139,7 @@ pub(crate) async fn acquire_batch(
             return Ok(BatchGrants {
                 attempts: vec![Attempt::Locked; reqs.len()],
                 statements: 1,
+                after_lost_try: false,
             })
         }
         result => result?,
@@ -146,6 +152,7 @@ pub(crate) async fn acquire_batch(
                 .map(|req| Attempt::Granted(base.max(req.fence_floor)))
                 .collect(),
             statements: 1,
+            after_lost_try: false,
         });
     }
     let (list, keys) = padded_in_list(sorted.iter().map(|r| r.key.as_slice()));
@@ -162,15 +169,20 @@ pub(crate) async fn acquire_batch(
                 }
                 Some((_, _, _, held_for_ms)) => Attempt::Held {
                     held_for_ms: *held_for_ms,
+                    after_lost_try: false,
                 },
                 // Written a moment ago, gone now: never a grant this call cannot prove.
-                None => Attempt::Held { held_for_ms: 0 },
+                None => Attempt::Held {
+                    held_for_ms: 0,
+                    after_lost_try: false,
+                },
             }
         })
         .collect();
     Ok(BatchGrants {
         attempts,
         statements: 2,
+        after_lost_try: false,
     })
 }
 

@@ -551,6 +551,12 @@ pub enum Attempt {
     Held {
         /// How long the current holder has held the key, by the shard's clock.
         held_for_ms: u64,
+        /// Whether a try of this call before the one that answered may have reached the
+        /// server (its reply lost). Where that try's session could not be ended first (on a
+        /// Galera node; behind a proxy that keeps sessions of its own), its statement may
+        /// still be on its way, and take the key for the asking owner once the row is free:
+        /// the answer proves that no row of the owner's is there now, not that none will be.
+        after_lost_try: bool,
     },
     /// Another transaction kept the key's row locked until the server gave up waiting for it
     /// (error 1205, `innodb_lock_wait_timeout`): nothing was written, nothing decided; ask
@@ -631,9 +637,13 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
     Ok(match conn.last_insert_id().unwrap_or(0) {
         reported if reported >= HELD_MARK => Attempt::Held {
             held_for_ms: reported - HELD_MARK,
+            after_lost_try: false,
         },
         // No value came back: read as held, never as a grant this call cannot prove.
-        0 => Attempt::Held { held_for_ms: 0 },
+        0 => Attempt::Held {
+            held_for_ms: 0,
+            after_lost_try: false,
+        },
         fence => Attempt::Granted(fence),
     })
 }

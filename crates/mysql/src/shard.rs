@@ -65,6 +65,22 @@ impl Drop for OnTheWire<'_> {
     }
 }
 
+/// An acquire's answer, `attempt`, marked with whether a try before the one that answered may
+/// have reached the server (`lost_try`, its reply lost). Someone else's row then proves
+/// nothing of that try: where its session cannot be ended before the retry (a Galera node; a
+/// proxy that keeps sessions of its own; a session the shard stopped waiting for, see
+/// [`crate::stranded`]), its statement may still be on its way, and take the key once the row
+/// is free, for an owner its caller no longer counts as holding anything.
+fn after(attempt: Attempt, lost_try: bool) -> Attempt {
+    match attempt {
+        Attempt::Held { held_for_ms, .. } => Attempt::Held {
+            held_for_ms,
+            after_lost_try: lost_try,
+        },
+        attempt => attempt,
+    }
+}
+
 /// Whether a try's error leaves its outcome unknown, the statement sent: a broken connection
 /// or a timeout. A server's error reply means the statement did nothing, and `Other` is a
 /// reply read and refused here (an acquire that found no fence floor wrote nothing).
@@ -504,9 +520,21 @@ impl Shard {
     /// lease of someone else holds the key, or [`Attempt::Locked`] when another transaction
     /// kept the key's row locked for longer than the server waits (the caller asks again, as
     /// for a held key, within its own wait).
+    ///
+    /// `Held` says whether a try before the one that answered may have reached the server
+    /// (`after_lost_try`): that try may still land.
     pub async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
-        self.run("acquire", req, |c, &req| Box::pin(lease::acquire(c, req)))
-            .await
+        let timeout = self.statement_timeout;
+        let (attempt, lost_try) = self
+            .with_conn(
+                "acquire",
+                timeout,
+                &req,
+                |c, &req| Box::pin(lease::acquire(c, req)),
+                true,
+            )
+            .await?;
+        Ok(after(attempt, lost_try))
     }
 
     /// Tries to grant every request: one write for all keys with the single acquire's
@@ -515,10 +543,21 @@ impl Shard {
     /// distinct, at most [`crate::MAX_BATCH`].
     pub async fn acquire_batch(&self, reqs: &[GrantRequest]) -> Result<BatchGrants, BackendError> {
         let reqs: Vec<&GrantRequest> = reqs.iter().collect();
-        self.run("acquire_batch", reqs, |c, reqs| {
-            Box::pin(batch::acquire_batch(c, reqs))
-        })
-        .await
+        let timeout = self.statement_timeout;
+        let (mut grants, lost_try) = self
+            .with_conn(
+                "acquire_batch",
+                timeout,
+                &reqs,
+                |c, reqs| Box::pin(batch::acquire_batch(c, reqs)),
+                true,
+            )
+            .await?;
+        for attempt in &mut grants.attempts {
+            *attempt = after(*attempt, lost_try);
+        }
+        grants.after_lost_try = lost_try;
+        Ok(grants)
     }
 
     /// Releases every (key, owner) still held, in one statement; whether each was released
