@@ -514,10 +514,11 @@ pub(crate) async fn record_if_due(inner: &Inner) {
 /// What a write of the record came to.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Recording {
-    /// The record names the placements (written now or before), or need not: nothing to
-    /// record, not this router's to write at rest while its fleet disagrees.
+    /// The record names the placements (written now or before, or by another router of the
+    /// fleet that wrote the same), or need not: nothing to record, not this router's to
+    /// write at rest while its fleet disagrees.
     Named,
-    /// Not written: a shard did not answer, or another write won it.
+    /// Not written: a shard did not answer, or another write of other placements won it.
     NotYet,
     /// The fleet recorded placements since that this router does not run: it moves from
     /// them before it grants (see [`still_settled`]).
@@ -674,6 +675,12 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
     }))
     .await;
     if !writes.iter().all(|w| *w == Some(true)) {
+        // Another router of the fleet reloading at the same moment wins some shards' writes:
+        // with the same placements (as when the whole fleet reloads at once), the record a
+        // start reads names them all the same.
+        if named_by_another(topology, &own).await {
+            return Recording::Named;
+        }
         return Recording::NotYet;
     }
     state.knows(seq);
@@ -685,6 +692,13 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
         (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
     }
     Recording::Named
+}
+
+/// Whether the record on every current shard of `topology` is `own`, written by another
+/// router of the fleet: what a start would read. Read only: nothing is written again.
+async fn named_by_another(topology: &Topology, own: &[Recorded]) -> bool {
+    let reads = records(&topology.current.shards, topology.config.instance.fleet()).await;
+    (reads.iter()).all(|read| matches!(read, Ok(Some((_, theirs))) if same_record(theirs, own)))
 }
 
 /// Why a process does not grant once its fleet recorded placements it does not run.

@@ -891,6 +891,107 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
     router.shutdown().await.unwrap();
 }
 
+/// Two processes of a fleet reloading onto the same topology at the same moment race for its
+/// record, and one loses a shard's write to the other. The record names their placement all
+/// the same, so neither warns that it places keys before its fleet's record names where (a
+/// whole fleet reloading at once warned at every reload).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record() {
+    let warnings = capture_warnings();
+    let cluster = Cluster::start(2).await.unwrap();
+    // A reload waits for its record written ahead half a heartbeat interval: 10 s here.
+    let weighted = |weight: u32| {
+        let (s1, s2) = (cluster.shard(0), cluster.shard(1));
+        format!(
+            "shards:\n  - name: s1\n    url: {}\n  - name: s2\n    url: {}\n    weight: {weight}\n\
+             {POLICY}cleaner:\n  heartbeat-interval: 20s\n  heartbeat-timeout: 60s\n",
+            s1.url(),
+            s2.url()
+        )
+    };
+    let (a, b) = (
+        LockRouter::from_yaml_str(&weighted(1)).await.unwrap(),
+        LockRouter::from_yaml_str(&weighted(1)).await.unwrap(),
+    );
+    a.migrate().await.unwrap();
+    for router in [&a, &b] {
+        let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
+        g.release().await.unwrap();
+    }
+    common::until_placement_recorded(&cluster).await;
+    let seq_on_s2 = || async {
+        let mut s2 = cluster.shard(1).connect().await.unwrap();
+        let seq: Option<u64> = s2
+            .query_first("SELECT seq FROM shardlock_placement WHERE fleet = 'default'")
+            .await
+            .unwrap();
+        seq
+    };
+    let before = seq_on_s2().await;
+
+    // b's write of the new record waits on s1, behind another transaction; on s2 it lands.
+    let mut blocker = cluster.shard(0).connect().await.unwrap();
+    blocker.query_drop("BEGIN").await.unwrap();
+    blocker
+        .query_drop("SELECT * FROM shardlock_placement FOR UPDATE")
+        .await
+        .unwrap();
+    let reload = |router: &LockRouter| {
+        let (router, config) = (router.clone(), Config::from_yaml_str(&weighted(3)).unwrap());
+        tokio::spawn(async move { router.reload(config).await })
+    };
+    let b_reload = reload(&b);
+    common::until_a_row_lock_is_waited_for(cluster.shard(0)).await;
+    let landed = common::eventually(Duration::from_secs(30), || async {
+        seq_on_s2().await != before
+    })
+    .await;
+    assert!(landed, "b's record never landed on s2");
+    // a reads the record (b's on s2, the old one on s1) and writes it too: on s1 behind b.
+    let a_reload = reload(&a);
+    let both_wait = common::eventually(Duration::from_secs(30), || async {
+        cluster.shard(0).lock_waits_now().await.unwrap() >= 2
+    })
+    .await;
+    assert!(both_wait, "a's write of the record never waited on s1");
+    // Each expects the record a read on s1: the first write lands, the second finds it
+    // changed and loses s1.
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    a_reload.await.unwrap().unwrap();
+    b_reload.await.unwrap().unwrap();
+
+    let logged = String::from_utf8(warnings.lock().unwrap().clone()).unwrap();
+    assert!(
+        !logged.contains("places keys before its fleet's placement record names where"),
+        "a process of a fleet reloading at once warned of its record: {logged}"
+    );
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}
+
+/// Every warning shardlock logs in this test's process from now on.
+fn capture_warnings() -> std::sync::Arc<std::sync::Mutex<Vec<u8>>> {
+    #[derive(Clone)]
+    struct Logged(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Logged {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let logged = Logged(Default::default());
+    let kept = logged.0.clone();
+    tracing_subscriber::fmt()
+        .with_env_filter("shardlock=warn")
+        .with_ansi(false)
+        .with_writer(move || logged.clone())
+        .init();
+    kept
+}
+
 /// A shard a reload's move leaves that was cut off when the reload recorded ahead gets the
 /// record once it answers again, while the move is in force: a rollback start onto it then
 /// finds where the fleet went.
