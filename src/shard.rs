@@ -311,9 +311,9 @@ impl ShardState {
     /// [`ShardState::acquire`] for a caller that may go away (an acquire's poll): the
     /// dispatcher, whose task always completes, gives the grant back if the caller is gone when
     /// it is answered, and gives the key back when the outcome is unknown — a statement that
-    /// failed after it may have reached the server (its reply lost or late), or a `Locked` or
-    /// `Held` answer after a try whose connection broke once it had sent. An answer sent but
-    /// never taken is the caller's to give back (acquire/attempt.rs).
+    /// failed after it may have reached the server (its reply lost or late), any `Locked`
+    /// answer, or a `Held` one after a try whose connection broke once it had sent. An answer
+    /// sent but never taken is the caller's to give back (acquire/attempt.rs).
     pub(crate) fn attempt(self: &Arc<Self>, req: &GrantRequest) -> lanes::Answer<Attempt> {
         self.send_acquire(req.clone(), true)
     }

@@ -675,9 +675,9 @@ async fn a_lost_batch_reply_whose_retry_waits_out_a_row_lock_leaves_no_key_held_
         .unwrap();
     proxy.set(shardlock_testkit::ProxyMode::Pass);
     assert_eq!(row, Some(1), "the batch's write did not commit");
-    // The retry waits on the row until the server's lock wait ends (1205), and the keys are
-    // sent again one by one; the callers gave up long before (200 ms). Every key but the
-    // locked one is free then. (On a busy machine the retry may time out first instead: its
+    // The retry waits on the row until the server's lock wait ends (1205): every key is
+    // answered `Locked`, after a lost try, and given back; the callers gave up long before
+    // (200 ms). Every key but the locked one is free then. (On a busy machine the retry may time out first instead: its
     // keys' outcomes are unknown and given back, which frees them too.)
     let all_but_one = common::eventually(Duration::from_secs(30), || async {
         common::live_leases(&cluster).await <= 1

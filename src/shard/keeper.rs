@@ -118,7 +118,9 @@ impl ShardState {
                             &self.shared,
                         );
                     }
-                    // The try may still take the row once it is free: given back.
+                    // A try may still take the row once it is free (this pass's, or one of an
+                    // earlier pass whose reply was lost): given back.
+                    let may_land = may_land || lease.maybe_on_shard.swap(false, Ordering::SeqCst);
                     if may_land {
                         self.give_back(req.key, req.owner, lease.row_ttl());
                     }
@@ -130,10 +132,11 @@ impl ShardState {
                 // `Locked`: its retry after the lost reply waited out the lock): a release
                 // while the lease is still local gives it back (see `guard::end_hold`).
                 outcome => {
-                    let maybe_applied = match &outcome {
-                        Err(e) => e.maybe_applied,
-                        _ => true,
-                    };
+                    let maybe_applied = may_land
+                        || match &outcome {
+                            Err(e) => e.maybe_applied,
+                            _ => true,
+                        };
                     if maybe_applied {
                         lease.maybe_on_shard.store(true, Ordering::SeqCst);
                         // Released while the call was out: its release did not see the mark.

@@ -296,11 +296,10 @@ impl ShardState {
         }
     }
 
-    /// Sends each request of a batch that a lock wait undid (nothing of it written, and no try
-    /// before it may have reached the server) as a single acquire, two at a time (a key still
-    /// locked by another transaction holds one connection for the server's lock wait while
-    /// the other serves the rest), and answers each caller as soon as its own statement has:
-    /// skipped if it went away meanwhile.
+    /// Sends each request of a batch that a lock wait undid as a single acquire, two at a time
+    /// (a key still locked by another transaction holds one connection for the server's lock
+    /// wait while the other serves the rest), and answers each caller as soon as its own
+    /// statement has: skipped if it went away meanwhile.
     async fn acquire_each(self: &Arc<Self>, requests: Vec<Waiting<AcquireRequest, Attempt>>) {
         let queue = Mutex::new(requests.into_iter());
         let sender = || async {
@@ -313,7 +312,13 @@ impl ShardState {
                     return;
                 };
                 if orphan && answer.is_closed() {
-                    // Its caller went away: not asked again (nothing was written for it).
+                    // Its caller went away, so it is not asked again; but a try of the batch
+                    // before the one undone may have written its row (its read-back refused
+                    // after the write, and retried): released, owner-checked (nothing if it was
+                    // not written). No try of it is still on its way (its reply was not lost),
+                    // so the shard's first answer ends it.
+                    let ttl = Duration::from_millis(u64::from(request.ttl_ms));
+                    self.release_later(request.key, request.owner, ttl);
                     continue;
                 }
                 let outcome = self
@@ -324,7 +329,9 @@ impl ShardState {
                 if !matches!(&outcome, Err(e) if e.kind == BackendErrorKind::BreakerOpen) {
                     (self.shared.stats.acquire_statements).fetch_add(1, Ordering::Relaxed);
                 }
-                let unknown = matches!(&outcome, Err(e) if e.maybe_applied);
+                // Any failure leaves the grant unknown, for the same reason, whatever this
+                // statement's own error says. Given back, owner-checked (nothing if unwritten).
+                let unknown = outcome.is_err();
                 self.answer_acquire(request, orphan, answer, outcome, unknown);
             }
         };
