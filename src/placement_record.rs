@@ -349,6 +349,20 @@ async fn record_on(s: &ShardState, fleet: &str) -> Result<Read, String> {
     }
 }
 
+/// [`record_on`], given up after `within` if set.
+async fn record_within(
+    s: &ShardState,
+    fleet: &str,
+    within: Option<Duration>,
+) -> Result<Read, String> {
+    let read = record_on(s, fleet);
+    match within {
+        None => read.await,
+        Some(wait) => (tokio::time::timeout(wait, read).await)
+            .unwrap_or_else(|_| Err(format!("shard {}: no answer", s.name()))),
+    }
+}
+
 /// Whether two records name the same placements in the same order.
 fn same_record(a: &[Recorded], b: &[Recorded]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.places_like(b))
@@ -610,15 +624,7 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
     // Reads of the current shards alone: what a start reads.
     let mut on_current = Vec::with_capacity(shards.len());
     let mut left_out = false;
-    let read = join_all(shards.iter().map(|s| async move {
-        let read = record_on(s, fleet);
-        match within(s) {
-            None => read.await,
-            Some(wait) => (tokio::time::timeout(wait, read).await)
-                .unwrap_or_else(|_| Err(format!("shard {}: no answer", s.name()))),
-        }
-    }))
-    .await;
+    let read = join_all(shards.iter().map(|s| record_within(s, fleet, within(s)))).await;
     for (shard, read) in shards.iter().zip(read) {
         match read {
             Ok(read) => {
@@ -675,13 +681,16 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
     }))
     .await;
     if !writes.iter().all(|w| *w == Some(true)) {
-        // Another router of the fleet reloading at the same moment wins some shards' writes:
-        // with the same placements (as when the whole fleet reloads at once), the record a
-        // start reads names them all the same.
-        if named_by_another(topology, &own).await {
-            return Recording::Named;
-        }
-        return Recording::NotYet;
+        // Every shard answered, and where the write lost, another router of the fleet wrote
+        // first: with the same placements (the whole fleet reloading at once), the record
+        // names them all the same. Read back, nothing written again.
+        let lost = (shards.iter().zip(&writes)).filter(|(_, w)| **w == Some(false));
+        let read_back = join_all(lost.map(|(s, _)| record_within(s, fleet, within(s)))).await;
+        let named = |read: &Result<Read, String>| matches!(read, Ok(Some((_, theirs))) if same_record(theirs, &own));
+        return match writes.iter().all(Option::is_some) && read_back.iter().all(named) {
+            true => Recording::Named,
+            false => Recording::NotYet,
+        };
     }
     state.knows(seq);
     // Done once every shard took it, those a move leaves included (a start onto the
@@ -692,13 +701,6 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
         (inner.shared.stats.placements_recorded).fetch_add(1, Ordering::Relaxed);
     }
     Recording::Named
-}
-
-/// Whether the record on every current shard of `topology` is `own`, written by another
-/// router of the fleet: what a start would read. Read only: nothing is written again.
-async fn named_by_another(topology: &Topology, own: &[Recorded]) -> bool {
-    let reads = records(&topology.current.shards, topology.config.instance.fleet()).await;
-    (reads.iter()).all(|read| matches!(read, Ok(Some((_, theirs))) if same_record(theirs, own)))
 }
 
 /// Why a process does not grant once its fleet recorded placements it does not run.

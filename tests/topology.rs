@@ -899,11 +899,13 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
 async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record() {
     let warnings = capture_warnings();
     let cluster = Cluster::start(2).await.unwrap();
-    // A reload waits for its record written ahead half a heartbeat interval: 10 s here.
+    // A reload waits for its record written ahead half a heartbeat interval (10 s here), and
+    // a write behind a row lock for the statement timeout.
     let weighted = |weight: u32| {
         let (s1, s2) = (cluster.shard(0), cluster.shard(1));
         format!(
-            "shards:\n  - name: s1\n    url: {}\n  - name: s2\n    url: {}\n    weight: {weight}\n\
+            "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 30s\n  - name: s2\n    \
+             url: {}\n    weight: {weight}\n    statement-timeout: 30s\n\
              {POLICY}cleaner:\n  heartbeat-interval: 20s\n  heartbeat-timeout: 60s\n",
             s1.url(),
             s2.url()
@@ -918,7 +920,12 @@ async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record
         let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
         g.release().await.unwrap();
     }
-    common::until_placement_recorded(&cluster).await;
+    // Both recorded what they run: no write of that lands after the reloads begin.
+    let recorded = common::eventually(Duration::from_secs(30), || async {
+        a.stats().placements_recorded > 0 && b.stats().placements_recorded > 0
+    })
+    .await;
+    assert!(recorded, "a and b recorded their placement");
     let seq_on_s2 = || async {
         let mut s2 = cluster.shard(1).connect().await.unwrap();
         let seq: Option<u64> = s2
