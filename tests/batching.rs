@@ -18,17 +18,6 @@ fn backend(yaml: &str) -> Shard {
     Shard::new(&config.shards[0], 0).unwrap()
 }
 
-fn request(key: &[u8], owner: &str, reserve: u32) -> GrantRequest {
-    GrantRequest {
-        key: key.to_vec(),
-        owner: owner.to_owned(),
-        ttl_ms: 60_000,
-        fence_floor: 0,
-        reserve,
-        trace: None,
-    }
-}
-
 /// What a key's row is before the batch.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Before {
@@ -80,7 +69,10 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
                 continue;
             }
             let other = format!("other:{n}:{}", earlier.len());
-            let Attempt::Granted(fence) = shard.acquire(&request(key, &other, 3)).await.unwrap()
+            let Attempt::Granted(fence) = shard
+                .acquire(&common::grant_request(key, &other, 3))
+                .await
+                .unwrap()
             else {
                 panic!("{key:?} should be free");
             };
@@ -103,7 +95,7 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
         let reqs: Vec<GrantRequest> = keys
             .iter()
             .enumerate()
-            .map(|(i, key)| request(key, &format!("mine:{n}:{i}"), (i % 3) as u32))
+            .map(|(i, key)| common::grant_request(key, &format!("mine:{n}:{i}"), (i % 3) as u32))
             .collect();
         let attempts = shard.acquire_batch(&reqs).await.unwrap().attempts;
         assert_eq!(attempts.len(), n);
@@ -357,7 +349,10 @@ async fn a_batch_chosen_as_a_deadlock_victim_half_way_is_retried_and_grants_ever
     let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("dl:{i}").into_bytes()).collect();
     for key in &keys {
         assert!(matches!(
-            shard.acquire(&request(key, "before", 0)).await.unwrap(),
+            shard
+                .acquire(&common::grant_request(key, "before", 0))
+                .await
+                .unwrap(),
             Attempt::Granted(_)
         ));
         assert!(shard.release(key, "before").await.unwrap().is_released());
@@ -370,7 +365,7 @@ async fn a_batch_chosen_as_a_deadlock_victim_half_way_is_retried_and_grants_ever
     let reqs: Vec<GrantRequest> = keys
         .iter()
         .enumerate()
-        .map(|(i, key)| request(key, &format!("dl-mine:{i}"), 1))
+        .map(|(i, key)| common::grant_request(key, &format!("dl-mine:{i}"), 1))
         .collect();
     let batch = {
         let reqs = reqs.clone();
@@ -803,7 +798,7 @@ async fn futures_kept_without_polling_stall_no_other_caller() {
 async fn the_futures_of_a_lock_cycle_stay_small() {
     let (_cluster, router, yaml) = common::start(1, "").await;
     let shard = backend(&yaml);
-    let req = request(b"small", "owner", 0);
+    let req = common::grant_request(b"small", "owner", 0);
     let statement = [
         (
             "a shard's acquire",

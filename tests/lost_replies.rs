@@ -481,14 +481,7 @@ async fn an_acquire_whose_cut_off_try_may_still_land_says_so_when_it_finds_the_k
         shardlock_mysql::Shard::new(&config.shards[0], 0).unwrap()
     };
     let (direct, behind) = (backend(cluster.shard(0).url()), backend(proxy.url()));
-    let request = |key: &str, owner: &str| shardlock_mysql::GrantRequest {
-        key: key.as_bytes().to_vec(),
-        owner: owner.to_owned(),
-        ttl_ms: 60_000,
-        fence_floor: 0,
-        reserve: 0,
-        trace: None,
-    };
+    let request = |key: &str, owner: &str| common::grant_request(key.as_bytes(), owner, 0);
     // The owner's name is in the statement's parameters, alone or in a batch's document.
     let cases: [(&str, &'static str, bool); 2] = [
         ("cut-off:alone", "cut-off-owner-1", false),

@@ -846,12 +846,7 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
         .unwrap();
     common::until_placement_recorded(&cluster).await;
 
-    let mut blocker = cluster.shard(0).connect().await.unwrap();
-    blocker.query_drop("BEGIN").await.unwrap();
-    blocker
-        .query_drop("SELECT * FROM shardlock_placement FOR UPDATE")
-        .await
-        .unwrap();
+    let mut blocker = placement_record_locked(&cluster).await;
     let since = std::time::Instant::now();
     let reloading = tokio::spawn({
         let (router, config) = (router.clone(), Config::from_yaml_str(&weighted(3)).unwrap());
@@ -937,12 +932,7 @@ async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record
     let before = seq_on_s2().await;
 
     // b's write of the new record waits on s1, behind another transaction; on s2 it lands.
-    let mut blocker = cluster.shard(0).connect().await.unwrap();
-    blocker.query_drop("BEGIN").await.unwrap();
-    blocker
-        .query_drop("SELECT * FROM shardlock_placement FOR UPDATE")
-        .await
-        .unwrap();
+    let mut blocker = placement_record_locked(&cluster).await;
     let reload = |router: &LockRouter| {
         let (router, config) = (router.clone(), Config::from_yaml_str(&weighted(3)).unwrap());
         tokio::spawn(async move { router.reload(config).await })
@@ -974,6 +964,18 @@ async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record
     );
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
+}
+
+/// A transaction holding the placement record's rows on `cluster`'s first shard locked until
+/// it rolls back: a write of the record there waits behind it.
+async fn placement_record_locked(cluster: &Cluster) -> shardlock::mysql_async::Conn {
+    let mut blocker = cluster.shard(0).connect().await.unwrap();
+    blocker.query_drop("BEGIN").await.unwrap();
+    blocker
+        .query_drop("SELECT * FROM shardlock_placement FOR UPDATE")
+        .await
+        .unwrap();
+    blocker
 }
 
 /// Every warning shardlock logs in this test's process from now on.

@@ -138,6 +138,19 @@ pub async fn lock_cycles(router: &LockRouter, prefix: &str, n: usize, opts: Acqu
     }
 }
 
+/// A grant of `key` to `owner` for a minute, with `reserve` fences set aside, as the backend
+/// takes it.
+pub fn grant_request(key: &[u8], owner: &str, reserve: u32) -> shardlock_mysql::GrantRequest {
+    shardlock_mysql::GrantRequest {
+        key: key.to_vec(),
+        owner: owner.to_owned(),
+        ttl_ms: 60_000,
+        fence_floor: 0,
+        reserve,
+        trace: None,
+    }
+}
+
 /// A transaction that holds `key`'s row of `table` on `shard` locked until it is dropped or
 /// rolled back (the row made first if it is not there).
 pub async fn row_locked(shard: &Shard, table: &str, key: &str) -> Conn {
