@@ -60,13 +60,25 @@ impl ShardState {
             let mut sent = Moment::now();
             let mut attempt = self.acquire_alone(&req).await;
             // Whether a try whose reply was lost may still take the row, answered as held.
-            let lost_try = |a: &Result<Attempt, _>| matches!(a, Ok(Attempt::Held { after_lost_try, .. }) if *after_lost_try);
+            let lost_try = |a: &Result<Attempt, _>| {
+                matches!(
+                    a,
+                    Ok(Attempt::Held {
+                        after_lost_try: true,
+                        ..
+                    })
+                )
+            };
             let mut may_land = lost_try(&attempt);
             if matches!(attempt, Ok(Attempt::Held { .. }))
                 && self.give_back_stale_row(&req.key, lease.id).await
             {
                 let Some(left) = lease.ttl_left() else {
                     self.end_in_process(&lease);
+                    // The lost try may still take the row: given back.
+                    if may_land {
+                        self.give_back(req.key, req.owner, lease.row_ttl());
+                    }
                     continue;
                 };
                 (ttl, req) = (left, request(left));

@@ -330,7 +330,13 @@ impl ShardState {
                     (self.shared.stats.acquire_statements).fetch_add(1, Ordering::Relaxed);
                 }
                 // Any failure leaves the grant unknown, for the same reason, whatever this
-                // statement's own error says. Given back, owner-checked (nothing if unwritten).
+                // statement's own error says: so its caller is told (a move's follow counts
+                // such a row as its lease's), and a caller that may go away has it given back,
+                // owner-checked (nothing if unwritten).
+                let outcome = outcome.map_err(|mut e| {
+                    e.maybe_applied = true;
+                    e
+                });
                 let unknown = outcome.is_err();
                 self.answer_acquire(request, orphan, answer, outcome, unknown);
             }
