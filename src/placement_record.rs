@@ -686,7 +686,10 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
         // names them all the same. Read back, nothing written again.
         let lost = (shards.iter().zip(&writes)).filter(|(_, w)| **w == Some(false));
         let read_back = join_all(lost.map(|(s, _)| record_within(s, fleet, within(s)))).await;
-        let named = |read: &Result<Read, String>| matches!(read, Ok(Some((_, theirs))) if same_record(theirs, &own));
+        let named = |read: &Result<Read, String>| {
+            let theirs = read.as_ref().ok().and_then(Option::as_ref);
+            theirs.is_some_and(|(_, theirs)| same_record(theirs, &own))
+        };
         return match writes.iter().all(Option::is_some) && read_back.iter().all(named) {
             true => Recording::Named,
             false => Recording::NotYet,

@@ -894,33 +894,34 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
 async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record() {
     let warnings = capture_warnings();
     let cluster = Cluster::start(2).await.unwrap();
-    // A reload waits for its record written ahead half a heartbeat interval (10 s here), and
+    // A reload waits for its record written ahead half a heartbeat interval (30 s here), and
     // a write behind a row lock for the statement timeout.
     let weighted = |weight: u32| {
         let (s1, s2) = (cluster.shard(0), cluster.shard(1));
         format!(
             "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 30s\n  - name: s2\n    \
              url: {}\n    weight: {weight}\n    statement-timeout: 30s\n\
-             {POLICY}cleaner:\n  heartbeat-interval: 20s\n  heartbeat-timeout: 60s\n",
+             {POLICY}cleaner:\n  heartbeat-interval: 60s\n  heartbeat-timeout: 180s\n",
             s1.url(),
             s2.url()
         )
     };
-    let (a, b) = (
-        LockRouter::from_yaml_str(&weighted(1)).await.unwrap(),
-        LockRouter::from_yaml_str(&weighted(1)).await.unwrap(),
-    );
-    a.migrate().await.unwrap();
-    for router in [&a, &b] {
+    // Each records what it runs after its first grant, one after the other (so neither write
+    // loses): none of that lands after the reloads begin.
+    let mut routers = Vec::new();
+    for _ in 0..2 {
+        let router = LockRouter::from_yaml_str(&weighted(1)).await.unwrap();
+        router.migrate().await.unwrap();
         let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
         g.release().await.unwrap();
+        let recorded = common::eventually(Duration::from_secs(30), || async {
+            router.stats().placements_recorded > 0
+        })
+        .await;
+        assert!(recorded, "a router recorded its placement");
+        routers.push(router);
     }
-    // Both recorded what they run: no write of that lands after the reloads begin.
-    let recorded = common::eventually(Duration::from_secs(30), || async {
-        a.stats().placements_recorded > 0 && b.stats().placements_recorded > 0
-    })
-    .await;
-    assert!(recorded, "a and b recorded their placement");
+    let (a, b) = (&routers[0], &routers[1]);
     let seq_on_s2 = || async {
         let mut s2 = cluster.shard(1).connect().await.unwrap();
         let seq: Option<u64> = s2
@@ -937,7 +938,7 @@ async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record
         let (router, config) = (router.clone(), Config::from_yaml_str(&weighted(3)).unwrap());
         tokio::spawn(async move { router.reload(config).await })
     };
-    let b_reload = reload(&b);
+    let b_reload = reload(b);
     common::until_a_row_lock_is_waited_for(cluster.shard(0)).await;
     let landed = common::eventually(Duration::from_secs(30), || async {
         seq_on_s2().await != before
@@ -945,7 +946,7 @@ async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record
     .await;
     assert!(landed, "b's record never landed on s2");
     // a reads the record (b's on s2, the old one on s1) and writes it too: on s1 behind b.
-    let a_reload = reload(&a);
+    let a_reload = reload(a);
     let both_wait = common::eventually(Duration::from_secs(30), || async {
         cluster.shard(0).lock_waits_now().await.unwrap() >= 2
     })
