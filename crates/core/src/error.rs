@@ -258,8 +258,9 @@ pub struct BackendError {
     #[source]
     pub source: Box<dyn std::error::Error + Send + Sync + 'static>,
     /// Whether the statement may have reached the server before it failed (a timeout or a
-    /// broken connection mid-statement): its effect is then unknown. False when it surely
-    /// never left (no connection, breaker open).
+    /// broken connection mid-statement), or an earlier statement of the same call did (a
+    /// batch's write, before its key was sent again alone): its effect is then unknown. False
+    /// when nothing of the call surely ever left (no connection, breaker open).
     pub maybe_applied: bool,
 }
 
