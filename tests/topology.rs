@@ -894,34 +894,12 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
 async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record() {
     let warnings = capture_warnings();
     let cluster = Cluster::start(2).await.unwrap();
-    // A reload waits for its record written ahead half a heartbeat interval (30 s here), and
-    // a write behind a row lock for the statement timeout.
-    let weighted = |weight: u32| {
-        let (s1, s2) = (cluster.shard(0), cluster.shard(1));
-        format!(
-            "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 30s\n  - name: s2\n    \
-             url: {}\n    weight: {weight}\n    statement-timeout: 30s\n\
-             {POLICY}cleaner:\n  heartbeat-interval: 60s\n  heartbeat-timeout: 180s\n",
-            s1.url(),
-            s2.url()
-        )
-    };
-    // Each records what it runs after its first grant, one after the other (so neither write
-    // loses): none of that lands after the reloads begin.
-    let mut routers = Vec::new();
-    for _ in 0..2 {
-        let router = LockRouter::from_yaml_str(&weighted(1)).await.unwrap();
-        router.migrate().await.unwrap();
-        let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
-        g.release().await.unwrap();
-        let recorded = common::eventually(Duration::from_secs(30), || async {
-            router.stats().placements_recorded > 0
-        })
-        .await;
-        assert!(recorded, "a router recorded its placement");
-        routers.push(router);
-    }
-    let (a, b) = (&routers[0], &routers[1]);
+    let weighted = |weight: u32| slow_record_config(&cluster, weight);
+    // One after the other (so neither write of the record loses): none lands after the
+    // reloads begin.
+    let a = recorded_router(&weighted(1)).await;
+    let b = recorded_router(&weighted(1)).await;
+    let (a, b) = (&a, &b);
     let seq_on_s2 = || async {
         let mut s2 = cluster.shard(1).connect().await.unwrap();
         let seq: Option<u64> = s2
@@ -960,11 +938,74 @@ async fn a_fleet_reloading_at_once_onto_one_topology_does_not_warn_of_its_record
 
     let logged = String::from_utf8(warnings.lock().unwrap().clone()).unwrap();
     assert!(
-        !logged.contains("places keys before its fleet's placement record names where"),
+        !logged.contains(RECORD_NOT_NAMED),
         "a process of a fleet reloading at once warned of its record: {logged}"
     );
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
+}
+
+/// The warning stays where it is due: a reload whose record write loses a shard to other
+/// placements (written there while the write waits) warns, the record naming elsewhere.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_whose_record_write_lost_to_other_placements_warns() {
+    let warnings = capture_warnings();
+    let cluster = Cluster::start(2).await.unwrap();
+    let router = recorded_router(&slow_record_config(&cluster, 1)).await;
+    let mut blocker = placement_record_locked(&cluster).await;
+    let reloading = tokio::spawn({
+        let config = Config::from_yaml_str(&slow_record_config(&cluster, 3)).unwrap();
+        let router = router.clone();
+        async move { router.reload(config).await }
+    });
+    common::until_a_row_lock_is_waited_for(cluster.shard(0)).await;
+    blocker
+        .query_drop(
+            "UPDATE shardlock_placement SET seq = seq + 1000, placements = '[]' \
+             WHERE fleet = 'default'",
+        )
+        .await
+        .unwrap();
+    blocker.query_drop("COMMIT").await.unwrap();
+    reloading.await.unwrap().unwrap();
+
+    let logged = String::from_utf8(warnings.lock().unwrap().clone()).unwrap();
+    assert!(
+        logged.contains(RECORD_NOT_NAMED),
+        "a reload whose record lost a shard to other placements did not warn: {logged:?}"
+    );
+    router.shutdown().await.unwrap();
+}
+
+/// What a reload warns when its fleet's record does not name its placements.
+const RECORD_NOT_NAMED: &str = "places keys before its fleet's placement record names where";
+
+/// Two shards of `cluster`, s2 weighted `weight`, giving a write of the placement record 30 s
+/// behind a row lock (the statement timeout), and a reload as long to record ahead (half the
+/// heartbeat interval).
+fn slow_record_config(cluster: &Cluster, weight: u32) -> String {
+    let (s1, s2) = (cluster.shard(0), cluster.shard(1));
+    format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 30s\n  - name: s2\n    \
+         url: {}\n    weight: {weight}\n    statement-timeout: 30s\n\
+         {POLICY}cleaner:\n  heartbeat-interval: 60s\n  heartbeat-timeout: 180s\n",
+        s1.url(),
+        s2.url()
+    )
+}
+
+/// A router on `yaml`, migrated, that granted a lease and then recorded its placement.
+async fn recorded_router(yaml: &str) -> LockRouter {
+    let router = LockRouter::from_yaml_str(yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
+    g.release().await.unwrap();
+    let recorded = common::eventually(Duration::from_secs(30), || async {
+        router.stats().placements_recorded > 0
+    })
+    .await;
+    assert!(recorded, "the router never recorded its placement");
+    router
 }
 
 /// A transaction holding the placement record's rows on `cluster`'s first shard locked until
