@@ -898,11 +898,7 @@ async fn behind_proxy(
     // took a connection of its own. Every idle connection then takes a lock cycle, so that
     // each has the lock statements prepared: a try whose prepare's reply is lost never runs
     // its statement, and the tests lose the reply of a statement that ran.
-    let recorded = common::eventually(Duration::from_secs(30), || async {
-        router.stats().placements_recorded > 0
-    })
-    .await;
-    assert!(recorded, "the router recorded its placement");
+    common::until_router_recorded(&router).await;
     for _ in 0..4 {
         let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
         warm.release().await.unwrap();

@@ -1000,11 +1000,7 @@ async fn recorded_router(yaml: &str) -> LockRouter {
     router.migrate().await.unwrap();
     let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
     g.release().await.unwrap();
-    let recorded = common::eventually(Duration::from_secs(30), || async {
-        router.stats().placements_recorded > 0
-    })
-    .await;
-    assert!(recorded, "the router never recorded its placement");
+    common::until_router_recorded(&router).await;
     router
 }
 

@@ -67,6 +67,16 @@ pub async fn until_placement_recorded(cluster: &Cluster) {
     until_placement_recorded_on(cluster.shards()).await;
 }
 
+/// Waits until `router` itself recorded its placement (its record write landed on every
+/// shard); panics after 30 s.
+pub async fn until_router_recorded(router: &LockRouter) {
+    let recorded = eventually(Duration::from_secs(30), || async {
+        router.stats().placements_recorded > 0
+    })
+    .await;
+    assert!(recorded, "the router never recorded its placement");
+}
+
 /// [`until_placement_recorded`] on `shards` alone.
 pub async fn until_placement_recorded_on(shards: &[Shard]) {
     let recorded = eventually(Duration::from_secs(30), || async {
