@@ -1838,20 +1838,25 @@ async fn an_acquire_of_a_moved_key_given_up_half_way_leaves_no_lease() {
 /// s1 alone (a 60 s move window): a key named from `prefix` moves from s2 to s1, and is taken
 /// on both while the move is in force.
 async fn a_key_moving_behind_a_proxy(prefix: &str) -> (Cluster, Proxy, LockRouter, String) {
-    let (cluster, proxy, router, key, one) = a_key_to_move_behind_a_proxy(prefix, "").await;
+    let (cluster, proxy, router, key, one) = a_key_to_move_behind_a_proxy(prefix, "", false).await;
     router.reload(one).await.unwrap();
     assert_eq!(router.moves_in_progress(), 1);
     (cluster, proxy, router, key)
 }
 
 /// [`a_key_moving_behind_a_proxy`] before its reload, with the config it reloads onto;
-/// `extra` (YAML) in both configs.
+/// `extra` (YAML) in both configs. `renumbered`: the proxy keeps sessions of its own (see
+/// `Proxy::renumber_sessions`), so that a session cut off there cannot be ended.
 async fn a_key_to_move_behind_a_proxy(
     prefix: &str,
     extra: &str,
+    renumbered: bool,
 ) -> (Cluster, Proxy, LockRouter, String, Config) {
     let cluster = Cluster::start(2).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    if renumbered {
+        proxy.renumber_sessions();
+    }
     let policy = format!("routing:\n  move-window: 60s\nbreaker:\n  slow-call: 60s\n{extra}");
     let shard = |name: &str, url: String| {
         format!("  - name: {name}\n    url: {url}\n    statement-timeout: 60s\n")
@@ -1902,7 +1907,7 @@ async fn held_back(proxy: &Proxy) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_moved_lease_whose_new_row_is_held_a_moment_takes_it_once_free() {
     let (cluster, proxy, router, key, one) =
-        a_key_to_move_behind_a_proxy("held-a-moment", "").await;
+        a_key_to_move_behind_a_proxy("held-a-moment", "", false).await;
     let held = router
         .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(10)))
         .await
@@ -1959,7 +1964,7 @@ async fn a_moved_lease_whose_new_row_is_held_a_moment_takes_it_once_free() {
 async fn a_moved_lease_whose_row_taken_on_the_new_shard_with_its_reply_lost_runs_out_is_lost() {
     // No heartbeats: through the cut-off link they would lapse, and lose the lease anyway.
     let (cluster, proxy, router, key, one) =
-        a_key_to_move_behind_a_proxy("reply-lost", common::NO_HEARTBEAT).await;
+        a_key_to_move_behind_a_proxy("reply-lost", common::NO_HEARTBEAT, false).await;
     let held = router
         .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(8)))
         .await
@@ -2013,6 +2018,54 @@ async fn a_moved_lease_whose_row_taken_on_the_new_shard_with_its_reply_lost_runs
         held.release().await,
         Err(shardlock::Error::LockLost { .. })
     ));
+}
+
+/// Where a session cut off on the wire cannot be ended (behind a proxy that keeps sessions of
+/// its own, as here; on a Galera node), a lease following its moved key whose first try was
+/// cut off, and whose retry found someone else's row, cannot know that the try will not land
+/// once the row is free, in a row of its own nobody renews (the fleet's move may end on it).
+/// It is lost once such a row may have run out, saying so, not held on while the row stays
+/// taken: it took that answer for proof that no try of its would land.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_moved_lease_whose_cut_off_try_may_still_land_is_lost_when_that_row_may_run_out() {
+    let warnings = capture_warnings();
+    let (cluster, proxy, router, key, one) =
+        a_key_to_move_behind_a_proxy("cut-off", "", true).await;
+    let held = router
+        .acquire(&key, AcquireOptions::new().ttl(Duration::from_secs(8)))
+        .await
+        .unwrap();
+    // Someone else's row on s1, the key's new shard, for a minute.
+    let s1 = Config::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n",
+        cluster.shard(0).url()
+    ))
+    .unwrap();
+    let s1 = shardlock_mysql::Shard::new(&s1.shards[0], 0).unwrap();
+    let other = s1
+        .acquire(&common::grant_request(key.as_bytes(), "someone", 0))
+        .await
+        .unwrap();
+    assert!(
+        matches!(other, shardlock_mysql::Attempt::Granted(_)),
+        "{other:?}"
+    );
+    let naming: &'static [u8] = Box::leak(key.clone().into_bytes().into_boxed_slice());
+    proxy.set(ProxyMode::StrandTo(naming));
+    router.reload(one).await.unwrap();
+
+    let lost = tokio::time::timeout(Duration::from_secs(60), held.lost()).await;
+    assert!(lost.is_ok(), "the lease was never lost");
+    assert_eq!(
+        proxy.mode(),
+        ProxyMode::Pass,
+        "the follow's try was not cut off"
+    );
+    let logged = String::from_utf8(warnings.lock().unwrap().clone()).unwrap();
+    assert!(
+        logged.contains("a try on the new shard whose outcome is unknown may have taken the key"),
+        "a lease whose cut-off try may still land was not lost for it: {logged}"
+    );
 }
 
 /// An acquire of a moved key whose row on the key's previous shard is taken or freed after
