@@ -475,12 +475,8 @@ async fn an_acquire_whose_cut_off_try_may_still_land_says_so_when_it_finds_the_k
     let (cluster, _router, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     proxy.renumber_sessions();
-    let backend = |url: String| {
-        let yaml = format!("shards:\n  - name: s1\n    url: {url}\n    statement-timeout: 20s\n");
-        let config = Config::from_yaml_str(&yaml).unwrap();
-        shardlock_mysql::Shard::new(&config.shards[0], 0).unwrap()
-    };
-    let (direct, behind) = (backend(cluster.shard(0).url()), backend(proxy.url()));
+    let direct = common::backend_at(&cluster.shard(0).url());
+    let behind = common::backend_at(&proxy.url());
     let request = |key: &str, owner: &str| common::grant_request(key.as_bytes(), owner, 0);
     // The owner's name is in the statement's parameters, alone or in a batch's document.
     let cases: [(&str, &'static str, bool); 2] = [

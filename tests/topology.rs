@@ -2036,13 +2036,7 @@ async fn a_moved_lease_whose_cut_off_try_may_still_land_is_lost_when_that_row_ma
         .await
         .unwrap();
     // Someone else's row on s1, the key's new shard, for a minute.
-    let s1 = Config::from_yaml_str(&format!(
-        "shards:\n  - name: s1\n    url: {}\n",
-        cluster.shard(0).url()
-    ))
-    .unwrap();
-    let s1 = shardlock_mysql::Shard::new(&s1.shards[0], 0).unwrap();
-    let other = s1
+    let other = common::backend_at(&cluster.shard(0).url())
         .acquire(&common::grant_request(key.as_bytes(), "someone", 0))
         .await
         .unwrap();

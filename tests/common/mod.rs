@@ -148,6 +148,14 @@ pub async fn lock_cycles(router: &LockRouter, prefix: &str, n: usize, opts: Acqu
     }
 }
 
+/// The backend of one shard `s1` at `url`, as a router builds it, with a 20 s statement
+/// timeout: for a test's own statements on a shard (someone else's row, say).
+pub fn backend_at(url: &str) -> shardlock_mysql::Shard {
+    let yaml = format!("shards:\n  - name: s1\n    url: {url}\n    statement-timeout: 20s\n");
+    let config = shardlock::Config::from_yaml_str(&yaml).unwrap();
+    shardlock_mysql::Shard::new(&config.shards[0], 0).unwrap()
+}
+
 /// A grant of `key` to `owner` for a minute, with `reserve` fences set aside, as the backend
 /// takes it.
 pub fn grant_request(key: &[u8], owner: &str, reserve: u32) -> shardlock_mysql::GrantRequest {
