@@ -550,7 +550,7 @@ async fn carry_leases(
         let topology = router.topology.load_full();
         let mut by_target: Vec<(Arc<ShardState>, Floors)> = Vec::new();
         // Live leases of moved keys, by the shards one of which must show them too.
-        let mut live: Vec<(Vec<Arc<ShardState>>, Vec<u8>, String)> = Vec::new();
+        let mut live: Vec<Live> = Vec::new();
         for row in rows {
             let placement = LockKey::placement_of_stored(&row.key);
             for target in topology.later_locations(&previous.placement, source, placement) {
@@ -574,7 +574,12 @@ async fn carry_leases(
                     Vec::new()
                 }
             };
-            live.push((now, row.key, owner));
+            live.push(Live {
+                shards: now,
+                key: row.key,
+                owner,
+                kept: row.kept_for.map(|left| (row.fence, left)),
+            });
         }
         for (target, floors) in by_target {
             target
@@ -583,9 +588,26 @@ async fn carry_leases(
                 .map_err(on(&target))?;
             carried += floors.len() as u64;
         }
-        for (shards, key, owner) in live {
+        for Live {
+            shards,
+            key,
+            owner,
+            kept,
+        } in live
+        {
             let mut seen = false;
             for shard in &shards {
+                // A row its holder released with a minimum hold is renewed by nobody, and
+                // followed by nobody: it is copied to where its key lives now, taken there for
+                // what it has left (longer by the clocks' drift), so that the move need not
+                // wait for its end, which may be a scheduled interval's (a day, say).
+                if let Some((fence, left)) = kept {
+                    let left = left + left.mul_f64(f64::from(router.shared.drift_ppm()) / 1e6);
+                    shard
+                        .call_waiting(|b| b.keep_moved(&key, &owner, fence, left))
+                        .await
+                        .map_err(on(shard))?;
+                }
                 let there = shard
                     .call_waiting(|b| b.live_owners(vec![key.clone()]))
                     .await
@@ -617,6 +639,16 @@ async fn carry_leases(
         ));
     }
     Ok(carried)
+}
+
+/// A live lease of a moved key on the shard it left, and the shards one of which must show it
+/// too (none when its key's placement cannot be told).
+struct Live {
+    shards: Vec<Arc<ShardState>>,
+    key: Vec<u8>,
+    owner: String,
+    /// For a row kept past its release: its fence and how long it is still kept.
+    kept: Option<(u64, Duration)>,
 }
 
 /// Moves the owned CAS rows of moved keys from `source` to where their keys live now, one row

@@ -16,6 +16,8 @@ const TASKS: usize = 32;
 const ROUNDS: usize = 50;
 const APP_ENV: &str = "SHARDLOCK_TEST_APP_URL";
 const PATH_ENV: &str = "SHARDLOCK_TEST_CONFIG_PATH";
+const WINDOW: &str = "move-window: 3s";
+const LONG_WINDOW: &str = "move-window: 20s";
 const POLICY: &str =
     "routing:\n  move-window: 3s\nnamespaces:\n  default:\n    ttl: 1s\n    wait: 30s\n";
 
@@ -655,9 +657,10 @@ async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_las
         .await
         .unwrap();
     let beats = "cleaner:\n  heartbeat-interval: 100ms\n";
+    // A long window: the move is still under way when the test looks at it.
     let (one, two) = (
-        config_for(&cluster, 1) + beats,
-        config_for(&cluster, 2) + beats,
+        config_for(&cluster, 1).replace(WINDOW, LONG_WINDOW) + beats,
+        config_for(&cluster, 2).replace(WINDOW, LONG_WINDOW) + beats,
     );
     // Migrates both shards; it grants nothing, so it records no placement.
     let setup = LockRouter::from_yaml_str(&two).await.unwrap();
@@ -718,14 +721,22 @@ async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_las
         1,
         "the start moves from s1's placement"
     );
-    // A live row of a moved key where it lived keeps the move in force until it ends, as
-    // after a reload: freed by hand here, and the move ends.
-    assert!(new.force_release(&kept).await.unwrap().is_some());
-    let over = common::eventually(Duration::from_secs(30), || async {
+    // The kept row is renewed and followed by nobody: the move copies it to s2 and ends
+    // without waiting the hour.
+    let over = common::eventually(Duration::from_secs(60), || async {
         new.moves_in_progress() == 0
     })
     .await;
-    assert!(over, "the move from the recorded placement ended");
+    assert!(
+        over,
+        "the move from the recorded placement ended: {:?}",
+        new.stats()
+    );
+    let taken = new.try_acquire(&kept, AcquireOptions::new()).await.unwrap();
+    assert!(
+        taken.is_none(),
+        "a row kept past its release was granted once its move ended"
+    );
 
     // Recorded once the move is over: the new placement alone.
     let recorded = common::until_recorded_alone(cluster.shard(0), "\"name\":\"s2\"").await;
@@ -744,6 +755,141 @@ async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_las
         0,
         "the fleet recorded its new placement once its move was over"
     );
+    let taken = newcomer
+        .try_acquire(&kept, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(
+        taken.is_none(),
+        "a row kept past its release was granted on its new shard"
+    );
+}
+
+/// What the copy of a kept row writes on its key's new shard: it takes a missing, released or
+/// expired row for what the kept row has left, with the higher of the two fences, and leaves a
+/// live lease as it is, another owner's (a process that has not reloaded took the key there)
+/// or the same owner's, whose end it only moves later. Sent twice, it changes nothing more.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kept_row_copied_to_its_new_shard_takes_only_a_row_no_lease_holds() {
+    let cluster = Cluster::start(1).await.unwrap();
+    common::migrate_only(&config_for(&cluster, 1)).await;
+    let shard = common::backend_at(&cluster.shard(0).url());
+    let granted = |attempt| match attempt {
+        shardlock_mysql::Attempt::Granted(fence) => fence,
+        other => panic!("not granted: {other:?}"),
+    };
+    let held = granted(
+        shard
+            .acquire(&common::grant_request(b"held", "someone", 0))
+            .await
+            .unwrap(),
+    );
+    let released = granted(
+        shard
+            .acquire(&common::grant_request(b"released", "earlier", 0))
+            .await
+            .unwrap(),
+    );
+    shard.release(b"released", "earlier").await.unwrap();
+    shard
+        .acquire(&common::grant_request(b"own", "kept", 0))
+        .await
+        .unwrap();
+    let hour = Duration::from_secs(3600);
+    for _ in 0..2 {
+        for (key, fence) in [
+            (&b"missing"[..], 7),
+            (b"held", 7),
+            (b"released", released + 5),
+            (b"own", 7),
+        ] {
+            shard.keep_moved(key, "kept", fence, hour).await.unwrap();
+        }
+    }
+    let mut conn = cluster.shard(0).connect().await.unwrap();
+    let rows: Vec<(String, String, u64, u32, bool)> = conn
+        .query(
+            "SELECT CAST(lock_key AS CHAR), owner, fence, ttl_ms, \
+             expires_at > NOW(3) + INTERVAL 50 MINUTE FROM shardlock_lease ORDER BY lock_key",
+        )
+        .await
+        .unwrap();
+    let row = |key: &str, owner: &str, fence: u64, ttl_ms: u32, kept: bool| {
+        (key.to_owned(), owner.to_owned(), fence, ttl_ms, kept)
+    };
+    assert_eq!(
+        rows,
+        vec![
+            row("held", "someone", held, 60_000, false),
+            row("missing", "kept", 7, 0, true),
+            row("own", "kept", rows[2].2, 60_000, true),
+            row("released", "kept", released + 5, 0, true),
+        ],
+        "rows after the copy of a kept row (key, owner, fence, ttl_ms, kept for the hour)"
+    );
+}
+
+/// A scheduled run's row stays taken to its interval's end after the run, renewed and followed
+/// by nobody. A reload that moves its key copies that row to the key's new shard, so the move
+/// ends without waiting for the interval (an hour here, a day for a nightly job), a process
+/// started meanwhile is not refused for it, and the interval runs no second time, for the
+/// reloaded process or the newcomer.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_moves_a_finished_scheduled_run_without_waiting_for_its_interval() {
+    let cluster = Cluster::start(2).await.unwrap();
+    let beats = "cleaner:\n  heartbeat-interval: 100ms\n";
+    let (one, two) = (
+        config_for(&cluster, 1) + beats,
+        config_for(&cluster, 2) + beats,
+    );
+    common::migrate_only(&two).await;
+    let placed = LockRouter::from_yaml_str(&two).await.unwrap();
+    let job = (0..)
+        .map(|i| format!("job:{i}"))
+        .find(|k| placed.shard_for(k).unwrap() == "s2")
+        .unwrap();
+    placed.shutdown().await.unwrap();
+
+    let hour = Duration::from_secs(3600);
+    let router = LockRouter::from_yaml_str(&one).await.unwrap();
+    let ran = router
+        .run_exclusive(&job, hour, AcquireOptions::new(), |_| async {})
+        .await
+        .unwrap();
+    assert!(ran.is_some(), "the interval's first tick ran");
+    router
+        .reload(Config::from_yaml_str(&two).unwrap())
+        .await
+        .unwrap();
+    let over = common::eventually(Duration::from_secs(60), || async {
+        router.moves_in_progress() == 0
+    })
+    .await;
+    assert!(
+        over,
+        "a move waited for the interval of a finished scheduled run: {:?}",
+        router.stats()
+    );
+    let again = router
+        .run_exclusive(&job, hour, AcquireOptions::new(), |_| async {})
+        .await
+        .unwrap();
+    assert!(
+        again.is_none(),
+        "the interval ran again after its key moved"
+    );
+
+    let newcomer = LockRouter::from_yaml_str(&two).await.unwrap();
+    let other = newcomer
+        .try_acquire("other", AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(other.is_some(), "a process started after the move granted");
+    let again = newcomer
+        .run_exclusive(&job, hour, AcquireOptions::new(), |_| async {})
+        .await
+        .unwrap();
+    assert!(again.is_none(), "a newcomer ran the interval again");
 }
 
 /// Configs of s1 alone and of s2 alone (heartbeats every 100 ms), both shards migrated by a

@@ -52,6 +52,15 @@ macro_rules! live {
     };
 }
 
+/// [`live!`] in an `ON DUPLICATE KEY UPDATE` whose source has columns of its own: the row as
+/// found.
+macro_rules! live_row {
+    () => {
+        "(shardlock_lease.owner IS NOT NULL AND LEFT(shardlock_lease.owner, 1) <> ':' \
+         AND shardlock_lease.expires_at > NOW(3))"
+    };
+}
+
 /// The first byte of a `tombstone!`.
 const TOMBSTONE_MARK: u8 = b':';
 
@@ -278,11 +287,15 @@ pub(crate) async fn clock_us(conn: &mut Conn) -> mysql_async::Result<u64> {
 }
 
 /// The fences of a shard's rows, in key order after a key (the empty key: from the start),
-/// with the owner of each live lease.
+/// with the owner of each live lease, and for a row kept past its release (`ttl_ms = 0`, see
+/// `RELEASE_AT_LEAST`) how many µs it still has by the shard's clock.
 const FENCES_AFTER: &str = concat!(
     "SELECT lock_key, fence, IF(",
     live!(),
-    ", owner, NULL) FROM shardlock_lease WHERE lock_key > ? ORDER BY lock_key LIMIT ?"
+    ", owner, NULL), IF(",
+    live!(),
+    " AND ttl_ms = 0, TIMESTAMPDIFF(MICROSECOND, NOW(3), expires_at), NULL) \
+     FROM shardlock_lease WHERE lock_key > ? ORDER BY lock_key LIMIT ?"
 );
 
 /// A row's key and fence, and its owner while a lease holds it.
@@ -294,6 +307,9 @@ pub struct FenceRow {
     pub fence: u64,
     /// The owner of the live lease, if any.
     pub live_owner: Option<String>,
+    /// For a row its holder released with a minimum hold (`lock_at_least`, a scheduled run's
+    /// interval), which stays taken with no process renewing it: how long it still stays so.
+    pub kept_for: Option<std::time::Duration>,
 }
 
 /// The live leases among some keys: `(key, owner)`.
@@ -325,16 +341,50 @@ pub(crate) async fn fences_after(
     after: &[u8],
     limit: usize,
 ) -> mysql_async::Result<Vec<FenceRow>> {
-    let rows: Vec<(Vec<u8>, u64, Option<Vec<u8>>)> =
-        conn.exec(FENCES_AFTER, (after, limit as u64)).await?;
+    // Key, fence, live owner, µs a kept row has left.
+    type Row = (Vec<u8>, u64, Option<Vec<u8>>, Option<i64>);
+    let rows: Vec<Row> = conn.exec(FENCES_AFTER, (after, limit as u64)).await?;
     Ok(rows
         .into_iter()
-        .map(|(key, fence, owner)| FenceRow {
+        .map(|(key, fence, owner, kept_us)| FenceRow {
             key,
             fence,
             live_owner: owner.map(|o| String::from_utf8_lossy(&o).into_owned()),
+            kept_for: kept_us.map(|us| std::time::Duration::from_micros(us.max(0).unsigned_abs())),
         })
         .collect())
+}
+
+/// Copies a row kept past its release (see [`FenceRow::kept_for`]) to the shard its key moved
+/// to: the key's row here takes the owner, stays taken for `µs` more by this shard's clock and
+/// keeps at least the fence, unless a live lease holds it (the same owner's, or, should a
+/// process that has not reloaded have taken the key, another's: then nothing changes and the
+/// move waits for it as for any lease). Assignments run left to right, so `ttl_ms` and
+/// `owner` come first, while the row is as found, and the rest test whether the owner became
+/// the kept row's (owners are unique per grant).
+///
+/// Parameters: key, owner, fence, µs.
+const KEEP_MOVED: &str = concat!(
+    "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at, wanted_at) ",
+    "SELECT src.k, src.o, CAST(src.f AS UNSIGNED), 0, NOW(3) + INTERVAL src.l MICROSECOND, NOW(3), NULL ",
+    "FROM (SELECT ? AS k, ? AS o, ? AS f, ? AS l) AS src ",
+    "ON DUPLICATE KEY UPDATE ",
+    "ttl_ms = IF(", live_row!(), ", shardlock_lease.ttl_ms, 0), ",
+    "owner = IF(", live_row!(), ", shardlock_lease.owner, src.o), ",
+    "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence, CAST(src.f AS UNSIGNED)), shardlock_lease.fence), ",
+    "expires_at = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.expires_at, NOW(3) + INTERVAL src.l MICROSECOND), shardlock_lease.expires_at), ",
+    "wanted_at = IF(shardlock_lease.owner = src.o, NULL, shardlock_lease.wanted_at)"
+);
+
+pub(crate) async fn keep_moved(
+    conn: &mut Conn,
+    key: &[u8],
+    owner: &str,
+    fence: u64,
+    kept_for: std::time::Duration,
+) -> mysql_async::Result<()> {
+    let us = u64::try_from(kept_for.as_micros()).unwrap_or(u64::MAX);
+    conn.exec_drop(KEEP_MOVED, (key, owner, fence, us)).await
 }
 
 /// Raises the stored fence of each key to at least the given one: after a reload moved the

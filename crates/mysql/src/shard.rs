@@ -861,6 +861,26 @@ impl Shard {
         .await
     }
 
+    /// Copies a row kept past its release on the shard a key left to this one, the key's
+    /// shard now (see `keep_moved` in the lease statements): taken by `owner` for `kept_for`
+    /// more, with at least `fence`, unless a live lease holds it. Idempotent.
+    pub async fn keep_moved(
+        &self,
+        key: &[u8],
+        owner: &str,
+        fence: u64,
+        kept_for: Duration,
+    ) -> Result<(), BackendError> {
+        self.run(
+            "keep_moved",
+            (key, owner, fence, kept_for),
+            |c, &(key, owner, fence, kept_for)| {
+                Box::pin(lease::keep_moved(c, key, owner, fence, kept_for))
+            },
+        )
+        .await
+    }
+
     /// Raises each key's stored fence to at least the given floor (see `raise_floors` in
     /// the lease statements); idempotent.
     pub async fn raise_floors(&self, floors: &[(Vec<u8>, u64)]) -> Result<(), BackendError> {
