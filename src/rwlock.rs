@@ -26,7 +26,10 @@ use crate::{AcquireOptions, LockGuard, LockRouter};
 const WRITER_INTENT: u32 = u32::MAX;
 
 /// A read/write lock made by [`LockRouter::rw_lock`]. Cheap to clone; every process that uses
-/// the name must give the same reader count.
+/// the name must give the same reader count (a writer takes only the slots it counts, so one
+/// counting fewer can write while a reader holds a slot above its count). Each call's options
+/// scope the slots as they scope any key (a namespace's `key-prefix`): reads and writes under
+/// two such namespaces are of two locks.
 #[derive(Debug, Clone)]
 pub struct RwLock {
     router: LockRouter,

@@ -49,8 +49,10 @@ impl LockRouter {
     /// starts at that clock in µs and only rises), so neither a lagging or early local clock
     /// or scheduler nor a shard clock stepping back runs an interval twice
     /// ([`ScheduledRun::interval`]). The lease is renewed while `f` runs: nobody else runs
-    /// meanwhile, and a run that outlasts its interval leaves the next interval to whoever
-    /// ticks after it ends. If the process dies mid-run, the key stays taken until the
+    /// while it holds, and a run that outlasts its interval leaves the next interval to
+    /// whoever ticks after it ends. `f` is not stopped when the lease is lost (a pause past
+    /// its ttl, a shard cut off): race long work against [`LockGuard::lost`] (on
+    /// [`ScheduledRun::guard`]), or the next interval's run may start while it still runs. If the process dies mid-run, the key stays taken until the
     /// interval ends or the lease's ttl runs out, whichever is later. Options without
     /// keep-alive (`lock_at_most`) bound the lease instead: a run that outlasts both its
     /// interval and that bound may overlap the next interval's run (race it against

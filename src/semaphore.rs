@@ -16,7 +16,8 @@ use crate::{AcquireOptions, LockGuard, LockRouter};
 
 /// A semaphore of `permits` permits named `name`, made by [`LockRouter::semaphore`]. Cheap to
 /// clone; every process that uses the name must give the same number of permits (one that
-/// gives more lets more holders in).
+/// gives more lets more holders in). Each call's options scope the slots as they scope any key
+/// (a namespace's `key-prefix`): calls under two such namespaces use two semaphores.
 #[derive(Debug, Clone)]
 pub struct Semaphore {
     router: LockRouter,

@@ -20,7 +20,9 @@ pub struct CasGuard {
     pub key: String,
     /// The owner written in the row.
     pub owner: String,
-    /// The row's version after the acquire (it rises with every acquire and release).
+    /// The row's version after the acquire. It rises with every acquire and release on the
+    /// key's shard, but a reload that moves the key may carry it over a lower one, or start it
+    /// again on the new shard: not a fencing token (a lease's fence is one).
     pub version: u64,
     /// The take's token, unique per call, written in the row's `token` column with the owner
     /// (and carried with it when a reload moves the key): the release frees only the rows of
