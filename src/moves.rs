@@ -544,6 +544,7 @@ async fn carry_leases(
             .call_waiting(|b| b.fences_after(&after, FLOOR_BATCH))
             .await
             .map_err(on(source))?;
+        let scanned = Moment::now();
         let Some(last) = rows.last() else { break };
         after.clone_from(&last.key);
         let full = rows.len() == FLOOR_BATCH;
@@ -598,20 +599,34 @@ async fn carry_leases(
             let mut seen = false;
             for shard in &shards {
                 // A row its holder released with a minimum hold is renewed by nobody, and
-                // followed by nobody: it is copied to where its key lives now, taken there for
-                // what it has left (longer by the clocks' drift), so that the move need not
-                // wait for its end, which may be a scheduled interval's (a day, say).
-                if let Some((fence, left)) = kept {
-                    let left = left + left.mul_f64(f64::from(router.shared.drift_ppm()) / 1e6);
-                    shard
-                        .call_waiting(|b| b.keep_moved(&key, &owner, fence, left))
-                        .await
-                        .map_err(on(shard))?;
+                // followed by nobody: it is copied to where its key lives now, so that the move
+                // need not wait for its end, which may be a scheduled interval's (a day, say).
+                // The copy's owner is marked as one: no statement of the holder (a give-back
+                // of its follow still retrying there, a late release) names it.
+                let copy = kept.map(|(fence, left)| (fence, left, kept_copy_owner(&owner)));
+                if let Some((fence, left, copy_owner)) = &copy {
+                    let left = left.saturating_sub(scanned.elapsed());
+                    if !left.is_zero() {
+                        let left = kept_margin(left, source, shard, router.shared.drift_ppm());
+                        shard
+                            .call_waiting(|b| b.keep_moved(&key, copy_owner, *fence, left))
+                            .await
+                            .map_err(on(shard))?;
+                    }
                 }
                 let there = shard
                     .call_waiting(|b| b.live_owners(vec![key.clone()]))
                     .await
                     .map_err(on(shard))?;
+                let copied = copy
+                    .as_ref()
+                    .map(|(.., c)| c)
+                    .filter(|c| there.iter().any(|(_, o)| o == *c));
+                if let Some(copy_owner) = copied {
+                    give_back_copy_of_ended(source, shard, &key, &owner, copy_owner).await?;
+                    seen = true;
+                    break;
+                }
                 if there.iter().any(|(_, o)| *o == owner) {
                     seen = true;
                     break;
@@ -639,6 +654,58 @@ async fn carry_leases(
         ));
     }
     Ok(carried)
+}
+
+/// The owner of the copy of a row kept past its release (see [`carry_leases`]): the row's
+/// own, marked, once (a copy carried on by a later move keeps its name). Owners end with a
+/// grant number, so no grant's owner ends with the mark.
+fn kept_copy_owner(owner: &str) -> String {
+    const MARK: &str = "~kept";
+    if owner.ends_with(MARK) {
+        owner.to_owned()
+    } else {
+        format!("{owner}{MARK}")
+    }
+}
+
+/// How long the copy of a kept row that had `left` on `source` by its clock stays taken on
+/// `target`: longer by what the two clocks may drift apart meanwhile (each may run faster or
+/// slower than ours by `drift_ppm`), by the skew of their nodes and by a millisecond the
+/// clocks' precision may cut.
+fn kept_margin(
+    left: Duration,
+    source: &ShardState,
+    target: &ShardState,
+    drift_ppm: u32,
+) -> Duration {
+    let drift = f64::from(drift_ppm) / 1e6;
+    left.mul_f64((1.0 + drift) / (1.0 - drift).max(0.5))
+        + source.clock_skew()
+        + target.clock_skew()
+        + Duration::from_millis(1)
+}
+
+/// Gives back the copy on `target` of the kept row of `owner` if that row no longer stands
+/// on `source`: one force-released there meanwhile (or ended) must not live on in its copy.
+/// Owner-checked, as any release.
+async fn give_back_copy_of_ended(
+    source: &Arc<ShardState>,
+    target: &Arc<ShardState>,
+    key: &[u8],
+    owner: &str,
+    copy_owner: &str,
+) -> shardlock_core::Result<()> {
+    let still = source
+        .call_waiting(|b| b.live_owners(vec![key.to_vec()]))
+        .await
+        .map_err(on(source))?;
+    if !still.iter().any(|(_, o)| o == owner) {
+        target
+            .call_waiting(|b| b.release(key, copy_owner))
+            .await
+            .map_err(on(target))?;
+    }
+    Ok(())
 }
 
 /// A live lease of a moved key on the shard it left, and the shards one of which must show it

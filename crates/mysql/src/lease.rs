@@ -356,12 +356,12 @@ pub(crate) async fn fences_after(
 }
 
 /// Copies a row kept past its release (see [`FenceRow::kept_for`]) to the shard its key moved
-/// to: the key's row here takes the owner, stays taken for `µs` more by this shard's clock and
-/// keeps at least the fence, unless a live lease holds it (the same owner's, or, should a
-/// process that has not reloaded have taken the key, another's: then nothing changes and the
-/// move waits for it as for any lease). Assignments run left to right, so `ttl_ms` and
-/// `owner` come first, while the row is as found, and the rest test whether the owner became
-/// the kept row's (owners are unique per grant).
+/// to: the key's row here takes the copy's owner, stays taken for `µs` more by this shard's
+/// clock and keeps at least the fence, unless a live lease holds it (the copy itself, sent
+/// again; or, should a process that has not reloaded have taken the key, another's: then
+/// nothing changes and the move waits for it as for any lease). Assignments run left to right, so `ttl_ms`,
+/// `acquired_at` and `owner` come first, while the row is as found, and the rest test whether
+/// the owner became the copy's (a copy's owner is its kept row's, marked as a copy: unique).
 ///
 /// Parameters: key, owner, fence, µs.
 const KEEP_MOVED: &str = concat!(
@@ -370,6 +370,7 @@ const KEEP_MOVED: &str = concat!(
     "FROM (SELECT ? AS k, ? AS o, ? AS f, ? AS l) AS src ",
     "ON DUPLICATE KEY UPDATE ",
     "ttl_ms = IF(", live_row!(), ", shardlock_lease.ttl_ms, 0), ",
+    "acquired_at = IF(", live_row!(), ", shardlock_lease.acquired_at, NOW(3)), ",
     "owner = IF(", live_row!(), ", shardlock_lease.owner, src.o), ",
     "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence, CAST(src.f AS UNSIGNED)), shardlock_lease.fence), ",
     "expires_at = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.expires_at, NOW(3) + INTERVAL src.l MICROSECOND), shardlock_lease.expires_at), ",
