@@ -474,11 +474,30 @@ pub(crate) async fn beat(
     let lapse = crate::state::lapse(&topology.config);
     let sent = topology.current.shards.iter().map(|s| async move {
         let at = Moment::now();
+        let beat = Beat {
+            judge_silence: s.silence_to_judge(lapse, &topology.config),
+            ..beat
+        };
         let outcome = s.call(|b| b.heartbeat(beat)).await;
-        if let Ok(Heartbeat::Beaten { silent_for }) = &outcome {
+        if let Ok(Heartbeat::Beaten {
+            silent_for,
+            kept_silent,
+        }) = &outcome
+        {
             // Before the proof that it was reached: no grant passes in between.
-            if s.went_silent(*silent_for, Moment::now(), lapse, &topology.config) {
+            if s.went_silent(
+                *silent_for,
+                *kept_silent,
+                Moment::now(),
+                lapse,
+                &topology.config,
+            ) {
                 silent(s.name());
+            }
+            // A silence left in the row for this process to see: the rest of the fleet still
+            // sees the row silent, so it was not reached; the next heartbeat moves it on.
+            if *kept_silent {
+                return (s.name().to_owned(), outcome);
             }
             s.beat_landed(at);
             reached();
@@ -494,6 +513,14 @@ pub(crate) async fn beat(
     for (shard, beat) in answers {
         let missed = missed.entry(shard.clone()).or_default();
         match beat {
+            Ok(Heartbeat::Beaten {
+                kept_silent: true, ..
+            }) => {
+                beats.unreached.push(format!(
+                    "shard {shard} (its registry row had gone unbeaten for longer than this \
+                     process's lapse, and was left so for it to see)"
+                ));
+            }
             Ok(outcome) => {
                 *missed = 0;
                 if let Heartbeat::TakenBy { host, pid } = outcome {
@@ -542,6 +569,9 @@ fn this_beat<'a>(
         servers: servers.unwrap_or(SERVERS_UNKNOWN),
         nonce: shared.nonce(),
         timeout: topology.config.cleaner.heartbeat_timeout,
+        // Judged only on the current shards, by `beat` (a shard being left is not this
+        // process's to be reached on).
+        judge_silence: None,
     }
 }
 

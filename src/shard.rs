@@ -4,7 +4,7 @@
 //! started and supervised from here (see [`keeper`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -72,6 +72,9 @@ pub(crate) struct ShardState {
     seen_identity: Mutex<Option<String>>,
     /// When this process's latest heartbeat that this shard took was sent.
     beat_landed: Mutex<Option<Moment>>,
+    /// A heartbeat found a silence of this process's row here and left it in the row: the
+    /// next one moves the row on without judging (see [`ShardState::silence_to_judge`]).
+    silence_seen: AtomicBool,
     /// A node clock skew a reload raised for this shard's database, in µs, above its config's
     /// (which this state keeps): its leases allow for it (see [`ShardState::raise_skew`]).
     skew_floor_us: AtomicU64,
@@ -172,6 +175,7 @@ impl ShardState {
             identity: std::sync::OnceLock::new(),
             seen_identity: Mutex::default(),
             beat_landed: Mutex::default(),
+            silence_seen: AtomicBool::new(false),
             skew_floor_us: AtomicU64::new(0),
             acquire_lane: lanes::Lane::default(),
             release_lane: lanes::Lane::default(),
@@ -863,23 +867,50 @@ impl ShardState {
         *self.beat_landed.locked() = Some(at);
     }
 
-    /// Whether this process's registry row here, found unbeaten for `silent_for` by the
-    /// shard's clock (`None`: it was not this start's row any more) by a heartbeat answered at
-    /// `answered`, had gone unbeaten for longer than this process can have known: longer than
-    /// `lapse`, and than its own clock saw since its latest heartbeat here was sent (allowing
-    /// for its drift, a Galera shard's node skew and the shard's millisecond clock). Then its
+    /// How long this process's registry row here may have gone unbeaten by the shard's clock,
+    /// as a heartbeat sent now finds it, for that to be no lapse: `lapse`, or longer if its own
+    /// clock saw more since its latest heartbeat here was sent (allowing for its drift, for the
+    /// time a heartbeat may take to reach the shard, its statement timeout, for a Galera
+    /// shard's node skew and for the shard's millisecond clock). A longer silence means its
     /// clocks stood still while the shard's ran on (a frozen virtual machine, a restored
-    /// checkpoint), and the others may have counted it dead. A row no longer its own (taken
-    /// over and given up by another start, or forgotten) is that too, if its latest heartbeat
-    /// here was within its lapse by its own clock. Nothing is known before a heartbeat of this
-    /// process landed here.
+    /// checkpoint), and the others may have counted it dead: the heartbeat leaves it in the row
+    /// (see [`shardlock_mysql::Beat::judge_silence`]), so that a lost reply does not hide it.
+    /// `None` judges nothing: before a heartbeat of this process landed here, and once a
+    /// silence was seen, so that the next heartbeat moves the row on.
+    pub(crate) fn silence_to_judge(
+        &self,
+        lapse: Duration,
+        config: &shardlock_core::Config,
+    ) -> Option<Duration> {
+        if self.silence_seen.load(Ordering::Acquire) {
+            return None;
+        }
+        let landed = (*self.beat_landed.locked())?;
+        let drift = f64::from(config.instance.clock_drift_ppm()) / 1e6;
+        let since = Moment::now()
+            .saturating_duration_since(landed)
+            .mul_f64(1.0 + drift)
+            + self.config.statement_timeout;
+        Some(lapse.max(since) + config.node_clock_spread() + Duration::from_millis(1))
+    }
+
+    /// Whether a heartbeat answered at `answered` found that this process went silent here:
+    /// its row kept a silence the heartbeat judged (see [`ShardState::silence_to_judge`]), or
+    /// it was no longer this start's row (`silent_for` is `None`: taken over and given up by
+    /// another start, or forgotten) while its latest heartbeat here was within its lapse by
+    /// its own clock. Nothing is known before a heartbeat of this process landed here.
     pub(crate) fn went_silent(
         &self,
         silent_for: Option<Duration>,
+        kept_silent: bool,
         answered: Moment,
         lapse: Duration,
         config: &shardlock_core::Config,
     ) -> bool {
+        self.silence_seen.store(kept_silent, Ordering::Release);
+        if kept_silent {
+            return true;
+        }
         let Some(landed) = *self.beat_landed.locked() else {
             return false;
         };
@@ -887,12 +918,7 @@ impl ShardState {
         let since = answered
             .saturating_duration_since(landed)
             .mul_f64(1.0 + drift);
-        match silent_for {
-            Some(silent) => {
-                silent > lapse.max(since) + config.node_clock_spread() + Duration::from_millis(1)
-            }
-            None => since < lapse,
-        }
+        silent_for.is_none() && since < lapse
     }
 
     /// Records the identity a heartbeat read.

@@ -229,6 +229,55 @@ async fn a_process_whose_clocks_stood_still_finds_its_silence_by_the_shards_cloc
     again.release().await.unwrap();
 }
 
+/// As above, with the reply to the heartbeat that finds the silence lost: the heartbeat is
+/// sent again once its connection broke, after the first try acted. The silence found is
+/// left in the row, as the fleet sees it, so the try sent again finds it too (and the
+/// heartbeat after it moves the row on). Before, the first try moved the row on and the one
+/// sent again found a row beaten a moment ago.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silence_found_by_a_heartbeat_whose_reply_was_lost_is_found_all_the_same() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    // The fleet's name travels with every heartbeat (and with the placement record's
+    // statements, done once the router has recorded).
+    let fleet: &'static [u8] = b"frozen-fleet-7";
+    let holder = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\ninstance:\n  fleet: {}\n",
+        proxy.url(),
+        std::str::from_utf8(fleet).unwrap()
+    ))
+    .await
+    .unwrap();
+    holder.migrate().await.unwrap();
+    let guard = holder
+        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    common::until_router_recorded(&holder).await;
+    (cluster.shard(0).connect().await.unwrap())
+        .exec_drop(
+            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
+             WHERE instance_id = ?",
+            (holder.instance_id(),),
+        )
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::LoseReplyTo(fleet));
+    tokio::time::timeout(Duration::from_secs(30), proxy.wait_for(ProxyMode::Pass))
+        .await
+        .expect("no heartbeat's reply was lost");
+    tokio::time::timeout(Duration::from_secs(30), guard.lost())
+        .await
+        .expect("a lease of a process the fleet saw silent for a minute was never lost");
+    assert!(holder.stats().heartbeat_lapses >= 1);
+    // Joined again, it grants again.
+    let again = holder
+        .acquire("other", AcquireOptions::new().wait(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    again.release().await.unwrap();
+}
+
 /// A shard out of reach for longer than the lapse, while the others took every heartbeat,
 /// finds this process's row there silent that long once it is back: that is no lapse (the
 /// process knew its heartbeats missed that shard), and the leases on the other shards stay

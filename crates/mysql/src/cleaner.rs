@@ -30,15 +30,21 @@ macro_rules! silent_past_timeout {
 /// the longer one reach every shard (see `Gate` in the router). Times are the shard's `NOW(3)`, and [`ALIVE_HEAD`] compares them with the
 /// same clock, so liveness never depends on two machines' clocks agreeing. The first
 /// assignment reports, through `LAST_INSERT_ID`, how long a row of this start (nonce `?`) had
-/// gone unbeaten by the shard's clock, in µs plus 2 (1: the row was not this start's); it sets
-/// `host` to `?` either way.
+/// gone unbeaten by the shard's clock, in µs, times 2, plus 1 if that is longer than `?` µs
+/// ([`Beat::judge_silence`]), plus 2 (1: the row was not this start's); it sets `host` to `?`
+/// either way. Such a silence is left in the row (`heartbeat_at` is not moved) for the
+/// process to see, also when this reply is lost and the statement is sent again: only a
+/// heartbeat that does not judge (once the process has acted on it) moves it on.
 const HEARTBEAT: &str = concat!(
     "UPDATE shardlock_instance SET host = IF(LAST_INSERT_ID(IF(nonce <=> ?, ",
-    "GREATEST(0, TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3))) + 2, 1)) = 0, host, ?), ",
+    "GREATEST(0, TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3))) * 2 ",
+    "+ (TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) > ?) + 2, 1)) = 0, host, ?), ",
     "pid = ?, ",
     "started_at = IF(nonce <=> ?, started_at, NOW(3)), ",
     "heartbeat_timeout_ms = IF(nonce <=> ?, GREATEST(COALESCE(heartbeat_timeout_ms, 0), ?), ?), ",
-    "nonce = ?, heartbeat_at = NOW(3), ",
+    "heartbeat_at = IF(nonce <=> ? AND TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) > ?, ",
+    "heartbeat_at, NOW(3)), ",
+    "nonce = ?, ",
     "deregistered_at = NULL, topology = ?, moving = ?, fleet = ?, servers = ? ",
     "WHERE instance_id = ? AND (nonce <=> ? OR deregistered_at IS NOT NULL OR heartbeat_at <= ",
     silent_past_timeout!(),
@@ -235,6 +241,10 @@ pub struct Beat<'a> {
     /// `cleaner.heartbeat-timeout`: a row another start has not beaten for this long, nor for
     /// the timeout the row says, may be taken over. Written into the row.
     pub timeout: std::time::Duration,
+    /// A silence of this start's row longer than this is reported as kept
+    /// ([`Heartbeat::Beaten`]'s `kept_silent`) and left in the row; `None` judges nothing and
+    /// moves the row on whatever its silence.
+    pub judge_silence: Option<std::time::Duration>,
 }
 
 /// What a heartbeat found: a row is written only while it is its own start's, or nobody's
@@ -248,6 +258,9 @@ pub enum Heartbeat {
         /// already (`None`: the row was new, deregistered, or another start's, silent past
         /// its timeout).
         silent_for: Option<std::time::Duration>,
+        /// The silence was longer than [`Beat::judge_silence`]: the row was left unbeaten, as
+        /// the rest of the fleet sees it, until a heartbeat that does not judge.
+        kept_silent: bool,
     },
     /// Another start beats under this instance id, live: the row was left alone.
     TakenBy {
@@ -261,14 +274,21 @@ pub enum Heartbeat {
 pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::Result<Heartbeat> {
     let timeout_us = u64::try_from(beat.timeout.as_micros()).unwrap_or(u64::MAX);
     let timeout_ms = u64::try_from(beat.timeout.as_millis()).unwrap_or(u64::MAX);
+    // Signed, as `TIMESTAMPDIFF` is: never is the largest.
+    let judge_us = (beat.judge_silence).map_or(i64::MAX, |d| {
+        i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+    });
     let params: Vec<Value> = vec![
         beat.nonce.into(),
+        judge_us.into(),
         beat.host.into(),
         beat.pid.into(),
         beat.nonce.into(),
         beat.nonce.into(),
         timeout_ms.into(),
         timeout_ms.into(),
+        beat.nonce.into(),
+        judge_us.into(),
         beat.nonce.into(),
         beat.topology.into(),
         beat.moving.into(),
@@ -280,10 +300,11 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
     ];
     conn.exec_drop(HEARTBEAT, params).await?;
     if conn.affected_rows() > 0 {
-        let silent_for = (conn.last_insert_id())
-            .filter(|&v| v >= 2)
-            .map(|v| std::time::Duration::from_micros(v - 2));
-        return Ok(Heartbeat::Beaten { silent_for });
+        let own = (conn.last_insert_id()).filter(|&v| v >= 2).map(|v| v - 2);
+        return Ok(Heartbeat::Beaten {
+            silent_for: own.map(|v| std::time::Duration::from_micros(v / 2)),
+            kept_silent: own.is_some_and(|v| v % 2 == 1),
+        });
     }
     let params: Vec<Value> = vec![
         beat.instance.into(),
@@ -305,7 +326,10 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
         Some((nonce, host, pid)) if nonce.as_deref() != Some(beat.nonce.as_bytes()) => {
             Heartbeat::TakenBy { host, pid }
         }
-        _ => Heartbeat::Beaten { silent_for: None },
+        _ => Heartbeat::Beaten {
+            silent_for: None,
+            kept_silent: false,
+        },
     })
 }
 
@@ -509,6 +533,7 @@ mod tests {
             servers: "s",
             nonce,
             timeout,
+            judge_silence: None,
         }
     }
 
@@ -531,7 +556,10 @@ mod tests {
             }
         };
         let silence = |beaten: Heartbeat| match beaten {
-            Heartbeat::Beaten { silent_for } => silent_for,
+            Heartbeat::Beaten {
+                silent_for,
+                kept_silent: false,
+            } => silent_for,
             other => panic!("{other:?}"),
         };
         let first = shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
@@ -544,6 +572,31 @@ mod tests {
         );
         let next = silence(shard.heartbeat(beat("a", "n1", timeout)).await.unwrap());
         assert!(next.is_some_and(|s| s < Duration::from_secs(5)), "{next:?}");
+        // A silence longer than the heartbeat judges stays in the row, for a heartbeat sent
+        // again after a lost reply to see too, until one that does not judge moves it on.
+        age(31).await;
+        let judging = Beat {
+            judge_silence: Some(Duration::from_secs(20)),
+            ..beat("a", "n1", timeout)
+        };
+        for _ in 0..2 {
+            let kept = shard.heartbeat(judging).await.unwrap();
+            assert!(
+                matches!(kept, Heartbeat::Beaten { silent_for: Some(s), kept_silent: true }
+                    if s >= Duration::from_secs(31)),
+                "{kept:?}"
+            );
+        }
+        let acted = silence(shard.heartbeat(beat("a", "n1", timeout)).await.unwrap());
+        assert!(
+            acted.is_some_and(|s| s >= Duration::from_secs(31)),
+            "{acted:?}"
+        );
+        let judged = silence(shard.heartbeat(judging).await.unwrap());
+        assert!(
+            judged.is_some_and(|s| s < Duration::from_secs(5)),
+            "{judged:?}"
+        );
         // Silent past the timeout, taken over by another start: not its own row.
         age(61).await;
         let taken = silence(shard.heartbeat(beat("a", "n2", timeout)).await.unwrap());
@@ -585,7 +638,13 @@ mod tests {
         // Once it deregistered, the next start's row says that start's own timeout.
         shard.deregister("a", "n1").await.unwrap();
         let next = shard.heartbeat(beat("a", "n2", short)).await.unwrap();
-        assert!(matches!(next, Heartbeat::Beaten { silent_for: None }));
+        assert!(matches!(
+            next,
+            Heartbeat::Beaten {
+                silent_for: None,
+                ..
+            }
+        ));
         assert_eq!(row_timeout(&shard, "a").await, Some(short));
     }
 }
