@@ -151,6 +151,30 @@ async fn a_release_whose_reply_was_lost_answers_released() {
     assert_eq!(router.stats().lost, 1);
 }
 
+/// A force-release whose reply is lost after the server freed the key is sent again and
+/// finds no such holder any more: it still tells the operator whose lease it ended, at which
+/// fence, rather than that nobody held the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_force_release_whose_reply_was_lost_still_names_the_holder_it_evicted() {
+    let (cluster, holder, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (operator, proxy) = behind_proxy(&cluster, "", "").await;
+    let guard = holder
+        .acquire("evict", AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    // The one request carrying the holder's owner: the release itself (the look before it
+    // names the key only).
+    let owner: &'static [u8] = Box::leak(guard.owner().as_bytes().into());
+    proxy.set(ProxyMode::LoseReplyTo(owner));
+    let evicted = operator.force_release("evict").await.unwrap();
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "no reply was lost");
+    let evicted = evicted.expect("the force-release said nobody held the key");
+    assert_eq!(evicted.owner, guard.owner());
+    assert!(evicted.was_live && evicted.fence > guard.fence());
+    let err = guard.release().await.unwrap_err();
+    assert!(matches!(err, shardlock::Error::LockLost { .. }), "{err}");
+}
+
 /// A release that failed (the shard cut off: the statement and its retry both refused) is
 /// given back once the shard answers again, though its caller has its error and is gone: the
 /// key is free then, not only at the end of its minute-long lease.

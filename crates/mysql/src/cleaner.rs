@@ -478,6 +478,18 @@ pub(crate) async fn force_release(
         .flatten())
 }
 
+/// The fence of `key`'s row if it was freed by force (no owner: a release leaves a tombstone).
+pub(crate) async fn freed_by_force(
+    conn: &mut Conn,
+    key: &[u8],
+) -> mysql_async::Result<Option<u64>> {
+    conn.exec_first(
+        "SELECT fence FROM shardlock_lease WHERE lock_key = ? AND owner IS NULL",
+        (key,),
+    )
+    .await
+}
+
 /// The placements `fleet` last recorded on a shard (migration 13): its sequence number and
 /// the record (JSON, written and read by the router).
 const FLEET_PLACEMENT: &str = "SELECT seq, placements FROM shardlock_placement WHERE fleet = ?";

@@ -1104,14 +1104,28 @@ impl Shard {
     }
 
     /// Frees `key` if `owner` holds it, raising its fence past all of the holder's; the new
-    /// fence, or `None` when `owner` no longer held it.
+    /// fence, or `None` when `owner` no longer held it. When the answer is `None` after a try
+    /// whose reply was lost, a row freed by force (no owner), as that try leaves it, counts as
+    /// that try's doing: the caller is told the key was freed, not that nobody held it.
     pub async fn force_release(
         &self,
         key: &[u8],
         owner: &str,
     ) -> Result<Option<u64>, BackendError> {
-        self.run("force_release", (key, owner), |c, &(key, owner)| {
-            Box::pin(cleaner::force_release(c, key, owner))
+        let (released, lost_try) = self
+            .with_conn(
+                "force_release",
+                self.statement_timeout,
+                &(key, owner),
+                |c, &(key, owner)| Box::pin(cleaner::force_release(c, key, owner)),
+                true,
+            )
+            .await?;
+        if released.is_some() || !lost_try {
+            return Ok(released);
+        }
+        self.run("force_release", key, |c, &key| {
+            Box::pin(cleaner::freed_by_force(c, key))
         })
         .await
     }
