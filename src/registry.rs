@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use futures_util::future::{join_all, BoxFuture};
 use shardlock_core::config::RegistryKind;
-use shardlock_core::{BackendError, Config, Error, Result};
+use shardlock_core::{BackendError, BackendErrorKind, Config, Error, Result};
 use shardlock_mysql::{Beat, Heartbeat, InstanceRow};
 
 use crate::clock::Moment;
@@ -569,8 +569,7 @@ fn this_beat<'a>(
         servers: servers.unwrap_or(SERVERS_UNKNOWN),
         nonce: shared.nonce(),
         timeout: topology.config.cleaner.heartbeat_timeout,
-        // Judged only on the current shards, by `beat` (a shard being left is not this
-        // process's to be reached on).
+        // Judged by the callers, on current shards only.
         judge_silence: None,
     }
 }
@@ -590,7 +589,27 @@ pub(crate) async fn beat_before_leaving(
     }
     let host = host_name();
     let beat = this_beat(topology, fingerprint, servers.as_deref(), shared, &host);
-    shard.call(|b| b.heartbeat(beat)).await.map(drop)
+    // A shard the move leaves that stays current (a reload that adds shards) is judged as the
+    // heartbeat judges it: unjudged, this write would move on a silence the heartbeat has yet
+    // to see (see `ShardState::silence_to_judge`), and that heartbeat would find none.
+    let current = (topology.current.shards.iter()).find(|c| c.same_database(shard));
+    let beat = Beat {
+        judge_silence: current.and_then(|c| {
+            c.silence_to_judge(crate::state::lapse(&topology.config), &topology.config)
+        }),
+        ..beat
+    };
+    match shard.call(|b| b.heartbeat(beat)).await? {
+        Heartbeat::Beaten {
+            kept_silent: true, ..
+        } => Err(BackendError::new(
+            BackendErrorKind::Other,
+            None,
+            "this process's registry row there had gone unbeaten for longer than its lapse: \
+             left so for its heartbeat to see",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Marks this instance as shut down in the registry of every shard (router shutdown), where

@@ -887,18 +887,21 @@ impl ShardState {
         }
         let landed = (*self.beat_landed.locked())?;
         let drift = f64::from(config.instance.clock_drift_ppm()) / 1e6;
-        let since = Moment::now()
-            .saturating_duration_since(landed)
-            .mul_f64(1.0 + drift)
-            + self.config.statement_timeout;
+        let since = (Moment::now().saturating_duration_since(landed)
+            + self.config.statement_timeout)
+            .mul_f64(1.0 + drift);
         Some(lapse.max(since) + config.node_clock_spread() + Duration::from_millis(1))
     }
 
     /// Whether a heartbeat answered at `answered` found that this process went silent here:
-    /// its row kept a silence the heartbeat judged (see [`ShardState::silence_to_judge`]), or
-    /// it was no longer this start's row (`silent_for` is `None`: taken over and given up by
-    /// another start, or forgotten) while its latest heartbeat here was within its lapse by
-    /// its own clock. Nothing is known before a heartbeat of this process landed here.
+    /// its row kept a silence the heartbeat judged (see [`ShardState::silence_to_judge`]) that
+    /// is also longer than its own clock saw by the answer (a host suspended while the
+    /// heartbeat waited counts on that clock, and is no lapse), or it was no longer this
+    /// start's row (`silent_for` is `None`: taken over and given up by another start, or
+    /// forgotten) while its latest heartbeat here was within its lapse by its own clock.
+    /// Nothing is known before a heartbeat of this process landed here. (A row no longer its
+    /// own that the first try of a heartbeat made its own again, its reply lost, is found its
+    /// own by the try sent again: that case is not seen.)
     pub(crate) fn went_silent(
         &self,
         silent_for: Option<Duration>,
@@ -907,10 +910,8 @@ impl ShardState {
         lapse: Duration,
         config: &shardlock_core::Config,
     ) -> bool {
+        // A kept silence is moved on by the next heartbeat, lapse or not.
         self.silence_seen.store(kept_silent, Ordering::Release);
-        if kept_silent {
-            return true;
-        }
         let Some(landed) = *self.beat_landed.locked() else {
             return false;
         };
@@ -918,7 +919,14 @@ impl ShardState {
         let since = answered
             .saturating_duration_since(landed)
             .mul_f64(1.0 + drift);
-        silent_for.is_none() && since < lapse
+        match silent_for {
+            Some(silent) => {
+                kept_silent
+                    && silent
+                        > lapse.max(since) + config.node_clock_spread() + Duration::from_millis(1)
+            }
+            None => since < lapse,
+        }
     }
 
     /// Records the identity a heartbeat read.

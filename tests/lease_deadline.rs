@@ -254,15 +254,38 @@ async fn a_silence_found_by_a_heartbeat_whose_reply_was_lost_is_found_all_the_sa
         .await
         .unwrap();
     common::until_router_recorded(&holder).await;
+    // Right after a heartbeat landed (none is on its way), the row is aged and the next
+    // heartbeat's reply lost.
+    let just_beaten = common::eventually(Duration::from_secs(30), || {
+        let (cluster, id) = (&cluster, holder.instance_id());
+        async move {
+            let age: Option<i64> = (cluster.shard(0).connect().await.unwrap())
+                .exec_first(
+                    "SELECT TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) DIV 1000 \
+                     FROM shardlock_instance WHERE instance_id = ?",
+                    (id,),
+                )
+                .await
+                .unwrap();
+            age.is_some_and(|ms| ms < 250)
+        }
+    })
+    .await;
+    assert!(just_beaten, "no heartbeat landed");
     (cluster.shard(0).connect().await.unwrap())
         .exec_drop(
             "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
-             WHERE instance_id = ?",
+         WHERE instance_id = ?",
             (holder.instance_id(),),
         )
         .await
         .unwrap();
     proxy.set(ProxyMode::LoseReplyTo(fleet));
+    assert_eq!(
+        holder.stats().heartbeat_lapses,
+        0,
+        "a lapse before the reply was lost"
+    );
     tokio::time::timeout(Duration::from_secs(30), proxy.wait_for(ProxyMode::Pass))
         .await
         .expect("no heartbeat's reply was lost");
