@@ -527,7 +527,7 @@ async fn force_release_on(
         }
         let released = shard
             .unguarded()
-            .force_release(key.stored(), &owner)
+            .force_release(key.stored(), &owner, row.fence)
             .await
             .map_err(backend)?;
         if let Some(fence) = released {

@@ -512,7 +512,7 @@ mod tests {
             ));
         }
         assert!(shard
-            .force_release(b"forced:b", "me:forced:b")
+            .force_release(b"forced:b", "me:forced:b", 0)
             .await
             .unwrap()
             .is_some());
@@ -529,7 +529,7 @@ mod tests {
             ));
         }
         assert!(shard
-            .force_release(b"forced:d", "me:forced:d")
+            .force_release(b"forced:d", "me:forced:d", 0)
             .await
             .unwrap()
             .is_some());

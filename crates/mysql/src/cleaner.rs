@@ -478,14 +478,16 @@ pub(crate) async fn force_release(
         .flatten())
 }
 
-/// The fence of `key`'s row if it was freed by force (no owner: a release leaves a tombstone).
+/// The fence of `key`'s row if it was freed by force since its fence was `seen_fence` (no
+/// owner, and a fence raised: a release leaves a tombstone, or keeps the fence).
 pub(crate) async fn freed_by_force(
     conn: &mut Conn,
     key: &[u8],
+    seen_fence: u64,
 ) -> mysql_async::Result<Option<u64>> {
     conn.exec_first(
-        "SELECT fence FROM shardlock_lease WHERE lock_key = ? AND owner IS NULL",
-        (key,),
+        "SELECT fence FROM shardlock_lease WHERE lock_key = ? AND owner IS NULL AND fence > ?",
+        (key, seen_fence),
     )
     .await
 }

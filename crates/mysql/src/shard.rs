@@ -1105,12 +1105,15 @@ impl Shard {
 
     /// Frees `key` if `owner` holds it, raising its fence past all of the holder's; the new
     /// fence, or `None` when `owner` no longer held it. When the answer is `None` after a try
-    /// whose reply was lost, a row freed by force (no owner), as that try leaves it, counts as
-    /// that try's doing: the caller is told the key was freed, not that nobody held it.
+    /// whose reply was lost, a row freed by force as that try leaves it (no owner, its fence
+    /// above `seen_fence`, the fence `owner`'s row was seen with: a release by the holder
+    /// leaves the fence as it was) counts as that try's doing: the caller is told the key was
+    /// freed, not that nobody held it.
     pub async fn force_release(
         &self,
         key: &[u8],
         owner: &str,
+        seen_fence: u64,
     ) -> Result<Option<u64>, BackendError> {
         let (released, lost_try) = self
             .with_conn(
@@ -1124,9 +1127,11 @@ impl Shard {
         if released.is_some() || !lost_try {
             return Ok(released);
         }
-        self.run("force_release", key, |c, &key| {
-            Box::pin(cleaner::freed_by_force(c, key))
-        })
+        self.run(
+            "force_release",
+            (key, seen_fence),
+            |c, &(key, seen_fence)| Box::pin(cleaner::freed_by_force(c, key, seen_fence)),
+        )
         .await
     }
 
