@@ -208,6 +208,13 @@ async fn a_process_whose_clocks_stood_still_finds_its_silence_by_the_shards_cloc
         .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
         .await
         .unwrap();
+    age_a_minute(&cluster, &holder).await;
+    lost_to_its_silence(&holder, &guard).await;
+}
+
+/// Ages `holder`'s registry row on the first shard by a minute, as the fleet sees a process
+/// frozen that long.
+async fn age_a_minute(cluster: &Cluster, holder: &LockRouter) {
     (cluster.shard(0).connect().await.unwrap())
         .exec_drop(
             "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
@@ -216,12 +223,16 @@ async fn a_process_whose_clocks_stood_still_finds_its_silence_by_the_shards_cloc
         )
         .await
         .unwrap();
+}
+
+/// `guard` of `holder` is lost for its process's silence, and `holder`, joined again,
+/// grants again.
+async fn lost_to_its_silence(holder: &LockRouter, guard: &LockGuard) {
     tokio::time::timeout(Duration::from_secs(30), guard.lost())
         .await
         .expect("a lease of a process the fleet saw silent for a minute was never lost");
     assert!(!guard.is_held());
     assert!(holder.stats().heartbeat_lapses >= 1);
-    // Joined again, it grants again.
     let again = holder
         .acquire("other", AcquireOptions::new().wait(Duration::from_secs(30)))
         .await
@@ -272,14 +283,7 @@ async fn a_silence_found_by_a_heartbeat_whose_reply_was_lost_is_found_all_the_sa
     })
     .await;
     assert!(just_beaten, "no heartbeat landed");
-    (cluster.shard(0).connect().await.unwrap())
-        .exec_drop(
-            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
-         WHERE instance_id = ?",
-            (holder.instance_id(),),
-        )
-        .await
-        .unwrap();
+    age_a_minute(&cluster, &holder).await;
     proxy.set(ProxyMode::LoseReplyTo(fleet));
     assert_eq!(
         holder.stats().heartbeat_lapses,
@@ -289,16 +293,7 @@ async fn a_silence_found_by_a_heartbeat_whose_reply_was_lost_is_found_all_the_sa
     tokio::time::timeout(Duration::from_secs(30), proxy.wait_for(ProxyMode::Pass))
         .await
         .expect("no heartbeat's reply was lost");
-    tokio::time::timeout(Duration::from_secs(30), guard.lost())
-        .await
-        .expect("a lease of a process the fleet saw silent for a minute was never lost");
-    assert!(holder.stats().heartbeat_lapses >= 1);
-    // Joined again, it grants again.
-    let again = holder
-        .acquire("other", AcquireOptions::new().wait(Duration::from_secs(30)))
-        .await
-        .unwrap();
-    again.release().await.unwrap();
+    lost_to_its_silence(&holder, &guard).await;
 }
 
 /// A shard out of reach for longer than the lapse, while the others took every heartbeat,
