@@ -866,10 +866,7 @@ async fn a_reload_moves_a_finished_scheduled_run_without_waiting_for_its_interva
     );
     common::migrate_only(&two).await;
     let placed = LockRouter::from_yaml_str(&two).await.unwrap();
-    let job = (0..)
-        .map(|i| format!("job:{i}"))
-        .find(|k| placed.shard_for(k).unwrap() == "s2")
-        .unwrap();
+    let job = common::key_on(&placed, "job", "s2");
     placed.shutdown().await.unwrap();
 
     let hour = Duration::from_secs(3600);
