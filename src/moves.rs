@@ -627,7 +627,9 @@ async fn carry_leases(
                     seen = true;
                     break;
                 }
-                if there.iter().any(|(_, o)| *o == owner) {
+                if there.iter().any(|(_, o)| *o == owner)
+                    || (kept.is_some() && there.iter().any(|(_, o)| same_kept_hold(o, &owner)))
+                {
                     seen = true;
                     break;
                 }
@@ -659,13 +661,21 @@ async fn carry_leases(
 /// The owner of the copy of a row kept past its release (see [`carry_leases`]): the row's
 /// own, marked, once (a copy carried on by a later move keeps its name). Owners end with a
 /// grant number, so no grant's owner ends with the mark.
-fn kept_copy_owner(owner: &str) -> String {
-    const MARK: &str = "~kept";
-    if owner.ends_with(MARK) {
+pub(crate) fn kept_copy_owner(owner: &str) -> String {
+    if owner.ends_with(KEPT_MARK) {
         owner.to_owned()
     } else {
-        format!("{owner}{MARK}")
+        format!("{owner}{KEPT_MARK}")
     }
+}
+
+/// What marks the owner of a kept row's copy.
+const KEPT_MARK: &str = "~kept";
+
+/// Whether `found` holds the same kept hold as `owner`, the one or the other its copy (a move
+/// back to a shard the row was copied from finds the row there as it was).
+fn same_kept_hold(found: &str, owner: &str) -> bool {
+    found.strip_suffix(KEPT_MARK) == Some(owner) || owner.strip_suffix(KEPT_MARK) == Some(found)
 }
 
 /// How long the copy of a kept row that had `left` on `source` by its clock stays taken on

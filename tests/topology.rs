@@ -763,6 +763,30 @@ async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_las
         taken.is_none(),
         "a row kept past its release was granted on its new shard"
     );
+    // An operator who evicts the kept row's holder by its name (read off s1) evicts its copy
+    // on s2 too.
+    let holder: String = (cluster.shard(0).connect().await.unwrap())
+        .exec_first(
+            "SELECT owner FROM shardlock_lease WHERE lock_key = ?",
+            (kept.as_bytes(),),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let evicted = newcomer
+        .force_release_owner_everywhere(&kept, &holder)
+        .await
+        .unwrap();
+    assert_eq!(
+        evicted.len(),
+        2,
+        "evicted by the holder's name: {evicted:?}"
+    );
+    let taken = newcomer
+        .try_acquire(&kept, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(taken.is_some(), "the kept row's copy outlived its eviction");
 }
 
 /// What the copy of a kept row writes on its key's new shard: it takes a missing, released or
@@ -923,6 +947,30 @@ async fn a_reload_moves_a_finished_scheduled_run_without_waiting_for_its_interva
         .await
         .unwrap();
     assert!(again.is_none(), "a newcomer ran the interval again");
+    newcomer.shutdown().await.unwrap();
+
+    // Moved back: the move from s2 finds the kept row on s1 as it was left, and ends.
+    router
+        .reload(Config::from_yaml_str(&one).unwrap())
+        .await
+        .unwrap();
+    let over = common::eventually(Duration::from_secs(60), || async {
+        router.moves_in_progress() == 0
+    })
+    .await;
+    assert!(
+        over,
+        "a move back to where a kept row was copied from waited for it: {:?}",
+        router.stats()
+    );
+    let again = router
+        .run_exclusive(&job, hour, AcquireOptions::new(), |_| async {})
+        .await
+        .unwrap();
+    assert!(
+        again.is_none(),
+        "the interval ran again after its key moved back"
+    );
 }
 
 /// Configs of s1 alone and of s2 alone (heartbeats every 100 ms), both shards migrated by a

@@ -374,7 +374,8 @@ const KEEP_MOVED: &str = concat!(
     "owner = IF(", live_row!(), ", shardlock_lease.owner, src.o), ",
     "fence = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.fence, CAST(src.f AS UNSIGNED)), shardlock_lease.fence), ",
     "expires_at = IF(shardlock_lease.owner = src.o, GREATEST(shardlock_lease.expires_at, NOW(3) + INTERVAL src.l MICROSECOND), shardlock_lease.expires_at), ",
-    "wanted_at = IF(shardlock_lease.owner = src.o, NULL, shardlock_lease.wanted_at)"
+    "wanted_at = IF(shardlock_lease.owner = src.o, NULL, shardlock_lease.wanted_at), ",
+    "holder_trace = IF(shardlock_lease.owner = src.o, NULL, shardlock_lease.holder_trace)"
 );
 
 pub(crate) async fn keep_moved(
