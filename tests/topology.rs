@@ -765,14 +765,7 @@ async fn a_fleet_restarted_onto_a_changed_config_moves_from_the_placement_it_las
     );
     // An operator who evicts the kept row's holder by its name (read off s1) evicts its copy
     // on s2 too.
-    let holder: String = (cluster.shard(0).connect().await.unwrap())
-        .exec_first(
-            "SELECT owner FROM shardlock_lease WHERE lock_key = ?",
-            (kept.as_bytes(),),
-        )
-        .await
-        .unwrap()
-        .unwrap();
+    let holder = owner_on(&cluster, 0, &kept).await;
     let evicted = newcomer
         .force_release_owner_everywhere(&kept, &holder)
         .await
@@ -893,44 +886,11 @@ async fn a_reload_moves_a_finished_scheduled_run_without_waiting_for_its_interva
     let job = common::key_on(&placed, "job", "s2");
     placed.shutdown().await.unwrap();
 
-    let hour = Duration::from_secs(3600);
     let router = LockRouter::from_yaml_str(&one).await.unwrap();
-    let ran = router
-        .run_exclusive(&job, hour, AcquireOptions::new(), |_| async {})
-        .await
-        .unwrap();
-    assert!(ran.is_some(), "the interval's first tick ran");
-    router
-        .reload(Config::from_yaml_str(&two).unwrap())
-        .await
-        .unwrap();
-    let over = common::eventually(Duration::from_secs(60), || async {
-        router.moves_in_progress() == 0
-    })
-    .await;
-    assert!(
-        over,
-        "a move waited for the interval of a finished scheduled run: {:?}",
-        router.stats()
-    );
-    let again = router
-        .run_exclusive(&job, hour, AcquireOptions::new(), |_| async {})
-        .await
-        .unwrap();
-    assert!(
-        again.is_none(),
-        "the interval ran again after its key moved"
-    );
+    assert!(tick(&router, &job).await, "the interval's first tick ran");
+    reloaded_without_a_second_run(&router, &two, &job, "moved").await;
     // A statement of the run's owner (its kept row on s1 names it) does not free the copy.
-    let mut s1 = cluster.shard(0).connect().await.unwrap();
-    let run_owner: String = s1
-        .exec_first(
-            "SELECT owner FROM shardlock_lease WHERE lock_key = ?",
-            (job.as_bytes(),),
-        )
-        .await
-        .unwrap()
-        .unwrap();
+    let run_owner = owner_on(&cluster, 0, &job).await;
     common::backend_at(&cluster.shard(1).url())
         .release(job.as_bytes(), &run_owner)
         .await
@@ -942,16 +902,30 @@ async fn a_reload_moves_a_finished_scheduled_run_without_waiting_for_its_interva
         .await
         .unwrap();
     assert!(other.is_some(), "a process started after the move granted");
-    let again = newcomer
-        .run_exclusive(&job, hour, AcquireOptions::new(), |_| async {})
-        .await
-        .unwrap();
-    assert!(again.is_none(), "a newcomer ran the interval again");
+    assert!(
+        !tick(&newcomer, &job).await,
+        "a newcomer ran the interval again"
+    );
     newcomer.shutdown().await.unwrap();
 
     // Moved back: the move from s2 finds the kept row on s1 as it was left, and ends.
+    reloaded_without_a_second_run(&router, &one, &job, "moved back").await;
+}
+
+/// One tick of the hourly job `job`: whether it ran.
+async fn tick(router: &LockRouter, job: &str) -> bool {
+    let hour = Duration::from_secs(3600);
+    (router.run_exclusive(job, hour, AcquireOptions::new(), |_| async {}))
+        .await
+        .unwrap()
+        .is_some()
+}
+
+/// Reloads `router` onto `yaml`, which moves `job` (`how`); the move must end although the
+/// job's interval has not, and the job must not run again.
+async fn reloaded_without_a_second_run(router: &LockRouter, yaml: &str, job: &str, how: &str) {
     router
-        .reload(Config::from_yaml_str(&one).unwrap())
+        .reload(Config::from_yaml_str(yaml).unwrap())
         .await
         .unwrap();
     let over = common::eventually(Duration::from_secs(60), || async {
@@ -960,17 +934,25 @@ async fn a_reload_moves_a_finished_scheduled_run_without_waiting_for_its_interva
     .await;
     assert!(
         over,
-        "a move back to where a kept row was copied from waited for it: {:?}",
+        "a move ({how}) waited for the interval of a finished scheduled run: {:?}",
         router.stats()
     );
-    let again = router
-        .run_exclusive(&job, hour, AcquireOptions::new(), |_| async {})
-        .await
-        .unwrap();
     assert!(
-        again.is_none(),
-        "the interval ran again after its key moved back"
+        !tick(router, job).await,
+        "the interval ran again after its key {how}"
     );
+}
+
+/// The owner of `key`'s row on shard `i`, read there.
+async fn owner_on(cluster: &Cluster, i: usize, key: &str) -> String {
+    (cluster.shard(i).connect().await.unwrap())
+        .exec_first(
+            "SELECT owner FROM shardlock_lease WHERE lock_key = ?",
+            (key.as_bytes(),),
+        )
+        .await
+        .unwrap()
+        .unwrap()
 }
 
 /// Configs of s1 alone and of s2 alone (heartbeats every 100 ms), both shards migrated by a
