@@ -514,11 +514,16 @@ pub(crate) async fn beat(
         let missed = missed.entry(shard.clone()).or_default();
         match beat {
             Ok(Heartbeat::Beaten {
-                kept_silent: true, ..
+                kept_silent: true,
+                silent_for,
             }) => {
+                let found = if silent_for.is_some() {
+                    "had gone unbeaten for longer than this process's lapse"
+                } else {
+                    "was no longer this start's (forgotten, or taken over and given up)"
+                };
                 beats.unreached.push(format!(
-                    "shard {shard} (its registry row had gone unbeaten for longer than this \
-                     process's lapse, and was left so for it to see)"
+                    "shard {shard} (its registry row {found}, and was left silent for it to see)"
                 ));
             }
             Ok(outcome) => {
@@ -605,8 +610,8 @@ pub(crate) async fn beat_before_leaving(
         } => Err(BackendError::new(
             BackendErrorKind::Other,
             None,
-            "this process's registry row there had gone unbeaten for longer than its lapse: \
-             left so for its heartbeat to see",
+            "this process's registry row there had gone unbeaten for longer than its lapse, \
+             or was no longer its own: left silent for its heartbeat to see",
         )),
         _ => Ok(()),
     }

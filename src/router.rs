@@ -499,6 +499,11 @@ impl LockRouter {
         shards.sort_by_key(Arc::as_ptr);
         shards.dedup_by(|a, b| Arc::ptr_eq(a, b));
         join_all(shards.iter().map(|s| s.resolve_identity())).await;
+        // A shard rebuilt for changed settings judges its first heartbeat as the one before.
+        let before = old.all_shards();
+        for shard in &next.current.shards {
+            shard.inherit_beats(&before);
+        }
         next.previous = old.previous_for_next(&next, window);
         // Shards that were current and are not any more (those that left earlier are being
         // drained already).

@@ -867,6 +867,26 @@ impl ShardState {
         *self.beat_landed.locked() = Some(at);
     }
 
+    /// Takes what this process's heartbeats knew of its registry row on the database that
+    /// one of `others` reaches too (this state was rebuilt by a reload for changed settings):
+    /// the latest heartbeat that landed there, and a silence seen there and not yet moved on.
+    /// Without it, the first heartbeat of the rebuilt state would judge nothing and move on
+    /// a silence the fleet saw (see [`ShardState::silence_to_judge`]).
+    pub(crate) fn inherit_beats(&self, others: &[Arc<ShardState>]) {
+        for other in others {
+            if std::ptr::eq(&**other, self) || !other.same_database(self) {
+                continue;
+            }
+            if let Some(at) = *other.beat_landed.locked() {
+                let mut landed = self.beat_landed.locked();
+                *landed = (*landed).max(Some(at));
+            }
+            if other.silence_seen.load(Ordering::Acquire) {
+                self.silence_seen.store(true, Ordering::Release);
+            }
+        }
+    }
+
     /// How long this process's registry row here may have gone unbeaten by the shard's clock,
     /// as a heartbeat sent now finds it, for that to be no lapse: `lapse`, or longer if its own
     /// clock saw more since its latest heartbeat here was sent (allowing for its drift, for the
@@ -900,8 +920,8 @@ impl ShardState {
     /// start's row (`silent_for` is `None`: taken over and given up by another start, or
     /// forgotten) while its latest heartbeat here was within its lapse by its own clock.
     /// Nothing is known before a heartbeat of this process landed here. (A row no longer its
-    /// own that the first try of a heartbeat made its own again, its reply lost, is found its
-    /// own by the try sent again: that case is not seen.)
+    /// own that the first try of a judging heartbeat made its own again, its reply lost, was
+    /// written silent for longer than it judges: the try sent again finds that kept silence.)
     pub(crate) fn went_silent(
         &self,
         silent_for: Option<Duration>,

@@ -225,12 +225,13 @@ async fn age_a_minute(cluster: &Cluster, holder: &LockRouter) {
         .unwrap();
 }
 
-/// `guard` of `holder` is lost for its process's silence, and `holder`, joined again,
+/// `guard` of `holder` is lost for its process's silence (the fleet counted it dead), and
+/// `holder`, joined again,
 /// grants again.
 async fn lost_to_its_silence(holder: &LockRouter, guard: &LockGuard) {
     tokio::time::timeout(Duration::from_secs(30), guard.lost())
         .await
-        .expect("a lease of a process the fleet saw silent for a minute was never lost");
+        .expect("a lease of a process the fleet counted dead was never lost");
     assert!(!guard.is_held());
     assert!(holder.stats().heartbeat_lapses >= 1);
     let again = holder
@@ -247,11 +248,42 @@ async fn lost_to_its_silence(holder: &LockRouter, guard: &LockGuard) {
 /// sent again found a row beaten a moment ago.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_silence_found_by_a_heartbeat_whose_reply_was_lost_is_found_all_the_same() {
+    let fleet = b"frozen-fleet-7";
+    let (cluster, proxy, holder, guard) = holding_behind_a_proxy(fleet).await;
+    reply_lost_to_the_heartbeat_after(&cluster, &proxy, &holder, fleet, age_a_minute).await;
+    lost_to_its_silence(&holder, &guard).await;
+}
+
+/// As above, with the row no longer the process's own: while it stood still, another start
+/// under its instance id took the row over and shut down (or a cleaner forgot the row). The
+/// heartbeat that takes the row back has its reply lost, and the try sent again finds the row
+/// its own: that row was written silent, as the fleet had seen it, so the try finds the
+/// silence. Before, it found a row beaten a moment ago, and the process held and granted on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_given_up_by_a_twin_and_taken_back_by_a_heartbeat_whose_reply_was_lost_is_seen() {
+    let fleet = b"given-up-fleet-8";
+    let (cluster, proxy, holder, guard) = holding_behind_a_proxy(fleet).await;
+    reply_lost_to_the_heartbeat_after(&cluster, &proxy, &holder, fleet, given_up_by_a_twin).await;
+    lost_to_its_silence(&holder, &guard).await;
+}
+
+/// Makes `holder`'s registry row on the first shard another start's, shut down.
+async fn given_up_by_a_twin(cluster: &Cluster, holder: &LockRouter) {
+    (cluster.shard(0).connect().await.unwrap())
+        .exec_drop(
+            "UPDATE shardlock_instance SET nonce = 'a-twin', deregistered_at = NOW(3) \
+             WHERE instance_id = ?",
+            (holder.instance_id(),),
+        )
+        .await
+        .unwrap();
+}
+
+/// A router on one shard behind a proxy, in a fleet named `fleet` (a name no other request
+/// carries), holding a lease of a minute on "k".
+async fn holding_behind_a_proxy(fleet: &[u8]) -> (Cluster, Proxy, LockRouter, LockGuard) {
     let cluster = Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    // The fleet's name travels with every heartbeat (and with the placement record's
-    // statements, done once the router has recorded).
-    let fleet: &'static [u8] = b"frozen-fleet-7";
     let holder = LockRouter::from_yaml_str(&format!(
         "shards:\n  - name: s1\n    url: {}\ninstance:\n  fleet: {}\n",
         proxy.url(),
@@ -264,11 +296,38 @@ async fn a_silence_found_by_a_heartbeat_whose_reply_was_lost_is_found_all_the_sa
         .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
         .await
         .unwrap();
-    common::until_router_recorded(&holder).await;
-    // Right after a heartbeat landed (none is on its way), the row is aged and the next
-    // heartbeat's reply lost.
-    let just_beaten = common::eventually(Duration::from_secs(30), || {
-        let (cluster, id) = (&cluster, holder.instance_id());
+    (cluster, proxy, holder, guard)
+}
+
+/// Right after a heartbeat of `holder` landed (none is on its way), `change` is made to its
+/// registry row and the reply to the next heartbeat is lost: the first request that carries
+/// the fleet's name (every heartbeat does, and so do the placement record's statements, done
+/// once the router has recorded).
+async fn reply_lost_to_the_heartbeat_after<'a, F: std::future::Future<Output = ()>>(
+    cluster: &'a Cluster,
+    proxy: &Proxy,
+    holder: &'a LockRouter,
+    fleet: &'static [u8],
+    change: impl FnOnce(&'a Cluster, &'a LockRouter) -> F,
+) {
+    common::until_router_recorded(holder).await;
+    just_beaten(cluster, holder).await;
+    change(cluster, holder).await;
+    proxy.set(ProxyMode::LoseReplyTo(fleet));
+    assert_eq!(
+        holder.stats().heartbeat_lapses,
+        0,
+        "a lapse before the reply was lost"
+    );
+    tokio::time::timeout(Duration::from_secs(30), proxy.wait_for(ProxyMode::Pass))
+        .await
+        .expect("no heartbeat's reply was lost");
+}
+
+/// Waits until a heartbeat of `holder` has just landed on the first shard: none is on its way.
+async fn just_beaten(cluster: &Cluster, holder: &LockRouter) {
+    let landed = common::eventually(Duration::from_secs(30), || {
+        let id = holder.instance_id();
         async move {
             let age: Option<i64> = (cluster.shard(0).connect().await.unwrap())
                 .exec_first(
@@ -282,17 +341,39 @@ async fn a_silence_found_by_a_heartbeat_whose_reply_was_lost_is_found_all_the_sa
         }
     })
     .await;
-    assert!(just_beaten, "no heartbeat landed");
+    assert!(landed, "no heartbeat landed");
+}
+
+/// As above, with a reload between the freeze and the heartbeat that finds it: the reload
+/// changed the shard's settings (not which database it reaches), so the shard's state was
+/// rebuilt, and the rebuilt state's first heartbeat judges as the old one's would have.
+/// Before, it judged nothing (it knew of no heartbeat landed there) and moved the silence on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silence_is_found_by_the_first_heartbeat_of_a_shard_a_reload_rebuilt() {
+    let cluster = Cluster::start(1).await.unwrap();
+    // Heartbeats far apart: none comes between the aging and the reload.
+    let config = |timeout: &str| {
+        Config::from_yaml_str(&cluster.config_yaml(&format!(
+            "    statement-timeout: {timeout}\ncleaner:\n  heartbeat-interval: 5s\n  \
+             heartbeat-timeout: 30s\n"
+        )))
+        .unwrap()
+    };
+    let holder = LockRouter::new(config("5s")).await.unwrap();
+    holder.migrate().await.unwrap();
+    let guard = holder
+        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    common::until_router_recorded(&holder).await;
+    just_beaten(&cluster, &holder).await;
     age_a_minute(&cluster, &holder).await;
-    proxy.set(ProxyMode::LoseReplyTo(fleet));
     assert_eq!(
         holder.stats().heartbeat_lapses,
         0,
-        "a lapse before the reply was lost"
+        "a lapse before the reload"
     );
-    tokio::time::timeout(Duration::from_secs(30), proxy.wait_for(ProxyMode::Pass))
-        .await
-        .expect("no heartbeat's reply was lost");
+    holder.reload(config("6s")).await.unwrap();
     lost_to_its_silence(&holder, &guard).await;
 }
 

@@ -31,19 +31,22 @@ macro_rules! silent_past_timeout {
 /// same clock, so liveness never depends on two machines' clocks agreeing. The first
 /// assignment reports, through `LAST_INSERT_ID`, how long a row of this start (nonce `?`) had
 /// gone unbeaten by the shard's clock, in µs, times 2, plus 1 if that is longer than `?` µs
-/// ([`Beat::judge_silence`]), plus 2 (1: the row was not this start's); it sets `host` to `?`
-/// either way. Such a silence is left in the row (`heartbeat_at` is not moved) for the
-/// process to see, also when this reply is lost and the statement is sent again: only a
-/// heartbeat that does not judge (once the process has acted on it) moves it on.
+/// ([`Beat::judge_silence`]), plus 3 (a row that was not this start's: 1, or 2 when it is
+/// left silent, below); it sets `host` to `?` either way. Such a silence is left in the row
+/// (`heartbeat_at` is not moved) for the process to see, also when this reply is lost and the
+/// statement is sent again: only a heartbeat that does not judge (once the process has acted
+/// on it) moves it on. A row that was not this start's, taken by a heartbeat that judges, is
+/// written silent for `?` µs (0 when it does not judge): longer than it judges, so that a
+/// try sent again after a lost reply finds that silence in what is now its own row.
 const HEARTBEAT: &str = concat!(
     "UPDATE shardlock_instance SET host = IF(LAST_INSERT_ID(IF(nonce <=> ?, ",
     "GREATEST(0, TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3))) * 2 ",
-    "+ (TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) > ?) + 2, 1)) = 0, host, ?), ",
+    "+ (TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) > ?) + 3, 1 + (? > 0))) = 0, host, ?), ",
     "pid = ?, ",
     "started_at = IF(nonce <=> ?, started_at, NOW(3)), ",
     "heartbeat_timeout_ms = IF(nonce <=> ?, GREATEST(COALESCE(heartbeat_timeout_ms, 0), ?), ?), ",
-    "heartbeat_at = IF(nonce <=> ? AND TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) > ?, ",
-    "heartbeat_at, NOW(3)), ",
+    "heartbeat_at = IF(nonce <=> ?, IF(TIMESTAMPDIFF(MICROSECOND, heartbeat_at, NOW(3)) > ?, ",
+    "heartbeat_at, NOW(3)), NOW(3) - INTERVAL ? MICROSECOND), ",
     "nonce = ?, ",
     "deregistered_at = NULL, topology = ?, moving = ?, fleet = ?, servers = ? ",
     "WHERE instance_id = ? AND (nonce <=> ? OR deregistered_at IS NOT NULL OR heartbeat_at <= ",
@@ -51,12 +54,17 @@ const HEARTBEAT: &str = concat!(
     ")"
 );
 
-/// The first heartbeat of an instance id on the shard (`started_at` = now); an existing row
-/// is left as it is. Then [`BEAT_LAST`] says whose the row is.
+/// The longest silence a heartbeat writes into a row it takes (see [`HEARTBEAT`]): a year,
+/// longer than any silence a process judges before its own clock has lapsed it.
+const MAX_SILENCE_US: i64 = 365 * 24 * 3600 * 1_000_000;
+
+/// The first heartbeat of an instance id on the shard (`started_at` = now), silent for `?` µs
+/// as [`HEARTBEAT`] writes a row it takes; an existing row is left as it is. Then
+/// [`BEAT_LAST`] says whose the row is.
 const REGISTER: &str = "INSERT INTO shardlock_instance \
      (instance_id, host, pid, nonce, started_at, heartbeat_at, deregistered_at, topology, \
      moving, fleet, heartbeat_timeout_ms, servers) \
-     VALUES (?, ?, ?, ?, NOW(3), NOW(3), NULL, ?, ?, ?, ?, ?) \
+     VALUES (?, ?, ?, ?, NOW(3), NOW(3) - INTERVAL ? MICROSECOND, NULL, ?, ?, ?, ?, ?) \
      ON DUPLICATE KEY UPDATE instance_id = instance_id";
 
 /// Who beat last under an instance id.
@@ -259,7 +267,11 @@ pub enum Heartbeat {
         /// its timeout).
         silent_for: Option<std::time::Duration>,
         /// The silence was longer than [`Beat::judge_silence`]: the row was left unbeaten, as
-        /// the rest of the fleet sees it, until a heartbeat that does not judge.
+        /// the rest of the fleet sees it, until a heartbeat that does not judge. With
+        /// `silent_for` `None`: the row was not this start's (the fleet counted it dead:
+        /// forgotten, or taken over by another start and given up) and the heartbeat judged,
+        /// so it was written silent for longer than it judges, and stays so, as the fleet saw
+        /// it, until a heartbeat that does not judge.
         kept_silent: bool,
     },
     /// Another start beats under this instance id, live: the row was left alone.
@@ -278,9 +290,15 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
     let judge_us = (beat.judge_silence).map_or(i64::MAX, |d| {
         i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
     });
+    // A row not this start's that a judging heartbeat takes is written silent for longer than
+    // it judges, and past the timeout as the fleet saw it.
+    let left_silent_us = (beat.judge_silence).map_or(0, |_| {
+        (judge_us.saturating_add(i64::try_from(timeout_us).unwrap_or(i64::MAX))).min(MAX_SILENCE_US)
+    });
     let params: Vec<Value> = vec![
         beat.nonce.into(),
         judge_us.into(),
+        left_silent_us.into(),
         beat.host.into(),
         beat.pid.into(),
         beat.nonce.into(),
@@ -289,6 +307,7 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
         timeout_ms.into(),
         beat.nonce.into(),
         judge_us.into(),
+        left_silent_us.into(),
         beat.nonce.into(),
         beat.topology.into(),
         beat.moving.into(),
@@ -300,10 +319,11 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
     ];
     conn.exec_drop(HEARTBEAT, params).await?;
     if conn.affected_rows() > 0 {
-        let own = (conn.last_insert_id()).filter(|&v| v >= 2).map(|v| v - 2);
+        let found = conn.last_insert_id().unwrap_or(1);
+        let own = found.checked_sub(3);
         return Ok(Heartbeat::Beaten {
             silent_for: own.map(|v| std::time::Duration::from_micros(v / 2)),
-            kept_silent: own.is_some_and(|v| v % 2 == 1),
+            kept_silent: own.map_or(found == 2, |v| v % 2 == 1),
         });
     }
     let params: Vec<Value> = vec![
@@ -311,6 +331,7 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
         beat.host.into(),
         beat.pid.into(),
         beat.nonce.into(),
+        left_silent_us.into(),
         beat.topology.into(),
         beat.moving.into(),
         beat.fleet.into(),
@@ -328,7 +349,7 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
         }
         _ => Heartbeat::Beaten {
             silent_for: None,
-            kept_silent: false,
+            kept_silent: left_silent_us > 0,
         },
     })
 }
@@ -615,6 +636,43 @@ mod tests {
         age(61).await;
         let taken = silence(shard.heartbeat(beat("a", "n2", timeout)).await.unwrap());
         assert_eq!(taken, None);
+        // A row that is not its start's, taken (given up by another start) or written anew
+        // (forgotten) by a heartbeat that judges, is written silent, so that the try sent
+        // again after a lost reply finds a kept silence in what is its own row by then.
+        shard.deregister("a", "n2").await.unwrap();
+        let forgotten = || async {
+            (cluster.shard(0).connect().await.unwrap())
+                .query_drop("DELETE FROM shardlock_instance")
+                .await
+                .unwrap();
+        };
+        for give_up in [None, Some(forgotten)] {
+            if let Some(forget) = give_up {
+                forget().await;
+            }
+            let retaken = shard.heartbeat(judging).await.unwrap();
+            assert_eq!(
+                retaken,
+                Heartbeat::Beaten {
+                    silent_for: None,
+                    kept_silent: true
+                }
+            );
+            let again = shard.heartbeat(judging).await.unwrap();
+            assert!(
+                matches!(again, Heartbeat::Beaten { silent_for: Some(s), kept_silent: true }
+                    if s >= Duration::from_secs(20) + timeout),
+                "{again:?}"
+            );
+            let rows = shard.instances().await.unwrap();
+            assert_eq!(
+                rows[0].verdict(timeout),
+                InstanceVerdict::Dead,
+                "as the fleet saw it"
+            );
+            let moved_on = silence(shard.heartbeat(beat("a", "n1", timeout)).await.unwrap());
+            assert!(moved_on.is_some_and(|s| s > timeout), "{moved_on:?}");
+        }
     }
 
     /// The timeout the registry row of `id` says.
