@@ -495,7 +495,8 @@ async fn carry_once(
             .done(source)?;
         // This process's last heartbeat there names the topology it moved to.
         let advertised = router.advertised(&topology);
-        registry::beat_before_leaving(&topology, &advertised, &router.shared, source)
+        let silent = |shard: &str| router.silence_seen(shard);
+        registry::beat_before_leaving(&topology, &advertised, &router.shared, source, &silent)
             .await
             .map_err(|e| {
                 not_yet(

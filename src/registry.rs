@@ -582,12 +582,15 @@ fn this_beat<'a>(
 /// One heartbeat on `shard`, a shard of a placement whose move is about to end, if the registry
 /// in force is `heartbeat`: after the end this process beats there no more, and its row there
 /// must name the topology it moved to (see `live_fleet`), not the one it left, even if every
-/// best-effort beat there failed. An error when the shard did not take it.
+/// best-effort beat there failed. An error when the shard did not take it. `silent` is called
+/// with the shard's name if this process's row there had gone unbeaten for longer than it
+/// can have known, as in [`beat`].
 pub(crate) async fn beat_before_leaving(
     topology: &Topology,
     (fingerprint, servers): &(String, Option<String>),
     shared: &Shared,
     shard: &ShardState,
+    silent: &(dyn Fn(&str) + Sync),
 ) -> Result<(), BackendError> {
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
         return Ok(());
@@ -598,13 +601,32 @@ pub(crate) async fn beat_before_leaving(
     // heartbeat judges it: unjudged, this write would move on a silence the heartbeat has yet
     // to see (see `ShardState::silence_to_judge`), and that heartbeat would find none.
     let current = (topology.current.shards.iter()).find(|c| c.same_database(shard));
+    let lapse = crate::state::lapse(&topology.config);
     let beat = Beat {
-        judge_silence: current.and_then(|c| {
-            c.silence_to_judge(crate::state::lapse(&topology.config), &topology.config)
-        }),
+        judge_silence: current.and_then(|c| c.silence_to_judge(lapse, &topology.config)),
         ..beat
     };
-    match shard.call(|b| b.heartbeat(beat)).await? {
+    let outcome = shard.call(|b| b.heartbeat(beat)).await?;
+    // A silence found here is this process's lapse, as the heartbeat's is.
+    if let (
+        Some(current),
+        Heartbeat::Beaten {
+            silent_for,
+            kept_silent,
+        },
+    ) = (current, &outcome)
+    {
+        if current.went_silent(
+            *silent_for,
+            *kept_silent,
+            Moment::now(),
+            lapse,
+            &topology.config,
+        ) {
+            silent(current.name());
+        }
+    }
+    match outcome {
         Heartbeat::Beaten {
             kept_silent: true, ..
         } => Err(BackendError::new(

@@ -438,7 +438,7 @@ impl Inner {
     /// have counted this process dead meanwhile, ended moves it had not made, and granted its
     /// keys where their topology places them. As after a lapse: its leases on shards are lost
     /// and it grants nothing until it has joined its fleet again.
-    fn silence_seen(&self, shard: &str) {
+    pub(crate) fn silence_seen(&self, shard: &str) {
         let why = format!(
             "this process's row in the registry of shard {shard} had gone unbeaten for longer \
              by that shard's clock than this process's clock saw since its heartbeat there, \

@@ -215,19 +215,23 @@ async fn a_process_whose_clocks_stood_still_finds_its_silence_by_the_shards_cloc
 /// Ages `holder`'s registry row on the first shard by a minute, as the fleet sees a process
 /// frozen that long.
 async fn age_a_minute(cluster: &Cluster, holder: &LockRouter) {
+    age_by(cluster, holder, Duration::from_secs(60)).await;
+}
+
+/// Ages `holder`'s registry row on the first shard by `by`.
+async fn age_by(cluster: &Cluster, holder: &LockRouter, by: Duration) {
     (cluster.shard(0).connect().await.unwrap())
         .exec_drop(
-            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
+            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL ? SECOND \
              WHERE instance_id = ?",
-            (holder.instance_id(),),
+            (by.as_secs(), holder.instance_id()),
         )
         .await
         .unwrap();
 }
 
 /// `guard` of `holder` is lost for its process's silence (the fleet counted it dead), and
-/// `holder`, joined again,
-/// grants again.
+/// `holder`, joined again, grants again.
 async fn lost_to_its_silence(holder: &LockRouter, guard: &LockGuard) {
     tokio::time::timeout(Duration::from_secs(30), guard.lost())
         .await
@@ -374,6 +378,62 @@ async fn a_silence_is_found_by_the_first_heartbeat_of_a_shard_a_reload_rebuilt()
         "a lapse before the reload"
     );
     holder.reload(config("6s")).await.unwrap();
+    lost_to_its_silence(&holder, &guard).await;
+}
+
+/// As above, found by the last heartbeat of a reload's move on a shard that stays current (a
+/// reload that adds a shard): the move does not end, and the process lapses at once. Before,
+/// that heartbeat only failed the move, and the process held and granted on until its next
+/// heartbeat (here a minute later, after the test's wait).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silence_found_by_the_last_heartbeat_of_a_move_is_a_lapse_at_once() {
+    let cluster = Cluster::start(2).await.unwrap();
+    let yaml = |n: usize| {
+        let mut yaml = String::from("shards:\n");
+        for s in &cluster.shards()[..n] {
+            yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
+        }
+        yaml + "routing:\n  move-window: 3s\ncleaner:\n  heartbeat-interval: 60s\n  \
+                heartbeat-timeout: 120s\n"
+    };
+    common::migrate_only(&yaml(2)).await;
+    let holder = LockRouter::from_yaml_str(&yaml(1)).await.unwrap();
+    let guard = holder
+        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    common::until_router_recorded(&holder).await;
+    holder
+        .reload(Config::from_yaml_str(&yaml(2)).unwrap())
+        .await
+        .unwrap();
+    // The reload's heartbeat advertises the move; then the freeze, before the window ends.
+    let advertised = common::eventually(Duration::from_secs(30), || {
+        let (cluster, id) = (&cluster, holder.instance_id());
+        async move {
+            let moving: Option<bool> = (cluster.shard(0).connect().await.unwrap())
+                .exec_first(
+                    "SELECT moving <> 0 FROM shardlock_instance WHERE instance_id = ?",
+                    (id,),
+                )
+                .await
+                .unwrap();
+            moving == Some(true)
+        }
+    })
+    .await;
+    assert!(advertised, "the reload's heartbeat never landed");
+    age_by(&cluster, &holder, Duration::from_secs(600)).await;
+    assert_eq!(
+        holder.stats().heartbeat_lapses,
+        0,
+        "a lapse before the freeze"
+    );
+    assert_eq!(
+        holder.moves_in_progress(),
+        1,
+        "the move ended before the freeze"
+    );
     lost_to_its_silence(&holder, &guard).await;
 }
 
