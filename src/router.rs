@@ -499,11 +499,6 @@ impl LockRouter {
         shards.sort_by_key(Arc::as_ptr);
         shards.dedup_by(|a, b| Arc::ptr_eq(a, b));
         join_all(shards.iter().map(|s| s.resolve_identity())).await;
-        // A shard rebuilt for changed settings judges its first heartbeat as the one before.
-        let before = old.all_shards();
-        for shard in &next.current.shards {
-            shard.inherit_beats(&before);
-        }
         next.previous = old.previous_for_next(&next, window);
         // Shards that were current and are not any more (those that left earlier are being
         // drained already).
@@ -532,6 +527,11 @@ impl LockRouter {
         // Not between a join's heartbeat and its reading of the fleet: the join vouches for
         // the topology it beat with.
         let joining = self.inner.joining.lock().await;
+        // A shard rebuilt for changed settings judges its first heartbeat as the one it
+        // replaces would have. (Under `joining`: no heartbeat is on its way meanwhile.)
+        for shard in &next.current.shards {
+            shard.inherit_beats(&old.current.shards);
+        }
         if old.config.cleaner.registry != RegistryKind::Heartbeat
             && next.config.cleaner.registry == RegistryKind::Heartbeat
         {

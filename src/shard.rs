@@ -867,23 +867,21 @@ impl ShardState {
         *self.beat_landed.locked() = Some(at);
     }
 
-    /// Takes what this process's heartbeats knew of its registry row on the database that
-    /// one of `others` reaches too (this state was rebuilt by a reload for changed settings):
-    /// the latest heartbeat that landed there, and a silence seen there and not yet moved on.
-    /// Without it, the first heartbeat of the rebuilt state would judge nothing and move on
-    /// a silence the fleet saw (see [`ShardState::silence_to_judge`]).
-    pub(crate) fn inherit_beats(&self, others: &[Arc<ShardState>]) {
-        for other in others {
-            if std::ptr::eq(&**other, self) || !other.same_database(self) {
-                continue;
-            }
-            if let Some(at) = *other.beat_landed.locked() {
-                let mut landed = self.beat_landed.locked();
-                *landed = (*landed).max(Some(at));
-            }
-            if other.silence_seen.load(Ordering::Acquire) {
-                self.silence_seen.store(true, Ordering::Release);
-            }
+    /// Takes what this process's heartbeats knew of its registry row on the database that a
+    /// shard state of `replaced` (the current ones of the topology before a reload) reaches
+    /// too, when this state is not one of them (it was rebuilt for changed settings): the
+    /// latest heartbeat that landed there, and whether a silence seen there is still to be
+    /// moved on. Without it, the first heartbeat of the rebuilt state would judge nothing
+    /// and move on a silence the fleet saw (see [`ShardState::silence_to_judge`]).
+    pub(crate) fn inherit_beats(&self, replaced: &[Arc<ShardState>]) {
+        if replaced.iter().any(|r| std::ptr::eq(&**r, self)) {
+            return;
+        }
+        let latest = (replaced.iter().filter(|r| r.same_database(self)))
+            .max_by_key(|r| *r.beat_landed.locked());
+        if let Some(old) = latest {
+            *self.beat_landed.locked() = *old.beat_landed.locked();
+            (self.silence_seen).store(old.silence_seen.load(Ordering::Acquire), Ordering::Release);
         }
     }
 

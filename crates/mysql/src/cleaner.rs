@@ -54,8 +54,9 @@ const HEARTBEAT: &str = concat!(
     ")"
 );
 
-/// The longest silence a heartbeat writes into a row it takes (see [`HEARTBEAT`]): a year,
-/// longer than any silence a process judges before its own clock has lapsed it.
+/// The longest silence a heartbeat writes into a row it takes (see [`HEARTBEAT`]): a year.
+/// A process judges a longer one only once its own clock saw that long since its heartbeat
+/// there, and it has lapsed by that clock already.
 const MAX_SILENCE_US: i64 = 365 * 24 * 3600 * 1_000_000;
 
 /// The first heartbeat of an instance id on the shard (`started_at` = now), silent for `?` µs
