@@ -288,7 +288,7 @@ impl LockGuard {
         rows.extend(lease.companion_rows());
         for (shard, row) in &rows {
             match shard
-                .call(|b| b.extend(row.key.stored(), &row.owner, by))
+                .call_row(|b| b.extend(row.key.stored(), &row.owner, by))
                 .await
             {
                 Ok(true) => {}
@@ -586,7 +586,7 @@ async fn handoff_through_shard(
         trace: None,
     };
     let sent = Moment::now();
-    match shard.call(|b| b.handoff(&lease.owner, &req)).await {
+    match shard.call_row(|b| b.handoff(&lease.owner, &req)).await {
         Ok(HandoffOutcome::Granted(fence)) => {
             shared.stats.grants.fetch_add(1, Ordering::Relaxed);
             shared.stats.handoffs.fetch_add(1, Ordering::Relaxed);
@@ -724,13 +724,15 @@ pub(crate) fn retry_if_failed(
     if answer.is_ok() || lease.at_least().is_some() {
         return;
     }
-    // An extended lease's row may last beyond its ttl; a local one's deadline is no row's.
-    let left = match lease.local {
+    // An extended lease's row may last beyond its ttl, and so may the row a re-acquire of an
+    // in-process lease asked for (`row_ttl`); the deadline of one still held in process only
+    // is no row's.
+    let left = match lease.in_process_only() {
         true => std::time::Duration::ZERO,
         false => lease.deadline().saturating_duration_since(Moment::now()),
     };
     let (key, owner) = (lease.key.stored().to_vec(), lease.owner.clone());
-    shard.release_later(key, owner, lease.ttl.max(left));
+    shard.release_later(key, owner, lease.row_ttl().max(left));
 }
 
 fn lost(shard: &ShardState, lease: &LeaseState) -> Error {

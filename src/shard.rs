@@ -204,6 +204,27 @@ impl ShardState {
             .await
     }
 
+    /// [`ShardState::call`] for a lease statement that takes its row's lock (a release, an
+    /// extend, a hand-off): it may wait behind another transaction's lock on the row (a
+    /// transaction lock on the key, a console session), which says nothing of the shard's
+    /// health. A slow answer is judged by a statement that waits for no lock instead, as a
+    /// grant's is, and the server's answer that the lock wait ran out (1205) counts for the
+    /// shard.
+    pub(crate) async fn call_row<'s, T, F>(
+        &'s self,
+        statement: impl FnOnce(&'s Shard) -> F,
+    ) -> Result<T, BackendError>
+    where
+        F: std::future::Future<Output = Result<T, BackendError>> + 's,
+    {
+        self.call_timed(statement(&self.backend), |result| match result {
+            Ok(_) => Timing::Undecided,
+            Err(e) if e.kind == BackendErrorKind::LockWaitTimeout => Timing::Ignored,
+            Err(_) => Timing::Counts,
+        })
+        .await
+    }
+
     /// [`ShardState::call`] for callers outside the lease machinery (the other lock
     /// patterns): errors name the shard.
     pub(crate) async fn run<'s, T, F>(
@@ -351,7 +372,7 @@ impl ShardState {
             // Sent by the caller: a release dropped midway leaves the row to its ttl, as it
             // would in a batch whose caller went away (the statement still runs there).
             let _leave = LeaveLane(self);
-            return self.call(|b| b.release(key, owner)).await;
+            return self.call_row(|b| b.release(key, owner)).await;
         }
         // Queued again once if the lane's last runner ended without sending it (its runtime
         // shut down while this caller's runs on): this push starts a runner here.
@@ -380,7 +401,7 @@ impl ShardState {
         match at_least {
             None => self.release(key, owner).await,
             Some(_) => {
-                let answer = self.call(|b| b.release_after(key, owner, at_least)).await;
+                let answer = (self.call_row(|b| b.release_after(key, owner, at_least))).await;
                 // Answered: the row shows its hold (a zero ttl), or is not this owner's.
                 if answer.is_ok() {
                     self.shared.released_kept(owner);

@@ -201,6 +201,39 @@ async fn extend_moves_the_end_of_a_local_hold_once_it_was_reconciled() {
     guard.release().await.unwrap();
 }
 
+/// A key held in process, re-acquired on its shard and extended there, whose release fails
+/// (the shard cut off again) is given back for as long as its extended row lasts. Before, a
+/// hold granted in process was given back for its ttl only, as if it had no row: a shard away
+/// for longer left the key taken by nobody until the extension ran out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_release_of_an_extended_hold_reconciled_from_process_is_given_back_later() {
+    let (rig, key, guard) =
+        held_locally_for(AcquireOptions::new().ttl(Duration::from_secs(2))).await;
+    reconciled(&rig).await;
+    guard.extend(Duration::from_secs(300)).await.unwrap();
+    rig.proxy.set(ProxyMode::Reset);
+    let released = guard.release().await;
+    assert!(
+        released.is_err(),
+        "released through a cut link: {released:?}"
+    );
+    // Away for longer than the lease's ttl (the give-back's window before).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    rig.proxy.set(ProxyMode::Pass);
+    let other = direct_router(&rig).await;
+    let taken = common::eventually(Duration::from_secs(30), || async {
+        matches!(
+            other.try_acquire(&key, AcquireOptions::new()).await,
+            Ok(Some(_))
+        )
+    })
+    .await;
+    assert!(
+        taken,
+        "the extended row of a failed release was never given back"
+    );
+}
+
 /// A key held in process and re-acquired on its shard since is lost, as any lease on a shard
 /// is, when its process's heartbeat lapses (here: the fleet saw its registry row silent for a
 /// minute, as after a freeze): the fleet may count the process dead and take the key where

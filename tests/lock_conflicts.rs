@@ -340,6 +340,60 @@ async fn an_acquire_slowed_by_a_row_lock_counts_against_no_shard() {
     granted.release().await.unwrap();
 }
 
+/// A release kept waiting behind another transaction's lock on its row is slow because the
+/// row is busy, not because the shard is: answered late, or told by the server that its lock
+/// wait ran out (1205), it counts against no shard, and the row is freed once the lock goes.
+/// Before, a slow release counted as a slow call, and one whose lock wait ran out was sent
+/// again into the client's timeout: either opened a breaker that opens on one such call.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_release_held_up_by_a_row_lock_counts_against_no_shard() {
+    // A lock wait of 9 s and then of 1 s; a breaker that opens on one failure or one call
+    // slower than 2 s, with no registry's heartbeats beside the release.
+    let cluster = Cluster::start(1).await.unwrap();
+    common::migrate_only(&cluster.config_yaml("")).await;
+    for statement_timeout in ["10s", "2s"] {
+        let yaml = format!(
+            "shards:\n  - name: s1\n    url: {}\n    statement-timeout: {statement_timeout}\n\
+             breaker:\n  consecutive-failures: 1\n  slow-call: 2s\ncleaner:\n  registry: static\n",
+            cluster.shard(0).url()
+        );
+        let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+        let held = router.acquire("busy", AcquireOptions::new()).await.unwrap();
+        let mut competitor = Competitor::begin(cluster.shard(0), false).await.unwrap();
+        let key = competitor.key_of(held.owner()).await.unwrap().unwrap();
+        competitor.lock(&key).await.unwrap();
+        let releasing = tokio::spawn(held.release());
+        common::until_a_row_lock_is_waited_for(cluster.shard(0)).await;
+        let released = if statement_timeout == "10s" {
+            // Past the slow-call threshold, within the server's lock wait (9 s).
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            competitor.end().await.unwrap();
+            releasing.await.unwrap()
+        } else {
+            // The server's lock wait (1 s) runs out first; the row is given back once the
+            // lock goes.
+            let released = releasing.await.unwrap();
+            competitor.end().await.unwrap();
+            released
+        };
+        assert!(
+            router.breaker_transitions("s1").is_empty(),
+            "a release held up by a row lock counted against its shard ({released:?}): {:?}",
+            router.breaker_transitions("s1")
+        );
+        let freed = common::eventually(Duration::from_secs(30), || async {
+            let other = router.try_acquire("busy", AcquireOptions::new()).await;
+            match other {
+                Ok(Some(guard)) => guard.release().await.is_ok(),
+                _ => false,
+            }
+        })
+        .await;
+        assert!(freed, "the row stayed taken ({released:?})");
+        router.shutdown().await.unwrap();
+    }
+}
+
 /// A slow acquire is judged by a statement that waits for no lock: on a slow link that one is
 /// slow too, and the breaker opens, whatever else the process sends (an acquire answered
 /// slowly decided nothing, and with no release or heartbeat to judge, a slow shard never

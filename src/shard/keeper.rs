@@ -188,7 +188,7 @@ impl ShardState {
         let sent = Moment::now();
         let by = to - sent;
         let key = lease.key.stored();
-        match self.call(|b| b.extend(key, &lease.owner, by)).await {
+        match self.call_row(|b| b.extend(key, &lease.owner, by)).await {
             Ok(true) => lease.extend_from(sent, by),
             // Released meanwhile, or not ours any more.
             Ok(false) if lease.has_ended() => {}

@@ -215,14 +215,14 @@ impl Running<AcquireRequest, Attempt> {
             let (requests, orphans): (Vec<GrantRequest>, Vec<bool>) = requests.into_iter().unzip();
             let stats = &shard.shared.stats;
             let result = if let [request] = requests.as_slice() {
-                let result = shard.call_timed(shard.backend.acquire(request), |r| {
-                    acquire_timing(r, |a| *a == Attempt::Locked)
-                });
-                result.await.map(|attempt| BatchGrants {
+                let told = shard.backend.acquire_telling_lost_try(request);
+                let result =
+                    shard.call_timed(told, |r| acquire_timing(r, |(a, _)| *a == Attempt::Locked));
+                // (Never sent again below: that takes a batch.)
+                result.await.map(|(attempt, after_lost_try)| BatchGrants {
                     attempts: vec![attempt],
                     statements: 1,
-                    // Never sent again below: its `Held` marks a lost try itself.
-                    after_lost_try: false,
+                    after_lost_try,
                 })
             } else {
                 let result = shard.call_timed(shard.backend.acquire_batch(&requests), |r| {
@@ -262,7 +262,7 @@ impl Running<AcquireRequest, Attempt> {
                 continue;
             }
             for (((request, orphan), answer), outcome) in each.zip(outcomes) {
-                shard.answer_acquire(request, orphan, answer, outcome, unknown);
+                shard.answer_acquire(request, orphan, answer, outcome, unknown, after_lost_try);
             }
         }
         self.counted = false;
@@ -271,8 +271,10 @@ impl Running<AcquireRequest, Attempt> {
 
 impl ShardState {
     /// Answers an acquire's caller with `outcome`. A grant nobody took (its caller gave up), or
-    /// an outcome that is unknown, undone by a lock wait or answered after a lost try, is given
-    /// back, owner-checked, for a caller that may go away.
+    /// an outcome that is unknown, or answered after a try that may have written (a lost
+    /// reply: `after_lost_try`), is given back, owner-checked, for a caller that may go away.
+    /// A lock wait that ran out after no such try wrote nothing, and is not given back (the
+    /// give-back would wait behind the same lock, holding a connection, at every poll).
     fn answer_acquire(
         self: &Arc<Self>,
         request: GrantRequest,
@@ -280,15 +282,13 @@ impl ShardState {
         answer: oneshot::Sender<Result<Attempt, BackendError>>,
         outcome: Result<Attempt, BackendError>,
         unknown: bool,
+        after_lost_try: bool,
     ) {
-        let locked = matches!(
-            outcome,
-            Ok(Attempt::Locked
-                | Attempt::Held {
-                    after_lost_try: true,
-                    ..
-                })
-        );
+        let locked = match outcome {
+            Ok(Attempt::Locked) => after_lost_try,
+            Ok(Attempt::Held { after_lost_try, .. }) => after_lost_try,
+            _ => false,
+        };
         let untaken = matches!(answer.send(outcome), Err(Ok(Attempt::Granted(_))));
         if orphan && (untaken || unknown || locked) {
             let ttl = Duration::from_millis(u64::from(request.ttl_ms));
@@ -338,7 +338,8 @@ impl ShardState {
                     e
                 });
                 let unknown = outcome.is_err();
-                self.answer_acquire(request, orphan, answer, outcome, unknown);
+                // A try of the batch before the one undone may have written its row.
+                self.answer_acquire(request, orphan, answer, outcome, unknown, true);
             }
         };
         tokio::join!(sender(), sender());
@@ -358,14 +359,14 @@ impl Running<ReleaseRequest, ReleaseAnswer> {
             let (leases, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
             let result = if let [(key, owner)] = leases.as_slice() {
-                let result = shard.call(|b| b.release(key, owner)).await;
+                let result = shard.call_row(|b| b.release(key, owner)).await;
                 result.map(|released| vec![released])
             } else {
                 let stats = &shard.shared.stats;
                 stats.release_batches.fetch_add(1, Ordering::Relaxed);
                 let keys = leases.len() as u64;
                 stats.batched_releases.fetch_add(keys, Ordering::Relaxed);
-                shard.call(|b| b.release_batch(&leases)).await
+                shard.call_row(|b| b.release_batch(&leases)).await
             };
             answer_each(answers, result);
         }

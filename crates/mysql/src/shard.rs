@@ -501,8 +501,17 @@ impl Shard {
                     && (retry_broken || !err.maybe_applied)
                     && !std::mem::replace(&mut reconnected, true));
             // A try with under 2 ms left could not finish: report this error, which says what
-            // happened, rather than a timeout that leaves the outcome looking unknown.
-            if !retry || Instant::now() + Duration::from_millis(2) >= deadline {
+            // happened, rather than a timeout that leaves the outcome looking unknown. So
+            // would a lock wait sent again with less time left than the server's lock wait:
+            // still behind the same lock, it would end in our timeout (outcome unknown,
+            // counted against the shard) instead of the server's answer.
+            let needs = match err.kind {
+                BackendErrorKind::LockWaitTimeout => {
+                    Duration::from_secs(lock_wait_timeout_secs(self.statement_timeout))
+                }
+                _ => Duration::from_millis(2),
+            };
+            if !retry || Instant::now() + needs >= deadline {
                 return Err(err);
             }
             // Deadlock victims that retry at the same instant deadlock again; a few ms of
@@ -524,6 +533,16 @@ impl Shard {
     /// `Held` says whether a try before the one that answered may have reached the server
     /// (`after_lost_try`): that try may still land.
     pub async fn acquire(&self, req: &GrantRequest) -> Result<Attempt, BackendError> {
+        Ok(self.acquire_telling_lost_try(req).await?.0)
+    }
+
+    /// [`Shard::acquire`], and whether a try of it before the one answered had its reply lost
+    /// (it may have written, or still write: an [`Attempt::Locked`] may be the retry waiting
+    /// behind that try's own lock).
+    pub async fn acquire_telling_lost_try(
+        &self,
+        req: &GrantRequest,
+    ) -> Result<(Attempt, bool), BackendError> {
         let timeout = self.statement_timeout;
         let (attempt, lost_try) = self
             .with_conn(
@@ -534,7 +553,7 @@ impl Shard {
                 true,
             )
             .await?;
-        Ok(after(attempt, lost_try))
+        Ok((after(attempt, lost_try), lost_try))
     }
 
     /// Tries to grant every request: one write for all keys with the single acquire's
