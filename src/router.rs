@@ -728,13 +728,24 @@ impl LockRouter {
         let home = shardlock_core::bucket_for(hint.as_bytes(), buckets);
         if spill && buckets > 1 {
             let started = Instant::now();
+            let wait = opts.wait.unwrap_or(self.namespace_of(&opts)?.wait);
             for offset in 0..buckets {
                 let bucket = LockKey::bucket(key, (home + offset) % buckets)?;
                 let spilled = offset > 0;
-                match self
-                    .acquire_inner(bucket, &opts, Some(Duration::ZERO))
-                    .await
-                {
+                let tried = self.acquire_inner(bucket, &opts, Some(Duration::ZERO));
+                // Each try once, within the caller's wait (a slow shard, or a bucket's row
+                // behind another transaction's lock, answers a try only after its statement
+                // timeout): the rest of the buckets go untried once it is over. (Dropped, a
+                // try leaves nothing behind.) A zero wait tries each bucket once.
+                let tried = if wait.is_zero() {
+                    tried.await
+                } else {
+                    match tokio::time::timeout_at(started + wait, tried).await {
+                        Ok(tried) => tried,
+                        Err(_) => break,
+                    }
+                };
+                match tried {
                     // Another bucket whose shard is down spills nowhere: neither its error
                     // nor an in-process lock (the `local` policy) stands in for waiting on
                     // the hint's own bucket.
@@ -747,8 +758,7 @@ impl LockRouter {
                     Err(e) => return Err(e),
                 }
             }
-            let wait = self.namespace_of(&opts)?.wait;
-            let left = opts.wait.unwrap_or(wait).saturating_sub(started.elapsed());
+            let left = wait.saturating_sub(started.elapsed());
             return self
                 .acquire_key(LockKey::bucket(key, home)?, &opts, Some(left))
                 .await;

@@ -394,6 +394,35 @@ async fn a_release_held_up_by_a_row_lock_counts_against_no_shard() {
     }
 }
 
+/// A bucketed acquire that spills to other buckets tries them within its wait: with every
+/// bucket's row behind another transaction's lock (each try answered only after the server's
+/// lock wait), it stops spilling when its wait is over. Before, it tried all sixteen, a lock
+/// wait each, long past its wait.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_spilling_bucket_acquire_tries_no_bucket_past_its_wait() {
+    let (cluster, router, _) = common::start(
+        1,
+        "namespaces:\n  stock:\n    buckets: 16\n    bucket-spill: true\n",
+    )
+    .await;
+    let stock = || AcquireOptions::new().namespace("stock");
+    let every = router.acquire_all_buckets("sku", stock()).await.unwrap();
+    let mut competitor = Competitor::begin(cluster.shard(0), false).await.unwrap();
+    for bucket in every {
+        let row = competitor.key_of(bucket.owner()).await.unwrap().unwrap();
+        bucket.release().await.unwrap();
+        competitor.lock(&row).await.unwrap();
+    }
+    let before = common::inserts(&cluster).await;
+    let spilled = router
+        .acquire_bucket("sku", "hint", stock().wait(Duration::from_millis(300)))
+        .await;
+    let tries = common::inserts(&cluster).await - before;
+    competitor.end().await.unwrap();
+    assert!(spilled.is_err(), "{spilled:?}");
+    assert!(tries < 16, "{tries} acquires sent for a 300 ms wait");
+}
+
 /// A slow acquire is judged by a statement that waits for no lock: on a slow link that one is
 /// slow too, and the breaker opens, whatever else the process sends (an acquire answered
 /// slowly decided nothing, and with no release or heartbeat to judge, a slow shard never
