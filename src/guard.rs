@@ -637,10 +637,11 @@ async fn handoff_through_shard(
             if e.maybe_applied {
                 // Unknown whether the hand-off happened: neither owner may keep the row.
                 shard.give_back(key.clone(), req.owner.clone(), lease.ttl.max(want.ttl));
-                shard.give_back(key, lease.owner.clone(), lease.ttl.max(want.ttl));
+                shard.give_back(key, lease.owner.clone(), lease.row_may_last());
             } else {
-                // Not sent, or refused: the row is still the releasing owner's.
-                shard.release_later(key, lease.owner.clone(), lease.ttl);
+                // Not sent, or refused (a lock wait behind another transaction's lock on the
+                // row): the row is still the releasing owner's, extended or not.
+                shard.release_later(key, lease.owner.clone(), lease.row_may_last());
             }
             Err(e.into_error(shard.name()))
         }
@@ -724,15 +725,8 @@ pub(crate) fn retry_if_failed(
     if answer.is_ok() || lease.at_least().is_some() {
         return;
     }
-    // An extended lease's row may last beyond its ttl, and so may the row a re-acquire of an
-    // in-process lease asked for (`row_ttl`); the deadline of one still held in process only
-    // is no row's.
-    let left = match lease.in_process_only() {
-        true => std::time::Duration::ZERO,
-        false => lease.deadline().saturating_duration_since(Moment::now()),
-    };
     let (key, owner) = (lease.key.stored().to_vec(), lease.owner.clone());
-    shard.release_later(key, owner, lease.row_ttl().max(left));
+    shard.release_later(key, owner, lease.row_may_last());
 }
 
 fn lost(shard: &ShardState, lease: &LeaseState) -> Error {

@@ -729,20 +729,24 @@ impl LockRouter {
         if spill && buckets > 1 {
             let started = Instant::now();
             let wait = opts.wait.unwrap_or(self.namespace_of(&opts)?.wait);
+            let deadline = crate::state::instant_after(wait);
             for offset in 0..buckets {
                 let bucket = LockKey::bucket(key, (home + offset) % buckets)?;
                 let spilled = offset > 0;
                 let tried = self.acquire_inner(bucket, &opts, Some(Duration::ZERO));
                 // Each try once, within the caller's wait (a slow shard, or a bucket's row
                 // behind another transaction's lock, answers a try only after its statement
-                // timeout): the rest of the buckets go untried once it is over. (Dropped, a
-                // try leaves nothing behind.) A zero wait tries each bucket once.
+                // timeout): once it is over, the rest go untried and the hint's own bucket is
+                // not tried again. (Dropped, a try leaves nothing behind.) A zero wait tries
+                // each bucket once.
                 let tried = if wait.is_zero() {
                     tried.await
                 } else {
-                    match tokio::time::timeout_at(started + wait, tried).await {
+                    match tokio::time::timeout_at(deadline, tried).await {
                         Ok(tried) => tried,
-                        Err(_) => break,
+                        Err(_) => {
+                            return Err(crate::semaphore::slots_timeout(self, key, &opts, started))
+                        }
                     }
                 };
                 match tried {
@@ -758,7 +762,7 @@ impl LockRouter {
                     Err(e) => return Err(e),
                 }
             }
-            let left = wait.saturating_sub(started.elapsed());
+            let left = deadline.saturating_duration_since(Instant::now());
             return self
                 .acquire_key(LockKey::bucket(key, home)?, &opts, Some(left))
                 .await;

@@ -208,8 +208,9 @@ impl ShardState {
     /// extend, a hand-off): it may wait behind another transaction's lock on the row (a
     /// transaction lock on the key, a console session), which says nothing of the shard's
     /// health. A slow answer is judged by a statement that waits for no lock instead, as a
-    /// grant's is, and the server's answer that the lock wait ran out (1205) counts for the
-    /// shard.
+    /// grant's is, and the server's answer that the lock wait ran out (1205: nothing was done;
+    /// not sent again) counts for the shard. That answer is a timeout to the caller, who
+    /// never sees 1205 (a release's row is given back in the background).
     pub(crate) async fn call_row<'s, T, F>(
         &'s self,
         statement: impl FnOnce(&'s Shard) -> F,
@@ -217,12 +218,23 @@ impl ShardState {
     where
         F: std::future::Future<Output = Result<T, BackendError>> + 's,
     {
-        self.call_timed(statement(&self.backend), |result| match result {
+        let result = self.call_timed(statement(&self.backend), |result| match result {
             Ok(_) => Timing::Undecided,
             Err(e) if e.kind == BackendErrorKind::LockWaitTimeout => Timing::Ignored,
             Err(_) => Timing::Counts,
+        });
+        result.await.map_err(|e| match e.kind {
+            BackendErrorKind::LockWaitTimeout => BackendError::new(
+                BackendErrorKind::Timeout,
+                None,
+                format!(
+                    "its row stayed locked by another transaction for the server's whole lock \
+                     wait ({}); nothing was done",
+                    shardlock_core::Report(&e)
+                ),
+            ),
+            _ => e,
         })
-        .await
     }
 
     /// [`ShardState::call`] for callers outside the lease machinery (the other lock

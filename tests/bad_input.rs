@@ -51,8 +51,16 @@ async fn bad_keys_and_options_are_rejected_before_touching_a_shard() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_wait_for_ever_is_a_wait_not_a_panic() {
-    let (_cluster, router, _) = common::start(1, "").await;
+    let (_cluster, router, _) = common::start(
+        1,
+        "namespaces:\n  stock:\n    buckets: 4\n    bucket-spill: true\n",
+    )
+    .await;
     let forever = AcquireOptions::new().wait(Duration::MAX);
+    // A bucket, spilling, for ever.
+    let bucket = forever.clone().namespace("stock");
+    let spilled = router.acquire_bucket("sku", "h", bucket).await.unwrap();
+    spilled.release().await.unwrap();
     let g = router.acquire("k", forever.clone()).await.unwrap();
     // A waiter behind it, for ever: granted when the holder lets go.
     let waiter = tokio::spawn({

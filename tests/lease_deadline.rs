@@ -358,8 +358,8 @@ async fn a_silence_is_found_by_the_first_heartbeat_of_a_shard_a_reload_rebuilt()
     // Heartbeats far apart: none comes between the aging and the reload.
     let config = |timeout: &str| {
         Config::from_yaml_str(&cluster.config_yaml(&format!(
-            "    statement-timeout: {timeout}\ncleaner:\n  heartbeat-interval: 5s\n  \
-             heartbeat-timeout: 30s\n"
+            "    statement-timeout: {timeout}\ncleaner:\n  heartbeat-interval: 15s\n  \
+             heartbeat-timeout: 60s\n"
         )))
         .unwrap()
     };
@@ -393,7 +393,7 @@ async fn a_silence_found_by_the_last_heartbeat_of_a_move_is_a_lapse_at_once() {
         for s in &cluster.shards()[..n] {
             yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
         }
-        yaml + "routing:\n  move-window: 3s\ncleaner:\n  heartbeat-interval: 60s\n  \
+        yaml + "routing:\n  move-window: 10s\ncleaner:\n  heartbeat-interval: 60s\n  \
                 heartbeat-timeout: 120s\n"
     };
     common::migrate_only(&yaml(2)).await;

@@ -439,6 +439,17 @@ impl LeaseState {
         self.ttl.max(asked)
     }
 
+    /// How long a row of this lease may still last from now: its ttl, the longest a
+    /// re-acquire asked for (`row_ttl`), or what is left of its deadline (an extended lease),
+    /// whichever is longest. The deadline of a lease held in process only is no row's.
+    pub(crate) fn row_may_last(&self) -> Duration {
+        let left = match self.in_process_only() {
+            true => Duration::ZERO,
+            false => self.deadline().saturating_duration_since(Moment::now()),
+        };
+        self.row_ttl().max(left)
+    }
+
     /// Places the local end of an in-process lease re-acquired on its shard by a statement
     /// sent at `sent` for `ttl`. Returns how much later the end it had in process lies (an
     /// `extend` answered while the statement was out), which the row must still be extended

@@ -9,11 +9,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything a lock operation can fail with.
 ///
-/// Each message says what happened and what to do next. Deadlocks (MySQL 1213) never appear
-/// here, nor do lock wait timeouts (1205) of acquires and renewals: the library retries them
-/// itself. A release, an extend or a hand-off kept waiting behind another transaction's lock
-/// on its row for the whole server lock wait answers [`Error::Backend`] with it (a release's
-/// row is then given back in the background, once the lock goes).
+/// Each message says what happened and what to do next. Deadlocks (MySQL 1213) and lock wait
+/// timeouts (1205) never appear here: the library retries them itself. (A release, an extend
+/// or a hand-off kept behind another transaction's lock on its row for the whole server lock
+/// wait answers [`Error::Unavailable`], nothing done; a release's row is given back in the
+/// background once the lock goes.)
 ///
 /// `Display` says what this error is and nothing of its cause: the cause (a [`BackendError`],
 /// and under it the MySQL error) is [`source`](std::error::Error::source), so that an error

@@ -88,6 +88,37 @@ fn is_lost(err: &BackendError) -> bool {
     err.code.is_none() && err.kind != BackendErrorKind::Other
 }
 
+/// How a call's tries are made.
+#[derive(Debug, Clone, Copy)]
+struct Tries {
+    /// A try whose connection broke after its statement was sent is made again (an idempotent
+    /// statement); a connection that broke before is always tried again.
+    retry_broken: bool,
+    /// The server's lock wait timeout (1205) is the answer, not tried again: a statement on
+    /// the rows of one owner (a release, an extend, a hand-off), which another transaction's
+    /// lock on them holds up, would only wait behind the same lock into the client's timeout.
+    answer_lock_waits: bool,
+}
+
+impl Tries {
+    const IDEMPOTENT: Self = Self {
+        retry_broken: true,
+        answer_lock_waits: false,
+    };
+    const ONCE: Self = Self {
+        retry_broken: false,
+        answer_lock_waits: false,
+    };
+    const ROW_IDEMPOTENT: Self = Self {
+        retry_broken: true,
+        answer_lock_waits: true,
+    };
+    const ROW_ONCE: Self = Self {
+        retry_broken: false,
+        answer_lock_waits: true,
+    };
+}
+
 /// A shard's server as OpenTelemetry's database attributes name it.
 #[derive(Debug)]
 struct Server {
@@ -278,9 +309,15 @@ impl Shard {
         args: A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
-        self.with_conn(operation, self.statement_timeout, &args, f, true)
-            .await
-            .map(|(v, _)| v)
+        self.with_conn(
+            operation,
+            self.statement_timeout,
+            &args,
+            f,
+            Tries::IDEMPOTENT,
+        )
+        .await
+        .map(|(v, _)| v)
     }
 
     /// [`Shard::run`] for a conditional write answered by whether it changed its row. When it
@@ -294,7 +331,13 @@ impl Shard {
         confirm: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<bool>>,
     ) -> Result<bool, BackendError> {
         let (changed, lost_try) = self
-            .with_conn(operation, self.statement_timeout, &args, write, true)
+            .with_conn(
+                operation,
+                self.statement_timeout,
+                &args,
+                write,
+                Tries::IDEMPOTENT,
+            )
             .await?;
         if changed || !lost_try {
             return Ok(changed);
@@ -312,7 +355,7 @@ impl Shard {
         args: A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
-        self.with_conn(operation, self.statement_timeout, &args, f, false)
+        self.with_conn(operation, self.statement_timeout, &args, f, Tries::ONCE)
             .await
             .map(|(v, _)| v)
     }
@@ -355,11 +398,11 @@ impl Shard {
         timeout: Duration,
         args: &A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
-        retry_broken: bool,
+        tries: Tries,
     ) -> Result<(T, bool), BackendError> {
         let span = self.client_span(operation);
         let result = self
-            .with_conn_tries(timeout, args, f, retry_broken)
+            .with_conn_tries(timeout, args, f, tries)
             .instrument(span.clone())
             .await;
         // Known once a connection was made (this call's, most of the time).
@@ -378,7 +421,10 @@ impl Shard {
         timeout: Duration,
         args: &A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
-        retry_broken: bool,
+        Tries {
+            retry_broken,
+            answer_lock_waits,
+        }: Tries,
     ) -> Result<(T, bool), BackendError> {
         let deadline = Instant::now() + timeout;
         let mut reconnected = false;
@@ -501,17 +547,11 @@ impl Shard {
                     && (retry_broken || !err.maybe_applied)
                     && !std::mem::replace(&mut reconnected, true));
             // A try with under 2 ms left could not finish: report this error, which says what
-            // happened, rather than a timeout that leaves the outcome looking unknown. So
-            // would a lock wait sent again with less time left than the server's lock wait:
-            // still behind the same lock, it would end in our timeout (outcome unknown,
-            // counted against the shard) instead of the server's answer.
-            let needs = match err.kind {
-                BackendErrorKind::LockWaitTimeout => {
-                    Duration::from_secs(lock_wait_timeout_secs(self.statement_timeout))
-                }
-                _ => Duration::from_millis(2),
-            };
-            if !retry || Instant::now() + needs >= deadline {
+            // happened, rather than a timeout that leaves the outcome looking unknown. A
+            // statement on one row that answers lock waits would only wait behind the same
+            // lock again, into our timeout (outcome unknown), instead of this answer.
+            let answered = answer_lock_waits && err.kind == BackendErrorKind::LockWaitTimeout;
+            if !retry || answered || Instant::now() + Duration::from_millis(2) >= deadline {
                 return Err(err);
             }
             // Deadlock victims that retry at the same instant deadlock again; a few ms of
@@ -550,7 +590,7 @@ impl Shard {
                 timeout,
                 &req,
                 |c, &req| Box::pin(lease::acquire(c, req)),
-                true,
+                Tries::IDEMPOTENT,
             )
             .await?;
         Ok((after(attempt, lost_try), lost_try))
@@ -569,7 +609,7 @@ impl Shard {
                 timeout,
                 &reqs,
                 |c, reqs| Box::pin(batch::acquire_batch(c, reqs)),
-                true,
+                Tries::IDEMPOTENT,
             )
             .await?;
         for attempt in &mut grants.attempts {
@@ -597,7 +637,7 @@ impl Shard {
                 self.statement_timeout,
                 &leases,
                 |c, leases| Box::pin(batch::release_batch(c, leases)),
-                true,
+                Tries::ROW_IDEMPOTENT,
             )
             .await?;
         Ok(found
@@ -632,7 +672,7 @@ impl Shard {
                 self.statement_timeout,
                 &(key, owner, at_least),
                 |c, &(key, owner, at_least)| Box::pin(lease::release(c, key, owner, at_least)),
-                true,
+                Tries::ROW_IDEMPOTENT,
             )
             .await?;
         Ok(released(found, after_unknown))
@@ -646,10 +686,16 @@ impl Shard {
         owner: &str,
         by: Duration,
     ) -> Result<bool, BackendError> {
-        self.run("extend", (key, owner, by), |c, &(key, owner, by)| {
-            Box::pin(lease::extend(c, key, owner, by))
-        })
+        let args = (key, owner, by);
+        self.with_conn(
+            "extend",
+            self.statement_timeout,
+            &args,
+            |c, &(key, owner, by)| Box::pin(lease::extend(c, key, owner, by)),
+            Tries::ROW_IDEMPOTENT,
+        )
         .await
+        .map(|(extended, _)| extended)
     }
 
     /// Moves the end of `owner`'s live lease of `key` to at least `after_grant` past its grant
@@ -917,10 +963,16 @@ impl Shard {
         old_owner: &str,
         to: &GrantRequest,
     ) -> Result<HandoffOutcome, BackendError> {
-        self.run_once("handoff", (old_owner, to), |c, &(old_owner, to)| {
-            Box::pin(lease::handoff(c, old_owner, to))
-        })
+        let args = (old_owner, to);
+        self.with_conn(
+            "handoff",
+            self.statement_timeout,
+            &args,
+            |c, &(old_owner, to)| Box::pin(lease::handoff(c, old_owner, to)),
+            Tries::ROW_ONCE,
+        )
         .await
+        .map(|(outcome, _)| outcome)
     }
 
     /// Extends every live lease in `leases` (key, owner) by its own ttl, in one statement per
@@ -953,7 +1005,7 @@ impl Shard {
                     left,
                     &(chunk, apart),
                     |c, &(chunk, apart)| Box::pin(lease::renew(c, chunk, apart)),
-                    true,
+                    Tries::IDEMPOTENT,
                 )
                 .await?;
             outcome.held.extend(part.held);
@@ -1140,7 +1192,7 @@ impl Shard {
                 self.statement_timeout,
                 &(key, owner),
                 |c, &(key, owner)| Box::pin(cleaner::force_release(c, key, owner)),
-                true,
+                Tries::IDEMPOTENT,
             )
             .await?;
         if released.is_some() || !lost_try {
