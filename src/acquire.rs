@@ -555,7 +555,7 @@ impl LockRouter {
         let mut failed = None;
         for (old, companion) in &companions.grants {
             let raised = old
-                .call(|b| b.raise_fence(key.stored(), &companion.owner, fence))
+                .call_row(|b| b.raise_fence(key.stored(), &companion.owner, fence))
                 .await;
             if !matches!(raised, Ok(true)) {
                 failed = Some((old.name().to_owned(), raised));

@@ -174,7 +174,7 @@ impl LockGuard {
             });
         }
         let (key, owner) = (hold.lease.key.stored(), hold.lease.owner.as_str());
-        match hold.shard.call(|b| b.set_data(key, owner, data)).await {
+        match hold.shard.call_row(|b| b.set_data(key, owner, data)).await {
             Ok(true) => Ok(()),
             Ok(false) => {
                 hold.lease.mark_lost(

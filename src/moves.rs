@@ -183,7 +183,7 @@ async fn take_on(
                 // the new shard, from the new row's later grant: also if its holder dies.
                 if let Some(at_least) = at_least {
                     let _ = target
-                        .call(|b| b.hold_until(&req.key, &req.owner, at_least, 0))
+                        .call_row(|b| b.hold_until(&req.key, &req.owner, at_least, 0))
                         .await;
                 }
                 shared.stats.followed.fetch_add(1, Ordering::Relaxed);

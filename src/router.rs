@@ -763,6 +763,9 @@ impl LockRouter {
                 }
             }
             let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() && !wait.is_zero() {
+                return Err(crate::semaphore::slots_timeout(self, key, &opts, started));
+            }
             return self
                 .acquire_key(LockKey::bucket(key, home)?, &opts, Some(left))
                 .await;

@@ -149,7 +149,7 @@ async fn hold_to_interval_end(guard: &LockGuard, every: Duration) -> Result<u64>
         let after_grant = Duration::from_millis(end_ms.saturating_sub(granted_ms).max(1));
         row.set_at_least(after_grant, &shard.shared);
         let held = shard
-            .call(|b| b.hold_until(key, owner, after_grant, end_ms * 1000))
+            .call_row(|b| b.hold_until(key, owner, after_grant, end_ms * 1000))
             .await
             .map_err(|e| e.into_error(shard.name()))?;
         if !held {

@@ -205,7 +205,7 @@ impl ShardState {
     }
 
     /// [`ShardState::call`] for a lease statement that takes its row's lock (a release, an
-    /// extend, a hand-off): it may wait behind another transaction's lock on the row (a
+    /// extend, a hand-off, a minimum hold, stored data): it may wait behind another transaction's lock on the row (a
     /// transaction lock on the key, a console session), which says nothing of the shard's
     /// health. A slow answer is judged by a statement that waits for no lock instead, as a
     /// grant's is, and the server's answer that the lock wait ran out (1205: nothing was done;
@@ -224,15 +224,17 @@ impl ShardState {
             Err(_) => Timing::Counts,
         });
         result.await.map_err(|e| match e.kind {
-            BackendErrorKind::LockWaitTimeout => BackendError::new(
-                BackendErrorKind::Timeout,
-                None,
-                format!(
+            BackendErrorKind::LockWaitTimeout => {
+                let mut timeout = BackendError::new(
+                    BackendErrorKind::Timeout,
+                    None,
                     "its row stayed locked by another transaction for the server's whole lock \
-                     wait ({}); nothing was done",
-                    shardlock_core::Report(&e)
-                ),
-            ),
+                     wait; this try did nothing",
+                );
+                // An earlier try whose reply was lost may have acted.
+                timeout.maybe_applied = e.maybe_applied;
+                timeout
+            }
             _ => e,
         })
     }

@@ -330,7 +330,7 @@ async fn reply_lost_to_the_heartbeat_after<'a, F: std::future::Future<Output = (
 
 /// Waits until a heartbeat of `holder` has just landed on the first shard: none is on its way.
 async fn just_beaten(cluster: &Cluster, holder: &LockRouter) {
-    let landed = common::eventually(Duration::from_secs(30), || {
+    let landed = common::eventually(Duration::from_secs(60), || {
         let id = holder.instance_id();
         async move {
             let age: Option<i64> = (cluster.shard(0).connect().await.unwrap())

@@ -413,6 +413,8 @@ async fn a_spilling_bucket_acquire_tries_no_bucket_past_its_wait() {
         bucket.release().await.unwrap();
         competitor.lock(&row).await.unwrap();
     }
+    // No write of the placement record among the acquires counted.
+    common::until_placement_recorded(&cluster).await;
     let before = common::inserts(&cluster).await;
     let spilled = router
         .acquire_bucket("sku", "hint", stock().wait(Duration::from_millis(300)))

@@ -320,6 +320,26 @@ impl Shard {
         .map(|(v, _)| v)
     }
 
+    /// [`Shard::run`] for a statement on the row of one owner (a release, an extend, a hold):
+    /// the server's lock wait timeout (1205, another transaction holds the row) is the answer,
+    /// not sent again (see [`Tries::answer_lock_waits`]).
+    pub(crate) async fn run_row<A: Sync, T>(
+        &self,
+        operation: &'static str,
+        args: A,
+        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
+    ) -> Result<T, BackendError> {
+        self.with_conn(
+            operation,
+            self.statement_timeout,
+            &args,
+            f,
+            Tries::ROW_IDEMPOTENT,
+        )
+        .await
+        .map(|(v, _)| v)
+    }
+
     /// [`Shard::run`] for a conditional write answered by whether it changed its row. When it
     /// did not and a try before the one that answered may have reached the server (its reply
     /// lost), the row may be as it is because of that try: `confirm` reads whether it is.
@@ -686,16 +706,10 @@ impl Shard {
         owner: &str,
         by: Duration,
     ) -> Result<bool, BackendError> {
-        let args = (key, owner, by);
-        self.with_conn(
-            "extend",
-            self.statement_timeout,
-            &args,
-            |c, &(key, owner, by)| Box::pin(lease::extend(c, key, owner, by)),
-            Tries::ROW_IDEMPOTENT,
-        )
+        self.run_row("extend", (key, owner, by), |c, &(key, owner, by)| {
+            Box::pin(lease::extend(c, key, owner, by))
+        })
         .await
-        .map(|(extended, _)| extended)
     }
 
     /// Moves the end of `owner`'s live lease of `key` to at least `after_grant` past its grant
@@ -708,7 +722,7 @@ impl Shard {
         after_grant: Duration,
         fence: u64,
     ) -> Result<bool, BackendError> {
-        self.run(
+        self.run_row(
             "hold_until",
             (key, owner, after_grant, fence),
             |c, &(key, owner, after_grant, fence)| {
@@ -726,7 +740,7 @@ impl Shard {
         owner: &str,
         data: &[u8],
     ) -> Result<bool, BackendError> {
-        self.run("set_data", (key, owner, data), |c, &(key, owner, data)| {
+        self.run_row("set_data", (key, owner, data), |c, &(key, owner, data)| {
             Box::pin(lease::set_data(c, key, owner, data))
         })
         .await
@@ -764,7 +778,7 @@ impl Shard {
         owner: &str,
         fence: u64,
     ) -> Result<bool, BackendError> {
-        self.run(
+        self.run_row(
             "raise_fence",
             (key, owner, fence),
             |c, &(key, owner, fence)| Box::pin(lease::raise_fence(c, key, owner, fence)),
