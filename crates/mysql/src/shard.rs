@@ -309,15 +309,7 @@ impl Shard {
         args: A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
-        self.with_conn(
-            operation,
-            self.statement_timeout,
-            &args,
-            f,
-            Tries::IDEMPOTENT,
-        )
-        .await
-        .map(|(v, _)| v)
+        self.run_as(operation, args, f, Tries::IDEMPOTENT).await
     }
 
     /// [`Shard::run`] for a statement on the row of one owner (a release, an extend, a hold):
@@ -329,15 +321,20 @@ impl Shard {
         args: A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
-        self.with_conn(
-            operation,
-            self.statement_timeout,
-            &args,
-            f,
-            Tries::ROW_IDEMPOTENT,
-        )
-        .await
-        .map(|(v, _)| v)
+        self.run_as(operation, args, f, Tries::ROW_IDEMPOTENT).await
+    }
+
+    /// [`Shard::run`] with its tries made as `tries` says, within the statement timeout.
+    async fn run_as<A: Sync, T>(
+        &self,
+        operation: &'static str,
+        args: A,
+        f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
+        tries: Tries,
+    ) -> Result<T, BackendError> {
+        self.with_conn(operation, self.statement_timeout, &args, f, tries)
+            .await
+            .map(|(v, _)| v)
     }
 
     /// [`Shard::run`] for a conditional write answered by whether it changed its row. When it
@@ -375,9 +372,7 @@ impl Shard {
         args: A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
     ) -> Result<T, BackendError> {
-        self.with_conn(operation, self.statement_timeout, &args, f, Tries::ONCE)
-            .await
-            .map(|(v, _)| v)
+        self.run_as(operation, args, f, Tries::ONCE).await
     }
 
     /// A database client span for one call (`operation`, tries included), with
@@ -977,16 +972,13 @@ impl Shard {
         old_owner: &str,
         to: &GrantRequest,
     ) -> Result<HandoffOutcome, BackendError> {
-        let args = (old_owner, to);
-        self.with_conn(
+        self.run_as(
             "handoff",
-            self.statement_timeout,
-            &args,
+            (old_owner, to),
             |c, &(old_owner, to)| Box::pin(lease::handoff(c, old_owner, to)),
             Tries::ROW_ONCE,
         )
         .await
-        .map(|(outcome, _)| outcome)
     }
 
     /// Extends every live lease in `leases` (key, owner) by its own ttl, in one statement per
