@@ -205,9 +205,9 @@ impl ShardState {
     }
 
     /// [`ShardState::call`] for a lease statement that takes its row's lock (a release, an
-    /// extend, a hand-off, a minimum hold, stored data): it may wait behind another transaction's lock on the row (a
-    /// transaction lock on the key, a console session), which says nothing of the shard's
-    /// health. A slow answer is judged by a statement that waits for no lock instead, as a
+    /// extend, a hand-off, a minimum hold, stored data): it may wait behind another
+    /// transaction's lock on the row (a transaction lock on the key, a console session), which
+    /// says nothing of the shard's health. A slow answer is judged by a statement that waits for no lock instead, as a
     /// grant's is, and the server's answer that the lock wait ran out (1205: nothing was done;
     /// not sent again) counts for the shard. That answer is a timeout to the caller, who
     /// never sees 1205 (a release's row is given back in the background).
@@ -415,7 +415,8 @@ impl ShardState {
         match at_least {
             None => self.release(key, owner).await,
             Some(_) => {
-                let answer = (self.call_row(|b| b.release_after(key, owner, at_least))).await;
+                let answer = self.call_row(|b| b.release_after(key, owner, at_least));
+                let answer = answer.await;
                 // Answered: the row shows its hold (a zero ttl), or is not this owner's.
                 if answer.is_ok() {
                     self.shared.released_kept(owner);
