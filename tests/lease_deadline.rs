@@ -286,18 +286,28 @@ async fn given_up_by_a_twin(cluster: &Cluster, holder: &LockRouter) {
 /// A router on one shard behind a proxy, in a fleet named `fleet` (a name no other request
 /// carries), holding a lease of a minute on "k".
 async fn holding_behind_a_proxy(fleet: &[u8]) -> (Cluster, Proxy, LockRouter, LockGuard) {
+    let fleet = std::str::from_utf8(fleet).unwrap();
+    let yaml = |proxy: &Proxy| {
+        format!(
+            "shards:\n  - name: s1\n    url: {}\ninstance:\n  fleet: {fleet}\n",
+            proxy.url()
+        )
+    };
+    held_behind_a_proxy(yaml, Duration::from_secs(60)).await
+}
+
+/// A router made from `yaml` (given the proxy in front of the one shard), migrated, holding a
+/// lease on "k" for `ttl`.
+async fn held_behind_a_proxy(
+    yaml: impl FnOnce(&Proxy) -> String,
+    ttl: Duration,
+) -> (Cluster, Proxy, LockRouter, LockGuard) {
     let cluster = Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let holder = LockRouter::from_yaml_str(&format!(
-        "shards:\n  - name: s1\n    url: {}\ninstance:\n  fleet: {}\n",
-        proxy.url(),
-        std::str::from_utf8(fleet).unwrap()
-    ))
-    .await
-    .unwrap();
+    let holder = LockRouter::from_yaml_str(&yaml(&proxy)).await.unwrap();
     holder.migrate().await.unwrap();
     let guard = holder
-        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .acquire("k", AcquireOptions::new().ttl(ttl))
         .await
         .unwrap();
     (cluster, proxy, holder, guard)
@@ -652,19 +662,11 @@ async fn a_lease_held_across_a_switch_to_the_heartbeat_registry_ends_at_the_swit
 /// A router with the heartbeat registry (interval 500 ms, timeout 2 s: a lapse of 1.25 s)
 /// holding a lease on its one shard, then cut off from it: no heartbeat of it lands any more.
 async fn held_then_cut_off() -> (Cluster, Proxy, LockRouter, LockGuard, String) {
-    let cluster = Cluster::start(1).await.unwrap();
-    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let shards = common::s1_through(&proxy);
     let beats = "cleaner:\n  heartbeat-interval: 500ms\n  heartbeat-timeout: 2s\n";
-    let router = LockRouter::from_yaml_str(&format!("{shards}{beats}"))
-        .await
-        .unwrap();
-    router.migrate().await.unwrap();
-    let guard = router
-        .acquire("k", AcquireOptions::new().ttl(Duration::from_secs(300)))
-        .await
-        .unwrap();
+    let yaml = |proxy: &Proxy| format!("{}{beats}", common::s1_through(proxy));
+    let (cluster, proxy, router, guard) = held_behind_a_proxy(yaml, Duration::from_secs(300)).await;
     proxy.set(ProxyMode::Blackhole);
+    let shards = common::s1_through(&proxy);
     (cluster, proxy, router, guard, shards)
 }
 
