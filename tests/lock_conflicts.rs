@@ -340,18 +340,20 @@ async fn an_acquire_slowed_by_a_row_lock_counts_against_no_shard() {
     granted.release().await.unwrap();
 }
 
-/// A release kept waiting behind another transaction's lock on its row is slow because the
-/// row is busy, not because the shard is: answered late, or told by the server that its lock
-/// wait ran out (1205), it counts against no shard, and the row is freed once the lock goes.
-/// Before, a slow release counted as a slow call, and one whose lock wait ran out was sent
-/// again into the client's timeout: either opened a breaker that opens on one such call.
+/// A release or an extend kept waiting behind another transaction's lock on its row is slow
+/// because the row is busy, not because the shard is: answered late, or told by the server
+/// that its lock wait ran out (1205), it counts against no shard, and the row is freed once
+/// the lock goes. Before, a slow release counted as a slow call, and one whose lock wait ran
+/// out was sent again into the client's timeout: either opened a breaker that opens on one
+/// such call.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_release_held_up_by_a_row_lock_counts_against_no_shard() {
+async fn a_release_or_extend_held_up_by_a_row_lock_counts_against_no_shard() {
     // A lock wait of 9 s and then of 1 s; a breaker that opens on one failure or one call
     // slower than 2 s, with no registry's heartbeats beside the release.
     let cluster = Cluster::start(1).await.unwrap();
     common::migrate_only(&cluster.config_yaml("")).await;
-    for statement_timeout in ["10s", "2s"] {
+    for (statement_timeout, extend) in [("10s", false), ("2s", false), ("10s", true), ("2s", true)]
+    {
         let yaml = format!(
             "shards:\n  - name: s1\n    url: {}\n    statement-timeout: {statement_timeout}\n\
              breaker:\n  consecutive-failures: 1\n  slow-call: 2s\ncleaner:\n  registry: static\n",
@@ -362,23 +364,43 @@ async fn a_release_held_up_by_a_row_lock_counts_against_no_shard() {
         let mut competitor = Competitor::begin(cluster.shard(0), false).await.unwrap();
         let key = competitor.key_of(held.owner()).await.unwrap().unwrap();
         competitor.lock(&key).await.unwrap();
-        let releasing = tokio::spawn(held.release());
+        // An extend takes its row's lock as a release does.
+        let statement = tokio::spawn(async move {
+            if extend {
+                (held.extend(Duration::from_secs(60)).await, Some(held))
+            } else {
+                (held.release().await, None)
+            }
+        });
         common::until_a_row_lock_is_waited_for(cluster.shard(0)).await;
-        let released = if statement_timeout == "10s" {
+        let (answer, still_held) = if statement_timeout == "10s" {
             // Past the slow-call threshold, within the server's lock wait (9 s).
             tokio::time::sleep(Duration::from_secs(3)).await;
             competitor.end().await.unwrap();
-            releasing.await.unwrap()
+            statement.await.unwrap()
         } else {
-            // The server's lock wait (1 s) runs out first; the row is given back once the
-            // lock goes.
-            let released = releasing.await.unwrap();
+            // The server's lock wait (1 s) runs out first; a release's row is given back once
+            // the lock goes.
+            let answer = statement.await.unwrap();
             competitor.end().await.unwrap();
-            released
+            answer
         };
+        if let Some(guard) = still_held {
+            guard.release().await.unwrap();
+        }
+        let what = if extend { "an extend" } else { "a release" };
+        // Answered once the lock went, or told it did nothing (never 1205).
+        if statement_timeout == "10s" {
+            assert!(answer.is_ok(), "{what}: {answer:?}");
+        } else {
+            assert!(
+                matches!(answer, Err(shardlock::Error::Unavailable { .. })),
+                "{what}: {answer:?}"
+            );
+        }
         assert!(
             router.breaker_transitions("s1").is_empty(),
-            "a release held up by a row lock counted against its shard ({released:?}): {:?}",
+            "{what} held up by a row lock counted against its shard ({answer:?}): {:?}",
             router.breaker_transitions("s1")
         );
         let freed = common::eventually(Duration::from_secs(30), || async {
@@ -389,7 +411,7 @@ async fn a_release_held_up_by_a_row_lock_counts_against_no_shard() {
             }
         })
         .await;
-        assert!(freed, "the row stayed taken ({released:?})");
+        assert!(freed, "the row stayed taken after {what} ({answer:?})");
         router.shutdown().await.unwrap();
     }
 }
