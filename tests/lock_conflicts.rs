@@ -385,9 +385,6 @@ async fn a_release_or_extend_held_up_by_a_row_lock_counts_against_no_shard() {
             competitor.end().await.unwrap();
             answer
         };
-        if let Some(guard) = still_held {
-            guard.release().await.unwrap();
-        }
         let what = if extend { "an extend" } else { "a release" };
         // Answered once the lock went, or told it did nothing (never 1205).
         if statement_timeout == "10s" {
@@ -403,6 +400,9 @@ async fn a_release_or_extend_held_up_by_a_row_lock_counts_against_no_shard() {
             "{what} held up by a row lock counted against its shard ({answer:?}): {:?}",
             router.breaker_transitions("s1")
         );
+        if let Some(guard) = still_held {
+            guard.release().await.unwrap();
+        }
         let freed = common::eventually(Duration::from_secs(30), || async {
             let other = router.try_acquire("busy", AcquireOptions::new()).await;
             match other {
