@@ -269,6 +269,33 @@ async fn a_job_whose_retries_ran_out_fails_instead_of_staying_claimed() {
     assert!(!router.complete_job(&job).await.unwrap());
 }
 
+/// A job given back unfinished is claimed again at once, not after its lease, and its give-back
+/// counts as no retry: with none allowed, it still runs. A give-back of a claim that no longer
+/// holds changes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_given_back_is_claimed_again_at_once_and_not_counted_as_a_retry() {
+    let (_cluster, router, _) = common::start(1, "").await;
+    let id = router
+        .enqueue_job("q", b"once", Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let hour = Duration::from_secs(3600);
+    let first = router
+        .claim_job("q", "w1", hour)
+        .await
+        .unwrap()
+        .expect("due");
+    assert!(router.release_job(&first).await.unwrap());
+    let second = router.claim_job("q", "w2", hour).await.unwrap();
+    let second = second.expect("a job given back was left to its hour-long lease");
+    assert_eq!((second.id, second.retry_count), (id, 0));
+    // The first claim's give-back, again: the job is w2's now.
+    assert!(!router.release_job(&first).await.unwrap());
+    assert!(!router.complete_job(&first).await.unwrap());
+    assert!(router.complete_job(&second).await.unwrap());
+    assert!(router.claim_job("q", "w3", hour).await.unwrap().is_none());
+}
+
 const JOBS: u64 = 10_000;
 const QUEUE: &str = "emails";
 const WORKERS: usize = 16;

@@ -146,6 +146,17 @@ impl LockRouter {
         self.finish_job(job, JobEnd::Failed).await
     }
 
+    /// Gives `job` back unfinished, if its claim still holds (`false` when the lease ran
+    /// out: the job may have been claimed again): it is ready for the next claim at once, and
+    /// this claim does not count as a retry. What a worker that stops before finishing (a
+    /// shutdown) should do with the jobs it holds; a claim left to run out is counted as a
+    /// retry, and with none left fails the job for good.
+    ///
+    /// Cancellation: as for [`LockRouter::complete_job`].
+    pub async fn release_job(&self, job: &Job) -> Result<bool> {
+        self.finish_job(job, JobEnd::Released).await
+    }
+
     async fn finish_job(&self, job: &Job, end: JobEnd) -> Result<bool> {
         // On the shard it was claimed on, even if its queue moved since.
         let shard = match job.home.0.upgrade() {

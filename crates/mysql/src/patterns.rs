@@ -435,6 +435,8 @@ pub enum JobEnd {
     Done,
     /// Failed for good.
     Failed,
+    /// Given back unfinished: ready for the next claim at once, its retry count as it was.
+    Released,
 }
 
 impl JobEnd {
@@ -443,6 +445,7 @@ impl JobEnd {
         match self {
             JobEnd::Done => "done",
             JobEnd::Failed => "failed",
+            JobEnd::Released => "ready",
         }
     }
 }
