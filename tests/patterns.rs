@@ -55,6 +55,83 @@ async fn a_transaction_locks_wait_is_not_left_to_the_callers_statements() {
     }
 }
 
+/// A try without waiting on a row someone holds is answered by the server (`NOWAIT`), not cut
+/// short by the client: its connection goes back to the pool, and no session of it is left
+/// waiting on the server for the next statement to end. Before, making sure the row existed
+/// waited for its lock (an upsert locks the row it finds), a second each time.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_tried_without_waiting_is_refused_by_the_server() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let held = router
+        .lock_in_transaction("acct:nowait", Duration::ZERO)
+        .await
+        .unwrap();
+    let waits = || common::status_sum(&cluster, "Innodb_row_lock_waits");
+    let before = waits().await;
+    for _ in 0..3 {
+        let refused = router
+            .lock_in_transaction("acct:nowait", Duration::ZERO)
+            .await;
+        assert!(matches!(refused, Err(Error::Timeout { .. })), "{refused:?}");
+    }
+    assert_eq!(
+        waits().await - before,
+        0,
+        "tries without waiting waited for the row's lock"
+    );
+    held.rollback().await.unwrap();
+}
+
+/// An attempt cut short at the end of its wait by a shard that never answers is no answer of
+/// the shard's: as the half-open breaker's probe it does not close the breaker, and its caller
+/// is told the shard is unavailable. Before, every cut counted as the row's holder keeping it,
+/// so a try without waiting closed the breaker on a cut-off shard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_cut_short_by_a_silent_shard_closes_no_breaker() {
+    use shardlock_testkit::{Proxy, ProxyMode};
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 2s\n\
+         breaker:\n  consecutive-failures: 1\n  cooldown: 300ms\n  max-cooldown: 1s\n  \
+         slow-call: 60s\n  probes: 1\ncleaner:\n  registry: static\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    router
+        .lock_in_transaction("acct:silent", Duration::ZERO)
+        .await
+        .unwrap()
+        .rollback()
+        .await
+        .unwrap();
+    proxy.set(ProxyMode::Blackhole);
+    while router.breaker_state("s1") != Some(shardlock::BreakerState::Open) {
+        let _ = router
+            .try_acquire("other", shardlock::AcquireOptions::new())
+            .await;
+    }
+    let half_open = common::eventually(Duration::from_secs(30), || async {
+        router.breaker_state("s1") == Some(shardlock::BreakerState::HalfOpen)
+    })
+    .await;
+    assert!(half_open, "the breaker never cooled down");
+    let tried = router
+        .lock_in_transaction("acct:silent", Duration::ZERO)
+        .await
+        .map(|_| ());
+    let state = router.breaker_state("s1");
+    proxy.set(ProxyMode::Pass);
+    assert_ne!(
+        state,
+        Some(shardlock::BreakerState::Closed),
+        "a cut-short attempt on a silent shard closed its breaker ({tried:?}): {:?}",
+        router.breaker_transitions("s1")
+    );
+    assert!(matches!(tried, Err(Error::Unavailable { .. })), "{tried:?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn transaction_lock_survives_nothing_of_a_killed_holder_and_carries_the_callers_sql() {
     let (cluster, router, yaml) = common::start(2, "").await;

@@ -1,7 +1,7 @@
 //! Transaction locks: `SELECT ... FOR UPDATE` on a row of `shardlock_txlock` inside a
 //! transaction on a dedicated connection.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -410,7 +410,8 @@ impl LockRouter {
     /// race-free on first use) in a new transaction on a dedicated connection of the key's
     /// shard, waiting up to `wait` (zero: `NOWAIT`; the server's lock wait timeout is whole
     /// seconds, so the wait is also enforced here). Errors: `Timeout` when the row stayed
-    /// locked, `Unavailable` when the shard failed; deadlocks are retried.
+    /// locked, `Unavailable` when the shard failed or did not answer within the wait (a wait
+    /// cut short counts neither for nor against its breaker); deadlocks are retried.
     ///
     /// While a reload's move is in progress, a key that moved is locked on the shards it lived
     /// on before as well (each in a transaction of its own, released with the lock), so a
@@ -564,8 +565,14 @@ async fn lock_row(
     let name = shard.name().to_owned();
     let started = tokio::time::Instant::now();
     loop {
-        // The checkout and the lock statement, through the breaker, bounded by the wait.
-        let attempt = shard.call_waiting(|backend| async move {
+        // Set once a statement that may wait for the row's lock is sent.
+        let waiting = AtomicBool::new(false);
+        let waiting = &waiting;
+        // The checkout and the lock statement, through the breaker, bounded by the wait. Cut
+        // short, the call decides nothing for the breaker: whether the row's holder or the
+        // shard held it up, a wait (50 ms for a zero one) tells nothing of the shard's health,
+        // and counted as an answer it would close a breaker on a shard that never answered.
+        let attempt = shard.call_waiting_cut(true, |backend| async move {
             let locked = async {
                 // Until the lock is ours, a failed or abandoned attempt's connection is
                 // closed, not pooled: a lock statement still waiting on the server must not
@@ -573,20 +580,32 @@ async fn lock_row(
                 let mut conn = Discard(Some(backend.connection().await?));
                 let open = conn.0.as_mut().expect("set above");
                 let after = backend.statement_timeout();
-                open.lock_tx_row(lock_key.stored(), wait, after).await?;
+                open.lock_tx_row(lock_key.stored(), wait, after, waiting)
+                    .await?;
                 Ok::<_, BackendError>(conn.0.take().expect("set above"))
             };
             match tokio::time::timeout_at(deadline + Duration::from_millis(50), locked).await {
                 Ok(r) => r,
                 Err(_) => Err(BackendError::new(
-                    BackendErrorKind::LockWaitTimeout,
-                    Some(1205),
-                    "the row stayed locked for the whole wait",
+                    BackendErrorKind::Timeout,
+                    None,
+                    if waiting.load(Ordering::Relaxed) {
+                        "the row stayed locked for the whole wait"
+                    } else {
+                        "the shard did not answer within the wait"
+                    },
                 )),
             }
         });
         match attempt.await {
             Ok(conn) => return Ok(conn),
+            // Cut short while waiting for the row's lock: its holder kept it.
+            Err(e) if e.kind == BackendErrorKind::Timeout && waiting.load(Ordering::Relaxed) => {
+                return Err(Error::Timeout {
+                    key_label: shard.shared.telemetry.key_label(lock_key),
+                    waited: started.elapsed(),
+                })
+            }
             // NOWAIT answers 3572 (MySQL) or 1205 (MariaDB) when the row is locked.
             Err(e)
                 if e.kind == BackendErrorKind::LockWaitTimeout

@@ -2,6 +2,7 @@
 //! version compare-and-set locks, state-machine claims and job claims. Their tables are made
 //! by migration 4 (and 6); time is the shard's clock.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
@@ -22,10 +23,14 @@ use crate::shard::Shard;
 /// own statements).
 const TX_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = {secs}";
 
+/// Whether the key has its row already: a plain read, which waits for no lock (the upsert
+/// below would wait for the lock of a row someone holds, past a zero wait's `NOWAIT`).
+const TX_ROW_SEEN: &str = "SELECT COUNT(*) FROM shardlock_txlock WHERE lock_key = {key}";
+
 /// Makes sure the key has a row to lock, committed on its own before the transaction starts:
 /// a locking read of a missing row would lock only a gap, which two transactions can hold at
 /// once. An upsert that changes nothing, not `INSERT IGNORE` (which would also turn other
-/// errors into warnings).
+/// errors into warnings). Sent only for a row [`TX_ROW_SEEN`] did not find.
 const TX_ROW: &str = "INSERT INTO shardlock_txlock (lock_key) VALUES ({key}) \
      ON DUPLICATE KEY UPDATE lock_key = lock_key";
 
@@ -80,11 +85,15 @@ impl SessionConn {
     /// at all); the caller enforces the exact wait. A row still locked is answered with a lock
     /// wait timeout (1205) or, for a zero wait on MySQL, 3572. Once it is taken, the session
     /// waits for row locks as the pool's sessions do under `statement_timeout`.
+    ///
+    /// `waiting` is set when a statement that may wait for the row's lock is sent: until then,
+    /// a call cut short was held up by the shard, not by the lock's holder.
     pub async fn lock_tx_row(
         &mut self,
         key: &[u8],
         wait: Duration,
         statement_timeout: Duration,
+        waiting: &AtomicBool,
     ) -> Result<(), BackendError> {
         let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
         let key = format!("X'{hex}'");
@@ -104,8 +113,13 @@ impl SessionConn {
         let run = async {
             raw.query_drop(TX_LOCK_WAIT.replace("{secs}", &secs.to_string()))
                 .await?;
-            raw.query_drop(TX_ROW.replace("{key}", &key)).await?;
+            let seen: Option<u64> = raw.query_first(TX_ROW_SEEN.replace("{key}", &key)).await?;
+            if seen != Some(1) {
+                waiting.store(true, Ordering::Relaxed);
+                raw.query_drop(TX_ROW.replace("{key}", &key)).await?;
+            }
             raw.query_drop(TX_BEGIN).await?;
+            waiting.store(true, Ordering::Relaxed);
             raw.query_drop(lock).await
         };
         let locked = run.await;
