@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use shardlock_core::config::{CleanerConfig, RegistryKind};
-use shardlock_core::{BackendErrorKind, Error, LockKey, Result};
+use shardlock_core::{BackendError, BackendErrorKind, Error, LockKey, Result};
 use shardlock_mysql::{InstanceRow, LeaseRow};
 
 use crate::registry::{InstanceRegistry, StaticRegistry};
@@ -342,14 +342,39 @@ impl Registry {
             .collect();
         match self {
             Registry::Custom(registry) => {
-                let dead: BTreeSet<String> = registry
-                    .dead(shard.name(), &instances)
-                    .await?
-                    .into_iter()
-                    .collect();
+                // Bounded as a heartbeat table's read is: a registry that hangs must not stop
+                // cleaning for the whole fleet (the pass holds the cleaner lock meanwhile).
+                let limit = shard.unguarded().statement_timeout();
+                let asked = tokio::time::timeout(limit, registry.dead(shard.name(), &instances));
+                let dead: BTreeSet<String> = match asked.await {
+                    Ok(dead) => dead?.into_iter().collect(),
+                    Err(_) => {
+                        return Err(Error::Unavailable {
+                            shard: shard.name().to_owned(),
+                            source: BackendError::new(
+                                BackendErrorKind::Timeout,
+                                None,
+                                format!(
+                                    "the instance registry did not answer within {limit:?} \
+                                     (the shard's statement-timeout); nothing was deleted"
+                                ),
+                            ),
+                        })
+                    }
+                };
+                // Such a registry knows ids, not starts: a lease of an earlier start under
+                // this router's own id is dead too (this start took the id over), whatever
+                // it says of the id.
+                let (own_id, own_nonce) = (shard.shared.instance_id.as_str(), shard.shared.nonce());
+                let earlier_start = |owner: &String| {
+                    instance_of(owner).is_some_and(|i| i == own_id)
+                        && nonce_of(owner).is_some_and(|n| n != own_nonce)
+                };
                 Ok(owners
                     .into_iter()
-                    .filter(|o| instance_of(o).is_some_and(|i| dead.contains(&i)))
+                    .filter(|o| {
+                        instance_of(o).is_some_and(|i| dead.contains(&i)) || earlier_start(o)
+                    })
                     .collect())
             }
             Registry::Heartbeat(timeout) => {

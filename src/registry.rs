@@ -36,7 +36,10 @@ use crate::topology::{Previous, Topology};
 pub trait InstanceRegistry: Send + Sync + fmt::Debug {
     /// Of `instances` — the instance ids of owners whose leases on shard `shard` ended longer
     /// than the grace ago — those known to be dead. Only their leases are deleted; an error
-    /// deletes nothing.
+    /// deletes nothing, and so does an answer that takes longer than the shard's
+    /// `statement-timeout`. Such a registry knows ids, not starts: a lease of an earlier
+    /// start under the cleaning router's own id is dead whatever it answers (that start
+    /// is this one now), one under another id it calls alive is kept.
     fn dead<'a>(
         &'a self,
         shard: &'a str,

@@ -126,28 +126,89 @@ async fn ended_leases_of_an_earlier_start_under_a_live_id_are_deleted() {
         .await,
         "the live start never registered"
     );
+    only_the_earlier_starts_lease_goes(&cluster, &live, &nonce).await;
+}
+
+/// The same with a registry that knows ids, not starts (`static`, listing `w1` as live): the
+/// cleaner's own start is the one start its id has now. Before, such a registry kept the
+/// ended leases of every earlier start under a listed id for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn ended_leases_of_an_earlier_start_under_a_listed_id_are_deleted() {
+    let (cluster, _migrated, _) = common::start(1, "").await;
+    let yaml = cleaner_yaml("2s").replace(
+        "registry: heartbeat",
+        "registry: static\n  live-instances: [w1]",
+    );
+    let live = router(&cluster.config_yaml(&format!("instance:\n  id: w1\n{yaml}"))).await;
+    let own = live.acquire("own", AcquireOptions::new()).await.unwrap();
+    let nonce = own.owner().split(':').nth(1).unwrap().to_owned();
+    own.release().await.unwrap();
+    only_the_earlier_starts_lease_goes(&cluster, &live, &nonce).await;
+}
+
+/// A registry that never answers.
+#[derive(Debug)]
+struct Hung;
+
+impl shardlock::InstanceRegistry for Hung {
+    fn dead<'a>(
+        &'a self,
+        _shard: &'a str,
+        _instances: &'a [String],
+    ) -> futures_util::future::BoxFuture<'a, shardlock::Result<Vec<String>>> {
+        Box::pin(std::future::pending())
+    }
+}
+
+/// A registry of your own that hangs is given up on as a shard that does not answer would be
+/// (its statement timeout): the pass reports it and deletes nothing there, and ends, so the
+/// cleaner lock it holds does not stop cleaning for the whole fleet. Before, the pass waited
+/// for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pass_asking_a_registry_that_hangs_ends_and_deletes_nothing() {
+    let (cluster, _migrated, _) = common::start(1, "").await;
+    let yaml = cluster.config_yaml(&cleaner_yaml("2s")).replacen(
+        "    url:",
+        "    statement-timeout: 1s\n    url:",
+        1,
+    );
+    let cleaner = router(&yaml).await;
+    cleaner.set_registry(Arc::new(Hung));
+    plant_ended_lease(&cluster, &cleaner, "stuck:hung", "gone:0000000000000000:1").await;
+    let pass = tokio::time::timeout(Duration::from_secs(60), cleaner.clean_once()).await;
+    let report = pass
+        .expect("a pass waited for ever on its registry")
+        .unwrap();
+    let error = report.shards[0].error.clone().unwrap_or_default();
+    assert!(error.contains("did not answer"), "{report:?}");
+    assert!(row_exists(&cluster, &cleaner, "stuck:hung").await);
+}
+
+/// Plants ended leases under `live`'s id `w1`: of an earlier start, of its own start (`nonce`),
+/// and in the format before start nonces; one pass of `live`'s cleaner deletes the first only.
+async fn only_the_earlier_starts_lease_goes(cluster: &Cluster, live: &LockRouter, nonce: &str) {
     let other_nonce = if nonce == "0000000000000000" {
         "1111111111111111"
     } else {
         "0000000000000000"
     };
     plant_ended_lease(
-        &cluster,
-        &live,
+        cluster,
+        live,
         "stuck:earlier",
         &format!("w1:{other_nonce}:7"),
     )
     .await;
-    plant_ended_lease(&cluster, &live, "stuck:own", &format!("w1:{nonce}:999")).await;
-    plant_ended_lease(&cluster, &live, "stuck:old-format", "w1:77").await;
+    plant_ended_lease(cluster, live, "stuck:own", &format!("w1:{nonce}:999")).await;
+    plant_ended_lease(cluster, live, "stuck:old-format", "w1:77").await;
 
     let report = live.clean_once().await.unwrap();
     let kept: u64 = report.shards.iter().map(|s| s.kept_live_holder).sum();
     let abandoned: u64 = report.shards.iter().map(|s| s.abandoned).sum();
     assert_eq!((kept, abandoned), (2, 1), "{report:?}");
-    assert!(!row_exists(&cluster, &live, "stuck:earlier").await);
-    assert!(row_exists(&cluster, &live, "stuck:own").await);
-    assert!(row_exists(&cluster, &live, "stuck:old-format").await);
+    assert!(!row_exists(cluster, live, "stuck:earlier").await);
+    assert!(row_exists(cluster, live, "stuck:own").await);
+    assert!(row_exists(cluster, live, "stuck:old-format").await);
 }
 
 #[tokio::test(flavor = "multi_thread")]
