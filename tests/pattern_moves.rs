@@ -553,6 +553,34 @@ async fn a_job_whose_last_claim_runs_out_on_the_shard_its_queue_left_fails_there
     assert!(!router.complete_job(&job).await.unwrap());
 }
 
+/// While a reload's move is in progress, a queue's jobs are claimed on its new shard though the
+/// shard it left is down: a shard that was not reached, where no claim can have landed, is
+/// passed over. Before, its error answered every claim for as long as it was down (the move
+/// stays in force meanwhile).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_moved_queue_is_claimed_where_it_is_while_the_shard_it_left_is_down() {
+    let (cluster, three, _) = cluster().await;
+    let four = windowed(&cluster, &[1; 4], "", "60s");
+    let queue = moving_key(&three, &four, "queue:").await;
+    let router = LockRouter::new(three).await.unwrap();
+    let old = shard_of(&cluster, &router, &queue);
+    router.reload(four).await.unwrap();
+    assert!(router.moves_in_progress() > 0);
+    old.kill().unwrap();
+    let id = router
+        .enqueue_job(&queue, b"where it is", Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let claimed = router.claim_job(&queue, "w", Duration::from_secs(30)).await;
+    let job = claimed.unwrap().expect("the job on the queue's new shard");
+    assert_eq!(job.id, id);
+    assert!(router.complete_job(&job).await.unwrap());
+    // Nothing left where it can be reached: the unreached shard's error is the answer.
+    let empty = router.claim_job(&queue, "w", Duration::from_secs(30)).await;
+    assert!(matches!(empty, Err(Error::Unavailable { .. })), "{empty:?}");
+    old.restart().await.unwrap();
+}
+
 /// The status of job `id` on `shard`.
 async fn job_status(shard: &Shard, id: u64) -> Option<String> {
     shard

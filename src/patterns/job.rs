@@ -7,6 +7,7 @@ use std::time::Duration;
 use shardlock_core::{Backoff, LockKey, Result};
 use shardlock_mysql::{ClaimedJob, JobEnd};
 
+use super::may_have_acted;
 use crate::shard::ShardState;
 use crate::LockRouter;
 
@@ -83,7 +84,9 @@ impl LockRouter {
     /// other, then an `UPDATE` by primary key. `None` when nothing is due. Deadlocks are
     /// retried inside. A retry after a lost reply answers the job its lost try claimed, its
     /// lease renewed for the whole `lease` from then (it may have run out meanwhile), unless
-    /// another claim took the job since.
+    /// another claim took the job since. While a reload's move is in progress, the shards the
+    /// queue lived on are tried too; one that could not be reached, where nothing can have
+    /// been claimed, is passed over, and its error is the answer only when no shard had a job.
     ///
     /// An error with `maybe_applied` set: a try of this call may have claimed a job, and its
     /// retries (through failures to reach the shard, for some seconds) did not find out; such
@@ -107,14 +110,25 @@ impl LockRouter {
         // so a job carried between two of these reads is found by the later one. (The other
         // order misses it: the queue's shard read before it arrived, the old one after it
         // left.)
+        // A shard that cannot be reached, where no try can have claimed anything, is passed
+        // over: a queue moved off a shard that is down is claimed from where it is now. Its
+        // error is the answer only if no other shard had a job.
         let mut shards = self.placements(&key);
         shards.rotate_left(1);
+        let mut unreached = None;
         for shard in shards {
+            let claimed = match claim_on(&shard, queue, &claim, lease).await {
+                Err(e) if !may_have_acted(&e) => {
+                    unreached.get_or_insert(e);
+                    continue;
+                }
+                claimed => claimed?,
+            };
             if let Some(ClaimedJob {
                 id,
                 payload,
                 retry_count,
-            }) = claim_on(&shard, queue, &claim, lease).await?
+            }) = claimed
             {
                 return Ok(Some(Job {
                     id,
@@ -126,7 +140,7 @@ impl LockRouter {
                 }));
             }
         }
-        Ok(None)
+        unreached.map_or(Ok(None), Err)
     }
 
     /// Marks `job` done, if its claim still holds (`false` when the lease ran out: the job

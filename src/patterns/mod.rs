@@ -18,7 +18,7 @@ mod tx_lock;
 use std::sync::Arc;
 
 use mysql_async::Conn;
-use shardlock_core::{LockKey, Result};
+use shardlock_core::{Error, LockKey, Result};
 use shardlock_mysql::SessionConn;
 
 use crate::shard::ShardState;
@@ -81,5 +81,14 @@ impl LockRouter {
             .await
             .map_err(|e| e.into_error(shard.name()))?;
         Ok(ShardConnection(Discard(Some(conn))))
+    }
+}
+
+/// Whether a call that failed with `e` may have acted on its shard: anything but a shard
+/// unreached where no try can have landed.
+pub(super) fn may_have_acted(e: &Error) -> bool {
+    match e {
+        Error::Unavailable { source, .. } => source.maybe_applied,
+        _ => true,
     }
 }
