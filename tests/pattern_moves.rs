@@ -114,6 +114,41 @@ async fn a_transaction_lock_excludes_across_a_reload_and_follows_its_key() {
     next.rollback().await.unwrap();
 }
 
+/// A transaction lock follows its moved key past a process that reloaded first and waits for the
+/// key longer than the follow may take: that process waits for the key's row on its old shard
+/// holding none on the new one. Before, it locked the shards in name order: with the new one
+/// first, it held it while it waited for the old, the holder's follow waited for it in turn
+/// until the follow gave up, and the holder lost its lock.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_follows_its_key_past_a_process_waiting_for_it() {
+    let (cluster, _, four) = cluster().await;
+    // A shard taken out: its keys move to shards whose names come first.
+    let three = windowed(&cluster, &[1; 3], "", "4s");
+    let key = moving_key(&four, &three, "tx:").await;
+    let a = LockRouter::new(four.clone()).await.unwrap();
+    let b = LockRouter::new(four).await.unwrap();
+    let old = shard_of(&cluster, &a, &key);
+    let held = a
+        .lock_in_transaction(&key, Duration::from_secs(5))
+        .await
+        .unwrap();
+    b.reload(three.clone()).await.unwrap();
+    assert!(b.shard_for(&key).unwrap().as_str() < old.name());
+    let waiting = tokio::spawn({
+        let (b, key) = (b.clone(), key.clone());
+        async move { b.lock_in_transaction(&key, Duration::from_secs(60)).await }
+    });
+    common::until_a_row_lock_is_waited_for(old).await;
+    a.reload(three).await.unwrap();
+    let committed = held.commit().await;
+    assert!(
+        committed.is_ok(),
+        "the holder lost its lock to a process waiting for it: {committed:?}"
+    );
+    let next = waiting.await.unwrap().unwrap();
+    next.rollback().await.unwrap();
+}
+
 /// During a move a transaction lock also holds its key's row where the key lived, in a
 /// transaction nothing runs on. If that transaction ends under it (its session killed, as an
 /// idle-transaction timeout or an operator does, or its link cut), a process not reloaded yet

@@ -481,23 +481,48 @@ impl LockRouter {
                 ),
             });
         }
-        // Every shard in one global order (by name), the current one included, so that two
-        // processes at different epochs cannot each hold one row and wait for the other's
-        // (a deadlock across servers that no server can see).
-        let mut order: Vec<&Arc<ShardState>> = previous.iter().chain([&shard]).collect();
-        order.sort_by(|a, b| a.name().cmp(b.name()));
-        let mut others = Vec::with_capacity(previous.len());
-        let mut conn = None;
-        for at in order {
-            let locked = lock_row(at, &lock_key, wait, deadline).await?;
-            // Closed, not pooled, if a later shard fails or the caller goes away: a pooled
-            // connection would keep the row locked until its next checkout.
-            if Arc::ptr_eq(at, &shard) {
-                conn = Some(Discard(Some(locked)));
-            } else {
-                others.push((at.clone(), Discard(Some(locked))));
+        // Every row at once, or none: a row is waited for only while this call holds no
+        // other; the rest are then tried without waiting, and all let go to wait for one of
+        // them that was busy. A lock that follows its moved key holds its old row while it
+        // waits for the new one, whatever the shards' order: a call that waited for a row
+        // while holding another could wait for that lock while it waited for this call (a
+        // deadlock across servers that no server can see), which lost the lock when its
+        // follow gave up. The current shard first.
+        let order: Vec<&Arc<ShardState>> = [&shard].into_iter().chain(&previous).collect();
+        let mut first = 0;
+        let (others, conn) = 'rows: loop {
+            let mut others = Vec::with_capacity(previous.len());
+            let mut conn = None;
+            for i in (first..order.len()).chain(0..first) {
+                let at = order[i];
+                let locked = if i == first {
+                    let left = match wait.is_zero() {
+                        true => Duration::ZERO,
+                        false => deadline.saturating_duration_since(tokio::time::Instant::now()),
+                    };
+                    lock_row(at, &lock_key, left, deadline).await?
+                } else {
+                    let now = crate::state::instant_after(Duration::ZERO);
+                    match lock_row(at, &lock_key, Duration::ZERO, now).await {
+                        Ok(locked) => locked,
+                        Err(Error::Timeout { .. }) => {
+                            first = i;
+                            continue 'rows;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                };
+                // Closed, not pooled, if a later shard fails, the rows are let go or the
+                // caller goes away: a pooled connection would keep the row locked until its
+                // next checkout.
+                if i == 0 {
+                    conn = Some(Discard(Some(locked)));
+                } else {
+                    others.push((at.clone(), Discard(Some(locked))));
+                }
             }
-        }
+            break (others, conn);
+        };
         // Dropped on a lapse: their connections close, which rolls the rows back.
         self.still_joined(&lock_key, lapses)?;
         if self.inner.shared.registry_losses() != losses {
@@ -673,8 +698,9 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
             return;
         }
         // Where the key lives now, and every earlier location still in force (after two
-        // reloads in a row, the middle placement's processes still lock it there), in the
-        // same order as `lock_under_topology`; those already locked are kept.
+        // reloads in a row, the middle placement's processes still lock it there); those
+        // already locked are kept. Each is waited for holding the others, in any order: a
+        // call that locks the key waits for no row while it holds another.
         let mut targets: Vec<Arc<ShardState>> = topology.previous_locations(&state.key);
         targets.push(topology.locate(&state.key).clone());
         targets.sort_by(|a, b| a.name().cmp(b.name()));
