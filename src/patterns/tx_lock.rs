@@ -503,9 +503,12 @@ impl LockRouter {
                     lock_row(at, &lock_key, left, deadline).await?
                 } else {
                     let now = crate::state::instant_after(Duration::ZERO);
+                    // Busy, or not answered within a try's 50 ms (a connection to open on a
+                    // busy machine): waited for next, alone. A shard that failed answers that
+                    // wait with its error.
                     match lock_row(at, &lock_key, Duration::ZERO, now).await {
                         Ok(locked) => locked,
-                        Err(Error::Timeout { .. }) => {
+                        Err(Error::Timeout { .. } | Error::Unavailable { .. }) => {
                             first = i;
                             continue 'rows;
                         }
