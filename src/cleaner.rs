@@ -106,7 +106,11 @@ impl LockRouter {
         let pass = self.inner.cleaner.passes.fetch_add(1, Ordering::Relaxed) + 1;
         let mut leader = self.inner.cleaner.leader.lock().await;
         if !leader.as_ref().is_some_and(Leadership::is_leader) {
-            *leader = None;
+            // A lost leadership's release holds the key's turn in process until its shard
+            // answers: let go first, or the try below finds the key taken by it.
+            if let Some(lost) = leader.take() {
+                let _ = lost.resign().await;
+            }
             match self.try_lead(CLEANER_LOCK_KEY, AcquireOptions::new()).await {
                 Ok(Some(leadership)) => *leader = Some(leadership),
                 Ok(None) => {
@@ -414,18 +418,26 @@ async fn clean_shard(
         shard: shard.name().to_owned(),
         ..ShardCleaned::default()
     };
-    if let Err(e) = clean_batches(shard, config, registry, leader, &mut out).await {
+    let cleaned = clean_batches(shard, config, registry, leader, &mut out).await;
+    // No longer the cleaner: another instance may be cleaning now.
+    let leading = !matches!(cleaned, Err(Error::LockLost { .. }));
+    if let Err(e) = cleaned {
         out.error = Some(shardlock_core::Report(&e).to_string());
     }
-    match shard
-        .call(|b| b.forget_instances(config.instance_retention))
-        .await
-    {
-        Ok(n) => out.instances_forgotten = n,
-        Err(e) if out.error.is_none() => {
+    let forgotten = match leading {
+        true => Some(
+            shard
+                .call(|b| b.forget_instances(config.instance_retention))
+                .await,
+        ),
+        false => None,
+    };
+    match forgotten {
+        Some(Ok(n)) => out.instances_forgotten = n,
+        Some(Err(e)) if out.error.is_none() => {
             out.error = Some(e.into_error(shard.name()).report().to_string())
         }
-        Err(_) => {}
+        _ => {}
     }
     shard
         .shared

@@ -146,6 +146,30 @@ async fn ended_leases_of_an_earlier_start_under_a_listed_id_are_deleted() {
     only_the_earlier_starts_lease_goes(&cluster, &live, &nonce).await;
 }
 
+/// A cleaner that lost its leadership (force-released, as an operator does) leads again at its
+/// next pass when nobody else does. Before, the lost leadership's release still held the key's
+/// turn in process when the pass tried to lead without waiting: the pass reported
+/// `leader: false`, and nothing was cleaned until the pass after.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cleaner_that_lost_its_leadership_leads_again_at_its_next_pass() {
+    let (_cluster, _migrated, yaml) = common::start(1, &cleaner_yaml("2s")).await;
+    let cleaner = router(&yaml).await;
+    assert!(cleaner.clean_once().await.unwrap().leader);
+    let operator = router(&yaml).await;
+    let freed = operator
+        .force_release(shardlock::CLEANER_LOCK_KEY)
+        .await
+        .unwrap();
+    assert!(freed.is_some());
+    let lost = common::eventually(Duration::from_secs(30), || async {
+        cleaner.stats().lost > 0
+    })
+    .await;
+    assert!(lost, "the cleaner never learnt it lost its leadership");
+    let report = cleaner.clean_once().await.unwrap();
+    assert!(report.leader, "{report:?}");
+}
+
 /// A registry that never answers.
 #[derive(Debug)]
 struct Hung;
