@@ -106,23 +106,32 @@ async fn a_transaction_lock_cut_short_by_a_silent_shard_closes_no_breaker() {
         .rollback()
         .await
         .unwrap();
-    proxy.set(ProxyMode::Blackhole);
+    // Opened by calls that fail as they connect: none reached the server, so nothing is given
+    // back in the background (a give-back could take the probe).
+    proxy.set(ProxyMode::Reset);
     while router.breaker_state("s1") != Some(shardlock::BreakerState::Open) {
         let _ = router
             .try_acquire("other", shardlock::AcquireOptions::new())
             .await;
     }
+    proxy.set(ProxyMode::Blackhole);
     let half_open = common::eventually(Duration::from_secs(30), || async {
         router.breaker_state("s1") == Some(shardlock::BreakerState::HalfOpen)
     })
     .await;
     assert!(half_open, "the breaker never cooled down");
+    let refused = router.stats().breaker_rejections;
     let tried = router
         .lock_in_transaction("acct:silent", Duration::ZERO)
         .await
         .map(|_| ());
     let state = router.breaker_state("s1");
     proxy.set(ProxyMode::Pass);
+    assert_eq!(
+        router.stats().breaker_rejections,
+        refused,
+        "the attempt was not let through as the probe: {tried:?}"
+    );
     assert_ne!(
         state,
         Some(shardlock::BreakerState::Closed),

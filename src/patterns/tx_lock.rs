@@ -502,17 +502,14 @@ impl LockRouter {
                     };
                     lock_row(at, &lock_key, left, deadline).await?
                 } else {
-                    let now = crate::state::instant_after(Duration::ZERO);
-                    // Busy, or not answered within a try's 50 ms (a connection to open on a
-                    // busy machine): waited for next, alone. A shard that failed answers that
-                    // wait with its error.
-                    match lock_row(at, &lock_key, Duration::ZERO, now).await {
-                        Ok(locked) => locked,
-                        Err(Error::Timeout { .. } | Error::Unavailable { .. }) => {
+                    // Busy (the server's answer to `NOWAIT`): waited for next, alone, while
+                    // the wait lasts. The try has the rest of the wait to be answered in.
+                    match lock_row(at, &lock_key, Duration::ZERO, deadline).await {
+                        Err(Error::Timeout { .. }) if tokio::time::Instant::now() < deadline => {
                             first = i;
                             continue 'rows;
                         }
-                        Err(e) => return Err(e),
+                        locked => locked?,
                     }
                 };
                 // Closed, not pooled, if a later shard fails, the rows are let go or the
@@ -581,6 +578,10 @@ impl LockRouter {
     }
 }
 
+/// How long past its wait a transaction lock's attempt is given before it is cut short: a try
+/// without waiting still needs its round trips.
+const CUT_AFTER: Duration = Duration::from_millis(50);
+
 /// Locks `key`'s row of `shardlock_txlock` on `shard` in a new transaction on a dedicated
 /// connection, waiting up to `wait` (enforced until `deadline`); see
 /// [`LockRouter::lock_in_transaction`].
@@ -596,44 +597,45 @@ async fn lock_row(
         // Set once a statement that may wait for the row's lock is sent.
         let waiting = AtomicBool::new(false);
         let waiting = &waiting;
-        // The checkout and the lock statement, through the breaker, bounded by the wait. Cut
-        // short, the call decides nothing for the breaker: whether the row's holder or the
-        // shard held it up, a wait (50 ms for a zero one) tells nothing of the shard's health,
-        // and counted as an answer it would close a breaker on a shard that never answered.
-        let attempt = shard.call_waiting_cut(true, |backend| async move {
-            let locked = async {
-                // Until the lock is ours, a failed or abandoned attempt's connection is
-                // closed, not pooled: a lock statement still waiting on the server must not
-                // end up holding the row on an idle pooled connection.
-                let mut conn = Discard(Some(backend.connection().await?));
-                let open = conn.0.as_mut().expect("set above");
-                let after = backend.statement_timeout();
-                open.lock_tx_row(lock_key.stored(), wait, after, waiting)
-                    .await?;
-                Ok::<_, BackendError>(conn.0.take().expect("set above"))
-            };
-            match tokio::time::timeout_at(deadline + Duration::from_millis(50), locked).await {
-                Ok(r) => r,
-                Err(_) => Err(BackendError::new(
-                    BackendErrorKind::Timeout,
-                    None,
-                    if waiting.load(Ordering::Relaxed) {
-                        "the row stayed locked for the whole wait"
-                    } else {
-                        "the shard did not answer within the wait"
-                    },
-                )),
-            }
+        // The checkout and the lock statement, through the breaker.
+        let attempt = shard.call_waiting(|backend| async move {
+            // Until the lock is ours, a failed or abandoned attempt's connection is closed,
+            // not pooled: a lock statement still waiting on the server must not end up
+            // holding the row on an idle pooled connection.
+            let mut conn = Discard(Some(backend.connection().await?));
+            let open = conn.0.as_mut().expect("set above");
+            let after = backend.statement_timeout();
+            open.lock_tx_row(lock_key.stored(), wait, after, waiting)
+                .await?;
+            Ok::<_, BackendError>(conn.0.take().expect("set above"))
         });
-        match attempt.await {
-            Ok(conn) => return Ok(conn),
+        // Bounded by the wait. Cut short, the call is dropped before the breaker judged it (a
+        // probe gives its slot back): whether the row's holder or the shard held it up, a
+        // wait (50 ms for a zero one) tells nothing of the shard's health, and counted as an
+        // answer it closed a breaker on a shard that never answered. The shard's own
+        // timeouts within it (its pool's wait, a ping) count as ever.
+        let attempt = match tokio::time::timeout_at(deadline + CUT_AFTER, attempt).await {
+            Ok(attempt) => attempt,
             // Cut short while waiting for the row's lock: its holder kept it.
-            Err(e) if e.kind == BackendErrorKind::Timeout && waiting.load(Ordering::Relaxed) => {
+            Err(_) if waiting.load(Ordering::Relaxed) => {
                 return Err(Error::Timeout {
                     key_label: shard.shared.telemetry.key_label(lock_key),
                     waited: started.elapsed(),
                 })
             }
+            Err(_) => {
+                return Err(Error::Unavailable {
+                    shard: name,
+                    source: BackendError::new(
+                        BackendErrorKind::Timeout,
+                        None,
+                        "the shard did not answer within the wait",
+                    ),
+                })
+            }
+        };
+        match attempt {
+            Ok(conn) => return Ok(conn),
             // NOWAIT answers 3572 (MySQL) or 1205 (MariaDB) when the row is locked.
             Err(e)
                 if e.kind == BackendErrorKind::LockWaitTimeout
