@@ -55,10 +55,10 @@ async fn a_transaction_locks_wait_is_not_left_to_the_callers_statements() {
     }
 }
 
-/// A try without waiting on a row someone holds is answered by the server (`NOWAIT`), not cut
-/// short by the client: its connection goes back to the pool, and no session of it is left
-/// waiting on the server for the next statement to end. Before, making sure the row existed
-/// waited for its lock (an upsert locks the row it finds), a second each time.
+/// A try without waiting on a row someone holds is answered by the server (`NOWAIT`) without
+/// waiting for the row's lock. Before, making sure the row existed waited for its lock (an
+/// upsert locks the row it finds) until the client cut the try short, leaving its session on
+/// the server for the next statement to end.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_tried_without_waiting_is_refused_by_the_server() {
     let (cluster, router, _) = common::start(1, "").await;
@@ -83,11 +83,13 @@ async fn a_transaction_lock_tried_without_waiting_is_refused_by_the_server() {
 }
 
 /// An attempt cut short at the end of its wait by a shard that never answers is no answer of
-/// the shard's: as the half-open breaker's probe it does not close the breaker, and its caller
-/// is told the shard is unavailable. Before, every cut counted as the row's holder keeping it,
-/// so a try without waiting closed the breaker on a cut-off shard.
+/// the shard's: as the half-open breaker's probe it decides nothing, and its caller is told the
+/// shard is unavailable. A try without waiting, which waits for no lock, is judged as any
+/// statement is: unanswered within the statement timeout, it opens the breaker again. Before,
+/// every cut counted as the row's holder keeping it, so a try without waiting closed the
+/// breaker on a cut-off shard.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_transaction_lock_cut_short_by_a_silent_shard_closes_no_breaker() {
+async fn a_transaction_lock_on_a_silent_shard_is_judged_only_by_the_shards_timeout() {
     use shardlock_testkit::{Proxy, ProxyMode};
     let cluster = Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
@@ -120,23 +122,40 @@ async fn a_transaction_lock_cut_short_by_a_silent_shard_closes_no_breaker() {
     })
     .await;
     assert!(half_open, "the breaker never cooled down");
+    let transitions = router.breaker_transitions("s1").len();
     let refused = router.stats().breaker_rejections;
+    // A wait cut short: no verdict, the probe's slot given back.
+    let waited = router
+        .lock_in_transaction("acct:silent", Duration::from_millis(300))
+        .await
+        .map(|_| ());
+    let after_wait = router.breaker_state("s1");
+    // A try without waiting: the shard's statement timeout judges it, as any statement's.
     let tried = router
         .lock_in_transaction("acct:silent", Duration::ZERO)
         .await
         .map(|_| ());
-    let state = router.breaker_state("s1");
+    let after_try = router.breaker_state("s1");
     proxy.set(ProxyMode::Pass);
     assert_eq!(
         router.stats().breaker_rejections,
         refused,
-        "the attempt was not let through as the probe: {tried:?}"
+        "an attempt was not let through as the probe: {waited:?}, {tried:?}"
     );
-    assert_ne!(
-        state,
-        Some(shardlock::BreakerState::Closed),
-        "a cut-short attempt on a silent shard closed its breaker ({tried:?}): {:?}",
-        router.breaker_transitions("s1")
+    let judged = &router.breaker_transitions("s1")[transitions..];
+    assert_eq!(
+        after_wait,
+        Some(shardlock::BreakerState::HalfOpen),
+        "a wait cut short on a silent shard was judged ({waited:?}): {judged:?}"
+    );
+    assert!(
+        matches!(waited, Err(Error::Unavailable { .. })),
+        "{waited:?}"
+    );
+    assert_eq!(
+        after_try,
+        Some(shardlock::BreakerState::Open),
+        "a try without waiting on a silent shard was not judged a failure ({tried:?}): {judged:?}"
     );
     assert!(matches!(tried, Err(Error::Unavailable { .. })), "{tried:?}");
 }

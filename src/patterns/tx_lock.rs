@@ -408,10 +408,11 @@ impl Drop for TxLockGuard {
 impl LockRouter {
     /// Locks `key` with `SELECT ... FOR UPDATE` on its row of `shardlock_txlock` (created
     /// race-free on first use) in a new transaction on a dedicated connection of the key's
-    /// shard, waiting up to `wait` (zero: `NOWAIT`; the server's lock wait timeout is whole
-    /// seconds, so the wait is also enforced here). Errors: `Timeout` when the row stayed
-    /// locked, `Unavailable` when the shard failed or did not answer within the wait (a wait
-    /// cut short counts neither for nor against its breaker); deadlocks are retried.
+    /// shard, waiting up to `wait` (zero: `NOWAIT`, answered within the shard's statement
+    /// timeout; the server's lock wait timeout is whole seconds, so a wait is also enforced
+    /// here). Errors: `Timeout` when the row stayed locked, `Unavailable` when the shard failed
+    /// or did not answer within the wait (a wait cut short counts neither for nor against its
+    /// breaker); deadlocks are retried.
     ///
     /// While a reload's move is in progress, a key that moved is locked on the shards it lived
     /// on before as well (each in a transaction of its own, released with the lock), so a
@@ -578,8 +579,8 @@ impl LockRouter {
     }
 }
 
-/// How long past its wait a transaction lock's attempt is given before it is cut short: a try
-/// without waiting still needs its round trips.
+/// How long past its wait a transaction lock's attempt that waits is given before it is cut
+/// short.
 const CUT_AFTER: Duration = Duration::from_millis(50);
 
 /// Locks `key`'s row of `shardlock_txlock` on `shard` in a new transaction on a dedicated
@@ -597,41 +598,49 @@ async fn lock_row(
         // Set once a statement that may wait for the row's lock is sent.
         let waiting = AtomicBool::new(false);
         let waiting = &waiting;
-        // The checkout and the lock statement, through the breaker.
-        let attempt = shard.call_waiting(|backend| async move {
-            // Until the lock is ours, a failed or abandoned attempt's connection is closed,
-            // not pooled: a lock statement still waiting on the server must not end up
-            // holding the row on an idle pooled connection.
-            let mut conn = Discard(Some(backend.connection().await?));
-            let open = conn.0.as_mut().expect("set above");
-            let after = backend.statement_timeout();
-            open.lock_tx_row(lock_key.stored(), wait, after, waiting)
-                .await?;
-            Ok::<_, BackendError>(conn.0.take().expect("set above"))
-        });
-        // Bounded by the wait. Cut short, the call is dropped before the breaker judged it (a
-        // probe gives its slot back): whether the row's holder or the shard held it up, a
-        // wait (50 ms for a zero one) tells nothing of the shard's health, and counted as an
-        // answer it closed a breaker on a shard that never answered. The shard's own
-        // timeouts within it (its pool's wait, a ping) count as ever.
-        let attempt = match tokio::time::timeout_at(deadline + CUT_AFTER, attempt).await {
-            Ok(attempt) => attempt,
-            // Cut short while waiting for the row's lock: its holder kept it.
-            Err(_) if waiting.load(Ordering::Relaxed) => {
-                return Err(Error::Timeout {
-                    key_label: shard.shared.telemetry.key_label(lock_key),
-                    waited: started.elapsed(),
-                })
-            }
-            Err(_) => {
-                return Err(Error::Unavailable {
-                    shard: name,
-                    source: BackendError::new(
+        let take = |backend| take_row(backend, lock_key, wait, waiting);
+        let attempt = if wait.is_zero() {
+            // A try without waiting (`NOWAIT`) waits for no lock: its answer tells of the shard
+            // as any statement's does, and is judged so, within the statement timeout (its
+            // round trips may take longer than a cut would allow on a far link).
+            let limit = shard.unguarded().statement_timeout();
+            let bounded = |backend| async move {
+                let answered = tokio::time::timeout(limit, take(backend)).await;
+                answered.unwrap_or_else(|_| {
+                    Err(BackendError::new(
                         BackendErrorKind::Timeout,
                         None,
-                        "the shard did not answer within the wait",
-                    ),
+                        format!("no answer within {limit:?} (statement-timeout)"),
+                    ))
                 })
+            };
+            shard.call(bounded).await
+        } else {
+            // Bounded by the wait. Cut short, the call is dropped before the breaker judged it
+            // (a probe gives its slot back): whether the row's holder or the shard held it
+            // up, a wait tells nothing of the shard's health, and counted as an answer it
+            // closed a breaker on a shard that never answered. The shard's own timeouts
+            // within it (its pool's wait, a ping) count as ever.
+            let attempt = shard.call_waiting(take);
+            match tokio::time::timeout_at(deadline + CUT_AFTER, attempt).await {
+                Ok(attempt) => attempt,
+                // Cut short while waiting for the row's lock: its holder kept it.
+                Err(_) if waiting.load(Ordering::Relaxed) => {
+                    return Err(Error::Timeout {
+                        key_label: shard.shared.telemetry.key_label(lock_key),
+                        waited: started.elapsed(),
+                    })
+                }
+                Err(_) => {
+                    return Err(Error::Unavailable {
+                        shard: name,
+                        source: BackendError::new(
+                            BackendErrorKind::Timeout,
+                            None,
+                            "the shard did not answer within the wait",
+                        ),
+                    })
+                }
             }
         };
         match attempt {
@@ -652,6 +661,25 @@ async fn lock_row(
             Err(e) => return Err(e.into_error(&name)),
         }
     }
+}
+
+/// The checkout and the lock statement of [`lock_row`]; `waiting` is set once a statement that
+/// may wait for the row's lock is sent.
+async fn take_row(
+    backend: &shardlock_mysql::Shard,
+    lock_key: &LockKey,
+    wait: Duration,
+    waiting: &AtomicBool,
+) -> std::result::Result<SessionConn, BackendError> {
+    // Until the lock is ours, a failed or abandoned attempt's connection is closed, not
+    // pooled: a lock statement still waiting on the server must not end up holding the row on
+    // an idle pooled connection.
+    let mut conn = Discard(Some(backend.connection().await?));
+    let open = conn.0.as_mut().expect("set above");
+    let after = backend.statement_timeout();
+    open.lock_tx_row(lock_key.stored(), wait, after, waiting)
+        .await?;
+    Ok(conn.0.take().expect("set above"))
 }
 
 impl FollowsKey for TxLockState {

@@ -119,7 +119,8 @@ impl SessionConn {
                 raw.query_drop(TX_ROW.replace("{key}", &key)).await?;
             }
             raw.query_drop(TX_BEGIN).await?;
-            waiting.store(true, Ordering::Relaxed);
+            // `NOWAIT` waits for no lock.
+            waiting.store(!wait.is_zero(), Ordering::Relaxed);
             raw.query_drop(lock).await
         };
         let locked = run.await;
