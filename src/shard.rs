@@ -200,8 +200,19 @@ impl ShardState {
     where
         F: std::future::Future<Output = Result<T, BackendError>> + 's,
     {
-        self.call_timed(statement(&self.backend), |_| Timing::Counts)
-            .await
+        self.call_judged(|_| Timing::Counts, statement).await
+    }
+
+    /// [`ShardState::call`] whose duration is judged as `timing` says of its outcome.
+    pub(crate) async fn call_judged<'s, T, F>(
+        &'s self,
+        timing: impl FnOnce(&Result<T, BackendError>) -> Timing,
+        statement: impl FnOnce(&'s Shard) -> F,
+    ) -> Result<T, BackendError>
+    where
+        F: std::future::Future<Output = Result<T, BackendError>> + 's,
+    {
+        self.call_timed(statement(&self.backend), timing).await
     }
 
     /// [`ShardState::call`] for a lease statement that takes its row's lock (a release, an

@@ -82,6 +82,50 @@ async fn a_transaction_lock_tried_without_waiting_is_refused_by_the_server() {
     held.rollback().await.unwrap();
 }
 
+/// A try without waiting on a key whose row another transaction is creating (its insert not
+/// committed yet) waits for that row's lock in making sure the row exists: a busy key, answered
+/// `Timeout`, that counts against no shard. Before, that wait was judged as a slow statement
+/// and opened a breaker that opens on one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_try_without_waiting_behind_a_row_being_created_counts_against_no_shard() {
+    let cluster = Cluster::start(1).await.unwrap();
+    common::migrate_only(&cluster.config_yaml("")).await;
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 10s\n\
+         breaker:\n  consecutive-failures: 1\n  slow-call: 300ms\ncleaner:\n  registry: static\n",
+        cluster.shard(0).url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let key = shardlock::LockKey::new("acct:new").unwrap();
+    let mut creating = cluster.shard(0).connect().await.unwrap();
+    creating.query_drop("START TRANSACTION").await.unwrap();
+    creating
+        .exec_drop(
+            "INSERT INTO shardlock_txlock (lock_key) VALUES (?)",
+            (key.stored(),),
+        )
+        .await
+        .unwrap();
+    let tried = router
+        .lock_in_transaction("acct:new", Duration::ZERO)
+        .await
+        .map(|_| ());
+    creating.query_drop("ROLLBACK").await.unwrap();
+    assert!(
+        router.breaker_transitions("s1").is_empty(),
+        "a try held up by a row being created counted against its shard ({tried:?}): {:?}",
+        router.breaker_transitions("s1")
+    );
+    assert!(matches!(tried, Err(Error::Timeout { .. })), "{tried:?}");
+    router
+        .lock_in_transaction("acct:new", Duration::ZERO)
+        .await
+        .unwrap()
+        .rollback()
+        .await
+        .unwrap();
+}
+
 /// An attempt cut short at the end of its wait by a shard that never answers is no answer of
 /// the shard's: as the half-open breaker's probe it decides nothing, and its caller is told the
 /// shard is unavailable. A try without waiting, which waits for no lock, is judged as any

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 
 use super::Discard;
 use crate::clock::{Moment, SUSPEND_NOTICED_WITHIN};
-use crate::shard::{Settling, ShardState, Shared, REGISTRY_LAPSED};
+use crate::shard::{Settling, ShardState, Shared, Timing, REGISTRY_LAPSED};
 use crate::state::{FollowsKey, Inner};
 use crate::sync::LockExt;
 use crate::LockRouter;
@@ -412,7 +412,9 @@ impl LockRouter {
     /// timeout; the server's lock wait timeout is whole seconds, so a wait is also enforced
     /// here). Errors: `Timeout` when the row stayed locked, `Unavailable` when the shard failed
     /// or did not answer within the wait (a wait cut short counts neither for nor against its
-    /// breaker); deadlocks are retried.
+    /// breaker); deadlocks are retried. During a move, the rows on the other shards are tried
+    /// without waiting, each within the statement timeout, which a shard that does not answer
+    /// may add to the wait.
     ///
     /// While a reload's move is in progress, a key that moved is locked on the shards it lived
     /// on before as well (each in a transaction of its own, released with the lock), so a
@@ -504,7 +506,7 @@ impl LockRouter {
                     lock_row(at, &lock_key, left, deadline).await?
                 } else {
                     // Busy (the server's answer to `NOWAIT`): waited for next, alone, while
-                    // the wait lasts. The try has the rest of the wait to be answered in.
+                    // the wait lasts. The try is bounded by the shard's statement timeout.
                     match lock_row(at, &lock_key, Duration::ZERO, deadline).await {
                         Err(Error::Timeout { .. }) if tokio::time::Instant::now() < deadline => {
                             first = i;
@@ -602,19 +604,30 @@ async fn lock_row(
         let attempt = if wait.is_zero() {
             // A try without waiting (`NOWAIT`) waits for no lock: its answer tells of the shard
             // as any statement's does, and is judged so, within the statement timeout (its
-            // round trips may take longer than a cut would allow on a far link).
-            let limit = shard.unguarded().statement_timeout();
+            // round trips may take longer than a cut would allow on a far link). Unless the
+            // row was missing and its upsert waited behind another transaction creating it: a
+            // busy key, answered so, whose time tells nothing of the shard.
+            let limit = shard.statement_timeout();
             let bounded = |backend| async move {
-                let answered = tokio::time::timeout(limit, take(backend)).await;
-                answered.unwrap_or_else(|_| {
-                    Err(BackendError::new(
+                match tokio::time::timeout(limit, take(backend)).await {
+                    Ok(answer) => answer,
+                    Err(_) if waiting.load(Ordering::Relaxed) => Err(BackendError::new(
+                        BackendErrorKind::LockWaitTimeout,
+                        None,
+                        "the row being created stayed locked by another transaction",
+                    )),
+                    Err(_) => Err(BackendError::new(
                         BackendErrorKind::Timeout,
                         None,
                         format!("no answer within {limit:?} (statement-timeout)"),
-                    ))
-                })
+                    )),
+                }
             };
-            shard.call(bounded).await
+            let timing = |_: &_| match waiting.load(Ordering::Relaxed) {
+                true => Timing::Ignored,
+                false => Timing::Counts,
+            };
+            shard.call_judged(timing, bounded).await
         } else {
             // Bounded by the wait. Cut short, the call is dropped before the breaker judged it
             // (a probe gives its slot back): whether the row's holder or the shard held it

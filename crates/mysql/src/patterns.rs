@@ -120,7 +120,9 @@ impl SessionConn {
             }
             raw.query_drop(TX_BEGIN).await?;
             // `NOWAIT` waits for no lock.
-            waiting.store(!wait.is_zero(), Ordering::Relaxed);
+            if !wait.is_zero() {
+                waiting.store(true, Ordering::Relaxed);
+            }
             raw.query_drop(lock).await
         };
         let locked = run.await;
