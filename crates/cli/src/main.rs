@@ -85,7 +85,8 @@ enum Command {
         yes: bool,
     },
     /// Run the lease cleaner until SIGTERM or Ctrl-C; one instance of a deployment cleans at a
-    /// time (elected through a shardlock lock), the others stand by.
+    /// time (elected through a shardlock lock), the others stand by. It is an instance of the
+    /// fleet: reload it with the services (SIGHUP rereads the config file).
     Cleaner {
         /// One pass, then exit.
         #[arg(long)]
@@ -413,8 +414,16 @@ async fn run_command(
                 let report = router.clean_once().await?;
                 output::cleaner_report(&report, cli.json);
             } else {
+                // The cleaner is a member of its fleet like any service: a topology it never
+                // reloaded would keep every other process's move in force and hold back every
+                // process (re)started with the new one. It reloads its file with them.
+                let _reloader = match &source.path {
+                    Some(path) => Some(router.reload_on_sighup(path)?),
+                    None => None,
+                };
                 eprintln!(
-                    "shardlock cleaner: instance {}, a pass every {:?}; SIGTERM or Ctrl-C stops it",
+                    "shardlock cleaner: instance {}, a pass every {:?}; SIGHUP reloads the \
+                     config file, SIGTERM or Ctrl-C stops it",
                     router.instance_id(),
                     router.config().cleaner.interval
                 );

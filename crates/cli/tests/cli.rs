@@ -482,3 +482,76 @@ async fn cleaner_daemon_stops_cleanly_on_sigterm() {
         .iter()
         .all(|s| s["held_leases"] == 0));
 }
+
+/// The cleaner daemon is an instance of its fleet like any service: when it never reloaded,
+/// its old topology kept every process started with the fleet's new one from granting, for as
+/// long as it ran. SIGHUP rereads its config file, as `reload_on_sighup` does for services.
+#[tokio::test(flavor = "multi_thread")]
+async fn cleaner_daemon_reloads_its_config_on_sighup() {
+    use std::io::{BufRead, BufReader};
+    let (_cluster, dir, config) = cluster_with_config(1).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let base = std::fs::read_to_string(&config).unwrap();
+    let fast = "cleaner:\n  interval: 100ms\n  heartbeat-interval: 100ms\n\
+                routing:\n  move-window: 500ms\n";
+    // The fleet's next topology: one more namespace (its fingerprint changes, no key moves).
+    let next = format!(
+        "{}{fast}",
+        base.replace("namespaces:\n", "namespaces:\n  billing:\n    ttl: 5s\n")
+    );
+    let file = dir.path().join("cleaner.yaml");
+    std::fs::write(&file, format!("{base}{fast}")).unwrap();
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_shardlock"))
+        .arg("--config")
+        .arg(&file)
+        .args(["--json", "cleaner"])
+        .env_remove("SHARDLOCK_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(daemon.stdout.take().unwrap()).lines();
+    let pass: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    assert_eq!(pass["leader"], true, "{pass}");
+
+    // A service started with the next topology waits for the cleaner, which runs the old one.
+    let service = LockRouter::from_yaml_str(&next).await.unwrap();
+    match service.try_acquire("k", AcquireOptions::new()).await {
+        Err(shardlock::Error::Unavailable { source, .. }) => {
+            let why = shardlock::Report(&source).to_string();
+            assert!(why.contains("runs topology"), "{why}");
+        }
+        other => panic!("granted beside a cleaner of another topology: {other:?}"),
+    }
+    std::fs::write(&file, &next).unwrap();
+    let hup = Command::new("kill")
+        .args(["-HUP", &daemon.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    let granted = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        loop {
+            match service.try_acquire("k", AcquireOptions::new()).await {
+                Err(shardlock::Error::Unavailable { .. }) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+                other => break other.unwrap(),
+            }
+        }
+    })
+    .await
+    .expect("the cleaner reloaded the fleet's topology on SIGHUP, so the service joined");
+    granted.expect("nobody holds k").release().await.unwrap();
+    service.shutdown().await.unwrap();
+    assert!(
+        daemon.try_wait().unwrap().is_none(),
+        "SIGHUP ended the cleaner (the service joined once its heartbeat lapsed)"
+    );
+
+    let term = Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = daemon.wait().unwrap();
+    assert!(status.success(), "exit after SIGTERM: {status}");
+}
