@@ -575,7 +575,7 @@ impl LockRouter {
             .grants
             .iter()
             .chain(own.iter().flat_map(|o| &o.grants));
-        if granted.any(|(at, grant)| self.ran_out(at, &want, grant.sent)) {
+        if granted.any(|(at, grant)| at.ran_out(&want, grant.sent)) {
             return Ok(Held::Busy(turn));
         }
         if moved {

@@ -587,6 +587,14 @@ async fn handoff_through_shard(
     };
     let sent = Moment::now();
     match shard.call_row(|b| b.handoff(&lease.owner, &req)).await {
+        // Handed over, but answered so late that the waiter's lease may already have ended on
+        // the shard (as a try answered that late is, `ShardState::ran_out`): a guard of it
+        // would be lost from the start. Given back under its owner; the waiter polls.
+        Ok(HandoffOutcome::Granted(_)) if shard.ran_out(&want, sent) => {
+            shard.give_back(req.key, req.owner, want.ttl);
+            next.turn(turn, false);
+            Ok(())
+        }
         Ok(HandoffOutcome::Granted(fence)) => {
             shared.stats.grants.fetch_add(1, Ordering::Relaxed);
             shared.stats.handoffs.fetch_add(1, Ordering::Relaxed);

@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::clock::Moment;
+use crate::queue::Want;
 use crate::sync::LockExt;
 pub(crate) use lanes::is_not_sent;
 use lanes::{no_answer, LeaveLane};
@@ -136,6 +137,19 @@ impl ShardState {
     pub(crate) fn leases_skew(&self) -> Duration {
         let floor = Duration::from_micros(self.skew_floor_us.load(Ordering::SeqCst));
         self.clock_skew().max(floor)
+    }
+
+    /// Whether a grant of `want` sent to this shard at `sent` may have ended on the shard by
+    /// now: by the drift and node skew in force now, if a reload raised them since (the lease
+    /// is placed by them).
+    pub(crate) fn ran_out(&self, want: &Want, sent: Moment) -> bool {
+        Moment::now()
+            >= Want::end_by(
+                sent,
+                want.ttl,
+                want.drift_ppm.max(self.shared.drift_ppm()),
+                want.clock_skew.max(self.leases_skew()),
+            )
     }
 
     /// A reload raised the node clock skew of this shard's database to `skew` (this state keeps

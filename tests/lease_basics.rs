@@ -577,6 +577,52 @@ async fn a_hand_off_held_up_past_the_leases_end_is_answered_released() {
     waiter.await.unwrap().unwrap().release().await.unwrap();
 }
 
+/// A release that hands the lease to a waiter through the shard, answered only after the
+/// waiter's lease may have ended there (a slow link), gives the waiter nothing: it got a
+/// guard lost from the start, `Ok` yet never held, where a try answered that late counts the
+/// key as busy. The waiter polls and gets a lease it holds.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hand_off_answered_past_the_waiters_lease_gives_it_no_guard() {
+    let (cluster, _, _) = common::start(1, "").await;
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let router = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 30s\n\
+         cleaner:\n  registry: static\nnamespaces:\n  default:\n    handoff-max-count: 0\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    // The holder's row outlasts the held-up statement; the waiter's lease (3 s) does not
+    // outlast its answer (2 s each way).
+    let holder = AcquireOptions::new()
+        .ttl(Duration::from_secs(30))
+        .keep_alive(false);
+    let held = router.acquire("handed", holder).await.unwrap();
+    let waiter = tokio::spawn({
+        let router = router.clone();
+        async move {
+            let wait = AcquireOptions::new()
+                .ttl(Duration::from_secs(3))
+                .wait(Duration::from_secs(120));
+            router.acquire("handed", wait).await
+        }
+    });
+    let queued = common::eventually(Duration::from_secs(30), || async {
+        router.stats().queued == 1
+    })
+    .await;
+    assert!(queued, "the waiter never queued behind the holder");
+    proxy.set(ProxyMode::Delay(Duration::from_secs(2)));
+    held.release().await.unwrap();
+    proxy.set(ProxyMode::Pass);
+    let guard = waiter.await.unwrap().unwrap();
+    assert!(
+        guard.is_held(),
+        "the waiter was handed a lease that had ended before it got it"
+    );
+    guard.release().await.unwrap();
+}
+
 /// A namespace removed by one reload cannot come back with other locks in a later one: a
 /// lease taken in it before stays held (a leader's, a permit's), and under a new key prefix
 /// (or bucket count) the same key would be another lock, granted beside it. Brought back as it

@@ -56,7 +56,7 @@ impl LockRouter {
             None => Tried::Busy(None),
             // Granted, but the answer came so late that the lease may already have ended on
             // the shard: no use to anyone. Given back; the key counts as busy.
-            Some(Attempt::Granted(_)) if self.ran_out(shard, &want, sent) => {
+            Some(Attempt::Granted(_)) if shard.ran_out(&want, sent) => {
                 shard.give_back(req.key, req.owner, want.ttl);
                 Tried::Busy(None)
             }
@@ -72,21 +72,6 @@ impl LockRouter {
             // The row was locked by another transaction: busy, poll again soon.
             Some(Attempt::Locked) => Tried::Busy(Some(0)),
         })
-    }
-}
-
-impl LockRouter {
-    /// Whether a grant of `want` sent to `shard` at `sent` may have ended on the shard by now:
-    /// by the drift and node skew in force now, if a reload raised them since (the lease is
-    /// placed by them).
-    pub(super) fn ran_out(&self, shard: &ShardState, want: &Want, sent: Moment) -> bool {
-        Moment::now()
-            >= Want::end_by(
-                sent,
-                want.ttl,
-                want.drift_ppm.max(self.inner.shared.drift_ppm()),
-                want.clock_skew.max(shard.leases_skew()),
-            )
     }
 }
 
