@@ -214,6 +214,14 @@ async fn take_on(
                     // Answered, with no row taken: nothing unheard to end the lease by.
                     lease.end_by_unheard_row(None);
                 }
+                // A reload since replaced the topology this follow is for (undone, or moved
+                // the key on): the newest one's follow, queued behind this one, takes the key
+                // where it lives now, or finds it there already. No try of this one can have
+                // landed, so it stops and the lease stays held: before, it kept trying a shard
+                // the fleet may no longer place the key on, and was lost at this move's end.
+                if unknown_since.is_none() && shared.epoch() > topology.epoch {
+                    return false;
+                }
                 let delay = backoff.next_delay();
                 if Moment::now() + delay < deadline {
                     tokio::time::sleep(delay).await;

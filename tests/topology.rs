@@ -2602,3 +2602,65 @@ async fn names_the_move_to_s2(conn: &mut shardlock::mysql_async::Conn) -> Option
     .await
     .unwrap()
 }
+
+/// A reload undone while a held lease is still trying to follow its key to a shard that does
+/// not answer: the lease stays held where it was, as the fleet places the key there again.
+/// Its follow kept trying the shard the undone reload had added and reported the lease lost
+/// at that move's end, though nobody else could take the key meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_following_its_key_to_a_silent_shard_stays_held_when_the_reload_is_undone() {
+    let cluster = Cluster::start(4).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(3).port()).await.unwrap();
+    let tail = "routing:\n  move-window: 4s\ncleaner:\n  registry: static\n";
+    let three = {
+        let mut yaml = String::from("shards:\n");
+        for s in &cluster.shards()[..3] {
+            yaml.push_str(&format!("  - name: {}\n    url: {}\n", s.name(), s.url()));
+        }
+        yaml
+    };
+    let with_s4 = |url: String| {
+        format!("{three}  - name: s4\n    url: {url}\n    statement-timeout: 300ms\n{tail}")
+    };
+    let three = format!("{three}{tail}");
+    let placing = LockRouter::from_yaml_str(&with_s4(cluster.shard(3).url()))
+        .await
+        .unwrap();
+    placing.migrate().await.unwrap();
+    let key = (0..)
+        .map(|i| format!("k:{i}"))
+        .find(|k| placing.shard_for(k).unwrap() == "s4")
+        .unwrap();
+    placing.shutdown().await.unwrap();
+
+    let router = LockRouter::from_yaml_str(&three).await.unwrap();
+    let other = LockRouter::from_yaml_str(&three).await.unwrap();
+    let held = router.acquire(&key, AcquireOptions::new()).await.unwrap();
+    proxy.set(ProxyMode::Blackhole);
+    router
+        .reload(Config::from_yaml_str(&with_s4(proxy.url())).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(router.shard_for(&key).unwrap(), "s4");
+    router
+        .reload(Config::from_yaml_str(&three).unwrap())
+        .await
+        .unwrap();
+    // The undone move's follow gives up 2 s after its reload; wait for a loss twice that.
+    let lost = tokio::time::timeout(Duration::from_secs(4), held.lost()).await;
+    if lost.is_ok() || !held.is_held() {
+        panic!(
+            "a lease whose move was undone was lost: {:?}",
+            held.release().await
+        );
+    }
+    let second = other
+        .try_acquire(&key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert!(second.is_none(), "a second holder of {key}");
+    held.release().await.unwrap();
+    proxy.set(ProxyMode::Pass);
+    other.shutdown().await.unwrap();
+    router.shutdown().await.unwrap();
+}
