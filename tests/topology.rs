@@ -2611,7 +2611,9 @@ async fn names_the_move_to_s2(conn: &mut shardlock::mysql_async::Conn) -> Option
 async fn a_lease_following_its_key_to_a_silent_shard_stays_held_when_the_reload_is_undone() {
     let cluster = Cluster::start(4).await.unwrap();
     let proxy = Proxy::start(cluster.shard(3).port()).await.unwrap();
-    let tail = "routing:\n  move-window: 4s\ncleaner:\n  registry: static\n";
+    // Both reloads wait for the silent shard (its identity, the placement record): the undone
+    // move's follow must still be trying when the second one lands, on a busy machine too.
+    let tail = "routing:\n  move-window: 12s\ncleaner:\n  registry: static\n";
     let three = {
         let mut yaml = String::from("shards:\n");
         for s in &cluster.shards()[..3] {
@@ -2637,6 +2639,7 @@ async fn a_lease_following_its_key_to_a_silent_shard_stays_held_when_the_reload_
     let other = LockRouter::from_yaml_str(&three).await.unwrap();
     let held = router.acquire(&key, AcquireOptions::new()).await.unwrap();
     proxy.set(ProxyMode::Blackhole);
+    let reloaded = tokio::time::Instant::now();
     router
         .reload(Config::from_yaml_str(&with_s4(proxy.url())).unwrap())
         .await
@@ -2646,8 +2649,9 @@ async fn a_lease_following_its_key_to_a_silent_shard_stays_held_when_the_reload_
         .reload(Config::from_yaml_str(&three).unwrap())
         .await
         .unwrap();
-    // The undone move's follow gives up 2 s after its reload; wait for a loss twice that.
-    let lost = tokio::time::timeout(Duration::from_secs(4), held.lost()).await;
+    // The undone move's follow gave up 6 s after its reload; wait for a loss until past that.
+    let past = reloaded + Duration::from_secs(8);
+    let lost = tokio::time::timeout_at(past, held.lost()).await;
     if lost.is_ok() || !held.is_held() {
         panic!(
             "a lease whose move was undone was lost: {:?}",
