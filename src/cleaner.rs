@@ -212,9 +212,16 @@ impl LockRouter {
     ///
     /// Cancellation: reads only; nothing changes.
     pub async fn holders(&self, key: &str) -> Result<Vec<(String, LeaseRow)>> {
-        let key = LockKey::new(key)?;
+        self.holders_of(&LockKey::new(key)?).await
+    }
+
+    /// [`LockRouter::holders`] of a lock already named (and scoped): see
+    /// [`LockRouter::lock_key`].
+    ///
+    /// Cancellation: reads only; nothing changes.
+    pub async fn holders_of(&self, key: &LockKey) -> Result<Vec<(String, LeaseRow)>> {
         let mut held = Vec::new();
-        for (shard, placed) in self.shards_holding(&key) {
+        for (shard, placed) in self.shards_holding(key) {
             let row = match shard.unguarded().inspect(key.stored()).await {
                 Ok(row) => row,
                 Err(e) if !placed => {
@@ -278,13 +285,24 @@ impl LockRouter {
         self.force_release_of(key, Some(owner)).await
     }
 
-    /// Releases on the key's own shards (which must answer: the error is returned), then on
-    /// the others that answer.
     async fn force_release_of(&self, key: &str, owner: Option<&str>) -> Result<Vec<ForceReleased>> {
-        let key = LockKey::new(key)?;
+        self.force_release_key(&LockKey::new(key)?, owner).await
+    }
+
+    /// [`LockRouter::force_release_everywhere`] of a lock already named (and scoped, see
+    /// [`LockRouter::lock_key`]), or with `owner`
+    /// [`LockRouter::force_release_owner_everywhere`]: on the key's own shards (which must
+    /// answer: the error is returned), then on the others that answer.
+    ///
+    /// Cancellation: as for [`LockRouter::force_release`].
+    pub async fn force_release_key(
+        &self,
+        key: &LockKey,
+        owner: Option<&str>,
+    ) -> Result<Vec<ForceReleased>> {
         let mut released = Vec::new();
-        for (shard, placed) in self.shards_holding(&key) {
-            match force_release_on(&shard, &key, owner).await {
+        for (shard, placed) in self.shards_holding(key) {
+            match force_release_on(&shard, key, owner).await {
                 Ok(one) => released.extend(one),
                 Err(e) if !placed => passed_over(&shard, &e),
                 Err(e) => return Err(e),

@@ -676,8 +676,39 @@ impl LockRouter {
 
     /// The shard that owns `key` now.
     pub fn shard_for(&self, key: &str) -> Result<String> {
-        let key = LockKey::new(key)?;
-        Ok(self.inner.topology.load().locate(&key).name().to_owned())
+        Ok(self.shard_of(&LockKey::new(key)?))
+    }
+
+    /// The name of the shard `key` (a lock already named, see [`LockRouter::lock_key`]) lives
+    /// on under the topology in force.
+    pub fn shard_of(&self, key: &LockKey) -> String {
+        self.inner.topology.load().locate(key).name().to_owned()
+    }
+
+    /// The lock an application takes as `key` in `namespace` (the default one when `None`):
+    /// under the namespace's `key-prefix`, if it has one; with `bucket`, that bucket of it
+    /// (one of a hot key's sub-locks, a semaphore's permit, a rw-lock's reader slot: what
+    /// [`LockRouter::list`] shows as the lease's bucket). For operator tools that name a lock
+    /// as the application does: [`LockRouter::inspect_key`], [`LockRouter::holders_of`],
+    /// [`LockRouter::force_release_key`].
+    ///
+    /// Errors: [`Error::InvalidKey`], or [`Error::InvalidArgument`] for a namespace the config
+    /// lacks.
+    pub fn lock_key(
+        &self,
+        key: &str,
+        namespace: Option<&str>,
+        bucket: Option<u32>,
+    ) -> Result<LockKey> {
+        let key = match bucket {
+            Some(bucket) => LockKey::bucket(key, bucket)?,
+            None => LockKey::new(key)?,
+        };
+        let opts = AcquireOptions {
+            namespace: namespace.map(str::to_owned),
+            ..Default::default()
+        };
+        self.scope(key, &opts)
     }
 
     /// Acquires `key`, waiting up to the wait of `opts` (or of its namespace).

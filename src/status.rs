@@ -179,8 +179,11 @@ impl LockRouter {
         self.inspect_key(&LockKey::new(key)?).await
     }
 
-    /// [`LockRouter::inspect`] of a key already made (and scoped).
-    pub(crate) async fn inspect_key(&self, key: &LockKey) -> Result<(String, Option<LeaseRow>)> {
+    /// [`LockRouter::inspect`] of a lock already named (and scoped): see
+    /// [`LockRouter::lock_key`].
+    ///
+    /// Cancellation: as for [`LockRouter::inspect`].
+    pub async fn inspect_key(&self, key: &LockKey) -> Result<(String, Option<LeaseRow>)> {
         let topology = self.inner.topology.load_full();
         let shard = topology.locate(key);
         let row = shard

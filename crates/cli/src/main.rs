@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use shardlock::{Config, LockRouter};
+use shardlock::{Config, LeaseRow, LockKey, LockRouter};
 
 /// Distributed locks stored in MySQL, spread over shards.
 #[derive(Debug, Parser)]
@@ -56,6 +56,8 @@ enum Command {
     Inspect {
         /// The lock key, exactly as the application passes it.
         key: String,
+        #[command(flatten)]
+        scope: KeyScope,
     },
     /// Lease rows on every shard in key order: holder, fence, time left, data.
     List {
@@ -75,8 +77,10 @@ enum Command {
     /// Remove a stuck lock whoever holds it, fenced: its fence is raised, so the evicted
     /// holder's later writes through the fence are rejected and it sees its lease lost.
     Release {
-        /// The lock key.
+        /// The lock key, exactly as the application passes it.
         key: String,
+        #[command(flatten)]
+        scope: KeyScope,
         /// Required: a lock is normally released by its holder; this evicts the holder.
         #[arg(long)]
         force: bool,
@@ -104,6 +108,35 @@ enum Command {
     /// Measure lock throughput against raw SQL and hand-rolled baselines on the same shards.
     #[cfg(feature = "dev-tools")]
     Bench(bench::BenchArgs),
+}
+
+/// Which lock a key names, as the application takes it.
+#[derive(Debug, clap::Args)]
+struct KeyScope {
+    /// The namespace the application takes the key in (its key-prefix applies; default:
+    /// `default`).
+    #[arg(long, value_name = "NAME")]
+    namespace: Option<String>,
+    /// One bucket of the key: a hot key's sub-lock, a semaphore's permit, a rw-lock's reader
+    /// slot (`list` shows it as `[bucket N]`).
+    #[arg(long, value_name = "N")]
+    bucket: Option<u32>,
+}
+
+impl KeyScope {
+    /// The lock `key` names under this scope in `router`'s config.
+    fn lock(&self, router: &LockRouter, key: &str) -> shardlock::Result<LockKey> {
+        router.lock_key(key, self.namespace.as_deref(), self.bucket)
+    }
+}
+
+/// How a lock is named in output: the key as stored (with its namespace's prefix), and its
+/// bucket as `list` shows it.
+fn lock_name(lock: &LockKey) -> String {
+    match lock.bucket_number() {
+        Some(bucket) => format!("{} [bucket {bucket}]", lock.scoped_str()),
+        None => lock.scoped_str().to_owned(),
+    }
 }
 
 impl Command {
@@ -189,7 +222,12 @@ impl ConfigSource {
     pub(crate) async fn tool_router(&self) -> shardlock::Result<LockRouter> {
         let mut config = self.config.clone();
         config.cleaner.registry = shardlock::config::RegistryKind::Static;
-        LockRouter::builder(config).operator_tool().build().await
+        // Errors of the config that only building finds (a URL, a TLS file) name its file.
+        LockRouter::builder(config)
+            .yaml_source(self.text.as_str(), self.path.as_deref())
+            .operator_tool()
+            .build()
+            .await
     }
 
     /// Arguments that make a child `shardlock` process use the same config.
@@ -318,10 +356,25 @@ async fn run_command(
                 ));
             }
         }
-        Command::Inspect { key } => {
+        Command::Inspect { key, scope } => {
             let router = source.tool_router().await?;
-            let (shard, row) = router.inspect(&key).await?;
-            output::inspect(&key, &shard, row.as_ref(), cli.json);
+            let lock = scope.lock(&router, &key)?;
+            let (shard, row) = router.inspect_key(&lock).await?;
+            // Held elsewhere too (a fleet's move, a config older or newer than the fleet's):
+            // where `release --force` would look.
+            let elsewhere: Vec<_> = match row.as_ref().is_some_and(LeaseRow::is_held) {
+                true => Vec::new(),
+                false => (router.holders_of(&lock).await?.into_iter())
+                    .filter(|(on, row)| *on != shard && row.is_held())
+                    .collect(),
+            };
+            output::inspect(
+                &lock_name(&lock),
+                &shard,
+                row.as_ref(),
+                &elsewhere,
+                cli.json,
+            );
         }
         Command::List {
             held,
@@ -346,7 +399,12 @@ async fn run_command(
                 ));
             }
         }
-        Command::Release { key, force, yes } => {
+        Command::Release {
+            key,
+            scope,
+            force,
+            yes,
+        } => {
             if !force {
                 return Err(failure::fail(
                     failure::Exit::Usage,
@@ -355,13 +413,14 @@ async fn run_command(
                 ));
             }
             let router = source.tool_router().await?;
+            let lock = scope.lock(&router, &key)?;
+            let key = lock_name(&lock);
             // Wherever the config reaches: during a fleet's move, or with a config older or
             // newer than the fleet's, the holder may be on another shard than this config
             // places the key on.
-            let held = router.holders(&key).await?;
+            let held = router.holders_of(&lock).await?;
             if held.is_empty() {
-                let shard = router.shard_for(&key)?;
-                output::force_released(&key, &shard, &[], cli.json);
+                output::force_released(&key, &router.shard_of(&lock), &[], cli.json);
                 return Ok(());
             }
             let holders: Vec<String> = held
@@ -379,7 +438,7 @@ async fn run_command(
                 return Err(failure::fail(failure::Exit::Refused, "not released"));
             }
             let released = if yes {
-                router.force_release_everywhere(&key).await?
+                router.force_release_key(&lock, None).await?
             } else {
                 // The holders confirmed, not whoever took the key since (each owner once: a
                 // lease of a moved key has rows on several shards).
@@ -391,7 +450,7 @@ async fn run_command(
                 owners.dedup();
                 let mut released = Vec::new();
                 for owner in owners {
-                    released.extend(router.force_release_owner_everywhere(&key, owner).await?);
+                    released.extend(router.force_release_key(&lock, Some(owner)).await?);
                 }
                 if released.is_empty() {
                     return Err(failure::fail(
@@ -405,14 +464,21 @@ async fn run_command(
                 }
                 released
             };
-            let shard = router.shard_for(&key)?;
-            output::force_released(&key, &shard, &released, cli.json);
+            output::force_released(&key, &router.shard_of(&lock), &released, cli.json);
         }
         Command::Cleaner { once } => {
             let router = source.router_with(telemetry).await?;
             if once {
                 let report = router.clean_once().await?;
                 output::cleaner_report(&report, cli.json);
+                // A cron job or a runbook step sees a pass that left shards uncleaned.
+                if report.shards.iter().any(|s| s.error.is_some()) {
+                    router.shutdown().await?;
+                    return Err(failure::fail(
+                        failure::Exit::Unavailable,
+                        "some shards were not cleaned (see the report)",
+                    ));
+                }
             } else {
                 // The cleaner is a member of its fleet like any service: a topology it never
                 // reloaded would keep every other process's move in force and hold back every

@@ -164,7 +164,10 @@ pub(crate) fn force_released(key: &str, shard: &str, released: &[ForceReleased],
         return;
     }
     if released.is_empty() {
-        println!("{key} on {shard}: nobody holds it; nothing to release");
+        println!(
+            "{key} on {shard}: nobody holds it; nothing to release (a namespace's key-prefix \
+             applies with --namespace, a bucket is named with --bucket: see `shardlock list`)"
+        );
     }
     for r in released {
         println!(
@@ -234,8 +237,20 @@ pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
     println!("pass {}: {}", report.pass, shards.join("; "));
 }
 
-pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: bool) {
+/// What `inspect` found of `key`: its `row` on its `shard`, and, when it is not held there,
+/// where it is held `elsewhere` (a fleet's move, a config older or newer than the fleet's).
+pub(crate) fn inspect(
+    key: &str,
+    shard: &str,
+    row: Option<&LeaseRow>,
+    elsewhere: &[(String, LeaseRow)],
+    as_json: bool,
+) {
     if as_json {
+        let held_elsewhere: Vec<_> = elsewhere
+            .iter()
+            .map(|(on, r)| json!({"shard": on, "owner": r.owner, "fence": r.fence, "expires_in_ms": r.expires_in_ms}))
+            .collect();
         let lease = row.map(|r| {
             json!({
                 "held": r.is_held(),
@@ -248,7 +263,10 @@ pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: b
                 "data": r.data.as_deref().map(String::from_utf8_lossy),
             })
         });
-        println!("{}", json!({ "key": key, "shard": shard, "lease": lease }));
+        println!(
+            "{}",
+            json!({ "key": key, "shard": shard, "lease": lease, "held_elsewhere": held_elsewhere })
+        );
         return;
     }
     println!("key:     {key}");
@@ -279,6 +297,15 @@ pub(crate) fn inspect(key: &str, shard: &str, row: Option<&LeaseRow>, as_json: b
             println!("lease:   free, {why}");
             println!("fence:   {} (the next grant gets a larger one)", r.fence);
         }
+    }
+    for (on, r) in elsewhere {
+        println!(
+            "held on: {on} by {} (fence {}, expires in {} ms): a move, or a config other than \
+             the fleet's",
+            r.owner.as_deref().unwrap_or("-"),
+            r.fence,
+            r.expires_in_ms
+        );
     }
 }
 

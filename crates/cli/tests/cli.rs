@@ -196,6 +196,40 @@ async fn bad_input_gets_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("telemetry.prometheus-listen"), "{err}");
 
+    // Errors found only when the operator tool's router is built name the file too.
+    let no_ca = dir.path().join("no-ca.yaml");
+    std::fs::write(
+        &no_ca,
+        "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n    tls:\n      \
+         mode: verify-ca\n      ca-file: /nonexistent/ca.pem\n",
+    )
+    .unwrap();
+    let out = shardlock(&no_ca, &["status"]);
+    assert_eq!(out.status.code(), Some(3), "a config error");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no-ca.yaml:") && err.contains("shards[0].tls.ca-file"),
+        "{err}"
+    );
+    let no_window = dir.path().join("no-window.yaml");
+    std::fs::write(
+        &no_window,
+        "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\nrouting:\n  \
+         move-window: 0s\n",
+    )
+    .unwrap();
+    let out = shardlock(&no_window, &["migrate"]);
+    assert_eq!(out.status.code(), Some(3), "a config error");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("routing.move-window"), "{err}");
+    let out = shardlock(&fine, &["inspect", "--namespace", "billing", "k"]);
+    assert_eq!(out.status.code(), Some(2), "an unknown namespace");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("billing") && err.contains("namespace"),
+        "{err}"
+    );
+
     let out = shardlock(&fine, &["inspect", ""]);
     assert_eq!(out.status.code(), Some(2), "a bad key is a usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid lock key"));
@@ -512,6 +546,8 @@ async fn cleaner_daemon_reloads_its_config_on_sighup() {
     let mut lines = BufReader::new(daemon.stdout.take().unwrap()).lines();
     let pass: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
     assert_eq!(pass["leader"], true, "{pass}");
+    // A pass every 100 ms: a pipe nobody reads would fill and stall the daemon.
+    std::thread::spawn(move || lines.for_each(drop));
 
     // A service started with the next topology waits for the cleaner, which runs the old one.
     let service = LockRouter::from_yaml_str(&next).await.unwrap();
@@ -554,4 +590,93 @@ async fn cleaner_daemon_reloads_its_config_on_sighup() {
     assert!(term.success());
     let status = daemon.wait().unwrap();
     assert!(status.success(), "exit after SIGTERM: {status}");
+}
+
+/// `inspect` and `release --force` name a lock as the application takes it: in a namespace
+/// with a key prefix (`--namespace`), and one bucket of a hot key (`--bucket`). Without them
+/// they named a lock nobody holds, said so and exited 0, and a stuck bucket could not be
+/// freed from the command line at all.
+#[tokio::test(flavor = "multi_thread")]
+async fn inspect_and_release_name_a_namespaces_lock_and_a_bucket() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("shardlock.yaml");
+    std::fs::write(
+        &config,
+        cluster.config_yaml(
+            "namespaces:\n  billing:\n    key-prefix: billing/\n  hot:\n    buckets: 4\n",
+        ),
+    )
+    .unwrap();
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let yaml = std::fs::read_to_string(&config).unwrap();
+    let app = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let billing = AcquireOptions::new().namespace("billing");
+    let order = app.acquire("order:1", billing).await.unwrap();
+    let hot = AcquireOptions::new().namespace("hot");
+    let bucket = app.acquire_bucket("sku:1", "buyer:7", hot).await.unwrap();
+    let n = bucket.bucket().unwrap().to_string();
+
+    let inspect = |args: &[&str]| {
+        let mut all = vec!["--json", "inspect"];
+        all.extend_from_slice(args);
+        json(&shardlock(&config, &all))
+    };
+    // The key alone is another lock: nobody's.
+    let plain = inspect(&["order:1"]);
+    assert!(plain["lease"].is_null(), "{plain}");
+    let scoped = inspect(&["--namespace", "billing", "order:1"]);
+    assert_eq!(scoped["key"], "billing/order:1", "{scoped}");
+    assert_eq!(scoped["lease"]["held"], true, "{scoped}");
+    assert_eq!(scoped["lease"]["owner"], order.owner(), "{scoped}");
+    let one = inspect(&["--namespace", "hot", "--bucket", &n, "sku:1"]);
+    assert_eq!(one["key"], format!("sku:1 [bucket {n}]"), "{one}");
+    assert_eq!(one["lease"]["owner"], bucket.owner(), "{one}");
+
+    for (args, guard) in [
+        (vec!["--namespace", "billing", "order:1"], &order),
+        (
+            vec!["--namespace", "hot", "--bucket", n.as_str(), "sku:1"],
+            &bucket,
+        ),
+    ] {
+        let mut all = vec!["--json", "release", "--force", "--yes"];
+        all.extend_from_slice(&args);
+        let released = json(&shardlock(&config, &all));
+        assert_eq!(released["released"]["owner"], guard.owner(), "{released}");
+        tokio::time::timeout(std::time::Duration::from_secs(10), guard.lost())
+            .await
+            .expect("the evicted holder saw lost()");
+    }
+    app.shutdown().await.unwrap();
+}
+
+/// `inspect` of a key held on another shard than the one its config places it on (a fleet's
+/// move, or a config older or newer than the fleet's) says where it is held, as `release
+/// --force` finds it: it said "never granted on this shard" and nothing more.
+#[tokio::test(flavor = "multi_thread")]
+async fn inspect_shows_a_holder_on_another_shard_than_its_config_places_the_key() {
+    let (cluster, _dir, config) = cluster_with_config(2).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let yaml = std::fs::read_to_string(&config).unwrap();
+    let tool = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let key = (0..)
+        .map(|i| format!("moved:{i}"))
+        .find(|k| tool.shard_for(k).unwrap() == "s1")
+        .unwrap();
+    tool.shutdown().await.unwrap();
+    let only_s2 = format!(
+        "shards:\n  - name: s2\n    url: {}\n",
+        cluster.shard(1).url()
+    );
+    let app = LockRouter::from_yaml_str(&only_s2).await.unwrap();
+    let guard = app.acquire(&key, AcquireOptions::new()).await.unwrap();
+    let seen = json(&shardlock(&config, &["--json", "inspect", &key]));
+    assert_eq!(seen["shard"], "s1", "{seen}");
+    let elsewhere = seen["held_elsewhere"].as_array().unwrap();
+    assert_eq!(elsewhere.len(), 1, "{seen}");
+    assert_eq!(elsewhere[0]["shard"], "s2", "{seen}");
+    assert_eq!(elsewhere[0]["owner"], guard.owner(), "{seen}");
+    guard.release().await.unwrap();
+    app.shutdown().await.unwrap();
 }

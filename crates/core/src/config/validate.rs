@@ -226,6 +226,13 @@ fn check_routing(routing: &RoutingConfig) -> Result<(), ConfigError> {
             "must be between 1 and 10000",
         ));
     }
+    // No time at all for a lease to follow its moved key, nor for the fleet to reload.
+    if routing.move_window.is_some_and(|w| w.is_zero()) {
+        return Err(ConfigError::field(
+            "routing.move-window",
+            "must be greater than zero (default: twice the longest ttl plus 10s)",
+        ));
+    }
     Ok(())
 }
 
