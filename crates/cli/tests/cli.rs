@@ -680,3 +680,41 @@ async fn inspect_shows_a_holder_on_another_shard_than_its_config_places_the_key(
     guard.release().await.unwrap();
     app.shutdown().await.unwrap();
 }
+
+/// `cleaner --once` that could not clean a shard exits 4, as `list` does for a shard it could
+/// not read: a cron job or a runbook step saw success (exit 0) and an error only in the report.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cleaner_pass_that_left_a_shard_uncleaned_fails() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("shardlock.yaml");
+    // s2 refuses connections; the cleaner lock (`shardlock:cleaner`) lives on s1.
+    std::fs::write(
+        &config,
+        format!(
+            "shards:\n  - name: s1\n    url: {}\n  - name: s2\n    url: \
+             mysql://root@127.0.0.1:1/x\n    statement-timeout: 500ms\n    pool:\n      \
+             create-timeout: 500ms\ncleaner:\n  registry: static\n",
+            cluster.shard(0).url()
+        ),
+    )
+    .unwrap();
+    let setup = format!(
+        "shards:\n  - name: s1\n    url: {}\n",
+        cluster.shard(0).url()
+    );
+    let router = LockRouter::from_yaml_str(&setup).await.unwrap();
+    router.migrate().await.unwrap();
+    router.shutdown().await.unwrap();
+    let out = shardlock(&config, &["--json", "cleaner", "--once"]);
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["leader"], true, "{report}");
+    assert!(report["shards"][0]["error"].is_null(), "{report}");
+    assert!(report["shards"][1]["error"].is_string(), "{report}");
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
