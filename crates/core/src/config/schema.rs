@@ -359,10 +359,10 @@ pub fn redact_url(url: &str) -> String {
     let Some(rest) = url.strip_prefix("mysql://") else {
         return url.to_owned();
     };
-    // The credentials end at the last `@` before the query string: a careless password may
-    // hold `/`, `#` or `@` unencoded, and is hidden all the same.
-    let before_query = rest.split('?').next().unwrap_or(rest);
-    match before_query.rfind('@') {
+    // The credentials end at the last `@`: a careless password may hold `/`, `#`, `?` or `@`
+    // unencoded, and is hidden all the same. (An `@` in the query string hides more than the
+    // password: a printed URL never shows one.)
+    match rest.rfind('@') {
         Some(at) => match rest[..at].split_once(':') {
             Some((user, _)) => format!("mysql://{user}:***{}", &rest[at..]),
             None => url.to_owned(),
@@ -621,6 +621,9 @@ mod tests {
             redact_url("mysql://u:p/a#s@h/db?x=1"),
             "mysql://u:***@h/db?x=1"
         );
+        // It showed a password holding `?`, taken for the query string.
+        assert_eq!(redact_url("mysql://u:p?ss@h/db"), "mysql://u:***@h/db");
+        assert_eq!(redact_url("mysql://u:p@a?s@h/db"), "mysql://u:***@h/db");
 
         let both = GOOD.replace(
             "url: mysql://root@127.0.0.1:33061/shardlock",
