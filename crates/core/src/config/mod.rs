@@ -29,7 +29,7 @@ pub use schema::{
     DEFAULT_POOL_RECYCLE_TIMEOUT, DEFAULT_POOL_WAIT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT,
     DEFAULT_TTL, DEFAULT_VIRTUAL_NODES, DEFAULT_WAIT,
 };
-pub use validate::{check_ttl, MAX_BUCKETS, MAX_TTL, MIN_TTL};
+pub use validate::{check_ttl, MAX_BUCKETS, MAX_DURATION, MAX_TTL, MIN_TTL};
 
 /// A small valid config that the tests of each part vary by one edit, so every test reads
 /// as "this config, but ...".

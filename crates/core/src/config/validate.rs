@@ -13,9 +13,11 @@ use crate::BreakerConfig;
 impl Config {
     /// Checks values that parse but make no sense. The error names the field.
     ///
-    /// Sections are checked in the order the struct declares them, and the first error wins:
-    /// a file with several mistakes reports them one at a time, always in the same order.
+    /// Durations longer than [`MAX_DURATION`] are refused first; then sections are checked in
+    /// the order the struct declares them, and the first error wins: a file with several
+    /// mistakes reports them one at a time, always in the same order.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        check_durations(self)?;
         check_instance(&self.instance)?;
         check_shards(&self.shards)?;
         check_routing(&self.routing)?;
@@ -30,6 +32,71 @@ impl Config {
         };
         check_lapse(&self.instance, &self.cleaner, spread)?;
         check_telemetry(&self.telemetry)
+    }
+}
+
+/// The longest duration any setting takes (a year): a longer one is a typo (`30000d`), and
+/// would overflow the clock arithmetic it enters (a panic, not an error naming the field).
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Every duration of `config`, named as in the file, is at most [`MAX_DURATION`].
+fn check_durations(config: &Config) -> Result<(), ConfigError> {
+    let (c, b) = (&config.cleaner, &config.breaker);
+    let mut all: Vec<(String, Duration)> = [
+        (
+            "routing.move-window",
+            config.routing.move_window.unwrap_or_default(),
+        ),
+        ("breaker.window", b.window),
+        ("breaker.slow-call", b.slow_call),
+        ("breaker.cooldown", b.cooldown),
+        ("breaker.max-cooldown", b.max_cooldown),
+        ("cleaner.interval", c.interval),
+        ("cleaner.grace", c.grace),
+        ("cleaner.batch-pause", c.batch_pause),
+        ("cleaner.heartbeat-interval", c.heartbeat_interval),
+        ("cleaner.heartbeat-timeout", c.heartbeat_timeout),
+        ("cleaner.instance-retention", c.instance_retention),
+        ("telemetry.hot-key-window", config.telemetry.hot_key_window),
+    ]
+    .into_iter()
+    .map(|(f, d)| (f.to_owned(), d))
+    .collect();
+    for (i, shard) in config.shards.iter().enumerate() {
+        let pool = &shard.pool;
+        all.extend(
+            [
+                ("node-clock-skew", shard.node_clock_skew),
+                ("statement-timeout", shard.statement_timeout),
+                ("pool.wait-timeout", pool.wait_timeout),
+                ("pool.create-timeout", pool.create_timeout),
+                ("pool.recycle-timeout", pool.recycle_timeout),
+                ("pool.idle-check", pool.idle_check),
+                ("pool.max-lifetime", pool.max_lifetime),
+                ("pool.idle-timeout", pool.idle_timeout),
+            ]
+            .map(|(f, d)| (format!("shards[{i}].{f}"), d)),
+        );
+    }
+    for (name, ns) in &config.namespaces {
+        all.extend(
+            [
+                ("ttl", ns.ttl),
+                ("renew-interval", ns.renew_interval.unwrap_or_default()),
+                ("wait", ns.wait),
+                ("backoff-base", ns.backoff_base),
+                ("backoff-cap", ns.backoff_cap),
+                ("handoff-max-time", ns.handoff_max_time),
+            ]
+            .map(|(f, d)| (format!("namespaces.{name}.{f}"), d)),
+        );
+    }
+    match all.into_iter().find(|(_, d)| *d > MAX_DURATION) {
+        Some((field, d)) => Err(ConfigError::field(
+            field,
+            format!("{d:?} is longer than any setting takes (at most 365d)"),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -593,6 +660,36 @@ mod tests {
             e.to_string().contains("namespaces.billing.key-prefix"),
             "{e}"
         );
+    }
+
+    /// A duration past any use is refused naming its field: the heartbeat's arithmetic
+    /// panicked on one (`heartbeat-interval × 2` overflowed), and others would have later.
+    #[test]
+    fn durations_past_a_year_are_refused_naming_their_field() {
+        for (yaml, field) in [
+            (
+                format!("cleaner:\n  heartbeat-interval: 10000000000000000000s\n{GOOD}"),
+                "cleaner.heartbeat-interval",
+            ),
+            (
+                format!("telemetry:\n  hot-key-window: 400d\n{GOOD}"),
+                "telemetry.hot-key-window",
+            ),
+            (
+                format!("routing:\n  move-window: 1000000d\n{GOOD}"),
+                "routing.move-window",
+            ),
+            (
+                format!("{GOOD}  jobs:\n    wait: 366d\n"),
+                "namespaces.jobs.wait",
+            ),
+        ] {
+            let e = Config::from_yaml_str(&yaml).unwrap_err();
+            assert_eq!(e.field.as_deref(), Some(field), "{e}");
+            assert!(e.to_string().contains("365d"), "{e}");
+        }
+        let year = format!("cleaner:\n  instance-retention: 365d\n{GOOD}");
+        Config::from_yaml_str(&year).unwrap();
     }
 
     #[test]
