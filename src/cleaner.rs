@@ -189,6 +189,8 @@ impl LockRouter {
     /// fleet's move this router does not know of: an operator's tool run with the new config
     /// or the old one). The answer is the release on its current shard if it was held there,
     /// else the first other one ([`LockRouter::force_release_everywhere`] answers them all).
+    /// `key` is the lock's whole name, as [`LockRouter::list`] shows it: no namespace's
+    /// prefix is added ([`LockRouter::scoped_key`] names a namespace's lock, or a bucket).
     ///
     /// Cancellation: a release that reached a shard may have committed (holder evicted, fence
     /// raised) unreported; calling again answers `None` there, or evicts whoever took the key
@@ -212,14 +214,13 @@ impl LockRouter {
     ///
     /// Cancellation: reads only; nothing changes.
     pub async fn holders(&self, key: &str) -> Result<Vec<(String, LeaseRow)>> {
-        self.holders_of(&LockKey::new(key)?).await
+        self.holders_of_key(&LockKey::new(key)?).await
     }
 
-    /// [`LockRouter::holders`] of a lock already named (and scoped): see
-    /// [`LockRouter::lock_key`].
+    /// [`LockRouter::holders`] of a lock already named: see [`LockRouter::scoped_key`].
     ///
     /// Cancellation: reads only; nothing changes.
-    pub async fn holders_of(&self, key: &LockKey) -> Result<Vec<(String, LeaseRow)>> {
+    pub async fn holders_of_key(&self, key: &LockKey) -> Result<Vec<(String, LeaseRow)>> {
         let mut held = Vec::new();
         for (shard, placed) in self.shards_holding(key) {
             let row = match shard.unguarded().inspect(key.stored()).await {
@@ -286,16 +287,32 @@ impl LockRouter {
     }
 
     async fn force_release_of(&self, key: &str, owner: Option<&str>) -> Result<Vec<ForceReleased>> {
-        self.force_release_key(&LockKey::new(key)?, owner).await
+        self.force_release_in(&LockKey::new(key)?, owner).await
     }
 
-    /// [`LockRouter::force_release_everywhere`] of a lock already named (and scoped, see
-    /// [`LockRouter::lock_key`]), or with `owner`
-    /// [`LockRouter::force_release_owner_everywhere`]: on the key's own shards (which must
-    /// answer: the error is returned), then on the others that answer.
+    /// [`LockRouter::force_release_everywhere`] of a lock already named: see
+    /// [`LockRouter::scoped_key`].
     ///
     /// Cancellation: as for [`LockRouter::force_release`].
-    pub async fn force_release_key(
+    pub async fn force_release_key_everywhere(&self, key: &LockKey) -> Result<Vec<ForceReleased>> {
+        self.force_release_in(key, None).await
+    }
+
+    /// [`LockRouter::force_release_owner_everywhere`] of a lock already named: see
+    /// [`LockRouter::scoped_key`].
+    ///
+    /// Cancellation: as for [`LockRouter::force_release`].
+    pub async fn force_release_owner_key_everywhere(
+        &self,
+        key: &LockKey,
+        owner: &str,
+    ) -> Result<Vec<ForceReleased>> {
+        self.force_release_in(key, Some(owner)).await
+    }
+
+    /// Releases on the key's own shards (which must answer: the error is returned), then on
+    /// the others that answer.
+    async fn force_release_in(
         &self,
         key: &LockKey,
         owner: Option<&str>,

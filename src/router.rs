@@ -676,25 +676,25 @@ impl LockRouter {
 
     /// The shard that owns `key` now.
     pub fn shard_for(&self, key: &str) -> Result<String> {
-        Ok(self.shard_of(&LockKey::new(key)?))
+        Ok(self.shard_for_key(&LockKey::new(key)?))
     }
 
-    /// The name of the shard `key` (a lock already named, see [`LockRouter::lock_key`]) lives
-    /// on under the topology in force.
-    pub fn shard_of(&self, key: &LockKey) -> String {
+    /// [`LockRouter::shard_for`] a lock already named (see [`LockRouter::scoped_key`]).
+    pub fn shard_for_key(&self, key: &LockKey) -> String {
         self.inner.topology.load().locate(key).name().to_owned()
     }
 
-    /// The lock an application takes as `key` in `namespace` (the default one when `None`):
-    /// under the namespace's `key-prefix`, if it has one; with `bucket`, that bucket of it
-    /// (one of a hot key's sub-locks, a semaphore's permit, a rw-lock's reader slot: what
-    /// [`LockRouter::list`] shows as the lease's bucket). For operator tools that name a lock
-    /// as the application does: [`LockRouter::inspect_key`], [`LockRouter::holders_of`],
-    /// [`LockRouter::force_release_key`].
+    /// The lock named `key`, for operator tools: with `namespace`, the lock an application
+    /// takes as `key` in it (under its `key-prefix`, if it has one); without, `key` is the
+    /// lock's whole name, as [`LockRouter::list`] shows it (the prefix included). With
+    /// `bucket`, that bucket of it: one of a hot key's sub-locks, a semaphore's permit, a
+    /// rw-lock's reader slot or its writer's intent (`u32::MAX`), as `list` shows the lease's
+    /// bucket. See [`LockRouter::inspect_key`], [`LockRouter::holders_of_key`],
+    /// [`LockRouter::force_release_key_everywhere`].
     ///
     /// Errors: [`Error::InvalidKey`], or [`Error::InvalidArgument`] for a namespace the config
     /// lacks.
-    pub fn lock_key(
+    pub fn scoped_key(
         &self,
         key: &str,
         namespace: Option<&str>,
@@ -704,11 +704,16 @@ impl LockRouter {
             Some(bucket) => LockKey::bucket(key, bucket)?,
             None => LockKey::new(key)?,
         };
-        let opts = AcquireOptions {
-            namespace: namespace.map(str::to_owned),
-            ..Default::default()
-        };
-        self.scope(key, &opts)
+        match namespace {
+            Some(namespace) => {
+                let opts = AcquireOptions {
+                    namespace: Some(namespace.to_owned()),
+                    ..Default::default()
+                };
+                self.scope(key, &opts)
+            }
+            None => Ok(key),
+        }
     }
 
     /// Acquires `key`, waiting up to the wait of `opts` (or of its namespace).

@@ -171,7 +171,9 @@ impl LockRouter {
         }
     }
 
-    /// Where `key` lives and what its lease row says.
+    /// Where `key` lives and what its lease row says. `key` is the lock's whole name, as
+    /// [`LockRouter::list`] shows it: no namespace's prefix is added
+    /// ([`LockRouter::scoped_key`] names a namespace's lock, or a bucket).
     ///
     /// Cancellation: a read only; nothing changes. A connection dropped mid-statement is discarded
     /// at the pool's next checkout, never reused.
@@ -179,8 +181,7 @@ impl LockRouter {
         self.inspect_key(&LockKey::new(key)?).await
     }
 
-    /// [`LockRouter::inspect`] of a lock already named (and scoped): see
-    /// [`LockRouter::lock_key`].
+    /// [`LockRouter::inspect`] of a lock already named: see [`LockRouter::scoped_key`].
     ///
     /// Cancellation: as for [`LockRouter::inspect`].
     pub async fn inspect_key(&self, key: &LockKey) -> Result<(String, Option<LeaseRow>)> {

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use shardlock::{Config, LeaseRow, LockKey, LockRouter};
+use shardlock::{Config, LockKey, LockRouter};
 
 /// Distributed locks stored in MySQL, spread over shards.
 #[derive(Debug, Parser)]
@@ -54,7 +54,8 @@ enum Command {
     },
     /// Where a key lives and who holds it: shard, holder, fence, expiry.
     Inspect {
-        /// The lock key, exactly as the application passes it.
+        /// The lock: its whole name as `list` shows it, or with --namespace the key as the
+        /// application passes it.
         key: String,
         #[command(flatten)]
         scope: KeyScope,
@@ -77,7 +78,8 @@ enum Command {
     /// Remove a stuck lock whoever holds it, fenced: its fence is raised, so the evicted
     /// holder's later writes through the fence are rejected and it sees its lease lost.
     Release {
-        /// The lock key, exactly as the application passes it.
+        /// The lock: its whole name as `list` shows it, or with --namespace the key as the
+        /// application passes it.
         key: String,
         #[command(flatten)]
         scope: KeyScope,
@@ -113,12 +115,12 @@ enum Command {
 /// Which lock a key names, as the application takes it.
 #[derive(Debug, clap::Args)]
 struct KeyScope {
-    /// The namespace the application takes the key in (its key-prefix applies; default:
-    /// `default`).
+    /// The namespace the application takes the key in: its key-prefix is put before KEY.
     #[arg(long, value_name = "NAME")]
     namespace: Option<String>,
-    /// One bucket of the key: a hot key's sub-lock, a semaphore's permit, a rw-lock's reader
-    /// slot (`list` shows it as `[bucket N]`).
+    /// One bucket of the key, as `list` shows it (`[bucket N]`): a hot key's sub-lock, a
+    /// semaphore's permit, a rw-lock's reader slot, or 4294967295 for a rw-lock writer's
+    /// intent.
     #[arg(long, value_name = "N")]
     bucket: Option<u32>,
 }
@@ -126,16 +128,7 @@ struct KeyScope {
 impl KeyScope {
     /// The lock `key` names under this scope in `router`'s config.
     fn lock(&self, router: &LockRouter, key: &str) -> shardlock::Result<LockKey> {
-        router.lock_key(key, self.namespace.as_deref(), self.bucket)
-    }
-}
-
-/// How a lock is named in output: the key as stored (with its namespace's prefix), and its
-/// bucket as `list` shows it.
-fn lock_name(lock: &LockKey) -> String {
-    match lock.bucket_number() {
-        Some(bucket) => format!("{} [bucket {bucket}]", lock.scoped_str()),
-        None => lock.scoped_str().to_owned(),
+        router.scoped_key(key, self.namespace.as_deref(), self.bucket)
     }
 }
 
@@ -361,20 +354,16 @@ async fn run_command(
             let lock = scope.lock(&router, &key)?;
             let (shard, row) = router.inspect_key(&lock).await?;
             // Held elsewhere too (a fleet's move, a config older or newer than the fleet's):
-            // where `release --force` would look.
-            let elsewhere: Vec<_> = match row.as_ref().is_some_and(LeaseRow::is_held) {
-                true => Vec::new(),
-                false => (router.holders_of(&lock).await?.into_iter())
+            // where `release --force` would look. Not read is said, not an error: the row
+            // on the key's own shard is the answer asked for.
+            let elsewhere = match router.holders_of_key(&lock).await {
+                Ok(held) => Ok(held
+                    .into_iter()
                     .filter(|(on, row)| *on != shard && row.is_held())
-                    .collect(),
+                    .collect()),
+                Err(e) => Err(shardlock::Report(&e).to_string()),
             };
-            output::inspect(
-                &lock_name(&lock),
-                &shard,
-                row.as_ref(),
-                &elsewhere,
-                cli.json,
-            );
+            output::inspect(&lock, &shard, row.as_ref(), &elsewhere, cli.json);
         }
         Command::List {
             held,
@@ -414,13 +403,12 @@ async fn run_command(
             }
             let router = source.tool_router().await?;
             let lock = scope.lock(&router, &key)?;
-            let key = lock_name(&lock);
             // Wherever the config reaches: during a fleet's move, or with a config older or
             // newer than the fleet's, the holder may be on another shard than this config
             // places the key on.
-            let held = router.holders_of(&lock).await?;
+            let held = router.holders_of_key(&lock).await?;
             if held.is_empty() {
-                output::force_released(&key, &router.shard_of(&lock), &[], cli.json);
+                output::force_released(&lock, &router.shard_for_key(&lock), &[], cli.json);
                 return Ok(());
             }
             let holders: Vec<String> = held
@@ -431,14 +419,15 @@ async fn run_command(
                 .collect();
             if !yes
                 && !confirm(&format!(
-                    "Force-release `{key}`, held {}?",
+                    "Force-release `{}`, held {}?",
+                    output::lock_name(&lock),
                     holders.join(", ")
                 ))?
             {
                 return Err(failure::fail(failure::Exit::Refused, "not released"));
             }
             let released = if yes {
-                router.force_release_key(&lock, None).await?
+                router.force_release_key_everywhere(&lock).await?
             } else {
                 // The holders confirmed, not whoever took the key since (each owner once: a
                 // lease of a moved key has rows on several shards).
@@ -450,34 +439,42 @@ async fn run_command(
                 owners.dedup();
                 let mut released = Vec::new();
                 for owner in owners {
-                    released.extend(router.force_release_key(&lock, Some(owner)).await?);
+                    released.extend(
+                        router
+                            .force_release_owner_key_everywhere(&lock, owner)
+                            .await?,
+                    );
                 }
                 if released.is_empty() {
                     return Err(failure::fail(
                         failure::Exit::Refused,
                         format!(
-                            "`{key}` is no longer held {}: not released (run again to see \
+                            "`{}` is no longer held {}: not released (run again to see \
                              its holder now)",
+                            output::lock_name(&lock),
                             holders.join(", ")
                         ),
                     ));
                 }
                 released
             };
-            output::force_released(&key, &router.shard_of(&lock), &released, cli.json);
+            output::force_released(&lock, &router.shard_for_key(&lock), &released, cli.json);
         }
         Command::Cleaner { once } => {
             let router = source.router_with(telemetry).await?;
+            let mut uncleaned = false;
             if once {
-                let report = router.clean_once().await?;
-                output::cleaner_report(&report, cli.json);
-                // A cron job or a runbook step sees a pass that left shards uncleaned.
-                if report.shards.iter().any(|s| s.error.is_some()) {
-                    router.shutdown().await?;
-                    return Err(failure::fail(
-                        failure::Exit::Unavailable,
-                        "some shards were not cleaned (see the report)",
-                    ));
+                let report = router.clean_once().await;
+                if let Ok(report) = &report {
+                    output::cleaner_report(report, cli.json);
+                    // A cron job or a runbook step sees a pass that left shards uncleaned.
+                    uncleaned = report.shards.iter().any(|s| s.error.is_some());
+                }
+                if let Err(e) = report {
+                    if let Err(down) = router.shutdown().await {
+                        tracing::warn!(error = %shardlock::Report(&down), "shardlock cleaner shutdown failed");
+                    }
+                    return Err(e.into());
                 }
             } else {
                 // The cleaner is a member of its fleet like any service: a topology it never
@@ -499,7 +496,17 @@ async fn run_command(
                     })
                     .await;
             }
-            router.shutdown().await?;
+            let down = router.shutdown().await;
+            if uncleaned {
+                if let Err(down) = down {
+                    tracing::warn!(error = %shardlock::Report(&down), "shardlock cleaner shutdown failed");
+                }
+                return Err(failure::fail(
+                    failure::Exit::Unavailable,
+                    "some shards were not cleaned (see the report)",
+                ));
+            }
+            down?;
         }
         #[cfg(feature = "dev-tools")]
         Command::Demo(args) => demo::run(source, args).await?,

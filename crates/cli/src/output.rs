@@ -2,8 +2,8 @@
 
 use serde_json::json;
 use shardlock::{
-    BreakerState, CleanerReport, ForceReleased, InstanceRow, LeaseRow, LockRouter, MigrateReport,
-    ShardStatus,
+    BreakerState, CleanerReport, ForceReleased, InstanceRow, LeaseRow, LockKey, LockRouter,
+    MigrateReport, ShardStatus,
 };
 
 pub(crate) fn migrate(reports: &[(String, MigrateReport)], as_json: bool) {
@@ -148,14 +148,29 @@ fn merge_instances(
 /// What `release --force` did: `released` on each shard that held the key (the key's own
 /// shard under this config, `shard`, first if it did). JSON: `released` is the first of
 /// them (or null), `everywhere` all of them.
-pub(crate) fn force_released(key: &str, shard: &str, released: &[ForceReleased], as_json: bool) {
+/// How a lock is named in text: its whole name (with its namespace's prefix), and its bucket
+/// as `list` shows it.
+pub(crate) fn lock_name(lock: &LockKey) -> String {
+    match lock.bucket_number() {
+        Some(bucket) => format!("{} [bucket {bucket}]", lock.scoped_str()),
+        None => lock.scoped_str().to_owned(),
+    }
+}
+
+pub(crate) fn force_released(
+    lock: &LockKey,
+    shard: &str,
+    released: &[ForceReleased],
+    as_json: bool,
+) {
     if as_json {
         let each = |r: &ForceReleased| json!({"shard": r.shard, "owner": r.owner, "was_live": r.was_live, "fence": r.fence});
         let everywhere: Vec<_> = released.iter().map(each).collect();
         println!(
             "{}",
             json!({
-                "key": key,
+                "key": lock.scoped_str(),
+                "bucket": lock.bucket_number(),
                 "shard": shard,
                 "released": released.first().map(each),
                 "everywhere": everywhere,
@@ -163,10 +178,11 @@ pub(crate) fn force_released(key: &str, shard: &str, released: &[ForceReleased],
         );
         return;
     }
+    let key = lock_name(lock);
     if released.is_empty() {
         println!(
-            "{key} on {shard}: nobody holds it; nothing to release (a namespace's key-prefix \
-             applies with --namespace, a bucket is named with --bucket: see `shardlock list`)"
+            "{key} on {shard}: nobody holds it; nothing to release (`shardlock list` shows \
+             the locks held: their whole names, and buckets to give with --bucket)"
         );
     }
     for r in released {
@@ -240,17 +256,18 @@ pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
 /// What `inspect` found of `key`: its `row` on its `shard`, and, when it is not held there,
 /// where it is held `elsewhere` (a fleet's move, a config older or newer than the fleet's).
 pub(crate) fn inspect(
-    key: &str,
+    lock: &LockKey,
     shard: &str,
     row: Option<&LeaseRow>,
-    elsewhere: &[(String, LeaseRow)],
+    elsewhere: &Result<Vec<(String, LeaseRow)>, String>,
     as_json: bool,
 ) {
     if as_json {
-        let held_elsewhere: Vec<_> = elsewhere
-            .iter()
-            .map(|(on, r)| json!({"shard": on, "owner": r.owner, "fence": r.fence, "expires_in_ms": r.expires_in_ms}))
-            .collect();
+        let held_elsewhere = elsewhere.as_ref().map(|held| {
+            held.iter()
+                .map(|(on, r)| json!({"shard": on, "owner": r.owner, "fence": r.fence, "expires_in_ms": r.expires_in_ms}))
+                .collect::<Vec<_>>()
+        });
         let lease = row.map(|r| {
             json!({
                 "held": r.is_held(),
@@ -263,13 +280,24 @@ pub(crate) fn inspect(
                 "data": r.data.as_deref().map(String::from_utf8_lossy),
             })
         });
+        let (held_elsewhere, unread) = match held_elsewhere {
+            Ok(held) => (Some(held), None),
+            Err(why) => (None, Some(why)),
+        };
         println!(
             "{}",
-            json!({ "key": key, "shard": shard, "lease": lease, "held_elsewhere": held_elsewhere })
+            json!({
+                "key": lock.scoped_str(),
+                "bucket": lock.bucket_number(),
+                "shard": shard,
+                "lease": lease,
+                "held_elsewhere": held_elsewhere,
+                "elsewhere_unread": unread,
+            })
         );
         return;
     }
-    println!("key:     {key}");
+    println!("key:     {}", lock_name(lock));
     println!("shard:   {shard}");
     match row {
         None => println!("lease:   never granted on this shard"),
@@ -298,14 +326,19 @@ pub(crate) fn inspect(
             println!("fence:   {} (the next grant gets a larger one)", r.fence);
         }
     }
-    for (on, r) in elsewhere {
-        println!(
-            "held on: {on} by {} (fence {}, expires in {} ms): a move, or a config other than \
-             the fleet's",
-            r.owner.as_deref().unwrap_or("-"),
-            r.fence,
-            r.expires_in_ms
-        );
+    match elsewhere {
+        Ok(held) => {
+            for (on, r) in held {
+                println!(
+                    "held on: {on} by {} (fence {}, expires in {} ms): a move, or a config \
+                     other than the fleet's",
+                    r.owner.as_deref().unwrap_or("-"),
+                    r.fence,
+                    r.expires_in_ms
+                );
+            }
+        }
+        Err(why) => println!("elsewhere: not read ({why})"),
     }
 }
 
