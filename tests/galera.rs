@@ -664,6 +664,31 @@ async fn two_processes_migrate_a_galera_shard_through_different_nodes_at_once() 
             .unwrap();
         assert_eq!(columns, Some(10), "node g{}", node + 1);
     }
+
+    // A node reached as a plain shard (`url:` alone, no `nodes:`) is refused, saying how to
+    // list it: without the safeguards `nodes:` brings, two processes whose connections sat on
+    // two nodes both took one transaction lock (its row lock holds on one node only).
+    for node in 0..2 {
+        let bare = format!(
+            "shards:\n  - name: g\n    url: {}\n{SETTINGS}cleaner:\n  registry: static\n",
+            galera.node(node).url()
+        );
+        let router = LockRouter::from_yaml_str(&bare).await.unwrap();
+        for answer in [
+            router.lock_in_transaction("k", Duration::ZERO).await.err(),
+            router.try_acquire("k", AcquireOptions::new()).await.err(),
+        ] {
+            let Some(e) = answer else {
+                panic!("a Galera node reached without `nodes:` served");
+            };
+            let why = shardlock::Report(&e).to_string();
+            assert!(
+                why.contains("Galera node") && why.contains("nodes:"),
+                "{why}"
+            );
+        }
+        router.shutdown().await.unwrap();
+    }
 }
 
 /// Fences rise across a node failover although the nodes' clocks differ: g2 and g3 run 8 s

@@ -59,15 +59,16 @@ enum Identity {
     Known(SessionId),
     /// Why it cannot be told apart.
     Unknown(String),
+    /// A Galera node (`wsrep_on`), reached as a plain shard.
+    GaleraNode,
 }
 
 impl SessionId {
     /// The identity of `conn`'s new session: takes its lock and reads which server and thread
-    /// answer. Why there is none, when there cannot be: the server refused user locks (some Galera
-    /// builds do); it is a Galera node (a retry may run on another node, from which a session
-    /// of this one cannot be ended); or the thread that answers is not the one the server
-    /// greeted the connection with (a proxy such as ProxySQL in between). An error is the
-    /// connection's: it failed.
+    /// answer. Why there is none, when there cannot be: the server refused user locks; or the
+    /// thread that answers is not the one the server greeted the connection with (a proxy
+    /// such as ProxySQL in between). A Galera node is said apart: a shard reaches one only
+    /// through `nodes:`. An error is the connection's: it failed.
     async fn open(conn: &mut Conn, kind: ServerKind) -> mysql_async::Result<Identity> {
         use rand::Rng;
         let token = rand::rng().random();
@@ -82,7 +83,16 @@ impl SessionId {
             lock_name(token)
         );
         let row: mysql_async::Row = match conn.query_first(probe).await {
-            Err(mysql_async::Error::Server(e)) => return Ok(Identity::Unknown(e.to_string())),
+            Err(mysql_async::Error::Server(e)) => {
+                // Some Galera builds refuse user locks: is it one?
+                if kind == ServerKind::Mariadb {
+                    let on: Option<u64> = conn.query_first("SELECT @@wsrep_on").await?;
+                    if on.is_some_and(|on| on != 0) {
+                        return Ok(Identity::GaleraNode);
+                    }
+                }
+                return Ok(Identity::Unknown(e.to_string()));
+            }
             answer => match answer? {
                 Some(row) => row,
                 None => return Ok(Identity::Unknown("no answer to the session probe".into())),
@@ -95,13 +105,13 @@ impl SessionId {
         };
         let (taken, thread, port, galera) = (number(0), number(1), number(3), number(4));
         let host: Option<String> = row.get_opt(2).and_then(Result::ok).flatten();
+        if galera.is_some_and(|on| on != 0) {
+            return Ok(Identity::GaleraNode);
+        }
         if taken != Some(1) {
             return Ok(Identity::Unknown(
                 "the server did not grant a session lock".into(),
             ));
-        }
-        if galera != Some(0) {
-            return Ok(Identity::Unknown("a Galera node (wsrep_on)".into()));
         }
         if thread != Some(u64::from(conn.id())) {
             return Ok(Identity::Unknown(format!(
@@ -949,6 +959,22 @@ impl managed::Manager for ShardManager {
                     tracing::warn!(server = %format!("{host}:{port}"), %why, "shardlock cannot tell this shard's sessions apart: a statement whose connection breaks while it is still on its way may run after its retry");
                 }
                 Identity::Unknown(_) => {}
+                // Its safeguards come with `nodes:` (the causal wait on every statement, the
+                // node checks and clock allowance, transaction locks refused): without them
+                // a row lock holds on one node only, and a node behind answers for the
+                // cluster. Refused, saying how to list it.
+                Identity::GaleraNode => {
+                    let (host, port) = (self.opts.ip_or_hostname(), self.opts.tcp_port());
+                    return Err(mysql_async::Error::Other(Box::new(std::io::Error::other(
+                        format!(
+                            "{host}:{port} is a Galera node (wsrep_on), reached without \
+                             `nodes:`: list the cluster's nodes under the shard's `nodes:` \
+                             (one entry, such as a virtual IP, will do) so that every statement \
+                             waits for the cluster, node clocks are allowed for and transaction \
+                             locks are refused"
+                        ),
+                    ))));
+                }
             }
         }
         Ok(ShardConn {
