@@ -765,3 +765,22 @@ async fn fences_rise_across_a_failover_to_nodes_whose_clocks_are_behind() {
     fresh.release().await.unwrap();
     router.shutdown().await.unwrap();
 }
+
+/// A node whose replication an operator switched off (`SET GLOBAL wsrep_on = OFF`) commits
+/// what it is sent on its own: grants through it would be invisible to the other nodes. It
+/// no longer says it is synced (its sessions see no `wsrep_local_state_comment`), so it is
+/// passed over, and served again once replication is back on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_whose_replication_is_off_is_passed_over() {
+    let galera = GaleraCluster::start(3).await.unwrap();
+    let mut admin = galera.node(0).connect().await.unwrap();
+    admin.query_drop("SET GLOBAL wsrep_on = OFF").await.unwrap();
+    let off = through(&galera, 0).migrate().await;
+    let why = format!("{:?}", off.as_ref().err());
+    assert!(
+        why.contains("not a synced member"),
+        "a node with replication off served: {why}"
+    );
+    admin.query_drop("SET GLOBAL wsrep_on = ON").await.unwrap();
+    through(&galera, 0).migrate().await.unwrap();
+}

@@ -651,6 +651,7 @@ async fn galera_node_ready(conn: &mut Conn) -> Result<(), String> {
         )
         .await
         .map_err(|e| e.to_string())?;
+
     let value = |name: &str| {
         status
             .iter()
@@ -1012,6 +1013,14 @@ impl managed::Manager for ShardManager {
         {
             return Err(RecycleError::message(
                 "past pool.max-lifetime or pool.idle-timeout; discarded",
+            ));
+        }
+        if c.dirty && self.has_nodes() {
+            // On a Galera node a reset session may keep `wsrep_sync_wait` set yet no longer
+            // wait (MariaDB's change_user clears the flag the wait depends on): its reads
+            // could answer from a node behind the cluster. A fresh connection waits.
+            return Err(RecycleError::message(
+                "a Galera node's session is not reset; discarded",
             ));
         }
         if c.dirty {
