@@ -784,3 +784,29 @@ async fn a_node_whose_replication_is_off_is_passed_over() {
     admin.query_drop("SET GLOBAL wsrep_on = ON").await.unwrap();
     through(&galera, 0).migrate().await.unwrap();
 }
+
+/// A transaction lock whose key a reload moves to a Galera shard cannot follow it (its row
+/// lock would hold on one node only, and such locks are refused there): it is lost, and its
+/// `commit` says so. It took the row on one node and went on as if it held the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_whose_key_moves_to_a_galera_shard_is_lost() {
+    let (plain, _galera, yaml, both) = start(1).await;
+    let key = keys_on_g(&both).into_iter().next().unwrap();
+    both.shutdown().await.unwrap();
+    let alone = format!("{}cleaner:\n  registry: static\n", plain.config_yaml(""));
+    let router = LockRouter::from_yaml_str(&alone).await.unwrap();
+    let held = router
+        .lock_in_transaction(&key, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let moved = format!("{yaml}cleaner:\n  registry: static\n");
+    router
+        .reload(shardlock::Config::from_yaml_str(&moved).unwrap())
+        .await
+        .unwrap();
+    match held.commit().await {
+        Err(shardlock::Error::LockLost { .. }) => {}
+        other => panic!("a transaction lock followed its key onto a Galera shard: {other:?}"),
+    }
+    router.shutdown().await.unwrap();
+}

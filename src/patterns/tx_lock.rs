@@ -767,7 +767,21 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
                 continue;
             }
             let wait = deadline.saturating_duration_since(Moment::now());
-            match lock_row(&target, &state.key, wait, deadline.timer()).await {
+            // A row lock on a Galera shard holds on one node only (such locks are refused
+            // there): the key moved where this lock cannot follow it.
+            let galera = !target.config.nodes.is_empty();
+            let locked = match galera {
+                false => lock_row(&target, &state.key, wait, deadline.timer()).await,
+                true => Err(Error::InvalidArgument {
+                    name: "lock_in_transaction",
+                    reason: format!(
+                        "shard `{}` is a Galera cluster, where a transaction lock's row lock \
+                         holds on one node only",
+                        target.name()
+                    ),
+                }),
+            };
+            match locked {
                 Ok(conn) => {
                     let mut rows = state.rows.locked();
                     if !rows.ended {
@@ -786,9 +800,10 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
                 }
                 Err(e) => {
                     tracing::warn!(key = state.label, shard = target.name(), error = %shardlock_core::Report(&e), "shardlock could not lock a moved key's row on its new shard");
-                    state.mark_lost(
-                        "its key moved in a reload and its row could not be locked on the new shard in time",
-                    );
+                    state.mark_lost(match galera {
+                        false => "its key moved in a reload and its row could not be locked on the new shard in time",
+                        true => "its key moved in a reload to a Galera shard, where a transaction lock holds on one node only",
+                    });
                     // Lost: the rows it took elsewhere are rolled back now, not when its guard
                     // ends (they would keep the key's new location from the others); unless
                     // its `COMMIT` may be on its way (see `TxLockGuard::commit`).
