@@ -24,6 +24,24 @@ async fn a_version_interrupted_after_its_ddl_runs_again() {
     assert!(again[0].1.applied.is_empty(), "{again:?}");
 }
 
+/// A shard a newer shardlock migrated reports that newer version, not this one's last: it
+/// said "up to date" at this version, hiding that the fleet runs mixed versions.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shard_migrated_by_a_newer_version_reports_its_version() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let latest = shardlock::MIGRATIONS.last().unwrap().0;
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    c.exec_drop(
+        "INSERT INTO shardlock_schema_version (version, name) VALUES (?, 'from a newer release')",
+        (latest + 1,),
+    )
+    .await
+    .unwrap();
+    let report = router.migrate().await.unwrap();
+    assert_eq!(report[0].1.version, latest + 1, "{report:?}");
+    assert!(report[0].1.applied.is_empty(), "{report:?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_version_runs_again_over_its_own_changes() {
     let (cluster, router, _) = common::start(1, "").await;

@@ -15,8 +15,15 @@ pub(crate) fn migrate(reports: &[(String, MigrateReport)], as_json: bool) {
         println!("{}", json!({ "shards": shards }));
         return;
     }
+    let known = shardlock::MIGRATIONS.last().map_or(0, |m| m.0);
     for (name, r) in reports {
-        if r.applied.is_empty() {
+        if r.version > known {
+            println!(
+                "{name}: schema version {}, newer than this shardlock's ({known}): nothing \
+                 applied; migrate with the newest shardlock of the fleet",
+                r.version
+            );
+        } else if r.applied.is_empty() {
             println!("{name}: up to date (schema version {})", r.version);
         } else {
             println!(

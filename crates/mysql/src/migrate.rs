@@ -87,7 +87,8 @@ const ALREADY_DONE: &[u16] = &[1050, 1060, 1061];
 pub struct MigrateReport {
     /// Versions applied by this call.
     pub applied: Vec<u32>,
-    /// The schema version now.
+    /// The schema version now: above this shardlock's last migration when a newer one
+    /// migrated the shard.
     pub version: u32,
 }
 
@@ -191,6 +192,8 @@ async fn apply(conn: &mut Conn, report: &mut MigrateReport) -> mysql_async::Resu
         }
         report.version = version;
     }
+    // Recorded by a newer shardlock: the schema is at that version, not at this one's last.
+    report.version = done.iter().copied().fold(report.version, u32::max);
     // Every acquire reads the fence floor's row (a missing one is an error there): one
     // removed by hand is made again.
     conn.query_drop(ENSURE_FENCE_FLOOR).await
