@@ -22,7 +22,7 @@ impl Config {
         check_shards(&self.shards)?;
         check_routing(&self.routing)?;
         check_namespaces(&self.namespaces)?;
-        check_clock_margins(&self.shards, &self.namespaces)?;
+        check_clock_margins(&self.instance, &self.shards, &self.namespaces)?;
         check_breaker(&self.breaker)?;
         check_cleaner(&self.cleaner)?;
         // The spread counts only where heartbeats are read (the lapse is theirs).
@@ -303,25 +303,27 @@ fn check_routing(routing: &RoutingConfig) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// On a Galera shard a lease ends locally `2 × node-clock-skew` early, since two of its nodes'
-/// clocks may be that far apart: every namespace's leases (a key may live on any shard) must
-/// last more than twice that margin, and be renewed within what is left of them.
+/// A lease ends locally before its ttl: a millisecond (the shard's truncation) and the share
+/// `instance.clock-drift` the shard's clock may run ahead of ours go first, and on a Galera
+/// shard `2 × node-clock-skew` more, since two of its nodes' clocks may be that far apart.
+/// Every namespace's leases (a key may live on any shard) must last more than twice the
+/// Galera margin, and be renewed within what is left of them: a renewal due later finds the
+/// lease already lost.
 fn check_clock_margins(
+    instance: &InstanceConfig,
     shards: &[ShardConfig],
     namespaces: &BTreeMap<String, NamespaceConfig>,
 ) -> Result<(), ConfigError> {
-    let Some((i, widest)) = shards
+    let drift = instance.clock_drift.unwrap_or(DEFAULT_CLOCK_DRIFT);
+    let galera = shards
         .iter()
         .enumerate()
         .filter(|(_, s)| !s.nodes.is_empty())
-        .max_by_key(|(_, s)| s.node_clock_skew)
-    else {
-        return Ok(());
-    };
-    let margin = widest.node_clock_skew * 2;
+        .max_by_key(|(_, s)| s.node_clock_skew);
+    let margin = galera.map_or(Duration::ZERO, |(_, s)| s.node_clock_skew * 2);
     for (name, ns) in namespaces {
         let field = |f: &str| format!("namespaces.{name}.{f}");
-        if ns.ttl <= margin * 2 {
+        if let Some((i, _)) = galera.filter(|_| ns.ttl <= margin * 2) {
             return Err(ConfigError::field(
                 field("ttl"),
                 format!(
@@ -331,16 +333,19 @@ fn check_clock_margins(
                 ),
             ));
         }
-        if ns
-            .renew_interval
-            .is_some_and(|every| every >= ns.ttl - margin)
-        {
+        let ends = (ns.ttl.saturating_sub(Duration::from_millis(1)))
+            .mul_f64(1.0 - drift)
+            .saturating_sub(margin);
+        if ns.renew_interval.is_some_and(|every| every >= ends) {
+            let galera = match galera {
+                Some((i, _)) => format!(", less {margin:?} on shards[{i}] (Galera)"),
+                None => String::new(),
+            };
             return Err(ConfigError::field(
                 field("renew-interval"),
                 format!(
-                    "must be below {:?}: leases on shards[{i}] (Galera) end {margin:?} before \
-                     their ttl",
-                    ns.ttl - margin
+                    "must be below {ends:?}: a lease ends locally at (ttl − 1ms) × (1 − \
+                     instance.clock-drift){galera}, and would be lost before its renewal"
                 ),
             ));
         }
@@ -779,5 +784,28 @@ mod tests {
         // Without nodes the skew is not used.
         let plain = config("3s", "ttl: 10s").replace("    nodes: [db-1:3306, db-2:3306]\n", "");
         assert!(Config::from_yaml_str(&plain).is_ok(), "{plain}");
+    }
+
+    /// On any shard a lease ends locally `instance.clock-drift` of its ttl early: renewals
+    /// due after that found every lease lost, and the config was taken without a word.
+    #[test]
+    fn renewals_must_come_before_a_lease_ends_by_the_clock_drift() {
+        let config = |drift: &str, every: &str| {
+            format!(
+                "instance:\n  clock-drift: {drift}\nshards:\n  - name: s1\n    \
+                 url: mysql://root@db-1:3306/shardlock\n\
+                 namespaces:\n  default: {{ ttl: 10s, renew-interval: {every} }}\n"
+            )
+        };
+        assert!(Config::from_yaml_str(&config("0.01", "8s")).is_ok());
+        // 10 s less 30 %: leases end locally at about 7 s.
+        let e = Config::from_yaml_str(&config("0.3", "8s")).unwrap_err();
+        assert_eq!(
+            e.field.as_deref(),
+            Some("namespaces.default.renew-interval"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("clock-drift"), "{e}");
+        assert!(Config::from_yaml_str(&config("0.3", "6s")).is_ok());
     }
 }
