@@ -69,30 +69,25 @@ impl SessionId {
     /// thread that answers is not the one the server greeted the connection with (a proxy
     /// such as ProxySQL in between). A Galera node is said apart: a shard reaches one only
     /// through `nodes:`. An error is the connection's: it failed.
-    async fn open(conn: &mut Conn, kind: ServerKind) -> mysql_async::Result<Identity> {
+    async fn open(conn: &mut Conn) -> mysql_async::Result<Identity> {
         use rand::Rng;
-        let token = rand::rng().random();
-        // Only MariaDB has the variable (MySQL's Galera builds are not supported shards).
-        let galera = if kind == ServerKind::Mariadb {
-            "@@wsrep_on"
-        } else {
-            "0"
+        // Whatever the greeting says the server is (ProxySQL greets as MySQL; Percona XtraDB
+        // Cluster is MySQL with Galera): a server built without Galera has no such row.
+        let wsrep: Vec<(String, String)> = match conn.query("SHOW VARIABLES LIKE 'wsrep_on'").await
+        {
+            Err(mysql_async::Error::Server(_)) => Vec::new(),
+            answer => answer?,
         };
+        if wsrep.iter().any(|(_, on)| on.eq_ignore_ascii_case("ON")) {
+            return Ok(Identity::GaleraNode);
+        }
+        let token = rand::rng().random();
         let probe = format!(
-            "SELECT GET_LOCK('{}', 0), CONNECTION_ID(), @@hostname, @@port, {galera}",
+            "SELECT GET_LOCK('{}', 0), CONNECTION_ID(), @@hostname, @@port",
             lock_name(token)
         );
         let row: mysql_async::Row = match conn.query_first(probe).await {
-            Err(mysql_async::Error::Server(e)) => {
-                // Some Galera builds refuse user locks: is it one?
-                if kind == ServerKind::Mariadb {
-                    let on: Option<u64> = conn.query_first("SELECT @@wsrep_on").await?;
-                    if on.is_some_and(|on| on != 0) {
-                        return Ok(Identity::GaleraNode);
-                    }
-                }
-                return Ok(Identity::Unknown(e.to_string()));
-            }
+            Err(mysql_async::Error::Server(e)) => return Ok(Identity::Unknown(e.to_string())),
             answer => match answer? {
                 Some(row) => row,
                 None => return Ok(Identity::Unknown("no answer to the session probe".into())),
@@ -103,11 +98,8 @@ impl SessionId {
                 .and_then(Result::ok)
                 .flatten()
         };
-        let (taken, thread, port, galera) = (number(0), number(1), number(3), number(4));
+        let (taken, thread, port) = (number(0), number(1), number(3));
         let host: Option<String> = row.get_opt(2).and_then(Result::ok).flatten();
-        if galera.is_some_and(|on| on != 0) {
-            return Ok(Identity::GaleraNode);
-        }
         if taken != Some(1) {
             return Ok(Identity::Unknown(
                 "the server did not grant a session lock".into(),
@@ -952,8 +944,7 @@ impl managed::Manager for ShardManager {
         // another node, from which a session of this one cannot be ended.
         let mut session = None;
         if self.nodes.addresses.is_empty() {
-            let kind = ServerKind::of(&conn);
-            match Box::pin(SessionId::open(&mut conn, kind)).await? {
+            match Box::pin(SessionId::open(&mut conn)).await? {
                 Identity::Known(id) => session = Some(id),
                 Identity::Unknown(why) if !self.unguarded_warned.swap(true, Ordering::Relaxed) => {
                     let (host, port) = (self.opts.ip_or_hostname(), self.opts.tcp_port());
@@ -964,17 +955,20 @@ impl managed::Manager for ShardManager {
                 // node checks and clock allowance, transaction locks refused): without them
                 // a row lock holds on one node only, and a node behind answers for the
                 // cluster. Refused, saying how to list it.
+                // A connection error, as a node that cannot serve is: the breaker opens and
+                // calls fail fast rather than each paying a handshake.
                 Identity::GaleraNode => {
                     let (host, port) = (self.opts.ip_or_hostname(), self.opts.tcp_port());
-                    return Err(mysql_async::Error::Other(Box::new(std::io::Error::other(
-                        format!(
+                    return Err(mysql_async::Error::Io(
+                        std::io::Error::other(format!(
                             "{host}:{port} is a Galera node (wsrep_on), reached without \
                              `nodes:`: list the cluster's nodes under the shard's `nodes:` \
                              (one entry, such as a virtual IP, will do) so that every statement \
                              waits for the cluster, node clocks are allowed for and transaction \
                              locks are refused"
-                        ),
-                    ))));
+                        ))
+                        .into(),
+                    ));
                 }
             }
         }
