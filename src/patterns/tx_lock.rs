@@ -749,7 +749,12 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
         // call that locks the key waits for no row while it holds another.
         let mut targets: Vec<Arc<ShardState>> = topology.previous_locations(&state.key);
         targets.push(topology.locate(&state.key).clone());
-        targets.sort_by(|a, b| a.name().cmp(b.name()));
+        // A Galera shard first: the lock cannot follow there (below), and is lost before it
+        // waits for any other row.
+        targets.sort_by(|a, b| {
+            let plain = |s: &ShardState| s.config.nodes.is_empty();
+            (plain(a), a.name()).cmp(&(plain(b), b.name()))
+        });
         let deadline = topology.reloaded_at + topology.config.move_window() / 2;
         let mut committing = false;
         for target in targets {
