@@ -359,10 +359,20 @@ pub fn redact_url(url: &str) -> String {
     let Some(rest) = url.strip_prefix("mysql://") else {
         return url.to_owned();
     };
-    // The credentials end at the last `@`: a careless password may hold `/`, `#`, `?` or `@`
-    // unencoded, and is hidden all the same. (An `@` in the query string hides more than the
-    // password: a printed URL never shows one.)
-    match rest.rfind('@') {
+    // The credentials end at the last `@` before the query string (`?name=`; a socket path
+    // there may hold an `@`): a careless password may hold `/`, `#`, `?` or `@` unencoded, and
+    // is hidden all the same. A password that looks like a query's start (`p?a=b`) leaves no
+    // `@` before it: then the last `@` of all ends them, which may hide more than the password.
+    let query = (rest.match_indices('?').map(|(i, _)| i)).find(|&i| {
+        let name = rest[i + 1..].split('=').next().unwrap_or_default();
+        rest[i + 1..].contains('=')
+            && !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    });
+    let before_query = &rest[..query.unwrap_or(rest.len())];
+    match before_query.rfind('@').or_else(|| rest.rfind('@')) {
         Some(at) => match rest[..at].split_once(':') {
             Some((user, _)) => format!("mysql://{user}:***{}", &rest[at..]),
             None => url.to_owned(),
@@ -624,6 +634,14 @@ mod tests {
         // It showed a password holding `?`, taken for the query string.
         assert_eq!(redact_url("mysql://u:p?ss@h/db"), "mysql://u:***@h/db");
         assert_eq!(redact_url("mysql://u:p@a?s@h/db"), "mysql://u:***@h/db");
+        assert_eq!(redact_url("mysql://u:pa?ss=w@h/db"), "mysql://u:***@h/db");
+        // An `@` in a socket path is no password's end.
+        let socket = "mysql://app@db:3306/shardlock?socket=/run/mysqld/mysqld@main.sock";
+        assert_eq!(redact_url(socket), socket);
+        assert_eq!(
+            redact_url("mysql://u:p?x@h/db?socket=/a@b"),
+            "mysql://u:***@h/db?socket=/a@b"
+        );
 
         let both = GOOD.replace(
             "url: mysql://root@127.0.0.1:33061/shardlock",
