@@ -48,6 +48,14 @@ async fn aborted_acquires_leak_nothing() {
         "{granted} of {} acquires completed before being cut",
         TASKS * ROUNDS
     );
+    // Both ends of the cut happened (a machine too slow for any acquire to finish within
+    // 6 ms, or fast enough that none was cut, would test nothing).
+    assert!(
+        granted > 0 && granted < TASKS * ROUNDS && router.stats().acquire_statements > 0,
+        "{granted} of {} acquires completed: {:?}",
+        TASKS * ROUNDS,
+        router.stats()
+    );
 
     // Background releases (of cut attempts and dropped guards) finish on their own.
     let settled = common::eventually(Duration::from_secs(5), || async {

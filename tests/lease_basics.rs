@@ -76,8 +76,14 @@ async fn grant_contend_release_and_fences_rise() {
         "order:1001",
         AcquireOptions::new().wait(Duration::from_secs(5)),
     );
+    let sent = router.stats().acquire_statements;
     let (third, released) = tokio::join!(third, async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Released once the third caller found the key held: it waits, then gets it.
+        let refused = common::eventually(Duration::from_secs(5), || async {
+            router.stats().acquire_statements > sent
+        })
+        .await;
+        assert!(refused, "the third caller never asked the shard");
         g2.release().await
     });
     released.unwrap();

@@ -115,12 +115,14 @@ async fn a_reload_that_raises_the_clock_drift_ends_the_leases_held_earlier() {
 async fn a_reload_that_raises_the_clock_drift_shortens_the_lapse_of_heartbeats_sent() {
     let cluster = Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    // Lapses: 2 s with a drift of 1%, 1.5 s with 50%.
+    // Lapses (the lesser of (timeout + interval) / 2 and timeout / (1 + drift) − interval /
+    // 2): 13.5 s with a drift of 1%, 9.8 s with 50%; the reload comes between them, with
+    // nearly two seconds to spare on either side.
     let yaml = |drift: &str| {
         format!(
             "instance:\n  clock-drift: {drift}\nshards:\n  - name: s1\n    url: {}\n    \
-             statement-timeout: 500ms\ncleaner:\n  heartbeat-interval: 1s\n  \
-             heartbeat-timeout: 3s\n",
+             statement-timeout: 500ms\ncleaner:\n  heartbeat-interval: 7s\n  \
+             heartbeat-timeout: 20s\n",
             proxy.url()
         )
     };
@@ -135,7 +137,11 @@ async fn a_reload_that_raises_the_clock_drift_shortens_the_lapse_of_heartbeats_s
     // Refused at once, the heartbeats after it hold up no reload.
     proxy.set(ProxyMode::Reset);
     let cut = tokio::time::Instant::now();
-    tokio::time::sleep_until(cut + Duration::from_millis(1600)).await;
+    tokio::time::sleep_until(cut + Duration::from_millis(11_700)).await;
+    assert!(
+        guard.is_held(),
+        "lost by the old lapse before the reload: the test shows nothing"
+    );
     holder
         .reload(Config::from_yaml_str(&yaml("0.5")).unwrap())
         .await

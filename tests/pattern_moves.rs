@@ -1774,8 +1774,9 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
     );
     let mut blocker = common::row_locked(new, "shardlock_txlock", &key).await;
 
-    let reloaded = std::time::Instant::now();
     a.reload(three.clone()).await.unwrap();
+    // A heartbeat sent since the reload returned, so after the swap.
+    let reloaded = std::time::Instant::now();
     let during = advertised_after(&a, reloaded).await;
     assert!(held.is_held(), "still following");
     assert_eq!(
@@ -1794,8 +1795,8 @@ async fn a_process_advertises_its_old_topology_until_its_transaction_locks_follo
     // Reloaded again meanwhile: still the topology the lock holds under, not the one between.
     let mut two = three.clone();
     two.shards.truncate(2);
-    let reloaded = std::time::Instant::now();
     a.reload(two).await.unwrap();
+    let reloaded = std::time::Instant::now();
     let after_the_second = advertised_after(&a, reloaded).await;
     assert!(held.is_held(), "still following");
     assert_eq!(

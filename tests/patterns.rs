@@ -228,14 +228,17 @@ async fn transaction_lock_survives_nothing_of_a_killed_holder_and_carries_the_ca
             (Instant::now(), guard)
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The waiter waits for the holder's row.
+    let home = usize::from(router.shard_for("acct:1").unwrap() == "s2");
+    common::until_a_row_lock_is_waited_for(cluster.shard(home)).await;
     assert!(!waiter.is_finished(), "the lock is still held");
     let killed = Instant::now();
     holder.kill().await.unwrap();
+    // Granted within the waiter's own wait (20 s): the server ended the killed holder's
+    // transaction, not a timeout.
     let (granted, mut guard) = waiter.await.unwrap();
     let after = granted - killed;
     eprintln!("granted {after:?} after the holder was killed");
-    assert!(after < Duration::from_secs(5), "took {after:?}");
     // The killed holder's uncommitted row went with its transaction.
     assert_eq!(
         count_rows(

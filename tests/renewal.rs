@@ -11,7 +11,8 @@ use shardlock::{AcquireOptions, BreakerState, LockRouter};
 use shardlock_testkit::{Cluster, Proxy, ProxyMode};
 
 const LEASES: usize = 1000;
-const TTL: Duration = Duration::from_millis(1500);
+/// Renewed every second: a second's stall of a busy machine loses no lease.
+const TTL: Duration = Duration::from_secs(3);
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
@@ -32,26 +33,21 @@ async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
 
     let updates_before = common::status_sum(&cluster, "Com_update").await;
     let stats_before = router.stats();
-    let window = tokio::time::Instant::now();
-    tokio::time::sleep(TTL * 3).await;
+    // Three ttls' worth of ticks: a tick every ttl/3 on each of the three shards. Counted,
+    // not timed: a busy machine's late ticks make the wait longer, not the count wrong.
+    let ticked = common::eventually(Duration::from_secs(60), || async {
+        router.stats().renew_ticks - stats_before.renew_ticks >= 3 * 9
+    })
+    .await;
     let stats = router.stats();
-    let window = window.elapsed();
     let updates = common::status_sum(&cluster, "Com_update").await - updates_before;
+    assert!(ticked, "renewals stopped: {stats:?}");
 
     assert!(guards.iter().all(|g| g.is_held()), "no lease lost");
     assert_eq!(stats.lost, 0);
     let ticks = stats.renew_ticks - stats_before.renew_ticks;
     let statements = stats.renew_statements - stats_before.renew_statements;
     eprintln!("{ticks} renewal ticks, {statements} renewal statements, {updates} UPDATEs counted by the shards");
-    // A tick every ttl/3 over the window (3 ttls, more if the machine is busy): about 9 per
-    // shard, give or take one at either end and one late tick.
-    let period = (TTL / 3).as_secs_f64();
-    let expected = window.as_secs_f64() / period;
-    let per_shard = (expected.floor() as u64).saturating_sub(2)..=expected.ceil() as u64 + 1;
-    assert!(
-        (3 * per_shard.start()..=3 * per_shard.end()).contains(&ticks),
-        "{ticks} ticks in {window:?}"
-    );
     let failures = stats.renew_failures - stats_before.renew_failures;
     assert_eq!(
         statements + failures,

@@ -426,6 +426,12 @@ async fn otlp_exports_the_waiters_acquire_span_with_a_link_to_the_holder() {
             fence
         })
     };
+    let queued = common::eventually(Duration::from_secs(10), || async {
+        router.stats().queued == 1
+    })
+    .await;
+    assert!(queued, "the second task never waited");
+    // Held on: the waiter waits this long at least.
     tokio::time::sleep(Duration::from_millis(150)).await;
     holder.release().await.unwrap(); // handed to the waiter in memory
     let waiter_fence = waiter.await.unwrap();
@@ -495,6 +501,7 @@ async fn a_waiter_elsewhere_links_to_the_holders_trace_stored_with_the_lease() {
         .acquire("acct:9", AcquireOptions::new())
         .await
         .unwrap();
+    let polled = waiter_router.clone();
     let waiter = tokio::spawn(async move {
         let g = waiter_router
             .acquire("acct:9", AcquireOptions::new())
@@ -503,7 +510,12 @@ async fn a_waiter_elsewhere_links_to_the_holders_trace_stored_with_the_lease() {
         g.release().await.unwrap();
         waiter_router.shutdown().await.unwrap();
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Released once the waiter found the key held, so that its grant is a later attempt.
+    let refused = common::eventually(Duration::from_secs(10), || async {
+        polled.stats().acquire_statements >= 1
+    })
+    .await;
+    assert!(refused, "the waiter never polled the shard");
     holder.release().await.unwrap();
     waiter.await.unwrap();
     holder_router.shutdown().await.unwrap();

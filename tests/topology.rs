@@ -403,7 +403,7 @@ async fn a_lease_held_past_the_move_window_is_never_granted_twice() {
     let (_cluster, a, b, key, three) = two_routers_and_a_key_on_s4().await;
     let opts = || {
         AcquireOptions::new()
-            .ttl(Duration::from_secs(1))
+            .ttl(Duration::from_secs(3))
             .wait(Duration::ZERO)
     };
     let held = a.acquire(&key, opts()).await.unwrap();
@@ -411,10 +411,15 @@ async fn a_lease_held_past_the_move_window_is_never_granted_twice() {
     b.reload(three).await.unwrap();
     assert!(b.try_acquire(&key, opts()).await.unwrap().is_none());
 
-    // Held (and renewed) for longer than the window: the lease followed its key.
+    // The lease followed its key, and is held (and renewed) for longer than the window.
+    until_followed(
+        &a,
+        Duration::from_secs(30),
+        "the lease never followed its key",
+    )
+    .await;
     tokio::time::sleep(PAST_THE_WINDOW).await;
     assert!(held.is_held());
-    assert_eq!(a.stats().followed, 1, "{:?}", a.stats());
     assert!(
         b.try_acquire(&key, opts()).await.unwrap().is_none(),
         "granted on {} while a holds it",
@@ -1056,11 +1061,14 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
     common::until_placement_recorded(&cluster).await;
 
     let mut blocker = placement_record_locked(&cluster).await;
-    let since = std::time::Instant::now();
+    let waits = cluster.shard(0).lock_waits_begun().await.unwrap();
     let reloading = tokio::spawn({
         let (router, config) = (router.clone(), Config::from_yaml_str(&weighted(3)).unwrap());
         async move { router.reload(config).await }
     });
+    // A heartbeat sent once the record write waits.
+    until_waits_begin(&cluster, waits).await;
+    let since = std::time::Instant::now();
     let beat = common::eventually(Duration::from_secs(30), || async {
         !reloading.is_finished() && beaten_since(&router, since).await
     })
@@ -1078,11 +1086,16 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
     // A caller that gives up on a reload while its record write waits: the reload completes
     // all the same (half of it, the record naming a placement no process ran, would stay).
     let epoch = router.epoch();
+    let waits = cluster.shard(0).lock_waits_begun().await.unwrap();
     let reload = router.reload(Config::from_yaml_str(&weighted(5)).unwrap());
-    let given_up = tokio::time::timeout(Duration::from_millis(100), reload).await;
+    // Given up once its record write waits.
+    let given_up = tokio::select! {
+        done = reload => Some(done),
+        () = until_waits_begin(&cluster, waits) => None,
+    };
     assert!(
-        given_up.is_err(),
-        "the reload did not wait for its record write"
+        given_up.is_none(),
+        "the reload did not wait for its record write: {given_up:?}"
     );
     blocker.query_drop("ROLLBACK").await.unwrap();
     let completed =
@@ -1215,6 +1228,15 @@ async fn recorded_router(yaml: &str) -> LockRouter {
 
 /// A transaction holding the placement record's rows on `cluster`'s first shard locked until
 /// it rolls back: a write of the record there waits behind it.
+/// Waits until a row lock wait begins on s1 past the `waits` already begun (30 s at most).
+async fn until_waits_begin(cluster: &Cluster, waits: u64) {
+    let begun = common::eventually(Duration::from_secs(30), || async {
+        cluster.shard(0).lock_waits_begun().await.unwrap() > waits
+    })
+    .await;
+    assert!(begun, "no row lock wait began on s1");
+}
+
 async fn placement_record_locked(cluster: &Cluster) -> shardlock::mysql_async::Conn {
     let mut blocker = cluster.shard(0).connect().await.unwrap();
     blocker.query_drop("BEGIN").await.unwrap();
@@ -1562,7 +1584,7 @@ async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_sa
     let key = common::key_on(&a, "k", "s3");
     let opts = || {
         AcquireOptions::new()
-            .ttl(Duration::from_secs(1))
+            .ttl(Duration::from_secs(3))
             .wait(Duration::ZERO)
     };
     let held = a.acquire(&key, opts()).await.unwrap();
@@ -1583,9 +1605,14 @@ async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_sa
         "another database: every key of s3 moved"
     );
     assert!(b.try_acquire(&key, opts()).await.unwrap().is_none());
+    until_followed(
+        &a,
+        Duration::from_secs(30),
+        "the lease never followed its key",
+    )
+    .await;
     tokio::time::sleep(PAST_THE_WINDOW).await;
     assert!(held.is_held());
-    assert_eq!(a.stats().followed, 1, "{:?}", a.stats());
     assert!(
         b.try_acquire(&key, opts()).await.unwrap().is_none(),
         "granted on the new server while a holds the key on the old one"

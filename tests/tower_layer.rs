@@ -160,6 +160,12 @@ async fn requests_for_one_key_run_one_at_a_time() {
     let queued: Vec<_> = (0..4)
         .map(|_| tokio::spawn(get_status(server.addr, "/pay/slow-3")))
         .collect();
+    // All four wait for the key before any is let in: each then runs alone, or two overlap.
+    let waiting = common::eventually(Duration::from_secs(30), || async {
+        router.stats().queued == 4
+    })
+    .await;
+    assert!(waiting, "the requests never queued: {:?}", router.stats());
     for _ in 0..5 {
         server.release.notify_one();
         // The next one in: released only after it entered, so each waits its turn.

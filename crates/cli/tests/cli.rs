@@ -332,9 +332,13 @@ async fn bench_reports_statement_and_deadlock_counts() {
     let per_cycle = uncontended["shardlock"]["statements_per_op"]
         .as_f64()
         .unwrap();
+    // Counted server-wide: a few background statements (heartbeats) may join the cycles'
+    // two each, however few cycles a loaded machine ran.
+    let ops = uncontended["shardlock"]["ops"].as_f64().unwrap();
+    let excess = (per_cycle - 2.0) * ops;
     assert!(
-        (per_cycle - 2.0).abs() < 0.01,
-        "two statements per lock cycle, got {per_cycle}"
+        ops > 0.0 && (-0.5..=10.5).contains(&excess),
+        "two statements per lock cycle, got {per_cycle} over {ops} cycles"
     );
     // Linux tells how much of the machine's CPU time its host took during each round.
     for side in ["shardlock", "baseline"] {
