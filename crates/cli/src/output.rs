@@ -159,9 +159,25 @@ fn merge_instances(
 /// as `list` shows it.
 pub(crate) fn lock_name(lock: &LockKey) -> String {
     match lock.bucket_number() {
-        Some(bucket) => format!("{} [bucket {bucket}]", lock.scoped_str()),
-        None => lock.scoped_str().to_owned(),
+        Some(bucket) => format!("{} [bucket {bucket}]", shown(lock.scoped_str())),
+        None => shown(lock.scoped_str()).into_owned(),
     }
+}
+
+/// `text` (a key, an owner, a lease's data: whatever applications stored) as it may reach
+/// an operator's terminal: control characters escaped (`\u{1b}`), so that none moves the
+/// cursor, recolours the screen or hides what follows.
+pub(crate) fn shown(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return text.into();
+    }
+    text.chars()
+        .map(|c| match c.is_control() {
+            true => c.escape_default().to_string(),
+            false => c.to_string(),
+        })
+        .collect::<String>()
+        .into()
 }
 
 pub(crate) fn force_released(
@@ -196,7 +212,7 @@ pub(crate) fn force_released(
         println!(
             "{key} on {}: released from {} ({}); fence raised to {}",
             r.shard,
-            r.owner,
+            shown(&r.owner),
             if r.was_live {
                 "its lease was live"
             } else {
@@ -309,7 +325,7 @@ pub(crate) fn inspect(
     match row {
         None => println!("lease:   never granted on this shard"),
         Some(r) if r.is_held() => {
-            println!("holder:  {}", r.owner.as_deref().unwrap_or("-"));
+            println!("holder:  {}", shown(r.owner.as_deref().unwrap_or("-")));
             println!("fence:   up to {} (reserved by the current grant)", r.fence);
             println!(
                 "expires: in {} ms (shard clock), lease {} ms",
@@ -320,7 +336,7 @@ pub(crate) fn inspect(
                 println!("wanted:  by another owner {ago} ms ago");
             }
             if let Some(data) = &r.data {
-                println!("data:    {}", String::from_utf8_lossy(data));
+                println!("data:    {}", shown(&String::from_utf8_lossy(data)));
             }
         }
         Some(r) => {
@@ -339,7 +355,7 @@ pub(crate) fn inspect(
                 println!(
                     "held on: {on} by {} (fence {}, expires in {} ms): a move, or a config \
                      other than the fleet's",
-                    r.owner.as_deref().unwrap_or("-"),
+                    shown(r.owner.as_deref().unwrap_or("-")),
                     r.fence,
                     r.expires_in_ms
                 );
@@ -354,7 +370,7 @@ fn cell(data: Option<&[u8]>, width: usize) -> String {
     let Some(data) = data else {
         return "-".into();
     };
-    let text = String::from_utf8_lossy(data).replace(['\n', '\t'], " ");
+    let text = shown(&String::from_utf8_lossy(data).replace(['\n', '\t'], " ")).into_owned();
     if text.chars().count() <= width {
         return text;
     }
@@ -398,12 +414,12 @@ pub(crate) fn list(listing: &shardlock::Listing, as_json: bool) {
     );
     for l in &listing.leases {
         let key = match l.bucket {
-            Some(b) => format!("{} [bucket {b}]", l.key),
-            None => l.key.clone(),
+            Some(b) => format!("{} [bucket {b}]", shown(&l.key)),
+            None => shown(&l.key).into_owned(),
         };
         let (holder, expires) = if l.row.is_held() {
             (
-                l.row.owner.clone().unwrap_or_default(),
+                shown(l.row.owner.as_deref().unwrap_or_default()).into_owned(),
                 format!("{} ms", l.row.expires_in_ms),
             )
         } else if l.row.owner.is_some() {
@@ -423,5 +439,25 @@ pub(crate) fn list(listing: &shardlock::Listing, as_json: bool) {
     }
     for (shard, e) in &listing.failed {
         println!("{shard}: not read: {}", e.report());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key or data holding terminal escapes (stored by any application) reaches the
+    /// operator's terminal escaped: `\x1b[2J` cleared the screen of whoever ran `list`.
+    #[test]
+    fn control_characters_are_shown_escaped() {
+        assert_eq!(shown("order:1"), "order:1");
+        assert!(matches!(shown("order:1"), std::borrow::Cow::Borrowed(_)));
+        assert_eq!(shown("a\u{1b}[2Jb\r"), "a\\u{1b}[2Jb\\r");
+        assert_eq!(
+            cell(Some(b"x\x1b]0;owned\x07"), 24),
+            "x\\u{1b}]0;owned\\u{7}"
+        );
+        let bucket = LockKey::bucket("sku\u{1b}:1", 3).unwrap();
+        assert_eq!(lock_name(&bucket), "sku\\u{1b}:1 [bucket 3]");
     }
 }
