@@ -40,8 +40,9 @@ struct Cli {
 enum Command {
     /// Create or upgrade shardlock's tables on every shard (idempotent).
     Migrate,
-    /// Per shard: reachable, breaker, pool size/available/waiting, live leases; and the
-    /// instances in the registry with their last heartbeat.
+    /// Per shard: reachable, live leases, and this command's own breaker and pool (an
+    /// application's: --watch --metrics); and the instances in the registry with their last
+    /// heartbeat.
     Status {
         /// Redraw every second (Ctrl-C stops): a live view of shards and instances.
         #[arg(long)]

@@ -152,7 +152,7 @@ pub(crate) async fn run(
     metrics: Option<&str>,
     every: Duration,
 ) -> Result<(), AnyError> {
-    let mut previous: Option<Scrape> = None;
+    let mut previous: Option<(Scrape, std::time::Instant)> = None;
     let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     loop {
         let status = router.status().await;
@@ -192,8 +192,12 @@ pub(crate) async fn run(
             ),
             Some(Err(e)) => screen.push_str(&format!("\nmetrics: {e}\n")),
             Some(Ok(now)) => {
-                render_metrics(&mut screen, previous.as_ref(), now, every);
-                previous = Some(now.clone());
+                // Rates over the time that passed between the two scrapes, which a slow
+                // shard or endpoint makes longer than `every`.
+                let at = std::time::Instant::now();
+                let before = previous.as_ref().map(|(s, t)| (s, at - *t));
+                render_metrics(&mut screen, before, now);
+                previous = Some((now.clone(), at));
             }
         }
         print!("{screen}");
@@ -206,7 +210,9 @@ pub(crate) async fn run(
     }
 }
 
-fn render_metrics(screen: &mut String, before: Option<&Scrape>, now: &Scrape, every: Duration) {
+/// The metrics of `now`, with rates against `before` (a scrape, and the time since it).
+fn render_metrics(screen: &mut String, before: Option<(&Scrape, Duration)>, now: &Scrape) {
+    let (before, every) = (before.map(|(b, _)| b), before.map(|(_, t)| t));
     const COUNT: &str = "shardlock_acquire_duration_seconds_count";
     const HIST: &str = "shardlock_acquire_duration_seconds";
     let rates_now = now.sum_by(COUNT, "shardlock_namespace");
@@ -221,7 +227,10 @@ fn render_metrics(screen: &mut String, before: Option<&Scrape>, now: &Scrape, ev
         let rate = rates_before
             .as_ref()
             .and_then(|b| b.get(ns))
-            .map(|old| (total - old) / every.as_secs_f64());
+            .zip(every)
+            // A counter that went down: the application restarted; no rate this time.
+            .filter(|(old, _)| total >= *old)
+            .map(|(old, every)| (total - old) / every.as_secs_f64().max(1e-3));
         let p99 = quantile(
             buckets_before.as_ref().and_then(|b| b.get(ns)),
             buckets_now.get(ns).map_or(&[][..], Vec::as_slice),
@@ -316,6 +325,23 @@ shardlock_breaker_state{shardlock_instance="a",shardlock_shard="s1",shardlock_st
 shardlock_hot_key_wait_seconds{shardlock_instance="a",shardlock_key="sku:1"} 1.5
 "#;
 
+    /// Rates are over the time between the two scrapes (a slow endpoint or shard makes it
+    /// longer than the redraw interval, and the rate was inflated), and a counter that went
+    /// down (the application restarted) gives no rate, not a negative one.
+    #[test]
+    fn rates_are_over_the_time_between_scrapes() {
+        let later = Scrape::parse(&TEXT.replace("} 100\n", "} 300\n"));
+        let rate = |before: &Scrape, now: &Scrape| {
+            let mut screen = String::new();
+            render_metrics(&mut screen, Some((before, Duration::from_secs(2))), now);
+            let line = screen.lines().find(|l| l.starts_with("stock")).unwrap();
+            line.split_whitespace().nth(1).unwrap().to_owned()
+        };
+        let first = Scrape::parse(TEXT);
+        assert_eq!(rate(&first, &later), "100");
+        assert_eq!(rate(&later, &first), "…");
+    }
+
     #[test]
     fn parses_samples_and_reads_quantiles_from_buckets() {
         let scrape = Scrape::parse(TEXT);
@@ -331,7 +357,7 @@ shardlock_hot_key_wait_seconds{shardlock_instance="a",shardlock_key="sku:1"} 1.5
         assert_eq!(quantile(None, &buckets["stock"], 0.5), Some(0.001));
         assert_eq!(quantile(None, &buckets["stock"], 0.99), Some(0.01));
         let mut screen = String::new();
-        render_metrics(&mut screen, None, &scrape, Duration::from_secs(1));
+        render_metrics(&mut screen, None, &scrape);
         assert!(
             screen.contains("OPEN") && screen.contains("sku:1"),
             "{screen}"
@@ -358,12 +384,7 @@ shardlock_hot_key_wait_seconds{shardlock_instance="a",shardlock_key="sku:1"} 1.5
         ]
         .concat();
         let mut screen = String::new();
-        render_metrics(
-            &mut screen,
-            None,
-            &Scrape::parse(&two_half_open),
-            Duration::from_secs(1),
-        );
+        render_metrics(&mut screen, None, &Scrape::parse(&two_half_open));
         let line = |shard: &str| {
             screen
                 .lines()
