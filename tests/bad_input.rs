@@ -210,6 +210,16 @@ async fn config_errors_name_file_line_column_and_field() {
 
     // Breaker thresholds and failure policies are checked the same way.
     let shard = "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n";
+    // A pool that could never connect, lend or reuse a connection is refused, not run.
+    for timeout in ["wait-timeout", "create-timeout", "recycle-timeout"] {
+        std::fs::write(&path, format!("{shard}    pool:\n      {timeout}: 0s\n")).unwrap();
+        let err = LockRouter::from_yaml_file(&path).await.unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("field `shards[0].pool.{timeout}`")),
+            "{err}"
+        );
+    }
     std::fs::write(&path, format!("{shard}breaker:\n  failure-rate: 1.5\n")).unwrap();
     let err = LockRouter::from_yaml_file(&path).await.unwrap_err();
     assert!(

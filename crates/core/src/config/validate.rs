@@ -263,6 +263,17 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 return Err(ConfigError::field(field(name), "must be at least 1s"));
             }
         }
+        // Zero would make every new connection, every checkout under load and every reuse of
+        // a connection fail at once: the shard counted down while it answers.
+        for (name, value) in [
+            ("pool.wait-timeout", shard.pool.wait_timeout),
+            ("pool.create-timeout", shard.pool.create_timeout),
+            ("pool.recycle-timeout", shard.pool.recycle_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::field(field(name), "must be greater than zero"));
+            }
+        }
         if let Some(n) = shard.pool.batches_in_flight {
             if n == 0 || n > shard.pool.max_size {
                 return Err(ConfigError::field(
