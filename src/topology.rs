@@ -259,21 +259,16 @@ impl Topology {
             .filter(|p| p.in_force(now))
             .cloned()
             .collect();
-        // The same shards (the same databases, whatever their URLs) with the same weights.
+        // The same shards (the same databases, whatever their URLs) with the same weights, in
+        // any order: the ring is made of names and weights, not of the file's order.
         let (this, that) = (&self.config, &next.config);
         let same_ring = this.routing.virtual_nodes == that.routing.virtual_nodes
             && this.shards.len() == that.shards.len()
-            && this
-                .shards
-                .iter()
-                .zip(&that.shards)
-                .all(|(a, b)| a.name == b.name && a.weight == b.weight)
-            && self
-                .current
-                .shards
-                .iter()
-                .zip(&next.current.shards)
-                .all(|(a, b)| a.same_database(b));
+            && (this.shards.iter())
+                .all(|a| (that.shards.iter()).any(|b| a.name == b.name && a.weight == b.weight))
+            && (self.current.shards.iter()).all(|a| {
+                (next.current.shards.iter()).any(|b| a.name() == b.name() && a.same_database(b))
+            });
         if !same_ring {
             kept.push(Previous {
                 placement: self.current.clone(),
