@@ -73,12 +73,20 @@ impl SessionId {
         use rand::Rng;
         // Whatever the greeting says the server is (ProxySQL greets as MySQL; Percona XtraDB
         // Cluster is MySQL with Galera): a server built without Galera has no such row.
-        let wsrep: Vec<(String, String)> = match conn.query("SHOW VARIABLES LIKE 'wsrep_on'").await
+        // Rows read by position, as whatever text they hold: a proxy that answers in another
+        // shape is taken for a server without Galera, never a panic.
+        let wsrep: Vec<mysql_async::Row> = match conn.query("SHOW VARIABLES LIKE 'wsrep_on'").await
         {
             Err(mysql_async::Error::Server(_)) => Vec::new(),
             answer => answer?,
         };
-        if wsrep.iter().any(|(_, on)| on.eq_ignore_ascii_case("ON")) {
+        let on = |row: &mysql_async::Row| {
+            row.get_opt::<Option<String>, _>(1)
+                .and_then(Result::ok)
+                .flatten()
+                .is_some_and(|v| v.eq_ignore_ascii_case("ON"))
+        };
+        if wsrep.iter().any(on) {
             return Ok(Identity::GaleraNode);
         }
         let token = rand::rng().random();
@@ -348,6 +356,9 @@ pub(crate) struct ShardManager {
     /// Set once a connection's session could not be told apart (see [`SessionId::open`]):
     /// warned about once.
     unguarded_warned: std::sync::atomic::AtomicBool,
+    /// Why the shard is refused, once a connection found a Galera node reached without
+    /// `nodes:` (see [`SessionId::open`]): every later connection is refused at once.
+    galera_refused: std::sync::OnceLock<String>,
     lifetimes: Lifetimes,
     /// Read again for every new connection, so a rotated secret takes effect without a reload.
     password_file: Option<PathBuf>,
@@ -633,6 +644,11 @@ fn iso_duration(text: &str) -> Option<Duration> {
     Duration::try_from_secs_f64(total).ok()
 }
 
+/// The error of a connection to a Galera node reached without `nodes:`, for `why`.
+fn galera_refused(why: &str) -> mysql_async::Error {
+    mysql_async::Error::Other(Box::new(std::io::Error::other(why.to_owned())))
+}
+
 /// Whether the Galera node `conn` reached may serve: ready, and in the primary component (a
 /// node cut off from the majority answers, but must grant nothing).
 async fn galera_node_ready(conn: &mut Conn) -> Result<(), String> {
@@ -721,6 +737,7 @@ impl ShardManager {
         Self {
             opts,
             unguarded_warned: Default::default(),
+            galera_refused: Default::default(),
             lifetimes,
             password_file,
             generation: AtomicU64::new(0),
@@ -918,6 +935,9 @@ impl managed::Manager for ShardManager {
     type Error = mysql_async::Error;
 
     async fn create(&self) -> Result<ShardConn, mysql_async::Error> {
+        if let Some(why) = self.galera_refused.get() {
+            return Err(galera_refused(why));
+        }
         let generation = self.generation.load(Ordering::Relaxed);
         let opts = match &self.password_file {
             Some(path) => {
@@ -954,21 +974,19 @@ impl managed::Manager for ShardManager {
                 // Its safeguards come with `nodes:` (the causal wait on every statement, the
                 // node checks and clock allowance, transaction locks refused): without them
                 // a row lock holds on one node only, and a node behind answers for the
-                // cluster. Refused, saying how to list it.
-                // A connection error, as a node that cannot serve is: the breaker opens and
-                // calls fail fast rather than each paying a handshake.
+                // cluster. Refused, saying how to list it, and from then on without
+                // connecting. Not a connection failure: the shard is misconfigured, not down,
+                // so no breaker opens and no namespace falls back to in-process locks.
                 Identity::GaleraNode => {
                     let (host, port) = (self.opts.ip_or_hostname(), self.opts.tcp_port());
-                    return Err(mysql_async::Error::Io(
-                        std::io::Error::other(format!(
-                            "{host}:{port} is a Galera node (wsrep_on), reached without \
-                             `nodes:`: list the cluster's nodes under the shard's `nodes:` \
-                             (one entry, such as a virtual IP, will do) so that every statement \
-                             waits for the cluster, node clocks are allowed for and transaction \
-                             locks are refused"
-                        ))
-                        .into(),
-                    ));
+                    let why = format!(
+                        "{host}:{port} is a Galera node (wsrep_on), reached without `nodes:`: \
+                         list the cluster's nodes under the shard's `nodes:` (one entry, such \
+                         as a virtual IP, will do) so that every statement waits for the \
+                         cluster, node clocks are allowed for and transaction locks are refused"
+                    );
+                    let why = self.galera_refused.get_or_init(|| why);
+                    return Err(galera_refused(why));
                 }
             }
         }
