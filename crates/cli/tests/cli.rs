@@ -446,6 +446,7 @@ async fn release_force_cleaner_and_registered_instances() {
 /// `release --force` frees the key wherever the config reaches it held, not only on the shard
 /// this config places it on: during a fleet's move, or run with a config older or newer than
 /// the fleet's, the holder is elsewhere (it answered "nobody holds it" and left it held).
+/// `inspect` says where it is held (it said "never granted on this shard" and no more).
 #[tokio::test(flavor = "multi_thread")]
 async fn release_force_finds_the_holder_on_another_shard_than_its_config_places_the_key() {
     let (cluster, _dir, config) = cluster_with_config(2).await;
@@ -465,6 +466,13 @@ async fn release_force_finds_the_holder_on_another_shard_than_its_config_places_
     let app = LockRouter::from_yaml_str(&only_s2).await.unwrap();
     let guard = app.acquire(&key, AcquireOptions::new()).await.unwrap();
 
+    let seen = json(&shardlock(&config, &["--json", "inspect", &key]));
+    assert_eq!(seen["shard"], "s1", "{seen}");
+    let elsewhere = seen["held_elsewhere"].as_array().unwrap();
+    assert_eq!(elsewhere.len(), 1, "{seen}");
+    assert_eq!(elsewhere[0]["shard"], "s2", "{seen}");
+    assert_eq!(elsewhere[0]["owner"], guard.owner(), "{seen}");
+
     let released = json(&shardlock(
         &config,
         &["--json", "release", "--force", "--yes", &key],
@@ -478,33 +486,44 @@ async fn release_force_finds_the_holder_on_another_shard_than_its_config_places_
     app.shutdown().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn cleaner_daemon_stops_cleanly_on_sigterm() {
+/// `shardlock --json cleaner` with `config`, and the first pass it reports (it led); the
+/// passes after it are read and dropped (a pipe nobody reads would fill and stall it).
+fn cleaner_daemon(config: &Path) -> (std::process::Child, Value) {
     use std::io::{BufRead, BufReader};
-    let (_cluster, dir, config) = cluster_with_config(1).await;
-    json(&shardlock(&config, &["--json", "migrate"]));
-    let mut yaml = std::fs::read_to_string(&config).unwrap();
-    yaml.push_str("cleaner:\n  interval: 100ms\n");
-    let fast = dir.path().join("fast.yaml");
-    std::fs::write(&fast, yaml).unwrap();
     let mut daemon = Command::new(env!("CARGO_BIN_EXE_shardlock"))
         .arg("--config")
-        .arg(&fast)
+        .arg(config)
         .args(["--json", "cleaner"])
         .env_remove("SHARDLOCK_CONFIG")
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(daemon.stdout.take().unwrap()).lines();
-    for _ in 0..2 {
-        let pass: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
-        assert_eq!(pass["leader"], true, "{pass}");
-    }
-    let term = Command::new("kill")
-        .args(["-TERM", &daemon.id().to_string()])
+    let pass: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    assert_eq!(pass["leader"], true, "{pass}");
+    std::thread::spawn(move || lines.for_each(drop));
+    (daemon, pass)
+}
+
+/// Sends `signal` (`-TERM`, `-HUP`) to `child`.
+fn signal(child: &std::process::Child, signal: &str) {
+    let sent = Command::new("kill")
+        .args([signal, &child.id().to_string()])
         .status()
         .unwrap();
-    assert!(term.success());
+    assert!(sent.success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cleaner_daemon_stops_cleanly_on_sigterm() {
+    let (_cluster, dir, config) = cluster_with_config(1).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let mut yaml = std::fs::read_to_string(&config).unwrap();
+    yaml.push_str("cleaner:\n  interval: 100ms\n");
+    let fast = dir.path().join("fast.yaml");
+    std::fs::write(&fast, yaml).unwrap();
+    let (mut daemon, _) = cleaner_daemon(&fast);
+    signal(&daemon, "-TERM");
     let status = daemon.wait().unwrap();
     assert!(status.success(), "exit after SIGTERM: {status}");
     // It gave up the cleaner lock and deregistered on the way out.
@@ -526,7 +545,6 @@ async fn cleaner_daemon_stops_cleanly_on_sigterm() {
 /// long as it ran. SIGHUP rereads its config file, as `reload_on_sighup` does for services.
 #[tokio::test(flavor = "multi_thread")]
 async fn cleaner_daemon_reloads_its_config_on_sighup() {
-    use std::io::{BufRead, BufReader};
     let (_cluster, dir, config) = cluster_with_config(1).await;
     json(&shardlock(&config, &["--json", "migrate"]));
     let base = std::fs::read_to_string(&config).unwrap();
@@ -539,19 +557,7 @@ async fn cleaner_daemon_reloads_its_config_on_sighup() {
     );
     let file = dir.path().join("cleaner.yaml");
     std::fs::write(&file, format!("{base}{fast}")).unwrap();
-    let mut daemon = Command::new(env!("CARGO_BIN_EXE_shardlock"))
-        .arg("--config")
-        .arg(&file)
-        .args(["--json", "cleaner"])
-        .env_remove("SHARDLOCK_CONFIG")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(daemon.stdout.take().unwrap()).lines();
-    let pass: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
-    assert_eq!(pass["leader"], true, "{pass}");
-    // A pass every 100 ms: a pipe nobody reads would fill and stall the daemon.
-    std::thread::spawn(move || lines.for_each(drop));
+    let (mut daemon, _) = cleaner_daemon(&file);
 
     // A service started with the next topology waits for the cleaner, which runs the old one.
     let service = LockRouter::from_yaml_str(&next).await.unwrap();
@@ -563,11 +569,7 @@ async fn cleaner_daemon_reloads_its_config_on_sighup() {
         other => panic!("granted beside a cleaner of another topology: {other:?}"),
     }
     std::fs::write(&file, &next).unwrap();
-    let hup = Command::new("kill")
-        .args(["-HUP", &daemon.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(hup.success());
+    signal(&daemon, "-HUP");
     let granted = tokio::time::timeout(std::time::Duration::from_secs(60), async {
         loop {
             match service.try_acquire("k", AcquireOptions::new()).await {
@@ -586,12 +588,7 @@ async fn cleaner_daemon_reloads_its_config_on_sighup() {
         daemon.try_wait().unwrap().is_none(),
         "SIGHUP ended the cleaner (the service joined once its heartbeat lapsed)"
     );
-
-    let term = Command::new("kill")
-        .args(["-TERM", &daemon.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
+    signal(&daemon, "-TERM");
     let status = daemon.wait().unwrap();
     assert!(status.success(), "exit after SIGTERM: {status}");
 }
@@ -668,36 +665,6 @@ async fn inspect_and_release_name_a_namespaces_lock_and_a_bucket() {
             .await
             .expect("the evicted holder saw lost()");
     }
-    app.shutdown().await.unwrap();
-}
-
-/// `inspect` of a key held on another shard than the one its config places it on (a fleet's
-/// move, or a config older or newer than the fleet's) says where it is held, as `release
-/// --force` finds it: it said "never granted on this shard" and nothing more.
-#[tokio::test(flavor = "multi_thread")]
-async fn inspect_shows_a_holder_on_another_shard_than_its_config_places_the_key() {
-    let (cluster, _dir, config) = cluster_with_config(2).await;
-    json(&shardlock(&config, &["--json", "migrate"]));
-    let yaml = std::fs::read_to_string(&config).unwrap();
-    let tool = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    let key = (0..)
-        .map(|i| format!("moved:{i}"))
-        .find(|k| tool.shard_for(k).unwrap() == "s1")
-        .unwrap();
-    tool.shutdown().await.unwrap();
-    let only_s2 = format!(
-        "shards:\n  - name: s2\n    url: {}\n",
-        cluster.shard(1).url()
-    );
-    let app = LockRouter::from_yaml_str(&only_s2).await.unwrap();
-    let guard = app.acquire(&key, AcquireOptions::new()).await.unwrap();
-    let seen = json(&shardlock(&config, &["--json", "inspect", &key]));
-    assert_eq!(seen["shard"], "s1", "{seen}");
-    let elsewhere = seen["held_elsewhere"].as_array().unwrap();
-    assert_eq!(elsewhere.len(), 1, "{seen}");
-    assert_eq!(elsewhere[0]["shard"], "s2", "{seen}");
-    assert_eq!(elsewhere[0]["owner"], guard.owner(), "{seen}");
-    guard.release().await.unwrap();
     app.shutdown().await.unwrap();
 }
 
