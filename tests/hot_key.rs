@@ -88,6 +88,8 @@ async fn sixty_four_tasks_on_one_key_see_no_deadlocks() {
 }
 
 const SHARED_RUN: Duration = Duration::from_secs(5);
+/// When the hot-key workers start, in `common::history::now_ns`'s nanoseconds.
+const START_ENV: &str = "SHARDLOCK_TEST_HOT_START_NS";
 
 /// Two processes × 32 tasks on one key, in-memory hand-off on: neither process starves. A
 /// process keeps the key in memory for at most `handoff-max-time` and then yields it through
@@ -98,7 +100,10 @@ const SHARED_RUN: Duration = Duration::from_secs(5);
 #[tokio::test(flavor = "multi_thread")]
 async fn two_processes_on_one_key_both_make_progress() {
     let (_cluster, _router, yaml) = common::start(1, "").await;
-    let env = [(common::CONFIG_ENV, yaml)];
+    // Both run from one moment (the machine's monotonic clock is every process's): a process
+    // that started later would count the other's head start against its share.
+    let start = common::history::now_ns() + 5_000_000_000;
+    let env = [(common::CONFIG_ENV, yaml), (START_ENV, start.to_string())];
     let workers: Vec<Worker> = (0..2)
         .map(|_| Worker::spawn("worker", "hot", &env).unwrap())
         .collect();
@@ -124,6 +129,9 @@ async fn two_processes_on_one_key_both_make_progress() {
 
 async fn hot_worker() {
     let router = common::worker_router().await;
+    let start: u64 = std::env::var(START_ENV).unwrap().parse().unwrap();
+    let until_start = start.saturating_sub(common::history::now_ns());
+    tokio::time::sleep(Duration::from_nanos(until_start)).await;
     let started = tokio::time::Instant::now();
     let stop = started + SHARED_RUN;
     let grants = Arc::new(std::sync::Mutex::new(Vec::new()));

@@ -224,8 +224,11 @@ async fn hold_and_write(
             Err(e) => panic!("write {key}: {e}"),
         }
     };
-    // The end of the belief: before the release is sent (or when the loss was noticed).
-    let end = history::now_ns();
+    // The end of the belief: before the release is sent (or when the loss was noticed), or
+    // the lease's own end if that came first (a stall past it during the write: the next
+    // holder may rightly have taken the key by then).
+    let ended_ago = tokio::time::Instant::now().saturating_duration_since(guard.held_until());
+    let end = history::now_ns().saturating_sub(u64::try_from(ended_ago.as_nanos()).unwrap());
     recorder.hold(key, remote, start, end, guard.fence());
     match guard.release().await {
         Err(e) if !e.is_unavailable() && !matches!(e, shardlock::Error::LockLost { .. }) => {

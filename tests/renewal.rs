@@ -35,13 +35,36 @@ async fn a_thousand_leases_renewed_with_one_statement_per_shard_per_tick() {
     let stats_before = router.stats();
     // Three ttls' worth of ticks: a tick every ttl/3 on each of the three shards. Counted,
     // not timed: a busy machine's late ticks make the wait longer, not the count wrong.
+    let started = tokio::time::Instant::now();
     let ticked = common::eventually(Duration::from_secs(60), || async {
         router.stats().renew_ticks - stats_before.renew_ticks >= 3 * 9
     })
     .await;
+    let took = started.elapsed();
+    assert!(ticked, "renewals stopped: {:?}", router.stats());
+    // Not more often than every ttl/3: nine ticks of a shard span eight periods (seven, for
+    // shards whose ticks are not aligned).
+    assert!(
+        took >= TTL / 3 * 7,
+        "27 renewal ticks in {took:?}, a tick every {:?} at most",
+        TTL / 3
+    );
+    // Read between ticks: a tick is counted before its statement's answer is.
+    let settled = |s: &shardlock::LockStats| {
+        s.renew_statements - stats_before.renew_statements + s.renew_failures
+            - stats_before.renew_failures
+            == s.renew_ticks - stats_before.renew_ticks
+    };
+    let between = common::eventually(Duration::from_secs(10), || async {
+        settled(&router.stats())
+    })
+    .await;
     let stats = router.stats();
     let updates = common::status_sum(&cluster, "Com_update").await - updates_before;
-    assert!(ticked, "renewals stopped: {stats:?}");
+    assert!(
+        between,
+        "a renewal tick sent other than one statement: {stats:?}"
+    );
 
     assert!(guards.iter().all(|g| g.is_held()), "no lease lost");
     assert_eq!(stats.lost, 0);

@@ -413,7 +413,7 @@ async fn a_lease_held_past_the_move_window_is_never_granted_twice() {
     let (_cluster, a, b, key, three) = two_routers_and_a_key_on_s4().await;
     let opts = || {
         AcquireOptions::new()
-            .ttl(Duration::from_secs(3))
+            .ttl(Duration::from_secs(1))
             .wait(Duration::ZERO)
     };
     let held = a.acquire(&key, opts()).await.unwrap();
@@ -1095,6 +1095,16 @@ async fn a_reload_whose_record_write_waits_holds_back_no_heartbeat() {
 
     // A caller that gives up on a reload while its record write waits: the reload completes
     // all the same (half of it, the record naming a placement no process ran, would stay).
+    // The reload's record written first (the heartbeats retry it, and their writes would
+    // wait on the row too).
+    let recorded = router.stats().placements_recorded;
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let caught_up = common::eventually(Duration::from_secs(30), || async {
+        router.stats().placements_recorded > recorded
+    })
+    .await;
+    assert!(caught_up, "the reload's record was never written");
+    let mut blocker = placement_record_locked(&cluster).await;
     let epoch = router.epoch();
     let waits = cluster.shard(0).lock_waits_begun().await.unwrap();
     let reload = router.reload(Config::from_yaml_str(&weighted(5)).unwrap());
@@ -1236,8 +1246,6 @@ async fn recorded_router(yaml: &str) -> LockRouter {
     router
 }
 
-/// A transaction holding the placement record's rows on `cluster`'s first shard locked until
-/// it rolls back: a write of the record there waits behind it.
 /// Waits until a row lock wait begins on s1 past the `waits` already begun (30 s at most).
 async fn until_waits_begin(cluster: &Cluster, waits: u64) {
     let begun = common::eventually(Duration::from_secs(30), || async {
@@ -1247,6 +1255,8 @@ async fn until_waits_begin(cluster: &Cluster, waits: u64) {
     assert!(begun, "no row lock wait began on s1");
 }
 
+/// A transaction holding the placement record's rows on `cluster`'s first shard locked until
+/// it rolls back: a write of the record there waits behind it.
 async fn placement_record_locked(cluster: &Cluster) -> shardlock::mysql_async::Conn {
     let mut blocker = cluster.shard(0).connect().await.unwrap();
     blocker.query_drop("BEGIN").await.unwrap();
@@ -1594,7 +1604,7 @@ async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_sa
     let key = common::key_on(&a, "k", "s3");
     let opts = || {
         AcquireOptions::new()
-            .ttl(Duration::from_secs(3))
+            .ttl(Duration::from_secs(1))
             .wait(Duration::ZERO)
     };
     let held = a.acquire(&key, opts()).await.unwrap();
