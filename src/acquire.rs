@@ -375,13 +375,19 @@ impl LockRouter {
                 .map(|old| old.clock_skew())
                 .fold(shard.clock_skew(), Duration::max);
             // Galera shards end leases locally this much early: a lease must outlast twice
-            // that (the config checks its namespaces' ttls; this, a ttl passed with the call).
-            if !clock_skew.is_zero() && want.ttl <= clock_skew * 2 {
+            // that, and its first renewal (a third of it) must come before its local end by
+            // the clock drift allowed too (the config checks its namespaces' ttls; this, a
+            // ttl passed with the call).
+            let now = Moment::now();
+            let lasts = Want::end_by(now, want.ttl, want.drift_ppm, clock_skew)
+                .saturating_duration_since(now);
+            if !clock_skew.is_zero() && (want.ttl <= clock_skew * 2 || lasts <= want.ttl / 3) {
                 return Err(Error::InvalidArgument {
                     name: "ttl",
                     reason: format!(
                         "must be above {:?} for key {}: its Galera shard ends leases {clock_skew:?} \
-                         early (2 × node-clock-skew)",
+                         early (2 × node-clock-skew), and a lease must last locally past its \
+                         first renewal (a third of it) by instance.clock-drift too",
                         clock_skew * 2,
                         self.inner.shared.telemetry.key_label(key)
                     ),

@@ -251,3 +251,36 @@ fn reference_and_shipped_configs_parse() {
         assert!(!c.shards.is_empty(), "{file}");
     }
 }
+
+/// A ttl passed with the call on a Galera shard must leave its lease alive locally past its
+/// first renewal (a third of it) once the shard's clock margin and the clock drift allowed
+/// are taken off: with a large drift, a ttl above twice the margin was taken, and every such
+/// lease was lost before its first renewal. Refused before any shard is asked (the shard's
+/// node here answers nothing).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_ttl_a_galera_shard_and_the_clock_drift_would_end_before_its_renewal_is_refused() {
+    let config = |drift: &str| {
+        format!(
+            "instance:\n  clock-drift: {drift}\nshards:\n  - name: g\n    \
+             url: mysql://root@127.0.0.1:1/shardlock\n    nodes: [127.0.0.1:1]\n    \
+             statement-timeout: 300ms\n    pool: {{ create-timeout: 300ms }}\n\
+             cleaner:\n  registry: static\n  heartbeat-interval: 1s\n  heartbeat-timeout: 10s\n"
+        )
+    };
+    // 1.5 s less 40 % and the margin (2 × 250 ms) is 0.4 s, before the renewal at 0.5 s.
+    let router = LockRouter::from_yaml_str(&config("0.4")).await.unwrap();
+    let short = AcquireOptions::new()
+        .ttl(Duration::from_millis(1500))
+        .wait(Duration::ZERO);
+    let err = router.acquire("k", short.clone()).await.unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument { name: "ttl", .. }),
+        "{err}"
+    );
+    router.shutdown().await.unwrap();
+    // With 1 % the same ttl lasts 0.98 s: taken (the shard, which does not answer, is asked).
+    let router = LockRouter::from_yaml_str(&config("0.01")).await.unwrap();
+    let err = router.acquire("k", short).await.unwrap_err();
+    assert!(!matches!(err, Error::InvalidArgument { .. }), "{err}");
+    router.shutdown().await.unwrap();
+}

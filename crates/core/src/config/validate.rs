@@ -347,7 +347,9 @@ fn check_clock_margins(
         let ends = (ns.ttl.saturating_sub(Duration::from_millis(1)))
             .mul_f64(1.0 - drift)
             .saturating_sub(margin);
-        if ns.renew_interval.is_some_and(|every| every >= ends) {
+        // The default too (a third of the ttl): a Galera margin and a large drift together
+        // can end a lease before it.
+        if ns.renew_interval_for(ns.ttl) >= ends {
             let galera = match galera {
                 Some((i, _)) => format!(", less {margin:?} on shards[{i}] (Galera)"),
                 None => String::new(),
@@ -798,9 +800,19 @@ mod tests {
     }
 
     /// On any shard a lease ends locally `instance.clock-drift` of its ttl early: renewals
-    /// due after that found every lease lost, and the config was taken without a word.
+    /// due after that found every lease lost, and the config was taken without a word. So
+    /// did the default renewal (a third of the ttl) with a Galera margin and a large drift.
     #[test]
     fn renewals_must_come_before_a_lease_ends_by_the_clock_drift() {
+        let galera = "instance:\n  clock-drift: 0.25\nshards:\n  - name: g\n    \
+                      url: mysql://root@db-1:3306/shardlock\n    nodes: [db-1:3306]\n    \
+                      node-clock-skew: 450ms\nnamespaces:\n  default: { ttl: 2s }\n";
+        let e = Config::from_yaml_str(galera).unwrap_err();
+        assert_eq!(
+            e.field.as_deref(),
+            Some("namespaces.default.renew-interval"),
+            "{e}"
+        );
         let config = |drift: &str, every: &str| {
             format!(
                 "instance:\n  clock-drift: {drift}\nshards:\n  - name: s1\n    \
