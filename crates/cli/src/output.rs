@@ -123,8 +123,8 @@ pub(crate) fn status(
     for i in &registry {
         println!(
             "{:<40} {:<20} {:>8} {:>13} ms  {}",
-            i.instance_id,
-            i.host,
+            shown(&i.instance_id),
+            shown(&i.host),
             i.pid,
             i.heartbeat_ms_ago,
             i.verdict(timeout).name()

@@ -294,6 +294,7 @@ fn render_metrics(screen: &mut String, before: Option<(&Scrape, Duration)>, now:
         screen.push_str("  none\n");
     }
     for (key, waited) in hot.iter().take(10) {
+        let key = crate::output::shown(key);
         screen.push_str(&format!("  {key:<40} {waited:>10.3} s\n"));
     }
 }
