@@ -38,7 +38,11 @@ pub enum ProxyMode {
     /// changed): a client's retry waits while the test acts on the shard.
     LoseOneReplyThenBlackhole,
     /// Like [`ProxyMode::LoseOneReply`], for the reply to the first request (chunk) that
-    /// contains these bytes (a text statement such as `COMMIT`).
+    /// contains these bytes (a text statement such as `COMMIT`). The whole reply: of a request
+    /// of several statements, the server's answers to the first ones are swallowed too, and the
+    /// connection is reset only once the last statement answered, so that every statement of
+    /// it ran (else the reset could stop the later ones, and a test of a reply lost after the
+    /// server acted would find it had not).
     LoseReplyTo(&'static [u8]),
     /// Like [`ProxyMode::LoseReplyTo`], but then the link is blackholed (until the mode is
     /// changed), as [`ProxyMode::LoseOneReplyThenBlackhole`] does.
@@ -305,6 +309,43 @@ fn greeting_thread(chunk: &[u8]) -> Option<(u32, usize)> {
     Some((u32::from_le_bytes(id.try_into().ok()?), at))
 }
 
+/// Whether the server goes on answering after `chunk`: its last packet is an OK packet whose
+/// status says that more results follow (a request of several statements, answered statement by
+/// statement). `false` for anything else, a chunk that ends inside a packet included.
+fn more_answers_follow(chunk: &[u8]) -> bool {
+    const MORE_RESULTS_EXIST: u16 = 0x0008;
+    let mut at = 0;
+    let mut last = None;
+    while let Some(header) = chunk.get(at..at + 4) {
+        let len = u32::from_le_bytes([header[0], header[1], header[2], 0]) as usize;
+        let Some(payload) = chunk.get(at + 4..at + 4 + len) else {
+            return false;
+        };
+        last = Some(payload);
+        at += 4 + len;
+    }
+    // An OK packet: 0x00, affected rows and last insert id (length-encoded), status flags.
+    let Some([0x00, rest @ ..]) = last else {
+        return false;
+    };
+    let skip = |rest: &[u8]| -> Option<usize> {
+        Some(match *rest.first()? {
+            0xfc => 3,
+            0xfd => 4,
+            0xfe => 9,
+            _ => 1,
+        })
+    };
+    let Some(first) = skip(rest) else {
+        return false;
+    };
+    let Some(second) = rest.get(first..).and_then(skip) else {
+        return false;
+    };
+    rest.get(first + second..first + second + 2)
+        .is_some_and(|s| u16::from_le_bytes([s[0], s[1]]) & MORE_RESULTS_EXIST != 0)
+}
+
 /// Forwards chunks from `from` to `to` as the mode allows; returns when either side closes or
 /// on reset.
 async fn pump(
@@ -412,6 +453,15 @@ async fn pump(
                     ProxyMode::LoseReplyTo(_) | ProxyMode::LoseReplyToThenBlackhole(_)
                 ) && armed.load(SeqCst));
                 if one
+                    && matches!(
+                        lose,
+                        ProxyMode::LoseReplyTo(_) | ProxyMode::LoseReplyToThenBlackhole(_)
+                    )
+                    && more_answers_follow(&buf[..n])
+                {
+                    continue; // swallowed; the rest of the reply is lost with it
+                }
+                if one
                     && modes.send_if_modified(|m| {
                         let first = *m == lose;
                         if first {
@@ -474,5 +524,36 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
         | ProxyMode::Paused
         | ProxyMode::HoldClose => Some(Duration::ZERO),
         ProxyMode::Delay(d) => Some(d),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::more_answers_follow;
+
+    /// An OK packet (sequence 1) with these status flags and a `0xfc` length-encoded
+    /// affected-rows count.
+    fn ok(status: u16) -> Vec<u8> {
+        let mut payload = vec![0x00, 0xfc, 0x2c, 0x01, 0x00];
+        payload.extend_from_slice(&status.to_le_bytes());
+        payload.extend_from_slice(&[0, 0]);
+        let mut packet = vec![payload.len() as u8, 0, 0, 1];
+        packet.extend(payload);
+        packet
+    }
+
+    #[test]
+    fn an_answer_saying_more_results_exist_is_followed_by_more() {
+        let (more, last) = (ok(0x0008 | 0x0002), ok(0x0002));
+        assert!(more_answers_follow(&more));
+        assert!(!more_answers_follow(&last));
+        assert!(!more_answers_follow(&[more.clone(), last.clone()].concat()));
+        assert!(more_answers_follow(&[last, more.clone()].concat()));
+        assert!(
+            !more_answers_follow(&more[..more.len() - 1]),
+            "a cut packet"
+        );
+        let error = [3, 0, 0, 1, 0xff, 0x28, 0x04];
+        assert!(!more_answers_follow(&error));
     }
 }
