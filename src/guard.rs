@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use crate::clock::Moment;
 use crate::queue::{NextWaiter, Turn, Want};
-use crate::shard::{Grant, LeaseState, REGISTRY_LAPSED};
+use crate::shard::{Grant, LeaseState, REGISTRY_LAPSED, REGISTRY_TAKEN_OVER};
 use crate::shard::{Settling, ShardState};
 use crate::sync::LockExt;
 
@@ -99,7 +99,12 @@ impl Hold {
         let shared = &self.shard.shared;
         // The registry's time first: a heartbeat that lands after a lapse marks the leases lost
         // before it moves that time on, so a time read moved on comes with the mark.
-        let registry_live = self.lease.in_process_only() || shared.registry_live_at(Moment::now());
+        // An in-process lease does not depend on the registry, unless another start took this
+        // process's id over: it is reconciled with its shard never then (see
+        // `Shared::replaced`), a hand-off of one after that included.
+        let replaced = shared.was_replaced();
+        let registry_live =
+            (self.lease.in_process_only() && !replaced) || shared.registry_live_at(Moment::now());
         if !self.lease.is_live() {
             // For good as well: a renewal whose answer comes after the lease's end (its task
             // starved) would move the end on, but whoever looked meanwhile was told it is over.
@@ -110,7 +115,11 @@ impl Hold {
             return true;
         }
         // For good: a heartbeat landing later makes the process live again, not its leases.
-        self.lease.mark_lost(REGISTRY_LAPSED, shared);
+        let why = match replaced {
+            true => REGISTRY_TAKEN_OVER,
+            false => REGISTRY_LAPSED,
+        };
+        self.lease.mark_lost(why, shared);
         false
     }
 

@@ -30,7 +30,7 @@ mod shared;
 
 pub(crate) use keeper::spawn_keeper;
 pub(crate) use lease::{Grant, LeaseState, NOT_RENEWED, SHUT_DOWN, UNHEARD_ROW};
-pub(crate) use shared::{Shared, REGISTRY_LAPSED, REGISTRY_SWITCHED};
+pub(crate) use shared::{Shared, REGISTRY_LAPSED, REGISTRY_SWITCHED, REGISTRY_TAKEN_OVER};
 
 /// Breaker transitions kept per shard for `breaker_transitions`.
 const TRANSITIONS_KEPT: usize = 64;

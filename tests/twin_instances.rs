@@ -234,6 +234,76 @@ async fn a_process_that_finds_its_id_taken_over_loses_its_leases_at_once() {
     drop((guard, tx, twin));
 }
 
+/// A process whose id another start took over loses its in-process locks too (taken with
+/// `on-shard-failure: local` while its shard did not answer): a replaced process re-acquires
+/// nothing on the shard, where a conflict would be found and reported, so they said held for
+/// ever while another process held their keys on the shard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_that_finds_its_id_taken_over_loses_its_in_process_locks() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let beats = "cleaner:\n  registry: heartbeat\n  heartbeat-interval: 100ms\n  \
+                 heartbeat-timeout: 2s\n";
+    let holder = LockRouter::from_yaml_str(&format!(
+        "{TWIN}shards:\n  - name: s1\n    url: {}\n    statement-timeout: 1s\n{beats}\
+         breaker:\n  consecutive-failures: 2\n  cooldown: 300ms\n\
+         namespaces:\n  default:\n    on-shard-failure: local\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    holder.migrate().await.unwrap();
+    let remote = holder
+        .acquire(
+            "remote",
+            AcquireOptions::new().ttl(Duration::from_secs(120)),
+        )
+        .await
+        .unwrap();
+    // Its shard stops answering: its breaker opens and it locks `k` in process.
+    proxy.set(ProxyMode::Blackhole);
+    let local = holder
+        .acquire("k", AcquireOptions::new().wait(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), shardlock::LockMode::LocalFallback);
+    // Cut off past its heartbeat's lapse (its lease on the shard says so), it counts as dead,
+    // another start takes its id over, and another process locks `k` on the shard.
+    let lapsed = common::eventually(Duration::from_secs(60), || async { !remote.is_held() }).await;
+    assert!(lapsed, "the cut-off process's lease never lapsed");
+    (cluster.shard(0).connect().await.unwrap())
+        .exec_drop(
+            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
+             WHERE instance_id = 'twin'",
+            (),
+        )
+        .await
+        .unwrap();
+    let twin_yaml = cluster.config_yaml(&format!("{TWIN}{beats}"));
+    let mut twin =
+        Worker::spawn("worker", "staying-twin", &[(common::CONFIG_ENV, twin_yaml)]).unwrap();
+    assert_eq!(twin.expect("").await.unwrap(), "started", "its id is free");
+    let other = LockRouter::from_yaml_str(&cluster.config_yaml(beats))
+        .await
+        .unwrap();
+    let on_shard = other.acquire("k", AcquireOptions::new()).await.unwrap();
+    proxy.set(ProxyMode::Pass);
+
+    if let Err(last) = refused_saying(&holder, "taken over").await {
+        panic!("the process never found its id taken over (last: {last})");
+    }
+    assert!(
+        !local.is_held(),
+        "a process whose id was taken over still held a key in process while {} held it on \
+         the shard",
+        on_shard.owner()
+    );
+    tokio::time::timeout(Duration::from_secs(30), local.lost())
+        .await
+        .expect("lost() never completed");
+    drop((remote, local, on_shard, twin));
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_process_resumed_after_counting_as_dead_grants_again_once_it_has_rejoined() {
     let (cluster, router, _) = common::start(1, BEATS).await;

@@ -189,10 +189,23 @@ impl Shared {
     /// Another start took this process's instance id over while the registry counted it dead:
     /// its leases and locks are lost, and so is every one it is granted or handed from now on
     /// (a hand-off or reconcile on its way), whatever its own clocks say (they may have stood
-    /// still through what made it count as dead).
+    /// still through what made it count as dead). Its in-process leases too: they would be
+    /// re-acquired on their shard once it answers, and a conflict found then reported, but a
+    /// replaced process reconciles nothing any more, so they would say held for ever while the
+    /// new start holds their keys on the shard.
     pub(crate) fn replaced(&self) {
         self.replaced_at.locked().get_or_insert_with(Moment::now);
         self.lose_shard_leases(REGISTRY_TAKEN_OVER);
+        for shard in self.shard_states() {
+            for lease in shard.locals() {
+                lease.mark_lost(REGISTRY_TAKEN_OVER, self);
+            }
+        }
+    }
+
+    /// Whether another start took this process's instance id over (see [`Shared::replaced`]).
+    pub(crate) fn was_replaced(&self) -> bool {
+        self.replaced_at.locked().is_some()
     }
 
     /// Marks every lease of this process on a shard lost, for `why`, and every lock without
