@@ -82,13 +82,17 @@ async fn a_give_back_behind_a_locked_row_never_reopens_the_breaker() {
     )
     .await;
 
-    lose_the_grant(&router, &proxy, "k").await;
-    assert_eq!(router.stats().breaker_opened, 1);
+    // Set up before the grant is lost: between the lost reply and the link's healing only
+    // the row's lock is taken (one statement on an open connection), well within the
+    // cool-down, so that no give-back probes the breaker while replies are still lost (its
+    // failed connection would reopen it, as it should).
     let mut competitor = shardlock_testkit::Competitor::begin(shard, false)
         .await
         .unwrap();
-    competitor.lock(b"k").await.unwrap();
     let begun = shard.lock_waits_begun().await.unwrap();
+    lose_the_grant(&router, &proxy, "k").await;
+    assert_eq!(router.stats().breaker_opened, 1);
+    competitor.lock(b"k").await.unwrap();
     proxy.set(ProxyMode::Pass);
     // The give-back's first call waits twice (once more after the lock wait's error) and
     // times out; a third wait is its next call's.
