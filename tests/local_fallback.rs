@@ -1071,3 +1071,62 @@ async fn a_reconcile_leaves_a_row_kept_for_its_minimum_hold(release_fails: bool)
         "the row kept for its minimum hold was given back"
     );
 }
+
+/// Transaction locks of a process waiting for a row that another process holds take no more
+/// than their share of the shard's pool: the process's lease statements still get a
+/// connection, so no wait of theirs for the pool counts against a shard that answers, its
+/// breaker stays closed, and no key that another process holds there is granted in process.
+#[tokio::test(flavor = "multi_thread")]
+async fn transaction_locks_waiting_for_their_row_leave_connections_to_the_leases() {
+    let pool =
+        "{ max-size: 4, wait-timeout: 300ms, create-timeout: 400ms, recycle-timeout: 400ms }";
+    let rig = Rig::start("local", None, pool).await;
+    let keys = rig.keys("k", 2, false);
+    let (leased, locked) = (keys[0].clone(), keys[1].clone());
+    let other = direct_router(&rig).await;
+    let held = other
+        .acquire(&leased, AcquireOptions::new().ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    let tx = other
+        .lock_in_transaction(&locked, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let waiters: Vec<_> = (0..4)
+        .map(|_| {
+            let (router, key) = (rig.router.clone(), locked.clone());
+            tokio::spawn(async move {
+                let tx = router
+                    .lock_in_transaction(&key, Duration::from_secs(60))
+                    .await?;
+                tx.rollback().await
+            })
+        })
+        .collect();
+    // Three of them wait for the row on the shard (the fourth for a connection of the three
+    // that transaction locks may use).
+    let shard = rig.cluster.shard(0);
+    let waiting = common::eventually(Duration::from_secs(30), || async {
+        shard.lock_waits_now().await.unwrap() >= 3
+    })
+    .await;
+    assert!(waiting, "the transaction locks never waited for their row");
+
+    let tried = rig
+        .router
+        .acquire(&leased, AcquireOptions::new().wait(Duration::from_secs(2)))
+        .await;
+    assert!(
+        matches!(tried, Err(Error::Timeout { .. })),
+        "a key held on a shard that answers was not busy: {:?}",
+        tried.as_ref().map(|g| g.mode())
+    );
+    assert_eq!(rig.router.breaker_state("s1"), Some(BreakerState::Closed));
+    assert_eq!(rig.router.stats().breaker_opened, 0);
+
+    tx.rollback().await.unwrap();
+    for waiter in waiters {
+        waiter.await.unwrap().unwrap();
+    }
+    held.release().await.unwrap();
+}

@@ -687,7 +687,9 @@ async fn take_row(
     // Until the lock is ours, a failed or abandoned attempt's connection is closed, not
     // pooled: a lock statement still waiting on the server must not end up holding the row on
     // an idle pooled connection.
-    let mut conn = Discard(Some(backend.connection().await?));
+    // (A wait for one of the connections callers' sessions may use is this process's other
+    // locks', like a wait for the row: `waiting` says so.)
+    let mut conn = Discard(Some(backend.connection_for_lock(waiting).await?));
     let open = conn.0.as_mut().expect("set above");
     let after = backend.statement_timeout();
     open.lock_tx_row(lock_key.stored(), wait, after, waiting)

@@ -264,15 +264,23 @@ pub struct SessionConn {
     /// `COMMIT` was sent (one already running would complete after a `KILL`).
     pub(crate) ending: Ending,
     stranded: Lister,
+    /// Its place among the connections callers' sessions may use (see
+    /// [`crate::shard::caller_sessions`]), given back when it is dropped.
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl SessionConn {
-    pub(crate) fn new(conn: managed::Object<ShardManager>, stranded: Lister) -> Self {
+    pub(crate) fn new(
+        conn: managed::Object<ShardManager>,
+        stranded: Lister,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Self {
         Self {
             conn: Some(conn),
             savepoint: String::new(),
             ending: Ending::Killed,
             stranded,
+            _slot: slot,
         }
     }
 

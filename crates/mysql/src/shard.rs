@@ -1,5 +1,6 @@
 //! One shard: its pool, its statement timeout, and the lease operations on it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool::Runtime;
@@ -8,6 +9,7 @@ use mysql_async::{Conn, Opts, OptsBuilder};
 use rand::Rng;
 use shardlock_core::config::ShardConfig;
 use shardlock_core::{BackendError, BackendErrorKind, ConfigError};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -37,6 +39,26 @@ pub struct Shard {
     /// Sessions whose statement may still be on its way to the server (see
     /// [`crate::stranded`]).
     stranded: Lister,
+    /// The pool's connections that sessions of the caller's own may use at once (see
+    /// `caller_sessions`).
+    sessions: Arc<Semaphore>,
+    /// How long a caller's session waits for one of them.
+    session_wait: Duration,
+}
+
+/// How many of a pool of `max_size` connections callers' sessions (transaction locks, the
+/// caller's SQL) may hold at once: all but a quarter (at least one, from a pool of two). Such
+/// a session is held as long as its caller likes, and a transaction lock's waits for its row
+/// for as long as the lock is held elsewhere; had they taken every connection, the lease
+/// statements, renewals and heartbeats of the process would wait for the pool until its
+/// wait-timeout, and those timeouts, counted against the shard, would open its breaker on a
+/// shard that answers (with `on-shard-failure: local`, in-process locks of keys that others
+/// hold there).
+pub(crate) fn caller_sessions(max_size: usize) -> usize {
+    match max_size {
+        0 | 1 => max_size,
+        _ => max_size - (max_size / 4).max(1),
+    }
 }
 
 /// A try's statement on the wire: its session is listed as stranded if the try is dropped
@@ -252,6 +274,8 @@ impl Shard {
             statement_timeout: config.statement_timeout,
             server,
             stranded: Lister::new(&config.name, MOST_STRANDED.max(2 * config.pool.max_size)),
+            sessions: Arc::new(Semaphore::new(caller_sessions(config.pool.max_size))),
+            session_wait: config.pool.wait_timeout,
         })
     }
 
@@ -1233,11 +1257,51 @@ impl Shard {
     }
 
     /// A pooled connection for a session of the caller's own (a transaction lock, the
-    /// caller's SQL); it is reset before anyone reuses it.
+    /// caller's SQL); it is reset before anyone reuses it. At most `caller_sessions` of the
+    /// pool's connections are such sessions at once: waiting for one of them takes up to the
+    /// pool's wait-timeout, and is answered `Timeout` then.
     ///
     /// Sessions of this shard listed as stranded are ended first: one may hold the very row
     /// the session is for (a transaction lock given up with its lock statement on the wire).
     pub async fn connection(&self) -> Result<SessionConn, BackendError> {
+        let slot = tokio::time::timeout(self.session_wait, self.session_slot(|| {}))
+            .await
+            .map_err(|_| self.no_session_slot())?;
+        self.connection_in(slot).await
+    }
+
+    /// [`Shard::connection`] for a transaction lock: waiting for a session of its own is
+    /// waiting for this process's other sessions to end, like a wait for the row, so the
+    /// wait is the caller's to bound; `waiting` is set before it.
+    pub async fn connection_for_lock(
+        &self,
+        waiting: &std::sync::atomic::AtomicBool,
+    ) -> Result<SessionConn, BackendError> {
+        let slot = self
+            .session_slot(|| waiting.store(true, std::sync::atomic::Ordering::Relaxed))
+            .await;
+        self.connection_in(slot).await
+    }
+
+    /// One of the connections callers' sessions may use; `waits` is called before a wait.
+    async fn session_slot(&self, waits: impl FnOnce()) -> OwnedSemaphorePermit {
+        if let Ok(slot) = self.sessions.clone().try_acquire_owned() {
+            return slot;
+        }
+        waits();
+        (self.sessions.clone().acquire_owned().await).expect("the semaphore is never closed")
+    }
+
+    fn no_session_slot(&self) -> BackendError {
+        BackendError::timeout(format!(
+            "every connection of the pool that callers' sessions may use ({} of pool.max-size \
+             {}) stayed in use for pool.wait-timeout (transaction locks, the caller's SQL)",
+            caller_sessions(self.pool.status().max_size),
+            self.pool.status().max_size
+        ))
+    }
+
+    async fn connection_in(&self, slot: OwnedSemaphorePermit) -> Result<SessionConn, BackendError> {
         let mut conn = self.pool.get().await.map_err(classify_pool)?;
         tokio::time::timeout(self.statement_timeout, self.end_stranded(&mut conn))
             .await
@@ -1248,7 +1312,7 @@ impl Shard {
                 ))
             })?
             .map_err(classify)?;
-        Ok(SessionConn::new(conn, self.stranded.clone()))
+        Ok(SessionConn::new(conn, self.stranded.clone(), slot))
     }
 
     /// The pool's state.
@@ -1281,5 +1345,16 @@ fn released(found: Released, after_unknown: bool) -> ReleaseAnswer {
         (Released::Freed, _) | (Released::Free, true) => ReleaseAnswer::Released,
         (Released::Taken, true) | (Released::TakenSince, _) => ReleaseAnswer::TakenAfterLostReply,
         (Released::Free | Released::Taken, false) => ReleaseAnswer::NotHeld,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::caller_sessions;
+
+    #[test]
+    fn callers_sessions_leave_a_quarter_of_the_pool_to_the_leases() {
+        let lent: Vec<usize> = [1, 2, 3, 4, 7, 8, 16, 32].map(caller_sessions).into();
+        assert_eq!(lent, [1, 1, 2, 3, 6, 6, 12, 24]);
     }
 }
