@@ -93,15 +93,23 @@ impl HeldRequest {
     }
 
     /// Sends it on, on the server connection it was meant for. Whether the server ran it:
-    /// `true` when it answered, `false` when it had closed that session instead. The server
+    /// `true` when it answered (every statement of it), `false` when it had closed that
+    /// session instead. The server
     /// connection stays open while this lives: what the request did in its session (a
     /// transaction it opened, a lock it took) lasts as long as the session.
     pub async fn deliver(&mut self) -> bool {
         if self.server_write.write_all(&self.request).await.is_err() {
             return false;
         }
-        let mut reply = [0u8; 1024];
-        matches!(self.server_read.read(&mut reply).await, Ok(n) if n > 0)
+        // The whole reply: the later statements of a request of several run before it ends.
+        let (mut reply, mut chunk) = (Vec::new(), [0u8; 1024]);
+        while !reply_complete(&reply) {
+            match self.server_read.read(&mut chunk).await {
+                Ok(n) if n > 0 => reply.extend_from_slice(&chunk[..n]),
+                _ => return false,
+            }
+        }
+        true
     }
 }
 
@@ -309,25 +317,30 @@ fn greeting_thread(chunk: &[u8]) -> Option<(u32, usize)> {
     Some((u32::from_le_bytes(id.try_into().ok()?), at))
 }
 
-/// Whether the server goes on answering after `chunk`: its last packet is an OK packet whose
-/// status says that more results follow (a request of several statements, answered statement by
-/// statement). `false` for anything else, a chunk that ends inside a packet included.
-fn more_answers_follow(chunk: &[u8]) -> bool {
+/// Whether `reply`, the bytes a server sent since a request, is that request's whole reply:
+/// it ends with a whole packet that ends a reply, an error, or an OK (or EOF) packet whose
+/// status does not say that more results follow (a request of several statements is answered
+/// statement by statement). A reply cut inside a packet, or ending with a row or a column of a
+/// result set, is not whole yet.
+fn reply_complete(reply: &[u8]) -> bool {
     const MORE_RESULTS_EXIST: u16 = 0x0008;
     let mut at = 0;
     let mut last = None;
-    while let Some(header) = chunk.get(at..at + 4) {
+    while let Some(header) = reply.get(at..at + 4) {
         let len = u32::from_le_bytes([header[0], header[1], header[2], 0]) as usize;
-        let Some(payload) = chunk.get(at + 4..at + 4 + len) else {
+        let Some(payload) = reply.get(at + 4..at + 4 + len) else {
             return false;
         };
         last = Some(payload);
         at += 4 + len;
     }
-    // An OK packet: 0x00, affected rows and last insert id (length-encoded), status flags.
-    let Some([0x00, rest @ ..]) = last else {
+    if at != reply.len() {
         return false;
+    }
+    let status = |flags: Option<&[u8]>| {
+        flags.is_some_and(|s| u16::from_le_bytes([s[0], s[1]]) & MORE_RESULTS_EXIST == 0)
     };
+    // The length of a length-encoded integer at the start of `rest`.
     let skip = |rest: &[u8]| -> Option<usize> {
         Some(match *rest.first()? {
             0xfc => 3,
@@ -336,14 +349,23 @@ fn more_answers_follow(chunk: &[u8]) -> bool {
             _ => 1,
         })
     };
-    let Some(first) = skip(rest) else {
-        return false;
-    };
-    let Some(second) = rest.get(first..).and_then(skip) else {
-        return false;
-    };
-    rest.get(first + second..first + second + 2)
-        .is_some_and(|s| u16::from_le_bytes([s[0], s[1]]) & MORE_RESULTS_EXIST != 0)
+    match last {
+        Some([0xff, ..]) => true,
+        // An EOF packet: 0xfe, warnings, status flags.
+        Some([0xfe, rest @ ..]) if rest.len() < 8 => status(rest.get(2..4)),
+        // An OK packet (0xfe ends a result set so): affected rows and last insert id
+        // (length-encoded), status flags.
+        Some([0x00 | 0xfe, rest @ ..]) => {
+            let Some(first) = skip(rest) else {
+                return false;
+            };
+            let Some(second) = rest.get(first..).and_then(skip) else {
+                return false;
+            };
+            status(rest.get(first + second..first + second + 2))
+        }
+        _ => false,
+    }
 }
 
 /// Forwards chunks from `from` to `to` as the mode allows; returns when either side closes or
@@ -357,6 +379,8 @@ async fn pump(
 ) -> Option<()> {
     use std::sync::atomic::Ordering::SeqCst;
     let mut buf = vec![0u8; 16 * 1024];
+    // The reply a `LoseReplyTo` swallows, so far.
+    let mut swallowed = Vec::new();
     loop {
         passable(&mut mode).await?;
         let n = tokio::select! {
@@ -457,9 +481,11 @@ async fn pump(
                         lose,
                         ProxyMode::LoseReplyTo(_) | ProxyMode::LoseReplyToThenBlackhole(_)
                     )
-                    && more_answers_follow(&buf[..n])
                 {
-                    continue; // swallowed; the rest of the reply is lost with it
+                    swallowed.extend_from_slice(&buf[..n]);
+                    if !reply_complete(&swallowed) {
+                        continue; // swallowed; the rest of the reply is lost with it
+                    }
                 }
                 if one
                     && modes.send_if_modified(|m| {
@@ -529,31 +555,44 @@ async fn passable(mode: &mut watch::Receiver<ProxyMode>) -> Option<Duration> {
 
 #[cfg(test)]
 mod tests {
-    use super::more_answers_follow;
+    use super::reply_complete;
 
-    /// An OK packet (sequence 1) with these status flags and a `0xfc` length-encoded
-    /// affected-rows count.
-    fn ok(status: u16) -> Vec<u8> {
-        let mut payload = vec![0x00, 0xfc, 0x2c, 0x01, 0x00];
-        payload.extend_from_slice(&status.to_le_bytes());
-        payload.extend_from_slice(&[0, 0]);
+    /// A packet of sequence 1 carrying `payload`.
+    fn packet(payload: &[u8]) -> Vec<u8> {
         let mut packet = vec![payload.len() as u8, 0, 0, 1];
-        packet.extend(payload);
+        packet.extend_from_slice(payload);
         packet
     }
 
+    /// An OK packet headed `head` with these status flags and a `0xfc` length-encoded
+    /// affected-rows count.
+    fn ok(head: u8, status: u16) -> Vec<u8> {
+        let mut payload = vec![head, 0xfc, 0x2c, 0x01, 0x00];
+        payload.extend_from_slice(&status.to_le_bytes());
+        payload.extend_from_slice(&[0, 0]);
+        packet(&payload)
+    }
+
     #[test]
-    fn an_answer_saying_more_results_exist_is_followed_by_more() {
-        let (more, last) = (ok(0x0008 | 0x0002), ok(0x0002));
-        assert!(more_answers_follow(&more));
-        assert!(!more_answers_follow(&last));
-        assert!(!more_answers_follow(&[more.clone(), last.clone()].concat()));
-        assert!(more_answers_follow(&[last, more.clone()].concat()));
-        assert!(
-            !more_answers_follow(&more[..more.len() - 1]),
-            "a cut packet"
-        );
-        let error = [3, 0, 0, 1, 0xff, 0x28, 0x04];
-        assert!(!more_answers_follow(&error));
+    fn a_reply_is_whole_once_no_more_results_follow() {
+        let (more, last) = (ok(0x00, 0x0008 | 0x0002), ok(0x00, 0x0002));
+        assert!(!reply_complete(&more));
+        assert!(reply_complete(&last));
+        assert!(reply_complete(&[more.clone(), last.clone()].concat()));
+        assert!(!reply_complete(&[last.clone(), more.clone()].concat()));
+        let whole = [more, last].concat();
+        assert!(!reply_complete(&whole[..whole.len() - 1]), "a cut packet");
+        assert!(!reply_complete(&[]));
+        assert!(reply_complete(&packet(&[0xff, 0x28, 0x04])), "an error");
+
+        // A result set: its column count, a column, a row, then an OK headed 0xfe (or an
+        // EOF packet, from a server of the older protocol).
+        let column = packet(&[3, b'd', b'e', b'f', 0, 0, 0, 1, b'n', 0, 0x0c]);
+        let rows = [packet(&[1]), column, packet(&[1, b'7'])].concat();
+        assert!(!reply_complete(&rows));
+        assert!(reply_complete(&[rows.clone(), ok(0xfe, 0x0002)].concat()));
+        let eof = |status: u16| packet(&[&[0xfe, 0, 0][..], &status.to_le_bytes()].concat());
+        assert!(reply_complete(&[rows.clone(), eof(0x0002)].concat()));
+        assert!(!reply_complete(&[rows, eof(0x000a)].concat()));
     }
 }
