@@ -608,7 +608,12 @@ impl ShardState {
     /// Whether give-backs are still retrying in the background, or transaction locks wait
     /// for their session here to end.
     pub(crate) fn settling(&self) -> bool {
-        self.settling.load(std::sync::atomic::Ordering::Relaxed) > 0
+        self.settling_count() > 0
+    }
+
+    /// How many calls [`ShardState::settling`] counts.
+    pub(crate) fn settling_count(&self) -> u64 {
+        self.settling.load(std::sync::atomic::Ordering::Relaxed) as u64
     }
 
     /// How many batches of each kind may be in flight (`pool.batches-in-flight`, and more

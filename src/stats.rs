@@ -4,8 +4,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Declares every counter once: its doc, its name. `queued` is not a counter (it is read from
-/// the key queues when the snapshot is taken), so it is added to the snapshot by hand.
+/// Declares every counter once: its doc, its name. `queued` and `settling` are not counters
+/// (they are read when the snapshot is taken), so they are added to the snapshot by hand.
 macro_rules! counters {
     ($($(#[doc = $doc:literal])+ $name:ident,)+) => {
         /// Counters of one router since it started (this process only).
@@ -16,6 +16,11 @@ macro_rules! counters {
             /// Tasks waiting in memory for a key another task of this router holds or polls
             /// (now).
             pub queued: u64,
+            /// Releases and give-backs retrying in the background because their shard did
+            /// not answer (the keys they free stay held by nobody until they land or the rows
+            /// expire), and transaction locks whose `COMMIT` may still land, waiting for their
+            /// session to end (now).
+            pub settling: u64,
         }
 
         /// The live counters behind [`LockStats`], bumped with relaxed atomics: each is a
@@ -26,11 +31,13 @@ macro_rules! counters {
         }
 
         impl Stats {
-            /// Every counter now, with `queued` tasks waiting in memory.
-            pub(crate) fn snapshot(&self, queued: u64) -> LockStats {
+            /// Every counter now, with `queued` tasks waiting in memory and `settling` calls
+            /// in the background.
+            pub(crate) fn snapshot(&self, queued: u64, settling: u64) -> LockStats {
                 LockStats {
                     $($name: self.$name.load(Ordering::Relaxed),)+
                     queued,
+                    settling,
                 }
             }
         }

@@ -239,6 +239,12 @@ impl LockRouter {
     /// This router's counters.
     pub fn stats(&self) -> LockStats {
         let queued = self.inner.queues.waiting() as u64;
-        self.inner.shared.stats.snapshot(queued)
+        let shared = &self.inner.shared;
+        let settling = shared
+            .shard_states()
+            .iter()
+            .map(|s| s.settling_count())
+            .sum();
+        shared.stats.snapshot(queued, settling)
     }
 }

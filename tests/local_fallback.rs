@@ -618,8 +618,19 @@ async fn reconciling_takes_over_a_row_this_process_lost_instead_of_conflicting_w
     tokio::time::timeout(Duration::from_secs(10), first.lost())
         .await
         .expect("the cut-off lease was not reported lost at its deadline");
-    // Its give-back finds the shard unreachable, and the row stays.
+    // Its release finds the shard unreachable, and the row stays: once its retries in the
+    // background gave up too (else one could free the row when the shard is back, before the
+    // reconcile finds it).
     assert!(first.release().await.is_err());
+    assert!(
+        rig.router.stats().settling > 0,
+        "no release retried in the background"
+    );
+    let given_up = common::eventually(Duration::from_secs(30), || async {
+        rig.router.stats().settling == 0
+    })
+    .await;
+    assert!(given_up, "the release went on retrying in the background");
     let local = rig
         .router
         .acquire(key, AcquireOptions::new())
