@@ -20,10 +20,10 @@ mod validate;
 pub use error::ConfigError;
 pub use parse::read_file;
 pub use schema::{
-    redact_url, CleanerConfig, Config, FailurePolicy, InstanceConfig, NamespaceConfig, PoolConfig,
-    RegistryKind, RoutingConfig, Secret, ShardConfig, TelemetryConfig, TlsConfig, TlsMode,
-    DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_CAP, DEFAULT_CLOCK_DRIFT, DEFAULT_FLEET,
-    DEFAULT_HANDOFF_MAX_COUNT, DEFAULT_HANDOFF_MAX_TIME, DEFAULT_NAMESPACE,
+    database_reached, redact_url, CleanerConfig, Config, FailurePolicy, InstanceConfig,
+    NamespaceConfig, PoolConfig, RegistryKind, RoutingConfig, Secret, ShardConfig, TelemetryConfig,
+    TlsConfig, TlsMode, DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_CAP, DEFAULT_CLOCK_DRIFT,
+    DEFAULT_FLEET, DEFAULT_HANDOFF_MAX_COUNT, DEFAULT_HANDOFF_MAX_TIME, DEFAULT_NAMESPACE,
     DEFAULT_NODE_CLOCK_SKEW, DEFAULT_POOL_CREATE_TIMEOUT, DEFAULT_POOL_IDLE_CHECK,
     DEFAULT_POOL_IDLE_TIMEOUT, DEFAULT_POOL_MAX_LIFETIME, DEFAULT_POOL_MAX_SIZE,
     DEFAULT_POOL_RECYCLE_TIMEOUT, DEFAULT_POOL_WAIT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT,

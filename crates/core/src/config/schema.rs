@@ -359,26 +359,69 @@ pub fn redact_url(url: &str) -> String {
     let Some(rest) = url.strip_prefix("mysql://") else {
         return url.to_owned();
     };
-    // The credentials end at the last `@` before the query string (`?name=`; a socket path
-    // there may hold an `@`): a careless password may hold `/`, `#`, `?` or `@` unencoded, and
-    // is hidden all the same. A password that looks like a query's start (`p?a=b`) leaves no
-    // `@` before it: then the last `@` of all ends them, which may hide more than the password.
-    let query = (rest.match_indices('?').map(|(i, _)| i)).find(|&i| {
-        let name = rest[i + 1..].split('=').next().unwrap_or_default();
-        rest[i + 1..].contains('=')
-            && !name.is_empty()
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-    });
-    let before_query = &rest[..query.unwrap_or(rest.len())];
-    match before_query.rfind('@').or_else(|| rest.rfind('@')) {
+    match credentials_end(rest) {
         Some(at) => match rest[..at].split_once(':') {
             Some((user, _)) => format!("mysql://{user}:***{}", &rest[at..]),
             None => url.to_owned(),
         },
         None => url.to_owned(),
     }
+}
+
+/// Where the query string (`?name=...`) of a URL's text after `mysql://` starts.
+fn query_start(rest: &str) -> Option<usize> {
+    (rest.match_indices('?').map(|(i, _)| i)).find(|&i| {
+        let name = rest[i + 1..].split('=').next().unwrap_or_default();
+        rest[i + 1..].contains('=')
+            && !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    })
+}
+
+/// The `@` that ends the credentials of a URL's text after `mysql://`, if it has any: the last
+/// `@` before the query string (`?name=`; a socket path there may hold an `@`). A careless
+/// password may hold `/`, `#`, `?` or `@` unencoded, and is hidden all the same. A password
+/// that looks like a query's start (`p?a=b`) leaves no `@` before it: then the last `@` of all
+/// ends them, which may hide more than the password.
+fn credentials_end(rest: &str) -> Option<usize> {
+    let before_query = &rest[..query_start(rest).unwrap_or(rest.len())];
+    before_query.rfind('@').or_else(|| rest.rfind('@'))
+}
+
+/// Which database a shard's `url` (and `nodes`, for a Galera shard) reach, as far as their
+/// text tells: the server addresses (`host:port`, the host in lower case, 3306 if no port is
+/// given; or the `socket` path), and the database's name. Two shards whose databases have one
+/// name and share an address reach the same table (another name for one host is not told).
+pub fn database_reached(url: &str, nodes: &[String]) -> (Vec<String>, String) {
+    let rest = url.strip_prefix("mysql://").unwrap_or(url);
+    let rest = match credentials_end(rest) {
+        Some(at) => &rest[at + 1..],
+        None => rest,
+    };
+    let (place, query) = match query_start(rest) {
+        Some(q) => (&rest[..q], &rest[q + 1..]),
+        None => (rest, ""),
+    };
+    let (server, database) = place.split_once('/').unwrap_or((place, ""));
+    let address = |server: &str| {
+        let server = server.to_ascii_lowercase();
+        match server.rsplit_once(':') {
+            Some((_, port)) if !server.ends_with(']') && port.parse::<u16>().is_ok() => server,
+            _ => format!("{server}:3306"),
+        }
+    };
+    let socket = query
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("socket="))
+        .map(|path| format!("socket {path}"));
+    let addresses = match (socket, nodes.is_empty()) {
+        (Some(socket), _) => vec![socket],
+        (None, true) => vec![address(server)],
+        (None, false) => nodes.iter().map(|n| address(n)).collect(),
+    };
+    (addresses, database.trim_end_matches('/').to_owned())
 }
 
 impl Default for ShardConfig {

@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::{
-    redact_url, CleanerConfig, Config, ConfigError, InstanceConfig, NamespaceConfig, RegistryKind,
-    RoutingConfig, ShardConfig, TelemetryConfig, TlsMode, DEFAULT_CLOCK_DRIFT,
+    database_reached, redact_url, CleanerConfig, Config, ConfigError, InstanceConfig,
+    NamespaceConfig, RegistryKind, RoutingConfig, ShardConfig, TelemetryConfig, TlsMode,
+    DEFAULT_CLOCK_DRIFT,
 };
 use crate::BreakerConfig;
 
@@ -167,6 +168,29 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
             return Err(ConfigError::field(
                 field("url"),
                 "must look like mysql://user:password@host:port/database",
+            ));
+        }
+        // Two shards on one table would each take the other's rows for their own: a lease
+        // that a reload moves from one to the other takes its companion row in its own row,
+        // and releasing the row it left would free the key it still holds.
+        let (addresses, database) = database_reached(&shard.url, &shard.nodes);
+        let same = shards[..i].iter().enumerate().find_map(|(j, other)| {
+            let (theirs, their_database) = database_reached(&other.url, &other.nodes);
+            let shared = addresses.iter().find(|a| theirs.contains(a))?;
+            (their_database == database).then_some((j, shared))
+        });
+        if let Some((j, address)) = same {
+            return Err(ConfigError::field(
+                field(if shard.nodes.is_empty() {
+                    "url"
+                } else {
+                    "nodes"
+                }),
+                format!(
+                    "reaches database `{database}` at {address}, as shards[{j}] (`{}`) does: \
+                     each shard needs a database of its own (its rows would be the other's)",
+                    shards[j].name
+                ),
             ));
         }
         if shard.node_clock_skew.is_zero() || shard.node_clock_skew > Duration::from_secs(10) {
@@ -797,6 +821,48 @@ mod tests {
         // Without nodes the skew is not used.
         let plain = config("3s", "ttl: 10s").replace("    nodes: [db-1:3306, db-2:3306]\n", "");
         assert!(Config::from_yaml_str(&plain).is_ok(), "{plain}");
+    }
+
+    /// Two shards reaching one database would share its rows: refused, naming the second
+    /// shard's field and the first shard. The same server with another database, or another
+    /// server with the same database name, is fine.
+    #[test]
+    fn two_shards_reaching_one_database_are_refused() {
+        let config = |second: &str| {
+            format!(
+                "shards:\n  - name: a\n    url: mysql://u:p@DB-1:3306/locks\n  - name: b\n{second}"
+            )
+        };
+        for second in [
+            "    url: mysql://other:secret@db-1/locks\n",
+            "    url: mysql://u@db-1:3306/locks?ssl-mode=required\n",
+            "    url: mysql://u@db-2:3306/locks\n    nodes: [db-2:3306, db-1]\n",
+        ] {
+            let e = Config::from_yaml_str(&config(second)).unwrap_err();
+            let field = if second.contains("nodes") {
+                "nodes"
+            } else {
+                "url"
+            };
+            assert_eq!(
+                e.field.as_deref(),
+                Some(&*format!("shards[1].{field}")),
+                "{e}"
+            );
+            assert!(
+                e.to_string()
+                    .contains("`locks` at db-1:3306, as shards[0] (`a`)"),
+                "{e}"
+            );
+        }
+        for second in [
+            "    url: mysql://u:p@db-1:3306/locks2\n",
+            "    url: mysql://u:p@db-1:3307/locks\n",
+            "    url: mysql://u:p@db-2:3306/locks\n",
+            "    url: mysql://u:p@localhost/locks?socket=/run/mysqld/b.sock\n",
+        ] {
+            assert!(Config::from_yaml_str(&config(second)).is_ok(), "{second}");
+        }
     }
 
     /// On any shard a lease ends locally `instance.clock-drift` of its ttl early: renewals
