@@ -310,6 +310,27 @@ impl ShardState {
             .await
     }
 
+    /// [`ShardState::call_waiting`] for a call that waits for a lock for as long as it is held
+    /// elsewhere (a transaction lock's wait for its row): while the breaker is half-open it
+    /// goes ahead without taking a probe's slot, uncounted (see
+    /// `shardlock_core::Breaker::admit_waiting`), so that it holds up no call that would close
+    /// the breaker.
+    pub(crate) async fn call_lock_wait<'s, T, F>(
+        &'s self,
+        statement: impl FnOnce(&'s Shard) -> F,
+    ) -> Result<T, BackendError>
+    where
+        F: std::future::Future<Output = Result<T, BackendError>> + 's,
+    {
+        let (admission, transition) = self.breaker.locked().admit_waiting(breaker_now());
+        self.note(transition);
+        let Some(ticket) = admission.ticket() else {
+            return Err(self.rejected());
+        };
+        self.run_admitted(ticket, statement(&self.backend), |_| Timing::Ignored, false)
+            .await
+    }
+
     /// The backend without the breaker: the one way around it, for what an operator or the
     /// application asks directly — migrate, inspect, status counts, force-release, registry
     /// listings, a dropped router's deregistration, and the connection `shard_connection`

@@ -16,7 +16,7 @@ use common::faults::{Load, Rig, POOL, SMALL_POOL, WAIT};
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::Conn;
 use shardlock::BackendErrorKind::BreakerOpen;
-use shardlock::{AcquireOptions, BreakerState, BreakerTransition, Error};
+use shardlock::{AcquireOptions, BreakerState, BreakerTransition, Error, LockRouter};
 use shardlock_testkit::{ProxyMode, Worker};
 use tokio::time::Instant;
 
@@ -487,7 +487,7 @@ crate::worker_entry! { "counter" => counter_worker() }
 /// probe) passes only when the test advances it. The shard is a closed port.
 #[tokio::test(start_paused = true)]
 async fn breaker_cooldowns_follow_a_paused_clock() {
-    let router = shardlock::LockRouter::from_yaml_str(
+    let router = LockRouter::from_yaml_str(
         "shards:\n  - name: gone\n    url: mysql://root@127.0.0.1:1/shardlock\n\
          breaker:\n  consecutive-failures: 3\n  cooldown: 10s\n  max-cooldown: 40s\n  probes: 1\n\
          cleaner:\n  registry: static\n", // no heartbeats: only this test's calls probe
@@ -522,7 +522,7 @@ async fn breaker_cooldowns_follow_a_paused_clock() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_servers_prepared_statement_limit_counts_as_a_shard_failure() {
     let (cluster, _setup, _) = common::start(1, "").await;
-    let router = shardlock::LockRouter::from_yaml_str(&cluster.config_yaml(
+    let router = LockRouter::from_yaml_str(&cluster.config_yaml(
         "breaker:\n  consecutive-failures: 3\n  cooldown: 200ms\ncleaner:\n  registry: static\n",
     ))
     .await
@@ -554,4 +554,79 @@ async fn the_servers_prepared_statement_limit_counts_as_a_shard_failure() {
     })
     .await;
     assert!(back, "the shard is used again once it accepts statements");
+}
+
+/// Transaction locks waiting for their row while the breaker is half-open take none of its
+/// probes' slots: the calls that close it still go through. (As probes they kept the slots
+/// for their whole wait, refusing everything else of the process on the shard, renewals
+/// included, then closed the breaker by a lock wait's end.)
+#[tokio::test(flavor = "multi_thread")]
+async fn transaction_locks_waiting_while_half_open_leave_the_probes_to_other_calls() {
+    let rig = Rig::start("fail-fast", None, POOL).await;
+    // Nothing but the test's calls reaches the shard (no heartbeat probes the breaker).
+    let yaml = |s1: &str| {
+        format!(
+            "{}cleaner:\n  registry: static\n",
+            common::faults::config_yaml(&rig.cluster, s1, POOL, "fail-fast")
+        )
+    };
+    let router = LockRouter::from_yaml_str(&yaml(&rig.proxy.url()))
+        .await
+        .unwrap();
+    let other = LockRouter::from_yaml_str(&yaml(&rig.cluster.shard(0).url()))
+        .await
+        .unwrap();
+    let keys = rig.keys("t", 2, false);
+    let (locked, free) = (keys[0].clone(), keys[1].clone());
+    let held = other
+        .lock_in_transaction(&locked, Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    rig.proxy.set(ProxyMode::Reset);
+    let once = || AcquireOptions::new().wait(Duration::ZERO);
+    let opened = common::eventually(Duration::from_secs(20), || async {
+        let _ = router.try_acquire(&free, once()).await;
+        router.stats().breaker_opened > 0
+    })
+    .await;
+    assert!(opened, "the breaker never opened");
+    rig.proxy.set(ProxyMode::Pass);
+    let half_open = common::eventually(Duration::from_secs(20), || async {
+        router.breaker_state("s1") == Some(BreakerState::HalfOpen)
+    })
+    .await;
+    assert!(half_open, "the breaker never went half-open");
+
+    // As many waiters as the breaker has probes (2).
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let (router, key) = (router.clone(), locked.clone());
+            tokio::spawn(async move {
+                let tx = router
+                    .lock_in_transaction(&key, Duration::from_secs(60))
+                    .await?;
+                tx.rollback().await
+            })
+        })
+        .collect();
+    let shard = rig.cluster.shard(0);
+    let waiting = common::eventually(Duration::from_secs(30), || async {
+        shard.lock_waits_now().await.unwrap() >= 2
+    })
+    .await;
+    assert!(waiting, "the transaction locks never waited for their row");
+
+    let tried = router.try_acquire(&free, once()).await;
+    let granted = match tried {
+        Ok(Some(granted)) => granted,
+        other => panic!("refused while half-open, its probes waiting for a row: {other:?}"),
+    };
+    granted.release().await.unwrap();
+    assert_eq!(router.breaker_state("s1"), Some(BreakerState::Closed));
+
+    held.rollback().await.unwrap();
+    for waiter in waiters {
+        waiter.await.unwrap().unwrap();
+    }
 }

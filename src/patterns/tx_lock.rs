@@ -629,12 +629,13 @@ async fn lock_row(
             };
             shard.call_judged(timing, bounded).await
         } else {
-            // Bounded by the wait. Cut short, the call is dropped before the breaker judged it
+            // Bounded by the wait, and no half-open breaker's probe (see
+            // `ShardState::call_lock_wait`). Cut short, the call is dropped before the breaker judged it
             // (a probe gives its slot back): whether the row's holder or the shard held it
             // up, a wait tells nothing of the shard's health, and counted as an answer it
             // closed a breaker on a shard that never answered. The shard's own timeouts
             // within it (its pool's wait, a ping) count as ever.
-            let attempt = shard.call_waiting(take);
+            let attempt = shard.call_lock_wait(take);
             match tokio::time::timeout_at(deadline + CUT_AFTER, attempt).await {
                 Ok(attempt) => attempt,
                 // Cut short while waiting for the row's lock: its holder kept it.

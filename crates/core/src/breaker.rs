@@ -263,6 +263,23 @@ impl Breaker {
         (admission, transition)
     }
 
+    /// [`Breaker::admit`] for a call that waits for a lock on purpose, for as long as the lock
+    /// is held elsewhere (a transaction lock's wait for its row): while half-open it goes
+    /// ahead without taking a probe's slot, and its outcome is not counted (its ticket is of
+    /// the closed spell that ended). As a probe it kept the slot for its whole wait, refusing
+    /// the calls that would have closed the breaker, and then closed it by a lock wait's
+    /// timeout, which tells nothing of the shard.
+    pub fn admit_waiting(&mut self, now: Instant) -> (Admission, Option<Transition>) {
+        let transition = self.settle(now);
+        let admission = match self.state {
+            BreakerState::Closed | BreakerState::HalfOpen => {
+                Admission::Call(CallTicket(self.closings))
+            }
+            BreakerState::Open => Admission::Rejected,
+        };
+        (admission, transition)
+    }
+
     /// Reports how an admitted call went and how long it took.
     ///
     /// A slow success counts as a failure: a shard answering in seconds holds callers' waits
@@ -605,6 +622,38 @@ mod tests {
         assert_eq!(b.state(t2), BreakerState::HalfOpen);
         let closed = b.record(t2, CallOutcome::Success, FAST, Ticket::Probe(last));
         assert_eq!(closed.map(|t| t.to), Some(BreakerState::Closed));
+    }
+
+    /// A call that waits for a lock goes ahead while half-open without taking a probe's slot,
+    /// and its outcome, even a failure, changes nothing; while open it is refused.
+    #[test]
+    fn a_lock_wait_takes_no_probe_slot_and_is_not_counted() {
+        let (mut b, t) = breaker();
+        for _ in 0..5 {
+            call(&mut b, t, CallOutcome::Failure);
+        }
+        assert_eq!(b.admit_waiting(t).0, Admission::Rejected);
+        let t1 = t + Duration::from_secs(1);
+        let (waiting, still) = (
+            call_ticket(b.admit_waiting(t1).0),
+            call_ticket(b.admit_waiting(t1).0),
+        );
+        assert_eq!(b.state(t1), BreakerState::HalfOpen);
+        let probes: Vec<ProbeTicket> = (0..3).map(|_| probe_ticket(b.admit(t1).0)).collect();
+        assert_eq!(b.record(t1, CallOutcome::Failure, FAST, waiting), None);
+        assert_eq!(b.state(t1), BreakerState::HalfOpen);
+        let mut closed = None;
+        for probe in probes {
+            closed = b.record(t1, CallOutcome::Success, FAST, Ticket::Probe(probe));
+        }
+        assert_eq!(closed.map(|t| t.to), Some(BreakerState::Closed));
+        // One still waiting when the breaker closed is not counted in the closed spell: four
+        // failures and it make no five in a row.
+        for _ in 0..4 {
+            call(&mut b, t1, CallOutcome::Failure);
+        }
+        assert_eq!(b.record(t1, CallOutcome::Failure, FAST, still), None);
+        assert_eq!(b.state(t1), BreakerState::Closed);
     }
 
     #[test]
