@@ -503,11 +503,11 @@ impl LockRouter {
                         true => Duration::ZERO,
                         false => deadline.saturating_duration_since(tokio::time::Instant::now()),
                     };
-                    lock_row(at, &lock_key, left, deadline).await?
+                    lock_row(at, &lock_key, left, deadline, false).await?
                 } else {
                     // Busy (the server's answer to `NOWAIT`): waited for next, alone, while
                     // the wait lasts. The try is bounded by the shard's statement timeout.
-                    match lock_row(at, &lock_key, Duration::ZERO, deadline).await {
+                    match lock_row(at, &lock_key, Duration::ZERO, deadline, true).await {
                         Err(Error::Timeout { .. }) if tokio::time::Instant::now() < deadline => {
                             first = i;
                             continue 'rows;
@@ -588,19 +588,46 @@ const CUT_AFTER: Duration = Duration::from_millis(50);
 /// Locks `key`'s row of `shardlock_txlock` on `shard` in a new transaction on a dedicated
 /// connection, waiting up to `wait` (enforced until `deadline`); see
 /// [`LockRouter::lock_in_transaction`].
+///
+/// The session is one of those callers may use on the shard (see
+/// `shardlock_mysql::Shard::session_slot`), waited for outside the shard's breaker (it tells
+/// nothing of the shard): until `deadline`, or the pool's wait-timeout for a try without
+/// waiting; not at all while the call `holds` rows on other shards, where it answers busy
+/// (a row is waited for only while the call holds no other).
 async fn lock_row(
     shard: &Arc<ShardState>,
     lock_key: &LockKey,
     wait: Duration,
     deadline: tokio::time::Instant,
+    holds: bool,
 ) -> Result<SessionConn> {
     let name = shard.name().to_owned();
     let started = tokio::time::Instant::now();
     loop {
+        let within = match (holds, wait.is_zero()) {
+            (true, _) => None,
+            (false, true) => Some(shard.config.pool.wait_timeout),
+            (false, false) => Some(deadline.saturating_duration_since(tokio::time::Instant::now())),
+        };
+        let slot = match shard.unguarded().session_slot(within).await {
+            Ok(slot) => slot,
+            Err(_) if holds => {
+                return Err(Error::Timeout {
+                    key_label: shard.shared.telemetry.key_label(lock_key),
+                    waited: started.elapsed(),
+                })
+            }
+            Err(source) => {
+                return Err(Error::Backend {
+                    shard: name,
+                    source,
+                })
+            }
+        };
         // Set once a statement that may wait for the row's lock is sent.
         let waiting = AtomicBool::new(false);
         let waiting = &waiting;
-        let take = |backend| take_row(backend, lock_key, wait, waiting);
+        let take = |backend| take_row(backend, lock_key, wait, waiting, slot);
         let attempt = if wait.is_zero() {
             // A try without waiting (`NOWAIT`) waits for no lock: its answer tells of the shard
             // as any statement's does, and is judged so, within the statement timeout (its
@@ -684,13 +711,12 @@ async fn take_row(
     lock_key: &LockKey,
     wait: Duration,
     waiting: &AtomicBool,
+    slot: tokio::sync::OwnedSemaphorePermit,
 ) -> std::result::Result<SessionConn, BackendError> {
     // Until the lock is ours, a failed or abandoned attempt's connection is closed, not
     // pooled: a lock statement still waiting on the server must not end up holding the row on
     // an idle pooled connection.
-    // (A wait for one of the connections callers' sessions may use is this process's other
-    // locks', like a wait for the row: `waiting` says so.)
-    let mut conn = Discard(Some(backend.connection_for_lock(waiting).await?));
+    let mut conn = Discard(Some(backend.connection_in(slot).await?));
     let open = conn.0.as_mut().expect("set above");
     let after = backend.statement_timeout();
     open.lock_tx_row(lock_key.stored(), wait, after, waiting)
@@ -779,7 +805,8 @@ async fn follow_now(inner: Weak<Inner>, state: Arc<TxLockState>) {
             // there): the key moved where this lock cannot follow it.
             let galera = !target.config.nodes.is_empty();
             let locked = match galera {
-                false => lock_row(&target, &state.key, wait, deadline.timer()).await,
+                // (Its rows elsewhere held meanwhile, as its wait for the row is.)
+                false => lock_row(&target, &state.key, wait, deadline.timer(), false).await,
                 true => Err(Error::InvalidArgument {
                     name: "lock_in_transaction",
                     reason: format!(

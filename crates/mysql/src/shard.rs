@@ -1259,49 +1259,54 @@ impl Shard {
     /// A pooled connection for a session of the caller's own (a transaction lock, the
     /// caller's SQL); it is reset before anyone reuses it. At most `caller_sessions` of the
     /// pool's connections are such sessions at once: waiting for one of them takes up to the
-    /// pool's wait-timeout, and is answered `Timeout` then.
+    /// pool's wait-timeout (see [`Shard::session_slot`]).
     ///
     /// Sessions of this shard listed as stranded are ended first: one may hold the very row
     /// the session is for (a transaction lock given up with its lock statement on the wire).
     pub async fn connection(&self) -> Result<SessionConn, BackendError> {
-        let slot = tokio::time::timeout(self.session_wait, self.session_slot(|| {}))
-            .await
-            .map_err(|_| self.no_session_slot())?;
+        let slot = self.session_slot(Some(self.session_wait)).await?;
         self.connection_in(slot).await
     }
 
-    /// [`Shard::connection`] for a transaction lock: waiting for a session of its own is
-    /// waiting for this process's other sessions to end, like a wait for the row, so the
-    /// wait is the caller's to bound; `waiting` is set before it.
-    pub async fn connection_for_lock(
+    /// One of the connections callers' sessions may use (see [`Shard::connection`]), waited
+    /// for up to `within` (`None`: not at all). The error, of kind `Other`, names the cap:
+    /// the connections are held by this process's other sessions, not by the shard.
+    pub async fn session_slot(
         &self,
-        waiting: &std::sync::atomic::AtomicBool,
-    ) -> Result<SessionConn, BackendError> {
-        let slot = self
-            .session_slot(|| waiting.store(true, std::sync::atomic::Ordering::Relaxed))
-            .await;
-        self.connection_in(slot).await
-    }
-
-    /// One of the connections callers' sessions may use; `waits` is called before a wait.
-    async fn session_slot(&self, waits: impl FnOnce()) -> OwnedSemaphorePermit {
+        within: Option<Duration>,
+    ) -> Result<OwnedSemaphorePermit, BackendError> {
         if let Ok(slot) = self.sessions.clone().try_acquire_owned() {
-            return slot;
+            return Ok(slot);
         }
-        waits();
-        (self.sessions.clone().acquire_owned().await).expect("the semaphore is never closed")
+        let acquire = self.sessions.clone().acquire_owned();
+        match within {
+            Some(within) => match tokio::time::timeout(within, acquire).await {
+                Ok(slot) => Ok(slot.expect("the semaphore is never closed")),
+                Err(_) => Err(self.no_session_slot(within)),
+            },
+            None => Err(self.no_session_slot(Duration::ZERO)),
+        }
     }
 
-    fn no_session_slot(&self) -> BackendError {
-        BackendError::timeout(format!(
-            "every connection of the pool that callers' sessions may use ({} of pool.max-size \
-             {}) stayed in use for pool.wait-timeout (transaction locks, the caller's SQL)",
-            caller_sessions(self.pool.status().max_size),
-            self.pool.status().max_size
-        ))
+    fn no_session_slot(&self, waited: Duration) -> BackendError {
+        let max = self.pool.status().max_size;
+        BackendError::new(
+            BackendErrorKind::Other,
+            None,
+            format!(
+                "no connection for a session of the caller's within {waited:?}: the {} of \
+                 pool.max-size {max} that transaction locks and shard_connection sessions may \
+                 use were all held by this process's others",
+                caller_sessions(max)
+            ),
+        )
     }
 
-    async fn connection_in(&self, slot: OwnedSemaphorePermit) -> Result<SessionConn, BackendError> {
+    /// [`Shard::connection`] in a `slot` of [`Shard::session_slot`].
+    pub async fn connection_in(
+        &self,
+        slot: OwnedSemaphorePermit,
+    ) -> Result<SessionConn, BackendError> {
         let mut conn = self.pool.get().await.map_err(classify_pool)?;
         tokio::time::timeout(self.statement_timeout, self.end_stranded(&mut conn))
             .await
