@@ -961,6 +961,51 @@ async fn state_machine_claims_reach_rows_on_the_shard_a_key_left() {
         .unwrap());
 }
 
+/// While the application copies a moved key's row to its new shard (inserted there, not yet
+/// deleted where it was), its state on the new shard answers: the copy left behind, still in
+/// `from`, gives no second caller a second win.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_state_machine_row_copied_to_its_new_shard_is_won_once() {
+    let (cluster, three, four) = cluster().await;
+    let code = moving_key(&three, &four, "coupon:").await;
+    for s in cluster.shards() {
+        let mut c = s.connect().await.unwrap();
+        c.query_drop(
+            "CREATE TABLE coupon (code VARCHAR(64) PRIMARY KEY, state VARCHAR(16) NOT NULL)",
+        )
+        .await
+        .unwrap();
+    }
+    let router = LockRouter::new(three).await.unwrap();
+    let insert = |router: LockRouter, code: String| async move {
+        let mut conn = router.shard_connection(&code).await.unwrap();
+        conn.raw()
+            .exec_drop("INSERT INTO coupon VALUES (?, 'available')", (&code,))
+            .await
+            .unwrap();
+    };
+    insert(router.clone(), code.clone()).await;
+    router.reload(four).await.unwrap();
+    insert(router.clone(), code.clone()).await;
+    let machine = StateMachine::new("coupon", "code", "state")
+        .unwrap()
+        .allow("available", "locked");
+    let mut wins = 0;
+    for _ in 0..2 {
+        if router
+            .transition(&machine, &code, "available", "locked")
+            .await
+            .unwrap()
+        {
+            wins += 1;
+        }
+    }
+    assert_eq!(
+        wins, 1,
+        "a copy left on the shard the key left was won again"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_that_fails_on_a_later_shard_leaves_no_row_locked() {
     let (cluster, mut three, mut four) = cluster().await;

@@ -36,6 +36,13 @@ impl LockRouter {
     /// conditional `UPDATE`; `true` when this call made the transition, `false` when
     /// the row was not in `from` (someone else moved it first, or it is done). Transitions the
     /// machine does not allow, and self-transitions, are refused before touching the shard.
+    ///
+    /// During a move the row found on the key's shard answers, in whatever state: a copy
+    /// left on a shard the key lived on before is tried only when the key's shard has no row.
+    /// A process that has not reloaded yet still tries only the old shard: move a row by first
+    /// transitioning it there into a state no transition leaves (say `moved`), then inserting
+    /// it on the new shard, then deleting the old one.
+    ///
     /// If the connection breaks after the statement may have reached the shard, the call is
     /// not retried (a retry could not tell its own transition from another's): the error
     /// says the outcome is unknown. The row's state cannot tell either: a row in `to` may be
@@ -75,7 +82,8 @@ impl LockRouter {
         self.check_joined(&key)?;
         // The row lives on the key's shard; while a move is in progress it may still be on
         // a shard the key lived on before (the application moves its rows with its keys).
-        for shard in self.placements(&key) {
+        let placements = self.placements(&key);
+        for (i, shard) in placements.iter().enumerate() {
             // Not retried once it may have reached the server: a retry could not tell our own
             // transition from someone else's (the error then says the outcome is unknown).
             let moved = shard
@@ -83,6 +91,17 @@ impl LockRouter {
                 .await?;
             if moved {
                 return Ok(true);
+            }
+            // Where the row is, its state answers: a copy the application left on a shard the
+            // key lived on before (copied, not yet deleted) may still be in `from` there, and
+            // a second caller would win that one too.
+            let older_left = i + 1 < placements.len();
+            if older_left
+                && shard
+                    .run(|b| b.state_row_exists(&machine.table, id))
+                    .await?
+            {
+                return Ok(false);
             }
         }
         Ok(false)

@@ -326,11 +326,15 @@ pub(crate) async fn cas_freed_at(
 /// table is declared ([`StateTable::new`]); the values are bound.
 const TRANSITION: &str = "UPDATE {table} SET {state} = ? WHERE {id} = ? AND {state} = ?";
 
+/// Whether the row is in the table at all, in whatever state.
+const STATE_ROW: &str = "SELECT 1 FROM {table} WHERE {id} = ? LIMIT 1";
+
 /// A table of the caller's whose rows carry a state, and the transition statement on it.
 #[derive(Debug, Clone)]
 pub struct StateTable {
     table: String,
     transition: String,
+    exists: String,
 }
 
 impl StateTable {
@@ -359,6 +363,9 @@ impl StateTable {
                 .replace("{table}", table)
                 .replace("{state}", state_column)
                 .replace("{id}", id_column),
+            exists: STATE_ROW
+                .replace("{table}", table)
+                .replace("{id}", id_column),
         })
     }
 
@@ -377,6 +384,16 @@ pub(crate) async fn transition(
     to: &str,
 ) -> mysql_async::Result<bool> {
     changed_one(conn, table.transition.as_str(), (to, id, from)).await
+}
+
+/// Whether row `id` of `table` is there, in any state.
+pub(crate) async fn state_row_exists(
+    conn: &mut Conn,
+    table: &StateTable,
+    id: &str,
+) -> mysql_async::Result<bool> {
+    let found: Option<u8> = conn.exec_first(table.exists.as_str(), (id,)).await?;
+    Ok(found.is_some())
 }
 
 // Job claims.
@@ -643,6 +660,18 @@ impl Shard {
             (table, id, from, to),
             |c, &(table, id, from, to)| Box::pin(transition(c, table, id, from, to)),
         )
+        .await
+    }
+
+    /// Whether row `id` of `table` is on this shard, in any state.
+    pub async fn state_row_exists(
+        &self,
+        table: &StateTable,
+        id: &str,
+    ) -> Result<bool, BackendError> {
+        self.run("state_row_exists", (table, id), |c, &(table, id)| {
+            Box::pin(state_row_exists(c, table, id))
+        })
         .await
     }
 
