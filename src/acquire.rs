@@ -139,10 +139,15 @@ impl LockRouter {
             Ok(()) if through_closed_gate => Err(self.not_granting(key, LAPSED.to_owned())),
             joined => joined,
         };
-        if let (true, Err(lapsed)) = (from_shard, joined) {
+        // Nor an in-process lock once another start took this process's id over (a waiter
+        // that passed the gate before): it would never be re-acquired on its shard.
+        let replaced = granted.is_some() && !from_shard && self.inner.gate.is_replaced();
+        if let (true, Err(lapsed)) = (from_shard || replaced, joined) {
             // Never handed out: the caller sees the lapse instead.
-            if let Some(guard) = granted {
-                guard.give_back_unseen().await;
+            match granted {
+                Some(guard) if from_shard => guard.give_back_unseen().await,
+                Some(guard) => guard.refuse_local(),
+                None => {}
             }
             return Err(lapsed);
         }

@@ -127,6 +127,7 @@ impl LockRouter {
         };
         if guard.mode() != LockMode::Remote {
             // Elected through the shard only: an in-process lock elects nobody.
+            guard.refuse_local();
             return Ok(None);
         }
         Ok(Some(Leadership { guard }))

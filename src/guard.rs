@@ -128,7 +128,10 @@ impl Hold {
     fn valid_until(&self) -> Moment {
         let own = self.lease.valid_until();
         match self.shard.shared.registry_live_until() {
-            Some(live) if !self.lease.in_process_only() => own.min(live),
+            // (An in-process lease is ended by a replacement too: see `Shared::replaced`.)
+            Some(live) if !self.lease.in_process_only() || self.shard.shared.was_replaced() => {
+                own.min(live)
+            }
             _ => own,
         }
     }
@@ -386,6 +389,16 @@ impl LockGuard {
     /// through its shard, handed to no waiter in memory (it may have been placed where the
     /// fleet no longer places its key); the waiters poll the shard. In full: a minimum hold
     /// (`lock_at_least`, a scheduled run's interval) is for a holder that ran.
+    /// Drops an in-process grant that its caller refuses (a pattern that counts only leases
+    /// on the shards, or a process replaced under its id): nothing ran under it, so it keeps
+    /// its key for no minimum hold (which kept the key's turn in this process for that long,
+    /// a scheduled run's whole interval, refusing every later try here).
+    pub(crate) fn refuse_local(self) {
+        debug_assert_eq!(self.mode(), LockMode::LocalFallback);
+        self.hold.lease.clear_at_least();
+        drop(self);
+    }
+
     pub(crate) async fn give_back_unseen(mut self) {
         self.done = true;
         if self.hold.guards.fetch_sub(1, Ordering::AcqRel) > 1 {

@@ -790,7 +790,7 @@ impl LockRouter {
                     // nor an in-process lock (the `local` policy) stands in for waiting on
                     // the hint's own bucket.
                     Ok(Some(guard)) if spilled && guard.mode() != LockMode::Remote => {
-                        drop(guard);
+                        guard.refuse_local();
                     }
                     Ok(Some(guard)) => return Ok(guard),
                     Ok(None) => {}

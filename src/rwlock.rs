@@ -166,7 +166,11 @@ impl RwLock {
         // shards count: an in-process lock (the `local` policy) would exclude nobody elsewhere.
         let remote = |guard: LockGuard| match guard.mode() {
             crate::LockMode::Remote => Ok(guard),
-            _ => Err(local_refused(guard.shard().to_owned())),
+            _ => {
+                let shard = guard.shard().to_owned();
+                guard.refuse_local();
+                Err(local_refused(shard))
+            }
         };
         let intent = remote(
             self.router

@@ -89,7 +89,7 @@ impl LockRouter {
         };
         if guard.mode() != LockMode::Remote {
             let shard = guard.shard().to_owned();
-            drop(guard);
+            guard.refuse_local();
             return Err(crate::semaphore::local_refused(shard));
         }
         let interval = match hold_to_interval_end(&guard, every).await {

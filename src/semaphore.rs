@@ -191,7 +191,7 @@ pub(crate) async fn remote_slot(
     {
         Some(guard) if guard.mode() != crate::LockMode::Remote => {
             let shard = guard.shard().to_owned();
-            drop(guard);
+            guard.refuse_local();
             Err(local_refused(shard))
         }
         other => Ok(other),

@@ -305,3 +305,42 @@ async fn scheduled_worker() {
 }
 
 crate::worker_entry! { "scheduled" => scheduled_worker() }
+
+/// A run refused because its lock was granted in process (the `local` policy while the shard
+/// is down) keeps its interval for no one: once the shard is back, the next tick of the same
+/// process runs it. (The refused grant kept its minimum hold, the whole interval, on the key's
+/// turn in this process, so every later tick here was told another run held it.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_refused_in_process_leaves_its_interval_to_the_next_tick() {
+    let rig = common::faults::Rig::start("local", None, common::faults::POOL).await;
+    let key = rig.keys("job", 1, false).remove(0);
+    let hour = Duration::from_secs(3600);
+    let tick = || {
+        rig.router
+            .run_exclusive(&key, hour, AcquireOptions::new(), |run| async move {
+                run.interval()
+            })
+    };
+    rig.proxy.set(shardlock_testkit::ProxyMode::Reset);
+    let refused_in_process = common::eventually(EVENT, || async {
+        let ticked = tick().await;
+        assert!(
+            matches!(ticked, Err(Error::Unavailable { .. })),
+            "a tick with its shard down: {ticked:?}"
+        );
+        rig.router.stats().local_grants > 0
+    })
+    .await;
+    assert!(refused_in_process, "no tick was granted in process");
+    rig.proxy.set(shardlock_testkit::ProxyMode::Pass);
+    let closed = common::eventually(EVENT, || async {
+        rig.router.breaker_state("s1") == Some(shardlock::BreakerState::Closed)
+    })
+    .await;
+    assert!(closed, "the breaker never closed");
+    let ran = tick().await.unwrap();
+    assert!(
+        ran.is_some(),
+        "the interval whose run was refused in process did not run once the shard was back"
+    );
+}

@@ -195,12 +195,14 @@ impl Shared {
     /// new start holds their keys on the shard.
     pub(crate) fn replaced(&self) {
         self.replaced_at.locked().get_or_insert_with(Moment::now);
-        self.lose_shard_leases(REGISTRY_TAKEN_OVER);
+        // The in-process ones first: one that a reconcile moves to the shard's leases
+        // meanwhile is then among those below.
         for shard in self.shard_states() {
             for lease in shard.locals() {
                 lease.mark_lost(REGISTRY_TAKEN_OVER, self);
             }
         }
+        self.lose_shard_leases(REGISTRY_TAKEN_OVER);
     }
 
     /// Whether another start took this process's instance id over (see [`Shared::replaced`]).
