@@ -16,10 +16,10 @@ macro_rules! counters {
             /// Tasks waiting in memory for a key another task of this router holds or polls
             /// (now).
             pub queued: u64,
-            /// Releases and give-backs retrying in the background because their shard did
-            /// not answer (the keys they free stay held by nobody until they land or the rows
-            /// expire), and transaction locks whose `COMMIT` may still land, waiting for their
-            /// session to end (now).
+            /// Releases and give-backs on their way to a shard (now): those retrying in the
+            /// background because their shard did not answer (the keys they free stay held by
+            /// nobody until they land or the rows expire) among them, and transaction locks
+            /// whose `COMMIT` may still land, waiting for their session to end.
             pub settling: u64,
         }
 

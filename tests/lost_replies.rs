@@ -78,12 +78,12 @@ async fn a_give_back_behind_a_locked_row_never_reopens_the_breaker() {
     let (router, proxy) = behind_proxy(
         &cluster,
         "    statement-timeout: 5s\n",
-        "breaker:\n  consecutive-failures: 1\n  cooldown: 200ms\n",
+        "breaker:\n  consecutive-failures: 1\n  cooldown: 3s\n",
     )
     .await;
 
     // Set up before the grant is lost: between the lost reply and the link's healing only
-    // the row's lock is taken (one statement on an open connection), well within the
+    // the row's lock is taken (one statement on an open connection), well within the 3 s
     // cool-down, so that no give-back probes the breaker while replies are still lost (its
     // failed connection would reopen it, as it should).
     let mut competitor = shardlock_testkit::Competitor::begin(shard, false)
