@@ -6,7 +6,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use mysql_async::Conn;
-use shardlock_core::{BackendError, BackendErrorKind, Error, LockKey, Result};
+use shardlock_core::{BackendError, BackendErrorKind, BreakerState, Error, LockKey, Result};
 use shardlock_mysql::{SessionConn, SessionId};
 use tokio::sync::watch;
 
@@ -412,7 +412,11 @@ impl LockRouter {
     /// timeout; the server's lock wait timeout is whole seconds, so a wait is also enforced
     /// here). Errors: `Timeout` when the row stayed locked, `Unavailable` when the shard failed
     /// or did not answer within the wait (a wait cut short counts neither for nor against its
-    /// breaker); deadlocks are retried. During a move, the rows on the other shards are tried
+    /// breaker); deadlocks are retried. The connection is one of those that transaction locks
+    /// and `shard_connection` sessions may use (all but a quarter of `pool.max-size`): when
+    /// this process's others hold them all, it waits for one within the wait (a `NOWAIT`
+    /// try, within the pool's wait-timeout), then answers `Backend` with an error that says
+    /// so (the shard did nothing). During a move, the rows on the other shards are tried
     /// without waiting, each within the statement timeout, which a shard that does not answer
     /// may add to the wait.
     ///
@@ -609,9 +613,22 @@ async fn lock_row(
             (false, true) => Some(shard.config.pool.wait_timeout),
             (false, false) => Some(deadline.saturating_duration_since(tokio::time::Instant::now())),
         };
-        let slot = match shard.unguarded().session_slot(within).await {
+        let slot = match shard.unguarded().session_slot(None).await {
+            Ok(slot) => Ok(slot),
+            // None free, on a shard whose breaker is open: refused at once, as the statement
+            // would be, rather than after a wait for a place.
+            Err(_) if shard.breaker_state() == BreakerState::Open => {
+                return Err(Error::Unavailable {
+                    shard: name,
+                    source: shard.rejected(),
+                })
+            }
+            Err(_) => shard.unguarded().session_slot(within).await,
+        };
+        let slot = match slot {
             Ok(slot) => slot,
-            Err(_) if holds => {
+            // Busy while the wait lasts: the caller waits for this shard's row next, alone.
+            Err(_) if holds && tokio::time::Instant::now() < deadline => {
                 return Err(Error::Timeout {
                     key_label: shard.shared.telemetry.key_label(lock_key),
                     waited: started.elapsed(),
