@@ -39,9 +39,10 @@ impl LockRouter {
     ///
     /// During a move the row found on the key's shard answers, in whatever state: a copy
     /// left on a shard the key lived on before is tried only when the key's shard has no row.
-    /// A process that has not reloaded yet still tries only the old shard: move a row by first
-    /// transitioning it there into a state no transition leaves (say `moved`), then inserting
-    /// it on the new shard, then deleting the old one.
+    /// That narrows, but cannot close, the time in which a row on both shards is won on each
+    /// (a copy inserted between the two reads; a process that has not reloaded yet tries only
+    /// the old shard). Move a row so: first transition it where it is into a state that no
+    /// transition leaves (say `moved`), then insert it on the new shard, then delete the old.
     ///
     /// If the connection breaks after the statement may have reached the shard, the call is
     /// not retried (a retry could not tell its own transition from another's): the error
@@ -94,14 +95,25 @@ impl LockRouter {
             }
             // Where the row is, its state answers: a copy the application left on a shard the
             // key lived on before (copied, not yet deleted) may still be in `from` there, and
-            // a second caller would win that one too.
+            // a second caller would win that one too. (Nothing was transitioned when this read
+            // fails, whatever its error says of the read.)
             let older_left = i + 1 < placements.len();
-            if older_left
+            let here = older_left
                 && shard
                     .run(|b| b.state_row_exists(&machine.table, id))
-                    .await?
-            {
-                return Ok(false);
+                    .await
+                    .map_err(|e| match e {
+                        Error::Unavailable { shard, mut source } => {
+                            source.maybe_applied = false;
+                            Error::Unavailable { shard, source }
+                        }
+                        other => other,
+                    })?;
+            if here {
+                // Inserted since the `UPDATE` above, perhaps: asked once more where it is.
+                return shard
+                    .run(|b| b.transition(&machine.table, id, from, to))
+                    .await;
             }
         }
         Ok(false)
