@@ -385,10 +385,6 @@ impl LockGuard {
         }
     }
 
-    /// Gives back a grant its caller never saw (sought across a heartbeat lapse): released
-    /// through its shard, handed to no waiter in memory (it may have been placed where the
-    /// fleet no longer places its key); the waiters poll the shard. In full: a minimum hold
-    /// (`lock_at_least`, a scheduled run's interval) is for a holder that ran.
     /// Drops an in-process grant that its caller refuses (a pattern that counts only leases
     /// on the shards, or a process replaced under its id): nothing ran under it, so it keeps
     /// its key for no minimum hold (which kept the key's turn in this process for that long,
@@ -399,6 +395,10 @@ impl LockGuard {
         drop(self);
     }
 
+    /// Gives back a grant its caller never saw (sought across a heartbeat lapse): released
+    /// through its shard, handed to no waiter in memory (it may have been placed where the
+    /// fleet no longer places its key); the waiters poll the shard. In full: a minimum hold
+    /// (`lock_at_least`, a scheduled run's interval) is for a holder that ran.
     pub(crate) async fn give_back_unseen(mut self) {
         self.done = true;
         if self.hold.guards.fetch_sub(1, Ordering::AcqRel) > 1 {

@@ -102,14 +102,21 @@ impl HeldRequest {
             return false;
         }
         // The whole reply: the later statements of a request of several run before it ends.
+        // (A reply whose end is not recognised, or that never comes, is no answer after a
+        // minute, rather than a test that hangs.)
         let (mut reply, mut chunk) = (Vec::new(), [0u8; 1024]);
-        while !reply_complete(&reply) {
-            match self.server_read.read(&mut chunk).await {
-                Ok(n) if n > 0 => reply.extend_from_slice(&chunk[..n]),
-                _ => return false,
+        let whole = async {
+            while !reply_complete(&reply) {
+                match self.server_read.read(&mut chunk).await {
+                    Ok(n) if n > 0 => reply.extend_from_slice(&chunk[..n]),
+                    _ => return false,
+                }
             }
-        }
-        true
+            true
+        };
+        tokio::time::timeout(Duration::from_secs(60), whole)
+            .await
+            .unwrap_or(false)
     }
 }
 
