@@ -1103,25 +1103,9 @@ async fn transaction_locks_waiting_for_their_row_leave_connections_to_the_leases
         .lock_in_transaction(&locked, Duration::from_secs(10))
         .await
         .unwrap();
-    let waiters: Vec<_> = (0..4)
-        .map(|_| {
-            let (router, key) = (rig.router.clone(), locked.clone());
-            tokio::spawn(async move {
-                let tx = router
-                    .lock_in_transaction(&key, Duration::from_secs(60))
-                    .await?;
-                tx.rollback().await
-            })
-        })
-        .collect();
     // Three of them wait for the row on the shard (the fourth for a connection of the three
     // that transaction locks may use).
-    let shard = rig.cluster.shard(0);
-    let waiting = common::eventually(Duration::from_secs(30), || async {
-        shard.lock_waits_now().await.unwrap() >= 3
-    })
-    .await;
-    assert!(waiting, "the transaction locks never waited for their row");
+    let waiters = common::tx_lock_waiters(&rig.router, &locked, 4, rig.cluster.shard(0), 3).await;
 
     let tried = rig
         .router

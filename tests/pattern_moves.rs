@@ -926,8 +926,9 @@ async fn nothing_left(cluster: &Cluster) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn state_machine_claims_reach_rows_on_the_shard_a_key_left() {
+/// A `coupon` table on every shard of a cluster, a code that the second config moves, its row
+/// `available` where the first config places it, a router on that config, and the second.
+async fn coupon_on_a_moving_key() -> (Cluster, LockRouter, String, Config) {
     let (cluster, three, four) = cluster().await;
     let code = moving_key(&three, &four, "coupon:").await;
     for s in cluster.shards() {
@@ -939,12 +940,22 @@ async fn state_machine_claims_reach_rows_on_the_shard_a_key_left() {
         .unwrap();
     }
     let router = LockRouter::new(three).await.unwrap();
-    let mut conn = router.shard_connection(&code).await.unwrap();
+    insert_coupon(&router, &code).await;
+    (cluster, router, code, four)
+}
+
+/// Inserts `code`'s row, `available`, where `router` places it.
+async fn insert_coupon(router: &LockRouter, code: &str) {
+    let mut conn = router.shard_connection(code).await.unwrap();
     conn.raw()
-        .exec_drop("INSERT INTO coupon VALUES (?, 'available')", (&code,))
+        .exec_drop("INSERT INTO coupon VALUES (?, 'available')", (code,))
         .await
         .unwrap();
-    drop(conn);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn state_machine_claims_reach_rows_on_the_shard_a_key_left() {
+    let (_cluster, router, code, four) = coupon_on_a_moving_key().await;
     // The application moves its rows with its keys, after the move; meanwhile they are found
     // where they are.
     router.reload(four).await.unwrap();
@@ -966,27 +977,9 @@ async fn state_machine_claims_reach_rows_on_the_shard_a_key_left() {
 /// `from`, gives no second caller a second win.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_state_machine_row_copied_to_its_new_shard_is_won_once() {
-    let (cluster, three, four) = cluster().await;
-    let code = moving_key(&three, &four, "coupon:").await;
-    for s in cluster.shards() {
-        let mut c = s.connect().await.unwrap();
-        c.query_drop(
-            "CREATE TABLE coupon (code VARCHAR(64) PRIMARY KEY, state VARCHAR(16) NOT NULL)",
-        )
-        .await
-        .unwrap();
-    }
-    let router = LockRouter::new(three).await.unwrap();
-    let insert = |router: LockRouter, code: String| async move {
-        let mut conn = router.shard_connection(&code).await.unwrap();
-        conn.raw()
-            .exec_drop("INSERT INTO coupon VALUES (?, 'available')", (&code,))
-            .await
-            .unwrap();
-    };
-    insert(router.clone(), code.clone()).await;
+    let (_cluster, router, code, four) = coupon_on_a_moving_key().await;
     router.reload(four).await.unwrap();
-    insert(router.clone(), code.clone()).await;
+    insert_coupon(&router, &code).await;
     let machine = StateMachine::new("coupon", "code", "state")
         .unwrap()
         .allow("available", "locked");

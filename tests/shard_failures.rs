@@ -599,23 +599,7 @@ async fn transaction_locks_waiting_while_half_open_leave_the_probes_to_other_cal
     assert!(half_open, "the breaker never went half-open");
 
     // As many waiters as the breaker has probes (2).
-    let waiters: Vec<_> = (0..2)
-        .map(|_| {
-            let (router, key) = (router.clone(), locked.clone());
-            tokio::spawn(async move {
-                let tx = router
-                    .lock_in_transaction(&key, Duration::from_secs(60))
-                    .await?;
-                tx.rollback().await
-            })
-        })
-        .collect();
-    let shard = rig.cluster.shard(0);
-    let waiting = common::eventually(Duration::from_secs(30), || async {
-        shard.lock_waits_now().await.unwrap() >= 2
-    })
-    .await;
-    assert!(waiting, "the transaction locks never waited for their row");
+    let waiters = common::tx_lock_waiters(&router, &locked, 2, rig.cluster.shard(0), 2).await;
 
     let tried = router.try_acquire(&free, once()).await;
     let granted = match tried {

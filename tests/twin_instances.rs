@@ -170,6 +170,25 @@ async fn refused_saying(router: &LockRouter, why: &str) -> Result<(), String> {
     }
 }
 
+/// Makes the registry row of `twin` on the cluster's first shard a minute silent (as the
+/// fleet sees a frozen process's) and starts another process under that id, with `beats`.
+async fn take_the_id_over(cluster: &Cluster, beats: &str) -> Worker {
+    (cluster.shard(0).connect().await.unwrap())
+        .exec_drop(
+            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
+             WHERE instance_id = 'twin'",
+            (),
+        )
+        .await
+        .unwrap();
+    let twin_yaml = cluster.config_yaml(&format!("{TWIN}{beats}"));
+    let mut twin =
+        Worker::spawn("worker", "staying-twin", &[(common::CONFIG_ENV, twin_yaml)]).unwrap();
+    let started = twin.expect("").await.unwrap();
+    assert_eq!(started, "started", "the silent process's id is free");
+    twin
+}
+
 /// A process whose id another start took over while the fleet counted it dead loses its
 /// leases, and its transaction locks, at the heartbeat that finds its row taken: it only
 /// stopped granting, and its guards said they held until its lapse came by its own clocks
@@ -199,19 +218,7 @@ async fn a_process_that_finds_its_id_taken_over_loses_its_leases_at_once() {
     // Its heartbeats stop reaching the shard, where its row is seen silent for a minute (as
     // the fleet sees a frozen process's), and another start takes its id over.
     proxy.set(ProxyMode::Blackhole);
-    (cluster.shard(0).connect().await.unwrap())
-        .exec_drop(
-            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
-             WHERE instance_id = 'twin'",
-            (),
-        )
-        .await
-        .unwrap();
-    let twin_yaml = cluster.config_yaml(&format!("{TWIN}{beats}"));
-    let mut twin =
-        Worker::spawn("worker", "staying-twin", &[(common::CONFIG_ENV, twin_yaml)]).unwrap();
-    let started = twin.expect("").await.unwrap();
-    assert_eq!(started, "started", "the silent process's id is free");
+    let twin = take_the_id_over(&cluster, beats).await;
     proxy.set(ProxyMode::Pass);
 
     // Its next heartbeat finds the row taken: it grants nothing more, and holds nothing.
@@ -271,18 +278,7 @@ async fn a_process_that_finds_its_id_taken_over_loses_its_in_process_locks() {
     // another start takes its id over, and another process locks `k` on the shard.
     let lapsed = common::eventually(Duration::from_secs(60), || async { !remote.is_held() }).await;
     assert!(lapsed, "the cut-off process's lease never lapsed");
-    (cluster.shard(0).connect().await.unwrap())
-        .exec_drop(
-            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
-             WHERE instance_id = 'twin'",
-            (),
-        )
-        .await
-        .unwrap();
-    let twin_yaml = cluster.config_yaml(&format!("{TWIN}{beats}"));
-    let mut twin =
-        Worker::spawn("worker", "staying-twin", &[(common::CONFIG_ENV, twin_yaml)]).unwrap();
-    assert_eq!(twin.expect("").await.unwrap(), "started", "its id is free");
+    let twin = take_the_id_over(&cluster, beats).await;
     let other = LockRouter::from_yaml_str(&cluster.config_yaml(beats))
         .await
         .unwrap();

@@ -304,6 +304,35 @@ macro_rules! worker_entry {
     };
 }
 
+/// Starts `n` transaction locks of `key` through `router` (each rolled back once it has the
+/// row), and waits until `waiting` statements on `shard` wait for a row lock; their tasks.
+#[allow(dead_code)]
+pub async fn tx_lock_waiters(
+    router: &LockRouter,
+    key: &str,
+    n: usize,
+    shard: &Shard,
+    waiting: u64,
+) -> Vec<tokio::task::JoinHandle<shardlock::Result<()>>> {
+    let waiters = (0..n)
+        .map(|_| {
+            let (router, key) = (router.clone(), key.to_owned());
+            tokio::spawn(async move {
+                let tx = router
+                    .lock_in_transaction(&key, Duration::from_secs(60))
+                    .await?;
+                tx.rollback().await
+            })
+        })
+        .collect();
+    let waited = eventually(Duration::from_secs(30), || async {
+        shard.lock_waits_now().await.unwrap() >= waiting
+    })
+    .await;
+    assert!(waited, "the transaction locks never waited for their row");
+    waiters
+}
+
 /// Waits until a statement on `shard` waits for a row lock (another transaction holds the
 /// row); panics after 30 s, with what the server's sessions were doing. Read from the server's
 /// live counter: `information_schema.INNODB_TRX` is a snapshot that the server renews only
