@@ -415,8 +415,8 @@ impl LockRouter {
     /// breaker); deadlocks are retried. The connection is one of those that transaction locks
     /// and `shard_connection` sessions may use (all but a quarter of `pool.max-size`): when
     /// this process's others hold them all, it waits for one within the wait (a `NOWAIT`
-    /// try, within the pool's wait-timeout), then answers `Backend` with an error that says
-    /// so (the shard did nothing). During a move, the rows on the other shards are tried
+    /// try, within the pool's wait-timeout; the tries on other shards during a move, not at
+    /// all), then answers `Backend` with an error that says so (the shard did nothing). During a move, the rows on the other shards are tried
     /// without waiting, each within the statement timeout, which a shard that does not answer
     /// may add to the wait.
     ///
@@ -596,8 +596,9 @@ const CUT_AFTER: Duration = Duration::from_millis(50);
 /// The session is one of those callers may use on the shard (see
 /// `shardlock_mysql::Shard::session_slot`), waited for outside the shard's breaker (it tells
 /// nothing of the shard): until `deadline`, or the pool's wait-timeout for a try without
-/// waiting; not at all while the call `holds` rows on other shards, where it answers busy
-/// (a row is waited for only while the call holds no other).
+/// waiting; not at all while the call `holds` rows on other shards (a row is waited for only
+/// while the call holds no other), where it answers busy while the wait lasts and the cap's
+/// error after. With none free and the shard's breaker open: `Unavailable` at once.
 async fn lock_row(
     shard: &Arc<ShardState>,
     lock_key: &LockKey,
