@@ -657,6 +657,42 @@ async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_an
     );
 }
 
+/// A CAS take whose caller went away while its statement was on its way (a timeout around
+/// the call), and that then reached the shard and committed, is given back: the take runs to
+/// its end without its caller. Dropped with the call, it kept the key owned for good with no
+/// guard to release it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_take_whose_caller_went_away_is_given_back() {
+    let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let shard = format!("    statement-timeout: 1s\n{POOL_OF_ONE}");
+    let (router, proxy) = behind_proxy(&cluster, &shard, "").await;
+    let warm = router.cas_acquire("warm", "w").await.unwrap().unwrap();
+    assert!(router.cas_release(warm).await.unwrap());
+    // The owner's name is sent in the take's statement alone.
+    proxy.set(ProxyMode::HoldTo(b"gone-take-owner"));
+    let gone = tokio::time::timeout(
+        Duration::from_millis(100),
+        router.cas_acquire("c", "gone-take-owner"),
+    )
+    .await;
+    assert!(
+        gone.is_err(),
+        "answered while its statement was held: {gone:?}"
+    );
+    let mut held = proxy.held().await;
+    assert!(held.deliver().await, "the held take did not run");
+    assert_eq!(
+        common::cas_owner(cluster.shard(0), "c").await.as_deref(),
+        Some("gone-take-owner"),
+        "the held take was made"
+    );
+    assert!(
+        taken_again(&direct, "c").await,
+        "the row stayed owned by a take whose caller went away"
+    );
+    drop(held);
+}
+
 /// A CAS take whose outcome stayed unknown on its key's old shard during a move, and that
 /// another process's carry brought to the key's new shard before the old shard answered
 /// again, is given back there: the copy bears the take's call token.

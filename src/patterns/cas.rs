@@ -30,6 +30,29 @@ pub struct CasGuard {
     pub token: String,
 }
 
+/// A take of [`LockRouter::cas_acquire`] on its way to its caller: released in the
+/// background if the caller went away before it got it.
+struct UnseenTake {
+    guard: Option<CasGuard>,
+    router: LockRouter,
+}
+
+impl Drop for UnseenTake {
+    fn drop(&mut self) {
+        let Some(guard) = self.guard.take() else {
+            return;
+        };
+        let router = self.router.clone();
+        if let Some(runtime) = router.inner.shared.runtime() {
+            runtime.spawn(async move {
+                if let Err(e) = router.cas_release(guard).await {
+                    tracing::warn!(error = %shardlock_core::Report(&e), "shardlock could not release a CAS take whose caller went away");
+                }
+            });
+        }
+    }
+}
+
 /// What one try of [`LockRouter::cas_acquire`] under one topology came to.
 enum CasTry {
     /// Taken: the row's version now, and the take's token.
@@ -55,15 +78,46 @@ impl LockRouter {
     /// move is over, rows still owned on the old shards are carried to the new one, so a lock
     /// taken before a reload stays taken, and releasable, after it.
     ///
-    /// Cancellation: a take that reached a shard may have committed and earlier takes are not given
-    /// back: the key may stay owned by `owner` with no guard (CAS rows never expire; a new call
-    /// answers `None`). Read the row's version and token on [`LockRouter::shard_connection`] to
-    /// release it.
+    /// Cancellation: the take runs to its end in a task of its own, which releases what it
+    /// took if the caller went away meanwhile (CAS rows never expire: a take that committed
+    /// with nobody to release it would keep the key owned for good).
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
         let lapses = self.joined(&lock_key)?;
+        let Some(runtime) = self.inner.shared.runtime() else {
+            return self.cas_acquire_here(&lock_key, key, owner, lapses).await;
+        };
+        let (router, key, owner) = (self.clone(), key.to_owned(), owner.to_owned());
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        runtime.spawn(async move {
+            let taken = router
+                .cas_acquire_here(&lock_key, &key, &owner, lapses)
+                .await;
+            let taken = taken.map(|guard| {
+                guard.map(|guard| UnseenTake {
+                    guard: Some(guard),
+                    router: router.clone(),
+                })
+            });
+            // A caller gone before or as this is sent drops the take, which releases it.
+            let _ = answer.send(taken);
+        });
+        match answered.await {
+            Ok(taken) => Ok(taken?.and_then(|mut take| take.guard.take())),
+            Err(_) => Err(shardlock_core::Error::Shutdown),
+        }
+    }
+
+    /// [`LockRouter::cas_acquire`], in the caller's task.
+    async fn cas_acquire_here(
+        &self,
+        lock_key: &LockKey,
+        key: &str,
+        owner: &str,
+        lapses: u64,
+    ) -> Result<Option<CasGuard>> {
         loop {
-            match self.cas_take(&lock_key, owner, lapses).await? {
+            match self.cas_take(lock_key, owner, lapses).await? {
                 CasTry::Taken(version, token) => {
                     return Ok(Some(CasGuard {
                         key: key.to_owned(),
