@@ -691,6 +691,25 @@ async fn a_cas_take_whose_caller_went_away_is_given_back() {
         "the row stayed owned by a take whose caller went away"
     );
     drop(held);
+
+    // The take's statement held up on its way while its caller gives up, then answered: the
+    // take, answered `Taken` with nobody to hand it to, is released.
+    proxy.set(ProxyMode::PauseTo(b"paused-take-owner"));
+    let gone = tokio::time::timeout(
+        Duration::from_millis(100),
+        router.cas_acquire("d", "paused-take-owner"),
+    )
+    .await;
+    assert!(
+        gone.is_err(),
+        "answered while its statement was held up: {gone:?}"
+    );
+    proxy.wait_for(ProxyMode::Paused).await;
+    proxy.set(ProxyMode::Pass);
+    assert!(
+        taken_again(&direct, "d").await,
+        "the row stayed owned by a take answered after its caller went away"
+    );
 }
 
 /// A CAS take whose outcome stayed unknown on its key's old shard during a move, and that

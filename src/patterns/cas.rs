@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use shardlock_core::{LockKey, Result};
 use shardlock_mysql::CasGiveBack;
+use tracing::Instrument;
 
 use crate::shard::{CasFollow, ShardState};
 use crate::topology::Topology;
@@ -43,13 +44,28 @@ impl Drop for UnseenTake {
             return;
         };
         let router = self.router.clone();
-        if let Some(runtime) = router.inner.shared.runtime() {
-            runtime.spawn(async move {
-                if let Err(e) = router.cas_release(guard).await {
-                    tracing::warn!(error = %shardlock_core::Report(&e), "shardlock could not release a CAS take whose caller went away");
-                }
-            });
-        }
+        let Some(runtime) = router.inner.shared.runtime() else {
+            tracing::warn!(
+                key = guard.key,
+                token = guard.token,
+                "shardlock could not release a CAS take whose caller went away: no runtime left"
+            );
+            return;
+        };
+        let release = async move {
+            let Err(e) = router.cas_release(guard.clone()).await else {
+                return;
+            };
+            tracing::warn!(error = %shardlock_core::Report(&e), "shardlock could not release a CAS take whose caller went away; given back by its token once the shard answers");
+            // Retried until the key's shard answers, as a take of unknown outcome is.
+            let Ok(lock_key) = LockKey::new(&guard.key) else {
+                return;
+            };
+            let shard = router.inner.topology.load().locate(&lock_key).clone();
+            let then = Some(router.follow_key(&lock_key, &shard));
+            shard.give_back_cas(lock_key.stored().to_vec(), guard.token, UNDONE, then);
+        };
+        runtime.spawn(release.in_current_span());
     }
 }
 
@@ -80,7 +96,8 @@ impl LockRouter {
     ///
     /// Cancellation: the take runs to its end in a task of its own, which releases what it
     /// took if the caller went away meanwhile (CAS rows never expire: a take that committed
-    /// with nobody to release it would keep the key owned for good).
+    /// with nobody to release it would keep the key owned for good). Best effort: a runtime
+    /// shutting down meanwhile may drop that task.
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
         let lapses = self.joined(&lock_key)?;
@@ -88,22 +105,21 @@ impl LockRouter {
             return self.cas_acquire_here(&lock_key, key, owner, lapses).await;
         };
         let (router, key, owner) = (self.clone(), key.to_owned(), owner.to_owned());
-        let (answer, answered) = tokio::sync::oneshot::channel();
-        runtime.spawn(async move {
+        let take = async move {
             let taken = router
                 .cas_acquire_here(&lock_key, &key, &owner, lapses)
                 .await;
-            let taken = taken.map(|guard| {
+            // A caller gone before this ends drops its output, the take, which releases it.
+            taken.map(|guard| {
                 guard.map(|guard| UnseenTake {
                     guard: Some(guard),
                     router: router.clone(),
                 })
-            });
-            // A caller gone before or as this is sent drops the take, which releases it.
-            let _ = answer.send(taken);
-        });
-        match answered.await {
+            })
+        };
+        match runtime.spawn(take.in_current_span()).await {
             Ok(taken) => Ok(taken?.and_then(|mut take| take.guard.take())),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Err(_) => Err(shardlock_core::Error::Shutdown),
         }
     }
