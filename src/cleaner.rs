@@ -62,6 +62,9 @@ pub struct ShardCleaned {
     /// Ended leases kept because the registry says their holder still lives (acquire may
     /// still take them over).
     pub kept_live_holder: u64,
+    /// Ended rows passed over because another session held their row lock (a console's open
+    /// transaction): left to a later pass instead of waited for.
+    pub in_use: u64,
     /// Batches (one scan and up to two deletes each).
     pub batches: u64,
     /// Registry rows of instances silent longer than `cleaner.instance-retention`, deleted.
@@ -526,10 +529,12 @@ async fn clean_batches(
             .map_err(backend)?;
         let (released, ended): (Vec<_>, Vec<_>) = rows.iter().partition(|r| r.owner.is_none());
         let released: Vec<Vec<u8>> = released.into_iter().map(|r| r.key.clone()).collect();
-        out.released += shard
+        let deleted = shard
             .call(|b| b.delete_ended(&released, None, grace, FENCE_MARGIN, highest))
             .await
             .map_err(backend)?;
+        out.released += deleted.rows;
+        out.in_use += deleted.in_use;
         if !ended.is_empty() {
             let owners: BTreeSet<String> = ended.iter().filter_map(|r| r.owner.clone()).collect();
             let dead = registry
@@ -541,10 +546,12 @@ async fn clean_batches(
             out.kept_live_holder += spared.len() as u64;
             let keys: Vec<Vec<u8>> = doomed.iter().map(|r| r.key.clone()).collect();
             let owners: Vec<String> = doomed.iter().filter_map(|r| r.owner.clone()).collect();
-            out.abandoned += shard
+            let deleted = shard
                 .call(|b| b.delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN, highest))
                 .await
                 .map_err(backend)?;
+            out.abandoned += deleted.rows;
+            out.in_use += deleted.in_use;
         }
         if rows.len() < batch as usize {
             return Ok(());

@@ -103,6 +103,43 @@ async fn an_ended_lease_of_a_live_instance_is_kept_and_taken_over_by_acquire() {
     guard.release().await.unwrap();
 }
 
+/// A row another session keeps locked (a console's open transaction) is passed over, not
+/// waited for: the pass deletes the rest of its batch, goes on and reports the row in use; the
+/// row goes in a later pass, once it is let go. (Waited for, every pass would stop at that
+/// batch after the server's whole lock wait, and count the wait against the shard.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_locked_by_another_session_is_passed_over_not_waited_for() {
+    let (cluster, _router, yaml) = common::start(1, &cleaner_yaml("2s")).await;
+    let cleaner = router(&yaml).await;
+    for key in ["ghost:a", "ghost:b", "ghost:c"] {
+        plant_ended_lease(&cluster, &cleaner, key, "ghost-instance:77").await;
+    }
+    let mut console = shard_conn(&cluster, &cleaner, "ghost:b").await;
+    console.query_drop("BEGIN").await.unwrap();
+    console
+        .query_drop("SELECT owner FROM shardlock_lease WHERE lock_key = 'ghost:b' FOR UPDATE")
+        .await
+        .unwrap();
+
+    let report = cleaner.clean_once().await.unwrap();
+    let shard = &report.shards[0];
+    assert_eq!(shard.error, None, "the pass stopped at the locked row");
+    assert_eq!(
+        (shard.abandoned, shard.in_use),
+        (2, 1),
+        "the rows around the locked one: {report:?}"
+    );
+    assert!(!row_exists(&cluster, &cleaner, "ghost:a").await);
+    assert!(row_exists(&cluster, &cleaner, "ghost:b").await);
+    assert!(!row_exists(&cluster, &cleaner, "ghost:c").await);
+
+    console.query_drop("ROLLBACK").await.unwrap();
+    let report = cleaner.clean_once().await.unwrap();
+    let shard = &report.shards[0];
+    assert_eq!((shard.abandoned, shard.in_use), (1, 0), "{report:?}");
+    assert!(!row_exists(&cluster, &cleaner, "ghost:b").await);
+}
+
 /// A process restarted under its fixed instance id (a StatefulSet's pod) runs under a new start
 /// nonce: the ended leases of the start before it are deleted, though the id is live again,
 /// while its own are kept. (The registry's row of an id passes to a new start only once the

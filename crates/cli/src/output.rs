@@ -234,6 +234,7 @@ pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
                     "released": s.released,
                     "abandoned": s.abandoned,
                     "kept_live_holder": s.kept_live_holder,
+                    "in_use": s.in_use,
                     "batches": s.batches,
                     "instances_forgotten": s.instances_forgotten,
                     "error": s.error,
@@ -261,6 +262,12 @@ pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
                 "{}: {} released, {} abandoned deleted, {} kept (holder alive)",
                 s.shard, s.released, s.abandoned, s.kept_live_holder
             );
+            if s.in_use > 0 {
+                line.push_str(&format!(
+                    ", {} in use by another session (left to a later pass)",
+                    s.in_use
+                ));
+            }
             if s.instances_forgotten > 0 {
                 line.push_str(&format!(
                     ", {} long-dead instances forgotten",

@@ -446,7 +446,7 @@ mod tests {
             )
             .await
             .unwrap();
-        assert_eq!(deleted, 1, "deleted as a released row");
+        assert_eq!(deleted.rows, 1, "deleted as a released row");
         // The shard's clock steps back an hour behind the releases.
         raw.query_drop("UPDATE shardlock_lease SET expires_at = NOW(3) + INTERVAL 1 HOUR")
             .await

@@ -1,7 +1,7 @@
 //! The statements of the cleaner, the heartbeat instance registry and fenced force-release.
 
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, Params, Value};
+use mysql_async::{Conn, IsolationLevel, Params, TxOpts, Value};
 
 use crate::lease::{holding_owner, padded_in_list};
 use crate::{now_us, released};
@@ -454,9 +454,30 @@ pub(crate) async fn candidates(
         .collect())
 }
 
+/// What one delete of the cleaner did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Deleted {
+    /// Rows deleted.
+    pub rows: u64,
+    /// Rows passed over because another session held their lock (a console's open
+    /// transaction, a transaction lock's statement on the row): left to a later pass rather
+    /// than waited for. Also counts rows gone since they were read.
+    pub in_use: u64,
+}
+
+/// Locks the rows of `?` keys that no other session holds (`SKIP LOCKED`, MySQL 8.0 and
+/// MariaDB 10.6), by primary key: under READ COMMITTED only those rows, no gaps.
+const LOCK_FREE_ROWS: &str = "SELECT lock_key FROM shardlock_lease WHERE lock_key IN ";
+
 /// Deletes released rows among `keys`, or, with `owners`, the leases of those owners among
 /// `keys` (owners are unique per grant, so `key IN .. AND owner IN ..` matches exactly the
-/// pairs), each only if it still qualifies. Returns how many rows went.
+/// pairs), each only if it still qualifies.
+///
+/// Rows another session holds locked are passed over, not waited for: a row a console
+/// session keeps locked would otherwise stop every pass at its batch, each one waiting the
+/// server's whole lock wait, and those waits would count against the shard. So the rows are
+/// locked first, skipping those held, in a READ COMMITTED transaction, and only the rows
+/// locked are deleted.
 pub(crate) async fn delete(
     conn: &mut Conn,
     keys: &[Vec<u8>],
@@ -464,11 +485,26 @@ pub(crate) async fn delete(
     grace_us: u64,
     margin_us: u64,
     fence_at_most: u64,
-) -> mysql_async::Result<u64> {
+) -> mysql_async::Result<Deleted> {
     if keys.is_empty() {
-        return Ok(0);
+        return Ok(Deleted::default());
     }
-    let (key_list, mut values) = padded_in_list(keys.iter().map(Vec::as_slice));
+    let mut opts = TxOpts::default();
+    opts.with_isolation_level(IsolationLevel::ReadCommitted);
+    let mut tx = conn.start_transaction(opts).await?;
+    let (key_list, values) = padded_in_list(keys.iter().map(Vec::as_slice));
+    let free: Vec<Vec<u8>> = tx
+        .exec(
+            format!("{LOCK_FREE_ROWS}{key_list} FOR UPDATE SKIP LOCKED"),
+            Params::Positional(values),
+        )
+        .await?;
+    let in_use = (keys.len() - free.len().min(keys.len())) as u64;
+    if free.is_empty() {
+        tx.commit().await?;
+        return Ok(Deleted { rows: 0, in_use });
+    }
+    let (key_list, mut values) = padded_in_list(free.iter().map(Vec::as_slice));
     let mut sql = format!("DELETE FROM shardlock_lease WHERE lock_key IN {key_list}");
     match owners {
         None => sql.push_str(concat!(" AND ", released!("owner"))),
@@ -484,8 +520,10 @@ pub(crate) async fn delete(
     values.push(Value::from(grace_us));
     values.push(Value::from(margin_us));
     values.push(Value::from(fence_at_most));
-    conn.exec_drop(sql, Params::Positional(values)).await?;
-    Ok(conn.affected_rows())
+    tx.exec_drop(sql, Params::Positional(values)).await?;
+    let rows = tx.affected_rows();
+    tx.commit().await?;
+    Ok(Deleted { rows, in_use })
 }
 
 /// Frees `key` if `owner` still holds it; the new fence, or `None` if `owner` no longer did.

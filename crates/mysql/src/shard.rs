@@ -15,7 +15,7 @@ use tracing::Instrument;
 
 use crate::batch::{self, BatchGrants};
 use crate::carry::{self, CasRow, CopyCas, MovingJob, PendingJob};
-use crate::cleaner::{self, Beat, Candidate, Heartbeat, InstanceRow};
+use crate::cleaner::{self, Beat, Candidate, Deleted, Heartbeat, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ReleaseAnswer, Released,
@@ -1177,7 +1177,8 @@ impl Shard {
     /// Deletes released rows among `keys` (`owners` = `None`), or the ended leases of `owners`
     /// among `keys`, each only if it still qualifies as in
     /// [`Shard::cleanup_candidates`] and its fence is at most `fence_at_most` (the floor the
-    /// caller raised for them). Returns how many rows were deleted.
+    /// caller raised for them). Rows another session holds locked are passed over, not waited
+    /// for (see [`Deleted::in_use`]).
     pub async fn delete_ended(
         &self,
         keys: &[Vec<u8>],
@@ -1185,7 +1186,7 @@ impl Shard {
         grace: Duration,
         margin: Duration,
         fence_at_most: u64,
-    ) -> Result<u64, BackendError> {
+    ) -> Result<Deleted, BackendError> {
         let (grace_us, margin_us) = (grace.as_micros() as u64, margin.as_micros() as u64);
         self.run(
             "delete_ended",
