@@ -36,8 +36,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             String::from_utf8_lossy(&job.payload),
             job.id
         );
-        // ... send it, then:
-        router.complete_job(&job).await?;
+        // Work that may outlast the lease: the claim is kept extended while it runs, and the
+        // work stops if the claim may have run out anyway (the shard out of reach): another
+        // worker may take the job from then on.
+        let keeper = router.keep_job(&job, lease)?;
+        let work = tokio::time::sleep(Duration::from_millis(50)); // ... send it
+        tokio::select! {
+            _ = work => {
+                drop(keeper);
+                router.complete_job(&job).await?;
+            }
+            _ = job.lost() => {
+                println!("job {} ran out before it was done: left to the next claim", job.id);
+            }
+        }
     }
     router.shutdown().await?;
     Ok(())

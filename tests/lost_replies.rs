@@ -1082,6 +1082,31 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
         "a completion whose reply was lost answered false"
     );
 
+    // Extend: the reply to its update is lost; the retry finds the claim still this worker's
+    // and answers that it extended it.
+    router
+        .enqueue_job("q", b"fourth", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    let job = router
+        .claim_job("q", "w", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("a job");
+    let claimed_until = job.held_until();
+    proxy.set(ProxyMode::LoseOneReply);
+    let extended = router
+        .extend_job(&job, Duration::from_secs(600))
+        .await
+        .unwrap();
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "a reply was lost");
+    assert!(extended, "an extend whose reply was lost answered false");
+    assert!(
+        job.held_until() > claimed_until + Duration::from_secs(500),
+        "an extend whose reply was lost did not move the claim's end"
+    );
+    assert!(router.complete_job(&job).await.unwrap());
+
     // CAS: whichever reply is lost, the lock ends up taken by its caller, once.
     let warm = router.cas_acquire("warm", "me").await.unwrap().unwrap();
     router.cas_release(warm).await.unwrap();
@@ -1136,6 +1161,83 @@ async fn one_job_behind_a_proxy() -> (Cluster, LockRouter, Proxy) {
         .await
         .unwrap();
     (cluster, router, proxy)
+}
+
+/// A claim answered only after its lease ran out on the shard (its COMMIT held up on the way)
+/// is not held: its local end runs from before its try was sent, not from its answer, so its
+/// worker is never told to go on with a job that another worker may claim meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_answered_after_its_lease_ran_out_is_not_held() {
+    let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = behind_proxy(&cluster, "    statement-timeout: 120s\n", "").await;
+    router
+        .enqueue_job("q", b"once", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    // (COM_QUERY, 0x03, then the text: not the isolation level's "READ COMMITTED".)
+    proxy.set(ProxyMode::PauseTo(b"\x03COMMIT"));
+    let claiming = tokio::spawn({
+        let router = router.clone();
+        async move {
+            router
+                .claim_job("q", "w1", Duration::from_millis(300))
+                .await
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(60), proxy.wait_for(ProxyMode::Paused))
+        .await
+        .expect("the claim's COMMIT never reached the link");
+    // Its lease runs out on the shard, its transaction not committed yet (read as it stands).
+    let ran_out = common::eventually(Duration::from_secs(30), || {
+        let url = cluster.shard(0).url();
+        async move {
+            let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
+                .await
+                .unwrap();
+            c.query_drop("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+                .await
+                .unwrap();
+            let n: Option<u64> = c
+                .query_first(
+                    "SELECT COUNT(*) FROM shardlock_job \
+                     WHERE status = 'claimed' AND lease_until <= NOW(3)",
+                )
+                .await
+                .unwrap();
+            n == Some(1)
+        }
+    })
+    .await;
+    assert!(ran_out, "the held-up claim's lease never ran out");
+    proxy.set(ProxyMode::Pass);
+    let job = claiming.await.unwrap().unwrap().expect("the job");
+    assert!(
+        !job.is_held(),
+        "a claim answered after its lease ran out on the shard was held for {:?}",
+        job.held_until() - tokio::time::Instant::now()
+    );
+    let lost = tokio::time::timeout(Duration::ZERO, job.lost()).await;
+    assert!(
+        lost.is_ok(),
+        "lost() of a claim that ran out did not complete"
+    );
+
+    let second = direct
+        .claim_job("q", "w2", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("the job, its first claim run out");
+    assert_eq!((second.id, second.retry_count), (job.id, 1));
+    assert!(second.is_held());
+    assert!(
+        !router
+            .extend_job(&job, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        "a claim that ran out, the job claimed again since, was extended"
+    );
+    assert!(!router.complete_job(&job).await.unwrap());
+    assert!(direct.complete_job(&second).await.unwrap());
 }
 
 /// A claim whose reply was lost, the link then down for several tries to reconnect: the call

@@ -464,6 +464,156 @@ async fn a_job_given_back_is_claimed_again_at_once_and_not_counted_as_a_retry() 
     assert!(router.claim_job("q", "w3", hour).await.unwrap().is_none());
 }
 
+/// A claim kept extended is claimed by no other worker past the lease it was claimed for, on
+/// the shard's clock; an extend for less than what is left moves its end neither on the shard
+/// nor here; a completed job is no longer held, by any clone of it, and cannot be extended.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_extended_claim_outlasts_its_first_lease_and_ends_with_its_job() {
+    let (cluster, router, _) = common::start(1, "").await;
+    router
+        .enqueue_job("q", b"long", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    let job = router
+        .claim_job("q", "w1", Duration::from_secs(1))
+        .await
+        .unwrap()
+        .expect("due");
+    assert!(
+        job.is_held(),
+        "a job just claimed for a second was not held"
+    );
+    let first_end = job.held_until();
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    let claimed_until: shardlock::mysql_async::Value = admin
+        .query_first("SELECT lease_until FROM shardlock_job")
+        .await
+        .unwrap()
+        .unwrap();
+    let hour = Duration::from_secs(3600);
+    assert!(router.extend_job(&job, hour).await.unwrap());
+    assert!(
+        job.held_until() > first_end + Duration::from_secs(3000),
+        "an extend by an hour did not move the claim's end"
+    );
+
+    // Past the lease it was claimed for, by the shard's clock: nobody else claims it.
+    let past = common::eventually(Duration::from_secs(30), || {
+        let url = cluster.shard(0).url();
+        let claimed_until = claimed_until.clone();
+        async move {
+            let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
+                .await
+                .unwrap();
+            let past: Option<u64> = c
+                .exec_first("SELECT NOW(3) > ?", (claimed_until,))
+                .await
+                .unwrap();
+            past == Some(1)
+        }
+    })
+    .await;
+    assert!(
+        past,
+        "the shard's clock never passed the claim's first lease"
+    );
+    let other = router.claim_job("q", "w2", hour).await.unwrap();
+    assert_eq!(
+        other, None,
+        "a claim extended by an hour was taken after a second"
+    );
+    assert!(job.is_held());
+
+    // An extend for less than is left keeps the end where it is.
+    let end = job.held_until();
+    assert!(router
+        .extend_job(&job, Duration::from_secs(1))
+        .await
+        .unwrap());
+    assert_eq!(job.held_until(), end, "a shorter extend moved the end here");
+    let kept: Option<u64> = admin
+        .query_first("SELECT lease_until > NOW(3) + INTERVAL 3000 SECOND FROM shardlock_job")
+        .await
+        .unwrap();
+    assert_eq!(kept, Some(1), "a shorter extend moved the claim's end back");
+
+    let clone = job.clone();
+    assert!(router.complete_job(&job).await.unwrap());
+    assert!(!clone.is_held(), "a clone of a completed job still held it");
+    let lost = tokio::time::timeout(Duration::ZERO, clone.lost()).await;
+    assert!(lost.is_ok(), "lost() of a completed job did not complete");
+    assert!(
+        !router.extend_job(&clone, hour).await.unwrap(),
+        "a completed job's claim was extended"
+    );
+}
+
+/// A kept claim outlasts its lease several times over, by the shard's clock, claimed by no
+/// other worker; once its keeper is dropped it runs out, `lost()` completes, and then another
+/// worker claims the job.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kept_claim_is_extended_until_its_keeper_is_dropped() {
+    let (cluster, router, _) = common::start(1, "").await;
+    router
+        .enqueue_job("q", b"long", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(3);
+    let job = router
+        .claim_job("q", "w1", lease)
+        .await
+        .unwrap()
+        .expect("due");
+    assert!(
+        matches!(
+            router.keep_job(&job, Duration::from_millis(2)),
+            Err(Error::InvalidArgument { name: "lease", .. })
+        ),
+        "a lease too short to keep was accepted"
+    );
+    let keeper = router.keep_job(&job, lease).unwrap();
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    let claimed_until: shardlock::mysql_async::Value = admin
+        .query_first("SELECT lease_until FROM shardlock_job")
+        .await
+        .unwrap()
+        .unwrap();
+    // Two leases past the one it was claimed for, by the shard's clock.
+    let past = common::eventually(Duration::from_secs(60), || {
+        let url = cluster.shard(0).url();
+        let claimed_until = claimed_until.clone();
+        async move {
+            let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
+                .await
+                .unwrap();
+            let past: Option<u64> = c
+                .exec_first("SELECT NOW(3) > ? + INTERVAL 6 SECOND", (claimed_until,))
+                .await
+                .unwrap();
+            past == Some(1)
+        }
+    })
+    .await;
+    assert!(past, "the shard's clock never passed two more leases");
+    let other = router.claim_job("q", "w2", lease).await.unwrap();
+    assert_eq!(other, None, "a kept claim was taken by another worker");
+    assert!(job.is_held(), "a kept claim was not held");
+
+    drop(keeper);
+    tokio::time::timeout(Duration::from_secs(60), job.lost())
+        .await
+        .expect("a claim whose keeper was dropped never ran out");
+    let again = common::eventually(Duration::from_secs(30), || async {
+        router.claim_job("q", "w2", lease).await.unwrap().is_some()
+    })
+    .await;
+    assert!(
+        again,
+        "the job was not claimed again once its claim ran out"
+    );
+    assert!(!router.complete_job(&job).await.unwrap());
+}
+
 const JOBS: u64 = 10_000;
 const QUEUE: &str = "emails";
 const WORKERS: usize = 16;

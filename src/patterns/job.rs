@@ -6,12 +6,20 @@ use std::time::Duration;
 
 use shardlock_core::{Backoff, LockKey, Result};
 use shardlock_mysql::{ClaimedJob, JobEnd};
+use tokio::sync::watch;
 
 use super::may_have_acted;
+use crate::clock::Moment;
+use crate::queue::Want;
 use crate::shard::ShardState;
 use crate::LockRouter;
 
 /// A job claimed by [`LockRouter::claim_job`].
+///
+/// Its claim lasts the lease it was claimed for, on the shard's clock: a worker that runs
+/// longer (or is paused) may find the job claimed again by another worker. Watch
+/// [`Job::is_held`], [`Job::held_until`] or [`Job::lost`], and move the lease on with
+/// [`LockRouter::extend_job`] while the work goes on. Clones share the claim's end.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Job {
     /// The job's id (unique on its queue's shard).
@@ -26,6 +34,116 @@ pub struct Job {
     pub claim: String,
     /// The shard it was claimed on (its queue may move in a reload before it is finished).
     home: JobHome,
+    /// Until when the claim is surely this worker's.
+    end: ClaimEnd,
+}
+
+impl Job {
+    /// False once the claim may have run out: its local deadline (the lease from before the
+    /// claim, or the latest extend, was sent, less the clock drift allowed and a Galera
+    /// shard's node skew) passed, the job was completed, failed or given back, or an extend
+    /// answered that the claim no longer held. Another worker may then claim the job (once its
+    /// lease ran out on the shard). An extend that answers `true` makes it true again: the
+    /// shard found the claim still this worker's.
+    pub fn is_held(&self) -> bool {
+        self.end.until().is_some_and(|end| Moment::now() < end)
+    }
+
+    /// Until when the claim is surely this worker's (see [`Job::is_held`]); past once it
+    /// ended. An instant of the runtime's clock, which stands still while the host is
+    /// suspended: the claim's end comes earlier by any suspend from now on (and
+    /// [`Job::is_held`] counts it).
+    pub fn held_until(&self) -> tokio::time::Instant {
+        match self.end.until() {
+            Some(end) => end.timer(),
+            None => tokio::time::Instant::now(),
+        }
+    }
+
+    /// Completes when [`Job::is_held`] turns false: at the claim's local deadline unless an
+    /// extend moved it on meanwhile, or when the job is ended through a clone. Cancel-safe;
+    /// completes at once for a claim that ended already. What to `select!` the work against,
+    /// to stop it before another worker may take the job.
+    pub async fn lost(&self) {
+        let mut moved = self.end.0.subscribe();
+        loop {
+            let Some(end) = *moved.borrow_and_update() else {
+                return;
+            };
+            if Moment::now() >= end {
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(end.checked_timer()) => {}
+                _ = moved.changed() => {}
+            }
+        }
+    }
+}
+
+/// Keeps a job's claim extended while it lives: [`LockRouter::keep_job`]. Dropping it stops the
+/// extends (the claim then lasts until the end of the latest one).
+#[derive(Debug)]
+#[must_use = "dropping the keeper stops extending the claim at once"]
+pub struct JobKeeper(tokio::task::JoinHandle<()>);
+
+impl Drop for JobKeeper {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The local end of a job's claim, `None` once it ended; shared by the job's clones. Equal for
+/// any two jobs (only the public fields count).
+#[derive(Clone)]
+struct ClaimEnd(Arc<watch::Sender<Option<Moment>>>);
+
+impl ClaimEnd {
+    fn new(end: Moment) -> Self {
+        Self(Arc::new(watch::Sender::new(Some(end))))
+    }
+
+    fn until(&self) -> Option<Moment> {
+        *self.0.borrow()
+    }
+
+    /// The claim surely lasts until `end` (an extend's answer): moved on, never back, unless
+    /// it ended.
+    fn last_until(&self, end: Moment) {
+        self.0.send_if_modified(|now| match now {
+            Some(now) if *now < end => {
+                *now = end;
+                true
+            }
+            Some(_) => false,
+            None => {
+                *now = Some(end);
+                true
+            }
+        });
+    }
+
+    fn ended(&self) {
+        self.0.send_replace(None);
+    }
+}
+
+impl PartialEq for ClaimEnd {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for ClaimEnd {}
+
+impl std::fmt::Debug for ClaimEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.until() {
+            Some(end) if Moment::now() < end => write!(f, "held for {:?}", end - Moment::now()),
+            Some(_) => f.write_str("ran out"),
+            None => f.write_str("ended"),
+        }
+    }
 }
 
 /// The shard a job was claimed on; equal for any two jobs (only the public fields count).
@@ -95,6 +213,9 @@ impl LockRouter {
     /// Cancellation: a claim that committed is never returned; the job is claimed again when
     /// `lease` runs out (that counts as a retry). One not yet committed keeps the job's row locked,
     /// skipped by claimers, until its connection is discarded at the pool's next checkout of it.
+    ///
+    /// The claim lasts `lease` on the shard's clock: see [`Job::is_held`] and
+    /// [`LockRouter::extend_job`] for work that may take longer.
     pub async fn claim_job(
         &self,
         queue: &str,
@@ -124,11 +245,14 @@ impl LockRouter {
                 }
                 claimed => claimed?,
             };
-            if let Some(ClaimedJob {
-                id,
-                payload,
-                retry_count,
-            }) = claimed
+            if let Some((
+                ClaimedJob {
+                    id,
+                    payload,
+                    retry_count,
+                },
+                sent,
+            )) = claimed
             {
                 return Ok(Some(Job {
                     id,
@@ -136,6 +260,7 @@ impl LockRouter {
                     payload,
                     retry_count,
                     claim,
+                    end: ClaimEnd::new(self.claim_end(&shard, sent, lease)),
                     home: JobHome(Arc::downgrade(&shard)),
                 }));
             }
@@ -171,23 +296,117 @@ impl LockRouter {
         self.finish_job(job, JobEnd::Released).await
     }
 
+    /// Moves the lease of `job`'s claim to at least `lease` from now (by the shard's clock;
+    /// never earlier), if the claim still holds: its token is still in the job's row and its
+    /// lease has not run out on the shard. Whether it did: `false` when the claim ran out (the
+    /// job may have been claimed again: stop working on it) or the job was ended. On `true`,
+    /// [`Job::held_until`] moves on to match; on `false` the claim is ended for every clone
+    /// of `job`.
+    ///
+    /// A try whose reply was lost is sent again, and answers the same unless the lease ran
+    /// out meanwhile. An error (the shard could not be reached, or the job's row stayed locked
+    /// by another session for the server's lock wait) leaves [`Job::held_until`] where it was;
+    /// the lease may or may not have moved.
+    pub async fn extend_job(&self, job: &Job, lease: Duration) -> Result<bool> {
+        let shard = self.job_home(job)?;
+        let sent = Moment::now();
+        let extended = shard
+            .call_row(|b| b.extend_job(job.id, &job.claim, lease))
+            .await
+            .map_err(|e| e.into_error(shard.name()))?;
+        match extended {
+            true => job.end.last_until(self.claim_end(&shard, sent, lease)),
+            false => job.end.ended(),
+        }
+        Ok(extended)
+    }
+
+    /// Keeps `job`'s claim extended by `lease` in the background, a third of `lease` apart
+    /// (sooner after a failed try), until the keeper is dropped, the job is ended, or an extend
+    /// answers that the claim no longer holds; [`Job::held_until`] moves with each extend. A
+    /// claim whose extends fail (the shard out of reach) still ends at its deadline:
+    /// [`Job::lost`] completes then, and the work must stop. Extends go on trying after that
+    /// (one that reaches the shard while the claim still holds there makes it held again)
+    /// until the keeper is dropped.
+    ///
+    /// `lease` must be at least 3 ms, so that its extends are apart (it is then at least 1 ms).
+    pub fn keep_job(&self, job: &Job, lease: Duration) -> Result<JobKeeper> {
+        if lease < Duration::from_millis(3) {
+            return Err(shardlock_core::Error::InvalidArgument {
+                name: "lease",
+                reason: format!("must be at least 3ms to be kept (was {lease:?})"),
+            });
+        }
+        let router = Arc::downgrade(&self.inner);
+        let job = job.clone();
+        let task = tokio::spawn(async move {
+            let every = lease / 3;
+            let mut backoff = Backoff::new(Duration::from_millis(10).min(every), every);
+            let mut pause = every;
+            loop {
+                // Ended through a clone (completed, failed, given back): nothing to keep.
+                let mut ended = job.end.0.subscribe();
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = ended.wait_for(Option::is_none) => return,
+                }
+                let Some(inner) = router.upgrade() else {
+                    return;
+                };
+                match (LockRouter { inner }).extend_job(&job, lease).await {
+                    Ok(true) => {
+                        backoff.reset();
+                        pause = every;
+                    }
+                    Ok(false) => return,
+                    Err(e) => {
+                        tracing::warn!(queue = %job.queue, job = job.id, error = %shardlock_core::Report(&e), "shardlock could not extend a job's claim; trying again");
+                        pause = backoff.next_delay();
+                    }
+                }
+            }
+        });
+        Ok(JobKeeper(task))
+    }
+
     async fn finish_job(&self, job: &Job, end: JobEnd) -> Result<bool> {
-        // On the shard it was claimed on, even if its queue moved since.
-        let shard = match job.home.0.upgrade() {
-            Some(home) => home,
-            None => self.state_for(&LockKey::new(&job.queue)?),
-        };
-        shard.run(|b| b.finish_job(job.id, &job.claim, end)).await
+        let shard = self.job_home(job)?;
+        let finished = shard.run(|b| b.finish_job(job.id, &job.claim, end)).await?;
+        // Ended either way: by this call, or before it.
+        job.end.ended();
+        Ok(finished)
+    }
+
+    /// The shard `job` was claimed on, even if its queue moved since (its row moves only once
+    /// its claim ended).
+    fn job_home(&self, job: &Job) -> Result<Arc<ShardState>> {
+        match job.home.0.upgrade() {
+            Some(home) => Ok(home),
+            None => Ok(self.state_for(&LockKey::new(&job.queue)?)),
+        }
+    }
+
+    /// The local end of a claim's lease of `lease` written on `shard` by a statement sent
+    /// after `sent`: before the shard can let another worker claim the job, whichever of
+    /// its nodes is asked.
+    fn claim_end(&self, shard: &ShardState, sent: Moment, lease: Duration) -> Moment {
+        Want::end_by(
+            sent,
+            lease,
+            self.inner.shared.drift_ppm(),
+            shard.leases_skew(),
+        )
     }
 }
 
-/// [`LockRouter::claim_job`] on one shard.
+/// [`LockRouter::claim_job`] on one shard: the job claimed, with the moment the try that
+/// answered was sent (its statements wrote the claim's lease, or renewed it, after that).
 async fn claim_on(
     shard: &ShardState,
     queue: &str,
     claim: &str,
     lease: Duration,
-) -> Result<Option<ClaimedJob>> {
+) -> Result<Option<(ClaimedJob, Moment)>> {
     let mut tries = 0;
     // After a try that may have claimed a job (its reply lost), the next one first looks for
     // the job claimed under this claim token: a claim is never made twice.
@@ -197,6 +416,7 @@ async fn claim_on(
     // retry of the job; with none left, failed without having run).
     let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
     loop {
+        let sent = Moment::now();
         let attempt = shard
             .call_waiting(|b| b.claim_job(queue, claim, lease, look_first))
             .await;
@@ -222,7 +442,7 @@ async fn claim_on(
                 e.maybe_applied |= look_first;
                 return Err(e.into_error(shard.name()));
             }
-            Ok(claimed) => return Ok(claimed),
+            Ok(claimed) => return Ok(claimed.map(|job| (job, sent))),
         }
     }
 }

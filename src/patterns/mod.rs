@@ -25,7 +25,7 @@ use crate::shard::ShardState;
 use crate::LockRouter;
 
 pub use cas::CasGuard;
-pub use job::Job;
+pub use job::{Job, JobKeeper};
 pub use state_machine::StateMachine;
 pub use tx_lock::TxLockGuard;
 

@@ -462,6 +462,14 @@ const RENEW_CLAIM: &str = "UPDATE shardlock_job \
      SET lease_until = NOW(3) + INTERVAL ? MICROSECOND \
      WHERE id = ? AND status = 'claimed' AND locked_by = ?";
 
+/// A claim's lease moved to at least `?` µs from now (never earlier), while the claim holds:
+/// its token is in the row and its lease has not run out on the shard's clock. Sent again after
+/// a lost reply, it answers the same (the claim still holds, its end moved as far) unless the
+/// lease ran out meanwhile.
+const EXTEND_CLAIM: &str = "UPDATE shardlock_job \
+     SET lease_until = GREATEST(lease_until, NOW(3) + INTERVAL ? MICROSECOND) \
+     WHERE id = ? AND status = 'claimed' AND locked_by = ? AND lease_until > NOW(3)";
+
 /// How a claimed job ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JobEnd {
@@ -522,6 +530,18 @@ pub(crate) async fn finish_job(
 ) -> mysql_async::Result<bool> {
     let status = end.status();
     changed_one(conn, FINISH_JOB, (status, id, claim)).await
+}
+
+/// Moves the lease of job `id`'s claim `claim` to at least `lease` from now, if the claim still
+/// holds; whether it did (see [`EXTEND_CLAIM`]).
+pub(crate) async fn extend_claim(
+    conn: &mut Conn,
+    id: u64,
+    claim: &str,
+    lease: Duration,
+) -> mysql_async::Result<bool> {
+    let lease_us = lease.as_micros() as u64;
+    changed_one(conn, EXTEND_CLAIM, (lease_us, id, claim)).await
 }
 
 /// Whether job `id` was ended as `end` under `claim` (see [`FINISHED_BY`]).
@@ -713,6 +733,24 @@ impl Shard {
             |c, &(queue, claim, lease, look_first)| {
                 Box::pin(claim_job(c, queue, claim, lease, look_first))
             },
+        )
+        .await
+    }
+
+    /// Moves the lease of job `id`, claimed under `claim`, to at least `lease` from now (by the
+    /// shard's clock; never earlier), if the claim still holds; whether it did. A try whose
+    /// reply was lost is sent again: it answers the same unless the lease ran out meanwhile.
+    /// The server's lock wait timeout (a console session holding the row) is the answer.
+    pub async fn extend_job(
+        &self,
+        id: u64,
+        claim: &str,
+        lease: Duration,
+    ) -> Result<bool, BackendError> {
+        self.run_row(
+            "extend_job",
+            (id, claim, lease),
+            |c, &(id, claim, lease)| Box::pin(extend_claim(c, id, claim, lease)),
         )
         .await
     }
