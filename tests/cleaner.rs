@@ -140,6 +140,42 @@ async fn a_row_locked_by_another_session_is_passed_over_not_waited_for() {
     assert!(!row_exists(&cluster, &cleaner, "ghost:b").await);
 }
 
+/// A delete that fails half way (the server refuses one row of the batch) is rolled back at
+/// once: the rows it locked are not left locked on an idle pooled connection, holding up the
+/// acquires of their keys.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_that_fails_half_way_leaves_no_row_locked() {
+    let (cluster, _router, yaml) = common::start(1, &cleaner_yaml("2s")).await;
+    let cleaner = router(&yaml).await;
+    for key in ["ghost:a", "ghost:b"] {
+        plant_ended_lease(&cluster, &cleaner, key, "ghost-instance:77").await;
+    }
+    let mut admin = shard_conn(&cluster, &cleaner, "ghost:a").await;
+    admin
+        .query_drop(
+            "CREATE TRIGGER refuse_b BEFORE DELETE ON shardlock_lease FOR EACH ROW \
+             BEGIN IF OLD.lock_key = 'ghost:b' THEN \
+             SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused'; END IF; END",
+        )
+        .await
+        .unwrap();
+    let report = cleaner.clean_once().await.unwrap();
+    assert!(
+        report.shards[0].error.is_some(),
+        "the refused delete went through: {report:?}"
+    );
+    let free = admin
+        .query_drop(
+            "SELECT owner FROM shardlock_lease WHERE lock_key IN ('ghost:a', 'ghost:b') \
+             FOR UPDATE NOWAIT",
+        )
+        .await;
+    assert!(
+        free.is_ok(),
+        "the rows of the failed delete stayed locked: {free:?}"
+    );
+}
+
 /// A process restarted under its fixed instance id (a StatefulSet's pod) runs under a new start
 /// nonce: the ended leases of the start before it are deleted, though the id is live again,
 /// while its own are kept. (The registry's row of an id passes to a new start only once the

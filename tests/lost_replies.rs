@@ -1093,6 +1093,12 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
         .await
         .unwrap()
         .expect("a job");
+    // (Once first, so that the connection has the statement prepared: the reply lost is then
+    // that of the statement itself, which ran.)
+    assert!(router
+        .extend_job(&job, Duration::from_secs(60))
+        .await
+        .unwrap());
     let claimed_until = job.held_until();
     proxy.set(ProxyMode::LoseOneReply);
     let extended = router
@@ -1105,6 +1111,14 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
         job.held_until() > claimed_until + Duration::from_secs(500),
         "an extend whose reply was lost did not move the claim's end"
     );
+    let moved: Option<u64> = admin
+        .exec_first(
+            "SELECT lease_until > NOW(3) + INTERVAL 500 SECOND FROM shardlock_job WHERE id = ?",
+            (job.id,),
+        )
+        .await
+        .unwrap();
+    assert_eq!(moved, Some(1), "the extend did not move the claim's lease");
     assert!(router.complete_job(&job).await.unwrap());
 
     // CAS: whichever reply is lost, the lock ends up taken by its caller, once.

@@ -39,14 +39,16 @@ pub struct Job {
 }
 
 impl Job {
-    /// False once the claim may have run out: its local deadline (the lease from before the
-    /// claim, or the latest extend, was sent, less the clock drift allowed and a Galera
-    /// shard's node skew) passed, the job was completed, failed or given back, or an extend
-    /// answered that the claim no longer held. Another worker may then claim the job (once its
-    /// lease ran out on the shard). An extend that answers `true` makes it true again: the
-    /// shard found the claim still this worker's.
+    /// False once the claim may have run out: its local deadline (from before the claim, or
+    /// the latest extend that answered `true`, was sent, its lease less the clock drift allowed
+    /// and a Galera shard's node skew, those a reload raised since included) passed; or the
+    /// job was completed, failed or given back (through any clone), or an extend answered that
+    /// the claim no longer held, after which it stays false. Another worker may then claim the
+    /// job (once its lease ran out on the shard). A deadline passed while extends failed to
+    /// reach the shard comes back with an extend that reaches it and answers `true`: the shard
+    /// found the claim still this worker's.
     pub fn is_held(&self) -> bool {
-        self.end.until().is_some_and(|end| Moment::now() < end)
+        self.claim_end().is_some_and(|end| Moment::now() < end)
     }
 
     /// Until when the claim is surely this worker's (see [`Job::is_held`]); past once it
@@ -54,7 +56,7 @@ impl Job {
     /// suspended: the claim's end comes earlier by any suspend from now on (and
     /// [`Job::is_held`] counts it).
     pub fn held_until(&self) -> tokio::time::Instant {
-        match self.end.until() {
+        match self.claim_end() {
             Some(end) => end.timer(),
             None => tokio::time::Instant::now(),
         }
@@ -63,11 +65,14 @@ impl Job {
     /// Completes when [`Job::is_held`] turns false: at the claim's local deadline unless an
     /// extend moved it on meanwhile, or when the job is ended through a clone. Cancel-safe;
     /// completes at once for a claim that ended already. What to `select!` the work against,
-    /// to stop it before another worker may take the job.
+    /// to stop it before another worker may take the job. (It looks at the deadline again at
+    /// least every second, so a reload that raises the clock drift or node skew allowed, or a
+    /// suspend of the host, is noticed that soon.)
     pub async fn lost(&self) {
         let mut moved = self.end.0.subscribe();
         loop {
-            let Some(end) = *moved.borrow_and_update() else {
+            moved.borrow_and_update();
+            let Some(end) = self.claim_end() else {
                 return;
             };
             if Moment::now() >= end {
@@ -78,6 +83,17 @@ impl Job {
                 _ = moved.changed() => {}
             }
         }
+    }
+
+    /// The claim's local end, by the clock drift and node skew allowed now if they were raised
+    /// since; `None` once it ended.
+    fn claim_end(&self) -> Option<Moment> {
+        let term = self.end.term()?;
+        let (drift_ppm, skew) = match self.home.0.upgrade() {
+            Some(shard) => (shard.shared.drift_ppm(), shard.leases_skew()),
+            None => (0, Duration::ZERO),
+        };
+        Some(term.end(drift_ppm, skew))
     }
 }
 
@@ -93,33 +109,58 @@ impl Drop for JobKeeper {
     }
 }
 
-/// The local end of a job's claim, `None` once it ended; shared by the job's clones. Equal for
-/// any two jobs (only the public fields count).
+/// A claim's lease as a statement wrote it: sent at `sent` for `lease` (the statement ran after
+/// that), under the clock drift and node skew allowed then.
+#[derive(Debug, Clone, Copy)]
+struct Term {
+    sent: Moment,
+    lease: Duration,
+    drift_ppm: u32,
+    skew: Duration,
+}
+
+impl Term {
+    /// Its local end, allowing at least `drift_ppm` and `skew`: before the shard can let
+    /// another worker claim the job, whichever of its nodes is asked.
+    fn end(&self, drift_ppm: u32, skew: Duration) -> Moment {
+        Want::end_by(
+            self.sent,
+            self.lease,
+            self.drift_ppm.max(drift_ppm),
+            self.skew.max(skew),
+        )
+    }
+}
+
+/// The term a job's claim surely lasts, `None` once it ended (for good); shared by the job's
+/// clones. Equal for any two jobs (only the public fields count).
 #[derive(Clone)]
-struct ClaimEnd(Arc<watch::Sender<Option<Moment>>>);
+struct ClaimEnd(Arc<watch::Sender<Option<Term>>>);
 
 impl ClaimEnd {
-    fn new(end: Moment) -> Self {
-        Self(Arc::new(watch::Sender::new(Some(end))))
+    fn new(term: Term) -> Self {
+        Self(Arc::new(watch::Sender::new(Some(term))))
     }
 
-    fn until(&self) -> Option<Moment> {
+    fn term(&self) -> Option<Term> {
         *self.0.borrow()
     }
 
-    /// The claim surely lasts until `end` (an extend's answer): moved on, never back, unless
-    /// it ended.
-    fn last_until(&self, end: Moment) {
+    /// The claim surely lasts `term` too (an extend's answer): moved on, never back. Not once
+    /// it ended: the answer of an extend sent before the job was finished, arriving after, must
+    /// not make a job finished (and perhaps claimed by another worker since) held again.
+    fn last_until(&self, term: Term) {
         self.0.send_if_modified(|now| match now {
-            Some(now) if *now < end => {
-                *now = end;
-                true
+            Some(now) => {
+                let (drift_ppm, skew) =
+                    (now.drift_ppm.max(term.drift_ppm), now.skew.max(term.skew));
+                let later = term.end(drift_ppm, skew) > now.end(drift_ppm, skew);
+                if later {
+                    *now = term;
+                }
+                later
             }
-            Some(_) => false,
-            None => {
-                *now = Some(end);
-                true
-            }
+            None => false,
         });
     }
 
@@ -138,7 +179,7 @@ impl Eq for ClaimEnd {}
 
 impl std::fmt::Debug for ClaimEnd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.until() {
+        match self.term().map(|t| t.end(0, Duration::ZERO)) {
             Some(end) if Moment::now() < end => write!(f, "held for {:?}", end - Moment::now()),
             Some(_) => f.write_str("ran out"),
             None => f.write_str("ended"),
@@ -260,7 +301,7 @@ impl LockRouter {
                     payload,
                     retry_count,
                     claim,
-                    end: ClaimEnd::new(self.claim_end(&shard, sent, lease)),
+                    end: ClaimEnd::new(self.claim_term(&shard, sent, lease)),
                     home: JobHome(Arc::downgrade(&shard)),
                 }));
             }
@@ -315,14 +356,14 @@ impl LockRouter {
             .await
             .map_err(|e| e.into_error(shard.name()))?;
         match extended {
-            true => job.end.last_until(self.claim_end(&shard, sent, lease)),
+            true => job.end.last_until(self.claim_term(&shard, sent, lease)),
             false => job.end.ended(),
         }
         Ok(extended)
     }
 
     /// Keeps `job`'s claim extended by `lease` in the background, a third of `lease` apart
-    /// (sooner after a failed try), until the keeper is dropped, the job is ended, or an extend
+    /// (the first within half of what is left of the claim; sooner after a failed try), until the keeper is dropped, the job is ended, or an extend
     /// answers that the claim no longer holds; [`Job::held_until`] moves with each extend. A
     /// claim whose extends fail (the shard out of reach) still ends at its deadline:
     /// [`Job::lost`] completes then, and the work must stop. Extends go on trying after that
@@ -342,7 +383,15 @@ impl LockRouter {
         let task = tokio::spawn(async move {
             let every = lease / 3;
             let mut backoff = Backoff::new(Duration::from_millis(10).min(every), every);
-            let mut pause = every;
+            // Before half of what is left of the claim (kept with a longer lease than it was
+            // claimed or last extended for, a third of `lease` could come after its end).
+            let next = |job: &Job| {
+                let left = job
+                    .held_until()
+                    .saturating_duration_since(tokio::time::Instant::now());
+                every.min(left / 2)
+            };
+            let mut pause = next(&job);
             loop {
                 // Ended through a clone (completed, failed, given back): nothing to keep.
                 let mut ended = job.end.0.subscribe();
@@ -356,7 +405,7 @@ impl LockRouter {
                 match (LockRouter { inner }).extend_job(&job, lease).await {
                     Ok(true) => {
                         backoff.reset();
-                        pause = every;
+                        pause = next(&job);
                     }
                     Ok(false) => return,
                     Err(e) => {
@@ -386,16 +435,15 @@ impl LockRouter {
         }
     }
 
-    /// The local end of a claim's lease of `lease` written on `shard` by a statement sent
-    /// after `sent`: before the shard can let another worker claim the job, whichever of
-    /// its nodes is asked.
-    fn claim_end(&self, shard: &ShardState, sent: Moment, lease: Duration) -> Moment {
-        Want::end_by(
+    /// The term of a claim's lease of `lease` written on `shard` by a statement sent after
+    /// `sent`.
+    fn claim_term(&self, shard: &ShardState, sent: Moment, lease: Duration) -> Term {
+        Term {
             sent,
             lease,
-            self.inner.shared.drift_ppm(),
-            shard.leases_skew(),
-        )
+            drift_ppm: self.inner.shared.drift_ppm(),
+            skew: shard.leases_skew(),
+        }
     }
 }
 

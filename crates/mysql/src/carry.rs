@@ -5,9 +5,10 @@
 
 use futures_util::future::BoxFuture;
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, Params, TxOpts, Value};
+use mysql_async::{Conn, Params, Transaction, TxOpts, Value};
 
 use crate::lease::{padded_in_list, rows_source};
+use crate::pool::settle;
 
 /// An owned CAS row: key, owner, version.
 pub type CasRow = (Vec<u8>, String, u64);
@@ -120,10 +121,20 @@ pub(crate) async fn carry_cas_row(
     copy: &CopyCas<'_>,
 ) -> mysql_async::Result<bool> {
     let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    let carried = carry_in(&mut tx, key, copy).await;
+    // Nothing is written unless the row is carried: committing the rest only lets it go.
+    settle(tx, carried).await
+}
+
+/// [`carry_cas_row`]'s statements, in its transaction.
+async fn carry_in(
+    tx: &mut Transaction<'_>,
+    key: &[u8],
+    copy: &CopyCas<'_>,
+) -> mysql_async::Result<bool> {
     type Held = (Option<Vec<u8>>, u64, Option<Vec<u8>>);
     let now: Option<Held> = tx.exec_first(CAS_HOLD, (key,)).await?;
     let Some((Some(owner), version, token)) = now else {
-        tx.rollback().await?;
         return Ok(false);
     };
     let row: CasRow = (
@@ -134,18 +145,11 @@ pub(crate) async fn carry_cas_row(
     let token = token.map(|t| String::from_utf8_lossy(&t).into_owned());
     match copy(row, token).await {
         Ok(true) => {}
-        Ok(false) => {
-            tx.rollback().await?;
-            return Ok(false);
-        }
-        Err(e) => {
-            tx.rollback().await?;
-            return Err(mysql_async::Error::Other(Box::new(e)));
-        }
+        Ok(false) => return Ok(false),
+        Err(e) => return Err(mysql_async::Error::Other(Box::new(e))),
     }
     tx.exec_drop(CAS_FREE_CARRIED, (version + 2, key, owner, version))
         .await?;
-    tx.commit().await?;
     Ok(true)
 }
 
@@ -166,9 +170,8 @@ pub type CopyCas<'a> = dyn Fn(CasRow, Option<String>) -> BoxFuture<'a, Result<bo
 pub(crate) async fn carry_kept(conn: &mut Conn, row: &CasRow) -> mysql_async::Result<bool> {
     let (key, owner, version) = (row.0.as_slice(), row.1.as_bytes(), row.2);
     let mut tx = conn.start_transaction(TxOpts::default()).await?;
-    let now: Option<(Option<Vec<u8>>, u64, Option<u64>)> =
-        tx.exec_first(CAS_CARRIED, (key,)).await?;
-    tx.rollback().await?;
+    let now = tx.exec_first(CAS_CARRIED, (key,)).await;
+    let now: Option<(Option<Vec<u8>>, u64, Option<u64>)> = settle(tx, now).await?;
     Ok(match now {
         Some((o, v, carried)) => {
             (o.as_deref() == Some(owner) && v == version)

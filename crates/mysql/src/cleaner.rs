@@ -1,9 +1,10 @@
 //! The statements of the cleaner, the heartbeat instance registry and fenced force-release.
 
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, IsolationLevel, Params, TxOpts, Value};
+use mysql_async::{Conn, IsolationLevel, Params, Transaction, TxOpts, Value};
 
 use crate::lease::{holding_owner, padded_in_list};
+use crate::pool::settle;
 use crate::{now_us, released};
 
 /// `NOW(3)` less the longer of `?` µs (the reader's own `cleaner.heartbeat-timeout`) and the
@@ -459,15 +460,11 @@ pub(crate) async fn candidates(
 pub struct Deleted {
     /// Rows deleted.
     pub rows: u64,
-    /// Rows passed over because another session held their lock (a console's open
-    /// transaction, a transaction lock's statement on the row): left to a later pass rather
-    /// than waited for. Also counts rows gone since they were read.
+    /// Rows that still qualified but were passed over because another session held their
+    /// lock (a console's open transaction, a statement of another client on the row): left
+    /// to a later pass rather than waited for.
     pub in_use: u64,
 }
-
-/// Locks the rows of `?` keys that no other session holds (`SKIP LOCKED`, MySQL 8.0 and
-/// MariaDB 10.6), by primary key: under READ COMMITTED only those rows, no gaps.
-const LOCK_FREE_ROWS: &str = "SELECT lock_key FROM shardlock_lease WHERE lock_key IN ";
 
 /// Deletes released rows among `keys`, or, with `owners`, the leases of those owners among
 /// `keys` (owners are unique per grant, so `key IN .. AND owner IN ..` matches exactly the
@@ -475,9 +472,10 @@ const LOCK_FREE_ROWS: &str = "SELECT lock_key FROM shardlock_lease WHERE lock_ke
 ///
 /// Rows another session holds locked are passed over, not waited for: a row a console
 /// session keeps locked would otherwise stop every pass at its batch, each one waiting the
-/// server's whole lock wait, and those waits would count against the shard. So the rows are
-/// locked first, skipping those held, in a READ COMMITTED transaction, and only the rows
-/// locked are deleted.
+/// server's whole lock wait, and those waits would count against the shard. So the rows that
+/// qualify are locked first, skipping those held (`SKIP LOCKED`, MySQL 8.0 and MariaDB 10.6),
+/// in a READ COMMITTED transaction (only the rows matched stay locked, no gaps), and only
+/// those are deleted.
 pub(crate) async fn delete(
     conn: &mut Conn,
     keys: &[Vec<u8>],
@@ -489,41 +487,72 @@ pub(crate) async fn delete(
     if keys.is_empty() {
         return Ok(Deleted::default());
     }
+    let qualifying = |keys: &[Vec<u8>]| {
+        let (key_list, mut values) = padded_in_list(keys.iter().map(Vec::as_slice));
+        let mut sql = format!("lock_key IN {key_list}");
+        match owners {
+            None => sql.push_str(concat!(" AND ", released!("owner"))),
+            Some(owners) => {
+                let (owner_list, owner_values) =
+                    padded_in_list(owners.iter().map(|o| o.as_bytes()));
+                sql.push_str(&format!(" AND owner IN {owner_list}"));
+                values.extend(owner_values);
+            }
+        }
+        sql.push_str(DELETE_TAIL);
+        // A row granted again since the scan has a higher fence than the floor raised for it.
+        sql.push_str(" AND fence <= ?");
+        values.push(Value::from(grace_us));
+        values.push(Value::from(margin_us));
+        values.push(Value::from(fence_at_most));
+        (sql, Params::Positional(values))
+    };
     let mut opts = TxOpts::default();
     opts.with_isolation_level(IsolationLevel::ReadCommitted);
     let mut tx = conn.start_transaction(opts).await?;
-    let (key_list, values) = padded_in_list(keys.iter().map(Vec::as_slice));
-    let free: Vec<Vec<u8>> = tx
+    let deleted = delete_in(&mut tx, keys, qualifying).await;
+    settle(tx, deleted).await
+}
+
+/// [`delete`]'s statements, in its transaction; `qualifying` is the condition on rows of some
+/// keys that may be deleted, with its parameters.
+async fn delete_in(
+    tx: &mut Transaction<'_>,
+    keys: &[Vec<u8>],
+    qualifying: impl Fn(&[Vec<u8>]) -> (String, Params),
+) -> mysql_async::Result<Deleted> {
+    let (rows, params) = qualifying(keys);
+    let locked: Vec<Vec<u8>> = tx
         .exec(
-            format!("{LOCK_FREE_ROWS}{key_list} FOR UPDATE SKIP LOCKED"),
-            Params::Positional(values),
+            format!("SELECT lock_key FROM shardlock_lease WHERE {rows} FOR UPDATE SKIP LOCKED"),
+            params,
         )
         .await?;
-    let in_use = (keys.len() - free.len().min(keys.len())) as u64;
-    if free.is_empty() {
-        tx.commit().await?;
-        return Ok(Deleted { rows: 0, in_use });
+    let mut deleted = Deleted::default();
+    if !locked.is_empty() {
+        let (rows, params) = qualifying(&locked);
+        tx.exec_drop(format!("DELETE FROM shardlock_lease WHERE {rows}"), params)
+            .await?;
+        deleted.rows = tx.affected_rows();
     }
-    let (key_list, mut values) = padded_in_list(free.iter().map(Vec::as_slice));
-    let mut sql = format!("DELETE FROM shardlock_lease WHERE lock_key IN {key_list}");
-    match owners {
-        None => sql.push_str(concat!(" AND ", released!("owner"))),
-        Some(owners) => {
-            let (owner_list, owner_values) = padded_in_list(owners.iter().map(|o| o.as_bytes()));
-            sql.push_str(&format!(" AND owner IN {owner_list}"));
-            values.extend(owner_values);
-        }
+    if locked.len() < keys.len() {
+        // Those that qualify among the rest, read as last committed without waiting: held by
+        // another session (the others no longer qualify, or are gone).
+        let rest: Vec<Vec<u8>> = keys
+            .iter()
+            .filter(|k| !locked.contains(k))
+            .cloned()
+            .collect();
+        let (rows, params) = qualifying(&rest);
+        let held: Option<u64> = tx
+            .exec_first(
+                format!("SELECT COUNT(*) FROM shardlock_lease WHERE {rows}"),
+                params,
+            )
+            .await?;
+        deleted.in_use = held.unwrap_or(0);
     }
-    sql.push_str(DELETE_TAIL);
-    // A row granted again since the scan has a higher fence than the floor raised for it.
-    sql.push_str(" AND fence <= ?");
-    values.push(Value::from(grace_us));
-    values.push(Value::from(margin_us));
-    values.push(Value::from(fence_at_most));
-    tx.exec_drop(sql, Params::Positional(values)).await?;
-    let rows = tx.affected_rows();
-    tx.commit().await?;
-    Ok(Deleted { rows, in_use })
+    Ok(deleted)
 }
 
 /// Frees `key` if `owner` still holds it; the new fence, or `None` if `owner` no longer did.

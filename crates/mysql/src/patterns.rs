@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, IsolationLevel, TxOpts};
+use mysql_async::{Conn, IsolationLevel, Transaction, TxOpts};
 use shardlock_core::{BackendError, Error};
 
 use crate::error::classify;
-use crate::pool::SessionConn;
+use crate::pool::{settle, SessionConn};
 use crate::shard::Shard;
 
 // Transaction locks. Text protocol, the key as a hex literal (`{key}`, hex digits only: no
@@ -573,11 +573,23 @@ pub(crate) async fn claim_job(
     let mut opts = TxOpts::default();
     opts.with_isolation_level(IsolationLevel::ReadCommitted);
     let mut tx = conn.start_transaction(opts).await?;
+    // Committed either way: with no job due, it keeps the jobs failed for good.
+    let claimed = claim_in(&mut tx, queue, claim, lease_us, look_first).await;
+    settle(tx, claimed).await
+}
+
+/// [`claim_job`]'s statements, in its transaction.
+async fn claim_in(
+    tx: &mut Transaction<'_>,
+    queue: &str,
+    claim: &str,
+    lease_us: u64,
+    look_first: bool,
+) -> mysql_async::Result<Option<ClaimedJob>> {
     if look_first {
         let mine: Option<(u64, Vec<u8>, u32)> = tx.exec_first(CLAIMED_BY, (queue, claim)).await?;
         if let Some(mine) = mine {
             tx.exec_drop(RENEW_CLAIM, (lease_us, mine.0, claim)).await?;
-            tx.commit().await?;
             return Ok(Some(claimed(mine)));
         }
     }
@@ -587,12 +599,10 @@ pub(crate) async fn claim_job(
         row = tx.exec_first(CLAIM_READY, (queue,)).await?;
     }
     let Some((id, payload, retry_count)) = row else {
-        tx.commit().await?; // keeps the jobs failed above
         return Ok(None);
     };
     tx.exec_drop(MARK_CLAIMED, (claim, lease_us, retry_count, id))
         .await?;
-    tx.commit().await?;
     Ok(Some(claimed((id, payload, retry_count))))
 }
 

@@ -197,6 +197,28 @@ fn lock_name(token: u64) -> String {
     format!("shardlock-session:{token:016x}")
 }
 
+/// Ends `tx` as `result` says: committed when it is `Ok`, else rolled back at once (best
+/// effort; a connection that cannot is broken, and discarded). A server error inside a
+/// transaction leaves it open, and mysql_async rolls a dropped transaction back only before
+/// its connection's next command: back in the pool, a connection may stay idle for long, and
+/// the rows its transaction locked (a job's, the cleaner's, a CAS row) would stay locked,
+/// holding up every session that wants them.
+pub(crate) async fn settle<T>(
+    tx: mysql_async::Transaction<'_>,
+    result: mysql_async::Result<T>,
+) -> mysql_async::Result<T> {
+    match result {
+        Ok(done) => {
+            tx.commit().await?;
+            Ok(done)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
+
 impl ShardConn {
     /// The Galera node this connection reached (0 on a plain shard).
     pub(crate) fn node(&self) -> usize {
