@@ -494,3 +494,39 @@ async fn claim_on(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn term(from_now: Duration, lease: Duration) -> Term {
+        Term {
+            sent: Moment::now() + from_now,
+            lease,
+            drift_ppm: 0,
+            skew: Duration::ZERO,
+        }
+    }
+
+    /// An extend's answer that arrives after the job was ended (completed, given back) leaves
+    /// it ended: the job may be another worker's by then.
+    #[test]
+    fn an_extend_answered_after_the_job_ended_does_not_revive_it() {
+        let end = ClaimEnd::new(term(Duration::ZERO, Duration::from_secs(10)));
+        end.ended();
+        end.last_until(term(Duration::from_secs(1), Duration::from_secs(60)));
+        assert!(end.term().is_none(), "an ended claim was held again");
+    }
+
+    /// Extends move the end on, never back.
+    #[test]
+    fn an_end_moves_on_and_never_back() {
+        let end = ClaimEnd::new(term(Duration::ZERO, Duration::from_secs(10)));
+        let at = |end: &ClaimEnd| end.term().unwrap().end(0, Duration::ZERO);
+        let first = at(&end);
+        end.last_until(term(Duration::from_secs(1), Duration::from_secs(2)));
+        assert_eq!(at(&end), first, "a shorter extend moved the end back");
+        end.last_until(term(Duration::from_secs(1), Duration::from_secs(60)));
+        assert!(at(&end) > first + Duration::from_secs(40));
+    }
+}
