@@ -379,14 +379,8 @@ impl LockRouter {
                 .iter()
                 .map(|old| old.clock_skew())
                 .fold(shard.clock_skew(), Duration::max);
-            // Galera shards end leases locally this much early: a lease must outlast twice
-            // that, and its first renewal (a third of it) must come before its local end by
-            // the clock drift allowed too (the config checks its namespaces' ttls; this, a
-            // ttl passed with the call).
-            let now = Moment::now();
-            let lasts = Want::end_by(now, want.ttl, want.drift_ppm, clock_skew)
-                .saturating_duration_since(now);
-            if !clock_skew.is_zero() && (want.ttl <= clock_skew * 2 || lasts <= want.ttl / 3) {
+            // Galera shards end leases locally this much early.
+            if want.too_short_for(clock_skew) {
                 return Err(Error::InvalidArgument {
                     name: "ttl",
                     reason: format!(

@@ -513,8 +513,9 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
     if let Some(next) = next {
         // In memory only when the waiter asked for this lease's own ttl; otherwise the
         // release statement grants it with the waiter's.
+        // (Terms first: a fence of the range is used up only by a hand-off made.)
         let same_terms = lease.want.same_terms(&next.want);
-        if let Some(fence) = lease.local_fence().filter(|_| same_terms) {
+        if let Some(fence) = same_terms.then(|| lease.local_fence()).flatten() {
             // Unlock first: if the waiter gave up meanwhile, the guard comes back and is
             // dropped right here, which ends its hold on this same lease.
             drop(turn_slot);
@@ -581,7 +582,18 @@ async fn handoff_through_shard(
     // under way), the key may have moved: handed over here, the waiter's lease would hold it
     // only where it lived, while the fleet takes it where it lives now. The rows are released
     // instead, and the waiter polls where the key lives.
-    if lease.refuse_companions() || shard.shared.epoch() > placed {
+    // A waiter in memory never polled, so its terms carry no clock skew: on a Galera shard the
+    // new lease ends locally as early as the released one did. A ttl too short for that (one
+    // passed with the waiter's call) is refused as its poll refuses it: the key is released and
+    // the waiter polls, to be told so, rather than handed a lease lost before its renewal.
+    let want = Want {
+        clock_skew: lease.clock_skew().max(shard.leases_skew()),
+        ..next.want
+    };
+    if lease.refuse_companions()
+        || shard.shared.epoch() > placed
+        || want.too_short_for(want.clock_skew)
+    {
         let released = release_through_shard(shard, lease, None).await;
         next.turn(turn, false);
         return released;
@@ -593,12 +605,6 @@ async fn handoff_through_shard(
     let shared = &shard.shared;
     shared.stats.releases.fetch_add(1, Ordering::Relaxed);
     let (id, owner) = shared.next_owner();
-    // A waiter in memory never polled, so its terms carry no clock skew: on a Galera shard the
-    // new lease ends locally as early as the released one did.
-    let want = Want {
-        clock_skew: lease.clock_skew().max(shard.leases_skew()),
-        ..next.want
-    };
     let req = GrantRequest {
         key: lease.key.stored().to_vec(),
         owner,

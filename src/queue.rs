@@ -94,8 +94,22 @@ impl Want {
     /// came before `now`: the opposite bound of [`Want::lease_end`] (the shard's clock may run
     /// slower than ours by up to `drift_ppm`, another node's clock may lag by `clock_skew`).
     pub(crate) fn kept_past(&self, now: Moment, at_least: Duration) -> Moment {
-        let ours = at_least.mul_f64(1.0 + f64::from(self.drift_ppm) / 1e6);
+        // A clock slower by `d` takes `at_least / (1 - d)` of ours to count `at_least` (the
+        // config keeps `d` at most a half).
+        let drift = (f64::from(self.drift_ppm) / 1e6).min(0.5);
+        let ours = at_least.div_f64(1.0 - drift);
         now + ours + self.clock_skew + Duration::from_millis(1)
+    }
+
+    /// Whether a lease of these terms is too short for a shard whose nodes' clocks may be
+    /// `clock_skew` apart (a Galera shard): it must outlast twice that, and its first renewal
+    /// (a third of it) must come before its local end, the clock drift allowed too. (The
+    /// config checks its namespaces' ttls; this, a ttl passed with a call.)
+    pub(crate) fn too_short_for(&self, clock_skew: Duration) -> bool {
+        let now = Moment::now();
+        let lasts =
+            Self::end_by(now, self.ttl, self.drift_ppm, clock_skew).saturating_duration_since(now);
+        !clock_skew.is_zero() && (self.ttl <= clock_skew * 2 || lasts <= self.ttl / 3)
     }
 }
 
@@ -350,6 +364,18 @@ mod tests {
             skewed.lease_end(sent),
             sent + Duration::from_micros(489_010)
         );
+    }
+
+    /// A row kept taken `at_least` by a shard clock that runs slower than ours by the drift
+    /// allowed lasts `at_least / (1 - drift)` of ours: its local end is past that (and the
+    /// millisecond of truncation).
+    #[test]
+    fn a_kept_row_ends_locally_after_a_slow_shard_clock_ends_it() {
+        let now = Moment::now();
+        let hour = Duration::from_secs(3600);
+        // 1% slower: 3600 s / 0.99 = 3636.36 s, more than 3600 s × 1.01 = 3636 s.
+        let past = want().kept_past(now, hour);
+        assert!(past > now + hour.div_f64(0.99), "{:?}", past - now);
     }
 
     fn turn_of(e: Entry) -> Turn {

@@ -259,6 +259,33 @@ async fn a_node_cut_off_from_the_majority_grants_nothing() {
         ),
         "{refused}"
     );
+    // So is such a ttl of a waiter in memory behind a holder of this process, when the key is
+    // released to it: told so, not handed a lease lost before its first renewal.
+    let held = router
+        .acquire(&on_g[1], AcquireOptions::new())
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let (router, key) = (router.clone(), on_g[1].clone());
+        let opts = AcquireOptions::new()
+            .ttl(Duration::from_millis(900))
+            .wait(Duration::from_secs(30));
+        async move { router.acquire(&key, opts).await }
+    });
+    let queued = common::eventually(Duration::from_secs(30), || async {
+        router.stats().queued == 1
+    })
+    .await;
+    assert!(queued, "the waiter never queued behind the holder");
+    held.release().await.unwrap();
+    let refused = waiter.await.unwrap();
+    assert!(
+        matches!(
+            &refused,
+            Err(shardlock::Error::InvalidArgument { name: "ttl", .. })
+        ),
+        "a waiter with a ttl too short for the shard was answered {refused:?}"
+    );
     let holder = router
         .acquire(&on_g[0], AcquireOptions::new().ttl(Duration::from_secs(3)))
         .await

@@ -310,8 +310,7 @@ impl LeaseState {
                 .is_none_or(|until| now < until)
             && self
                 .companions
-                .lock()
-                .unwrap()
+                .locked()
                 .rows
                 .iter()
                 .all(|(_, c)| !c.is_lost() && now < c.deadline())

@@ -233,7 +233,9 @@ const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE loc
 /// [`Released::Taken`], and a row with no owner (`NULL`: freed by a force-release) or another
 /// owner's tombstone (the key was taken and released since) as [`Released::Free`]; otherwise
 /// a key another owner holds counts as [`Released::TakenSince`] (the caller tells by whether
-/// its lease could have ended), and any free row as freed.
+/// its lease could have ended), and a free row as freed only when every row that does not show
+/// its own tombstone must be one the statement freed (else as [`Released::Free`]: a lease lost
+/// before, a force-release say, is never answered as released).
 pub(crate) async fn release_batch(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
@@ -288,6 +290,14 @@ fn released_rows(
     // Rows this statement freed that show something else by now (none, or fewer, when some
     // own tombstone is an earlier release's).
     let changed = matched.saturating_sub(ours);
+    // Every row showing something else is one of those: a free row among them is this
+    // statement's doing (freed, taken and released since).
+    let others = now
+        .iter()
+        .zip(leases)
+        .filter(|(row, (_, of))| row.is_some_and(|o| !own(o, of)))
+        .count();
+    let all_freed_here = changed >= others;
     leases
         .iter()
         .zip(now)
@@ -299,7 +309,7 @@ fn released_rows(
             Some(o) if names_holder(o) => Released::TakenSince,
             // No holder's (`NULL` or another owner's tombstone): not this statement's doing
             // when every row it freed shows its own tombstone.
-            Some(_) if changed == 0 => Released::Free,
+            Some(_) if changed == 0 || !all_freed_here => Released::Free,
             Some(_) => Released::Freed,
             None => Released::Free,
         })
@@ -358,6 +368,29 @@ mod tests {
         assert_eq!(
             released_rows(&leases, 1, &accounted),
             [Released::Freed, Released::Taken]
+        );
+    }
+
+    /// A free row that the statement may not have freed (a force-release left it `NULL` before)
+    /// is not answered as released unless every row that does not show the batch's tombstone
+    /// must be one the statement freed.
+    #[test]
+    fn a_free_row_is_answered_released_only_when_it_must_be_the_statements() {
+        let leases: [(&[u8], &str); 2] = [(b"k1", "a1"), (b"k2", "a2")];
+        let row =
+            |key: &[u8], owner: Option<&str>| (key.to_vec(), owner.map(|o| o.as_bytes().to_vec()));
+        // k1 force-released before (NULL); the statement freed k2, taken by b since: one row
+        // freed, two rows showing something else.
+        let forced = [row(b"k1", None), row(b"k2", Some("b"))];
+        assert_eq!(
+            released_rows(&leases, 1, &forced),
+            [Released::Free, Released::TakenSince]
+        );
+        // Both freed by the statement, k1 taken and released since, k2 taken since.
+        let both = [row(b"k1", Some(":x")), row(b"k2", Some("b"))];
+        assert_eq!(
+            released_rows(&leases, 2, &both),
+            [Released::Freed, Released::TakenSince]
         );
     }
 
