@@ -436,6 +436,10 @@ pub(crate) async fn to_move_from(
         }
     }
     if recorded.is_empty() {
+        // Either the fleet's first start, or a start onto none of the databases its fleet
+        // runs on (whose registry and record it cannot see): said, since only a reload of the
+        // fleet moves it onto new databases safely.
+        tracing::info!(fleet, "shardlock found no placement record of its fleet on any of its shards: it starts as the fleet's first placement (a fleet running on other databases is not seen: move a fleet onto new databases by reloading it)");
         return Ok(Vec::new());
     }
     join_all(topology.current.shards.iter().map(|s| s.resolve_identity())).await;

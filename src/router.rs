@@ -499,6 +499,9 @@ impl LockRouter {
         shards.sort_by_key(Arc::as_ptr);
         shards.dedup_by(|a, b| Arc::ptr_eq(a, b));
         join_all(shards.iter().map(|s| s.resolve_identity())).await;
+        if let Some(why) = registry::shared_database(&next) {
+            return Err(shardlock_core::ConfigError::field("shards", why).into());
+        }
         next.previous = old.previous_for_next(&next, window);
         // Shards that were current and are not any more (those that left earlier are being
         // drained already).
