@@ -375,10 +375,11 @@ impl LockRouter {
             progress.shard = Some(shard.clone());
             // A key that moved in a recent reload is also taken on the shards it lived on
             // before, in name order, each fence above the previous one; no hand-offs for it.
+            // (As raised by a reload since, which the lease is placed by.)
             let clock_skew = previous
                 .iter()
-                .map(|old| old.clock_skew())
-                .fold(shard.clock_skew(), Duration::max);
+                .map(|old| old.leases_skew())
+                .fold(shard.leases_skew(), Duration::max);
             // Galera shards end leases locally this much early.
             if want.too_short_for(clock_skew) {
                 return Err(Error::InvalidArgument {

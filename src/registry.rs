@@ -208,12 +208,12 @@ pub(crate) fn servers(topology: &Topology) -> Option<String> {
     Some(format!("{hash:016x}"))
 }
 
-/// Why `topology` may not grant, if two of its current shards reach one database, by the
-/// identities read so far (a shard not read yet is nobody's twin): their rows would be one
-/// table's, and a lease a reload moves from one to the other would take its companion row in
-/// its own row (releasing the row it left would free the key it holds). The config refuses
-/// two entries that name one host and database; two names for one server (an alias, an IP
-/// and a host name, a proxy) are told only by what the server says it is.
+/// Why `topology` may not be moved onto, if two of its current shards reach one database, by
+/// the identities read so far (a shard not read yet is nobody's twin): a lease a move takes
+/// from one to the other would take its companion row in its own row (releasing the row it
+/// left would free the key it holds). Without a move they are one table, and exclusion holds.
+/// The config refuses two entries that name one host and database; two names for one server
+/// (an alias, an IP and a host name, a proxy) are told only by what the server says it is.
 pub(crate) fn shared_database(topology: &Topology) -> Option<String> {
     let shards = &topology.current.shards;
     shards.iter().enumerate().find_map(|(i, shard)| {
@@ -223,7 +223,8 @@ pub(crate) fn shared_database(topology: &Topology) -> Option<String> {
             .find(|other| other.server_identity().as_deref() == Some(identity.as_str()))?;
         Some(format!(
             "shards `{}` and `{}` reach one database ({identity}): two names for one server? \
-             Each shard needs a database of its own (its rows would be the other's)",
+             Each shard needs a database of its own (its rows would be the other's; a \
+             Galera cluster copied from another's data files shares its identity too)",
             first.name(),
             shard.name()
         ))
@@ -310,9 +311,6 @@ fn describe(row: &InstanceRow) -> String {
 /// (it fails closed: unread is not "nobody there"). Instances of versions that do not say
 /// their topology are not counted.
 pub(crate) async fn fleet_disagreement(topology: &Topology, me: &Shared) -> Option<String> {
-    if let Some(why) = shared_database(topology) {
-        return Some(why);
-    }
     let rows = match live_fleet(topology, me).await {
         Ok(rows) => rows?,
         Err(why) => return Some(format!("this process grants nothing yet: {why}")),

@@ -180,6 +180,15 @@ impl LockRouter {
                 ),
             });
         }
+        // Two names for one database: one table, so exclusion holds, but no move may go between
+        // them (a reload onto them is refused). Said, not refused: a copy that shares an id
+        // would otherwise stop a fleet that ran.
+        if let Some(why) = registry::shared_database(&topology) {
+            tracing::warn!(
+                why,
+                "shardlock runs a topology with two names for one database"
+            );
+        }
         if let Some(why) = beats.unreached() {
             // Unregistered there, it could be missed by a reload's move, or by a start under
             // its id: it joins once a heartbeat has reached every shard (a shard migrated
@@ -500,6 +509,15 @@ impl LockRouter {
         shards.dedup_by(|a, b| Arc::ptr_eq(a, b));
         join_all(shards.iter().map(|s| s.resolve_identity())).await;
         if let Some(why) = registry::shared_database(&next) {
+            // Nothing of the refused topology stays: the shards it shares with the one in force
+            // get their breaker settings back, its new ones close.
+            let kept = old.all_shards();
+            for shard in &next.current.shards {
+                match kept.iter().any(|k| Arc::ptr_eq(k, shard)) {
+                    true => shard.reconfigure_breaker(old.config.breaker.clone()),
+                    false => shard.close(),
+                }
+            }
             return Err(shardlock_core::ConfigError::field("shards", why).into());
         }
         next.previous = old.previous_for_next(&next, window);
