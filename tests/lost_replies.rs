@@ -1177,6 +1177,33 @@ async fn one_job_behind_a_proxy() -> (Cluster, LockRouter, Proxy) {
     (cluster, router, proxy)
 }
 
+/// Whether a claim's lease ran out on the cluster's first shard within 30 s, read at
+/// `isolation` (READ UNCOMMITTED sees a claim not committed yet).
+async fn a_claim_ran_out(cluster: &Cluster, isolation: &'static str) -> bool {
+    common::eventually(Duration::from_secs(30), || {
+        let url = cluster.shard(0).url();
+        async move {
+            let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
+                .await
+                .unwrap();
+            c.query_drop(format!(
+                "SET SESSION TRANSACTION ISOLATION LEVEL {isolation}"
+            ))
+            .await
+            .unwrap();
+            let n: Option<u64> = c
+                .query_first(
+                    "SELECT COUNT(*) FROM shardlock_job \
+                     WHERE status = 'claimed' AND lease_until <= NOW(3)",
+                )
+                .await
+                .unwrap();
+            n == Some(1)
+        }
+    })
+    .await
+}
+
 /// A claim answered only after its lease ran out on the shard (its COMMIT held up on the way)
 /// is not held: its local end runs from before its try was sent, not from its answer, so its
 /// worker is never told to go on with a job that another worker may claim meanwhile.
@@ -1202,26 +1229,7 @@ async fn a_claim_answered_after_its_lease_ran_out_is_not_held() {
         .await
         .expect("the claim's COMMIT never reached the link");
     // Its lease runs out on the shard, its transaction not committed yet (read as it stands).
-    let ran_out = common::eventually(Duration::from_secs(30), || {
-        let url = cluster.shard(0).url();
-        async move {
-            let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
-                .await
-                .unwrap();
-            c.query_drop("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
-                .await
-                .unwrap();
-            let n: Option<u64> = c
-                .query_first(
-                    "SELECT COUNT(*) FROM shardlock_job \
-                     WHERE status = 'claimed' AND lease_until <= NOW(3)",
-                )
-                .await
-                .unwrap();
-            n == Some(1)
-        }
-    })
-    .await;
+    let ran_out = a_claim_ran_out(&cluster, "READ UNCOMMITTED").await;
     assert!(ran_out, "the held-up claim's lease never ran out");
     proxy.set(ProxyMode::Pass);
     let job = claiming.await.unwrap().unwrap().expect("the job");
@@ -1367,23 +1375,7 @@ async fn a_claim_found_by_a_retry_after_its_lease_ran_out_is_answered_renewed() 
         let router = router.clone();
         async move { router.claim_job("q", "w", Duration::from_millis(300)).await }
     });
-    let ran_out = common::eventually(Duration::from_secs(30), || {
-        let url = cluster.shard(0).url();
-        async move {
-            let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
-                .await
-                .unwrap();
-            let n: Option<u64> = c
-                .query_first(
-                    "SELECT COUNT(*) FROM shardlock_job \
-                     WHERE status = 'claimed' AND lease_until <= NOW(3)",
-                )
-                .await
-                .unwrap();
-            n == Some(1)
-        }
-    })
-    .await;
+    let ran_out = a_claim_ran_out(&cluster, "READ COMMITTED").await;
     assert!(ran_out, "the claim whose reply was lost never ran out");
     admin.query_drop("SET @retried = NOW(3)").await.unwrap();
     proxy.set(ProxyMode::Pass);

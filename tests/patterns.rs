@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::patterns::StateMachine;
+use shardlock::patterns::{Job, StateMachine};
 use shardlock::{Error, LockRouter};
 use shardlock_testkit::{report, Cluster, Worker};
 use tokio::time::Instant;
@@ -464,49 +464,45 @@ async fn a_job_given_back_is_claimed_again_at_once_and_not_counted_as_a_retry() 
     assert!(router.claim_job("q", "w3", hour).await.unwrap().is_none());
 }
 
-/// A claim kept extended is claimed by no other worker past the lease it was claimed for, on
-/// the shard's clock; an extend for less than what is left moves its end neither on the shard
-/// nor here; a completed job is no longer held, by any clone of it, and cannot be extended.
-#[tokio::test(flavor = "multi_thread")]
-async fn an_extended_claim_outlasts_its_first_lease_and_ends_with_its_job() {
+/// A shard whose one job of queue `q` is claimed by worker `w1` for `lease`, and the claim's
+/// end as the shard wrote it.
+async fn one_claimed_job(
+    lease: Duration,
+) -> (Cluster, LockRouter, Job, shardlock::mysql_async::Value) {
     let (cluster, router, _) = common::start(1, "").await;
     router
         .enqueue_job("q", b"long", Duration::ZERO, 3)
         .await
         .unwrap();
     let job = router
-        .claim_job("q", "w1", Duration::from_secs(1))
+        .claim_job("q", "w1", lease)
         .await
         .unwrap()
         .expect("due");
-    assert!(
-        job.is_held(),
-        "a job just claimed for a second was not held"
-    );
-    let first_end = job.held_until();
-    let mut admin = cluster.shard(0).connect().await.unwrap();
-    let claimed_until: shardlock::mysql_async::Value = admin
+    let claimed_until = (cluster.shard(0).connect().await.unwrap())
         .query_first("SELECT lease_until FROM shardlock_job")
         .await
         .unwrap()
         .unwrap();
-    let hour = Duration::from_secs(3600);
-    assert!(router.extend_job(&job, hour).await.unwrap());
-    assert!(
-        job.held_until() > first_end + Duration::from_secs(3000),
-        "an extend by an hour did not move the claim's end"
-    );
+    (cluster, router, job, claimed_until)
+}
 
-    // Past the lease it was claimed for, by the shard's clock: nobody else claims it.
-    let past = common::eventually(Duration::from_secs(30), || {
+/// Waits until the clock of the cluster's first shard is `secs` seconds past `at` (a value
+/// read from its rows).
+async fn until_the_shards_clock_passes(
+    cluster: &Cluster,
+    at: shardlock::mysql_async::Value,
+    secs: u32,
+) {
+    let past = common::eventually(Duration::from_secs(60), || {
         let url = cluster.shard(0).url();
-        let claimed_until = claimed_until.clone();
+        let at = at.clone();
         async move {
             let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
                 .await
                 .unwrap();
             let past: Option<u64> = c
-                .exec_first("SELECT NOW(3) > ?", (claimed_until,))
+                .exec_first("SELECT NOW(3) > ? + INTERVAL ? SECOND", (at, secs))
                 .await
                 .unwrap();
             past == Some(1)
@@ -515,8 +511,31 @@ async fn an_extended_claim_outlasts_its_first_lease_and_ends_with_its_job() {
     .await;
     assert!(
         past,
-        "the shard's clock never passed the claim's first lease"
+        "the shard's clock never passed {secs} s after the claim's first lease"
     );
+}
+
+/// A claim kept extended is claimed by no other worker past the lease it was claimed for, on
+/// the shard's clock; an extend for less than what is left moves its end neither on the shard
+/// nor here; a completed job is no longer held, by any clone of it, and cannot be extended.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_extended_claim_outlasts_its_first_lease_and_ends_with_its_job() {
+    let (cluster, router, job, claimed_until) = one_claimed_job(Duration::from_secs(1)).await;
+    assert!(
+        job.is_held(),
+        "a job just claimed for a second was not held"
+    );
+    let first_end = job.held_until();
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    let hour = Duration::from_secs(3600);
+    assert!(router.extend_job(&job, hour).await.unwrap());
+    assert!(
+        job.held_until() > first_end + Duration::from_secs(3000),
+        "an extend by an hour did not move the claim's end"
+    );
+
+    // Past the lease it was claimed for, by the shard's clock: nobody else claims it.
+    until_the_shards_clock_passes(&cluster, claimed_until, 0).await;
     let other = router.claim_job("q", "w2", hour).await.unwrap();
     assert_eq!(
         other, None,
@@ -556,17 +575,8 @@ async fn an_extended_claim_outlasts_its_first_lease_and_ends_with_its_job() {
 /// worker claims the job.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_kept_claim_is_extended_until_its_keeper_is_dropped() {
-    let (cluster, router, _) = common::start(1, "").await;
-    router
-        .enqueue_job("q", b"long", Duration::ZERO, 3)
-        .await
-        .unwrap();
     let lease = Duration::from_secs(6);
-    let job = router
-        .claim_job("q", "w1", lease)
-        .await
-        .unwrap()
-        .expect("due");
+    let (cluster, router, job, claimed_until) = one_claimed_job(lease).await;
     assert!(
         matches!(
             router.keep_job(&job, Duration::from_millis(2)),
@@ -575,33 +585,9 @@ async fn a_kept_claim_is_extended_until_its_keeper_is_dropped() {
         "a lease too short to keep was accepted"
     );
     let keeper = router.keep_job(&job, lease).unwrap();
-    let mut admin = cluster.shard(0).connect().await.unwrap();
-    let claimed_until: shardlock::mysql_async::Value = admin
-        .query_first("SELECT lease_until FROM shardlock_job")
-        .await
-        .unwrap()
-        .unwrap();
     // Half a lease past the one it was claimed for, by the shard's clock (extends come every
     // 2 s: a stall of 4 s would let the claim run out).
-    let past = common::eventually(Duration::from_secs(60), || {
-        let url = cluster.shard(0).url();
-        let claimed_until = claimed_until.clone();
-        async move {
-            let mut c = shardlock::mysql_async::Conn::from_url(url.as_str())
-                .await
-                .unwrap();
-            let past: Option<u64> = c
-                .exec_first("SELECT NOW(3) > ? + INTERVAL 3 SECOND", (claimed_until,))
-                .await
-                .unwrap();
-            past == Some(1)
-        }
-    })
-    .await;
-    assert!(
-        past,
-        "the shard's clock never passed the claim's first lease"
-    );
+    until_the_shards_clock_passes(&cluster, claimed_until, 3).await;
     let other = router.claim_job("q", "w2", lease).await.unwrap();
     assert_eq!(other, None, "a kept claim was taken by another worker");
     assert!(job.is_held(), "a kept claim was not held");
