@@ -363,12 +363,12 @@ impl LockRouter {
     }
 
     /// Keeps `job`'s claim extended by `lease` in the background, a third of `lease` apart
-    /// (the first within half of what is left of the claim; sooner after a failed try), until the keeper is dropped, the job is ended, or an extend
-    /// answers that the claim no longer holds; [`Job::held_until`] moves with each extend. A
-    /// claim whose extends fail (the shard out of reach) still ends at its deadline:
-    /// [`Job::lost`] completes then, and the work must stop. Extends go on trying after that
-    /// (one that reaches the shard while the claim still holds there makes it held again)
-    /// until the keeper is dropped.
+    /// (the first within half of what is left of the claim; sooner after a failed try), until
+    /// the keeper is dropped, the job is ended, an extend answers that the claim no longer
+    /// holds, or the router shuts down; [`Job::held_until`] moves with each extend. A claim
+    /// whose extends fail (the shard out of reach) still ends at its deadline: [`Job::lost`]
+    /// completes then, and the work must stop. Extends go on trying after that (one that
+    /// reaches the shard while the claim still holds there makes it held again).
     ///
     /// `lease` must be at least 3 ms, so that its extends are apart (it is then at least 1 ms).
     pub fn keep_job(&self, job: &Job, lease: Duration) -> Result<JobKeeper> {
@@ -399,7 +399,8 @@ impl LockRouter {
                     _ = tokio::time::sleep(pause) => {}
                     _ = ended.wait_for(Option::is_none) => return,
                 }
-                let Some(inner) = router.upgrade() else {
+                // The router gone or shut down: its extends could only fail from now on.
+                let Some(inner) = router.upgrade().filter(|i| !i.shared.is_closed()) else {
                     return;
                 };
                 match (LockRouter { inner }).extend_job(&job, lease).await {
