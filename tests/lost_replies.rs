@@ -631,16 +631,23 @@ async fn a_session_given_a_stranded_thread_id_after_a_restart_is_left_alone() {
 /// the next call uses.
 const POOL_OF_ONE: &str = "    pool:\n      max-size: 1\n";
 
-/// A CAS take whose reply was lost and whose retry failed (the link down) may have taken the
-/// row: it is given back by the call's token once the shard answers, not left owned for good
-/// with no guard to release it (CAS rows never expire).
-#[tokio::test(flavor = "multi_thread")]
-async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_answers() {
+/// A shard reached directly and through a proxy (1 s statements, a pool of one), the CAS take
+/// and release statements prepared on the proxied connection.
+async fn cas_behind_proxy() -> (Cluster, LockRouter, LockRouter, Proxy) {
     let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let shard = format!("    statement-timeout: 1s\n{POOL_OF_ONE}");
     let (router, proxy) = behind_proxy(&cluster, &shard, "").await;
     let warm = router.cas_acquire("warm", "w").await.unwrap().unwrap();
     assert!(router.cas_release(warm).await.unwrap());
+    (cluster, direct, router, proxy)
+}
+
+/// A CAS take whose reply was lost and whose retry failed (the link down) may have taken the
+/// row: it is given back by the call's token once the shard answers, not left owned for good
+/// with no guard to release it (CAS rows never expire).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_answers() {
+    let (cluster, direct, router, proxy) = cas_behind_proxy().await;
     // The owner's name is sent in the take's statement alone.
     proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"lost-take-owner"));
     let taken = router.cas_acquire("c", "lost-take-owner").await;
@@ -663,11 +670,7 @@ async fn a_cas_take_whose_outcome_stayed_unknown_is_given_back_once_the_shard_an
 /// guard to release it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cas_take_whose_caller_went_away_is_given_back() {
-    let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let shard = format!("    statement-timeout: 1s\n{POOL_OF_ONE}");
-    let (router, proxy) = behind_proxy(&cluster, &shard, "").await;
-    let warm = router.cas_acquire("warm", "w").await.unwrap().unwrap();
-    assert!(router.cas_release(warm).await.unwrap());
+    let (cluster, direct, router, proxy) = cas_behind_proxy().await;
     // The owner's name is sent in the take's statement alone.
     proxy.set(ProxyMode::HoldTo(b"gone-take-owner"));
     let gone = tokio::time::timeout(
