@@ -91,14 +91,19 @@ impl Want {
     }
 
     /// A local moment surely past the end of a row kept taken `at_least` after a grant that
-    /// came before `now`: the opposite bound of [`Want::lease_end`] (the shard's clock may run
+    /// came before `now`: the opposite bound of [`Want::end_by`] (the shard's clock may run
     /// slower than ours by up to `drift_ppm`, another node's clock may lag by `clock_skew`).
-    pub(crate) fn kept_past(&self, now: Moment, at_least: Duration) -> Moment {
+    pub(crate) fn kept_by(
+        now: Moment,
+        at_least: Duration,
+        drift_ppm: u32,
+        clock_skew: Duration,
+    ) -> Moment {
         // A clock slower by `d` takes `at_least / (1 - d)` of ours to count `at_least` (the
         // config keeps `d` at most a half).
-        let drift = (f64::from(self.drift_ppm) / 1e6).min(0.5);
+        let drift = (f64::from(drift_ppm) / 1e6).min(0.5);
         let ours = at_least.div_f64(1.0 - drift);
-        now + ours + self.clock_skew + Duration::from_millis(1)
+        now + ours + clock_skew + Duration::from_millis(1)
     }
 
     /// Whether a lease of these terms is too short for a shard whose nodes' clocks may be
@@ -374,7 +379,8 @@ mod tests {
         let now = Moment::now();
         let hour = Duration::from_secs(3600);
         // 1% slower: 3600 s / 0.99 = 3636.36 s, more than 3600 s × 1.01 = 3636 s.
-        let past = want().kept_past(now, hour);
+        let w = want();
+        let past = Want::kept_by(now, hour, w.drift_ppm, w.clock_skew);
         assert!(past > now + hour.div_f64(0.99), "{:?}", past - now);
     }
 

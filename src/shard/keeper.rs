@@ -227,7 +227,7 @@ impl ShardState {
             return false;
         }
         let owner = row.owner.expect("filtered above");
-        if !self.shared.is_stale_own(&owner, local_id) {
+        if !(self.shared).is_stale_own(&owner, local_id, self.leases_skew()) {
             return false;
         }
         tracing::info!(

@@ -359,7 +359,17 @@ impl LeaseState {
     /// (see [`Shared::keep_taken`]). Called as the lease is registered after its grant.
     pub(crate) fn keep_taken(&self, shared: &Shared) {
         if let Some(at_least) = self.at_least() {
-            shared.keep_taken(&self.owner, self.want.kept_past(Moment::now(), at_least));
+            let (drift_ppm, clock_skew) = {
+                let d = self.deadline.locked();
+                (d.drift_ppm, d.clock_skew)
+            };
+            let hold = super::shared::KeptHold {
+                from: Moment::now(),
+                at_least,
+                drift_ppm,
+                clock_skew,
+            };
+            shared.keep_taken(&self.owner, hold);
         }
     }
 

@@ -76,9 +76,33 @@ pub(crate) struct Shared {
 /// See [`Shared::keep_taken`].
 #[derive(Debug, Default)]
 struct Kept {
-    until: std::collections::HashMap<String, Moment>,
+    holds: std::collections::HashMap<String, Vec<KeptHold>>,
     /// Ended entries are dropped once the map has grown to this size.
     prune_at: usize,
+}
+
+/// A row kept taken `at_least` after `from` (a local moment no earlier than its grant), by a
+/// shard clock that may run up to `drift_ppm` slower than ours and a node's clock up to
+/// `clock_skew` behind: both as raised by a reload since, which [`Shared::allow_drift`] and
+/// the shard's skew floor do.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KeptHold {
+    pub(crate) from: Moment,
+    pub(crate) at_least: Duration,
+    pub(crate) drift_ppm: u32,
+    pub(crate) clock_skew: Duration,
+}
+
+impl KeptHold {
+    /// A local moment surely past the hold's end, for a node skew of at least `skew`.
+    fn past(&self, skew: Duration) -> Moment {
+        crate::queue::Want::kept_by(
+            self.from,
+            self.at_least,
+            self.drift_ppm,
+            self.clock_skew.max(skew),
+        )
+    }
 }
 
 impl Shared {
@@ -269,6 +293,10 @@ impl Shared {
         if drift_ppm <= before {
             return;
         }
+        // A row kept taken runs by the slower clock too, its lease long gone or not.
+        for hold in self.kept.locked().holds.values_mut().flatten() {
+            hold.drift_ppm = hold.drift_ppm.max(drift_ppm);
+        }
         for shard in self.shard_states() {
             for lease in shard.held().into_iter().chain(shard.locals()) {
                 lease.allow_drift(drift_ppm);
@@ -298,9 +326,10 @@ impl Shared {
     }
 
     /// Whether `owner` was written by this router (its instance id and start nonce) for a
-    /// grant numbered below `before`, and no lease of this router, local or remote, holds
-    /// that owner now.
-    pub(crate) fn is_stale_own(&self, owner: &str, before: u64) -> bool {
+    /// grant numbered below `before`, no lease of this router, local or remote, holds that
+    /// owner now, and its row is not kept taken any more by a shard whose nodes' clocks may
+    /// be `clock_skew` apart.
+    pub(crate) fn is_stale_own(&self, owner: &str, before: u64, clock_skew: Duration) -> bool {
         let older = owner
             .strip_prefix(self.instance_id.as_str())
             .and_then(|rest| rest.strip_prefix(':'))
@@ -308,33 +337,38 @@ impl Shared {
             .and_then(|rest| rest.strip_prefix(':'))
             .and_then(|seq| seq.parse::<u64>().ok())
             .is_some_and(|seq| seq < before);
-        let kept = self
-            .kept
-            .locked()
-            .until
-            .get(owner)
-            .is_some_and(|until| Moment::now() < *until);
+        let now = Moment::now();
+        let kept = (self.kept.locked().holds.get(owner))
+            .is_some_and(|holds| holds.iter().any(|h| now < h.past(clock_skew)));
         older && !kept && !self.shard_states().iter().any(|s| s.holds_owner(owner))
     }
 
-    /// Records that the row of `owner` stays taken until `until` (a local moment past the end
-    /// of its minimum hold) whatever becomes of its lease: its release may fail, and a later
-    /// reconcile of the key must leave it taken.
-    pub(crate) fn keep_taken(&self, owner: &str, until: Moment) {
+    /// Records that the row of `owner` stays taken for `hold` whatever becomes of its lease:
+    /// its release may fail, and a later reconcile of the key must leave it taken until a
+    /// local moment past the hold's end, by the clock drift and node skew allowed then.
+    pub(crate) fn keep_taken(&self, owner: &str, hold: KeptHold) {
+        // Taken first: the shard list's lock is not taken under this one's.
+        let skew = (self.shard_states().iter())
+            .map(|s| s.leases_skew())
+            .max()
+            .unwrap_or_default();
         let mut kept = self.kept.locked();
-        if kept.until.len() >= kept.prune_at {
+        if kept.holds.len() >= kept.prune_at {
             let now = Moment::now();
-            kept.until.retain(|_, until| now < *until);
-            kept.prune_at = (kept.until.len() * 2).max(64);
+            kept.holds.retain(|_, holds| {
+                holds.retain(|h| now < h.past(skew));
+                !holds.is_empty()
+            });
+            kept.prune_at = (kept.holds.len() * 2).max(64);
         }
-        let entry = kept.until.entry(owner.to_owned()).or_insert(until);
-        *entry = (*entry).max(until);
+        let drift_ppm = hold.drift_ppm.max(self.drift_ppm());
+        (kept.holds.entry(owner.to_owned()).or_default()).push(KeptHold { drift_ppm, ..hold });
     }
 
     /// Forgets `owner`'s minimum hold once its release reached the shard: the row then shows
     /// it is kept (a zero ttl), and the map stays as small as the holds not released.
     pub(crate) fn released_kept(&self, owner: &str) {
-        self.kept.locked().until.remove(owner);
+        self.kept.locked().holds.remove(owner);
     }
 
     /// A new grant number (unique in this router; also names a lease row in its shard's
@@ -350,5 +384,62 @@ struct Follow(Box<dyn Fn(Arc<ShardState>, Arc<LeaseState>) + Send + Sync>);
 impl std::fmt::Debug for Follow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Follow")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared() -> Shared {
+        let telemetry = crate::telemetry::Telemetry::new(&Default::default(), None);
+        Shared::new("worker-1".to_owned(), telemetry)
+    }
+
+    /// A reload that raises the clock drift allowed keeps a row kept taken for as long as the
+    /// slower shard clock counts its hold, also once its lease is gone: a reconcile of its key
+    /// must not give the row back before then.
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_row_outlasts_a_clock_drift_raised_after_its_grant() {
+        let shared = shared();
+        let owner = format!("worker-1:{}:1", shared.nonce());
+        let hold = KeptHold {
+            from: Moment::now(),
+            at_least: Duration::from_secs(10),
+            drift_ppm: 0,
+            clock_skew: Duration::ZERO,
+        };
+        shared.keep_taken(&owner, hold);
+        // 10 %: the shard's clock counts 10 s in 11.1 s of ours.
+        shared.allow_drift(100_000);
+        tokio::time::advance(Duration::from_millis(10_500)).await;
+        assert!(
+            !shared.is_stale_own(&owner, 2, Duration::ZERO),
+            "a row kept taken was given back before a shard clock 10% slower ended its hold"
+        );
+        tokio::time::advance(Duration::from_millis(700)).await;
+        assert!(shared.is_stale_own(&owner, 2, Duration::ZERO));
+    }
+
+    /// A hold recorded while a higher clock drift is allowed keeps it once a reload lowers it
+    /// (a lease granted before the raise may have recorded less).
+    #[tokio::test(start_paused = true)]
+    async fn a_lowered_clock_drift_shortens_no_hold_recorded_before() {
+        let shared = shared();
+        shared.allow_drift(100_000);
+        let owner = format!("worker-1:{}:1", shared.nonce());
+        let hold = KeptHold {
+            from: Moment::now(),
+            at_least: Duration::from_secs(10),
+            drift_ppm: 0,
+            clock_skew: Duration::ZERO,
+        };
+        shared.keep_taken(&owner, hold);
+        shared.allow_drift(0);
+        tokio::time::advance(Duration::from_millis(10_500)).await;
+        assert!(
+            !shared.is_stale_own(&owner, 2, Duration::ZERO),
+            "a row kept taken while 10% drift was allowed was given back once it was lowered"
+        );
     }
 }
