@@ -96,6 +96,10 @@ pub(crate) struct Gate {
     lapsed: AtomicBool,
     /// Set when another process took this router's instance id over: the gate stays closed.
     replaced: AtomicBool,
+    /// Counts the reasons to join again (a lapse, a silence, a switch of registry), those
+    /// that come while joining already too: a join whose reads came before one of them (the
+    /// fleet, the placement record, read before a freeze) must not open the gate.
+    asked: AtomicU64,
 }
 
 impl Default for Gate {
@@ -109,6 +113,7 @@ impl Default for Gate {
             rejoining: AtomicBool::new(false),
             lapsed: AtomicBool::new(false),
             replaced: AtomicBool::new(false),
+            asked: AtomicU64::new(0),
         }
     }
 }
@@ -117,14 +122,26 @@ impl Default for Gate {
 // and a lapse, or two joins, that run at the same time must not leave the gate closed with
 // nothing left to open it.
 impl Gate {
-    /// The router joined its fleet: its heartbeat reached every shard, and the fleet agrees.
-    pub(crate) fn rejoined(&self) {
+    /// How many reasons to join again there were so far (see [`Gate::rejoined`]).
+    pub(crate) fn asked(&self) -> u64 {
+        self.asked.load(Ordering::Acquire)
+    }
+
+    /// The router joined its fleet: its heartbeat reached every shard, and the fleet agrees,
+    /// by checks that began when [`Gate::asked`] answered `asked`. `false`, the gate left
+    /// closed, if another reason to join came since: a lapse (or a silence the registry
+    /// showed) while those checks ran may have come after their reads.
+    pub(crate) fn rejoined(&self, asked: u64) -> bool {
         let _state = self.why.locked();
+        if self.asked.load(Ordering::Acquire) != asked {
+            return false;
+        }
         self.rejoining.store(false, Ordering::Release);
         self.lapsed.store(false, Ordering::Release);
         if !self.replaced.load(Ordering::Acquire) {
             self.closed.send_replace(false);
         }
+        true
     }
 
     /// While the router joins its fleet: why it may not grant yet. Nothing once it has
@@ -248,6 +265,7 @@ impl Gate {
     /// joins for another reason than a lapse is never taken for a lapsed one.
     fn join_again(&self, why: String, lapsed: bool) -> bool {
         let mut current = self.why.locked();
+        self.asked.fetch_add(1, Ordering::AcqRel);
         if !lapsed {
             self.lapsed.store(false, Ordering::Release);
         }
@@ -479,6 +497,8 @@ impl Inner {
     /// Once this router's heartbeat reached every shard, at its start or after a lapse: opens
     /// the gate if its fleet agrees.
     async fn rejoin(&self, writing: &crate::placement_record::Writing<'_>) {
+        // Before any read: a lapse from here on makes them stale.
+        let asked = self.gate.asked();
         if let Some(why) = self.placement.unsettled() {
             self.gate.not_yet(why);
             return;
@@ -516,12 +536,14 @@ impl Inner {
             ))
         });
         match disagreement {
-            None => {
-                tracing::info!(
-                    "shardlock's heartbeat reaches every shard and its fleet agrees: granting"
-                );
-                self.gate.rejoined();
-            }
+            None if self.gate.rejoined(asked) => tracing::info!(
+                "shardlock's heartbeat reaches every shard and its fleet agrees: granting"
+            ),
+            None => self.gate.not_yet(
+                "this process's heartbeat lapsed (or the registry showed its clocks stood \
+                 still) while it joined its fleet: it joins at its next heartbeat"
+                    .to_owned(),
+            ),
             Some(why) => self.gate.not_yet(why),
         }
     }
@@ -819,6 +841,27 @@ mod tests {
         assert_eq!(lapses.load(Ordering::Acquire), 1);
     }
 
+    /// A lapse (or a silence the registry showed) that comes while the router joins its
+    /// fleet again, after that join read the fleet and its placement record: the join must
+    /// not open the gate on reads that may predate a freeze.
+    #[test]
+    fn a_lapse_during_a_join_keeps_that_join_from_opening_the_gate() {
+        let (gate, lapses) = (Gate::default(), AtomicU64::new(0));
+        gate.unjoined("not joined yet".to_owned());
+        // The join's checks begin (its reads of the fleet and the record) ...
+        let asked = gate.asked();
+        // ... the process freezes, and on resuming another task sees the silence.
+        gate.lapse_for("its clocks stood still".to_owned(), &lapses);
+        assert!(
+            !gate.rejoined(asked),
+            "a join whose reads came before a lapse opened the gate"
+        );
+        assert!(gate.is_closed());
+        // The next join, its reads after the lapse, opens it.
+        assert!(gate.rejoined(gate.asked()));
+        assert!(!gate.is_closed());
+    }
+
     #[test]
     fn a_join_that_lost_a_race_leaves_the_gate_as_the_winner_left_it() {
         let gate = Gate::default();
@@ -826,7 +869,7 @@ mod tests {
         assert!(gate.is_closed());
         // `migrate`'s join found every shard reached; the heartbeat task's, sent before the
         // migration, answers after it.
-        gate.rejoined();
+        assert!(gate.rejoined(gate.asked()));
         gate.not_yet("a shard not migrated".to_owned());
         assert!(!gate.is_closed(), "{:?}", gate.why());
     }
