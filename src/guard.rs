@@ -379,9 +379,11 @@ impl LockGuard {
         }
         match end_hold(&self.hold) {
             None => Ok(()),
-            Some(shard_work) => tokio::spawn(shard_work)
-                .await
-                .map_err(|_| Error::Shutdown)?,
+            // On the router's runtime: a release given up by its caller goes on.
+            Some(shard_work) => match self.hold.shard.shared.spawn(shard_work) {
+                Some(work) => work.await.map_err(|_| Error::Shutdown)?,
+                None => Err(Error::Shutdown),
+            },
         }
     }
 
@@ -413,7 +415,12 @@ impl LockGuard {
             shared.released_kept(&row.owner);
         }
         let turn = lease.turn.locked().take();
-        let _ = tokio::spawn(release_through_shard(shard, lease, turn)).await;
+        if let Some(release) = shard
+            .shared
+            .spawn(release_through_shard(shard.clone(), lease, turn))
+        {
+            let _ = release.await;
+        }
     }
 }
 

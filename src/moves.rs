@@ -30,10 +30,8 @@ use crate::topology::{Previous, Topology};
 /// in a task of its own. Several calls for one lease run one after the other; each does
 /// nothing once the lease is placed under the newest epoch.
 pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<LeaseState>) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
+    let shared = shard.shared.clone();
+    shared.spawn(async move {
         let _one_at_a_time = lease.following.lock().await;
         let Some(topology) = router.upgrade().map(|inner| inner.topology.load_full()) else {
             return;
@@ -879,10 +877,8 @@ async fn carry_cas_row(
 /// or once a carry freed it; else it is given back, by token and version (a copy of the same
 /// take carried back and forth since has another version).
 fn settle_copy(source: Arc<ShardState>, target: Arc<ShardState>, row: CasRow, token: String) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
+    let shared = source.shared.clone();
+    shared.spawn(async move {
         let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(500));
         loop {
             if source.is_closed() || target.is_closed() {

@@ -415,7 +415,7 @@ impl ShardState {
         }
         let (answer, start) = self.acquire_lane.push((req, orphan), self.runners());
         if start {
-            tokio::spawn(self.acquire_runner().send_acquires());
+            self.shared.spawn(self.acquire_runner().send_acquires());
         }
         answer
     }
@@ -441,7 +441,7 @@ impl ShardState {
             let lease = (key.to_vec(), owner.to_owned());
             let (answer, start) = self.release_lane.push(lease, self.runners());
             if start {
-                tokio::spawn(self.release_runner().send_releases());
+                self.shared.spawn(self.release_runner().send_releases());
             }
             match answer.await.unwrap_or_else(|_| Err(no_answer())) {
                 Err(e) if again && lanes::is_not_sent(&e) => again = false,
@@ -494,11 +494,8 @@ impl ShardState {
         ttl: Duration,
         any_answer_ends: bool,
     ) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let giving_back = Settling::new(self);
-        runtime.spawn(async move {
+        self.shared.spawn(async move {
             let shard = &giving_back.0;
             // As long as the row can last: on a Galera shard a node whose clock lags may keep
             // it up to the nodes' skew longer.
@@ -563,11 +560,8 @@ impl ShardState {
         how: CasGiveBack,
         then: Option<CasFollow>,
     ) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let first = self.clone();
-        runtime.spawn(async move {
+        self.shared.spawn(async move {
             // Closed (a shard that left in a reload): where the key went is still looked at.
             first.give_back_cas_until_answered(&key, &token, how).await;
             let Some(then) = then else { return };

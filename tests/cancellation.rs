@@ -125,3 +125,77 @@ async fn waiters_giving_up_during_in_memory_hand_offs_never_wedge_the_key() {
     .await;
     assert!(settled, "no lease left behind");
 }
+
+/// An acquire made from a runtime that stops being driven once the caller gives up (a sync
+/// bridge's `block_on` with a timeout, its runtime kept for later) leaves nothing behind
+/// either: the statement it sent runs to its answer on the router's runtime, where the grant
+/// is given back, and the shard's lane is free for the next caller. On the caller's runtime
+/// the answer was never read: the key stayed held by nobody for its ttl, and with one batch
+/// in flight every later acquire on the shard waited behind the stalled one.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acquire_abandoned_on_a_runtime_no_longer_driven_leaves_nothing_behind() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let proxy = shardlock_testkit::Proxy::start(cluster.shard(0).port())
+        .await
+        .unwrap();
+    let router = shardlock::LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n    pool:\n      max-size: 4\n      \
+         batches-in-flight: 1\ncleaner:\n  registry: static\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
+    warm.release().await.unwrap();
+
+    // The caller's runtime: driven only inside `block_on`, and kept until the test ends.
+    proxy.set(shardlock_testkit::ProxyMode::PauseTo(b"abandoned-key"));
+    let (give_up, given_up) = tokio::sync::oneshot::channel::<()>();
+    let (end, ended) = std::sync::mpsc::channel::<()>();
+    let caller = {
+        let router = router.clone();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let long = AcquireOptions::new().ttl(Duration::from_secs(600));
+                tokio::select! {
+                    _ = router.acquire("abandoned-key", long) => panic!("answered while paused"),
+                    _ = given_up => {}
+                }
+            });
+            // Not driven from here on, not dropped either.
+            let _ = ended.recv();
+            drop(runtime);
+        })
+    };
+    // The acquire's statement is on its way; its caller gives up, then the shard answers.
+    proxy.wait_for(shardlock_testkit::ProxyMode::Paused).await;
+    give_up.send(()).unwrap();
+    proxy.set(shardlock_testkit::ProxyMode::Pass);
+
+    let next = router
+        .acquire(
+            "next-key",
+            AcquireOptions::new().wait(Duration::from_secs(20)),
+        )
+        .await;
+    assert!(
+        next.is_ok(),
+        "an acquire waited behind one abandoned on a runtime no longer driven: {next:?}"
+    );
+    next.unwrap().release().await.unwrap();
+    // Given back long before its ten minutes.
+    let freed = common::eventually(Duration::from_secs(60), || async {
+        (other.try_acquire("abandoned-key", AcquireOptions::new().wait(Duration::ZERO)))
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    assert!(freed, "the abandoned grant stayed held by nobody");
+    end.send(()).unwrap();
+    caller.join().unwrap();
+}

@@ -115,13 +115,13 @@ fn behind_a_proxy(
     (main, cluster, direct, proxy, router)
 }
 
-/// A router used from two runtimes: a release parked mid-statement on one of them, and a
-/// release of the same shard queued behind it on the other (one batch in flight per lane).
-/// The first runtime is dropped outside any runtime, so its release can start no runner for
-/// what queued: the queued release is not left waiting forever, but queued again on its own
-/// runtime, sent, and the key released.
+/// A router used from two runtimes: a release called on one of them, whose caller gives up
+/// and whose runtime then ends, goes on on the router's runtime (its statement parked by a
+/// partition), and a release of the same shard queued behind it (one batch in flight per
+/// lane) is sent once the link heals. Run on the caller's runtime, that release would have
+/// ended with it, and the one queued behind it waited for a runner to start it.
 #[test]
-fn a_release_queued_behind_a_runtime_that_ended_is_sent_by_its_own() {
+fn a_release_whose_callers_runtime_ended_goes_on_and_the_next_is_sent() {
     let (main, _cluster, direct, proxy, router) = behind_a_proxy("");
     let (a, b) = main.block_on(async {
         let a = router.acquire("a", AcquireOptions::new()).await.unwrap();
@@ -135,24 +135,31 @@ fn a_release_queued_behind_a_runtime_that_ended_is_sent_by_its_own() {
         .enable_all()
         .build()
         .unwrap();
-    // Each runtime has one thread: a release counted has run up to its statement's reply.
-    let released = |n: u64| router.stats().releases == before + n;
+    // a's release, polled once on `other` (which hands its work to the router's runtime),
+    // then given up, and `other` dropped.
     other.block_on(async {
-        let _parked = tokio::spawn(a.release());
-        while !released(1) {
-            tokio::task::yield_now().await;
-        }
+        let mut release = std::pin::pin!(a.release());
+        assert!(futures_util::poll!(release.as_mut()).is_pending());
     });
-    // Handed out of the runtime unawaited: it is awaited once `other` is gone.
+    drop(other);
+    // The runtime has one thread: a release counted has run up to its statement's reply.
+    let released = |n: u64| router.stats().releases == before + n;
+    // Handed out of the runtime unawaited: it is awaited below.
     #[allow(clippy::async_yields_async)]
     let queued = main.block_on(async {
+        let sent = tokio::time::timeout(Duration::from_secs(30), async {
+            while !released(1) {
+                tokio::task::yield_now().await;
+            }
+        });
+        sent.await
+            .expect("a release given up on a runtime that ended never reached its statement");
         let queued = tokio::spawn(b.release());
         while !released(2) {
             tokio::task::yield_now().await;
         }
         queued
     });
-    drop(other);
     proxy.set(ProxyMode::Pass);
     let answer =
         main.block_on(async { tokio::time::timeout(Duration::from_secs(30), queued).await });
@@ -160,16 +167,22 @@ fn a_release_queued_behind_a_runtime_that_ended_is_sent_by_its_own() {
         .expect("the queued release was never answered")
         .unwrap();
     assert!(answer.is_ok(), "{answer:?}");
-    let (_, row) = main.block_on(direct.inspect("b")).unwrap();
-    assert!(!row.expect("b's row").is_held());
+    for key in ["a", "b"] {
+        let freed = main.block_on(common::eventually(Duration::from_secs(30), || async {
+            let (_, row) = direct.inspect(key).await.unwrap();
+            !row.expect("its row").is_held()
+        }));
+        assert!(freed, "{key} stayed held after its release");
+    }
 }
 
-/// A router used from two runtimes: an acquire sent by the lane's runner on one of them, its
-/// row written and its reply held up on the way back, when that runtime ends. Its caller, on
-/// the other runtime, was told the router had shut down, and the row stayed taken until its
-/// ttl; the row is now given back and the caller's next poll takes the key.
+/// A router used from two runtimes: an acquire called on one of them, its row written and its
+/// reply held up on the way back, when that runtime ends. The lane's runner runs on the
+/// router's runtime, so the acquire of another caller queued behind it is answered, and the
+/// abandoned grant is given back. (When runners ran on their caller's runtime, the other
+/// caller was told the router had shut down, and the row stayed taken until its ttl.)
 #[test]
-fn an_acquire_whose_runner_ended_unanswered_is_given_back_and_tried_again() {
+fn an_acquire_queued_behind_one_whose_callers_runtime_ended_is_answered() {
     let (main, _cluster, direct, proxy, router) = behind_a_proxy("    statement-timeout: 30s\n");
     let other = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

@@ -775,7 +775,10 @@ impl FollowsKey for TxLockState {
 
 /// [`follow_now`] in the background.
 fn follow(inner: Weak<Inner>, state: Arc<TxLockState>) {
-    tokio::spawn(follow_now(inner, state));
+    let Some(shared) = inner.upgrade().map(|i| i.shared.clone()) else {
+        return;
+    };
+    shared.spawn(follow_now(inner, state));
 }
 
 /// Locks a transaction lock's row where its key lives now too (and where it lived before, for

@@ -432,9 +432,7 @@ impl Drop for LeaveLane<'_> {
             let running = self.0.release_runner();
             // Without a runtime nothing runs any more: the place is given back, and the
             // requests queued are answered, as they are by a task that never runs.
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                drop(runtime.spawn(running.send_releases()));
-            }
+            drop(self.0.shared.spawn(running.send_releases()));
         }
     }
 }

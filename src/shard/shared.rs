@@ -139,6 +139,18 @@ impl Shared {
             .or_else(|| tokio::runtime::Handle::try_current().ok())
     }
 
+    /// Runs `task` on [`Shared::runtime`]: work that must go on once its caller went away (a
+    /// lane's statements, a give-back, a lease following its key) would never run on the
+    /// caller's runtime if that stopped being driven (a `block_on` that returned once its
+    /// caller gave up, the runtime kept). `None`, the task dropped, outside any runtime.
+    pub(crate) fn spawn<F>(&self, task: F) -> Option<tokio::task::JoinHandle<F::Output>>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.runtime().map(|runtime| runtime.spawn(task))
+    }
+
     /// Whether the registry surely counts this process live at `at`: a lease on a shard is
     /// this process's no longer than that (see [`Shared::beaten`]).
     pub(crate) fn registry_live_at(&self, at: Moment) -> bool {
