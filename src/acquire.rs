@@ -473,9 +473,19 @@ impl LockRouter {
                                 let (at, grant) = &companions.grants[i];
                                 (at.clone(), grant.owner.clone())
                             };
-                            if let Ok(ReleaseAnswer::Released) =
-                                at.release(key.stored(), &owner).await
-                            {
+                            // On the router's runtime: a lone release holds its lane's
+                            // place while it runs, which a caller's runtime no longer
+                            // driven would keep from every later release of the shard.
+                            let release = {
+                                let (at, key) = (at.clone(), key.stored().to_vec());
+                                let shared = at.shared.clone();
+                                shared.spawn(async move { at.release(&key, &owner).await })
+                            };
+                            let released = match release {
+                                Some(task) => task.await,
+                                None => continue,
+                            };
+                            if let Ok(Ok(ReleaseAnswer::Released)) = released {
                                 companions.grants.remove(i);
                             }
                         }
@@ -614,6 +624,7 @@ impl LockRouter {
                         fence: 0,
                         reserve: 0,
                         sent: Moment::now(),
+                        lost_try: false,
                     },
                 ));
                 break;
@@ -646,6 +657,7 @@ impl LockRouter {
             fence,
             reserve: 0,
             sent: Moment::now(),
+            lost_try: false,
         };
         let lease =
             Arc::new(LeaseState::local(key.clone(), grant, want, turn).placed_at(topology.epoch));

@@ -382,7 +382,11 @@ impl LockGuard {
             // On the router's runtime: a release given up by its caller goes on.
             Some(shard_work) => match self.hold.shard.shared.spawn(shard_work) {
                 Some(work) => work.await.map_err(|_| Error::Shutdown)?,
-                None => Err(Error::Shutdown),
+                // No runtime to release on: stop renewing; the lease ends by expiry.
+                None => {
+                    drop(self.hold.shard.remove(self.hold.lease.id));
+                    Err(Error::Shutdown)
+                }
             },
         }
     }
@@ -407,12 +411,11 @@ impl LockGuard {
             return;
         }
         let (shard, lease) = (self.hold.shard.clone(), self.hold.lease.clone());
-        let shared = &shard.shared;
-        for row in
-            std::iter::once(lease.clone()).chain(lease.companion_rows().into_iter().map(|(_, r)| r))
+        for (at, row) in
+            std::iter::once((shard.clone(), lease.clone())).chain(lease.companion_rows())
         {
             row.clear_at_least();
-            shared.released_kept(&row.owner);
+            shard.shared.released_kept(&row.owner, at.name());
         }
         let turn = lease.turn.locked().take();
         if let Some(release) = shard
@@ -621,7 +624,10 @@ async fn handoff_through_shard(
         trace: None,
     };
     let sent = Moment::now();
-    match shard.call_row(|b| b.handoff(&lease.owner, &req)).await {
+    let answer = shard.call_row(|b| b.handoff(&lease.owner, &req)).await;
+    // The releasing lease's row is another's or free from here on, whatever the answer.
+    lease.give_back_lost_try(&shard);
+    match answer {
         // Handed over, but answered so late that the waiter's lease may already have ended on
         // the shard (as a try answered that late is, `ShardState::ran_out`): a guard of it
         // would be lost from the start. Given back under its owner; the waiter polls.
@@ -639,6 +645,7 @@ async fn handoff_through_shard(
                 fence,
                 reserve: req.reserve,
                 sent,
+                lost_try: false,
             };
             let state = Arc::new(
                 LeaseState::new(
@@ -724,6 +731,7 @@ pub(crate) async fn release_through_shard(
             .await
     };
     retry_if_failed(&shard, &lease, &result);
+    lease.give_back_lost_try(&shard);
     // Read before the companions' releases, which may each take a statement timeout.
     let answered_at = Moment::now();
     // The key's rows on other shards (it moved); the turn passes on once all are free.
@@ -733,6 +741,7 @@ pub(crate) async fn release_through_shard(
             .release_after(row.key.stored(), &row.owner, row.at_least())
             .await;
         retry_if_failed(&other, &row, &released);
+        row.give_back_lost_try(&other);
     }
     drop(turn);
     match result {

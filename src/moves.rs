@@ -146,7 +146,10 @@ async fn take_on(
             break crate::shard::UNHEARD_ROW;
         };
         match answer {
-            Ok(Attempt::Granted(fence)) => {
+            Ok(Attempt::Granted {
+                fence,
+                after_lost_try,
+            }) => {
                 let want = Want {
                     handoff_max_count: 0,
                     handoff_max_time: Duration::ZERO,
@@ -159,6 +162,7 @@ async fn take_on(
                     fence,
                     reserve: 0,
                     sent,
+                    lost_try: after_lost_try,
                 };
                 let companion = Arc::new(
                     LeaseState::new(lease.key.clone(), grant, want, Duration::ZERO, None)
@@ -166,7 +170,7 @@ async fn take_on(
                 );
                 let at_least = lease.at_least();
                 if let Some(at_least) = at_least {
-                    companion.set_at_least(at_least, &target.shared);
+                    companion.set_at_least(at_least, target);
                 }
                 // Renewed, and its end counted, before anything else is awaited.
                 target.insert(companion.clone());
@@ -204,7 +208,7 @@ async fn take_on(
                     Err(e) => e.maybe_applied,
                     Ok(Attempt::Locked) => true,
                     Ok(Attempt::Held { after_lost_try, .. }) => *after_lost_try,
-                    Ok(Attempt::Granted(_)) => false,
+                    Ok(Attempt::Granted { .. }) => false,
                 };
                 if unknown {
                     unknown_since.get_or_insert(sent);

@@ -232,7 +232,7 @@ impl LockRouter {
         // On a task of its own, as a reload: a caller that gives up (a `migrate` call) must
         // not leave the move from the record half made, the router on a recorded placement.
         let router = self.clone();
-        let settle = tokio::spawn(async move { router.settle_placement_now().await });
+        let settle = (self.inner.shared).spawn(async move { router.settle_placement_now().await });
         completed(settle)
             .await
             .unwrap_or_else(|| Err("its runtime shut down".to_owned()))
@@ -456,13 +456,14 @@ impl LockRouter {
     /// `registry: static`, every process must apply a change within half the move window of
     /// every other.
     ///
-    /// Cancellation: the reload runs on a task of its own, and a call dropped completes it
-    /// all the same. Half a reload cannot be undone: the fleet's placement record names the
-    /// new placement before the router swaps it in, and a record naming a placement no
-    /// process ran would stay (no process could replace it).
+    /// Cancellation: the reload runs on a task of its own, on the runtime the router was
+    /// built on (with the keepers of the shards it adds, and its move), and a call dropped
+    /// completes it all the same. Half a reload cannot be undone: the fleet's placement
+    /// record names the new placement before the router swaps it in, and a record naming a
+    /// placement no process ran would stay (no process could replace it).
     pub async fn reload(&self, config: Config) -> Result<()> {
         let router = self.clone();
-        let reload = tokio::spawn(async move {
+        let reload = self.inner.shared.spawn(async move {
             let mut retired = router.inner.reloading.lock().await;
             router.reload_under(config, &mut retired).await
         });
@@ -1208,8 +1209,8 @@ pub(crate) fn operator_tool() -> Error {
 /// The outcome of `task`, which its caller's cancellation does not stop (a reload, a move from
 /// the placement record: half of either cannot be undone); its panic resumed here; `None` once
 /// its runtime shut down.
-async fn completed<T>(task: tokio::task::JoinHandle<T>) -> Option<T> {
-    match task.await {
+async fn completed<T>(task: Option<tokio::task::JoinHandle<T>>) -> Option<T> {
+    match task?.await {
         Ok(done) => Some(done),
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => None,

@@ -100,12 +100,11 @@ impl LockRouter {
                 // that run in this interval, or in a later one if a hold landed (answered or
                 // not) and raised the key's fence to the interval's end.
                 let hold = guard.hold();
-                let shared = &hold.shard.shared;
-                for row in std::iter::once(hold.lease.clone())
-                    .chain(hold.lease.companion_rows().into_iter().map(|(_, row)| row))
+                for (shard, row) in std::iter::once((hold.shard.clone(), hold.lease.clone()))
+                    .chain(hold.lease.companion_rows())
                 {
                     row.clear_at_least();
-                    shared.released_kept(&row.owner);
+                    shard.shared.released_kept(&row.owner, shard.name());
                 }
                 let _ = guard.release().await;
                 return Err(e);
@@ -147,7 +146,7 @@ async fn hold_to_interval_end(guard: &LockGuard, every: Duration) -> Result<u64>
             return Err(guard.lost_error());
         };
         let after_grant = Duration::from_millis(end_ms.saturating_sub(granted_ms).max(1));
-        row.set_at_least(after_grant, &shard.shared);
+        row.set_at_least(after_grant, shard);
         let held = shard
             .call_row(|b| b.hold_until(key, owner, after_grant, end_ms * 1000))
             .await

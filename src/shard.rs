@@ -434,8 +434,8 @@ impl ShardState {
             let _leave = LeaveLane(self);
             return self.call_row(|b| b.release(key, owner)).await;
         }
-        // Queued again once if the lane's last runner ended without sending it (its runtime
-        // shut down while this caller's runs on): this push starts a runner here.
+        // Queued again once if the lane's last runner ended without sending it (the router's
+        // runtime shut down, or the runner panicked): this push starts another.
         let mut again = true;
         loop {
             let lease = (key.to_vec(), owner.to_owned());
@@ -465,7 +465,7 @@ impl ShardState {
                 let answer = answer.await;
                 // Answered: the row shows its hold (a zero ttl), or is not this owner's.
                 if answer.is_ok() {
-                    self.shared.released_kept(owner);
+                    self.shared.released_kept(owner, self.name());
                 }
                 answer
             }
@@ -895,7 +895,7 @@ impl ShardState {
     /// it: it checks the leases registered after it swapped the topology in, and this checks
     /// the epoch after registering, so one of the two sees the other).
     pub(crate) fn insert(self: &Arc<Self>, lease: Arc<LeaseState>) {
-        lease.keep_taken(&self.shared);
+        lease.keep_taken(self);
         // A lease without keep-alive is not renewed: it only wakes the keeper to be reported
         // lost at its end.
         let every = if lease.want.keep_alive {

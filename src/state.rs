@@ -345,6 +345,12 @@ impl Inner {
     /// One heartbeat on every current shard (see [`registry::beat`]); from then on the router
     /// counts as registered, and deregisters when dropped.
     pub(crate) async fn beat(&self, missed: &mut HashMap<String, u32>) -> registry::Beats {
+        self.beat_asked(missed).await.0
+    }
+
+    /// [`Inner::beat`], and what [`Gate::asked`] answered as it was sent (a pause before it
+    /// counted): a join on this heartbeat opens the gate only if no lapse came since.
+    async fn beat_asked(&self, missed: &mut HashMap<String, u32>) -> (registry::Beats, u64) {
         let topology = self.topology.load_full();
         let lapse = lapse(&topology.config);
         // Which server each shard is, for the servers this heartbeat advertises, where no
@@ -357,6 +363,7 @@ impl Inner {
         if self.gate.ever_beaten() {
             self.notice_lapse_at(sent);
         }
+        let asked = self.gate.asked();
         let first = std::sync::atomic::AtomicBool::new(true);
         let reached = || {
             // Judged again as its first shard took it: held up longer than the lapse (a slow
@@ -387,7 +394,7 @@ impl Inner {
             self.shared.lapse_in_force(self.gate.lapse_in_force(lapse));
         }
         self.registered.store(true, Ordering::Release);
-        beats
+        (beats, asked)
     }
 
     /// One heartbeat; then, while the router joins its fleet (its start, or after a lapse),
@@ -401,7 +408,7 @@ impl Inner {
             return true;
         }
         let joining = self.gate.is_rejoining();
-        let beats = self.beat(missed).await;
+        let (beats, asked) = self.beat_asked(missed).await;
         if let Some(twin) = &beats.taken_by {
             self.replaced_by(twin);
             return false;
@@ -424,7 +431,7 @@ impl Inner {
             };
             match writing {
                 Err(why) => self.gate.not_yet(why),
-                Ok(writing) => self.rejoin(&writing).await,
+                Ok(writing) => self.rejoin(&writing, asked).await,
             }
         }
         true
@@ -495,10 +502,10 @@ impl Inner {
     }
 
     /// Once this router's heartbeat reached every shard, at its start or after a lapse: opens
-    /// the gate if its fleet agrees.
-    async fn rejoin(&self, writing: &crate::placement_record::Writing<'_>) {
-        // Before any read: a lapse from here on makes them stale.
-        let asked = self.gate.asked();
+    /// the gate if its fleet agrees, and no lapse came since the heartbeat it joins on was
+    /// sent (`asked`, what [`Gate::asked`] answered then): a silence another task saw, or a
+    /// pause while it waited to write the record, may have come before its reads.
+    async fn rejoin(&self, writing: &crate::placement_record::Writing<'_>, asked: u64) {
         if let Some(why) = self.placement.unsettled() {
             self.gate.not_yet(why);
             return;

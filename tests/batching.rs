@@ -69,7 +69,7 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
                 continue;
             }
             let other = format!("other:{n}:{}", earlier.len());
-            let Attempt::Granted(fence) = shard
+            let Attempt::Granted { fence, .. } = shard
                 .acquire(&common::grant_request(key, &other, 3))
                 .await
                 .unwrap()
@@ -114,7 +114,7 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
                     assert!(wanted, "size {n} key {i}: a held key is marked wanted");
                 }
                 (Before::Held, other) => panic!("size {n} key {i}: held, answered {other:?}"),
-                (_, Attempt::Granted(fence)) => {
+                (_, Attempt::Granted { fence, .. }) => {
                     assert!(
                         *fence > earlier[i],
                         "size {n} key {i} ({b:?}): fence {fence} after {}",
@@ -130,8 +130,8 @@ async fn batches_of_every_size_answer_each_key_as_a_single_acquire_would() {
         // A batch retried after a lost reply finds its own grants again.
         let again = shard.acquire_batch(&reqs).await.unwrap().attempts;
         for (first, second) in attempts.iter().zip(&again) {
-            if let Attempt::Granted(_) = first {
-                assert!(matches!(second, Attempt::Granted(_)), "{second:?}");
+            if let Attempt::Granted { .. } = first {
+                assert!(matches!(second, Attempt::Granted { .. }), "{second:?}");
             }
         }
         let leases: Vec<(Vec<u8>, String)> = reqs
@@ -353,7 +353,7 @@ async fn a_batch_chosen_as_a_deadlock_victim_half_way_is_retried_and_grants_ever
                 .acquire(&common::grant_request(key, "before", 0))
                 .await
                 .unwrap(),
-            Attempt::Granted(_)
+            Attempt::Granted { .. }
         ));
         assert!(shard.release(key, "before").await.unwrap().is_released());
     }
@@ -396,7 +396,7 @@ async fn a_batch_chosen_as_a_deadlock_victim_half_way_is_retried_and_grants_ever
         .expect("the deadlock reached the caller");
     let mut raw = server.connect().await.unwrap();
     for (req, attempt) in reqs.iter().zip(&grants.attempts) {
-        let Attempt::Granted(fence) = attempt else {
+        let Attempt::Granted { fence, .. } = attempt else {
             panic!("{:?}: {attempt:?}", req.key);
         };
         let stored: Option<(Vec<u8>, u64)> = raw

@@ -466,7 +466,7 @@ async fn a_renewal_through_a_node_behind_extends_what_it_reports_held() {
         };
         assert!(matches!(
             g1.acquire(&req).await.unwrap(),
-            Attempt::Granted(_)
+            Attempt::Granted { .. }
         ));
         let granted_until = expires_at(&mut raw1, &key).await;
         // The renewal's clock reading is then at least a millisecond past the grant's (the

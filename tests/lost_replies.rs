@@ -514,7 +514,7 @@ async fn an_acquire_whose_cut_off_try_may_still_land_says_so_when_it_finds_the_k
     for (key, owner, batched) in cases {
         let held = direct.acquire(&request(key, "someone")).await.unwrap();
         assert!(
-            matches!(held, shardlock_mysql::Attempt::Granted(_)),
+            matches!(held, shardlock_mysql::Attempt::Granted { .. }),
             "{held:?}"
         );
         proxy.set(ProxyMode::StrandTo(owner.as_bytes()));
@@ -563,6 +563,49 @@ async fn an_acquire_whose_cut_off_try_may_still_land_says_so_when_it_finds_the_k
             "the cut-off try did not take the key once it was free: {row:?}"
         );
     }
+}
+
+/// The same cut-off try, where the retry was granted: once the lease is released, the try
+/// arriving late takes the free row again for an owner nobody holds. Its row is given back
+/// whenever it appears (for as long as it could last), so the key is not kept from everyone
+/// for the try's whole ttl.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cut_off_try_that_lands_after_its_grant_was_released_is_given_back() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    proxy.renumber_sessions();
+    let router = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\ninstance:\n  id: held-back\n\
+         cleaner:\n  registry: static\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
+    warm.release().await.unwrap();
+    common::until_router_recorded(&router).await;
+
+    // The first try is cut off on the wire (its statement held back, still on its way); the
+    // retry, on another connection, is granted.
+    proxy.set(ProxyMode::StrandTo(b"held-back:"));
+    let long = AcquireOptions::new().ttl(Duration::from_secs(600));
+    let guard = router.acquire("k", long).await.unwrap();
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "no try was held back");
+    guard.release().await.unwrap();
+    assert!(
+        proxy.held().await.deliver().await,
+        "the cut-off try did not run"
+    );
+    let (_, row) = other.inspect("k").await.unwrap();
+    assert!(
+        row.is_some_and(|r| r.is_held()),
+        "the cut-off try did not take the free row"
+    );
+    let freed = freed_within(&other, "k", Duration::from_secs(30)).await;
+    assert!(
+        freed,
+        "a cut-off try that landed after its grant was released kept the key from everyone"
+    );
 }
 
 /// After a restart the shard's thread ids start over: the id of a session stranded before it

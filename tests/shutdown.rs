@@ -195,8 +195,8 @@ fn an_acquire_queued_behind_one_whose_callers_runtime_ended_is_answered() {
         let warm = router.acquire("warm", ttl.clone()).await.unwrap();
         warm.release().await.unwrap();
     });
-    // Every chunk takes 2 s each way: the lane's runner starts on `other` with `x`, and sends
-    // `k`, queued meanwhile from `main`, after it.
+    // Every chunk takes 2 s each way: `x`, called on `other`, starts the lane's runner (on
+    // the router's runtime, `main`), which sends `k`, queued meanwhile from `main`, after it.
     proxy.set(ProxyMode::Delay(Duration::from_secs(2)));
     let _x = other.spawn({
         let (router, ttl) = (router.clone(), ttl.clone());
@@ -232,8 +232,17 @@ fn an_acquire_queued_behind_one_whose_callers_runtime_ended_is_answered() {
     let guard = answer
         .expect("the acquire was never answered")
         .unwrap()
-        .expect("an acquire whose runner ended unanswered failed");
+        .expect("an acquire queued behind one whose caller's runtime ended failed");
     main.block_on(guard.release()).unwrap();
+    // The abandoned acquire's grant was given back.
+    let freed = main.block_on(common::eventually(Duration::from_secs(30), || async {
+        let (_, row) = direct.inspect("x").await.unwrap();
+        !row.is_some_and(|r| r.is_held())
+    }));
+    assert!(
+        freed,
+        "the grant of an acquire whose caller's runtime ended stayed held"
+    );
 }
 
 /// A heartbeat writes the instance's row as live again. One still on its way when the router

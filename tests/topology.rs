@@ -807,7 +807,7 @@ async fn a_kept_row_copied_to_its_new_shard_takes_only_a_row_no_lease_holds() {
     common::migrate_only(&config_for(&cluster, 1)).await;
     let shard = common::backend_at(&cluster.shard(0).url());
     let granted = |attempt| match attempt {
-        shardlock_mysql::Attempt::Granted(fence) => fence,
+        shardlock_mysql::Attempt::Granted { fence, .. } => fence,
         other => panic!("not granted: {other:?}"),
     };
     let held = granted(
@@ -2297,7 +2297,7 @@ async fn a_moved_lease_whose_cut_off_try_may_still_land_is_lost_when_that_row_ma
         .await
         .unwrap();
     assert!(
-        matches!(other, shardlock_mysql::Attempt::Granted(_)),
+        matches!(other, shardlock_mysql::Attempt::Granted { .. }),
         "{other:?}"
     );
     let naming: &'static [u8] = Box::leak(key.clone().into_bytes().into_boxed_slice());

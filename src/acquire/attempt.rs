@@ -56,16 +56,24 @@ impl LockRouter {
             None => Tried::Busy(None),
             // Granted, but the answer came so late that the lease may already have ended on
             // the shard: no use to anyone. Given back; the key counts as busy.
-            Some(Attempt::Granted(_)) if shard.ran_out(&want, sent) => {
-                shard.give_back(req.key, req.owner, want.ttl);
+            // (Until answered, if a try before it may still land and take the row again.)
+            Some(Attempt::Granted { after_lost_try, .. }) if shard.ran_out(&want, sent) => {
+                match after_lost_try {
+                    true => shard.give_back(req.key, req.owner, want.ttl),
+                    false => shard.release_later(req.key, req.owner, want.ttl),
+                }
                 Tried::Busy(None)
             }
-            Some(Attempt::Granted(fence)) => Tried::Granted(Grant {
+            Some(Attempt::Granted {
+                fence,
+                after_lost_try,
+            }) => Tried::Granted(Grant {
                 id,
                 owner: req.owner,
                 fence,
                 reserve: req.reserve,
                 sent,
+                lost_try: after_lost_try,
             }),
             // (A try of it before, whose reply was lost, may still land: its lane gives it back.)
             Some(Attempt::Held { held_for_ms, .. }) => Tried::Busy(Some(held_for_ms)),
@@ -121,9 +129,10 @@ async fn attempt(
     };
     pending.taken = true;
     let Ok(result) = result else {
-        // The lane's runner ended with this statement on its way, unanswered (its runtime shut
-        // down, or it panicked): it may have taken the row. Given back, owner-checked, until
-        // the shard answers; the next poll, with another owner, starts a runner here.
+        // The lane's runner ended with this statement on its way, unanswered (the router's
+        // runtime shut down, or it panicked): it may have taken the row. Given back,
+        // owner-checked, until the shard answers; the next poll, with another owner, starts
+        // another runner.
         let ttl = Duration::from_millis(req.ttl_ms.into());
         shard.give_back(req.key.clone(), req.owner.clone(), ttl);
         return match shard.shared.is_closed() {
@@ -162,12 +171,16 @@ impl Drop for PendingAttempt {
         // After close() the task can no longer send; a grant sent before is ours to undo,
         // retried until the shard answers (nothing else can grant it to this owner again).
         self.rx.close();
-        if let Ok(Ok(Attempt::Granted(_))) = self.rx.try_recv() {
+        if let Ok(Ok(Attempt::Granted { after_lost_try, .. })) = self.rx.try_recv() {
             let (key, owner) = (
                 std::mem::take(&mut self.key),
                 std::mem::take(&mut self.owner),
             );
-            self.shard.release_later(key, owner, self.ttl);
+            // Until a release frees it, if a try before may still land and take it again.
+            match after_lost_try {
+                true => self.shard.give_back(key, owner, self.ttl),
+                false => self.shard.release_later(key, owner, self.ttl),
+            }
         }
     }
 }

@@ -88,7 +88,10 @@ impl ShardState {
                 may_land |= lost_try(&attempt);
             }
             match attempt {
-                Ok(Attempt::Granted(_)) => {
+                Ok(Attempt::Granted { after_lost_try, .. }) => {
+                    if after_lost_try {
+                        lease.lost_try_may_land();
+                    }
                     // Under the map's lock, so the holder either still finds it local or finds
                     // it moved to the renewed leases.
                     let moved = {

@@ -289,7 +289,7 @@ impl ShardState {
             Ok(Attempt::Held { after_lost_try, .. }) => after_lost_try,
             _ => false,
         };
-        let untaken = matches!(answer.send(outcome), Err(Ok(Attempt::Granted(_))));
+        let untaken = matches!(answer.send(outcome), Err(Ok(Attempt::Granted { .. })));
         if orphan && (untaken || unknown || locked) {
             let ttl = Duration::from_millis(u64::from(request.ttl_ms));
             self.give_back(request.key, request.owner, ttl);

@@ -71,6 +71,9 @@ pub(crate) struct LeaseState {
     /// Set when re-acquiring this local lease on its shard may have written its row unheard
     /// (the reply was lost): released while still local, it gives that row back.
     pub(crate) maybe_on_shard: std::sync::atomic::AtomicBool,
+    /// Set while a try before the one that granted this lease may still land (see
+    /// [`LeaseState::give_back_lost_try`]).
+    lost_try_may_land: std::sync::atomic::AtomicBool,
     /// The longest row a re-acquire of this local lease asked for, in ms (an `extend` in
     /// process may have made it longer than its ttl): a give-back of a row that re-acquire may
     /// have written unheard is retried that long.
@@ -132,6 +135,9 @@ pub(crate) struct Grant {
     pub(crate) fence: u64,
     pub(crate) reserve: u32,
     pub(crate) sent: Moment,
+    /// Whether a try before the one that granted may still land (its reply was lost where
+    /// its session could not be ended first): see [`LeaseState::give_back_lost_try`].
+    pub(crate) lost_try: bool,
 }
 
 impl LeaseState {
@@ -161,6 +167,7 @@ impl LeaseState {
             release_claimed: Default::default(),
             renew_apart: Default::default(),
             maybe_on_shard: Default::default(),
+            lost_try_may_land: std::sync::atomic::AtomicBool::new(grant.lost_try),
             asked_row_ms: AtomicU64::new(0),
             at_least_us: AtomicU64::new(
                 want.at_least
@@ -341,12 +348,12 @@ impl LeaseState {
     /// Sets the minimum hold after the grant (a scheduled run's, to its interval's end; a
     /// moved key's companion row, the lease's), and records it as [`LeaseState::keep_taken`]
     /// does: it may end later than the one the grant asked for.
-    pub(crate) fn set_at_least(&self, at_least: Duration, shared: &Shared) {
+    pub(crate) fn set_at_least(&self, at_least: Duration, shard: &ShardState) {
         let us = u64::try_from(at_least.as_micros())
             .unwrap_or(u64::MAX)
             .max(1);
         self.at_least_us.store(us, Ordering::Release);
-        self.keep_taken(shared);
+        self.keep_taken(shard);
     }
 
     /// Drops the minimum hold: the row is let go in full at its release.
@@ -356,20 +363,22 @@ impl LeaseState {
 
     /// Records the row's minimum hold, if it has one, as running from now at the latest, so
     /// that this router's reconcile of its key leaves the row taken even once the lease ended
-    /// (see [`Shared::keep_taken`]). Called as the lease is registered after its grant.
-    pub(crate) fn keep_taken(&self, shared: &Shared) {
+    /// (see [`Shared::keep_taken`]). Called as the lease is registered after its grant on
+    /// `shard`.
+    pub(crate) fn keep_taken(&self, shard: &ShardState) {
         if let Some(at_least) = self.at_least() {
             let (drift_ppm, clock_skew) = {
                 let d = self.deadline.locked();
                 (d.drift_ppm, d.clock_skew)
             };
             let hold = super::shared::KeptHold {
+                shard: shard.name().into(),
                 from: Moment::now(),
                 at_least,
                 drift_ppm,
                 clock_skew,
             };
-            shared.keep_taken(&self.owner, hold);
+            shard.shared.keep_taken(&self.owner, hold);
         }
     }
 
@@ -443,6 +452,24 @@ impl LeaseState {
 
     /// How long a row of this lease may last from when it was last written: its ttl, or the
     /// longest a re-acquire asked for (a give-back of it is retried that long).
+    /// Marks that a try before the one that granted the lease's row may still land (see
+    /// [`LeaseState::give_back_lost_try`]).
+    pub(crate) fn lost_try_may_land(&self) {
+        self.lost_try_may_land.store(true, Ordering::Release);
+    }
+
+    /// Once the lease's row was released (or handed to another owner): if a try before the one
+    /// that granted it may still land (a Galera node, a proxy that keeps sessions of its own),
+    /// it would take the free row again for this owner, whom nobody holds, and keep the key
+    /// from everyone for a ttl. Its row is given back, owner-checked, whenever it appears, for
+    /// as long as it could last. Once per lease.
+    pub(crate) fn give_back_lost_try(&self, shard: &Arc<ShardState>) {
+        if self.lost_try_may_land.swap(false, Ordering::AcqRel) {
+            let key = self.key.stored().to_vec();
+            shard.give_back(key, self.owner.clone(), self.row_ttl());
+        }
+    }
+
     pub(crate) fn row_ttl(&self) -> Duration {
         let asked = Duration::from_millis(self.asked_row_ms.load(Ordering::Acquire));
         self.ttl.max(asked)
@@ -620,6 +647,7 @@ mod tests {
             fence: 1,
             reserve: 0,
             sent,
+            lost_try: false,
         };
         let lease = LeaseState::new(
             LockKey::new("k").unwrap(),

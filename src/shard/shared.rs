@@ -85,8 +85,10 @@ struct Kept {
 /// shard clock that may run up to `drift_ppm` slower than ours and a node's clock up to
 /// `clock_skew` behind: both as raised by a reload since, which [`Shared::allow_drift`] and
 /// the shard's skew floor do.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct KeptHold {
+    /// The shard the row is on (a moved key's rows on two shards share their owner).
+    pub(crate) shard: Arc<str>,
     pub(crate) from: Moment,
     pub(crate) at_least: Duration,
     pub(crate) drift_ppm: u32,
@@ -359,13 +361,20 @@ impl Shared {
     /// its release may fail, and a later reconcile of the key must leave it taken until a
     /// local moment past the hold's end, by the clock drift and node skew allowed then.
     pub(crate) fn keep_taken(&self, owner: &str, hold: KeptHold) {
-        // Taken first: the shard list's lock is not taken under this one's.
-        let skew = (self.shard_states().iter())
-            .map(|s| s.leases_skew())
-            .max()
-            .unwrap_or_default();
+        // Ended holds are pruned by the largest skew of any shard: read first, when a prune is
+        // due (the shard list's lock is not taken under this one's).
+        let due = {
+            let kept = self.kept.locked();
+            kept.holds.len() >= kept.prune_at
+        };
+        let skew = due.then(|| {
+            (self.shard_states().iter())
+                .map(|s| s.leases_skew())
+                .max()
+                .unwrap_or_default()
+        });
         let mut kept = self.kept.locked();
-        if kept.holds.len() >= kept.prune_at {
+        if let Some(skew) = skew.filter(|_| kept.holds.len() >= kept.prune_at) {
             let now = Moment::now();
             kept.holds.retain(|_, holds| {
                 holds.retain(|h| now < h.past(skew));
@@ -377,10 +386,17 @@ impl Shared {
         (kept.holds.entry(owner.to_owned()).or_default()).push(KeptHold { drift_ppm, ..hold });
     }
 
-    /// Forgets `owner`'s minimum hold once its release reached the shard: the row then shows
-    /// it is kept (a zero ttl), and the map stays as small as the holds not released.
-    pub(crate) fn released_kept(&self, owner: &str) {
-        self.kept.locked().holds.remove(owner);
+    /// Forgets `owner`'s minimum hold on `shard` once its release reached that shard: the row
+    /// then shows it is kept (a zero ttl), and the map stays as small as the holds not
+    /// released. Its row on another shard (a moved key's) is still kept until released there.
+    pub(crate) fn released_kept(&self, owner: &str, shard: &str) {
+        let mut kept = self.kept.locked();
+        if let Some(holds) = kept.holds.get_mut(owner) {
+            holds.retain(|h| *h.shard != *shard);
+            if holds.is_empty() {
+                kept.holds.remove(owner);
+            }
+        }
     }
 
     /// A new grant number (unique in this router; also names a lease row in its shard's
@@ -416,6 +432,7 @@ mod tests {
         let shared = shared();
         let owner = format!("worker-1:{}:1", shared.nonce());
         let hold = KeptHold {
+            shard: "s1".into(),
             from: Moment::now(),
             at_least: Duration::from_secs(10),
             drift_ppm: 0,
@@ -433,6 +450,31 @@ mod tests {
         assert!(shared.is_stale_own(&owner, 2, Duration::ZERO));
     }
 
+    /// A moved key's rows on two shards share their owner: the release of one leaves the
+    /// other's hold, whose own release may have failed, in place.
+    #[tokio::test(start_paused = true)]
+    async fn a_release_on_one_shard_leaves_the_hold_of_the_same_owner_on_another() {
+        let shared = shared();
+        let owner = format!("worker-1:{}:1", shared.nonce());
+        for shard in ["s1", "s2"] {
+            let hold = KeptHold {
+                shard: shard.into(),
+                from: Moment::now(),
+                at_least: Duration::from_secs(10),
+                drift_ppm: 0,
+                clock_skew: Duration::ZERO,
+            };
+            shared.keep_taken(&owner, hold);
+        }
+        shared.released_kept(&owner, "s1");
+        assert!(
+            !shared.is_stale_own(&owner, 2, Duration::ZERO),
+            "a release on one shard ended the hold of the same owner's row on another"
+        );
+        shared.released_kept(&owner, "s2");
+        assert!(shared.is_stale_own(&owner, 2, Duration::ZERO));
+    }
+
     /// A hold recorded while a higher clock drift is allowed keeps it once a reload lowers it
     /// (a lease granted before the raise may have recorded less).
     #[tokio::test(start_paused = true)]
@@ -441,6 +483,7 @@ mod tests {
         shared.allow_drift(100_000);
         let owner = format!("worker-1:{}:1", shared.nonce());
         let hold = KeptHold {
+            shard: "s1".into(),
             from: Moment::now(),
             at_least: Duration::from_secs(10),
             drift_ppm: 0,

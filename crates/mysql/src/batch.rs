@@ -149,7 +149,10 @@ pub(crate) async fn acquire_batch(
         return Ok(BatchGrants {
             attempts: reqs
                 .iter()
-                .map(|req| Attempt::Granted(base.max(req.fence_floor)))
+                .map(|req| Attempt::Granted {
+                    fence: base.max(req.fence_floor),
+                    after_lost_try: false,
+                })
                 .collect(),
             statements: 1,
             after_lost_try: false,
@@ -165,7 +168,10 @@ pub(crate) async fn acquire_batch(
             let row = rows.iter().find(|(key, ..)| *key == req.key);
             match row {
                 Some((_, Some(owner), fence, _)) if owner.as_slice() == req.owner.as_bytes() => {
-                    Attempt::Granted(fence.saturating_sub(u64::from(req.reserve)))
+                    Attempt::Granted {
+                        fence: fence.saturating_sub(u64::from(req.reserve)),
+                        after_lost_try: false,
+                    }
                 }
                 Some((_, _, _, held_for_ms)) => Attempt::Held {
                     held_for_ms: *held_for_ms,
@@ -431,7 +437,7 @@ mod tests {
             req.trace = Some(format!("00-{:032x}-{:016x}-01", 1, 1));
             assert!(matches!(
                 shard.acquire(&req).await.unwrap(),
-                Attempt::Granted(_)
+                Attempt::Granted { .. }
             ));
             assert_eq!(shard.holder_trace(key.as_bytes()).await.unwrap(), req.trace);
         }
@@ -531,7 +537,7 @@ mod tests {
         let other = request("other", "me:other", 0);
         assert!(matches!(
             shard.acquire(&other).await.unwrap(),
-            Attempt::Granted(_)
+            Attempt::Granted { .. }
         ));
         let pair: [(&[u8], &str); 2] = [(b"batch:a", "me:batch:a"), (b"other", "me:other")];
         let found = release_batch(conn, &pair).await.unwrap();
@@ -541,7 +547,7 @@ mod tests {
             let req = request(key, &format!("me:{key}"), 0);
             assert!(matches!(
                 shard.acquire(&req).await.unwrap(),
-                Attempt::Granted(_)
+                Attempt::Granted { .. }
             ));
         }
         assert!(shard
@@ -558,7 +564,7 @@ mod tests {
             let req = request(key, &format!("me:{key}"), 0);
             assert!(matches!(
                 shard.acquire(&req).await.unwrap(),
-                Attempt::Granted(_)
+                Attempt::Granted { .. }
             ));
         }
         assert!(shard
@@ -569,7 +575,7 @@ mod tests {
         let since = request("forced:d", "you:forced:d", 0);
         assert!(matches!(
             shard.acquire(&since).await.unwrap(),
-            Attempt::Granted(_)
+            Attempt::Granted { .. }
         ));
         assert!(shard
             .release(b"forced:d", "you:forced:d")
@@ -583,7 +589,7 @@ mod tests {
         let single = request("alone", "you:1", 0);
         assert!(matches!(
             shard.acquire(&single).await.unwrap(),
-            Attempt::Granted(_)
+            Attempt::Granted { .. }
         ));
         let reqs = [
             request("batch:a", "you:2", 0),
@@ -594,7 +600,7 @@ mod tests {
             grants
                 .attempts
                 .iter()
-                .all(|a| matches!(a, Attempt::Granted(_))),
+                .all(|a| matches!(a, Attempt::Granted { .. })),
             "{grants:?}"
         );
         assert_eq!(shard.count_held().await.unwrap(), 3);
@@ -621,7 +627,7 @@ mod tests {
             let first = acquire_batch(conn, &[&request(key, "other", 0)])
                 .await
                 .unwrap();
-            let [Attempt::Granted(fence)] = first.attempts[..] else {
+            let [Attempt::Granted { fence, .. }] = first.attempts[..] else {
                 panic!("a fresh key: {first:?}");
             };
             assert_eq!(first.statements, 1, "a fresh key needs no read-back");
@@ -660,14 +666,14 @@ mod tests {
                 "case {i}: a row that existed is read back"
             );
             match batch.attempts[1] {
-                Attempt::Granted(fence) if granted => {
+                Attempt::Granted { fence, .. } if granted => {
                     let mine = Some(owner.as_bytes().to_vec());
                     assert_eq!(stored(&mut raw, key).await, (mine, fence + 2), "case {i}");
                 }
                 Attempt::Held { .. } if !granted => {}
                 other => panic!("case {i}: {key} was answered {other:?}"),
             }
-            let Attempt::Granted(fence) = batch.attempts[0] else {
+            let Attempt::Granted { fence, .. } = batch.attempts[0] else {
                 panic!("case {i}: the fresh key was answered {batch:?}");
             };
             let mine = Some(owner.as_bytes().to_vec());
@@ -695,7 +701,7 @@ mod tests {
             .unwrap();
         assert_eq!(batch.statements, 1, "every key was fresh");
         for (req, attempt) in reqs.iter().zip(&batch.attempts) {
-            let Attempt::Granted(fence) = attempt else {
+            let Attempt::Granted { fence, .. } = attempt else {
                 panic!("{attempt:?}");
             };
             assert!(*fence > floor, "{fence} after the shard's floor {floor}");
@@ -760,13 +766,13 @@ mod tests {
             "made again at the clock: {floor:?} < {clock}"
         );
         let grant = shard.acquire(&request("alone", "mine:3", 0)).await.unwrap();
-        assert!(matches!(grant, Attempt::Granted(_)), "{grant:?}");
+        assert!(matches!(grant, Attempt::Granted { .. }), "{grant:?}");
         let batch = shard.acquire_batch(&reqs).await.unwrap();
         assert!(
             batch
                 .attempts
                 .iter()
-                .all(|a| matches!(a, Attempt::Granted(_))),
+                .all(|a| matches!(a, Attempt::Granted { .. })),
             "{batch:?}"
         );
     }
@@ -833,7 +839,7 @@ mod tests {
                 let mut raw = cluster.shard(0).connect().await.unwrap();
                 for key in &keys {
                     let grant = shard.acquire(&request(key, key, 0)).await.unwrap();
-                    assert!(matches!(grant, Attempt::Granted(_)), "{key}: {grant:?}");
+                    assert!(matches!(grant, Attempt::Granted { .. }), "{key}: {grant:?}");
                 }
                 assert!(shard
                     .release(keys[1].as_bytes(), &keys[1])

@@ -597,8 +597,16 @@ pub const HELD_MARK: u64 = 1 << 63;
 /// What an acquire attempt found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Attempt {
-    /// Granted: the first fence of the grant.
-    Granted(u64),
+    /// Granted.
+    Granted {
+        /// The first fence of the grant.
+        fence: u64,
+        /// Whether a try of this call before the one that answered may have reached the
+        /// server (its reply lost), as for [`Attempt::Held`]: where that try's session could
+        /// not be ended first, its statement may still be on its way, and take the key again
+        /// for the same owner once the grant's row is released.
+        after_lost_try: bool,
+    },
     /// Someone else's live lease holds the key, granted this long ago (ms).
     Held {
         /// How long the current holder has held the key, by the shard's clock.
@@ -696,7 +704,10 @@ pub(crate) async fn acquire(conn: &mut Conn, req: &GrantRequest) -> mysql_async:
             held_for_ms: 0,
             after_lost_try: false,
         },
-        fence => Attempt::Granted(fence),
+        fence => Attempt::Granted {
+            fence,
+            after_lost_try: false,
+        },
     })
 }
 
@@ -1140,7 +1151,7 @@ mod tests {
             trace: None,
         };
         let granted = shard.acquire(&grant("a", 1)).await.unwrap();
-        assert!(matches!(granted, Attempt::Granted(_)), "{granted:?}");
+        assert!(matches!(granted, Attempt::Granted { .. }), "{granted:?}");
         // Past its 1 ms by the shard's clock.
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         let handed = shard.handoff("a", &grant("b", 60_000)).await.unwrap();
@@ -1148,7 +1159,7 @@ mod tests {
 
         // A live lease is handed over.
         let granted = shard.acquire(&grant("c", 60_000)).await.unwrap();
-        assert!(matches!(granted, Attempt::Granted(_)), "{granted:?}");
+        assert!(matches!(granted, Attempt::Granted { .. }), "{granted:?}");
         let handed = shard.handoff("c", &grant("d", 60_000)).await.unwrap();
         assert!(matches!(handed, HandoffOutcome::Granted(_)), "{handed:?}");
     }
@@ -1171,7 +1182,7 @@ mod tests {
         for (key, batched) in [("alone", false), ("batched", true)] {
             let req = grant(key);
             let granted = shard.acquire(&req).await.unwrap();
-            assert!(matches!(granted, Attempt::Granted(_)), "{granted:?}");
+            assert!(matches!(granted, Attempt::Granted { .. }), "{granted:?}");
             assert!(shard
                 .extend(req.key.as_slice(), &req.owner, hour)
                 .await
@@ -1185,7 +1196,7 @@ mod tests {
                     answers.attempts.remove(0)
                 }
             };
-            assert!(matches!(again, Attempt::Granted(_)), "{again:?}");
+            assert!(matches!(again, Attempt::Granted { .. }), "{again:?}");
             let mut conn = shard.connection().await.unwrap();
             let left_s: Option<i64> = conn
                 .raw()
@@ -1221,7 +1232,7 @@ mod tests {
         for (key, batched) in [("alone", false), ("batched", true)] {
             let first = grant(key, "first");
             let granted = shard.acquire(&first).await.unwrap();
-            assert!(matches!(granted, Attempt::Granted(_)), "{granted:?}");
+            assert!(matches!(granted, Attempt::Granted { .. }), "{granted:?}");
             shard.release(&first.key, &first.owner).await.unwrap();
             let mut conn = shard.connection().await.unwrap();
             // As a shard clock stepped back an hour after the release leaves it.
@@ -1242,7 +1253,7 @@ mod tests {
                     answers.attempts.remove(0)
                 }
             };
-            assert!(matches!(taken, Attempt::Granted(_)), "{taken:?}");
+            assert!(matches!(taken, Attempt::Granted { .. }), "{taken:?}");
             let left_s: Option<i64> = conn
                 .raw()
                 .exec_first(

@@ -92,11 +92,16 @@ impl Drop for OnTheWire<'_> {
 /// nothing of that try: where its session cannot be ended before the retry (a Galera node; a
 /// proxy that keeps sessions of its own; a session the shard stopped waiting for, see
 /// [`crate::stranded`]), its statement may still be on its way, and take the key once the row
-/// is free, for an owner its caller no longer counts as holding anything.
+/// is free, for an owner its caller no longer counts as holding anything; a grant's row,
+/// once released, may be taken again by it.
 fn after(attempt: Attempt, lost_try: bool) -> Attempt {
     match attempt {
         Attempt::Held { held_for_ms, .. } => Attempt::Held {
             held_for_ms,
+            after_lost_try: lost_try,
+        },
+        Attempt::Granted { fence, .. } => Attempt::Granted {
+            fence,
             after_lost_try: lost_try,
         },
         attempt => attempt,
