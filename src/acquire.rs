@@ -473,6 +473,17 @@ impl LockRouter {
                                 let (at, grant) = &companions.grants[i];
                                 (at.clone(), grant.owner.clone())
                             };
+                            if companions.grants[i].1.lost_try {
+                                // Released whenever it appears, for as long as it could last.
+                                let (at, grant) = companions.grants.remove(i);
+                                at.watch_lost_try(
+                                    key.stored().to_vec(),
+                                    grant.owner,
+                                    want.ttl,
+                                    None,
+                                );
+                                continue;
+                            }
                             // On the router's runtime: a lone release holds its lane's
                             // place while it runs, which a caller's runtime no longer
                             // driven would keep from every later release of the shard.
@@ -624,7 +635,7 @@ impl LockRouter {
                         fence: 0,
                         reserve: 0,
                         sent: Moment::now(),
-                        lost_try: false,
+                        lost_try: companion.lost_try_may_land.load(Ordering::Acquire),
                     },
                 ));
                 break;
@@ -753,7 +764,11 @@ struct CompanionGrants {
 impl Drop for CompanionGrants {
     fn drop(&mut self) {
         for (shard, grant) in self.grants.drain(..) {
-            shard.release_later(self.key.clone(), grant.owner, self.ttl);
+            match grant.lost_try {
+                // A try before it may still land and take the row again.
+                true => shard.watch_lost_try(self.key.clone(), grant.owner, self.ttl, None),
+                false => shard.release_later(self.key.clone(), grant.owner, self.ttl),
+            }
         }
     }
 }

@@ -415,7 +415,7 @@ impl LockGuard {
             std::iter::once((shard.clone(), lease.clone())).chain(lease.companion_rows())
         {
             row.clear_at_least();
-            shard.shared.released_kept(&row.owner, at.name());
+            shard.shared.released_kept(&row.owner, at.serial);
         }
         let turn = lease.turn.locked().take();
         if let Some(release) = shard
@@ -625,7 +625,8 @@ async fn handoff_through_shard(
     };
     let sent = Moment::now();
     let answer = shard.call_row(|b| b.handoff(&lease.owner, &req)).await;
-    // The releasing lease's row is another's or free from here on, whatever the answer.
+    // The releasing lease's row is let go from here on, whatever the answer (handed on,
+    // released, or to be released below): a try that may still take it again is watched for.
     lease.give_back_lost_try(&shard);
     match answer {
         // Handed over, but answered so late that the waiter's lease may already have ended on

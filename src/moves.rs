@@ -162,7 +162,8 @@ async fn take_on(
                     fence,
                     reserve: 0,
                     sent,
-                    lost_try: after_lost_try,
+                    // This try's, or an earlier one's of the same request, unanswered.
+                    lost_try: after_lost_try || unknown_since.is_some(),
                 };
                 let companion = Arc::new(
                     LeaseState::new(lease.key.clone(), grant, want, Duration::ZERO, None)
@@ -178,6 +179,7 @@ async fn take_on(
                     // Released (or lost) meanwhile: give the row back.
                     target.remove(companion.id);
                     give_back_try(target, &req, lease.ttl, companion.at_least()).await;
+                    companion.give_back_lost_try(target);
                     return false;
                 }
                 lease.end_by_unheard_row(None);
@@ -257,6 +259,7 @@ async fn take_on(
             .release_after(&req.key, &lease.owner, lease.at_least())
             .await;
         crate::guard::retry_if_failed(shard, lease, &released);
+        lease.give_back_lost_try(shard);
     }
     for (other, row) in lease.end_companions() {
         let _settling = crate::shard::Settling::new(&other);
@@ -265,6 +268,7 @@ async fn take_on(
             .release_after(row.key.stored(), &row.owner, row.at_least())
             .await;
         crate::guard::retry_if_failed(&other, &row, &released);
+        row.give_back_lost_try(&other);
     }
     false
 }

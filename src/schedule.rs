@@ -104,7 +104,7 @@ impl LockRouter {
                     .chain(hold.lease.companion_rows())
                 {
                     row.clear_at_least();
-                    shard.shared.released_kept(&row.owner, shard.name());
+                    shard.shared.released_kept(&row.owner, shard.serial);
                 }
                 let _ = guard.release().await;
                 return Err(e);

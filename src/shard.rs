@@ -49,6 +49,9 @@ pub(crate) struct ShardState {
     backend: Shard,
     /// The settings it was built from: a reload reuses the shard only if they are unchanged.
     pub(crate) config: ShardConfig,
+    /// Unique among the shard states of this process (a reload may build another state under
+    /// the same name, for another server).
+    pub(crate) serial: u64,
     leases: Mutex<HashMap<u64, Arc<LeaseState>>>,
     wake: Arc<Notify>,
     /// The shortest renewal period of the leases held here, in ms (`u64::MAX` when none), so
@@ -191,6 +194,10 @@ impl ShardState {
             beat_landed: Mutex::default(),
             silence_seen: AtomicBool::new(false),
             skew_floor_us: AtomicU64::new(0),
+            serial: {
+                static SERIALS: AtomicU64 = AtomicU64::new(0);
+                SERIALS.fetch_add(1, Ordering::Relaxed)
+            },
             acquire_lane: lanes::Lane::default(),
             release_lane: lanes::Lane::default(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
@@ -465,7 +472,7 @@ impl ShardState {
                 let answer = answer.await;
                 // Answered: the row shows its hold (a zero ttl), or is not this owner's.
                 if answer.is_ok() {
-                    self.shared.released_kept(owner, self.name());
+                    self.shared.released_kept(owner, self.serial);
                 }
                 answer
             }
@@ -477,14 +484,31 @@ impl ShardState {
     /// for up to `ttl` and the shard's clock skew (after that the row has ended by itself).
     /// Nobody else is kept waiting for the lease's whole ttl because one reply got lost.
     pub(crate) fn give_back(self: &Arc<Self>, key: Vec<u8>, owner: String, ttl: Duration) {
-        self.release_in_background(key, owner, ttl, false);
+        self.release_in_background(key, owner, ttl, Ends::Released);
     }
 
     /// [`ShardState::give_back`] for a row that is surely `owner`'s or already gone, because
     /// its release failed and nothing that could grant it to `owner` again is still pending:
     /// any answer of the shard ends it.
     pub(crate) fn release_later(self: &Arc<Self>, key: Vec<u8>, owner: String, ttl: Duration) {
-        self.release_in_background(key, owner, ttl, true);
+        self.release_in_background(key, owner, ttl, Ends::AnyAnswer);
+    }
+
+    /// Frees `owner`'s row of `key` whenever it appears, for as long as a row written now
+    /// could last (`ttl` and the shard's clock skew): a try of a grant to `owner` whose reply
+    /// was lost may still land where its session could not be ended (a Galera node, a proxy
+    /// that keeps sessions of its own), and take the row again, also once a release freed it.
+    /// Every answer is let pass; the owner must be held by no lease of this process (its row
+    /// let go, or never taken). A row that must stay taken `at_least` after its grant is
+    /// released as its holder's release is, keeping that hold.
+    pub(crate) fn watch_lost_try(
+        self: &Arc<Self>,
+        key: Vec<u8>,
+        owner: String,
+        ttl: Duration,
+        at_least: Option<Duration>,
+    ) {
+        self.release_in_background(key, owner, ttl, Ends::Never(at_least));
     }
 
     fn release_in_background(
@@ -492,7 +516,7 @@ impl ShardState {
         key: Vec<u8>,
         owner: String,
         ttl: Duration,
-        any_answer_ends: bool,
+        ends: Ends,
     ) {
         let giving_back = Settling::new(self);
         self.shared.spawn(async move {
@@ -522,16 +546,27 @@ impl ShardState {
                 // Alone, not in a batch: a batch release counts a free row as freed, and the
                 // row may be free only because the statement being undone has not written it
                 // yet; a single release waits behind that statement's lock.
-                let release = shard.backend.release(&key, &owner);
-                let released = shard
-                    .run_admitted(ticket, release, |_| Timing::Counts, true)
-                    .await;
+                let released = match ends {
+                    Ends::Never(Some(at_least)) => {
+                        let release = shard.backend.release_after(&key, &owner, Some(at_least));
+                        shard
+                            .run_admitted(ticket, release, |_| Timing::Counts, true)
+                            .await
+                    }
+                    _ => {
+                        let release = shard.backend.release(&key, &owner);
+                        shard
+                            .run_admitted(ticket, release, |_| Timing::Counts, true)
+                            .await
+                    }
+                };
                 // Undoing a grant: a "not ours" may come before the statement being undone has
                 // finished on the server (its client gave up; the server did not), so only a
                 // release that freed the row ends it early.
-                match released {
-                    Ok(ReleaseAnswer::Released) => return,
-                    Ok(_) if any_answer_ends => return,
+                match (released, ends) {
+                    (_, Ends::Never(_)) => {}
+                    (Ok(ReleaseAnswer::Released), _) => return,
+                    (Ok(_), Ends::AnyAnswer) => return,
                     _ => {}
                 }
                 tokio::time::sleep(backoff.next_delay()).await;
@@ -1130,4 +1165,17 @@ pub(crate) fn acquire_timing<T>(
         Ok(_) => Timing::Undecided,
         Err(_) => Timing::Counts,
     }
+}
+
+/// When a release in the background ([`ShardState::give_back`], [`ShardState::release_later`],
+/// [`ShardState::watch_lost_try`]) stops before the row could have ended by itself.
+#[derive(Debug, Clone, Copy)]
+enum Ends {
+    /// At a release that freed the row.
+    Released,
+    /// At any answer of the shard.
+    AnyAnswer,
+    /// Never: a try still on its way may take the row again later. Released keeping a minimum
+    /// hold of that long after the grant, if any.
+    Never(Option<Duration>),
 }

@@ -572,6 +572,47 @@ async fn an_acquire_whose_cut_off_try_may_still_land_says_so_when_it_finds_the_k
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cut_off_try_that_lands_after_its_grant_was_released_is_given_back() {
     let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = held_back_router(&cluster).await;
+    let long = AcquireOptions::new().ttl(Duration::from_secs(600));
+    let guard = cut_off_first_try(&router, &proxy, long).await;
+    guard.release().await.unwrap();
+    landed_late(&proxy).await;
+    let freed = freed_within(&other, "k", Duration::from_secs(30)).await;
+    assert!(
+        freed,
+        "a cut-off try that landed after its grant was released kept the key from everyone"
+    );
+}
+
+/// The same, for a lease that keeps its key taken a while after its grant (`lock_at_least`,
+/// a scheduled run's interval): the row the late try took is released as its holder's
+/// release was, and stays taken until the hold ends rather than being freed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cut_off_try_landing_on_a_row_kept_for_a_minimum_hold_leaves_the_hold() {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = held_back_router(&cluster).await;
+    let kept = AcquireOptions::new()
+        .ttl(Duration::from_secs(600))
+        .lock_at_least(Duration::from_secs(600));
+    let guard = cut_off_first_try(&router, &proxy, kept).await;
+    guard.release().await.unwrap();
+    landed_late(&proxy).await;
+    // Kept again (a zero ttl, its end the hold's) once the late try's row was released.
+    let kept_again = common::eventually(Duration::from_secs(30), || async {
+        let (_, row) = other.inspect("k").await.unwrap();
+        row.is_some_and(|r| r.is_held() && r.ttl_ms == 0)
+    })
+    .await;
+    let (_, row) = other.inspect("k").await.unwrap();
+    assert!(
+        kept_again,
+        "the row a cut-off try took was not kept for the lease's minimum hold: {row:?}"
+    );
+}
+
+/// A router behind a proxy that keeps sessions of its own (the shard's thread ids are not
+/// the sessions', so a session cut off cannot be ended), instance id `held-back`.
+async fn held_back_router(cluster: &Cluster) -> (LockRouter, Proxy) {
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     proxy.renumber_sessions();
     let router = LockRouter::from_yaml_str(&format!(
@@ -584,27 +625,28 @@ async fn a_cut_off_try_that_lands_after_its_grant_was_released_is_given_back() {
     let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
     warm.release().await.unwrap();
     common::until_router_recorded(&router).await;
+    (router, proxy)
+}
 
-    // The first try is cut off on the wire (its statement held back, still on its way); the
-    // retry, on another connection, is granted.
+/// Acquires `k` with `opts` while the first try is cut off on the wire (its statement held
+/// back, still on its way): the retry, on another connection, is granted.
+async fn cut_off_first_try(
+    router: &LockRouter,
+    proxy: &Proxy,
+    opts: AcquireOptions,
+) -> shardlock::LockGuard {
     proxy.set(ProxyMode::StrandTo(b"held-back:"));
-    let long = AcquireOptions::new().ttl(Duration::from_secs(600));
-    let guard = router.acquire("k", long).await.unwrap();
+    let guard = router.acquire("k", opts).await.unwrap();
     assert_eq!(proxy.mode(), ProxyMode::Pass, "no try was held back");
-    guard.release().await.unwrap();
+    guard
+}
+
+/// Lets the cut-off try reach the server now: it takes `k` again for its owner (a released
+/// row is anyone's, a kept one its owner's), which the give-back may undo at once.
+async fn landed_late(proxy: &Proxy) {
     assert!(
         proxy.held().await.deliver().await,
         "the cut-off try did not run"
-    );
-    let (_, row) = other.inspect("k").await.unwrap();
-    assert!(
-        row.is_some_and(|r| r.is_held()),
-        "the cut-off try did not take the free row"
-    );
-    let freed = freed_within(&other, "k", Duration::from_secs(30)).await;
-    assert!(
-        freed,
-        "a cut-off try that landed after its grant was released kept the key from everyone"
     );
 }
 

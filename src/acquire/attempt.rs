@@ -56,10 +56,11 @@ impl LockRouter {
             None => Tried::Busy(None),
             // Granted, but the answer came so late that the lease may already have ended on
             // the shard: no use to anyone. Given back; the key counts as busy.
-            // (Until answered, if a try before it may still land and take the row again.)
+            // (Watched for as long as it could last, if a try before it may still land and
+            // take the row again.)
             Some(Attempt::Granted { after_lost_try, .. }) if shard.ran_out(&want, sent) => {
                 match after_lost_try {
-                    true => shard.give_back(req.key, req.owner, want.ttl),
+                    true => shard.watch_lost_try(req.key, req.owner, want.ttl, None),
                     false => shard.release_later(req.key, req.owner, want.ttl),
                 }
                 Tried::Busy(None)
@@ -176,9 +177,10 @@ impl Drop for PendingAttempt {
                 std::mem::take(&mut self.key),
                 std::mem::take(&mut self.owner),
             );
-            // Until a release frees it, if a try before may still land and take it again.
+            // Watched for as long as it could last, if a try before may still land and take
+            // it again.
             match after_lost_try {
-                true => self.shard.give_back(key, owner, self.ttl),
+                true => self.shard.watch_lost_try(key, owner, self.ttl, None),
                 false => self.shard.release_later(key, owner, self.ttl),
             }
         }

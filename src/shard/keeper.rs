@@ -89,9 +89,12 @@ impl ShardState {
             }
             match attempt {
                 Ok(Attempt::Granted { after_lost_try, .. }) => {
-                    if after_lost_try {
-                        lease.lost_try_may_land();
-                    }
+                    // A try that may still take the row once it is free: this pass's, or one
+                    // of an earlier pass whose reply was lost (its mark is cleared here, and
+                    // the lease's release or the give-back below watches for it).
+                    let lost_try = after_lost_try
+                        || may_land
+                        || lease.maybe_on_shard.swap(false, Ordering::SeqCst);
                     // Under the map's lock, so the holder either still finds it local or finds
                     // it moved to the renewed leases.
                     let moved = {
@@ -106,6 +109,9 @@ impl ShardState {
                             // Counted before the holder's `lost()` can see the new deadline.
                             stats.reconciled.fetch_add(1, Ordering::Relaxed);
                             lease.reconciled.store(true, Ordering::Release);
+                            if lost_try {
+                                lease.lost_try_may_land();
+                            }
                             short = lease.set_deadline_from(sent, ttl);
                             self.insert(lease.clone());
                         }
@@ -120,6 +126,9 @@ impl ShardState {
                         if let Some(short) = short {
                             self.extend_reconciled(&lease, sent + ttl + short).await;
                         }
+                    } else if lost_try {
+                        // Released meanwhile, and a try may take the row again.
+                        self.watch_lost_try(req.key, req.owner, lease.row_ttl(), None);
                     } else {
                         // Released meanwhile: give the row back (until the shard answers).
                         self.give_back(req.key, req.owner, lease.row_ttl());

@@ -289,9 +289,15 @@ impl ShardState {
             Ok(Attempt::Held { after_lost_try, .. }) => after_lost_try,
             _ => false,
         };
-        let untaken = matches!(answer.send(outcome), Err(Ok(Attempt::Granted { .. })));
-        if orphan && (untaken || unknown || locked) {
-            let ttl = Duration::from_millis(u64::from(request.ttl_ms));
+        let untaken = match answer.send(outcome) {
+            Err(Ok(Attempt::Granted { after_lost_try, .. })) => Some(after_lost_try),
+            _ => None,
+        };
+        let ttl = Duration::from_millis(u64::from(request.ttl_ms));
+        if orphan && untaken == Some(true) {
+            // A try before it may still land and take the row again.
+            self.watch_lost_try(request.key, request.owner, ttl, None);
+        } else if orphan && (untaken.is_some() || unknown || locked) {
             self.give_back(request.key, request.owner, ttl);
         }
     }

@@ -73,7 +73,7 @@ pub(crate) struct LeaseState {
     pub(crate) maybe_on_shard: std::sync::atomic::AtomicBool,
     /// Set while a try before the one that granted this lease may still land (see
     /// [`LeaseState::give_back_lost_try`]).
-    lost_try_may_land: std::sync::atomic::AtomicBool,
+    pub(crate) lost_try_may_land: std::sync::atomic::AtomicBool,
     /// The longest row a re-acquire of this local lease asked for, in ms (an `extend` in
     /// process may have made it longer than its ttl): a give-back of a row that re-acquire may
     /// have written unheard is retried that long.
@@ -372,7 +372,7 @@ impl LeaseState {
                 (d.drift_ppm, d.clock_skew)
             };
             let hold = super::shared::KeptHold {
-                shard: shard.name().into(),
+                shard: shard.serial,
                 from: Moment::now(),
                 at_least,
                 drift_ppm,
@@ -450,8 +450,6 @@ impl LeaseState {
         self.asked_row_ms.fetch_max(ms, Ordering::AcqRel);
     }
 
-    /// How long a row of this lease may last from when it was last written: its ttl, or the
-    /// longest a re-acquire asked for (a give-back of it is retried that long).
     /// Marks that a try before the one that granted the lease's row may still land (see
     /// [`LeaseState::give_back_lost_try`]).
     pub(crate) fn lost_try_may_land(&self) {
@@ -462,14 +460,17 @@ impl LeaseState {
     /// that granted it may still land (a Galera node, a proxy that keeps sessions of its own),
     /// it would take the free row again for this owner, whom nobody holds, and keep the key
     /// from everyone for a ttl. Its row is given back, owner-checked, whenever it appears, for
-    /// as long as it could last. Once per lease.
+    /// as long as it could last (a minimum hold kept: [`ShardState::watch_lost_try`]). Once
+    /// per lease.
     pub(crate) fn give_back_lost_try(&self, shard: &Arc<ShardState>) {
         if self.lost_try_may_land.swap(false, Ordering::AcqRel) {
             let key = self.key.stored().to_vec();
-            shard.give_back(key, self.owner.clone(), self.row_ttl());
+            shard.watch_lost_try(key, self.owner.clone(), self.row_ttl(), self.at_least());
         }
     }
 
+    /// How long a row of this lease may last from when it was last written: its ttl, or the
+    /// longest a re-acquire asked for (a give-back of it is retried that long).
     pub(crate) fn row_ttl(&self) -> Duration {
         let asked = Duration::from_millis(self.asked_row_ms.load(Ordering::Acquire));
         self.ttl.max(asked)

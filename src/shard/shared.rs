@@ -87,8 +87,10 @@ struct Kept {
 /// the shard's skew floor do.
 #[derive(Debug, Clone)]
 pub(crate) struct KeptHold {
-    /// The shard the row is on (a moved key's rows on two shards share their owner).
-    pub(crate) shard: Arc<str>,
+    /// The serial of the shard state the row is on (a moved key's rows on two shards share
+    /// their owner, and a reload that points a shard's name at another server keeps both
+    /// under one name).
+    pub(crate) shard: u64,
     pub(crate) from: Moment,
     pub(crate) at_least: Duration,
     pub(crate) drift_ppm: u32,
@@ -389,10 +391,10 @@ impl Shared {
     /// Forgets `owner`'s minimum hold on `shard` once its release reached that shard: the row
     /// then shows it is kept (a zero ttl), and the map stays as small as the holds not
     /// released. Its row on another shard (a moved key's) is still kept until released there.
-    pub(crate) fn released_kept(&self, owner: &str, shard: &str) {
+    pub(crate) fn released_kept(&self, owner: &str, shard: u64) {
         let mut kept = self.kept.locked();
         if let Some(holds) = kept.holds.get_mut(owner) {
-            holds.retain(|h| *h.shard != *shard);
+            holds.retain(|h| h.shard != shard);
             if holds.is_empty() {
                 kept.holds.remove(owner);
             }
@@ -432,7 +434,7 @@ mod tests {
         let shared = shared();
         let owner = format!("worker-1:{}:1", shared.nonce());
         let hold = KeptHold {
-            shard: "s1".into(),
+            shard: 1,
             from: Moment::now(),
             at_least: Duration::from_secs(10),
             drift_ppm: 0,
@@ -456,9 +458,9 @@ mod tests {
     async fn a_release_on_one_shard_leaves_the_hold_of_the_same_owner_on_another() {
         let shared = shared();
         let owner = format!("worker-1:{}:1", shared.nonce());
-        for shard in ["s1", "s2"] {
+        for shard in [1, 2] {
             let hold = KeptHold {
-                shard: shard.into(),
+                shard,
                 from: Moment::now(),
                 at_least: Duration::from_secs(10),
                 drift_ppm: 0,
@@ -466,12 +468,12 @@ mod tests {
             };
             shared.keep_taken(&owner, hold);
         }
-        shared.released_kept(&owner, "s1");
+        shared.released_kept(&owner, 1);
         assert!(
             !shared.is_stale_own(&owner, 2, Duration::ZERO),
             "a release on one shard ended the hold of the same owner's row on another"
         );
-        shared.released_kept(&owner, "s2");
+        shared.released_kept(&owner, 2);
         assert!(shared.is_stale_own(&owner, 2, Duration::ZERO));
     }
 
@@ -483,7 +485,7 @@ mod tests {
         shared.allow_drift(100_000);
         let owner = format!("worker-1:{}:1", shared.nonce());
         let hold = KeptHold {
-            shard: "s1".into(),
+            shard: 1,
             from: Moment::now(),
             at_least: Duration::from_secs(10),
             drift_ppm: 0,
