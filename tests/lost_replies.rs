@@ -610,11 +610,39 @@ async fn a_cut_off_try_landing_on_a_row_kept_for_a_minimum_hold_leaves_the_hold(
     );
 }
 
+/// On a plain shard the cut-off try's session is ended before the retry runs: it cannot land
+/// later, and nothing watches for it once the lease is released (a watch would send a
+/// release every half second for the lease's ttl).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cut_off_try_whose_session_was_ended_is_not_watched_for() {
+    let (cluster, _other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = held_back_router_on(&cluster, false).await;
+    let long = AcquireOptions::new().ttl(Duration::from_secs(600));
+    let guard = cut_off_first_try(&router, &proxy, long).await;
+    guard.release().await.unwrap();
+    // Give-backs and watches in progress keep the shard settling.
+    let settled = common::eventually(Duration::from_secs(30), || async {
+        router.stats().settling == 0
+    })
+    .await;
+    assert!(
+        settled,
+        "a lost try whose session was ended is watched for after its lease's release"
+    );
+}
+
 /// A router behind a proxy that keeps sessions of its own (the shard's thread ids are not
 /// the sessions', so a session cut off cannot be ended), instance id `held-back`.
 async fn held_back_router(cluster: &Cluster) -> (LockRouter, Proxy) {
+    held_back_router_on(cluster, true).await
+}
+
+/// [`held_back_router`], its proxy keeping sessions of its own if `renumber`.
+async fn held_back_router_on(cluster: &Cluster, renumber: bool) -> (LockRouter, Proxy) {
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    proxy.renumber_sessions();
+    if renumber {
+        proxy.renumber_sessions();
+    }
     let router = LockRouter::from_yaml_str(&format!(
         "shards:\n  - name: s1\n    url: {}\ninstance:\n  id: held-back\n\
          cleaner:\n  registry: static\n",

@@ -426,6 +426,18 @@ mod tests {
         Shared::new("worker-1".to_owned(), telemetry)
     }
 
+    /// A row kept taken 10 s from now on the shard state `shard`, recorded with no clock
+    /// drift or node skew.
+    fn ten_seconds_on(shard: u64) -> KeptHold {
+        KeptHold {
+            shard,
+            from: Moment::now(),
+            at_least: Duration::from_secs(10),
+            drift_ppm: 0,
+            clock_skew: Duration::ZERO,
+        }
+    }
+
     /// A reload that raises the clock drift allowed keeps a row kept taken for as long as the
     /// slower shard clock counts its hold, also once its lease is gone: a reconcile of its key
     /// must not give the row back before then.
@@ -433,14 +445,7 @@ mod tests {
     async fn a_kept_row_outlasts_a_clock_drift_raised_after_its_grant() {
         let shared = shared();
         let owner = format!("worker-1:{}:1", shared.nonce());
-        let hold = KeptHold {
-            shard: 1,
-            from: Moment::now(),
-            at_least: Duration::from_secs(10),
-            drift_ppm: 0,
-            clock_skew: Duration::ZERO,
-        };
-        shared.keep_taken(&owner, hold);
+        shared.keep_taken(&owner, ten_seconds_on(1));
         // 10 %: the shard's clock counts 10 s in 11.1 s of ours.
         shared.allow_drift(100_000);
         tokio::time::advance(Duration::from_millis(10_500)).await;
@@ -459,14 +464,7 @@ mod tests {
         let shared = shared();
         let owner = format!("worker-1:{}:1", shared.nonce());
         for shard in [1, 2] {
-            let hold = KeptHold {
-                shard,
-                from: Moment::now(),
-                at_least: Duration::from_secs(10),
-                drift_ppm: 0,
-                clock_skew: Duration::ZERO,
-            };
-            shared.keep_taken(&owner, hold);
+            shared.keep_taken(&owner, ten_seconds_on(shard));
         }
         shared.released_kept(&owner, 1);
         assert!(
@@ -484,14 +482,7 @@ mod tests {
         let shared = shared();
         shared.allow_drift(100_000);
         let owner = format!("worker-1:{}:1", shared.nonce());
-        let hold = KeptHold {
-            shard: 1,
-            from: Moment::now(),
-            at_least: Duration::from_secs(10),
-            drift_ppm: 0,
-            clock_skew: Duration::ZERO,
-        };
-        shared.keep_taken(&owner, hold);
+        shared.keep_taken(&owner, ten_seconds_on(1));
         shared.allow_drift(0);
         tokio::time::advance(Duration::from_millis(10_500)).await;
         assert!(

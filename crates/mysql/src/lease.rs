@@ -601,10 +601,10 @@ pub enum Attempt {
     Granted {
         /// The first fence of the grant.
         fence: u64,
-        /// Whether a try of this call before the one that answered may have reached the
-        /// server (its reply lost), as for [`Attempt::Held`]: where that try's session could
-        /// not be ended first, its statement may still be on its way, and take the key again
-        /// for the same owner once the grant's row is released.
+        /// Whether a try of this call before the one that answered may still reach the
+        /// server: its reply was lost, and its session could not be ended before the retry
+        /// (a Galera node; a proxy that keeps sessions of its own). It would take the key
+        /// again for the same owner once the grant's row is released.
         after_lost_try: bool,
     },
     /// Someone else's live lease holds the key, granted this long ago (ms).

@@ -94,18 +94,31 @@ impl Drop for OnTheWire<'_> {
 /// [`crate::stranded`]), its statement may still be on its way, and take the key once the row
 /// is free, for an owner its caller no longer counts as holding anything; a grant's row,
 /// once released, may be taken again by it.
-fn after(attempt: Attempt, lost_try: bool) -> Attempt {
+fn after(attempt: Attempt, lost: Lost) -> Attempt {
     match attempt {
         Attempt::Held { held_for_ms, .. } => Attempt::Held {
             held_for_ms,
-            after_lost_try: lost_try,
+            after_lost_try: lost.applied,
         },
+        // Only a try that may still land can take the row again once it is released: one
+        // whose session was ended before the retry cannot.
         Attempt::Granted { fence, .. } => Attempt::Granted {
             fence,
-            after_lost_try: lost_try,
+            after_lost_try: lost.in_flight,
         },
         attempt => attempt,
     }
+}
+
+/// What the tries of a call before the one that answered may have done.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Lost {
+    /// One may have reached the server (its reply lost): what the answer found may be its
+    /// doing, or (where its session could not be ended) it may still land.
+    pub(crate) applied: bool,
+    /// One may still reach the server after the answer: its session could not be ended before
+    /// the next try (a Galera node, a proxy that keeps sessions of its own).
+    pub(crate) in_flight: bool,
 }
 
 /// Whether a try's error leaves its outcome unknown, the statement sent: a broken connection
@@ -385,7 +398,7 @@ impl Shard {
                 Tries::IDEMPOTENT,
             )
             .await?;
-        if changed || !lost_try {
+        if changed || !lost_try.applied {
             return Ok(changed);
         }
         self.run(operation, args, confirm).await
@@ -443,7 +456,7 @@ impl Shard {
         args: &A,
         f: impl for<'c> Fn(&'c mut Conn, &'c A) -> BoxFuture<'c, mysql_async::Result<T>>,
         tries: Tries,
-    ) -> Result<(T, bool), BackendError> {
+    ) -> Result<(T, Lost), BackendError> {
         let span = self.client_span(operation);
         let result = self
             .with_conn_tries(timeout, args, f, tries)
@@ -469,7 +482,7 @@ impl Shard {
             retry_broken,
             answer_lock_waits,
         }: Tries,
-    ) -> Result<(T, bool), BackendError> {
+    ) -> Result<(T, Lost), BackendError> {
         let deadline = Instant::now() + timeout;
         let mut reconnected = false;
         // Set once a statement may have reached the server: a failure after that leaves its
@@ -486,6 +499,11 @@ impl Shard {
         // Whether an earlier try may have applied: a later try's clean server error (a
         // deadlock, say) does not undo that.
         let mut applied_before = false;
+        // Whether an earlier try may still apply: its session could not be listed to be ended
+        // before the next try (see `crate::stranded`).
+        let mut in_flight_before = false;
+        // Whether this try's session can be ended should its statement be lost on the way.
+        let endable = std::sync::atomic::AtomicBool::new(false);
         loop {
             // Each try from unsent: only a statement of this try may have reached the server
             // now (`applied_before` remembers earlier ones).
@@ -500,9 +518,11 @@ impl Shard {
                     std::sync::atomic::Ordering::Relaxed,
                 );
                 sent.store(true, std::sync::atomic::Ordering::Relaxed);
+                let session = conn.session();
+                endable.store(session.is_some(), std::sync::atomic::Ordering::Relaxed);
                 let on_wire = OnTheWire {
                     shard: self,
-                    session: conn.session(),
+                    session,
                 };
                 let answer = conn.run(|c| f(c, args)).await.map_err(classify);
                 broke.store(
@@ -515,7 +535,13 @@ impl Shard {
             })
             .await;
             let mut err = match attempt {
-                Ok(Ok(v)) => return Ok((v, applied_before)),
+                Ok(Ok(v)) => {
+                    let lost = Lost {
+                        applied: applied_before,
+                        in_flight: in_flight_before,
+                    };
+                    return Ok((v, lost));
+                }
                 Ok(Err(e)) => e,
                 Err(_) => BackendError::timeout(format!(
                     "no answer within {timeout:?} (statement-timeout)"
@@ -528,8 +554,10 @@ impl Shard {
             // may have applied the write, so its outcome is unknown too.
             let lost = is_lost(&err);
             let on_wire = sent.load(std::sync::atomic::Ordering::Relaxed);
-            err.maybe_applied = applied_before || (on_wire && (lost || err.code == Some(1180)));
+            let this_try = on_wire && (lost || err.code == Some(1180));
+            err.maybe_applied = applied_before || this_try;
             applied_before = err.maybe_applied;
+            in_flight_before |= this_try && !endable.load(std::sync::atomic::Ordering::Relaxed);
             let node = node.load(std::sync::atomic::Ordering::Relaxed);
             let on_node = sent.load(std::sync::atomic::Ordering::Relaxed);
             let manager = self.pool.manager();
@@ -637,7 +665,7 @@ impl Shard {
                 Tries::IDEMPOTENT,
             )
             .await?;
-        Ok((after(attempt, lost_try), lost_try))
+        Ok((after(attempt, lost_try), lost_try.applied))
     }
 
     /// Tries to grant every request: one write for all keys with the single acquire's
@@ -659,7 +687,7 @@ impl Shard {
         for attempt in &mut grants.attempts {
             *attempt = after(*attempt, lost_try);
         }
-        grants.after_lost_try = lost_try;
+        grants.after_lost_try = lost_try.applied;
         Ok(grants)
     }
 
@@ -686,7 +714,7 @@ impl Shard {
             .await?;
         Ok(found
             .into_iter()
-            .map(|f| released(f, after_unknown))
+            .map(|f| released(f, after_unknown.applied))
             .collect())
     }
 
@@ -719,7 +747,7 @@ impl Shard {
                 Tries::ROW_IDEMPOTENT,
             )
             .await?;
-        Ok(released(found, after_unknown))
+        Ok(released(found, after_unknown.applied))
     }
 
     /// Moves the end of `owner`'s live lease of `key` to at least `by` from the shard's now;
@@ -1231,7 +1259,7 @@ impl Shard {
                 Tries::IDEMPOTENT,
             )
             .await?;
-        if released.is_some() || !lost_try {
+        if released.is_some() || !lost_try.applied {
             return Ok(released);
         }
         self.run(
