@@ -571,12 +571,8 @@ async fn an_acquire_whose_cut_off_try_may_still_land_says_so_when_it_finds_the_k
 /// for the try's whole ttl.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cut_off_try_that_lands_after_its_grant_was_released_is_given_back() {
-    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let (router, proxy) = held_back_router(&cluster).await;
     let long = AcquireOptions::new().ttl(Duration::from_secs(600));
-    let guard = cut_off_first_try(&router, &proxy, long).await;
-    guard.release().await.unwrap();
-    landed_late(&proxy).await;
+    let (_cluster, other, _router) = a_try_landing_after_its_release(long).await;
     let freed = freed_within(&other, "k", Duration::from_secs(30)).await;
     assert!(
         freed,
@@ -589,14 +585,10 @@ async fn a_cut_off_try_that_lands_after_its_grant_was_released_is_given_back() {
 /// release was, and stays taken until the hold ends rather than being freed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cut_off_try_landing_on_a_row_kept_for_a_minimum_hold_leaves_the_hold() {
-    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
-    let (router, proxy) = held_back_router(&cluster).await;
     let kept = AcquireOptions::new()
         .ttl(Duration::from_secs(600))
         .lock_at_least(Duration::from_secs(600));
-    let guard = cut_off_first_try(&router, &proxy, kept).await;
-    guard.release().await.unwrap();
-    landed_late(&proxy).await;
+    let (_cluster, other, _router) = a_try_landing_after_its_release(kept).await;
     // Kept again (a zero ttl, its end the hold's) once the late try's row was released.
     let kept_again = common::eventually(Duration::from_secs(30), || async {
         let (_, row) = other.inspect("k").await.unwrap();
@@ -669,13 +661,22 @@ async fn cut_off_first_try(
     guard
 }
 
-/// Lets the cut-off try reach the server now: it takes `k` again for its owner (a released
-/// row is anyone's, a kept one its owner's), which the give-back may undo at once.
-async fn landed_late(proxy: &Proxy) {
+/// One shard, a router on it, and the held-back router (kept: its give-backs run while it
+/// lives) after it acquired `k` with `opts` while its first try was cut off on the wire,
+/// released it, and the cut-off try then reached the server: it took `k` again for its owner
+/// (a released row is anyone's, a kept one its owner's), which the give-back may undo at once.
+async fn a_try_landing_after_its_release(
+    opts: AcquireOptions,
+) -> (Cluster, LockRouter, (LockRouter, Proxy)) {
+    let (cluster, other, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let (router, proxy) = held_back_router(&cluster).await;
+    let guard = cut_off_first_try(&router, &proxy, opts).await;
+    guard.release().await.unwrap();
     assert!(
         proxy.held().await.deliver().await,
         "the cut-off try did not run"
     );
+    (cluster, other, (router, proxy))
 }
 
 /// After a restart the shard's thread ids start over: the id of a session stranded before it
