@@ -635,16 +635,7 @@ async fn held_back_router_on(cluster: &Cluster, renumber: bool) -> (LockRouter, 
     if renumber {
         proxy.renumber_sessions();
     }
-    let router = LockRouter::from_yaml_str(&format!(
-        "shards:\n  - name: s1\n    url: {}\ninstance:\n  id: held-back\n\
-         cleaner:\n  registry: static\n",
-        proxy.url()
-    ))
-    .await
-    .unwrap();
-    let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
-    warm.release().await.unwrap();
-    common::until_router_recorded(&router).await;
+    let router = router_behind(&proxy, "", "instance:\n  id: held-back\n").await;
     (router, proxy)
 }
 
@@ -1082,6 +1073,21 @@ async fn behind_proxy(
     top: &str,
 ) -> (LockRouter, Proxy) {
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let router = router_behind(&proxy, shard, top).await;
+    // Every idle connection then takes a lock cycle, so that each has the lock statements
+    // prepared: a try whose prepare's reply is lost never runs its statement, and the tests
+    // lose the reply of a statement that ran.
+    for _ in 0..4 {
+        let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
+        warm.release().await.unwrap();
+    }
+    (router, proxy)
+}
+
+/// A router reaching the one shard behind `proxy` (`shard` and `top` as for [`behind_proxy`]),
+/// after a lease taken and released, and its placement recorded (after its first grant)
+/// before a test breaks the link: the record takes a connection of its own.
+async fn router_behind(proxy: &Proxy, shard: &str, top: &str) -> LockRouter {
     let router = LockRouter::from_yaml_str(&format!(
         "shards:\n  - name: s1\n    url: {}\n{shard}{top}cleaner:\n  registry: static\n",
         proxy.url()
@@ -1090,16 +1096,8 @@ async fn behind_proxy(
     .unwrap();
     let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
     warm.release().await.unwrap();
-    // Its placement recorded (after its first grant) before a test breaks the link; the record
-    // took a connection of its own. Every idle connection then takes a lock cycle, so that
-    // each has the lock statements prepared: a try whose prepare's reply is lost never runs
-    // its statement, and the tests lose the reply of a statement that ran.
     common::until_router_recorded(&router).await;
-    for _ in 0..4 {
-        let warm = router.acquire("warm", AcquireOptions::new()).await.unwrap();
-        warm.release().await.unwrap();
-    }
-    (router, proxy)
+    router
 }
 
 /// Takes `key` for a minute through `proxy` while it loses every reply: the caller is told
