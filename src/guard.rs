@@ -405,10 +405,18 @@ impl LockGuard {
     /// through its shard, handed to no waiter in memory (it may have been placed where the
     /// fleet no longer places its key); the waiters poll the shard. In full: a minimum hold
     /// (`lock_at_least`, a scheduled run's interval) is for a holder that ran.
-    pub(crate) async fn give_back_unseen(mut self) {
+    pub(crate) async fn give_back_unseen(self) {
+        if let Some(release) = self.give_back_unseen_later() {
+            let _ = release.await;
+        }
+    }
+
+    /// [`LockGuard::give_back_unseen`], run on the router's runtime: its task, if one is to
+    /// be waited for.
+    pub(crate) fn give_back_unseen_later(mut self) -> Option<tokio::task::JoinHandle<Result<()>>> {
         self.done = true;
         if self.hold.guards.fetch_sub(1, Ordering::AcqRel) > 1 {
-            return;
+            return None;
         }
         let (shard, lease) = (self.hold.shard.clone(), self.hold.lease.clone());
         for (at, row) in
@@ -418,12 +426,9 @@ impl LockGuard {
             shard.shared.released_kept(&row.owner, at.serial);
         }
         let turn = lease.turn.locked().take();
-        if let Some(release) = shard
+        shard
             .shared
             .spawn(release_through_shard(shard.clone(), lease, turn))
-        {
-            let _ = release.await;
-        }
     }
 }
 

@@ -17,7 +17,7 @@ use crate::moves;
 use crate::options::AcquireOptions;
 use crate::registry::{self, host_name, IdClaim};
 use crate::shard::{ShardState, Shared};
-use crate::state::{instant_after, spawn_heartbeat, CleanerState, Gate, Inner};
+use crate::state::{spawn_heartbeat, CleanerState, Gate, Inner};
 use crate::sync::LockExt;
 use crate::topology::Topology;
 
@@ -835,31 +835,25 @@ impl LockRouter {
     /// Acquires every bucket of `key` (for whole-key operations such as a restock), in bucket
     /// order: two callers doing this, and any number of single-bucket holders, can never
     /// deadlock. The wait of `opts` covers all of them; on failure the buckets already taken
-    /// are released. Returns the guards in bucket order.
+    /// are given back. Returns the guards in bucket order, each still held once the last was
+    /// taken (one may have ended meanwhile: a short ttl, a pause; then all are given back and
+    /// taken again within the wait).
     ///
     /// Do not call it while holding one of the key's buckets in the same task: it would wait
     /// for that bucket until it times out.
     ///
     /// Cancellation: as for [`LockRouter::acquire`] for the bucket in flight; the guards of the
-    /// buckets already taken are dropped, which releases them in the background.
+    /// buckets already taken are given back in the background.
     pub async fn acquire_all_buckets(
         &self,
         key: &str,
         opts: AcquireOptions,
     ) -> Result<Vec<LockGuard>> {
         LockKey::new(key)?;
-        let ns = self.namespace_of(&opts)?;
-        let deadline = instant_after(opts.wait.unwrap_or(ns.wait));
-        let mut guards = Vec::with_capacity(ns.buckets as usize);
-        for bucket in 0..ns.buckets {
-            let left = deadline.saturating_duration_since(Instant::now());
-            // On error the guards taken so far are dropped, which releases them.
-            guards.push(
-                self.acquire_key(LockKey::bucket(key, bucket)?, &opts, Some(left))
-                    .await?,
-            );
-        }
-        Ok(guards)
+        let parts = (0..self.namespace_of(&opts)?.buckets)
+            .map(|bucket| LockKey::bucket(key, bucket))
+            .collect::<Result<Vec<_>>>()?;
+        crate::semaphore::take_every_part(self, key, &parts, &opts, false).await
     }
 
     /// The policy of the namespace `opts` names.

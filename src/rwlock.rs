@@ -18,7 +18,7 @@ use futures_util::future::select_all;
 use shardlock_core::{Backoff, LockKey, Result};
 use tokio::time::Instant;
 
-use crate::semaphore::{check_slots, local_refused, slots_timeout, take_a_slot};
+use crate::semaphore::{check_slots, slots_timeout, take_a_slot, take_every_part};
 use crate::state::instant_after;
 use crate::{AcquireOptions, LockGuard, LockRouter};
 
@@ -154,37 +154,22 @@ impl RwLock {
     }
 
     /// Takes the write hold: the writer intent, then every reader slot in order, all within
-    /// the wait of `opts`. On failure what was taken is released. Errors and cancellation as
+    /// the wait of `opts`, handed out only if every part is still held once the last is
+    /// taken (one may have ended meanwhile: a short ttl, a pause; then all are given back and
+    /// taken again within the wait). On failure what was taken is given back. Errors and cancellation as
     /// for [`LockRouter::acquire_all_buckets`]. There is no upgrade: a task that holds a read
     /// hold of this lock waits here for its own slot until the wait runs out (new readers are
     /// turned away meanwhile, the writer's intent held); release it first.
     pub async fn write(&self, opts: AcquireOptions) -> Result<WriteGuard> {
-        let ns = self.router.namespace_of(&opts)?;
-        let deadline = instant_after(opts.wait.unwrap_or(ns.wait));
-        let left = || Some(deadline.saturating_duration_since(Instant::now()));
-        // On error the guards taken so far are dropped, which releases them. Only leases on the
-        // shards count: an in-process lock (the `local` policy) would exclude nobody elsewhere.
-        let remote = |guard: LockGuard| match guard.mode() {
-            crate::LockMode::Remote => Ok(guard),
-            _ => {
-                let shard = guard.shard().to_owned();
-                guard.refuse_local();
-                Err(local_refused(shard))
-            }
-        };
-        let intent = remote(
-            self.router
-                .acquire_key(self.part(WRITER_INTENT)?, &opts, left())
-                .await?,
-        )?;
-        let mut slots = Vec::with_capacity(self.readers as usize);
-        for slot in 0..self.readers {
-            slots.push(remote(
-                self.router
-                    .acquire_key(self.part(slot)?, &opts, left())
-                    .await?,
-            )?);
-        }
+        // Only leases on the shards count: an in-process lock (the `local` policy) would
+        // exclude nobody elsewhere.
+        let parts = std::iter::once(WRITER_INTENT)
+            .chain(0..self.readers)
+            .map(|part| self.part(part))
+            .collect::<Result<Vec<_>>>()?;
+        let mut taken = take_every_part(&self.router, &self.name, &parts, &opts, true).await?;
+        let slots = taken.split_off(1);
+        let intent = taken.pop().expect("the intent is the first part");
         Ok(WriteGuard { intent, slots })
     }
 

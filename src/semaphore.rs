@@ -12,7 +12,7 @@ use shardlock_core::{Backoff, Error, LockKey, Result};
 use tokio::time::Instant;
 
 use crate::state::instant_after;
-use crate::{AcquireOptions, LockGuard, LockRouter};
+use crate::{AcquireOptions, LockGuard, LockMode, LockRouter};
 
 /// A semaphore of `permits` permits named `name`, made by [`LockRouter::semaphore`]. Cheap to
 /// clone; every process that uses the name must give the same number of permits (one that
@@ -207,5 +207,84 @@ pub(crate) fn local_refused(shard: String) -> Error {
             None,
             "only a lease on the shard counts here, and the shard's breaker is open",
         ),
+    }
+}
+
+/// Takes every key of `parts` (a write hold's intent and reader slots, every bucket of a key),
+/// in the order given, all within the wait of `opts`; with `remote_only`, a part granted in
+/// process (the `local` failure policy) is refused, as it would exclude nobody elsewhere.
+/// `name` labels a timeout.
+///
+/// Handed out only if every part is still held once the last is taken: one taken early may
+/// have ended while the later ones were waited for (its ttl ran out under `lock_at_most`, its
+/// renewals were cut off or paused), and another may hold its key now. Then every part is
+/// given back and all are sought again, until the wait runs out. Parts never handed out (an
+/// error, a caller that gave up) are given back as grants their caller never saw: no minimum
+/// hold (`lock_at_least`) is kept for a hold that never ran.
+pub(crate) async fn take_every_part(
+    router: &LockRouter,
+    name: &str,
+    parts: &[LockKey],
+    opts: &AcquireOptions,
+    remote_only: bool,
+) -> Result<Vec<LockGuard>> {
+    let ns = router.namespace_of(opts)?;
+    let started = Instant::now();
+    let deadline = instant_after(opts.wait.unwrap_or(ns.wait));
+    let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
+    loop {
+        let mut taken = Unseen(Vec::with_capacity(parts.len()));
+        for part in parts {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let guard = router.acquire_key(part.clone(), opts, Some(left)).await?;
+            let local = guard.mode() != LockMode::Remote;
+            let shard = guard.shard().to_owned();
+            taken.0.push(guard);
+            if remote_only && local {
+                return Err(local_refused(shard));
+            }
+        }
+        if taken.0.iter().all(LockGuard::is_held) {
+            return Ok(std::mem::take(&mut taken.0));
+        }
+        taken.give_back().await;
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(slots_timeout(router, name, opts, started));
+        }
+        tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
+    }
+}
+
+/// Parts of a hold not (yet) handed out: given back, when dropped, as grants their caller
+/// never saw.
+struct Unseen(Vec<LockGuard>);
+
+impl Unseen {
+    /// Gives every part back, and waits for their releases.
+    async fn give_back(mut self) {
+        let releases: Vec<_> = self.0.drain(..).filter_map(give_back).collect();
+        for release in releases {
+            let _ = release.await;
+        }
+    }
+}
+
+impl Drop for Unseen {
+    fn drop(&mut self) {
+        for guard in self.0.drain(..) {
+            drop(give_back(guard));
+        }
+    }
+}
+
+/// Gives back a part never handed out: its release's task, if it has one.
+fn give_back(guard: LockGuard) -> Option<tokio::task::JoinHandle<Result<()>>> {
+    match guard.mode() {
+        LockMode::LocalFallback => {
+            guard.refuse_local();
+            None
+        }
+        LockMode::Remote => guard.give_back_unseen_later(),
     }
 }

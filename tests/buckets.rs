@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{Pool, TxOpts, Value};
-use shardlock::AcquireOptions;
+use shardlock::{AcquireOptions, LockGuard, LockRouter};
 use shardlock_testkit::{report, Worker};
 
 const BUCKETS: u32 = 16;
@@ -270,6 +270,92 @@ async fn a_spilling_acquire_passes_over_buckets_whose_shard_is_down() {
     assert!(
         matches!(err, shardlock::Error::Timeout { .. }),
         "a bucket on the shard that is down failed the acquire: {err}"
+    );
+}
+
+/// Two buckets, no spill.
+const PAIR: &str = "namespaces:\n  pair:\n    buckets: 2\n";
+
+fn pair() -> AcquireOptions {
+    AcquireOptions::new()
+        .namespace("pair")
+        .wait(Duration::from_secs(60))
+}
+
+/// A hint whose bucket is `bucket` of 2.
+fn hint_of(bucket: u32) -> String {
+    (0..)
+        .map(|i| format!("user:{i}"))
+        .find(|h| shardlock_core::bucket_for(h.as_bytes(), 2) == bucket)
+        .unwrap()
+}
+
+/// A guard of `router` on bucket `bucket` of `key` (of the `pair` namespace).
+async fn hold_bucket(router: &LockRouter, key: &str, bucket: u32) -> LockGuard {
+    let guard = router
+        .acquire_bucket(key, &hint_of(bucket), pair())
+        .await
+        .unwrap();
+    assert_eq!(guard.bucket(), Some(bucket));
+    guard
+}
+
+/// A whole-key hold is handed out only with every bucket still its own: the first one may end
+/// while the later ones are waited for (here its ttl runs out, as a pause past it would end
+/// it), and another holder take it meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_whole_key_hold_whose_first_bucket_ended_while_it_waited_takes_it_again() {
+    let (cluster, other, _) = common::start(1, PAIR).await;
+    let router = LockRouter::from_yaml_str(&cluster.config_yaml(PAIR))
+        .await
+        .unwrap();
+    let second = hold_bucket(&other, "sku:w", 1).await;
+    let whole = {
+        let router = router.clone();
+        let opts = pair().lock_at_most(Duration::from_secs(1));
+        tokio::spawn(async move { router.acquire_all_buckets("sku:w", opts).await })
+    };
+    // It took bucket 0 and waits for bucket 1; bucket 0 ends, and `other` takes it.
+    let took_first = common::eventually(Duration::from_secs(60), || async {
+        router.stats().grants > 0
+    })
+    .await;
+    assert!(
+        took_first,
+        "the whole-key acquire never took its first bucket"
+    );
+    let first = hold_bucket(&other, "sku:w", 0).await;
+    second.release().await.unwrap();
+    let first_fence = first.fence();
+    first.release().await.unwrap();
+    let whole = whole.await.unwrap().unwrap();
+    assert!(
+        whole[0].fence() > first_fence,
+        "a whole-key hold was handed out with bucket 0 (fence {}) that another took after it \
+         ended (fence {first_fence})",
+        whole[0].fence()
+    );
+}
+
+/// A whole-key hold not taken in full keeps none of its buckets for a minimum hold: its caller
+/// never held the key, so nothing ran that the hold should keep others from repeating.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_whole_key_hold_not_taken_keeps_no_bucket_for_its_minimum_hold() {
+    let (cluster, other, _) = common::start(1, PAIR).await;
+    let router = LockRouter::from_yaml_str(&cluster.config_yaml(PAIR))
+        .await
+        .unwrap();
+    let second = hold_bucket(&other, "sku:m", 1).await;
+    let opts = pair()
+        .lock_at_least(Duration::from_secs(600))
+        .wait(Duration::from_millis(300));
+    let err = router.acquire_all_buckets("sku:m", opts).await.unwrap_err();
+    assert!(matches!(err, shardlock::Error::Timeout { .. }), "{err}");
+    second.release().await.unwrap();
+    let first = other.acquire_bucket("sku:m", &hint_of(0), pair()).await;
+    assert!(
+        first.is_ok(),
+        "bucket 0 of a whole-key hold never handed out was kept for its minimum hold: {first:?}"
     );
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::history::{self, Recorder};
 use shardlock::mysql_async::prelude::Queryable;
-use shardlock::{AcquireOptions, Error};
+use shardlock::{AcquireOptions, Error, LockRouter};
 use shardlock_testkit::Worker;
 
 const NAME: &str = "rw:catalog";
@@ -123,7 +123,58 @@ async fn writers_exclude_everyone_and_readers_share() {
         .unwrap();
 }
 
-/// TASKS tasks, every fourth a writer: a writer adds one to the counter (read, pause, write),
+/// A write hold is handed out only with every part still its own: the intent and the first
+/// slot may end while a later slot is waited for (here their ttl runs out, as a pause past it
+/// would end them), and a reader come in on that slot meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_hold_whose_first_parts_ended_while_it_waited_is_not_handed_out_beside_a_reader() {
+    // Its reader slots are the buckets of its name: `pair` reaches the second one.
+    let pair = "namespaces:\n  pair:\n    buckets: 2\n";
+    let (cluster, other, _) = common::start(1, pair).await;
+    let router = LockRouter::from_yaml_str(&cluster.config_yaml(pair))
+        .await
+        .unwrap();
+    let hint = (0..)
+        .map(|i| format!("user:{i}"))
+        .find(|h| shardlock_core::bucket_for(h.as_bytes(), 2) == 1)
+        .unwrap();
+    let slot_1 = other
+        .acquire_bucket("rw:parts", &hint, AcquireOptions::new().namespace("pair"))
+        .await
+        .unwrap();
+    assert_eq!(slot_1.bucket(), Some(1));
+    let writing = {
+        let lock = router.rw_lock("rw:parts", 2).unwrap();
+        let opts = AcquireOptions::new()
+            .lock_at_most(Duration::from_secs(1))
+            .wait(Duration::from_secs(15));
+        tokio::spawn(async move { lock.write(opts).await })
+    };
+    // It took the intent and slot 0, and waits for slot 1; those two end, and a reader of
+    // another process comes in on slot 0 (no writer's intent in its way).
+    let took_first = common::eventually(Duration::from_secs(60), || async {
+        router.stats().grants >= 2
+    })
+    .await;
+    assert!(
+        took_first,
+        "the writer never took its intent and first slot"
+    );
+    let reading = (other.rw_lock("rw:parts", 2).unwrap())
+        .read(AcquireOptions::new().wait(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    slot_1.release().await.unwrap();
+    let written = writing.await.unwrap();
+    assert!(
+        matches!(written, Err(Error::Timeout { .. })),
+        "a write hold was handed out beside a reader (held: {:?})",
+        written.map(|w| w.is_held())
+    );
+    reading.release().await.unwrap();
+}
+
+/// TASKS tasks, every fourth a writer:/// TASKS tasks, every fourth a writer: a writer adds one to the counter (read, pause, write),
 /// a reader reads it twice with a pause between and must see one value.
 async fn rw_worker() {
     let router = common::worker_router().await;
