@@ -820,8 +820,9 @@ impl LockRouter {
                     Err(e) => return Err(e),
                 }
             }
+            // (A zero wait tried the hint's own bucket once already.)
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() && !wait.is_zero() {
+            if left.is_zero() {
                 return Err(crate::semaphore::slots_timeout(self, key, &opts, started));
             }
             return self
