@@ -581,6 +581,32 @@ pub(crate) async fn beat(
     beats
 }
 
+/// Another start that beats live under this process's instance id on a current shard of
+/// `topology`, if the registry in force is `heartbeat`: its host and pid, and the shard. Read
+/// before a starting router's first heartbeat, which would take the id's rows on the shards
+/// where that start is silent (cut off from them, say): once its link came back, that start
+/// would find its id taken over there before this one gave the rows up, and stop for good.
+/// A shard that does not answer says nothing: the heartbeat judges it.
+pub(crate) async fn live_twin(topology: &Topology, shared: &Shared) -> Option<String> {
+    if topology.config.cleaner.registry != RegistryKind::Heartbeat {
+        return None;
+    }
+    let (id, timeout) = (
+        &shared.instance_id,
+        topology.config.cleaner.heartbeat_timeout,
+    );
+    let found = join_all(topology.current.shards.iter().map(|s| async move {
+        match s.call(|b| b.live_start(id, timeout)).await {
+            Ok(Some((nonce, host, pid))) if nonce.as_deref() != Some(shared.nonce()) => {
+                Some(format!("host {host}, pid {pid} (shard {})", s.name()))
+            }
+            _ => None,
+        }
+    }))
+    .await;
+    found.into_iter().flatten().next()
+}
+
 /// This process's heartbeat under `topology`, advertising `fingerprint` and `servers` (see
 /// [`servers`]; unknown until every current shard's identity is).
 fn this_beat<'a>(

@@ -162,7 +162,8 @@ impl LockRouter {
         // Registered before reading the others: of two routers starting at once, the later
         // reader sees the earlier one (else both could read an empty registry and both grant,
         // each under its own topology). A heartbeat is refused where another live start beats
-        // under the same id: a copy-pasted config, or an old incarnation still running.
+        // under the same id: a copy-pasted config, or an old incarnation still running (looked
+        // for by a read first: see `Inner::beat_asked`).
         let beats = self.inner.beat(&mut Default::default()).await;
         if let Some(twin) = beats.taken_by {
             self.inner.shared.closed.send_replace(true);

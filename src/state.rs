@@ -364,6 +364,19 @@ impl Inner {
             self.notice_lapse_at(sent);
         }
         let asked = self.gate.asked();
+        // While it joins (its start, or after a lapse), another start live under its id is
+        // looked for first, by a read: this heartbeat would take the id's rows where that one
+        // is silent (cut off from those shards), and it would stop for good if its link came
+        // back before this router gave them up.
+        if !self.gate.ever_beaten() || self.gate.is_rejoining() {
+            if let Some(twin) = registry::live_twin(&topology, &self.shared).await {
+                let beats = registry::Beats {
+                    taken_by: Some(twin),
+                    ..Default::default()
+                };
+                return (beats, asked);
+            }
+        }
         let first = std::sync::atomic::AtomicBool::new(true);
         let reached = || {
             // Judged again as its first shard took it: held up longer than the lapse (a slow

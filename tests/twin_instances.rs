@@ -149,6 +149,92 @@ async fn a_process_resumed_after_its_twin_started_grants_nothing() {
     twin.shutdown().await.unwrap();
 }
 
+/// A start refused because its id is live on one shard takes no row of it on another, where
+/// that process is cut off: its link back, it would find its id taken over there, and stop
+/// granting for good, although the start that took it gave up.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_start_refused_while_its_id_is_live_leaves_the_id_where_its_process_is_cut_off() {
+    let (cluster, router, _) = common::start(2, BEATS).await;
+    let (s1, s2) = (cluster.shard(0), cluster.shard(1));
+    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    // The live process reaches s2 through `cut`, the starting one reaches s1 through `held`.
+    let (cut, held) = (
+        Proxy::start(s2.port()).await.unwrap(),
+        Proxy::start(s1.port()).await.unwrap(),
+    );
+    let mut live = twin_in(
+        "looping-twin",
+        &yaml.replace(&s2.url(), &cut.url()),
+        "granted",
+    )
+    .await;
+    cut.set(ProxyMode::Blackhole);
+    let row_on_s2 = |pid: u32, verdict: InstanceVerdict| {
+        let router = &router;
+        async move {
+            let rows = router.instances().await;
+            let (_, rows) = rows.iter().find(|(shard, _)| shard == "s2").unwrap();
+            rows.as_ref().is_ok_and(|rows| {
+                rows.iter().any(|i| {
+                    i.instance_id == "twin"
+                        && i.pid == pid
+                        && i.verdict(Duration::from_secs(2)) == verdict
+                })
+            })
+        }
+    };
+    let worker = u32::try_from(live.pid()).unwrap();
+    let silent = common::eventually(Duration::from_secs(60), || {
+        row_on_s2(worker, InstanceVerdict::Dead)
+    })
+    .await;
+    assert!(silent, "the cut-off process's row on s2 went silent");
+
+    // Another start under the id: its heartbeat on s1 (where the id is live) is held back; one
+    // on s2 would take the silent row there.
+    held.set(ProxyMode::PauseTo(b"SET host = IF(LAST_INSERT_ID"));
+    let start = {
+        let yaml = yaml.replace(&s1.url(), &held.url());
+        tokio::spawn(async move { LockRouter::from_yaml_str(&yaml).await })
+    };
+    let this = std::process::id();
+    let acted = common::eventually(Duration::from_secs(60), || async {
+        start.is_finished()
+            || (held.mode() == ProxyMode::Paused && row_on_s2(this, InstanceVerdict::Running).await)
+    })
+    .await;
+    assert!(acted, "the start neither ended nor beat");
+    // The cut-off process's link comes back, and its heartbeat reaches s2 again.
+    cut.set(ProxyMode::Pass);
+    let reached = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let line = live.line().await.unwrap().expect("the worker ended");
+            if line.starts_with("lapses") || line.contains("taken over") {
+                return line;
+            }
+        }
+    })
+    .await
+    .expect("the cut-off process neither lapsed nor found its id taken over");
+    held.set(ProxyMode::Pass);
+    let refused = start.await.unwrap().expect_err("the id is live on s1");
+    assert!(
+        refused.to_string().contains("live in the registry"),
+        "{refused}"
+    );
+
+    // It joins its fleet again, and grants.
+    let granting = tokio::time::timeout(Duration::from_secs(60), async {
+        while live.expect("tries").await.unwrap() != "granted" {}
+    })
+    .await;
+    assert!(
+        granting.is_ok(),
+        "a process whose id a refused start took where it was cut off stopped granting (it said \
+         {reached})"
+    );
+}
+
 /// Whether `router` comes to refuse a grant, within a minute, with an error that says `why`;
 /// else how its last try went.
 async fn refused_saying(router: &LockRouter, why: &str) -> Result<(), String> {

@@ -72,6 +72,14 @@ const REGISTER: &str = "INSERT INTO shardlock_instance \
 /// Who beat last under an instance id.
 const BEAT_LAST: &str = "SELECT nonce, host, pid FROM shardlock_instance WHERE instance_id = ?";
 
+/// Who beats live under an instance id (as [`HEARTBEAT`] judges a row it may not take):
+/// registered, not deregistered, heard from within the longer of `?` µs and its own timeout.
+const LIVE_START: &str = concat!(
+    "SELECT nonce, host, pid FROM shardlock_instance WHERE instance_id = ? \
+     AND deregistered_at IS NULL AND heartbeat_at > ",
+    silent_past_timeout!()
+);
+
 /// Owner-checked like a release: a process whose id another start has taken over since (see
 /// [`HEARTBEAT`]) leaves that one's row live.
 const DEREGISTER: &str = "UPDATE shardlock_instance SET deregistered_at = NOW(3) \
@@ -354,6 +362,14 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
             kept_silent: left_silent_us > 0,
         },
     })
+}
+
+/// The start that beats live under `instance`, if one does: its nonce, host and pid.
+pub(crate) async fn live_start(
+    conn: &mut Conn,
+    (instance, timeout_us): (&str, u64),
+) -> mysql_async::Result<Option<(Option<String>, String, u32)>> {
+    conn.exec_first(LIVE_START, (instance, timeout_us)).await
 }
 
 pub(crate) async fn deregister(

@@ -1147,6 +1147,21 @@ impl Shard {
         .await
     }
 
+    /// The start that beats under `instance` here, live by `timeout` or the longer timeout its
+    /// row says, if one does: its nonce (`None` from versions before nonces), host and pid.
+    /// Read only: see [`Shard::heartbeat`] for who may take the row.
+    pub async fn live_start(
+        &self,
+        instance: &str,
+        timeout: Duration,
+    ) -> Result<Option<(Option<String>, String, u32)>, BackendError> {
+        let timeout_us = u64::try_from(timeout.as_micros()).unwrap_or(u64::MAX);
+        self.run("live_start", (instance, timeout_us), |c, &args| {
+            Box::pin(cleaner::live_start(c, args))
+        })
+        .await
+    }
+
     /// Marks `instance` as shut down, if the start with `nonce` beat last under it.
     pub async fn deregister(&self, instance: &str, nonce: &str) -> Result<(), BackendError> {
         self.run("deregister", (instance, nonce), |c, &who| {
