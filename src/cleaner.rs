@@ -96,7 +96,9 @@ impl LockRouter {
 
     /// One cleaning pass over every shard, if this instance is the cleaner: it holds (or now
     /// takes) the cleaner lock, so only one instance of a deployment deletes at a time. It
-    /// keeps the lock between passes; another instance's pass reports `leader: false`.
+    /// keeps the lock between passes; another instance's pass reports `leader: false`. An
+    /// error when the cleaner lock could not be tried (its shard unavailable, this router not
+    /// joined to its fleet): no pass ran here, and none may run elsewhere.
     ///
     /// Per shard, rows are scanned in key order and deleted in batches of
     /// `cleaner.batch-size`, with `cleaner.batch-pause` between batches. A shard that fails
@@ -114,7 +116,11 @@ impl LockRouter {
             if let Some(lost) = leader.take() {
                 let _ = lost.resign().await;
             }
-            match self.try_lead(CLEANER_LOCK_KEY, AcquireOptions::new()).await {
+            // Tried through its shard: when that cannot be (the shard unavailable, this
+            // router not joined to its fleet), the pass fails, rather than say that another
+            // instance cleans while maybe none does.
+            let once = AcquireOptions::new().wait(std::time::Duration::ZERO);
+            match self.lead(CLEANER_LOCK_KEY, once).await {
                 Ok(Some(leadership)) => *leader = Some(leadership),
                 Ok(None) => {
                     return Ok(CleanerReport {

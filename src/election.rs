@@ -92,7 +92,8 @@ impl LockRouter {
     /// While the name's shard cannot elect anyone the campaign waits for it.
     ///
     /// Returns early only with an error that waiting cannot mend: an invalid name or options,
-    /// or [`crate::Error::Shutdown`].
+    /// [`crate::Error::Shutdown`], or the router's refusal once another start took its instance
+    /// id over (it never grants again).
     ///
     /// Cancellation: as for [`LockRouter::acquire`]; no leadership is left behind.
     pub async fn campaign(&self, name: &str, opts: AcquireOptions) -> Result<Leadership> {
@@ -100,9 +101,11 @@ impl LockRouter {
             let opts = opts.clone().wait(CAMPAIGN_WAIT);
             match self.lead(name, opts).await {
                 Ok(Some(leadership)) => return Ok(leadership),
-                // Not elected within the wait, or only in process: ask again.
+                // Not elected within the wait: ask again.
                 Ok(None) => tokio::time::sleep(CAMPAIGN_PAUSE).await,
-                Err(e) if e.is_unavailable() => tokio::time::sleep(CAMPAIGN_PAUSE).await,
+                Err(e) if e.is_unavailable() && !self.inner.gate.is_replaced() => {
+                    tokio::time::sleep(CAMPAIGN_PAUSE).await
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -118,7 +121,14 @@ impl LockRouter {
         }
     }
 
-    async fn lead(&self, name: &str, mut opts: AcquireOptions) -> Result<Option<Leadership>> {
+    /// Takes the leadership of `name` through its shard: `Ok(None)` when another holds it
+    /// within the wait of `opts`; an in-process lock (the `local` policy) is refused as the
+    /// shard's unavailability.
+    pub(crate) async fn lead(
+        &self,
+        name: &str,
+        mut opts: AcquireOptions,
+    ) -> Result<Option<Leadership>> {
         opts.handoffs = false;
         let key = shardlock_core::LockKey::new(name)?;
         let wait = opts.wait;
@@ -127,8 +137,9 @@ impl LockRouter {
         };
         if guard.mode() != LockMode::Remote {
             // Elected through the shard only: an in-process lock elects nobody.
+            let shard = guard.shard().to_owned();
             guard.refuse_local();
-            return Ok(None);
+            return Err(crate::semaphore::local_refused(shard));
         }
         Ok(Some(Leadership { guard }))
     }

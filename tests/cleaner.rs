@@ -12,7 +12,7 @@ use std::time::Duration;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{Conn, Value};
 use shardlock::{AcquireOptions, Error, InstanceVerdict, LockRouter};
-use shardlock_testkit::{report, Cluster, Worker};
+use shardlock_testkit::{report, Cluster, Proxy, ProxyMode, Worker};
 use tokio::time::Instant;
 
 /// A quick cleaner: grace 300 ms, heartbeats every 100 ms, dead after `timeout` of silence.
@@ -605,6 +605,27 @@ async fn force_release_evicts_a_live_holder_with_a_fence_that_rejects_its_writes
         .await
         .unwrap();
     assert_eq!(balance, Some(80));
+}
+
+/// A pass that cannot try for the cleaner lock (its shard down, this process not joined to its
+/// fleet) fails, saying why: a report that another instance cleans would tell a cron job, or
+/// a daemon's log, that all is well while maybe none does.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pass_that_cannot_try_for_the_cleaner_lock_fails() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let router = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    router.migrate().await.unwrap();
+    proxy.set(ProxyMode::Reset);
+    match router.clean_once().await {
+        Err(e) => assert!(e.is_unavailable(), "{e}"),
+        Ok(report) => panic!("a pass that could not try for the cleaner lock said: {report:?}"),
+    }
 }
 
 crate::worker_entry! { "holder" => holder_worker() }

@@ -324,6 +324,16 @@ async fn a_process_that_finds_its_id_taken_over_loses_its_leases_at_once() {
     tokio::time::timeout(Duration::from_secs(30), guard.lost())
         .await
         .expect("lost() never completed");
+    // A campaign ends at once, saying why: waiting would never elect it.
+    let campaign = holder.campaign("leader", AcquireOptions::new());
+    match tokio::time::timeout(Duration::from_secs(60), campaign).await {
+        Ok(Err(e)) => {
+            let said = shardlock::Report(&e).to_string();
+            assert!(said.contains("taken over"), "{said}");
+        }
+        Ok(Ok(_)) => panic!("a process whose id was taken over was elected"),
+        Err(_) => panic!("a campaign of a process whose id was taken over waited on"),
+    }
     drop((guard, tx, twin));
 }
 
