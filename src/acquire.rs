@@ -128,9 +128,8 @@ impl LockRouter {
             };
             let started = Instant::now();
             // (A replaced router's gate never opens: it answers at once.)
-            if !gate.is_replaced() {
-                let _ = tokio::time::timeout_at(instant_after(budget), gate.opened()).await;
-            }
+            let opened = gate.opened_or_replaced();
+            let _ = tokio::time::timeout_at(instant_after(budget), opened).await;
             lapses = self.joined(key)?;
             wait = Some(budget.saturating_sub(started.elapsed()));
         }
@@ -370,6 +369,11 @@ impl LockRouter {
         loop {
             if self.inner.shared.is_closed() {
                 return Err(Error::Shutdown);
+            }
+            // Replaced while it polled: it grants nothing again, said at once.
+            if self.inner.gate.is_replaced() {
+                let why = self.inner.gate.why().unwrap_or_default();
+                return Err(self.not_granting(key, why));
             }
             // Placement is read again on every poll: a reload meanwhile moves the key.
             let topology = self.inner.topology.load_full();

@@ -425,10 +425,13 @@ impl LockGuard {
             row.clear_at_least();
             shard.shared.released_kept(&row.owner, at.serial);
         }
-        let turn = lease.turn.locked().take();
-        shard
-            .shared
-            .spawn(release_through_shard(shard.clone(), lease, turn))
+        let (turn, id) = (lease.turn.locked().take(), lease.id);
+        let release = (shard.shared).spawn(release_through_shard(shard.clone(), lease, turn));
+        if release.is_none() {
+            // No runtime to release on: stop renewing; the lease ends by expiry.
+            drop(shard.remove(id));
+        }
+        release
     }
 }
 

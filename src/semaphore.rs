@@ -247,7 +247,10 @@ pub(crate) async fn take_every_part(
         if taken.0.iter().all(LockGuard::is_held) {
             return Ok(std::mem::take(&mut taken.0));
         }
-        taken.give_back().await;
+        // Waited for within the wait only: past it, they are given back in the background.
+        if Instant::now() < deadline {
+            let _ = tokio::time::timeout_at(deadline, taken.give_back()).await;
+        }
         let now = Instant::now();
         if now >= deadline {
             return Err(slots_timeout(router, name, opts, started));

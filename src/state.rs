@@ -295,6 +295,14 @@ impl Gate {
         let _ = self.closed.subscribe().wait_for(|closed| !closed).await;
     }
 
+    /// Completes when the gate is open, or once the router was replaced: then it never opens.
+    pub(crate) async fn opened_or_replaced(&self) {
+        let mut closed = self.closed.subscribe();
+        let _ = closed
+            .wait_for(|closed| !closed || self.is_replaced())
+            .await;
+    }
+
     /// Whether the gate is closed, to watch without holding the router: `wait_for` answers an
     /// error once the router is gone.
     pub(crate) fn watch(&self) -> tokio::sync::watch::Receiver<bool> {

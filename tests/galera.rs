@@ -775,7 +775,7 @@ async fn fences_rise_across_a_failover_to_nodes_whose_clocks_are_behind() {
 
     // The cleaner deletes the released row through g2 once its grace has passed.
     let deleted = common::eventually(Duration::from_secs(20), || async {
-        router.clean_once().await.unwrap();
+        common::clean_pass(&router).await;
         router.inspect("cleaned").await.unwrap().1.is_none()
     })
     .await;

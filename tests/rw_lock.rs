@@ -174,7 +174,7 @@ async fn a_write_hold_whose_first_parts_ended_while_it_waited_is_not_handed_out_
     reading.release().await.unwrap();
 }
 
-/// TASKS tasks, every fourth a writer:/// TASKS tasks, every fourth a writer: a writer adds one to the counter (read, pause, write),
+/// TASKS tasks, every fourth a writer: a writer adds one to the counter (read, pause, write),
 /// a reader reads it twice with a pause between and must see one value.
 async fn rw_worker() {
     let router = common::worker_router().await;

@@ -605,7 +605,7 @@ async fn fences_rise_across_a_move_whatever_the_clocks_and_the_run_ahead() {
     highest.insert(deleted.clone(), g.fence());
     g.release().await.unwrap();
     let cleaned = common::eventually(Duration::from_secs(30), || async {
-        router.clean_once().await.unwrap();
+        common::clean_pass(&router).await;
         router.inspect(&deleted).await.unwrap().1.is_none()
     })
     .await;
@@ -1482,7 +1482,7 @@ async fn a_row_cleaned_while_the_move_carries_fences_leaves_its_fence_as_the_flo
 
     // Meanwhile s4's clock passes the key's fence and the cleaner deletes its row there.
     let cleaned = common::eventually(Duration::from_secs(30), || async {
-        router.clean_once().await.unwrap();
+        common::clean_pass(&router).await;
         let mut s4 = cluster.shard(3).connect().await.unwrap();
         let left: Option<u64> = s4
             .exec_first(

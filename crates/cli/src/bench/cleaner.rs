@@ -37,6 +37,10 @@ pub(super) async fn while_cleaning(
             while !stop.load(Ordering::Relaxed) && deleted < rows {
                 match router.clean_once().await {
                     Ok(report) => deleted += report.shards.iter().map(|s| s.released).sum::<u64>(),
+                    // The cleaner lock's shard busy for a moment (its breaker open): try again.
+                    Err(e) if e.is_unavailable() => {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
                     Err(e) => {
                         eprintln!("bench cleaner: {}", e.report());
                         break;
