@@ -368,7 +368,7 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
 pub(crate) async fn live_start(
     conn: &mut Conn,
     (instance, timeout_us): (&str, u64),
-) -> mysql_async::Result<Option<(Option<String>, String, u32)>> {
+) -> mysql_async::Result<Option<(Option<Vec<u8>>, String, u32)>> {
     conn.exec_first(LIVE_START, (instance, timeout_us)).await
 }
 

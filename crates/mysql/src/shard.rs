@@ -1154,7 +1154,7 @@ impl Shard {
         &self,
         instance: &str,
         timeout: Duration,
-    ) -> Result<Option<(Option<String>, String, u32)>, BackendError> {
+    ) -> Result<Option<(Option<Vec<u8>>, String, u32)>, BackendError> {
         let timeout_us = u64::try_from(timeout.as_micros()).unwrap_or(u64::MAX);
         self.run("live_start", (instance, timeout_us), |c, &args| {
             Box::pin(cleaner::live_start(c, args))
