@@ -319,22 +319,28 @@ impl LockRouter {
         self.force_release_in(key, Some(owner)).await
     }
 
-    /// Releases on the key's own shards (which must answer: the error is returned), then on
-    /// the others that answer.
+    /// Releases on the key's own shards (which must answer: the first error is returned),
+    /// then on the others that answer. Every shard is tried: an error says what was released
+    /// on the others, so that an operator knows who was evicted.
     async fn force_release_in(
         &self,
         key: &LockKey,
         owner: Option<&str>,
     ) -> Result<Vec<ForceReleased>> {
-        let mut released = Vec::new();
+        let (mut released, mut failed) = (Vec::new(), None);
         for (shard, placed) in self.shards_holding(key) {
             match force_release_on(&shard, key, owner).await {
                 Ok(one) => released.extend(one),
                 Err(e) if !placed => passed_over(&shard, &e),
-                Err(e) => return Err(e),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
             }
         }
-        Ok(released)
+        match failed {
+            None => Ok(released),
+            Some(e) => Err(released_before(e, &released)),
+        }
     }
 
     /// The instances registered on each shard (`heartbeat` registry), current shards first.
@@ -587,6 +593,43 @@ fn nonce_of(owner: &str) -> Option<&str> {
 /// Warns of a shard where a key does not live that did not answer a look for its rows.
 fn passed_over(shard: &ShardState, e: &(dyn std::error::Error + 'static)) {
     tracing::warn!(shard = shard.name(), error = %shardlock_core::Report(e), "shardlock could not look for the key on a shard where it does not live; passed over");
+}
+
+/// `e`, a force-release's failure on one of its key's own shards, saying what `released` on
+/// the others.
+fn released_before(e: Error, released: &[ForceReleased]) -> Error {
+    if released.is_empty() {
+        return e;
+    }
+    let done = released
+        .iter()
+        .map(|r| {
+            format!(
+                "on shard {} (owner {} evicted, fence now {})",
+                r.shard, r.owner, r.fence
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    let said = |source: BackendError| BackendError {
+        source: format!(
+            "{}; the key was force-released {done}",
+            shardlock_core::Report(&*source.source)
+        )
+        .into(),
+        ..source
+    };
+    match e {
+        Error::Unavailable { shard, source } => Error::Unavailable {
+            shard,
+            source: said(source),
+        },
+        Error::Backend { shard, source } => Error::Backend {
+            shard,
+            source: said(source),
+        },
+        other => other,
+    }
 }
 
 async fn force_release_on(

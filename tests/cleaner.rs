@@ -530,6 +530,48 @@ async fn force_release_passes_over_a_dead_shard_where_the_key_does_not_live() {
         .expect("the evicted holder never saw lost()");
 }
 
+/// A force-release whose key's own shard does not answer still frees the key where else it is
+/// held (a process of another topology), and its error says whom it evicted there: an
+/// operator who saw only "unavailable" would take it that nothing happened.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_force_release_that_fails_on_the_keys_shard_says_what_it_released_elsewhere() {
+    let cluster = Cluster::start(2).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(1).port()).await.unwrap();
+    // A process whose topology has s1 alone holds a key there that the operator's places on s2.
+    let alone = format!(
+        "shards:\n  - name: s1\n    url: {}\n",
+        cluster.shard(0).url()
+    );
+    let other = LockRouter::from_yaml_str(&alone).await.unwrap();
+    other.migrate().await.unwrap();
+    let operator = LockRouter::from_yaml_str(
+        &cluster
+            .config_yaml("")
+            .replace(&cluster.shard(1).url(), &proxy.url()),
+    )
+    .await
+    .unwrap();
+    operator.migrate().await.unwrap();
+    let key = (0..)
+        .map(|i| format!("stuck:{i}"))
+        .find(|k| operator.shard_for(k).unwrap() == "s2")
+        .unwrap();
+    let stuck = other.acquire(&key, AcquireOptions::new()).await.unwrap();
+    proxy.set(ProxyMode::Reset);
+
+    let err = operator.force_release_everywhere(&key).await.unwrap_err();
+    let said = shardlock::Report(&err).to_string();
+    assert!(
+        err.is_unavailable()
+            && said.contains("force-released on shard s1")
+            && said.contains(stuck.owner()),
+        "a force-release that failed on the key's shard did not say what it released: {said}"
+    );
+    tokio::time::timeout(Duration::from_secs(10), stuck.lost())
+        .await
+        .expect("the evicted holder never saw lost()");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn force_release_evicts_a_live_holder_with_a_fence_that_rejects_its_writes() {
     let (cluster, holder, yaml) = common::start(2, "namespaces:\n  default:\n    ttl: 1s\n").await;
