@@ -92,25 +92,28 @@ impl LockRouter {
             guard.refuse_local();
             return Err(crate::semaphore::local_refused(shard));
         }
-        // Nothing ran if the hold fails, or the lease is lost before `f` starts: the rows are
-        // let go in full rather than kept to the interval's end, so that the next tick (here or
-        // elsewhere) may run it. Its fence puts that run in this interval, or in a later one if
-        // a hold landed (answered or not) and raised the key's fence to the interval's end.
-        let run = match hold_to_interval_end(&guard, every).await {
-            Ok(interval) => guard.reenter().map(|run| ScheduledRun {
-                interval,
-                guard: run,
-            }),
-            Err(e) => Err(e),
-        };
-        let run = match run {
-            Ok(run) => run,
+        let interval = match hold_to_interval_end(&guard, every).await {
+            Ok(interval) => interval,
             Err(e) => {
-                guard.give_back_unseen().await;
+                // Nothing ran: the rows are let go in full rather than kept to the interval's
+                // end, so that the next tick (here or elsewhere) may run it. Its fence puts
+                // that run in this interval, or in a later one if a hold landed (answered or
+                // not) and raised the key's fence to the interval's end.
+                let hold = guard.hold();
+                for (shard, row) in std::iter::once((hold.shard.clone(), hold.lease.clone()))
+                    .chain(hold.lease.companion_rows())
+                {
+                    row.clear_at_least();
+                    shard.shared.released_kept(&row.owner, shard.serial);
+                }
+                let _ = guard.release().await;
                 return Err(e);
             }
         };
-        let interval = run.interval;
+        let run = ScheduledRun {
+            interval,
+            guard: guard.reenter()?,
+        };
         let out = f(run).await;
         if let Err(e) = guard.release().await {
             tracing::warn!(error = %shardlock_core::Report(&e), interval, "shardlock scheduled run ended without its release");
