@@ -583,12 +583,18 @@ pub(crate) async fn beat(
 
 /// Another start that beats live under this process's instance id on a current shard of
 /// `topology`, if the registry in force is `heartbeat`: its host and pid, and the shard. Read
-/// before a starting router's first heartbeat, which would take the id's rows on the shards
-/// where that start is silent (cut off from them, say): once its link came back, that start
-/// would find its id taken over there before this one gave the rows up, and stop for good.
-/// A shard that does not answer (within half a heartbeat interval) says nothing: the
-/// heartbeat judges it.
-pub(crate) async fn live_twin(topology: &Topology, shared: &Shared) -> Option<String> {
+/// before a joining router's heartbeat, which would take the id's rows on the shards where
+/// that start is silent (cut off from them, say): once its link came back, that start would
+/// find its id taken over there before this one gave the rows up, and stop for good.
+///
+/// A shard that does not answer says nothing: the heartbeat judges it (it cannot take a row
+/// there either). `bound` limits each read (a router that ran: a shard that hangs must not
+/// hold back its heartbeat on the others); a start's reads wait for their shards.
+pub(crate) async fn live_twin(
+    topology: &Topology,
+    shared: &Shared,
+    bound: Option<std::time::Duration>,
+) -> Option<String> {
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
         return None;
     }
@@ -596,15 +602,14 @@ pub(crate) async fn live_twin(topology: &Topology, shared: &Shared) -> Option<St
         &shared.instance_id,
         topology.config.cleaner.heartbeat_timeout,
     );
-    // Bounded as the best-effort beats are: a shard that hangs must not hold back the
-    // heartbeat on the others.
-    let bound = topology.config.cleaner.heartbeat_interval / 2;
     let found = join_all(topology.current.shards.iter().map(|s| async move {
-        let read = tokio::time::timeout(bound, s.call(|b| b.live_start(id, timeout))).await;
+        let read = s.call(|b| b.live_start(id, timeout));
+        let read = match bound {
+            Some(bound) => tokio::time::timeout(bound, read).await.ok()?,
+            None => read.await,
+        };
         match read {
-            Ok(Ok(Some((nonce, host, pid))))
-                if nonce.as_deref() != Some(shared.nonce().as_bytes()) =>
-            {
+            Ok(Some((nonce, host, pid))) if nonce.as_deref() != Some(shared.nonce().as_bytes()) => {
                 Some(format!("host {host}, pid {pid} (shard {})", s.name()))
             }
             _ => None,

@@ -375,9 +375,12 @@ impl Inner {
         // While it joins (its start, or after a lapse), another start live under its id is
         // looked for first, by a read: this heartbeat would take the id's rows where that one
         // is silent (cut off from those shards), and it would stop for good if its link came
-        // back before this router gave them up.
-        if !self.gate.ever_beaten() || self.gate.is_rejoining() {
-            if let Some(twin) = registry::live_twin(&topology, &self.shared).await {
+        // back before this router gave them up. (A router that ran reads within half an
+        // interval: a shard that hangs must not keep its rows on the others unbeaten.)
+        let started = self.gate.ever_beaten();
+        if !started || self.gate.is_rejoining() {
+            let bound = started.then(|| topology.config.cleaner.heartbeat_interval / 2);
+            if let Some(twin) = registry::live_twin(&topology, &self.shared, bound).await {
                 let beats = registry::Beats {
                     taken_by: Some(twin),
                     ..Default::default()
