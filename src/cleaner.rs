@@ -201,6 +201,9 @@ impl LockRouter {
     /// `key` is the lock's whole name, as [`LockRouter::list`] shows it: no namespace's
     /// prefix is added ([`LockRouter::scoped_key`] names a namespace's lock, or a bucket).
     ///
+    /// An error from a shard where the key lives comes after the key was freed on every other
+    /// shard that answered: it names each holder evicted there.
+    ///
     /// Cancellation: a release that reached a shard may have committed (holder evicted, fence
     /// raised) unreported; calling again answers `None` there, or evicts whoever took the key
     /// since.
@@ -332,9 +335,12 @@ impl LockRouter {
             match force_release_on(&shard, key, owner).await {
                 Ok(one) => released.extend(one),
                 Err(e) if !placed => passed_over(&shard, &e),
-                Err(e) => {
-                    failed.get_or_insert(e);
-                }
+                Err(e) => match &failed {
+                    None => failed = Some(e),
+                    Some(_) => {
+                        tracing::warn!(shard = shard.name(), error = %shardlock_core::Report(&e), "shardlock could not force-release the key on one of its shards")
+                    }
+                },
             }
         }
         match failed {
@@ -595,6 +601,26 @@ fn passed_over(shard: &ShardState, e: &(dyn std::error::Error + 'static)) {
     tracing::warn!(shard = shard.name(), error = %shardlock_core::Report(e), "shardlock could not look for the key on a shard where it does not live; passed over");
 }
 
+/// What a force-release did on other shards before it failed on one of its key's own: the
+/// failure's cause follows as its source.
+#[derive(Debug)]
+struct ReleasedBefore {
+    done: String,
+    source: Box<dyn std::error::Error + Send + Sync + 'static>,
+}
+
+impl std::fmt::Display for ReleasedBefore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the key was force-released {}", self.done)
+    }
+}
+
+impl std::error::Error for ReleasedBefore {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
 /// `e`, a force-release's failure on one of its key's own shards, saying what `released` on
 /// the others.
 fn released_before(e: Error, released: &[ForceReleased]) -> Error {
@@ -612,11 +638,10 @@ fn released_before(e: Error, released: &[ForceReleased]) -> Error {
         .collect::<Vec<_>>()
         .join("; ");
     let said = |source: BackendError| BackendError {
-        source: format!(
-            "{}; the key was force-released {done}",
-            shardlock_core::Report(&*source.source)
-        )
-        .into(),
+        source: Box::new(ReleasedBefore {
+            done: done.clone(),
+            source: source.source,
+        }),
         ..source
     };
     match e {
