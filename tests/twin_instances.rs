@@ -154,9 +154,13 @@ async fn a_process_resumed_after_its_twin_started_grants_nothing() {
 /// granting for good, although the start that took it gave up.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_start_refused_while_its_id_is_live_leaves_the_id_where_its_process_is_cut_off() {
-    let (cluster, router, _) = common::start(2, BEATS).await;
+    // Dead after 30 s without a heartbeat: a busy machine does not make the live process's row
+    // on s1 look dead; its row on s2 is made silent for a minute.
+    let beats = "cleaner:\n  registry: heartbeat\n  heartbeat-interval: 100ms\n  \
+                 heartbeat-timeout: 30s\n";
+    let (cluster, router, _) = common::start(2, beats).await;
     let (s1, s2) = (cluster.shard(0), cluster.shard(1));
-    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    let yaml = cluster.config_yaml(&format!("{TWIN}{beats}"));
     // The live process reaches s2 through `cut`, the starting one reaches s1 through `held`.
     let (cut, held) = (
         Proxy::start(s2.port()).await.unwrap(),
@@ -179,17 +183,26 @@ async fn a_start_refused_while_its_id_is_live_leaves_the_id_where_its_process_is
                 rows.iter().any(|i| {
                     i.instance_id == "twin"
                         && i.pid == pid
-                        && i.verdict(Duration::from_secs(2)) == verdict
+                        && i.verdict(Duration::from_secs(30)) == verdict
                 })
             })
         }
     };
     let worker = u32::try_from(live.pid()).unwrap();
-    let silent = common::eventually(Duration::from_secs(60), || {
-        row_on_s2(worker, InstanceVerdict::Dead)
+    // (Again if a heartbeat on its way as the link was cut landed after the update.)
+    let silent = common::eventually(Duration::from_secs(60), || async {
+        (s2.connect().await.unwrap())
+            .exec_drop(
+                "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
+                 WHERE instance_id = 'twin'",
+                (),
+            )
+            .await
+            .unwrap();
+        row_on_s2(worker, InstanceVerdict::Dead).await
     })
     .await;
-    assert!(silent, "the cut-off process's row on s2 went silent");
+    assert!(silent, "the cut-off process's row on s2 is silent");
 
     // Another start under the id: its heartbeat on s1 (where the id is live) is held back; one
     // on s2 would take the silent row there.
@@ -431,7 +444,7 @@ async fn a_process_resumed_after_counting_as_dead_grants_again_once_it_has_rejoi
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grant_sought_across_a_lapse_is_given_back() {
     let (cluster, router, _) = common::start(1, BEATS).await;
-    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    let yaml = unhurried(&cluster.config_yaml(&format!("{TWIN}{BEATS}")));
     let held = router
         .try_acquire(WAITED_FOR, AcquireOptions::new().wait(Duration::ZERO))
         .await
@@ -465,7 +478,7 @@ async fn a_grant_sought_across_a_lapse_is_given_back() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_sought_across_a_lapse_is_given_back() {
     let (cluster, router, _) = common::start(1, BEATS).await;
-    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    let yaml = unhurried(&cluster.config_yaml(&format!("{TWIN}{BEATS}")));
     let held = router
         .lock_in_transaction(WAITED_FOR, Duration::ZERO)
         .await
@@ -547,6 +560,20 @@ async fn a_process_with_a_longer_heartbeat_timeout_counts_as_live_for_as_long_as
         "{refused}"
     );
     paused.resume().unwrap();
+}
+
+/// `yaml` with statements given 30 s on every shard: a worker frozen past its statement
+/// timeout with a statement on its way would otherwise answer that timeout when it resumes,
+/// before anything it is tested for.
+fn unhurried(yaml: &str) -> String {
+    yaml.lines()
+        .flat_map(|line| match line.trim_start().starts_with("url: ") {
+            true => vec![line.to_owned(), "    statement-timeout: 30s".to_owned()],
+            false => vec![line.to_owned()],
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
 }
 
 /// A short move window.
