@@ -9,7 +9,7 @@ use std::time::Duration;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::mysql_async::{Pool, TxOpts, Value};
 use shardlock::{AcquireOptions, LockGuard, LockRouter};
-use shardlock_testkit::{report, Worker};
+use shardlock_testkit::{report, Cluster, Worker};
 
 const BUCKETS: u32 = 16;
 const INITIAL: i64 = 20;
@@ -300,16 +300,22 @@ async fn hold_bucket(router: &LockRouter, key: &str, bucket: u32) -> LockGuard {
     guard
 }
 
+/// A shard and two routers of it (the `pair` namespace), the second holding bucket 1 of `key`.
+async fn second_bucket_held(key: &str) -> (Cluster, LockRouter, LockRouter, LockGuard) {
+    let (cluster, other, _) = common::start(1, PAIR).await;
+    let router = LockRouter::from_yaml_str(&cluster.config_yaml(PAIR))
+        .await
+        .unwrap();
+    let second = hold_bucket(&other, key, 1).await;
+    (cluster, router, other, second)
+}
+
 /// A whole-key hold is handed out only with every bucket still its own: the first one may end
 /// while the later ones are waited for (here its ttl runs out, as a pause past it would end
 /// it), and another holder take it meanwhile.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_whole_key_hold_whose_first_bucket_ended_while_it_waited_takes_it_again() {
-    let (cluster, other, _) = common::start(1, PAIR).await;
-    let router = LockRouter::from_yaml_str(&cluster.config_yaml(PAIR))
-        .await
-        .unwrap();
-    let second = hold_bucket(&other, "sku:w", 1).await;
+    let (_cluster, router, other, second) = second_bucket_held("sku:w").await;
     let whole = {
         let router = router.clone();
         let opts = pair().lock_at_most(Duration::from_secs(1));
@@ -341,11 +347,7 @@ async fn a_whole_key_hold_whose_first_bucket_ended_while_it_waited_takes_it_agai
 /// never held the key, so nothing ran that the hold should keep others from repeating.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_whole_key_hold_not_taken_keeps_no_bucket_for_its_minimum_hold() {
-    let (cluster, other, _) = common::start(1, PAIR).await;
-    let router = LockRouter::from_yaml_str(&cluster.config_yaml(PAIR))
-        .await
-        .unwrap();
-    let second = hold_bucket(&other, "sku:m", 1).await;
+    let (_cluster, router, other, second) = second_bucket_held("sku:m").await;
     let opts = pair()
         .lock_at_least(Duration::from_secs(600))
         .wait(Duration::from_millis(300));
