@@ -611,7 +611,11 @@ struct ReleasedBefore {
 
 impl std::fmt::Display for ReleasedBefore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the key was force-released {}", self.done)
+        write!(
+            f,
+            "after the key was force-released {}, this shard failed",
+            self.done
+        )
     }
 }
 

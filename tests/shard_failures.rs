@@ -416,7 +416,8 @@ async fn lease_on_an_unreachable_shard_is_lost_at_its_end_not_before() {
     // Renewals fail from now on; the last renewal (the grant itself) bounds the lease. Halfway
     // it is still held (unless this task was held up past its end).
     tokio::time::sleep(ttl / 2).await;
-    let (held, at) = (guard.is_held(), granted.elapsed());
+    let at = granted.elapsed();
+    let held = guard.is_held();
     assert!(
         held || at >= earliest,
         "reported lost while the lease may still be live ({at:?} after the asking)"

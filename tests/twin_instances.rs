@@ -193,7 +193,7 @@ async fn a_start_refused_while_its_id_is_live_leaves_the_id_where_its_process_is
     let silent = common::eventually(Duration::from_secs(60), || async {
         (s2.connect().await.unwrap())
             .exec_drop(
-                "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
+                "UPDATE shardlock_instance SET heartbeat_at = NOW(3) - INTERVAL 60 SECOND \
                  WHERE instance_id = 'twin'",
                 (),
             )

@@ -257,7 +257,9 @@ pub struct BackendError {
     pub kind: BackendErrorKind,
     /// The MySQL server error number, if the server answered with one.
     pub code: Option<u16>,
-    /// The underlying error (a `mysql_async::Error` for the MySQL backend).
+    /// The underlying error (a `mysql_async::Error` for the MySQL backend; one `source()`
+    /// further down when a force-release says what it did on other shards before this one
+    /// failed).
     #[source]
     pub source: Box<dyn std::error::Error + Send + Sync + 'static>,
     /// Whether the statement may have reached the server before it failed (a timeout or a
