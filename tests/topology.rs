@@ -405,7 +405,8 @@ async fn two_routers_and_a_key_on_s4() -> (Cluster, LockRouter, LockRouter, Stri
     (cluster, a, b, key, three)
 }
 
-/// Past any move window: three times the 500 ms these tests configure.
+/// Past any move window: three times the 500 ms these tests configure. (Leases held across
+/// it last 3 s, and are seen renewed after it: a busy machine's stall does not end them.)
 const PAST_THE_WINDOW: Duration = Duration::from_millis(1500);
 
 #[tokio::test(flavor = "multi_thread")]
@@ -413,7 +414,7 @@ async fn a_lease_held_past_the_move_window_is_never_granted_twice() {
     let (_cluster, a, b, key, three) = two_routers_and_a_key_on_s4().await;
     let opts = || {
         AcquireOptions::new()
-            .ttl(Duration::from_secs(1))
+            .ttl(Duration::from_secs(3))
             .wait(Duration::ZERO)
     };
     let held = a.acquire(&key, opts()).await.unwrap();
@@ -429,7 +430,7 @@ async fn a_lease_held_past_the_move_window_is_never_granted_twice() {
     )
     .await;
     tokio::time::sleep(PAST_THE_WINDOW).await;
-    assert!(held.is_held());
+    common::renewed(&held, "a lease renewed past the move window was lost").await;
     assert!(
         b.try_acquire(&key, opts()).await.unwrap().is_none(),
         "granted on {} while a holds it",
@@ -481,7 +482,7 @@ async fn waiters_after_a_reload_are_not_handed_a_moved_lease_and_pollers_follow_
     let (_cluster, a, b, key, three) = two_routers_and_a_key_on_s4().await;
     let opts = || {
         AcquireOptions::new()
-            .ttl(Duration::from_secs(1))
+            .ttl(Duration::from_secs(3))
             .wait(Duration::from_secs(20))
     };
     let held = a.acquire(&key, opts()).await.unwrap();
@@ -1604,7 +1605,7 @@ async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_sa
     let key = common::key_on(&a, "k", "s3");
     let opts = || {
         AcquireOptions::new()
-            .ttl(Duration::from_secs(1))
+            .ttl(Duration::from_secs(3))
             .wait(Duration::ZERO)
     };
     let held = a.acquire(&key, opts()).await.unwrap();
@@ -1613,7 +1614,7 @@ async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_sa
     b.reload(same).await.unwrap();
     assert_eq!(a.moves_in_progress(), 0, "the same database: nothing moved");
     tokio::time::sleep(PAST_THE_WINDOW).await;
-    assert!(held.is_held());
+    common::renewed(&held, "a lease renewed past the move window was lost").await;
     assert_eq!(a.stats().followed, 0);
     assert!(b.try_acquire(&key, opts()).await.unwrap().is_none());
 
@@ -1632,7 +1633,7 @@ async fn a_url_that_reaches_another_server_is_a_move_and_one_that_reaches_the_sa
     )
     .await;
     tokio::time::sleep(PAST_THE_WINDOW).await;
-    assert!(held.is_held());
+    common::renewed(&held, "a lease renewed past the move window was lost").await;
     assert!(
         b.try_acquire(&key, opts()).await.unwrap().is_none(),
         "granted on the new server while a holds the key on the old one"

@@ -361,6 +361,60 @@ async fn a_process_that_finds_its_id_taken_over_loses_its_leases_at_once() {
     drop((guard, tx, twin));
 }
 
+/// A caller that polls a key another process holds when its process finds its id taken over
+/// is answered at once, saying why: every poll found the key busy, so none was granted and
+/// given back, and it polled on to the end of its wait for a grant it could never be given.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_caller_polling_a_busy_key_when_its_process_is_replaced_is_answered_at_once() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let beats = "cleaner:\n  registry: heartbeat\n  heartbeat-interval: 200ms\n  \
+                 heartbeat-timeout: 30s\n";
+    // Statements held at the cut answer once it ends: the poll on its way then finds the key
+    // busy, instead of failing the caller for a shard that did not answer.
+    let holder = LockRouter::from_yaml_str(&unhurried(&format!(
+        "{TWIN}shards:\n  - name: s1\n    url: {}\n{beats}",
+        proxy.url()
+    )))
+    .await
+    .unwrap();
+    holder.migrate().await.unwrap();
+    let other = LockRouter::from_yaml_str(&cluster.config_yaml(""))
+        .await
+        .unwrap();
+    let held = other
+        .acquire("busy", AcquireOptions::new().ttl(Duration::from_secs(600)))
+        .await
+        .unwrap();
+    let sent = holder.stats().acquire_statements;
+    let waiter = {
+        let holder = holder.clone();
+        let wait = AcquireOptions::new().wait(Duration::from_secs(600));
+        tokio::spawn(async move { holder.acquire("busy", wait).await })
+    };
+    let polling = common::eventually(Duration::from_secs(60), || async {
+        holder.stats().acquire_statements >= sent + 2
+    })
+    .await;
+    assert!(polling, "the caller never polled the busy key");
+
+    proxy.set(ProxyMode::Blackhole);
+    let twin = take_the_id_over(&cluster, beats).await;
+    proxy.set(ProxyMode::Pass);
+    // Ten times shorter than its wait.
+    match tokio::time::timeout(Duration::from_secs(60), waiter).await {
+        Ok(Ok(Err(e))) => {
+            let said = shardlock::Report(&e).to_string();
+            assert!(said.contains("taken over"), "{said}");
+        }
+        Ok(Ok(Ok(_))) => panic!("a process whose id was taken over was granted a held key"),
+        Ok(Err(panicked)) => panic!("{panicked}"),
+        Err(_) => panic!("a caller of a process whose id was taken over polled on"),
+    }
+    held.release().await.unwrap();
+    drop(twin);
+}
+
 /// A process whose id another start took over loses its in-process locks too (taken with
 /// `on-shard-failure: local` while its shard did not answer): a replaced process re-acquires
 /// nothing on the shard, where a conflict would be found and reported, so they said held for
