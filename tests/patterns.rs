@@ -126,6 +126,55 @@ async fn a_try_without_waiting_behind_a_row_being_created_counts_against_no_shar
         .unwrap();
 }
 
+/// A transaction lock is held only once its locking read found the key's row. A shard under
+/// READ COMMITTED answers a locking read that waited on a row another transaction deleted
+/// (an operator's purge of `shardlock_txlock`, say) with no row and no lock: that lock was
+/// handed out locking nothing, and the next caller created the row again and locked it too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_whose_row_was_deleted_while_it_waited_is_not_handed_out_unlocked() {
+    let args = ["--transaction-isolation=READ-COMMITTED".to_owned()];
+    let cluster = Cluster::start_with_args(1, &args).await.unwrap();
+    let yaml = cluster.config_yaml("");
+    common::migrate_only(&yaml).await;
+    let (a, b) = (
+        LockRouter::from_yaml_str(&yaml).await.unwrap(),
+        LockRouter::from_yaml_str(&yaml).await.unwrap(),
+    );
+    // The key's row exists.
+    let wait = Duration::from_secs(60);
+    a.lock_in_transaction("acct:purged", wait)
+        .await
+        .unwrap()
+        .rollback()
+        .await
+        .unwrap();
+    let server = cluster.shard(0);
+    let mut purging = server.connect().await.unwrap();
+    purging.query_drop("START TRANSACTION").await.unwrap();
+    purging
+        .query_drop("DELETE FROM shardlock_txlock")
+        .await
+        .unwrap();
+    let waiting = tokio::spawn({
+        let a = a.clone();
+        async move { a.lock_in_transaction("acct:purged", wait).await }
+    });
+    let waits = common::eventually(Duration::from_secs(30), || async {
+        server.lock_waits_now().await.unwrap() >= 1
+    })
+    .await;
+    assert!(waits, "the lock never waited for the purge");
+    purging.query_drop("COMMIT").await.unwrap();
+    let held = waiting.await.unwrap().unwrap();
+    let second = b.lock_in_transaction("acct:purged", Duration::ZERO).await;
+    assert!(
+        matches!(second, Err(Error::Timeout { .. })),
+        "a second transaction lock was handed out beside one whose row was purged: {:?}",
+        second.map(|_| "held")
+    );
+    held.rollback().await.unwrap();
+}
+
 /// An attempt cut short at the end of its wait by a shard that never answers is no answer of
 /// the shard's: let through while half-open without a probe's slot, it decides nothing, and its
 /// caller is told the shard is unavailable. A try without waiting, which waits for no lock, is
@@ -404,6 +453,37 @@ async fn state_machine_claim_has_one_winner_and_rollback_makes_it_claimable_agai
         router.transition(&same, code, "used", "used").await,
         Err(Error::InvalidArgument { .. })
     ));
+}
+
+/// A state machine's names are the caller's identifiers, not SQL: a column named `1` (an
+/// identifier only when quoted) is compared as the column. Unquoted, `WHERE 1 = ?` held for
+/// every row, and a transition of one row moved all of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transition_on_a_column_named_like_a_number_moves_its_row_alone() {
+    let (cluster, router, _) = common::start(1, "").await;
+    on_every_shard(
+        &cluster,
+        "CREATE TABLE ticket (`1` VARCHAR(64) PRIMARY KEY, `rank` VARCHAR(16) NOT NULL)",
+    )
+    .await;
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    c.query_drop("INSERT INTO ticket VALUES ('1', 'open'), ('2', 'open')")
+        .await
+        .unwrap();
+    let machine = StateMachine::new("ticket", "1", "rank")
+        .unwrap()
+        .allow("open", "closed");
+    let moved = router.transition(&machine, "1", "open", "closed").await;
+    let states: Vec<(String, String)> = c
+        .query("SELECT `1`, `rank` FROM ticket ORDER BY `1`")
+        .await
+        .unwrap();
+    assert_eq!(
+        states,
+        [("1".into(), "closed".into()), ("2".into(), "open".into())],
+        "a transition of row 1 ({moved:?}) moved others"
+    );
+    assert!(moved.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -60,6 +60,11 @@ const TX_LOCK: &str =
     "SELECT lock_key FROM shardlock_txlock WHERE lock_key = {key} FOR UPDATE{nowait}; \
      SAVEPOINT {savepoint}; SET SESSION innodb_lock_wait_timeout = {after}";
 
+/// Ends the transaction of a lock whose locking read found no row (another transaction
+/// deleted it meanwhile), autocommit on again: the row is created anew, committed on its own,
+/// before the lock is taken again.
+const TX_NO_ROW: &str = "ROLLBACK; SET autocommit = 1";
+
 /// Ends a transaction lock keeping the caller's statements, if it is still the transaction
 /// that took the lock (its savepoint is there); else the server answers 1305 (no such
 /// savepoint) and commits nothing.
@@ -111,19 +116,31 @@ impl SessionConn {
             );
         let raw = self.raw();
         let run = async {
-            raw.query_drop(TX_LOCK_WAIT.replace("{secs}", &secs.to_string()))
-                .await?;
-            let seen: Option<u64> = raw.query_first(TX_ROW_SEEN.replace("{key}", &key)).await?;
-            if seen != Some(1) {
-                waiting.store(true, Ordering::Relaxed);
-                raw.query_drop(TX_ROW.replace("{key}", &key)).await?;
+            loop {
+                raw.query_drop(TX_LOCK_WAIT.replace("{secs}", &secs.to_string()))
+                    .await?;
+                let seen: Option<u64> = raw.query_first(TX_ROW_SEEN.replace("{key}", &key)).await?;
+                if seen != Some(1) {
+                    waiting.store(true, Ordering::Relaxed);
+                    raw.query_drop(TX_ROW.replace("{key}", &key)).await?;
+                }
+                raw.query_drop(TX_BEGIN).await?;
+                // `NOWAIT` waits for no lock.
+                if !wait.is_zero() {
+                    waiting.store(true, Ordering::Relaxed);
+                }
+                let locked: Vec<mysql_async::Row> = raw
+                    .query_iter(lock.as_str())
+                    .await?
+                    .collect_and_drop()
+                    .await?;
+                if !locked.is_empty() {
+                    return Ok(());
+                }
+                // The row was deleted while the lock waited for it (under READ COMMITTED a
+                // locking read then answers no row, and locks nothing): create it again.
+                raw.query_drop(TX_NO_ROW).await?;
             }
-            raw.query_drop(TX_BEGIN).await?;
-            // `NOWAIT` waits for no lock.
-            if !wait.is_zero() {
-                waiting.store(true, Ordering::Relaxed);
-            }
-            raw.query_drop(lock).await
         };
         let locked = run.await;
         if locked.is_err() {
@@ -323,11 +340,12 @@ pub(crate) async fn cas_freed_at(
 /// One conditional `UPDATE` judged by affected rows: the old state in the `WHERE` makes the
 /// server the arbiter, so of concurrent claimers exactly one matches the row. The table and
 /// column names (`{table}`, `{id}`, `{state}`) cannot be bound, so they are checked when the
-/// table is declared ([`StateTable::new`]); the values are bound.
-const TRANSITION: &str = "UPDATE {table} SET {state} = ? WHERE {id} = ? AND {state} = ?";
+/// table is declared ([`StateTable::new`]) and quoted (a name such as `1` or `rank` is then
+/// the column, not a number or a keyword); the values are bound.
+const TRANSITION: &str = "UPDATE `{table}` SET `{state}` = ? WHERE `{id}` = ? AND `{state}` = ?";
 
 /// Whether the row is in the table at all, in whatever state.
-const STATE_ROW: &str = "SELECT 1 FROM {table} WHERE {id} = ? LIMIT 1";
+const STATE_ROW: &str = "SELECT 1 FROM `{table}` WHERE `{id}` = ? LIMIT 1";
 
 /// A table of the caller's whose rows carry a state, and the transition statement on it.
 #[derive(Debug, Clone)]
