@@ -455,6 +455,37 @@ async fn state_machine_claim_has_one_winner_and_rollback_makes_it_claimable_agai
     ));
 }
 
+/// A transaction lock's rollback on a shard that stopped answering (paused) returns within the
+/// shard's statement timeout, with an error: the connection is closed, and the server rolls
+/// back once it runs again. It waited until the shard came back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_locks_rollback_on_a_paused_shard_answers_within_the_statement_timeout() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let held = router
+        .lock_in_transaction("acct:paused", Duration::ZERO)
+        .await
+        .unwrap();
+    let server = cluster.shard(0);
+    server.pause().unwrap();
+    // Ten statement timeouts (2 s by default).
+    let ended = tokio::time::timeout(Duration::from_secs(20), held.rollback()).await;
+    server.resume().unwrap();
+    match ended {
+        Ok(Err(Error::Unavailable { .. })) => {}
+        Ok(other) => panic!("a rollback on a paused shard answered {other:?}"),
+        Err(_) => panic!("a rollback on a paused shard waited for the shard"),
+    }
+    // Rolled back once the shard runs again: the key is free.
+    let again = common::eventually(Duration::from_secs(60), || async {
+        router
+            .lock_in_transaction("acct:paused", Duration::ZERO)
+            .await
+            .is_ok()
+    })
+    .await;
+    assert!(again, "the key stayed locked after the shard came back");
+}
+
 /// A state machine's names are the caller's identifiers, not SQL: a column named `1` (an
 /// identifier only when quoted) is compared as the column. Unquoted, `WHERE 1 = ?` held for
 /// every row, and a transition of one row moved all of them.

@@ -39,6 +39,8 @@ pub struct TxLockGuard {
     session: Option<SessionId>,
     key: String,
     shard: String,
+    /// The lock's shard's, which bounds a rollback.
+    statement_timeout: Duration,
     state: Arc<TxLockState>,
     /// The router, for a follow that `commit` must wait for.
     router: Weak<Inner>,
@@ -334,6 +336,10 @@ impl TxLockGuard {
     /// ended the lock's transaction already (see [`TxLockGuard::commit`]): what it committed
     /// then stays committed.
     ///
+    /// [`Error::Unavailable`] when the shard did not answer within its statement timeout (a
+    /// paused server): the connection is closed, so the server rolls back once it finds that,
+    /// and the key stays locked until then.
+    ///
     /// Cancellation: the connection is closed, not pooled, so the server rolls back anyway and the
     /// lock is released.
     pub async fn rollback(mut self) -> Result<()> {
@@ -356,7 +362,16 @@ impl TxLockGuard {
                     Err(e)
                 })
         } else {
-            open.rollback_lock().await
+            // Bounded: on a shard that does not answer (paused), the closed connection leaves
+            // the rollback to the server, which rolls back once it finds the connection gone.
+            tokio::time::timeout(self.statement_timeout, open.rollback_lock())
+                .await
+                .unwrap_or_else(|_| {
+                    Err(BackendError::timeout(
+                        "the ROLLBACK was not answered within the statement timeout: the \
+                         connection is closed, and the server rolls back once it finds that",
+                    ))
+                })
         };
         // The `COMMIT` was sent and its answer lost: it may land yet.
         let unknown = commit && matches!(&ended, Err(e) if e.maybe_applied);
@@ -579,6 +594,7 @@ impl LockRouter {
             conn: Some(conn),
             key: key.to_owned(),
             shard: shard.name().to_owned(),
+            statement_timeout: shard.statement_timeout(),
             state,
             router: Arc::downgrade(&self.inner),
         }))
