@@ -323,9 +323,18 @@ impl Shard {
         Ok(())
     }
 
-    /// SIGSTOP: the server freezes; its sockets stay open but nothing answers.
+    /// SIGSTOP: the server freezes; its sockets stay open but nothing answers. Returns once
+    /// every thread of it is stopped (a signal is delivered a moment after it is sent, and a
+    /// statement sent meanwhile would still be answered).
     pub fn pause(&self) -> io::Result<()> {
-        self.signal(Signal::SIGSTOP)
+        self.signal(Signal::SIGSTOP)?;
+        let pid = self
+            .pid()
+            .ok_or_else(|| io::Error::other("shard is not running"))?;
+        while !all_threads_stopped(pid) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Ok(())
     }
 
     /// SIGCONT after [`Shard::pause`].
@@ -901,4 +910,19 @@ mod tests {
             assert_eq!(holder, std::process::id().to_string());
         }
     }
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in its `/proc` stat), or the
+/// process is gone.
+fn all_threads_stopped(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).map_or(true, |stat| {
+            // After the command's closing parenthesis: " T ...".
+            let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
+            state.is_none_or(|rest| rest.starts_with('T') || rest.starts_with('t'))
+        })
+    })
 }
