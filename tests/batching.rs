@@ -830,3 +830,52 @@ async fn the_futures_of_a_lock_cycle_stay_small() {
         assert!(size <= 3 * 1024, "{what}'s future is {size} bytes");
     }
 }
+
+/// A batch that failed before anything was sent (no connection could be made) wrote nothing:
+/// its callers are told so, and nothing is given back. Every such failure counted as maybe
+/// written, and each key's give-back was retried against its never-written row until the
+/// lease's ttl, beside the renewals, for every batch of a refusing shard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_that_could_not_connect_gives_nothing_back() {
+    let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+    common::migrate_only(&cluster.config_yaml("")).await;
+    let proxy = shardlock_testkit::Proxy::start(cluster.shard(0).port())
+        .await
+        .unwrap();
+    // Refused from the start: the pool has no connection open to be cut mid-statement.
+    proxy.set(shardlock_testkit::ProxyMode::Reset);
+    let router = LockRouter::from_yaml_str(&format!(
+        "shards:\n  - name: s1\n    url: {}\n    pool:\n      batches-in-flight: 1\n\
+         breaker:\n  consecutive-failures: 100000\n  min-calls: 100000\n\
+         cleaner:\n  registry: static\nnamespaces:\n  default:\n    ttl: 120s\n",
+        proxy.url()
+    ))
+    .await
+    .unwrap();
+    let tries: Vec<_> = (0..64)
+        .map(|i| {
+            let router = router.clone();
+            tokio::spawn(async move {
+                let once = AcquireOptions::new().wait(Duration::ZERO);
+                router.try_acquire(&format!("refused:{i}"), once).await
+            })
+        })
+        .collect();
+    for t in tries {
+        let answer = t.await.unwrap();
+        assert!(answer.is_err(), "{answer:?}");
+    }
+    let stats = router.stats();
+    assert!(stats.acquire_batches > 0, "no batch formed: {stats:?}");
+    proxy.set(shardlock_testkit::ProxyMode::Pass);
+    // Each give-back would be answered "not held" until the lease's ttl, two minutes.
+    let settled = common::eventually(Duration::from_secs(60), || async {
+        router.stats().settling == 0
+    })
+    .await;
+    assert!(
+        settled,
+        "batches that sent nothing left give-backs: {:?}",
+        router.stats()
+    );
+}
