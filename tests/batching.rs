@@ -879,3 +879,63 @@ async fn a_batch_that_could_not_connect_gives_nothing_back() {
         router.stats()
     );
 }
+
+/// A batch whose write committed and whose read-back then failed with a server's error (here
+/// the server's limit on prepared statements, 1461, met by the read-back, then by the retry's
+/// write on a new connection) says its outcome is unknown: its rows are granted, to owners
+/// whose callers are told of a failure, and must be given back. It read as a failure that
+/// wrote nothing, and the rows stayed taken until their ttl.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_whose_read_back_failed_after_its_write_says_it_may_have_written() {
+    let (cluster, _router, yaml) = common::start(1, "").await;
+    // One connection, which the statements below are prepared on.
+    let yaml = yaml.replacen("    url:", "    pool: { max-size: 1 }\n    url:", 1);
+    let shard = backend(&yaml);
+    // The write's statement prepared on the connection (a batch of two fresh keys).
+    let warm: Vec<_> = [b"warm:a", b"warm:b"]
+        .iter()
+        .map(|k| common::grant_request(*k, "warm", 0))
+        .collect();
+    shard.acquire_batch(&warm).await.unwrap();
+    // Rows there already (released), so that a batch of three reads its grants back, by a
+    // statement of another shape (four keys) than any prepared yet.
+    let keys: [&[u8]; 3] = [b"readback:a", b"readback:b", b"readback:c"];
+    for key in keys {
+        shard
+            .acquire(&common::grant_request(key, "earlier", 0))
+            .await
+            .unwrap();
+        shard.release(key, "earlier").await.unwrap();
+    }
+
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    // No statement prepared from here on; those prepared stay (the write's among them).
+    admin
+        .query_drop("SET GLOBAL max_prepared_stmt_count = 0")
+        .await
+        .unwrap();
+    let batch: Vec<_> = keys
+        .iter()
+        .map(|k| common::grant_request(k, "refused", 0))
+        .collect();
+    let answer = shard.acquire_batch(&batch).await;
+    admin
+        .query_drop("SET GLOBAL max_prepared_stmt_count = DEFAULT")
+        .await
+        .unwrap();
+    let e = answer.expect_err("the read-back was refused");
+    assert_eq!(e.code, Some(1461), "{e}");
+    let owners: Vec<Option<String>> = admin
+        .query("SELECT owner FROM shardlock_lease WHERE lock_key LIKE 'readback:%'")
+        .await
+        .unwrap();
+    assert_eq!(
+        owners,
+        vec![Some("refused".to_owned()); 3],
+        "the write committed"
+    );
+    assert!(
+        e.maybe_applied,
+        "a batch whose write committed answered as one that wrote nothing: {e}"
+    );
+}

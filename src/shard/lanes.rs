@@ -243,16 +243,11 @@ impl Running<AcquireRequest, Attempt> {
             stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
             let after_lost_try = matches!(&result, Ok(grants) if grants.after_lost_try);
             let result = result.map(|grants| grants.attempts);
-            // A batch may be two statements: a server's error reply may be the read-back's,
-            // after the write committed (a deadlock, or a refused connection, is not). A call
-            // that failed before it sent anything (no connection, the pool's wait, the
-            // breaker) wrote nothing, and says so (`maybe_applied` false, no server's code).
+            // A failure after a batch's write committed (its read-back's) says so too: a call
+            // that failed before it wrote (no connection, the pool's wait, the breaker, a
+            // deadlock) left nothing.
             let wrote = requests.len() > 1;
-            let unknown = matches!(&result, Err(e) if e.maybe_applied
-            || (wrote && e.code.is_some() && !matches!(
-                e.kind,
-                BackendErrorKind::Deadlock | BackendErrorKind::TooManyConnections
-            )));
+            let unknown = matches!(&result, Err(e) if e.maybe_applied);
             let outcomes = outcome_each(result, requests.len(), unknown);
             let each = requests.into_iter().zip(orphans).zip(answers);
             // A row locked by another transaction past the server's lock wait undoes the whole

@@ -19,6 +19,8 @@
 //! a deadlock the server still reports (gap locks on fresh keys, say) undoes the whole
 //! statement and is retried by the shard's runner, never surfaced.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params};
 
@@ -112,9 +114,12 @@ pub struct BatchGrants {
 /// marks what a try before it may have done (`after_lost_try`).
 ///
 /// Keys must be distinct (one process polls a key at a time) and at most [`MAX_BATCH`].
+/// `wrote` is set once the write has committed rows: a failure of the read-back after it
+/// leaves grants behind, whatever its error says.
 pub(crate) async fn acquire_batch(
     conn: &mut Conn,
     reqs: &[&GrantRequest],
+    wrote: &AtomicBool,
 ) -> mysql_async::Result<BatchGrants> {
     debug_assert!(!reqs.is_empty() && reqs.len() <= MAX_BATCH);
     let mut sorted: Vec<&GrantRequest> = reqs.to_vec();
@@ -145,6 +150,7 @@ pub(crate) async fn acquire_batch(
         result => result?,
     }
     floor_row_missing(conn)?;
+    wrote.store(true, Ordering::Relaxed);
     if let Some(base) = all_inserted(conn, reqs.len()) {
         return Ok(BatchGrants {
             attempts: reqs
@@ -624,7 +630,7 @@ mod tests {
         let mut raw = cluster.shard(0).connect().await.unwrap();
         // Rows of every kind, written by someone else.
         for key in ["held", "expired", "released"] {
-            let first = acquire_batch(conn, &[&request(key, "other", 0)])
+            let first = acquire_batch(conn, &[&request(key, "other", 0)], &AtomicBool::new(false))
                 .await
                 .unwrap();
             let [Attempt::Granted { fence, .. }] = first.attempts[..] else {
@@ -658,9 +664,13 @@ mod tests {
         for (i, (key, owner, granted)) in cases.into_iter().enumerate() {
             let fresh_key = format!("fresh:{i}");
             let fresh = request(&fresh_key, owner, 0);
-            let batch = acquire_batch(conn, &[&fresh, &request(key, owner, 0)])
-                .await
-                .unwrap();
+            let batch = acquire_batch(
+                conn,
+                &[&fresh, &request(key, owner, 0)],
+                &AtomicBool::new(false),
+            )
+            .await
+            .unwrap();
             assert_eq!(
                 batch.statements, 2,
                 "case {i}: a row that existed is read back"
@@ -696,9 +706,13 @@ mod tests {
             request("moved:1", "mine:1", 0),
             request("moved:2", "mine:2", 0),
         ];
-        let batch = acquire_batch(session.raw(), &reqs.iter().collect::<Vec<_>>())
-            .await
-            .unwrap();
+        let batch = acquire_batch(
+            session.raw(),
+            &reqs.iter().collect::<Vec<_>>(),
+            &AtomicBool::new(false),
+        )
+        .await
+        .unwrap();
         assert_eq!(batch.statements, 1, "every key was fresh");
         for (req, attempt) in reqs.iter().zip(&batch.attempts) {
             let Attempt::Granted { fence, .. } = attempt else {
@@ -805,7 +819,9 @@ mod tests {
             let req = request(&format!("in-flight:{batch}"), "mine", 0);
             if batch {
                 let other = request(&format!("in-flight:{batch}:2"), "mine:2", 0);
-                acquire_batch(conn, &[&req, &other]).await.unwrap();
+                acquire_batch(conn, &[&req, &other], &AtomicBool::new(false))
+                    .await
+                    .unwrap();
             } else {
                 crate::lease::acquire(conn, &req).await.unwrap();
             }

@@ -675,15 +675,22 @@ impl Shard {
     pub async fn acquire_batch(&self, reqs: &[GrantRequest]) -> Result<BatchGrants, BackendError> {
         let reqs: Vec<&GrantRequest> = reqs.iter().collect();
         let timeout = self.statement_timeout;
+        // Set by any try whose write committed: a failure after it (the read-back's, or a
+        // later try's that sent nothing) leaves that write's grants, unknown to the caller.
+        let wrote = std::sync::atomic::AtomicBool::new(false);
         let (mut grants, lost_try) = self
             .with_conn(
                 "acquire_batch",
                 timeout,
-                &reqs,
-                |c, reqs| Box::pin(batch::acquire_batch(c, reqs)),
+                &(reqs, &wrote),
+                |c, (reqs, wrote)| Box::pin(batch::acquire_batch(c, reqs, wrote)),
                 Tries::IDEMPOTENT,
             )
-            .await?;
+            .await
+            .map_err(|mut e| {
+                e.maybe_applied |= wrote.load(std::sync::atomic::Ordering::Relaxed);
+                e
+            })?;
         for attempt in &mut grants.attempts {
             *attempt = after(*attempt, lost_try);
         }
