@@ -95,6 +95,9 @@ pub(crate) struct ShardState {
     /// The keeper panics at its next tick (tests of its supervision).
     #[cfg(feature = "fault-injection")]
     pub(crate) panic_next_tick: std::sync::atomic::AtomicBool,
+    /// The reconcile's next look at whose row a key's is fails (tests of that failure).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fail_next_look: std::sync::atomic::AtomicBool,
 }
 
 /// A give-back's (or an ending transaction lock's) hold on its shard, counted in the shard's
@@ -204,6 +207,8 @@ impl ShardState {
             settling: Default::default(),
             #[cfg(feature = "fault-injection")]
             panic_next_tick: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(feature = "fault-injection")]
+            fail_next_look: std::sync::atomic::AtomicBool::new(false),
         });
         registry.register(&state);
         state

@@ -106,6 +106,17 @@ impl LockRouter {
             .is_some()
     }
 
+    /// Makes the next look of shard `name`'s reconcile at whose row a key's is (a row found
+    /// held when a local lease is re-acquired) fail as a shard that did not answer; `false` if
+    /// there is no such shard. For tests only (feature `fault-injection`).
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn inject_reconcile_look_failure(&self, name: &str) -> bool {
+        self.shard_state(name)
+            .map(|s| (s.fail_next_look).store(true, std::sync::atomic::Ordering::Release))
+            .is_some()
+    }
+
     /// Holds back the next hand-off through a shard in this process (a release statement that
     /// grants the key to a waiting task) before it runs, until the answer is sent or dropped:
     /// a test acts between a hold's end and its hand-off. For tests only (feature

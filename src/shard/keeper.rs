@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::clock::Moment;
-use shardlock_core::{BackendErrorKind, BreakerState};
+use shardlock_core::{BackendError, BackendErrorKind, BreakerState};
 use shardlock_mysql::{Attempt, GrantRequest, Renewal, MAX_RENEW_BATCH};
 use tokio::sync::watch;
 
@@ -70,9 +70,21 @@ impl ShardState {
                 )
             };
             let mut may_land = lost_try(&attempt);
-            if matches!(attempt, Ok(Attempt::Held { .. }))
-                && self.give_back_stale_row(&req.key, lease.id).await
-            {
+            let stale = match attempt {
+                Ok(Attempt::Held { .. }) => self.give_back_stale_row(&req.key, lease.id).await,
+                _ => Ok(false),
+            };
+            let worth_again = match stale {
+                Ok(again) => again,
+                Err(mut e) => {
+                    // Whose row it is could not be told: not a conflict, the key is tried
+                    // again next time (below, as a failed try that wrote nothing).
+                    e.maybe_applied = false;
+                    attempt = Err(e);
+                    false
+                }
+            };
+            if worth_again {
                 let Some(left) = lease.ttl_left() else {
                     self.end_in_process(&lease);
                     // The lost try may still take the row: given back.
@@ -223,24 +235,31 @@ impl ShardState {
     /// made since the local lease, whose row may be written before its lease is registered,
     /// has a higher number and is never touched.) `true` when the acquire is worth trying
     /// again: such a row was released, or the row is free by now (the lost lease's own
-    /// give-back, retried in the background, freed it first).
-    async fn give_back_stale_row(self: &Arc<Self>, key: &[u8], local_id: u64) -> bool {
-        let Ok(row) = self.call(|b| b.inspect(key)).await else {
-            return false;
-        };
+    /// give-back, retried in the background, freed it first); `false` when the row is another
+    /// holder's; an error when that could not be told (the look or the release failed).
+    async fn give_back_stale_row(
+        self: &Arc<Self>,
+        key: &[u8],
+        local_id: u64,
+    ) -> Result<bool, BackendError> {
+        #[cfg(feature = "fault-injection")]
+        if self.fail_next_look.swap(false, Ordering::AcqRel) {
+            return Err(BackendError::timeout("injected: the look was not answered"));
+        }
+        let row = self.call(|b| b.inspect(key)).await?;
         let Some(row) = row.filter(|r| r.owner.is_some() && r.expires_in_ms > 0) else {
-            return true;
+            return Ok(true);
         };
         // A release that keeps the key taken until a minimum hold ends (`lock_at_least`, a
         // schedule's interval) leaves its row with a zero ttl: taken on purpose, not stale.
         // One whose release failed keeps its ttl, and this router remembers its owner as kept
         // until the hold ends (`Shared::keep_taken`): a lost lease's row looks the same.
         if row.ttl_ms == 0 {
-            return false;
+            return Ok(false);
         }
         let owner = row.owner.expect("filtered above");
         if !(self.shared).is_stale_own(&owner, local_id, self.leases_skew()) {
-            return false;
+            return Ok(false);
         }
         tracing::info!(
             shard = self.name(),
@@ -248,7 +267,7 @@ impl ShardState {
             "shardlock gave back a row of a lease it had lost"
         );
         // Whatever it answers but a failure, the row is not that lease's any more.
-        self.release(key, &owner).await.is_ok()
+        self.release(key, &owner).await.map(|_| true)
     }
 
     /// Makes the keeper panic at once (tests of its supervision).
