@@ -337,8 +337,9 @@ impl TxLockGuard {
     /// then stays committed.
     ///
     /// [`Error::Unavailable`] when the shard did not answer within its statement timeout (a
-    /// paused server): the connection is closed, so the server rolls back once it finds that,
-    /// and the key stays locked until then.
+    /// paused server, or a rollback of a large transaction that takes longer): the connection
+    /// is closed, so the server rolls back once it finds that (or completes the rollback it
+    /// began), and the key stays locked until then.
     ///
     /// Cancellation: the connection is closed, not pooled, so the server rolls back anyway and the
     /// lock is released.

@@ -117,6 +117,8 @@ impl SessionConn {
         let raw = self.raw();
         let run = async {
             loop {
+                // Each pass waits for the row's lock only once it asks for it.
+                waiting.store(false, Ordering::Relaxed);
                 raw.query_drop(TX_LOCK_WAIT.replace("{secs}", &secs.to_string()))
                     .await?;
                 let seen: Option<u64> = raw.query_first(TX_ROW_SEEN.replace("{key}", &key)).await?;
@@ -903,7 +905,7 @@ mod tests {
         let table = StateTable::new("coupon", "code", "state").unwrap();
         assert_eq!(
             table.transition,
-            "UPDATE coupon SET state = ? WHERE code = ? AND state = ?"
+            "UPDATE `coupon` SET `state` = ? WHERE `code` = ? AND `state` = ?"
         );
         for bad in ["", "coupon; DROP TABLE x", "coupon`", &"c".repeat(65)] {
             assert!(StateTable::new(bad, "code", "state").is_err(), "{bad}");

@@ -325,13 +325,19 @@ impl Shard {
 
     /// SIGSTOP: the server freezes; its sockets stay open but nothing answers. Returns once
     /// every thread of it is stopped (a signal is delivered a moment after it is sent, and a
-    /// statement sent meanwhile would still be answered).
+    /// statement sent meanwhile would still be answered); an error if that takes 10 s.
     pub fn pause(&self) -> io::Result<()> {
         self.signal(Signal::SIGSTOP)?;
         let pid = self
             .pid()
             .ok_or_else(|| io::Error::other("shard is not running"))?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while !all_threads_stopped(pid) {
+            if std::time::Instant::now() > deadline {
+                return Err(io::Error::other(format!(
+                    "shard process {pid} did not stop within 10 s of SIGSTOP"
+                )));
+            }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         Ok(())
@@ -836,6 +842,21 @@ impl DevCluster {
 
 use std::os::unix::process::CommandExt as _;
 
+/// Whether every thread of process `pid` is stopped (state `T` in its `/proc` stat), or the
+/// process is gone (or dead, `Z` or `X`).
+fn all_threads_stopped(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).map_or(true, |stat| {
+            // After the command's closing parenthesis: " T ...".
+            let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
+            state.is_none_or(|rest| rest.starts_with(['T', 't', 'Z', 'X']))
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -910,19 +931,4 @@ mod tests {
             assert_eq!(holder, std::process::id().to_string());
         }
     }
-}
-
-/// Whether every thread of process `pid` is stopped (state `T` in its `/proc` stat), or the
-/// process is gone.
-fn all_threads_stopped(pid: i32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return true;
-    };
-    tasks.flatten().all(|task| {
-        std::fs::read_to_string(task.path().join("stat")).map_or(true, |stat| {
-            // After the command's closing parenthesis: " T ...".
-            let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
-            state.is_none_or(|rest| rest.starts_with('T') || rest.starts_with('t'))
-        })
-    })
 }
