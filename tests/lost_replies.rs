@@ -732,6 +732,44 @@ async fn a_session_given_a_stranded_thread_id_after_a_restart_is_left_alone() {
     );
 }
 
+/// A CAS take whose first try was cut off on the wire (behind a proxy that keeps sessions of
+/// its own, so the try cannot be ended first) and landed while the retry was between its read
+/// of the free row and its take: the retry's take changes nothing, and the row is the call's
+/// own. Answered "owned by another", the take's row stayed owned for good (CAS rows never
+/// expire) by a take nobody held.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cas_take_whose_cut_off_try_lands_during_its_retry_is_answered_as_taken() {
+    let (cluster, _router, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    proxy.renumber_sessions();
+    let behind = common::backend_at(&proxy.url());
+    // The owner's name is sent in the take's statement alone.
+    proxy.set(ProxyMode::StrandTo(b"cut-off-cas-owner"));
+    let take = tokio::spawn(async move {
+        behind
+            .take_cas(b"cut-off", "cut-off-cas-owner", "cut-off-token")
+            .await
+    });
+    let mut first = proxy.held().await;
+    // The retry read the row free and sends its take: held up while the first try lands.
+    proxy.set(ProxyMode::PauseTo(b"cut-off-cas-owner"));
+    proxy.wait_for(ProxyMode::Paused).await;
+    assert!(first.deliver().await, "the cut-off try did not run");
+    assert_eq!(
+        common::cas_owner(cluster.shard(0), "cut-off")
+            .await
+            .as_deref(),
+        Some("cut-off-cas-owner"),
+        "the cut-off try took the row"
+    );
+    proxy.set(ProxyMode::Pass);
+    let answer = take.await.unwrap();
+    assert!(
+        matches!(answer, Ok(Some(_))),
+        "a take whose own cut-off try took the row answered {answer:?}"
+    );
+}
+
 /// A shard's pool of one connection: a statement prepared once is prepared on the connection
 /// the next call uses.
 const POOL_OF_ONE: &str = "    pool:\n      max-size: 1\n";

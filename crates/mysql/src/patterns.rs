@@ -286,7 +286,17 @@ pub(crate) async fn take_cas(
     };
     conn.exec_drop(CAS_TAKE, (owner, token, key, version))
         .await?;
-    Ok((conn.affected_rows() == 1).then_some(version + 1))
+    if conn.affected_rows() == 1 {
+        return Ok(Some(version + 1));
+    }
+    // The race lost, maybe to this call's own try whose reply was lost, landing between the
+    // read and the take: the row is then this call's, and answered as taken (else it stayed
+    // owned for good, by a take nobody holds). Only that try can have written this token.
+    let row: Option<Row> = conn.exec_first(CAS_READ, (key,)).await?;
+    Ok(match row {
+        Some((Some(_), version, Some(t))) if t == token.as_bytes() => Some(version),
+        _ => None,
+    })
 }
 
 /// Runs a conditional write of one row; whether it changed that row.
