@@ -939,3 +939,66 @@ async fn a_batch_whose_read_back_failed_after_its_write_says_it_may_have_written
         "a batch whose write committed answered as one that wrote nothing: {e}"
     );
 }
+
+/// A batch release that frees one lease while another of its leases had been lost before
+/// (expired, and taken by another process a second ago) answers that one "not held", even
+/// when the row it freed is taken by a waiter before it reads the rows back: a holder
+/// granted before the statement's millisecond held the row before it. It answered "taken
+/// since", which the caller reads as released while its lease may not have ended, and the
+/// lost lease's holder was never told it had lost the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_release_tells_a_lease_lost_before_it_from_a_row_it_freed_and_that_was_taken_since()
+{
+    let (cluster, _router, _) = common::start(1, "cleaner:\n  registry: static\n").await;
+    let proxy = shardlock_testkit::Proxy::start(cluster.shard(0).port())
+        .await
+        .unwrap();
+    let direct = common::backend_at(&cluster.shard(0).url());
+    let behind = common::backend_at(&proxy.url());
+    let request = |key: &str, owner: &str| common::grant_request(key.as_bytes(), owner, 0);
+    for (key, owner) in [("freed", "mine-1"), ("lost", "mine-2")] {
+        let granted = behind.acquire(&request(key, owner)).await.unwrap();
+        assert!(matches!(granted, Attempt::Granted { .. }), "{granted:?}");
+    }
+    // `lost` ended and another process took it, a second ago.
+    let mut raw = cluster.shard(0).connect().await.unwrap();
+    raw.query_drop(
+        "UPDATE shardlock_lease SET expires_at = NOW(3) - INTERVAL 1 SECOND \
+         WHERE lock_key = 'lost'",
+    )
+    .await
+    .unwrap();
+    let taken = direct.acquire(&request("lost", "other")).await.unwrap();
+    assert!(matches!(taken, Attempt::Granted { .. }), "{taken:?}");
+    raw.query_drop(
+        "UPDATE shardlock_lease SET acquired_at = acquired_at - INTERVAL 1 SECOND \
+         WHERE lock_key = 'lost'",
+    )
+    .await
+    .unwrap();
+
+    // The read-back waits while a waiter takes the row the release freed.
+    proxy.set(shardlock_testkit::ProxyMode::PauseTo(
+        b"SELECT lock_key, owner, CAST(UNIX_TIMESTAMP(acquired_at)",
+    ));
+    let releasing = tokio::spawn(async move {
+        let leases = [("freed", "mine-1"), ("lost", "mine-2")]
+            .map(|(k, o)| (k.as_bytes().to_vec(), o.to_owned()));
+        behind.release_batch(&leases).await
+    });
+    proxy.wait_for(shardlock_testkit::ProxyMode::Paused).await;
+    let waiter = direct.acquire(&request("freed", "waiter")).await.unwrap();
+    assert!(matches!(waiter, Attempt::Granted { .. }), "{waiter:?}");
+    proxy.set(shardlock_testkit::ProxyMode::Pass);
+    let answers = releasing.await.unwrap().unwrap();
+    assert_eq!(
+        answers[1],
+        shardlock_mysql::ReleaseAnswer::NotHeld,
+        "a lease lost before the release was answered as one it may have freed: {answers:?}"
+    );
+    assert_eq!(
+        answers[0],
+        shardlock_mysql::ReleaseAnswer::TakenAfterLostReply,
+        "{answers:?}"
+    );
+}

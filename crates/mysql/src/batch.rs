@@ -226,11 +226,28 @@ fn all_inserted(conn: &Conn, n: usize) -> Option<u64> {
 const RELEASE_HEAD: &str = concat!(
     "UPDATE shardlock_lease SET owner = ",
     tombstone!(),
-    ", expires_at = NOW(3), wanted_at = NULL WHERE lock_key IN "
+    ", expires_at = NOW(3), wanted_at = NULL, ",
+    // The statement's time (ms), through `LAST_INSERT_ID`, when it frees a row.
+    "fence = fence + 0 * LAST_INSERT_ID(",
+    released_ms!(),
+    ") WHERE lock_key IN "
 );
 
-/// After a batch release that did not release every key: who holds each key now.
-const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE lock_key IN ";
+/// The shard's time in milliseconds, as [`OWNERS_HEAD`] reads a grant's.
+macro_rules! released_ms {
+    () => {
+        "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS UNSIGNED)"
+    };
+}
+use released_ms;
+
+/// After a batch release that did not release every key: who holds each key now, and since
+/// when (ms, the shard's time).
+const OWNERS_HEAD: &str = "SELECT lock_key, owner, CAST(UNIX_TIMESTAMP(acquired_at) * 1000 \
+     AS UNSIGNED) FROM shardlock_lease WHERE lock_key IN ";
+
+/// A row of [`OWNERS_HEAD`].
+type OwnerRow = (Vec<u8>, Option<Vec<u8>>, Option<u64>);
 
 /// Releases every (key, owner) still held, in one statement; what each found, in the given
 /// order.
@@ -247,7 +264,9 @@ const OWNERS_HEAD: &str = "SELECT lock_key, owner FROM shardlock_lease WHERE loc
 /// a key another owner holds counts as [`Released::TakenSince`] (the caller tells by whether
 /// its lease could have ended), and a free row as freed only when every row that does not show
 /// its own tombstone must be one the statement freed (else as [`Released::Free`]: a lease lost
-/// before, a force-release say, is never answered as released).
+/// before, a force-release say, is never answered as released). A key another owner was
+/// granted in an earlier millisecond (by the shard's clock) than the statement's is
+/// [`Released::Taken`] whatever else: it was held before the statement.
 pub(crate) async fn release_batch(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
@@ -267,26 +286,36 @@ pub(crate) async fn release_batch(
     if matched == leases.len() {
         return Ok(vec![Released::Freed; leases.len()]);
     }
+    let released_ms = (matched > 0).then(|| conn.last_insert_id()).flatten();
     let (list, keys) = padded_in_list(sorted.iter().map(|(k, _)| *k));
-    let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> = conn
+    let rows: Vec<OwnerRow> = conn
         .exec(format!("{OWNERS_HEAD}{list}"), Params::Positional(keys))
         .await?;
-    Ok(released_rows(leases, matched, &rows))
+    Ok(released_rows(leases, matched, released_ms, &rows))
 }
 
-/// What each of `leases` found, from how many rows the release `matched` and what the rows
-/// show now (`rows`, by key), as [`release_batch`] tells it.
+/// What each of `leases` found, from how many rows the release `matched` (at `released_ms`,
+/// the shard's time, when it freed any) and what the rows show now (`rows`, by key), as
+/// [`release_batch`] tells it. A row another owner was granted in an earlier millisecond than
+/// the statement's was held before it: not one the statement freed.
 fn released_rows(
     leases: &[(&[u8], &str)],
     matched: usize,
-    rows: &[(Vec<u8>, Option<Vec<u8>>)],
+    released_ms: Option<u64>,
+    rows: &[OwnerRow],
 ) -> Vec<Released> {
+    let held_before =
+        |granted: Option<u64>| matches!((granted, released_ms), (Some(g), Some(r)) if g < r);
+    // What each key's row shows, a holder granted before the statement left out of the rows
+    // it may have freed: answered `Taken`.
+    let mut before = vec![false; leases.len()];
     let now: Vec<Option<&Option<Vec<u8>>>> = leases
         .iter()
-        .map(|(key, _)| {
-            rows.iter()
-                .find(|(k, _)| k.as_slice() == *key)
-                .map(|(_, o)| o)
+        .zip(&mut before)
+        .map(|((key, _), before)| {
+            let row = rows.iter().find(|(k, ..)| k.as_slice() == *key)?;
+            *before = names_holder(&row.1) && held_before(row.2);
+            Some(&row.1)
         })
         .collect();
     let own = |owner: &Option<Vec<u8>>, of: &str| {
@@ -307,14 +336,17 @@ fn released_rows(
     let others = now
         .iter()
         .zip(leases)
-        .filter(|(row, (_, of))| row.is_some_and(|o| !own(o, of)))
+        .zip(&before)
+        .filter(|((row, (_, of)), before)| !**before && row.is_some_and(|o| !own(o, of)))
         .count();
     let all_freed_here = changed >= others;
     leases
         .iter()
         .zip(now)
-        .map(|((_, of), row)| match row {
+        .zip(before)
+        .map(|(((_, of), row), before)| match row {
             Some(o) if own(o, of) => Released::Freed,
+            _ if before => Released::Taken,
             // Another owner's: it held the row before, unless this statement freed it and the
             // row was taken since.
             Some(o) if names_holder(o) && changed == 0 => Released::Taken,
@@ -368,18 +400,28 @@ mod tests {
     #[test]
     fn a_row_taken_after_a_batch_freed_rows_it_cannot_tell_apart_may_be_its_own() {
         let leases: [(&[u8], &str); 2] = [(b"k1", "a1"), (b"k2", "a2")];
-        let row = |key: &[u8], owner: &str| (key.to_vec(), Some(owner.as_bytes().to_vec()));
-        // k1 freed by the statement and taken by b since; k2 had been taken by c before.
-        let taken_since = [row(b"k1", "b"), row(b"k2", "c")];
+        let row = |key: &[u8], owner: &str, granted: u64| {
+            (key.to_vec(), Some(owner.as_bytes().to_vec()), Some(granted))
+        };
+        // k1 freed by the statement (at 100 ms) and taken by b since; k2 had been taken by c
+        // before, in the same millisecond as the statement: not told apart.
+        let taken_since = [row(b"k1", "b", 100), row(b"k2", "c", 100)];
         assert_eq!(
-            released_rows(&leases, 1, &taken_since),
+            released_rows(&leases, 1, Some(100), &taken_since),
             [Released::TakenSince, Released::TakenSince]
         );
         // k1 shows its own tombstone: k2's holder held it before the statement.
-        let accounted = [row(b"k1", ":1"), row(b"k2", "c")];
+        let accounted = [row(b"k1", ":1", 50), row(b"k2", "c", 100)];
         assert_eq!(
-            released_rows(&leases, 1, &accounted),
+            released_rows(&leases, 1, Some(100), &accounted),
             [Released::Freed, Released::Taken]
+        );
+        // k2 granted to c in an earlier millisecond than the statement's: c held it before,
+        // and k1 is the row the statement freed, taken since.
+        let granted_before = [row(b"k1", "b", 100), row(b"k2", "c", 99)];
+        assert_eq!(
+            released_rows(&leases, 1, Some(100), &granted_before),
+            [Released::TakenSince, Released::Taken]
         );
     }
 
@@ -389,19 +431,24 @@ mod tests {
     #[test]
     fn a_free_row_is_answered_released_only_when_it_must_be_the_statements() {
         let leases: [(&[u8], &str); 2] = [(b"k1", "a1"), (b"k2", "a2")];
-        let row =
-            |key: &[u8], owner: Option<&str>| (key.to_vec(), owner.map(|o| o.as_bytes().to_vec()));
+        let row = |key: &[u8], owner: Option<&str>| {
+            (
+                key.to_vec(),
+                owner.map(|o| o.as_bytes().to_vec()),
+                Some(100),
+            )
+        };
         // k1 force-released before (NULL); the statement freed k2, taken by b since: one row
         // freed, two rows showing something else.
         let forced = [row(b"k1", None), row(b"k2", Some("b"))];
         assert_eq!(
-            released_rows(&leases, 1, &forced),
+            released_rows(&leases, 1, Some(100), &forced),
             [Released::Free, Released::TakenSince]
         );
         // Both freed by the statement, k1 taken and released since, k2 taken since.
         let both = [row(b"k1", Some(":x")), row(b"k2", Some("b"))];
         assert_eq!(
-            released_rows(&leases, 2, &both),
+            released_rows(&leases, 2, Some(100), &both),
             [Released::Freed, Released::TakenSince]
         );
     }
