@@ -742,32 +742,44 @@ async fn a_cas_take_whose_cut_off_try_lands_during_its_retry_is_answered_as_take
     let (cluster, _router, _) = common::start(1, "cleaner:\n  registry: static\n").await;
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
     proxy.renumber_sessions();
-    let behind = common::backend_at(&proxy.url());
-    // The owner's name is sent in the take's statement alone.
-    proxy.set(ProxyMode::StrandTo(b"cut-off-cas-owner"));
-    let take = tokio::spawn(async move {
-        behind
-            .take_cas(b"cut-off", "cut-off-cas-owner", "cut-off-token")
-            .await
-    });
-    let mut first = proxy.held().await;
-    // The retry read the row free and sends its take: held up while the first try lands.
-    proxy.set(ProxyMode::PauseTo(b"cut-off-cas-owner"));
-    proxy.wait_for(ProxyMode::Paused).await;
-    assert!(first.deliver().await, "the cut-off try did not run");
-    assert_eq!(
-        common::cas_owner(cluster.shard(0), "cut-off")
-            .await
-            .as_deref(),
-        Some("cut-off-cas-owner"),
-        "the cut-off try took the row"
-    );
-    proxy.set(ProxyMode::Pass);
-    let answer = take.await.unwrap();
-    assert!(
-        matches!(answer, Ok(Some(_))),
-        "a take whose own cut-off try took the row answered {answer:?}"
-    );
+    let behind = std::sync::Arc::new(common::backend_at(&proxy.url()));
+    // The retry may send its take before the proxy is set to hold it (`StrandTo` passes
+    // everything once it held the first): then another key is tried.
+    for attempt in 0..5 {
+        let key = format!("cut-off:{attempt}");
+        // The owner's name is sent in the take's statement alone.
+        proxy.set(ProxyMode::StrandTo(b"cut-off-cas-owner"));
+        let mut take = tokio::spawn({
+            let (behind, key) = (behind.clone(), key.clone());
+            async move {
+                let token = format!("cut-off-token-{attempt}");
+                behind
+                    .take_cas(key.as_bytes(), "cut-off-cas-owner", &token)
+                    .await
+            }
+        });
+        let mut first = proxy.held().await;
+        // The retry read the row free and sends its take: held up while the first try lands.
+        proxy.set(ProxyMode::PauseTo(b"cut-off-cas-owner"));
+        tokio::select! {
+            _ = proxy.wait_for(ProxyMode::Paused) => {}
+            _ = &mut take => continue,
+        }
+        assert!(first.deliver().await, "the cut-off try did not run");
+        assert_eq!(
+            common::cas_owner(cluster.shard(0), &key).await.as_deref(),
+            Some("cut-off-cas-owner"),
+            "the cut-off try took the row"
+        );
+        proxy.set(ProxyMode::Pass);
+        let answer = take.await.unwrap();
+        assert!(
+            matches!(answer, Ok(Some(_))),
+            "a take whose own cut-off try took the row answered {answer:?}"
+        );
+        return;
+    }
+    panic!("the retry's take was never held up before it ran");
 }
 
 /// A shard's pool of one connection: a statement prepared once is prepared on the connection

@@ -19,6 +19,11 @@ use crate::sync::LockExt;
 /// How often the keeper tries to re-acquire on the shard the keys held locally.
 const RECONCILE_EVERY: Duration = Duration::from_millis(50);
 
+/// Reconcile passes in a row a local lease's key may be found held by a row whose holder
+/// cannot be told (the look failed) before that counts as a conflict: the row may be another
+/// process's, and the local holder must learn of it.
+const UNDECIDED_LOOKS: u32 = 3;
+
 impl ShardState {
     /// Re-acquires on the shard, under the same owner, the keys this process holds locally.
     /// A key another process holds there now is reported lost to its local holder (who keeps
@@ -75,14 +80,18 @@ impl ShardState {
                 _ => Ok(false),
             };
             let worth_again = match stale {
-                Ok(again) => again,
-                Err(mut e) => {
-                    // Whose row it is could not be told: not a conflict, the key is tried
-                    // again next time (below, as a failed try that wrote nothing).
+                // Whose row it is could not be told: not a conflict, the key is tried again
+                // next time (below, as a failed try that wrote nothing); but not for ever,
+                // the row may be another holder's: a conflict after a few such passes.
+                Err(mut e)
+                    if lease.undecided_looks.fetch_add(1, Ordering::Relaxed) < UNDECIDED_LOOKS =>
+                {
                     e.maybe_applied = false;
                     attempt = Err(e);
                     false
                 }
+                Err(_) => false,
+                Ok(again) => again,
             };
             if worth_again {
                 let Some(left) = lease.ttl_left() else {

@@ -71,6 +71,9 @@ pub(crate) struct LeaseState {
     /// Set when re-acquiring this local lease on its shard may have written its row unheard
     /// (the reply was lost): released while still local, it gives that row back.
     pub(crate) maybe_on_shard: std::sync::atomic::AtomicBool,
+    /// Reconcile passes in a row that found this local lease's key held and could not tell
+    /// whose row it was (see `keeper.rs`).
+    pub(crate) undecided_looks: std::sync::atomic::AtomicU32,
     /// Set while a try before the one that granted this lease may still land (see
     /// [`LeaseState::give_back_lost_try`]).
     pub(crate) lost_try_may_land: std::sync::atomic::AtomicBool,
@@ -167,6 +170,7 @@ impl LeaseState {
             release_claimed: Default::default(),
             renew_apart: Default::default(),
             maybe_on_shard: Default::default(),
+            undecided_looks: Default::default(),
             lost_try_may_land: std::sync::atomic::AtomicBool::new(grant.lost_try),
             asked_row_ms: AtomicU64::new(0),
             at_least_us: AtomicU64::new(

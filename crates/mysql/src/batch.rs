@@ -266,7 +266,10 @@ type OwnerRow = (Vec<u8>, Option<Vec<u8>>, Option<u64>);
 /// its own tombstone must be one the statement freed (else as [`Released::Free`]: a lease lost
 /// before, a force-release say, is never answered as released). A key another owner was
 /// granted in an earlier millisecond (by the shard's clock) than the statement's is
-/// [`Released::Taken`] whatever else: it was held before the statement.
+/// [`Released::Taken`] whatever else: it was held before the statement (or granted by a
+/// statement that began before this one and waited behind another row's lock, whose time is
+/// its start: the lease is then answered as lost though it was released, the side a release
+/// errs on).
 pub(crate) async fn release_batch(
     conn: &mut Conn,
     leases: &[(&[u8], &str)],
@@ -333,11 +336,14 @@ fn released_rows(
     let changed = matched.saturating_sub(ours);
     // Every row showing something else is one of those: a free row among them is this
     // statement's doing (freed, taken and released since).
+    // (A holder read as granted before is counted here all the same: a grant statement that
+    // began before this one and waited (behind another row's lock) takes its time from its
+    // start, and may hold a row this one freed. Misread so, it makes a release answer "lost",
+    // never a free row another's release left answer "released".)
     let others = now
         .iter()
         .zip(leases)
-        .zip(&before)
-        .filter(|((row, (_, of)), before)| !**before && row.is_some_and(|o| !own(o, of)))
+        .filter(|(row, (_, of))| row.is_some_and(|o| !own(o, of)))
         .count();
     let all_freed_here = changed >= others;
     leases
@@ -422,6 +428,13 @@ mod tests {
         assert_eq!(
             released_rows(&leases, 1, Some(100), &granted_before),
             [Released::TakenSince, Released::Taken]
+        );
+        // k1 freed by the statement and granted to b by a statement that began before it (and
+        // waited), k2 force-released before: k2 is not answered as released.
+        let waited = [row(b"k1", "b", 90), (b"k2".to_vec(), None, Some(50))];
+        assert_eq!(
+            released_rows(&leases, 1, Some(100), &waited),
+            [Released::Taken, Released::Free]
         );
     }
 
