@@ -35,6 +35,9 @@ pub(crate) use shared::{Shared, REGISTRY_LAPSED, REGISTRY_SWITCHED, REGISTRY_TAK
 /// Breaker transitions kept per shard for `breaker_transitions`.
 const TRANSITIONS_KEPT: usize = 64;
 
+/// The server's answer that a statement's lock wait ran out: nothing was done.
+pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
+
 /// Where a CAS take given back may have been carried, asked once its first shard answered
 /// and again after each round (see [`ShardState::give_back_cas`]): the topology epoch it was
 /// read under, and the shards.
@@ -88,6 +91,11 @@ pub(crate) struct ShardState {
     release_lane: lanes::Lane<(Vec<u8>, String), ReleaseAnswer>,
     /// Set while a reconciliation pass runs (beside the keeper loop).
     reconciling: std::sync::atomic::AtomicBool,
+    /// Keys an acquire found locked by another transaction past the server's lock wait, and
+    /// until when their acquires are sent apart from the batches (see `lanes.rs`).
+    locked_keys: Mutex<std::collections::HashMap<Vec<u8>, std::time::Instant>>,
+    /// Whether `locked_keys` may hold a key: most batches never look at it.
+    any_locked: std::sync::atomic::AtomicBool,
     /// Give-backs retrying in the background (see [`ShardState::give_back`]), and transaction
     /// locks whose `COMMIT` may still land here waiting for their session to end: a shard that
     /// left the topology keeps its pool until they end.
@@ -204,6 +212,8 @@ impl ShardState {
             acquire_lane: lanes::Lane::default(),
             release_lane: lanes::Lane::default(),
             reconciling: std::sync::atomic::AtomicBool::new(false),
+            locked_keys: Mutex::default(),
+            any_locked: std::sync::atomic::AtomicBool::new(false),
             settling: Default::default(),
             #[cfg(feature = "fault-injection")]
             panic_next_tick: std::sync::atomic::AtomicBool::new(false),
@@ -262,9 +272,11 @@ impl ShardState {
         });
         result.await.map_err(|e| match e.kind {
             BackendErrorKind::LockWaitTimeout => {
+                // (The server's code kept: a batch of several rows tells by it that one of
+                // them was locked, and sends each again alone.)
                 let mut timeout = BackendError::new(
                     BackendErrorKind::Timeout,
-                    None,
+                    Some(LOCK_WAIT_TIMEOUT),
                     "its row stayed locked by another transaction for the server's whole lock \
                      wait; this try did nothing",
                 );

@@ -493,3 +493,76 @@ async fn a_slow_acquire_on_a_slow_link_opens_the_breaker() {
     );
     proxy.set(shardlock_testkit::ProxyMode::Pass);
 }
+
+/// A key whose row another transaction keeps locked holds up no acquire of other keys: once
+/// found locked, its polls are sent apart from the batches. In a batch, each of its polls
+/// waited out the server's lock wait (20 s here) with every key beside it, and callers of
+/// free keys timed out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_whose_row_stays_locked_holds_up_no_batch_of_other_keys() {
+    // A lock wait (20 s) twice the other callers' wait, and one batch at a time.
+    let (cluster, router, yaml) = common::start(1, "").await;
+    let yaml = yaml.replacen(
+        "    url:",
+        "    statement-timeout: 21s\n    pool:\n      max-size: 4\n      batches-in-flight: 1\n    url:",
+        1,
+    );
+    let router = {
+        drop(router);
+        LockRouter::from_yaml_str(&yaml).await.unwrap()
+    };
+    let shard = cluster.shard(0);
+    let once = router
+        .acquire("locked", AcquireOptions::new())
+        .await
+        .unwrap();
+    let mut competitor = Competitor::begin(shard, false).await.unwrap();
+    let key = competitor.key_of(once.owner()).await.unwrap().unwrap();
+    once.release().await.unwrap();
+    competitor.lock(&key).await.unwrap();
+
+    let sent = router.stats().acquire_statements;
+    let waiter = {
+        let router = router.clone();
+        let wait = AcquireOptions::new().wait(Duration::from_secs(600));
+        tokio::spawn(async move { router.acquire("locked", wait).await })
+    };
+    // Its first poll was answered "locked" (after the server's lock wait), and it polls on.
+    let found = common::eventually(Duration::from_secs(120), || async {
+        router.stats().acquire_statements >= sent + 2
+    })
+    .await;
+    assert!(found, "the locked key's first poll was never answered");
+
+    let timeouts_before = router.stats().timeouts;
+    let tasks: Vec<_> = (0..16)
+        .map(|t| {
+            let router = router.clone();
+            tokio::spawn(async move {
+                let wait = AcquireOptions::new().wait(Duration::from_secs(10));
+                for i in 0..5 {
+                    // (After the locked key: its lock takes the gap before it too.)
+                    let key = format!("z-free:{t}:{i}");
+                    match router.acquire(&key, wait.clone()).await {
+                        Ok(guard) => guard.release().await.unwrap(),
+                        Err(e) => return Err(format!("{key}: {e}")),
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let mut failed = Vec::new();
+    for t in tasks {
+        if let Err(e) = t.await.unwrap() {
+            failed.push(e);
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "acquires of free keys waited behind a locked row: {failed:?} ({} timeouts)",
+        router.stats().timeouts - timeouts_before
+    );
+    competitor.end().await.unwrap();
+    waiter.await.unwrap().unwrap().release().await.unwrap();
+}

@@ -210,6 +210,60 @@ impl Running<AcquireRequest, Attempt> {
                 .acquire_lane
                 .next_batch(|(r, _)| &r.key, true, shard.runners())
         {
+            // A key found locked by another transaction lately is sent apart, on a task of its
+            // own: its statement waits out the server's lock wait again, and in a batch it
+            // would hold up every key beside it (and the lane's runner) that long.
+            let (apart, batch): (Vec<_>, Vec<_>) = batch
+                .into_iter()
+                .partition(|w| shard.found_locked(&w.request.0.key));
+            for waiting in apart {
+                let alone = shard.clone();
+                let runtime = shard.shared.runtime();
+                match runtime {
+                    Some(runtime) => drop(runtime.spawn(async move {
+                        alone.send_acquire_batch(vec![waiting]).await;
+                    })),
+                    None => shard.send_acquire_batch(vec![waiting]).await,
+                }
+            }
+            if !batch.is_empty() {
+                shard.send_acquire_batch(batch).await;
+            }
+        }
+        self.counted = false;
+    }
+}
+
+impl ShardState {
+    /// Notes that an acquire of `key` found its row locked by another transaction past the
+    /// server's lock wait: its acquires are sent apart for two statement timeouts (then in a
+    /// batch again, and noted again if the row is still locked).
+    fn note_locked(&self, key: &[u8]) {
+        let now = std::time::Instant::now();
+        let mut locked = self.locked_keys.locked();
+        locked.retain(|_, until| *until > now);
+        locked.insert(key.to_vec(), now + self.statement_timeout() * 2);
+        self.any_locked.store(true, Ordering::Release);
+    }
+
+    /// Whether `key` was found locked lately (see [`ShardState::note_locked`]).
+    fn found_locked(&self, key: &[u8]) -> bool {
+        if !self.any_locked.load(Ordering::Acquire) {
+            return false;
+        }
+        let now = std::time::Instant::now();
+        let mut locked = self.locked_keys.locked();
+        locked.retain(|_, until| *until > now);
+        if locked.is_empty() {
+            self.any_locked.store(false, Ordering::Release);
+        }
+        locked.contains_key(key)
+    }
+
+    /// Sends `batch` (one statement for one request, else a batch) and answers each caller.
+    async fn send_acquire_batch(self: &Arc<Self>, batch: Vec<Waiting<AcquireRequest, Attempt>>) {
+        let shard = self;
+        {
             let (requests, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
             let (requests, orphans): (Vec<GrantRequest>, Vec<bool>) = requests.into_iter().unzip();
@@ -259,13 +313,15 @@ impl Running<AcquireRequest, Attempt> {
             if undone && outcomes.iter().all(|o| matches!(o, Ok(Attempt::Locked))) {
                 let each = each.map(|(request, answer)| Waiting { request, answer });
                 shard.acquire_each(each.collect()).await;
-                continue;
+                return;
             }
             for (((request, orphan), answer), outcome) in each.zip(outcomes) {
+                if matches!(outcome, Ok(Attempt::Locked)) {
+                    shard.note_locked(&request.key);
+                }
                 shard.answer_acquire(request, orphan, answer, outcome, unknown, after_lost_try);
             }
         }
-        self.counted = false;
     }
 }
 
@@ -300,6 +356,27 @@ impl ShardState {
         } else if orphan && (untaken.is_some() || unknown || locked) {
             self.give_back(request.key, request.owner, ttl);
         }
+    }
+
+    /// Sends each release of a batch that a lock wait undid alone, two at a time (see
+    /// [`ShardState::acquire_each`]), and answers each caller as soon as its own statement has.
+    async fn release_each(
+        self: &Arc<Self>,
+        releases: Vec<(
+            ReleaseRequest,
+            oneshot::Sender<Result<ReleaseAnswer, BackendError>>,
+        )>,
+    ) {
+        let queue = Mutex::new(releases.into_iter());
+        let sender = || async {
+            loop {
+                let Some(((key, owner), answer)) = queue.locked().next() else {
+                    return;
+                };
+                let _ = answer.send(self.call_row(|b| b.release(&key, &owner)).await);
+            }
+        };
+        tokio::join!(sender(), sender());
     }
 
     /// Sends each request of a batch that a lock wait undid as a single acquire, two at a time
@@ -344,6 +421,9 @@ impl ShardState {
                     e
                 });
                 let unknown = outcome.is_err();
+                if matches!(outcome, Ok(Attempt::Locked)) {
+                    self.note_locked(&request.key);
+                }
                 // A try of the batch before the one undone may have written its row.
                 self.answer_acquire(request, orphan, answer, outcome, unknown, true);
             }
@@ -374,6 +454,17 @@ impl Running<ReleaseRequest, ReleaseAnswer> {
                 stats.batched_releases.fetch_add(keys, Ordering::Relaxed);
                 shard.call_row(|b| b.release_batch(&leases)).await
             };
+            // A row locked by another transaction past the server's lock wait undid the whole
+            // batch (nothing was done), and the server does not say which: each is sent again
+            // alone, so that only that row's release is answered so.
+            let undone = matches!(&result, Err(e) if leases.len() > 1
+                && e.code == Some(crate::shard::LOCK_WAIT_TIMEOUT)
+                && !e.maybe_applied);
+            if undone {
+                let each = leases.into_iter().zip(answers);
+                shard.release_each(each.collect()).await;
+                continue;
+            }
             answer_each(answers, result);
         }
         self.counted = false;
