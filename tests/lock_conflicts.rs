@@ -496,15 +496,15 @@ async fn a_slow_acquire_on_a_slow_link_opens_the_breaker() {
 
 /// A key whose row another transaction keeps locked holds up no acquire of other keys: once
 /// found locked, its polls are sent apart from the batches. In a batch, each of its polls
-/// waited out the server's lock wait (20 s here) with every key beside it, and callers of
+/// waited out the server's lock wait (10 s here) with every key beside it, and callers of
 /// free keys timed out.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_key_whose_row_stays_locked_holds_up_no_batch_of_other_keys() {
-    // A lock wait (20 s) twice the other callers' wait, and one batch at a time.
+    // A lock wait (10 s) twice the other callers' wait, and one batch at a time.
     let (cluster, router, yaml) = common::start(1, "").await;
     let yaml = yaml.replacen(
         "    url:",
-        "    statement-timeout: 21s\n    pool:\n      max-size: 4\n      batches-in-flight: 1\n    url:",
+        "    statement-timeout: 11s\n    pool:\n      max-size: 4\n      batches-in-flight: 1\n    url:",
         1,
     );
     let router = {
@@ -539,8 +539,8 @@ async fn a_key_whose_row_stays_locked_holds_up_no_batch_of_other_keys() {
         .map(|t| {
             let router = router.clone();
             tokio::spawn(async move {
-                let wait = AcquireOptions::new().wait(Duration::from_secs(10));
-                for i in 0..5 {
+                let wait = AcquireOptions::new().wait(Duration::from_secs(5));
+                for i in 0..3 {
                     // (After the locked key: its lock takes the gap before it too.)
                     let key = format!("z-free:{t}:{i}");
                     match router.acquire(&key, wait.clone()).await {
