@@ -35,8 +35,22 @@ pub(crate) use shared::{Shared, REGISTRY_LAPSED, REGISTRY_SWITCHED, REGISTRY_TAK
 /// Breaker transitions kept per shard for `breaker_transitions`.
 const TRANSITIONS_KEPT: usize = 64;
 
-/// The server's answer that a statement's lock wait ran out: nothing was done.
-pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
+/// What a caller is told of a lease statement whose row stayed locked by another transaction
+/// for the server's whole lock wait (1205, which callers never see): a timeout, nothing done.
+pub(crate) fn lock_wait_told(e: BackendError) -> BackendError {
+    if e.kind != BackendErrorKind::LockWaitTimeout {
+        return e;
+    }
+    let mut timeout = BackendError::new(
+        BackendErrorKind::Timeout,
+        None,
+        "its row stayed locked by another transaction for the server's whole lock wait; this \
+         try did nothing",
+    );
+    // An earlier try whose reply was lost may have acted.
+    timeout.maybe_applied = e.maybe_applied;
+    timeout
+}
 
 /// Where a CAS take given back may have been carried, asked once its first shard answered
 /// and again after each round (see [`ShardState::give_back_cas`]): the topology epoch it was
@@ -96,6 +110,12 @@ pub(crate) struct ShardState {
     locked_keys: Mutex<std::collections::HashMap<Vec<u8>, std::time::Instant>>,
     /// Whether `locked_keys` may hold a key: most batches never look at it.
     any_locked: std::sync::atomic::AtomicBool,
+    /// Acquires of those keys sent apart at once, at most (each waits out a lock wait on a
+    /// connection of its own): a quarter of the pool, at least one.
+    apart: tokio::sync::Semaphore,
+    /// Until when releases are sent alone, after a batch of them was undone by a row locked
+    /// by another transaction (the batch's update may wait on rows it does not change).
+    releases_alone_until: Mutex<Option<std::time::Instant>>,
     /// Give-backs retrying in the background (see [`ShardState::give_back`]), and transaction
     /// locks whose `COMMIT` may still land here waiting for their session to end: a shard that
     /// left the topology keeps its pool until they end.
@@ -187,6 +207,7 @@ impl ShardState {
     ) -> Arc<Self> {
         let label = opentelemetry::StringValue::from(Arc::<str>::from(shard.name()));
         let registry = shared.clone();
+        let apart = (config.pool.max_size / 4).max(1);
         let state = Arc::new(Self {
             holds: shared.telemetry.bind_holds(&label),
             acquires: crate::telemetry::BoundAcquires::default(),
@@ -214,6 +235,8 @@ impl ShardState {
             reconciling: std::sync::atomic::AtomicBool::new(false),
             locked_keys: Mutex::default(),
             any_locked: std::sync::atomic::AtomicBool::new(false),
+            apart: tokio::sync::Semaphore::new(apart),
+            releases_alone_until: Mutex::default(),
             settling: Default::default(),
             #[cfg(feature = "fault-injection")]
             panic_next_tick: std::sync::atomic::AtomicBool::new(false),
@@ -265,27 +288,26 @@ impl ShardState {
     where
         F: std::future::Future<Output = Result<T, BackendError>> + 's,
     {
+        self.call_row_waited(statement)
+            .await
+            .map_err(lock_wait_told)
+    }
+
+    /// [`ShardState::call_row`] with the server's answer that the lock wait ran out left as it
+    /// is (`LockWaitTimeout`), for a caller that acts on it before telling its callers.
+    pub(crate) async fn call_row_waited<'s, T, F>(
+        &'s self,
+        statement: impl FnOnce(&'s Shard) -> F,
+    ) -> Result<T, BackendError>
+    where
+        F: std::future::Future<Output = Result<T, BackendError>> + 's,
+    {
         let result = self.call_timed(statement(&self.backend), |result| match result {
             Ok(_) => Timing::Undecided,
             Err(e) if e.kind == BackendErrorKind::LockWaitTimeout => Timing::Ignored,
             Err(_) => Timing::Counts,
         });
-        result.await.map_err(|e| match e.kind {
-            BackendErrorKind::LockWaitTimeout => {
-                // (The server's code kept: a batch of several rows tells by it that one of
-                // them was locked, and sends each again alone.)
-                let mut timeout = BackendError::new(
-                    BackendErrorKind::Timeout,
-                    Some(LOCK_WAIT_TIMEOUT),
-                    "its row stayed locked by another transaction for the server's whole lock \
-                     wait; this try did nothing",
-                );
-                // An earlier try whose reply was lost may have acted.
-                timeout.maybe_applied = e.maybe_applied;
-                timeout
-            }
-            _ => e,
-        })
+        result.await
     }
 
     /// [`ShardState::call`] for callers outside the lease machinery (the other lock

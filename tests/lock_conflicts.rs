@@ -504,7 +504,7 @@ async fn a_key_whose_row_stays_locked_holds_up_no_batch_of_other_keys() {
     let (cluster, router, yaml) = common::start(1, "").await;
     let yaml = yaml.replacen(
         "    url:",
-        "    statement-timeout: 11s\n    pool:\n      max-size: 4\n      batches-in-flight: 1\n    url:",
+        "    statement-timeout: 11s\n    pool:\n      max-size: 8\n      batches-in-flight: 1\n    url:",
         1,
     );
     let router = {

@@ -83,15 +83,21 @@ impl ShardState {
                 // Whose row it is could not be told: not a conflict, the key is tried again
                 // next time (below, as a failed try that wrote nothing); but not for ever,
                 // the row may be another holder's: a conflict after a few such passes.
+                // (A look the breaker refused was not sent: it does not count.)
                 Err(mut e)
-                    if lease.undecided_looks.fetch_add(1, Ordering::Relaxed) < UNDECIDED_LOOKS =>
+                    if e.kind == BackendErrorKind::BreakerOpen
+                        || lease.undecided_looks.fetch_add(1, Ordering::Relaxed)
+                            < UNDECIDED_LOOKS =>
                 {
                     e.maybe_applied = false;
                     attempt = Err(e);
                     false
                 }
                 Err(_) => false,
-                Ok(again) => again,
+                Ok(again) => {
+                    lease.undecided_looks.store(0, Ordering::Relaxed);
+                    again
+                }
             };
             if worth_again {
                 let Some(left) = lease.ttl_left() else {

@@ -216,15 +216,18 @@ impl Running<AcquireRequest, Attempt> {
             let (apart, batch): (Vec<_>, Vec<_>) = batch
                 .into_iter()
                 .partition(|w| shard.found_locked(&w.request.0.key));
+            // (At most a quarter of the pool at once: a caller gone meanwhile is sent nothing.)
             for waiting in apart {
                 let alone = shard.clone();
-                let runtime = shard.shared.runtime();
-                match runtime {
-                    Some(runtime) => drop(runtime.spawn(async move {
-                        alone.send_acquire_batch(vec![waiting]).await;
-                    })),
-                    None => shard.send_acquire_batch(vec![waiting]).await,
-                }
+                shard.shared.spawn(async move {
+                    let Ok(_sending) = alone.apart.acquire().await else {
+                        return;
+                    };
+                    if waiting.request.1 && waiting.answer.is_closed() {
+                        return;
+                    }
+                    alone.send_acquire_batch(vec![waiting]).await;
+                });
             }
             if !batch.is_empty() {
                 shard.send_acquire_batch(batch).await;
@@ -235,6 +238,19 @@ impl Running<AcquireRequest, Attempt> {
 }
 
 impl ShardState {
+    /// Whether releases are sent alone now (see [`Running::send_releases`]).
+    fn releases_alone(&self) -> bool {
+        let mut until = self.releases_alone_until.locked();
+        match *until {
+            Some(t) if t > std::time::Instant::now() => true,
+            Some(_) => {
+                *until = None;
+                false
+            }
+            None => false,
+        }
+    }
+
     /// Notes that an acquire of `key` found its row locked by another transaction past the
     /// server's lock wait: its acquires are sent apart for two statement timeouts (then in a
     /// batch again, and noted again if the row is still locked).
@@ -444,28 +460,40 @@ impl Running<ReleaseRequest, ReleaseAnswer> {
         {
             let (leases, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
+            // Alone for a while after a batch was undone by a locked row (see below): a
+            // batch's update may wait on rows it does not change, each alone only on its own.
+            if leases.len() > 1 && shard.releases_alone() {
+                shard
+                    .release_each(leases.into_iter().zip(answers).collect())
+                    .await;
+                continue;
+            }
             let result = if let [(key, owner)] = leases.as_slice() {
-                let result = shard.call_row(|b| b.release(key, owner)).await;
+                let result = shard.call_row_waited(|b| b.release(key, owner)).await;
                 result.map(|released| vec![released])
             } else {
                 let stats = &shard.shared.stats;
                 stats.release_batches.fetch_add(1, Ordering::Relaxed);
                 let keys = leases.len() as u64;
                 stats.batched_releases.fetch_add(keys, Ordering::Relaxed);
-                shard.call_row(|b| b.release_batch(&leases)).await
+                shard.call_row_waited(|b| b.release_batch(&leases)).await
             };
             // A row locked by another transaction past the server's lock wait undid the whole
             // batch (nothing was done), and the server does not say which: each is sent again
-            // alone, so that only that row's release is answered so.
+            // alone, so that only that row's release is answered so, and so are the next
+            // batches' for two statement timeouts.
             let undone = matches!(&result, Err(e) if leases.len() > 1
-                && e.code == Some(crate::shard::LOCK_WAIT_TIMEOUT)
+                && e.kind == BackendErrorKind::LockWaitTimeout
                 && !e.maybe_applied);
             if undone {
-                let each = leases.into_iter().zip(answers);
-                shard.release_each(each.collect()).await;
+                *shard.releases_alone_until.locked() =
+                    Some(std::time::Instant::now() + shard.statement_timeout() * 2);
+                shard
+                    .release_each(leases.into_iter().zip(answers).collect())
+                    .await;
                 continue;
             }
-            answer_each(answers, result);
+            answer_each(answers, result.map_err(crate::shard::lock_wait_told));
         }
         self.counted = false;
     }
