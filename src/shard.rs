@@ -111,8 +111,9 @@ pub(crate) struct ShardState {
     /// Whether `locked_keys` may hold a key: most batches never look at it.
     any_locked: std::sync::atomic::AtomicBool,
     /// Acquires of those keys sent apart at once, at most (each waits out a lock wait on a
-    /// connection of its own): a quarter of the pool, at least one.
-    apart: tokio::sync::Semaphore,
+    /// connection of its own): an eighth of the pool, at least one. Past that they go in the
+    /// batches, as any key: none waits for a turn to be sent apart.
+    apart: Arc<tokio::sync::Semaphore>,
     /// Until when releases are sent alone, after a batch of them was undone by a row locked
     /// by another transaction (the batch's update may wait on rows it does not change).
     releases_alone_until: Mutex<Option<std::time::Instant>>,
@@ -207,7 +208,7 @@ impl ShardState {
     ) -> Arc<Self> {
         let label = opentelemetry::StringValue::from(Arc::<str>::from(shard.name()));
         let registry = shared.clone();
-        let apart = (config.pool.max_size / 4).max(1);
+        let apart = (config.pool.max_size / 8).max(1);
         let state = Arc::new(Self {
             holds: shared.telemetry.bind_holds(&label),
             acquires: crate::telemetry::BoundAcquires::default(),
@@ -235,7 +236,7 @@ impl ShardState {
             reconciling: std::sync::atomic::AtomicBool::new(false),
             locked_keys: Mutex::default(),
             any_locked: std::sync::atomic::AtomicBool::new(false),
-            apart: tokio::sync::Semaphore::new(apart),
+            apart: Arc::new(tokio::sync::Semaphore::new(apart)),
             releases_alone_until: Mutex::default(),
             settling: Default::default(),
             #[cfg(feature = "fault-injection")]
