@@ -187,12 +187,12 @@ async fn an_acquire_abandoned_on_a_runtime_no_longer_driven_leaves_nothing_behin
         "an acquire waited behind one abandoned on a runtime no longer driven: {next:?}"
     );
     next.unwrap().release().await.unwrap();
-    // Given back long before its ten minutes.
+    // Given back long before its ten minutes. (A try answered slower than the breaker's
+    // slow-call on a busy machine says the shard is unavailable: tried again.)
     let freed = common::eventually(Duration::from_secs(60), || async {
         (other.try_acquire("abandoned-key", AcquireOptions::new().wait(Duration::ZERO)))
             .await
-            .unwrap()
-            .is_some()
+            .is_ok_and(|granted| granted.is_some())
     })
     .await;
     assert!(freed, "the abandoned grant stayed held by nobody");
