@@ -281,64 +281,62 @@ impl ShardState {
     /// Sends `batch` (one statement for one request, else a batch) and answers each caller.
     async fn send_acquire_batch(self: &Arc<Self>, batch: Vec<Waiting<AcquireRequest, Attempt>>) {
         let shard = self;
-        {
-            let (requests, answers): (Vec<_>, Vec<_>) =
-                batch.into_iter().map(|w| (w.request, w.answer)).unzip();
-            let (requests, orphans): (Vec<GrantRequest>, Vec<bool>) = requests.into_iter().unzip();
-            let stats = &shard.shared.stats;
-            let result = if let [request] = requests.as_slice() {
-                let told = shard.backend.acquire_telling_lost_try(request);
-                let result =
-                    shard.call_timed(told, |r| acquire_timing(r, |(a, _)| *a == Attempt::Locked));
-                // (Never sent again below: that takes a batch.)
-                result.await.map(|(attempt, after_lost_try)| BatchGrants {
-                    attempts: vec![attempt],
-                    statements: 1,
-                    after_lost_try,
-                })
-            } else {
-                let result = shard.call_timed(shard.backend.acquire_batch(&requests), |r| {
-                    acquire_timing(r, |b| b.attempts.contains(&Attempt::Locked))
-                });
-                stats.acquire_batches.fetch_add(1, Ordering::Relaxed);
-                let keys = requests.len() as u64;
-                stats.batched_acquires.fetch_add(keys, Ordering::Relaxed);
-                result.await
-            };
-            let sent = match &result {
-                Ok(grants) => grants.statements,
-                Err(e) if e.kind == BackendErrorKind::BreakerOpen => 0,
-                // The write at least (a failed read-back would make it two; which one
-                // failed is not told apart here).
-                Err(_) => 1,
-            };
-            stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
-            let after_lost_try = matches!(&result, Ok(grants) if grants.after_lost_try);
-            let result = result.map(|grants| grants.attempts);
-            // A failure after a batch's write committed (its read-back's) says so too: a call
-            // that failed before it wrote (no connection, the pool's wait, the breaker, a
-            // deadlock) left nothing.
-            let wrote = requests.len() > 1;
-            let unknown = matches!(&result, Err(e) if e.maybe_applied);
-            let outcomes = outcome_each(result, requests.len(), unknown);
-            let each = requests.into_iter().zip(orphans).zip(answers);
-            // A row locked by another transaction past the server's lock wait undoes the whole
-            // batch, and the server does not say which key waited: every key is sent again on
-            // its own, so that the free ones are granted (not answered busy) and only the
-            // locked key's caller waits on. Not after a try whose reply was lost: that try may
-            // have written, or still write, and a key's own answer would not say so.
-            let undone = wrote && !after_lost_try;
-            if undone && outcomes.iter().all(|o| matches!(o, Ok(Attempt::Locked))) {
-                let each = each.map(|(request, answer)| Waiting { request, answer });
-                shard.acquire_each(each.collect()).await;
-                return;
+        let (requests, answers): (Vec<_>, Vec<_>) =
+            batch.into_iter().map(|w| (w.request, w.answer)).unzip();
+        let (requests, orphans): (Vec<GrantRequest>, Vec<bool>) = requests.into_iter().unzip();
+        let stats = &shard.shared.stats;
+        let result = if let [request] = requests.as_slice() {
+            let told = shard.backend.acquire_telling_lost_try(request);
+            let result =
+                shard.call_timed(told, |r| acquire_timing(r, |(a, _)| *a == Attempt::Locked));
+            // (Never sent again below: that takes a batch.)
+            result.await.map(|(attempt, after_lost_try)| BatchGrants {
+                attempts: vec![attempt],
+                statements: 1,
+                after_lost_try,
+            })
+        } else {
+            let result = shard.call_timed(shard.backend.acquire_batch(&requests), |r| {
+                acquire_timing(r, |b| b.attempts.contains(&Attempt::Locked))
+            });
+            stats.acquire_batches.fetch_add(1, Ordering::Relaxed);
+            let keys = requests.len() as u64;
+            stats.batched_acquires.fetch_add(keys, Ordering::Relaxed);
+            result.await
+        };
+        let sent = match &result {
+            Ok(grants) => grants.statements,
+            Err(e) if e.kind == BackendErrorKind::BreakerOpen => 0,
+            // The write at least (a failed read-back would make it two; which one
+            // failed is not told apart here).
+            Err(_) => 1,
+        };
+        stats.acquire_statements.fetch_add(sent, Ordering::Relaxed);
+        let after_lost_try = matches!(&result, Ok(grants) if grants.after_lost_try);
+        let result = result.map(|grants| grants.attempts);
+        // A failure after a batch's write committed (its read-back's) says so too: a call
+        // that failed before it wrote (no connection, the pool's wait, the breaker, a
+        // deadlock) left nothing.
+        let wrote = requests.len() > 1;
+        let unknown = matches!(&result, Err(e) if e.maybe_applied);
+        let outcomes = outcome_each(result, requests.len(), unknown);
+        let each = requests.into_iter().zip(orphans).zip(answers);
+        // A row locked by another transaction past the server's lock wait undoes the whole
+        // batch, and the server does not say which key waited: every key is sent again on
+        // its own, so that the free ones are granted (not answered busy) and only the
+        // locked key's caller waits on. Not after a try whose reply was lost: that try may
+        // have written, or still write, and a key's own answer would not say so.
+        let undone = wrote && !after_lost_try;
+        if undone && outcomes.iter().all(|o| matches!(o, Ok(Attempt::Locked))) {
+            let each = each.map(|(request, answer)| Waiting { request, answer });
+            shard.acquire_each(each.collect()).await;
+            return;
+        }
+        for (((request, orphan), answer), outcome) in each.zip(outcomes) {
+            if matches!(outcome, Ok(Attempt::Locked)) {
+                shard.note_locked(&request.key);
             }
-            for (((request, orphan), answer), outcome) in each.zip(outcomes) {
-                if matches!(outcome, Ok(Attempt::Locked)) {
-                    shard.note_locked(&request.key);
-                }
-                shard.answer_acquire(request, orphan, answer, outcome, unknown, after_lost_try);
-            }
+            shard.answer_acquire(request, orphan, answer, outcome, unknown, after_lost_try);
         }
     }
 }
