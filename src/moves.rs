@@ -72,8 +72,8 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
     });
 }
 
-/// Every lease registered on `shards` that was placed under an epoch older than `topology`'s
-/// follows its key.
+/// Every lease registered on this router's shards that was placed under an epoch older than
+/// `topology`'s follows its key.
 pub(crate) fn follow_all(router: &Arc<Inner>, topology: &Topology) {
     for shard in router.shared.shard_states() {
         for lease in shard.held().into_iter().chain(shard.locals()) {

@@ -370,20 +370,10 @@ pub(crate) async fn laggards(
     me: &Shared,
     previous: &Previous,
 ) -> Option<String> {
-    // Back to that topology (a reload undone), on the same databases: whoever runs it runs
-    // ours. (A shard pointed at another server keeps the fingerprint, which leaves URLs out.)
-    let same_databases = || {
-        previous.placement.shards.iter().all(|p| {
-            topology
-                .current
-                .shards
-                .iter()
-                .any(|c| c.name() == p.name() && c.same_database(p))
-        })
-    };
-    if topology.fingerprint == previous.fingerprint && same_databases() {
-        return None;
-    }
+    // Also back to that topology (a reload undone): a process of the fleet may still run the
+    // topology in between, its own move from this placement over, and take a moved key only
+    // where that topology puts it, on one of this placement's shards, which the carry would
+    // empty under it (a CAS lock's row copied away, then taken again there).
     let rows = match live_fleet(topology, me).await {
         Ok(Some(rows)) => rows,
         Ok(None) => {

@@ -47,10 +47,9 @@ pub(crate) struct Previous {
     /// take here that lands after the carry's scan passed its key would be left behind (see
     /// [`Topology::carrying_at`]).
     pub(crate) carry_begun: Arc<AtomicBool>,
-    /// The fingerprint of the topology it belonged to: a reload back to it ends the move at
-    /// once (whoever runs it runs this process's topology); otherwise processes of the fleet
-    /// that advertise any topology but this process's keep the move in force (see
-    /// [`crate::moves::carry_fences`]).
+    /// The fingerprint of the topology it belonged to, to name it in warnings: processes of
+    /// the fleet that advertise any topology but this process's keep the move in force, a
+    /// reload back to it too (see [`crate::moves::carry_fences`]).
     pub(crate) fingerprint: String,
 }
 

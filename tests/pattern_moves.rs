@@ -2316,3 +2316,51 @@ async fn transaction_lock_through_a_lapse(watched: bool) {
         "the lapsed holder's write was kept: {rows:?}"
     );
 }
+
+/// A reload undone by one process while another still runs the topology in between, its own
+/// move from the first one over: the undone move stays in force, and its carry does not empty
+/// a shard of that topology of the CAS lock taken there. Before, a reload back to a topology
+/// skipped the fleet check: the carry copied the lock away and the other process took it a
+/// second time.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_undone_while_another_process_runs_the_one_in_between_carries_no_lock_from_it() {
+    let (cluster, three, four) = cluster().await;
+    let key = moving_key(&three, &four, "cas:").await;
+    let a = LockRouter::new(four.clone()).await.unwrap();
+    let b = LockRouter::new(four.clone()).await.unwrap();
+    b.reload(three.clone()).await.unwrap();
+    // a's move away from `four` lasts past the steps below (a window is no part of a
+    // topology's fingerprint: a runs b's topology).
+    a.reload(windowed(&cluster, &[1; 3], "", "12s"))
+        .await
+        .unwrap();
+    let window_over = tokio::time::Instant::now() + Duration::from_secs(12);
+    common::moves_done(&b).await;
+    let first = b.cas_acquire(&key, "o1").await.unwrap().expect("free");
+    a.reload(four).await.unwrap();
+    assert!(
+        a.moves_in_progress() == 2,
+        "a's first move ended before it was undone"
+    );
+
+    // Once its window is over the undone move's carry decides: it carries (the move ends) or
+    // it is kept in force, counted at each check with the newer move's.
+    tokio::time::sleep_until(window_over).await;
+    let kept = a.stats().moves_kept;
+    let decided = common::eventually(Duration::from_secs(30), || async {
+        a.moves_in_progress() < 2 || a.stats().moves_kept >= kept + 10
+    })
+    .await;
+    assert!(decided, "the undone move neither ended nor was kept");
+    let second = b.cas_acquire(&key, "o2").await.unwrap();
+    assert!(
+        second.is_none(),
+        "a CAS lock held through the topology in between was granted again: {second:?} ({} \
+         moves in force in the process that undid its reload)",
+        a.moves_in_progress()
+    );
+    assert!(
+        b.cas_release(first).await.unwrap(),
+        "the holder releases its lock where it took it"
+    );
+}
