@@ -507,11 +507,13 @@ fn end_hold(hold: &Hold) -> Option<ShardWork> {
     // key may have moved) is not handed over: it is released everywhere and the waiters poll
     // where the key lives now.
     // A lease known lost is not handed over either: whoever holds the key now keeps it. Nor
-    // one that must stay taken after its release (`lock_at_least`).
+    // one that must stay taken after its release (`lock_at_least`), nor one held through a
+    // shard state a reload left (its pool is closed once nothing is held there).
     let placed = lease.placed_epoch.load(Ordering::Acquire);
     if lease.has_companions()
         || lease.at_least().is_some()
         || placed < shard.shared.epoch()
+        || shard.has_left()
         || !lease.is_live()
     {
         let turn = lease.turn.locked().take();
@@ -610,6 +612,7 @@ async fn handoff_through_shard(
     };
     if lease.refuse_companions()
         || shard.shared.epoch() > placed
+        || shard.has_left()
         || want.too_short_for(want.clock_skew)
     {
         let released = release_through_shard(shard, lease, None).await;

@@ -583,6 +583,12 @@ impl LockRouter {
         }
         allow_raised_skews(shared, &next);
         self.inner.topology.store(next.clone());
+        for shard in &leaving {
+            shard.set_left(true);
+        }
+        for shard in &next.current.shards {
+            shard.set_left(false);
+        }
         // A lapse the shorter one makes closes the gate now, not at the next look.
         self.inner.notice_lapse();
         // For the fleet's placement record: what it ran and runs now.

@@ -121,6 +121,11 @@ pub(crate) struct ShardState {
     /// locks whose `COMMIT` may still land here waiting for their session to end: a shard that
     /// left the topology keeps its pool until they end.
     settling: std::sync::atomic::AtomicUsize,
+    /// Set while this state is not in the topology in force: it left in a reload (for another
+    /// state of the same database, one rebuilt with changed settings, say). Its leases are
+    /// then handed over neither in memory nor through it, so a hot key's chain of hand-offs
+    /// moves to the state in force (its pool, breaker and credentials) at its next release.
+    left: AtomicBool,
     /// The keeper panics at its next tick (tests of its supervision).
     #[cfg(feature = "fault-injection")]
     pub(crate) panic_next_tick: std::sync::atomic::AtomicBool,
@@ -239,6 +244,7 @@ impl ShardState {
             apart: Arc::new(tokio::sync::Semaphore::new(apart)),
             releases_alone_until: Mutex::default(),
             settling: Default::default(),
+            left: AtomicBool::new(false),
             #[cfg(feature = "fault-injection")]
             panic_next_tick: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "fault-injection")]
@@ -693,6 +699,16 @@ impl ShardState {
             }
             tokio::time::sleep(backoff.next_delay()).await;
         }
+    }
+
+    /// Marks this state as out of the topology in force (`true`), or in it again.
+    pub(crate) fn set_left(&self, left: bool) {
+        self.left.store(left, Ordering::Release);
+    }
+
+    /// Whether this state is out of the topology in force (see [`ShardState::set_left`]).
+    pub(crate) fn has_left(&self) -> bool {
+        self.left.load(Ordering::Acquire)
     }
 
     /// Whether give-backs are still retrying in the background, or transaction locks wait
