@@ -1140,3 +1140,40 @@ async fn a_deadlock_lost_by_the_holders_sql_commits_nothing_after_it() {
     );
     assert_eq!(count_rows(&cluster, after).await, 0);
 }
+
+/// An owner or a worker name too long for its column is refused by name before any
+/// statement, and a name that fits is taken. Before, the server refused the write as data
+/// too long, which read as the shard failing (a `Backend` error, counted against it).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_owner_or_worker_name_too_long_for_its_column_is_refused_by_name() {
+    let (_cluster, router, _) = common::start(1, "").await;
+    let answer = router.cas_acquire("cas:long", &"o".repeat(192)).await;
+    assert!(
+        matches!(answer, Err(Error::InvalidArgument { name: "owner", .. })),
+        "a 192-byte CAS owner was answered {answer:?}"
+    );
+    let guard = router
+        .cas_acquire("cas:long", &"o".repeat(191))
+        .await
+        .unwrap()
+        .expect("nobody holds the key");
+    assert!(router.cas_release(guard).await.unwrap());
+
+    router
+        .enqueue_job("q:long", b"once", Duration::ZERO, 0)
+        .await
+        .unwrap();
+    let answer = router
+        .claim_job("q:long", &"w".repeat(180), Duration::from_secs(5))
+        .await;
+    assert!(
+        matches!(answer, Err(Error::InvalidArgument { name: "worker", .. })),
+        "a claim by a 180-byte worker name was answered {answer:?}"
+    );
+    let job = router
+        .claim_job("q:long", &"w".repeat(60), Duration::from_secs(5))
+        .await
+        .unwrap()
+        .expect("the job is still due: the refused claim claimed nothing");
+    assert!(router.complete_job(&job).await.unwrap());
+}

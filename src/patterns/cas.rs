@@ -98,8 +98,11 @@ impl LockRouter {
     /// took if the caller went away meanwhile (CAS rows never expire: a take that committed
     /// with nobody to release it would keep the key owned for good). Best effort: a runtime
     /// shutting down meanwhile may drop that task.
+    ///
+    /// `owner` takes at most 191 bytes ([`shardlock_core::Error::InvalidArgument`] otherwise).
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
+        super::check_name("owner", owner, owner.len())?;
         let lapses = self.joined(&lock_key)?;
         let Some(runtime) = self.inner.shared.runtime() else {
             return self.cas_acquire_here(&lock_key, key, owner, lapses).await;

@@ -257,6 +257,10 @@ impl LockRouter {
     ///
     /// The claim lasts `lease` on the shard's clock: see [`Job::is_held`] and
     /// [`LockRouter::extend_job`] for work that may take longer.
+    ///
+    /// The claim is written as `<worker>@<instance id>:<start nonce>:<n>` in 191 bytes, so
+    /// `worker` takes at most 191 bytes less that suffix
+    /// ([`shardlock_core::Error::InvalidArgument`] otherwise).
     pub async fn claim_job(
         &self,
         queue: &str,
@@ -267,6 +271,7 @@ impl LockRouter {
         self.check_joined(&key)?;
         let (_, claim_no) = self.inner.shared.next_owner();
         let claim = format!("{worker}@{claim_no}");
+        super::check_name("worker", worker, claim.len())?;
         // While a reload's move is in progress, the shards the queue lived on before first,
         // then its shard: the move carries their jobs over (written there, then deleted here),
         // so a job carried between two of these reads is found by the later one. (The other

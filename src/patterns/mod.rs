@@ -84,6 +84,27 @@ impl LockRouter {
     }
 }
 
+/// The bytes a CAS owner or a job's claimer (`<worker>@<this router's claim>`) may take: their
+/// columns' width, `VARBINARY(191)`.
+const MAX_NAME_BYTES: usize = 191;
+
+/// `Ok` when `value`, written in a column of [`MAX_NAME_BYTES`], fits; else the error naming the
+/// argument, before any statement (the server would refuse it as data too long, which reads as
+/// the shard failing).
+fn check_name(name: &'static str, value: &str, written: usize) -> Result<()> {
+    if written <= MAX_NAME_BYTES {
+        return Ok(());
+    }
+    let room = MAX_NAME_BYTES.saturating_sub(written - value.len());
+    Err(Error::InvalidArgument {
+        name,
+        reason: format!(
+            "{} bytes; at most {room} fit in the column it is written to",
+            value.len()
+        ),
+    })
+}
+
 /// Whether a call that failed with `e` may have acted on its shard: anything but a shard
 /// unreached where no try can have landed.
 pub(super) fn may_have_acted(e: &Error) -> bool {
