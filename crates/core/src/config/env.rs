@@ -304,9 +304,13 @@ fn close_plain(out: &mut String, plain: &mut Option<(usize, usize)>) {
 
 /// Whether `text` reads back as one plain scalar with this very text.
 fn plain_safe(text: &str) -> bool {
+    // Nothing, or a spelling of null: YAML reads those as an unset field (a `key-prefix` of
+    // an empty variable would scope nothing, a password `null` would be none), not as the text.
+    if matches!(text, "" | "~" | "null" | "Null" | "NULL") {
+        return false;
+    }
     let Some(first) = text.chars().next() else {
-        // Nothing: read back as null, as an unset optional field is.
-        return true;
+        return false;
     };
     !"-?:,[]{}#&*!|>'\"%@`".contains(first)
         && !first.is_whitespace()
@@ -391,6 +395,33 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.line, Some(3));
         assert!(e.message.contains("SHARDLOCK_TEST_UNSET_VAR"), "{e}");
+    }
+
+    /// A variable set to nothing, or to a spelling of null, is that text, not an unset field:
+    /// a namespace's `key-prefix` from an empty variable is refused (it would share its keys
+    /// with every unprefixed namespace), and a password `null` is that password.
+    #[test]
+    fn an_empty_or_null_value_is_text_not_an_unset_field() {
+        std::env::set_var("SHARDLOCK_TEST_EMPTY", "");
+        let e = Config::from_yaml_str(&format!(
+            "{GOOD}  billing:\n    key-prefix: ${{SHARDLOCK_TEST_EMPTY}}\n"
+        ))
+        .unwrap_err();
+        assert_eq!(
+            e.field.as_deref(),
+            Some("namespaces.billing.key-prefix"),
+            "{e}"
+        );
+        for null in ["null", "~", "NULL"] {
+            std::env::set_var("SHARDLOCK_TEST_NULL", null);
+            let c = Config::from_yaml_str(
+                "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:33061/x\n    \
+                 password: ${SHARDLOCK_TEST_NULL}\n",
+            )
+            .unwrap();
+            let password = c.shards[0].password.as_ref().map(|p| p.expose());
+            assert_eq!(password, Some(null));
+        }
     }
 
     /// Values that are YAML syntax pasted as text would end the scalar (`: `, ` #`), start a

@@ -53,7 +53,12 @@ pub(super) fn locate(text: &str, field: &str) -> Option<(usize, usize)> {
     let mut parent_indent: Option<usize> = None;
     for seg in field.split('.') {
         let (key, index) = match seg.find('[') {
-            Some(b) => (&seg[..b], seg[b + 1..seg.len() - 1].parse::<usize>().ok()),
+            // `name[3]`; any other segment holding `[` is a map key written with one, not
+            // found (see above).
+            Some(b) => {
+                let index = seg[b + 1..].strip_suffix(']')?.parse::<usize>().ok()?;
+                (&seg[..b], Some(index))
+            }
             None => (seg, None),
         };
         let depth = lines[lo..hi]
@@ -104,5 +109,22 @@ mod tests {
         assert_eq!(e.field.as_deref(), Some("shards[1].name"));
         assert_eq!(e.line, Some(4), "{e}");
         assert!(e.to_string().starts_with("<config>:4:"), "{e}");
+    }
+
+    /// A namespace whose name holds `[` is not found in the text, and placing its error does
+    /// not panic (it sliced past the segment's end, or inside a character).
+    #[test]
+    fn a_namespace_named_with_a_bracket_is_reported_without_a_line() {
+        for name in ["q[", "ñ[ñ", "a[1]b", "x[]"] {
+            let text = GOOD.replace("  stock:", &format!("  \"{name}\":"));
+            assert_ne!(text, GOOD, "the namespace was not renamed");
+            let text = text.replace("ttl: 5s", "ttl: 0s");
+            let e = Config::from_yaml_str(&text).unwrap_err();
+            assert_eq!(
+                e.field.as_deref(),
+                Some(format!("namespaces.{name}.ttl").as_str()),
+                "{e}"
+            );
+        }
     }
 }

@@ -390,6 +390,37 @@ fn credentials_end(rest: &str) -> Option<usize> {
     before_query.rfind('@').or_else(|| rest.rfind('@'))
 }
 
+/// What the driver would read differently from what a shard's `url` (starting `mysql://`)
+/// says, as far as its text tells, without its password in the answer: a user or password
+/// holding `/`, `?` or `#` unencoded (the driver's URL parser ends the address there, so it
+/// would reach a host named after part of the password and print the rest in its error), or
+/// a port that is no port.
+pub(crate) fn url_problem(url: &str) -> Option<String> {
+    let rest = url.strip_prefix("mysql://")?;
+    let after = match credentials_end(rest) {
+        Some(at) if rest[..at].contains(['/', '?', '#']) => {
+            return Some(
+                "its user or password holds `/`, `?` or `#` unencoded, which ends a URL's \
+                 address: percent-encode them (`%2F`, `%3F`, `%23`), or give the password in \
+                 `password` or `password-file`"
+                    .into(),
+            )
+        }
+        Some(at) => &rest[at + 1..],
+        None => rest,
+    };
+    let place = &after[..query_start(after).unwrap_or(after.len())];
+    let server = place.split('/').next().unwrap_or_default();
+    match server.rsplit_once(':') {
+        Some((_, port))
+            if !server.ends_with(']') && port.parse::<u16>().map_or(true, |p| p == 0) =>
+        {
+            Some(format!("`{port}` is not a port (1-65535)"))
+        }
+        _ => None,
+    }
+}
+
 /// Which database a shard's `url` (and `nodes`, for a Galera shard) reach, as far as their
 /// text tells: the server addresses (`host:port`, the host in lower case, 3306 if no port is
 /// given; or the `socket` path), and the database's name. Two shards whose databases have one

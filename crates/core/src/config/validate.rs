@@ -170,6 +170,9 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 "must look like mysql://user:password@host:port/database",
             ));
         }
+        if let Some(problem) = super::schema::url_problem(&shard.url) {
+            return Err(ConfigError::field(field("url"), problem));
+        }
         // Two shards on one table would each take the other's rows for their own: a lease
         // that a reload moves from one to the other takes its companion row in its own row,
         // and releasing the row it left would free the key it still holds.
@@ -669,6 +672,45 @@ mod tests {
         // Nobody reads heartbeats under the static registry.
         let unread = yaml("3s").replace("cleaner:\n", "cleaner:\n  registry: static\n");
         assert!(Config::from_yaml_str(&unread).is_ok());
+    }
+
+    /// A URL the driver would read otherwise than its text says is refused on its field, with
+    /// no part of its password in the error; a password holding `@`, an IPv6 host and a
+    /// socket path are read alike by both.
+    #[test]
+    fn a_url_the_driver_would_misread_is_refused_without_its_password() {
+        let with = |url: &str| {
+            let yaml = GOOD.replace("mysql://root@127.0.0.1:33061/shardlock", url);
+            assert_ne!(yaml, GOOD, "the URL was not replaced");
+            Config::from_yaml_str(&yaml)
+        };
+        for (url, says) in [
+            ("mysql://u:ab/cd@db:3306/locks", "percent-encode"),
+            ("mysql://u:p@ssw?rd123@db/locks", "percent-encode"),
+            ("mysql://u:p@ss/w0rd@db/locks", "percent-encode"),
+            ("mysql://u:se#cret9@db/locks", "percent-encode"),
+            ("mysql://u@db:33o6/locks", "`33o6` is not a port"),
+            ("mysql://u@db:0/locks", "`0` is not a port"),
+        ] {
+            let e = with(url).unwrap_err();
+            assert_eq!(e.field.as_deref(), Some("shards[0].url"), "{url}: {e}");
+            let text = e.to_string();
+            assert!(text.contains(says), "{url}: {text}");
+            for secret in ["cd@", "rd123", "w0rd", "cret9"] {
+                assert!(
+                    !text.contains(secret),
+                    "{url}: the error shows the password: {text}"
+                );
+            }
+        }
+        for url in [
+            "mysql://u:p@ss@db:3306/locks",
+            "mysql://u:p%2Fss@db:3306/locks",
+            "mysql://u@[::1]:3306/locks",
+            "mysql://u@localhost/locks?socket=/run/mysqld/a@b.sock",
+        ] {
+            assert!(with(url).is_ok(), "{url}: {:?}", with(url).err());
+        }
     }
 
     #[test]
