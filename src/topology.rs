@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::Moment;
+use shardlock_core::config::ShardConfig;
 use shardlock_core::{Config, ConfigError, LockKey, Result, Ring};
 use shardlock_mysql::Shard;
 
@@ -129,7 +130,9 @@ impl Topology {
     }
 
     /// Builds the topology of `config`. Shards whose name and settings are unchanged from
-    /// `reuse` keep their pool and keeper; the others get new ones.
+    /// `reuse` keep their pool and keeper (and take `config`'s breaker settings); the others get
+    /// new ones. Refused (a shard whose password file cannot be read, say), it changed nothing
+    /// and started nothing.
     pub(crate) fn build(
         config: Config,
         epoch: u64,
@@ -138,21 +141,39 @@ impl Topology {
         shared: &Arc<Shared>,
         source: Option<(&str, Option<&Path>)>,
     ) -> Result<Self> {
-        let mut shards = Vec::with_capacity(config.shards.len());
+        // Every new shard's backend first: one that cannot be built refuses the topology
+        // before a kept shard's breaker is changed or a new shard's keeper started.
+        enum Part<'a> {
+            Kept(Arc<ShardState>),
+            New(Shard, &'a ShardConfig),
+        }
+        let mut parts = Vec::with_capacity(config.shards.len());
         for (i, sc) in config.shards.iter().enumerate() {
             if let Some(same) = reuse.iter().find(|s| s.config == *sc && !s.is_closed()) {
-                same.reconfigure_breaker(config.breaker.clone());
-                shards.push(same.clone());
+                parts.push(Part::Kept(same.clone()));
                 continue;
             }
             let mut shard = Shard::new(sc, i).map_err(|e| locate(e, source))?;
             if let Some(old) = reuse.iter().find(|s| s.name() == sc.name) {
                 shard = shard.with_stranded_of(old.unguarded());
             }
-            let state = ShardState::new(shard, sc.clone(), config.breaker.clone(), shared.clone());
-            spawn_keeper(&state, shared.closed.subscribe());
-            shards.push(state);
+            parts.push(Part::New(shard, sc));
         }
+        let shards = parts
+            .into_iter()
+            .map(|part| match part {
+                Part::Kept(same) => {
+                    same.reconfigure_breaker(config.breaker.clone());
+                    same
+                }
+                Part::New(shard, sc) => {
+                    let state =
+                        ShardState::new(shard, sc.clone(), config.breaker.clone(), shared.clone());
+                    spawn_keeper(&state, shared.closed.subscribe());
+                    state
+                }
+            })
+            .collect();
         let virtual_nodes = config.routing.virtual_nodes;
         let ring = Ring::new(
             config.shards.iter().map(|s| (s.name.as_str(), s.weight)),

@@ -33,6 +33,12 @@ async fn a_guard_is_lost_before_its_key_is_free_for_others_at_shutdown() {
     let (lost_at, still_held) = watcher.await.unwrap();
     let granted_at = poller.await.unwrap();
     assert!(!still_held);
+    assert_eq!(
+        router.stats().lost,
+        0,
+        "a lease ended by its router's shutdown was counted lost (every deploy would read as \
+         leases lost)"
+    );
     assert!(
         lost_at <= granted_at,
         "another process held the key {:?} before this guard knew it had lost it",

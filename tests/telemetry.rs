@@ -894,6 +894,21 @@ async fn otlp_exports_over_https_trusting_the_configured_ca_alone() {
                 text.contains("shardlock.acquire.duration"),
                 "no acquire metric over https: {text}"
             );
+            // A collector keys series by their resource: processes of one service must differ.
+            let instances: Vec<String> = metrics
+                .iter()
+                .flat_map(|body| {
+                    body["resourceMetrics"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default()
+                })
+                .filter_map(|rm| attribute(&rm["resource"], "service.instance.id"))
+                .collect();
+            assert!(
+                !instances.is_empty() && instances.iter().all(|i| !i.is_empty()),
+                "metrics exported without a service.instance.id: {text}"
+            );
             assert_eq!(*collected.failed_handshakes.borrow(), 0);
         } else {
             assert!(metrics.is_empty(), "{metrics:?}");

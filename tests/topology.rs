@@ -2716,3 +2716,48 @@ async fn a_lease_following_its_key_to_a_silent_shard_stays_held_when_the_reload_
     other.shutdown().await.unwrap();
     router.shutdown().await.unwrap();
 }
+
+/// A reload refused for a shard it cannot build (its password file cannot be read) changes
+/// nothing of the topology in force, its breakers' settings neither. Before, the shards it kept
+/// took the new settings before the new shard failed: a breaker set to open after fifty
+/// failures in a row opened after one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_refused_for_a_shard_it_cannot_build_leaves_the_breakers_as_they_were() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\nbreaker:\n  consecutive-failures: 50\n  \
+         slow-call: 60s\ncleaner:\n  registry: static\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let refused = yaml
+        .replace("consecutive-failures: 50", "consecutive-failures: 1")
+        .replace(
+            "breaker:",
+            "  - name: s2\n    url: mysql://root@127.0.0.1:1/other\n    \
+             password-file: /nonexistent/shardlock-password\nbreaker:",
+        );
+    let answer = router
+        .reload(Config::from_yaml_str(&refused).unwrap())
+        .await;
+    assert!(
+        answer.is_err(),
+        "a shard without its password file was taken"
+    );
+
+    // A few failures of the shard's (one call's tries), far from fifty.
+    proxy.set(ProxyMode::Reset);
+    let failed = router.try_acquire("k", AcquireOptions::new()).await;
+    assert!(
+        failed.is_err(),
+        "an acquire through a reset link: {failed:?}"
+    );
+    let after = router.breaker_state("s1");
+    assert_eq!(
+        after,
+        Some(shardlock::BreakerState::Closed),
+        "a few failures opened a breaker set to fifty: the refused reload's settings were applied"
+    );
+}

@@ -581,7 +581,8 @@ impl LeaseState {
     }
 
     /// Marks the lease lost (once) and says why. A companion row's loss is its lease's: that
-    /// is what gets counted and reported.
+    /// is what gets counted and reported. An end by the router's own shutdown is not counted:
+    /// every deploy would look like leases lost.
     pub(crate) fn mark_lost(&self, why: &'static str, shared: &Shared) {
         let stats = &shared.stats;
         let parent = self.parent.get().and_then(Weak::upgrade);
@@ -592,7 +593,7 @@ impl LeaseState {
                 return false;
             }
             *lost = true;
-            if parent.is_none() {
+            if parent.is_none() && why != SHUT_DOWN {
                 stats.lost.fetch_add(1, Ordering::Relaxed);
             }
             true

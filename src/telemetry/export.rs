@@ -120,8 +120,15 @@ pub async fn init(config: &TelemetryConfig) -> Result<TelemetryGuard> {
                 format!("cannot set up the Prometheus exporter: {e}"),
             )
         })?;
+    // Which process a series is from: a collector keys series by their resource, so processes
+    // of one service without it would write over each other's counters.
+    let instance = format!("{}-{}", crate::registry::host_name(), std::process::id());
     let resource = opentelemetry_sdk::Resource::builder()
         .with_service_name(config.service_name.clone())
+        .with_attribute(opentelemetry::KeyValue::new(
+            "service.instance.id",
+            instance,
+        ))
         .build();
     let otlp_error = |e: &dyn std::fmt::Display| {
         ConfigError::field(
