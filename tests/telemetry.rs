@@ -895,7 +895,7 @@ async fn otlp_exports_over_https_trusting_the_configured_ca_alone() {
                 "no acquire metric over https: {text}"
             );
             // A collector keys series by their resource: processes of one service must differ.
-            let instances: Vec<String> = metrics
+            let resources: Vec<serde_json::Value> = metrics
                 .iter()
                 .flat_map(|body| {
                     body["resourceMetrics"]
@@ -903,11 +903,14 @@ async fn otlp_exports_over_https_trusting_the_configured_ca_alone() {
                         .cloned()
                         .unwrap_or_default()
                 })
-                .filter_map(|rm| attribute(&rm["resource"], "service.instance.id"))
+                .map(|rm| rm["resource"].clone())
                 .collect();
+            let named = |r: &serde_json::Value| {
+                attribute(r, "service.instance.id").is_some_and(|i| !i.is_empty())
+            };
             assert!(
-                !instances.is_empty() && instances.iter().all(|i| !i.is_empty()),
-                "metrics exported without a service.instance.id: {text}"
+                !resources.is_empty() && resources.iter().all(named),
+                "metrics exported without a service.instance.id: {resources:?}"
             );
             assert_eq!(*collected.failed_handshakes.borrow(), 0);
         } else {
