@@ -45,7 +45,8 @@ impl Want {
     /// Whether a lease granted for `self` may be handed over in memory to a waiter that wants
     /// `other`: the same ttl, both renewed (a lease without keep-alive ends where its first
     /// holder's extensions put it, no term of a later holder's), neither kept after its
-    /// release, and a waiter that takes hand-offs.
+    /// release, and a waiter that takes hand-offs, in memory at all (`handoff-max-count: 0`
+    /// of its namespace: every grant through the shard).
     pub(crate) fn same_terms(&self, other: &Want) -> bool {
         self.ttl == other.ttl
             && self.keep_alive
@@ -53,6 +54,7 @@ impl Want {
             && self.at_least.is_none()
             && other.at_least.is_none()
             && other.handoffs
+            && other.handoff_max_count > 0
     }
 
     pub(crate) fn ttl_ms(&self) -> u32 {

@@ -13,6 +13,43 @@ fn once() -> AcquireOptions {
     AcquireOptions::new().wait(Duration::ZERO)
 }
 
+/// A waiter of a namespace whose every grant goes through the shard (`handoff-max-count: 0`)
+/// waiting behind a holder of another namespace on the same key is granted by the release
+/// statement, not handed the holder's lease in memory (within the holder's `handoff-max-time`).
+/// Before, only the holder's namespace was asked.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiter_whose_namespace_hands_off_nothing_in_memory_is_granted_by_the_shard() {
+    let (_cluster, router, _) = common::start(
+        1,
+        "namespaces:\n  default:\n    ttl: 10s\n    handoff-max-time: 5s\n  strict:\n    \
+         ttl: 10s\n    handoff-max-count: 0\n",
+    )
+    .await;
+    let held = router.acquire("shared:1", once()).await.unwrap();
+    let waiter = tokio::spawn({
+        let router = router.clone();
+        async move {
+            let opts = AcquireOptions::new()
+                .namespace("strict")
+                .wait(Duration::from_secs(10));
+            router.acquire("shared:1", opts).await
+        }
+    });
+    let queued = common::eventually(Duration::from_secs(10), || async {
+        router.stats().queued == 1
+    })
+    .await;
+    assert!(queued, "the waiter queued behind the holder");
+    held.release().await.unwrap();
+    let next = waiter.await.unwrap().unwrap();
+    assert_eq!(
+        router.stats().local_handoffs,
+        0,
+        "a waiter whose namespace wants every grant from the shard was handed one in memory"
+    );
+    next.release().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn grant_contend_release_and_fences_rise() {
     let (cluster, router, yaml) = common::start(3, "").await;

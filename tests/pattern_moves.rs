@@ -2331,10 +2331,10 @@ async fn a_reload_undone_while_another_process_runs_the_one_in_between_carries_n
     b.reload(three.clone()).await.unwrap();
     // a's move away from `four` lasts past the steps below (a window is no part of a
     // topology's fingerprint: a runs b's topology).
-    a.reload(windowed(&cluster, &[1; 3], "", "12s"))
+    a.reload(windowed(&cluster, &[1; 3], "", "20s"))
         .await
         .unwrap();
-    let window_over = tokio::time::Instant::now() + Duration::from_secs(12);
+    let window_over = tokio::time::Instant::now() + Duration::from_secs(20);
     common::moves_done(&b).await;
     let first = b.cas_acquire(&key, "o1").await.unwrap().expect("free");
     a.reload(four).await.unwrap();

@@ -1141,8 +1141,8 @@ async fn a_deadlock_lost_by_the_holders_sql_commits_nothing_after_it() {
     assert_eq!(count_rows(&cluster, after).await, 0);
 }
 
-/// An owner or a worker name too long for its column is refused by name before any
-/// statement, and a name that fits is taken. Before, the server refused the write as data
+/// An owner, a worker name, a queue or a job's payload too long for its column is refused by
+/// name before any statement, and one that fits is taken. Before, the server refused the write as data
 /// too long, which read as the shard failing (a `Backend` error, counted against it).
 #[tokio::test(flavor = "multi_thread")]
 async fn an_owner_or_worker_name_too_long_for_its_column_is_refused_by_name() {
@@ -1159,6 +1159,18 @@ async fn an_owner_or_worker_name_too_long_for_its_column_is_refused_by_name() {
         .expect("nobody holds the key");
     assert!(router.cas_release(guard).await.unwrap());
 
+    for (queue, payload, name) in [
+        ("q".repeat(256), vec![0u8; 4], "queue"),
+        ("q:long".to_owned(), vec![0u8; 65_536], "payload"),
+    ] {
+        let answer = router
+            .enqueue_job(&queue, &payload, Duration::ZERO, 0)
+            .await;
+        assert!(
+            matches!(answer, Err(Error::InvalidArgument { name: n, .. }) if n == name),
+            "a job with a {name} too long for its column was answered {answer:?}"
+        );
+    }
     router
         .enqueue_job("q:long", b"once", Duration::ZERO, 0)
         .await

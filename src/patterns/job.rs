@@ -208,6 +208,10 @@ impl std::fmt::Debug for JobHome {
     }
 }
 
+/// The widths of `shardlock_job`'s `queue` (`VARBINARY(255)`) and `payload` (`BLOB`).
+const MAX_QUEUE_BYTES: usize = 255;
+const MAX_PAYLOAD_BYTES: usize = 65_535;
+
 impl LockRouter {
     /// Adds a job to `queue` (its jobs live on the shard of key `queue`), due after `delay`;
     /// a claim that is not completed within its lease is followed by up to `max_retries`
@@ -218,6 +222,9 @@ impl LockRouter {
     /// cancellation: the `INSERT` may have reached the shard and committed, the job queued with
     /// its id never returned. The request id is per call, so calling again enqueues a second
     /// copy: make the job idempotent, or look for it before enqueuing it again.
+    ///
+    /// `queue` takes at most 255 bytes and `payload` 65,535 (their columns' widths;
+    /// [`shardlock_core::Error::InvalidArgument`] otherwise).
     pub async fn enqueue_job(
         &self,
         queue: &str,
@@ -226,6 +233,17 @@ impl LockRouter {
         max_retries: u32,
     ) -> Result<u64> {
         let key = LockKey::new(queue)?;
+        for (name, len, most) in [
+            ("queue", queue.len(), MAX_QUEUE_BYTES),
+            ("payload", payload.len(), MAX_PAYLOAD_BYTES),
+        ] {
+            if len > most {
+                return Err(shardlock_core::Error::InvalidArgument {
+                    name,
+                    reason: format!("{len} bytes; at most {most} fit in its column"),
+                });
+            }
+        }
         self.check_joined(&key)?;
         let shard = self.state_for(&key);
         // A request id in `origin` (unique): a retry after a lost reply finds the job the
@@ -269,9 +287,11 @@ impl LockRouter {
     ) -> Result<Option<Job>> {
         let key = LockKey::new(queue)?;
         self.check_joined(&key)?;
-        let (_, claim_no) = self.inner.shared.next_owner();
+        let (n, claim_no) = self.inner.shared.next_owner();
         let claim = format!("{worker}@{claim_no}");
-        super::check_name("worker", worker, claim.len())?;
+        // Judged with the longest claim number: a name that fits now fits for good.
+        let longest = claim.len() - n.to_string().len() + u64::MAX.to_string().len();
+        super::check_name("worker", worker, longest)?;
         // While a reload's move is in progress, the shards the queue lived on before first,
         // then its shard: the move carries their jobs over (written there, then deleted here),
         // so a job carried between two of these reads is found by the later one. (The other

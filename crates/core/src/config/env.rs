@@ -304,13 +304,14 @@ fn close_plain(out: &mut String, plain: &mut Option<(usize, usize)>) {
 
 /// Whether `text` reads back as one plain scalar with this very text.
 fn plain_safe(text: &str) -> bool {
-    // Nothing, or a spelling of null: YAML reads those as an unset field (a `key-prefix` of
-    // an empty variable would scope nothing, a password `null` would be none), not as the text.
-    if matches!(text, "" | "~" | "null" | "Null" | "NULL") {
+    // A spelling of null: YAML reads it as an unset field (a password `null` would be none),
+    // not as the text.
+    if matches!(text, "~" | "null" | "Null" | "NULL") {
         return false;
     }
     let Some(first) = text.chars().next() else {
-        return false;
+        // Nothing: read back as null, as an unset optional field is (`${VAR:-}`).
+        return true;
     };
     !"-?:,[]{}#&*!|>'\"%@`".contains(first)
         && !first.is_whitespace()
@@ -345,7 +346,8 @@ fn escape_double(value: &str) -> String {
 }
 
 /// The text a `$` at the start of `tail` stands for, and how many bytes it took: `$$` is `$`,
-/// `${VAR}` and `${VAR:-default}` the environment's value, any other `$` itself.
+/// `${VAR}` and `${VAR:-default}` the environment's value (the default when `VAR` is unset or,
+/// as in a shell, empty), any other `$` itself.
 fn reference(tail: &str) -> Result<(String, usize), String> {
     if tail.starts_with("$$") {
         return Ok(("$".to_owned(), 2));
@@ -367,6 +369,7 @@ fn reference(tail: &str) -> Result<(String, usize), String> {
         ));
     }
     let value = match (std::env::var(name), default) {
+        (Ok(value), Some(d)) if value.is_empty() => d.to_owned(),
         (Ok(value), _) => value,
         (Err(_), Some(d)) => d.to_owned(),
         (Err(_), None) => {
@@ -397,21 +400,17 @@ mod tests {
         assert!(e.message.contains("SHARDLOCK_TEST_UNSET_VAR"), "{e}");
     }
 
-    /// A variable set to nothing, or to a spelling of null, is that text, not an unset field:
-    /// a namespace's `key-prefix` from an empty variable is refused (it would share its keys
-    /// with every unprefixed namespace), and a password `null` is that password.
+    /// A variable set to a spelling of null is that text, not an unset field: a password
+    /// `null` is that password. A variable set to nothing takes its default, as in a shell.
     #[test]
-    fn an_empty_or_null_value_is_text_not_an_unset_field() {
+    fn a_null_value_is_text_and_an_empty_one_takes_its_default() {
         std::env::set_var("SHARDLOCK_TEST_EMPTY", "");
-        let e = Config::from_yaml_str(&format!(
-            "{GOOD}  billing:\n    key-prefix: ${{SHARDLOCK_TEST_EMPTY}}\n"
+        let c = Config::from_yaml_str(&format!(
+            "{GOOD}  billing:\n    key-prefix: ${{SHARDLOCK_TEST_EMPTY:-billing/}}\n"
         ))
-        .unwrap_err();
-        assert_eq!(
-            e.field.as_deref(),
-            Some("namespaces.billing.key-prefix"),
-            "{e}"
-        );
+        .unwrap();
+        let prefix = c.namespace("billing").unwrap().key_prefix.clone();
+        assert_eq!(prefix.as_deref(), Some("billing/"));
         for null in ["null", "~", "NULL"] {
             std::env::set_var("SHARDLOCK_TEST_NULL", null);
             let c = Config::from_yaml_str(

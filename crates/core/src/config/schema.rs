@@ -384,17 +384,22 @@ fn query_start(rest: &str) -> Option<usize> {
 /// `@` before the query string (`?name=`; a socket path there may hold an `@`). A careless
 /// password may hold `/`, `#`, `?` or `@` unencoded, and is hidden all the same. A password
 /// that looks like a query's start (`p?a=b`) leaves no `@` before it: then the last `@` of all
-/// ends them, which may hide more than the password.
+/// ends them, which may hide more than the password, unless a `/` comes before that `@` (a
+/// path, or a socket path in a real query, as in `mysql://db/x?socket=/run/a@b.sock`).
 fn credentials_end(rest: &str) -> Option<usize> {
-    let before_query = &rest[..query_start(rest).unwrap_or(rest.len())];
-    before_query.rfind('@').or_else(|| rest.rfind('@'))
+    let query = query_start(rest).unwrap_or(rest.len());
+    rest[..query].rfind('@').or_else(|| {
+        let at = rest.rfind('@')?;
+        (!rest[..at].contains('/')).then_some(at)
+    })
 }
 
 /// What the driver would read differently from what a shard's `url` (starting `mysql://`)
 /// says, as far as its text tells, without its password in the answer: a user or password
 /// holding `/`, `?` or `#` unencoded (the driver's URL parser ends the address there, so it
-/// would reach a host named after part of the password and print the rest in its error), or
-/// a port that is no port.
+/// would reach a host named after part of the password and print the rest in its error), an
+/// `@` after the credentials in what reads as the query (a password's `@` and `?x=` that would
+/// make part of it the host), or a port that is no port.
 pub(crate) fn url_problem(url: &str) -> Option<String> {
     let rest = url.strip_prefix("mysql://")?;
     let after = match credentials_end(rest) {
@@ -409,13 +414,28 @@ pub(crate) fn url_problem(url: &str) -> Option<String> {
         Some(at) => &rest[at + 1..],
         None => rest,
     };
-    let place = &after[..query_start(after).unwrap_or(after.len())];
-    let server = place.split('/').next().unwrap_or_default();
+    let query = query_start(after).unwrap_or(after.len());
+    let parameters = after.get(query + 1..).unwrap_or_default();
+    if parameters
+        .split('&')
+        .any(|pair| !pair.starts_with("socket=") && pair.contains('@'))
+    {
+        return Some(
+            "it holds an `@` after its credentials, in what reads as its query: an `@`, `?` or \
+             `#` in the password must be percent-encoded (`%40`, `%3F`, `%23`), or give the \
+             password in `password` or `password-file`"
+                .into(),
+        );
+    }
+    let server = after[..query].split('/').next().unwrap_or_default();
     match server.rsplit_once(':') {
         Some((_, port))
-            if !server.ends_with(']') && port.parse::<u16>().map_or(true, |p| p == 0) =>
+            if !server.ends_with(']')
+                && !port.is_empty()
+                && port.parse::<u16>().map_or(true, |p| p == 0) =>
         {
-            Some(format!("`{port}` is not a port (1-65535)"))
+            // The port's text is not shown: where the URL is misread it may be a password's.
+            Some("its port is not a number from 1 to 65535".into())
         }
         _ => None,
     }

@@ -689,14 +689,16 @@ mod tests {
             ("mysql://u:p@ssw?rd123@db/locks", "percent-encode"),
             ("mysql://u:p@ss/w0rd@db/locks", "percent-encode"),
             ("mysql://u:se#cret9@db/locks", "percent-encode"),
-            ("mysql://u@db:33o6/locks", "`33o6` is not a port"),
-            ("mysql://u@db:0/locks", "`0` is not a port"),
+            ("mysql://u:a@evil?x=y@db/locks", "percent-encode"),
+            ("mysql://u:a@b:c?x=y@db:3306/locks", "percent-encode"),
+            ("mysql://u@db:33o6/locks", "port is not a number"),
+            ("mysql://u@db:0/locks", "port is not a number"),
         ] {
             let e = with(url).unwrap_err();
             assert_eq!(e.field.as_deref(), Some("shards[0].url"), "{url}: {e}");
             let text = e.to_string();
             assert!(text.contains(says), "{url}: {text}");
-            for secret in ["cd@", "rd123", "w0rd", "cret9"] {
+            for secret in ["cd@", "rd123", "w0rd", "cret9", "evil", "`c`", "33o6"] {
                 assert!(
                     !text.contains(secret),
                     "{url}: the error shows the password: {text}"
@@ -708,6 +710,8 @@ mod tests {
             "mysql://u:p%2Fss@db:3306/locks",
             "mysql://u@[::1]:3306/locks",
             "mysql://u@localhost/locks?socket=/run/mysqld/a@b.sock",
+            "mysql://db.internal/locks?socket=/run/mysqld/a@b.sock",
+            "mysql://db.internal:/locks",
         ] {
             assert!(with(url).is_ok(), "{url}: {:?}", with(url).err());
         }
