@@ -640,9 +640,17 @@ impl LockRouter {
             while hangups.recv().await.is_some() {
                 let Some(inner) = weak.upgrade() else { return };
                 let router = LockRouter { inner };
-                match Config::from_yaml_file(&path) {
-                    Ok(config) => {
-                        if let Err(e) = router.reload(config).await {
+                let read = shardlock_core::config::read_file(&path)
+                    .and_then(|text| Ok((Config::from_yaml_text(&text, &path)?, text)));
+                match read {
+                    Ok((config, text)) => {
+                        // Errors the reload finds name a field: placed in the file as a parse
+                        // error is.
+                        let placed = |e| match e {
+                            Error::Config(e) => Error::Config(e.located(&text, Some(&path))),
+                            e => e,
+                        };
+                        if let Err(e) = router.reload(config).await.map_err(placed) {
                             tracing::error!(error = %shardlock_core::Report(&e), "shardlock reload failed; the old topology stays");
                         }
                     }

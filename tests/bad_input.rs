@@ -309,3 +309,56 @@ async fn a_reload_onto_two_names_for_one_server_is_refused() {
     let guard = router.acquire("k", AcquireOptions::new()).await.unwrap();
     guard.release().await.unwrap();
 }
+
+/// A reload by SIGHUP that the router refuses (past the file's parse: a changed instance id)
+/// logs its error placed in the file, as a parse error is: the path, line and field. Before,
+/// the log said `<config>` and no line.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sighup_reload_the_router_refuses_names_the_files_line() {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+    /// Appends what the log writes to a buffer the test reads.
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let logs = Arc::new(Mutex::new(Vec::new()));
+    let into = logs.clone();
+    tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || Captured(into.clone()))
+        .init();
+
+    let cluster = shardlock_testkit::Cluster::start(1).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shardlock.yaml");
+    let file = |id: &str| format!("instance:\n  id: {id}\n{}", cluster.config_yaml(""));
+    std::fs::write(&path, file("one")).unwrap();
+    let router = LockRouter::from_yaml_file(&path).await.unwrap();
+    let _reloads = router.reload_on_sighup(&path).unwrap();
+    std::fs::write(&path, file("two")).unwrap();
+    nix::sys::signal::raise(nix::sys::signal::Signal::SIGHUP).unwrap();
+    let text = || String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let logged = common::eventually(Duration::from_secs(30), || async {
+        text().contains("reload failed")
+    })
+    .await;
+    assert!(logged, "no reload error was logged: {}", text());
+    let placed = format!("{}:2:", path.display());
+    assert!(
+        text().contains(&placed) && text().contains("instance.id"),
+        "the reload error does not name {placed} and its field: {}",
+        text()
+    );
+    assert_eq!(
+        router.instance_id(),
+        "one",
+        "the refused reload changed nothing"
+    );
+}
