@@ -1171,6 +1171,13 @@ async fn an_owner_or_worker_name_too_long_for_its_column_is_refused_by_name() {
             "a job with a {name} too long for its column was answered {answer:?}"
         );
     }
+    let answer = router
+        .claim_job(&"q".repeat(256), "w", Duration::from_secs(5))
+        .await;
+    assert!(
+        matches!(answer, Err(Error::InvalidArgument { name: "queue", .. })),
+        "a claim on a queue too long for its column was answered {answer:?}"
+    );
     router
         .enqueue_job("q:long", b"once", Duration::ZERO, 0)
         .await

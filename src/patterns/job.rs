@@ -286,6 +286,15 @@ impl LockRouter {
         lease: Duration,
     ) -> Result<Option<Job>> {
         let key = LockKey::new(queue)?;
+        if queue.len() > MAX_QUEUE_BYTES {
+            return Err(shardlock_core::Error::InvalidArgument {
+                name: "queue",
+                reason: format!(
+                    "{} bytes; at most {MAX_QUEUE_BYTES} fit in its column (no job can be on it)",
+                    queue.len()
+                ),
+            });
+        }
         self.check_joined(&key)?;
         let (n, claim_no) = self.inner.shared.next_owner();
         let claim = format!("{worker}@{claim_no}");

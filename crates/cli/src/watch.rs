@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use shardlock::{BreakerState, LockRouter};
+use shardlock::{BreakerState, InstanceVerdict, LockRouter};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::AnyError;
@@ -171,12 +171,19 @@ pub(crate) async fn run(
             "{:<12} {:<10} {:>12} {:>10}\n",
             "SHARD", "REACHABLE", "HELD LEASES", "INSTANCES"
         ));
+        // Live by the cleaner's verdict: a crashed process's row stays until it is forgotten.
+        let timeout = router.config().cleaner.heartbeat_timeout;
         for s in &status {
             let registered = instances
                 .iter()
                 .find(|(name, _)| *name == s.name)
                 .and_then(|(_, rows)| rows.as_ref().ok())
-                .map_or(0, |rows| rows.iter().filter(|i| !i.deregistered).count());
+                .map_or(0, |rows| {
+                    let live = |i: &&shardlock::InstanceRow| {
+                        i.verdict(timeout) == InstanceVerdict::Running
+                    };
+                    rows.iter().filter(live).count()
+                });
             screen.push_str(&format!(
                 "{:<12} {:<10} {:>12} {:>10}\n",
                 s.name,

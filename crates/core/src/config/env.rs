@@ -180,9 +180,9 @@ fn substitute_line(line: &str, line_no: usize) -> Result<(String, Flow), ConfigE
     };
     let bytes = line.as_bytes();
     let mut out = String::with_capacity(line.len());
-    // The plain scalar being read: where it starts in `out`, and where the last value
-    // replaced in it ends (0 while none was).
-    let mut plain: Option<(usize, usize)> = None;
+    // The plain scalar being read: where it starts in `out`, where the last value replaced in
+    // it ends (0 while none was), and whether a `${VAR}` without a default gave it nothing.
+    let mut plain: Option<(usize, usize, bool)> = None;
     let mut at_token_start = true;
     let mut quoting = Quoting::Plain;
     let mut i = 0;
@@ -242,7 +242,7 @@ fn substitute_line(line: &str, line_no: usize) -> Result<(String, Flow), ConfigE
                             flow.read(&line[i..]);
                             return Ok((out, flow));
                         }
-                        _ => plain = Some((out.len(), 0)),
+                        _ => plain = Some((out.len(), 0, false)),
                     }
                     at_token_start = blank(Some(c));
                 }
@@ -263,8 +263,9 @@ fn substitute_line(line: &str, line_no: usize) -> Result<(String, Flow), ConfigE
                 Quoting::Single => out.push_str(&value.replace('\'', "''")),
                 Quoting::Plain => {
                     out.push_str(&value);
-                    if let Some((_, value_end)) = &mut plain {
+                    if let Some((_, value_end, empty_var)) = &mut plain {
                         *value_end = out.len();
+                        *empty_var |= value.is_empty() && !line[i..i + used].contains(":-");
                     }
                 }
             }
@@ -280,10 +281,11 @@ fn substitute_line(line: &str, line_no: usize) -> Result<(String, Flow), ConfigE
 }
 
 /// Ends the plain scalar being read. One that held a reference stays as it is when YAML reads
-/// it back as the same one-line scalar, else is written double-quoted. Trailing blanks of the
+/// it back as the same one-line scalar, else is written double-quoted; one left empty by a
+/// `${VAR}` set to nothing is written `""`. Trailing blanks of the
 /// file (before a comment or the line's end) stay outside it; a value's own are part of it.
-fn close_plain(out: &mut String, plain: &mut Option<(usize, usize)>) {
-    let Some((start, value_end)) = plain.take() else {
+fn close_plain(out: &mut String, plain: &mut Option<(usize, usize, bool)>) {
+    let Some((start, value_end, empty_var)) = plain.take() else {
         return;
     };
     if value_end == 0 {
@@ -292,6 +294,13 @@ fn close_plain(out: &mut String, plain: &mut Option<(usize, usize)>) {
     let text = out.split_off(start);
     let written = text.trim_end_matches([' ', '\t', '\n', '\r']).len();
     let scalar = &text[..written.max(value_end - start)];
+    // Nothing from a `${VAR}` set empty: the empty text (a `key-prefix` of it is refused, not
+    // dropped). Only `${VAR:-}` leaves a field unset.
+    if scalar.is_empty() && empty_var {
+        out.push_str("\"\"");
+        out.push_str(&text);
+        return;
+    }
     if plain_safe(scalar) {
         out.push_str(&text);
     } else {
@@ -401,10 +410,27 @@ mod tests {
     }
 
     /// A variable set to a spelling of null is that text, not an unset field: a password
-    /// `null` is that password. A variable set to nothing takes its default, as in a shell.
+    /// `null` is that password. A variable set to nothing takes its default, as in a shell;
+    /// without one it is the empty text (a namespace's `key-prefix` from it is refused, not
+    /// dropped: the namespace would share every unprefixed key), and `${VAR:-}` leaves the
+    /// field unset.
     #[test]
     fn a_null_value_is_text_and_an_empty_one_takes_its_default() {
         std::env::set_var("SHARDLOCK_TEST_EMPTY", "");
+        let e = Config::from_yaml_str(&format!(
+            "{GOOD}  billing:\n    key-prefix: ${{SHARDLOCK_TEST_EMPTY}}\n"
+        ))
+        .unwrap_err();
+        assert_eq!(
+            e.field.as_deref(),
+            Some("namespaces.billing.key-prefix"),
+            "{e}"
+        );
+        let c = Config::from_yaml_str(&format!(
+            "{GOOD}  billing:\n    key-prefix: ${{SHARDLOCK_TEST_EMPTY:-}}\n"
+        ))
+        .unwrap();
+        assert_eq!(c.namespace("billing").unwrap().key_prefix, None);
         let c = Config::from_yaml_str(&format!(
             "{GOOD}  billing:\n    key-prefix: ${{SHARDLOCK_TEST_EMPTY:-billing/}}\n"
         ))

@@ -359,7 +359,9 @@ pub fn redact_url(url: &str) -> String {
     let Some(rest) = url.strip_prefix("mysql://") else {
         return url.to_owned();
     };
-    match credentials_end(rest) {
+    // Hiding too much rather than too little: a password holding `/` and `?` leaves no `@` that
+    // surely ends it, and then the last `@` of all does.
+    match credentials_end(rest).or_else(|| rest.rfind('@')) {
         Some(at) => match rest[..at].split_once(':') {
             Some((user, _)) => format!("mysql://{user}:***{}", &rest[at..]),
             None => url.to_owned(),
@@ -457,7 +459,8 @@ pub fn database_reached(url: &str, nodes: &[String]) -> (Vec<String>, String) {
     };
     let (server, database) = place.split_once('/').unwrap_or((place, ""));
     let address = |server: &str| {
-        let server = server.to_ascii_lowercase();
+        // An empty port (`db:/x`) is the default one.
+        let server = server.trim_end_matches(':').to_ascii_lowercase();
         match server.rsplit_once(':') {
             Some((_, port)) if !server.ends_with(']') && port.parse::<u16>().is_ok() => server,
             _ => format!("{server}:3306"),

@@ -220,6 +220,20 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                 ));
             }
         }
+        let (addresses, _) = database_reached(&shard.url, &[]);
+        if !shard.nodes.is_empty() && addresses.iter().any(|a| a.starts_with("socket ")) {
+            return Err(ConfigError::field(
+                field("url"),
+                "has a `socket`, which every node's connection would use (each reaching the \
+                 local server): a Galera shard's nodes are reached over TCP",
+            ));
+        }
+        if shard.user.as_deref() == Some("") {
+            return Err(ConfigError::field(
+                field("user"),
+                "is empty (an unset variable, say): leave `user` out to log in as the URL's",
+            ));
+        }
         if shard.password.is_some() && shard.password_file.is_some() {
             return Err(ConfigError::field(
                 field("password-file"),
@@ -715,6 +729,28 @@ mod tests {
         ] {
             assert!(with(url).is_ok(), "{url}: {:?}", with(url).err());
         }
+        // Whatever it is refused for, its `Debug` shows no password.
+        let shard = crate::config::ShardConfig {
+            url: "mysql://app:Tr/9?x=1@db/locks".into(),
+            ..ShardConfig::default()
+        };
+        let shown = format!("{shard:?}");
+        assert!(!shown.contains("Tr/9"), "{shown}");
+    }
+
+    /// A Galera shard's nodes are reached over TCP: a socket in its URL would make every node
+    /// the local server, and failover would go nowhere.
+    #[test]
+    fn a_galera_shard_with_a_socket_in_its_url_is_refused() {
+        let yaml = |query: &str| {
+            format!(
+                "shards:\n  - name: g\n    url: mysql://root@127.0.0.1:3307/db{query}\n    \
+                 nodes: [127.0.0.1:3307, 127.0.0.1:3308]\n"
+            )
+        };
+        assert!(Config::from_yaml_str(&yaml("")).is_ok());
+        let e = Config::from_yaml_str(&yaml("?socket=/run/mysqld/mysqld.sock")).unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("shards[0].url"), "{e}");
     }
 
     #[test]
