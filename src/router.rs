@@ -510,17 +510,19 @@ impl LockRouter {
         shards.sort_by_key(Arc::as_ptr);
         shards.dedup_by(|a, b| Arc::ptr_eq(a, b));
         join_all(shards.iter().map(|s| s.resolve_identity())).await;
+        let kept = old.all_shards();
+        let is_kept = |shard: &Arc<ShardState>| kept.iter().any(|k| Arc::ptr_eq(k, shard));
         if let Some(why) = registry::shared_database(&next) {
-            // Nothing of the refused topology stays: the shards it shares with the one in force
-            // get their breaker settings back, its new ones close.
-            let kept = old.all_shards();
-            for shard in &next.current.shards {
-                match kept.iter().any(|k| Arc::ptr_eq(k, shard)) {
-                    true => shard.reconfigure_breaker(old.config.breaker.clone()),
-                    false => shard.close(),
-                }
+            // Nothing of the refused topology stays: its new shards close (those it shares with
+            // the one in force were not changed).
+            for shard in next.current.shards.iter().filter(|s| !is_kept(s)) {
+                shard.close();
             }
             return Err(shardlock_core::ConfigError::field("shards", why).into());
+        }
+        // The shards kept take the new breaker settings only now that the topology is taken.
+        for shard in next.current.shards.iter().filter(|s| is_kept(s)) {
+            shard.reconfigure_breaker(next.config.breaker.clone());
         }
         next.previous = old.previous_for_next(&next, window);
         // Shards that were current and are not any more (those that left earlier are being

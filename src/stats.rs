@@ -75,7 +75,7 @@ counters! {
     timeouts,
     /// Leases released (explicitly or on drop).
     releases,
-    /// Leases reported lost (not counting those ended by this router's `shutdown()`).
+    /// Leases reported lost (not counting those this router's `shutdown()` ended while live).
     lost,
     /// Renewal ticks that renewed at least one lease (summed over shards).
     renew_ticks,

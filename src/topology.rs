@@ -130,9 +130,9 @@ impl Topology {
     }
 
     /// Builds the topology of `config`. Shards whose name and settings are unchanged from
-    /// `reuse` keep their pool and keeper (and take `config`'s breaker settings); the others get
-    /// new ones. Refused (a shard whose password file cannot be read, say), it changed nothing
-    /// and started nothing.
+    /// `reuse` keep their pool, keeper and breaker (a reload gives them `config`'s breaker
+    /// settings once it takes the topology); the others get new ones. Refused (a shard whose
+    /// password file cannot be read, say), it changed nothing and started nothing.
     pub(crate) fn build(
         config: Config,
         epoch: u64,
@@ -142,7 +142,7 @@ impl Topology {
         source: Option<(&str, Option<&Path>)>,
     ) -> Result<Self> {
         // Every new shard's backend first: one that cannot be built refuses the topology
-        // before a kept shard's breaker is changed or a new shard's keeper started.
+        // before a new shard's keeper is started.
         enum Part<'a> {
             Kept(Arc<ShardState>),
             New(Shard, &'a ShardConfig),
@@ -162,10 +162,7 @@ impl Topology {
         let shards = parts
             .into_iter()
             .map(|part| match part {
-                Part::Kept(same) => {
-                    same.reconfigure_breaker(config.breaker.clone());
-                    same
-                }
+                Part::Kept(same) => same,
                 Part::New(shard, sc) => {
                     let state =
                         ShardState::new(shard, sc.clone(), config.breaker.clone(), shared.clone());

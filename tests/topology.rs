@@ -2312,10 +2312,16 @@ async fn a_moved_lease_whose_cut_off_try_may_still_land_is_lost_when_that_row_ma
         ProxyMode::Pass,
         "the follow's try was not cut off"
     );
-    let logged = String::from_utf8(warnings.lock().unwrap().clone()).unwrap();
+    // Logged once the holder is woken: looked for until it is.
+    let logged = || String::from_utf8(warnings.lock().unwrap().clone()).unwrap();
+    let said = common::eventually(Duration::from_secs(10), || async {
+        logged().contains("a try on the new shard whose outcome is unknown may have taken the key")
+    })
+    .await;
     assert!(
-        logged.contains("a try on the new shard whose outcome is unknown may have taken the key"),
-        "a lease whose cut-off try may still land was not lost for it: {logged}"
+        said,
+        "a lease whose cut-off try may still land was not lost for it: {}",
+        logged()
     );
 }
 

@@ -581,11 +581,13 @@ impl LeaseState {
     }
 
     /// Marks the lease lost (once) and says why. A companion row's loss is its lease's: that
-    /// is what gets counted and reported. An end by the router's own shutdown is not counted:
-    /// every deploy would look like leases lost.
+    /// is what gets counted and reported. An end by the router's own shutdown is not counted
+    /// (every deploy would look like leases lost) while the lease was still live: one whose
+    /// end came first (renewals stopped while the shutdown waited) was lost, and is counted.
     pub(crate) fn mark_lost(&self, why: &'static str, shared: &Shared) {
         let stats = &shared.stats;
         let parent = self.parent.get().and_then(Weak::upgrade);
+        let counted = why != SHUT_DOWN || !self.is_live();
         // Counted before the holder is woken, so whoever sees `lost()` complete also sees
         // the count.
         let first = self.lost.send_if_modified(|lost| {
@@ -593,7 +595,7 @@ impl LeaseState {
                 return false;
             }
             *lost = true;
-            if parent.is_none() && why != SHUT_DOWN {
+            if parent.is_none() && counted {
                 stats.lost.fetch_add(1, Ordering::Relaxed);
             }
             true
