@@ -1145,7 +1145,7 @@ fn keep_lock_identities(old: &Config, next: &Config, retired: &Retired) -> Resul
                 format!(
                     "cannot change from {} to {} in a reload: holders of the old buckets would \
                      not be excluded by acquire_all_buckets. Introduce a new namespace with the \
-                     new count and move callers to it",
+                     new count and a `key-prefix` of its own, and move callers to it",
                     before.buckets, ns.buckets
                 ),
             )

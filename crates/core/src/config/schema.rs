@@ -360,7 +360,8 @@ pub fn redact_url(url: &str) -> String {
         return url.to_owned();
     };
     // Hiding too much rather than too little: a password holding `/` and `?` leaves no `@` that
-    // surely ends it, and then the last `@` of all does.
+    // surely ends it, and then the last `@` of all does (for display only: `url_has_password`
+    // decides whether it holds one).
     match credentials_end(rest).or_else(|| rest.rfind('@')) {
         Some(at) => match rest[..at].split_once(':') {
             Some((user, _)) => format!("mysql://{user}:***{}", &rest[at..]),
@@ -368,6 +369,20 @@ pub fn redact_url(url: &str) -> String {
         },
         None => url.to_owned(),
     }
+}
+
+/// The user a shard's `url` names, if it has credentials (`mysql://user:password@…`).
+pub(crate) fn url_user(url: &str) -> Option<&str> {
+    let rest = url.strip_prefix("mysql://")?;
+    let at = credentials_end(rest)?;
+    Some(rest[..at].split(':').next().unwrap_or_default())
+}
+
+/// Whether a shard's `url` holds a password (`mysql://user:password@…`).
+pub(crate) fn url_has_password(url: &str) -> bool {
+    url.strip_prefix("mysql://")
+        .and_then(|rest| Some(rest[..credentials_end(rest)?].contains(':')))
+        .unwrap_or(false)
 }
 
 /// Where the query string (`?name=...`) of a URL's text after `mysql://` starts.

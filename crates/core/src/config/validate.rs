@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use super::schema::{url_has_password, url_user};
 use super::{
-    database_reached, redact_url, CleanerConfig, Config, ConfigError, InstanceConfig,
-    NamespaceConfig, RegistryKind, RoutingConfig, ShardConfig, TelemetryConfig, TlsMode,
-    DEFAULT_CLOCK_DRIFT,
+    database_reached, CleanerConfig, Config, ConfigError, InstanceConfig, NamespaceConfig,
+    RegistryKind, RoutingConfig, ShardConfig, TelemetryConfig, TlsMode, DEFAULT_CLOCK_DRIFT,
 };
 use crate::BreakerConfig;
 
@@ -18,6 +18,7 @@ impl Config {
     /// the order the struct declares them, and the first error wins: a file with several
     /// mistakes reports them one at a time, always in the same order.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        check_no_empty_text(self)?;
         check_durations(self)?;
         check_instance(&self.instance)?;
         check_shards(&self.shards)?;
@@ -34,6 +35,62 @@ impl Config {
         check_lapse(&self.instance, &self.cleaner, spread)?;
         check_telemetry(&self.telemetry)
     }
+}
+
+/// Every optional text or path given is something: an empty one (a `${VAR}` set to nothing)
+/// would otherwise pass for a setting (an empty TLS server name fails every connection, which
+/// looks like the shard down) or send its check astray.
+fn check_no_empty_text(config: &Config) -> Result<(), ConfigError> {
+    let empty = |field: String| {
+        Err(ConfigError::field(
+            field,
+            "is empty (a variable set to nothing, say): give a value or leave the field out",
+        ))
+    };
+    let path_empty =
+        |p: &Option<std::path::PathBuf>| p.as_ref().is_some_and(|p| p.as_os_str().is_empty());
+    let text_empty = |t: &Option<String>| t.as_deref() == Some("");
+    for (i, shard) in config.shards.iter().enumerate() {
+        let field = |name: &str| format!("shards[{i}].{name}");
+        let tls = &shard.tls;
+        if text_empty(&shard.user) {
+            return empty(field("user"));
+        }
+        for (name, path) in [
+            ("password-file", &shard.password_file),
+            ("tls.ca-file", &tls.ca_file),
+            ("tls.cert-file", &tls.cert_file),
+            ("tls.key-file", &tls.key_file),
+        ] {
+            if path_empty(path) {
+                return empty(field(name));
+            }
+        }
+        if text_empty(&tls.server_name) {
+            return empty(field("tls.server-name"));
+        }
+        if url_user(&shard.url) == Some("") && shard.user.is_none() {
+            return Err(ConfigError::field(
+                field("url"),
+                "names an empty user (a variable set to nothing, say): give one in the URL or \
+                 in `user`",
+            ));
+        }
+    }
+    let t = &config.telemetry;
+    if text_empty(&t.prometheus_listen) {
+        return empty("telemetry.prometheus-listen".into());
+    }
+    if text_empty(&t.otlp_endpoint) {
+        return empty("telemetry.otlp-endpoint".into());
+    }
+    if path_empty(&t.otlp_ca_file) {
+        return empty("telemetry.otlp-ca-file".into());
+    }
+    if t.service_name.is_empty() {
+        return empty("telemetry.service-name".into());
+    }
+    Ok(())
 }
 
 /// The longest duration any setting takes (a year): a longer one is a typo (`30000d`), and
@@ -228,12 +285,6 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
                  local server): a Galera shard's nodes are reached over TCP",
             ));
         }
-        if shard.user.as_deref() == Some("") {
-            return Err(ConfigError::field(
-                field("user"),
-                "is empty (an unset variable, say): leave `user` out to log in as the URL's",
-            ));
-        }
         if shard.password.is_some() && shard.password_file.is_some() {
             return Err(ConfigError::field(
                 field("password-file"),
@@ -241,7 +292,7 @@ fn check_shards(shards: &[ShardConfig]) -> Result<(), ConfigError> {
             ));
         }
         if (shard.password.is_some() || shard.password_file.is_some())
-            && redact_url(&shard.url) != shard.url
+            && url_has_password(&shard.url)
         {
             return Err(ConfigError::field(
                 field("url"),
@@ -475,6 +526,28 @@ fn check_namespaces(namespaces: &BTreeMap<String, NamespaceConfig>) -> Result<()
                     ),
                 ));
             }
+        }
+        // Namespaces that scope keys alike (the same prefix, or none) and bucket them bucket
+        // them alike: `acquire_all_buckets` in one takes only the buckets it counts, and a
+        // holder of a bucket the other counts past them would run beside it. (One bucket is
+        // no bucketing: a plain lock of a key is another lock than its buckets.)
+        let other_count = namespaces.iter().find(|(other, o)| {
+            *other < name
+                && o.key_prefix == ns.key_prefix
+                && o.buckets != ns.buckets
+                && o.buckets > 1
+                && ns.buckets > 1
+        });
+        if let Some((other, o)) = other_count {
+            return Err(ConfigError::field(
+                field("buckets"),
+                format!(
+                    "{} here, {} in namespaces.{other}, which scopes keys alike: their \
+                     whole-key holds would not exclude each other's buckets. Give one of them \
+                     its own `key-prefix`, or both the same count",
+                    ns.buckets, o.buckets
+                ),
+            ));
         }
     }
     Ok(())
@@ -738,6 +811,40 @@ mod tests {
         assert!(!shown.contains("Tr/9"), "{shown}");
     }
 
+    /// An optional text or path given empty (a variable set to nothing) is refused on its
+    /// field, an empty user in the URL too; a URL whose socket path holds an `@` has no
+    /// password of its own, so one given beside it is taken.
+    #[test]
+    fn empty_settings_are_refused_on_their_field() {
+        let shard = |url: &str, more: &str| {
+            Config::from_yaml_str(&format!("shards:\n  - name: s1\n    url: {url}\n{more}"))
+        };
+        for (more, field) in [
+            ("    user: \"\"\n", "shards[0].user"),
+            ("    password-file: \"\"\n", "shards[0].password-file"),
+            (
+                "    tls: {mode: verify-identity, ca-file: /ca.pem, server-name: \"\"}\n",
+                "shards[0].tls.server-name",
+            ),
+            (
+                "telemetry:\n  otlp-endpoint: \"\"\n",
+                "telemetry.otlp-endpoint",
+            ),
+            (
+                "telemetry:\n  service-name: \"\"\n",
+                "telemetry.service-name",
+            ),
+        ] {
+            let e = shard("mysql://root@127.0.0.1:3306/db", more).unwrap_err();
+            assert_eq!(e.field.as_deref(), Some(field), "{more}: {e}");
+        }
+        let e = shard("mysql://:pw@127.0.0.1:3306/db", "").unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("shards[0].url"), "{e}");
+        let socket = "mysql://db:3306/locks?socket=/run/mysqld/mysqld@main.sock";
+        let given = shard(socket, "    user: app\n    password: x\n");
+        assert!(given.is_ok(), "{given:?}");
+    }
+
     /// A Galera shard's nodes are reached over TCP: a socket in its URL would make every node
     /// the local server, and failover would go nowhere.
     #[test]
@@ -751,6 +858,25 @@ mod tests {
         assert!(Config::from_yaml_str(&yaml("")).is_ok());
         let e = Config::from_yaml_str(&yaml("?socket=/run/mysqld/mysqld.sock")).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("shards[0].url"), "{e}");
+    }
+
+    /// Two namespaces that scope keys alike and bucket them differently are refused: a whole
+    /// key taken in one would not exclude a bucket the other counts past it.
+    #[test]
+    fn namespaces_that_scope_keys_alike_must_bucket_them_alike() {
+        let with = |extra: &str| Config::from_yaml_str(&format!("{GOOD}{extra}"));
+        let e = with("  stock4:\n    buckets: 4\n  stock32:\n    buckets: 32\n").unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("namespaces.stock4.buckets"), "{e}");
+        let e = with(
+            "  a:\n    buckets: 4\n    key-prefix: a/\n  b:\n    buckets: 8\n    key-prefix: a/\n",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("scopes keys alike"), "{e}");
+        // GOOD's `stock` has no prefix and one bucket: no bucketing, nothing to agree on.
+        assert!(with("  stock32:\n    buckets: 32\n").is_ok());
+        assert!(
+            with("  s4:\n    buckets: 4\n  s32:\n    buckets: 32\n    key-prefix: s32/\n").is_ok()
+        );
     }
 
     #[test]
