@@ -133,6 +133,13 @@ impl KeyScope {
     }
 }
 
+/// Whether `key` reads as a key's label (`#` and 16 hex digits, as `list` and telemetry show a
+/// key stored as a digest) rather than a key.
+fn is_label(key: &str) -> bool {
+    key.strip_prefix('#')
+        .is_some_and(|hex| hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 impl Command {
     /// The tools that try shardlock out locally run on the dev shards without a config; an
     /// operator command never guesses which deployment it acts on.
@@ -408,6 +415,15 @@ async fn run_command(
             // newer than the fleet's, the holder may be on another shard than this config
             // places the key on.
             let held = router.holders_of_key(&lock).await?;
+            if held.is_empty() && is_label(&key) {
+                return Err(failure::fail(
+                    failure::Exit::Usage,
+                    format!(
+                        "nobody holds `{key}`, which reads as the label `list` shows for a key too \
+                         long to show (a digest): it cannot name that key; give the key itself"
+                    ),
+                ));
+            }
             if held.is_empty() {
                 output::force_released(&lock, &router.shard_for_key(&lock), &[], cli.json);
                 return Ok(());
@@ -415,7 +431,9 @@ async fn run_command(
             let holders: Vec<String> = held
                 .iter()
                 .map(|(shard, row)| {
-                    format!("by {} on {shard}", row.owner.as_deref().unwrap_or_default())
+                    // An owner is the shard's text: shown escaped, as everywhere else.
+                    let owner = output::shown(row.owner.as_deref().unwrap_or_default());
+                    format!("by {owner} on {shard}")
                 })
                 .collect();
             if !yes

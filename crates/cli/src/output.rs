@@ -108,7 +108,7 @@ pub(crate) fn status(
             pool
         );
         if let Some(e) = &s.error {
-            println!("             {e}");
+            println!("             {}", shown(e));
         }
     }
     println!();

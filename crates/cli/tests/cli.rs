@@ -428,6 +428,17 @@ async fn release_force_cleaner_and_registered_instances() {
         &["--json", "release", "--force", "--yes", "stuck:1"],
     ));
     assert!(nothing["released"].is_null());
+    // A label as `list` shows a long key names no key: refused, not "nobody held it".
+    let label = shardlock(
+        &config,
+        &["release", "--force", "--yes", "#0123456789abcdef"],
+    );
+    assert_eq!(
+        label.status.code(),
+        Some(2),
+        "a key's label was taken for a key"
+    );
+    assert!(String::from_utf8_lossy(&label.stderr).contains("give the key itself"));
 
     let pass = json(&shardlock(&config, &["--json", "cleaner", "--once"]));
     assert_eq!(pass["leader"], true, "{pass}");
