@@ -852,7 +852,10 @@ impl LockRouter {
 
     /// Acquires every bucket of `key` (for whole-key operations such as a restock), in bucket
     /// order: two callers doing this, and any number of single-bucket holders, can never
-    /// deadlock. The wait of `opts` covers all of them; on failure the buckets already taken
+    /// deadlock. Every bucket any namespace may take of the lock: as many as the most that a
+    /// namespace whose scope holds it counts (the same `key-prefix`, one the lock's name begins
+    /// with, or none), so that a bucket taken through another namespace than `opts`' is
+    /// excluded too. The wait of `opts` covers all of them; on failure the buckets already taken
     /// are given back. Returns the guards in bucket order, each still held once the last was
     /// taken (one may have ended meanwhile: a short ttl, a pause; then all are given back and
     /// taken again within the wait).
@@ -868,7 +871,16 @@ impl LockRouter {
         opts: AcquireOptions,
     ) -> Result<Vec<LockGuard>> {
         LockKey::new(key)?;
-        let parts = (0..self.namespace_of(&opts)?.buckets)
+        let namespace = self.namespace_of(&opts)?;
+        let name = format!(
+            "{}{key}",
+            namespace.key_prefix.as_deref().unwrap_or_default()
+        );
+        let buckets = (self.inner.topology.load().config.namespaces.values())
+            .filter(|n| name.starts_with(n.key_prefix.as_deref().unwrap_or_default()))
+            .map(|n| n.buckets)
+            .fold(namespace.buckets, u32::max);
+        let parts = (0..buckets)
             .map(|bucket| LockKey::bucket(key, bucket))
             .collect::<Result<Vec<_>>>()?;
         crate::semaphore::take_every_part(self, key, &parts, &opts, false).await
@@ -1145,7 +1157,7 @@ fn keep_lock_identities(old: &Config, next: &Config, retired: &Retired) -> Resul
                 format!(
                     "cannot change from {} to {} in a reload: holders of the old buckets would \
                      not be excluded by acquire_all_buckets. Introduce a new namespace with the \
-                     new count and a `key-prefix` of its own, and move callers to it",
+                     new count and move callers to it",
                     before.buckets, ns.buckets
                 ),
             )

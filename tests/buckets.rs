@@ -369,3 +369,41 @@ async fn a_whole_key_hold_not_taken_keeps_no_bucket_for_its_minimum_hold() {
 }
 
 crate::worker_entry! { "buyer" => buyer() }
+
+/// A whole-key hold taken through a namespace that buckets keys into 4 excludes a bucket that
+/// another namespace of the same scope counts past them (and one whose prefix the lock's name
+/// begins with). Before, it took only its own 4: a caller of the 32-bucket namespace sold
+/// from bucket 9 during a restock.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_whole_key_hold_excludes_the_buckets_another_namespace_of_its_scope_counts() {
+    let namespaces = "namespaces:\n  four:\n    buckets: 4\n  many:\n    buckets: 32\n  \
+                      team:\n    buckets: 8\n    key-prefix: t/\n";
+    let (_cluster, router, yaml) = common::start(1, namespaces).await;
+    let other = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let whole = router
+        .acquire_all_buckets("t/sku:1", AcquireOptions::new().namespace("four"))
+        .await
+        .unwrap();
+    assert_eq!(
+        whole.len(),
+        32,
+        "every bucket any namespace of its scope counts"
+    );
+    for (namespace, key, buckets) in [("many", "t/sku:1", 32), ("team", "sku:1", 8)] {
+        let hint = (0..)
+            .map(|i| format!("user:{i}"))
+            .find(|h| shardlock_core::bucket_for(h.as_bytes(), buckets) >= 4)
+            .unwrap();
+        let opts = AcquireOptions::new()
+            .namespace(namespace)
+            .wait(Duration::ZERO);
+        let beside = other.acquire_bucket(key, &hint, opts).await;
+        assert!(
+            matches!(beside, Err(shardlock::Error::Timeout { .. })),
+            "a bucket of namespace {namespace} was granted beside a whole-key hold: {beside:?}"
+        );
+    }
+    for guard in whole {
+        guard.release().await.unwrap();
+    }
+}

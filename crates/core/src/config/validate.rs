@@ -14,7 +14,8 @@ use crate::BreakerConfig;
 impl Config {
     /// Checks values that parse but make no sense. The error names the field.
     ///
-    /// Durations longer than [`MAX_DURATION`] are refused first; then sections are checked in
+    /// Texts and paths given empty are refused first, then durations longer than
+    /// [`MAX_DURATION`]; then sections are checked in
     /// the order the struct declares them, and the first error wins: a file with several
     /// mistakes reports them one at a time, always in the same order.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -527,28 +528,6 @@ fn check_namespaces(namespaces: &BTreeMap<String, NamespaceConfig>) -> Result<()
                 ));
             }
         }
-        // Namespaces that scope keys alike (the same prefix, or none) and bucket them bucket
-        // them alike: `acquire_all_buckets` in one takes only the buckets it counts, and a
-        // holder of a bucket the other counts past them would run beside it. (One bucket is
-        // no bucketing: a plain lock of a key is another lock than its buckets.)
-        let other_count = namespaces.iter().find(|(other, o)| {
-            *other < name
-                && o.key_prefix == ns.key_prefix
-                && o.buckets != ns.buckets
-                && o.buckets > 1
-                && ns.buckets > 1
-        });
-        if let Some((other, o)) = other_count {
-            return Err(ConfigError::field(
-                field("buckets"),
-                format!(
-                    "{} here, {} in namespaces.{other}, which scopes keys alike: their \
-                     whole-key holds would not exclude each other's buckets. Give one of them \
-                     its own `key-prefix`, or both the same count",
-                    ns.buckets, o.buckets
-                ),
-            ));
-        }
     }
     Ok(())
 }
@@ -858,25 +837,6 @@ mod tests {
         assert!(Config::from_yaml_str(&yaml("")).is_ok());
         let e = Config::from_yaml_str(&yaml("?socket=/run/mysqld/mysqld.sock")).unwrap_err();
         assert_eq!(e.field.as_deref(), Some("shards[0].url"), "{e}");
-    }
-
-    /// Two namespaces that scope keys alike and bucket them differently are refused: a whole
-    /// key taken in one would not exclude a bucket the other counts past it.
-    #[test]
-    fn namespaces_that_scope_keys_alike_must_bucket_them_alike() {
-        let with = |extra: &str| Config::from_yaml_str(&format!("{GOOD}{extra}"));
-        let e = with("  stock4:\n    buckets: 4\n  stock32:\n    buckets: 32\n").unwrap_err();
-        assert_eq!(e.field.as_deref(), Some("namespaces.stock4.buckets"), "{e}");
-        let e = with(
-            "  a:\n    buckets: 4\n    key-prefix: a/\n  b:\n    buckets: 8\n    key-prefix: a/\n",
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("scopes keys alike"), "{e}");
-        // GOOD's `stock` has no prefix and one bucket: no bucketing, nothing to agree on.
-        assert!(with("  stock32:\n    buckets: 32\n").is_ok());
-        assert!(
-            with("  s4:\n    buckets: 4\n  s32:\n    buckets: 32\n    key-prefix: s32/\n").is_ok()
-        );
     }
 
     #[test]
