@@ -133,11 +133,15 @@ impl KeyScope {
     }
 }
 
-/// Whether `key` reads as a key's label (`#` and 16 hex digits, as `list` and telemetry show a
-/// key stored as a digest) rather than a key.
+/// Whether `key` reads as a key's label (`#` and 16 lowercase hex digits, as `list` and
+/// telemetry show a key stored as a digest) rather than a key.
 fn is_label(key: &str) -> bool {
-    key.strip_prefix('#')
-        .is_some_and(|hex| hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+    key.strip_prefix('#').is_some_and(|hex| {
+        hex.len() == 16
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
 }
 
 impl Command {
@@ -416,13 +420,13 @@ async fn run_command(
             // places the key on.
             let held = router.holders_of_key(&lock).await?;
             if held.is_empty() && is_label(&key) {
-                return Err(failure::fail(
-                    failure::Exit::Usage,
-                    format!(
-                        "nobody holds `{key}`, which reads as the label `list` shows for a key too \
-                         long to show (a digest): it cannot name that key; give the key itself"
-                    ),
-                ));
+                // Said, not refused: it may be a key of its own, and a cleanup script's
+                // `release --force` of a free key succeeds.
+                eprintln!(
+                    "note: nobody holds `{key}`, which reads as the label `list` shows for a key \
+                     too long to show (a digest); a label cannot name that key: give the key \
+                     itself"
+                );
             }
             if held.is_empty() {
                 output::force_released(&lock, &router.shard_for_key(&lock), &[], cli.json);

@@ -275,7 +275,7 @@ pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
                 ));
             }
             if let Some(e) = &s.error {
-                line.push_str(&format!(" [stopped: {e}]"));
+                line.push_str(&format!(" [stopped: {}]", shown(&e.to_string())));
             }
             line
         })
@@ -368,7 +368,7 @@ pub(crate) fn inspect(
                 );
             }
         }
-        Err(why) => println!("elsewhere: not read ({why})"),
+        Err(why) => println!("elsewhere: not read ({})", shown(&why.to_string())),
     }
 }
 
@@ -445,7 +445,7 @@ pub(crate) fn list(listing: &shardlock::Listing, as_json: bool) {
         println!("(more leases match: raise --limit or narrow --prefix)");
     }
     for (shard, e) in &listing.failed {
-        println!("{shard}: not read: {}", e.report());
+        println!("{shard}: not read: {}", shown(&e.report().to_string()));
     }
 }
 
