@@ -855,7 +855,8 @@ impl LockRouter {
     /// deadlock. Every bucket any namespace may take of the lock: as many as the most that a
     /// namespace whose scope holds it counts (the same `key-prefix`, one the lock's name begins
     /// with, or none), so that a bucket taken through another namespace than `opts`' is
-    /// excluded too. The wait of `opts` covers all of them; on failure the buckets already taken
+    /// excluded too: the guards may outnumber `opts`' namespace's `buckets` (pick rows by
+    /// [`LockGuard::bucket`]). The wait of `opts` covers all of them; on failure the buckets already taken
     /// are given back. Returns the guards in bucket order, each still held once the last was
     /// taken (one may have ended meanwhile: a short ttl, a pause; then all are given back and
     /// taken again within the wait).
@@ -1157,8 +1158,38 @@ fn keep_lock_identities(old: &Config, next: &Config, retired: &Retired) -> Resul
                 format!(
                     "cannot change from {} to {} in a reload: holders of the old buckets would \
                      not be excluded by acquire_all_buckets. Introduce a new namespace with the \
-                     new count and move callers to it",
+                     new count and move callers to it (a reload adds one only within the count \
+                     its scope has; restart the fleet to add more)",
                     before.buckets, ns.buckets
+                ),
+            )
+            .into());
+        }
+    }
+    // A namespace added may not bucket a key into more than the namespaces in force count
+    // for it: a whole-key hold taken before the reload (or while it lands) holds only the
+    // buckets they count, and would not exclude the new namespace's past them. The key that
+    // reaches the fewest: for a prefix, the namespaces of that prefix and those without one;
+    // without a prefix, those without one.
+    for (name, ns) in &next.namespaces {
+        if old.namespaces.contains_key(name) || ns.buckets <= 1 {
+            continue;
+        }
+        let counted = (old.namespaces.values())
+            .filter(|o| o.key_prefix.is_none() || o.key_prefix == ns.key_prefix)
+            .map(|o| o.buckets)
+            .max()
+            .unwrap_or(1);
+        if ns.buckets > counted {
+            return Err(shardlock_core::ConfigError::field(
+                format!("namespaces.{name}.buckets"),
+                format!(
+                    "a namespace added in a reload may bucket keys into at most {counted} (the \
+                     most the namespaces in force count for its keys), not {}: a whole-key hold \
+                     taken before the reload would not exclude its buckets past those. Restart \
+                     the fleet with it instead (a process started with it grants nothing until \
+                     every process runs it)",
+                    ns.buckets
                 ),
             )
             .into());

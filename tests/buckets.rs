@@ -407,3 +407,46 @@ async fn a_whole_key_hold_excludes_the_buckets_another_namespace_of_its_scope_co
         guard.release().await.unwrap();
     }
 }
+
+/// A reload may not add a namespace that buckets keys past what the namespaces in force count
+/// for them: a whole-key hold taken before it holds only those buckets. Within that count it
+/// may, and the hold then excludes the new namespace's buckets.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_adds_no_namespace_bucketing_past_what_whole_key_holds_hold() {
+    let four = "namespaces:\n  four:\n    buckets: 4\n";
+    let (_cluster, router, yaml) = common::start(1, four).await;
+    let whole = router
+        .acquire_all_buckets("sku:1", AcquireOptions::new().namespace("four"))
+        .await
+        .unwrap();
+    for (added, field) in [
+        ("  many:\n    buckets: 32\n", "namespaces.many.buckets"),
+        (
+            "  team:\n    buckets: 8\n    key-prefix: t/\n",
+            "namespaces.team.buckets",
+        ),
+    ] {
+        let config = shardlock::Config::from_yaml_str(&format!("{yaml}{added}")).unwrap();
+        match router.reload(config).await {
+            Err(shardlock::Error::Config(e)) => assert_eq!(e.field.as_deref(), Some(field)),
+            other => panic!("a namespace bucketing past a whole-key hold was added: {other:?}"),
+        }
+    }
+    let config =
+        shardlock::Config::from_yaml_str(&format!("{yaml}  two:\n    buckets: 2\n")).unwrap();
+    router.reload(config).await.unwrap();
+    let beside = router
+        .acquire_bucket(
+            "sku:1",
+            "user:1",
+            AcquireOptions::new().namespace("two").wait(Duration::ZERO),
+        )
+        .await;
+    assert!(
+        matches!(beside, Err(shardlock::Error::Timeout { .. })),
+        "a bucket of the added namespace was granted beside a whole-key hold: {beside:?}"
+    );
+    for guard in whole {
+        guard.release().await.unwrap();
+    }
+}
