@@ -102,7 +102,7 @@ impl LockRouter {
     /// `owner` takes at most 191 bytes ([`shardlock_core::Error::InvalidArgument`] otherwise).
     pub async fn cas_acquire(&self, key: &str, owner: &str) -> Result<Option<CasGuard>> {
         let lock_key = LockKey::new(key)?;
-        super::check_name("owner", owner, owner.len())?;
+        super::check_fits("owner", owner.len(), owner.len(), super::MAX_NAME_BYTES)?;
         let lapses = self.joined(&lock_key)?;
         let Some(runtime) = self.inner.shared.runtime() else {
             return self.cas_acquire_here(&lock_key, key, owner, lapses).await;

@@ -8,7 +8,7 @@ use shardlock_core::{Backoff, LockKey, Result};
 use shardlock_mysql::{ClaimedJob, JobEnd};
 use tokio::sync::watch;
 
-use super::may_have_acted;
+use super::{check_fits, may_have_acted, MAX_NAME_BYTES};
 use crate::clock::Moment;
 use crate::queue::Want;
 use crate::shard::ShardState;
@@ -233,17 +233,8 @@ impl LockRouter {
         max_retries: u32,
     ) -> Result<u64> {
         let key = LockKey::new(queue)?;
-        for (name, len, most) in [
-            ("queue", queue.len(), MAX_QUEUE_BYTES),
-            ("payload", payload.len(), MAX_PAYLOAD_BYTES),
-        ] {
-            if len > most {
-                return Err(shardlock_core::Error::InvalidArgument {
-                    name,
-                    reason: format!("{len} bytes; at most {most} fit in its column"),
-                });
-            }
-        }
+        check_fits("queue", queue.len(), queue.len(), MAX_QUEUE_BYTES)?;
+        check_fits("payload", payload.len(), payload.len(), MAX_PAYLOAD_BYTES)?;
         self.check_joined(&key)?;
         let shard = self.state_for(&key);
         // A request id in `origin` (unique): a retry after a lost reply finds the job the
@@ -286,21 +277,13 @@ impl LockRouter {
         lease: Duration,
     ) -> Result<Option<Job>> {
         let key = LockKey::new(queue)?;
-        if queue.len() > MAX_QUEUE_BYTES {
-            return Err(shardlock_core::Error::InvalidArgument {
-                name: "queue",
-                reason: format!(
-                    "{} bytes; at most {MAX_QUEUE_BYTES} fit in its column (no job can be on it)",
-                    queue.len()
-                ),
-            });
-        }
+        check_fits("queue", queue.len(), queue.len(), MAX_QUEUE_BYTES)?;
         self.check_joined(&key)?;
         let (n, claim_no) = self.inner.shared.next_owner();
         let claim = format!("{worker}@{claim_no}");
         // Judged with the longest claim number: a name that fits now fits for good.
         let longest = claim.len() - n.to_string().len() + u64::MAX.to_string().len();
-        super::check_name("worker", worker, longest)?;
+        check_fits("worker", worker.len(), longest, MAX_NAME_BYTES)?;
         // While a reload's move is in progress, the shards the queue lived on before first,
         // then its shard: the move carries their jobs over (written there, then deleted here),
         // so a job carried between two of these reads is found by the later one. (The other

@@ -88,20 +88,17 @@ impl LockRouter {
 /// columns' width, `VARBINARY(191)`.
 const MAX_NAME_BYTES: usize = 191;
 
-/// `Ok` when `value`, written in a column of [`MAX_NAME_BYTES`], fits; else the error naming the
-/// argument, before any statement (the server would refuse it as data too long, which reads as
-/// the shard failing).
-fn check_name(name: &'static str, value: &str, written: usize) -> Result<()> {
-    if written <= MAX_NAME_BYTES {
+/// `Ok` when the argument `name` (`len` bytes), written as `written` bytes with what this
+/// router adds to it, fits a column of `most`; else the error naming it, before any statement
+/// (the server would refuse it as data too long, which reads as the shard failing).
+fn check_fits(name: &'static str, len: usize, written: usize, most: usize) -> Result<()> {
+    if written <= most {
         return Ok(());
     }
-    let room = MAX_NAME_BYTES.saturating_sub(written - value.len());
+    let room = most.saturating_sub(written - len);
     Err(Error::InvalidArgument {
         name,
-        reason: format!(
-            "{} bytes; at most {room} fit in the column it is written to",
-            value.len()
-        ),
+        reason: format!("{len} bytes; at most {room} fit in the column it is written to"),
     })
 }
 
