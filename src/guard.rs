@@ -757,8 +757,8 @@ pub(crate) async fn release_through_shard(
     }
     drop(turn);
     match result {
-        // A row nobody holds counts as released (ours may have been freed by a first try
-        // whose reply was lost); a lease the keeper already found lost stays lost.
+        // Freed by this release (or by its first try, whose reply was lost: the row shows its
+        // tombstone); a lease the keeper already found lost stays lost.
         Ok(ReleaseAnswer::Released) if !lease.is_lost() => Ok(()),
         // Another owner holds the row after a release that may have freed it (a first try
         // whose reply was lost, a batch that freed rows it cannot tell apart). If the lease

@@ -114,7 +114,7 @@ async fn a_give_back_behind_a_locked_row_never_reopens_the_breaker() {
 /// the row free and answers released, not "lost"; so does one whose retry finds the key
 /// already taken by another owner, which the lost try had freed it for (the lease could not
 /// have ended yet). A lease force-released behind its holder's back still answers
-/// `LockLost`, although its row is just as free.
+/// `LockLost`, although its row is just as free, also when its release's reply is lost.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_release_whose_reply_was_lost_answers_released() {
     let (cluster, direct, _) = common::start(1, "cleaner:\n  registry: static\n").await;
@@ -153,6 +153,21 @@ async fn a_release_whose_reply_was_lost_answers_released() {
     let err = guard.release().await.unwrap_err();
     assert!(matches!(err, shardlock::Error::LockLost { .. }), "{err}");
     assert_eq!(router.stats().lost, 1);
+
+    // Force-released, then the release's reply lost: its retry finds the row freed, but by
+    // force (no owner at all), not by its first try (which leaves its tombstone).
+    let guard = router.acquire("g", AcquireOptions::new()).await.unwrap();
+    direct
+        .force_release("g")
+        .await
+        .unwrap()
+        .expect("force-released");
+    proxy.set(ProxyMode::LoseOneReply);
+    let answer = guard.release().await;
+    assert_eq!(proxy.mode(), ProxyMode::Pass, "a reply was lost");
+    let err = answer.expect_err("a lease revoked before its release was answered as released");
+    assert!(matches!(err, shardlock::Error::LockLost { .. }), "{err}");
+    assert_eq!(router.stats().lost, 2);
 }
 
 /// A force-release whose reply is lost after the server freed the key is sent again and

@@ -322,9 +322,9 @@ fn released_rows(
         })
         .collect();
     let own = |owner: &Option<Vec<u8>>, of: &str| {
-        owner.as_deref().is_some_and(|o| {
-            o.len() == of.len() && o.first() == Some(&b':') && o[1..] == of.as_bytes()[1..]
-        })
+        owner
+            .as_deref()
+            .is_some_and(|o| crate::lease::is_own_tombstone(o, of))
     };
     let ours = leases
         .iter()

@@ -787,10 +787,15 @@ const OWNER: &str = "SELECT owner FROM shardlock_lease WHERE lock_key = ?";
 pub(crate) enum Released {
     /// The statement freed the owner's row.
     Freed,
-    /// Nobody holds the key: its row was freed (or deleted) before. By an earlier try of the
-    /// same release whose reply was lost, or by someone else (a force-release, the cleaner):
-    /// only the caller can tell.
+    /// Nobody holds the key: its row was freed (or deleted) before, and shows no sign of
+    /// whom by (another owner's tombstone, no row). By an earlier try of the same release whose
+    /// reply was lost (the row then taken and released since, or swept), or by someone else
+    /// (a force-release, the cleaner): only the caller can tell, by whether its lease could
+    /// have ended.
     Free,
+    /// Nobody holds the key and its row has no owner: a force-release freed it (a release
+    /// leaves its tombstone), not this release's earlier try.
+    Revoked,
     /// Another owner holds the key.
     Taken,
     /// Another owner holds the key, perhaps since the statement freed it for them: a batch
@@ -804,7 +809,8 @@ pub enum ReleaseAnswer {
     /// The owner's row is free: this call freed it, or its first try did (its reply was lost
     /// and the retry found the row free).
     Released,
-    /// Another owner holds the row after a release that may have freed it: a first try whose
+    /// Another owner holds the row (or none does, and nothing shows who freed it: another
+    /// owner's tombstone, no row) after a release that may have freed it: a first try whose
     /// reply was lost, or a batch release that freed rows it cannot tell apart. That release
     /// freed it and someone took it since, or the lease had ended before. The server cannot
     /// tell these apart; the caller can, by whether its lease could have ended by now (a
@@ -843,10 +849,20 @@ pub(crate) async fn release(
         return Ok(Released::Freed);
     }
     let now: Option<Option<Vec<u8>>> = conn.exec_first(OWNER, (key,)).await?;
-    Ok(match holding_owner(now.flatten()) {
-        Some(_) => Released::Taken,
-        None => Released::Free,
+    Ok(match now {
+        // This release's own tombstone: an earlier try of it freed the row.
+        Some(Some(o)) if is_own_tombstone(&o, owner) => Released::Freed,
+        Some(o) if names_holder(&o) => Released::Taken,
+        // A row with no owner at all: a force-release (a plain release leaves a tombstone),
+        // unless this release keeps the row for a while, whose earlier try may have set it so.
+        Some(None) if at_least.is_none() => Released::Revoked,
+        _ => Released::Free,
     })
+}
+
+/// Whether the owner column `o` is `of`'s tombstone: the row `of` held, released by it.
+pub(crate) fn is_own_tombstone(o: &[u8], of: &str) -> bool {
+    o.len() == of.len() && o.first() == Some(&TOMBSTONE_MARK) && o[1..] == of.as_bytes()[1..]
 }
 
 /// What a renewal found.

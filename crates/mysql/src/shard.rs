@@ -1399,13 +1399,19 @@ impl Shard {
     }
 }
 
-/// What a release that found `found` answers: released for a row it freed, or a free row
-/// after a try that may have freed it (`after_unknown`: its reply was lost).
+/// What a release that found `found` answers: released for a row it freed; after a try that
+/// may have freed it (`after_unknown`: its reply was lost), a row another owner holds or one
+/// that tells nothing of who freed it is for the caller to judge (by whether its lease could
+/// have ended); a row freed by force never was this release's.
 fn released(found: Released, after_unknown: bool) -> ReleaseAnswer {
     match (found, after_unknown) {
-        (Released::Freed, _) | (Released::Free, true) => ReleaseAnswer::Released,
-        (Released::Taken, true) | (Released::TakenSince, _) => ReleaseAnswer::TakenAfterLostReply,
-        (Released::Free | Released::Taken, false) => ReleaseAnswer::NotHeld,
+        (Released::Freed, _) => ReleaseAnswer::Released,
+        (Released::Free | Released::Taken, true) | (Released::TakenSince, _) => {
+            ReleaseAnswer::TakenAfterLostReply
+        }
+        (Released::Free | Released::Taken, false) | (Released::Revoked, _) => {
+            ReleaseAnswer::NotHeld
+        }
     }
 }
 
