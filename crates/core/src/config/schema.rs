@@ -378,10 +378,14 @@ pub(crate) fn url_user(url: &str) -> Option<&str> {
     Some(rest[..at].split(':').next().unwrap_or_default())
 }
 
-/// Whether a shard's `url` holds a password (`mysql://user:password@…`).
+/// Whether a shard's `url` holds a password (`mysql://user:password@…`; an empty one, as a
+/// variable set to nothing leaves, is none).
 pub(crate) fn url_has_password(url: &str) -> bool {
     url.strip_prefix("mysql://")
-        .and_then(|rest| Some(rest[..credentials_end(rest)?].contains(':')))
+        .and_then(|rest| {
+            let (_, password) = rest[..credentials_end(rest)?].split_once(':')?;
+            Some(!password.is_empty())
+        })
         .unwrap_or(false)
 }
 

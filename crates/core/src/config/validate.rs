@@ -599,7 +599,31 @@ fn check_cleaner(c: &CleanerConfig) -> Result<(), ConfigError> {
             "must be at least 1h and at least heartbeat-timeout: only rows that no process of any \
              fleet sharing these shards can still count as alive may go",
         ),
-    ])
+    ])?;
+    check_live_instances(c)
+}
+
+/// `live-instances` are instance ids, matched against the first part of each owner: an entry
+/// that can be no such id (empty, too long, an owner pasted whole) never matches, and the
+/// holders it was meant to keep would count as dead. Read only by the `static` registry.
+fn check_live_instances(c: &CleanerConfig) -> Result<(), ConfigError> {
+    if c.registry != RegistryKind::Static && !c.live_instances.is_empty() {
+        return Err(ConfigError::field(
+            "cleaner.live-instances",
+            "is read only with `registry: static` (this registry is heartbeat, whose \
+             instances say themselves that they live): remove it, or set the registry",
+        ));
+    }
+    for (i, id) in c.live_instances.iter().enumerate() {
+        if id.is_empty() || id.len() > 100 || id.contains(':') {
+            return Err(ConfigError::field(
+                format!("cleaner.live-instances[{i}]"),
+                "must be an instance id, 1 to 100 bytes without ':' (an owner's first part, \
+                 as `instance.id` sets it)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A router stops granting once its latest heartbeat is `timeout / (1 + clock-drift) −
@@ -819,6 +843,15 @@ mod tests {
         }
         let e = shard("mysql://:pw@127.0.0.1:3306/db", "").unwrap_err();
         assert_eq!(e.field.as_deref(), Some("shards[0].url"), "{e}");
+        // An empty password in the URL (a variable set to nothing) is no password beside
+        // `password-file`.
+        let file = shard("mysql://app:@127.0.0.1:3306/db", "    password-file: /pw\n");
+        assert!(file.is_ok(), "{file:?}");
+        let both = shard(
+            "mysql://app:pw@127.0.0.1:3306/db",
+            "    password-file: /pw\n",
+        );
+        assert_eq!(both.unwrap_err().field.as_deref(), Some("shards[0].url"));
         let socket = "mysql://db:3306/locks?socket=/run/mysqld/mysqld@main.sock";
         let given = shard(socket, "    user: app\n    password: x\n");
         assert!(given.is_ok(), "{given:?}");
@@ -900,6 +933,30 @@ mod tests {
         }
         let year = format!("cleaner:\n  instance-retention: 365d\n{GOOD}");
         Config::from_yaml_str(&year).unwrap();
+    }
+
+    /// Entries of `live-instances` are instance ids, and only the static registry reads them.
+    #[test]
+    fn live_instances_are_instance_ids_read_by_the_static_registry() {
+        let cleaner = |more: &str| {
+            Config::from_yaml_str(&format!(
+                "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:3306/db\ncleaner:\n{more}"
+            ))
+        };
+        assert!(cleaner("  registry: static\n  live-instances: [w1, w2]\n").is_ok());
+        assert!(cleaner("  live-instances: []\n").is_ok());
+        for (entries, field) in [
+            ("[w1, \"\"]", "cleaner.live-instances[1]"),
+            ("[\"svc:ab12:7\"]", "cleaner.live-instances[0]"),
+        ] {
+            let e = cleaner(&format!(
+                "  registry: static\n  live-instances: {entries}\n"
+            ))
+            .unwrap_err();
+            assert_eq!(e.field.as_deref(), Some(field), "{entries}: {e}");
+        }
+        let e = cleaner("  live-instances: [w1]\n").unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("cleaner.live-instances"), "{e}");
     }
 
     #[test]
