@@ -154,9 +154,10 @@ impl LockRouter {
         Ok(report)
     }
 
-    /// Runs [`LockRouter::clean_once`] every `cleaner.interval` until `stop` completes,
-    /// handing each report to `on_report`; then gives the cleaner lock back. Errors of a pass
-    /// are logged and the next pass runs as planned.
+    /// Runs [`LockRouter::clean_once`] every `cleaner.interval` until `stop` completes (also
+    /// during a pass, which then ends where it is), handing each report to `on_report`; then
+    /// gives the cleaner lock back. Errors of a pass are logged and the next pass runs as
+    /// planned.
     ///
     /// Cancellation: as for [`LockRouter::clean_once`] during a pass. Dropped instead of ended by
     /// `stop`, it does not give the cleaner lock back: this router keeps holding (and renewing) it,
@@ -168,7 +169,14 @@ impl LockRouter {
     ) {
         tokio::pin!(stop);
         loop {
-            match self.clean_once().await {
+            // `stop` ends a pass under way too (see `clean_once` on cancellation): a pass over
+            // millions of rows may outlast a service manager's stop timeout, whose kill would
+            // leave the cleaner lock and this instance's registry row to time out.
+            let pass = tokio::select! {
+                _ = &mut stop => break,
+                pass = self.clean_once() => pass,
+            };
+            match pass {
                 Ok(report) => on_report(&report),
                 Err(e) => {
                     tracing::error!(error = %shardlock_core::Report(&e), "shardlock cleaner pass failed")
@@ -233,21 +241,44 @@ impl LockRouter {
     ///
     /// Cancellation: reads only; nothing changes.
     pub async fn holders_of_key(&self, key: &LockKey) -> Result<Vec<(String, LeaseRow)>> {
-        let mut held = Vec::new();
+        Ok(self.search_holders(key).await?.held)
+    }
+
+    /// Whether the live instances of this router's fleet (by the heartbeat registry, whatever
+    /// this router's own `cleaner.registry`) run another topology than its config, or move
+    /// keys after a reload: then a key may be held where this router does not look. What
+    /// an operator tool checks before it says who holds a key or evicts one. `None` when
+    /// they all run it; otherwise which do not, or why the registry could not be read.
+    ///
+    /// Cancellation: reads only; nothing changes.
+    pub async fn fleet_disagreement(&self) -> Option<String> {
+        let topology = self.inner.topology.load_full();
+        crate::registry::tool_disagreement(&topology, &self.inner.shared).await
+    }
+
+    /// [`LockRouter::holders_of_key`], saying which shards where the key does not live did
+    /// not answer: a holder under another config may be there unseen (what an operator
+    /// deciding that nobody holds a key must be told).
+    ///
+    /// Cancellation: reads only; nothing changes.
+    pub async fn search_holders(&self, key: &LockKey) -> Result<HolderSearch> {
+        let mut found = HolderSearch::default();
         for (shard, placed) in self.shards_holding(key) {
             let row = match shard.unguarded().inspect(key.stored()).await {
                 Ok(row) => row,
                 Err(e) if !placed => {
                     passed_over(&shard, &e);
+                    let why = shardlock_core::Report(&e).to_string();
+                    found.unread.push((shard.name().to_owned(), why));
                     continue;
                 }
                 Err(e) => return Err(e.into_error(shard.name())),
             };
             if let Some(row) = row.filter(|r| r.owner.is_some()) {
-                held.push((shard.name().to_owned(), row));
+                found.held.push((shard.name().to_owned(), row));
             }
         }
-        Ok(held)
+        Ok(found)
     }
 
     /// Where a row of `key` may be held, each database once: its current shard and those it
@@ -597,6 +628,17 @@ fn nonce_of(owner: &str) -> Option<&str> {
 
 /// [`LockRouter::force_release`] on one shard, of `expected`'s lease only if given.
 /// Warns of a shard where a key does not live that did not answer a look for its rows.
+/// Where [`LockRouter::search_holders`] found a key held, and where it could not look.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct HolderSearch {
+    /// Each shard holding a row of the key with an owner (held, or ended and not yet freed).
+    pub held: Vec<(String, LeaseRow)>,
+    /// Shards where the key does not live under this config that did not answer, with the
+    /// error.
+    pub unread: Vec<(String, String)>,
+}
+
 fn passed_over(shard: &ShardState, e: &(dyn std::error::Error + 'static)) {
     tracing::warn!(shard = shard.name(), error = %shardlock_core::Report(e), "shardlock could not look for the key on a shard where it does not live; passed over");
 }

@@ -29,7 +29,7 @@ mod topology;
 #[cfg(feature = "tower")]
 pub mod tower;
 
-pub use cleaner::{CleanerReport, ForceReleased, ShardCleaned, CLEANER_LOCK_KEY};
+pub use cleaner::{CleanerReport, ForceReleased, HolderSearch, ShardCleaned, CLEANER_LOCK_KEY};
 pub use election::{Leader, Leadership};
 pub use fence::fenced_exec;
 pub use guard::{LockGuard, LockMode, LOCAL_FENCE_BIT};

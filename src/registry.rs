@@ -130,6 +130,15 @@ async fn live_fleet(
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
         return Ok(None);
     }
+    read_live_fleet(topology, me).await.map(Some)
+}
+
+/// [`live_fleet`] read whatever `topology`'s registry is: an operator tool's router has none
+/// of its own, and its fleet's processes may heartbeat all the same.
+async fn read_live_fleet(
+    topology: &Topology,
+    me: &Shared,
+) -> std::result::Result<Vec<InstanceRow>, String> {
     let fleet = topology.config.instance.fleet();
     let timeout = topology.config.cleaner.heartbeat_timeout;
     let shards = topology.registry_shards();
@@ -167,7 +176,27 @@ async fn live_fleet(
             && !(row.instance_id == me.instance_id && row.nonce.as_deref() == Some(me.nonce()))
             && row.fleet.as_deref() == Some(fleet)
     });
-    Ok(Some(rows))
+    Ok(rows)
+}
+
+/// For an operator tool whose view of where keys live is its config's: the live instances
+/// of its fleet (heartbeat registry) that run another topology than `topology`, or move
+/// keys, described; or why the registry could not be read. `None` when all run it.
+pub(crate) async fn tool_disagreement(topology: &Topology, me: &Shared) -> Option<String> {
+    let others = match read_live_fleet(topology, me).await {
+        Ok(rows) => other_topologies(topology, rows),
+        Err(why) => return Some(why),
+    };
+    (!others.is_empty()).then(|| {
+        format!(
+            "live instances of fleet `{}` do not run this config's topology ({}) as it is: {}. \
+             A key may be held where this config does not look: run the command with the \
+             fleet's config",
+            topology.config.instance.fleet(),
+            topology.fingerprint,
+            others.into_iter().collect::<Vec<_>>().join("; ")
+        )
+    })
 }
 
 /// Which database each current shard name of `topology` reaches, as a digest (FNV-1a, 64
@@ -406,7 +435,7 @@ pub(crate) async fn laggards(
         format!(
             "instances of this fleet run another topology than this process ({own}): {}; put \
              every instance on one config (reload them with this process's, or this process \
-             with theirs; a `shardlock cleaner` takes a new config only by a restart)",
+             with theirs; a `shardlock cleaner` reloads its file on SIGHUP)",
             lagging.into_iter().collect::<Vec<_>>().join("; ")
         )
     })

@@ -642,26 +642,25 @@ impl LockRouter {
             while hangups.recv().await.is_some() {
                 let Some(inner) = weak.upgrade() else { return };
                 let router = LockRouter { inner };
-                let read = shardlock_core::config::read_file(&path)
-                    .and_then(|text| Ok((Config::from_yaml_text(&text, &path)?, text)));
-                match read {
-                    Ok((config, text)) => {
-                        // Errors the reload finds name a field: placed in the file as a parse
-                        // error is.
-                        let placed = |e| match e {
-                            Error::Config(e) => Error::Config(e.located(&text, Some(&path))),
-                            e => e,
-                        };
-                        if let Err(e) = router.reload(config).await.map_err(placed) {
-                            tracing::error!(error = %shardlock_core::Report(&e), "shardlock reload failed; the old topology stays");
-                        }
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %shardlock_core::Report(&e), "shardlock reload rejected; the old topology stays")
-                    }
+                if let Err(e) = router.reload_from_file(&path).await {
+                    tracing::error!(error = %shardlock_core::Report(&e), "shardlock reload failed; the old topology stays");
                 }
             }
         }))
+    }
+
+    /// [`LockRouter::reload`] with the config in the YAML file at `path`, as
+    /// [`LockRouter::reload_on_sighup`] reloads it: an error the reload finds in a field is
+    /// placed in the file, as a parse error is.
+    ///
+    /// Cancellation: as for [`LockRouter::reload`].
+    pub async fn reload_from_file(&self, path: &std::path::Path) -> Result<()> {
+        let text = shardlock_core::config::read_file(path)?;
+        let config = Config::from_yaml_text(&text, path)?;
+        self.reload(config).await.map_err(|e| match e {
+            Error::Config(e) => Error::Config(e.located(&text, Some(path))),
+            e => e,
+        })
     }
 
     /// Earlier placements still in force: their move window is open, or the fences of the

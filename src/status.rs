@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use shardlock_core::{BreakerState, Error, LockKey, Result, Transition};
+use shardlock_core::{BreakerState, LockKey, Result, Transition};
 use shardlock_mysql::{LeaseRow, MigrateReport, PoolStatus};
 
 use crate::router::LockRouter;
@@ -59,25 +59,33 @@ impl LockRouter {
     /// connection goes back to the pool unmarked (reset, not discarded, at its next checkout) and
     /// may hold the migration lock (`GET_LOCK`) until then, stalling other `migrate` calls.
     pub async fn migrate(&self) -> Result<Vec<(String, MigrateReport)>> {
+        (self.migrate_each().await.into_iter())
+            .map(|(name, report)| Ok((name, report?)))
+            .collect()
+    }
+
+    /// [`LockRouter::migrate`], each shard's outcome apart: a shard that failed says nothing
+    /// of the others, which were migrated all the same (what an operator's report needs).
+    ///
+    /// Cancellation: as for [`LockRouter::migrate`].
+    pub async fn migrate_each(&self) -> Vec<(String, Result<MigrateReport>)> {
         let topology = self.inner.topology.load_full();
         // Those of moves in force too: the registry is read there.
         let shards = topology.registry_shards();
         let runs = shards.iter().map(|s| async move {
-            let report = s
-                .unguarded()
-                .migrate()
-                .await
-                .map_err(|e| e.into_error(s.name()))?;
+            let report = s.unguarded().migrate().await;
             // Read again for the heartbeat's servers digest: the shard id it names may be new.
-            if let Ok(identity) = s.unguarded().identity().await {
-                s.saw_identity(identity);
+            if report.is_ok() {
+                if let Ok(identity) = s.unguarded().identity().await {
+                    s.saw_identity(identity);
+                }
             }
-            Ok::<_, Error>((s.name().to_owned(), report))
+            (
+                s.name().to_owned(),
+                report.map_err(|e| e.into_error(s.name())),
+            )
         });
-        let mut out = Vec::new();
-        for result in join_all(runs).await {
-            out.push(result?);
-        }
+        let out = join_all(runs).await;
         // A router made before its shards were migrated could not heartbeat there, and
         // grants nothing until it has: it joins now rather than at its next retry. Every
         // router beats now too, with the servers digest read above: a heartbeat that raced
@@ -88,7 +96,7 @@ impl LockRouter {
         // placed keys either: it does now, before it joins.
         let _ = self.settle_placement().await;
         self.inner.beat_and_join(&mut Default::default()).await;
-        Ok(out)
+        out
     }
 
     /// The state of shard `name`'s breaker in this process (`None` for an unknown shard).
