@@ -97,9 +97,10 @@ pub(crate) fn report(error: &AnyError, json: bool) -> ExitCode {
         });
         eprintln!("{value}");
     } else {
-        eprintln!("error: {message}");
+        // Parts may quote what a shard or a file holds: escaped, as keys and owners are.
+        eprintln!("error: {}", crate::output::shown(&message));
         for cause in &causes {
-            eprintln!("  caused by: {cause}");
+            eprintln!("  caused by: {}", crate::output::shown(cause));
         }
     }
     ExitCode::from(exit as u8)

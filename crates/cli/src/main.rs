@@ -16,8 +16,11 @@ mod watch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use tokio::signal::unix::{signal, SignalKind};
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use shardlock::{Config, LockKey, LockRouter};
 
 /// Distributed locks stored in MySQL, spread over shards.
@@ -246,7 +249,20 @@ impl ConfigSource {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    quiet_on_closed_stdout();
+    let (cli, config_from_env) = match parse() {
+        Ok(parsed) => parsed,
+        Err(e) => return e,
+    };
+    if config_from_env && !cli.command.needs_config() {
+        let e = failure::fail(
+            failure::Exit::Usage,
+            "SHARDLOCK_CONFIG is set, and demo and bench write to the shards they run on (the \
+             demo's tables, the bench's rows): they take a deployment's config only from \
+             --config FILE; unset the variable to run them on the local dev shards",
+        );
+        return failure::report(&e, cli.json);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -260,17 +276,66 @@ fn main() -> ExitCode {
 
 pub(crate) type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The command line, and whether its config came from `SHARDLOCK_CONFIG` rather than
+/// `--config`. A usage error is printed as clap prints it, or as JSON with `--json`; help and
+/// the version are printed as asked.
+fn parse() -> Result<(Cli, bool), ExitCode> {
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
+    match parsed {
+        Ok((cli, matches)) => {
+            let from_env =
+                matches.value_source("config") == Some(clap::parser::ValueSource::EnvVariable);
+            Ok((cli, from_env))
+        }
+        Err(e) if e.use_stderr() && std::env::args_os().any(|a| a == "--json") => {
+            let message = e.kind().as_str().map_or_else(
+                || e.to_string().trim().to_owned(),
+                |kind| format!("{kind}: {}", e.to_string().trim()),
+            );
+            Err(failure::report(
+                &failure::fail(failure::Exit::Usage, message),
+                true,
+            ))
+        }
+        Err(e) => {
+            let _ = e.print();
+            Err(ExitCode::from(e.exit_code() as u8))
+        }
+    }
+}
+
+/// Output piped into a reader that stops early (`shardlock list | head`): Rust ignores
+/// SIGPIPE, so the next `println!` panics with "failed printing to stdout". The command ends
+/// there, quietly, as a command killed by SIGPIPE would (exit 141); every other panic is
+/// reported as before.
+fn quiet_on_closed_stdout() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = (info.payload().downcast_ref::<String>().map(String::as_str))
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        report(info);
+    }));
+}
+
 /// Asks `question` on stderr; true only for an answer of `y` or `yes`.
 fn confirm(question: &str) -> Result<bool, AnyError> {
     eprint!("{question} [y/N] ");
     let mut answer = String::new();
-    std::io::stdin().read_line(&mut answer)?;
+    if std::io::stdin().read_line(&mut answer)? == 0 {
+        // No answer (stdin closed): whatever is printed next starts a line of its own.
+        eprintln!();
+    }
     Ok(matches!(answer.trim(), "y" | "Y" | "yes"))
 }
 
-/// Completes on SIGTERM or SIGINT.
+/// Completes on SIGTERM or SIGINT (received from now on).
 fn stop_signal() -> Result<impl std::future::Future<Output = ()>, AnyError> {
-    use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     Ok(async move {
@@ -334,13 +399,26 @@ async fn run_command(
     match cli.command {
         Command::Migrate => {
             let router = source.tool_router().await?;
-            let reports = router.migrate().await?;
+            let reports = router.migrate_each().await;
             output::migrate(&reports, cli.json);
+            if reports.iter().any(|(_, r)| r.is_err()) {
+                return Err(failure::fail(
+                    failure::Exit::Unavailable,
+                    "some shards were not migrated (see above); the others were",
+                ));
+            }
         }
         Command::Status {
             watch: true,
             metrics,
         } => {
+            if cli.json {
+                return Err(failure::fail(
+                    failure::Exit::Usage,
+                    "status --watch redraws a screen; for JSON run `status --json` (once per \
+                     read)",
+                ));
+            }
             let router = source.tool_router().await?;
             watch::run(
                 &router,
@@ -368,14 +446,17 @@ async fn run_command(
             // Held elsewhere too (a fleet's move, a config older or newer than the fleet's):
             // where `release --force` would look. Not read is said, not an error: the row
             // on the key's own shard is the answer asked for.
-            let elsewhere = match router.holders_of_key(&lock).await {
-                Ok(held) => Ok(held
-                    .into_iter()
-                    .filter(|(on, row)| *on != shard && row.is_held())
-                    .collect()),
-                Err(e) => Err(shardlock::Report(&e).to_string()),
+            let (elsewhere, unread) = match router.search_holders(&lock).await {
+                Ok(found) => (
+                    Ok((found.held.into_iter())
+                        .filter(|(on, row)| *on != shard && row.is_held())
+                        .collect()),
+                    found.unread,
+                ),
+                Err(e) => (Err(shardlock::Report(&e).to_string()), Vec::new()),
             };
-            output::inspect(&lock, &shard, row.as_ref(), &elsewhere, cli.json);
+            let doubts = output::Doubts::of(&router, unread).await;
+            output::inspect(&lock, &shard, row.as_ref(), &elsewhere, &doubts, cli.json);
         }
         Command::List {
             held,
@@ -418,7 +499,9 @@ async fn run_command(
             // Wherever the config reaches: during a fleet's move, or with a config older or
             // newer than the fleet's, the holder may be on another shard than this config
             // places the key on.
-            let held = router.holders_of_key(&lock).await?;
+            let found = router.search_holders(&lock).await?;
+            let held = found.held;
+            let doubts = output::Doubts::of(&router, found.unread).await;
             if held.is_empty() && is_label(&key) {
                 // Said, not refused: it may be a key of its own, and a cleanup script's
                 // `release --force` of a free key succeeds.
@@ -428,8 +511,9 @@ async fn run_command(
                      itself"
                 );
             }
+            let home = router.shard_for_key(&lock);
             if held.is_empty() {
-                output::force_released(&lock, &router.shard_for_key(&lock), &[], cli.json);
+                output::force_released(&lock, &home, &[], &doubts, cli.json);
                 return Ok(());
             }
             let holders: Vec<String> = held
@@ -440,6 +524,13 @@ async fn run_command(
                     format!("by {owner} on {shard}")
                 })
                 .collect();
+            // Before the question, in text: they may change the answer (and are not said again).
+            let doubts = if !yes && !cli.json {
+                doubts.warn();
+                output::Doubts::default()
+            } else {
+                doubts
+            };
             if !yes
                 && !confirm(&format!(
                     "Force-release `{}`, held {}?",
@@ -462,11 +553,19 @@ async fn run_command(
                 owners.dedup();
                 let mut released = Vec::new();
                 for owner in owners {
-                    released.extend(
-                        router
-                            .force_release_owner_key_everywhere(&lock, owner)
-                            .await?,
-                    );
+                    match router
+                        .force_release_owner_key_everywhere(&lock, owner)
+                        .await
+                    {
+                        Ok(evicted) => released.extend(evicted),
+                        // Whom the owners before it were evicted from is said first.
+                        Err(e) => {
+                            if !released.is_empty() {
+                                output::force_released(&lock, &home, &released, &doubts, cli.json);
+                            }
+                            return Err(e.into());
+                        }
+                    }
                 }
                 if released.is_empty() {
                     return Err(failure::fail(
@@ -481,13 +580,29 @@ async fn run_command(
                 }
                 released
             };
-            output::force_released(&lock, &router.shard_for_key(&lock), &released, cli.json);
+            output::force_released(&lock, &home, &released, &doubts, cli.json);
         }
         Command::Cleaner { once } => {
+            // Before the router is built (its first heartbeat may take a while): a SIGTERM or
+            // SIGHUP meanwhile would otherwise end the process by its default action, leaving
+            // its registry row live. A SIGHUP then is a reload once the router runs.
+            let stop = stop_signal()?;
+            let mut early_hangup = signal(SignalKind::hangup())?;
             let router = source.router_with(telemetry).await?;
             let mut uncleaned = false;
             if once {
-                let report = router.clean_once().await;
+                let report = tokio::select! {
+                    report = router.clean_once() => report,
+                    _ = stop => {
+                        if let Err(down) = router.shutdown().await {
+                            tracing::warn!(error = %shardlock::Report(&down), "shardlock cleaner shutdown failed");
+                        }
+                        return Err(failure::fail(
+                            failure::Exit::Failure,
+                            "stopped (SIGTERM or Ctrl-C) before the pass ended",
+                        ));
+                    }
+                };
                 if let Ok(report) = &report {
                     output::cleaner_report(report, cli.json);
                     // A cron job or a runbook step sees a pass that left shards uncleaned.
@@ -504,7 +619,16 @@ async fn run_command(
                 // reloaded would keep every other process's move in force and hold back every
                 // process (re)started with the new one. It reloads its file with them.
                 let _reloader = match &source.path {
-                    Some(path) => Some(router.reload_on_sighup(path)?),
+                    Some(path) => {
+                        let reloader = router.reload_on_sighup(path)?;
+                        let pending = tokio::time::timeout(Duration::ZERO, early_hangup.recv());
+                        if pending.await.is_ok() {
+                            if let Err(e) = router.reload_from_file(path).await {
+                                tracing::error!(error = %shardlock::Report(&e), "shardlock reload failed; the old topology stays");
+                            }
+                        }
+                        Some(reloader)
+                    }
                     None => None,
                 };
                 eprintln!(
@@ -514,9 +638,7 @@ async fn run_command(
                     router.config().cleaner.interval
                 );
                 router
-                    .run_cleaner(stop_signal()?, |report| {
-                        output::cleaner_report(report, cli.json)
-                    })
+                    .run_cleaner(stop, |report| output::cleaner_report(report, cli.json))
                     .await;
             }
             let down = router.shutdown().await;

@@ -6,17 +6,70 @@ use shardlock::{
     MigrateReport, ShardStatus,
 };
 
-pub(crate) fn migrate(reports: &[(String, MigrateReport)], as_json: bool) {
+/// What may leave a command's answer of who holds a key short: shards where the key does not
+/// live under this config that did not answer, and a fleet running another topology than
+/// this config's (its holders may be where this config does not look).
+#[derive(Debug, Default)]
+pub(crate) struct Doubts {
+    pub(crate) unread: Vec<(String, String)>,
+    pub(crate) fleet: Option<String>,
+}
+
+impl Doubts {
+    /// The doubts of a search of the key's holders by `router`, the fleet read now.
+    pub(crate) async fn of(router: &LockRouter, unread: Vec<(String, String)>) -> Self {
+        Self {
+            unread,
+            fleet: router.fleet_disagreement().await,
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let unread: Vec<_> = (self.unread.iter())
+            .map(|(shard, error)| json!({"shard": shard, "error": error}))
+            .collect();
+        json!({"unread": unread, "fleet": self.fleet})
+    }
+
+    /// Warns of each doubt on stderr (text output; JSON carries them in its object).
+    pub(crate) fn warn(&self) {
+        for (shard, error) in &self.unread {
+            eprintln!(
+                "warning: shard {shard} did not answer ({}): a holder of the key there (under \
+                 another config) was not looked for",
+                shown(error)
+            );
+        }
+        if let Some(fleet) = &self.fleet {
+            eprintln!("warning: {}", shown(fleet));
+        }
+    }
+}
+
+pub(crate) fn migrate(reports: &[(String, shardlock::Result<MigrateReport>)], as_json: bool) {
     if as_json {
         let shards: Vec<_> = reports
             .iter()
-            .map(|(name, r)| json!({"shard": name, "applied": r.applied, "version": r.version}))
+            .map(|(name, r)| match r {
+                Ok(r) => json!({"shard": name, "applied": r.applied, "version": r.version}),
+                Err(e) => json!({"shard": name, "error": shardlock::Report(e).to_string()}),
+            })
             .collect();
         println!("{}", json!({ "shards": shards }));
         return;
     }
     let known = shardlock::MIGRATIONS.last().map_or(0, |m| m.0);
     for (name, r) in reports {
+        let r = match r {
+            Ok(r) => r,
+            Err(e) => {
+                println!(
+                    "{name}: NOT migrated: {}",
+                    shown(&shardlock::Report(e).to_string())
+                );
+                continue;
+            }
+        };
         if r.version > known {
             println!(
                 "{name}: schema version {}, newer than this shardlock's ({known}): nothing \
@@ -81,9 +134,11 @@ pub(crate) fn status(
         );
         return;
     }
+    // This command's own breaker and pool (always fresh): an application's are in its
+    // metrics (`status --watch --metrics URL`).
     println!(
         "{:<12} {:<11} {:<10} {:>12} {:>18}",
-        "SHARD", "REACHABLE", "BREAKER", "HELD LEASES", "POOL size/avail/wait"
+        "SHARD", "REACHABLE", "BREAKER*", "HELD LEASES", "POOL* size/avail/wait"
     );
     for s in status {
         let held = s.held_leases.map_or("-".to_owned(), |n| n.to_string());
@@ -111,6 +166,7 @@ pub(crate) fn status(
             println!("             {}", shown(e));
         }
     }
+    println!("* this command's own; an application's: status --watch --metrics URL");
     println!();
     if registry.is_empty() {
         println!("No instances registered (cleaner.registry: heartbeat registers them).");
@@ -184,6 +240,7 @@ pub(crate) fn force_released(
     lock: &LockKey,
     shard: &str,
     released: &[ForceReleased],
+    doubts: &Doubts,
     as_json: bool,
 ) {
     if as_json {
@@ -197,10 +254,12 @@ pub(crate) fn force_released(
                 "shard": shard,
                 "released": released.first().map(each),
                 "everywhere": everywhere,
+                "doubts": doubts.json(),
             })
         );
         return;
     }
+    doubts.warn();
     let key = lock_name(lock);
     if released.is_empty() {
         println!(
@@ -290,6 +349,7 @@ pub(crate) fn inspect(
     shard: &str,
     row: Option<&LeaseRow>,
     elsewhere: &Result<Vec<(String, LeaseRow)>, String>,
+    doubts: &Doubts,
     as_json: bool,
 ) {
     if as_json {
@@ -323,10 +383,12 @@ pub(crate) fn inspect(
                 "lease": lease,
                 "held_elsewhere": held_elsewhere,
                 "elsewhere_unread": unread,
+                "doubts": doubts.json(),
             })
         );
         return;
     }
+    doubts.warn();
     println!("key:     {}", lock_name(lock));
     println!("shard:   {shard}");
     match row {

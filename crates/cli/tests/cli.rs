@@ -123,6 +123,90 @@ async fn migrate_status_and_inspect() {
     assert!(never["lease"].is_null());
 }
 
+/// Usage errors are JSON with `--json` too; demo and bench, which write to the shards they
+/// run on, take no deployment's config from the environment; `status --watch` draws no JSON.
+#[test]
+fn usage_errors_say_what_and_in_the_form_asked() {
+    let run = |args: &[&str], config: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_shardlock"));
+        command.args(args).env_remove("SHARDLOCK_CONFIG");
+        if let Some(config) = config {
+            command.env("SHARDLOCK_CONFIG", config);
+        }
+        command.output().unwrap()
+    };
+    let out = run(&["--json", "inspect"], None);
+    assert_eq!(out.status.code(), Some(2));
+    let err: Value = serde_json::from_slice(&out.stderr)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(err["error"]["kind"], "usage", "{err}");
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("<KEY>"),
+        "{err}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("prod.yaml");
+    std::fs::write(
+        &config,
+        "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:1/x\n",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    for command in ["demo", "bench"] {
+        let out = run(&[command], Some(config));
+        assert_eq!(out.status.code(), Some(2), "{command}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("SHARDLOCK_CONFIG is set"), "{command}: {err}");
+    }
+    let out = run(&["--json", "status", "--watch"], Some(config));
+    assert_eq!(out.status.code(), Some(2));
+    let err: Value = serde_json::from_slice(&out.stderr).unwrap();
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("status --json"),
+        "{err}"
+    );
+}
+
+/// Output into a pipe its reader closed (`shardlock list | head -1`) ends the command quietly,
+/// as SIGPIPE ends other tools, not with a panic.
+#[tokio::test(flavor = "multi_thread")]
+async fn output_into_a_closed_pipe_ends_quietly() {
+    let (_cluster, _dir, config) = cluster_with_config(1).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_shardlock"))
+        .arg("--config")
+        .arg(&config)
+        .args(["list"])
+        .env_remove("SHARDLOCK_CONFIG")
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(141), "{err}");
+}
+
+/// A migrate that fails on one shard still migrates and reports the others, and fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_migrate_with_a_shard_down_reports_every_shard() {
+    let (cluster, _dir, config) = cluster_with_config(2).await;
+    cluster.shard(1).kill().unwrap();
+    let out = shardlock(&config, &["--json", "migrate"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["shards"][0]["shard"], "s1", "{report}");
+    assert_eq!(report["shards"][0]["version"], 13, "{report}");
+    assert_eq!(report["shards"][1]["shard"], "s2", "{report}");
+    assert!(report["shards"][1]["error"].is_string(), "{report}");
+}
+
 #[tokio::test]
 async fn bad_input_gets_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
@@ -460,7 +544,9 @@ async fn release_force_cleaner_and_registered_instances() {
 /// `release --force` frees the key wherever the config reaches it held, not only on the shard
 /// this config places it on: during a fleet's move, or run with a config older or newer than
 /// the fleet's, the holder is elsewhere (it answered "nobody holds it" and left it held).
-/// `inspect` says where it is held (it said "never granted on this shard" and no more).
+/// `inspect` says where it is held (it said "never granted on this shard" and no more). Both
+/// say that the live fleet runs another topology than the config, and which shards they could
+/// not look at (they said "nobody holds it", exit 0, with a holder perhaps there).
 #[tokio::test(flavor = "multi_thread")]
 async fn release_force_finds_the_holder_on_another_shard_than_its_config_places_the_key() {
     let (cluster, _dir, config) = cluster_with_config(2).await;
@@ -486,6 +572,9 @@ async fn release_force_finds_the_holder_on_another_shard_than_its_config_places_
     assert_eq!(elsewhere.len(), 1, "{seen}");
     assert_eq!(elsewhere[0]["shard"], "s2", "{seen}");
     assert_eq!(elsewhere[0]["owner"], guard.owner(), "{seen}");
+    // The application's topology is not the config's: said, naming it.
+    let fleet = seen["doubts"]["fleet"].as_str().unwrap_or_default();
+    assert!(fleet.contains(app.instance_id()), "{seen}");
 
     let released = json(&shardlock(
         &config,
@@ -498,6 +587,18 @@ async fn release_force_finds_the_holder_on_another_shard_than_its_config_places_
         .await
         .expect("the evicted holder saw lost()");
     app.shutdown().await.unwrap();
+
+    // A shard where the key does not live under this config does not answer: nobody is
+    // found holding it, and the shard not looked at is said (its registry unread too).
+    cluster.shard(1).kill().unwrap();
+    let seen = json(&shardlock(&config, &["--json", "inspect", &key]));
+    assert_eq!(seen["doubts"]["unread"][0]["shard"], "s2", "{seen}");
+    let fleet = seen["doubts"]["fleet"].as_str().unwrap_or_default();
+    assert!(fleet.contains("did not answer on shard s2"), "{seen}");
+    let out = shardlock(&config, &["release", "--force", "--yes", &key]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("warning: shard s2 did not answer"), "{said}");
 }
 
 /// `shardlock --json cleaner` with `config`, and the first pass it reports (it led); the

@@ -823,7 +823,8 @@ impl DevCluster {
                 continue;
             };
             let pid = Pid::from_raw(pid);
-            if kill(pid, Signal::SIGTERM).is_ok() {
+            // A pid file outlives its process (a reboot): its number may name another one.
+            if is_mariadbd(pid) && kill(pid, Signal::SIGTERM).is_ok() {
                 stopped += 1;
                 let deadline = Instant::now() + Duration::from_secs(20);
                 while kill(pid, None).is_ok() && Instant::now() < deadline {
@@ -833,11 +834,29 @@ impl DevCluster {
             }
             let _ = fs::remove_file(dir.join("server.pid"));
         }
+        // The shard directories only: the root may be a directory of the user's
+        // (`SHARDLOCK_DEV_DIR`) holding more than the shards.
         if wipe {
-            let _ = fs::remove_dir_all(&self.root);
+            for i in 0..self.ports.len() {
+                match fs::remove_dir_all(self.shard_dir(i)) {
+                    Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                        return Err(io::Error::new(
+                            e.kind(),
+                            format!("cannot delete {}: {e}", self.shard_dir(i).display()),
+                        ))
+                    }
+                    _ => {}
+                }
+            }
         }
         Ok(stopped)
     }
+}
+
+/// Whether `pid` is a running `mariadbd` (or `mysqld`).
+fn is_mariadbd(pid: Pid) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .is_ok_and(|comm| matches!(comm.trim(), "mariadbd" | "mysqld"))
 }
 
 use std::os::unix::process::CommandExt as _;
@@ -860,6 +879,40 @@ fn all_threads_stopped(pid: i32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `dev down --wipe` deletes the shards' data, not what else the dev directory holds (it
+    /// may be one of the user's, `SHARDLOCK_DEV_DIR`); a pid file naming another process
+    /// (the shard gone, its number reused) signals nothing.
+    #[test]
+    fn a_wipe_deletes_the_shards_alone_and_signals_no_stranger() {
+        let root = tempfile::tempdir().unwrap();
+        let dev = DevCluster::new(root.path(), vec![1, 2]);
+        fs::create_dir_all(dev.shard_dir(0)).unwrap();
+        fs::write(dev.shard_dir(0).join("ibdata1"), "x").unwrap();
+        fs::write(root.path().join("notes.txt"), "mine").unwrap();
+        let mut stranger = Command::new("sleep").arg("60").spawn().unwrap();
+        fs::write(
+            dev.shard_dir(0).join("server.pid"),
+            stranger.id().to_string(),
+        )
+        .unwrap();
+        assert_eq!(
+            dev.down(true).unwrap(),
+            0,
+            "a process not a shard's was stopped"
+        );
+        assert!(
+            stranger.try_wait().unwrap().is_none(),
+            "the stranger was signalled"
+        );
+        stranger.kill().unwrap();
+        let _ = stranger.wait();
+        assert!(!dev.shard_dir(0).exists());
+        assert!(
+            root.path().join("notes.txt").exists(),
+            "the wipe took the user's file"
+        );
+    }
 
     /// The two processes' race this guards against: a server that cannot bind its port, while
     /// another server answers there, is moved to a port of its own; the test then runs
