@@ -281,6 +281,62 @@ async fn a_pass_asking_a_registry_that_hangs_ends_and_deletes_nothing() {
     assert!(row_exists(&cluster, &cleaner, "stuck:hung").await);
 }
 
+/// A registry that says when it is asked, then never answers.
+#[derive(Debug)]
+struct HungOnceAsked(Arc<tokio::sync::Notify>);
+
+impl shardlock::InstanceRegistry for HungOnceAsked {
+    fn dead<'a>(
+        &'a self,
+        _shard: &'a str,
+        _instances: &'a [String],
+    ) -> futures_util::future::BoxFuture<'a, shardlock::Result<Vec<String>>> {
+        self.0.notify_one();
+        Box::pin(std::future::pending())
+    }
+}
+
+/// The stop of a running cleaner ends a pass under way (a pass over millions of rows may
+/// outlast a service manager's stop timeout, whose kill leaves the cleaner lock held until
+/// its ttl), and gives the cleaner lock back. Before, the stop waited for the pass to end.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_ends_the_pass_under_way_and_gives_the_cleaner_lock_back() {
+    let (cluster, _migrated, _) = common::start(1, "").await;
+    // The registry is waited for up to the statement timeout: longer than the test waits.
+    let yaml = cluster.config_yaml(&cleaner_yaml("2s")).replacen(
+        "    url:",
+        "    statement-timeout: 120s\n    url:",
+        1,
+    );
+    let cleaner = router(&yaml).await;
+    let asked = Arc::new(tokio::sync::Notify::new());
+    cleaner.set_registry(Arc::new(HungOnceAsked(asked.clone())));
+    plant_ended_lease(&cluster, &cleaner, "stuck:stop", "gone:0000000000000000:1").await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = cleaner.clone();
+    let run = tokio::spawn(async move {
+        running
+            .run_cleaner(
+                async {
+                    let _ = stopped.await;
+                },
+                |_| {},
+            )
+            .await
+    });
+    asked.notified().await;
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the stop waited for the pass under way")
+        .unwrap();
+    let other = router(&yaml).await;
+    let report = other.clean_once().await.unwrap();
+    assert!(report.leader, "the cleaner lock was kept: {report:?}");
+    other.shutdown().await.unwrap();
+    cleaner.shutdown().await.unwrap();
+}
+
 /// Plants ended leases under `live`'s id `w1`: of an earlier start, of its own start (`nonce`),
 /// and in the format before start nonces; one pass of `live`'s cleaner deletes the first only.
 async fn only_the_earlier_starts_lease_goes(cluster: &Cluster, live: &LockRouter, nonce: &str) {
