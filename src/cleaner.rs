@@ -65,11 +65,15 @@ pub struct ShardCleaned {
     /// Ended rows passed over because another session held their row lock (a console's open
     /// transaction): left to a later pass instead of waited for.
     pub in_use: u64,
+    /// Ended leases kept because the registry could not say whether their holder lives (its
+    /// error is in `error`; the pass went on with the next batch).
+    pub unjudged: u64,
     /// Batches (one scan and up to two deletes each).
     pub batches: u64,
     /// Registry rows of instances silent longer than `cleaner.instance-retention`, deleted.
     pub instances_forgotten: u64,
-    /// Why the pass stopped early on this shard, if it did.
+    /// Why the pass stopped early on this shard, if it did, or the first error of the
+    /// registry it went on after (see `unjudged`).
     pub error: Option<String>,
 }
 
@@ -584,11 +588,26 @@ async fn clean_batches(
             .map_err(backend)?;
         out.released += deleted.rows;
         out.in_use += deleted.in_use;
-        if !ended.is_empty() {
-            let owners: BTreeSet<String> = ended.iter().filter_map(|r| r.owner.clone()).collect();
-            let dead = registry
+        let owners: BTreeSet<String> = ended.iter().filter_map(|r| r.owner.clone()).collect();
+        let judged = match ended.is_empty() {
+            true => None,
+            false => match registry
                 .dead_owners(shard, owners.into_iter().collect())
-                .await?;
+                .await
+            {
+                Ok(dead) => Some(dead),
+                // Kept, and on to the next batch: a registry that cannot judge these owners
+                // (a column or a grant missing, a registry of one's own failing) must not stop
+                // the shard's cleaning at the first ended lease in key order, pass after pass.
+                Err(e) => {
+                    out.unjudged += ended.len() as u64;
+                    let why = shardlock_core::Report(&e).to_string();
+                    out.error.get_or_insert(why);
+                    None
+                }
+            },
+        };
+        if let Some(dead) = judged {
             let (doomed, spared): (Vec<_>, Vec<_>) = ended
                 .into_iter()
                 .partition(|r| r.owner.as_ref().is_some_and(|o| dead.contains(o)));

@@ -281,6 +281,62 @@ async fn a_pass_asking_a_registry_that_hangs_ends_and_deletes_nothing() {
     assert!(row_exists(&cluster, &cleaner, "stuck:hung").await);
 }
 
+/// A registry that fails every question.
+#[derive(Debug)]
+struct Failing;
+
+impl shardlock::InstanceRegistry for Failing {
+    fn dead<'a>(
+        &'a self,
+        _shard: &'a str,
+        _instances: &'a [String],
+    ) -> futures_util::future::BoxFuture<'a, shardlock::Result<Vec<String>>> {
+        Box::pin(async {
+            Err(Error::InvalidArgument {
+                name: "registry",
+                reason: "the registry's service is down".into(),
+            })
+        })
+    }
+}
+
+/// A registry that cannot judge the owners of one batch's ended leases keeps those, and the
+/// pass goes on through the shard: released rows after them in key order are deleted. Before,
+/// the error ended the shard's pass at the first ended lease, pass after pass.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_registry_error_keeps_its_batchs_ended_leases_and_the_pass_goes_on() {
+    let (cluster, _migrated, _) = common::start(1, "").await;
+    let cleaner = router(&cluster.config_yaml(&cleaner_yaml("2s"))).await;
+    cleaner.set_registry(Arc::new(Failing));
+    // First in key order, then more released rows than one batch (100) takes.
+    plant_ended_lease(&cluster, &cleaner, "0:ended", "gone:0000000000000000:1").await;
+    let mut c = shard_conn(&cluster, &cleaner, "0:ended").await;
+    for i in 0..150 {
+        c.exec_drop(
+            "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, \
+             acquired_at) VALUES (?, NULL, 1, 1000, NOW(3) - INTERVAL 10 SECOND, \
+             NOW(3) - INTERVAL 11 SECOND)",
+            (format!("z:{i:03}").into_bytes(),),
+        )
+        .await
+        .unwrap();
+    }
+    let report = cleaner.clean_once().await.unwrap();
+    let shard = &report.shards[0];
+    assert_eq!(
+        (shard.released, shard.unjudged),
+        (150, 1),
+        "the pass stopped at the registry's error: {report:?}"
+    );
+    assert!(shard
+        .error
+        .as_deref()
+        .unwrap_or_default()
+        .contains("service is down"));
+    assert!(row_exists(&cluster, &cleaner, "0:ended").await);
+    cleaner.shutdown().await.unwrap();
+}
+
 /// A registry that says when it is asked, then never answers.
 #[derive(Debug)]
 struct HungOnceAsked(Arc<tokio::sync::Notify>);

@@ -293,6 +293,7 @@ pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
                     "released": s.released,
                     "abandoned": s.abandoned,
                     "kept_live_holder": s.kept_live_holder,
+                    "unjudged": s.unjudged,
                     "in_use": s.in_use,
                     "batches": s.batches,
                     "instances_forgotten": s.instances_forgotten,
@@ -325,6 +326,12 @@ pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
                 line.push_str(&format!(
                     ", {} in use by another session (left to a later pass)",
                     s.in_use
+                ));
+            }
+            if s.unjudged > 0 {
+                line.push_str(&format!(
+                    ", {} kept (the registry could not say)",
+                    s.unjudged
                 ));
             }
             if s.instances_forgotten > 0 {
