@@ -121,3 +121,37 @@ async fn a_router_grants_only_once_its_heartbeat_reaches_a_migrated_registry_on_
         .expect("free");
     held.release().await.unwrap();
 }
+
+/// A migration whose table another session keeps in use (an open transaction that read it)
+/// gives up after a few short waits and says so, rather than waiting the server's
+/// `lock_wait_timeout` (a day on MariaDB, a year on MySQL) with every lock statement on the
+/// table queued behind it; once the session ends, migrate applies it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_migration_whose_table_stays_in_use_gives_up_and_says_why() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    // As if the shard were at version 7: migration 8 adds two columns.
+    c.query_drop(
+        "ALTER TABLE shardlock_lease DROP COLUMN data_owner, DROP COLUMN data; \
+         DELETE FROM shardlock_schema_version WHERE version = 8",
+    )
+    .await
+    .unwrap();
+    let mut reader = cluster.shard(0).connect().await.unwrap();
+    reader
+        .query_drop("START TRANSACTION; SELECT COUNT(*) FROM shardlock_lease")
+        .await
+        .unwrap();
+    let migrated = tokio::time::timeout(Duration::from_secs(120), router.migrate())
+        .await
+        .expect("the migration waited on for the session's table");
+    let err = migrated.expect_err("migrated while the table was in use");
+    let said = shardlock::Report(&err).to_string();
+    assert!(
+        said.contains("ALTER TABLE shardlock_lease") && said.contains("in use"),
+        "{said}"
+    );
+    reader.query_drop("COMMIT").await.unwrap();
+    let report = router.migrate().await.unwrap();
+    assert_eq!(report[0].1.applied, vec![8], "{report:?}");
+}

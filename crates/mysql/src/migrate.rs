@@ -156,6 +156,49 @@ async fn apply_again_on_conflict(conn: &mut Conn) -> mysql_async::Result<Migrate
     }
 }
 
+/// How long one try of a DDL statement waits for its table's metadata lock (the server's
+/// `lock_wait_timeout`, whose default is a day or a year). Every lock statement on the table
+/// queues behind a DDL statement waiting for it, so the wait is kept below a lease
+/// statement's timeout, and tried again after a pause in which they run.
+const DDL_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+/// Tries of a DDL statement whose table stays in use, and the pause between them.
+const DDL_TRIES: u32 = 8;
+const DDL_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The server's lock wait timeout, metadata locks' included.
+const LOCK_WAIT_TIMEOUT: u16 = 1205;
+
+/// Runs one migration statement: a change already there is done; a table another session
+/// keeps in use (an open transaction that read it, a long query, a backup) is waited for
+/// [`DDL_TRIES`] times [`DDL_LOCK_WAIT`], then reported.
+async fn run_ddl(conn: &mut Conn, statement: &str) -> mysql_async::Result<()> {
+    let mut tries = 0;
+    loop {
+        match conn.query_drop(statement).await {
+            Err(mysql_async::Error::Server(e)) if ALREADY_DONE.contains(&e.code) => return Ok(()),
+            Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
+                tries += 1;
+                if tries == DDL_TRIES {
+                    let head = statement.lines().next().unwrap_or_default();
+                    return Err(mysql_async::Error::Other(
+                        format!(
+                            "another session kept a table of `{head}` in use through {tries} \
+                             waits of {DDL_LOCK_WAIT:?} (an open transaction that read or wrote \
+                             it, a long query, a backup): the migration waits for it, and every \
+                             lock statement on the table would queue behind the migration; find \
+                             the session (SHOW PROCESSLIST, information_schema.innodb_trx) and \
+                             run migrate again"
+                        )
+                        .into(),
+                    ));
+                }
+                tokio::time::sleep(DDL_PAUSE).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// A deadlock, or on Galera a certification conflict (1213); a statement interrupted for
 /// another node's DDL (1317).
 const CONFLICT: &[u16] = &[1213, 1317];
@@ -167,6 +210,12 @@ const LOCK_WAIT_ENDED: &[u16] = &[3024, 1969, 1317];
 /// Applies what `shardlock_schema_version` does not list yet, adding each version applied to
 /// `report`.
 async fn apply(conn: &mut Conn, report: &mut MigrateReport) -> mysql_async::Result<()> {
+    // Reset with the connection when it goes back to the pool (it was taken raw).
+    conn.query_drop(format!(
+        "SET SESSION lock_wait_timeout = {}",
+        DDL_LOCK_WAIT.as_secs()
+    ))
+    .await?;
     conn.query_drop(VERSION_TABLE).await?;
     let done: Vec<u32> = conn
         .query("SELECT version FROM shardlock_schema_version")
@@ -177,10 +226,7 @@ async fn apply(conn: &mut Conn, report: &mut MigrateReport) -> mysql_async::Resu
             // a killed process) is run again from its start: a change already made is
             // recognised by the server's answer and skipped.
             for statement in statements(sql) {
-                match conn.query_drop(&statement).await {
-                    Err(mysql_async::Error::Server(e)) if ALREADY_DONE.contains(&e.code) => {}
-                    other => other?,
-                }
+                run_ddl(conn, &statement).await?;
             }
             // IGNORE: a process migrating beside this one (without the lock) recorded it first.
             conn.exec_drop(
