@@ -20,7 +20,8 @@ use crate::stats::LockStats;
 pub struct ShardStatus {
     /// The shard's name.
     pub name: String,
-    /// Whether it answered.
+    /// Whether it answered. Its answer may be an error of the server's (tables not migrated,
+    /// a grant missing): then `error` says what.
     pub reachable: bool,
     /// Why not, if it did not.
     pub error: Option<String>,
@@ -238,11 +239,10 @@ impl LockRouter {
                 current,
                 closed,
                 name: s.name().to_owned(),
-                reachable: held.is_ok(),
-                error: held
-                    .as_ref()
-                    .err()
-                    .map(|e| shardlock_core::Report(e).to_string()),
+                // The server answered, with an error of its own (tables not migrated, a
+                // grant missing): reachable, and the error says what is wrong.
+                reachable: held.as_ref().map_or_else(|e| e.code.is_some(), |_| true),
+                error: held.as_ref().err().map(crate::registry::unmigrated_or),
                 held_leases: held.ok(),
                 local_leases: s.held().len(),
                 pool: s.pool_status(),

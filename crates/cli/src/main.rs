@@ -438,6 +438,13 @@ async fn run_command(
                     "some shards are unreachable",
                 ));
             }
+            if status.iter().any(|s| s.error.is_some()) || instances.iter().any(|(_, r)| r.is_err())
+            {
+                return Err(failure::fail(
+                    failure::Exit::Failure,
+                    "some shards answered with an error (see above)",
+                ));
+            }
         }
         Command::Inspect { key, scope } => {
             let router = source.tool_router().await?;

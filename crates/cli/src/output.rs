@@ -128,9 +128,12 @@ pub(crate) fn status(
                 })
             })
             .collect();
+        let unread: Vec<_> = unread_registries(instances)
+            .map(|(shard, error)| json!({"shard": shard, "error": error}))
+            .collect();
         println!(
             "{}",
-            json!({ "instance": router.instance_id(), "shards": shards, "instances": registry })
+            json!({ "instance": router.instance_id(), "shards": shards, "instances": registry, "registry_unread": unread })
         );
         return;
     }
@@ -168,6 +171,10 @@ pub(crate) fn status(
     }
     println!("* this command's own; an application's: status --watch --metrics URL");
     println!();
+    // Instances registered only there are missing below.
+    for (shard, error) in unread_registries(instances) {
+        println!("registry not read on {shard}: {}", shown(&error));
+    }
     if registry.is_empty() {
         println!("No instances registered (cleaner.registry: heartbeat registers them).");
         return;
@@ -189,6 +196,16 @@ pub(crate) fn status(
 }
 
 /// One row per instance over all shards: the freshest heartbeat wins.
+/// The shards whose registry could not be read, with the error.
+fn unread_registries(
+    per_shard: &[(String, shardlock::Result<Vec<InstanceRow>>)],
+) -> impl Iterator<Item = (&str, String)> {
+    (per_shard.iter()).filter_map(|(shard, r)| {
+        let error = r.as_ref().err()?;
+        Some((shard.as_str(), shardlock::Report(error).to_string()))
+    })
+}
+
 fn merge_instances(
     per_shard: &[(String, shardlock::Result<Vec<InstanceRow>>)],
 ) -> Vec<InstanceRow> {

@@ -192,6 +192,25 @@ async fn output_into_a_closed_pipe_ends_quietly() {
     assert_eq!(out.status.code(), Some(141), "{err}");
 }
 
+/// A shard whose tables are not migrated answers: `status` says so (reachable, with what to
+/// run), and that its registry was not read (it said "unreachable", and "no instances
+/// registered"); the command fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_of_an_unmigrated_shard_says_to_migrate_it() {
+    let (_cluster, _dir, config) = cluster_with_config(1).await;
+    let out = shardlock(&config, &["--json", "status"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["shards"][0]["reachable"], true, "{status}");
+    let error = status["shards"][0]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("shardlock migrate"), "{status}");
+    assert_eq!(status["registry_unread"][0]["shard"], "s1", "{status}");
+    let text = shardlock(&config, &["status"]);
+    let said = String::from_utf8_lossy(&text.stdout);
+    assert!(said.contains("registry not read on s1"), "{said}");
+}
+
 /// A migrate that fails on one shard still migrates and reports the others, and fails.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_migrate_with_a_shard_down_reports_every_shard() {
