@@ -357,6 +357,9 @@ fn released_rows(
             // row was taken since.
             Some(o) if names_holder(o) && changed == 0 => Released::Taken,
             Some(o) if names_holder(o) => Released::TakenSince,
+            // No owner at all: freed by force (every release leaves a tombstone), whoever held
+            // it then.
+            Some(None) => Released::Revoked,
             // No holder's (`NULL` or another owner's tombstone): not this statement's doing
             // when every row it freed shows its own tombstone.
             Some(_) if changed == 0 || !all_freed_here => Released::Free,
@@ -434,13 +437,13 @@ mod tests {
         let waited = [row(b"k1", "b", 90), (b"k2".to_vec(), None, Some(50))];
         assert_eq!(
             released_rows(&leases, 1, Some(100), &waited),
-            [Released::Taken, Released::Free]
+            [Released::Taken, Released::Revoked]
         );
     }
 
-    /// A free row that the statement may not have freed (a force-release left it `NULL` before)
-    /// is not answered as released unless every row that does not show the batch's tombstone
-    /// must be one the statement freed.
+    /// A free row that the statement may not have freed is not answered as released unless
+    /// every row that does not show the batch's tombstone must be one the statement freed;
+    /// one a force-release left `NULL` never is (every release leaves a tombstone).
     #[test]
     fn a_free_row_is_answered_released_only_when_it_must_be_the_statements() {
         let leases: [(&[u8], &str); 2] = [(b"k1", "a1"), (b"k2", "a2")];
@@ -456,7 +459,14 @@ mod tests {
         let forced = [row(b"k1", None), row(b"k2", Some("b"))];
         assert_eq!(
             released_rows(&leases, 1, Some(100), &forced),
-            [Released::Free, Released::TakenSince]
+            [Released::Revoked, Released::TakenSince]
+        );
+        // k1 freed, taken and released by another owner since (its tombstone); k2 taken
+        // since: both rows the statement freed.
+        let another = [row(b"k1", Some(":y")), row(b"k2", Some("b"))];
+        assert_eq!(
+            released_rows(&leases, 2, Some(100), &another),
+            [Released::Freed, Released::TakenSince]
         );
         // Both freed by the statement, k1 taken and released since, k2 taken since.
         let both = [row(b"k1", Some(":x")), row(b"k2", Some("b"))];
@@ -484,6 +494,45 @@ mod tests {
         .await
         .unwrap()
         .unwrap()
+    }
+
+    /// Every release leaves its releaser's tombstone: a hand-off that released the row for
+    /// everyone (another process wanted it) and a release kept past its hold too, so that a
+    /// release retried after a lost reply tells its own from a force-release's `NULL` (they
+    /// left `NULL`, and such a retry answered a correct release `LockLost`).
+    #[tokio::test(flavor = "multi_thread")]
+    async fn every_release_leaves_its_releasers_tombstone() {
+        let (cluster, shard) = migrated_shard().await;
+        let mut raw = cluster.shard(0).connect().await.unwrap();
+        for key in ["wanted", "kept"] {
+            let grant = shard.acquire(&request(key, &format!("me:{key}"), 0)).await;
+            assert!(matches!(grant.unwrap(), Attempt::Granted { .. }), "{key}");
+        }
+        raw.query_drop("UPDATE shardlock_lease SET wanted_at = NOW(3) WHERE lock_key = 'wanted'")
+            .await
+            .unwrap();
+        shard
+            .handoff("me:wanted", &request("wanted", "me:next", 0))
+            .await
+            .unwrap();
+        assert_eq!(
+            stored(&mut raw, "wanted").await.0.as_deref(),
+            Some(&b":e:wanted"[..])
+        );
+        // Kept at least 1 µs after its grant: long past.
+        let at_least = Some(std::time::Duration::from_micros(1));
+        let answer = shard.release_after(b"kept", "me:kept", at_least).await;
+        assert!(answer.unwrap().is_released());
+        assert_eq!(
+            stored(&mut raw, "kept").await.0.as_deref(),
+            Some(&b":e:kept"[..])
+        );
+        let mut session = shard.connection().await.unwrap();
+        for key in ["wanted", "kept"] {
+            let owner = format!("me:{key}");
+            let again = crate::lease::release(session.raw(), key.as_bytes(), &owner, at_least);
+            assert_eq!(again.await.unwrap(), Released::Freed, "{key}");
+        }
     }
 
     /// A release, alone or in a batch, turns the owner into a tombstone of the same length (so
@@ -594,12 +643,12 @@ mod tests {
             limit: 100,
         };
         assert!(shard.list(&held_only).await.unwrap().is_empty());
-        // A release of the old owner again finds the row free, not taken (what it answers
-        // after a lost reply), alone and in a batch beside a lease it does free.
+        // A release of the old owner again finds its own tombstone: freed by it (what it
+        // answers after a lost reply), alone and in a batch beside a lease it does free.
         let mut session = shard.connection().await.unwrap();
         let conn = session.raw();
         let again = crate::lease::release(conn, b"alone", &owner("alone"), None).await;
-        assert_eq!(again.unwrap(), Released::Free);
+        assert_eq!(again.unwrap(), Released::Freed);
         let other = request("other", "me:other", 0);
         assert!(matches!(
             shard.acquire(&other).await.unwrap(),
@@ -623,7 +672,7 @@ mod tests {
             .is_some());
         let pair: [(&[u8], &str); 2] = [(b"forced:a", "me:forced:a"), (b"forced:b", "me:forced:b")];
         let found = release_batch(conn, &pair).await.unwrap();
-        assert_eq!(found, vec![Released::Freed, Released::Free]);
+        assert_eq!(found, vec![Released::Freed, Released::Revoked]);
         // Force-released, then taken and released by another owner: its tombstone is not the
         // lost lease's, and the lease is told so as well.
         for key in ["forced:c", "forced:d"] {
@@ -897,10 +946,9 @@ mod tests {
             .unwrap();
     }
 
-    /// What a release answers, alone and in a batch: released for its own row; not released
-    /// for a row another owner holds, nor for one freed or deleted before (force-released,
-    /// cleaned). A batch that finds keys freed before beside its own cannot tell which free
-    /// rows it freed, and counts each as released.
+    /// What a release answers, alone and in a batch: released for its own row, and for one it
+    /// freed before (its tombstone says so); not released for a row another owner holds, nor
+    /// for one deleted before (cleaned) or freed by force.
     #[tokio::test(flavor = "multi_thread")]
     async fn releases_answer_for_their_own_rows() {
         let (cluster, shard) = migrated_shard().await;
@@ -943,7 +991,7 @@ mod tests {
             answers.push(shard.release(key, owner).await.unwrap());
         }
         use crate::ReleaseAnswer::{NotHeld, Released};
-        assert_eq!(answers, vec![Released, NotHeld, NotHeld, NotHeld]);
+        assert_eq!(answers, vec![Released, Released, NotHeld, NotHeld]);
         assert_eq!(
             stored(&mut raw, "taken:single").await.0.as_deref(),
             Some(&b"other"[..])
@@ -962,7 +1010,7 @@ mod tests {
         assert_eq!(
             shard.release_batch(&[own, free]).await.unwrap(),
             vec![Released, Released],
-            "two free rows, one matched: which one it freed is not known"
+            "each row shows its own owner's tombstone"
         );
     }
 }

@@ -22,8 +22,10 @@ macro_rules! now_us {
 /// it would a `NULL` owner. It keeps the owner's length, and with it the record's size, so the
 /// server updates the row in place; a `NULL` would shrink the record, which InnoDB does by
 /// deleting and inserting it again within its page (measured: 7–8% of the whole lock cycle at
-/// 16 tasks). Rows freed by a force-release, by a release that must stay taken for a while
-/// (`RELEASE_AT_LEAST`) or by earlier versions have a `NULL` owner: `released!` tells both.
+/// 16 tasks). Every release writes it, hand-offs and releases kept for a while
+/// (`RELEASE_AT_LEAST`) included, so that a release retried after a lost reply can tell its
+/// own from a force-release's: rows freed by a force-release or by earlier versions have a
+/// `NULL` owner. `released!` tells both.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! tombstone {
@@ -235,7 +237,9 @@ const RELEASE: &str = concat!(
 /// old owner.
 const HANDOFF: &str = concat!(
     "UPDATE shardlock_lease SET ",
-    "owner = IF(wanted_at IS NULL, ?, NULL), ",
+    "owner = IF(wanted_at IS NULL, ?, ",
+    tombstone!(),
+    "), ",
     "fence = IF(owner <=> ?, LAST_INSERT_ID(GREATEST(fence + 1, ",
     now_us!(),
     ", ",
@@ -772,12 +776,16 @@ pub(crate) async fn hold_until(
 /// run left to right: `owner` is decided on the row as it was, the rest on that decision.
 ///
 /// Parameters: µs, µs, key, owner.
-const RELEASE_AT_LEAST: &str = "UPDATE shardlock_lease SET \
-     owner = IF(expires_at > NOW(3) AND acquired_at + INTERVAL ? MICROSECOND > NOW(3), owner, NULL), \
-     ttl_ms = IF(owner IS NULL, ttl_ms, 0), \
-     expires_at = IF(owner IS NULL, NOW(3), acquired_at + INTERVAL ? MICROSECOND), \
+const RELEASE_AT_LEAST: &str = concat!(
+    "UPDATE shardlock_lease SET \
+     owner = IF(expires_at > NOW(3) AND acquired_at + INTERVAL ? MICROSECOND > NOW(3), owner, ",
+    tombstone!(),
+    "), \
+     ttl_ms = IF(LEFT(owner, 1) = ':', ttl_ms, 0), \
+     expires_at = IF(LEFT(owner, 1) = ':', NOW(3), acquired_at + INTERVAL ? MICROSECOND), \
      wanted_at = NULL \
-     WHERE lock_key = ? AND owner = ?";
+     WHERE lock_key = ? AND owner = ?"
+);
 
 /// Who holds a key, if anyone: read after a release that matched no row.
 const OWNER: &str = "SELECT owner FROM shardlock_lease WHERE lock_key = ?";
@@ -817,7 +825,7 @@ pub enum ReleaseAnswer {
     /// lease that cannot have expired yet was freed by that release, or revoked behind its
     /// back, which a free row after a lost reply cannot tell either).
     TakenAfterLostReply,
-    /// Not the owner's: another owner holds it, or it was freed before (force-released,
+    /// Not the owner's: another owner holds it, or it was freed otherwise (force-released,
     /// deleted by the cleaner).
     NotHeld,
 }
@@ -853,9 +861,9 @@ pub(crate) async fn release(
         // This release's own tombstone: an earlier try of it freed the row.
         Some(Some(o)) if is_own_tombstone(&o, owner) => Released::Freed,
         Some(o) if names_holder(&o) => Released::Taken,
-        // A row with no owner at all: a force-release (a plain release leaves a tombstone),
-        // unless this release keeps the row for a while, whose earlier try may have set it so.
-        Some(None) if at_least.is_none() => Released::Revoked,
+        // A row with no owner at all: a force-release (every release and hand-off leaves its
+        // releaser's tombstone).
+        Some(None) => Released::Revoked,
         _ => Released::Free,
     })
 }

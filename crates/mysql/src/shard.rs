@@ -725,14 +725,17 @@ impl Shard {
             .collect())
     }
 
-    /// Releases `key` if `owner` still holds it; [`ReleaseAnswer::NotHeld`] when it did not:
-    /// another owner holds it, or it was freed before (force-released, deleted by the
-    /// cleaner).
+    /// Releases `key` if `owner` still holds it, or answers released when the row shows
+    /// `owner`'s own tombstone (it released it before); [`ReleaseAnswer::NotHeld`] when it
+    /// did not: another owner holds it, or it was freed otherwise (force-released, deleted by
+    /// the cleaner).
     ///
     /// Retried once on a broken connection, like the other idempotent statements here: if the
-    /// first try may have reached the server and the retry finds the row free, that try freed
-    /// it (only its reply was lost), and the answer is [`ReleaseAnswer::Released`]; if the
-    /// retry finds another owner, [`ReleaseAnswer::TakenAfterLostReply`].
+    /// first try may have reached the server and the retry finds the row showing `owner`'s
+    /// tombstone, that try freed it (only its reply was lost), and the answer is
+    /// [`ReleaseAnswer::Released`]; a row freed by force (no owner) is
+    /// [`ReleaseAnswer::NotHeld`]; another owner, or a free row that does not say who freed
+    /// it, [`ReleaseAnswer::TakenAfterLostReply`].
     pub async fn release(&self, key: &[u8], owner: &str) -> Result<ReleaseAnswer, BackendError> {
         self.release_after(key, owner, None).await
     }
