@@ -83,15 +83,31 @@ impl Scrape {
     }
 }
 
+/// The labels of a sample (`a="x",b="y"`), their values unescaped as the exposition format
+/// escapes them (`\\`, `\"`, `\n`): a hot key holding a quote ended its value there, and the
+/// labels after it were misread.
 fn parse_labels(text: &str) -> BTreeMap<String, String> {
     let mut labels = BTreeMap::new();
     let mut rest = text;
     while let Some((key, after)) = rest.split_once("=\"") {
-        let Some(end) = after.find('"') else { break };
-        labels.insert(
-            key.trim_start_matches(',').trim().to_owned(),
-            after[..end].to_owned(),
-        );
+        let (mut value, mut chars) = (String::new(), after.char_indices());
+        let mut end = None;
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '"' => {
+                    end = Some(i);
+                    break;
+                }
+                '\\' => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, escaped)) => value.push(escaped),
+                    None => break,
+                },
+                c => value.push(c),
+            }
+        }
+        let Some(end) = end else { break };
+        labels.insert(key.trim_start_matches(',').trim().to_owned(), value);
         rest = &after[end + 1..];
     }
     labels
@@ -155,11 +171,19 @@ pub(crate) async fn run(
     let mut previous: Option<(Scrape, std::time::Instant)> = None;
     let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     loop {
-        let status = router.status().await;
-        let instances = router.instances().await;
-        let scrape = match metrics {
-            Some(url) => Some(fetch(url).await.map(|t| Scrape::parse(&t))),
-            None => None,
+        // Ctrl-C stops the reads too: behind a shard that does not answer they take seconds.
+        let read = async {
+            let status = router.status().await;
+            let instances = router.instances().await;
+            let scrape = match metrics {
+                Some(url) => Some(fetch(url).await.map(|t| Scrape::parse(&t))),
+                None => None,
+            };
+            (status, instances, scrape)
+        };
+        let (status, instances, scrape) = tokio::select! {
+            _ = interrupt.recv() => return Ok(()),
+            read = read => read,
         };
         let mut screen = String::from("\x1b[2J\x1b[H");
         screen.push_str(&format!(
@@ -191,6 +215,9 @@ pub(crate) async fn run(
                 s.held_leases.map_or("-".into(), |n| n.to_string()),
                 registered
             ));
+            if let Some(e) = &s.error {
+                screen.push_str(&format!("             {}\n", crate::output::shown(e)));
+            }
         }
         match &scrape {
             None => screen.push_str(
@@ -332,6 +359,15 @@ shardlock_breaker_state{shardlock_instance="a",shardlock_shard="s1",shardlock_st
 shardlock_breaker_state{shardlock_instance="a",shardlock_shard="s1",shardlock_state="open"} 1
 shardlock_hot_key_wait_seconds{shardlock_instance="a",shardlock_key="sku:1"} 1.5
 "#;
+
+    /// A label value holding an escaped quote, backslash or newline (a hot key's) is read
+    /// whole, and the labels after it are read too.
+    #[test]
+    fn escaped_label_values_are_read_whole() {
+        let labels = parse_labels(r#"shardlock_key="a\"b\\c\nd",shardlock_instance="i1""#);
+        assert_eq!(labels["shardlock_key"], "a\"b\\c\nd");
+        assert_eq!(labels["shardlock_instance"], "i1");
+    }
 
     /// Rates are over the time between the two scrapes (a slow endpoint or shard makes it
     /// longer than the redraw interval, and the rate was inflated), and a counter that went

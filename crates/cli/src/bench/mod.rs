@@ -125,6 +125,17 @@ pub(crate) async fn run(
     if let Some(keys) = args.worker_overlap {
         return workers::worker(source, &args, Work::Overlap(keys)).await;
     }
+    // Before the first scenario: a directory that cannot be made failed only after every
+    // scenario had run, naming no path.
+    std::fs::create_dir_all(&args.out).map_err(|e| {
+        crate::failure::fail(
+            crate::failure::Exit::Usage,
+            format!(
+                "--out {}: cannot create the directory: {e}",
+                args.out.display()
+            ),
+        )
+    })?;
     if source.is_local_default() {
         dev::ensure_up().await?;
     }
@@ -160,7 +171,7 @@ pub(crate) async fn run(
                 Err(e) => {
                     eprintln!(
                         "skipping hot-key-redis: Redis at {} does not answer ({e})",
-                        args.redis
+                        without_password(&args.redis)
                     );
                     continue;
                 }
@@ -280,4 +291,29 @@ pub(crate) async fn run(
 
     let report = Report::new(shard.name.clone(), &args, comparisons);
     report.publish(&args.out, as_json)
+}
+
+/// `url` with the password of its `user:password@` part (if any) shown as `***`.
+fn without_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    match rest
+        .rfind('@')
+        .and_then(|at| Some((at, rest[..at].find(':')?)))
+    {
+        Some((at, colon)) => format!("{scheme}://{}:***{}", &rest[..colon], &rest[at..]),
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_redis_urls_password_is_not_shown() {
+        use super::without_password as shown;
+        assert_eq!(shown("redis://:s3cret@db:6379/0"), "redis://:***@db:6379/0");
+        assert_eq!(shown("redis://app:p@ss@db:6379"), "redis://app:***@db:6379");
+        assert_eq!(shown("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+    }
 }
