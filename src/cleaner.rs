@@ -66,7 +66,7 @@ pub struct ShardCleaned {
     /// transaction): left to a later pass instead of waited for.
     pub in_use: u64,
     /// Ended leases kept because the registry could not say whether their holder lives (its
-    /// error is in `error`; the pass went on with the next batch).
+    /// error is in `error`; the pass went on through the shard without asking it again).
     pub unjudged: u64,
     /// Batches (one scan and up to two deletes each).
     pub batches: u64,
@@ -589,8 +589,14 @@ async fn clean_batches(
         out.released += deleted.rows;
         out.in_use += deleted.in_use;
         let owners: BTreeSet<String> = ended.iter().filter_map(|r| r.owner.clone()).collect();
+        // Asked no more in this pass once it failed here: one that hangs would cost each
+        // batch its timeout, and a pass over millions of rows hours, holding the cleaner lock.
         let judged = match ended.is_empty() {
             true => None,
+            false if out.unjudged > 0 => {
+                out.unjudged += ended.len() as u64;
+                None
+            }
             false => match registry
                 .dead_owners(shard, owners.into_iter().collect())
                 .await

@@ -239,9 +239,14 @@ impl LockRouter {
                 current,
                 closed,
                 name: s.name().to_owned(),
-                // The server answered, with an error of its own (tables not migrated, a
-                // grant missing): reachable, and the error says what is wrong.
-                reachable: held.as_ref().map_or_else(|e| e.code.is_some(), |_| true),
+                // The server answered, with an error of its own that no retry fixes (tables
+                // not migrated, a grant missing): reachable, and the error says what is
+                // wrong. Not one the library counts as an outage (too many connections, a
+                // server going away, a node out of its cluster's primary component).
+                reachable: held.as_ref().map_or_else(
+                    |e| e.kind == shardlock_core::BackendErrorKind::Other && e.code.is_some(),
+                    |_| true,
+                ),
                 error: held.as_ref().err().map(crate::registry::unmigrated_or),
                 held_leases: held.ok(),
                 local_leases: s.held().len(),

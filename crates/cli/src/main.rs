@@ -462,8 +462,10 @@ async fn run_command(
                 ),
                 Err(e) => (Err(shardlock::Report(&e).to_string()), Vec::new()),
             };
-            let doubts = output::Doubts::of(&router, unread).await;
+            let registry = source.config.cleaner.registry;
+            let doubts = output::Doubts::of(&router, registry, unread).await;
             output::inspect(&lock, &shard, row.as_ref(), &elsewhere, &doubts, cli.json);
+            doubts.unread_failure()?;
         }
         Command::List {
             held,
@@ -508,7 +510,8 @@ async fn run_command(
             // places the key on.
             let found = router.search_holders(&lock).await?;
             let held = found.held;
-            let doubts = output::Doubts::of(&router, found.unread).await;
+            let registry = source.config.cleaner.registry;
+            let doubts = output::Doubts::of(&router, registry, found.unread).await;
             if held.is_empty() && is_label(&key) {
                 // Said, not refused: it may be a key of its own, and a cleanup script's
                 // `release --force` of a free key succeeds.
@@ -521,7 +524,7 @@ async fn run_command(
             let home = router.shard_for_key(&lock);
             if held.is_empty() {
                 output::force_released(&lock, &home, &[], &doubts, cli.json);
-                return Ok(());
+                return doubts.unread_failure();
             }
             let holders: Vec<String> = held
                 .iter()
@@ -532,6 +535,7 @@ async fn run_command(
                 })
                 .collect();
             // Before the question, in text: they may change the answer (and are not said again).
+            let unread = doubts.unread_failure();
             let doubts = if !yes && !cli.json {
                 doubts.warn();
                 output::Doubts::default()
@@ -588,6 +592,7 @@ async fn run_command(
                 released
             };
             output::force_released(&lock, &home, &released, &doubts, cli.json);
+            unread?;
         }
         Command::Cleaner { once } => {
             // Before the router is built (its first heartbeat may take a while): a SIGTERM or

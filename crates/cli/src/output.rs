@@ -16,11 +16,33 @@ pub(crate) struct Doubts {
 }
 
 impl Doubts {
-    /// The doubts of a search of the key's holders by `router`, the fleet read now.
-    pub(crate) async fn of(router: &LockRouter, unread: Vec<(String, String)>) -> Self {
-        Self {
-            unread,
-            fleet: router.fleet_disagreement().await,
+    /// The doubts of a search of the key's holders by `router`, the fleet read now when its
+    /// processes heartbeat (`registry`, the deployment's: the tool's own router has none).
+    pub(crate) async fn of(
+        router: &LockRouter,
+        registry: shardlock::config::RegistryKind,
+        unread: Vec<(String, String)>,
+    ) -> Self {
+        let fleet = match registry {
+            shardlock::config::RegistryKind::Heartbeat => router.fleet_disagreement().await,
+            _ => Some(
+                "the fleet's topology was not checked: under `cleaner.registry: static` its \
+                 processes do not say which they run; make sure this config is the fleet's"
+                    .to_owned(),
+            ),
+        };
+        Self { unread, fleet }
+    }
+
+    /// The failure a command ends with when some shard was not read: what it said may be
+    /// short of a holder there.
+    pub(crate) fn unread_failure(&self) -> Result<(), crate::AnyError> {
+        match self.unread.is_empty() {
+            true => Ok(()),
+            false => Err(crate::failure::fail(
+                crate::failure::Exit::Unavailable,
+                "some shards could not be read (see above): a holder there was not looked for",
+            )),
         }
     }
 

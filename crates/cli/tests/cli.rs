@@ -610,13 +610,20 @@ async fn release_force_finds_the_holder_on_another_shard_than_its_config_places_
     // A shard where the key does not live under this config does not answer: nobody is
     // found holding it, and the shard not looked at is said (its registry unread too).
     cluster.shard(1).kill().unwrap();
-    let seen = json(&shardlock(&config, &["--json", "inspect", &key]));
+    let out = shardlock(&config, &["--json", "inspect", &key]);
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(seen["doubts"]["unread"][0]["shard"], "s2", "{seen}");
     let fleet = seen["doubts"]["fleet"].as_str().unwrap_or_default();
     assert!(fleet.contains("did not answer on shard s2"), "{seen}");
     let out = shardlock(&config, &["release", "--force", "--yes", &key]);
     let said = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{said}");
+    assert_eq!(out.status.code(), Some(4), "{said}");
     assert!(said.contains("warning: shard s2 did not answer"), "{said}");
 }
 

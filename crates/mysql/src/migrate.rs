@@ -158,8 +158,9 @@ async fn apply_again_on_conflict(conn: &mut Conn) -> mysql_async::Result<Migrate
 
 /// How long one try of a DDL statement waits for its table's metadata lock (the server's
 /// `lock_wait_timeout`, whose default is a day or a year). Every lock statement on the table
-/// queues behind a DDL statement waiting for it, so the wait is kept below a lease
-/// statement's timeout, and tried again after a pause in which they run.
+/// queues behind a DDL statement waiting for it, so the wait is kept short (a second, the
+/// server's unit: below the default statement timeout, not below every one a config may set),
+/// and tried again after a pause in which they run.
 const DDL_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Tries of a DDL statement whose table stays in use, and the pause between them.
 const DDL_TRIES: u32 = 8;
@@ -172,11 +173,18 @@ const LOCK_WAIT_TIMEOUT: u16 = 1205;
 /// keeps in use (an open transaction that read it, a long query, a backup) is waited for
 /// [`DDL_TRIES`] times [`DDL_LOCK_WAIT`], then reported.
 async fn run_ddl(conn: &mut Conn, statement: &str) -> mysql_async::Result<()> {
+    // A row lock's wait (an `INSERT` of a migration) answers 1205 too: not a table in use.
+    let ddl = ["CREATE", "ALTER", "DROP"].iter().any(|verb| {
+        statement
+            .trim_start()
+            .to_ascii_uppercase()
+            .starts_with(verb)
+    });
     let mut tries = 0;
     loop {
         match conn.query_drop(statement).await {
             Err(mysql_async::Error::Server(e)) if ALREADY_DONE.contains(&e.code) => return Ok(()),
-            Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
+            Err(mysql_async::Error::Server(e)) if ddl && e.code == LOCK_WAIT_TIMEOUT => {
                 tries += 1;
                 if tries == DDL_TRIES {
                     let head = statement.lines().next().unwrap_or_default();
