@@ -66,7 +66,8 @@ pub struct ShardCleaned {
     /// transaction): left to a later pass instead of waited for.
     pub in_use: u64,
     /// Ended leases kept because the registry could not say whether their holder lives (its
-    /// error is in `error`; the pass went on through the shard without asking it again).
+    /// first error is in `error`; the pass went on through the shard, without asking a
+    /// registry that did not answer in time again).
     pub unjudged: u64,
     /// Batches (one scan and up to two deletes each).
     pub batches: u64,
@@ -557,6 +558,9 @@ async fn clean_batches(
     let backend = |e: shardlock_core::BackendError| e.into_error(name);
     let (grace, batch) = (config.grace, config.batch_size);
     let mut after = Vec::new();
+    // A registry that did not answer in time is asked no more in this pass: each batch would
+    // cost its timeout, and a pass over millions of rows hours, holding the cleaner lock.
+    let mut registry_hung = false;
     loop {
         if !leader.is_held() {
             return Err(Error::LockLost {
@@ -589,11 +593,9 @@ async fn clean_batches(
         out.released += deleted.rows;
         out.in_use += deleted.in_use;
         let owners: BTreeSet<String> = ended.iter().filter_map(|r| r.owner.clone()).collect();
-        // Asked no more in this pass once it failed here: one that hangs would cost each
-        // batch its timeout, and a pass over millions of rows hours, holding the cleaner lock.
         let judged = match ended.is_empty() {
             true => None,
-            false if out.unjudged > 0 => {
+            false if registry_hung => {
                 out.unjudged += ended.len() as u64;
                 None
             }
@@ -606,6 +608,10 @@ async fn clean_batches(
                 // (a column or a grant missing, a registry of one's own failing) must not stop
                 // the shard's cleaning at the first ended lease in key order, pass after pass.
                 Err(e) => {
+                    registry_hung = matches!(
+                        &e,
+                        Error::Unavailable { source, .. } if source.kind == BackendErrorKind::Timeout
+                    );
                     out.unjudged += ended.len() as u64;
                     let why = shardlock_core::Report(&e).to_string();
                     out.error.get_or_insert(why);

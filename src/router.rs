@@ -492,13 +492,7 @@ impl LockRouter {
         }
         keep_instance(&old.config, &config)?;
         keep_lock_identities(&old.config, &config, retired)?;
-        if old.config.telemetry != config.telemetry {
-            // Exporters and what spans record are set up once, at the start.
-            tracing::warn!(
-                "shardlock reload: the telemetry section changed; it takes effect at the next \
-                 start (record-keys, exporters and endpoints stay as they were)"
-            );
-        }
+
         let window = config.move_window().max(old.config.move_window());
         let shared = &self.inner.shared;
         let mut next = Topology::build(
@@ -630,6 +624,14 @@ impl LockRouter {
         }
         for shard in leaving {
             tokio::spawn(drain(Arc::downgrade(&self.inner), shard, window));
+        }
+        if *shared.telemetry.started_with() != next.config.telemetry {
+            // Exporters and what spans record are set up once, at the start.
+            tracing::warn!(
+                "shardlock reload: the telemetry section differs from the one this process \
+                 started with; it takes effect at the next start (record-keys, exporters and \
+                 endpoints stay as they were)"
+            );
         }
         Ok(())
     }

@@ -38,6 +38,8 @@ pub(crate) struct Telemetry {
     meter: Meter,
     /// Whether keys appear as themselves in spans and metrics (else as a stable hash).
     record_keys: bool,
+    /// The settings it was made with: a reload does not change them.
+    started_with: TelemetryConfig,
     acquire: Histogram<f64>,
     statement: Histogram<f64>,
     hold: Histogram<f64>,
@@ -56,6 +58,11 @@ impl std::fmt::Debug for Telemetry {
 }
 
 impl Telemetry {
+    /// The telemetry settings this router started with (a reload keeps them).
+    pub(crate) fn started_with(&self) -> &TelemetryConfig {
+        &self.started_with
+    }
+
     /// Instruments from `meter` (the host's provider's), or from the global provider.
     pub(crate) fn new(config: &TelemetryConfig, meter: Option<Meter>) -> Self {
         let on = meter.is_some() || super::metrics_on();
@@ -63,6 +70,7 @@ impl Telemetry {
         Self {
             on,
             record_keys: config.record_keys,
+            started_with: config.clone(),
             acquire: meter
                 .f64_histogram("shardlock.acquire.duration")
                 .with_unit("s")

@@ -465,6 +465,13 @@ async fn run_command(
             let registry = source.config.cleaner.registry;
             let doubts = output::Doubts::of(&router, registry, unread).await;
             output::inspect(&lock, &shard, row.as_ref(), &elsewhere, &doubts, cli.json);
+            if elsewhere.is_err() {
+                return Err(failure::fail(
+                    failure::Exit::Unavailable,
+                    "the other shards were not searched (see above): a holder there was not \
+                     looked for",
+                ));
+            }
             doubts.unread_failure()?;
         }
         Command::List {

@@ -259,8 +259,9 @@ type OwnerRow = (Vec<u8>, Option<Vec<u8>>, Option<u64>);
 /// freed may show another state by the time it is read, though (taken by a waiter at once, and
 /// perhaps released again), so the statement cannot always say which rows are its own: when
 /// every row it freed shows its own tombstone, a key another owner holds now counts as
-/// [`Released::Taken`], and a row with no owner (`NULL`: freed by a force-release) or another
-/// owner's tombstone (the key was taken and released since) as [`Released::Free`]; otherwise
+/// [`Released::Taken`], and another owner's tombstone (the key was taken and released since)
+/// as [`Released::Free`]; a row with no owner (`NULL`) was freed by a force-release (every
+/// release leaves a tombstone) and is [`Released::Revoked`] whatever else; otherwise
 /// a key another owner holds counts as [`Released::TakenSince`] (the caller tells by whether
 /// its lease could have ended), and a free row as freed only when every row that does not show
 /// its own tombstone must be one the statement freed (else as [`Released::Free`]: a lease lost
@@ -360,8 +361,8 @@ fn released_rows(
             // No owner at all: freed by force (every release leaves a tombstone), whoever held
             // it then.
             Some(None) => Released::Revoked,
-            // No holder's (`NULL` or another owner's tombstone): not this statement's doing
-            // when every row it freed shows its own tombstone.
+            // Another owner's tombstone: not this statement's doing when every row it freed
+            // shows its own tombstone.
             Some(_) if changed == 0 || !all_freed_here => Released::Free,
             Some(_) => Released::Freed,
             None => Released::Free,

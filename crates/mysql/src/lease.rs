@@ -815,7 +815,7 @@ pub(crate) enum Released {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReleaseAnswer {
     /// The owner's row is free: this call freed it, or its first try did (its reply was lost
-    /// and the retry found the row free).
+    /// and the retry found the row showing the owner's own tombstone).
     Released,
     /// Another owner holds the row (or none does, and nothing shows who freed it: another
     /// owner's tombstone, no row) after a release that may have freed it: a first try whose

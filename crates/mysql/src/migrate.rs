@@ -169,33 +169,27 @@ const DDL_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
 /// The server's lock wait timeout, metadata locks' included.
 const LOCK_WAIT_TIMEOUT: u16 = 1205;
 
-/// Runs one migration statement: a change already there is done; a table another session
-/// keeps in use (an open transaction that read it, a long query, a backup) is waited for
-/// [`DDL_TRIES`] times [`DDL_LOCK_WAIT`], then reported.
+/// Runs one migration statement: a change already there is done; a table (or a row of a
+/// migration's `INSERT`) another session keeps in use (an open transaction that read it, a
+/// long query, a backup) is waited for [`DDL_TRIES`] times, each up to the lock wait, then
+/// reported.
 async fn run_ddl(conn: &mut Conn, statement: &str) -> mysql_async::Result<()> {
-    // A row lock's wait (an `INSERT` of a migration) answers 1205 too: not a table in use.
-    let ddl = ["CREATE", "ALTER", "DROP"].iter().any(|verb| {
-        statement
-            .trim_start()
-            .to_ascii_uppercase()
-            .starts_with(verb)
-    });
     let mut tries = 0;
     loop {
         match conn.query_drop(statement).await {
             Err(mysql_async::Error::Server(e)) if ALREADY_DONE.contains(&e.code) => return Ok(()),
-            Err(mysql_async::Error::Server(e)) if ddl && e.code == LOCK_WAIT_TIMEOUT => {
+            Err(mysql_async::Error::Server(e)) if e.code == LOCK_WAIT_TIMEOUT => {
                 tries += 1;
                 if tries == DDL_TRIES {
                     let head = statement.lines().next().unwrap_or_default();
                     return Err(mysql_async::Error::Other(
                         format!(
-                            "another session kept a table of `{head}` in use through {tries} \
-                             waits of {DDL_LOCK_WAIT:?} (an open transaction that read or wrote \
-                             it, a long query, a backup): the migration waits for it, and every \
-                             lock statement on the table would queue behind the migration; find \
-                             the session (SHOW PROCESSLIST, information_schema.innodb_trx) and \
-                             run migrate again"
+                            "another session kept what `{head}` needs (its table, or a row it \
+                             writes) in use through {tries} waits (an open transaction that read \
+                             or wrote it, a long query, a backup): the migration waits for it, \
+                             and every lock statement on the table would queue behind the \
+                             migration; find the session (SHOW PROCESSLIST, \
+                             information_schema.innodb_trx) and run migrate again"
                         )
                         .into(),
                     ));

@@ -129,7 +129,7 @@ pub(crate) async fn run(
     // scenario had run, naming no path.
     std::fs::create_dir_all(&args.out).map_err(|e| {
         crate::failure::fail(
-            crate::failure::Exit::Usage,
+            crate::failure::Exit::Failure,
             format!(
                 "--out {}: cannot create the directory: {e}",
                 args.out.display()
