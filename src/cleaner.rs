@@ -172,6 +172,24 @@ impl LockRouter {
         stop: impl std::future::Future<Output = ()>,
         mut on_report: impl FnMut(&CleanerReport),
     ) {
+        self.run_cleaner_passes(stop, |pass| {
+            if let Ok(report) = pass {
+                on_report(report);
+            }
+        })
+        .await
+    }
+
+    /// [`LockRouter::run_cleaner`], handing `on_pass` every pass's outcome, the failed ones'
+    /// errors too (they are logged as well): what a daemon whose output a script reads says
+    /// of a pass that could not run (the cleaner lock's shard down, say).
+    ///
+    /// Cancellation: as for [`LockRouter::run_cleaner`].
+    pub async fn run_cleaner_passes(
+        &self,
+        stop: impl std::future::Future<Output = ()>,
+        mut on_pass: impl FnMut(std::result::Result<&CleanerReport, &Error>),
+    ) {
         tokio::pin!(stop);
         loop {
             // `stop` ends a pass under way too (see `clean_once` on cancellation): a pass over
@@ -181,12 +199,10 @@ impl LockRouter {
                 _ = &mut stop => break,
                 pass = self.clean_once() => pass,
             };
-            match pass {
-                Ok(report) => on_report(&report),
-                Err(e) => {
-                    tracing::error!(error = %shardlock_core::Report(&e), "shardlock cleaner pass failed")
-                }
+            if let Err(e) = &pass {
+                tracing::error!(error = %shardlock_core::Report(e), "shardlock cleaner pass failed");
             }
+            on_pass(pass.as_ref());
             let interval = self.config().cleaner.interval;
             tokio::select! {
                 _ = &mut stop => break,
@@ -592,6 +608,19 @@ async fn clean_batches(
             .map_err(backend)?;
         out.released += deleted.rows;
         out.in_use += deleted.in_use;
+        // Released by their holders, kept only until a minimum hold ended: no registry to
+        // ask (their holders may live on, and kept such rows for as long as they did).
+        let (kept, ended): (Vec<_>, Vec<_>) = ended.into_iter().partition(|r| r.kept);
+        if !kept.is_empty() {
+            let keys: Vec<Vec<u8>> = kept.iter().map(|r| r.key.clone()).collect();
+            let owners: Vec<String> = kept.iter().filter_map(|r| r.owner.clone()).collect();
+            let deleted = shard
+                .call(|b| b.delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN, highest))
+                .await
+                .map_err(backend)?;
+            out.released += deleted.rows;
+            out.in_use += deleted.in_use;
+        }
         let owners: BTreeSet<String> = ended.iter().filter_map(|r| r.owner.clone()).collect();
         let judged = match ended.is_empty() {
             true => None,

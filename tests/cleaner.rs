@@ -243,17 +243,66 @@ async fn a_cleaner_that_lost_its_leadership_leads_again_at_its_next_pass() {
     assert!(report.leader, "{report:?}");
 }
 
-/// A registry that never answers.
-#[derive(Debug)]
-struct Hung;
+/// A lease released with a minimum hold keeps its owner until the hold ends; once it has
+/// ended, the cleaner deletes it as the released row it is, though its holder lives on. It
+/// was kept "for a live holder" for as long as the holder's process ran.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_kept_past_its_release_goes_once_its_hold_ended_though_its_holder_lives() {
+    let (cluster, _migrated, yaml) = common::start(1, &cleaner_yaml("2s")).await;
+    let holder = router(&yaml).await; // heartbeats from now on: alive
+    let guard = holder
+        .acquire(
+            "kept:1",
+            AcquireOptions::new().lock_at_least(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap();
+    guard.release().await.unwrap();
+    let cleaner = router(&yaml).await;
+    let gone = common::eventually(Duration::from_secs(20), || async {
+        cleaner.clean_once().await.unwrap();
+        !row_exists(&cluster, &cleaner, "kept:1").await
+    })
+    .await;
+    let last = cleaner.clean_once().await.unwrap();
+    assert!(
+        gone,
+        "a released row kept for a minimum hold stayed: {last:?}"
+    );
+    holder.shutdown().await.unwrap();
+    cleaner.shutdown().await.unwrap();
+}
 
-impl shardlock::InstanceRegistry for Hung {
+/// A registry of one's own, as a test scripts it.
+#[derive(Debug)]
+enum Scripted {
+    /// Never answers.
+    Hung,
+    /// Fails every question.
+    Failing,
+    /// Says when it is asked, then never answers.
+    HungOnceAsked(Arc<tokio::sync::Notify>),
+}
+
+impl shardlock::InstanceRegistry for Scripted {
     fn dead<'a>(
         &'a self,
         _shard: &'a str,
         _instances: &'a [String],
     ) -> futures_util::future::BoxFuture<'a, shardlock::Result<Vec<String>>> {
-        Box::pin(std::future::pending())
+        match self {
+            Scripted::Failing => Box::pin(async {
+                Err(Error::InvalidArgument {
+                    name: "registry",
+                    reason: "the registry's service is down".into(),
+                })
+            }),
+            Scripted::HungOnceAsked(asked) => {
+                asked.notify_one();
+                Box::pin(std::future::pending())
+            }
+            Scripted::Hung => Box::pin(std::future::pending()),
+        }
     }
 }
 
@@ -270,7 +319,7 @@ async fn a_pass_asking_a_registry_that_hangs_ends_and_deletes_nothing() {
         1,
     );
     let cleaner = router(&yaml).await;
-    cleaner.set_registry(Arc::new(Hung));
+    cleaner.set_registry(Arc::new(Scripted::Hung));
     plant_ended_lease(&cluster, &cleaner, "stuck:hung", "gone:0000000000000000:1").await;
     let pass = tokio::time::timeout(Duration::from_secs(60), cleaner.clean_once()).await;
     let report = pass
@@ -281,25 +330,6 @@ async fn a_pass_asking_a_registry_that_hangs_ends_and_deletes_nothing() {
     assert!(row_exists(&cluster, &cleaner, "stuck:hung").await);
 }
 
-/// A registry that fails every question.
-#[derive(Debug)]
-struct Failing;
-
-impl shardlock::InstanceRegistry for Failing {
-    fn dead<'a>(
-        &'a self,
-        _shard: &'a str,
-        _instances: &'a [String],
-    ) -> futures_util::future::BoxFuture<'a, shardlock::Result<Vec<String>>> {
-        Box::pin(async {
-            Err(Error::InvalidArgument {
-                name: "registry",
-                reason: "the registry's service is down".into(),
-            })
-        })
-    }
-}
-
 /// A registry that cannot judge the owners of one batch's ended leases keeps those, and the
 /// pass goes on through the shard: released rows after them in key order are deleted. Before,
 /// the error ended the shard's pass at the first ended lease, pass after pass.
@@ -307,7 +337,7 @@ impl shardlock::InstanceRegistry for Failing {
 async fn a_registry_error_keeps_its_batchs_ended_leases_and_the_pass_goes_on() {
     let (cluster, _migrated, _) = common::start(1, "").await;
     let cleaner = router(&cluster.config_yaml(&cleaner_yaml("2s"))).await;
-    cleaner.set_registry(Arc::new(Failing));
+    cleaner.set_registry(Arc::new(Scripted::Failing));
     // First in key order, then more released rows than one batch (100) takes.
     plant_ended_lease(&cluster, &cleaner, "0:ended", "gone:0000000000000000:1").await;
     let mut c = shard_conn(&cluster, &cleaner, "0:ended").await;
@@ -337,21 +367,6 @@ async fn a_registry_error_keeps_its_batchs_ended_leases_and_the_pass_goes_on() {
     cleaner.shutdown().await.unwrap();
 }
 
-/// A registry that says when it is asked, then never answers.
-#[derive(Debug)]
-struct HungOnceAsked(Arc<tokio::sync::Notify>);
-
-impl shardlock::InstanceRegistry for HungOnceAsked {
-    fn dead<'a>(
-        &'a self,
-        _shard: &'a str,
-        _instances: &'a [String],
-    ) -> futures_util::future::BoxFuture<'a, shardlock::Result<Vec<String>>> {
-        self.0.notify_one();
-        Box::pin(std::future::pending())
-    }
-}
-
 /// The stop of a running cleaner ends a pass under way (a pass over millions of rows may
 /// outlast a service manager's stop timeout, whose kill leaves the cleaner lock held until
 /// its ttl), and gives the cleaner lock back. Before, the stop waited for the pass to end.
@@ -366,7 +381,7 @@ async fn a_stop_ends_the_pass_under_way_and_gives_the_cleaner_lock_back() {
     );
     let cleaner = router(&yaml).await;
     let asked = Arc::new(tokio::sync::Notify::new());
-    cleaner.set_registry(Arc::new(HungOnceAsked(asked.clone())));
+    cleaner.set_registry(Arc::new(Scripted::HungOnceAsked(asked.clone())));
     plant_ended_lease(&cluster, &cleaner, "stuck:stop", "gone:0000000000000000:1").await;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = cleaner.clone();

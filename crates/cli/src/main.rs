@@ -657,7 +657,10 @@ async fn run_command(
                     router.config().cleaner.interval
                 );
                 router
-                    .run_cleaner(stop, |report| output::cleaner_report(report, cli.json))
+                    .run_cleaner_passes(stop, |pass| match pass {
+                        Ok(report) => output::cleaner_report(report, cli.json),
+                        Err(e) => output::cleaner_failed(e, cli.json),
+                    })
                     .await;
             }
             let down = router.shutdown().await;

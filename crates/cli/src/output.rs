@@ -321,6 +321,16 @@ pub(crate) fn force_released(
     }
 }
 
+/// A pass that could not run (the cleaner lock's shard down, this process not joined to its
+/// fleet): said where its reports go, so that a script reading them sees it.
+pub(crate) fn cleaner_failed(error: &shardlock::Error, as_json: bool) {
+    let error = shardlock::Report(error).to_string();
+    match as_json {
+        true => println!("{}", json!({ "pass_failed": error })),
+        false => println!("pass failed: {}", shown(&error)),
+    }
+}
+
 pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
     if as_json {
         let shards: Vec<_> = report
@@ -455,10 +465,11 @@ pub(crate) fn inspect(
             }
         }
         Some(r) => {
-            let why = if r.owner.is_some() {
-                "expired (holder stopped renewing)"
-            } else {
-                "released"
+            let why = match (&r.owner, r.ttl_ms) {
+                // A release with a minimum hold keeps the owner until the hold ends.
+                (Some(_), 0) => "released (kept until its minimum hold ended)",
+                (Some(_), _) => "expired (holder stopped renewing)",
+                (None, _) => "released",
             };
             println!("lease:   free, {why}");
             println!("fence:   {} (the next grant gets a larger one)", r.fence);

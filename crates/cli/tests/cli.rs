@@ -681,6 +681,52 @@ async fn cleaner_daemon_stops_cleanly_on_sigterm() {
         .all(|s| s["held_leases"] == 0));
 }
 
+/// A pass that could not run (the cleaner lock's shard down) is said where the passes' reports
+/// go: a script reading the daemon's JSON saw nothing of it (the error went to the log only).
+#[tokio::test(flavor = "multi_thread")]
+async fn cleaner_daemon_reports_a_pass_that_could_not_run() {
+    use std::io::{BufRead, BufReader};
+    let (cluster, dir, config) = cluster_with_config(1).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let mut yaml = std::fs::read_to_string(&config).unwrap();
+    yaml.push_str("cleaner:\n  interval: 100ms\n");
+    let fast = dir.path().join("fast.yaml");
+    std::fs::write(&fast, yaml).unwrap();
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_shardlock"))
+        .arg("--config")
+        .arg(&fast)
+        .args(["--json", "cleaner"])
+        .env_remove("SHARDLOCK_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Read apart, so that a daemon gone silent fails the test rather than hanging it.
+    let (tx, passes) = std::sync::mpsc::channel::<Value>();
+    let stdout = daemon.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(serde_json::from_str(&line).unwrap()).is_err() {
+                return;
+            }
+        }
+    });
+    let wait = std::time::Duration::from_secs(60);
+    let first = passes.recv_timeout(wait).unwrap();
+    assert_eq!(first["leader"], true, "{first}");
+    cluster.shard(0).kill().unwrap();
+    // Passes go on reporting the shard's error until the cleaner lock is lost; the next pass
+    // cannot run.
+    let failed = std::iter::from_fn(|| passes.recv_timeout(wait).ok())
+        .take(500)
+        .find(|pass| pass.get("pass_failed").is_some());
+    daemon.kill().unwrap();
+    let _ = daemon.wait();
+    let failed = failed.expect("no pass reported as failed on stdout");
+    assert!(failed["pass_failed"].is_string(), "{failed}");
+}
+
 /// The cleaner daemon is an instance of its fleet like any service: when it never reloaded,
 /// its old topology kept every process started with the fleet's new one from granting, for as
 /// long as it ran. SIGHUP rereads its config file, as `reload_on_sighup` does for services.

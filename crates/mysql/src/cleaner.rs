@@ -105,7 +105,7 @@ const INSTANCES: &str = "SELECT instance_id, host, pid, \
 /// of the key, whose fence is floored at the clock, is still above every fence of the row.
 /// A consistent read: it locks nothing.
 const CANDIDATES: &str = concat!(
-    "SELECT lock_key, owner, fence FROM shardlock_lease ",
+    "SELECT lock_key, owner, fence, ttl_ms = 0 FROM shardlock_lease ",
     "WHERE lock_key > ? AND expires_at < NOW(3) - INTERVAL ? MICROSECOND ",
     "AND fence < ",
     now_us!(),
@@ -140,6 +140,10 @@ pub struct Candidate {
     /// Its fence when it was read (the shard's fence floor is raised to it before it is
     /// deleted, so that no later grant of the key goes below it, whatever the clock does).
     pub fence: u64,
+    /// A row its holder released but kept taken until a minimum hold ended (`ttl_ms = 0`: a
+    /// release with `lock_at_least`, or a move's copy of such a row): released, though it
+    /// keeps its owner, whose process may live on.
+    pub kept: bool,
 }
 
 /// One instance in the registry table.
@@ -451,6 +455,9 @@ pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<Instan
         .collect())
 }
 
+/// A row of [`CANDIDATES`]: key, owner, fence, whether it was kept past its release.
+type CandidateRow = (Vec<u8>, Option<Vec<u8>>, u64, bool);
+
 pub(crate) async fn candidates(
     conn: &mut Conn,
     after: &[u8],
@@ -458,15 +465,16 @@ pub(crate) async fn candidates(
     margin_us: u64,
     limit: u32,
 ) -> mysql_async::Result<Vec<Candidate>> {
-    let rows: Vec<(Vec<u8>, Option<Vec<u8>>, u64)> = conn
+    let rows: Vec<CandidateRow> = conn
         .exec(CANDIDATES, (after, grace_us, margin_us, limit))
         .await?;
     Ok(rows
         .into_iter()
-        .map(|(key, owner, fence)| Candidate {
+        .map(|(key, owner, fence, kept)| Candidate {
             key,
             owner: holding_owner(owner).map(|o| String::from_utf8_lossy(&o).into_owned()),
             fence,
+            kept,
         })
         .collect())
 }
