@@ -612,12 +612,7 @@ async fn clean_batches(
         // ask (their holders may live on, and kept such rows for as long as they did).
         let (kept, ended): (Vec<_>, Vec<_>) = ended.into_iter().partition(|r| r.kept);
         if !kept.is_empty() {
-            let keys: Vec<Vec<u8>> = kept.iter().map(|r| r.key.clone()).collect();
-            let owners: Vec<String> = kept.iter().filter_map(|r| r.owner.clone()).collect();
-            let deleted = shard
-                .call(|b| b.delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN, highest))
-                .await
-                .map_err(backend)?;
+            let deleted = delete_owned(shard, &kept, grace, highest).await?;
             out.released += deleted.rows;
             out.in_use += deleted.in_use;
         }
@@ -653,12 +648,7 @@ async fn clean_batches(
                 .into_iter()
                 .partition(|r| r.owner.as_ref().is_some_and(|o| dead.contains(o)));
             out.kept_live_holder += spared.len() as u64;
-            let keys: Vec<Vec<u8>> = doomed.iter().map(|r| r.key.clone()).collect();
-            let owners: Vec<String> = doomed.iter().filter_map(|r| r.owner.clone()).collect();
-            let deleted = shard
-                .call(|b| b.delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN, highest))
-                .await
-                .map_err(backend)?;
+            let deleted = delete_owned(shard, &doomed, grace, highest).await?;
             out.abandoned += deleted.rows;
             out.in_use += deleted.in_use;
         }
@@ -667,6 +657,22 @@ async fn clean_batches(
         }
         tokio::time::sleep(config.batch_pause).await;
     }
+}
+
+/// Deletes `rows` of `shard` that still carry their owner (owner-checked; every condition of
+/// the scan re-checked on the row), after the fence floor was raised to `highest`.
+async fn delete_owned(
+    shard: &ShardState,
+    rows: &[&shardlock_mysql::Candidate],
+    grace: Duration,
+    highest: u64,
+) -> Result<shardlock_mysql::Deleted> {
+    let keys: Vec<Vec<u8>> = rows.iter().map(|r| r.key.clone()).collect();
+    let owners: Vec<String> = rows.iter().filter_map(|r| r.owner.clone()).collect();
+    shard
+        .call(|b| b.delete_ended(&keys, Some(&owners), grace, FENCE_MARGIN, highest))
+        .await
+        .map_err(|e| e.into_error(shard.name()))
 }
 
 /// The instance id of an owner (`<instance id>:<start nonce>:<grant seq>`; before the nonce,
