@@ -399,17 +399,13 @@ async fn state_machine_claim_has_one_winner_and_rollback_makes_it_claimable_agai
         .allow("available", "locked")
         .allow("locked", "used")
         .allow("locked", "available");
-    let claim = |router: LockRouter, machine: StateMachine| async move {
+    let claim_from_to = |router: LockRouter, machine: StateMachine, from, to| async move {
         let wins = Arc::new(AtomicU64::new(0));
         let tasks: Vec<_> = (0..64)
             .map(|_| {
                 let (router, machine, wins) = (router.clone(), machine.clone(), wins.clone());
                 tokio::spawn(async move {
-                    if router
-                        .transition(&machine, code, "available", "locked")
-                        .await
-                        .unwrap()
-                    {
+                    if router.transition(&machine, code, from, to).await.unwrap() {
                         wins.fetch_add(1, Ordering::Relaxed);
                     }
                 })
@@ -420,6 +416,7 @@ async fn state_machine_claim_has_one_winner_and_rollback_makes_it_claimable_agai
         }
         wins.load(Ordering::Relaxed)
     };
+    let claim = |router, machine| claim_from_to(router, machine, "available", "locked");
     assert_eq!(
         claim(router.clone(), machine.clone()).await,
         1,
@@ -453,6 +450,14 @@ async fn state_machine_claim_has_one_winner_and_rollback_makes_it_claimable_agai
         router.transition(&same, code, "used", "used").await,
         Err(Error::InvalidArgument { .. })
     ));
+    // Nor does one whose states the column's collation takes for one (case-insensitive, as
+    // the server's default is): the row would still be in `from` after the winner's update,
+    // and every later caller would win too.
+    let cased = StateMachine::new("coupon", "code", "state")
+        .unwrap()
+        .allow("used", "USED");
+    let wins = claim_from_to(router.clone(), cased, "used", "USED").await;
+    assert!(wins <= 1, "{wins} callers won one transition");
 }
 
 /// A transaction lock's rollback on a shard that stopped answering (paused) returns within the

@@ -35,7 +35,9 @@ impl LockRouter {
     /// move is in progress on a shard it lived on before) from `from` to `to` in one
     /// conditional `UPDATE`; `true` when this call made the transition, `false` when
     /// the row was not in `from` (someone else moved it first, or it is done). Transitions the
-    /// machine does not allow, and self-transitions, are refused before touching the shard.
+    /// machine does not allow, and self-transitions, are refused before touching the shard;
+    /// one between states the state column's collation takes for one (`locked` and `LOCKED`
+    /// in a case-insensitive column, a trailing space) answers `false` to every caller.
     ///
     /// During a move the row found on the key's shard answers, in whatever state: a copy
     /// left on a shard the key lived on before is tried only when the key's shard has no row.

@@ -353,8 +353,13 @@ pub(crate) async fn cas_freed_at(
 /// server the arbiter, so of concurrent claimers exactly one matches the row. The table and
 /// column names (`{table}`, `{id}`, `{state}`) cannot be bound, so they are checked when the
 /// table is declared ([`StateTable::new`]) and quoted (a name such as `1` or `rank` is then
-/// the column, not a number or a keyword); the values are bound.
-const TRANSITION: &str = "UPDATE `{table}` SET `{state}` = ? WHERE `{id}` = ? AND `{state}` = ?";
+/// the column, not a number or a keyword); the values are bound. The row must not be in `to`
+/// already by the column's collation: where `from` and `to` compare equal there (`locked` and
+/// `LOCKED` in a case-insensitive column, `used` and `used ` with trailing spaces), the row
+/// would still match `from` after the winner's update, and with found rows counted every
+/// later caller would win too; such a transition never wins.
+const TRANSITION: &str =
+    "UPDATE `{table}` SET `{state}` = ? WHERE `{id}` = ? AND `{state}` = ? AND `{state}` <> ?";
 
 /// Whether the row is in the table at all, in whatever state.
 const STATE_ROW: &str = "SELECT 1 FROM `{table}` WHERE `{id}` = ? LIMIT 1";
@@ -413,7 +418,7 @@ pub(crate) async fn transition(
     from: &str,
     to: &str,
 ) -> mysql_async::Result<bool> {
-    changed_one(conn, table.transition.as_str(), (to, id, from)).await
+    changed_one(conn, table.transition.as_str(), (to, id, from, to)).await
 }
 
 /// Whether row `id` of `table` is there, in any state.
