@@ -709,30 +709,6 @@ fn passed_over(shard: &ShardState, e: &(dyn std::error::Error + 'static)) {
     tracing::warn!(shard = shard.name(), error = %shardlock_core::Report(e), "shardlock could not look for the key on a shard where it does not live; passed over");
 }
 
-/// What a force-release did on other shards before it failed on one of its key's own: the
-/// failure's cause follows as its source.
-#[derive(Debug)]
-struct ReleasedBefore {
-    done: String,
-    source: Box<dyn std::error::Error + Send + Sync + 'static>,
-}
-
-impl std::fmt::Display for ReleasedBefore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "after the key was force-released {}, this shard failed",
-            self.done
-        )
-    }
-}
-
-impl std::error::Error for ReleasedBefore {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.source)
-    }
-}
-
 /// `e`, a force-release's failure on one of its key's own shards, saying what `released` on
 /// the others.
 fn released_before(e: Error, released: &[ForceReleased]) -> Error {
@@ -749,24 +725,7 @@ fn released_before(e: Error, released: &[ForceReleased]) -> Error {
         })
         .collect::<Vec<_>>()
         .join("; ");
-    let said = |source: BackendError| BackendError {
-        source: Box::new(ReleasedBefore {
-            done: done.clone(),
-            source: source.source,
-        }),
-        ..source
-    };
-    match e {
-        Error::Unavailable { shard, source } => Error::Unavailable {
-            shard,
-            source: said(source),
-        },
-        Error::Backend { shard, source } => Error::Backend {
-            shard,
-            source: said(source),
-        },
-        other => other,
-    }
+    crate::shard::done_before(e, format!("the key was force-released {done}"))
 }
 
 async fn force_release_on(

@@ -117,6 +117,10 @@ async fn take_on(
     // whatever a try answers later (or does not).
     let mut unknown_since: Option<Moment> = None;
     let mut ran_out = false;
+    // A try whose reply was lost to give back once the lease is lost: given back before, the
+    // row another process's carry counted as this lease's would be freed while the lease
+    // still said it held.
+    let mut give_back = false;
     let runs_out = |since: Moment| {
         Want::end_by(
             since,
@@ -232,16 +236,14 @@ async fn take_on(
                     continue;
                 }
                 if let Ok(Attempt::Held { .. }) = failed {
-                    if unknown_since.is_some() {
-                        // A try before may still land.
-                        target.give_back(req.key.clone(), req.owner.clone(), lease.ttl);
-                    }
+                    // A try before may still land.
+                    give_back = unknown_since.is_some();
                     break "its key moved in a reload and someone else held it on the new shard \
                            for half the move window";
                 }
                 tracing::warn!(key = shared.telemetry.key_label(&lease.key), to = target.name(), error = ?failed.err(), "shardlock could not take a moved key on its new shard within half the move window");
                 // The grant may have been made with its reply lost: give it back.
-                target.give_back(req.key.clone(), req.owner.clone(), lease.ttl);
+                give_back = true;
                 break "its key moved in a reload and the new shard could not be reached in time";
             }
         }
@@ -251,6 +253,8 @@ async fn take_on(
     lease.mark_lost(why, shared);
     if ran_out {
         give_back_try(target, &req, lease.ttl, lease.at_least()).await;
+    } else if give_back {
+        target.give_back(req.key.clone(), req.owner.clone(), lease.ttl);
     }
     // The pools stay open until the rows are released (taken before a row leaves its keeper).
     let _settling = crate::shard::Settling::new(shard);
@@ -522,6 +526,9 @@ async fn carry_once(
                     ),
                 )
             })?;
+        crate::placement_record::names_the_move_on(source, &topology)
+            .await
+            .map_err(|why| not_yet(source, why))?;
     }
     // A job whose move a reload undid half way may sit on a shard this move does not leave: a
     // restart of the whole fleet (onto the config before that reload) replays one placement
@@ -1060,6 +1067,55 @@ async fn carry_jobs(
             });
         }
     }
+}
+
+/// Carries job `id`, enqueued on `source` for `queue` under a placement a reload replaced
+/// meanwhile, to where the queue lives now, as [`carry_jobs`] carries each job: its move's
+/// carry may have scanned `source` before the job landed there, and no claim of its queue
+/// would come to `source` once that move is over. A job claimed since (by a process that
+/// still placed the queue there) is left to its claim, as the carry leaves running jobs; one
+/// marked moving already goes where its mark says.
+pub(crate) async fn carry_job(
+    router: &Inner,
+    source: &Arc<ShardState>,
+    queue: &LockKey,
+    id: u64,
+) -> shardlock_core::Result<()> {
+    let topology = router.topology.load_full();
+    let target = topology.locate(queue);
+    if target.same_database(source) {
+        return Ok(());
+    }
+    let to = target
+        .identity
+        .get()
+        .cloned()
+        .ok_or_else(|| not_yet(target, "its identity is unknown".into()))?;
+    let ids = [id];
+    let moving = source
+        .call_waiting(|b| b.start_moving(&ids, &to))
+        .await
+        .map_err(on(source))?;
+    let known = router.shared.shard_states();
+    for job in moving {
+        let Some(dest) = destination(&known, &job.moved_to) else {
+            return Err(not_yet(
+                source,
+                format!(
+                    "job {id} is on its way to a shard this process does not know ({})",
+                    job.moved_to
+                ),
+            ));
+        };
+        dest.call_waiting(|b| b.enqueue_moved(std::slice::from_ref(&job)))
+            .await
+            .map_err(on(dest))?;
+        source
+            .call_waiting(|b| b.finish_moving(&ids))
+            .await
+            .map_err(on(source))?;
+    }
+    Ok(())
 }
 
 /// The shard of `known` that a job marked moving to `moved_to` (a shard's identity when its

@@ -568,6 +568,28 @@ pub(crate) async fn record_ahead(
     recorded
 }
 
+/// Whether the fleet's placement record on `source`, a shard a move of `topology` leaves,
+/// names the placement the move went to; `Err` says why not. Once the move is over no write
+/// of the record goes there any more: a whole fleet restarted onto the placement it left (a
+/// rollback) would read there a record from before the move (its write there failed: the
+/// shard slow, its row locked) and grant where it knows nothing of what the keys got since.
+/// The heartbeat writes it there meanwhile.
+pub(crate) async fn names_the_move_on(
+    source: &ShardState,
+    topology: &Topology,
+) -> Result<(), String> {
+    let current = Recorded::of(&topology.current)
+        .ok_or("the identity of a shard the move goes to is not known yet")?;
+    match record_on(source, topology.config.instance.fleet()).await? {
+        Some((_, theirs)) if theirs.iter().any(|t| t.places_like(&current)) => Ok(()),
+        _ => Err(
+            "its copy of the fleet's placement record does not name the placement moved \
+                  to yet (written again at the next heartbeat)"
+                .to_owned(),
+        ),
+    }
+}
+
 /// How long a reload waits for its record written ahead: a second, or half a heartbeat
 /// interval if longer. (A join waits half its lapse at most: it beat just before.)
 pub(crate) fn ahead_bound(config: &Config) -> Duration {
@@ -694,10 +716,16 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
             let theirs = read.as_ref().ok().and_then(Option::as_ref);
             theirs.is_some_and(|(_, theirs)| same_record(theirs, &own))
         };
-        return match writes.iter().all(Option::is_some) && read_back.iter().all(named) {
-            true => Recording::Named,
-            false => Recording::NotYet,
-        };
+        if !(writes.iter().all(Option::is_some) && read_back.iter().all(named)) {
+            return Recording::NotYet;
+        }
+        // Named on every shard all the same (one database reached through two shards of
+        // the placements in force, say: written twice under one `seq`, the second write
+        // lost to the first): recorded, as a move's end asks (see `unrecorded`).
+        if !left_out {
+            state.set_recorded(own, ahead);
+        }
+        return Recording::Named;
     }
     state.knows(seq);
     // Done once every shard took it, those a move leaves included (a start onto the

@@ -52,6 +52,52 @@ pub(crate) fn lock_wait_told(e: BackendError) -> BackendError {
     timeout
 }
 
+/// `e`, a shard's failure that came after `done` (said in its message), its cause as its
+/// source: a call that did part of its work before a statement failed says what stands.
+/// A backend error so said counts as `maybe_applied`: what was done was.
+pub(crate) fn done_before(e: shardlock_core::Error, done: String) -> shardlock_core::Error {
+    use shardlock_core::Error;
+    let said = |source: BackendError| BackendError {
+        source: Box::new(DoneBefore {
+            done,
+            source: source.source,
+        }),
+        maybe_applied: true,
+        ..source
+    };
+    match e {
+        Error::Unavailable { shard, source } => Error::Unavailable {
+            shard,
+            source: said(source),
+        },
+        Error::Backend { shard, source } => Error::Backend {
+            shard,
+            source: said(source),
+        },
+        other => other,
+    }
+}
+
+/// What a call did before a shard failed (see [`done_before`]): the failure's cause follows
+/// as its source.
+#[derive(Debug)]
+struct DoneBefore {
+    done: String,
+    source: Box<dyn std::error::Error + Send + Sync + 'static>,
+}
+
+impl std::fmt::Display for DoneBefore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "after {}, this shard failed", self.done)
+    }
+}
+
+impl std::error::Error for DoneBefore {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
 /// Where a CAS take given back may have been carried, asked once its first shard answered
 /// and again after each round (see [`ShardState::give_back_cas`]): the topology epoch it was
 /// read under, and the shards.

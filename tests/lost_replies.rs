@@ -1243,6 +1243,44 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
     );
     assert!(router.complete_job(&job).await.unwrap());
 
+    // Give back (its statement prepared by the completion above): the reply to its update is
+    // lost and its retry cut off. The call fails, but the job is ready again (another worker
+    // may claim it), so the claim no longer counts as this worker's.
+    router
+        .enqueue_job("q", b"given back", Duration::ZERO, 3)
+        .await
+        .unwrap();
+    let job = router
+        .claim_job("q", "w", Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("a job");
+    proxy.set(ProxyMode::LoseOneReplyThenBlackhole);
+    let given = router.release_job(&job).await;
+    proxy.set(ProxyMode::Pass);
+    assert!(given.is_err(), "{given:?}");
+    let status: Option<String> = admin
+        .exec_first("SELECT status FROM shardlock_job WHERE id = ?", (job.id,))
+        .await
+        .unwrap();
+    assert_eq!(
+        status.as_deref(),
+        Some("ready"),
+        "the give-back reached the shard"
+    );
+    assert!(
+        !job.is_held(),
+        "a give-back that may have been done left the claim counted as held"
+    );
+    // The queue's jobs left (the one given back among them) done, as the cases below expect.
+    while let Some(left) = router
+        .claim_job("q", "w", Duration::from_secs(30))
+        .await
+        .unwrap()
+    {
+        assert!(router.complete_job(&left).await.unwrap());
+    }
+
     // Complete: the reply to its update is lost; the retry finds the claim ended, by that
     // try, and answers that it completed the job.
     router

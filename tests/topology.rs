@@ -1327,6 +1327,51 @@ async fn a_shard_the_move_leaves_cut_off_at_the_reload_gets_the_record_once_back
     router.shutdown().await.unwrap();
 }
 
+/// A move does not end while the shard it leaves lacks the record of the move (its write there
+/// timed out behind a row lock, as behind a slow shard): no write goes there once the move is
+/// over, and a whole fleet rolled back onto the placement it left read there the record from
+/// before the move, and granted where it knew nothing of what the keys got since.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_move_ends_only_once_the_shard_it_leaves_has_the_record_of_it() {
+    let warnings = capture_warnings();
+    let cluster = Cluster::start(2).await.unwrap();
+    let (before, after) = s1_then_s2(&cluster).await;
+    let router = LockRouter::from_yaml_str(&before).await.unwrap();
+    let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
+    g.release().await.unwrap();
+    common::until_placement_recorded_on(&cluster.shards()[..1]).await;
+
+    let mut blocker = placement_record_locked(&cluster).await;
+    router
+        .reload(Config::from_yaml_str(&after).unwrap())
+        .await
+        .unwrap();
+    let kept = "placement record does not name the placement moved to";
+    let decided = common::eventually(Duration::from_secs(60), || async {
+        router.moves_in_progress() == 0
+            || String::from_utf8_lossy(&warnings.lock().unwrap()).contains(kept)
+    })
+    .await;
+    assert!(decided, "the move neither ended nor was kept");
+    assert_eq!(
+        router.moves_in_progress(),
+        1,
+        "the move ended while the shard it leaves had the record from before it"
+    );
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    let recorded = common::eventually(Duration::from_secs(30), || async {
+        let mut c = cluster.shard(0).connect().await.unwrap();
+        names_the_move_to_s2(&mut c).await == Some(true)
+    })
+    .await;
+    assert!(recorded, "the shard the move leaves never got the record");
+    common::moves_done(&router).await;
+    router.shutdown().await.unwrap();
+
+    let rolled_back = LockRouter::from_yaml_str(&before).await.unwrap();
+    common::refused_saying(&rolled_back, "k:1", &["this config does not reach"]).await;
+}
+
 /// Whether a heartbeat of `router` reached s1 after `since`.
 async fn beaten_since(router: &LockRouter, since: std::time::Instant) -> bool {
     // Read before the row: a heartbeat younger than this was sent after `since` (5 ms for the

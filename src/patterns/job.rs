@@ -42,8 +42,9 @@ impl Job {
     /// False once the claim may have run out: its local deadline (from before the claim, or
     /// the latest extend that answered `true`, was sent, its lease less the clock drift allowed
     /// and a Galera shard's node skew, those a reload raised since included) passed; or the
-    /// job was completed, failed or given back (through any clone), or an extend answered that
-    /// the claim no longer held, after which it stays false. Another worker may then claim the
+    /// job was completed, failed or given back (through any clone; or a call to do so may have
+    /// done it: its answer was lost, or it was cancelled), or an extend answered that the
+    /// claim no longer held, after which it stays false. Another worker may then claim the
     /// job (once its lease ran out on the shard). A deadline passed while extends failed to
     /// reach the shard comes back with an extend that reaches it and answers `true`: the shard
     /// found the claim still this worker's.
@@ -169,6 +170,17 @@ impl ClaimEnd {
     }
 }
 
+/// Ends the claim when dropped, unless emptied first.
+struct EndsOnDrop<'a>(Option<&'a ClaimEnd>);
+
+impl Drop for EndsOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(end) = self.0 {
+            end.ended();
+        }
+    }
+}
+
 impl PartialEq for ClaimEnd {
     fn eq(&self, _: &Self) -> bool {
         true
@@ -223,6 +235,12 @@ impl LockRouter {
     /// its id never returned. The request id is per call, so calling again enqueues a second
     /// copy: make the job idempotent, or look for it before enqueuing it again.
     ///
+    /// A job that lands on its queue's shard after a reload placed the queue elsewhere (its
+    /// statement held up across the reload) is carried there before the call answers, as the
+    /// move carries the queue's other jobs; if that fails, the error says so and names the job
+    /// (`maybe_applied`: it is enqueued, and runs once a later move from that shard carries
+    /// it).
+    ///
     /// `queue` takes at most 255 bytes and `payload` 65,535 (their columns' widths;
     /// [`shardlock_core::Error::InvalidArgument`] otherwise).
     pub async fn enqueue_job(
@@ -236,13 +254,31 @@ impl LockRouter {
         check_fits("queue", queue.len(), queue.len(), MAX_QUEUE_BYTES)?;
         check_fits("payload", payload.len(), payload.len(), MAX_PAYLOAD_BYTES)?;
         self.check_joined(&key)?;
-        let shard = self.state_for(&key);
+        let topology = self.inner.topology.load_full();
+        let shard = topology.locate(&key).clone();
         // A request id in `origin` (unique): a retry after a lost reply finds the job the
         // first try enqueued and answers its id, instead of enqueuing it twice.
         let request = format!("enqueue:{}", self.inner.shared.next_owner().1);
-        shard
+        let id = shard
             .run(|b| b.enqueue_job(queue, payload, delay, max_retries, &request))
-            .await
+            .await?;
+        // Enqueued where a reload since placed the queue no more: the move's carry may have
+        // scanned that shard before the job landed (a statement held up, a pause), and no
+        // claim of the queue would look there once the move is over. Carried now.
+        if self.placed_elsewhere_since(&topology, &key) {
+            crate::moves::carry_job(&self.inner, &shard, &key, id)
+                .await
+                .map_err(|e| {
+                    let done = format!(
+                        "job {id} was enqueued on shard {} where a reload placed its queue no \
+                         more (it is there: enqueuing it again makes a copy), carrying it to \
+                         where its queue lives now",
+                        shard.name()
+                    );
+                    crate::shard::done_before(e, done)
+                })?;
+        }
+        Ok(id)
     }
 
     /// Claims the next due job of `queue` for `worker`, for `lease`: first a claimed job
@@ -438,10 +474,16 @@ impl LockRouter {
 
     async fn finish_job(&self, job: &Job, end: JobEnd) -> Result<bool> {
         let shard = self.job_home(job)?;
-        let finished = shard.run(|b| b.finish_job(job.id, &job.claim, end)).await?;
-        // Ended either way: by this call, or before it.
-        job.end.ended();
-        Ok(finished)
+        // Ended either way once answered: by this call, or before it. Ended too when the call
+        // may have acted unanswered (its reply lost, or the call cancelled): the job may be
+        // ready, or claimed by another worker, already. Only an error that surely did nothing
+        // leaves the claim as it was.
+        let mut ends = EndsOnDrop(Some(&job.end));
+        let finished = shard.run(|b| b.finish_job(job.id, &job.claim, end)).await;
+        if finished.as_ref().is_err_and(|e| !may_have_acted(e)) {
+            ends.0 = None;
+        }
+        finished
     }
 
     /// The shard `job` was claimed on, even if its queue moved since (its row moves only once
