@@ -182,7 +182,9 @@ impl LockRouter {
 
     /// [`LockRouter::run_cleaner`], handing `on_pass` every pass's outcome, the failed ones'
     /// errors too (they are logged as well): what a daemon whose output a script reads says
-    /// of a pass that could not run (the cleaner lock's shard down, say).
+    /// of a pass that could not run (the cleaner lock's shard down, say). Ends too once
+    /// another process took this router's instance id over ([`LockRouter::is_replaced`]): no
+    /// pass could run again.
     ///
     /// Cancellation: as for [`LockRouter::run_cleaner`].
     pub async fn run_cleaner_passes(
@@ -203,6 +205,9 @@ impl LockRouter {
                 tracing::error!(error = %shardlock_core::Report(e), "shardlock cleaner pass failed");
             }
             on_pass(pass.as_ref());
+            if self.is_replaced() {
+                break;
+            }
             let interval = self.config().cleaner.interval;
             tokio::select! {
                 _ = &mut stop => break,

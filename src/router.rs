@@ -692,6 +692,13 @@ impl LockRouter {
         !self.inner.gate.is_closed() && !self.inner.shared.is_closed()
     }
 
+    /// Whether another process took this router's instance id over while this one counted as
+    /// dead (see [`LockRouter::is_joined`]): it grants nothing and heartbeats no more, for
+    /// good. Shut it down, and give each process its own id (or `auto`).
+    pub fn is_replaced(&self) -> bool {
+        self.inner.gate.is_replaced()
+    }
+
     /// Completes once this process has joined its fleet (see [`LockRouter::is_joined`]): at
     /// once if it has; never if another process took its instance id over. For a caller told
     /// to retry once joined (a CAS release by a process whose heartbeat lapsed). Completes

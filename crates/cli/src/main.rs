@@ -16,7 +16,6 @@ mod watch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -606,7 +605,7 @@ async fn run_command(
             // SIGHUP meanwhile would otherwise end the process by its default action, leaving
             // its registry row live. A SIGHUP then is a reload once the router runs.
             let stop = stop_signal()?;
-            let mut early_hangup = signal(SignalKind::hangup())?;
+            let mut hangups = signal(SignalKind::hangup())?;
             let router = source.router_with(telemetry).await?;
             let mut uncleaned = false;
             if once {
@@ -637,18 +636,20 @@ async fn run_command(
                 // The cleaner is a member of its fleet like any service: a topology it never
                 // reloaded would keep every other process's move in force and hold back every
                 // process (re)started with the new one. It reloads its file with them.
-                let _reloader = match &source.path {
-                    Some(path) => {
-                        let reloader = router.reload_on_sighup(path)?;
-                        let pending = tokio::time::timeout(Duration::ZERO, early_hangup.recv());
-                        if pending.await.is_ok() {
-                            if let Err(e) = router.reload_from_file(path).await {
-                                tracing::error!(error = %shardlock::Report(&e), "shardlock reload failed; the old topology stays");
-                            }
+                // Each reload's outcome goes where the passes' reports go, a failed one too (the
+                // old topology stays): a script reading the daemon sees it. A SIGHUP that came
+                // while the router was built is the first one received.
+                let reloads = async {
+                    let Some(path) = &source.path else {
+                        return std::future::pending().await;
+                    };
+                    while hangups.recv().await.is_some() {
+                        let reloaded = router.reload_from_file(path).await;
+                        if let Err(e) = &reloaded {
+                            tracing::error!(error = %shardlock::Report(e), "shardlock reload failed; the old topology stays");
                         }
-                        Some(reloader)
+                        output::cleaner_reloaded(reloaded.map(|()| router.epoch()), cli.json);
                     }
-                    None => None,
                 };
                 eprintln!(
                     "shardlock cleaner: instance {}, a pass every {:?}; SIGHUP reloads the \
@@ -656,12 +657,27 @@ async fn run_command(
                     router.instance_id(),
                     router.config().cleaner.interval
                 );
-                router
-                    .run_cleaner_passes(stop, |pass| match pass {
-                        Ok(report) => output::cleaner_report(report, cli.json),
-                        Err(e) => output::cleaner_failed(e, cli.json),
-                    })
-                    .await;
+                let passes = router.run_cleaner_passes(stop, |pass| match pass {
+                    Ok(report) => output::cleaner_report(report, cli.json),
+                    Err(e) => output::cleaner_failed(e, cli.json),
+                });
+                tokio::select! {
+                    () = passes => {}
+                    () = reloads => {}
+                }
+                if router.is_replaced() {
+                    if let Err(down) = router.shutdown().await {
+                        tracing::warn!(error = %shardlock::Report(&down), "shardlock cleaner shutdown failed");
+                    }
+                    return Err(failure::fail(
+                        failure::Exit::Failure,
+                        format!(
+                            "another process took instance id `{}` over: this cleaner stopped \
+                             (give each process its own id, or `auto`)",
+                            router.instance_id()
+                        ),
+                    ));
+                }
             }
             let down = router.shutdown().await;
             if uncleaned {

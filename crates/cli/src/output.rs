@@ -331,6 +331,25 @@ pub(crate) fn cleaner_failed(error: &shardlock::Error, as_json: bool) {
     }
 }
 
+/// The outcome of a reload of the cleaner daemon's config file (SIGHUP): the epoch in force
+/// after it, or why the old topology stays.
+pub(crate) fn cleaner_reloaded(reloaded: Result<u64, shardlock::Error>, as_json: bool) {
+    match (reloaded, as_json) {
+        (Ok(epoch), true) => println!("{}", json!({ "reloaded": { "epoch": epoch } })),
+        (Ok(epoch), false) => println!("reloaded the config file: epoch {epoch}"),
+        (Err(e), true) => {
+            println!(
+                "{}",
+                json!({ "reload_failed": shardlock::Report(&e).to_string() })
+            )
+        }
+        (Err(e), false) => println!(
+            "reload failed, the old topology stays: {}",
+            shown(&shardlock::Report(&e).to_string())
+        ),
+    }
+}
+
 pub(crate) fn cleaner_report(report: &CleanerReport, as_json: bool) {
     if as_json {
         let shards: Vec<_> = report

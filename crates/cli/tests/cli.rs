@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
+use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, LockRouter};
 use shardlock_testkit::Cluster;
 
@@ -685,33 +686,13 @@ async fn cleaner_daemon_stops_cleanly_on_sigterm() {
 /// go: a script reading the daemon's JSON saw nothing of it (the error went to the log only).
 #[tokio::test(flavor = "multi_thread")]
 async fn cleaner_daemon_reports_a_pass_that_could_not_run() {
-    use std::io::{BufRead, BufReader};
     let (cluster, dir, config) = cluster_with_config(1).await;
     json(&shardlock(&config, &["--json", "migrate"]));
     let mut yaml = std::fs::read_to_string(&config).unwrap();
     yaml.push_str("cleaner:\n  interval: 100ms\n");
     let fast = dir.path().join("fast.yaml");
     std::fs::write(&fast, yaml).unwrap();
-    let mut daemon = Command::new(env!("CARGO_BIN_EXE_shardlock"))
-        .arg("--config")
-        .arg(&fast)
-        .args(["--json", "cleaner"])
-        .env_remove("SHARDLOCK_CONFIG")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    // Read apart, so that a daemon gone silent fails the test rather than hanging it.
-    let (tx, passes) = std::sync::mpsc::channel::<Value>();
-    let stdout = daemon.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if tx.send(serde_json::from_str(&line).unwrap()).is_err() {
-                return;
-            }
-        }
-    });
+    let (mut daemon, passes) = daemon_read_apart(&fast, std::process::Stdio::null());
     let wait = std::time::Duration::from_secs(60);
     let first = passes.recv_timeout(wait).unwrap();
     assert_eq!(first["leader"], true, "{first}");
@@ -725,6 +706,129 @@ async fn cleaner_daemon_reports_a_pass_that_could_not_run() {
     let _ = daemon.wait();
     let failed = failed.expect("no pass reported as failed on stdout");
     assert!(failed["pass_failed"].is_string(), "{failed}");
+}
+
+/// A `shardlock --json cleaner` daemon on `config`, its stderr to `stderr`, and its stdout's
+/// lines as they come: read apart, so that a daemon gone silent fails a test (a receive with
+/// a timeout) rather than hanging it.
+fn daemon_read_apart(
+    config: &Path,
+    stderr: std::process::Stdio,
+) -> (std::process::Child, std::sync::mpsc::Receiver<Value>) {
+    use std::io::{BufRead, BufReader};
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_shardlock"))
+        .arg("--config")
+        .arg(config)
+        .args(["--json", "cleaner"])
+        .env_remove("SHARDLOCK_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let (tx, lines) = std::sync::mpsc::channel::<Value>();
+    let stdout = daemon.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(serde_json::from_str(&line).unwrap()).is_err() {
+                return;
+            }
+        }
+    });
+    (daemon, lines)
+}
+
+/// The first line of `lines` that has `field`, within a minute.
+fn next_with(lines: &std::sync::mpsc::Receiver<Value>, field: &str) -> Option<Value> {
+    let wait = std::time::Duration::from_secs(60);
+    std::iter::from_fn(|| lines.recv_timeout(wait).ok())
+        .take(1000)
+        .find(|line| line.get(field).is_some())
+}
+
+/// What a SIGHUP did is said where the passes are reported: a reload that failed (the old
+/// topology stays) was only in the log, and a script reading the daemon could not tell a
+/// cleaner still on the fleet's old topology from one that took the new one.
+#[tokio::test(flavor = "multi_thread")]
+async fn cleaner_daemon_reports_each_reload() {
+    let (_cluster, dir, config) = cluster_with_config(1).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let base = std::fs::read_to_string(&config).unwrap();
+    let file = dir.path().join("cleaner.yaml");
+    std::fs::write(&file, format!("{base}cleaner:\n  interval: 100ms\n")).unwrap();
+    let (mut daemon, lines) = daemon_read_apart(&file, std::process::Stdio::null());
+    next_with(&lines, "leader").expect("a first pass");
+
+    std::fs::write(&file, "shards: [\n").unwrap();
+    signal(&daemon, "-HUP");
+    let failed = next_with(&lines, "reload_failed");
+    let next = base.replace("namespaces:\n", "namespaces:\n  billing:\n    ttl: 5s\n");
+    std::fs::write(&file, format!("{next}cleaner:\n  interval: 100ms\n")).unwrap();
+    signal(&daemon, "-HUP");
+    let reloaded = next_with(&lines, "reloaded");
+    signal(&daemon, "-TERM");
+    let status = daemon.wait().unwrap();
+    let failed = failed.expect("a reload that failed was not reported on stdout");
+    let why = failed["reload_failed"].as_str().unwrap();
+    assert!(why.contains("cleaner.yaml"), "{failed}");
+    let reloaded = reloaded.expect("a reload was not reported on stdout");
+    assert_eq!(reloaded["reloaded"]["epoch"], 2, "{reloaded}");
+    assert!(status.success(), "exit after SIGTERM: {status}");
+}
+
+/// A cleaner daemon whose instance id another process took over (it was frozen past its
+/// heartbeat timeout) can never clean again: it exits, saying why. It logged a failed pass
+/// every interval, for as long as it ran.
+#[tokio::test(flavor = "multi_thread")]
+async fn cleaner_daemon_whose_id_was_taken_over_exits_saying_so() {
+    let (cluster, dir, config) = cluster_with_config(1).await;
+    json(&shardlock(&config, &["--json", "migrate"]));
+    let base = std::fs::read_to_string(&config).unwrap();
+    let tail = "instance:\n  id: twin\ncleaner:\n  interval: 100ms\n  \
+                heartbeat-interval: 100ms\n  heartbeat-timeout: 2s\n";
+    let file = dir.path().join("cleaner.yaml");
+    std::fs::write(&file, format!("{base}{tail}")).unwrap();
+    let (mut daemon, lines) = daemon_read_apart(&file, std::process::Stdio::piped());
+    next_with(&lines, "leader").expect("a first pass");
+
+    // Frozen, and counted dead: its heartbeat is old enough.
+    signal(&daemon, "-STOP");
+    (cluster.shard(0).connect().await.unwrap())
+        .query_drop(
+            "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 60 SECOND \
+             WHERE instance_id = 'twin'",
+        )
+        .await
+        .unwrap();
+    let twin = LockRouter::from_yaml_str(&format!("{base}{tail}"))
+        .await
+        .unwrap();
+    twin.try_acquire("k", AcquireOptions::new())
+        .await
+        .unwrap()
+        .expect("the twin grants")
+        .release()
+        .await
+        .unwrap();
+    signal(&daemon, "-CONT");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = daemon.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            daemon.kill().unwrap();
+            let _ = daemon.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    twin.shutdown().await.unwrap();
+    let status = status.expect("the replaced cleaner went on running");
+    assert_eq!(status.code(), Some(1), "{status}");
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut daemon.stderr.take().unwrap(), &mut said).unwrap();
+    assert!(said.contains("took instance id `twin` over"), "{said}");
 }
 
 /// The cleaner daemon is an instance of its fleet like any service: when it never reloaded,
