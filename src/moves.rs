@@ -526,7 +526,7 @@ async fn carry_once(
                     ),
                 )
             })?;
-        crate::placement_record::names_the_move_on(source, &topology)
+        crate::placement_record::names_the_move_on(router, source, &topology)
             .await
             .map_err(|why| not_yet(source, why))?;
     }

@@ -573,18 +573,42 @@ pub(crate) async fn record_ahead(
 /// of the record goes there any more: a whole fleet restarted onto the placement it left (a
 /// rollback) would read there a record from before the move (its write there failed: the
 /// shard slow, its row locked) and grant where it knows nothing of what the keys got since.
-/// The heartbeat writes it there meanwhile.
+/// Not named, it is written there (as the heartbeat writes it, but waiting for that shard as
+/// for any statement of it) and read again.
 pub(crate) async fn names_the_move_on(
+    inner: &Inner,
     source: &ShardState,
     topology: &Topology,
 ) -> Result<(), String> {
     let current = Recorded::of(&topology.current)
         .ok_or("the identity of a shard the move goes to is not known yet")?;
-    match record_on(source, topology.config.instance.fleet()).await? {
-        Some((_, theirs)) if theirs.iter().any(|t| t.places_like(&current)) => Ok(()),
-        _ => Err(
-            "its copy of the fleet's placement record does not name the placement moved \
-                  to yet (written again at the next heartbeat)"
+    let fleet = topology.config.instance.fleet();
+    let named = || async {
+        let found = (source.unguarded().fleet_placement(fleet).await)
+            .map_err(|e| format!("shard {}: {}", source.name(), registry::unmigrated_or(&e)))?;
+        // A record this version cannot read was written by a newer one, after this move
+        // began: a start of this version refuses it.
+        let theirs = found.map(|(_, text)| serde_json::from_str::<Vec<Recorded>>(&text));
+        Ok::<_, String>(match theirs {
+            Some(Ok(theirs)) => theirs.iter().any(|t| t.places_like(&current)),
+            Some(Err(_)) => true,
+            None => false,
+        })
+    };
+    if named().await? {
+        return Ok(());
+    }
+    {
+        let _writing = inner.placement.writing().await;
+        if !inner.gate.is_closed() {
+            record_waiting(inner, topology, None).await;
+        }
+    }
+    match named().await? {
+        true => Ok(()),
+        false => Err(
+            "its copy of the fleet's placement record does not name the placement \
+                      moved to yet"
                 .to_owned(),
         ),
     }
@@ -604,6 +628,16 @@ fn leaving_wait(topology: &Topology) -> Duration {
 
 /// [`record_if_due`] of `topology`.
 async fn record(inner: &Inner, topology: &Topology) -> Recording {
+    record_waiting(inner, topology, Some(leaving_wait(topology))).await
+}
+
+/// [`record`], waiting `leaving` at most for each shard the router's moves leave (`None`: as
+/// long as its statements take).
+async fn record_waiting(
+    inner: &Inner,
+    topology: &Topology,
+    leaving: Option<Duration>,
+) -> Recording {
     let state = &inner.placement;
     // A router that has granted, or that moves keys (it carries them whether or not it grants).
     let moving = topology.moves_in_progress() > 0;
@@ -643,8 +677,7 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
         |shard: &Arc<ShardState>| (topology.current.shards.iter()).any(|c| Arc::ptr_eq(c, shard));
     // Every current shard must answer (a start reads those); a shard a move leaves that does
     // not (gone for good, cut off) is left out.
-    let wait = leaving_wait(topology);
-    let within = |shard: &Arc<ShardState>| (!current(shard)).then_some(wait);
+    let within = |shard: &Arc<ShardState>| if current(shard) { None } else { leaving };
     let mut answered = Vec::with_capacity(shards.len());
     let mut reads = Vec::with_capacity(shards.len());
     // Reads of the current shards alone: what a start reads.
@@ -721,7 +754,7 @@ async fn record(inner: &Inner, topology: &Topology) -> Recording {
         }
         // Named on every shard all the same (one database reached through two shards of
         // the placements in force, say: written twice under one `seq`, the second write
-        // lost to the first): recorded, as a move's end asks (see `unrecorded`).
+        // lost to the first): recorded (else each heartbeat writes it again).
         if !left_out {
             state.set_recorded(own, ahead);
         }

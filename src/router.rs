@@ -352,8 +352,7 @@ impl LockRouter {
     /// where it lives now. Counted in `stats().stale_grants`. (A grant checked before a
     /// reload is found by it and follows its key.)
     pub(crate) fn placed_elsewhere_since(&self, topology: &Topology, key: &LockKey) -> bool {
-        let now = self.inner.topology.load();
-        let stale = now.epoch != topology.epoch && !now.places_like(topology, key);
+        let stale = self.placement_changed_since(topology, key);
         if stale {
             self.inner
                 .shared
@@ -362,6 +361,13 @@ impl LockRouter {
                 .fetch_add(1, Ordering::Relaxed);
         }
         stale
+    }
+
+    /// Whether a reload has replaced `topology` since and placed `key` elsewhere (see
+    /// [`LockRouter::placed_elsewhere_since`], which counts a grant so found).
+    pub(crate) fn placement_changed_since(&self, topology: &Topology, key: &LockKey) -> bool {
+        let now = self.inner.topology.load();
+        now.epoch != topology.epoch && !now.places_like(topology, key)
     }
 
     /// The error of a grant of `key` refused for `why` by this router itself.
@@ -1279,7 +1285,7 @@ pub(crate) fn operator_tool() -> Error {
 /// The outcome of `task`, which its caller's cancellation does not stop (a reload, a move from
 /// the placement record: half of either cannot be undone); its panic resumed here; `None` once
 /// its runtime shut down.
-async fn completed<T>(task: Option<tokio::task::JoinHandle<T>>) -> Option<T> {
+pub(crate) async fn completed<T>(task: Option<tokio::task::JoinHandle<T>>) -> Option<T> {
     match task?.await {
         Ok(done) => Some(done),
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),

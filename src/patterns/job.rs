@@ -236,10 +236,10 @@ impl LockRouter {
     /// copy: make the job idempotent, or look for it before enqueuing it again.
     ///
     /// A job that lands on its queue's shard after a reload placed the queue elsewhere (its
-    /// statement held up across the reload) is carried there before the call answers, as the
-    /// move carries the queue's other jobs; if that fails, the error says so and names the job
-    /// (`maybe_applied`: it is enqueued, and runs once a later move from that shard carries
-    /// it).
+    /// statement held up across the reload) is carried there before the call answers (or
+    /// after, on the router's runtime, if the call is dropped), as the move carries the queue's
+    /// other jobs. If that fails, the error says so and names the job (`maybe_applied`): it is
+    /// enqueued, and is claimed by nobody until a later move from that shard carries it.
     ///
     /// `queue` takes at most 255 bytes and `payload` 65,535 (their columns' widths;
     /// [`shardlock_core::Error::InvalidArgument`] otherwise).
@@ -254,19 +254,49 @@ impl LockRouter {
         check_fits("queue", queue.len(), queue.len(), MAX_QUEUE_BYTES)?;
         check_fits("payload", payload.len(), payload.len(), MAX_PAYLOAD_BYTES)?;
         self.check_joined(&key)?;
+        // On a task of its own: a call dropped while its job lands where a reload placed the
+        // queue no more must still carry it (see `enqueue_placed`).
+        let (router, queue, payload) = (self.clone(), queue.to_owned(), payload.to_vec());
+        let enqueue = self.inner.shared.spawn(async move {
+            (router.enqueue_placed(&key, &queue, &payload, delay, max_retries)).await
+        });
+        crate::router::completed(enqueue)
+            .await
+            .unwrap_or(Err(shardlock_core::Error::Shutdown))
+    }
+
+    /// [`LockRouter::enqueue_job`] of `queue` (as `key`), checked.
+    async fn enqueue_placed(
+        &self,
+        key: &LockKey,
+        queue: &str,
+        payload: &[u8],
+        delay: Duration,
+        max_retries: u32,
+    ) -> Result<u64> {
         let topology = self.inner.topology.load_full();
-        let shard = topology.locate(&key).clone();
+        let shard = topology.locate(key).clone();
+        // Its pool stays open until the job is where its queue lives: a shard a reload removed
+        // closes once nothing needs it.
+        let _settling = crate::shard::Settling::new(&shard);
         // A request id in `origin` (unique): a retry after a lost reply finds the job the
         // first try enqueued and answers its id, instead of enqueuing it twice.
         let request = format!("enqueue:{}", self.inner.shared.next_owner().1);
-        let id = shard
-            .run(|b| b.enqueue_job(queue, payload, delay, max_retries, &request))
-            .await?;
+        let insert = || shard.run(|b| b.enqueue_job(queue, payload, delay, max_retries, &request));
+        let id = match insert().await {
+            Ok(id) => id,
+            // Perhaps enqueued where the queue lives no more: asked once more, by its request
+            // id, to carry it if it is there.
+            Err(e) if may_have_acted(&e) && self.placement_changed_since(&topology, key) => {
+                insert().await.map_err(|_| e)?
+            }
+            Err(e) => return Err(e),
+        };
         // Enqueued where a reload since placed the queue no more: the move's carry may have
         // scanned that shard before the job landed (a statement held up, a pause), and no
         // claim of the queue would look there once the move is over. Carried now.
-        if self.placed_elsewhere_since(&topology, &key) {
-            crate::moves::carry_job(&self.inner, &shard, &key, id)
+        if self.placement_changed_since(&topology, key) {
+            crate::moves::carry_job(&self.inner, &shard, key, id)
                 .await
                 .map_err(|e| {
                     let done = format!(

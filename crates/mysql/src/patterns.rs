@@ -357,9 +357,11 @@ pub(crate) async fn cas_freed_at(
 /// already by the column's collation: where `from` and `to` compare equal there (`locked` and
 /// `LOCKED` in a case-insensitive column, `used` and `used ` with trailing spaces), the row
 /// would still match `from` after the winner's update, and with found rows counted every
-/// later caller would win too; such a transition never wins.
+/// later caller would win too; such a transition never wins. (`RTRIM`: a `CHAR` column under
+/// a NO PAD collation stores `used ` as `used`, which then differs from `to` as written.)
 const TRANSITION: &str =
-    "UPDATE `{table}` SET `{state}` = ? WHERE `{id}` = ? AND `{state}` = ? AND `{state}` <> ?";
+    "UPDATE `{table}` SET `{state}` = ? WHERE `{id}` = ? AND `{state}` = ? AND `{state}` <> ? \
+     AND `{state}` <> RTRIM(?)";
 
 /// Whether the row is in the table at all, in whatever state.
 const STATE_ROW: &str = "SELECT 1 FROM `{table}` WHERE `{id}` = ? LIMIT 1";
@@ -418,7 +420,7 @@ pub(crate) async fn transition(
     from: &str,
     to: &str,
 ) -> mysql_async::Result<bool> {
-    changed_one(conn, table.transition.as_str(), (to, id, from, to)).await
+    changed_one(conn, table.transition.as_str(), (to, id, from, to, to)).await
 }
 
 /// Whether row `id` of `table` is there, in any state.
