@@ -130,6 +130,49 @@ async fn a_try_without_waiting_behind_a_row_being_created_counts_against_no_shar
 /// READ COMMITTED answers a locking read that waited on a row another transaction deleted
 /// (an operator's purge of `shardlock_txlock`, say) with no row and no lock: that lock was
 /// handed out locking nothing, and the next caller created the row again and locked it too.
+/// A transaction lock whose own session ends (killed here; timed out idle, or its server
+/// restarted) was rolled back, and another process may hold the key: `lost()` says so. It
+/// waited on, and `is_held()` said the lock held, while another holder worked under the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_lock_whose_session_was_killed_is_reported_lost() {
+    let (cluster, router, _) = common::start(1, "").await;
+    let other = LockRouter::from_yaml_str(&cluster.config_yaml(""))
+        .await
+        .unwrap();
+    let held = router
+        .lock_in_transaction("tx:killed", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let mut admin = cluster.shard(0).connect().await.unwrap();
+    let sessions: Vec<u64> = admin
+        .query(
+            "SELECT trx_mysql_thread_id FROM information_schema.INNODB_TRX \
+             WHERE trx_query IS NULL AND trx_rows_locked > 0",
+        )
+        .await
+        .unwrap();
+    assert_eq!(sessions.len(), 1, "open transactions");
+    admin
+        .query_drop(format!("KILL {}", sessions[0]))
+        .await
+        .unwrap();
+    let theirs = other
+        .lock_in_transaction("tx:killed", Duration::from_secs(10))
+        .await
+        .expect("the killed session's row is free");
+    let noticed = tokio::time::timeout(Duration::from_secs(30), held.lost()).await;
+    assert!(
+        noticed.is_ok(),
+        "lost() went on waiting while another process held the key"
+    );
+    assert!(!held.is_held());
+    theirs.commit().await.unwrap();
+    assert!(
+        held.commit().await.is_err(),
+        "a lock whose session ended committed"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_whose_row_was_deleted_while_it_waited_is_not_handed_out_unlocked() {
     let args = ["--transaction-isolation=READ-COMMITTED".to_owned()];

@@ -201,6 +201,9 @@ impl TxLockState {
     }
 }
 
+/// How often [`TxLockGuard::lost`] asks whether the lock's session lives.
+const SESSION_LOOK: Duration = Duration::from_secs(1);
+
 /// How long a `COMMIT` whose answer never came may still land: a segment sent into a silent
 /// network is retransmitted for about a quarter of an hour at most (Linux's `tcp_retries2`
 /// default), as the shard's list of stranded sessions counts too.
@@ -247,17 +250,27 @@ impl TxLockGuard {
     /// are held by transactions nothing runs on: one that ends under it (its session killed,
     /// an idle-transaction timeout) is found by [`TxLockGuard::commit`], not here; so is a
     /// transaction your own SQL ended (a deadlock it lost, a DDL statement), which ends the
-    /// lock with it.
+    /// lock with it. The lock's own session ending (killed, timed out idle, its server
+    /// restarted) is found by [`TxLockGuard::lost`] while it waits, within a second, and by
+    /// your next statement on [`TxLockGuard::conn`], which fails: not here before then.
     pub fn is_held(&self) -> bool {
         self.state.is_live()
     }
 
     /// Completes when the lock is lost (see [`TxLockGuard::is_held`]); never for a lock that
-    /// stays held. Cancel-safe.
+    /// stays held. While it waits, it also asks the lock's shard every second whether the
+    /// lock's own session still lives: a session killed, timed out idle
+    /// (`idle_transaction_timeout`) or ended by the server's restart was rolled back, and
+    /// another process may hold the key since. Found so, the lock is lost (and
+    /// [`TxLockGuard::is_held`] says so from then on). A shard that does not answer says
+    /// nothing (the session may live on: a cut link); nor does a session that cannot be told
+    /// apart from others (a Galera shard's, one behind a proxy such as ProxySQL). Cancel-safe.
     pub async fn lost(&self) {
         let state = &self.state;
         let mut lost = state.lost.subscribe();
         let mut losses = state.shared.watch_registry_losses();
+        let mut session_look = tokio::time::interval(SESSION_LOOK);
+        session_look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             // The lapse is watched too, looked at again as heartbeats move it on, and the
             // losses to the registry (a lapse found, a switch to the heartbeat registry).
@@ -270,11 +283,30 @@ impl TxLockGuard {
                 _ = lost.wait_for(|lost| *lost) => return,
                 _ = losses.changed() => {}
                 () = tokio::time::sleep_until(look) => {}
+                _ = session_look.tick() => {
+                    if self.session_ended().await {
+                        state.mark_lost("its session ended (killed, timed out idle, or its server restarted)");
+                        return;
+                    }
+                }
             }
             if !state.is_live() {
                 return;
             }
         }
+    }
+
+    /// Whether the lock's shard says the lock's own session is gone (see
+    /// [`TxLockGuard::lost`]).
+    async fn session_ended(&self) -> bool {
+        let own = self.state.rows.locked().shards.first().cloned();
+        let (Some(session), Some(own)) = (self.session, own) else {
+            return false;
+        };
+        matches!(
+            own.call(|b| b.session_lives(session)).await,
+            Ok(Some(false))
+        )
     }
 
     /// Commits your statements and releases the lock. A lost lock is rolled back instead and
@@ -294,7 +326,10 @@ impl TxLockGuard {
     /// so none of it was committed), and answers [`Error::LockLost`]. What a DDL statement or
     /// your `COMMIT` committed stays committed (it ran under the lock), and so does the DDL
     /// statement itself. After a deadlock, take the lock again and run the whole transaction
-    /// again, not the statement alone. Run DDL before taking the lock.
+    /// again, not the statement alone. Run DDL before taking the lock. Never run `SET
+    /// autocommit = 1` on the lock's connection: it commits the transaction (ending the lock),
+    /// and every statement after it then commits on its own, outside the lock, where `commit`
+    /// cannot roll it back (it still answers [`Error::LockLost`]).
     ///
     /// Cancellation: the connection is closed, not pooled, and the lock is released either way; a
     /// `COMMIT` that reached the server may still have committed, else the server rolls back. Read

@@ -39,7 +39,8 @@ const TX_ROW: &str = "INSERT INTO shardlock_txlock (lock_key) VALUES ({key}) \
 /// deadlock its statement loses rolls the whole transaction back, lock included; a DDL
 /// statement or a `COMMIT` of its own commits it — what the caller runs after that opens a
 /// transaction of its own, which ending the lock rolls back ([`TX_COMMIT`] finds no
-/// savepoint), instead of committing statement by statement without the lock.
+/// savepoint), instead of committing statement by statement without the lock. (Not after a
+/// `SET autocommit = 1` of its own, which commits and turns that back on.)
 const TX_BEGIN: &str = "SET autocommit = 0; START TRANSACTION";
 
 /// Takes the row's exclusive lock, held until the transaction ends or the connection dies, so

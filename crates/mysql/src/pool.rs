@@ -132,21 +132,10 @@ impl SessionId {
     /// shard's list of stranded sessions (see [`crate::stranded`]), it never gives up on a
     /// session the server keeps: its caller decides how long to ask.
     pub(crate) async fn end_on(&self, conn: &mut Conn) -> mysql_async::Result<bool> {
-        let probe = format!(
-            "SELECT IS_USED_LOCK('{}'), @@hostname, @@port",
-            self.lock_name()
-        );
-        let Some((holder, host, port)) = conn
-            .query_first::<(Option<u64>, Option<String>, Option<u64>), _>(probe)
-            .await?
-        else {
-            return Ok(false);
-        };
-        if server_of(host, port) != self.server {
-            return Ok(false);
-        }
-        if holder != Some(u64::from(self.thread)) {
-            return Ok(true);
+        match self.lives_on(conn).await? {
+            None => return Ok(false),
+            Some(false) => return Ok(true),
+            Some(true) => {}
         }
         match conn
             .query_drop(format!("KILL CONNECTION {}", self.thread))
@@ -157,6 +146,25 @@ impl SessionId {
             Err(e) => Err(e),
             Ok(()) => Ok(false),
         }
+    }
+
+    /// Whether this session lives, asked on `conn`; `None` when `conn` reached another server
+    /// (only the session's own can tell).
+    pub(crate) async fn lives_on(&self, conn: &mut Conn) -> mysql_async::Result<Option<bool>> {
+        let probe = format!(
+            "SELECT IS_USED_LOCK('{}'), @@hostname, @@port",
+            self.lock_name()
+        );
+        let Some((holder, host, port)) = conn
+            .query_first::<(Option<u64>, Option<String>, Option<u64>), _>(probe)
+            .await?
+        else {
+            return Ok(None);
+        };
+        if server_of(host, port) != self.server {
+            return Ok(None);
+        }
+        Ok(Some(holder == Some(u64::from(self.thread))))
     }
 
     /// A session of thread `thread` on server 0, for unit tests of the list.

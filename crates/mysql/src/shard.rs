@@ -983,6 +983,15 @@ impl Shard {
         .await
     }
 
+    /// Whether `session` (of a connection of this shard's, in use elsewhere) lives; `None`
+    /// while the shard reaches another server (only the session's own server can tell).
+    pub async fn session_lives(&self, session: SessionId) -> Result<Option<bool>, BackendError> {
+        self.run("session_lives", session, |c, session| {
+            Box::pin(session.lives_on(c))
+        })
+        .await
+    }
+
     /// Raises the shard's fence floor: every fence granted here from now on is above `floor`.
     pub async fn raise_shard_floor(&self, floor: u64) -> Result<(), BackendError> {
         self.run("raise_shard_floor", floor, |c, &floor| {
