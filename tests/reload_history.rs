@@ -110,6 +110,13 @@ async fn reloads_under_load_never_make_two_holders() {
         for (t, f) in totals.iter_mut().zip(&fields) {
             *t += f;
         }
+        // Every SIGHUP was taken (a refused reload is only logged): a process left on an
+        // earlier topology would test less than the run claims.
+        assert_eq!(
+            fields[5],
+            TOPOLOGIES.len() as u64,
+            "a worker did not take every reload"
+        );
     }
     let [writes, lost, rejected, moved, followed] = totals;
     let holds = history::read(&histories);
@@ -172,12 +179,13 @@ async fn soak_worker() {
     }
     let stats = router.stats();
     report!(
-        "done {} {} {} {} {}",
+        "done {} {} {} {} {} {}",
         counts[Outcome::Wrote as usize],
         counts[Outcome::Lost as usize],
         counts[Outcome::Rejected as usize],
         stats.moved_grants,
-        stats.followed
+        stats.followed,
+        router.epoch()
     );
     router.shutdown().await.unwrap();
 }
