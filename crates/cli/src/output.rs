@@ -263,16 +263,33 @@ pub(crate) fn lock_name(lock: &LockKey) -> String {
 /// an operator's terminal: control characters escaped (`\u{1b}`), so that none moves the
 /// cursor, recolours the screen or hides what follows.
 pub(crate) fn shown(text: &str) -> std::borrow::Cow<'_, str> {
-    if !text.chars().any(char::is_control) {
+    if !text.chars().any(is_hidden) {
         return text.into();
     }
     text.chars()
-        .map(|c| match c.is_control() {
+        .map(|c| match is_hidden(c) {
             true => c.escape_default().to_string(),
             false => c.to_string(),
         })
         .collect::<String>()
         .into()
+}
+
+/// A character that does not show as itself on a terminal: a control character, or one that
+/// reorders or hides text around it (bidirectional overrides and isolates, zero-width
+/// characters, the byte-order mark): a key holding `U+202E` reads as another key.
+fn is_hidden(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{00AD}'
+                | '\u{061C}'
+                | '\u{180E}'
+                | '\u{200B}'..='\u{200F}'
+                | '\u{202A}'..='\u{202E}'
+                | '\u{2060}'..='\u{2069}'
+                | '\u{FEFF}'
+        )
 }
 
 pub(crate) fn force_released(
@@ -598,6 +615,9 @@ mod tests {
         assert_eq!(shown("order:1"), "order:1");
         assert!(matches!(shown("order:1"), std::borrow::Cow::Borrowed(_)));
         assert_eq!(shown("a\u{1b}[2Jb\r"), "a\\u{1b}[2Jb\\r");
+        // Text that reorders what follows it, or hides: `order:1` shown with its override.
+        assert_eq!(shown("order:\u{202e}1"), "order:\\u{202e}1");
+        assert_eq!(shown("a\u{200b}b"), "a\\u{200b}b");
         assert_eq!(
             cell(Some(b"x\x1b]0;owned\x07"), 24),
             "x\\u{1b}]0;owned\\u{7}"

@@ -293,18 +293,32 @@ pub(crate) async fn run(
     report.publish(&args.out, as_json)
 }
 
-/// `url` with the password of its `user:password@` part (if any) shown as `***`.
+/// `url` with the password of its `user:password@` part, and a `password` query parameter,
+/// (if any) shown as `***`.
 fn without_password(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
+    let (url, query) = match url.split_once('?') {
+        Some((url, query)) => (url, Some(query)),
+        None => (url, None),
     };
-    match rest
-        .rfind('@')
-        .and_then(|at| Some((at, rest[..at].find(':')?)))
-    {
-        Some((at, colon)) => format!("{scheme}://{}:***{}", &rest[..colon], &rest[at..]),
+    let url = match url.split_once("://") {
+        Some((scheme, rest)) => match rest
+            .rfind('@')
+            .and_then(|at| Some((at, rest[..at].find(':')?)))
+        {
+            Some((at, colon)) => format!("{scheme}://{}:***{}", &rest[..colon], &rest[at..]),
+            None => url.to_owned(),
+        },
         None => url.to_owned(),
-    }
+    };
+    let Some(query) = query else { return url };
+    let query: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
+            _ => pair.to_owned(),
+        })
+        .collect();
+    format!("{url}?{}", query.join("&"))
 }
 
 #[cfg(test)]
@@ -315,5 +329,9 @@ mod tests {
         assert_eq!(shown("redis://:s3cret@db:6379/0"), "redis://:***@db:6379/0");
         assert_eq!(shown("redis://app:p@ss@db:6379"), "redis://app:***@db:6379");
         assert_eq!(shown("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(
+            shown("redis://db:6379/0?password=s3cret&protocol=resp3"),
+            "redis://db:6379/0?password=***&protocol=resp3"
+        );
     }
 }
