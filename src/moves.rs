@@ -42,16 +42,20 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
         let target = topology.locate(&lease.key).clone();
         // Held in process, with no row: the keeper would re-acquire it where the key no
         // longer lives. It ends, visibly, for the processes that take the key where it lives
-        // now (its holder keeps the key's turn here until it lets go).
-        if !target.same_database(&shard) && shard.remove_local(lease.id) {
+        // now (its holder keeps the key's turn here until it lets go). So it does when its
+        // shard was rebuilt (a new URL for the same database, new credentials): the keeper
+        // of the old one would go on trying its old address, with its old breaker, which
+        // nothing shows any more, while other processes take the key through the new one.
+        if !Arc::ptr_eq(&target, &shard) && shard.remove_local(lease.id) {
+            let why = match target.same_database(&shard) {
+                true => "its shard was rebuilt in a reload while it was held in process",
+                false => "its key moved in a reload while it was held in process",
+            };
             // Released so, before its holder hears of the loss: its guard's release sends
             // nothing and answers that it was lost (not the old shard's outage, should it
             // still be down).
             lease.release_claimed.store(true, Ordering::Release);
-            lease.mark_lost(
-                "its key moved in a reload while it was held in process",
-                &shard.shared,
-            );
+            lease.mark_lost(why, &shard.shared);
             // A re-acquire whose reply was lost may have taken the row (see `end_hold`).
             if lease.maybe_on_shard.swap(false, Ordering::SeqCst) {
                 let key = lease.key.stored().to_vec();

@@ -577,6 +577,50 @@ async fn a_key_held_in_process_that_a_reload_moves_is_lost_to_its_holder() {
     );
 }
 
+/// A key held in process when a reload points its shard at another address of the same
+/// database (the way past a dead proxy) is lost to its holder: its keeper went on trying the
+/// old address, under a breaker nothing showed any more, and the lease stayed held for good
+/// while other processes took the key through the new address.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_held_in_process_whose_shard_a_reload_rebuilds_is_lost_to_its_holder() {
+    let rig = Rig::start("local", None, POOL).await;
+    let key = rig.keys("k", 1, false).remove(0);
+    // A reload while s1 answers (its statement timeout raised), which reads which database
+    // each shard is: the next one then tells that the new address reaches the same one.
+    let known = rig
+        .yaml
+        .replacen("statement-timeout: 1s", "statement-timeout: 2s", 1);
+    let config = shardlock::Config::from_yaml_str(&known).unwrap();
+    rig.router.reload(config).await.unwrap();
+    cut_off(&rig, "other").await;
+    let local = rig
+        .router
+        .acquire(&key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), LockMode::LocalFallback);
+    let direct = known.replace(&rig.proxy.url(), &rig.cluster.shard(0).url());
+    assert_ne!(direct, known, "s1 is reached through the proxy");
+    let config = shardlock::Config::from_yaml_str(&direct).unwrap();
+    rig.router.reload(config).await.unwrap();
+    assert_eq!(
+        rig.router.moves_in_progress(),
+        0,
+        "the same database: nothing moved"
+    );
+    tokio::time::timeout(Duration::from_secs(30), local.lost())
+        .await
+        .expect("the holder of a key whose shard was rebuilt in process was not told");
+    assert!(!local.is_held());
+    let other = direct_router(&rig).await;
+    let theirs = other
+        .try_acquire(&key, AcquireOptions::new())
+        .await
+        .unwrap()
+        .expect("the key is free on its shard");
+    theirs.release().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn shutdown_ends_local_holds_too() {
     let (rig, _, guard) = held_locally().await;
