@@ -162,7 +162,8 @@ impl LockRouter {
     /// Runs [`LockRouter::clean_once`] every `cleaner.interval` until `stop` completes (also
     /// during a pass, which then ends where it is), handing each report to `on_report`; then
     /// gives the cleaner lock back. Errors of a pass are logged and the next pass runs as
-    /// planned.
+    /// planned. Ends too once another process took this router's instance id over
+    /// ([`LockRouter::is_replaced`]): no pass could run again.
     ///
     /// Cancellation: as for [`LockRouter::clean_once`] during a pass. Dropped instead of ended by
     /// `stop`, it does not give the cleaner lock back: this router keeps holding (and renewing) it,
@@ -182,9 +183,7 @@ impl LockRouter {
 
     /// [`LockRouter::run_cleaner`], handing `on_pass` every pass's outcome, the failed ones'
     /// errors too (they are logged as well): what a daemon whose output a script reads says
-    /// of a pass that could not run (the cleaner lock's shard down, say). Ends too once
-    /// another process took this router's instance id over ([`LockRouter::is_replaced`]): no
-    /// pass could run again.
+    /// of a pass that could not run (the cleaner lock's shard down, say).
     ///
     /// Cancellation: as for [`LockRouter::run_cleaner`].
     pub async fn run_cleaner_passes(
@@ -205,12 +204,10 @@ impl LockRouter {
                 tracing::error!(error = %shardlock_core::Report(e), "shardlock cleaner pass failed");
             }
             on_pass(pass.as_ref());
-            if self.is_replaced() {
-                break;
-            }
             let interval = self.config().cleaner.interval;
             tokio::select! {
                 _ = &mut stop => break,
+                () = self.inner.gate.replaced() => break,
                 _ = tokio::time::sleep(interval) => {}
             }
         }

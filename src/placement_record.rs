@@ -600,8 +600,13 @@ pub(crate) async fn names_the_move_on(
     }
     {
         let _writing = inner.placement.writing().await;
-        if !inner.gate.is_closed() {
-            record_waiting(inner, topology, None).await;
+        // Not once a reload replaced `topology` meanwhile: its record, written ahead of the
+        // swap, names the placement granted under now, which this one does not.
+        if inner.topology.load().epoch != topology.epoch {
+            return Err("a reload replaced the topology meanwhile".to_owned());
+        }
+        if !inner.gate.is_closed() && !named().await? {
+            record_waiting(inner, topology, Some(source)).await;
         }
     }
     match named().await? {
@@ -628,15 +633,15 @@ fn leaving_wait(topology: &Topology) -> Duration {
 
 /// [`record_if_due`] of `topology`.
 async fn record(inner: &Inner, topology: &Topology) -> Recording {
-    record_waiting(inner, topology, Some(leaving_wait(topology))).await
+    record_waiting(inner, topology, None).await
 }
 
-/// [`record`], waiting `leaving` at most for each shard the router's moves leave (`None`: as
-/// long as its statements take).
+/// [`record`], waiting for each shard the router's moves leave a short while at most (see
+/// [`leaving_wait`]), but for `waited_for` (one of them) as long as its statements take.
 async fn record_waiting(
     inner: &Inner,
     topology: &Topology,
-    leaving: Option<Duration>,
+    waited_for: Option<&ShardState>,
 ) -> Recording {
     let state = &inner.placement;
     // A router that has granted, or that moves keys (it carries them whether or not it grants).
@@ -677,7 +682,9 @@ async fn record_waiting(
         |shard: &Arc<ShardState>| (topology.current.shards.iter()).any(|c| Arc::ptr_eq(c, shard));
     // Every current shard must answer (a start reads those); a shard a move leaves that does
     // not (gone for good, cut off) is left out.
-    let within = |shard: &Arc<ShardState>| if current(shard) { None } else { leaving };
+    let wait = leaving_wait(topology);
+    let waited = |shard: &Arc<ShardState>| waited_for.is_some_and(|w| w.same_database(shard));
+    let within = |shard: &Arc<ShardState>| (!current(shard) && !waited(shard)).then_some(wait);
     let mut answered = Vec::with_capacity(shards.len());
     let mut reads = Vec::with_capacity(shards.len());
     // Reads of the current shards alone: what a start reads.

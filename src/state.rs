@@ -167,6 +167,12 @@ impl Gate {
         self.replaced.load(Ordering::Acquire)
     }
 
+    /// Completes once another process has taken this router's instance id over.
+    pub(crate) async fn replaced(&self) {
+        let mut closed = self.closed.subscribe();
+        let _ = closed.wait_for(|_| self.is_replaced()).await;
+    }
+
     pub(crate) fn is_rejoining(&self) -> bool {
         self.rejoining.load(Ordering::Acquire)
     }

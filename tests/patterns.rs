@@ -126,10 +126,6 @@ async fn a_try_without_waiting_behind_a_row_being_created_counts_against_no_shar
         .unwrap();
 }
 
-/// A transaction lock is held only once its locking read found the key's row. A shard under
-/// READ COMMITTED answers a locking read that waited on a row another transaction deleted
-/// (an operator's purge of `shardlock_txlock`, say) with no row and no lock: that lock was
-/// handed out locking nothing, and the next caller created the row again and locked it too.
 /// A transaction lock whose own session ends (killed here; timed out idle, or its server
 /// restarted) was rolled back, and another process may hold the key: `lost()` says so. It
 /// waited on, and `is_held()` said the lock held, while another holder worked under the key.
@@ -173,6 +169,10 @@ async fn a_transaction_lock_whose_session_was_killed_is_reported_lost() {
     );
 }
 
+/// A transaction lock is held only once its locking read found the key's row. A shard under
+/// READ COMMITTED answers a locking read that waited on a row another transaction deleted
+/// (an operator's purge of `shardlock_txlock`, say) with no row and no lock: that lock was
+/// handed out locking nothing, and the next caller created the row again and locked it too.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_lock_whose_row_was_deleted_while_it_waited_is_not_handed_out_unlocked() {
     let args = ["--transaction-isolation=READ-COMMITTED".to_owned()];

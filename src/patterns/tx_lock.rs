@@ -70,6 +70,9 @@ pub(crate) struct TxLockState {
     /// [`Shared::registry_losses`] before the lock was sought: a lock has no lease row, so
     /// when the leases are lost to the registry (a lapse), it is too.
     registry_losses: u64,
+    /// When [`TxLockGuard::lost`] last asked whether the lock's session lives (the next look
+    /// is a [`SESSION_LOOK`] later, whichever call of `lost` makes it).
+    session_looked: std::sync::Mutex<tokio::time::Instant>,
 }
 
 /// The shards where a transaction lock's row is locked (the guard's own first), and the
@@ -269,8 +272,10 @@ impl TxLockGuard {
         let state = &self.state;
         let mut lost = state.lost.subscribe();
         let mut losses = state.shared.watch_registry_losses();
-        let mut session_look = tokio::time::interval(SESSION_LOOK);
-        session_look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Polled beside the other looks, not in turn with them: a probe held up (a cut link,
+        // for the statement timeout) must not hold back the lapse's.
+        let session_ended = self.session_ended();
+        tokio::pin!(session_ended);
         loop {
             // The lapse is watched too, looked at again as heartbeats move it on, and the
             // losses to the registry (a lapse found, a switch to the heartbeat registry).
@@ -283,11 +288,9 @@ impl TxLockGuard {
                 _ = lost.wait_for(|lost| *lost) => return,
                 _ = losses.changed() => {}
                 () = tokio::time::sleep_until(look) => {}
-                _ = session_look.tick() => {
-                    if self.session_ended().await {
-                        state.mark_lost("its session ended (killed, timed out idle, or its server restarted)");
-                        return;
-                    }
+                () = &mut session_ended => {
+                    state.mark_lost("its session ended (killed, timed out idle, or its server restarted)");
+                    return;
                 }
             }
             if !state.is_live() {
@@ -296,17 +299,43 @@ impl TxLockGuard {
         }
     }
 
-    /// Whether the lock's shard says the lock's own session is gone (see
-    /// [`TxLockGuard::lost`]).
-    async fn session_ended(&self) -> bool {
+    /// Completes once the lock's shard says the lock's own session is gone (see
+    /// [`TxLockGuard::lost`]): asked every [`SESSION_LOOK`], by whichever call of `lost` is
+    /// waiting then; never for a session that cannot be told apart. Each look runs on the
+    /// router's runtime (a `lost` dropped meanwhile does not cut its statement off, which
+    /// would cost the shard its connection), through no breaker (its answer says nothing of
+    /// the shard's health), and not while every connection of the pool is in use (the lock's
+    /// own among them): it would only wait for one.
+    async fn session_ended(&self) {
         let own = self.state.rows.locked().shards.first().cloned();
         let (Some(session), Some(own)) = (self.session, own) else {
-            return false;
+            return std::future::pending().await;
         };
-        matches!(
-            own.call(|b| b.session_lives(session)).await,
-            Ok(Some(false))
-        )
+        let mut look: Option<tokio::task::JoinHandle<_>> = None;
+        loop {
+            if let Some(asked) = look.take() {
+                if let Ok(Ok(Some(false))) = asked.await {
+                    return;
+                }
+            }
+            let next = *self.state.session_looked.locked() + SESSION_LOOK;
+            tokio::time::sleep_until(next).await;
+            let mut looked = self.state.session_looked.locked();
+            if *looked + SESSION_LOOK > tokio::time::Instant::now() {
+                continue; // another call of `lost` looked meanwhile
+            }
+            *looked = tokio::time::Instant::now();
+            drop(looked);
+            let pool = own.pool_status();
+            if pool.available == 0 && pool.size >= pool.max_size {
+                continue;
+            }
+            let own = own.clone();
+            look = self
+                .state
+                .shared
+                .spawn(async move { own.unguarded().session_lives(session).await });
+        }
     }
 
     /// Commits your statements and releases the lock. A lost lock is rolled back instead and
@@ -344,7 +373,8 @@ impl TxLockGuard {
     /// ProxySQL) cannot be asked after: its 20 minutes are waited out. A `COMMIT` unanswered
     /// for 20 minutes is given up so, and waited for 20 minutes more at most. The session is
     /// told apart by a user lock it holds (`GET_LOCK`): do not run `RELEASE_ALL_LOCKS()` on the
-    /// lock's connection, or its session reads as gone while it lives.
+    /// lock's connection, or its session reads as gone while it lives (and
+    /// [`TxLockGuard::lost`] reports the lock lost).
     pub async fn commit(mut self) -> Result<()> {
         // A reload may have moved the key: nothing commits under the lock before it is held
         // where the key lives now. The processes that reloaded lock it only there once their
@@ -614,6 +644,7 @@ impl LockRouter {
             shared: self.inner.shared.clone(),
             beat_now: self.inner.beat_now.clone(),
             registry_losses: losses,
+            session_looked: std::sync::Mutex::new(tokio::time::Instant::now()),
         });
         // Registered, then the epoch checked: a reload swaps the topology, then looks at the
         // registered locks, so one of the two sees the other.

@@ -721,6 +721,7 @@ fn daemon_read_apart(
         .arg(config)
         .args(["--json", "cleaner"])
         .env_remove("SHARDLOCK_CONFIG")
+        .env_remove("SHARDLOCK_LOG")
         .stdout(std::process::Stdio::piped())
         .stderr(stderr)
         .spawn()
@@ -789,6 +790,15 @@ async fn cleaner_daemon_whose_id_was_taken_over_exits_saying_so() {
     let file = dir.path().join("cleaner.yaml");
     std::fs::write(&file, format!("{base}{tail}")).unwrap();
     let (mut daemon, lines) = daemon_read_apart(&file, std::process::Stdio::piped());
+    // Read as it comes: a daemon that logs on must not block on a full pipe.
+    let said = std::thread::spawn({
+        let mut stderr = daemon.stderr.take().unwrap();
+        move || {
+            let mut said = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut said);
+            said
+        }
+    });
     next_with(&lines, "leader").expect("a first pass");
 
     // Frozen, and counted dead: its heartbeat is old enough.
@@ -826,8 +836,7 @@ async fn cleaner_daemon_whose_id_was_taken_over_exits_saying_so() {
     twin.shutdown().await.unwrap();
     let status = status.expect("the replaced cleaner went on running");
     assert_eq!(status.code(), Some(1), "{status}");
-    let mut said = String::new();
-    std::io::Read::read_to_string(&mut daemon.stderr.take().unwrap(), &mut said).unwrap();
+    let said = said.join().unwrap();
     assert!(said.contains("took instance id `twin` over"), "{said}");
 }
 

@@ -923,7 +923,8 @@ mod tests {
         let table = StateTable::new("coupon", "code", "state").unwrap();
         assert_eq!(
             table.transition,
-            "UPDATE `coupon` SET `state` = ? WHERE `code` = ? AND `state` = ?"
+            "UPDATE `coupon` SET `state` = ? WHERE `code` = ? AND `state` = ? AND `state` <> ? \
+             AND `state` <> RTRIM(?)"
         );
         for bad in ["", "coupon; DROP TABLE x", "coupon`", &"c".repeat(65)] {
             assert!(StateTable::new(bad, "code", "state").is_err(), "{bad}");
