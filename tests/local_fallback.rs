@@ -167,6 +167,17 @@ async fn held_locally_for(options: AcquireOptions) -> (Rig, String, shardlock::L
     (rig, key, guard)
 }
 
+/// `key`, acquired by the rig's router while it is cut off from `s1`: held in process.
+async fn in_process(rig: &Rig, key: &str) -> shardlock::LockGuard {
+    let local = rig
+        .router
+        .acquire(key, AcquireOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(local.mode(), LockMode::LocalFallback);
+    local
+}
+
 /// Reconnects the rig's router to `s1` and waits until its local hold is re-acquired there.
 async fn reconciled(rig: &Rig) {
     rig.proxy.set(ProxyMode::Pass);
@@ -593,12 +604,7 @@ async fn a_key_held_in_process_whose_shard_a_reload_rebuilds_is_lost_to_its_hold
     let config = shardlock::Config::from_yaml_str(&known).unwrap();
     rig.router.reload(config).await.unwrap();
     cut_off(&rig, "other").await;
-    let local = rig
-        .router
-        .acquire(&key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(local.mode(), LockMode::LocalFallback);
+    let local = in_process(&rig, &key).await;
     let direct = known.replace(&rig.proxy.url(), &rig.cluster.shard(0).url());
     assert_ne!(direct, known, "s1 is reached through the proxy");
     let config = shardlock::Config::from_yaml_str(&direct).unwrap();
@@ -1127,12 +1133,7 @@ async fn a_reconcile_leaves_a_row_kept_for_its_minimum_hold(release_fails: bool)
         cut_off(&rig, "other").await;
     }
 
-    let local = rig
-        .router
-        .acquire(&key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(local.mode(), LockMode::LocalFallback);
+    let local = in_process(&rig, &key).await;
     rig.proxy.set(ProxyMode::Pass);
     tokio::time::timeout(Duration::from_secs(30), local.lost())
         .await

@@ -1204,6 +1204,20 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
         }
     };
 
+    // A job of queue `q` enqueued and claimed.
+    let claimed = |payload: &'static [u8]| {
+        let router = router.clone();
+        async move {
+            router
+                .enqueue_job("q", payload, Duration::ZERO, 3)
+                .await
+                .unwrap();
+            (router.claim_job("q", "w", Duration::from_secs(30)).await)
+                .unwrap()
+                .expect("a job")
+        }
+    };
+
     // Enqueue (its statement prepared by a first call): the reply to the insert is lost; the
     // retry finds the job by its request id and answers its id.
     router
@@ -1246,15 +1260,7 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
     // Give back (its statement prepared by the completion above): the reply to its update is
     // lost and its retry cut off. The call fails, but the job is ready again (another worker
     // may claim it), so the claim no longer counts as this worker's.
-    router
-        .enqueue_job("q", b"given back", Duration::ZERO, 3)
-        .await
-        .unwrap();
-    let job = router
-        .claim_job("q", "w", Duration::from_secs(30))
-        .await
-        .unwrap()
-        .expect("a job");
+    let job = claimed(b"given back").await;
     proxy.set(ProxyMode::LoseOneReplyThenBlackhole);
     let given = router.release_job(&job).await;
     proxy.set(ProxyMode::Pass);
@@ -1283,15 +1289,7 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
 
     // Complete: the reply to its update is lost; the retry finds the claim ended, by that
     // try, and answers that it completed the job.
-    router
-        .enqueue_job("q", b"third", Duration::ZERO, 3)
-        .await
-        .unwrap();
-    let job = router
-        .claim_job("q", "w", Duration::from_secs(30))
-        .await
-        .unwrap()
-        .expect("a job");
+    let job = claimed(b"third").await;
     proxy.set(ProxyMode::LoseOneReply);
     let completed = router.complete_job(&job).await.unwrap();
     assert_eq!(proxy.mode(), ProxyMode::Pass, "a reply was lost");
@@ -1302,15 +1300,7 @@ async fn pattern_calls_learn_what_a_try_with_a_lost_reply_did() {
 
     // Extend: the reply to its update is lost; the retry finds the claim still this worker's
     // and answers that it extended it.
-    router
-        .enqueue_job("q", b"fourth", Duration::ZERO, 3)
-        .await
-        .unwrap();
-    let job = router
-        .claim_job("q", "w", Duration::from_secs(30))
-        .await
-        .unwrap()
-        .expect("a job");
+    let job = claimed(b"fourth").await;
     // (Once first, so that the connection has the statement prepared: the reply lost is then
     // that of the statement itself, which ran.)
     assert!(router

@@ -169,19 +169,7 @@ async fn a_transaction_lock_whose_row_on_the_old_shard_was_let_go_commits_nothin
 
     // The one idle transaction holding row locks on the old shard is the lock's row there
     // (heartbeats may be writing meanwhile).
-    let mut admin = old.connect().await.unwrap();
-    let sessions: Vec<u64> = admin
-        .query(
-            "SELECT trx_mysql_thread_id FROM information_schema.INNODB_TRX \
-             WHERE trx_query IS NULL AND trx_rows_locked > 0",
-        )
-        .await
-        .unwrap();
-    assert_eq!(sessions.len(), 1, "open transactions on {}", old.name());
-    admin
-        .query_drop(format!("KILL {}", sessions[0]))
-        .await
-        .unwrap();
+    common::kill_the_idle_locking_session(old).await;
     let theirs = behind
         .lock_in_transaction(&key, Duration::from_secs(10))
         .await

@@ -139,19 +139,7 @@ async fn a_transaction_lock_whose_session_was_killed_is_reported_lost() {
         .lock_in_transaction("tx:killed", Duration::from_secs(5))
         .await
         .unwrap();
-    let mut admin = cluster.shard(0).connect().await.unwrap();
-    let sessions: Vec<u64> = admin
-        .query(
-            "SELECT trx_mysql_thread_id FROM information_schema.INNODB_TRX \
-             WHERE trx_query IS NULL AND trx_rows_locked > 0",
-        )
-        .await
-        .unwrap();
-    assert_eq!(sessions.len(), 1, "open transactions");
-    admin
-        .query_drop(format!("KILL {}", sessions[0]))
-        .await
-        .unwrap();
+    common::kill_the_idle_locking_session(cluster.shard(0)).await;
     let theirs = other
         .lock_in_transaction("tx:killed", Duration::from_secs(10))
         .await

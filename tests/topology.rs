@@ -1019,8 +1019,13 @@ async fn a_rollback_onto_a_placement_the_fleet_moved_away_from_grants_nothing() 
     assert!(over, "the move ended");
     common::until_placement_recorded(&cluster).await;
     router.shutdown().await.unwrap();
+    rolled_back_is_refused(&before).await;
+}
 
-    let rolled_back = LockRouter::from_yaml_str(&before).await.unwrap();
+/// A start onto `before`, the config its fleet ran before a move (a rollback), grants
+/// nothing: the record says where the fleet went, which this config does not reach.
+async fn rolled_back_is_refused(before: &str) {
+    let rolled_back = LockRouter::from_yaml_str(before).await.unwrap();
     common::refused_saying(&rolled_back, "k:1", &["this config does not reach"]).await;
 }
 
@@ -1374,9 +1379,7 @@ async fn a_move_ends_only_once_the_shard_it_leaves_has_the_record_of_it() {
     assert!(recorded, "the shard the move leaves never got the record");
     common::moves_done(&router).await;
     router.shutdown().await.unwrap();
-
-    let rolled_back = LockRouter::from_yaml_str(&before).await.unwrap();
-    common::refused_saying(&rolled_back, "k:1", &["this config does not reach"]).await;
+    rolled_back_is_refused(&before).await;
 }
 
 /// Whether a heartbeat of `router` reached s1 after `since`.

@@ -189,6 +189,24 @@ pub async fn row_locked(shard: &Shard, table: &str, key: &str) -> Conn {
     conn
 }
 
+/// Kills the session of the one idle transaction on `shard` that holds row locks (a
+/// transaction lock's, heartbeats and other statements aside).
+pub async fn kill_the_idle_locking_session(shard: &Shard) {
+    let mut admin = shard.connect().await.unwrap();
+    let sessions: Vec<u64> = admin
+        .query(
+            "SELECT trx_mysql_thread_id FROM information_schema.INNODB_TRX \
+             WHERE trx_query IS NULL AND trx_rows_locked > 0",
+        )
+        .await
+        .unwrap();
+    assert_eq!(sessions.len(), 1, "open transactions on {}", shard.name());
+    admin
+        .query_drop(format!("KILL {}", sessions[0]))
+        .await
+        .unwrap();
+}
+
 /// Sum of a global status counter over all shards.
 pub async fn status_sum(cluster: &Cluster, name: &str) -> u64 {
     let mut sum = 0;
