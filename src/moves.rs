@@ -43,10 +43,12 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
         // Held in process, with no row: the keeper would re-acquire it where the key no
         // longer lives. It ends, visibly, for the processes that take the key where it lives
         // now (its holder keeps the key's turn here until it lets go). So it does when its
-        // shard was rebuilt (a new URL for the same database, new credentials): the keeper
-        // of the old one would go on trying its old address, with its old breaker, which
-        // nothing shows any more, while other processes take the key through the new one.
-        if !Arc::ptr_eq(&target, &shard) && shard.remove_local(lease.id) {
+        // shard now connects otherwise (a new URL for the same database, new credentials):
+        // the keeper of the old state would go on trying its old address, with its old
+        // breaker, which nothing shows any more, while other processes take the key through
+        // the new one. (A state rebuilt for its pool or timeouts alone keeps it.)
+        let elsewhere = !target.same_database(&shard) || !target.connects_like(&shard);
+        if elsewhere && shard.remove_local(lease.id) {
             let why = match target.same_database(&shard) {
                 true => "its shard was rebuilt in a reload while it was held in process",
                 false => "its key moved in a reload while it was held in process",

@@ -1186,6 +1186,19 @@ impl ShardState {
         }
     }
 
+    /// Whether `other` reaches its server as this shard does: the same addresses, credentials
+    /// and TLS settings (a state rebuilt by a reload may differ in its weight, timeouts or pool
+    /// alone, and still connect as this one).
+    pub(crate) fn connects_like(&self, other: &ShardState) -> bool {
+        let (a, b) = (&self.config, &other.config);
+        a.url == b.url
+            && a.nodes == b.nodes
+            && a.user == b.user
+            && a.password == b.password
+            && a.password_file == b.password_file
+            && a.tls == b.tls
+    }
+
     /// Whether this shard and `other` are the same database: the same shard state, or the
     /// same server identity (see [`ShardState::identity`]).
     pub(crate) fn same_database(&self, other: &ShardState) -> bool {

@@ -73,6 +73,8 @@ pub(crate) struct TxLockState {
     /// When [`TxLockGuard::lost`] last asked whether the lock's session lives (the next look
     /// is a [`SESSION_LOOK`] later, whichever call of `lost` makes it).
     session_looked: std::sync::Mutex<tokio::time::Instant>,
+    /// Set while such a look is out.
+    session_looking: AtomicBool,
 }
 
 /// The shards where a transaction lock's row is locked (the guard's own first), and the
@@ -274,8 +276,8 @@ impl TxLockGuard {
         let mut losses = state.shared.watch_registry_losses();
         // Polled beside the other looks, not in turn with them: a probe held up (a cut link,
         // for the statement timeout) must not hold back the lapse's.
-        let session_ended = self.session_ended();
-        tokio::pin!(session_ended);
+        let looks = self.look_at_session();
+        tokio::pin!(looks);
         loop {
             // The lapse is watched too, looked at again as heartbeats move it on, and the
             // losses to the registry (a lapse found, a switch to the heartbeat registry).
@@ -288,10 +290,8 @@ impl TxLockGuard {
                 _ = lost.wait_for(|lost| *lost) => return,
                 _ = losses.changed() => {}
                 () = tokio::time::sleep_until(look) => {}
-                () = &mut session_ended => {
-                    state.mark_lost("its session ended (killed, timed out idle, or its server restarted)");
-                    return;
-                }
+                // Marks the lock lost (the first branch) once the session is gone.
+                () = &mut looks => {}
             }
             if !state.is_live() {
                 return;
@@ -299,42 +299,52 @@ impl TxLockGuard {
         }
     }
 
-    /// Completes once the lock's shard says the lock's own session is gone (see
-    /// [`TxLockGuard::lost`]): asked every [`SESSION_LOOK`], by whichever call of `lost` is
-    /// waiting then; never for a session that cannot be told apart. Each look runs on the
-    /// router's runtime (a `lost` dropped meanwhile does not cut its statement off, which
-    /// would cost the shard its connection), through no breaker (its answer says nothing of
-    /// the shard's health), and not while every connection of the pool is in use (the lock's
-    /// own among them): it would only wait for one.
-    async fn session_ended(&self) {
+    /// Asks the lock's shard, every [`SESSION_LOOK`] after the last answer (whichever call
+    /// of `lost` is waiting then), whether the lock's own session lives, and marks the lock
+    /// lost once it says the session is gone (see [`TxLockGuard::lost`]); never completes.
+    /// Each look runs on the router's runtime and marks the lock itself, so a `lost` dropped
+    /// meanwhile neither cuts its statement off (which would cost the shard its connection)
+    /// nor loses its answer; one at a time, through no breaker (its answer says nothing of the
+    /// shard's health), and not while every connection of the pool is in use (the lock's own
+    /// among them): it would only wait for one. A session that cannot be told apart is not
+    /// asked after.
+    async fn look_at_session(&self) {
         let own = self.state.rows.locked().shards.first().cloned();
         let (Some(session), Some(own)) = (self.session, own) else {
             return std::future::pending().await;
         };
-        let mut look: Option<tokio::task::JoinHandle<_>> = None;
         loop {
-            if let Some(asked) = look.take() {
-                if let Ok(Ok(Some(false))) = asked.await {
-                    return;
-                }
-            }
             let next = *self.state.session_looked.locked() + SESSION_LOOK;
             tokio::time::sleep_until(next).await;
-            let mut looked = self.state.session_looked.locked();
-            if *looked + SESSION_LOOK > tokio::time::Instant::now() {
-                continue; // another call of `lost` looked meanwhile
+            {
+                let mut looked = self.state.session_looked.locked();
+                // Another call of `lost` looked meanwhile, or its look is still out.
+                if *looked + SESSION_LOOK > tokio::time::Instant::now()
+                    || self.state.session_looking.swap(true, Ordering::AcqRel)
+                {
+                    continue;
+                }
+                *looked = tokio::time::Instant::now();
             }
-            *looked = tokio::time::Instant::now();
-            drop(looked);
             let pool = own.pool_status();
             if pool.available == 0 && pool.size >= pool.max_size {
+                self.state.session_looking.store(false, Ordering::Release);
                 continue;
             }
-            let own = own.clone();
-            look = self
-                .state
-                .shared
-                .spawn(async move { own.unguarded().session_lives(session).await });
+            let (own, state) = (own.clone(), self.state.clone());
+            let spawned = self.state.shared.spawn(async move {
+                if let Ok(Some(false)) = own.unguarded().session_lives(session).await {
+                    state.mark_lost(
+                        "its session ended (killed, timed out idle, or its server restarted)",
+                    );
+                }
+                // The next look a second after this one's answer, however long it took.
+                *state.session_looked.locked() = tokio::time::Instant::now();
+                state.session_looking.store(false, Ordering::Release);
+            });
+            if spawned.is_none() {
+                self.state.session_looking.store(false, Ordering::Release);
+            }
         }
     }
 
@@ -645,6 +655,7 @@ impl LockRouter {
             beat_now: self.inner.beat_now.clone(),
             registry_losses: losses,
             session_looked: std::sync::Mutex::new(tokio::time::Instant::now()),
+            session_looking: AtomicBool::new(false),
         });
         // Registered, then the epoch checked: a reload swaps the topology, then looks at the
         // registered locks, so one of the two sees the other.
