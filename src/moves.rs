@@ -50,7 +50,7 @@ pub(crate) fn follow(router: Weak<Inner>, shard: Arc<ShardState>, lease: Arc<Lea
         let elsewhere = !target.same_database(&shard) || !target.connects_like(&shard);
         if elsewhere && shard.remove_local(lease.id) {
             let why = match target.same_database(&shard) {
-                true => "its shard was rebuilt in a reload while it was held in process",
+                true => "its shard got another address in a reload while it was held in process",
                 false => "its key moved in a reload while it was held in process",
             };
             // Released so, before its holder hears of the loss: its guard's release sends
