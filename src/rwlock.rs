@@ -48,8 +48,10 @@ pub struct ReadGuard {
 #[derive(Debug)]
 #[must_use = "dropping the write guard releases it at once"]
 pub struct WriteGuard {
-    intent: LockGuard,
+    /// Before `intent`: dropped, the slots go first, as `release` frees them (freed first, the
+    /// intent let the next writer in to wait for slots still held).
     slots: Vec<LockGuard>,
+    intent: LockGuard,
 }
 
 impl ReadGuard {
