@@ -1022,6 +1022,16 @@ async fn a_rollback_onto_a_placement_the_fleet_moved_away_from_grants_nothing() 
     rolled_back_is_refused(&before).await;
 }
 
+/// A router on `before` that granted a lease (`k:1`) and then recorded its placement on
+/// `cluster`'s first shard.
+async fn granted_and_recorded_on_s1(cluster: &Cluster, before: &str) -> LockRouter {
+    let router = LockRouter::from_yaml_str(before).await.unwrap();
+    let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
+    g.release().await.unwrap();
+    common::until_placement_recorded_on(&cluster.shards()[..1]).await;
+    router
+}
+
 /// A start onto `before`, the config its fleet ran before a move (a rollback), grants
 /// nothing: the record says where the fleet went, which this config does not reach.
 async fn rolled_back_is_refused(before: &str) {
@@ -1038,10 +1048,7 @@ async fn rolled_back_is_refused(before: &str) {
 async fn a_reload_records_where_keys_go_before_it_places_any_there() {
     let cluster = Cluster::start(2).await.unwrap();
     let (before, after) = s1_then_s2(&cluster).await;
-    let router = LockRouter::from_yaml_str(&before).await.unwrap();
-    let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
-    g.release().await.unwrap();
-    common::until_placement_recorded_on(&cluster.shards()[..1]).await;
+    let router = granted_and_recorded_on_s1(&cluster, &before).await;
     let mut s1 = cluster.shard(0).connect().await.unwrap();
 
     router
@@ -1316,10 +1323,7 @@ async fn a_shard_the_move_leaves_cut_off_at_the_reload_gets_the_record_once_back
     let (before, after) = (only(proxy.url()), only(cluster.shard(1).url()));
     let after = after.replace("name: s1", "name: s2");
     common::migrate_only(&config_for(&cluster, 2)).await;
-    let router = LockRouter::from_yaml_str(&before).await.unwrap();
-    let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
-    g.release().await.unwrap();
-    common::until_placement_recorded_on(&cluster.shards()[..1]).await;
+    let router = granted_and_recorded_on_s1(&cluster, &before).await;
 
     proxy.set(ProxyMode::Blackhole);
     router
@@ -1348,10 +1352,7 @@ async fn a_move_ends_only_once_the_shard_it_leaves_has_the_record_of_it() {
     let warnings = capture_warnings();
     let cluster = Cluster::start(2).await.unwrap();
     let (before, after) = s1_then_s2(&cluster).await;
-    let router = LockRouter::from_yaml_str(&before).await.unwrap();
-    let g = router.acquire("k:1", AcquireOptions::new()).await.unwrap();
-    g.release().await.unwrap();
-    common::until_placement_recorded_on(&cluster.shards()[..1]).await;
+    let router = granted_and_recorded_on_s1(&cluster, &before).await;
 
     let mut blocker = placement_record_locked(&cluster).await;
     router
