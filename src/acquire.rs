@@ -422,10 +422,10 @@ impl LockRouter {
             let mut floor = 0;
             for old in &previous {
                 progress.attempts += 1;
-                match self
-                    .try_grant(old, key, &owner, want, floor, deadline)
-                    .await?
-                {
+                // Boxed, as the other rare paths of a poll (a key a reload moved, a traced
+                // waiter's link): the poll's future, allocated at every acquire that polls,
+                // would be as large as its largest path.
+                match Box::pin(self.try_grant(old, key, &owner, want, floor, deadline)).await? {
                     Tried::Granted(grant) => {
                         floor = grant.fence;
                         companions.grants.push((old.clone(), grant));
@@ -461,8 +461,8 @@ impl LockRouter {
                     // A traced waiter links, once, to the trace of whoever holds the key.
                     if !progress.linked && crate::telemetry::tracing_current() {
                         progress.linked = true;
-                        if let Ok(Some(parent)) = shard.call(|b| b.holder_trace(key.stored())).await
-                        {
+                        let trace = Box::pin(shard.call(|b| b.holder_trace(key.stored())));
+                        if let Ok(Some(parent)) = trace.await {
                             crate::telemetry::link_current_to(&parent);
                         }
                     }
@@ -588,9 +588,10 @@ impl LockRouter {
         // placing the key there must be granted a larger one.
         let mut failed = None;
         for (old, companion) in &companions.grants {
-            let raised = old
-                .call_row(|b| b.raise_fence(key.stored(), &companion.owner, fence))
-                .await;
+            // Boxed: rare (a key a reload moved), and the poll's future would be as large.
+            let raised =
+                Box::pin(old.call_row(|b| b.raise_fence(key.stored(), &companion.owner, fence)));
+            let raised = raised.await;
             if !matches!(raised, Ok(true)) {
                 failed = Some((old.name().to_owned(), raised));
                 break;

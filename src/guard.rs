@@ -749,9 +749,9 @@ pub(crate) async fn release_through_shard(
     // The key's rows on other shards (it moved); the turn passes on once all are free.
     for (other, row) in companions {
         other.remove(row.id);
-        let released = other
-            .release_after(row.key.stored(), &row.owner, row.at_least())
-            .await;
+        // Boxed: rare (a key a reload moved), and every release's future would be larger.
+        let released = Box::pin(other.release_after(row.key.stored(), &row.owner, row.at_least()));
+        let released = released.await;
         retry_if_failed(&other, &row, &released);
         row.give_back_lost_try(&other);
     }

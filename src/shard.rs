@@ -531,7 +531,9 @@ impl ShardState {
             // Sent by the caller: a release dropped midway leaves the row to its ttl, as it
             // would in a batch whose caller went away (the statement still runs there).
             let _leave = LeaveLane(self);
-            return self.call_row(|b| b.release(key, owner)).await;
+            // Boxed: every release's future would otherwise be as large as the statement's,
+            // and most releases wait in the lane instead.
+            return Box::pin(self.call_row(|b| b.release(key, owner))).await;
         }
         // Queued again once if the lane's last runner ended without sending it (the router's
         // runtime shut down, or the runner panicked): this push starts another.
@@ -560,7 +562,8 @@ impl ShardState {
         match at_least {
             None => self.release(key, owner).await,
             Some(_) => {
-                let answer = self.call_row(|b| b.release_after(key, owner, at_least));
+                // Boxed: rare, and the common release's future would be as large as this one.
+                let answer = Box::pin(self.call_row(|b| b.release_after(key, owner, at_least)));
                 let answer = answer.await;
                 // Answered: the row shows its hold (a zero ttl), or is not this owner's.
                 if answer.is_ok() {

@@ -329,7 +329,9 @@ impl ShardState {
         let undone = wrote && !after_lost_try;
         if undone && outcomes.iter().all(|o| matches!(o, Ok(Attempt::Locked))) {
             let each = each.map(|(request, answer)| Waiting { request, answer });
-            shard.acquire_each(each.collect()).await;
+            // Boxed, as the other rare paths: a runner's future is allocated and copied at
+            // every start, and would be as large as its largest path.
+            Box::pin(shard.acquire_each(each.collect())).await;
             return;
         }
         for (((request, orphan), answer), outcome) in each.zip(outcomes) {
@@ -463,9 +465,7 @@ impl Running<ReleaseRequest, ReleaseAnswer> {
             // Alone for a while after a batch was undone by a locked row (see below): a
             // batch's update may wait on rows it does not change, each alone only on its own.
             if leases.len() > 1 && shard.releases_alone() {
-                shard
-                    .release_each(leases.into_iter().zip(answers).collect())
-                    .await;
+                Box::pin(shard.release_each(leases.into_iter().zip(answers).collect())).await;
                 continue;
             }
             let result = if let [(key, owner)] = leases.as_slice() {
@@ -488,9 +488,7 @@ impl Running<ReleaseRequest, ReleaseAnswer> {
             if undone {
                 *shard.releases_alone_until.locked() =
                     Some(std::time::Instant::now() + shard.statement_timeout() * 2);
-                shard
-                    .release_each(leases.into_iter().zip(answers).collect())
-                    .await;
+                Box::pin(shard.release_each(leases.into_iter().zip(answers).collect())).await;
                 continue;
             }
             answer_each(answers, result.map_err(crate::shard::lock_wait_told));
