@@ -172,3 +172,57 @@ async fn leases_ending_without_renewal_do_not_cut_the_renewal_of_others_short() 
     proxy.set(ProxyMode::Pass);
     renewed.release().await.unwrap();
 }
+
+/// Leases about to end at every tick (on a link slower than the time they have left, one
+/// ending every 50 ms) do not cut short the renewal of a lease beside them that has time:
+/// bounded by their ends, every renewal statement of the shard timed out, and the other lease
+/// was lost at its own end.
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_about_to_end_do_not_cut_the_renewal_of_others_short() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 5s\nbreaker:\n  \
+         slow-call: 10s\ncleaner:\n  registry: static\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    // Time enough for a renewal on a new connection through the slow link (the renewals cut
+    // short give theirs up).
+    let ttl = Duration::from_secs(6);
+    let long = router
+        .acquire("long", AcquireOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let ending: Vec<_> = join_all((0..100u64).map(|i| {
+        let opts = AcquireOptions::new().ttl(Duration::from_millis(600 + 50 * i));
+        let router = router.clone();
+        async move { router.acquire(&format!("ending:{i}"), opts).await.unwrap() }
+    }))
+    .await;
+    // Each way: a renewal takes 200 ms at least, and some lease ends within 50 ms of any tick
+    // until the last of them ends, later than the long lease would without renewal.
+    proxy.set(ProxyMode::Delay(Duration::from_millis(100)));
+    let until = long.held_until() + ttl;
+    tokio::select! {
+        () = async {
+            while long.held_until() < until {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        } => {}
+        () = long.lost() => panic!(
+            "the long lease was lost beside leases about to end: {:?}",
+            router.stats()
+        ),
+    }
+    let lost = ending.iter().filter(|guard| !guard.is_held()).count();
+    assert!(
+        lost >= 10,
+        "only {lost} leases ended unrenewed: the test means nothing: {:?}",
+        router.stats()
+    );
+    drop(ending);
+    proxy.set(ProxyMode::Pass);
+    long.release().await.unwrap();
+}

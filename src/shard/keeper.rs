@@ -316,6 +316,96 @@ impl ShardState {
         [reconcile, tick, earliest].into_iter().flatten().min()
     }
 
+    /// Sends the renewal statements of `chunks` (see [`renewal_chunks`]) one after another,
+    /// each bounded by its soonest end and at most `full`. Stops at a failure, but not at a
+    /// chunk cut short by its own leases' end: the chunks after it end later.
+    async fn renew_chunks(
+        &self,
+        chunks: Vec<(Moment, Vec<&Arc<LeaseState>>, bool)>,
+        full: Duration,
+    ) -> Renewed {
+        let mut statements = 0;
+        let mut failed = None;
+        let mut cut_short = false;
+        // Leases whose rows another transaction holds locked: tried again, apart, soon (alone,
+        // until the next full tick).
+        let mut blocked: u64 = 0;
+        for (end, chunk, apart) in chunks {
+            // Bounded by the soonest local deadline of the chunk (deadlines only move later
+            // meanwhile): a renewal that answers after a lease ended is worthless. Past it, the
+            // next tick reports that end at once (and the chunks after it, ending later, are
+            // still sent now).
+            let earliest = end;
+            let sent = Moment::now();
+            if earliest <= sent {
+                cut_short = true;
+                continue;
+            }
+            let timeout = full.min(earliest - sent);
+            let pairs: Vec<(&[u8], &str)> = chunk
+                .iter()
+                .map(|l| (l.key.stored(), l.owner.as_str()))
+                .collect();
+            // A renewal may wait behind another transaction's row lock, which then ends, or
+            // find rows locked: its duration says nothing of the shard's health (an error
+            // still counts, and a timeout when it had the whole statement timeout). Acquires
+            // and heartbeats tell a slow shard.
+            let renewal =
+                self.call_waiting_cut(timeout < full, |b| b.renew(&pairs, timeout, apart));
+            match renewal.await {
+                Ok(outcome) => {
+                    statements += u64::from(outcome.statements);
+                    for (lease, renewal) in chunk.iter().zip(outcome.held) {
+                        match renewal {
+                            // A lease reported lost meanwhile stays so: it is dropped above.
+                            Renewal::Extended => {
+                                lease.renew_apart.store(false, Ordering::Release);
+                                lease.extend_from(sent, lease.ttl);
+                            }
+                            Renewal::Blocked => {
+                                lease.renew_apart.store(true, Ordering::Release);
+                                blocked += 1;
+                            }
+                            // Still registered, so not released meanwhile: someone else has it.
+                            Renewal::Gone if self.remove(lease.id).is_some() => lease.mark_lost(
+                                "taken over, force-released or expired on the shard",
+                                &self.shared,
+                            ),
+                            Renewal::Gone => {}
+                        }
+                    }
+                }
+                Err(e) => {
+                    // A timeout takes the other path at the next try. Plain: the time left
+                    // before the chunk's soonest end may have been shorter than the server's
+                    // lock wait, so a row another transaction locks was not told apart from a
+                    // slow shard; apart, the rows free of locks are renewed without waiting.
+                    // Apart: two or three statements may not fit in the time a slow link
+                    // leaves; plain, one does (and meets the lock again if it is still there).
+                    let timed_out = e.kind == BackendErrorKind::Timeout;
+                    if timed_out {
+                        for lease in &chunk {
+                            lease.renew_apart.store(!apart, Ordering::Release);
+                        }
+                    }
+                    failed = Some(e);
+                    // Cut short by its own leases' end, not the shard's fault: the chunks
+                    // after it, ending later, get the time they leave.
+                    if timed_out && timeout < full {
+                        continue;
+                    }
+                    break;
+                }
+            }
+        }
+        Renewed {
+            statements,
+            failed,
+            cut_short,
+            blocked,
+        }
+    }
+
     /// Re-acquires local leases if there are any, reports expired leases, and renews the rest
     /// if the tick is due. A tick less than a period (the shortest renewal interval in force)
     /// after the last full one, `last_full` (a retry of leases whose rows another transaction
@@ -385,12 +475,6 @@ impl ShardState {
         // the next tick full sooner.)
         let full_due = last_full.map(|t| t + period);
         let early = full_due.is_some_and(|due| started < due);
-        let mut statements = 0;
-        let mut failed = None;
-        let mut cut_short = false;
-        // Leases whose rows another transaction holds locked: tried again, apart, soon (alone,
-        // until the next full tick).
-        let mut blocked: u64 = 0;
         // One statement per chunk, each with its own statement timeout: on a slow shard a
         // tick of many chunks may take longer than one statement may, and each chunk that
         // answered extends its leases whatever the later ones do. The chunk whose lease ends
@@ -407,84 +491,34 @@ impl ShardState {
         if early {
             leases.clear();
         }
-        fn chunks_of(
-            leases: &[Arc<LeaseState>],
-            apart: bool,
-        ) -> Vec<(Moment, &[Arc<LeaseState>], bool)> {
-            let mut chunks: Vec<_> = leases
-                .chunks(MAX_RENEW_BATCH)
-                .map(|chunk| {
-                    let end = chunk.iter().map(|l| l.deadline()).min();
-                    (end.expect("chunks are not empty"), chunk, apart)
-                })
-                .collect();
-            chunks.sort_by_key(|(end, _, _)| *end);
-            chunks
-        }
-        let mut chunks = chunks_of(&leases, false);
-        chunks.extend(chunks_of(&apart, true));
-        for (end, chunk, apart) in chunks {
-            // Bounded by the soonest local deadline of the chunk (deadlines only move later
-            // meanwhile): a renewal that answers after a lease ended is worthless. Past it, the
-            // next tick reports that end at once.
-            let earliest = end;
-            let sent = Moment::now();
-            if earliest <= sent {
-                cut_short = true;
-                break;
-            }
-            let full = self.statement_timeout();
-            let timeout = full.min(earliest - sent);
-            let pairs: Vec<(&[u8], &str)> = chunk
-                .iter()
-                .map(|l| (l.key.stored(), l.owner.as_str()))
-                .collect();
-            // A renewal may wait behind another transaction's row lock, which then ends, or
-            // find rows locked: its duration says nothing of the shard's health (an error
-            // still counts, and a timeout when it had the whole statement timeout). Acquires
-            // and heartbeats tell a slow shard.
-            let renewal =
-                self.call_waiting_cut(timeout < full, |b| b.renew(&pairs, timeout, apart));
-            match renewal.await {
-                Ok(outcome) => {
-                    statements += u64::from(outcome.statements);
-                    for (lease, renewal) in chunk.iter().zip(outcome.held) {
-                        match renewal {
-                            // A lease reported lost meanwhile stays so: it is dropped above.
-                            Renewal::Extended => {
-                                lease.renew_apart.store(false, Ordering::Release);
-                                lease.extend_from(sent, lease.ttl);
-                            }
-                            Renewal::Blocked => {
-                                lease.renew_apart.store(true, Ordering::Release);
-                                blocked += 1;
-                            }
-                            // Still registered, so not released meanwhile: someone else has it.
-                            Renewal::Gone if self.remove(lease.id).is_some() => lease.mark_lost(
-                                "taken over, force-released or expired on the shard",
-                                &self.shared,
-                            ),
-                            Renewal::Gone => {}
-                        }
-                    }
-                }
-                Err(e) => {
-                    // A timeout takes the other path at the next try. Plain: the time left
-                    // before the chunk's soonest end may have been shorter than the server's
-                    // lock wait, so a row another transaction locks was not told apart from a
-                    // slow shard; apart, the rows free of locks are renewed without waiting.
-                    // Apart: two or three statements may not fit in the time a slow link
-                    // leaves; plain, one does (and meets the lock again if it is still there).
-                    if e.kind == BackendErrorKind::Timeout {
-                        for lease in chunk {
-                            lease.renew_apart.store(!apart, Ordering::Release);
-                        }
-                    }
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
+        // Leases ending within half a statement timeout go in statements of their own, sent
+        // beside the others' rather than before them: a statement is bounded by its soonest
+        // end, and on a link slower than that (leases granted late, or a short ttl) it times
+        // out, its connection is given up and its session ended; the renewal of every other
+        // lease, bounded by the same end or sent after it, timed out too, tick after tick
+        // while such leases kept coming, until each was lost. The others' statements get half
+        // a statement timeout at least. (Half: leases renewed in one tick and ending about a
+        // statement timeout later still share their statements.)
+        let full = self.statement_timeout();
+        let ending = |l: &&Arc<LeaseState>| l.deadline() < started + full / 2;
+        let (leases_ending, leases_later): (Vec<_>, Vec<_>) = leases.iter().partition(ending);
+        let (apart_ending, apart_later): (Vec<_>, Vec<_>) = apart.iter().partition(ending);
+        let [soon, later] =
+            [(leases_ending, apart_ending), (leases_later, apart_later)].map(|(plain, apart)| {
+                let mut chunks = renewal_chunks(&plain, false);
+                chunks.extend(renewal_chunks(&apart, true));
+                chunks
+            });
+        let (soon, later) = tokio::join!(
+            self.renew_chunks(soon, full),
+            self.renew_chunks(later, full)
+        );
+        let Renewed {
+            statements,
+            failed,
+            cut_short,
+            blocked,
+        } = soon.and(later);
         // Counted when done, together with the statements, so a snapshot never sees a tick
         // whose statement is still on its way; a tick cut short before its first chunk sent
         // nothing and is not one.
@@ -553,6 +587,46 @@ impl ShardState {
                 // Retry soon; leases are reported lost only when their deadline passes.
                 *next_tick = retry();
             }
+        }
+    }
+}
+
+/// The statements of a stream of a tick: `leases` in chunks of [`MAX_RENEW_BATCH`], each with
+/// the soonest local end among its leases (which bounds its statement), soonest first.
+fn renewal_chunks<'a>(
+    leases: &[&'a Arc<LeaseState>],
+    apart: bool,
+) -> Vec<(Moment, Vec<&'a Arc<LeaseState>>, bool)> {
+    let mut chunks: Vec<_> = leases
+        .chunks(MAX_RENEW_BATCH)
+        .map(|chunk| {
+            let end = chunk.iter().map(|l| l.deadline()).min();
+            (end.expect("chunks are not empty"), chunk.to_vec(), apart)
+        })
+        .collect();
+    chunks.sort_by_key(|(end, _, _)| *end);
+    chunks
+}
+
+/// What a tick's renewal statements did (see [`ShardState::renew_chunks`]).
+struct Renewed {
+    statements: u64,
+    /// The failure that stopped them, if one did.
+    failed: Option<BackendError>,
+    /// Whether a chunk's soonest end came before it could be sent.
+    cut_short: bool,
+    /// Leases whose rows another transaction held locked.
+    blocked: u64,
+}
+
+impl Renewed {
+    /// Both streams of a tick together (the failure of the first, if both failed).
+    fn and(self, other: Renewed) -> Renewed {
+        Renewed {
+            statements: self.statements + other.statements,
+            failed: self.failed.or(other.failed),
+            cut_short: self.cut_short || other.cut_short,
+            blocked: self.blocked + other.blocked,
         }
     }
 }
