@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use futures_util::future::join_all;
+use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, BreakerState, LockRouter};
 use shardlock_testkit::{Cluster, Proxy, ProxyMode};
 
@@ -225,4 +226,41 @@ async fn leases_about_to_end_do_not_cut_the_renewal_of_others_short() {
     drop(ending);
     proxy.set(ProxyMode::Pass);
     long.release().await.unwrap();
+}
+
+/// Leases of long keys are renewed in statements that a server with a `max_allowed_packet` of
+/// 1 MiB takes: 4,096 of them (255-byte keys) made one renewal statement of 1.2 MB, which the
+/// server refused, tick after tick, and every lease of the shard was lost at its end.
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_of_long_keys_are_renewed_under_a_one_mebibyte_packet_limit() {
+    let cluster = Cluster::start(1).await.unwrap();
+    // Before the router connects: a session takes the global value when it starts.
+    let mut conn = cluster.shard(0).connect().await.unwrap();
+    conn.query_drop("SET GLOBAL max_allowed_packet = 1048576")
+        .await
+        .unwrap();
+    drop(conn);
+    let yaml = cluster.config_yaml("cleaner:\n  registry: static\n");
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    let opts = AcquireOptions::new().ttl(TTL).wait(Duration::ZERO);
+    let guards: Vec<_> = join_all((0..4096).map(|i| {
+        let (router, opts) = (router.clone(), opts.clone());
+        let key = format!("{i:04}{}", "k".repeat(251));
+        async move { router.acquire(&key, opts).await.unwrap() }
+    }))
+    .await;
+    let before = router.stats();
+    let ticked = common::eventually(Duration::from_secs(60), || async {
+        router.stats().renew_ticks >= before.renew_ticks + 3
+    })
+    .await;
+    let stats = router.stats();
+    assert!(ticked, "renewals stopped: {stats:?}");
+    assert_eq!(
+        stats.renew_failures, before.renew_failures,
+        "renewals of long keys failed under a 1 MiB packet limit"
+    );
+    assert!(guards.iter().all(|g| g.is_held()), "leases were lost");
+    join_all(guards.into_iter().map(|g| g.release())).await;
 }

@@ -591,14 +591,15 @@ impl ShardState {
     }
 }
 
-/// The statements of a stream of a tick: `leases` in chunks of [`MAX_RENEW_BATCH`], each with
-/// the soonest local end among its leases (which bounds its statement), soonest first.
+/// The statements of a stream of a tick: `leases` in chunks (see [`shardlock_mysql::renew_chunks`]),
+/// each with the soonest local end among its leases (which bounds its statement), soonest first.
 fn renewal_chunks<'a>(
     leases: &[&'a Arc<LeaseState>],
     apart: bool,
 ) -> Vec<(Moment, Vec<&'a Arc<LeaseState>>, bool)> {
-    let mut chunks: Vec<_> = leases
-        .chunks(MAX_RENEW_BATCH)
+    let bytes = |l: &&Arc<LeaseState>| l.key.stored().len() + l.owner.len();
+    let mut chunks: Vec<_> = shardlock_mysql::renew_chunks(leases, bytes)
+        .into_iter()
         .map(|chunk| {
             let end = chunk.iter().map(|l| l.deadline()).min();
             (end.expect("chunks are not empty"), chunk.to_vec(), apart)

@@ -593,6 +593,32 @@ const COUNT_HELD: &str = concat!("SELECT COUNT(*) FROM shardlock_lease WHERE ", 
 /// Most leases renewed by one statement (two parameters each, well under the 65,535 limit).
 pub const MAX_RENEW_BATCH: usize = 4096;
 
+/// Most bytes of keys and owners renewed by one statement: 4,096 leases of 255-byte keys
+/// would make a statement (and its read-back) of 1.6 MB, past a `max_allowed_packet` lowered
+/// to 1 MiB (the least a server is likely to run with), and every renewal of the shard would
+/// fail. Leases of ordinary keys (a few dozen bytes) still fill [`MAX_RENEW_BATCH`].
+pub const MAX_RENEW_BYTES: usize = 512 * 1024;
+
+/// `items` in chunks of at most [`MAX_RENEW_BATCH`] and [`MAX_RENEW_BYTES`] (`bytes` of
+/// each: its key and owner), in order; an item larger than the bytes alone is a chunk of its
+/// own.
+pub fn renew_chunks<T>(items: &[T], bytes: impl Fn(&T) -> usize) -> Vec<&[T]> {
+    let mut chunks = Vec::new();
+    let (mut start, mut size) = (0, 0);
+    for (i, item) in items.iter().enumerate() {
+        let item_bytes = bytes(item);
+        if i > start && (i - start == MAX_RENEW_BATCH || size + item_bytes > MAX_RENEW_BYTES) {
+            chunks.push(&items[start..i]);
+            (start, size) = (i, 0);
+        }
+        size += item_bytes;
+    }
+    if start < items.len() {
+        chunks.push(&items[start..]);
+    }
+    chunks
+}
+
 /// Marks "held for N ms" in what a losing acquire reports. Fences start at the shard's clock in
 /// microseconds (under 2^51 today) and rise with it and with each grant's reserve, far from
 /// 2^63: the top bit alone tells the two answers apart in one number.
@@ -1160,6 +1186,34 @@ pub(crate) async fn count_held(conn: &mut Conn) -> mysql_async::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn renewal_chunks_stay_under_the_lease_count_and_the_bytes() {
+        let sizes = |chunks: Vec<&[usize]>| chunks.iter().map(|c| c.len()).collect::<Vec<_>>();
+        // Ordinary keys: only the count cuts.
+        let short = vec![80; 10_000];
+        assert_eq!(sizes(renew_chunks(&short, |b| *b)), [4096, 4096, 1808]);
+        // Keys of 255 bytes and long owners: the bytes cut, every chunk under them.
+        let long = vec![400; 4096];
+        let chunks = renew_chunks(&long, |b| *b);
+        assert!(chunks
+            .iter()
+            .all(|c| c.iter().sum::<usize>() <= MAX_RENEW_BYTES));
+        assert_eq!(sizes(chunks), [1310, 1310, 1310, 166]);
+        // Nothing lost, nothing twice, in order.
+        let mixed: Vec<usize> = (0..9_000).map(|i| 1 + (i * 37) % 700).collect();
+        let chunks = renew_chunks(&mixed, |b| *b);
+        assert_eq!(chunks.concat(), mixed);
+        assert!(chunks
+            .iter()
+            .all(|c| !c.is_empty() && c.len() <= MAX_RENEW_BATCH));
+        assert!(renew_chunks(&[] as &[usize], |b| *b).is_empty());
+        // One item past the bytes alone is a chunk of its own.
+        assert_eq!(
+            sizes(renew_chunks(&[10, MAX_RENEW_BYTES + 1, 10], |b| *b)),
+            [1, 1, 1]
+        );
+    }
 
     /// A hand-off statement that runs after the releasing holder's row ended (held up behind
     /// a row lock, a slow shard) hands nothing over: the row stays ended.

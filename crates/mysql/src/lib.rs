@@ -24,8 +24,9 @@ pub use carry::{CasRow, CopyCas, MovingJob, PendingJob};
 pub use cleaner::{Beat, Candidate, Deleted, Heartbeat, InstanceRow, InstanceVerdict};
 pub use error::classify;
 pub use lease::{
-    Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ListFilter, ReleaseAnswer,
-    RenewOutcome, Renewal, FLOOR_BATCH, HELD_MARK, MAX_DATA_BYTES, MAX_RENEW_BATCH,
+    renew_chunks, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ListFilter,
+    ReleaseAnswer, RenewOutcome, Renewal, FLOOR_BATCH, HELD_MARK, MAX_DATA_BYTES, MAX_RENEW_BATCH,
+    MAX_RENEW_BYTES,
 };
 pub use migrate::{MigrateReport, MIGRATIONS};
 pub use patterns::{CasGiveBack, ClaimedJob, JobEnd, StateTable};

@@ -1058,7 +1058,8 @@ impl Shard {
     }
 
     /// Extends every live lease in `leases` (key, owner) by its own ttl, in one statement per
-    /// [`MAX_RENEW_BATCH`] leases, within `timeout` overall. `apart`: leases a row of which
+    /// [`MAX_RENEW_BATCH`] leases (fewer for long keys: see [`crate::renew_chunks`]), within
+    /// `timeout` overall. `apart`: leases a row of which
     /// another transaction held locked at their last renewal, renewed without waiting for
     /// any lock (see [`crate::Renewal::Blocked`]).
     pub async fn renew(
@@ -1075,7 +1076,8 @@ impl Shard {
         // local end is worthless. (The lease keeper passes one chunk at a time, each with the
         // statement timeout or, if sooner, the time left before the soonest lease end.)
         let deadline = Instant::now() + timeout;
-        for (i, chunk) in leases.chunks(MAX_RENEW_BATCH).enumerate() {
+        let chunks = crate::renew_chunks(leases, |(key, owner)| key.len() + owner.len());
+        for (i, chunk) in chunks.into_iter().enumerate() {
             // The first has the whole of it (a timeout given in full tells of the node).
             let left = match i {
                 0 => timeout,
