@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::clock::Moment;
 use shardlock_core::{BackendError, BackendErrorKind, BreakerState};
-use shardlock_mysql::{Attempt, GrantRequest, Renewal, MAX_RENEW_BATCH};
+use shardlock_mysql::{Attempt, GrantRequest, Renewal};
 use tokio::sync::watch;
 
 use super::ShardState;

@@ -19,7 +19,7 @@ use crate::cleaner::{self, Beat, Candidate, Deleted, Heartbeat, InstanceRow};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ReleaseAnswer, Released,
-    RenewOutcome, MAX_RENEW_BATCH,
+    RenewOutcome,
 };
 use crate::migrate::{self, MigrateReport};
 use crate::pool::{
@@ -1058,7 +1058,7 @@ impl Shard {
     }
 
     /// Extends every live lease in `leases` (key, owner) by its own ttl, in one statement per
-    /// [`MAX_RENEW_BATCH`] leases (fewer for long keys: see [`crate::renew_chunks`]), within
+    /// [`crate::MAX_RENEW_BATCH`] leases (fewer for long keys: see [`crate::renew_chunks`]), within
     /// `timeout` overall. `apart`: leases a row of which
     /// another transaction held locked at their last renewal, renewed without waiting for
     /// any lock (see [`crate::Renewal::Blocked`]).
