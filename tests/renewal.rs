@@ -175,7 +175,7 @@ async fn leases_ending_without_renewal_do_not_cut_the_renewal_of_others_short() 
 }
 
 /// Leases about to end at every tick (on a link slower than the time they have left, one
-/// ending every 50 ms) do not cut short the renewal of a lease beside them that has time:
+/// ending every 60 ms) do not cut short the renewal of a lease beside them that has time:
 /// bounded by their ends, every renewal statement of the shard timed out, and the other lease
 /// was lost at its own end.
 #[tokio::test(flavor = "multi_thread")]
@@ -197,13 +197,14 @@ async fn leases_about_to_end_do_not_cut_the_renewal_of_others_short() {
         .await
         .unwrap();
     let ending: Vec<_> = join_all((0..100u64).map(|i| {
-        let opts = AcquireOptions::new().ttl(Duration::from_millis(600 + 50 * i));
+        let opts = AcquireOptions::new().ttl(Duration::from_millis(600 + 60 * i));
         let router = router.clone();
         async move { router.acquire(&format!("ending:{i}"), opts).await.unwrap() }
     }))
     .await;
-    // Each way: a renewal takes 200 ms at least, and some lease ends within 50 ms of any tick
-    // until the last of them ends, later than the long lease would without renewal.
+    // Each way: a renewal takes 200 ms at least, and some lease ends within 60 ms of any tick
+    // until the last of them ends (6.5 s after its grant), later than the long lease (granted
+    // before them, for 6 s) would without renewal.
     proxy.set(ProxyMode::Delay(Duration::from_millis(100)));
     let until = long.held_until() + ttl;
     tokio::select! {

@@ -479,28 +479,24 @@ impl ShardState {
         // tick of many chunks may take longer than one statement may, and each chunk that
         // answered extends its leases whatever the later ones do. The chunk whose lease ends
         // soonest goes first, so a tick cut short (or tried again) serves the soonest ends
-        // first, and no later chunk's lease ends before the one being sent. (Chunks are not
-        // cut in deadline order: leases granted together would then meet, chunk after chunk,
-        // the releases of the same keys sent together, row lock against row lock.)
+        // first. (Chunks are not cut in deadline order: leases granted together would then
+        // meet, chunk after chunk, the releases of the same keys sent together, row lock
+        // against row lock.)
         // Leases renewed apart (see `LeaseState::renew_apart`) go last, in statements of their
         // own: the soonest end among them, coming on while a lock stays, would cut short the
         // timeout of every lease renewed with them.
+        // Leases about to end are renewed in statements of their own, sent beside the others'
+        // rather than before them (see `about_to_end`). A tick after them alone (the others
+        // renewed by the last full tick) renews them and those renewed apart.
+        let full = self.statement_timeout();
+        let soon = about_to_end(&leases, started, full);
         let (apart, mut leases): (Vec<_>, Vec<_>) = leases
             .into_iter()
             .partition(|l| l.renew_apart.load(Ordering::Acquire));
         if early {
-            leases.clear();
+            leases.retain(|l| soon.is_some_and(|soon| l.deadline() < soon));
         }
-        // Leases ending within half a statement timeout go in statements of their own, sent
-        // beside the others' rather than before them: a statement is bounded by its soonest
-        // end, and on a link slower than that (leases granted late, or a short ttl) it times
-        // out, its connection is given up and its session ended; the renewal of every other
-        // lease, bounded by the same end or sent after it, timed out too, tick after tick
-        // while such leases kept coming, until each was lost. The others' statements get half
-        // a statement timeout at least. (Half: leases renewed in one tick and ending about a
-        // statement timeout later still share their statements.)
-        let full = self.statement_timeout();
-        let ending = |l: &&Arc<LeaseState>| l.deadline() < started + full / 2;
+        let ending = |l: &&Arc<LeaseState>| soon.is_some_and(|soon| l.deadline() < soon);
         let (leases_ending, leases_later): (Vec<_>, Vec<_>) = leases.iter().partition(ending);
         let (apart_ending, apart_later): (Vec<_>, Vec<_>) = apart.iter().partition(ending);
         let [soon, later] =
@@ -509,16 +505,21 @@ impl ShardState {
                 chunks.extend(renewal_chunks(&apart, true));
                 chunks
             });
-        let (soon, later) = tokio::join!(
-            self.renew_chunks(soon, full),
-            self.renew_chunks(later, full)
+        // The others first: they take the warm connection and a half-open breaker's probe,
+        // which statements about to time out would only waste.
+        let (later, soon) = tokio::join!(
+            self.renew_chunks(later, full),
+            self.renew_chunks(soon, full)
         );
+        // Full when the leases not about to end were all renewed: those about to end that
+        // failed are tried again soon, alone.
+        let renewed_full = !early && later.failed.is_none() && !later.cut_short;
         let Renewed {
             statements,
             failed,
             cut_short,
             blocked,
-        } = soon.and(later);
+        } = later.and(soon);
         // Counted when done, together with the statements, so a snapshot never sees a tick
         // whose statement is still on its way; a tick cut short before its first chunk sent
         // nothing and is not one.
@@ -543,7 +544,7 @@ impl ShardState {
                  the lock outlasts it"
             );
         }
-        let full_due = match !early && failed.is_none() && !cut_short {
+        let full_due = match renewed_full {
             true => {
                 *last_full = Some(started);
                 Some(started + period)
@@ -589,6 +590,26 @@ impl ShardState {
             }
         }
     }
+}
+
+/// The end before which leases are about to end at a tick starting `now`, if some are: those
+/// ending within half a statement timeout (`full`) when that is less than half the time left
+/// to the soonest end of the others. A statement is bounded by its soonest end, and on a link
+/// slower than that (leases granted late, short ttls) it times out, its connection is given up
+/// and its session ended; the renewal of every other lease, bounded by the same end or sent
+/// after it, timed out too, tick after tick while such leases kept coming, until each was
+/// lost. Leases whose ends are about as near share their statements (one namespace's, granted
+/// in the same period), and so do all when none ends within half a statement timeout.
+fn about_to_end(leases: &[Arc<LeaseState>], now: Moment, full: Duration) -> Option<Moment> {
+    let near = now + full / 2;
+    let soonest = leases.iter().map(|l| l.deadline()).min()?;
+    let others = leases
+        .iter()
+        .map(|l| l.deadline())
+        .filter(|end| *end >= near)
+        .min()?;
+    (soonest.saturating_duration_since(now) < others.saturating_duration_since(now) / 2)
+        .then_some(near)
 }
 
 /// The statements of a stream of a tick: `leases` in chunks (see [`shardlock_mysql::renew_chunks`]),
