@@ -134,24 +134,14 @@ async fn a_renewal_cut_short_by_its_leases_end_does_not_open_the_breaker() {
 /// was lost.
 #[tokio::test(flavor = "multi_thread")]
 async fn leases_ending_without_renewal_do_not_cut_the_renewal_of_others_short() {
-    let cluster = Cluster::start(1).await.unwrap();
-    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let yaml = format!(
-        "shards:\n  - name: s1\n    url: {}\nbreaker:\n  slow-call: 10s\n\
-         cleaner:\n  registry: static\n",
-        proxy.url()
-    );
-    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    router.migrate().await.unwrap();
+    let (_cluster, proxy, router) = through_a_proxy("").await;
     let renewed = router
         .acquire("renewed", AcquireOptions::new().ttl(Duration::from_secs(3)))
         .await
         .unwrap();
-    let ending: Vec<_> = join_all((0..200u64).map(|i| {
-        let opts = AcquireOptions::new().lock_at_most(Duration::from_millis(1000 + 50 * i));
-        let router = router.clone();
-        async move { router.acquire(&format!("ending:{i}"), opts).await.unwrap() }
-    }))
+    let ending = staircase(&router, 200, |i| {
+        AcquireOptions::new().lock_at_most(Duration::from_millis(1000 + 50 * i))
+    })
     .await;
     // Each way: a renewal takes 300 ms at least, and some lease ends within 50 ms of any tick.
     proxy.set(ProxyMode::Delay(Duration::from_millis(150)));
@@ -180,15 +170,7 @@ async fn leases_ending_without_renewal_do_not_cut_the_renewal_of_others_short() 
 /// was lost at its own end.
 #[tokio::test(flavor = "multi_thread")]
 async fn leases_about_to_end_do_not_cut_the_renewal_of_others_short() {
-    let cluster = Cluster::start(1).await.unwrap();
-    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
-    let yaml = format!(
-        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 5s\nbreaker:\n  \
-         slow-call: 10s\ncleaner:\n  registry: static\n",
-        proxy.url()
-    );
-    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    router.migrate().await.unwrap();
+    let (_cluster, proxy, router) = through_a_proxy("    statement-timeout: 5s\n").await;
     // Time enough for a renewal on a new connection through the slow link (the renewals cut
     // short give theirs up).
     let ttl = Duration::from_secs(6);
@@ -196,11 +178,9 @@ async fn leases_about_to_end_do_not_cut_the_renewal_of_others_short() {
         .acquire("long", AcquireOptions::new().ttl(ttl))
         .await
         .unwrap();
-    let ending: Vec<_> = join_all((0..100u64).map(|i| {
-        let opts = AcquireOptions::new().ttl(Duration::from_millis(600 + 60 * i));
-        let router = router.clone();
-        async move { router.acquire(&format!("ending:{i}"), opts).await.unwrap() }
-    }))
+    let ending = staircase(&router, 100, |i| {
+        AcquireOptions::new().ttl(Duration::from_millis(600 + 60 * i))
+    })
     .await;
     // Each way: a renewal takes 200 ms at least, and some lease ends within 60 ms of any tick
     // until the last of them ends (6.5 s after its grant), later than the long lease (granted
@@ -264,4 +244,32 @@ async fn leases_of_long_keys_are_renewed_under_a_one_mebibyte_packet_limit() {
     );
     assert!(guards.iter().all(|g| g.is_held()), "leases were lost");
     join_all(guards.into_iter().map(|g| g.release())).await;
+}
+
+/// A one-shard cluster reached through a proxy, `shard` added to the shard's config, and a
+/// router on it (no heartbeats; slow calls only past 10 s).
+async fn through_a_proxy(shard: &str) -> (Cluster, Proxy, LockRouter) {
+    let cluster = Cluster::start(1).await.unwrap();
+    let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n{shard}breaker:\n  slow-call: 10s\n\
+         cleaner:\n  registry: static\n",
+        proxy.url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
+    (cluster, proxy, router)
+}
+
+/// `n` leases `ending:<i>` of `router`, the `i`th taken with `opts(i)`: ends a step apart.
+async fn staircase(
+    router: &LockRouter,
+    n: u64,
+    opts: impl Fn(u64) -> AcquireOptions,
+) -> Vec<shardlock::LockGuard> {
+    join_all((0..n).map(|i| {
+        let (router, opts) = (router.clone(), opts(i));
+        async move { router.acquire(&format!("ending:{i}"), opts).await.unwrap() }
+    }))
+    .await
 }
