@@ -486,15 +486,17 @@ impl ShardState {
         // own: the soonest end among them, coming on while a lock stays, would cut short the
         // timeout of every lease renewed with them.
         // Leases about to end are renewed in statements of their own, sent beside the others'
-        // rather than before them (see `about_to_end`). A tick after them alone (the others
-        // renewed by the last full tick) renews them and those renewed apart.
+        // rather than before them (see `about_to_end`). A tick before the next full one (the
+        // others renewed by the last) renews those renewed apart and every lease ending within
+        // half a statement timeout, split or not: one whose renewal failed at the last tick
+        // (a half-open breaker's refusal, a broken connection) would end before the next.
         let full = self.statement_timeout();
         let soon = about_to_end(&leases, started, full);
         let (apart, mut leases): (Vec<_>, Vec<_>) = leases
             .into_iter()
             .partition(|l| l.renew_apart.load(Ordering::Acquire));
         if early {
-            leases.retain(|l| soon.is_some_and(|soon| l.deadline() < soon));
+            leases.retain(|l| l.deadline() < started + full / 2);
         }
         let ending = |l: &&Arc<LeaseState>| soon.is_some_and(|soon| l.deadline() < soon);
         let (leases_ending, leases_later): (Vec<_>, Vec<_>) = leases.iter().partition(ending);
