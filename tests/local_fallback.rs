@@ -169,13 +169,14 @@ async fn held_locally_for(options: AcquireOptions) -> (Rig, String, shardlock::L
 
 /// `key`, acquired by the rig's router while it is cut off from `s1`: held in process.
 async fn in_process(rig: &Rig, key: &str) -> shardlock::LockGuard {
-    let local = rig
-        .router
-        .acquire(key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(local.mode(), LockMode::LocalFallback);
-    local
+    held_as(&rig.router, key, LockMode::LocalFallback).await
+}
+
+/// `key`, acquired by `router` with the namespace's options, held as `mode` says.
+async fn held_as(router: &LockRouter, key: &str, mode: LockMode) -> shardlock::LockGuard {
+    let guard = router.acquire(key, AcquireOptions::new()).await.unwrap();
+    assert_eq!(guard.mode(), mode);
+    guard
 }
 
 /// Reconnects the rig's router to `s1` and waits until its local hold is re-acquired there.
@@ -523,8 +524,7 @@ async fn a_locally_held_key_is_taken_on_the_shard_when_it_returns() {
         .is_none());
     assert!(guard.is_held());
     guard.release().await.unwrap();
-    let next = other.acquire(key, AcquireOptions::new()).await.unwrap();
-    assert_eq!(next.mode(), LockMode::Remote);
+    let next = held_as(&other, key, LockMode::Remote).await;
     next.release().await.unwrap();
 }
 
@@ -555,12 +555,7 @@ async fn a_conflict_found_on_recovery_is_reported_to_the_local_holder() {
     assert!(remote.is_held());
     let remote_fence = remote.fence();
     remote.release().await.unwrap();
-    let again = rig
-        .router
-        .acquire(key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(again.mode(), LockMode::Remote);
+    let again = held_as(&rig.router, key, LockMode::Remote).await;
     assert!(again.fence() > remote_fence);
 }
 
@@ -663,12 +658,7 @@ async fn reconcile_past_a_row_this_process_lost(look_fails: bool) {
     let rig = Rig::start("local", None, POOL).await;
     let key = rig.keys("k", 1, false).remove(0);
     let key = &key;
-    let first = rig
-        .router
-        .acquire(key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(first.mode(), LockMode::Remote);
+    let first = held_as(&rig.router, key, LockMode::Remote).await;
     let first_fence = first.fence();
     cut_off(&rig, "other").await;
     let mut direct = rig.cluster.shard(0).connect().await.unwrap();
@@ -697,12 +687,7 @@ async fn reconcile_past_a_row_this_process_lost(look_fails: bool) {
     })
     .await;
     assert!(given_up, "the release went on retrying in the background");
-    let local = rig
-        .router
-        .acquire(key, AcquireOptions::new())
-        .await
-        .unwrap();
-    assert_eq!(local.mode(), LockMode::LocalFallback);
+    let local = held_as(&rig.router, key, LockMode::LocalFallback).await;
 
     if look_fails {
         // The first look at whose row it is fails: that says nothing of who holds it.
@@ -767,8 +752,7 @@ async fn a_locked_row_holds_up_the_reconcile_of_its_key_alone() {
     cut_off_from(&router, &rig.proxy, "other").await;
     let mut locals = Vec::new();
     for key in &keys {
-        let local = router.acquire(key, AcquireOptions::new()).await.unwrap();
-        assert_eq!(local.mode(), LockMode::LocalFallback);
+        let local = held_as(&router, key, LockMode::LocalFallback).await;
         locals.push(local);
     }
     // All rows locked but the last key's, which another process takes.
