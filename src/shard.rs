@@ -1064,9 +1064,12 @@ impl ShardState {
             }
             return;
         }
+        // Or granted late in its ttl: the next tick is at most a renewal interval away (a
+        // shorter interval than the shard's shortest wakes it above).
         if !lease.want.keep_alive
             || self.shortest_ms.fetch_min(every, Ordering::AcqRel) > every
             || was_empty
+            || lease.ends_before_renewed(Moment::now() + lease.renew_every)
         {
             self.wake.notify_one();
         }

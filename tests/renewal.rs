@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, BreakerState, LockRouter};
-use shardlock_testkit::{Cluster, Proxy, ProxyMode};
+use shardlock_testkit::{Cluster, Competitor, Proxy, ProxyMode};
 
 const LEASES: usize = 1000;
 /// Renewed every second: a second's stall of a busy machine loses no lease.
@@ -248,6 +248,59 @@ async fn leases_of_long_keys_are_renewed_under_a_one_mebibyte_packet_limit() {
 
 /// A one-shard cluster reached through a proxy, `shard` added to the shard's config, and a
 /// router on it (no heartbeats; slow calls only past 10 s).
+/// A grant answered late in its ttl, after a lock wait of most of it, has less time left than
+/// a renewal interval: it is renewed at once, not at the shard's next tick, which may come
+/// after its end (before, it was lost without a renewal ever sent).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_granted_late_in_its_ttl_is_renewed_before_its_end() {
+    // A server lock wait of 9 s; leases of 8 s, renewed every 8/3 s. No heartbeats, so the
+    // only statements counted as renewals are the lease's.
+    let (cluster, _direct, _) = common::start(1, "").await;
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 10s\n\
+         cleaner:\n  registry: static\n",
+        cluster.shard(0).url()
+    );
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let ttl = Duration::from_secs(8);
+    let opts = AcquireOptions::new().ttl(ttl).wait(Duration::from_secs(30));
+    let once = router.acquire("late", opts.clone()).await.unwrap();
+    let mut competitor = Competitor::begin(cluster.shard(0), false).await.unwrap();
+    let row = competitor.key_of(once.owner()).await.unwrap().unwrap();
+    once.release().await.unwrap();
+    competitor.lock(&row).await.unwrap();
+    let acquiring = tokio::spawn({
+        let router = router.clone();
+        async move { router.acquire("late", opts).await }
+    });
+    // The acquire's statement waits for the row three quarters of the lease's ttl: the
+    // lease is granted with less than a renewal interval left. The shard holds no other
+    // lease, so its next tick is a whole interval away.
+    common::until_a_row_lock_is_waited_for(cluster.shard(0)).await;
+    tokio::time::sleep(ttl * 3 / 4).await;
+    let renewals = router.stats().renew_statements;
+    competitor.end().await.unwrap();
+    let late = acquiring.await.unwrap().unwrap();
+    let granted_until = late.held_until();
+    let left = granted_until.saturating_duration_since(tokio::time::Instant::now());
+    assert!(
+        left < ttl / 3,
+        "the premise: granted with {left:?} left, less than a renewal interval"
+    );
+    let renewed = common::eventually(Duration::from_secs(30), || async {
+        router.stats().renew_statements > renewals
+    });
+    tokio::select! {
+        renewed = renewed => assert!(renewed, "the late lease was never renewed"),
+        _ = late.lost() => panic!("a lease granted late in its ttl was lost before its first renewal"),
+    }
+    assert!(
+        late.is_held() && late.held_until() > granted_until,
+        "a lease granted late in its ttl was lost before its first renewal"
+    );
+    late.release().await.unwrap();
+}
+
 async fn through_a_proxy(shard: &str) -> (Cluster, Proxy, LockRouter) {
     let cluster = Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();

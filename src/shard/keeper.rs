@@ -310,6 +310,12 @@ impl ShardState {
                 Some(t) if t <= now + period => t,
                 _ => now + period,
             };
+            // A lease granted late in its ttl is renewed at once (see
+            // `LeaseState::ends_before_renewed`).
+            let tick = match leases.values().any(|l| l.ends_before_renewed(tick)) {
+                true => now,
+                false => tick,
+            };
             *next_tick = Some(tick);
             tick
         });
@@ -489,14 +495,23 @@ impl ShardState {
         // rather than before them (see `about_to_end`). A tick before the next full one (the
         // others renewed by the last) renews those renewed apart and every lease ending within
         // half a statement timeout, split or not: one whose renewal failed at the last tick
-        // (a half-open breaker's refusal, a broken connection) would end before the next.
+        // (a half-open breaker's refusal, a broken connection) would end before the next. It
+        // renews too the leases granted late in their ttl since the last tick, which `plan`
+        // brought it forward for.
         let full = self.statement_timeout();
         let soon = about_to_end(&leases, started, full);
         let (apart, mut leases): (Vec<_>, Vec<_>) = leases
             .into_iter()
             .partition(|l| l.renew_apart.load(Ordering::Acquire));
         if early {
-            leases.retain(|l| l.deadline() < started + full / 2);
+            // (`started + period` is no earlier than the tick `plan` weighed them against, so
+            // each lease it brought the tick forward for is sent now, and not weighed again.)
+            leases.retain(|l| {
+                l.deadline() < started + full / 2 || l.ends_before_renewed(started + period)
+            });
+        }
+        for lease in leases.iter().chain(&apart) {
+            lease.renewal_sent();
         }
         let ending = |l: &&Arc<LeaseState>| soon.is_some_and(|soon| l.deadline() < soon);
         let (leases_ending, leases_later): (Vec<_>, Vec<_>) = leases.iter().partition(ending);

@@ -48,6 +48,10 @@ pub(crate) struct LeaseState {
     /// waiting for any, apart from the other leases (see the keeper's tick; a renewal apart
     /// that times out makes the next one plain again).
     pub(crate) renew_apart: std::sync::atomic::AtomicBool,
+    /// Set once the keeper has sent (or tried to send) a renewal of this lease: until then, a
+    /// lease granted late in its ttl is renewed at once rather than at the shard's next tick
+    /// (see [`LeaseState::ends_before_renewed`]).
+    renewal_tried: std::sync::atomic::AtomicBool,
     /// Set by the first release of this lease sent to its shard (see
     /// `guard::release_through_shard`): a second one, a shutdown's beside the guard's drop,
     /// is not sent.
@@ -169,6 +173,7 @@ impl LeaseState {
             lost: watch::channel(false).0,
             release_claimed: Default::default(),
             renew_apart: Default::default(),
+            renewal_tried: Default::default(),
             maybe_on_shard: Default::default(),
             undecided_looks: Default::default(),
             lost_try_may_land: std::sync::atomic::AtomicBool::new(grant.lost_try),
@@ -569,6 +574,32 @@ impl LeaseState {
         if to > d.at {
             d.at = to;
             d.placed_by = Some((sent, ttl));
+        }
+    }
+
+    /// Whether the keeper must renew this lease before a tick at `tick`: it is kept alive, no
+    /// renewal of it was tried yet, and it would have little time left then. A grant answered
+    /// late in its ttl (after a lock wait of most of it, or on a slow link) is registered with
+    /// less time left than a lease renewed on time ever has; at the shard's next tick, up to a
+    /// renewal interval away, it may have ended without a renewal ever sent. A lease granted
+    /// on time has its ttl less a renewal interval left at the next tick, or more: little is
+    /// less than half that, and than half a renewal interval.
+    pub(crate) fn ends_before_renewed(&self, tick: Moment) -> bool {
+        let little = self
+            .renew_every
+            .min(self.ttl.saturating_sub(self.renew_every))
+            / 2;
+        self.want.keep_alive
+            && !self.renewal_tried.load(Ordering::Acquire)
+            && self.deadline() < tick + little
+    }
+
+    /// Notes that the keeper sends a renewal of this lease (whatever its outcome: one that
+    /// failed is retried as any other lease's).
+    pub(crate) fn renewal_sent(&self) {
+        // Loaded first: a full tick passes every lease of its shard, nearly all tried before.
+        if !self.renewal_tried.load(Ordering::Relaxed) {
+            self.renewal_tried.store(true, Ordering::Release);
         }
     }
 
