@@ -246,8 +246,6 @@ async fn leases_of_long_keys_are_renewed_under_a_one_mebibyte_packet_limit() {
     join_all(guards.into_iter().map(|g| g.release())).await;
 }
 
-/// A one-shard cluster reached through a proxy, `shard` added to the shard's config, and a
-/// router on it (no heartbeats; slow calls only past 10 s).
 /// A grant answered late in its ttl, after a lock wait of most of it, has less time left than
 /// a renewal interval: it is renewed at once, not at the shard's next tick, which may come
 /// after its end (before, it was lost without a renewal ever sent).
@@ -301,6 +299,8 @@ async fn a_lease_granted_late_in_its_ttl_is_renewed_before_its_end() {
     late.release().await.unwrap();
 }
 
+/// A one-shard cluster reached through a proxy, `shard` added to the shard's config, and a
+/// router on it (no heartbeats; slow calls only past 10 s).
 async fn through_a_proxy(shard: &str) -> (Cluster, Proxy, LockRouter) {
     let cluster = Cluster::start(1).await.unwrap();
     let proxy = Proxy::start(cluster.shard(0).port()).await.unwrap();

@@ -495,9 +495,10 @@ impl ShardState {
         // rather than before them (see `about_to_end`). A tick before the next full one (the
         // others renewed by the last) renews those renewed apart and every lease ending within
         // half a statement timeout, split or not: one whose renewal failed at the last tick
-        // (a half-open breaker's refusal, a broken connection) would end before the next. It
-        // renews too the leases granted late in their ttl since the last tick, which `plan`
-        // brought it forward for.
+        // (a half-open breaker's refusal, a broken connection) would end before the next; and
+        // so every lease that would end before the next full tick (only those whose renewal
+        // failed, and those granted late in their ttl, do), and the leases `plan` brought it
+        // forward for.
         let full = self.statement_timeout();
         let soon = about_to_end(&leases, started, full);
         let (apart, mut leases): (Vec<_>, Vec<_>) = leases
@@ -506,8 +507,12 @@ impl ShardState {
         if early {
             // (`started + period` is no earlier than the tick `plan` weighed them against, so
             // each lease it brought the tick forward for is sent now, and not weighed again.)
+            let next_full = full_due.unwrap_or(started);
             leases.retain(|l| {
-                l.deadline() < started + full / 2 || l.ends_before_renewed(started + period)
+                let end = l.deadline();
+                end < started + full / 2
+                    || end < next_full
+                    || l.ends_before_renewed(started + period)
             });
         }
         for lease in leases.iter().chain(&apart) {

@@ -582,20 +582,29 @@ impl LeaseState {
     /// late in its ttl (after a lock wait of most of it, or on a slow link) is registered with
     /// less time left than a lease renewed on time ever has; at the shard's next tick, up to a
     /// renewal interval away, it may have ended without a renewal ever sent. A lease granted
-    /// on time has its ttl less a renewal interval left at the next tick, or more: little is
-    /// less than half that, and than half a renewal interval.
+    /// on time has its local lifetime (its ttl less the clock drift and skew it allows for)
+    /// less a renewal interval left at the next tick, or more: little is less than half that,
+    /// and than half a renewal interval.
     pub(crate) fn ends_before_renewed(&self, tick: Moment) -> bool {
+        if !self.want.keep_alive || self.renewal_tried.load(Ordering::Acquire) {
+            return false;
+        }
+        let d = self.deadline.locked();
+        let lifetime = match d.placed_by {
+            Some((sent, ttl)) => d.end_of(sent, ttl).saturating_duration_since(sent),
+            None => self.ttl,
+        };
         let little = self
             .renew_every
-            .min(self.ttl.saturating_sub(self.renew_every))
+            .min(lifetime.saturating_sub(self.renew_every))
             / 2;
-        self.want.keep_alive
-            && !self.renewal_tried.load(Ordering::Acquire)
-            && self.deadline() < tick + little
+        d.at < tick + little
     }
 
-    /// Notes that the keeper sends a renewal of this lease (whatever its outcome: one that
-    /// failed is retried as any other lease's).
+    /// Notes that the keeper sends a renewal of this lease, whatever its outcome: one that
+    /// failed is retried as any lease ending before the next full tick is (see the keeper's
+    /// `tick`), not by bringing a tick forward again (against an open breaker, which refuses
+    /// at once, that would spin).
     pub(crate) fn renewal_sent(&self) {
         // Loaded first: a full tick passes every lease of its shard, nearly all tried before.
         if !self.renewal_tried.load(Ordering::Relaxed) {
