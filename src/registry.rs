@@ -517,13 +517,17 @@ pub(crate) async fn beat(
         }
     }));
     let lapse = crate::state::lapse(&topology.config);
+    // A shard that hangs is given up on before the next heartbeat to the others is due (see
+    // `heartbeat_round`), rather than after its statement timeout, which may be longer than
+    // the lapse.
+    let round = crate::state::heartbeat_round(&topology.config);
     let sent = topology.current.shards.iter().map(|s| async move {
         let at = Moment::now();
         let beat = Beat {
             judge_silence: s.silence_to_judge(lapse, &topology.config),
             ..beat
         };
-        let outcome = s.call(|b| b.heartbeat(beat)).await;
+        let outcome = s.call(|b| b.heartbeat_within(beat, round)).await;
         if let Ok(Heartbeat::Beaten {
             silent_for,
             kept_silent,
@@ -548,6 +552,7 @@ pub(crate) async fn beat(
             reached();
             // Which server it is, for the next heartbeat's digest: a shard id stored since
             // (a migration) is seen within a beat. Bounded: it holds up the next heartbeat.
+            let bound = bound.min((at + round).saturating_duration_since(Moment::now()));
             if let Ok(Ok(identity)) = tokio::time::timeout(bound, s.call(|b| b.identity())).await {
                 s.saw_identity(identity);
             }

@@ -638,6 +638,17 @@ pub(crate) fn lapse(config: &Config) -> Duration {
     )
 }
 
+/// How long a heartbeat may wait for its shards: its lapse less half an interval (half an
+/// interval at least). A heartbeat waits for every current shard, and the next is sent once
+/// it is done; one that waited out a hung shard's statement timeout, longer than the lapse
+/// (a tight `heartbeat-timeout`, a Galera shard's long statement timeout), sent the next
+/// heartbeat to the other shards after the lapse, and the process lost every lease and
+/// granted nothing until the hung shard answered again.
+pub(crate) fn heartbeat_round(config: &Config) -> Duration {
+    let half = config.cleaner.heartbeat_interval / 2;
+    lapse(config).saturating_sub(half).max(half)
+}
+
 /// How long a join (a start, a rejoin) waits for its fleet's placement record before it opens
 /// the gate: half its lapse at most, for it beat just before (see
 /// [`crate::placement_record::ahead_bound`]).
@@ -683,8 +694,12 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
                 if !inner.beat_and_join(&mut missed).await {
                     return;
                 }
-                // Bounded: a slow shard must not hold back the next heartbeat.
-                let bound = inner.config().cleaner.heartbeat_interval / 2;
+                // Bounded: a slow shard must not hold back the next heartbeat (sent at once
+                // if this one took its whole round: see `heartbeat_round`).
+                let config = inner.config();
+                let round_end = started + heartbeat_round(&config);
+                let bound = (config.cleaner.heartbeat_interval / 2)
+                    .min(round_end.saturating_duration_since(Instant::now()));
                 let record = crate::placement_record::record_if_due(&inner);
                 let _ = tokio::time::timeout(bound, record).await;
                 if inner.gate.is_rejoining() {

@@ -617,3 +617,48 @@ async fn transaction_locks_waiting_while_half_open_leave_the_probes_to_other_cal
         waiter.await.unwrap().unwrap();
     }
 }
+
+/// A shard that hangs holds up no heartbeat on the others. With heartbeats every second,
+/// counted dead after two, a process stops granting and gives its leases up 1.5 s after its
+/// latest heartbeat reached a shard (its lapse): sooner than the statement timeout (2 s) that
+/// a heartbeat to a hung shard waits out. A heartbeat that waited for it sent the next one to
+/// the other shards too late, and the process lost every lease on every shard and granted
+/// nothing until the hung shard answered again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_shard_holds_up_no_heartbeat_on_the_others() {
+    let (cluster, router, _) = common::start(
+        3,
+        "cleaner:\n  heartbeat-interval: 1s\n  heartbeat-timeout: 2s\n",
+    )
+    .await;
+    let key = common::key_on(&router, "held", "s1");
+    let opts = AcquireOptions::new().ttl(Duration::from_secs(60));
+    let held = router.acquire(&key, opts.clone()).await.unwrap();
+    let failures = router.stats().heartbeat_failures;
+    cluster.shard(2).pause().unwrap();
+    // Three heartbeats to the hung shard failed: three intervals at least, two lapses.
+    let missed = common::eventually(Duration::from_secs(60), || async {
+        router.stats().heartbeat_failures >= failures + 3
+    })
+    .await;
+    let (lapses, still_held) = (router.stats().heartbeat_lapses, held.is_held());
+    let granted = router
+        .acquire(
+            &common::key_on(&router, "new", "s1"),
+            opts.wait(Duration::ZERO),
+        )
+        .await;
+    cluster.shard(2).resume().unwrap();
+    assert!(missed, "the heartbeats to the hung shard never failed");
+    assert_eq!(
+        lapses, 0,
+        "the heartbeat lapsed while only one shard of three hung"
+    );
+    assert!(
+        still_held,
+        "a lease on a healthy shard was lost while another shard hung"
+    );
+    let granted = granted.expect("no grant on a healthy shard while another shard hung");
+    granted.release().await.unwrap();
+    held.release().await.unwrap();
+}

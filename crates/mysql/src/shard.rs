@@ -1162,10 +1162,24 @@ impl Shard {
     /// Registers `instance` or renews its heartbeat, unless another live start beats under
     /// its id.
     pub async fn heartbeat(&self, beat: Beat<'_>) -> Result<Heartbeat, BackendError> {
-        self.run("heartbeat", beat, |c, &beat| {
-            Box::pin(cleaner::heartbeat(c, beat))
-        })
+        self.heartbeat_within(beat, self.statement_timeout).await
+    }
+
+    /// [`Shard::heartbeat`] within `within`, if that is shorter than the statement timeout.
+    pub async fn heartbeat_within(
+        &self,
+        beat: Beat<'_>,
+        within: Duration,
+    ) -> Result<Heartbeat, BackendError> {
+        self.with_conn(
+            "heartbeat",
+            within.min(self.statement_timeout),
+            &beat,
+            |c, &beat| Box::pin(cleaner::heartbeat(c, beat)),
+            Tries::IDEMPOTENT,
+        )
         .await
+        .map(|(v, _)| v)
     }
 
     /// The start that beats under `instance` here, live by `timeout` or the longer timeout its
