@@ -579,6 +579,8 @@ async fn clean_batches(
     // A registry that did not answer in time is asked no more in this pass: each batch would
     // cost its timeout, and a pass over millions of rows hours, holding the cleaner lock.
     let mut registry_hung = false;
+    // The fence floor this pass raised the shard's to (it only rises).
+    let mut floor = 0;
     loop {
         if !leader.is_held() {
             return Err(Error::LockLost {
@@ -596,12 +598,20 @@ async fn clean_batches(
         out.batches += 1;
         // The shard's fence floor first: a deleted row's fence must bound the key's next
         // grant even if the shard's clock steps back. (A row granted again since the scan
-        // is not deleted; the floor is then merely higher than needed.)
+        // is not deleted; the floor is then merely higher than needed.) Only when it is not
+        // that high already: a raise waits for an exclusive lock on the floor's row, which
+        // every acquire of the shard reads under a shared one for its whole statement, a wait
+        // for its own row included; while one raise waits behind such an acquire, every other
+        // acquire of the shard waits behind the raise, and a raise per batch repeated that
+        // stall batch after batch.
         let highest = rows.iter().map(|r| r.fence).max().unwrap_or(0);
-        shard
-            .call(|b| b.raise_shard_floor(highest))
-            .await
-            .map_err(backend)?;
+        if highest > floor {
+            shard
+                .call(|b| b.raise_shard_floor(highest))
+                .await
+                .map_err(backend)?;
+            floor = highest;
+        }
         let (released, ended): (Vec<_>, Vec<_>) = rows.iter().partition(|r| r.owner.is_none());
         let released: Vec<Vec<u8>> = released.into_iter().map(|r| r.key.clone()).collect();
         let deleted = shard

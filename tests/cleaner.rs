@@ -563,6 +563,50 @@ async fn two_cleaners_never_both_delete() {
 }
 
 /// Rows planted for the batch test.
+/// A pass raises the shard's fence floor only for a batch whose highest fence is above the
+/// floor it raised already. A raise waits for an exclusive lock on the floor's row, which every
+/// acquire reads under a shared lock for its whole statement, a wait for its own row included:
+/// a raise waiting behind such an acquire held up every acquire of the shard, and a pass
+/// raised the floor once per batch, so the stall came again batch after batch.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pass_raises_the_fence_floor_only_above_what_it_raised_it_to() {
+    let extra = "cleaner:\n  registry: static\n  batch-size: 100\n  grace: 1s\n";
+    let (cluster, router, _) = common::start(1, extra).await;
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    // Five batches of released rows; the first holds the highest fence.
+    c.query_drop(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         SELECT CONCAT('garbage:', LPAD(seq, 3, '0')), NULL, 1000 - seq, 1000, \
+         NOW(3) - INTERVAL 1 HOUR, NOW(3) - INTERVAL 1 HOUR FROM seq_1_to_500",
+    )
+    .await
+    .unwrap();
+    // Every statement the shard runs, in a table.
+    c.query_drop("SET GLOBAL log_output = 'TABLE'")
+        .await
+        .unwrap();
+    c.query_drop("SET GLOBAL general_log = 1").await.unwrap();
+    common::clean_pass(&router).await;
+    c.query_drop("SET GLOBAL general_log = 0").await.unwrap();
+    let left: Option<u64> = c
+        .query_first("SELECT COUNT(*) FROM shardlock_lease WHERE lock_key LIKE 'garbage:%'")
+        .await
+        .unwrap();
+    assert_eq!(left, Some(0), "the pass left released rows");
+    let raises: Option<u64> = c
+        .query_first(
+            "SELECT COUNT(*) FROM mysql.general_log WHERE command_type = 'Execute' \
+             AND argument LIKE 'INSERT INTO shardlock_meta%fence-floor%'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        raises,
+        Some(1),
+        "the pass raised the fence floor for batches below what it had raised it to"
+    );
+}
+
 const GARBAGE: u64 = 1_000_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
