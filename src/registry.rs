@@ -611,16 +611,17 @@ pub(crate) async fn beat(
 /// that start is silent (cut off from them, say): once its link came back, that start would
 /// find its id taken over there before this one gave the rows up, and stop for good.
 ///
-/// A shard that does not answer says nothing: the heartbeat judges it (it cannot take a row
-/// there either). `bound` limits each read (a router that ran: a shard that hangs must not
-/// hold back its heartbeat on the others); a start's reads wait for their shards.
+/// A shard that does not answer is the error, with why, unless another shard names a start:
+/// that start may beat there alone, cut off from the shards this one reaches. `bound` limits
+/// each read (a router that ran: a shard that hangs must not hold back its heartbeat on the
+/// others); a start's reads wait for their shards.
 pub(crate) async fn live_twin(
     topology: &Topology,
     shared: &Shared,
     bound: Option<std::time::Duration>,
-) -> Option<String> {
+) -> std::result::Result<Option<String>, String> {
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
-        return None;
+        return Ok(None);
     }
     let (id, timeout) = (
         &shared.instance_id,
@@ -629,18 +630,29 @@ pub(crate) async fn live_twin(
     let found = join_all(topology.current.shards.iter().map(|s| async move {
         let read = s.call(|b| b.live_start(id, timeout));
         let read = match bound {
-            Some(bound) => tokio::time::timeout(bound, read).await.ok()?,
+            Some(bound) => match tokio::time::timeout(bound, read).await {
+                Ok(read) => read,
+                Err(_) => return Err(format!("shard {} (no answer within {bound:?})", s.name())),
+            },
             None => read.await,
         };
         match read {
             Ok(Some((nonce, host, pid))) if nonce.as_deref() != Some(shared.nonce().as_bytes()) => {
-                Some(format!("host {host}, pid {pid} (shard {})", s.name()))
+                Ok(Some(format!("host {host}, pid {pid} (shard {})", s.name())))
             }
-            _ => None,
+            Ok(_) => Ok(None),
+            Err(e) => Err(format!("shard {} ({})", s.name(), unmigrated_or(&e))),
         }
     }))
     .await;
-    found.into_iter().flatten().next()
+    let (found, failed): (Vec<_>, Vec<_>) = found.into_iter().partition(|r| r.is_ok());
+    match found.into_iter().find_map(|r| r.ok().flatten()) {
+        Some(twin) => Ok(Some(twin)),
+        None => failed
+            .into_iter()
+            .find_map(|r| r.err())
+            .map_or(Ok(None), Err),
+    }
 }
 
 /// This process's heartbeat under `topology`, advertising `fingerprint` and `servers` (see

@@ -382,15 +382,27 @@ impl Inner {
         // looked for first, by a read: this heartbeat would take the id's rows where that one
         // is silent (cut off from those shards), and it would stop for good if its link came
         // back before this router gave them up. (A router that ran reads within half an
-        // interval: a shard that hangs must not keep its rows on the others unbeaten.)
+        // interval: a shard that hangs must not keep its rows on the others unbeaten.) A start
+        // that could not read a shard does not beat: that start may beat there alone (a start
+        // cut off from one shard, taking the id on another where the live process is cut off,
+        // would stop that process for good, and be refused itself once it reached the first).
         let started = self.gate.ever_beaten();
         if !started || self.gate.is_rejoining() {
             let bound = started.then(|| topology.config.cleaner.heartbeat_interval / 2);
-            if let Some(twin) = registry::live_twin(&topology, &self.shared, bound).await {
-                let beats = registry::Beats {
+            let beats = match registry::live_twin(&topology, &self.shared, bound).await {
+                Ok(Some(twin)) => registry::Beats {
                     taken_by: Some(twin),
                     ..Default::default()
-                };
+                },
+                Err(why) if !started => registry::Beats {
+                    unreached: vec![format!(
+                        "{why}, where another start under this instance id was not looked for"
+                    )],
+                    ..Default::default()
+                },
+                Ok(None) | Err(_) => Default::default(),
+            };
+            if beats.taken_by.is_some() || !beats.unreached.is_empty() {
                 return (beats, asked);
             }
         }

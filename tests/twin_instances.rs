@@ -149,24 +149,33 @@ async fn a_process_resumed_after_its_twin_started_grants_nothing() {
     twin.shutdown().await.unwrap();
 }
 
-/// A start refused because its id is live on one shard takes no row of it on another, where
-/// that process is cut off: its link back, it would find its id taken over there, and stop
-/// granting for good, although the start that took it gave up.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_start_refused_while_its_id_is_live_leaves_the_id_where_its_process_is_cut_off() {
-    // Dead after 30 s without a heartbeat: a busy machine does not make the live process's row
-    // on s1 look dead; its row on s2 is made silent for a minute.
-    let beats = "cleaner:\n  registry: heartbeat\n  heartbeat-interval: 100ms\n  \
-                 heartbeat-timeout: 30s\n";
-    let (cluster, router, _) = common::start(2, beats).await;
+/// A process under the id `twin` reaching s2 through `cut`, which now resets its connections,
+/// its row on s2 made silent for a minute (dead to the fleet); `held`, a proxy to s1 for a
+/// start under the same id. Dead after 30 s without a heartbeat: a busy machine does not make
+/// the live process's row on s1 look dead.
+struct CutOff {
+    _cluster: Cluster,
+    router: LockRouter,
+    yaml: String,
+    s1_url: String,
+    cut: Proxy,
+    held: Proxy,
+    live: Worker,
+    worker: u32,
+}
+
+const CUT_OFF_BEATS: &str = "cleaner:\n  registry: heartbeat\n  heartbeat-interval: 100ms\n  \
+                             heartbeat-timeout: 30s\n";
+
+async fn cut_off_twin() -> CutOff {
+    let (cluster, router, _) = common::start(2, CUT_OFF_BEATS).await;
     let (s1, s2) = (cluster.shard(0), cluster.shard(1));
-    let yaml = cluster.config_yaml(&format!("{TWIN}{beats}"));
-    // The live process reaches s2 through `cut`, the starting one reaches s1 through `held`.
+    let yaml = cluster.config_yaml(&format!("{TWIN}{CUT_OFF_BEATS}"));
     let (cut, held) = (
         Proxy::start(s2.port()).await.unwrap(),
         Proxy::start(s1.port()).await.unwrap(),
     );
-    let mut live = twin_in(
+    let live = twin_in(
         "looping-twin",
         &yaml.replace(&s2.url(), &cut.url()),
         "granted",
@@ -174,20 +183,6 @@ async fn a_start_refused_while_its_id_is_live_leaves_the_id_where_its_process_is
     .await;
     // Refused at once there (a hanging shard would slow its heartbeats on s1 too).
     cut.set(ProxyMode::Reset);
-    let row_on_s2 = |pid: u32, verdict: InstanceVerdict| {
-        let router = &router;
-        async move {
-            let rows = router.instances().await;
-            let (_, rows) = rows.iter().find(|(shard, _)| shard == "s2").unwrap();
-            rows.as_ref().is_ok_and(|rows| {
-                rows.iter().any(|i| {
-                    i.instance_id == "twin"
-                        && i.pid == pid
-                        && i.verdict(Duration::from_secs(30)) == verdict
-                })
-            })
-        }
-    };
     let worker = u32::try_from(live.pid()).unwrap();
     // (Again if a heartbeat on its way as the link was cut landed after the update.)
     let silent = common::eventually(Duration::from_secs(60), || async {
@@ -199,64 +194,132 @@ async fn a_start_refused_while_its_id_is_live_leaves_the_id_where_its_process_is
             )
             .await
             .unwrap();
-        row_on_s2(worker, InstanceVerdict::Dead).await
+        row_on_s2(&router, worker, InstanceVerdict::Dead).await
     })
     .await;
     assert!(silent, "the cut-off process's row on s2 is silent");
+    let s1_url = s1.url();
+    CutOff {
+        _cluster: cluster,
+        router,
+        yaml,
+        s1_url,
+        cut,
+        held,
+        live,
+        worker,
+    }
+}
 
-    // Another start under the id: its heartbeat on s1 (where the id is live) is held back; one
-    // on s2 would take the silent row there.
-    held.set(ProxyMode::PauseTo(b"SET host = IF(LAST_INSERT_ID"));
-    let start = {
-        let yaml = yaml.replace(&s1.url(), &held.url());
-        tokio::spawn(async move { LockRouter::from_yaml_str(&yaml).await })
-    };
-    let this = std::process::id();
-    let acted = common::eventually(Duration::from_secs(60), || async {
-        start.is_finished()
-            || (held.mode() == ProxyMode::Paused && row_on_s2(this, InstanceVerdict::Running).await)
+/// Whether the registry row of `twin` on s2 is `pid`'s, with `verdict` (after 30 s of silence).
+async fn row_on_s2(router: &LockRouter, pid: u32, verdict: InstanceVerdict) -> bool {
+    let rows = router.instances().await;
+    let (_, rows) = rows.iter().find(|(shard, _)| shard == "s2").unwrap();
+    rows.as_ref().is_ok_and(|rows| {
+        rows.iter().any(|i| {
+            i.instance_id == "twin" && i.pid == pid && i.verdict(Duration::from_secs(30)) == verdict
+        })
     })
-    .await;
-    assert!(acted, "the start neither ended nor beat");
-    // The cut-off process's link comes back, and its heartbeat reaches s2 again: its row there
-    // is its own and live again, or it finds its id taken over.
-    cut.set(ProxyMode::Pass);
-    let reached = tokio::time::timeout(Duration::from_secs(60), async {
-        loop {
-            tokio::select! {
-                line = live.line() => {
-                    let line = line.unwrap().expect("the worker ended");
-                    if line.contains("taken over") {
-                        return line;
+}
+
+impl CutOff {
+    /// A start under the id, reaching s1 through `held`.
+    fn start(&self) -> tokio::task::JoinHandle<shardlock::Result<LockRouter>> {
+        let yaml = self.yaml.replace(&self.s1_url, &self.held.url());
+        tokio::spawn(async move { LockRouter::from_yaml_str(&yaml).await })
+    }
+
+    /// The cut-off process's link comes back, and its heartbeat reaches s2 again: its row there
+    /// is its own and live again, or it finds its id taken over (what it said).
+    async fn link_back(&mut self) -> String {
+        self.cut.set(ProxyMode::Pass);
+        let reached = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                tokio::select! {
+                    line = self.live.line() => {
+                        let line = line.unwrap().expect("the worker ended");
+                        if line.contains("taken over") {
+                            return line;
+                        }
                     }
-                }
-                () = tokio::time::sleep(Duration::from_millis(20)) => {
-                    if row_on_s2(worker, InstanceVerdict::Running).await {
-                        return "its row on s2 live again".to_owned();
+                    () = tokio::time::sleep(Duration::from_millis(20)) => {
+                        if row_on_s2(&self.router, self.worker, InstanceVerdict::Running).await {
+                            return "its row on s2 live again".to_owned();
+                        }
                     }
                 }
             }
-        }
+        })
+        .await;
+        reached.expect("the cut-off process's heartbeat never reached s2 again")
+    }
+
+    /// Asserts that the cut-off process joins its fleet again and grants (having said `reached`).
+    async fn grants_again(&mut self, reached: &str) {
+        let granting = tokio::time::timeout(Duration::from_secs(60), async {
+            while self.live.expect("tries").await.unwrap() != "granted" {}
+        })
+        .await;
+        assert!(
+            granting.is_ok(),
+            "a process whose id a start took where it was cut off stopped granting (it said \
+             {reached})"
+        );
+    }
+}
+
+/// A start refused because its id is live on one shard takes no row of it on another, where
+/// that process is cut off: its link back, it would find its id taken over there, and stop
+/// granting for good, although the start that took it gave up.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_start_refused_while_its_id_is_live_leaves_the_id_where_its_process_is_cut_off() {
+    let mut c = cut_off_twin().await;
+    // Another start under the id: its heartbeat on s1 (where the id is live) is held back; one
+    // on s2 would take the silent row there.
+    c.held
+        .set(ProxyMode::PauseTo(b"SET host = IF(LAST_INSERT_ID"));
+    let start = c.start();
+    let this = std::process::id();
+    let acted = common::eventually(Duration::from_secs(60), || async {
+        start.is_finished()
+            || (c.held.mode() == ProxyMode::Paused
+                && row_on_s2(&c.router, this, InstanceVerdict::Running).await)
     })
-    .await
-    .expect("the cut-off process's heartbeat never reached s2 again");
-    held.set(ProxyMode::Pass);
+    .await;
+    assert!(acted, "the start neither ended nor beat");
+    let reached = c.link_back().await;
+    c.held.set(ProxyMode::Pass);
     let refused = start.await.unwrap().expect_err("the id is live on s1");
     assert!(
         refused.to_string().contains("live in the registry"),
         "{refused}"
     );
+    c.grants_again(&reached).await;
+}
 
-    // It joins its fleet again, and grants.
-    let granting = tokio::time::timeout(Duration::from_secs(60), async {
-        while live.expect("tries").await.unwrap() != "granted" {}
-    })
-    .await;
+/// A start that cannot reach the shard where its id is live takes no row of it on another,
+/// where that process is cut off, either (helper 237 F4): it could not look for that process
+/// there, and its heartbeat on the other shard took the silent row; once the link came back,
+/// the process found its id taken over and stopped granting for good, and the start was
+/// refused once it reached the first shard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_start_cut_off_from_where_its_id_is_live_leaves_the_id_where_its_process_is_cut_off() {
+    let mut c = cut_off_twin().await;
+    c.held.set(ProxyMode::Blackhole);
+    // Built with its gate closed once its first heartbeat is done (s1 unreached).
+    let start = c
+        .start()
+        .await
+        .unwrap()
+        .expect("a start with a shard out of reach");
     assert!(
-        granting.is_ok(),
-        "a process whose id a refused start took where it was cut off stopped granting (it said \
-         {reached})"
+        row_on_s2(&c.router, c.worker, InstanceVerdict::Dead).await,
+        "a start that could not look for a live process under its id took that process's row \
+         where it is cut off"
     );
+    let reached = c.link_back().await;
+    c.grants_again(&reached).await;
+    drop(start);
 }
 
 /// Whether `router` comes to refuse a grant, within a minute, with an error that says `why`;
