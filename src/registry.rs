@@ -474,9 +474,11 @@ impl Beats {
 /// hold back the proof that the others were reached; `silent`, before it, with the shard's
 /// name, if this process's row there had gone unbeaten for longer than it can have known (see
 /// `ShardState::went_silent`). `fingerprint` is the topology it advertises, with its servers
-/// (see `Inner::advertised`).
+/// (see `Inner::advertised`). Each shard's heartbeat, and the read that follows it, take no
+/// longer than `round` (see `heartbeat_round`).
 pub(crate) async fn beat(
     topology: &Topology,
+    round: std::time::Duration,
     (fingerprint, servers): &(String, Option<String>),
     shared: &Shared,
     missed: &mut std::collections::HashMap<String, u32>,
@@ -517,17 +519,21 @@ pub(crate) async fn beat(
         }
     }));
     let lapse = crate::state::lapse(&topology.config);
-    // A shard that hangs is given up on before the next heartbeat to the others is due (see
-    // `heartbeat_round`), rather than after its statement timeout, which may be longer than
-    // the lapse.
-    let round = crate::state::heartbeat_round(&topology.config);
     let sent = topology.current.shards.iter().map(|s| async move {
         let at = Moment::now();
         let beat = Beat {
             judge_silence: s.silence_to_judge(lapse, &topology.config),
             ..beat
         };
-        let outcome = s.call(|b| b.heartbeat_within(beat, round)).await;
+        // A shard that hangs is given up on within `round` (see `heartbeat_round`), before
+        // the next heartbeat to the others is due, rather than after its statement timeout,
+        // which may be longer than the lapse. Cut that short, its timeout tells of the time
+        // it was given, not of the shard (a Galera node stalled while the cluster evicts
+        // another), and counts against no breaker.
+        let outcome = match round < s.statement_timeout() {
+            true => (s.call_waiting_cut(true, |b| b.heartbeat_within(beat, round))).await,
+            false => s.call(|b| b.heartbeat(beat)).await,
+        };
         if let Ok(Heartbeat::Beaten {
             silent_for,
             kept_silent,
@@ -553,6 +559,9 @@ pub(crate) async fn beat(
             // Which server it is, for the next heartbeat's digest: a shard id stored since
             // (a migration) is seen within a beat. Bounded: it holds up the next heartbeat.
             let bound = bound.min((at + round).saturating_duration_since(Moment::now()));
+            if bound.is_zero() {
+                return (s.name().to_owned(), outcome);
+            }
             if let Ok(Ok(identity)) = tokio::time::timeout(bound, s.call(|b| b.identity())).await {
                 s.saw_identity(identity);
             }
@@ -584,25 +593,34 @@ pub(crate) async fn beat(
                         .get_or_insert_with(|| format!("host {host}, pid {pid} (shard {shard})"));
                 }
             }
-            Err(e) => {
-                *missed += 1;
-                shared
-                    .stats
-                    .heartbeat_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                let why = unmigrated_or(&e);
-                // Others' cleaners count this instance dead after `heartbeat-timeout` without
-                // one: worth a warning once it keeps failing, not on one miss.
-                if *missed == HEARTBEATS_MISSED_BEFORE_WARNING {
-                    tracing::warn!(shard, error = why, missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
-                } else {
-                    tracing::debug!(shard, error = why, "shardlock heartbeat failed");
-                }
-                beats.unreached.push(format!("shard {shard} ({why})"));
-            }
+            Err(e) => missed_beat(shared, missed, &shard, unmigrated_or(&e), &mut beats),
         }
     }
     beats
+}
+
+/// Counts a heartbeat on `shard` that failed, or was not sent, for `why`: in `missed` (failures
+/// in a row), in the stats, and as a shard `beats` did not reach.
+pub(crate) fn missed_beat(
+    shared: &Shared,
+    missed: &mut u32,
+    shard: &str,
+    why: String,
+    beats: &mut Beats,
+) {
+    *missed += 1;
+    shared
+        .stats
+        .heartbeat_failures
+        .fetch_add(1, Ordering::Relaxed);
+    // Others' cleaners count this instance dead after `heartbeat-timeout` without one: worth
+    // a warning once it keeps failing, not on one miss.
+    if *missed == HEARTBEATS_MISSED_BEFORE_WARNING {
+        tracing::warn!(shard, error = why, missed = *missed, "shardlock heartbeats keep failing: other instances' cleaners will count this one dead after cleaner.heartbeat-timeout");
+    } else {
+        tracing::debug!(shard, error = why, "shardlock heartbeat failed");
+    }
+    beats.unreached.push(format!("shard {shard} ({why})"));
 }
 
 /// Another start that beats live under this process's instance id on a current shard of
@@ -611,15 +629,15 @@ pub(crate) async fn beat(
 /// that start is silent (cut off from them, say): once its link came back, that start would
 /// find its id taken over there before this one gave the rows up, and stop for good.
 ///
-/// A shard that does not answer is the error, with why, unless another shard names a start:
-/// that start may beat there alone, cut off from the shards this one reaches. `bound` limits
+/// The shards that did not answer are the error, each with why, unless another shard names a
+/// start: that start may beat there alone, cut off from the shards this one reaches. `bound` limits
 /// each read (a router that ran: a shard that hangs must not hold back its heartbeat on the
 /// others); a start's reads wait for their shards.
 pub(crate) async fn live_twin(
     topology: &Topology,
     shared: &Shared,
     bound: Option<std::time::Duration>,
-) -> std::result::Result<Option<String>, String> {
+) -> std::result::Result<Option<String>, Vec<(String, String)>> {
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
         return Ok(None);
     }
@@ -632,7 +650,10 @@ pub(crate) async fn live_twin(
         let read = match bound {
             Some(bound) => match tokio::time::timeout(bound, read).await {
                 Ok(read) => read,
-                Err(_) => return Err(format!("shard {} (no answer within {bound:?})", s.name())),
+                Err(_) => {
+                    let why = format!("no answer within {bound:?}");
+                    return Err((s.name().to_owned(), why));
+                }
             },
             None => read.await,
         };
@@ -641,17 +662,15 @@ pub(crate) async fn live_twin(
                 Ok(Some(format!("host {host}, pid {pid} (shard {})", s.name())))
             }
             Ok(_) => Ok(None),
-            Err(e) => Err(format!("shard {} ({})", s.name(), unmigrated_or(&e))),
+            Err(e) => Err((s.name().to_owned(), unmigrated_or(&e))),
         }
     }))
     .await;
     let (found, failed): (Vec<_>, Vec<_>) = found.into_iter().partition(|r| r.is_ok());
     match found.into_iter().find_map(|r| r.ok().flatten()) {
         Some(twin) => Ok(Some(twin)),
-        None => failed
-            .into_iter()
-            .find_map(|r| r.err())
-            .map_or(Ok(None), Err),
+        None if failed.is_empty() => Ok(None),
+        None => Err(failed.into_iter().filter_map(|r| r.err()).collect()),
     }
 }
 

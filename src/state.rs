@@ -368,8 +368,14 @@ impl Inner {
         let topology = self.topology.load_full();
         let lapse = lapse(&topology.config);
         // Which server each shard is, for the servers this heartbeat advertises, where no
-        // heartbeat has read it yet (the first one, a shard added by a reload).
-        registry::learn_servers(&topology).await;
+        // heartbeat has read it yet: before the first one only. Later (a shard added by a
+        // reload, or rebuilt for changed settings) each heartbeat reads it where it landed,
+        // and the next advertises it: a read here, of a shard that hangs, would take half an
+        // interval before every heartbeat, the others' too, and the first of them after the
+        // lapse.
+        if !self.gate.ever_beaten() {
+            registry::learn_servers(&topology).await;
+        }
         let sent = Moment::now();
         // A pause since the last look at the lapse (the heartbeat loop's, a grant's) is one:
         // counted before this heartbeat, fresh once it reaches a shard, hides it. (Before the
@@ -389,19 +395,21 @@ impl Inner {
         let started = self.gate.ever_beaten();
         if !started || self.gate.is_rejoining() {
             let bound = started.then(|| topology.config.cleaner.heartbeat_interval / 2);
-            let beats = match registry::live_twin(&topology, &self.shared, bound).await {
-                Ok(Some(twin)) => registry::Beats {
-                    taken_by: Some(twin),
-                    ..Default::default()
-                },
-                Err(why) if !started => registry::Beats {
-                    unreached: vec![format!(
-                        "{why}, where another start under this instance id was not looked for"
-                    )],
-                    ..Default::default()
-                },
-                Ok(None) | Err(_) => Default::default(),
-            };
+            let mut beats = registry::Beats::default();
+            match registry::live_twin(&topology, &self.shared, bound).await {
+                Ok(Some(twin)) => beats.taken_by = Some(twin),
+                Err(failed) if !started => {
+                    for (shard, why) in failed {
+                        let why = format!(
+                            "{why}; another start under this instance id was not looked for \
+                             there, so this one beats nowhere yet"
+                        );
+                        let missed = missed.entry(shard.clone()).or_default();
+                        registry::missed_beat(&self.shared, missed, &shard, why, &mut beats);
+                    }
+                }
+                Ok(None) | Err(_) => {}
+            }
             if beats.taken_by.is_some() || !beats.unreached.is_empty() {
                 return (beats, asked);
             }
@@ -421,8 +429,13 @@ impl Inner {
         };
         let advertised = self.advertised(&topology);
         let silent = |shard: &str| self.silence_seen(shard);
+        let round = heartbeat_round(
+            self.gate.lapse_in_force(lapse),
+            topology.config.cleaner.heartbeat_interval,
+        );
         let beats = registry::beat(
             &topology,
+            round,
             &advertised,
             &self.shared,
             missed,
@@ -650,15 +663,17 @@ pub(crate) fn lapse(config: &Config) -> Duration {
     )
 }
 
-/// How long a heartbeat may wait for its shards: its lapse less half an interval (half an
-/// interval at least). A heartbeat waits for every current shard, and the next is sent once
-/// it is done; one that waited out a hung shard's statement timeout, longer than the lapse
-/// (a tight `heartbeat-timeout`, a Galera shard's long statement timeout), sent the next
-/// heartbeat to the other shards after the lapse, and the process lost every lease and
-/// granted nothing until the hung shard answered again.
-pub(crate) fn heartbeat_round(config: &Config) -> Duration {
-    let half = config.cleaner.heartbeat_interval / 2;
-    lapse(config).saturating_sub(half).max(half)
+/// How long a heartbeat may wait for its shards: the lapse in force (see
+/// [`Gate::lapse_in_force`]: a reload's longer one counts only once a heartbeat reached every
+/// shard) less half an interval, half an interval at least. A heartbeat waits for every
+/// current shard, and the next is sent once it is done; one that waited out a hung shard's
+/// statement timeout, longer than the lapse (a tight `heartbeat-timeout`, a Galera shard's
+/// long statement timeout), sent the next heartbeat to the other shards after the lapse, and
+/// the process lost every lease and granted nothing until the hung shard answered again.
+pub(crate) fn heartbeat_round(lapse_in_force: Duration, interval: Duration) -> Duration {
+    lapse_in_force
+        .saturating_sub(interval / 2)
+        .max(interval / 2)
 }
 
 /// How long a join (a start, a rejoin) waits for its fleet's placement record before it opens
@@ -707,13 +722,17 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
                     return;
                 }
                 // Bounded: a slow shard must not hold back the next heartbeat (sent at once
-                // if this one took its whole round: see `heartbeat_round`).
+                // if this one took its whole round, and then not tried: see
+                // `heartbeat_round`).
                 let config = inner.config();
-                let round_end = started + heartbeat_round(&config);
-                let bound = (config.cleaner.heartbeat_interval / 2)
-                    .min(round_end.saturating_duration_since(Instant::now()));
-                let record = crate::placement_record::record_if_due(&inner);
-                let _ = tokio::time::timeout(bound, record).await;
+                let interval = config.cleaner.heartbeat_interval;
+                let lapse = inner.gate.lapse_in_force(lapse(&config));
+                let round_end = started + heartbeat_round(lapse, interval);
+                let bound = (interval / 2).min(round_end.saturating_duration_since(Instant::now()));
+                if !bound.is_zero() {
+                    let record = crate::placement_record::record_if_due(&inner);
+                    let _ = tokio::time::timeout(bound, record).await;
+                }
                 if inner.gate.is_rejoining() {
                     REJOIN_RETRY
                 } else {

@@ -618,19 +618,26 @@ async fn transaction_locks_waiting_while_half_open_leave_the_probes_to_other_cal
     }
 }
 
-/// A shard that hangs holds up no heartbeat on the others. With heartbeats every second,
-/// counted dead after two, a process stops granting and gives its leases up 1.5 s after its
-/// latest heartbeat reached a shard (its lapse): sooner than the statement timeout (2 s) that
-/// a heartbeat to a hung shard waits out. A heartbeat that waited for it sent the next one to
-/// the other shards too late, and the process lost every lease on every shard and granted
-/// nothing until the hung shard answered again.
+/// A shard that hangs holds up no heartbeat on the others. With heartbeats every 2 s, counted
+/// dead after 4 s, a process stops granting and gives its leases up 3 s after its latest
+/// heartbeat reached a shard (its lapse): sooner than the statement timeout (5 s) that a
+/// heartbeat to a hung shard waits out. A heartbeat that waited for it sent the next one to the
+/// other shards too late, and the process lost every lease on every shard and granted nothing
+/// until the hung shard answered again.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hung_shard_holds_up_no_heartbeat_on_the_others() {
-    let (cluster, router, _) = common::start(
-        3,
-        "cleaner:\n  heartbeat-interval: 1s\n  heartbeat-timeout: 2s\n",
-    )
-    .await;
+    let cluster = shardlock_testkit::Cluster::start(3).await.unwrap();
+    let mut yaml = String::from("shards:\n");
+    for s in cluster.shards() {
+        yaml.push_str(&format!(
+            "  - name: {}\n    url: {}\n    statement-timeout: 5s\n",
+            s.name(),
+            s.url()
+        ));
+    }
+    yaml.push_str("cleaner:\n  heartbeat-interval: 2s\n  heartbeat-timeout: 4s\n");
+    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    router.migrate().await.unwrap();
     let key = common::key_on(&router, "held", "s1");
     let opts = AcquireOptions::new().ttl(Duration::from_secs(60));
     let held = router.acquire(&key, opts.clone()).await.unwrap();
