@@ -10,20 +10,6 @@ use std::time::Duration;
 use shardlock::{AcquireOptions, LockGuard, LockMode, LockRouter};
 use shardlock_testkit::{Cluster, Competitor};
 
-/// `key`'s row (made by a grant and its release) locked by another transaction.
-async fn locked_row(
-    router: &LockRouter,
-    shard: &shardlock_testkit::Shard,
-    key: &str,
-) -> Competitor {
-    let once = router.acquire(key, AcquireOptions::new()).await.unwrap();
-    let mut competitor = Competitor::begin(shard, false).await.unwrap();
-    let row = competitor.key_of(once.owner()).await.unwrap().unwrap();
-    once.release().await.unwrap();
-    competitor.lock(&row).await.unwrap();
-    competitor
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiter_behind_another_transactions_row_lock_keeps_waiting() {
     // The default statement timeout (2 s) leaves the server a lock wait of 1 s. A breaker
@@ -35,7 +21,7 @@ async fn a_waiter_behind_another_transactions_row_lock_keeps_waiting() {
     )
     .await;
     let shard = cluster.shard(0);
-    let competitor = locked_row(&router, shard, "k").await;
+    let competitor = common::locked_row(&router, shard, "k").await;
 
     let sent = router.stats().acquire_statements;
     let waiter = {
@@ -326,11 +312,7 @@ async fn an_acquire_slowed_by_a_row_lock_counts_against_no_shard() {
         cluster.shard(0).url()
     );
     let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
-    let held = router.acquire("busy", AcquireOptions::new()).await.unwrap();
-    let mut competitor = Competitor::begin(cluster.shard(0), false).await.unwrap();
-    let key = competitor.key_of(held.owner()).await.unwrap().unwrap();
-    held.release().await.unwrap();
-    competitor.lock(&key).await.unwrap();
+    let competitor = common::locked_row(&router, cluster.shard(0), "busy").await;
     let acquiring = tokio::spawn({
         let router = router.clone();
         let opts = AcquireOptions::new().wait(Duration::from_secs(30));
@@ -522,7 +504,7 @@ async fn a_key_whose_row_stays_locked_holds_up_no_batch_of_other_keys() {
         LockRouter::from_yaml_str(&yaml).await.unwrap()
     };
     let shard = cluster.shard(0);
-    let competitor = locked_row(&router, shard, "locked").await;
+    let competitor = common::locked_row(&router, shard, "locked").await;
 
     let sent = router.stats().acquire_statements;
     let waiter = {

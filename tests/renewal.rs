@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use shardlock::mysql_async::prelude::Queryable;
 use shardlock::{AcquireOptions, BreakerState, LockRouter};
-use shardlock_testkit::{Cluster, Competitor, Proxy, ProxyMode};
+use shardlock_testkit::{Cluster, Proxy, ProxyMode};
 
 const LEASES: usize = 1000;
 /// Renewed every second: a second's stall of a busy machine loses no lease.
@@ -262,11 +262,7 @@ async fn a_lease_granted_late_in_its_ttl_is_renewed_before_its_end() {
     let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
     let ttl = Duration::from_secs(8);
     let opts = AcquireOptions::new().ttl(ttl).wait(Duration::from_secs(30));
-    let once = router.acquire("late", opts.clone()).await.unwrap();
-    let mut competitor = Competitor::begin(cluster.shard(0), false).await.unwrap();
-    let row = competitor.key_of(once.owner()).await.unwrap().unwrap();
-    once.release().await.unwrap();
-    competitor.lock(&row).await.unwrap();
+    let competitor = common::locked_row(&router, cluster.shard(0), "late").await;
     let acquiring = tokio::spawn({
         let router = router.clone();
         async move { router.acquire("late", opts).await }

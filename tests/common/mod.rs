@@ -412,3 +412,20 @@ pub fn s1_through(proxy: &shardlock_testkit::Proxy) -> String {
         proxy.url()
     )
 }
+
+/// `key`'s row (made by a grant and its release) locked by another transaction.
+#[allow(dead_code)]
+pub async fn locked_row(
+    router: &LockRouter,
+    shard: &Shard,
+    key: &str,
+) -> shardlock_testkit::Competitor {
+    let once = router.acquire(key, AcquireOptions::new()).await.unwrap();
+    let mut competitor = shardlock_testkit::Competitor::begin(shard, false)
+        .await
+        .unwrap();
+    let row = competitor.key_of(once.owner()).await.unwrap().unwrap();
+    once.release().await.unwrap();
+    competitor.lock(&row).await.unwrap();
+    competitor
+}
