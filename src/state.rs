@@ -387,23 +387,18 @@ impl Inner {
         // While it joins (its start, or after a lapse), another start live under its id is
         // looked for first, by a read: this heartbeat would take the id's rows where that one
         // is silent (cut off from those shards), and it would stop for good if its link came
-        // back before this router gave them up. A router that could not read a shard does
-        // not beat: that start may beat there alone (a start cut off from one shard, taking
-        // the id on another where the live process is cut off, would stop that process for
-        // good, and be refused itself once it reached the first; so would a process resumed
-        // after another start took its id over). (A router that ran reads within a
-        // heartbeat's round, as its heartbeat would wait: see `heartbeat_round`.)
+        // back before this router gave them up. (A router that ran reads within half an
+        // interval: a shard that hangs must not keep its rows on the others unbeaten.) A start
+        // that could not read a shard does not beat: that start may beat there alone (a start
+        // cut off from one shard, taking the id on another where the live process is cut off,
+        // would stop that process for good, and be refused itself once it reached the first).
         let started = self.gate.ever_beaten();
         if !started || self.gate.is_rejoining() {
-            let round = heartbeat_round(
-                self.gate.lapse_in_force(lapse),
-                topology.config.cleaner.heartbeat_interval,
-            );
-            let bound = started.then_some(round);
+            let bound = started.then(|| topology.config.cleaner.heartbeat_interval / 2);
             let mut beats = registry::Beats::default();
             match registry::live_twin(&topology, &self.shared, bound).await {
                 Ok(Some(twin)) => beats.taken_by = Some(twin),
-                Err(failed) => {
+                Err(failed) if !started => {
                     for (shard, why) in failed {
                         let why = format!(
                             "{why}; another start under this instance id was not looked for \
@@ -413,7 +408,7 @@ impl Inner {
                         registry::missed_beat(&self.shared, missed, &shard, why, &mut beats);
                     }
                 }
-                Ok(None) => {}
+                Ok(None) | Err(_) => {}
             }
             if beats.taken_by.is_some() || !beats.unreached.is_empty() {
                 return (beats, asked);
