@@ -336,12 +336,11 @@ impl ShardState {
         // Leases whose rows another transaction holds locked: tried again, apart, soon (alone,
         // until the next full tick).
         let mut blocked: u64 = 0;
-        for (end, chunk, apart) in chunks {
+        for (earliest, chunk, apart) in chunks {
             // Bounded by the soonest local deadline of the chunk (deadlines only move later
             // meanwhile): a renewal that answers after a lease ended is worthless. Past it, the
             // next tick reports that end at once (and the chunks after it, ending later, are
             // still sent now).
-            let earliest = end;
             let sent = Moment::now();
             if earliest <= sent {
                 cut_short = true;
