@@ -69,7 +69,7 @@ pub struct ShardCleaned {
     /// first error is in `error`; the pass went on through the shard, without asking a
     /// registry that did not answer in time again).
     pub unjudged: u64,
-    /// Batches (one scan and up to two deletes each).
+    /// Batches: scans of at most `cleaner.batch-size` rows, and up to two deletes each.
     pub batches: u64,
     /// Registry rows of instances silent longer than `cleaner.instance-retention`, deleted.
     pub instances_forgotten: u64,
@@ -587,15 +587,17 @@ async fn clean_batches(
                 key_label: CLEANER_LOCK_KEY.into(),
             });
         }
-        let rows = shard
+        // At most a batch of rows examined per statement, whatever they hold (see
+        // `Shard::cleanup_candidates`).
+        let scanned = shard
             .call(|b| b.cleanup_candidates(&after, grace, FENCE_MARGIN, batch))
             .await
             .map_err(backend)?;
-        let Some(last) = rows.last() else {
+        if scanned.examined == 0 {
             return Ok(());
-        };
-        after = last.key.clone();
+        }
         out.batches += 1;
+        let rows = scanned.candidates;
         // The shard's fence floor first: a deleted row's fence must bound the key's next
         // grant even if the shard's clock steps back. (A row granted again since the scan
         // is not deleted; the floor is then merely higher than needed.) Only when it is not
@@ -614,12 +616,14 @@ async fn clean_batches(
         }
         let (released, ended): (Vec<_>, Vec<_>) = rows.iter().partition(|r| r.owner.is_none());
         let released: Vec<Vec<u8>> = released.into_iter().map(|r| r.key.clone()).collect();
-        let deleted = shard
-            .call(|b| b.delete_ended(&released, None, grace, FENCE_MARGIN, highest))
-            .await
-            .map_err(backend)?;
-        out.released += deleted.rows;
-        out.in_use += deleted.in_use;
+        if !released.is_empty() {
+            let deleted = shard
+                .call(|b| b.delete_ended(&released, None, grace, FENCE_MARGIN, highest))
+                .await
+                .map_err(backend)?;
+            out.released += deleted.rows;
+            out.in_use += deleted.in_use;
+        }
         // Released by their holders, kept only until a minimum hold ended: no registry to
         // ask (their holders may live on, and kept such rows for as long as they did).
         let (kept, ended): (Vec<_>, Vec<_>) = ended.into_iter().partition(|r| r.kept);
@@ -664,9 +668,10 @@ async fn clean_batches(
             out.abandoned += deleted.rows;
             out.in_use += deleted.in_use;
         }
-        if rows.len() < batch as usize {
+        let Some(next) = scanned.next else {
             return Ok(());
-        }
+        };
+        after = next;
         tokio::time::sleep(config.batch_pause).await;
     }
 }

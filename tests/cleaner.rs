@@ -562,7 +562,6 @@ async fn two_cleaners_never_both_delete() {
     let _ = cluster;
 }
 
-/// Rows planted for the batch test.
 /// A pass raises the shard's fence floor only for a batch whose highest fence is above the
 /// floor it raised already. A raise waits for an exclusive lock on the floor's row, which every
 /// acquire reads under a shared lock for its whole statement, a wait for its own row included:
@@ -607,6 +606,70 @@ async fn a_pass_raises_the_fence_floor_only_above_what_it_raised_it_to() {
     );
 }
 
+/// A long run of rows the cleaner may not remove (live leases) before rows it may: each of its
+/// scans examines at most a batch of rows, whatever they hold. Filtered in the same statement,
+/// the run was read whole before the first row that qualified, past the statement timeout on a
+/// big enough shard, and every pass stopped at the same key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pass_examines_at_most_a_batch_of_rows_per_scan() {
+    let extra = "cleaner:\n  registry: static\n  batch-size: 50\n  batch-pause: 1ms\n  grace: 1s\n";
+    let (cluster, _router, yaml) = common::start(1, extra).await;
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    // 5,000 live leases, then 120 released rows, in key order.
+    c.query_drop(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         SELECT CONCAT('live:', LPAD(seq, 4, '0')), CONCAT('elsewhere:n:', seq), seq, 3600000, \
+         NOW(3) + INTERVAL 1 HOUR, NOW(3) FROM seq_1_to_5000",
+    )
+    .await
+    .unwrap();
+    c.query_drop(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         SELECT CONCAT('released:', LPAD(seq, 3, '0')), NULL, seq, 1000, \
+         NOW(3) - INTERVAL 1 HOUR, NOW(3) - INTERVAL 1 HOUR FROM seq_1_to_120",
+    )
+    .await
+    .unwrap();
+    // Every statement of sessions opened from now on, with the rows it examined, in a table.
+    for set in [
+        "SET GLOBAL log_output = 'TABLE'",
+        "SET GLOBAL long_query_time = 0",
+        "SET GLOBAL slow_query_log = 1",
+    ] {
+        c.query_drop(set).await.unwrap();
+    }
+    let cleaner = router(&yaml).await;
+    common::clean_pass(&cleaner).await;
+    c.query_drop("SET GLOBAL slow_query_log = 0").await.unwrap();
+    let left: Option<u64> = c
+        .query_first("SELECT COUNT(*) FROM shardlock_lease WHERE lock_key LIKE 'released:%'")
+        .await
+        .unwrap();
+    assert_eq!(
+        left,
+        Some(0),
+        "the pass left released rows behind live ones"
+    );
+    let (scans, most): (u64, Option<u64>) = c
+        .query_first(
+            "SELECT COUNT(*), MAX(rows_examined) FROM mysql.slow_log \
+             WHERE sql_text LIKE 'SELECT lock_key, owner, fence, %'",
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    // The window's rows are read again by the statement's own steps (the window functions):
+    // a few times 50, far below the 5,000 of the run.
+    let most = most.expect("no scan was logged");
+    assert!(
+        most <= 10 * 50,
+        "a scan examined {most} rows, with a batch size of 50"
+    );
+    // 5,120 rows in windows of 50, the last one short (the end).
+    assert_eq!(scans, 5120_u64.div_ceil(50), "scans of the pass");
+}
+
+/// Rows planted for the batch test.
 const GARBAGE: u64 = 1_000_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -585,11 +585,15 @@ mod tests {
         )
         .await
         .unwrap();
-        let candidates = shard
+        let scanned = shard
             .cleanup_candidates(b"", Duration::ZERO, Duration::ZERO, 100)
             .await
             .unwrap();
-        let cleaned = candidates.iter().find(|c| c.key == b"cleaned").unwrap();
+        let cleaned = scanned
+            .candidates
+            .iter()
+            .find(|c| c.key == b"cleaned")
+            .unwrap();
         assert_eq!(cleaned.owner, None, "read as a released row");
         let deleted = shard
             .delete_ended(

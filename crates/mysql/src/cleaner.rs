@@ -99,17 +99,27 @@ const INSTANCES: &str = "SELECT instance_id, host, pid, \
      deregistered_at IS NOT NULL, topology, moving <> 0, fleet, heartbeat_timeout_ms, servers, \
      nonce FROM shardlock_instance ORDER BY instance_id";
 
-/// Rows the cleaner may remove, after `?` in key order, at most `?` of them: their lease ended
-/// longer than the grace (`?` µs) ago — released rows, or leases that were never released —
-/// and the shard clock has passed their fence by the margin (`?` µs), so that the next grant
-/// of the key, whose fence is floored at the clock, is still above every fence of the row.
-/// A consistent read: it locks nothing.
+/// The rows after `?` in key order, at most `?` of them, each told whether the cleaner may
+/// remove it: its lease ended longer than the grace (`?` µs) ago — a released row, or a lease
+/// that was never released — and the shard clock has passed its fence by the margin (`?` µs),
+/// so that the next grant of the key, whose fence is floored at the clock, is still above
+/// every fence of the row. Only those rows come back, and the window's last, with how many
+/// rows it held, so that the scan goes on after it.
+///
+/// The window bounds the rows one statement examines: filtered in the same statement, a long
+/// run of rows that do not qualify (live leases, rows within their grace) was read whole
+/// before the first that did, past the statement timeout on a big enough shard, and every
+/// pass stopped at the same key. A consistent read: it locks nothing.
 const CANDIDATES: &str = concat!(
-    "SELECT lock_key, owner, fence, ttl_ms = 0 FROM shardlock_lease ",
-    "WHERE lock_key > ? AND expires_at < NOW(3) - INTERVAL ? MICROSECOND ",
-    "AND fence < ",
+    "SELECT lock_key, owner, fence, kept, qualifies, examined FROM (",
+    "SELECT lock_key, owner, fence, ttl_ms = 0 AS kept, ",
+    "expires_at < NOW(3) - INTERVAL ? MICROSECOND AND fence < ",
     now_us!(),
-    " - ? ORDER BY lock_key LIMIT ?"
+    " - ? AS qualifies, ",
+    "LEAD(lock_key) OVER (ORDER BY lock_key) IS NULL AS last, COUNT(*) OVER () AS examined ",
+    "FROM (SELECT lock_key, owner, fence, ttl_ms, expires_at FROM shardlock_lease ",
+    "WHERE lock_key > ? ORDER BY lock_key LIMIT ?) AS scanned) AS judged ",
+    "WHERE qualifies OR last ORDER BY lock_key"
 );
 
 /// The delete re-checks every condition of [`CANDIDATES`] on the row it deletes, so a key
@@ -129,6 +139,18 @@ const FORCE_RELEASE: &str = concat!(
     now_us!(),
     ")) WHERE lock_key = ? AND owner = ?"
 );
+
+/// One window of the cleaner's scan.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scanned {
+    /// The rows of the window the cleaner may remove, in key order.
+    pub candidates: Vec<Candidate>,
+    /// Rows the window examined: at most the limit asked for.
+    pub examined: u64,
+    /// The window's last key when it was full: the scan goes on after it. `None` once the
+    /// window reached the end of the table.
+    pub next: Option<Vec<u8>>,
+}
 
 /// A row the cleaner may remove.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -455,8 +477,9 @@ pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<Instan
         .collect())
 }
 
-/// A row of [`CANDIDATES`]: key, owner, fence, whether it was kept past its release.
-type CandidateRow = (Vec<u8>, Option<Vec<u8>>, u64, bool);
+/// A row of [`CANDIDATES`]: key, owner, fence, whether it was kept past its release, whether
+/// it qualifies, and the rows its window examined.
+type CandidateRow = (Vec<u8>, Option<Vec<u8>>, u64, bool, bool, u64);
 
 pub(crate) async fn candidates(
     conn: &mut Conn,
@@ -464,19 +487,29 @@ pub(crate) async fn candidates(
     grace_us: u64,
     margin_us: u64,
     limit: u32,
-) -> mysql_async::Result<Vec<Candidate>> {
+) -> mysql_async::Result<Scanned> {
     let rows: Vec<CandidateRow> = conn
-        .exec(CANDIDATES, (after, grace_us, margin_us, limit))
+        .exec(CANDIDATES, (grace_us, margin_us, after, limit))
         .await?;
-    Ok(rows
+    let Some((last, .., examined)) = rows.last() else {
+        return Ok(Scanned::default());
+    };
+    let (examined, next) = (*examined, last.clone());
+    let candidates = rows
         .into_iter()
-        .map(|(key, owner, fence, kept)| Candidate {
+        .filter(|&(.., qualifies, _)| qualifies)
+        .map(|(key, owner, fence, kept, ..)| Candidate {
             key,
             owner: holding_owner(owner).map(|o| String::from_utf8_lossy(&o).into_owned()),
             fence,
             kept,
         })
-        .collect())
+        .collect();
+    Ok(Scanned {
+        candidates,
+        examined,
+        next: (examined >= u64::from(limit)).then_some(next),
+    })
 }
 
 /// What one delete of the cleaner did.

@@ -21,7 +21,7 @@ mod tls;
 
 pub use batch::{BatchGrants, MAX_BATCH};
 pub use carry::{CasRow, CopyCas, MovingJob, PendingJob};
-pub use cleaner::{Beat, Candidate, Deleted, Heartbeat, InstanceRow, InstanceVerdict};
+pub use cleaner::{Beat, Candidate, Deleted, Heartbeat, InstanceRow, InstanceVerdict, Scanned};
 pub use error::classify;
 pub use lease::{
     renew_chunks, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ListFilter,

@@ -15,7 +15,7 @@ use tracing::Instrument;
 
 use crate::batch::{self, BatchGrants};
 use crate::carry::{self, CasRow, CopyCas, MovingJob, PendingJob};
-use crate::cleaner::{self, Beat, Candidate, Deleted, Heartbeat, InstanceRow};
+use crate::cleaner::{self, Beat, Deleted, Heartbeat, InstanceRow, Scanned};
 use crate::error::{classify, classify_pool};
 use crate::lease::{
     self, Attempt, FenceRow, GrantRequest, HandoffOutcome, LeaseRow, ReleaseAnswer, Released,
@@ -1237,15 +1237,16 @@ impl Shard {
             .await
     }
 
-    /// Up to `limit` rows after `after` (key order) that the cleaner may remove: ended longer
-    /// than `grace` ago, fence passed by the shard clock by `margin`.
+    /// The rows the cleaner may remove among the `limit` rows after `after` (key order): ended
+    /// longer than `grace` ago, fence passed by the shard clock by `margin`. At most `limit`
+    /// rows are examined, whatever they are (see [`Scanned::next`]).
     pub async fn cleanup_candidates(
         &self,
         after: &[u8],
         grace: Duration,
         margin: Duration,
         limit: u32,
-    ) -> Result<Vec<Candidate>, BackendError> {
+    ) -> Result<Scanned, BackendError> {
         let (grace_us, margin_us) = (grace.as_micros() as u64, margin.as_micros() as u64);
         self.run(
             "cleanup_candidates",
