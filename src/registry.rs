@@ -441,6 +441,17 @@ pub(crate) async fn laggards(
     })
 }
 
+/// How one heartbeat on every shard goes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Round {
+    /// Each shard's heartbeat, and the read that follows it, take no longer than this (see
+    /// `heartbeat_round`).
+    pub(crate) within: std::time::Duration,
+    /// Whether it may take rows that are not this start's (see [`Beat::take`]); else it beats
+    /// only where the row is still its own.
+    pub(crate) take: bool,
+}
+
 /// Heartbeats missed in a row on one shard before a warning.
 const HEARTBEATS_MISSED_BEFORE_WARNING: u32 = 3;
 
@@ -474,11 +485,10 @@ impl Beats {
 /// hold back the proof that the others were reached; `silent`, before it, with the shard's
 /// name, if this process's row there had gone unbeaten for longer than it can have known (see
 /// `ShardState::went_silent`). `fingerprint` is the topology it advertises, with its servers
-/// (see `Inner::advertised`). Each shard's heartbeat, and the read that follows it, take no
-/// longer than `round` (see `heartbeat_round`).
+/// (see `Inner::advertised`). `round` bounds it, and says whether it takes rows.
 pub(crate) async fn beat(
     topology: &Topology,
-    round: std::time::Duration,
+    round: Round,
     (fingerprint, servers): &(String, Option<String>),
     shared: &Shared,
     missed: &mut std::collections::HashMap<String, u32>,
@@ -489,8 +499,15 @@ pub(crate) async fn beat(
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
         return beats;
     }
+    let Round {
+        within: round,
+        take,
+    } = round;
     let host = host_name();
-    let beat = this_beat(topology, fingerprint, servers.as_deref(), shared, &host);
+    let beat = Beat {
+        take,
+        ..this_beat(topology, fingerprint, servers.as_deref(), shared, &host)
+    };
     // Also on the shards of earlier placements still in force, best effort: a shard left in
     // this reload then keeps a row of the topology moved to (see `live_fleet`). Their
     // failures are not this process's: only the current shards must know of it.
@@ -501,9 +518,9 @@ pub(crate) async fn beat(
             !(topology.current.shards.iter()).any(|c| Arc::ptr_eq(c, s) || c.same_database(s))
         })
         .collect();
-    // Bounded by half an interval: a shard being left is often one being retired, and a dead
-    // one must not hold back the heartbeat on the current shards.
-    let bound = topology.config.cleaner.heartbeat_interval / 2;
+    // Bounded by half an interval, and the round: a shard being left is often one being
+    // retired, and a dead one must not hold back the heartbeat on the current shards.
+    let bound = (topology.config.cleaner.heartbeat_interval / 2).min(round);
     let left = join_all(left.iter().map(|s| async move {
         match tokio::time::timeout(bound, s.call(|b| b.heartbeat(beat))).await {
             Ok(Ok(Heartbeat::TakenBy { host, pid })) => {
@@ -584,6 +601,12 @@ pub(crate) async fn beat(
                 beats.unreached.push(format!(
                     "shard {shard} (its registry row {found}, and was left silent for it to see)"
                 ));
+            }
+            Ok(Heartbeat::Withheld) => {
+                let why = "its registry row of this instance id is another start's, counted \
+                           dead, and is not taken while a shard could not be read for a live \
+                           start of the id";
+                missed_beat(shared, missed, &shard, why.to_owned(), &mut beats);
             }
             Ok(outcome) => {
                 *missed = 0;
@@ -695,6 +718,7 @@ fn this_beat<'a>(
         timeout: topology.config.cleaner.heartbeat_timeout,
         // Judged by the callers, on current shards only.
         judge_silence: None,
+        take: true,
     }
 }
 
@@ -748,7 +772,8 @@ pub(crate) async fn beat_before_leaving(
     match outcome {
         Heartbeat::Beaten {
             kept_silent: true, ..
-        } => Err(BackendError::new(
+        }
+        | Heartbeat::Withheld => Err(BackendError::new(
             BackendErrorKind::Other,
             None,
             "this process's registry row there had gone unbeaten for longer than its lapse, \

@@ -392,9 +392,17 @@ impl Inner {
         // that could not read a shard does not beat: that start may beat there alone (a start
         // cut off from one shard, taking the id on another where the live process is cut off,
         // would stop that process for good, and be refused itself once it reached the first).
+        //
+        // A router joining again after a lapse that could not read a shard beats where it
+        // can, its own rows only (see `Beat::take`): they keep a key's move in force while a
+        // transaction lock's `COMMIT` may still land (see `reload_under`), and beating nowhere
+        // let them lapse; a row another start took over while this one counted as dead stays
+        // that start's, which may beat on the shard not read, cut off from this one.
         let started = self.gate.ever_beaten();
+        let mut take = true;
         if !started || self.gate.is_rejoining() {
-            let bound = started.then(|| topology.config.cleaner.heartbeat_interval / 2);
+            let in_force = self.gate.lapse_in_force(lapse);
+            let bound = started.then(|| heartbeat_cadence(&topology.config, in_force) / 2);
             let mut beats = registry::Beats::default();
             match registry::live_twin(&topology, &self.shared, bound).await {
                 Ok(Some(twin)) => beats.taken_by = Some(twin),
@@ -408,7 +416,8 @@ impl Inner {
                         registry::missed_beat(&self.shared, missed, &shard, why, &mut beats);
                     }
                 }
-                Ok(None) | Err(_) => {}
+                Err(_) => take = false,
+                Ok(None) => {}
             }
             if beats.taken_by.is_some() || !beats.unreached.is_empty() {
                 return (beats, asked);
@@ -429,10 +438,11 @@ impl Inner {
         };
         let advertised = self.advertised(&topology);
         let silent = |shard: &str| self.silence_seen(shard);
-        let round = heartbeat_round(
-            self.gate.lapse_in_force(lapse),
-            topology.config.cleaner.heartbeat_interval,
-        );
+        let in_force = self.gate.lapse_in_force(lapse);
+        let round = registry::Round {
+            within: heartbeat_round(in_force, heartbeat_cadence(&topology.config, in_force)),
+            take,
+        };
         let beats = registry::beat(
             &topology,
             round,
@@ -676,6 +686,19 @@ pub(crate) fn heartbeat_round(lapse_in_force: Duration, interval: Duration) -> D
         .max(interval / 2)
 }
 
+/// How often heartbeats are sent under `config`: its `heartbeat-interval`, or half the lapse in
+/// force if that is shorter than `config`'s own (see [`Gate::lapse_in_force`]: a reload
+/// lengthened it, and a heartbeat of it has not reached every shard yet). While one shard hung,
+/// a reload that raised the interval above the lapse still in force made the process lapse at
+/// every heartbeat, losing every lease on every shard.
+pub(crate) fn heartbeat_cadence(config: &Config, lapse_in_force: Duration) -> Duration {
+    let interval = config.cleaner.heartbeat_interval;
+    match lapse_in_force < lapse(config) {
+        true => interval.min(lapse_in_force / 2),
+        false => interval,
+    }
+}
+
 /// How long a join (a start, a rejoin) waits for its fleet's placement record before it opens
 /// the gate: half its lapse at most, for it beat just before (see
 /// [`crate::placement_record::ahead_bound`]).
@@ -725,18 +748,17 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
                 // if this one took its whole round, and then not tried: see
                 // `heartbeat_round`).
                 let config = inner.config();
-                let interval = config.cleaner.heartbeat_interval;
                 let lapse = inner.gate.lapse_in_force(lapse(&config));
+                let interval = heartbeat_cadence(&config, lapse);
                 let round_end = started + heartbeat_round(lapse, interval);
                 let bound = (interval / 2).min(round_end.saturating_duration_since(Instant::now()));
                 if !bound.is_zero() {
                     let record = crate::placement_record::record_if_due(&inner);
                     let _ = tokio::time::timeout(bound, record).await;
                 }
-                if inner.gate.is_rejoining() {
-                    REJOIN_RETRY
-                } else {
-                    inner.config().cleaner.heartbeat_interval
+                match inner.gate.is_rejoining() {
+                    true => REJOIN_RETRY,
+                    false => interval,
                 }
             };
             tokio::select! {

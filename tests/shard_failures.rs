@@ -627,16 +627,9 @@ async fn transaction_locks_waiting_while_half_open_leave_the_probes_to_other_cal
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hung_shard_holds_up_no_heartbeat_on_the_others() {
     let cluster = shardlock_testkit::Cluster::start(3).await.unwrap();
-    let mut yaml = String::from("shards:\n");
-    for s in cluster.shards() {
-        yaml.push_str(&format!(
-            "  - name: {}\n    url: {}\n    statement-timeout: 5s\n",
-            s.name(),
-            s.url()
-        ));
-    }
-    yaml.push_str("cleaner:\n  heartbeat-interval: 2s\n  heartbeat-timeout: 4s\n");
-    let router = LockRouter::from_yaml_str(&yaml).await.unwrap();
+    let router = LockRouter::from_yaml_str(&tight_heartbeat(&cluster, "2s", "4s"))
+        .await
+        .unwrap();
     router.migrate().await.unwrap();
     let key = common::key_on(&router, "held", "s1");
     let opts = AcquireOptions::new().ttl(Duration::from_secs(60));
@@ -667,5 +660,65 @@ async fn a_hung_shard_holds_up_no_heartbeat_on_the_others() {
     );
     let granted = granted.expect("no grant on a healthy shard while another shard hung");
     granted.release().await.unwrap();
+    held.release().await.unwrap();
+}
+
+/// The shards of `cluster`, with a statement timeout (5 s) longer than the lapse of heartbeats
+/// every `interval`, dead after `timeout`.
+fn tight_heartbeat(cluster: &shardlock_testkit::Cluster, interval: &str, timeout: &str) -> String {
+    let mut yaml = String::from("shards:\n");
+    for s in cluster.shards() {
+        yaml.push_str(&format!(
+            "  - name: {}\n    url: {}\n    statement-timeout: 5s\n",
+            s.name(),
+            s.url()
+        ));
+    }
+    yaml.push_str(&format!(
+        "cleaner:\n  heartbeat-interval: {interval}\n  heartbeat-timeout: {timeout}\n"
+    ));
+    yaml
+}
+
+/// A reload that lengthens the heartbeat's interval and timeout while a shard hangs: the hung
+/// shard's registry row still says the old timeout, so the old lapse (2.96 s) stays in force
+/// until a heartbeat reaches it. Sent at the new interval (8 s), every heartbeat came after
+/// that lapse: the process lapsed at each one, and lost every lease on every shard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_slows_the_heartbeat_while_a_shard_hangs_lapses_nothing() {
+    let cluster = shardlock_testkit::Cluster::start(3).await.unwrap();
+    let router = LockRouter::from_yaml_str(&tight_heartbeat(&cluster, "2s", "4s"))
+        .await
+        .unwrap();
+    router.migrate().await.unwrap();
+    let opts = AcquireOptions::new().ttl(Duration::from_secs(60));
+    let held = router
+        .acquire(&common::key_on(&router, "held", "s1"), opts.clone())
+        .await
+        .unwrap();
+    let failures = router.stats().heartbeat_failures;
+    cluster.shard(2).pause().unwrap();
+    let seen = common::eventually(Duration::from_secs(60), || async {
+        router.stats().heartbeat_failures > failures
+    })
+    .await;
+    let slower = shardlock::Config::from_yaml_str(&tight_heartbeat(&cluster, "8s", "30s")).unwrap();
+    let reloaded = router.reload(slower).await;
+    // Three heartbeats to the hung shard failed since: three of the new intervals, or more.
+    let failures = router.stats().heartbeat_failures;
+    let missed = common::eventually(Duration::from_secs(90), || async {
+        router.stats().heartbeat_failures >= failures + 3
+    })
+    .await;
+    let (lapses, still_held) = (router.stats().heartbeat_lapses, held.is_held());
+    cluster.shard(2).resume().unwrap();
+    assert!(seen, "the first heartbeat to the hung shard never failed");
+    reloaded.unwrap();
+    assert!(missed, "the heartbeats to the hung shard never failed");
+    assert_eq!(
+        lapses, 0,
+        "a reload that slowed the heartbeat while a shard hung made the process lapse"
+    );
+    assert!(still_held, "a lease on a healthy shard was lost");
     held.release().await.unwrap();
 }

@@ -184,20 +184,7 @@ async fn cut_off_twin() -> CutOff {
     // Refused at once there (a hanging shard would slow its heartbeats on s1 too).
     cut.set(ProxyMode::Reset);
     let worker = u32::try_from(live.pid()).unwrap();
-    // (Again if a heartbeat on its way as the link was cut landed after the update.)
-    let silent = common::eventually(Duration::from_secs(60), || async {
-        (s2.connect().await.unwrap())
-            .exec_drop(
-                "UPDATE shardlock_instance SET heartbeat_at = NOW(3) - INTERVAL 60 SECOND \
-                 WHERE instance_id = 'twin'",
-                (),
-            )
-            .await
-            .unwrap();
-        row_on_s2(&router, worker, InstanceVerdict::Dead).await
-    })
-    .await;
-    assert!(silent, "the cut-off process's row on s2 is silent");
+    silence_on_s2(&router, s2, worker, "the cut-off process's").await;
     let s1_url = s1.url();
     CutOff {
         _cluster: cluster,
@@ -209,6 +196,24 @@ async fn cut_off_twin() -> CutOff {
         live,
         worker,
     }
+}
+
+/// Makes the registry row of `twin` on s2, `pid`'s (`whose`), silent for a minute: dead to the
+/// fleet. Again if a heartbeat on its way as the link was cut landed after the update.
+async fn silence_on_s2(router: &LockRouter, s2: &shardlock_testkit::Shard, pid: u32, whose: &str) {
+    let silent = common::eventually(Duration::from_secs(60), || async {
+        (s2.connect().await.unwrap())
+            .exec_drop(
+                "UPDATE shardlock_instance SET heartbeat_at = NOW(3) - INTERVAL 60 SECOND \
+                 WHERE instance_id = 'twin'",
+                (),
+            )
+            .await
+            .unwrap();
+        row_on_s2(router, pid, InstanceVerdict::Dead).await
+    })
+    .await;
+    assert!(silent, "{whose} row on s2 is silent");
 }
 
 /// Whether the registry row of `twin` on s2 is `pid`'s, with `verdict` (after 30 s of silence).
@@ -320,6 +325,94 @@ async fn a_start_cut_off_from_where_its_id_is_live_leaves_the_id_where_its_proce
     let reached = c.link_back().await;
     c.grants_again(&reached).await;
     drop(start);
+}
+
+/// A process resumed after another start took its id over, which cannot read the shard where
+/// that start beats, takes no row of it on another shard, where that start is cut off (helper
+/// 240 F1): that start, its link back, would find its id taken over there and stop granting
+/// for good, although it took the id over from a process that counted as dead. (The resumed
+/// process still beats where its rows are its own: see the next test.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resumed_process_cut_off_from_where_its_id_lives_leaves_the_id_where_that_start_is_cut_off(
+) {
+    let (cluster, router, _) = common::start(2, BEATS).await;
+    let (s1, s2) = (cluster.shard(0), cluster.shard(1));
+    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    // The old process reaches s1 through `held`, the start that takes its id over reaches s2
+    // through `cut`.
+    let (held, cut) = (
+        Proxy::start(s1.port()).await.unwrap(),
+        Proxy::start(s2.port()).await.unwrap(),
+    );
+    let mut paused = twin_in(
+        "looping-twin",
+        &yaml.replace(&s1.url(), &held.url()),
+        "granted",
+    )
+    .await;
+    pause_until_dead(&router, &paused).await;
+    let _twin = LockRouter::from_yaml_str(&yaml.replace(&s2.url(), &cut.url()))
+        .await
+        .expect("the frozen process counts as dead: its id is free");
+    // The start is cut off from s2, its row there silent; the old process cannot reach s1.
+    cut.set(ProxyMode::Reset);
+    let this = std::process::id();
+    silence_on_s2(&router, s2, this, "the start's").await;
+    held.set(ProxyMode::Blackhole);
+    paused.resume().unwrap();
+    // It tries to join its fleet again: it says it leaves the row on s2, or it took it.
+    let looked = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let said = next_refusal(&mut paused).await;
+            let worker = u32::try_from(paused.pid()).unwrap();
+            if said.contains("is not taken while a shard could not be read")
+                || row_on_s2(&router, worker, InstanceVerdict::Running).await
+            {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(looked.is_ok(), "the resumed process never tried to join");
+    assert!(
+        row_on_s2(&router, this, InstanceVerdict::Dead).await,
+        "a resumed process that could not look for the start that took its id over took that \
+         start's row where it is cut off"
+    );
+}
+
+/// A process resumed after a lapse, which cannot read one shard for another start of its id,
+/// still beats where its rows are its own (helper 241): they are what keeps a key's move in
+/// force while one of its transaction locks' `COMMIT` may still land; beating nowhere until it
+/// could read every shard let them go silent, and the fleet could end the move.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resumed_process_that_cannot_read_a_shard_beats_its_own_rows_on_the_others() {
+    let (cluster, router, _) = common::start(2, BEATS).await;
+    let (s1, s2) = (cluster.shard(0), cluster.shard(1));
+    let yaml = cluster.config_yaml(&format!("{TWIN}{BEATS}"));
+    let held = Proxy::start(s1.port()).await.unwrap();
+    let mut paused = twin_in(
+        "looping-twin",
+        &yaml.replace(&s1.url(), &held.url()),
+        "granted",
+    )
+    .await;
+    let worker = u32::try_from(paused.pid()).unwrap();
+    pause_until_dead(&router, &paused).await;
+    silence_on_s2(&router, s2, worker, "the frozen process's").await;
+    held.set(ProxyMode::Blackhole);
+    paused.resume().unwrap();
+    let beaten = common::eventually(Duration::from_secs(60), || async {
+        row_on_s2(&router, worker, InstanceVerdict::Running).await
+    })
+    .await;
+    assert!(
+        beaten,
+        "a resumed process that could not read one shard left its own row silent on another"
+    );
+    // It has not joined: it could not look on s1.
+    let said = next_refusal(&mut paused).await;
+    assert!(said.contains("heartbeat"), "{said}");
 }
 
 /// Whether `router` comes to refuse a grant, within a minute, with an error that says `why`;

@@ -20,8 +20,9 @@ macro_rules! silent_past_timeout {
 }
 
 /// A heartbeat of the process with start nonce `?`: the row is written only while it is this
-/// process's (same nonce) or nobody's that is live (deregistered, or silent past the
-/// longer of the writer's timeout, `?` µs, and the row's own), so that another start
+/// process's (same nonce) or, if the heartbeat takes rows (`?`, see [`Beat::take`]), nobody's
+/// that is live (deregistered, or silent past the longer of the writer's timeout, `?` µs, and
+/// the row's own), so that another start
 /// under the same id, which took the row over while this process counted as dead, keeps it
 /// (see [`Heartbeat::TakenBy`]). A deregistered instance that beats again is alive again.
 /// `started_at` is reset when another start takes the row (the assignments run left to right:
@@ -50,9 +51,10 @@ const HEARTBEAT: &str = concat!(
     "heartbeat_at, NOW(3)), NOW(3) - INTERVAL ? MICROSECOND), ",
     "nonce = ?, ",
     "deregistered_at = NULL, topology = ?, moving = ?, fleet = ?, servers = ? ",
-    "WHERE instance_id = ? AND (nonce <=> ? OR deregistered_at IS NOT NULL OR heartbeat_at <= ",
+    "WHERE instance_id = ? AND (nonce <=> ? OR (? AND (deregistered_at IS NOT NULL ",
+    "OR heartbeat_at <= ",
     silent_past_timeout!(),
-    ")"
+    ")))"
 );
 
 /// The longest silence a heartbeat writes into a row it takes (see [`HEARTBEAT`]): a year.
@@ -289,6 +291,13 @@ pub struct Beat<'a> {
     /// ([`Heartbeat::Beaten`]'s `kept_silent`) and left in the row; `None` judges nothing and
     /// moves the row on whatever its silence.
     pub judge_silence: Option<std::time::Duration>,
+    /// Whether it may take the row when it is not its own start's but nobody's that is live
+    /// (another start's, deregistered or silent past its timeout), or register one where there
+    /// is none; else it only keeps its own ([`Heartbeat::Withheld`]). A process joining its
+    /// fleet again that could not look on every shard for a live start of its id takes none:
+    /// the start that took its id over while it counted as dead may be cut off from this shard
+    /// and live on the one it could not read.
+    pub take: bool,
 }
 
 /// What a heartbeat found: a row is written only while it is its own start's, or nobody's
@@ -310,6 +319,10 @@ pub enum Heartbeat {
         /// it, until a heartbeat that does not judge.
         kept_silent: bool,
     },
+    /// The row is another start's that counts as dead (deregistered, or silent past its
+    /// timeout), or there is none, and the heartbeat takes no row ([`Beat::take`]): left as
+    /// it is.
+    Withheld,
     /// Another start beats under this instance id, live: the row was left alone.
     TakenBy {
         /// Its host.
@@ -351,6 +364,7 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
         beat.servers.into(),
         beat.instance.into(),
         beat.nonce.into(),
+        beat.take.into(),
         timeout_us.into(),
     ];
     conn.exec_drop(HEARTBEAT, params).await?;
@@ -360,6 +374,16 @@ pub(crate) async fn heartbeat(conn: &mut Conn, beat: Beat<'_>) -> mysql_async::R
         return Ok(Heartbeat::Beaten {
             silent_for: own.map(|v| std::time::Duration::from_micros(v / 2)),
             kept_silent: own.map_or(found == 2, |v| v % 2 == 1),
+        });
+    }
+    if !beat.take {
+        // Not its own, and left so: whether another start beats there live is read, as a
+        // heartbeat that takes rows would have judged it.
+        return Ok(match live_start(conn, (beat.instance, timeout_us)).await? {
+            Some((nonce, host, pid)) if nonce.as_deref() != Some(beat.nonce.as_bytes()) => {
+                Heartbeat::TakenBy { host, pid }
+            }
+            _ => Heartbeat::Withheld,
         });
     }
     let params: Vec<Value> = vec![
@@ -694,6 +718,7 @@ mod tests {
             nonce,
             timeout,
             judge_silence: None,
+            take: true,
         }
     }
 
