@@ -600,19 +600,34 @@ async fn clean_batches(
         let rows = scanned.candidates;
         // The shard's fence floor first: a deleted row's fence must bound the key's next
         // grant even if the shard's clock steps back. (A row granted again since the scan
-        // is not deleted; the floor is then merely higher than needed.) Only when it is not
-        // that high already: a raise waits for an exclusive lock on the floor's row, which
+        // is not deleted; the floor is then merely higher than needed.) As seldom and as
+        // briefly as can be: a raise waits for an exclusive lock on the floor's row, which
         // every acquire of the shard reads under a shared one for its whole statement, a wait
         // for its own row included; while one raise waits behind such an acquire, every other
-        // acquire of the shard waits behind the raise, and a raise per batch repeated that
-        // stall batch after batch.
+        // acquire of the shard waits behind the raise. So it is raised to the scan's horizon,
+        // above every fence found: the rows of later batches, whose leases ended longer than
+        // the grace ago, have fences below it but for a hot key's that ran ahead of the clock,
+        // and a pass raises it once (a raise per batch repeated the stall batch after batch).
+        // And a second at most is waited for it: the rest of the shard is left to the next
+        // pass rather than every acquire held up for the server's whole lock wait.
         let highest = rows.iter().map(|r| r.fence).max().unwrap_or(0);
         if highest > floor {
-            shard
-                .call(|b| b.raise_shard_floor(highest))
+            let raise = scanned.horizon.max(highest);
+            match shard
+                .call_waiting(|b| b.raise_shard_floor_briefly(raise))
                 .await
-                .map_err(backend)?;
-            floor = highest;
+            {
+                Ok(()) => floor = raise,
+                Err(e) if e.kind == BackendErrorKind::LockWaitTimeout => {
+                    out.error = Some(format!(
+                        "the fence floor of shard {name} stayed locked for a second (an acquire \
+                         waiting behind another transaction's lock on its row holds it): the \
+                         rest of the shard is left to the next pass"
+                    ));
+                    return Ok(());
+                }
+                Err(e) => return Err(backend(e)),
+            }
         }
         let (released, ended): (Vec<_>, Vec<_>) = rows.iter().partition(|r| r.owner.is_none());
         let released: Vec<Vec<u8>> = released.into_iter().map(|r| r.key.clone()).collect();

@@ -562,20 +562,21 @@ async fn two_cleaners_never_both_delete() {
     let _ = cluster;
 }
 
-/// A pass raises the shard's fence floor only for a batch whose highest fence is above the
-/// floor it raised already. A raise waits for an exclusive lock on the floor's row, which every
-/// acquire reads under a shared lock for its whole statement, a wait for its own row included:
-/// a raise waiting behind such an acquire held up every acquire of the shard, and a pass
-/// raised the floor once per batch, so the stall came again batch after batch.
+/// A pass raises the shard's fence floor once, however many batches it deletes. A raise waits
+/// for an exclusive lock on the floor's row, which every acquire reads under a shared lock for
+/// its whole statement, a wait for its own row included: a raise waiting behind such an
+/// acquire held up every acquire of the shard, and a pass raised the floor once per batch (then
+/// once per batch whose fences were above what it had raised it to), so the stall came again
+/// batch after batch.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_pass_raises_the_fence_floor_only_above_what_it_raised_it_to() {
+async fn a_pass_raises_the_fence_floor_once() {
     let extra = "cleaner:\n  registry: static\n  batch-size: 100\n  grace: 1s\n";
     let (cluster, router, _) = common::start(1, extra).await;
     let mut c = cluster.shard(0).connect().await.unwrap();
-    // Five batches of released rows; the first holds the highest fence.
+    // Five batches of released rows, each with fences above the last's.
     c.query_drop(
         "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
-         SELECT CONCAT('garbage:', LPAD(seq, 3, '0')), NULL, 1000 - seq, 1000, \
+         SELECT CONCAT('garbage:', LPAD(seq, 3, '0')), NULL, seq, 1000, \
          NOW(3) - INTERVAL 1 HOUR, NOW(3) - INTERVAL 1 HOUR FROM seq_1_to_500",
     )
     .await
@@ -602,8 +603,62 @@ async fn a_pass_raises_the_fence_floor_only_above_what_it_raised_it_to() {
     assert_eq!(
         raises,
         Some(1),
-        "the pass raised the fence floor for batches below what it had raised it to"
+        "the pass raised the fence floor more than once"
     );
+}
+
+/// A pass waits a second at most for the shard's fence floor: a raise waits for an exclusive
+/// lock on the floor's row, which an acquire holds shared for its whole statement, its wait
+/// behind another transaction's lock on its own row included, and while the raise waited every
+/// other acquire of the shard waited behind it, for up to the server's whole lock wait (here
+/// 4 s, for a statement timeout of 5 s). Given up, the rest of the shard is left to the next
+/// pass.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pass_gives_up_on_a_fence_floor_held_by_an_acquire_behind_a_locked_row() {
+    let cluster = Cluster::start(1).await.unwrap();
+    let yaml = format!(
+        "shards:\n  - name: s1\n    url: {}\n    statement-timeout: 5s\n\
+         cleaner:\n  registry: static\n  grace: 1s\n",
+        cluster.shard(0).url()
+    );
+    let router = router(&yaml).await;
+    router.migrate().await.unwrap();
+    let mut c = cluster.shard(0).connect().await.unwrap();
+    c.query_drop(
+        "INSERT INTO shardlock_lease (lock_key, owner, fence, ttl_ms, expires_at, acquired_at) \
+         SELECT CONCAT('garbage:', seq), NULL, seq, 1000, \
+         NOW(3) - INTERVAL 1 HOUR, NOW(3) - INTERVAL 1 HOUR FROM seq_1_to_10",
+    )
+    .await
+    .unwrap();
+    let shard = cluster.shard(0);
+    let console = common::locked_row(&router, shard, "k").await;
+    let waiter = {
+        let router = router.clone();
+        let opts = AcquireOptions::new().wait(Duration::from_secs(60));
+        tokio::spawn(async move { router.acquire("k", opts).await })
+    };
+    let waiting = common::eventually(Duration::from_secs(30), || async {
+        shard.lock_waits_now().await.unwrap() > 0
+    })
+    .await;
+    assert!(waiting, "the acquire never waited behind the locked row");
+    // Held until the pass is done: the acquire waits behind it, 4 s at a time, and asks again.
+    let report = router.clean_once().await.unwrap();
+    console.end().await.unwrap();
+    let error = report.shards[0].error.clone().unwrap_or_default();
+    assert!(
+        error.contains("fence floor") && report.shards[0].released == 0,
+        "a pass waited for the fence floor behind an acquire that waited for a locked row: \
+         {report:?}"
+    );
+    let held = waiter
+        .await
+        .unwrap()
+        .expect("granted once the row was let go");
+    held.release().await.unwrap();
+    let report = router.clean_once().await.unwrap();
+    assert_eq!(report.shards[0].released, 10, "{report:?}");
 }
 
 /// A long run of rows the cleaner may not remove (live leases) before rows it may: each of its

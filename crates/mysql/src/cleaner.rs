@@ -106,14 +106,17 @@ const INSTANCES: &str = "SELECT instance_id, host, pid, \
 /// that was never released — and the shard clock has passed its fence by the margin (`?` µs),
 /// so that the next grant of the key, whose fence is floored at the clock, is still above
 /// every fence of the row. Only those rows come back, and the window's last, with how many
-/// rows it held, so that the scan goes on after it.
+/// rows it held, so that the scan goes on after it, and with the bound of the window's fences
+/// (the clock less the margin, `?` µs again: `NOW` is the statement's start throughout).
 ///
 /// The window bounds the rows one statement examines: filtered in the same statement, a long
 /// run of rows that do not qualify (live leases, rows within their grace) was read whole
 /// before the first that did, past the statement timeout on a big enough shard, and every
 /// pass stopped at the same key. A consistent read: it locks nothing.
 const CANDIDATES: &str = concat!(
-    "SELECT lock_key, owner, fence, kept, qualifies, examined FROM (",
+    "SELECT lock_key, owner, fence, kept, qualifies, examined, ",
+    now_us!(),
+    " - ? FROM (",
     "SELECT lock_key, owner, fence, ttl_ms = 0 AS kept, ",
     "expires_at < NOW(3) - INTERVAL ? MICROSECOND AND fence < ",
     now_us!(),
@@ -152,6 +155,8 @@ pub struct Scanned {
     /// The window's last key when it was full: the scan goes on after it. `None` once the
     /// window reached the end of the table.
     pub next: Option<Vec<u8>>,
+    /// Above every candidate's fence: the shard's clock at the scan, less the margin.
+    pub horizon: u64,
 }
 
 /// A row the cleaner may remove.
@@ -502,8 +507,8 @@ pub(crate) async fn instances(conn: &mut Conn) -> mysql_async::Result<Vec<Instan
 }
 
 /// A row of [`CANDIDATES`]: key, owner, fence, whether it was kept past its release, whether
-/// it qualifies, and the rows its window examined.
-type CandidateRow = (Vec<u8>, Option<Vec<u8>>, u64, bool, bool, u64);
+/// it qualifies, the rows its window examined, and the window's horizon.
+type CandidateRow = (Vec<u8>, Option<Vec<u8>>, u64, bool, bool, u64, u64);
 
 pub(crate) async fn candidates(
     conn: &mut Conn,
@@ -513,15 +518,15 @@ pub(crate) async fn candidates(
     limit: u32,
 ) -> mysql_async::Result<Scanned> {
     let rows: Vec<CandidateRow> = conn
-        .exec(CANDIDATES, (grace_us, margin_us, after, limit))
+        .exec(CANDIDATES, (margin_us, grace_us, margin_us, after, limit))
         .await?;
-    let Some((last, .., examined)) = rows.last() else {
+    let Some((last, .., examined, horizon)) = rows.last() else {
         return Ok(Scanned::default());
     };
-    let (examined, next) = (*examined, last.clone());
+    let (examined, horizon, next) = (*examined, *horizon, last.clone());
     let candidates = rows
         .into_iter()
-        .filter(|&(.., qualifies, _)| qualifies)
+        .filter(|&(.., qualifies, _, _)| qualifies)
         .map(|(key, owner, fence, kept, ..)| Candidate {
             key,
             owner: holding_owner(owner).map(|o| String::from_utf8_lossy(&o).into_owned()),
@@ -533,6 +538,7 @@ pub(crate) async fn candidates(
         candidates,
         examined,
         next: (examined >= u64::from(limit)).then_some(next),
+        horizon,
     })
 }
 

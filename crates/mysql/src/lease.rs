@@ -286,6 +286,21 @@ pub(crate) async fn raise_shard_floor(conn: &mut Conn, floor: u64) -> mysql_asyn
     conn.exec_drop(RAISE_SHARD_FLOOR, (floor, floor)).await
 }
 
+/// [`raise_shard_floor`] waiting at most a second (the server's shortest wait) for the floor's
+/// row lock; then the session's lock wait set back to `restore` seconds.
+pub(crate) async fn raise_shard_floor_briefly(
+    conn: &mut Conn,
+    floor: u64,
+    restore: u64,
+) -> mysql_async::Result<()> {
+    conn.query_drop("SET SESSION innodb_lock_wait_timeout = 1")
+        .await?;
+    let raised = conn.exec_drop(RAISE_SHARD_FLOOR, (floor, floor)).await;
+    conn.query_drop(format!("SET SESSION innodb_lock_wait_timeout = {restore}"))
+        .await?;
+    raised
+}
+
 pub(crate) async fn clock_us(conn: &mut Conn) -> mysql_async::Result<u64> {
     Ok(conn.query_first(CLOCK_US).await?.unwrap_or(0))
 }

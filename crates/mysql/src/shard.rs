@@ -1000,6 +1000,20 @@ impl Shard {
         .await
     }
 
+    /// [`Shard::raise_shard_floor`] that waits at most a second for the floor's row lock, and
+    /// is not sent again after that (`LockWaitTimeout`). Every acquire holds that lock shared
+    /// for its whole statement, a wait behind another transaction's lock on its own row
+    /// included, and while a raise waits, every other acquire of the shard waits behind it.
+    pub async fn raise_shard_floor_briefly(&self, floor: u64) -> Result<(), BackendError> {
+        let restore = lock_wait_timeout_secs(self.statement_timeout);
+        self.run_row(
+            "raise_shard_floor_briefly",
+            (floor, restore),
+            |c, &(floor, restore)| Box::pin(lease::raise_shard_floor_briefly(c, floor, restore)),
+        )
+        .await
+    }
+
     /// The live leases among `keys` (at most [`crate::FLOOR_BATCH`]): `(key, owner)`.
     pub async fn live_owners(
         &self,
