@@ -305,7 +305,7 @@ impl LockRouter {
         // Boxed: polling the shard is the large part of an acquire's future, and a caller
         // handed the lease in memory never gets there, yet every acquire's future would be
         // that large, and copied whole each time it moves (a tenth of an in-memory hand-off).
-        Box::pin(self.poll(key, want, turn, deadline, &ns, progress)).await
+        Box::pin(self.poll(key, want, turn, deadline, (name, &ns), progress)).await
     }
 
     /// Phase 1: the key's queue in this process. The first comes out with the key's turn (it
@@ -359,7 +359,7 @@ impl LockRouter {
         want: Want,
         mut turn: Turn,
         deadline: Instant,
-        ns: &NamespaceConfig,
+        (name, ns): (&str, &NamespaceConfig),
         progress: &mut Progress,
     ) -> Result<Option<LockGuard>> {
         let mut backoff = Backoff::new(ns.backoff_base, ns.backoff_cap);
@@ -445,7 +445,14 @@ impl LockRouter {
                     Ok(tried) => tried,
                     // A moved key, or a failure that is not the shard's: nothing to fall back on.
                     Err(e) if !previous.is_empty() || !e.is_unavailable() => return Err(e),
-                    Err(e) => match ns.on_shard_failure {
+                    // The policy as of this poll: a reload that turned `local` off (or removed
+                    // the namespace) stops the fallback of acquires under way too, one that
+                    // waited in memory behind an in-process holder among them.
+                    Err(e) => match topology
+                        .config
+                        .namespace(name)
+                        .map_or(FailurePolicy::FailFast, |ns| ns.on_shard_failure)
+                    {
                         FailurePolicy::Local if shard.breaker_state() == BreakerState::Open => {
                             return Ok(Some(self.hold_local(&shard, key, want, turn, &topology)));
                         }

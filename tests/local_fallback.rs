@@ -622,6 +622,41 @@ async fn a_key_held_in_process_whose_shard_a_reload_rebuilds_is_lost_to_its_hold
     theirs.release().await.unwrap();
 }
 
+/// A reload that turns a namespace's `local` policy off stops the in-process grants of acquires
+/// already under way (helper 243): one waiting in memory behind an in-process holder, its turn
+/// come after the reload, was granted in process by the policy its call began with, while
+/// another process could hold the key on its shard.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_turns_local_off_stops_in_process_grants_under_way() {
+    let (rig, key, local) = held_locally().await;
+    let waiter = {
+        let (router, key) = (rig.router.clone(), key.clone());
+        let opts = AcquireOptions::new().wait(Duration::from_secs(60));
+        tokio::spawn(async move { router.acquire(&key, opts).await })
+    };
+    let queued = common::eventually(Duration::from_secs(30), || async {
+        rig.router.stats().queued == 1
+    })
+    .await;
+    assert!(
+        queued,
+        "the second acquire never waited behind the in-process holder"
+    );
+    let fail_fast = rig
+        .yaml
+        .replace("on-shard-failure: local", "on-shard-failure: fail-fast");
+    assert_ne!(fail_fast, rig.yaml);
+    let config = shardlock::Config::from_yaml_str(&fail_fast).unwrap();
+    rig.router.reload(config).await.unwrap();
+    let _ = local.release().await;
+    let after = waiter.await.unwrap();
+    assert!(
+        matches!(after, Err(Error::Unavailable { .. })),
+        "an acquire under way when a reload turned `local` off was answered {:?}",
+        after.map(|g| g.mode())
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn shutdown_ends_local_holds_too() {
     let (rig, _, guard) = held_locally().await;
