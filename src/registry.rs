@@ -744,9 +744,15 @@ pub(crate) async fn beat_before_leaving(
     // heartbeat judges it: unjudged, this write would move on a silence the heartbeat has yet
     // to see (see `ShardState::silence_to_judge`), and that heartbeat would find none.
     let current = (topology.current.shards.iter()).find(|c| c.same_database(shard));
+    //
+    // Its own row only (see `Beat::take`): it may be sent while the router joins its fleet
+    // again and could not look on every shard for another start of its id, which may have
+    // taken the row over and be cut off from this shard. A row to take is left to the
+    // heartbeat, which looks first.
     let lapse = crate::state::lapse(&topology.config);
     let beat = Beat {
         judge_silence: current.and_then(|c| c.silence_to_judge(lapse, &topology.config)),
+        take: false,
         ..beat
     };
     let outcome = shard.call(|b| b.heartbeat(beat)).await?;
@@ -769,18 +775,21 @@ pub(crate) async fn beat_before_leaving(
             silent(current.name());
         }
     }
-    match outcome {
+    let why = match outcome {
         Heartbeat::Beaten {
             kept_silent: true, ..
+        } => {
+            "this process's registry row there had gone unbeaten for longer than its lapse, or \
+             was no longer its own: left silent for its heartbeat to see"
         }
-        | Heartbeat::Withheld => Err(BackendError::new(
-            BackendErrorKind::Other,
-            None,
-            "this process's registry row there had gone unbeaten for longer than its lapse, \
-             or was no longer its own: left silent for its heartbeat to see",
-        )),
-        _ => Ok(()),
-    }
+        Heartbeat::Withheld => {
+            "this process's registry row there is another start's, counted dead, or none: \
+             left for its heartbeat to take"
+        }
+        Heartbeat::TakenBy { .. } => "another start beats under this instance id there, live",
+        _ => return Ok(()),
+    };
+    Err(BackendError::new(BackendErrorKind::Other, None, why))
 }
 
 /// Marks this instance as shut down in the registry of every shard (router shutdown), where

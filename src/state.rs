@@ -693,7 +693,8 @@ pub(crate) fn heartbeat_round(lapse_in_force: Duration, interval: Duration) -> D
 /// every heartbeat, losing every lease on every shard.
 pub(crate) fn heartbeat_cadence(config: &Config, lapse_in_force: Duration) -> Duration {
     let interval = config.cleaner.heartbeat_interval;
-    match lapse_in_force < lapse(config) {
+    // In whole milliseconds, as the gate keeps the lapse in force.
+    match millis(lapse_in_force) < millis(lapse(config)) {
         true => interval.min(lapse_in_force / 2),
         false => interval,
     }
@@ -739,7 +740,12 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
                     let router = crate::LockRouter {
                         inner: inner.clone(),
                     };
-                    let _ = router.settle_placement().await;
+                    // Bounded by half the cadence: it goes on in the background (see
+                    // `settle_placement`), and must not hold up the heartbeat past the lapse.
+                    let config = inner.config();
+                    let cadence =
+                        heartbeat_cadence(&config, inner.gate.lapse_in_force(lapse(&config)));
+                    let _ = tokio::time::timeout(cadence / 2, router.settle_placement()).await;
                 }
                 if !inner.beat_and_join(&mut missed).await {
                     return;
@@ -862,6 +868,30 @@ pub(crate) fn instant_after(wait: Duration) -> Instant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Heartbeats go at the configured interval while the lapse in force is the config's own
+    /// (kept in whole milliseconds: a comparison with the exact lapse sent them every half
+    /// lapse for good under tight configs), and at half a shorter lapse still in force.
+    #[test]
+    fn heartbeats_go_faster_only_while_a_shorter_lapse_is_in_force() {
+        for (interval, timeout) in [(2, 4), (1, 2), (5, 30), (10, 20)] {
+            let config = Config::from_yaml_str(&format!(
+                "shards:\n  - name: s1\n    url: mysql://root@127.0.0.1:3306/test\n\
+                 cleaner:\n  heartbeat-interval: {interval}s\n  heartbeat-timeout: {timeout}s\n"
+            ))
+            .unwrap();
+            let interval = Duration::from_secs(interval);
+            let own = Duration::from_millis(millis(lapse(&config)));
+            let config_is = format!("every {interval:?}, dead after {timeout} s");
+            assert_eq!(heartbeat_cadence(&config, own), interval, "{config_is}");
+            let shorter = own / 2;
+            assert_eq!(
+                heartbeat_cadence(&config, shorter),
+                interval.min(shorter / 2),
+                "{config_is}"
+            );
+        }
+    }
 
     /// Whatever the drift a config allows, a router's lapse, stretched by that drift, comes
     /// before the others count it dead, and after its next heartbeat is due.

@@ -708,7 +708,7 @@ async fn a_pass_examines_at_most_a_batch_of_rows_per_scan() {
     let (scans, most): (u64, Option<u64>) = c
         .query_first(
             "SELECT COUNT(*), MAX(rows_examined) FROM mysql.slow_log \
-             WHERE sql_text LIKE 'SELECT lock_key, owner, fence, %'",
+             WHERE sql_text LIKE 'SELECT lock_key, owner, fence, %shardlock_lease WHERE lock_key > %'",
         )
         .await
         .unwrap()

@@ -875,4 +875,67 @@ mod tests {
         ));
         assert_eq!(row_timeout(&shard, "a").await, Some(short));
     }
+
+    /// A heartbeat that takes no row beats its start's own row only: another start's, dead
+    /// (deregistered, or silent past its timeout), stays that start's, and no row is made
+    /// where there is none; another start's that is live is told, as to any heartbeat.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_heartbeat_that_takes_no_row_beats_its_own_only() {
+        let (cluster, shard) = crate::testing::migrated_shard().await;
+        let timeout = Duration::from_secs(60);
+        let own = |id, nonce| Beat {
+            take: false,
+            ..beat(id, nonce, timeout)
+        };
+        let nonce_of = |id: &'static str| {
+            let shard = &shard;
+            async move {
+                let rows = shard.instances().await.unwrap();
+                rows.into_iter()
+                    .find(|r| r.instance_id == id)
+                    .map(|r| r.nonce)
+            }
+        };
+        // None: none made.
+        let none = shard.heartbeat(own("a", "n1")).await.unwrap();
+        assert_eq!(none, Heartbeat::Withheld);
+        assert_eq!(nonce_of("a").await, None, "a row made where there was none");
+
+        // Its own: beaten, silent or not.
+        shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
+        (cluster.shard(0).connect().await.unwrap())
+            .query_drop(
+                "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 1 HOUR",
+            )
+            .await
+            .unwrap();
+        let beaten = shard.heartbeat(own("a", "n1")).await.unwrap();
+        assert!(matches!(beaten, Heartbeat::Beaten { .. }), "{beaten:?}");
+
+        // Another start's, live: told.
+        let live = shard.heartbeat(own("a", "n2")).await.unwrap();
+        assert!(matches!(live, Heartbeat::TakenBy { .. }), "{live:?}");
+
+        // Another start's, silent past its timeout, then deregistered: left alone.
+        (cluster.shard(0).connect().await.unwrap())
+            .query_drop(
+                "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 1 HOUR",
+            )
+            .await
+            .unwrap();
+        let silent = shard.heartbeat(own("a", "n2")).await.unwrap();
+        assert_eq!(silent, Heartbeat::Withheld);
+        shard.deregister("a", "n1").await.unwrap();
+        let deregistered = shard.heartbeat(own("a", "n2")).await.unwrap();
+        assert_eq!(deregistered, Heartbeat::Withheld);
+        assert_eq!(
+            nonce_of("a").await,
+            Some(Some("n1".to_owned())),
+            "a heartbeat that takes no row took another start's"
+        );
+        // Taken by a heartbeat that takes rows.
+        let taken = shard.heartbeat(beat("a", "n2", timeout)).await.unwrap();
+        assert!(matches!(taken, Heartbeat::Beaten { .. }), "{taken:?}");
+        assert_eq!(nonce_of("a").await, Some(Some("n2".to_owned())));
+    }
 }

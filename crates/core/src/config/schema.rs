@@ -138,7 +138,8 @@ pub struct CleanerConfig {
     pub grace: Duration,
     /// Rows examined and deleted per statement.
     pub batch_size: u32,
-    /// Pause between batches, so acquires on the same shard keep their latency.
+    /// Pause after each batch that deletes rows, so acquires on the same shard keep their
+    /// latency.
     #[serde(with = "humantime_serde")]
     pub batch_pause: Duration,
     /// Who says an instance is dead.
