@@ -106,8 +106,8 @@ impl LockRouter {
     /// joined to its fleet): no pass ran here, and none may run elsewhere.
     ///
     /// Per shard, rows are scanned in key order and deleted in batches of
-    /// `cleaner.batch-size` rows examined, with `cleaner.batch-pause` after each batch that
-    /// deletes. A shard that fails
+    /// `cleaner.batch-size` rows examined, with `cleaner.batch-pause` after each batch with
+    /// rows to delete. A shard that fails
     /// is reported and skipped.
     ///
     /// Cancellation: rows already deleted stay deleted and a delete in flight may still commit
@@ -615,7 +615,7 @@ async fn clean_batches(
         if highest > floor {
             let raise = scanned.horizon.max(highest);
             match shard
-                .call_waiting(|b| b.raise_shard_floor_briefly(raise))
+                .call_row_waited(|b| b.raise_shard_floor_briefly(raise))
                 .await
             {
                 Ok(()) => floor = raise,
@@ -688,8 +688,8 @@ async fn clean_batches(
             return Ok(());
         };
         after = next;
-        // After a batch that wrote: a scan alone is a primary-key range read, and a pause after
-        // each would make a pass over millions of live leases take minutes.
+        // After a batch with rows to delete: a scan alone is a primary-key range read, and a
+        // pause after each would make a pass over millions of live leases take minutes.
         if !rows.is_empty() {
             tokio::time::sleep(config.batch_pause).await;
         }

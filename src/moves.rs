@@ -517,21 +517,30 @@ async fn carry_once(
         carry_jobs(router, source, JobScope::All)
             .await?
             .done(source)?;
-        // This process's last heartbeat there names the topology it moved to.
+        // This process's last heartbeat there names the topology it moved to. It takes a row
+        // as the heartbeat does: not while the router joins its fleet again (see `Beat::take`).
         let advertised = router.advertised(&topology);
         let silent = |shard: &str| router.silence_seen(shard);
-        registry::beat_before_leaving(&topology, &advertised, &router.shared, source, &silent)
-            .await
-            .map_err(|e| {
-                not_yet(
-                    source,
-                    format!(
-                        "its registry did not take this process's heartbeat of the topology it \
+        let take = !router.gate.is_rejoining();
+        registry::beat_before_leaving(
+            &topology,
+            &advertised,
+            &router.shared,
+            source,
+            take,
+            &silent,
+        )
+        .await
+        .map_err(|e| {
+            not_yet(
+                source,
+                format!(
+                    "its registry did not take this process's heartbeat of the topology it \
                          moved to: {}",
-                        shardlock_core::Report(&e)
-                    ),
-                )
-            })?;
+                    shardlock_core::Report(&e)
+                ),
+            )
+        })?;
         crate::placement_record::names_the_move_on(router, source, &topology)
             .await
             .map_err(|why| not_yet(source, why))?;

@@ -733,6 +733,7 @@ pub(crate) async fn beat_before_leaving(
     (fingerprint, servers): &(String, Option<String>),
     shared: &Shared,
     shard: &ShardState,
+    take: bool,
     silent: &(dyn Fn(&str) + Sync),
 ) -> Result<(), BackendError> {
     if topology.config.cleaner.registry != RegistryKind::Heartbeat {
@@ -745,14 +746,13 @@ pub(crate) async fn beat_before_leaving(
     // to see (see `ShardState::silence_to_judge`), and that heartbeat would find none.
     let current = (topology.current.shards.iter()).find(|c| c.same_database(shard));
     //
-    // Its own row only (see `Beat::take`): it may be sent while the router joins its fleet
-    // again and could not look on every shard for another start of its id, which may have
-    // taken the row over and be cut off from this shard. A row to take is left to the
-    // heartbeat, which looks first.
+    // Unless it may `take` rows, its own row only (see `Beat::take`): while the router joins
+    // its fleet again, another start of its id may have taken the row over and be cut off
+    // from this shard. A row to take is then left to the heartbeat, which looks first.
     let lapse = crate::state::lapse(&topology.config);
     let beat = Beat {
         judge_silence: current.and_then(|c| c.silence_to_judge(lapse, &topology.config)),
-        take: false,
+        take,
         ..beat
     };
     let outcome = shard.call(|b| b.heartbeat(beat)).await?;

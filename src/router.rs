@@ -230,13 +230,19 @@ impl LockRouter {
     /// yet. Done once: at the start, else at a later heartbeat or `migrate`, before the router
     /// first grants.
     pub(crate) async fn settle_placement(&self) -> std::result::Result<(), String> {
-        // On a task of its own, as a reload: a caller that gives up (a `migrate` call) must
-        // not leave the move from the record half made, the router on a recorded placement.
-        let router = self.clone();
-        let settle = (self.inner.shared).spawn(async move { router.settle_placement_now().await });
-        completed(settle)
+        completed(self.settle_placement_task())
             .await
             .unwrap_or_else(|| Err("its runtime shut down".to_owned()))
+    }
+
+    /// [`LockRouter::settle_placement`] on a task of its own, as a reload: a caller that gives
+    /// up (a `migrate` call, a heartbeat's bounded wait) must not leave the move from the
+    /// record half made, the router on a recorded placement.
+    pub(crate) fn settle_placement_task(
+        &self,
+    ) -> Option<tokio::task::JoinHandle<std::result::Result<(), String>>> {
+        let router = self.clone();
+        (self.inner.shared).spawn(async move { router.settle_placement_now().await })
     }
 
     /// [`LockRouter::settle_placement`], on the caller's task.

@@ -731,21 +731,31 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
     let task = tokio::spawn(async move {
         // Heartbeats missed in a row, per shard.
         let mut missed = std::collections::HashMap::new();
+        // The placement's settle under way, if one is (see below).
+        let mut settling = None;
         loop {
             let started = Instant::now();
             let interval = {
                 let Some(inner) = weak.upgrade() else { return };
                 inner.notice_lapse();
-                if inner.placement.may_try() {
+                // One at a time, waited for half the cadence at most: it goes on in the
+                // background (see `settle_placement_task`), and must not hold up the heartbeat
+                // past the lapse. One still under way is waited for again, not joined by
+                // another: they would queue on the reload lock, each with its record read's
+                // wait, and a reload or a shutdown behind them all.
+                if settling.is_none() && inner.placement.may_try() {
                     let router = crate::LockRouter {
                         inner: inner.clone(),
                     };
-                    // Bounded by half the cadence: it goes on in the background (see
-                    // `settle_placement`), and must not hold up the heartbeat past the lapse.
+                    settling = router.settle_placement_task();
+                }
+                if let Some(task) = settling.as_mut() {
                     let config = inner.config();
                     let cadence =
                         heartbeat_cadence(&config, inner.gate.lapse_in_force(lapse(&config)));
-                    let _ = tokio::time::timeout(cadence / 2, router.settle_placement()).await;
+                    if tokio::time::timeout(cadence / 2, task).await.is_ok() {
+                        settling = None;
+                    }
                 }
                 if !inner.beat_and_join(&mut missed).await {
                     return;

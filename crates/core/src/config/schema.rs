@@ -138,7 +138,7 @@ pub struct CleanerConfig {
     pub grace: Duration,
     /// Rows examined and deleted per statement.
     pub batch_size: u32,
-    /// Pause after each batch that deletes rows, so acquires on the same shard keep their
+    /// Pause after each batch with rows to delete, so acquires on the same shard keep their
     /// latency.
     #[serde(with = "humantime_serde")]
     pub batch_pause: Duration,
