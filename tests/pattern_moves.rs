@@ -2037,6 +2037,56 @@ async fn a_commit_given_up_on_its_way_keeps_the_rows_until_its_session_is_ended(
     );
 }
 
+/// A transaction lock dropped while a `COMMIT` of the caller's own, sent through the lock's
+/// connection, is on its way (held up on the link to its shard) keeps its row on the shard its
+/// key lived on in between until a statement of the process reached its own shard again, as
+/// for its own `commit` given up (helper 245 F2): ended at once by the drop, that row let a
+/// process placed by a reload lock the key while the caller's `COMMIT` could still land.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lock_dropped_while_its_callers_commit_is_on_its_way_keeps_the_rows_until_its_session_is_ended(
+) {
+    let (cluster, three, four) = cluster().await;
+    let followed =
+        followed_once(&cluster, [three, four], Duration::from_secs(2), Link::Proxy).await;
+    let Followed {
+        a: _a,
+        mut held,
+        key,
+        p1,
+        proxy,
+        ..
+    } = followed;
+    let proxy = proxy.expect("proxied");
+    proxy.set(ProxyMode::HoldTo(b"COMMIT"));
+    let committing = tokio::spawn(async move {
+        let _ = held.conn().query_drop("COMMIT").await;
+        held
+    });
+    let mut commit = proxy.held().await;
+    // Nothing of this process reaches the lock's shard meanwhile; the caller gives up, and
+    // the guard is dropped with its call.
+    proxy.set(ProxyMode::Blackhole);
+    committing.abort();
+    assert!(committing.await.unwrap_err().is_cancelled());
+    let p1 = named(&cluster, &p1);
+    let locked = txlock_row_locked(p1, &key, 2).await;
+    assert!(
+        locked.is_err(),
+        "the row on {} was let go while the caller's COMMIT could still land",
+        p1.name()
+    );
+    proxy.set(ProxyMode::Pass);
+    let freed = common::eventually(Duration::from_secs(60), || async {
+        txlock_row_locked(p1, &key, 1).await.is_ok()
+    })
+    .await;
+    assert!(freed, "the row on {} stayed locked", p1.name());
+    assert!(
+        !commit.deliver().await,
+        "the caller's COMMIT ran after the row was let go"
+    );
+}
+
 /// A `COMMIT` given up on its way on a session that cannot be told apart from others (behind
 /// a proxy that keeps sessions of its own): nothing can end that session or say it is gone, so
 /// the lock's row on the shard its key lived on in between stays locked until the `COMMIT`'s
