@@ -1500,6 +1500,41 @@ async fn a_claim_whose_reply_was_lost_keeps_trying_while_the_link_is_down() {
     assert!(router.complete_job(&job).await.unwrap());
 }
 
+/// A claim whose caller went away after its `COMMIT` reached the shard (its reply lost, the
+/// link then down): the job it claimed is given back once the shard answers, claimable at once
+/// and not counted as a retry (helper 245 F1). Left to its lease, the claim was nobody's, and
+/// then counted as a retry of the job: with none left, the job failed for good, never run.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_claimed_after_its_caller_went_away_is_given_back() {
+    let (_cluster, router, proxy) = one_job_behind_a_proxy().await;
+    let lease = Duration::from_secs(600);
+    proxy.set(ProxyMode::LoseReplyToThenBlackhole(b"\x03COMMIT"));
+    let claiming = tokio::spawn({
+        let router = router.clone();
+        async move { router.claim_job("q", "w", lease).await }
+    });
+    let committed = common::eventually(Duration::from_secs(60), || async {
+        proxy.mode() == ProxyMode::Blackhole
+    })
+    .await;
+    assert!(committed, "the claim's COMMIT never reached the shard");
+    claiming.abort();
+    assert!(claiming.await.unwrap_err().is_cancelled());
+    proxy.set(ProxyMode::Pass);
+    let again = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            if let Some(job) = router.claim_job("q", "w2", lease).await.unwrap() {
+                return job;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("a job claimed after its caller went away was left claimed by nobody");
+    assert_eq!(again.retry_count, 0, "given back, not run out");
+    assert!(router.complete_job(&again).await.unwrap());
+}
+
 /// A claim whose reply was lost, retried while another transaction holds the row of the job
 /// it claimed locked for a moment (a claimer's scan passing over it): the retry waits for
 /// that row and answers that job. (It skipped the row and claimed another: the first was then

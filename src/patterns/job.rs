@@ -7,6 +7,7 @@ use std::time::Duration;
 use shardlock_core::{Backoff, LockKey, Result};
 use shardlock_mysql::{ClaimedJob, JobEnd};
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use super::{check_fits, may_have_acted, MAX_NAME_BYTES};
 use crate::clock::Moment;
@@ -326,9 +327,10 @@ impl LockRouter {
     /// retries (through failures to reach the shard, for some seconds) did not find out; such
     /// a job is claimed again once `lease` runs out, as after a cancellation.
     ///
-    /// Cancellation: a claim that committed is never returned; the job is claimed again when
-    /// `lease` runs out (that counts as a retry). One not yet committed keeps the job's row locked,
-    /// skipped by claimers, until its connection is discarded at the pool's next checkout of it.
+    /// Cancellation: the claim runs on a task of its own; a job it claimed after its caller went
+    /// away is given back in the background ([`LockRouter::release_job`]: claimable at once,
+    /// not counted as a retry). Given back only once its shard answers: until then, as when
+    /// that fails, it is claimed again when `lease` runs out (counted as a retry).
     ///
     /// The claim lasts `lease` on the shard's clock: see [`Job::is_held`] and
     /// [`LockRouter::extend_job`] for work that may take longer.
@@ -358,7 +360,34 @@ impl LockRouter {
         // A shard that cannot be reached, where no try can have claimed anything, is passed
         // over: a queue moved off a shard that is down is claimed from where it is now. Its
         // error is the answer only if no other shard had a job.
-        let mut shards = self.placements(&key);
+        //
+        // On a task of its own: a claim that commits after its caller went away (a worker's
+        // shutdown branch of a `select!`, a timeout) was nobody's until its lease ran out, and
+        // then counted as a retry of the job, which failed for good with none left, never run.
+        let (router, queue) = (self.clone(), queue.to_owned());
+        let claiming = self.inner.shared.spawn(async move {
+            let claimed = router.claim_placed(&key, &queue, claim, lease).await;
+            UnseenClaim {
+                claimed: Some(claimed),
+                router,
+            }
+        });
+        crate::router::completed(claiming)
+            .await
+            .map_or(Err(shardlock_core::Error::Shutdown), |mut unseen| {
+                unseen.take()
+            })
+    }
+
+    /// [`LockRouter::claim_job`] of `queue` (as `key`) under `claim`, checked.
+    async fn claim_placed(
+        &self,
+        key: &LockKey,
+        queue: &str,
+        claim: String,
+        lease: Duration,
+    ) -> Result<Option<Job>> {
+        let mut shards = self.placements(key);
         shards.rotate_left(1);
         let mut unreached = None;
         for shard in shards {
@@ -534,6 +563,39 @@ impl LockRouter {
             drift_ppm: self.inner.shared.drift_ppm(),
             skew: shard.leases_skew(),
         }
+    }
+}
+
+/// A claim of [`LockRouter::claim_job`] on its way to its caller: given back in the background
+/// ([`LockRouter::release_job`]) if the caller went away before it got it.
+struct UnseenClaim {
+    claimed: Option<Result<Option<Job>>>,
+    router: LockRouter,
+}
+
+impl UnseenClaim {
+    /// What the claim came to, for its caller.
+    fn take(&mut self) -> Result<Option<Job>> {
+        self.claimed.take().expect("taken once")
+    }
+}
+
+impl Drop for UnseenClaim {
+    fn drop(&mut self) {
+        let Some(Ok(Some(job))) = self.claimed.take() else {
+            return;
+        };
+        let router = self.router.clone();
+        let Some(runtime) = router.inner.shared.runtime() else {
+            tracing::warn!(queue = job.queue, id = job.id, "shardlock could not give back a job claimed after its caller went away: no runtime left; it is claimed again once its lease runs out");
+            return;
+        };
+        let give_back = async move {
+            if let Err(e) = router.release_job(&job).await {
+                tracing::warn!(queue = job.queue, id = job.id, error = %shardlock_core::Report(&e), "shardlock could not give back a job claimed after its caller went away; it is claimed again once its lease runs out");
+            }
+        };
+        runtime.spawn(give_back.in_current_span());
     }
 }
 
