@@ -482,16 +482,24 @@ impl Drop for TxLockGuard {
     /// Closes the connection, which rolls back on the server: a statement of yours that was
     /// interrupted may still be running on it, so it never goes back to the pool. That
     /// statement may be a `COMMIT` (yours through [`TxLockGuard::conn`], a DDL statement's
-    /// implicit one, or that of a `commit` given up before its answer), which may land yet: the
-    /// lock ends as after a `COMMIT` whose answer was lost (see `end_once_gone`). Ended at
-    /// once, it let go of its rows on other shards and of the placement it holds in force
-    /// while that `COMMIT` could still land, and a process placed by a reload could lock the
-    /// key meanwhile (helper 245 F2).
+    /// implicit one), which may land yet, as may that of a `commit` given up before its
+    /// answer: the lock then ends as after a `COMMIT` whose answer was lost (see
+    /// `end_once_gone`). Ended at once, it let go of its rows on other shards and of the
+    /// placement it holds in force while that `COMMIT` could still land, and a process placed
+    /// by a reload could lock the key meanwhile (helper 245 F2). A guard dropped with no
+    /// statement cut off ends at once.
     fn drop(&mut self) {
+        let cut_off = self.conn.as_ref().is_some_and(SessionConn::cut_off);
+        let (ended, committing) = {
+            let mut rows = self.state.rows.locked();
+            rows.committing |= cut_off && !rows.ended;
+            (rows.ended, rows.committing)
+        };
         drop(Discard(self.conn.take()));
-        if !self.state.rows.locked().ended {
-            self.state.rows.locked().committing = true;
-            self.state.end_once_gone(self.session);
+        match (ended, committing) {
+            (true, _) => {}
+            (false, true) => self.state.end_once_gone(self.session),
+            (false, false) => self.state.end(),
         }
     }
 }

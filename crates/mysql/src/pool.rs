@@ -321,6 +321,13 @@ impl SessionConn {
         self.conn.as_ref().and_then(|c| c.session)
     }
 
+    /// Whether a statement was cut off on it, or its link broke: the driver counts the
+    /// connection as disconnected until a statement is answered. The statement may still run
+    /// on the server.
+    pub fn cut_off(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| c.conn.is_disconnected())
+    }
+
     /// The raw connection for the caller's own SQL.
     pub fn raw(&mut self) -> &mut Conn {
         self.conn.as_mut().expect("open until let go").raw()
