@@ -521,6 +521,7 @@ async fn carry_once(
         // as the heartbeat does: not while the router joins its fleet again (see `Beat::take`).
         let advertised = router.advertised(&topology);
         let silent = |shard: &str| router.silence_seen(shard);
+        router.notice_lapse();
         let take = !router.gate.is_rejoining();
         registry::beat_before_leaving(
             &topology,

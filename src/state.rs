@@ -753,8 +753,12 @@ pub(crate) fn spawn_heartbeat(inner: &Arc<Inner>) {
                     let config = inner.config();
                     let cadence =
                         heartbeat_cadence(&config, inner.gate.lapse_in_force(lapse(&config)));
-                    if tokio::time::timeout(cadence / 2, task).await.is_ok() {
+                    if let Ok(settled) = tokio::time::timeout(cadence / 2, task).await {
                         settling = None;
+                        // A panic (a bug): said, and tried again at the next heartbeat.
+                        if let Err(e) = settled {
+                            tracing::error!(error = %e, "shardlock's placement settle ended abnormally; it is tried again at the next heartbeat");
+                        }
                     }
                 }
                 if !inner.beat_and_join(&mut missed).await {
