@@ -2019,21 +2019,34 @@ async fn a_commit_given_up_on_its_way_keeps_the_rows_until_its_session_is_ended(
         mut commit,
     } = commit_given_up(followed, ProxyMode::Blackhole).await;
     let p1 = named(&cluster, &p1);
-    let locked = txlock_row_locked(p1, &key, 2).await;
+    kept_until_the_session_is_ended(p1, &key, &proxy, &mut commit, "the given-up COMMIT").await;
+}
+
+/// Asserts that the row on `p1` of a lock whose `COMMIT` (`what`) is held on its way through
+/// `proxy`, blackholed, stays locked; and once the link is back, that the row is let go only
+/// after the lock's session was ended there (the `COMMIT` then never runs).
+async fn kept_until_the_session_is_ended(
+    p1: &Shard,
+    key: &str,
+    proxy: &Proxy,
+    commit: &mut HeldRequest,
+    what: &str,
+) {
+    let locked = txlock_row_locked(p1, key, 2).await;
     assert!(
         locked.is_err(),
-        "the row on {} was let go while the given-up COMMIT could still land",
+        "the row on {} was let go while {what} could still land",
         p1.name()
     );
     proxy.set(ProxyMode::Pass);
     let freed = common::eventually(Duration::from_secs(60), || async {
-        txlock_row_locked(p1, &key, 1).await.is_ok()
+        txlock_row_locked(p1, key, 1).await.is_ok()
     })
     .await;
     assert!(freed, "the row on {} stayed locked", p1.name());
     assert!(
         !commit.deliver().await,
-        "the given-up COMMIT ran after the row was let go"
+        "{what} ran after the row was let go"
     );
 }
 
@@ -2069,22 +2082,7 @@ async fn a_lock_dropped_while_its_callers_commit_is_on_its_way_keeps_the_rows_un
     committing.abort();
     assert!(committing.await.unwrap_err().is_cancelled());
     let p1 = named(&cluster, &p1);
-    let locked = txlock_row_locked(p1, &key, 2).await;
-    assert!(
-        locked.is_err(),
-        "the row on {} was let go while the caller's COMMIT could still land",
-        p1.name()
-    );
-    proxy.set(ProxyMode::Pass);
-    let freed = common::eventually(Duration::from_secs(60), || async {
-        txlock_row_locked(p1, &key, 1).await.is_ok()
-    })
-    .await;
-    assert!(freed, "the row on {} stayed locked", p1.name());
-    assert!(
-        !commit.deliver().await,
-        "the caller's COMMIT ran after the row was let go"
-    );
+    kept_until_the_session_is_ended(p1, &key, &proxy, &mut commit, "the caller's COMMIT").await;
 }
 
 /// A `COMMIT` given up on its way on a session that cannot be told apart from others (behind

@@ -897,18 +897,21 @@ mod tests {
             }
         };
         // None: none made.
+        let silence_an_hour = || async {
+            (cluster.shard(0).connect().await.unwrap())
+                .query_drop(
+                    "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 1 HOUR",
+                )
+                .await
+                .unwrap();
+        };
         let none = shard.heartbeat(own("a", "n1")).await.unwrap();
         assert_eq!(none, Heartbeat::Withheld);
         assert_eq!(nonce_of("a").await, None, "a row made where there was none");
 
         // Its own: beaten, silent or not.
         shard.heartbeat(beat("a", "n1", timeout)).await.unwrap();
-        (cluster.shard(0).connect().await.unwrap())
-            .query_drop(
-                "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 1 HOUR",
-            )
-            .await
-            .unwrap();
+        silence_an_hour().await;
         let beaten = shard.heartbeat(own("a", "n1")).await.unwrap();
         assert!(matches!(beaten, Heartbeat::Beaten { .. }), "{beaten:?}");
 
@@ -917,12 +920,7 @@ mod tests {
         assert!(matches!(live, Heartbeat::TakenBy { .. }), "{live:?}");
 
         // Another start's, silent past its timeout, then deregistered: left alone.
-        (cluster.shard(0).connect().await.unwrap())
-            .query_drop(
-                "UPDATE shardlock_instance SET heartbeat_at = heartbeat_at - INTERVAL 1 HOUR",
-            )
-            .await
-            .unwrap();
+        silence_an_hour().await;
         let silent = shard.heartbeat(own("a", "n2")).await.unwrap();
         assert_eq!(silent, Heartbeat::Withheld);
         shard.deregister("a", "n1").await.unwrap();
