@@ -367,6 +367,10 @@ impl Inner {
     async fn beat_asked(&self, missed: &mut HashMap<String, u32>) -> (registry::Beats, u64) {
         let topology = self.topology.load_full();
         let lapse = lapse(&topology.config);
+        // How often it beats and for how long it waits, by the lapse in force now (a
+        // heartbeat that reaches every shard may lengthen it, after it).
+        let in_force = self.gate.lapse_in_force(lapse);
+        let cadence = heartbeat_cadence(&topology.config, in_force);
         // Which server each shard is, for the servers this heartbeat advertises, where no
         // heartbeat has read it yet: before the first one only. Later (a shard added by a
         // reload, or rebuilt for changed settings) each heartbeat reads it where it landed,
@@ -401,8 +405,7 @@ impl Inner {
         let started = self.gate.ever_beaten();
         let mut take = true;
         if !started || self.gate.is_rejoining() {
-            let in_force = self.gate.lapse_in_force(lapse);
-            let bound = started.then(|| heartbeat_cadence(&topology.config, in_force) / 2);
+            let bound = started.then(|| cadence / 2);
             let mut beats = registry::Beats::default();
             match registry::live_twin(&topology, &self.shared, bound).await {
                 Ok(Some(twin)) => beats.taken_by = Some(twin),
@@ -438,9 +441,8 @@ impl Inner {
         };
         let advertised = self.advertised(&topology);
         let silent = |shard: &str| self.silence_seen(shard);
-        let in_force = self.gate.lapse_in_force(lapse);
         let round = registry::Round {
-            within: heartbeat_round(in_force, heartbeat_cadence(&topology.config, in_force)),
+            within: heartbeat_round(in_force, cadence),
             take,
         };
         let beats = registry::beat(
